@@ -1,0 +1,20 @@
+"""Write one benchmark's section of docs/benchmarks.md, leaving the others alone."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+HEADER = "# Benchmarks\n\nEach section is written by the script it names; rerun the command to reproduce it.\n"
+
+
+def write_section(name: str, command: str, body: str) -> None:
+    """Replace the section called `name` (or append it) with `body` and the command that made it."""
+    text = DOC.read_text() if DOC.exists() else HEADER
+    block = (
+        f"<!-- BEGIN {name} -->\n## {name}\n\nCommand: `{command}`\n\n{body.rstrip()}\n<!-- END {name} -->"
+    )
+    pattern = re.compile(rf"<!-- BEGIN {re.escape(name)} -->.*?<!-- END {re.escape(name)} -->", re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    DOC.write_text(text)
