@@ -1,0 +1,187 @@
+"""Half-open integer boxes: the unit of sharding."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Point = tuple[int, ...]
+
+_RANGE_RE = re.compile(r"\s*zr\[(.*)\]\s*")
+_DIM_RE = re.compile(r"\s*(-?\d+)\s*:\s*(-?\d+)\s*")
+
+
+def as_point(values: Iterable[int]) -> Point:
+    """Normalise any int sequence (lists, numpy rows) to a hashable tuple; rejects floats."""
+    return tuple(operator.index(v) for v in values)
+
+
+def check_ndim(what: str, got: int, expected: int) -> None:
+    """One wording for every dimension check, so messages are greppable."""
+    if got != expected:
+        raise ValueError(f"ndim mismatch: {what} has {got} dims, expected {expected}")
+
+
+@dataclass(frozen=True, order=True, init=False)
+class ZRange:
+    """The box [start, end). A 0-dim range is a single point: size 1, not empty."""
+
+    start: Point
+    end: Point
+
+    def __init__(self, start: Sequence[int], end: Sequence[int]) -> None:
+        start, end = as_point(start), as_point(end)
+        check_ndim("end", len(end), len(start))
+        for d, (s, e) in enumerate(zip(start, end)):
+            if s > e:
+                raise ValueError(f"start {list(start)} must be <= end {list(end)} (dim {d})")
+        object.__setattr__(self, "start", start)
+        object.__setattr__(self, "end", end)
+
+    @classmethod
+    def from_shape(cls, shape: Sequence[int]) -> ZRange:
+        return cls((0,) * len(shape), shape)
+
+    @classmethod
+    def bounding(cls, ranges: Iterable[ZRange]) -> ZRange:
+        """Smallest box holding every range; empty ranges still pin their corners."""
+        ranges = list(ranges)
+        if not ranges:
+            raise ValueError("bounding box of no ranges")
+        for r in ranges:
+            check_ndim(str(r), r.ndim, ranges[0].ndim)
+        return cls(
+            [min(col) for col in zip(*(r.start for r in ranges))],
+            [max(col) for col in zip(*(r.end for r in ranges))],
+        )
+
+    @property
+    def ndim(self) -> int:
+        return len(self.start)
+
+    @property
+    def shape(self) -> Point:
+        return tuple(e - s for s, e in zip(self.start, self.end))
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.size == 0
+
+    @property
+    def inclusive_end(self) -> Point:
+        """The last cell; an empty range has none, so this raises IndexError."""
+        if self.is_empty:
+            raise IndexError(f"empty range {self} has no inclusive end")
+        return tuple(e - 1 for e in self.end)
+
+    def contains(self, x: ZRange | Sequence[int]) -> bool:
+        """Per-coordinate containment (not the original's dominance order)."""
+        if isinstance(x, ZRange):
+            check_ndim(str(x), x.ndim, self.ndim)
+            return all(s <= xs for s, xs in zip(self.start, x.start)) and all(
+                xe <= e for e, xe in zip(self.end, x.end)
+            )
+        p = as_point(x)
+        check_ndim(f"point {p}", len(p), self.ndim)
+        return all(s <= c < e for s, c, e in zip(self.start, p, self.end))
+
+    def intersection(self, other: ZRange) -> ZRange | None:
+        """None only when disjoint; touching boxes meet in an empty range."""
+        check_ndim(str(other), other.ndim, self.ndim)
+        start = [max(a, b) for a, b in zip(self.start, other.start)]
+        end = [min(a, b) for a, b in zip(self.end, other.end)]
+        if any(s > e for s, e in zip(start, end)):
+            return None
+        return ZRange(start, end)
+
+    def translate(self, delta: Sequence[int]) -> ZRange:
+        delta = as_point(delta)
+        check_ndim(f"delta {delta}", len(delta), self.ndim)
+        return ZRange(
+            [s + d for s, d in zip(self.start, delta)], [e + d for e, d in zip(self.end, delta)]
+        )
+
+    def split(self, dim: int, chunk_size: int) -> list[ZRange]:
+        """ceil(n / chunk_size) pieces along dim, the last one smaller."""
+        d = self._resolve_dim(dim)
+        if chunk_size <= 0:
+            raise ValueError(f"non-positive chunk size {chunk_size}")
+        n = self.shape[d]
+        if chunk_size >= n:
+            return [self]
+        return self._cut(d, [min(chunk_size, n - k) for k in range(0, n, chunk_size)])
+
+    def split_even(self, dim: int, parts: int) -> list[ZRange]:
+        """Exactly `parts` pieces (for a mesh axis), sizes within one, larger first."""
+        d = self._resolve_dim(dim)
+        if parts <= 0:
+            raise ValueError(f"non-positive number of parts {parts}")
+        q, rem = divmod(self.shape[d], parts)
+        return self._cut(d, [q + 1] * rem + [q] * (parts - rem))
+
+    def points(self) -> Iterator[Point]:
+        """Row-major order: the last dim varies fastest."""
+        return itertools.product(*(range(s, e) for s, e in zip(self.start, self.end)))
+
+    def slices(self) -> tuple[slice, ...]:
+        """Slices for an array whose origin is the zero point."""
+        if any(s < 0 for s in self.start):
+            raise ValueError(f"{self} has a negative start; use relative_to")
+        return self._slices_from((0,) * self.ndim)
+
+    def relative_to(self, outer: ZRange) -> tuple[slice, ...]:
+        """Slices of self inside a block array that holds `outer`."""
+        if not outer.contains(self):
+            raise ValueError(f"{self} is not inside {outer}")
+        return self._slices_from(outer.start)
+
+    def __str__(self) -> str:
+        return "zr[" + ", ".join(f"{s}:{e}" for s, e in zip(self.start, self.end)) + "]"
+
+    @classmethod
+    def parse(cls, text: str) -> ZRange:
+        """Inverse of str(); also accepts the form without spaces."""
+        whole = _RANGE_RE.fullmatch(text)
+        body = whole.group(1).strip() if whole else None
+        dims = [] if body == "" else [_DIM_RE.fullmatch(p) for p in (body or "").split(",")]
+        if whole is None or not all(dims):
+            raise ValueError(f"malformed ZRange string {text!r}")
+        try:
+            return cls([int(m.group(1)) for m in dims], [int(m.group(2)) for m in dims])
+        except ValueError as err:
+            raise ValueError(f"invalid ZRange string {text!r}: {err}") from err
+
+    def to_json(self) -> dict[str, list[int]]:
+        return {"start": list(self.start), "end": list(self.end)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ZRange:
+        return cls(data["start"], data["end"])
+
+    def _resolve_dim(self, dim: int) -> int:
+        if not -self.ndim <= dim < self.ndim:
+            raise IndexError(f"dim {dim} out of range for {self.ndim}-dim range {self}")
+        return dim % self.ndim
+
+    def _cut(self, d: int, sizes: Sequence[int]) -> list[ZRange]:
+        bounds = list(itertools.accumulate(sizes, initial=self.start[d]))
+        return [
+            ZRange(_replace(self.start, d, lo), _replace(self.end, d, hi))
+            for lo, hi in itertools.pairwise(bounds)
+        ]
+
+    def _slices_from(self, origin: Point) -> tuple[slice, ...]:
+        return tuple(slice(s - o, e - o) for s, e, o in zip(self.start, self.end, origin))
+
+
+def _replace(p: Point, d: int, value: int) -> Point:
+    return p[:d] + (value,) + p[d + 1 :]
