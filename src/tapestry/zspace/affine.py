@@ -107,7 +107,8 @@ class IndexProjection:
         """A point's box, or the exact bounding box of every box a range's points select.
 
         When a range selects nothing (it is empty, or `shape` has a zero) the result is the
-        empty range of shape 0 at the projection of `x.start`.
+        empty range of shape 0 at the projection of `x.start` (zr[] when out_dim is 0, since a
+        0-dim range cannot be empty).
         """
         if not isinstance(x, ZRange):
             start = self.affine.apply(x)
