@@ -1,0 +1,99 @@
+"""The reference evaluator, unsharded and sharded, in numpy.
+
+Sharded evaluation is the seeds' "application" level: each shard reads the
+input blocks its index block selects (zeros outside a tensor, which is how
+padding works), and output blocks are added into a zeroed result. Adding is
+scattering for a partition that tiles the output, and summing partials for one
+that splits a reduction dim, so one rule serves both.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from tapestry.graph import Graph, GraphError
+from tapestry.kernels import DimKind, Signature
+from tapestry.zspace import ZRange
+from tapestry.zspace.isl import partition_problems
+
+Partition = Sequence[ZRange]
+
+
+def read_block(array: np.ndarray, region: ZRange) -> np.ndarray:
+    """The cells of `region`, taken from `array` (held at the origin); zeros outside it."""
+    whole = ZRange.from_shape(array.shape)
+    inside = whole.intersection(region)
+    if inside is not None and inside == region:
+        return np.asarray(array[region.slices()])
+    block = np.zeros(region.shape, dtype=array.dtype)
+    if inside is not None and not inside.is_empty:
+        block[inside.relative_to(region)] = array[inside.slices()]
+    return block
+
+
+def run_block(sig: Signature, args: Sequence[np.ndarray], index_block: ZRange) -> tuple[ZRange, np.ndarray]:
+    """Compute one index block: (the output region it writes, its values)."""
+    blocks = [read_block(a, p.apply(index_block)) for a, p in zip(args, sig.projections)]
+    region = sig.output.apply(index_block)
+    value = np.asarray(sig.compute(blocks, index_block), dtype=args[0].dtype if args else np.float32)
+    if value.shape != region.shape:
+        raise AssertionError(f"{sig.kernel.name} returned shape {value.shape} for block {region}")
+    return region, value
+
+
+def check_partition(sig: Signature, parts: Partition, where: str = "") -> None:
+    """Reject a partition with a gap or an overlap (asked of islpy), or one splitting a non-additive reduction."""
+    problems = partition_problems(list(parts), sig.index)
+    if problems:
+        raise GraphError(f"{where}: not a partition of the index space {sig.index}: {'; '.join(problems)}")
+    for d, kind in enumerate(sig.dim_kinds):
+        split = any(p.shape[d] != sig.index.shape[d] for p in parts if not p.is_empty)
+        if kind is DimKind.REDUCTION and split and sig.dims[d] not in sig.kernel.additive:
+            raise GraphError(f"{where}: splits reduction dim {sig.dims[d]!r}, but {sig.kernel.name} is not additive in it")
+
+
+def run_sharded(sig: Signature, args: Sequence[np.ndarray], parts: Partition) -> np.ndarray:
+    out = np.zeros(sig.output_shape, dtype=args[0].dtype if args else np.float32)
+    for part in parts:
+        if part.is_empty:
+            continue
+        region, value = run_block(sig, args, part)
+        out[region.slices()] += value
+    return out
+
+
+def _check_inputs(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    values: dict[str, np.ndarray] = {}
+    for node in graph.inputs:
+        if node.name not in inputs:
+            raise GraphError(f"input {node.name!r} was not supplied")
+        array = np.asarray(inputs[node.name], dtype=node.dtype)
+        if array.shape != node.shape:
+            raise GraphError(f"input {node.name!r}: expected shape {list(node.shape)}, found {list(array.shape)}")
+        values[node.name] = array
+    return values
+
+
+def evaluate_sharded(
+    graph: Graph, inputs: Mapping[str, np.ndarray], partitions: Mapping[str, Partition]
+) -> dict[str, np.ndarray]:
+    """Evaluate with each op run over its partition (ops not named run whole)."""
+    values = _check_inputs(graph, inputs)
+    for node in graph.ops:
+        sig = graph.signature(node.name)
+        parts = partitions.get(node.name, [sig.index])
+        check_partition(sig, parts, f"op {node.name!r} ({node.op})")
+        values[node.name] = run_sharded(sig, [values[a] for a in node.args], parts)
+    return {name: values[target] for name, target in graph.outputs.items()}
+
+
+def evaluate(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The meaning of a graph: every op run whole."""
+    return evaluate_sharded(graph, inputs, {})
+
+
+def random_inputs(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
+    """Standard-normal inputs, reproducible from `seed`."""
+    rng = np.random.default_rng(seed)
+    return {n.name: rng.standard_normal(n.shape).astype(n.dtype) for n in graph.inputs}

@@ -1,0 +1,167 @@
+"""The block graph IR: a list of named nodes, each an input or a kernel applied to earlier nodes.
+
+Like torch.fx's Graph, it is plain to read and print: nodes are kept in a valid
+execution order, so every walk over `graph.nodes` is already topological.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from tapestry.kernels import KERNELS, KernelError, Params, Shape, Signature, get_kernel
+
+INPUT = "input"
+DTYPES = ("float32", "float64")
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
+
+
+class GraphError(ValueError):
+    """An invalid graph: the message names the op and input at fault."""
+
+
+@dataclass(frozen=True)
+class Value:
+    """A handle on a node's result, returned by the builder methods."""
+
+    name: str
+    shape: Shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    op: str
+    args: tuple[str, ...]
+    params: Params
+    shape: Shape
+    dtype: str = "float32"
+
+    @property
+    def is_input(self) -> bool:
+        return self.op == INPUT
+
+    def __str__(self) -> str:
+        if self.is_input:
+            return f"{self.name}: {self.dtype}{list(self.shape)} = input()"
+        params = "".join(f", {k}={v}" for k, v in self.params)
+        return f"{self.name}: {self.dtype}{list(self.shape)} = {self.op}({', '.join(self.args)}{params})"
+
+
+class Graph:
+    """Build with g.input(...), then one method per kernel (g.linear, g.relu, ...), then g.output(...)."""
+
+    def __init__(self) -> None:
+        self._nodes: dict[str, Node] = {}
+        self._signatures: dict[str, Signature] = {}
+        self.outputs: dict[str, str] = {}
+
+    # -- building ------------------------------------------------------------------------------
+    def input(self, name: str, shape: Shape, dtype: str = "float32") -> Value:
+        self._check_new_name(name)
+        if dtype not in DTYPES:
+            raise GraphError(f"input {name!r}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        shape = tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise GraphError(f"input {name!r}: shape {list(shape)} has a negative size")
+        self._nodes[name] = Node(name, INPUT, (), (), shape, dtype)
+        return Value(name, shape)
+
+    def add(self, op: str, *args: Value | str, name: str | None = None, **params: Any) -> Value:
+        """Apply kernel `op` to earlier values; the generic form of g.<kernel>(...)."""
+        label = name or self._fresh_name(op)
+        try:
+            kernel = get_kernel(op)
+        except KernelError as err:
+            raise GraphError(f"op {label!r}: {err}") from None
+        self._check_new_name(label)
+        arg_names = tuple(a.name if isinstance(a, Value) else str(a) for a in args)
+        for slot, arg in zip(kernel.inputs, arg_names):
+            if arg not in self._nodes:
+                raise GraphError(f"op {label!r} ({op}): input {slot!r} refers to {arg!r}, which is not defined before it")
+        try:
+            sig = kernel.bind([self._nodes[a].shape for a in arg_names], params)
+        except KernelError as err:
+            shapes = ", ".join(f"{s}={a}{list(self._nodes[a].shape)}" for s, a in zip(kernel.inputs, arg_names))
+            raise GraphError(f"op {label!r} ({op}): {err} [inputs: {shapes}]") from None
+        dtype = self._nodes[arg_names[0]].dtype if arg_names else "float32"
+        self._nodes[label] = Node(label, op, arg_names, sig.params, sig.output_shape, dtype)
+        self._signatures[label] = sig
+        return Value(label, sig.output_shape)
+
+    def output(self, name: str, value: Value | str) -> None:
+        target = value.name if isinstance(value, Value) else value
+        if target not in self._nodes:
+            raise GraphError(f"output {name!r} refers to {target!r}, which is not defined")
+        if name in self.outputs:
+            raise GraphError(f"output {name!r} is defined twice")
+        self.outputs[name] = target
+
+    def __getattr__(self, op: str) -> Any:
+        if op.startswith("_") or op not in KERNELS:
+            raise AttributeError(f"Graph has no attribute or kernel {op!r}; kernels: {', '.join(sorted(KERNELS))}")
+        return partial(self.add, op)
+
+    def __dir__(self) -> list[str]:
+        return [*super().__dir__(), *KERNELS]
+
+    def _fresh_name(self, op: str) -> str:
+        count = sum(1 for n in self._nodes.values() if n.op == op)
+        while f"{op}_{count}" in self._nodes:
+            count += 1
+        return f"{op}_{count}"
+
+    def _check_new_name(self, name: str) -> None:
+        if not _NAME.match(name):
+            raise GraphError(f"name {name!r} is not an identifier")
+        if name in self._nodes:
+            raise GraphError(f"name {name!r} is defined twice")
+
+    # -- reading -------------------------------------------------------------------------------
+    @property
+    def nodes(self) -> tuple[Node, ...]:
+        return tuple(self._nodes.values())
+
+    @property
+    def inputs(self) -> tuple[Node, ...]:
+        return tuple(n for n in self._nodes.values() if n.is_input)
+
+    @property
+    def ops(self) -> tuple[Node, ...]:
+        return tuple(n for n in self._nodes.values() if not n.is_input)
+
+    def __getitem__(self, name: str) -> Node:
+        return self._nodes[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._nodes
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self._nodes.values())
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def signature(self, name: str) -> Signature:
+        return self._signatures[name]
+
+    def users(self) -> Mapping[str, tuple[str, ...]]:
+        uses: dict[str, list[str]] = {n: [] for n in self._nodes}
+        for node in self._nodes.values():
+            for arg in node.args:
+                uses[arg].append(node.name)
+        return {k: tuple(v) for k, v in uses.items()}
+
+    def __str__(self) -> str:
+        lines = [str(n) for n in self._nodes.values()]
+        lines += [f"output {k} = {v}" for k, v in self.outputs.items()]
+        return "\n".join(lines)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Graph) and self.nodes == other.nodes and self.outputs == other.outputs

@@ -1,0 +1,97 @@
+"""Graph <-> JSON. Loading re-validates everything, whatever order the ops come in."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tapestry.graph.graph import Graph, GraphError
+
+FORMAT = "tapestry.graph/1"
+
+
+def graph_to_json(graph: Graph) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "inputs": [{"name": n.name, "shape": list(n.shape), "dtype": n.dtype} for n in graph.inputs],
+        "ops": [
+            {"name": n.name, "op": n.op, "args": list(n.args), "params": {k: _plain(v) for k, v in n.params},
+             "shape": list(n.shape)}
+            for n in graph.ops
+        ],
+        "outputs": dict(graph.outputs),
+    }
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def graph_from_json(data: dict[str, Any], source: str = "<json>") -> Graph:
+    """Build a graph from its JSON form; errors name the source, the op and the problem."""
+    try:
+        if data.get("format", FORMAT) != FORMAT:
+            raise GraphError(f"format {data.get('format')!r} is not {FORMAT!r}")
+        graph = Graph()
+        for spec in data.get("inputs", []):
+            graph.input(spec["name"], spec["shape"], spec.get("dtype", "float32"))
+        pending = _ops_by_name(data.get("ops", []), graph)
+        while pending:
+            ready = [s for s in pending.values() if all(a in graph for a in s.get("args", []))]
+            if not ready:
+                raise GraphError(_stuck_reason(pending, graph))
+            for spec in ready:
+                params = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.get("params", {}).items()}
+                value = graph.add(spec["op"], *spec.get("args", []), name=spec["name"], **params)
+                if "shape" in spec and tuple(spec["shape"]) != value.shape:
+                    raise GraphError(
+                        f"op {spec['name']!r} ({spec['op']}): recorded shape {spec['shape']} but inputs give {list(value.shape)}"
+                    )
+                del pending[spec["name"]]
+        for name, target in data.get("outputs", {}).items():
+            graph.output(name, target)
+        return graph
+    except KeyError as err:
+        raise GraphError(f"{source}: missing key {err}") from None
+    except GraphError as err:
+        raise GraphError(f"{source}: {err}") from None
+
+
+def _ops_by_name(ops: list[dict[str, Any]], graph: Graph) -> dict[str, dict[str, Any]]:
+    pending: dict[str, dict[str, Any]] = {}
+    for spec in ops:
+        name = spec["name"]
+        if name in pending or name in graph:
+            raise GraphError(f"name {name!r} is defined twice")
+        pending[name] = spec
+    return pending
+
+
+def _stuck_reason(pending: dict[str, dict[str, Any]], graph: Graph) -> str:
+    """Tell a dangling reference from a cycle."""
+    for spec in pending.values():
+        for arg in spec.get("args", []):
+            if arg not in graph and arg not in pending:
+                return f"op {spec['name']!r} ({spec['op']}): input {arg!r} is not defined anywhere"
+    start = next(iter(pending))
+    path, seen = [start], {start}
+    while True:
+        nxt = next(a for a in pending[path[-1]]["args"] if a in pending)
+        if nxt in seen:
+            cycle = path[path.index(nxt):] + [nxt]
+            return "cycle: " + " -> ".join(cycle)
+        path.append(nxt)
+        seen.add(nxt)
+
+
+def save_graph(graph: Graph, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(graph_to_json(graph), indent=2) + "\n")
+
+
+def load_graph(path: str | Path) -> Graph:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise GraphError(f"{path}:{err.lineno}: not valid JSON: {err.msg}") from None
+    return graph_from_json(data, str(path))

@@ -1,0 +1,206 @@
+"""What a kernel is: a polyhedral signature plus implementations and a cost formula.
+
+A kernel never sees whole tensors. Given an index block, each input's
+IndexProjection selects the block of that input the kernel reads, and the
+kernel computes the output block. Unsharded evaluation is the one-block case,
+so sharded and unsharded runs go through the same code.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import sympy
+
+from tapestry.zspace import IndexProjection, ZAffineMap, ZRange
+
+Shape = tuple[int, ...]
+ParamValue = int | tuple[int, ...]
+Params = tuple[tuple[str, ParamValue], ...]
+
+
+class DimKind(enum.Enum):
+    """How splitting one index dim affects the kernel's outputs and inputs."""
+
+    PARALLEL = "parallel"  # output blocks tile the output
+    REDUCTION = "reduction"  # output blocks overlap: partial results must be summed
+    WINDOWED = "windowed"  # output tiles, but some input blocks overlap (halos)
+
+
+def follow(
+    index_ndim: int,
+    rows: Sequence[int | None],
+    shape: Sequence[int] | None = None,
+    scale: Sequence[int] | None = None,
+    offset: Sequence[int] | None = None,
+) -> IndexProjection:
+    """A projection where tensor dim r follows index dim rows[r] (None: a constant block).
+
+    Almost every kernel's projections have this form, so signatures are written
+    as one line per tensor instead of as matrices.
+    """
+    scale = scale or [1] * len(rows)
+    matrix = [[scale[r] if c == col else 0 for c in range(index_ndim)] for r, col in enumerate(rows)]
+    affine = ZAffineMap(matrix, offset, in_dim=index_ndim)
+    return IndexProjection(affine, tuple(shape) if shape is not None else None)
+
+
+@dataclass(frozen=True)
+class SignatureSpec:
+    """What a kernel's signature function returns for concrete input shapes."""
+
+    dims: tuple[str, ...]
+    sizes: Shape
+    inputs: tuple[IndexProjection, ...]
+    output: IndexProjection
+    flops_per_point: int = 1
+
+
+class KernelError(ValueError):
+    """An op's inputs or params do not fit its kernel."""
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One registry entry. See docs/kernels.md for how to add one."""
+
+    name: str
+    inputs: tuple[str, ...]
+    signature: Callable[..., SignatureSpec]
+    numpy: Callable[..., np.ndarray]
+    torch: Callable[..., Any]
+    sample: Callable[[Callable[[Any], Any]], tuple[tuple[Shape, ...], dict[str, ParamValue]]]
+    params: Mapping[str, ParamValue] = field(default_factory=dict)
+    additive: frozenset[str] = frozenset()
+    is_view: bool = False
+    needs_out_shape: bool = False  # the impls take out_shape=: a block alone does not determine it
+    doc: str = ""
+
+    def bind(self, shapes: Sequence[Shape], params: Mapping[str, ParamValue] | None = None) -> Signature:
+        """Instantiate the signature for concrete shapes, checking arity and params."""
+        if len(shapes) != len(self.inputs):
+            raise KernelError(
+                f"{self.name}: expected {len(self.inputs)} inputs ({', '.join(self.inputs)}), got {len(shapes)}"
+            )
+        full = normalize_params(self, params or {})
+        spec = self.signature(*[tuple(s) for s in shapes], **dict(full))
+        return Signature(self, tuple(tuple(s) for s in shapes), full, spec)
+
+
+def normalize_params(kernel: Kernel, params: Mapping[str, ParamValue]) -> Params:
+    unknown = set(params) - set(kernel.params)
+    if unknown:
+        raise KernelError(
+            f"{kernel.name}: unknown param(s) {sorted(unknown)}; expected some of {sorted(kernel.params) or 'none'}"
+        )
+    merged = {**kernel.params, **params}
+    return tuple((k, tuple(v) if isinstance(v, (list, tuple)) else int(v)) for k, v in sorted(merged.items()))
+
+
+@dataclass(frozen=True)
+class Signature:
+    """A kernel bound to concrete input shapes and params: everything sharding needs."""
+
+    kernel: Kernel
+    input_shapes: tuple[Shape, ...]
+    params: Params
+    spec: SignatureSpec
+
+    @property
+    def index(self) -> ZRange:
+        return ZRange.from_shape(self.spec.sizes)
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        return self.spec.dims
+
+    @property
+    def projections(self) -> tuple[IndexProjection, ...]:
+        return self.spec.inputs
+
+    @property
+    def output(self) -> IndexProjection:
+        return self.spec.output
+
+    @cached_property
+    def output_shape(self) -> Shape:
+        return self.output.apply(self.index).shape
+
+    @cached_property
+    def dim_kinds(self) -> tuple[DimKind, ...]:
+        from tapestry.kernels.classify import classify_dims
+
+        return classify_dims(self)
+
+    def dims_of(self, kind: DimKind) -> tuple[int, ...]:
+        return tuple(d for d, k in enumerate(self.dim_kinds) if k is kind)
+
+    @property
+    def splittable(self) -> tuple[int, ...]:
+        """Dims a partition may split: all but reductions the kernel is not additive in."""
+        return tuple(
+            d
+            for d, k in enumerate(self.dim_kinds)
+            if k is not DimKind.REDUCTION or self.dims[d] in self.kernel.additive
+        )
+
+    def call_kwargs(self, index_block: ZRange) -> dict[str, Any]:
+        """Keyword arguments for the numpy or torch impl computing `index_block`."""
+        kwargs: dict[str, Any] = dict(self.params)
+        if self.kernel.needs_out_shape:
+            kwargs["out_shape"] = self.output.apply(index_block).shape
+        return kwargs
+
+    def compute(self, blocks: Sequence[np.ndarray], index_block: ZRange) -> np.ndarray:
+        return self.kernel.numpy(*blocks, **self.call_kwargs(index_block))
+
+    # -- cost formulas -------------------------------------------------------------------------
+    @cached_property
+    def symbols(self) -> tuple[sympy.Symbol, ...]:
+        return tuple(sympy.Symbol(name, positive=True, integer=True) for name in self.dims)
+
+    @cached_property
+    def flops_expr(self) -> sympy.Expr:
+        """FLOPs of one index block, over the block's extent per index dim."""
+        return sympy.Integer(self.spec.flops_per_point) * sympy.Mul(*self.symbols)
+
+    def footprint_expr(self, projection: IndexProjection) -> sympy.Expr:
+        """Elements of the box an index block selects: per tensor dim, Σ|A|·(extent−1) + shape."""
+        extents = [
+            sum((abs(a) * (s - 1) for a, s in zip(row, self.symbols)), sympy.Integer(0)) + size
+            for row, size in zip(projection.matrix, projection.shape)
+        ]
+        return sympy.Mul(*extents)
+
+    @cached_property
+    def bytes_expr(self) -> sympy.Expr:
+        """Bytes read and written by one index block (float32)."""
+        if self.kernel.is_view:
+            return sympy.Integer(0)
+        elements = sum((self.footprint_expr(p) for p in (*self.projections, self.output)), sympy.Integer(0))
+        return 4 * elements
+
+    @cached_property
+    def _cost_fn(self) -> Callable[..., tuple[float, float]]:
+        return sympy.lambdify(self.symbols, (self.flops_expr, self.bytes_expr), modules="math")
+
+    def cost(self, block: ZRange) -> tuple[float, float]:
+        """(flops, bytes) of computing one index block."""
+        if block.is_empty:
+            return (0.0, 0.0)
+        flops, nbytes = self._cost_fn(*block.shape)
+        return float(flops), float(nbytes)
+
+    def __str__(self) -> str:
+        args = ", ".join(f"{n}{list(s)}" for n, s in zip(self.kernel.inputs, self.input_shapes))
+        params = "".join(f", {k}={v}" for k, v in self.params)
+        return f"{self.kernel.name}({args}{params}) -> {list(self.output_shape)}"
+
+
+def prod(values: Sequence[int]) -> int:
+    return math.prod(values)

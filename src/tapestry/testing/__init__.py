@@ -1,0 +1,1 @@
+"""Hypothesis strategies and checkers shared by the tests and `tapestry check-rules`."""

@@ -1,0 +1,129 @@
+"""The block graph builder, its validation, JSON round trip and pictures."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+import tapestry
+from tapestry.graph import Graph, GraphError, graph_from_json, graph_to_json, load_graph, save_graph
+from tapestry.graph.render import graph_to_dot
+
+
+def seeds_example() -> Graph:
+    g = Graph()
+    x = g.input("x", (64, 128))
+    w = g.input("w", (128, 32))
+    b = g.input("b", (32,))
+    g.output("z", g.relu(g.linear(x, w, b)))
+    return g
+
+
+def test_builder_has_one_method_per_kernel_and_infers_shapes():
+    g = seeds_example()
+    assert [n.op for n in g.ops] == ["linear", "relu"]
+    assert g["relu_0"].shape == (64, 32)
+    assert set(tapestry.KERNELS) <= set(dir(g))
+
+
+def test_graph_prints_like_fx():
+    assert str(seeds_example()).splitlines()[3] == "linear_0: float32[64, 32] = linear(x, w, b)"
+
+
+def test_shape_mismatch_names_op_input_and_shapes():
+    g = Graph()
+    x, w, b = g.input("x", (4, 8)), g.input("w", (9, 2)), g.input("b", (2,))
+    with pytest.raises(GraphError, match=r"op 'fc' \(linear\): .*x's last dim 8.*w=w\[9, 2\]"):
+        g.linear(x, w, b, name="fc")
+
+
+def test_unknown_kernel_is_an_attribute_error_and_a_graph_error():
+    g = Graph()
+    with pytest.raises(AttributeError, match="no attribute or kernel 'convolve'"):
+        g.convolve
+    with pytest.raises(GraphError, match="unknown kernel 'convolve'"):
+        g.add("convolve", g.input("x", (2,)))
+
+
+def test_duplicate_names_are_rejected():
+    g = Graph()
+    g.input("x", (2,))
+    with pytest.raises(GraphError, match="'x' is defined twice"):
+        g.input("x", (3,))
+
+
+def test_json_round_trip():
+    g = seeds_example()
+    assert graph_from_json(json.loads(json.dumps(graph_to_json(g)))) == g
+
+
+def test_json_ops_may_come_in_any_order():
+    data = graph_to_json(seeds_example())
+    data["ops"].reverse()
+    assert graph_from_json(data) == seeds_example()
+
+
+def _json_with_ops(ops):
+    return {"inputs": [{"name": "x", "shape": [4]}], "ops": ops, "outputs": {}}
+
+
+def test_json_dangling_reference_is_named():
+    data = _json_with_ops([{"name": "r", "op": "relu", "args": ["nope"]}])
+    with pytest.raises(GraphError, match="op 'r' \\(relu\\): input 'nope' is not defined anywhere"):
+        graph_from_json(data)
+
+
+def test_json_cycle_is_reported_as_a_path():
+    data = _json_with_ops([{"name": "a", "op": "relu", "args": ["b"]}, {"name": "b", "op": "exp", "args": ["a"]}])
+    with pytest.raises(GraphError, match="cycle: (a -> b -> a|b -> a -> b)"):
+        graph_from_json(data)
+
+
+def test_json_unknown_kernel_and_wrong_recorded_shape():
+    with pytest.raises(GraphError, match="unknown kernel 'relux'"):
+        graph_from_json(_json_with_ops([{"name": "r", "op": "relux", "args": ["x"]}]))
+    with pytest.raises(GraphError, match="recorded shape \\[5\\] but inputs give \\[4\\]"):
+        graph_from_json(_json_with_ops([{"name": "r", "op": "relu", "args": ["x"], "shape": [5]}]))
+
+
+def test_bad_json_file_names_file_and_line(tmp_path):
+    path = tmp_path / "g.json"
+    path.write_text('{"inputs": [\n  oops]}')
+    with pytest.raises(GraphError, match="g.json:2: not valid JSON"):
+        load_graph(path)
+
+
+def test_save_and_load(tmp_path):
+    save_graph(seeds_example(), tmp_path / "g.json")
+    assert load_graph(tmp_path / "g.json") == seeds_example()
+
+
+def test_dot_has_inputs_ops_and_outputs():
+    source = graph_to_dot(seeds_example()).source
+    assert "linear" in source and "out:z" in source and "x -> linear_0" in source
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz dot not installed")
+def test_show_command_writes_svg(tmp_path):
+    save_graph(seeds_example(), tmp_path / "g.json")
+    from tapestry.cli import main
+
+    assert main(["show", str(tmp_path / "g.json"), "-o", str(tmp_path / "g.svg")]) == 0
+    assert (tmp_path / "g.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_evaluate_computes_the_seeds_example():
+    g = seeds_example()
+    inputs = tapestry.random_inputs(g, seed=1)
+    expected = np.maximum(inputs["x"] @ inputs["w"] + inputs["b"], 0)
+    np.testing.assert_allclose(tapestry.evaluate(g, inputs)["z"], expected, rtol=1e-5)
+
+
+def test_evaluate_checks_supplied_inputs():
+    g = seeds_example()
+    inputs = tapestry.random_inputs(g)
+    inputs["w"] = inputs["w"][:3]
+    with pytest.raises(GraphError, match="input 'w': expected shape \\[128, 32\\], found \\[3, 32\\]"):
+        tapestry.evaluate(g, inputs)
