@@ -1,0 +1,77 @@
+"""Build a plan from a chosen partition per op: the hand-written route to a plan.
+
+Extraction makes plans from the e-graph; this builder makes the same kind of
+plan from explicit choices, for baselines (one device, data parallel, ...) and tests.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from tapestry.graph import Graph
+from tapestry.plan.plan import Compute, Place, Plan, Reshard, Step
+from tapestry.sharding import Layout, Mesh
+from tapestry.sharding.partition import Partition, make_partition, needed_layout, output_layout
+
+
+class _Values:
+    """Each logical value's distributed copies, by layout, in the order made."""
+
+    def __init__(self) -> None:
+        self.steps: list[Step] = []
+        self.copies: dict[str, dict[Layout, str]] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+
+    def add(self, logical: str, step: Step) -> str:
+        self.steps.append(step)
+        self.copies.setdefault(logical, {})[step.layout] = step.out
+        return step.out
+
+    def fresh(self) -> str:
+        return f"v{len(self.steps)}"
+
+    def get(self, logical: str, layout: Layout) -> str:
+        """The value `logical` in `layout`, resharding the most recent copy if needed."""
+        copies = self.copies[logical]
+        if layout in copies:
+            return copies[layout]
+        src_layout, src = next(reversed(copies.items()))
+        return self.add(logical, Reshard(self.fresh(), src, self.shapes[logical], src_layout, layout))
+
+
+def build_plan(
+    graph: Graph,
+    mesh: Mesh,
+    axes: Mapping[str, tuple[int | None, ...]] | None = None,
+    partitions: Mapping[str, Partition] | None = None,
+) -> Plan:
+    """Ops take `partitions[op]`, else the split `axes[op]` (one index dim or None per mesh axis), else run
+    replicated. Inputs are placed as their first user needs them; partial outputs are all-reduced."""
+    axes, partitions = axes or {}, partitions or {}
+    values = _Values()
+    chosen = {
+        n.name: partitions.get(n.name) or make_partition(graph.signature(n.name), mesh, axes.get(n.name, (None,) * mesh.ndim))
+        for n in graph.ops
+    }
+    for node in graph.inputs:
+        values.shapes[node.name] = node.shape
+    for node in graph.ops:
+        sig, part = graph.signature(node.name), chosen[node.name]
+        needs = [needed_layout(sig, i, part) for i in range(len(node.args))]
+        args = []
+        for arg, need in zip(node.args, needs):
+            if arg not in values.copies:
+                values.add(arg, Place(values.fresh(), arg, graph[arg].shape, need))
+            args.append(values.get(arg, need))
+        values.shapes[node.name] = sig.output_shape
+        values.add(
+            node.name,
+            Compute(values.fresh(), node.op, sig.params, tuple(args), sig.input_shapes, tuple(needs), part.blocks,
+                    output_layout(sig, part), origin=node.name),
+        )
+    outputs = {}
+    for name, target in graph.outputs.items():
+        layout = next(reversed(values.copies[target]))
+        if layout.partial:
+            layout = Layout.replicated(values.shapes[target], mesh)
+        outputs[name] = values.get(target, layout)
+    return Plan(mesh, graph, tuple(values.steps), outputs)

@@ -1,0 +1,157 @@
+"""A plan: the distributed program extraction chose, as SPMD steps over a mesh.
+
+Every step is self-contained (it carries its kernel, blocks, shapes and
+layouts), so a cost model can price a step alone and a validator can check it
+alone. Steps are in execution order; values are named by the step that makes them.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from tapestry.graph import Graph, graph_from_json, graph_to_json
+from tapestry.kernels import Params, Shape, Signature, get_kernel
+from tapestry.sharding import Block, Layout, Mesh
+from tapestry.zspace import ZRange
+
+FORMAT = "tapestry.plan/1"
+
+
+@dataclass(frozen=True)
+class Place:
+    """Program input `input`, supplied to each device as its block of `layout`."""
+
+    out: str
+    input: str
+    shape: Shape
+    layout: Layout
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Each device runs `kernel` over its index block (None: it idles)."""
+
+    out: str
+    kernel: str
+    params: Params
+    args: tuple[str, ...]
+    input_shapes: tuple[Shape, ...]
+    arg_layouts: tuple[Layout, ...]
+    blocks: tuple[Block, ...]
+    layout: Layout
+    origin: str = ""  # the logical node (and the rules that made it), for explanations
+
+    @cached_property
+    def signature(self) -> Signature:
+        return get_kernel(self.kernel).bind(self.input_shapes, dict(self.params))
+
+    @property
+    def shape(self) -> Shape:
+        return self.signature.output_shape
+
+
+@dataclass(frozen=True)
+class Reshard:
+    """Move or reduce value `src` from `src_layout` into `layout`."""
+
+    out: str
+    src: str
+    shape: Shape
+    src_layout: Layout
+    layout: Layout
+
+
+Step = Place | Compute | Reshard
+
+
+@dataclass(frozen=True)
+class Plan:
+    mesh: Mesh
+    graph: Graph
+    steps: tuple[Step, ...]
+    outputs: Mapping[str, str]
+    cost: float | None = None
+    notes: Mapping[str, Any] = field(default_factory=dict)
+
+    @cached_property
+    def by_id(self) -> dict[str, Step]:
+        return {s.out: s for s in self.steps}
+
+    def layout_of(self, value: str) -> Layout:
+        return self.by_id[value].layout
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "mesh": self.mesh.to_json(),
+            "graph": graph_to_json(self.graph),
+            "steps": [_step_to_json(s) for s in self.steps],
+            "outputs": dict(self.outputs),
+            "cost": self.cost,
+            "notes": dict(self.notes),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], source: str = "<json>") -> Plan:
+        if data.get("format") != FORMAT:
+            raise ValueError(f"{source}: not a plan (format {data.get('format')!r}, expected {FORMAT!r})")
+        return cls(
+            mesh=Mesh(*data["mesh"]),
+            graph=graph_from_json(data["graph"], source),
+            steps=tuple(_step_from_json(s) for s in data["steps"]),
+            outputs=dict(data["outputs"]),
+            cost=data.get("cost"),
+            notes=dict(data.get("notes", {})),
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        return cls.from_json(json.loads(Path(path).read_text()), str(path))
+
+
+def _blocks_json(blocks: tuple[Block, ...]) -> list[str | None]:
+    return [None if b is None else str(b) for b in blocks]
+
+
+def _blocks_parse(items: list[str | None]) -> tuple[Block, ...]:
+    return tuple(None if b is None else ZRange.parse(b) for b in items)
+
+
+def _step_to_json(step: Step) -> dict[str, Any]:
+    if isinstance(step, Place):
+        return {"kind": "place", "out": step.out, "input": step.input, "shape": list(step.shape),
+                "layout": step.layout.to_json()}
+    if isinstance(step, Reshard):
+        return {"kind": "reshard", "out": step.out, "src": step.src, "shape": list(step.shape),
+                "src_layout": step.src_layout.to_json(), "layout": step.layout.to_json()}
+    return {
+        "kind": "compute", "out": step.out, "kernel": step.kernel,
+        "params": {k: list(v) if isinstance(v, tuple) else v for k, v in step.params},
+        "args": list(step.args), "input_shapes": [list(s) for s in step.input_shapes],
+        "arg_layouts": [a.to_json() for a in step.arg_layouts], "blocks": _blocks_json(step.blocks),
+        "layout": step.layout.to_json(), "origin": step.origin,
+    }
+
+
+def _step_from_json(data: Mapping[str, Any]) -> Step:
+    kind = data["kind"]
+    if kind == "place":
+        return Place(data["out"], data["input"], tuple(data["shape"]), Layout.from_json(data["layout"]))
+    if kind == "reshard":
+        return Reshard(data["out"], data["src"], tuple(data["shape"]), Layout.from_json(data["src_layout"]),
+                       Layout.from_json(data["layout"]))
+    if kind == "compute":
+        params = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in data["params"].items()))
+        return Compute(
+            data["out"], data["kernel"], params, tuple(data["args"]), tuple(tuple(s) for s in data["input_shapes"]),
+            tuple(Layout.from_json(a) for a in data["arg_layouts"]), _blocks_parse(data["blocks"]),
+            Layout.from_json(data["layout"]), data.get("origin", ""),
+        )
+    raise ValueError(f"unknown plan step kind {kind!r}")

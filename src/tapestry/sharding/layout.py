@@ -1,0 +1,69 @@
+"""Layouts: which block of a tensor each device holds, and whether blocks are partial sums.
+
+A layout is its block list, so equal layouts are equal values however they were
+made; the family names (R, S(d), P, ...) are derived for display only.
+Semantics: for a plain layout every device holding a cell holds its value; for a
+partial layout the value of a cell is the sum over the devices holding it.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from tapestry.sharding.mesh import Mesh
+from tapestry.zspace import ZRange
+
+Block = ZRange | None
+
+
+@dataclass(frozen=True)
+class Layout:
+    blocks: tuple[Block, ...]
+    partial: bool = False
+
+    @classmethod
+    def replicated(cls, shape: tuple[int, ...], mesh: Mesh) -> Layout:
+        return cls((ZRange.from_shape(shape),) * mesh.size)
+
+    @classmethod
+    def split(cls, shape: tuple[int, ...], mesh: Mesh, dims: tuple[int | None, ...]) -> Layout:
+        """Tensor dim dims[a] split evenly over mesh axis a (None: replicated over that axis)."""
+        blocks = []
+        for device in mesh.devices:
+            block = ZRange.from_shape(shape)
+            for axis, dim in enumerate(dims):
+                if dim is not None:
+                    block = block.split_even(dim, mesh.shape[axis])[mesh.coords(device)[axis]]
+            blocks.append(block)
+        return cls(tuple(blocks))
+
+    def holds(self, device: int) -> Block:
+        return self.blocks[device]
+
+    def name(self, shape: tuple[int, ...], mesh: Mesh) -> str:
+        """A short family name when the layout is one: R, S(0), S(0,·), P, P·S(1); else 'blocks'."""
+        plain = Layout(self.blocks)
+        prefix = "P" if self.partial else ""
+        if plain == Layout.replicated(shape, mesh):
+            return prefix or "R"
+        for dims in _split_choices(len(shape), mesh):
+            if plain == Layout.split(shape, mesh, dims):
+                text = ",".join("·" if d is None else str(d) for d in dims)
+                return f"{prefix}{'·' if prefix else ''}S({text})"
+        return f"{prefix}{'·' if prefix else ''}blocks"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"blocks": [None if b is None else str(b) for b in self.blocks], "partial": self.partial}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Layout:
+        return cls(tuple(None if b is None else ZRange.parse(b) for b in data["blocks"]), bool(data["partial"]))
+
+    def __str__(self) -> str:
+        return ("partial " if self.partial else "") + "[" + ", ".join(str(b) for b in self.blocks) + "]"
+
+
+def _split_choices(ndim: int, mesh: Mesh) -> list[tuple[int | None, ...]]:
+    options = [None, *range(ndim)]
+    return [dims for dims in itertools.product(options, repeat=mesh.ndim) if any(d is not None for d in dims)]

@@ -1,0 +1,48 @@
+"""A device mesh: devices numbered row-major over named axes."""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """`Mesh(4)` is four devices in a line; `Mesh(2, 2)` a 2×2 grid."""
+
+    shape: tuple[int, ...]
+
+    def __init__(self, *shape: int | tuple[int, ...]) -> None:
+        dims = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], tuple) else tuple(int(s) for s in shape)
+        if not dims or any(d < 1 for d in dims):
+            raise ValueError(f"a mesh needs one or more axes of size >= 1, got {list(dims)}")
+        object.__setattr__(self, "shape", dims)
+
+    @classmethod
+    def parse(cls, text: str) -> Mesh:
+        """'4' or '2x2'."""
+        try:
+            return cls(*(int(p) for p in text.lower().split("x")))
+        except ValueError:
+            raise ValueError(f"mesh {text!r} is not like '4' or '2x2'") from None
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def coords(self, device: int) -> tuple[int, ...]:
+        return tuple(itertools.product(*(range(s) for s in self.shape)))[device]
+
+    @property
+    def devices(self) -> range:
+        return range(self.size)
+
+    def __str__(self) -> str:
+        return "x".join(map(str, self.shape))
+
+    def to_json(self) -> list[int]:
+        return list(self.shape)
