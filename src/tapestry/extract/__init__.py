@@ -1,0 +1,48 @@
+"""Standalone extraction over serialized e-graphs: bottom-up, greedy DAG and exact ILP, plus a validator.
+
+Typical use from other Tapestry code::
+
+    egraph = EGraph.from_nodes(nodes, roots).with_costs(my_costs)
+    selection = extract(egraph, "ilp", time_limit=10)
+    assert not validate(egraph, selection)
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tapestry.extract.bottom_up import extract_bottom_up
+from tapestry.extract.egraph import EGraph, EGraphError, Node, NoFiniteChoiceError
+from tapestry.extract.greedy_dag import extract_greedy_dag
+from tapestry.extract.ilp import extract_ilp
+from tapestry.extract.selection import Selection
+from tapestry.extract.validate import validate
+
+EXTRACTORS: dict[str, Callable[[EGraph, float], Selection]] = {
+    "bottom-up": lambda egraph, _time_limit: extract_bottom_up(egraph),
+    "greedy-dag": lambda egraph, _time_limit: extract_greedy_dag(egraph),
+    "ilp": lambda egraph, time_limit: extract_ilp(egraph, time_limit),
+}
+
+
+def extract(egraph: EGraph, extractor: str = "ilp", time_limit: float = 60.0) -> Selection:
+    """One entry point so callers pick an extractor by name; `time_limit` only bounds the ILP."""
+    try:
+        run = EXTRACTORS[extractor]
+    except KeyError:
+        raise ValueError(f"unknown extractor {extractor!r}; choose from {', '.join(EXTRACTORS)}") from None
+    return run(egraph, time_limit)
+
+
+__all__ = [
+    "EGraph",
+    "EGraphError",
+    "EXTRACTORS",
+    "Node",
+    "NoFiniteChoiceError",
+    "Selection",
+    "extract",
+    "extract_bottom_up",
+    "extract_greedy_dag",
+    "extract_ilp",
+    "validate",
+]

@@ -1,0 +1,166 @@
+"""A serialized e-graph (egraph-serialize JSON) as flat, integer-indexed tuples.
+
+Extractors loop over tens of thousands of nodes, so classes and nodes are
+numbered once here and every hot loop works on tuples of ints and floats.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+
+class EGraphError(ValueError):
+    """The e-graph is malformed or cannot be extracted from."""
+
+
+class NoFiniteChoiceError(EGraphError):
+    """A class that must be extracted has no node with a finite, acyclic choice below it."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """One e-node as other Tapestry code describes it: children are e-class ids."""
+
+    id: str
+    op: str
+    eclass: str
+    cost: float = 1.0
+    children: tuple[str, ...] = ()
+    subsumed: bool = False
+
+
+@dataclass(frozen=True)
+class EGraph:
+    """Classes and nodes numbered 0..n-1; `node_children` holds child *class* indices, duplicates kept."""
+
+    class_ids: tuple[str, ...]
+    node_ids: tuple[str, ...]
+    node_ops: tuple[str, ...]
+    node_class: tuple[int, ...]
+    node_cost: tuple[float, ...]
+    node_children: tuple[tuple[int, ...], ...]
+    node_subsumed: tuple[bool, ...]
+    roots: tuple[int, ...]
+    class_nodes: tuple[tuple[int, ...], ...] = field(repr=False)
+    class_data: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_ids)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.node_ids)
+
+    @cached_property
+    def child_sets(self) -> tuple[tuple[int, ...], ...]:
+        """Distinct child classes per node: DAG cost and constraints ignore repeated children."""
+        return tuple(tuple(dict.fromkeys(ch)) for ch in self.node_children)
+
+    @cached_property
+    def parents(self) -> tuple[tuple[int, ...], ...]:
+        """Per class, the nodes that have it as a (distinct) child."""
+        result: list[list[int]] = [[] for _ in range(self.num_classes)]
+        for node, children in enumerate(self.child_sets):
+            for child in children:
+                result[child].append(node)
+        return tuple(tuple(p) for p in result)
+
+    def selectable(self, node: int) -> bool:
+        """Subsumed and infinite-cost nodes are never chosen."""
+        return not self.node_subsumed[node] and math.isfinite(self.node_cost[node])
+
+    def with_costs(self, costs: Sequence[float]) -> EGraph:
+        """Same structure, new per-node costs (indexed like `node_ids`): how custom cost models plug in."""
+        if len(costs) != self.num_nodes:
+            raise EGraphError(f"expected {self.num_nodes} costs, got {len(costs)}")
+        return replace(self, node_cost=tuple(_check_cost(self.node_ids[i], c) for i, c in enumerate(costs)))
+
+    @classmethod
+    def from_nodes(
+        cls, nodes: Sequence[Node], roots: Sequence[str], class_data: Mapping[str, Any] | None = None
+    ) -> EGraph:
+        """Build from in-memory nodes; classes are numbered in order of first mention."""
+        class_index: dict[str, int] = {}
+        for node in nodes:
+            class_index.setdefault(node.eclass, len(class_index))
+        members: list[list[int]] = [[] for _ in class_index]
+        children: list[tuple[int, ...]] = []
+        for i, node in enumerate(nodes):
+            members[class_index[node.eclass]].append(i)
+            try:
+                children.append(tuple(class_index[c] for c in node.children))
+            except KeyError as err:
+                raise EGraphError(f"node {node.id!r} has child class {err.args[0]!r}, which has no nodes") from None
+        missing_roots = [r for r in roots if r not in class_index]
+        if missing_roots:
+            raise EGraphError(f"root class {missing_roots[0]!r} has no nodes")
+        node_ids = tuple(n.id for n in nodes)
+        if len(set(node_ids)) != len(node_ids):
+            raise EGraphError("node ids are not unique")
+        return cls(
+            class_ids=tuple(class_index),
+            node_ids=node_ids,
+            node_ops=tuple(n.op for n in nodes),
+            node_class=tuple(class_index[n.eclass] for n in nodes),
+            node_cost=tuple(_check_cost(n.id, n.cost) for n in nodes),
+            node_children=tuple(children),
+            node_subsumed=tuple(bool(n.subsumed) for n in nodes),
+            roots=tuple(dict.fromkeys(class_index[r] for r in roots)),
+            class_nodes=tuple(tuple(m) for m in members),
+            class_data=dict(class_data or {}),
+        )
+
+    @classmethod
+    def from_json(cls, data: Any) -> EGraph:
+        """Parse the egraph-serialize dict: node children are node ids, mapped here to their classes."""
+        if not isinstance(data, Mapping) or not isinstance(data.get("nodes"), Mapping):
+            raise EGraphError("expected a JSON object with a 'nodes' object")
+        raw = data["nodes"]
+        try:
+            node_class = {nid: str(spec["eclass"]) for nid, spec in raw.items()}
+            nodes = [
+                Node(
+                    id=nid,
+                    op=str(spec.get("op", "")),
+                    eclass=node_class[nid],
+                    cost=float(spec.get("cost", 1.0)),
+                    children=tuple(node_class[c] for c in spec.get("children", ())),
+                    subsumed=bool(spec.get("subsumed", False)),
+                )
+                for nid, spec in raw.items()
+            ]
+        except KeyError as err:
+            raise EGraphError(f"missing key or unknown child node {err.args[0]!r}") from None
+        except (TypeError, ValueError, AttributeError) as err:
+            raise EGraphError(f"malformed node: {err}") from None
+        roots = data.get("root_eclasses")
+        if not isinstance(roots, list):
+            raise EGraphError("missing 'root_eclasses' list")
+        return cls.from_nodes(nodes, [str(r) for r in roots], data.get("class_data") or {})
+
+    @classmethod
+    def load(cls, path: str | Path) -> EGraph:
+        """Read a JSON file; every failure is an EGraphError naming the file and the cause."""
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            return cls.from_json(data)
+        except OSError as err:
+            raise EGraphError(f"{path}: cannot read: {err.strerror or err}") from None
+        except json.JSONDecodeError as err:
+            raise EGraphError(f"{path}: malformed JSON: {err}") from None
+        except EGraphError as err:
+            raise EGraphError(f"{path}: {err}") from None
+
+
+def _check_cost(node_id: str, cost: float) -> float:
+    cost = float(cost)
+    if math.isnan(cost) or cost < 0:
+        raise EGraphError(f"node {node_id!r} has cost {cost}; costs must be >= 0 (inf = not selectable)")
+    return cost
