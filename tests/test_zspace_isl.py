@@ -50,6 +50,11 @@ def test_footprint_of_a_range_is_the_union_of_its_points_boxes():
     assert footprint(F, r) == union
 
 
+def test_footprint_rejects_range_of_wrong_ndim():
+    with pytest.raises(ValueError, match="ndim mismatch"):
+        footprint(F, zr("zr[0:1]"))
+
+
 # --- boxes ---
 
 

@@ -24,7 +24,7 @@ def _ineq(
     return c.set_constant_val(constant)
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=4096)  # the same ranges recur across partition and coverage checks
 def to_isl_set(r: ZRange) -> isl.Set:
     """The cells of r; a 0-dim range is the one-point set { [] }."""
     space = isl.Space.set_alloc(_CTX, 0, r.ndim)
@@ -50,6 +50,7 @@ def to_isl_map(p: IndexProjection) -> isl.Map:
 
 def footprint(p: IndexProjection, r: ZRange) -> isl.Set:
     """Every tensor cell some index point of r selects."""
+    check_ndim(str(r), r.ndim, p.in_dim)
     return to_isl_map(p).intersect_domain(to_isl_set(r)).range()
 
 
