@@ -13,6 +13,8 @@ import sys
 COMMAND_MODULES: tuple[str, ...] = (
     "tapestry.graph.command",
     "tapestry.extract.command",
+    "tapestry.cost.command",
+    "tapestry.plan.command",
 )
 
 

@@ -1,0 +1,129 @@
+"""Run a plan in numpy the way the devices would, to check it means what its graph means.
+
+Each simulated device keeps only its own blocks, and every cell it uses comes
+from a Place, its own compute, or a transfer of `sharding.comm.transfers`. So
+`simulate(plan, x) == evaluate(plan.graph, x)` tests the plan itself, not a
+whole-tensor shortcut. Partial sums are added in device order on every
+receiver, as a deterministic all-reduce does, so replicas agree bit for bit.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from tapestry.evaluator import read_block
+from tapestry.plan.plan import Compute, Place, Plan, Reshard
+from tapestry.plan.validate import PlanError
+from tapestry.sharding import Layout
+from tapestry.sharding.comm import transfers
+from tapestry.zspace import ZRange
+
+Held = tuple[ZRange, np.ndarray]  # a block of a tensor, and its cells
+Device = dict[str, Held]  # value id -> the block this device holds
+
+
+def simulate(plan: Plan, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The plan's outputs, computed device by device from `inputs` (graph input name -> array)."""
+    devices: list[Device] = [{} for _ in plan.mesh.devices]
+    for step in plan.steps:
+        if isinstance(step, Place):
+            _place(plan, step, inputs, devices)
+        elif isinstance(step, Reshard):
+            _reshard(step, devices)
+        else:
+            _compute(step, devices)
+    return {name: assemble(plan.by_id[value].layout, plan.by_id[value].shape, devices, value)
+            for name, value in plan.outputs.items()}
+
+
+def _place(plan: Plan, step: Place, inputs: Mapping[str, np.ndarray], devices: list[Device]) -> None:
+    array = np.asarray(inputs[step.input], dtype=plan.graph[step.input].dtype)
+    if array.shape != step.shape:
+        raise PlanError(f"input {step.input!r}: expected shape {list(step.shape)}, got {list(array.shape)}")
+    for device, block in zip(devices, step.layout.blocks):
+        if block is not None:
+            device[step.out] = (block, read_block(array, block).copy())
+
+
+def _read(devices: list[Device], k: int, value: str, region: ZRange, shape: tuple[int, ...], where: str) -> np.ndarray:
+    """`region` of a tensor from the block device k holds; cells outside the tensor are zero."""
+    inside = ZRange.from_shape(shape).intersection(region)
+    needed = inside is not None and not inside.is_empty
+    if value not in devices[k]:
+        if needed:
+            raise PlanError(f"{where} reads {inside} of {value} but holds none of it")
+        return np.zeros(region.shape, dtype=_dtype(devices, value))  # a block wholly in the padding
+    box, cells = devices[k][value]
+    if needed and not box.contains(inside):
+        raise PlanError(f"{where} reads {inside} of {value} but holds only {box}")
+    return read_block(cells, region.translate([-s for s in box.start]))
+
+
+def _compute(step: Compute, devices: list[Device]) -> None:
+    sig = step.signature
+    for k, (index_block, out_block) in enumerate(zip(step.blocks, step.layout.blocks)):
+        if index_block is None:
+            continue
+        where = f"step {step.out} ({step.kernel}) on device {k}"
+        args = [
+            _read(devices, k, arg, projection.apply(index_block), shape, where)
+            for arg, projection, shape in zip(step.args, sig.projections, step.input_shapes)
+        ]
+        value = np.asarray(sig.compute(args, index_block), dtype=args[0].dtype if args else np.float32)
+        region = sig.output.apply(index_block)
+        if value.shape != region.shape:
+            raise PlanError(f"{where}: {step.kernel} returned shape {value.shape} for block {region}")
+        if out_block is not None:
+            devices[k][step.out] = (out_block, value[out_block.relative_to(region)])
+
+
+def _reshard(step: Reshard, devices: list[Device]) -> None:
+    """Every receiver builds its new block from what it kept and what it was sent."""
+    incoming: dict[int, list[tuple[int, ZRange]]] = {k: [] for k in range(len(devices))}
+    for t in transfers(step.src_layout, step.layout):
+        incoming[t.dst].append((t.src, t.region))
+    received = {}
+    for k, need in enumerate(step.layout.blocks):
+        if need is None:
+            continue
+        own = step.src_layout.blocks[k]
+        local = own.intersection(need) if own is not None else None
+        pieces = incoming[k] + ([(k, local)] if local is not None and not local.is_empty else [])
+        cells = np.zeros(need.shape, dtype=_dtype(devices, step.src))
+        for src, region in sorted(pieces, key=lambda p: p[0]):
+            box, values = devices[src][step.src]
+            part = values[region.relative_to(box)]
+            if step.src_layout.partial:
+                cells[region.relative_to(need)] += part
+            else:
+                cells[region.relative_to(need)] = part
+        received[k] = (need, cells)
+    for k, held in received.items():
+        devices[k][step.out] = held
+
+
+def _dtype(devices: list[Device], value: str) -> np.dtype:
+    return next(device[value][1].dtype for device in devices if value in device)
+
+
+def assemble(layout: Layout, shape: tuple[int, ...], devices: list[Device], value: str) -> np.ndarray:
+    """The tensor a layout's blocks mean: plain blocks must agree where they overlap (to rounding:
+    replicas may have run different BLAS paths); partial ones add up."""
+    result = np.zeros(shape, dtype=_dtype(devices, value))
+    seen = np.zeros(shape, dtype=bool)
+    for k, (device, block) in enumerate(zip(devices, layout.blocks)):
+        if block is None:
+            continue
+        _, cells = device[value]
+        if layout.partial:
+            result[block.slices()] += cells
+            continue
+        earlier = seen[block.slices()]
+        if not np.allclose(result[block.slices()][earlier], cells[earlier], rtol=1e-6, atol=1e-6):
+            raise PlanError(f"value {value}: device {k}'s block {block} disagrees with another holder")
+        result[block.slices()] = cells
+        seen[block.slices()] = True
+    if not layout.partial and not seen.all():
+        raise PlanError(f"value {value}: no device holds some cells of the result")
+    return result

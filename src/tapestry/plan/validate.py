@@ -1,0 +1,186 @@
+"""Exact checks that a plan computes what its graph means, with islpy as the oracle.
+
+A plan that passes can be run step by step on every device without any device
+reading a cell it does not hold, and every step's recorded layout is the one its
+inputs and blocks actually produce. Cost models and lowering rely on both.
+"""
+from __future__ import annotations
+
+from tapestry.kernels import DimKind, KernelError, Shape, Signature
+from tapestry.plan.plan import Compute, Place, Plan, Reshard, Step
+from tapestry.sharding import Block, Layout, Mesh
+from tapestry.sharding.comm import CommError, transfers
+from tapestry.sharding.partition import Partition, needed_layout, output_layout, partition_issues
+from tapestry.zspace import ZRange, covers
+
+
+class PlanError(ValueError):
+    """An invalid plan; the message lists every problem found."""
+
+
+def validate_plan(plan: Plan) -> None:
+    problems = plan_problems(plan)
+    if problems:
+        raise PlanError(f"invalid plan ({len(problems)} problem(s)):\n  " + "\n  ".join(problems))
+
+
+def plan_problems(plan: Plan) -> list[str]:
+    """Every problem, each naming the step (and kernel and device) at fault; empty when valid."""
+    problems: list[str] = []
+    defined: dict[str, Step] = {}
+    for step in plan.steps:
+        where = _where(step)
+        if step.out in defined:
+            problems.append(f"{where}: value {step.out!r} is defined twice")
+        problems += [f"{where}: {p}" for p in _step_problems(plan, step, defined)]
+        defined[step.out] = step
+    problems += _output_problems(plan, defined)
+    return problems
+
+
+def _where(step: Step) -> str:
+    if isinstance(step, Compute):
+        return f"step {step.out} (compute {step.kernel})"
+    return f"step {step.out} ({type(step).__name__.lower()})"
+
+
+def _step_problems(plan: Plan, step: Step, defined: dict[str, Step]) -> list[str]:
+    if isinstance(step, Place):
+        return _place_problems(plan, step)
+    if isinstance(step, Reshard):
+        return _reshard_problems(plan.mesh, step, defined)
+    return _compute_problems(plan.mesh, step, defined)
+
+
+def layout_problems(layout: Layout, shape: Shape, mesh: Mesh, what: str = "layout") -> list[str]:
+    """A layout must give one block per device, each inside the tensor."""
+    if len(layout.blocks) != mesh.size:
+        return [f"{what} has {len(layout.blocks)} blocks for {mesh.size} devices"]
+    whole = ZRange.from_shape(shape)
+    return [
+        f"{what}: device {k} holds {b}, outside the tensor {whole}"
+        for k, b in enumerate(layout.blocks)
+        if b is not None and (b.ndim != whole.ndim or not whole.contains(b))
+    ]
+
+
+def _place_problems(plan: Plan, step: Place) -> list[str]:
+    if step.input not in plan.graph or not plan.graph[step.input].is_input:
+        return [f"places {step.input!r}, which is not an input of the graph"]
+    problems = layout_problems(step.layout, step.shape, plan.mesh)
+    if step.shape != plan.graph[step.input].shape:
+        problems.append(f"shape {list(step.shape)} differs from input {step.input!r}'s {list(plan.graph[step.input].shape)}")
+    if step.layout.partial:
+        problems.append("an input cannot be placed partial")
+    return problems
+
+
+def _shape(step: Step) -> Shape | None:
+    """None when a Compute's kernel does not bind: that step reports it, later ones need not."""
+    try:
+        return step.shape
+    except KernelError:
+        return None
+
+
+def _source_problems(value: str, shape: Shape, layout: Layout, defined: dict[str, Step], what: str) -> list[str]:
+    """`value` must be defined earlier, with the shape and layout the step says it has."""
+    if value not in defined:
+        return [f"{what} refers to {value!r}, which no earlier step defines"]
+    source, source_shape = defined[value], _shape(defined[value])
+    problems = []
+    if source_shape is not None and source_shape != shape:
+        problems.append(f"{what} {value!r} has shape {list(source_shape)}, but the step says {list(shape)}")
+    if source.layout != layout:
+        problems.append(f"{what} {value!r} is laid out {source.layout}, but the step says {layout}")
+    return problems
+
+
+def _reshard_problems(mesh: Mesh, step: Reshard, defined: dict[str, Step]) -> list[str]:
+    problems = _source_problems(step.src, step.shape, step.src_layout, defined, "source")
+    problems += layout_problems(step.layout, step.shape, mesh)
+    if not problems:
+        try:
+            transfers(step.src_layout, step.layout)
+        except CommError as err:
+            problems.append(f"impossible move: {err}")
+    return problems
+
+
+def _compute_problems(mesh: Mesh, step: Compute, defined: dict[str, Step]) -> list[str]:
+    try:
+        sig = step.signature
+    except KernelError as err:
+        return [str(err)]
+    if not len(step.args) == len(step.arg_layouts) == len(sig.projections):
+        return [f"{len(step.args)} args and {len(step.arg_layouts)} arg layouts for {len(sig.projections)} inputs"]
+    if len(step.blocks) != mesh.size:
+        return [f"{len(step.blocks)} index blocks for {mesh.size} devices"]
+    if any(b is not None and b.ndim != sig.index.ndim for b in step.blocks):
+        return [f"index blocks must have {sig.index.ndim} dims like the index space {sig.index}"]
+    problems = [f"blocks do not partition the index space: {p}" for p in partition_issues(sig, step.blocks)]
+    problems += _layout_claim_problems(sig, step)
+    for i, (arg, layout, shape) in enumerate(zip(step.args, step.arg_layouts, step.input_shapes)):
+        what = f"arg {i} ({sig.kernel.inputs[i]})"
+        problems += _source_problems(arg, shape, layout, defined, what)
+        malformed = layout_problems(layout, shape, mesh, f"{what} layout")
+        problems += malformed
+        if layout.partial:
+            problems.append(f"{what} {arg!r} is partial: kernels read true values")
+        elif not malformed:
+            problems += _read_problems(sig, i, step, what)
+    return problems
+
+
+def _layout_claim_problems(sig: Signature, step: Compute) -> list[str]:
+    """The output layout must be what the blocks write: their tiles, partial iff a reduction is split."""
+    implied = output_layout(sig, Partition(step.blocks, axes=()))
+    problems = []
+    if step.layout.blocks != implied.blocks:
+        problems.append(f"layout {Layout(step.layout.blocks)} is not what the blocks write: {implied}")
+    split = _splits_reduction(sig, step.blocks)
+    if split and not step.layout.partial:
+        problems.append("a reduction dim is split, so the output is partial sums, but the layout is not partial")
+    distinct = {b for b in step.blocks if b is not None}
+    if step.layout.partial and not split and len(distinct) < sum(b is not None for b in step.blocks):
+        problems.append("the layout is partial, but replicated blocks would be summed more than once")
+    return problems
+
+
+def _splits_reduction(sig: Signature, blocks: tuple[Block, ...]) -> bool:
+    return any(
+        b is not None and b.shape[d] != sig.index.shape[d] for b in blocks for d in sig.dims_of(DimKind.REDUCTION)
+    )
+
+
+def _read_problems(sig: Signature, arg: int, step: Compute, what: str) -> list[str]:
+    """Each device must hold every cell of the input block its index block reads (cells outside the tensor are zero)."""
+    needs = needed_layout(sig, arg, Partition(step.blocks, axes=()))
+    problems = []
+    for device, (need, held) in enumerate(zip(needs.blocks, step.arg_layouts[arg].blocks)):
+        if need is not None and (held is None or not covers([held], need)):
+            problems.append(f"device {device} reads {need} of {what} {step.args[arg]!r} but holds only {held}")
+    return problems
+
+
+def _output_problems(plan: Plan, defined: dict[str, Step]) -> list[str]:
+    problems = []
+    if set(plan.outputs) != set(plan.graph.outputs):
+        problems.append(f"plan outputs {sorted(plan.outputs)} differ from the graph's {sorted(plan.graph.outputs)}")
+    for name, value in plan.outputs.items():
+        if value not in defined:
+            problems.append(f"output {name!r} refers to {value!r}, which no step defines")
+            continue
+        step, shape = defined[value], _shape(defined[value])
+        if shape is None:
+            continue
+        where = f"output {name!r} ({_where(step)})"
+        if step.layout.partial:
+            problems.append(f"{where} is partial: reduce it before returning it")
+        held = [b for b in step.layout.blocks if b is not None]
+        if not layout_problems(step.layout, shape, plan.mesh) and not covers(held, ZRange.from_shape(shape)):
+            problems.append(f"{where}: the devices together do not hold the whole tensor")
+        target = plan.graph.outputs.get(name)
+        if target is not None and plan.graph[target].shape != shape:
+            problems.append(f"{where} has shape {list(shape)}, but the graph's is {list(plan.graph[target].shape)}")
+    return problems
