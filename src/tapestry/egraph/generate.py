@@ -1,0 +1,258 @@
+"""One generation pass: read the e-graph, name new classes, add shapes and the distributed layer.
+
+The pass reads a serialization of the e-graph, gives every logical class a
+handle `(Id n)` (so later commands can refer to it without rebuilding terms),
+infers each class's shape from the kernel registry, records `Rank`/`Dim` facts
+for rule guards, and inserts the distributed members of every logical node it
+has not seen before.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tapestry.egraph.distributed import Interner, reshard_pairs, runs_for
+from tapestry.egraph.rules import Rule
+from tapestry.egraph.schema import constructors, decode_param, encode_param, run_name
+from tapestry.egraph.sexp import SList
+from tapestry.egraph.session import Session, call, lit, set_value, union
+from tapestry.graph import Graph
+from tapestry.kernels import KernelError, Params, Shape
+from tapestry.sharding import Mesh
+
+NodeKey = tuple[str, Params, tuple[int, ...]]  # constructor, params, canonical handles of the args
+
+
+@dataclass
+class LogicalNode:
+    eclass: str
+    ctor: str
+    args: tuple[str, ...]  # child T classes
+    params: Params
+    input_name: str | None = None
+
+
+@dataclass
+class View:
+    """The logical layer of one serialization, plus what Python knows of each class."""
+
+    nodes: list[LogicalNode]
+    handles: dict[str, list[int]]  # class -> its Id handles
+    at_classes: dict[str, tuple[str, str]] = field(default_factory=dict)  # D class -> (T class, layout key)
+    size: int = 0
+
+
+def read_view(data: dict[str, Any]) -> View:
+    raw = data["nodes"]
+    table = constructors()
+    nodes, handles = [], defaultdict(list)
+
+    def literal(node_id: str) -> str:
+        return raw[node_id]["op"]
+
+    for spec in raw.values():
+        op, eclass, kids = spec["op"], spec["eclass"], spec["children"]
+        if op == "Id":
+            handles[eclass].append(int(literal(kids[0])))
+        elif op == "Input":
+            nodes.append(LogicalNode(eclass, op, (), (), literal(kids[0]).strip('"')))
+        elif op in table:
+            ctor = table[op]
+            n = len(ctor.kernel.inputs)
+            params = tuple(
+                (p, decode_param(ctor.kernel.params[p], literal(k))) for p, k in zip(ctor.params, kids[n:])
+            )
+            nodes.append(LogicalNode(eclass, op, tuple(raw[k]["eclass"] for k in kids[:n]), params))
+    view = View(nodes, dict(handles), size=len(raw))
+    for spec in raw.values():
+        if spec["op"] == "At":
+            t_node, layout = spec["children"]
+            view.at_classes[spec["eclass"]] = (raw[t_node]["eclass"], literal(layout).strip('"'))
+    return view
+
+
+def _provenance(ctor: str, fired: Sequence[Rule], iteration: int) -> str:
+    """The rules of the last round whose right-hand side builds `ctor`: the ones that made this node."""
+    makers = [r.short for r in fired if isinstance(r.rhs, SList) and r.rhs.head == ctor]
+    return f"made by {' or '.join(makers)} in round {iteration}" if makers else ""
+
+
+class Generator:
+    """Python's side of the e-graph: handles, shapes, provenance and the distributed layer."""
+
+    def __init__(self, session: Session, graph: Graph, mesh: Mesh) -> None:
+        self.session, self.graph, self.mesh = session, graph, mesh
+        self.interner = Interner()
+        self.parent: dict[int, int] = {}  # union-find over handles
+        self.shapes: dict[int, Shape] = {}
+        self.origins: dict[NodeKey, str] = {}
+        self.generated: set[NodeKey] = set()
+        self.layouts: dict[int, set[str]] = defaultdict(set)  # canonical handle -> layouts it occurs in
+        self.linked: set[tuple[int, str, str]] = set()  # reshards, places and delivers inserted
+        self.input_handles: dict[int, str] = {}
+        self.output_handles: dict[str, int] = {}
+        self.ill_typed: dict[str, str] = {}
+        self._next = 0
+
+    # -- handles --------------------------------------------------------------------------------
+    def find(self, h: int) -> int:
+        while self.parent.get(h, h) != h:
+            h = self.parent[h]
+        return h
+
+    def _merge(self, hs: list[int]) -> int:
+        root = min(self.find(h) for h in hs)
+        for h in hs:
+            r = self.find(h)
+            if r != root:
+                self.parent[r] = root
+                self.layouts[root] |= self.layouts.pop(r, set())
+        return root
+
+    def _fresh(self) -> int:
+        self._next += 1
+        return self._next - 1
+
+    # -- encoding the program -------------------------------------------------------------------
+    def encode(self) -> None:
+        """The block graph, as one `union (Id n) term` per node, sent in bulk."""
+        handle: dict[str, int] = {}
+        commands = []
+        for node in self.graph:
+            h = self._fresh()
+            handle[node.name] = h
+            if node.is_input:
+                term = call("Input", lit(node.name))
+                self.input_handles[h] = node.name
+            else:
+                ctor = next(c for c in constructors().values() if c.kernel.name == node.op)
+                params = dict(node.params)
+                term = call(ctor.name, *(call("Id", lit(handle[a])) for a in node.args),
+                            *(self._param_term(params[p]) for p in ctor.params))
+                key = (ctor.name, tuple(sorted(node.params)), tuple(handle[a] for a in node.args))
+                self.origins[key] = f"graph op {node.name}"
+            commands.append(union(call("Id", lit(h)), term))
+            self.shapes[h] = node.shape
+            commands += self._shape_facts(h, node.shape)
+        self.output_handles = {out: handle[target] for out, target in self.graph.outputs.items()}
+        self.session.insert(commands)
+
+    @staticmethod
+    def _param_term(value: Any) -> Any:
+        text = encode_param(value)
+        return lit(text.strip('"')) if text.startswith('"') else lit(int(text))
+
+    @staticmethod
+    def _shape_facts(h: int, shape: Shape) -> list[Any]:
+        facts = [set_value("Rank", [call("Id", lit(h))], lit(len(shape)))]
+        facts += [set_value("Dim", [call("Id", lit(h)), lit(i)], lit(n)) for i, n in enumerate(shape)]
+        return facts
+
+    # -- one pass -------------------------------------------------------------------------------
+    def refresh(self, fired: Sequence[Rule] = (), iteration: int = 0) -> tuple[View, int]:
+        """Serialize, then insert what the new logical nodes imply. Returns the view and how many
+        logical nodes were new (0 at a fixpoint)."""
+        view = read_view(self.session.serialize())
+        class_handle = {c: self._merge(hs) for c, hs in view.handles.items()}
+        commands: list[Any] = []
+        new_nodes = 0
+        pending = list(view.nodes)
+        while pending:  # name classes whose children are named, until nothing changes
+            waiting = []
+            for node in pending:
+                if node.ctor == "Input":
+                    continue
+                if not all(a in class_handle for a in node.args):
+                    waiting.append(node)
+                    continue
+                key = self._key(node, class_handle)
+                if node.eclass not in class_handle:
+                    shape = self._shape(node, class_handle)
+                    if shape is None:
+                        continue
+                    h = self._fresh()
+                    class_handle[node.eclass] = h
+                    self.shapes[h] = shape
+                    commands.append(union(call("Id", lit(h)), self._term(node, class_handle)))
+                    commands += self._shape_facts(h, shape)
+                if key not in self.generated:
+                    new_nodes += 1
+                    self.origins.setdefault(key, _provenance(node.ctor, fired, iteration))
+                    commands += self._distribute(node, key, class_handle)
+            if len(waiting) == len(pending):
+                break
+            pending = waiting
+        commands += self._links(class_handle)
+        self.session.insert(commands)
+        return view, new_nodes
+
+    def _key(self, node: LogicalNode, class_handle: dict[str, int]) -> NodeKey:
+        return (node.ctor, node.params, tuple(self.find(class_handle[a]) for a in node.args))
+
+    def _term(self, node: LogicalNode, class_handle: dict[str, int]) -> Any:
+        params = dict(node.params)
+        ctor = constructors()[node.ctor]
+        return call(node.ctor, *(call("Id", lit(class_handle[a])) for a in node.args),
+                    *(self._param_term(params[p]) for p in ctor.params))
+
+    def _shape(self, node: LogicalNode, class_handle: dict[str, int]) -> Shape | None:
+        kernel = constructors()[node.ctor].kernel
+        try:
+            return kernel.bind([self.shapes[self.find(class_handle[a])] for a in node.args], dict(node.params)).output_shape
+        except KernelError as err:
+            self.ill_typed[f"{node.ctor}{node.params}"] = str(err)
+            return None
+
+    def _distribute(self, node: LogicalNode, key: NodeKey, class_handle: dict[str, int]) -> list[Any]:
+        self.generated.add(key)
+        kernel = constructors()[node.ctor].kernel
+        arg_handles = [self.find(class_handle[a]) for a in node.args]
+        try:
+            sig = kernel.bind([self.shapes[h] for h in arg_handles], dict(node.params))
+        except KernelError as err:
+            self.ill_typed[f"{node.ctor}{node.params}"] = str(err)
+            return []
+        out = self.find(class_handle[node.eclass])
+        if sig.output_shape != self.shapes[out]:
+            self.ill_typed[f"{node.ctor}{node.params}"] = (
+                f"shape {list(sig.output_shape)} differs from its class's {list(self.shapes[out])}: a rule equated them"
+            )
+            return []
+        origin = f"{kernel.name} {self.origins.get(key, '')}".strip()
+        commands = []
+        for out_layout, arg_layouts, run_key in runs_for(sig, self.mesh, self.interner, origin):
+            self.layouts[out].add(out_layout)
+            args = []
+            for h, layout in zip(arg_handles, arg_layouts):
+                self.layouts[h].add(layout)
+                args.append(call("At", call("Id", lit(h)), lit(layout)))
+            commands.append(union(call("At", call("Id", lit(out)), lit(out_layout)),
+                                  call(run_name(kernel.name), *args, lit(run_key))))
+        return commands
+
+    def _links(self, class_handle: dict[str, int]) -> list[Any]:
+        """Place members for inputs, Reshard members between layouts, Deliver members for outputs."""
+        commands = []
+        inputs = {self.find(h): name for h, name in self.input_handles.items()}
+        outputs = {self.find(h): name for name, h in self.output_handles.items()}
+        for h in {self.find(x) for x in class_handle.values()}:
+            layouts = self.layouts.get(h, set())
+            at = lambda key: call("At", call("Id", lit(h)), lit(key))  # noqa: E731
+            if h in inputs:
+                for key in layouts:
+                    if (h, "place", key) not in self.linked and not self.interner.layouts[key][1].partial:
+                        self.linked.add((h, "place", key))
+                        commands.append(union(at(key), call("Place", lit(inputs[h]), lit(key))))
+            else:
+                for src, dst in reshard_pairs(layouts, self.interner):
+                    if (h, src, dst) not in self.linked:
+                        self.linked.add((h, src, dst))
+                        commands.append(union(at(dst), call("Reshard", at(src), lit(dst))))
+            if h in outputs:
+                for key in layouts:
+                    if (h, "deliver", key) not in self.linked and not self.interner.layouts[key][1].partial:
+                        self.linked.add((h, "deliver", key))
+                        commands.append(union(call("Result", lit(outputs[h])), call("Deliver", at(key))))
+        return commands
