@@ -1,0 +1,81 @@
+"""`tapestry optimize`: saturate, extract and save a plan, showing progress."""
+from __future__ import annotations
+
+import argparse
+import json
+import runpy
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from tapestry.egraph.driver import Budget, IterationStats
+from tapestry.graph import Graph, load_graph
+from tapestry.sharding import Mesh
+
+
+def load_program(path: Path) -> tuple[Graph, Mesh | None]:
+    """A graph JSON, or a Python script defining `graph` (and optionally `mesh`)."""
+    if path.suffix == ".py":
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no such script")
+        scope = runpy.run_path(str(path), run_name="__tapestry__")
+        graph = scope.get("graph")
+        if not isinstance(graph, Graph):
+            raise ValueError(f"{path}: the script must define `graph`, a tapestry.Graph")
+        return graph, scope.get("mesh")
+    return load_graph(path), None
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("optimize", help="find the cheapest plan for a graph on a mesh")
+    p.add_argument("program", type=Path, help="GRAPH.json or SCRIPT.py (defining `graph`)")
+    p.add_argument("--mesh", type=Mesh.parse, default=None, help="devices, e.g. 4 or 2x2 (default 1)")
+    p.add_argument("--rules", type=Path, action="append", default=[], help="extra rule file or directory")
+    p.add_argument("--no-builtin-rules", action="store_true", help="use only the --rules given")
+    p.add_argument("--budget-nodes", type=int, default=Budget.nodes)
+    p.add_argument("--budget-seconds", type=float, default=Budget.seconds)
+    p.add_argument("--budget-iterations", type=int, default=Budget.iterations)
+    p.add_argument("--extractor", default="ilp", choices=["bottom-up", "greedy-dag", "ilp"])
+    p.add_argument("--time-limit", type=float, default=10.0, help="extraction time limit (s)")
+    p.add_argument("--profile", default="cpu-gloo", help="cost-model profile name or JSON path")
+    p.add_argument("--stats", type=Path, help="write per-iteration saturation stats as JSON")
+    p.add_argument("--egraph-svg", type=Path, help="draw the e-graph (small ones only)")
+    p.add_argument("--out", "-o", type=Path, default=Path("plan.json"))
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tapestry.cost import DefaultCostModel, load_profile
+    from tapestry.egraph.rules import builtin_rule_paths
+    from tapestry.optimize import optimize
+
+    console = Console(stderr=True)
+    graph, script_mesh = load_program(args.program)
+    mesh = args.mesh or script_mesh or Mesh(1)
+    rules = ([] if args.no_builtin_rules else builtin_rule_paths()) + list(args.rules)
+    budget = Budget(args.budget_nodes, args.budget_seconds, args.budget_iterations)
+
+    def progress(stats: IterationStats) -> None:
+        fired = sum(stats.matches.values())
+        console.print(f"  round {stats.iteration}: {stats.enodes} e-nodes, {stats.eclasses} e-classes, "
+                      f"{stats.new_logical_nodes} new ops, {fired} matches, {stats.seconds:.2f}s")
+
+    console.print(f"optimizing {args.program} ({len(graph.ops)} ops) on mesh {mesh}")
+    result = optimize(graph, mesh, rules, budget, DefaultCostModel(load_profile(args.profile)),
+                      args.extractor, args.time_limit, progress)
+    console.print(f"saturation stopped by {result.stats.stopped_by}; extraction {result.selection.status}")
+    result.plan.save(args.out)
+    if args.stats:
+        args.stats.write_text(result.stats.dumps())
+    if args.egraph_svg:
+        result.render_egraph(args.egraph_svg)
+    table = Table("step", "kind", "what", "layout")
+    for step in result.plan.steps:
+        kind = type(step).__name__.lower()
+        what = getattr(step, "kernel", getattr(step, "input", getattr(step, "src", "")))
+        table.add_row(step.out, kind, str(what), step.layout.name(step.shape, mesh))
+    Console().print(table)
+    print(json.dumps({"plan": str(args.out), "cost": result.plan.cost, "steps": len(result.plan.steps),
+                      "stopped_by": result.stats.stopped_by}))
+    return 0
