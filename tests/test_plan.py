@@ -1,0 +1,313 @@
+"""Plans: a valid plan, simulated device by device, computes exactly what its graph means."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tapestry.cli import main
+from tapestry.evaluator import evaluate, random_inputs
+from tapestry.graph import Graph
+from tapestry.kernels import KERNELS
+from tapestry.plan import Compute, Plan, Reshard, build_plan
+from tapestry.plan.explain import explain
+from tapestry.plan.render import plan_to_dot
+from tapestry.plan.simulate import simulate
+from tapestry.plan.validate import PlanError, plan_problems, validate_plan
+from tapestry.sharding import Layout, Mesh
+from tapestry.sharding.collectives import Collective, classify_reshard
+from tapestry.sharding.comm import CommError
+from tapestry.sharding.partition import candidate_partitions
+from tapestry.testing.strategies import signatures
+from tapestry.zspace import ZRange
+
+MESHES = [Mesh(1), Mesh(2), Mesh(3), Mesh(4), Mesh(2, 2)]
+
+
+def assert_plan_computes_graph(plan: Plan, seed: int = 0) -> None:
+    validate_plan(plan)
+    inputs = random_inputs(plan.graph, seed)
+    expected, got = evaluate(plan.graph, inputs), simulate(plan, inputs)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-5)
+
+
+def collectives_of(plan: Plan) -> set[Collective]:
+    return {classify_reshard(s.src_layout, s.layout, s.shape, plan.mesh) for s in plan.steps if isinstance(s, Reshard)}
+
+
+# -- graphs ------------------------------------------------------------------------------------
+
+
+def seeds_example(batch: int = 16, features: int = 8, out: int = 6) -> Graph:
+    g = Graph()
+    x, w, b = g.input("x", (batch, features), "float64"), g.input("w", (features, out), "float64"), g.input("b", (out,), "float64")
+    g.output("y", g.relu(g.linear(x, w, b, name="lin"), name="act"))
+    return g
+
+
+def matmul_graph(m: int = 6, k: int = 12, n: int = 5) -> Graph:
+    g = Graph()
+    g.output("c", g.matmul(g.input("a", (m, k), "float64"), g.input("b", (k, n), "float64"), name="mm"))
+    return g
+
+
+def conv_graph(h: int = 11) -> Graph:
+    """relu then conv: the relu's row split must be widened by halos for the conv's row split."""
+    g = Graph()
+    x = g.relu(g.input("x", (2, 3, h, 9), "float64"), name="pre")
+    g.output("y", g.conv2d(x, g.input("w", (4, 3, 3, 3), "float64"), stride=1, padding=1, name="conv"))
+    return g
+
+
+def chain_graph() -> Graph:
+    """Four ops that each want a different layout of the value between them."""
+    g = Graph()
+    x, w, b = g.input("x", (10, 7), "float64"), g.input("w", (7, 9), "float64"), g.input("b", (9,), "float64")
+    h = g.relu(g.linear(x, w, b, name="lin"), name="act")
+    s = g.softmax(h, axis=0, name="soft")
+    g.output("y", g.sum(s, axis=1, name="total"))
+    return g
+
+
+# -- simulation equals evaluation ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mesh", "axes"),
+    [
+        (Mesh(1), {}),
+        (Mesh(2), {"lin": (0,), "act": (0,)}),
+        (Mesh(4), {"lin": (1,), "act": (1,)}),
+        (Mesh(4), {"lin": (0,), "act": (1,)}),
+        (Mesh(2, 2), {"lin": (0, 1), "act": (0, 1)}),
+        (Mesh(2, 2), {"lin": (0, 1), "act": (None, 0)}),
+    ],
+    ids=str,
+)
+def test_seeds_example_plans_compute_the_graph(mesh, axes):
+    assert_plan_computes_graph(build_plan(seeds_example(), mesh, axes))
+
+
+@pytest.mark.parametrize(("mesh", "axes"), [(Mesh(2), (2,)), (Mesh(4), (2,)), (Mesh(2, 2), (0, 2))], ids=str)
+def test_matmul_split_on_k_is_partial_then_all_reduced(mesh, axes):
+    plan = build_plan(matmul_graph(), mesh, {"mm": axes})
+    compute = next(s for s in plan.steps if isinstance(s, Compute))
+    assert compute.layout.partial
+    assert collectives_of(plan) == {Collective.ALL_REDUCE}
+    assert_plan_computes_graph(plan)
+
+
+@pytest.mark.parametrize("mesh", [Mesh(2), Mesh(4)], ids=str)
+def test_conv_split_on_output_rows_reads_halos_sent_by_neighbours(mesh):
+    plan = build_plan(conv_graph(), mesh, {"pre": (2,), "conv": (2,)})
+    assert collectives_of(plan) == {Collective.SEND_RECV}
+    assert_plan_computes_graph(plan)
+
+
+@pytest.mark.parametrize(("mesh", "axes"), [(Mesh(2), (0,)), (Mesh(4), (1,)), (Mesh(2, 2), (0, 1))], ids=str)
+def test_softmax_split_on_the_dims_off_its_axis(mesh, axes):
+    g = Graph()
+    g.output("y", g.softmax(g.input("x", (3, 6, 10), "float64"), axis=1, name="soft"))
+    assert_plan_computes_graph(build_plan(g, mesh, {"soft": axes}))
+
+
+@pytest.mark.parametrize("mesh", [Mesh(2), Mesh(4)], ids=str)
+def test_chain_with_a_different_split_per_op_reshards_between_them(mesh):
+    plan = build_plan(chain_graph(), mesh, {"lin": (0,), "act": (1,), "soft": (0,)})
+    assert {Collective.ALL_TO_ALL, Collective.ALL_GATHER} <= collectives_of(plan)
+    assert_plan_computes_graph(plan)
+
+
+@pytest.mark.parametrize("mesh", [Mesh(3), Mesh(4), Mesh(2, 2)], ids=str)
+def test_sizes_not_divisible_by_the_device_count(mesh):
+    axes = {"lin": (0,) * mesh.ndim if mesh.ndim == 1 else (0, 1), "act": (1,) * mesh.ndim}
+    assert_plan_computes_graph(build_plan(seeds_example(batch=7, features=5, out=3), mesh, axes))
+    assert_plan_computes_graph(build_plan(conv_graph(h=7), mesh, {"pre": (2,) * mesh.ndim, "conv": (2,) * mesh.ndim}))
+
+
+@st.composite
+def one_op_plans(draw) -> Plan:
+    """A random kernel on random shapes, then relu; each op takes a random candidate partition."""
+    kernel = KERNELS[draw(st.sampled_from(sorted(KERNELS)))]
+    sig = draw(signatures(kernel))
+    mesh = draw(st.sampled_from(MESHES))
+    g = Graph()
+    args = [g.input(f"in{i}", shape, "float64") for i, shape in enumerate(sig.input_shapes)]
+    g.output("y", g.relu(g.add(kernel.name, *args, name="op", **dict(sig.params)), name="after"))
+    partitions = {op: draw(st.sampled_from(candidate_partitions(g.signature(op), mesh))) for op in ("op", "after")}
+    return build_plan(g, mesh, partitions=partitions)
+
+
+@settings(max_examples=200, deadline=None)
+@given(plan=one_op_plans(), seed=st.integers(0, 2**16))
+def test_any_candidate_partition_of_any_kernel_makes_a_valid_plan_that_computes_the_graph(plan, seed):
+    assert_plan_computes_graph(plan, seed)
+
+
+# -- the validator rejects what devices could not run ---------------------------------------------
+
+
+def replace_step(plan: Plan, out: str, **changes) -> Plan:
+    steps = tuple(dataclasses.replace(s, **changes) if s.out == out else s for s in plan.steps)
+    return dataclasses.replace(plan, steps=steps)
+
+
+def split_plan() -> Plan:
+    """x split by rows over 4 devices: v0..v2 placed, v3 = linear, v4 = relu."""
+    return build_plan(seeds_example(), Mesh(4), {"lin": (0,), "act": (0,)})
+
+
+def problems_mentioning(plan: Plan, text: str) -> list[str]:
+    return [p for p in plan_problems(plan) if text in p]
+
+
+def test_a_built_plan_has_no_problems():
+    assert plan_problems(split_plan()) == []
+
+
+def test_blocks_leaving_a_gap_are_rejected():
+    plan = split_plan()
+    blocks = plan.by_id["v3"].blocks
+    problems = problems_mentioning(replace_step(plan, "v3", blocks=(*blocks[:3], None)), "gap")
+    assert problems and all(p.startswith("step v3 (compute linear)") for p in problems)
+
+
+def test_overlapping_blocks_are_rejected():
+    plan = split_plan()
+    b0, b1, *rest = plan.by_id["v3"].blocks
+    wider = ZRange(b0.start, (b1.start[0] + 1, b0.end[1]))
+    assert problems_mentioning(replace_step(plan, "v3", blocks=(wider, b1, *rest)), "overlap")
+
+
+def test_an_arg_layout_that_does_not_hold_a_devices_reads_is_rejected():
+    plan = split_plan()
+    by_columns = Layout.split((16, 8), plan.mesh, (1,))
+    plan = replace_step(replace_step(plan, "v0", layout=by_columns), "v3",
+                        arg_layouts=(by_columns, *plan.by_id["v3"].arg_layouts[1:]))
+    problems = problems_mentioning(plan, "reads")
+    assert problems and all(p.startswith("step v3 (compute linear): device") for p in problems)
+    with pytest.raises(PlanError, match="step v3"):
+        simulate(plan, random_inputs(plan.graph))  # the simulator never invents cells either
+
+
+def test_arg_layouts_must_be_the_layouts_their_values_have():
+    plan = split_plan()
+    plan = replace_step(plan, "v3", arg_layouts=(Layout.replicated((16, 8), plan.mesh), *plan.by_id["v3"].arg_layouts[1:]))
+    assert problems_mentioning(plan, "step v3 (compute linear): arg 0 (x) 'v0' is laid out")
+
+
+def test_a_dangling_value_reference_is_rejected():
+    plan = split_plan()
+    assert problems_mentioning(replace_step(plan, "v4", args=("v99",)), "step v4 (compute relu): arg 0 (x) refers to 'v99'")
+
+
+def test_a_value_defined_after_its_use_is_rejected():
+    plan = split_plan()
+    plan = dataclasses.replace(plan, steps=(plan.steps[1], plan.steps[0], *plan.steps[2:]))
+    assert plan_problems(plan) == []  # order among places is free
+    plan = dataclasses.replace(plan, steps=(*plan.steps[:3], plan.steps[4], plan.steps[3]))
+    assert problems_mentioning(plan, "step v4 (compute relu): arg 0 (x) refers to 'v3', which no earlier step")
+
+
+def test_a_partial_output_is_rejected():
+    plan = build_plan(matmul_graph(), Mesh(2), {"mm": (2,)})
+    partial = next(s.out for s in plan.steps if isinstance(s, Compute))
+    plan = dataclasses.replace(plan, steps=plan.steps[:-1], outputs={"c": partial})
+    assert problems_mentioning(plan, f"output 'c' (step {partial} (compute matmul)) is partial")
+    with pytest.raises(PlanError, match="partial"):
+        validate_plan(plan)
+
+
+def test_a_reshard_into_cells_no_device_holds_is_rejected():
+    plan = build_plan(seeds_example(), Mesh(2), {"lin": (0,), "act": (1,)})
+    reshard = next(s for s in plan.steps if isinstance(s, Reshard))
+    half = Layout((reshard.src_layout.blocks[0], None))
+    plan = replace_step(plan, reshard.out, src_layout=half)
+    assert problems_mentioning(plan, f"step {reshard.out} (reshard): source 'v3' is laid out")
+
+
+# -- collectives ---------------------------------------------------------------------------------
+
+
+SHAPE = (8, 6)
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "expected"),
+    [
+        (lambda m: Layout.split(SHAPE, m, (0,)), lambda m: Layout.replicated(SHAPE, m), Collective.ALL_GATHER),
+        (lambda m: Layout(Layout.replicated(SHAPE, m).blocks, True), lambda m: Layout.replicated(SHAPE, m), Collective.ALL_REDUCE),
+        (lambda m: Layout(Layout.replicated(SHAPE, m).blocks, True), lambda m: Layout.split(SHAPE, m, (1,)), Collective.REDUCE_SCATTER),
+        (lambda m: Layout.split(SHAPE, m, (0,)), lambda m: Layout.split(SHAPE, m, (1,)), Collective.ALL_TO_ALL),
+        (lambda m: Layout.replicated(SHAPE, m), lambda m: Layout.split(SHAPE, m, (0,)), Collective.NOOP),
+        (lambda m: Layout.split(SHAPE, m, (0,)), lambda m: Layout.split(SHAPE, m, (0,)), Collective.NOOP),
+        (lambda m: Layout.split(SHAPE, m, (0,)), lambda m: Layout((ZRange((0, 0), (3, 6)), *Layout.split(SHAPE, m, (0,)).blocks[1:])), Collective.SEND_RECV),
+    ],
+    ids=["split->R", "P->R", "P->S", "S(0)->S(1)", "R->S", "same", "halo"],
+)
+def test_classify_reshard_on_a_line(src, dst, expected):
+    mesh = Mesh(4)
+    assert classify_reshard(src(mesh), dst(mesh), SHAPE, mesh) is expected
+
+
+def test_gathering_along_one_axis_of_a_grid_is_an_all_gather():
+    mesh = Mesh(2, 2)
+    rows_cols, rows = Layout.split(SHAPE, mesh, (0, 1)), Layout.split(SHAPE, mesh, (0, None))
+    assert classify_reshard(rows_cols, rows, SHAPE, mesh) is Collective.ALL_GATHER
+    assert classify_reshard(rows, Layout.split(SHAPE, mesh, (None, 0)), SHAPE, mesh) is Collective.ALL_TO_ALL
+
+
+def test_classify_reshard_refuses_impossible_moves():
+    mesh = Mesh(2)
+    with pytest.raises(CommError):
+        classify_reshard(Layout((ZRange.from_shape((4, 6)), None)), Layout.replicated(SHAPE, mesh), SHAPE, mesh)
+
+
+# -- formats and commands -------------------------------------------------------------------------
+
+
+def test_plans_round_trip_through_json():
+    plan = build_plan(chain_graph(), Mesh(2, 2), {"lin": (0, 1), "act": (1, None), "soft": (0, None)})
+    again = Plan.from_json(json.loads(json.dumps(plan.to_json())))
+    assert again == plan
+    assert_plan_computes_graph(again)
+
+
+def test_explain_lists_every_step_with_its_layouts_and_communication():
+    plan = build_plan(seeds_example(), Mesh(4), {"lin": (0,), "act": (1,)})
+    text = explain(plan)
+    for step in plan.steps:
+        assert any(line.startswith(step.out + " ") for line in text.splitlines())
+    assert "compute  linear(x=v0, w=v1, b=v2) -> [16, 6] as S(0)" in text
+    assert "reshard  v3 S(0) -> S(1): all_to_all, 72 elements moved (max 24 into one device)" in text
+    assert "origin: lin" in text and "d3: 2 computes" in text
+
+
+def test_plan_pictures_draw_one_cluster_per_device_and_label_communication():
+    plan = build_plan(seeds_example(), Mesh(2, 2), {"lin": (0, 1), "act": (None, 0)})
+    source = plan_to_dot(plan).source
+    assert all(f"cluster_d{k}" in source for k in plan.mesh.devices)
+    assert "linear zr[0:8, 0:3]" in source and "all_to_all" in source
+
+
+def test_explain_command_prints_per_step_lines(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    build_plan(seeds_example(), Mesh(2), {"lin": (0,), "act": (0,)}).save(path)
+    assert main(["explain", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("plan on mesh 2 (2 devices)") and "\nv3  compute  linear(" in out
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz's dot is not installed")
+def test_show_command_draws_a_plan_as_svg(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    build_plan(seeds_example(), Mesh(2), {"lin": (0,), "act": (1,)}).save(path)
+    assert main(["show", str(path), "-o", str(tmp_path / "plan.svg")]) == 0
+    assert (tmp_path / "plan.svg").read_text().lstrip().startswith(("<?xml", "<svg"))
