@@ -1,0 +1,51 @@
+"""Cost models: seconds per distributed step, peak memory per device, and device profiles.
+
+See docs/cost-models.md. A cost model is anything with `step_cost(step, mesh)`;
+DefaultCostModel prices compute on a roofline and communication with alpha-beta.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tapestry.cost.comm import AlphaBeta, collective_time
+from tapestry.cost.memory import held_bytes, peak_memory
+from tapestry.cost.model import CostModel, plan_cost
+from tapestry.cost.profile import DeviceProfile, Link, Profile, builtin_profiles, load_profile
+from tapestry.cost.roofline import Roofline
+from tapestry.plan.plan import Step
+from tapestry.sharding import Mesh
+
+
+@dataclass(frozen=True)
+class DefaultCostModel:
+    """Roofline for Compute, alpha-beta for Reshard, and Place free: inputs arrive already laid out."""
+
+    profile: Profile
+
+    @property
+    def roofline(self) -> Roofline:
+        return Roofline(self.profile.device)
+
+    @property
+    def comm(self) -> AlphaBeta:
+        return AlphaBeta(self.profile)
+
+    def step_cost(self, step: Step, mesh: Mesh) -> float:
+        return self.roofline.step_cost(step, mesh) + self.comm.step_cost(step, mesh)
+
+
+__all__ = [
+    "AlphaBeta",
+    "CostModel",
+    "DefaultCostModel",
+    "DeviceProfile",
+    "Link",
+    "Profile",
+    "Roofline",
+    "builtin_profiles",
+    "collective_time",
+    "held_bytes",
+    "load_profile",
+    "peak_memory",
+    "plan_cost",
+]

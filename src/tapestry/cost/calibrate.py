@@ -1,0 +1,168 @@
+"""Measure this machine into a Profile: one CPU core as a device, gloo on loopback as the links.
+
+Each number is the median of a few repetitions after a warm-up, because the
+cores are shared and noisy; the raw medians are kept in the provenance so a
+profile can be judged later. Link alpha and beta are fitted by non-negative
+least squares to the same ring formulas the cost model prices with.
+"""
+from __future__ import annotations
+
+import datetime
+import platform
+import socket
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from rich.console import Console
+from rich.progress import Progress
+from scipy.optimize import nnls
+
+from tapestry.cost.comm import RING
+from tapestry.cost.profile import DeviceProfile, Link, Profile
+
+WORLD = 2
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much to measure: the full run stays under a minute, `quick` is a smoke test."""
+
+    matmul_sizes: tuple[int, ...]
+    copy_elements: int
+    collective_elements: tuple[int, ...]
+    reps: int
+
+    @classmethod
+    def choose(cls, quick: bool) -> Plan:
+        if quick:
+            return cls((64, 128), 1 << 16, (1, 1 << 10), 3)
+        return cls((256, 512, 1024), 1 << 24, (1, 1 << 10, 1 << 16, 1 << 20, 1 << 22), 9)
+
+
+def median_seconds(fn: Callable[[], Any], reps: int) -> float:
+    fn()  # warm-up: allocation, first-touch, lazy init
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_flops(sizes: tuple[int, ...], reps: int) -> dict[int, float]:
+    """FLOP/s of an n×n float32 matmul per size; the peak is the best size."""
+    rates = {}
+    for n in sizes:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        rates[n] = 2 * n**3 / median_seconds(lambda: torch.mm(a, b), reps)
+    return rates
+
+
+def memory_bandwidth(elements: int, reps: int) -> float:
+    """Bytes/s of c = a + b on arrays far larger than cache: two reads and a write per element."""
+    a, b, c = torch.randn(elements), torch.randn(elements), torch.empty(elements)
+    return 3 * 4 * elements / median_seconds(lambda: torch.add(a, b, out=c), reps)
+
+
+def launch_overhead(reps: int, calls: int = 2000) -> float:
+    """Seconds per call of a one-element add: dispatch cost with no work."""
+    a, b = torch.ones(1), torch.ones(1)
+
+    def many() -> None:
+        for _ in range(calls):
+            torch.add(a, b)
+
+    return median_seconds(many, reps) / calls
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_worker(rank: int, port: int, elements: tuple[int, ...], reps: int, results: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    rows = []
+    for n in elements:
+        x = torch.ones(n)
+        gathered = [torch.empty(n) for _ in range(WORLD)]
+        for kind, call, buffer in (
+            ("all_reduce", lambda: dist.all_reduce(x), 4 * n),
+            ("all_gather", lambda: dist.all_gather(gathered, x), 4 * n * WORLD),
+        ):
+            dist.barrier()
+            rows.append((kind, buffer, median_seconds(call, reps)))
+    if rank == 0:
+        results.put(rows)
+    dist.destroy_process_group()
+
+
+def gloo_collectives(elements: tuple[int, ...], reps: int) -> list[tuple[str, int, float]]:
+    """(collective, buffer bytes, median seconds) from two processes on loopback."""
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    mp.spawn(_gloo_worker, args=(_free_port(), elements, reps, results), nprocs=WORLD, join=True)
+    return results.get()
+
+
+def fit_link(rows: list[tuple[str, int, float]], p: int = WORLD) -> Link:
+    """alpha and 1/beta ≥ 0 minimising the squared relative error of the ring formulas."""
+    design, target = [], []
+    for kind, nbytes, seconds in rows:
+        steps, fraction = RING[kind](p)
+        design.append([steps / seconds, fraction * nbytes / seconds])  # relative: small messages count too
+        target.append(1.0)
+    (alpha, inverse_beta), _ = nnls(np.array(design), np.array(target))
+    return Link(alpha, 1.0 / inverse_beta if inverse_beta > 0 else float("inf"))
+
+
+@contextmanager
+def _phase(progress: Progress, label: str) -> Iterator[None]:
+    task = progress.add_task(label, total=None)
+    yield
+    progress.update(task, total=1, completed=1)
+
+
+def calibrate(command: str, quick: bool = False, console: Console | None = None) -> Profile:
+    """Measure a one-core device and a gloo link on this machine; `command` is recorded as provenance."""
+    plan = Plan.choose(quick)
+    torch.set_num_threads(1)
+    with Progress(console=console or Console(stderr=True)) as progress:
+        with _phase(progress, f"matmul {', '.join(map(str, plan.matmul_sizes))}"):
+            rates = matmul_flops(plan.matmul_sizes, plan.reps)
+        with _phase(progress, f"memory bandwidth ({4 * plan.copy_elements >> 20} MiB arrays)"):
+            bandwidth = memory_bandwidth(plan.copy_elements, plan.reps)
+        with _phase(progress, "launch overhead"):
+            overhead = launch_overhead(plan.reps)
+        with _phase(progress, f"gloo all_reduce/all_gather, {WORLD} processes on loopback"):
+            rows = gloo_collectives(plan.collective_elements, plan.reps)
+    link = fit_link(rows)
+    return Profile(
+        name="cpu-gloo",
+        device=DeviceProfile(max(rates.values()), bandwidth, overhead),
+        links=(link,),
+        provenance={
+            "command": command,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": f"{platform.machine()} {platform.processor() or platform.platform()}",
+            "torch": torch.__version__,
+            "method": (
+                "one torch thread per device; medians of repeated runs. peak_flops: best float32 n×n matmul; "
+                "mem_bandwidth: c = a + b (3 × 4 bytes per element); launch_overhead: one-element add; "
+                f"links: gloo all_reduce/all_gather between {WORLD} spawned processes over tcp://127.0.0.1, "
+                "alpha and beta fitted (NNLS, relative error) to the ring formulas of tapestry.cost.comm"
+            ),
+            "matmul_flops_by_size": {str(n): r for n, r in rates.items()},
+            "collectives": [{"kind": k, "bytes": b, "seconds": s} for k, b, s in rows],
+        },
+    )

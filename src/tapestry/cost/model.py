@@ -1,0 +1,26 @@
+"""The cost-model protocol: price one distributed step, in seconds.
+
+Each plan step (and each distributed e-node, which decodes 1:1 into a step)
+carries everything needed to price it, so a model never sees the whole plan:
+that keeps node costs local, which exact DAG extraction relies on.
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from tapestry.plan.plan import Plan, Step
+from tapestry.sharding import Mesh
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    """Anything with `step_cost`; subclassing is not needed."""
+
+    def step_cost(self, step: Step, mesh: Mesh) -> float:
+        """Seconds the mesh spends on `step` (a Place, Compute or Reshard)."""
+        ...
+
+
+def plan_cost(plan: Plan, model: CostModel) -> float:
+    """The sequential SPMD time: steps run one after another, each as slow as its slowest device."""
+    return sum(model.step_cost(step, plan.mesh) for step in plan.steps)

@@ -1,0 +1,104 @@
+"""Device and mesh profiles: the few numbers the built-in cost models need, kept as JSON.
+
+A profile is data, not code, so a measured machine (`tapestry calibrate`) and a
+spec sheet are interchangeable, and each records where its numbers came from.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+FORMAT = "tapestry.profile/1"
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One device's roofline: FLOP/s, bytes/s of memory traffic, seconds per kernel launch."""
+
+    peak_flops: float
+    mem_bandwidth: float
+    launch_overhead: float
+
+
+@dataclass(frozen=True)
+class Link:
+    """Alpha-beta link: a message of n bytes takes alpha + n / beta seconds."""
+
+    alpha: float
+    beta: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    device: DeviceProfile
+    links: tuple[Link, ...]  # one per mesh axis, or a single entry used for every axis
+    provenance: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        if not self.links:
+            raise ValueError(f"profile {self.name!r} has no links")
+
+    def link(self, axis: int) -> Link:
+        if len(self.links) == 1:
+            return self.links[0]
+        if axis >= len(self.links):
+            raise ValueError(f"profile {self.name!r} describes {len(self.links)} mesh axes, not axis {axis}")
+        return self.links[axis]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "name": self.name,
+            "provenance": dict(self.provenance),
+            "device": {
+                "peak_flops": self.device.peak_flops,
+                "mem_bandwidth": self.device.mem_bandwidth,
+                "launch_overhead": self.device.launch_overhead,
+            },
+            "links": [{"alpha": k.alpha, "beta": k.beta} for k in self.links],
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], source: str = "<json>") -> Profile:
+        if data.get("format") != FORMAT:
+            raise ValueError(f"{source}: not a profile (format {data.get('format')!r}, expected {FORMAT!r})")
+        try:
+            device = data["device"]
+            return cls(
+                name=str(data["name"]),
+                device=DeviceProfile(
+                    float(device["peak_flops"]), float(device["mem_bandwidth"]), float(device["launch_overhead"])
+                ),
+                links=tuple(Link(float(k["alpha"]), float(k["beta"])) for k in data["links"]),
+                provenance=dict(data.get("provenance", {})),
+            )
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"{source}: profile is missing or mistypes {err}") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+
+def _shipped() -> Any:
+    return resources.files("tapestry") / "profiles"
+
+
+def builtin_profiles() -> list[str]:
+    """Names `load_profile` accepts without a path."""
+    return sorted(p.name.removesuffix(".json") for p in _shipped().iterdir() if p.name.endswith(".json"))
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    """A shipped profile by name ('cpu-gloo'), or any profile JSON file by path."""
+    path = Path(name_or_path)
+    if path.suffix == ".json" or path.exists():
+        return Profile.from_json(json.loads(path.read_text()), str(path))
+    if str(name_or_path) not in builtin_profiles():
+        raise ValueError(f"no profile {str(name_or_path)!r}; built in: {', '.join(builtin_profiles())}, or give a path")
+    text = (_shipped() / f"{name_or_path}.json").read_text()
+    return Profile.from_json(json.loads(text), str(name_or_path))

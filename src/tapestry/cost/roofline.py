@@ -1,0 +1,41 @@
+"""Compute time of a Compute step on a device roofline.
+
+Every device runs its shard at once, so the step takes as long as its slowest
+device. FLOPs and bytes come from the kernel's sympy formulas (lambdified in
+Signature), so a fused kernel never pays for its intermediate: the intermediate
+is simply not among its inputs or outputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tapestry.cost.profile import DeviceProfile
+from tapestry.kernels import Signature
+from tapestry.plan.plan import Compute, Step
+from tapestry.sharding import Block, Mesh
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """Prices Compute steps; every other step is free here (see AlphaBeta for Reshard)."""
+
+    device: DeviceProfile
+
+    def shard_time(self, sig: Signature, block: Block) -> float:
+        """max(flops/peak, bytes/bandwidth) + launch overhead; an idle device or a view costs nothing.
+
+        Views are free: on a local block they are metadata (or fold into the
+        consumer's load), and charging them a launch would bias extraction
+        towards rewrites that merely remove transposes.
+        """
+        if block is None or block.is_empty or sig.kernel.is_view:
+            return 0.0
+        flops, nbytes = sig.cost(block)
+        return max(flops / self.device.peak_flops, nbytes / self.device.mem_bandwidth) + self.device.launch_overhead
+
+    def compute_time(self, step: Compute) -> float:
+        sig = step.signature
+        return max((self.shard_time(sig, b) for b in step.blocks), default=0.0)
+
+    def step_cost(self, step: Step, mesh: Mesh) -> float:
+        return self.compute_time(step) if isinstance(step, Compute) else 0.0

@@ -1,0 +1,241 @@
+"""Cost models: the default model ranks known cases right, formulas match hand-computed numbers."""
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+import pytest
+
+from tapestry import cli
+from tapestry.cost import (
+    AlphaBeta,
+    CostModel,
+    DefaultCostModel,
+    DeviceProfile,
+    Link,
+    Profile,
+    collective_time,
+    held_bytes,
+    load_profile,
+    peak_memory,
+    plan_cost,
+)
+from tapestry.graph import Graph
+from tapestry.plan import Compute, Plan, Reshard, build_plan
+from tapestry.sharding import Layout, Mesh
+from tapestry.sharding.collectives import classify_reshard
+from tapestry.zspace import ZRange
+
+ALPHA, BETA = 1e-5, 1e10
+PROFILE = Profile(
+    "test",
+    DeviceProfile(peak_flops=1e12, mem_bandwidth=1e11, launch_overhead=1e-5),
+    (Link(ALPHA, BETA),),
+    {"source": "hand-made for tests"},
+)
+MODEL = DefaultCostModel(PROFILE)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def matmul_graph(n: int) -> Graph:
+    g = Graph()
+    a, b = g.input("a", (n, n)), g.input("b", (n, n))
+    g.output("y", g.matmul(a, b, name="mm"))
+    return g
+
+
+def k_split_plan(n: int, mesh: Mesh) -> Plan:
+    """matmul split on its reduction dim k: partial products, then the all-reduce build_plan adds."""
+    return build_plan(matmul_graph(n), mesh, {"mm": (2,)})
+
+
+def compute_bytes(plan: Plan) -> float:
+    return sum(s.signature.cost(s.blocks[0])[1] for s in plan.steps if isinstance(s, Compute))
+
+
+# -- ranking ------------------------------------------------------------------------------------
+def test_sharding_a_large_matmul_beats_replicating_it_when_compute_dominates() -> None:
+    mesh = Mesh(4)
+    replicated = build_plan(matmul_graph(4096), mesh)
+    sharded = k_split_plan(4096, mesh)
+    assert any(isinstance(s, Reshard) for s in sharded.steps), "the sharded plan pays for its all-reduce"
+    assert plan_cost(sharded, MODEL) < plan_cost(replicated, MODEL)
+
+
+def test_replicating_a_tiny_matmul_beats_sharding_it_when_latency_dominates() -> None:
+    mesh = Mesh(4)
+    assert plan_cost(build_plan(matmul_graph(8), mesh), MODEL) < plan_cost(k_split_plan(8, mesh), MODEL)
+
+
+def test_fusion_saves_the_intermediate_bytes() -> None:
+    def plan(fused: bool) -> Plan:
+        g = Graph()
+        x, w, b = g.input("x", (256, 128)), g.input("w", (128, 64)), g.input("b", (64,))
+        g.output("y", g.linear_relu(x, w, b) if fused else g.relu(g.linear(x, w, b)))
+        return build_plan(g, Mesh(1))
+
+    intermediate = 4 * 256 * 64  # float32 [256, 64]
+    assert compute_bytes(plan(False)) - compute_bytes(plan(True)) == 2 * intermediate  # written once, read once
+    assert plan_cost(plan(True), MODEL) < plan_cost(plan(False), MODEL)
+
+
+def test_a_view_costs_nothing() -> None:
+    g = Graph()
+    g.output("t", g.transpose(g.input("x", (64, 32))))
+    (step,) = [s for s in build_plan(g, Mesh(2), {"transpose_0": (0,)}).steps if isinstance(s, Compute)]
+    assert MODEL.step_cost(step, Mesh(2)) == 0.0
+
+
+def test_place_is_free_inputs_arrive_laid_out() -> None:
+    plan = build_plan(matmul_graph(64), Mesh(4), {"mm": (0,)})
+    assert all(MODEL.step_cost(s, plan.mesh) == 0.0 for s in plan.steps if not isinstance(s, Compute | Reshard))
+
+
+def test_a_compute_step_takes_as_long_as_its_largest_shard() -> None:
+    n, mesh = 4096, Mesh(4)
+    (step,) = [s for s in build_plan(matmul_graph(n), mesh, {"mm": (0,)}).steps if isinstance(s, Compute)]
+    flops = 2 * (n // 4) * n * n
+    assert MODEL.step_cost(step, mesh) == pytest.approx(flops / 1e12 + 1e-5)
+
+
+# -- communication --------------------------------------------------------------------------------
+def test_a_partial_output_is_all_reduced_with_the_ring_formula() -> None:
+    n, mesh = 8, Mesh(4)
+    (reshard,) = [s for s in k_split_plan(n, mesh).steps if isinstance(s, Reshard)]
+    assert reshard.src_layout.partial and not reshard.layout.partial
+    assert classify_reshard(reshard.src_layout, reshard.layout, reshard.shape, mesh) == "all_reduce"
+    p, nbytes = 4, n * n * 4
+    assert MODEL.step_cost(reshard, mesh) == pytest.approx(2 * (p - 1) / p * nbytes / BETA + 2 * (p - 1) * ALPHA)
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected"),
+    [
+        ("all_gather", 3 * 1e-6 + 0.75 * 4000 / 1e9),
+        ("reduce_scatter", 3 * 1e-6 + 0.75 * 4000 / 1e9),
+        ("all_reduce", 6 * 1e-6 + 1.5 * 4000 / 1e9),
+        ("all_to_all", 3 * 1e-6 + 0.75 * 4000 / 1e9),
+    ],
+)
+def test_collective_formulas_on_hand_computed_numbers(kind: str, expected: float) -> None:
+    assert collective_time(kind, 4000, 4, Link(1e-6, 1e9)) == pytest.approx(expected)
+    assert collective_time(kind, 4000, 1, Link(1e-6, 1e9)) == 0.0
+
+
+def test_point_to_point_moves_use_exact_volumes() -> None:
+    """A halo: each of 2 devices receives one element in one message from the other."""
+    mesh, shape = Mesh(2), (4,)
+    src = Layout.split(shape, mesh, (0,))
+    dst = Layout((ZRange((1,), (3,)), ZRange((1,), (3,))))
+    step = Reshard("h", "x", shape, src, dst)
+    assert classify_reshard(src, dst, shape, mesh) == "send_recv"
+    assert MODEL.step_cost(step, mesh) == pytest.approx(ALPHA + 4 / BETA)
+
+
+def test_a_collective_on_one_mesh_axis_uses_that_axis_link_and_size() -> None:
+    mesh, shape = Mesh(2, 4), (8, 8)
+    slow, fast = Link(1e-3, 1e8), Link(1e-6, 1e11)
+    model = AlphaBeta(Profile("two-level", PROFILE.device, (slow, fast)))
+    gather_axis_1 = Reshard("g", "x", shape, Layout.split(shape, mesh, (None, 0)), Layout.replicated(shape, mesh))
+    assert model.step_cost(gather_axis_1, mesh) == pytest.approx(collective_time("all_gather", 256, 4, fast))
+    gather_both = Reshard("g", "x", shape, Layout.split(shape, mesh, (0, 1)), Layout.replicated(shape, mesh))
+    assert model.step_cost(gather_both, mesh) == pytest.approx(collective_time("all_gather", 256, 8, Link(1e-3, 1e8)))
+
+
+# -- memory ---------------------------------------------------------------------------------------
+def diamond(mesh: Mesh, axes: tuple[int | None, ...]) -> Plan:
+    """x -> a = relu(x) -> b = relu(a) -> c = a + b: `a` stays live until `c`."""
+    g = Graph()
+    x = g.input("x", (4, 4))
+    a = g.relu(x, name="a")
+    g.output("c", g.add("add", a, g.relu(a, name="b"), name="c"))  # g.add is the generic builder
+    return build_plan(g, mesh, {op: axes for op in ("a", "b", "c")})
+
+
+def test_peak_memory_by_hand() -> None:
+    block = 4 * 16  # one float32 [4, 4]
+    # live at each step: x | x a | a b | a b c  -> peak 3 blocks
+    assert peak_memory(diamond(Mesh(1), (None,))) == [3 * block]
+    assert peak_memory(diamond(Mesh(2), (0,))) == [3 * block // 2] * 2
+
+
+def test_held_bytes_are_the_result_blocks_per_device() -> None:
+    plan = diamond(Mesh(2), (0,))
+    assert held_bytes(plan.by_id[plan.outputs["c"]]) == (32, 32)
+
+
+# -- profiles, protocol, CLI ----------------------------------------------------------------------
+def test_profile_json_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "p.json"
+    PROFILE.save(path)
+    assert load_profile(path) == PROFILE
+    assert load_profile(path).provenance == PROFILE.provenance
+
+
+@pytest.mark.parametrize("name", ["cpu-gloo", "gpu-h100-nccl"])
+def test_shipped_profiles_load_by_name_and_say_where_they_come_from(name: str) -> None:
+    profile = load_profile(name)
+    assert profile.name == name and profile.provenance
+    assert profile.device.peak_flops > 0 and profile.link(3).beta > 0
+
+
+def test_one_link_serves_every_axis_several_links_one_each() -> None:
+    one = Profile("one", PROFILE.device, (Link(1, 2),))
+    two = Profile("two", PROFILE.device, (Link(1, 2), Link(3, 4)))
+    assert one.link(5) == Link(1, 2)
+    assert two.link(1) == Link(3, 4)
+    with pytest.raises(ValueError, match="axis 2"):
+        two.link(2)
+
+
+def test_a_user_model_is_any_class_with_step_cost() -> None:
+    class Steps:
+        def step_cost(self, step: object, mesh: Mesh) -> float:
+            return 1.0
+
+    plan = k_split_plan(8, Mesh(4))
+    assert isinstance(Steps(), CostModel)
+    assert plan_cost(plan, Steps()) == len(plan.steps)
+
+
+def test_the_custom_cost_model_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    runpy.run_path(str(ROOT / "examples" / "custom_cost_model.py"), run_name="__main__")
+    assert "bytes moved" in capsys.readouterr().out
+
+
+@pytest.fixture
+def only_the_cost_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Other subcommands are built elsewhere in parallel; this suite depends on none of them."""
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ("tapestry.cost.command",))
+
+
+def test_cost_symbolic_prints_the_formulas(only_the_cost_command: None, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["cost", "--symbolic", "linear", "--shapes", "64x128,128x32,32"]) == 0
+    out = capsys.readouterr().out
+    assert "flops = 256*batch0*out" in out
+    assert "bytes = 4*batch0*out + 512*batch0 + 516*out" in out
+
+
+def test_cost_on_a_mesh_prices_every_candidate_partition(
+    only_the_cost_command: None, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "p.json"
+    PROFILE.save(path)
+    argv = ["cost", "--symbolic", "softmax", "--shapes", "64x128", "--param", "axis=1", "--mesh", "4"]
+    assert cli.main([*argv, "--profile", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "replicate" in out and "split(d0)" in out
+
+
+def test_cost_rejects_a_bad_shape(only_the_cost_command: None, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["cost", "--symbolic", "relu", "--shapes", "4xq"]) == 2
+    assert "--shapes" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_calibrate_quick_writes_a_loadable_profile(only_the_cost_command: None, tmp_path: Path) -> None:
+    path = tmp_path / "cpu.json"
+    assert cli.main(["calibrate", "-o", str(path), "--quick"]) == 0
+    profile = load_profile(path)
+    assert profile.device.peak_flops > 0 and profile.links[0].alpha >= 0
+    assert "tapestry calibrate" in profile.provenance["command"]
