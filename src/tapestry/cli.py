@@ -14,6 +14,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "tapestry.graph.command",
     "tapestry.extract.command",
     "tapestry.cost.command",
+    "tapestry.cost.command",
     "tapestry.plan.command",
     "tapestry.egraph.command",
 )
