@@ -14,7 +14,6 @@ COMMAND_MODULES: tuple[str, ...] = (
     "tapestry.graph.command",
     "tapestry.extract.command",
     "tapestry.cost.command",
-    "tapestry.cost.command",
     "tapestry.plan.command",
     "tapestry.egraph.command",
 )
