@@ -16,6 +16,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "tapestry.cost.command",
     "tapestry.plan.command",
     "tapestry.egraph.command",
+    "tapestry.runtime.command",
 )
 
 

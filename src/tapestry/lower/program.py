@@ -1,0 +1,335 @@
+"""Plan -> one program per rank.
+
+Every plan step becomes, on each rank, the exact local work it implies: a Place
+reads the rank's input block, a Compute runs the kernel on the rank's index
+block, and a Reshard becomes one collective (or point-to-point moves) whose
+regions come from sharding.comm.transfers. The collective chosen for a reshard
+is the same on every rank, so the programs stay in SPMD lockstep; a rank with
+no data for a collective still joins it with an empty contribution.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tapestry.kernels import Params, Shape
+from tapestry.plan.plan import Compute, Place, Plan, Reshard
+from tapestry.sharding import Block, Layout, Mesh
+from tapestry.sharding.collectives import Collective, classify_reshard
+from tapestry.sharding.comm import Transfer, transfers
+from tapestry.zspace import ZRange
+
+
+class LoweringError(ValueError):
+    """A plan whose steps do not fit together (a read outside a held block, an unknown value)."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A region (global coordinates) that moves to or from rank `peer`."""
+
+    peer: int
+    region: ZRange
+
+
+@dataclass(frozen=True)
+class Read:
+    """Where a shard finds one argument: `box` of buffer `buffer` (local coordinates), zero-padded by
+    `pad` (before, after) per dim, because a kernel may read outside the tensor (conv padding)."""
+
+    buffer: str
+    box: ZRange | None  # None: the read lies wholly outside the tensor
+    pad: tuple[tuple[int, int], ...]
+    shape: Shape
+
+    @property
+    def slices(self) -> tuple[slice, ...]:
+        return () if self.box is None else self.box.slices()
+
+
+@dataclass(frozen=True)
+class PlaceBlock:
+    """Materialise this rank's block of program input `input`."""
+
+    step: int
+    out: str
+    input: str
+    block: ZRange
+
+    def __str__(self) -> str:
+        return f"{self.out} = place {self.input}{_box(self.block)}"
+
+
+@dataclass(frozen=True)
+class ShardCompute:
+    """Run `kernel` on this rank's index block; `kwargs` are the impl's call kwargs for that block."""
+
+    step: int
+    out: str
+    kernel: str
+    kwargs: Params
+    index: ZRange
+    reads: tuple[Read, ...]
+    out_block: ZRange
+
+    def __str__(self) -> str:
+        reads = ", ".join(_show(r) for r in self.reads)
+        kwargs = "".join(f", {k}={v}" for k, v in self.kwargs)
+        return f"{self.out}{_box(self.out_block)} = {self.kernel}({reads}{kwargs})  index {_box(self.index)}"
+
+
+@dataclass(frozen=True)
+class Comm:
+    """Common to every communication step: this rank's source and destination blocks."""
+
+    step: int
+    out: str
+    src: str
+    src_block: Block
+    out_block: Block
+
+    @property
+    def kind(self) -> str:
+        return _KIND_NAMES[type(self)]
+
+    def __str__(self) -> str:
+        return f"{self.out}{_box(self.out_block)} = {self.kind} {self.src}{_box(self.src_block)}{self._detail()}"
+
+    def _detail(self) -> str:
+        return ""
+
+
+@dataclass(frozen=True)
+class Local(Comm):
+    """No data moves: this rank's destination block lies inside its own source block."""
+
+
+@dataclass(frozen=True)
+class AllGather(Comm):
+    """Every rank contributes its whole source block (padded to the largest); `take` says which
+    region of whose block lands in this rank's destination."""
+
+    blocks: tuple[Block, ...]
+    take: tuple[Piece, ...]
+
+    def _detail(self) -> str:
+        return "  take " + ", ".join(f"{p.region}@{p.peer}" for p in self.take) if self.take else ""
+
+
+@dataclass(frozen=True)
+class AllReduce(Comm):
+    """Every rank sums `region`: its partial source block, or zeros where it holds none."""
+
+    region: ZRange
+
+
+@dataclass(frozen=True)
+class ReduceScatter(Comm):
+    """Rank j receives the sum over ranks of their partial cells of `out_blocks[j]` (padded to the largest)."""
+
+    out_blocks: tuple[Block, ...]
+
+
+@dataclass(frozen=True)
+class Exchange(Comm):
+    """Exact block moves: `send` and `recv` pieces (ordered the same on both ends), plus the `local`
+    part of the destination already held; `accumulate` sums arrivals (partial source)."""
+
+    send: tuple[Piece, ...]
+    recv: tuple[Piece, ...]
+    local: ZRange | None
+    accumulate: bool
+
+    def _detail(self) -> str:
+        parts = [f"send {p.region}->{p.peer}" for p in self.send]
+        parts += [f"recv {p.region}<-{p.peer}" for p in self.recv]
+        return ("  " + ", ".join(parts) if parts else "") + ("  (summed)" if self.accumulate else "")
+
+
+@dataclass(frozen=True)
+class AllToAll(Exchange):
+    """Every rank trades with every other: one all_to_all_single with exact split sizes."""
+
+
+@dataclass(frozen=True)
+class SendRecv(Exchange):
+    """Only some pairs trade (halos, gathers to one rank): batched isend/irecv."""
+
+
+_KIND_NAMES: dict[type, str] = {
+    Local: "local", AllGather: "all_gather", AllReduce: "all_reduce", ReduceScatter: "reduce_scatter",
+    AllToAll: "all_to_all", SendRecv: "send_recv",
+}
+
+RankStep = PlaceBlock | ShardCompute | Comm
+
+
+@dataclass(frozen=True)
+class RankProgram:
+    rank: int
+    world: int
+    steps: tuple[RankStep, ...]
+
+    def __str__(self) -> str:
+        lines = [f"rank {self.rank} of {self.world}"]
+        lines += [f"  [{s.step:>3}] {s}" for s in self.steps]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class LoweredProgram:
+    """The per-rank programs, plus where rank 0 finds each gathered output."""
+
+    plan: Plan
+    ranks: tuple[RankProgram, ...]
+    outputs: Mapping[str, str]  # output name -> buffer on rank 0 holding the whole value
+
+    def describe(self, step: int) -> str:
+        """One line naming plan step `step`, for error messages."""
+        for rank in self.ranks:
+            for s in rank.steps:
+                if s.step == step:
+                    return f"step {step} ({type(s).__name__} -> {s.out})"
+        return f"step {step}"
+
+    def __str__(self) -> str:
+        return "\n\n".join(str(r) for r in self.ranks)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickles as the plan's JSON (kernels hold lambdas); lowering again is cheap and deterministic."""
+        return _lower_json, (self.plan.to_json(),)
+
+
+def lower(plan: Plan) -> LoweredProgram:
+    """One program per device of the plan's mesh, then a gather of every output to rank 0."""
+    mesh = plan.mesh
+    per_rank: list[list[RankStep]] = [[] for _ in mesh.devices]
+    layouts: dict[str, Layout] = {}
+    for index, step in enumerate(plan.steps):
+        for rank, rank_step in enumerate(_lower_step(index, step, layouts, mesh)):
+            if rank_step is not None:
+                per_rank[rank].append(rank_step)
+        layouts[step.out] = step.layout
+    outputs: dict[str, str] = {}
+    gathered: dict[str, str] = {}
+    for name, value in plan.outputs.items():
+        if value not in gathered:
+            shape = plan.by_id[value].shape
+            gather = Reshard(f"{value}@0", value, shape, layouts[value], _on_rank0(shape, mesh))
+            for rank, rank_step in enumerate(_lower_step(len(plan.steps) + len(gathered), gather, layouts, mesh)):
+                if rank_step is not None:
+                    per_rank[rank].append(rank_step)
+            gathered[value] = gather.out
+        outputs[name] = gathered[value]
+    ranks = tuple(RankProgram(r, mesh.size, tuple(steps)) for r, steps in enumerate(per_rank))
+    return LoweredProgram(plan, ranks, outputs)
+
+
+def _lower_json(data: Mapping[str, Any]) -> LoweredProgram:
+    return lower(Plan.from_json(data))
+
+
+def _on_rank0(shape: Shape, mesh: Mesh) -> Layout:
+    return Layout((ZRange.from_shape(shape), *(None,) * (mesh.size - 1)))
+
+
+def _lower_step(index: int, step: Place | Compute | Reshard, layouts: Mapping[str, Layout], mesh: Mesh) -> list[RankStep | None]:
+    if isinstance(step, Place):
+        return [None if b is None else PlaceBlock(index, step.out, step.input, b) for b in step.layout.blocks]
+    if isinstance(step, Compute):
+        return [_shard(index, step, rank, layouts) for rank in mesh.devices]
+    return _reshard(index, step, layouts, mesh)
+
+
+def _shard(index: int, step: Compute, rank: int, layouts: Mapping[str, Layout]) -> ShardCompute | None:
+    block = step.blocks[rank]
+    if block is None:
+        return None
+    sig = step.signature
+    reads = []
+    for arg, shape, projection in zip(step.args, step.input_shapes, sig.projections):
+        if arg not in layouts:
+            raise LoweringError(f"step {index} ({step.out}) reads {arg!r}, which no earlier step makes")
+        reads.append(_read(arg, layouts[arg].blocks[rank], projection.apply(block), shape, f"step {index} ({step.out})"))
+    kwargs = tuple(sorted(sig.call_kwargs(block).items()))
+    return ShardCompute(index, step.out, step.kernel, kwargs, block, tuple(reads), sig.output.apply(block))
+
+
+def _read(buffer: str, held: Block, want: ZRange, shape: Shape, where: str) -> Read:
+    inside = ZRange.from_shape(shape).intersection(want)
+    pad = tuple((max(0, -s), max(0, e - size)) for s, e, size in zip(want.start, want.end, shape))
+    if inside is None or inside.is_empty:
+        return Read(buffer, None, pad, want.shape)
+    if held is None or not held.contains(inside):
+        raise LoweringError(f"{where}: needs {inside} of {buffer!r} but this rank holds {held}")
+    return Read(buffer, inside.translate([-s for s in held.start]), pad, want.shape)
+
+
+def _reshard(index: int, step: Reshard, layouts: Mapping[str, Layout], mesh: Mesh) -> list[RankStep | None]:
+    src, dst = step.src_layout, step.layout
+    if step.src not in layouts:
+        raise LoweringError(f"step {index} ({step.out}) reshards {step.src!r}, which no earlier step makes")
+    moves = transfers(src, dst)
+    kind = step_type(src, dst, step.shape, mesh)
+    world = len(dst.blocks)
+    steps: list[RankStep | None] = []
+    for rank in range(world):
+        common = (index, step.out, step.src, src.blocks[rank], dst.blocks[rank])
+        own = _overlap(src.blocks[rank], dst.blocks[rank])
+        if kind is Local:
+            steps.append(None if dst.blocks[rank] is None else Local(*common))
+        elif kind is AllReduce:
+            steps.append(AllReduce(*common, region=next(b for b in dst.blocks if b is not None)))
+        elif kind is ReduceScatter:
+            steps.append(ReduceScatter(*common, out_blocks=dst.blocks))
+        elif kind is AllGather:
+            take = ((Piece(rank, own),) if own is not None else ()) + _pieces(moves, rank, "dst")
+            steps.append(AllGather(*common, blocks=src.blocks, take=take))
+        else:
+            send, recv = _pieces(moves, rank, "src"), _pieces(moves, rank, "dst")
+            quiet = kind is SendRecv and not send and not recv
+            steps.append(None if quiet and dst.blocks[rank] is None else kind(*common, send, recv, own, src.partial))
+    return steps
+
+
+def _overlap(a: Block, b: Block) -> ZRange | None:
+    inside = None if a is None or b is None else a.intersection(b)
+    return None if inside is None or inside.is_empty else inside
+
+
+def _pieces(moves: list[Transfer], rank: int, side: str) -> tuple[Piece, ...]:
+    """The moves this rank sends (side 'src') or receives (side 'dst'), tagged with the other end."""
+    if side == "src":
+        return tuple(Piece(t.dst, t.region) for t in moves if t.src == rank)
+    return tuple(Piece(t.src, t.region) for t in moves if t.dst == rank)
+
+
+def step_type(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> type[Comm]:
+    """The step for sharding.collectives' name of this reshard. Each step type moves the exact regions
+    of the layouts, whatever they are; only all_reduce needs every block to be one region, else the
+    (padded) reduce_scatter does the same sum."""
+    kind = classify_reshard(src, dst, shape, mesh)
+    if kind is Collective.ALL_REDUCE and not _one_region(src, dst):
+        return ReduceScatter
+    return _STEP_TYPES[kind]
+
+
+_STEP_TYPES: dict[Collective, type[Comm]] = {
+    Collective.NOOP: Local, Collective.ALL_GATHER: AllGather, Collective.ALL_REDUCE: AllReduce,
+    Collective.REDUCE_SCATTER: ReduceScatter, Collective.ALL_TO_ALL: AllToAll, Collective.SEND_RECV: SendRecv,
+}
+
+
+def _one_region(src: Layout, dst: Layout) -> bool:
+    held = {b for b in (*src.blocks, *dst.blocks) if b is not None}
+    return len(held) == 1
+
+
+def _box(block: Block) -> str:
+    return "[idle]" if block is None else "[" + ", ".join(f"{s}:{e}" for s, e in zip(block.start, block.end)) + "]"
+
+
+def _show(read: Read) -> str:
+    pad = f" pad {list(read.pad)}" if any(any(p) for p in read.pad) else ""
+    return f"{read.buffer}{_box(read.box) if read.box is not None else '[zeros]'}{pad}"

@@ -1,0 +1,298 @@
+"""Running one rank's program: buffers in, kernels and collectives, outputs and step timings out.
+
+The process group must already be initialised (by the spawn launcher or by
+torchrun); this module only walks the rank's steps in order.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tapestry.evaluator import random_inputs
+from tapestry.graph import Graph
+from tapestry.lower.compile import shard_function
+from tapestry.lower.program import (
+    AllGather, AllReduce, AllToAll, Comm, Exchange, Local, LoweredProgram, PlaceBlock, RankStep, Read, ReduceScatter,
+    SendRecv, ShardCompute,
+)
+from tapestry.sharding import Block
+from tapestry.zspace import ZRange
+
+FAULT_ENV = "TAPESTRY_FAULT"  # "RANK:STEP": that rank exits abruptly inside that plan step (failure tests)
+FAULT_EXIT_CODE = 17
+
+
+class InputError(ValueError):
+    """Supplied inputs do not match the graph: the message names the input and the file."""
+
+
+@dataclass(frozen=True)
+class InputSource:
+    """Program inputs: files NAME.npy / NAME.pt in `directory`, else standard normals from `seed`
+    (exactly tapestry.random_inputs, so --verify compares like with like)."""
+
+    seed: int = 0
+    directory: Path | None = None
+
+    def check(self, graph: Graph) -> None:
+        """Fail early, in the launching process, with the input and file at fault."""
+        if self.directory is not None:
+            for node in graph.inputs:
+                self._open(node.name, node.shape)
+
+    def block(self, graph: Graph, name: str, region: ZRange) -> np.ndarray:
+        node = graph[name]
+        if self.directory is None:
+            return _seeded(graph, self.seed)[name][region.slices()]
+        return np.asarray(self._open(name, node.shape)[region.slices()], dtype=node.dtype)
+
+    def _open(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        assert self.directory is not None
+        npy, pt = self.directory / f"{name}.npy", self.directory / f"{name}.pt"
+        if npy.exists():
+            array, path = np.load(npy, mmap_mode="r"), npy  # read only this rank's block from disk
+        elif pt.exists():
+            array, path = torch.load(pt, weights_only=True).numpy(), pt
+        else:
+            raise InputError(f"input {name!r}: found neither {npy.name} nor {pt.name} in {self.directory}")
+        if tuple(array.shape) != tuple(shape):
+            raise InputError(f"input {name!r}: {path} has shape {list(array.shape)}, the graph expects {list(shape)}")
+        return array
+
+
+_SEEDED: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+
+
+def _seeded(graph: Graph, seed: int) -> dict[str, np.ndarray]:
+    """Generated once per process: the generator's stream fixes every input, so blocks need the whole draw."""
+    key = (id(graph), seed)
+    if key not in _SEEDED:
+        _SEEDED[key] = random_inputs(graph, seed)
+    return _SEEDED[key]
+
+
+@dataclass(frozen=True)
+class StepTime:
+    step: int
+    label: str
+    kind: str  # "place", "compute" or "comm"
+    seconds: float
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """One rank's timings: per step (median over the timed iterations) and per iteration."""
+
+    rank: int
+    steps: tuple[StepTime, ...]
+    iterations: tuple[float, ...]
+
+
+class StepFailed(RuntimeError):
+    """A step raised: the message names the rank and the step."""
+
+
+@dataclass
+class RankRunner:
+    """Executes one rank's steps; kernels are looked up once per step and reused across iterations."""
+
+    program: LoweredProgram
+    rank: int
+    inputs: InputSource
+    compile: bool
+    device: torch.device
+    on_step: Callable[[int], None] = lambda step: None
+
+    @cached_property
+    def steps(self) -> tuple[RankStep, ...]:
+        return self.program.ranks[self.rank].steps
+
+    @cached_property
+    def _fault(self) -> int | None:
+        rank, _, step = os.environ.get(FAULT_ENV, "").partition(":")
+        return int(step) if rank and int(rank) == self.rank else None
+
+    def run(self, warmup: int = 0, repeat: int = 1) -> tuple[dict[str, torch.Tensor], RankReport]:
+        """Run the program warmup + repeat times; timings are from the last `repeat` runs."""
+        times: list[list[float]] = []
+        totals: list[float] = []
+        buffers: dict[str, torch.Tensor] = {}
+        for _ in range(warmup + repeat):
+            dist.barrier()
+            start = time.perf_counter()
+            buffers, step_times = self._once()
+            totals.append(time.perf_counter() - start)
+            times.append(step_times)
+        kept = times[warmup:]
+        steps = tuple(
+            StepTime(s.step, _label(s), _kind(s), float(np.median([t[i] for t in kept]))) for i, s in enumerate(self.steps)
+        )
+        return buffers, RankReport(self.rank, steps, tuple(totals[warmup:]))
+
+    def _once(self) -> tuple[dict[str, torch.Tensor], list[float]]:
+        buffers: dict[str, torch.Tensor] = {}
+        times = []
+        for step in self.steps:
+            self.on_step(step.step)
+            if self._fault == step.step:
+                os._exit(FAULT_EXIT_CODE)
+            start = time.perf_counter()
+            try:
+                buffers[step.out] = self._execute(step, buffers)
+            except Exception as err:
+                raise StepFailed(
+                    f"rank {self.rank} failed in {self.program.describe(step.step)}: {type(err).__name__}: {err}"
+                ) from err
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            times.append(time.perf_counter() - start)
+        return buffers, times
+
+    def _execute(self, step: RankStep, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        if isinstance(step, PlaceBlock):
+            graph = self.program.plan.graph
+            return torch.from_numpy(np.ascontiguousarray(self.inputs.block(graph, step.input, step.block))).to(self.device)
+        if isinstance(step, ShardCompute):
+            args = [_read(buffers[r.buffer] if r.box is not None else None, r, self.device) for r in step.reads]
+            fn = shard_function(step.kernel, step.kwargs, tuple(r.shape for r in step.reads), self.compile)
+            return fn(*args)
+        return _COMMS[type(step)](step, buffers.get(step.src), self.device)
+
+
+def _kind(step: RankStep) -> str:
+    return "place" if isinstance(step, PlaceBlock) else "compute" if isinstance(step, ShardCompute) else "comm"
+
+
+def _label(step: RankStep) -> str:
+    if isinstance(step, PlaceBlock):
+        return f"place {step.input} -> {step.out}"
+    if isinstance(step, ShardCompute):
+        return f"{step.kernel} -> {step.out}"
+    return f"{step.kind} {step.src} -> {step.out}"
+
+
+def _read(buffer: torch.Tensor | None, read: Read, device: torch.device) -> torch.Tensor:
+    if buffer is None:
+        return torch.zeros(read.shape, device=device)
+    view = buffer[read.slices]
+    if not any(any(p) for p in read.pad):
+        return view
+    return F.pad(view, [p for before_after in reversed(read.pad) for p in before_after])
+
+
+# -- communication ----------------------------------------------------------------------------
+
+
+def _at(region: ZRange, block: ZRange) -> tuple[slice, ...]:
+    return region.relative_to(block)
+
+
+def _zeros(block: Block, like: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    dtype = like.dtype if like is not None else torch.float32
+    return torch.zeros(() if block is None else block.shape, dtype=dtype, device=device)
+
+
+def _local(step: Local, src: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    assert step.out_block is not None
+    if src is not None and step.src_block is not None and step.src_block.contains(step.out_block):
+        return src[_at(step.out_block, step.src_block)]
+    out = _zeros(step.out_block, src, device)  # partial source: cells no device holds are zero
+    _copy_overlap(out, step.out_block, src, step.src_block)
+    return out
+
+
+def _copy_overlap(out: torch.Tensor, out_block: ZRange, src: torch.Tensor | None, src_block: Block) -> None:
+    inside = None if src is None or src_block is None else src_block.intersection(out_block)
+    if inside is not None and not inside.is_empty:
+        out[_at(inside, out_block)] = src[_at(inside, src_block)]
+
+
+def _padded(blocks: tuple[Block, ...]) -> int:
+    return max((b.size for b in blocks if b is not None), default=0)
+
+
+def _all_gather(step: AllGather, src: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    size = _padded(step.blocks)
+    flat = _zeros(ZRange.from_shape((size,)), src, device)
+    if src is not None:
+        flat[: src.numel()] = src.reshape(-1)
+    gathered = [torch.empty_like(flat) for _ in step.blocks]
+    dist.all_gather(gathered, flat)
+    out = _zeros(step.out_block, src, device)
+    for piece in step.take:
+        block = step.blocks[piece.peer]
+        assert block is not None and step.out_block is not None
+        held = gathered[piece.peer][: block.size].view(block.shape)
+        out[_at(piece.region, step.out_block)] = held[_at(piece.region, block)]
+    return out
+
+
+def _all_reduce(step: AllReduce, src: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    buf = src.clone() if src is not None else _zeros(step.region, None, device)
+    dist.all_reduce(buf)
+    return buf
+
+
+def _reduce_scatter(step: ReduceScatter, src: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    size = _padded(step.out_blocks)
+    contributions = []
+    for block in step.out_blocks:
+        part = _zeros(block, src, device)
+        if block is not None:
+            _copy_overlap(part, block, src, step.src_block)
+        contributions.append(F.pad(part.reshape(-1), (0, size - part.numel())))
+    out = torch.empty_like(contributions[0]) if contributions else _zeros(None, src, device)
+    dist.reduce_scatter(out, contributions)
+    return out[: math.prod(step.out_block.shape)].view(step.out_block.shape) if step.out_block else out
+
+
+def _exchange(step: Exchange, src: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    world = dist.get_world_size()
+    outgoing = [_pack(step, src, peer, device) for peer in range(world)]
+    incoming = [_zeros(ZRange.from_shape((sum(p.region.size for p in step.recv if p.peer == peer),)), src, device)
+                for peer in range(world)]
+    if isinstance(step, AllToAll):
+        received = torch.empty(sum(t.numel() for t in incoming), dtype=incoming[0].dtype, device=device)
+        dist.all_to_all_single(received, torch.cat(outgoing), [t.numel() for t in incoming], [t.numel() for t in outgoing])
+        incoming = list(received.split([t.numel() for t in incoming]))
+    else:
+        ops = [dist.P2POp(dist.isend, outgoing[p], p) for p in range(world) if outgoing[p].numel()]
+        ops += [dist.P2POp(dist.irecv, incoming[p], p) for p in range(world) if incoming[p].numel()]
+        for request in dist.batch_isend_irecv(ops) if ops else []:
+            request.wait()
+    if step.out_block is None:
+        return _zeros(None, src, device)
+    out = _zeros(step.out_block, src, device)
+    if step.local is not None:
+        out[_at(step.local, step.out_block)] = src[_at(step.local, step.src_block)]
+    offsets = [0] * world
+    for piece in step.recv:
+        data = incoming[piece.peer][offsets[piece.peer] : offsets[piece.peer] + piece.region.size].view(piece.region.shape)
+        offsets[piece.peer] += piece.region.size
+        target = out[_at(piece.region, step.out_block)]
+        if step.accumulate:
+            target += data
+        else:
+            target.copy_(data)
+    return out
+
+
+def _pack(step: Exchange, src: torch.Tensor | None, peer: int, device: torch.device) -> torch.Tensor:
+    parts = [src[_at(p.region, step.src_block)].reshape(-1) for p in step.send if p.peer == peer]
+    return torch.cat(parts) if parts else _zeros(ZRange.from_shape((0,)), src, device)
+
+
+_COMMS: dict[type, Callable[[Comm, torch.Tensor | None, torch.device], torch.Tensor]] = {
+    Local: _local, AllGather: _all_gather, AllReduce: _all_reduce, ReduceScatter: _reduce_scatter,
+    AllToAll: _exchange, SendRecv: _exchange,
+}

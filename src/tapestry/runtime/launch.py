@@ -1,0 +1,242 @@
+"""Launching a lowered plan: one process per rank, by spawn or under torchrun.
+
+Failure is the launcher's main job. A rank that raises reports the step it was
+in; a rank that dies outright is found by its exit code, and the step it was in
+is read from a shared progress array. Either way the other ranks are killed at
+once (they would otherwise wait in a collective), so nothing outlives the
+timeout, and the error names the rank and the step.
+"""
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import queue
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tapestry.lower.compile import use_persistent_cache
+from tapestry.lower.program import LoweredProgram, lower
+from tapestry.plan.plan import Plan
+from tapestry.runtime.execute import InputSource, RankReport, RankRunner, StepFailed
+
+GRACE_S = 1.0  # after a first failure, how long to wait for the other ranks' reports before killing them
+Inputs = Mapping[str, np.ndarray] | str | Path | InputSource | None
+
+
+class RankFailure(RuntimeError):
+    """A rank raised, died or overran the timeout; the message names it and its step."""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    outputs: Mapping[str, np.ndarray]
+    ranks: tuple[RankReport, ...]
+
+    @property
+    def seconds(self) -> float:
+        """Median over timed iterations of the slowest rank's wall time."""
+        return float(np.median(np.max([r.iterations for r in self.ranks], axis=0)))
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything a rank needs; pickled to spawned ranks. Several programs run one after another in the
+    same process group, because starting the ranks costs far more than a small plan."""
+
+    programs: tuple[LoweredProgram, ...]
+    inputs: tuple[InputSource, ...]
+    compile: bool
+    backend: str
+    timeout: float
+    warmup: int = 0
+    repeat: int = 1
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def run_plan(
+    plan: Plan,
+    inputs: Inputs = None,
+    nproc: int | None = None,
+    compile: bool = True,
+    backend: str | None = None,
+    seed: int = 0,
+    timeout: float = 300.0,
+    warmup: int = 0,
+    repeat: int = 1,
+) -> RunResult:
+    """Run `plan` on `nproc` (= its mesh size) spawned ranks. `inputs`: arrays by name, a folder of
+    NAME.npy / NAME.pt files, or None for tapestry.random_inputs(graph, seed)."""
+    return run_plans([plan], [inputs], nproc, compile, backend, seed, timeout, warmup, repeat)[0]
+
+
+def run_plans(
+    plans: Sequence[Plan],
+    inputs: Sequence[Inputs] | None = None,
+    nproc: int | None = None,
+    compile: bool = True,
+    backend: str | None = None,
+    seed: int = 0,
+    timeout: float = 300.0,
+    warmup: int = 0,
+    repeat: int = 1,
+) -> list[RunResult]:
+    """Run several plans on the same mesh size, in order, in one spawned process group."""
+    sizes = {p.mesh.size for p in plans}
+    nproc = nproc or sizes.pop()
+    for plan in plans:
+        if plan.mesh.size != nproc:
+            raise ValueError(f"the plan's mesh {plan.mesh} has {plan.mesh.size} devices; cannot run it on {nproc} ranks")
+    with tempfile.TemporaryDirectory(prefix="tapestry-inputs-") as scratch:
+        sources = []
+        for k, (plan, given) in enumerate(zip(plans, inputs or [None] * len(plans))):
+            sources.append(_source(given, seed, Path(scratch) / str(k)))
+            sources[-1].check(plan.graph)
+        job = Job(tuple(lower(p) for p in plans), tuple(sources), compile, backend or default_backend(), timeout,
+                  warmup, repeat)
+        return spawn(job)
+
+
+def _source(inputs: Inputs, seed: int, scratch: Path) -> InputSource:
+    if isinstance(inputs, InputSource):
+        return inputs
+    if inputs is None:
+        return InputSource(seed)
+    if isinstance(inputs, (str, Path)):
+        return InputSource(seed, Path(inputs))
+    scratch.mkdir()
+    for name, array in inputs.items():  # ranks map the files and read only their own blocks
+        np.save(scratch / f"{name}.npy", np.asarray(array))
+    return InputSource(seed, scratch)
+
+
+def spawn(job: Job) -> list[RunResult]:
+    use_persistent_cache()  # inherited by the ranks
+    world = len(job.programs[0].ranks)
+    ctx = mp.get_context("spawn")
+    results: Any = ctx.Queue()
+    progress: Any = ctx.Array("i", [-1] * 2 * world)  # per rank: program index, plan step
+    port = _free_port()
+    procs = [ctx.Process(target=_spawned_rank, args=(job, r, world, port, results, progress)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return _supervise(job, procs, results, progress)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join()
+
+
+def _supervise(job: Job, procs: list[Any], results: Any, progress: Any) -> list[RunResult]:
+    deadline = time.monotonic() + job.timeout
+    done: dict[int, list[RunResult] | None] = {}
+    errors: dict[int, str] = {}
+    failed_at: float | None = None
+    while len(done) < len(procs):
+        try:
+            kind, rank, payload = results.get(timeout=0.05)
+            (done if kind == "ok" else errors)[rank] = payload
+        except queue.Empty:
+            pass
+        died = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in errors}
+        now = time.monotonic()
+        if (errors or died) and failed_at is None:
+            failed_at = now
+        if failed_at is not None and now - failed_at > GRACE_S:
+            raise RankFailure(_failure(job, died, errors, progress))
+        if now > deadline:
+            late = [r for r in range(len(procs)) if r not in done]
+            where = "; ".join(f"rank {r} in {_where(job, progress, r)}" for r in late)
+            raise RankFailure(f"timed out after {job.timeout:g} s: {where}")
+    result = done[0]
+    assert result is not None
+    return result
+
+
+def _failure(job: Job, died: Mapping[int, int], errors: Mapping[int, str], progress: Any) -> str:
+    """Ranks that died outright come first: the others' errors are usually their peers' broken connections."""
+    lines = [f"rank {r} exited with code {code} in {_where(job, progress, r)}" for r, code in sorted(died.items())]
+    lines += [errors[r] for r in errors]
+    return "\n".join(lines)
+
+
+def _where(job: Job, progress: Any, rank: int) -> str:
+    program, step = progress[2 * rank], progress[2 * rank + 1]
+    if program < 0:
+        return "start-up"
+    return job.programs[program].describe(step) + (f" of plan {program}" if len(job.programs) > 1 else "")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spawned_rank(job: Job, rank: int, world: int, port: int, results: Any, progress: Any) -> None:
+    def on_step(program: int, step: int) -> None:
+        progress[2 * rank], progress[2 * rank + 1] = program, step
+
+    try:
+        dist.init_process_group(job.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=job.timeout))
+        result = run_rank(job, rank, rank, on_step)
+    except StepFailed as err:
+        results.put(("error", rank, str(err)))
+        raise SystemExit(1) from None
+    except BaseException as err:  # start-up or gather failures: no step to name
+        results.put(("error", rank, f"rank {rank} failed: {type(err).__name__}: {err}\n{traceback.format_exc()}"))
+        raise SystemExit(1) from None
+    results.put(("ok", rank, result))
+    dist.destroy_process_group()
+
+
+def run_torchrun(job: Job) -> list[RunResult] | None:
+    """The torchrun entry: RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT come from the environment.
+    Returns the results on rank 0, None elsewhere."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != len(job.programs[0].ranks):
+        raise ValueError(f"the plan has {len(job.programs[0].ranks)} ranks but torchrun started {world}")
+    use_persistent_cache()
+    dist.init_process_group(job.backend, timeout=datetime.timedelta(seconds=job.timeout))
+    try:
+        return run_rank(job, rank, int(os.environ.get("LOCAL_RANK", rank)))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_rank(
+    job: Job, rank: int, local_rank: int, on_step: Callable[[int, int], None] = lambda program, step: None
+) -> list[RunResult] | None:
+    """Run this rank's programs; after each, gather timings (and the outputs rank 0 assembled) on rank 0."""
+    torch.set_num_threads(1)
+    device = torch.device("cuda", local_rank) if job.backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    results = []
+    for k, (program, inputs) in enumerate(zip(job.programs, job.inputs)):
+        runner = RankRunner(program, rank, inputs, job.compile, device, functools.partial(on_step, k))
+        buffers, report = runner.run(job.warmup, job.repeat)
+        reports: list[RankReport] | None = [report] * len(program.ranks) if rank == 0 else None
+        dist.gather_object(report, reports, dst=0)
+        if reports is not None:
+            outputs = {name: buffers[buf].cpu().numpy() for name, buf in program.outputs.items()}
+            results.append(RunResult(outputs, tuple(reports)))
+    return results if rank == 0 else None
