@@ -144,11 +144,11 @@ def test_a_collective_on_one_mesh_axis_uses_that_axis_link_and_size() -> None:
 
 # -- memory ---------------------------------------------------------------------------------------
 def diamond(mesh: Mesh, axes: tuple[int | None, ...]) -> Plan:
-    """x -> a = relu(x) -> b = relu(a) -> c = a + b: `a` stays live until `c`."""
+    """x -> a = relu(x) -> b = relu(a) -> c = a * b: `a` stays live until `c`."""
     g = Graph()
     x = g.input("x", (4, 4))
     a = g.relu(x, name="a")
-    g.output("c", g.add("add", a, g.relu(a, name="b"), name="c"))  # g.add is the generic builder
+    g.output("c", g.mul(a, g.relu(a, name="b"), name="c"))
     return build_plan(g, mesh, {op: axes for op in ("a", "b", "c")})
 
 

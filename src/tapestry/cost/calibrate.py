@@ -32,7 +32,7 @@ WORLD = 2
 
 
 @dataclass(frozen=True)
-class Plan:
+class Budget:
     """How much to measure: the full run stays under a minute, `quick` is a smoke test."""
 
     matmul_sizes: tuple[int, ...]
@@ -41,7 +41,7 @@ class Plan:
     reps: int
 
     @classmethod
-    def choose(cls, quick: bool) -> Plan:
+    def choose(cls, quick: bool) -> Budget:
         if quick:
             return cls((64, 128), 1 << 16, (1, 1 << 10), 3)
         return cls((256, 512, 1024), 1 << 24, (1, 1 << 10, 1 << 16, 1 << 20, 1 << 22), 9)
@@ -135,17 +135,17 @@ def _phase(progress: Progress, label: str) -> Iterator[None]:
 
 def calibrate(command: str, quick: bool = False, console: Console | None = None) -> Profile:
     """Measure a one-core device and a gloo link on this machine; `command` is recorded as provenance."""
-    plan = Plan.choose(quick)
+    budget = Budget.choose(quick)
     torch.set_num_threads(1)
     with Progress(console=console or Console(stderr=True)) as progress:
-        with _phase(progress, f"matmul {', '.join(map(str, plan.matmul_sizes))}"):
-            rates = matmul_flops(plan.matmul_sizes, plan.reps)
-        with _phase(progress, f"memory bandwidth ({4 * plan.copy_elements >> 20} MiB arrays)"):
-            bandwidth = memory_bandwidth(plan.copy_elements, plan.reps)
+        with _phase(progress, f"matmul {', '.join(map(str, budget.matmul_sizes))}"):
+            rates = matmul_flops(budget.matmul_sizes, budget.reps)
+        with _phase(progress, f"memory bandwidth ({4 * budget.copy_elements >> 20} MiB arrays)"):
+            bandwidth = memory_bandwidth(budget.copy_elements, budget.reps)
         with _phase(progress, "launch overhead"):
-            overhead = launch_overhead(plan.reps)
+            overhead = launch_overhead(budget.reps)
         with _phase(progress, f"gloo all_reduce/all_gather, {WORLD} processes on loopback"):
-            rows = gloo_collectives(plan.collective_elements, plan.reps)
+            rows = gloo_collectives(budget.collective_elements, budget.reps)
     link = fit_link(rows)
     return Profile(
         name="cpu-gloo",
