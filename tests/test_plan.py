@@ -140,7 +140,7 @@ def one_op_plans(draw) -> Plan:
     mesh = draw(st.sampled_from(MESHES))
     g = Graph()
     args = [g.input(f"in{i}", shape, "float64") for i, shape in enumerate(sig.input_shapes)]
-    g.output("y", g.relu(g.add(kernel.name, *args, name="op", **dict(sig.params)), name="after"))
+    g.output("y", g.relu(getattr(g, kernel.name)(*args, name="op", **dict(sig.params)), name="after"))
     partitions = {op: draw(st.sampled_from(candidate_partitions(g.signature(op), mesh))) for op in ("op", "after")}
     return build_plan(g, mesh, partitions=partitions)
 
@@ -287,7 +287,7 @@ def test_explain_lists_every_step_with_its_layouts_and_communication():
         assert any(line.startswith(step.out + " ") for line in text.splitlines())
     assert "compute  linear(x=v0, w=v1, b=v2) -> [16, 6] as S(0)" in text
     assert "reshard  v3 S(0) -> S(1): all_to_all, 72 elements moved (max 24 into one device)" in text
-    assert "origin: lin" in text and "d3: 2 computes" in text
+    assert "origin: lin" in text and "d3: computes=2 flops=400 received=12" in text
 
 
 def test_plan_pictures_draw_one_cluster_per_device_and_label_communication():

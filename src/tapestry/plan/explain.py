@@ -70,4 +70,4 @@ def _device_summaries(plan: Plan) -> list[str]:
         elif isinstance(step, Reshard):
             for k, n in enumerate(received_elements(step.src_layout, step.layout)):
                 received[k] += n
-    return [f"{c} computes, {f:.3g} FLOPs, {r} elements received" for c, f, r in zip(computes, flops, received)]
+    return [f"computes={c} flops={f:.3g} received={r}" for c, f, r in zip(computes, flops, received)]

@@ -9,6 +9,7 @@ receiver, as a deterministic all-reduce does, so replicas agree bit for bit.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -19,8 +20,16 @@ from tapestry.sharding import Layout
 from tapestry.sharding.comm import transfers
 from tapestry.zspace import ZRange
 
-Held = tuple[ZRange, np.ndarray]  # a block of a tensor, and its cells
-Device = dict[str, Held]  # value id -> the block this device holds
+
+@dataclass(frozen=True)
+class Shard:
+    """The block of a value one device holds, and its cells: all a device ever has of a value."""
+
+    block: ZRange
+    cells: np.ndarray
+
+
+Device = dict[str, Shard]  # value id -> this device's shard of it
 
 
 def simulate(plan: Plan, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -43,7 +52,7 @@ def _place(plan: Plan, step: Place, inputs: Mapping[str, np.ndarray], devices: l
         raise PlanError(f"input {step.input!r}: expected shape {list(step.shape)}, got {list(array.shape)}")
     for device, block in zip(devices, step.layout.blocks):
         if block is not None:
-            device[step.out] = (block, read_block(array, block).copy())
+            device[step.out] = Shard(block, read_block(array, block).copy())
 
 
 def _read(devices: list[Device], k: int, value: str, region: ZRange, shape: tuple[int, ...], where: str) -> np.ndarray:
@@ -54,10 +63,10 @@ def _read(devices: list[Device], k: int, value: str, region: ZRange, shape: tupl
         if needed:
             raise PlanError(f"{where} reads {inside} of {value} but holds none of it")
         return np.zeros(region.shape, dtype=_dtype(devices, value))  # a block wholly in the padding
-    box, cells = devices[k][value]
-    if needed and not box.contains(inside):
-        raise PlanError(f"{where} reads {inside} of {value} but holds only {box}")
-    return read_block(cells, region.translate([-s for s in box.start]))
+    held = devices[k][value]
+    if needed and not held.block.contains(inside):
+        raise PlanError(f"{where} reads {inside} of {value} but holds only {held.block}")
+    return read_block(held.cells, region.translate([-s for s in held.block.start]))
 
 
 def _compute(step: Compute, devices: list[Device]) -> None:
@@ -75,7 +84,7 @@ def _compute(step: Compute, devices: list[Device]) -> None:
         if value.shape != region.shape:
             raise PlanError(f"{where}: {step.kernel} returned shape {value.shape} for block {region}")
         if out_block is not None:
-            devices[k][step.out] = (out_block, value[out_block.relative_to(region)])
+            devices[k][step.out] = Shard(out_block, value[out_block.relative_to(region)])
 
 
 def _reshard(step: Reshard, devices: list[Device]) -> None:
@@ -92,19 +101,19 @@ def _reshard(step: Reshard, devices: list[Device]) -> None:
         pieces = incoming[k] + ([(k, local)] if local is not None and not local.is_empty else [])
         cells = np.zeros(need.shape, dtype=_dtype(devices, step.src))
         for src, region in sorted(pieces, key=lambda p: p[0]):
-            box, values = devices[src][step.src]
-            part = values[region.relative_to(box)]
+            held = devices[src][step.src]
+            part = held.cells[region.relative_to(held.block)]
             if step.src_layout.partial:
                 cells[region.relative_to(need)] += part
             else:
                 cells[region.relative_to(need)] = part
-        received[k] = (need, cells)
+        received[k] = Shard(need, cells)
     for k, held in received.items():
         devices[k][step.out] = held
 
 
 def _dtype(devices: list[Device], value: str) -> np.dtype:
-    return next(device[value][1].dtype for device in devices if value in device)
+    return next(device[value].cells.dtype for device in devices if value in device)
 
 
 def assemble(layout: Layout, shape: tuple[int, ...], devices: list[Device], value: str) -> np.ndarray:
@@ -115,7 +124,7 @@ def assemble(layout: Layout, shape: tuple[int, ...], devices: list[Device], valu
     for k, (device, block) in enumerate(zip(devices, layout.blocks)):
         if block is None:
             continue
-        _, cells = device[value]
+        cells = device[value].cells
         if layout.partial:
             result[block.slices()] += cells
             continue

@@ -133,8 +133,9 @@ def _compute_problems(mesh: Mesh, step: Compute, defined: dict[str, Step]) -> li
 
 
 def _layout_claim_problems(sig: Signature, step: Compute) -> list[str]:
-    """The output layout must be what the blocks write: their tiles, partial iff a reduction is split."""
-    implied = output_layout(sig, Partition(step.blocks, axes=()))
+    """The output layout must be what the blocks write: their output boxes, partial where a reduction
+    is split, and never partial where replicated blocks would be summed twice."""
+    implied = output_layout(sig, _partition(step.blocks))
     problems = []
     if step.layout.blocks != implied.blocks:
         problems.append(f"layout {Layout(step.layout.blocks)} is not what the blocks write: {implied}")
@@ -147,6 +148,11 @@ def _layout_claim_problems(sig: Signature, step: Compute) -> list[str]:
     return problems
 
 
+def _partition(blocks: tuple[Block, ...]) -> Partition:
+    """A plan keeps only the blocks; the partition's axes merely name it, and partial is judged from the blocks."""
+    return Partition(blocks, axes=())
+
+
 def _splits_reduction(sig: Signature, blocks: tuple[Block, ...]) -> bool:
     return any(
         b is not None and b.shape[d] != sig.index.shape[d] for b in blocks for d in sig.dims_of(DimKind.REDUCTION)
@@ -155,7 +161,7 @@ def _splits_reduction(sig: Signature, blocks: tuple[Block, ...]) -> bool:
 
 def _read_problems(sig: Signature, arg: int, step: Compute, what: str) -> list[str]:
     """Each device must hold every cell of the input block its index block reads (cells outside the tensor are zero)."""
-    needs = needed_layout(sig, arg, Partition(step.blocks, axes=()))
+    needs = needed_layout(sig, arg, _partition(step.blocks))
     problems = []
     for device, (need, held) in enumerate(zip(needs.blocks, step.arg_layouts[arg].blocks)):
         if need is not None and (held is None or not covers([held], need)):
