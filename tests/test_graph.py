@@ -44,7 +44,7 @@ def test_unknown_kernel_is_an_attribute_error_and_a_graph_error():
     with pytest.raises(AttributeError, match="no attribute or kernel 'convolve'"):
         g.convolve
     with pytest.raises(GraphError, match="unknown kernel 'convolve'"):
-        g.add("convolve", g.input("x", (2,)))
+        g.op("convolve", g.input("x", (2,)))
 
 
 def test_duplicate_names_are_rejected():

@@ -4,16 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 import tapestry
-from tapestry.graph import Graph
-
-
-def seeds_example(batch: int = 4096, features: int = 1024, out: int = 1024) -> Graph:
-    g = Graph()
-    x = g.input("x", (batch, features))
-    w = g.input("w", (features, out))
-    b = g.input("b", (out,))
-    g.output("y", g.relu(g.linear(x, w, b)))
-    return g
+from tapestry.models import seeds_example
 
 
 def main() -> None:

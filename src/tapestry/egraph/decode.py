@@ -52,7 +52,7 @@ def distributed_nodes(data: Mapping[str, Any]) -> tuple[list[DNode], list[str], 
         elif op == "Place":
             nodes.append(DNode(nid, op, eclass, (), lit(0), lit(1)))
         elif op == "Deliver":
-            nodes.append(DNode(nid, op, eclass, (raw[kids[0]]["eclass"],), "", ""))
+            nodes.append(DNode(nid, op, eclass, (raw[kids[1]]["eclass"],), lit(0), ""))
         elif op == "Result":
             roots[eclass] = lit(0)
     return nodes, list(roots), roots

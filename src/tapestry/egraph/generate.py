@@ -236,7 +236,9 @@ class Generator:
         """Place members for inputs, Reshard members between layouts, Deliver members for outputs."""
         commands = []
         inputs = {self.find(h): name for h, name in self.input_handles.items()}
-        outputs = {self.find(h): name for name, h in self.output_handles.items()}
+        outputs: dict[int, list[str]] = defaultdict(list)
+        for name, out in self.output_handles.items():
+            outputs[self.find(out)].append(name)
         for h in {self.find(x) for x in class_handle.values()}:
             layouts = self.layouts.get(h, set())
             at = lambda key: call("At", call("Id", lit(h)), lit(key))  # noqa: E731
@@ -250,9 +252,9 @@ class Generator:
                     if (h, src, dst) not in self.linked:
                         self.linked.add((h, src, dst))
                         commands.append(union(at(dst), call("Reshard", at(src), lit(dst))))
-            if h in outputs:
+            for name in outputs.get(h, ()):
                 for key in layouts:
-                    if (h, "deliver", key) not in self.linked and not self.interner.layouts[key][1].partial:
-                        self.linked.add((h, "deliver", key))
-                        commands.append(union(call("Result", lit(outputs[h])), call("Deliver", at(key))))
+                    if (h, name, key) not in self.linked and not self.interner.layouts[key][1].partial:
+                        self.linked.add((h, name, key))
+                        commands.append(union(call("Result", lit(name)), call("Deliver", lit(name), at(key))))
         return commands

@@ -6,7 +6,7 @@ trailing primitive args (ints as i64, int tuples as a comma string), plus
 the distributed layer: `(At t layout)` names "value t laid out as layout";
 its members are `(Run<Kernel> args... partition)`, `(Reshard d layout)` and
 `(Place name layout)`. `(Result name)` names each program output's root class,
-whose members are `(Deliver d)`. `Rank`/`Dim` carry shapes for rule guards.
+whose members are `(Deliver name d)`. `Rank`/`Dim` carry shapes for rule guards.
 """
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def schema_text() -> str:
         "  (Place String String)",
         "  (Reshard D String)",
         "  (Result String)",
-        "  (Deliver D)",
+        "  (Deliver String D)",
         *(f"  ({name} {' '.join(['D'] * len(k.inputs))} String)" for name, k in run_constructors().items()),
     ]
     return "\n".join(

@@ -73,7 +73,7 @@ class Graph:
         self._nodes[name] = Node(name, INPUT, (), (), shape, dtype)
         return Value(name, shape)
 
-    def add(self, op: str, *args: Value | str, name: str | None = None, **params: Any) -> Value:
+    def op(self, op: str, *args: Value | str, name: str | None = None, **params: Any) -> Value:
         """Apply kernel `op` to earlier values; the generic form of g.<kernel>(...)."""
         label = name or self._fresh_name(op)
         try:
@@ -106,7 +106,7 @@ class Graph:
     def __getattr__(self, op: str) -> Any:
         if op.startswith("_") or op not in KERNELS:
             raise AttributeError(f"Graph has no attribute or kernel {op!r}; kernels: {', '.join(sorted(KERNELS))}")
-        return partial(self.add, op)
+        return partial(self.op, op)
 
     def __dir__(self) -> list[str]:
         return [*super().__dir__(), *KERNELS]
@@ -162,6 +162,9 @@ class Graph:
         lines = [str(n) for n in self._nodes.values()]
         lines += [f"output {k} = {v}" for k, v in self.outputs.items()]
         return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return "Graph(\n  " + str(self).replace("\n", "\n  ") + "\n)"
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Graph) and self.nodes == other.nodes and self.outputs == other.outputs

@@ -42,7 +42,7 @@ def graph_from_json(data: dict[str, Any], source: str = "<json>") -> Graph:
                 raise GraphError(_stuck_reason(pending, graph))
             for spec in ready:
                 params = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.get("params", {}).items()}
-                value = graph.add(spec["op"], *spec.get("args", []), name=spec["name"], **params)
+                value = graph.op(spec["op"], *spec.get("args", []), name=spec["name"], **params)
                 if "shape" in spec and tuple(spec["shape"]) != value.shape:
                     raise GraphError(
                         f"op {spec['name']!r} ({spec['op']}): recorded shape {spec['shape']} but inputs give {list(value.shape)}"
