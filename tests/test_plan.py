@@ -104,6 +104,18 @@ def test_matmul_split_on_k_is_partial_then_all_reduced(mesh, axes):
     assert_plan_computes_graph(plan)
 
 
+def test_partial_sums_feeding_a_split_op_are_reduce_scattered():
+    g = matmul_graph()
+    g.output("r", g.relu("mm", name="act"))
+    plan = build_plan(g, Mesh(4), {"mm": (2,), "act": (0,)})
+    assert Collective.REDUCE_SCATTER in collectives_of(plan)
+    assert_plan_computes_graph(plan)
+
+
+def test_a_partial_layout_on_one_device_is_just_the_value():
+    assert_plan_computes_graph(build_plan(matmul_graph(), Mesh(1), {"mm": (2,)}))
+
+
 @pytest.mark.parametrize("mesh", [Mesh(2), Mesh(4)], ids=str)
 def test_conv_split_on_output_rows_reads_halos_sent_by_neighbours(mesh):
     plan = build_plan(conv_graph(), mesh, {"pre": (2,), "conv": (2,)})
@@ -223,6 +235,11 @@ def test_a_partial_output_is_rejected():
     assert problems_mentioning(plan, f"output 'c' (step {partial} (compute matmul)) is partial")
     with pytest.raises(PlanError, match="partial"):
         validate_plan(plan)
+
+
+def test_splitting_a_reduction_while_replicating_is_rejected():
+    plan = build_plan(matmul_graph(), Mesh(2, 2), {"mm": (2, None)})  # k over axis 0, axis 1 repeats it
+    assert problems_mentioning(plan, "step v2 (compute matmul): blocks do not partition the index space: splits a reduction")
 
 
 def test_a_reshard_into_cells_no_device_holds_is_rejected():
