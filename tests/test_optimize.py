@@ -1,0 +1,112 @@
+"""tapestry.optimize: the seeds' example end to end, budgets, stats, provenance and the CLI."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+import tapestry
+from tapestry.cli import main
+from tapestry.egraph.driver import Budget
+from tapestry.graph import save_graph
+from tapestry.models import mlp, seeds_example
+from tapestry.optimize import optimize
+from tapestry.plan import Compute, Plan
+from tapestry.plan.simulate import simulate
+from tapestry.plan.validate import validate_plan
+from tapestry.sharding import Mesh
+
+
+@pytest.fixture(scope="module")
+def seeds_graph():
+    return seeds_example(4096, 1024, 1024)
+
+
+def computes(plan: Plan) -> list[Compute]:
+    return [s for s in plan.steps if isinstance(s, Compute)]
+
+
+def test_seeds_example_on_four_devices_runs_one_fused_kernel_per_device(seeds_graph):
+    plan = optimize(seeds_graph, Mesh(4)).plan
+    (step,) = computes(plan)
+    assert step.kernel == "linear_relu"
+    blocks = step.blocks
+    assert len(blocks) == 4 and all(b is not None for b in blocks) and len(set(blocks)) == 4
+
+
+def test_seeds_example_on_one_device_is_the_single_fused_kernel(seeds_graph):
+    plan = optimize(seeds_graph, Mesh(1)).plan
+    assert [s.kernel for s in computes(plan)] == ["linear_relu"]
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_seeds_example_plans_evaluate_equal_to_the_program(devices):
+    graph = seeds_example(256, 128, 64)
+    plan = optimize(graph, Mesh(devices)).plan
+    validate_plan(plan)
+    inputs = tapestry.random_inputs(graph, seed=3)
+    np.testing.assert_allclose(simulate(plan, inputs)["y"], tapestry.evaluate(graph, inputs)["y"], rtol=1e-5, atol=1e-5)
+
+
+def test_saturation_reaches_a_fixpoint_and_reports_per_iteration_stats():
+    result = optimize(mlp(3, 64, 32), Mesh(2))
+    stats = result.stats
+    assert stats.stopped_by == "fixpoint"
+    assert [it.iteration for it in stats.iterations] == list(range(len(stats.iterations)))
+    assert stats.iterations[0].matches, "the first round fires the fusion rules"
+    assert json.loads(stats.dumps())["stopped_by"] == "fixpoint"
+
+
+@pytest.mark.parametrize(
+    "budget, reason",
+    [(Budget(nodes=10), "nodes"), (Budget(iterations=0), "iterations"), (Budget(seconds=0.0), "seconds")],
+)
+def test_budgets_stop_saturation_and_say_which(budget, reason):
+    graph = mlp(3, 64, 32)
+    result = optimize(graph, Mesh(2), budget=budget)
+    assert result.stats.stopped_by == reason
+    validate_plan(result.plan)  # the program itself is always in the e-graph, so a plan exists
+
+
+def test_explain_names_the_rule_that_made_a_fused_kernel():
+    text = optimize(seeds_example(64, 32, 16), Mesh(2)).explain()
+    assert "linear_relu made by fusion.egg:4" in text
+
+
+def test_egraph_renders_as_svg_when_small(tmp_path):
+    if shutil.which("dot") is None:
+        pytest.skip("graphviz dot not installed")
+    result = optimize(seeds_example(64, 32, 16), Mesh(2))
+    assert result.render_egraph(tmp_path / "e.svg").read_text().lstrip().startswith("<?xml")
+    with pytest.raises(ValueError, match="pictures are limited"):
+        result.render_egraph(tmp_path / "big.svg", max_nodes=5)
+
+
+def test_cli_optimize_writes_a_plan_that_explain_and_show_read(tmp_path, capsys):
+    save_graph(seeds_example(64, 32, 16), tmp_path / "g.json")
+    plan_path = tmp_path / "plan.json"
+    assert main(["optimize", str(tmp_path / "g.json"), "--mesh", "4", "--out", str(plan_path),
+                 "--stats", str(tmp_path / "stats.json")]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["stopped_by"] == "fixpoint" and last["plan"] == str(plan_path)
+    validate_plan(Plan.load(plan_path))
+    assert main(["explain", str(plan_path)]) == 0
+    assert "linear_relu" in capsys.readouterr().out
+    if shutil.which("dot"):
+        assert main(["show", str(plan_path), "-o", str(tmp_path / "plan.svg")]) == 0
+
+
+def test_cli_optimize_accepts_a_script_defining_graph(tmp_path, capsys):
+    script = tmp_path / "model.py"
+    script.write_text("from tapestry.models import mlp\ngraph = mlp(2, 16, 8)\n")
+    assert main(["optimize", str(script), "--mesh", "2x2", "--out", str(tmp_path / "p.json")]) == 0
+    assert Plan.load(tmp_path / "p.json").mesh == Mesh(2, 2)
+
+
+def test_cli_reports_a_script_without_a_graph(tmp_path, capsys):
+    script = tmp_path / "empty.py"
+    script.write_text("x = 1\n")
+    assert main(["optimize", str(script)]) == 2
+    assert "must define `graph`" in capsys.readouterr().err
