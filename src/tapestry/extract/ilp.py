@@ -6,10 +6,11 @@ a_d for each child class d. Acyclicity: integer order t_c only for classes in a
 non-trivial strongly connected component of the class graph, and x_n implies
 t_c > t_d only for children d in the same component; edges between components can
 never close a cycle. Objective: minimize sum cost_n x_n, scaled to integers.
+The greedy selection is given as a complete hint, so the first incumbent is
+at least as good as greedy.
 """
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,7 +23,8 @@ from tapestry.extract.selection import Selection, finalize
 from tapestry.extract.structure import strongly_connected_components
 from tapestry.extract.tree import TreeChoice, solvable_tree
 
-SCALE_RANGE = 1e9  # the warm-start cost maps to this many integer units
+SCALE = 10**9  # the warm-start cost maps to this many integer units
+MIN_COST = 1e-12  # floor for the scale denominator: subnormal costs must not make it infinite
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,6 @@ class Reduced:
 
     candidates: Mapping[int, tuple[int, ...]]
     component: Mapping[int, int]  # class -> id of its non-trivial strongly connected component
-    component_size: Mapping[int, int]
     replacement: Mapping[int, int]  # dropped (dominated) node -> node that dominates it
 
 
@@ -79,12 +80,10 @@ def reduce(egraph: EGraph, tree: TreeChoice) -> Reduced:
 
     successors = {c: {d for n in nodes for d in child_sets[n]} for c, nodes in candidates.items()}
     component: dict[int, int] = {}
-    component_size: dict[int, int] = {}
     for index, comp in enumerate(strongly_connected_components(candidates, successors.__getitem__)):
         if len(comp) > 1:
-            component_size[index] = len(comp)
             component.update((c, index) for c in comp)
-    return Reduced(candidates, component, component_size, replacement)
+    return Reduced(candidates, component, replacement)
 
 
 def undominate(egraph: EGraph, choice: Sequence[int], reduced: Reduced) -> list[int]:
@@ -97,15 +96,42 @@ def undominate(egraph: EGraph, choice: Sequence[int], reduced: Reduced) -> list[
     return result
 
 
-def extract_ilp(egraph: EGraph, time_limit: float = 60.0, workers: int = 2) -> Selection:
-    """Best selection CP-SAT finds within `time_limit` seconds; never worse than the greedy warm start."""
+def extract_ilp(egraph: EGraph, time_limit: float = 60.0, workers: int = 8) -> Selection:
+    """Best selection CP-SAT finds within `time_limit` seconds; never worse than the greedy warm start.
+
+    `workers` is CP-SAT's portfolio size, not a core count: its LP-based and
+    large-neighbourhood workers only run in portfolios of several workers, and on
+    the tensat graphs 8 workers time-sliced on 2 cores beat 2 workers by far.
+    """
     started = time.perf_counter()
     tree = solvable_tree(egraph)
     reduced = reduce(egraph, tree)
-    warm = finalize(egraph, undominate(egraph, greedy_choice(egraph), reduced), tree, "ilp", started)
-    if warm.dag_cost == 0:
-        return finalize(egraph, _dense(egraph, warm.choice), tree, "ilp", started, status="optimal", bound=0.0, gap=0.0)
-    scale = SCALE_RANGE / warm.dag_cost
+    best = finalize(egraph, undominate(egraph, greedy_choice(egraph), reduced), tree, "ilp", started)
+    proven, bound = best.dag_cost == 0, 0.0
+    deadline = started + time_limit
+    if not proven and time.perf_counter() < deadline:
+        solved, bound, optimal = _solve(egraph, reduced, best, deadline, workers)
+        if solved is not None:
+            candidate = finalize(egraph, solved, tree, "ilp", started)
+            proven = optimal and candidate.dag_cost <= best.dag_cost
+            best = candidate if candidate.dag_cost <= best.dag_cost else best
+    bound = best.dag_cost if proven else min(bound, best.dag_cost)
+    return Selection(
+        choice=best.choice,
+        dag_cost=best.dag_cost,
+        extractor="ilp",
+        seconds=time.perf_counter() - started,
+        status="optimal" if proven else "feasible",
+        bound=bound,
+        gap=0.0 if proven else (best.dag_cost - bound) / best.dag_cost,
+    )
+
+
+def _solve(
+    egraph: EGraph, reduced: Reduced, warm: Selection, deadline: float, workers: int
+) -> tuple[list[int] | None, float, bool]:
+    """One CP-SAT run hinted with `warm`: (choice per class or None, objective bound, proven optimal)."""
+    scale = SCALE / max(warm.dag_cost, MIN_COST)
     model = cp_model.CpModel()
     x = {n: model.new_bool_var(f"x{n}") for nodes in reduced.candidates.values() for n in nodes}
     active = {}
@@ -117,74 +143,51 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0, workers: int = 2) -> S
             model.add(sum(x[n] for n in nodes) == active[c])
     for root in egraph.roots:
         model.add(active[root] == 1)
-    order = {
-        c: model.new_int_var(0, reduced.component_size[k] - 1, f"t{c}") for c, k in reduced.component.items()
-    }
+    members: dict[int, list[int]] = {}
+    for c, k in reduced.component.items():
+        members.setdefault(k, []).append(c)
+    order = {c: model.new_int_var(0, len(group) - 1, f"t{c}") for group in members.values() for c in group}
     for c, nodes in reduced.candidates.items():
         for n in nodes:
             for d in egraph.child_sets[n]:
                 model.add_implication(x[n], active[d])
                 if c in order and reduced.component.get(d) == reduced.component[c]:
                     model.add(order[c] > order[d]).only_enforce_if(x[n])
-    model.minimize(sum(round(egraph.node_cost[n] * scale) * var for n, var in x.items()))
-    _hint(model, egraph, warm.choice, reduced, x, active, order)
-
+    # A node dearer than the whole warm start is never in a better selection: clamp, so no int64 overflow.
+    model.minimize(sum(min(round(egraph.node_cost[n] * scale), 2 * SCALE) * var for n, var in x.items()))
+    _hint(model, egraph, warm.choice, x, active, order, members)
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.1, time_limit - (time.perf_counter() - started))
+    solver.parameters.max_time_in_seconds = max(0.01, deadline - time.perf_counter())
     solver.parameters.num_workers = workers
     status = solver.solve(model)
-    bound = solver.best_objective_bound / scale if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else None
-    choice = _dense(egraph, warm.choice)
-    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        solved = [-1] * egraph.num_classes
-        for c, nodes in reduced.candidates.items():
-            solved[c] = next((n for n in nodes if solver.boolean_value(x[n])), -1)
-        candidate = finalize(egraph, solved, tree, "ilp", started)
-        if candidate.dag_cost <= warm.dag_cost:
-            choice = _dense(egraph, candidate.choice)
-    result = finalize(egraph, choice, tree, "ilp", started)
-    proven = status == cp_model.OPTIMAL
-    if bound is not None:
-        bound = min(bound, result.dag_cost)
-    return finalize(
-        egraph,
-        choice,
-        tree,
-        "ilp",
-        started,
-        status="optimal" if proven else ("feasible" if bound is not None else "time-limit"),
-        bound=result.dag_cost if proven else bound,
-        gap=0.0 if proven else (None if bound is None else (result.dag_cost - bound) / result.dag_cost),
-    )
-
-
-def _dense(egraph: EGraph, choice: Mapping[int, int]) -> list[int]:
-    dense = [-1] * egraph.num_classes
-    for c, n in choice.items():
-        dense[c] = n
-    return dense
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None, 0.0, False
+    solved = [-1] * egraph.num_classes
+    for c, nodes in reduced.candidates.items():
+        solved[c] = next((n for n in nodes if solver.boolean_value(x[n])), -1)
+    return solved, solver.best_objective_bound / scale, status == cp_model.OPTIMAL
 
 
 def _hint(
     model: cp_model.CpModel,
     egraph: EGraph,
     choice: Mapping[int, int],
-    reduced: Reduced,
     x: Mapping[int, cp_model.IntVar],
     active: Mapping[int, cp_model.IntVar],
     order: Mapping[int, cp_model.IntVar],
+    members: Mapping[int, list[int]],
 ) -> None:
     """A complete hint: chosen nodes, active classes, and order values from a children-first numbering."""
     chosen = set(choice.values())
     for n, var in x.items():
         model.add_hint(var, n in chosen)
+    node_vars = {var.index for var in x.values()}
     for c, var in active.items():
-        if var.index not in {x[n].index for n in reduced.candidates[c]}:
+        if var.index not in node_vars:
             model.add_hint(var, c in choice)
     position = {c: i for i, c in enumerate(_children_first(egraph, choice))}
-    for k in reduced.component_size:
-        members = sorted((c for c, kc in reduced.component.items() if kc == k), key=lambda c: position.get(c, -1))
-        for value, c in enumerate(members):
+    for group in members.values():
+        for value, c in enumerate(sorted(group, key=lambda c: position.get(c, -1))):
             model.add_hint(order[c], value)
 
 
