@@ -15,6 +15,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "tapestry.extract.command",
     "tapestry.cost.command",
     "tapestry.plan.command",
+    "tapestry.testing.command",
     "tapestry.egraph.command",
     "tapestry.runtime.command",
 )

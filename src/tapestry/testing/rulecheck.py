@@ -1,0 +1,323 @@
+"""`check_rule`: property-test a rewrite rule on random well-typed inputs.
+
+A rule is sound when both sides compute the same tensor for every input the
+left-hand side accepts. Hypothesis draws those inputs, and shrinks a failure to
+small shapes, so a wrong rule is reported with a counterexample a person can
+read, and the file:line to fix.
+
+Well-typed shapes are rare under plain rejection (matmul needs b[-2] == a[-1]),
+so shapes are built bottom-up: an op whose operands are all fresh variables
+starts from its kernel's own sampler; a fresh operand next to known ones picks
+from candidates derived from the shapes already known (copies, suffixes, one
+dim replaced by a known size or 1), filtered by the guards and, for the last
+fresh operand, by the kernel itself. What remains is left to `assume`.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+from hypothesis import HealthCheck, assume, find, settings
+from hypothesis import strategies as st
+from hypothesis.errors import NoSuchExample, Unsatisfiable
+
+from tapestry.egraph.rules import Rule, RuleFile, variables
+from tapestry.egraph.schema import Constructor, constructors, decode_param
+from tapestry.egraph.sexp import Atom, SExp, SList
+from tapestry.evaluator import evaluate
+from tapestry.graph import Graph, GraphError, Value
+from tapestry.kernels import KernelError, ParamValue, Shape
+
+RTOL, ATOL = 1e-6, 1e-8
+# Kernel signatures reject shapes with KernelError, but a few index a tuple or
+# divide by a rank first; to a candidate filter they all mean "does not bind".
+_ILL_TYPED = (KernelError, ValueError, IndexError, ArithmeticError)
+
+
+class Uncheckable(ValueError):
+    """A rule that uses something the checker cannot turn into a graph (e.g. Input or Id)."""
+
+
+@dataclass(frozen=True)
+class RuleVerdict:
+    rule: Rule
+    passed: bool
+    examples_run: int
+    counterexample: str | None = None
+
+
+@dataclass(frozen=True)
+class Case:
+    """One drawn instance of a rule: a shape per tensor variable, a value per param variable, a data seed."""
+
+    shapes: Mapping[str, Shape]
+    params: Mapping[str, ParamValue]
+    seed: int
+
+    def inputs(self) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(self.seed)
+        return {var: rng.standard_normal(shape) for var, shape in sorted(self.shapes.items())}
+
+    def __str__(self) -> str:
+        parts = [f"{v}{list(s)}" for v, s in sorted(self.shapes.items())]
+        parts += [f"{v}={p!r}" for v, p in sorted(self.params.items())]
+        return ", ".join(parts) + f", data seed {self.seed}"
+
+
+# -- guards ----------------------------------------------------------------------------------------
+
+
+class _Undefined(Exception):
+    """A guard term egglog would have no value for (Dim out of range, division by zero): no match."""
+
+
+def _trunc_div(a: int, b: int) -> int:
+    if b == 0:
+        raise _Undefined
+    return abs(a) // abs(b) * (1 if (a < 0) == (b < 0) else -1)
+
+
+def _trunc_rem(a: int, b: int) -> int:
+    return a - b * _trunc_div(a, b)
+
+
+_COMPARE: dict[str, Callable[[int, int], bool]] = {
+    "=": operator.eq, "!=": operator.ne, "<": operator.lt, ">": operator.gt, "<=": operator.le, ">=": operator.ge,
+}
+_ARITH: dict[str, Callable[[int, int], int]] = {
+    "+": operator.add, "-": operator.sub, "*": operator.mul, "/": _trunc_div, "%": _trunc_rem, "min": min, "max": max,
+}
+
+
+def _guard_value(expr: SExp, shapes: Mapping[str, Shape], params: Mapping[str, ParamValue]) -> int | bool:
+    """i64 semantics, as egglog evaluates a :when clause (i64 arithmetic truncates like Rust)."""
+    if isinstance(expr, Atom):
+        return int(params[expr.text]) if variables(expr) else int(expr.text)
+    head, args = expr.head, expr.items[1:]
+    if head == "Rank":
+        return len(term_shape(args[0], shapes, params))
+    if head == "Dim":
+        shape, index = term_shape(args[0], shapes, params), _guard_value(args[1], shapes, params)
+        if not 0 <= index < len(shape):
+            raise _Undefined
+        return shape[index]
+    values = [_guard_value(a, shapes, params) for a in args]
+    if head in _COMPARE:
+        return _COMPARE[head](*values)
+    return functools.reduce(_ARITH[head], values)
+
+
+def holds(guard: SList, shapes: Mapping[str, Shape], params: Mapping[str, ParamValue]) -> bool:
+    try:
+        return bool(_guard_value(guard, shapes, params))
+    except (_Undefined, *_ILL_TYPED):
+        return False
+
+
+# -- terms -----------------------------------------------------------------------------------------
+
+
+def _constructor(term: SList) -> Constructor:
+    found = constructors().get(term.head or "")
+    if found is None:
+        raise Uncheckable(f"{term.head} is not a kernel, so {term} cannot be evaluated")
+    return found
+
+
+def _split(term: SList) -> tuple[Constructor, tuple[SExp, ...], tuple[SExp, ...]]:
+    ctor = _constructor(term)
+    n = len(ctor.kernel.inputs)
+    return ctor, term.items[1 : 1 + n], term.items[1 + n :]
+
+
+def _param(ctor: Constructor, name: str, arg: SExp, params: Mapping[str, ParamValue]) -> ParamValue:
+    if isinstance(arg, SList):
+        raise Uncheckable(f"param {name} of {ctor.name} is a computed term {arg}; use a literal or a variable")
+    return params[arg.text] if variables(arg) else decode_param(ctor.kernel.params[name], arg.text)
+
+
+def _params(ctor: Constructor, args: Sequence[SExp], params: Mapping[str, ParamValue]) -> dict[str, ParamValue]:
+    return {name: _param(ctor, name, arg, params) for name, arg in zip(ctor.params, args)}
+
+
+def term_shape(term: SExp, shapes: Mapping[str, Shape], params: Mapping[str, ParamValue]) -> Shape:
+    """The shape `term` has under `shapes`; raises KernelError (or KeyError: unbound) when it has none."""
+    if isinstance(term, Atom):
+        return shapes[term.text]
+    ctor, tensors, args = _split(term)
+    operands = [term_shape(t, shapes, params) for t in tensors]
+    return ctor.kernel.bind(operands, _params(ctor, args, params)).output_shape
+
+
+def _binds(term: SList, shapes: Mapping[str, Shape], params: Mapping[str, ParamValue]) -> bool:
+    try:
+        term_shape(term, shapes, params)
+        return True
+    except _ILL_TYPED:
+        return False
+
+
+# -- drawing well-typed cases ----------------------------------------------------------------------
+
+
+def _shape_candidates(seeds: Sequence[Shape]) -> list[Shape]:
+    """Shapes an operand plausibly has next to `seeds`: each seed, its suffixes, and one dim swapped for a known size."""
+    pool = sorted({1, *(d for s in seeds for d in s)})
+    found: dict[Shape, None] = {}
+    for seed in seeds:
+        for k in range(len(seed) + 1):
+            found[seed[k:]] = None
+        for i, size in itertools.product(range(len(seed)), pool):
+            found[(*seed[:i], size, *seed[i + 1 :])] = None
+    return list(found)
+
+
+def _param_candidates(sampled: ParamValue, default: ParamValue, seeds: Sequence[Shape]) -> list[ParamValue]:
+    """The sampler's value first; then axes (ints) or permutations and known shapes (tuples) up to the seeds' rank."""
+    rank = max((len(s) for s in seeds), default=0)
+    if isinstance(default, tuple):
+        more: list[ParamValue] = [(), *itertools.permutations(range(min(rank, 4))), *seeds]
+    else:
+        more = list(range(-rank, rank))
+    return list(dict.fromkeys([sampled, default, *more]))
+
+
+@st.composite
+def cases(draw: st.DrawFn, lhs: SList, guards: Sequence[SList]) -> Case:
+    """A well-typed instance of `lhs` on which every guard holds."""
+    shapes: dict[str, Shape] = {}
+    params: dict[str, ParamValue] = {}
+    _draw_term(draw, lhs, guards, shapes, params)
+    assume(all(holds(g, shapes, params) for g in guards))
+    return Case(shapes, params, draw(st.integers(0, 2**32 - 1)))
+
+
+def _draw_term(
+    draw: st.DrawFn, term: SList, guards: Sequence[SList], shapes: dict[str, Shape], params: dict[str, ParamValue]
+) -> None:
+    """Bind the fresh variables of `term` (inner terms first) so that it type-checks."""
+    ctor, tensors, args = _split(term)
+    for inner in tensors:
+        if isinstance(inner, SList):
+            _draw_term(draw, inner, guards, shapes, params)
+    sample_shapes, sample_params = ctor.kernel.sample(draw)
+    fresh_tensors: dict[str, int] = {}  # variable -> its first operand position
+    for position, t in enumerate(tensors):
+        if isinstance(t, Atom) and t.text not in shapes:
+            fresh_tensors.setdefault(t.text, position)
+    fresh_params = {a.text: name for name, a in zip(ctor.params, args) if isinstance(a, Atom) and variables(a)}
+    fresh_params = {var: name for var, name in fresh_params.items() if var not in params}
+    last = len(fresh_tensors) + len(fresh_params) - 1
+    for n, (var, position) in enumerate(fresh_tensors.items()):
+        known = [term_shape(t, shapes, params) for t in tensors if isinstance(t, SList)]
+        seeds = list(dict.fromkeys([sample_shapes[position], *known, *shapes.values()]))
+        shapes[var] = _pick(
+            draw, _shape_candidates(seeds), var, lambda s: ({**shapes, var: s}, params), guards, term, n == last
+        )
+    for n, (var, name) in enumerate(fresh_params.items(), start=len(fresh_tensors)):
+        default = ctor.kernel.params[name]
+        seeds = [term_shape(t, shapes, params) for t in tensors]
+        options = _param_candidates(sample_params.get(name, default), default, seeds)
+        params[var] = _pick(draw, options, var, lambda p: (shapes, {**params, var: p}), guards, term, n == last)
+    assume(_binds(term, shapes, params))
+
+
+Binding = tuple[Mapping[str, Shape], Mapping[str, ParamValue]]
+
+
+def _pick(
+    draw: st.DrawFn,
+    options: Sequence[Shape | ParamValue],
+    var: str,
+    trial: Callable[[Shape | ParamValue], Binding],
+    guards: Sequence[SList],
+    term: SList,
+    last: bool,
+) -> Shape | ParamValue:
+    """One of `options` for `var` under which every decidable guard holds and, once `var` is the last
+    fresh variable of `term`, `term` binds: filtering instead of rejecting keeps most draws valid."""
+
+    def fits(value: Shape | ParamValue) -> bool:
+        shapes, params = trial(value)
+        decidable = [g for g in guards if var in variables(g) and variables(g) <= {*shapes, *params}]
+        return all(holds(g, shapes, params) for g in decidable) and (not last or _binds(term, shapes, params))
+
+    kept = [o for o in options if fits(o)]
+    assume(kept)
+    return draw(st.sampled_from(kept))
+
+
+# -- checking --------------------------------------------------------------------------------------
+
+
+def _emit(g: Graph, term: SExp, case: Case) -> Value | str:
+    if isinstance(term, Atom):
+        return term.text
+    ctor, tensors, args = _split(term)
+    return g.op(ctor.kernel.name, *(_emit(g, t, case) for t in tensors), **_params(ctor, args, case.params))
+
+
+def _graph(side: SExp, case: Case) -> Graph:
+    """One side of a rule as a graph: variables are float64 inputs, literals are kernel params."""
+    g = Graph()
+    for var, shape in sorted(case.shapes.items()):
+        g.input(var, shape, "float64")
+    g.output("out", _emit(g, side, case))
+    return g
+
+
+def _evaluate(side: SExp, case: Case) -> np.ndarray:
+    return evaluate(_graph(side, case), case.inputs())["out"]
+
+
+def disagreement(rule: Rule, case: Case) -> str | None:
+    """Why the rule's two sides differ on `case`, or None when they agree."""
+    expected = _evaluate(rule.lhs, case)
+    try:
+        got = _evaluate(rule.rhs, case)
+    except GraphError as err:
+        return f"the right-hand side does not type-check: {err}"
+    if got.shape != expected.shape:
+        return f"the left-hand side has shape {list(expected.shape)}, the right-hand side {list(got.shape)}"
+    if np.allclose(got, expected, rtol=RTOL, atol=ATOL):
+        return None
+    error = np.abs(got - expected)
+    at = np.unravel_index(int(np.argmax(error)), error.shape)
+    return f"values differ: at {list(map(int, at))} the left-hand side gives {expected[at]:.6g}, the right {got[at]:.6g}"
+
+
+def _directions(rule: Rule) -> list[tuple[str, Rule]]:
+    """A birewrite is two rules; each direction must hold on its own left-hand side's inputs."""
+    forward = [("", rule)]
+    return forward if rule.form == "rewrite" else [*forward, ("right-to-left: ", replace(rule, lhs=rule.rhs, rhs=rule.lhs))]
+
+
+def check_rule(rule: Rule, max_examples: int = 100) -> RuleVerdict:
+    """Search for inputs on which `rule` changes the value; report the shrunk one with the rule's file:line."""
+    run = 0
+
+    def wrong(case: Case) -> bool:
+        nonlocal run
+        run += 1
+        return disagreement(direction, case) is not None
+
+    config = settings(max_examples=max_examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    for label, direction in _directions(rule):
+        try:
+            case = find(cases(direction.lhs, direction.guards), wrong, settings=config)
+        except (NoSuchExample, Unsatisfiable):
+            continue
+        except Uncheckable as err:
+            return RuleVerdict(rule, False, run, f"{rule.where}: cannot be checked: {err}")
+        return RuleVerdict(rule, False, run, f"{rule.where}: {label}{case}: {disagreement(direction, case)}")
+    if run == 0:
+        return RuleVerdict(rule, False, 0, f"{rule.where}: no well-typed input satisfying the guards was found")
+    return RuleVerdict(rule, True, run)
+
+
+def check_rules(files: Sequence[RuleFile], max_examples: int = 100) -> list[RuleVerdict]:
+    return [check_rule(rule, max_examples) for f in files for rule in f.rules]
