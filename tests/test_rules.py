@@ -1,0 +1,77 @@
+"""Rule files: a bad file is reported as file:line with its cause, and loading is all or nothing."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+import tapestry.optimize
+from tapestry.egraph.driver import Budget
+from tapestry.egraph.rules import BUILTIN_DIR, RuleFileError, load_rule_file, load_rules
+from tapestry.graph import Graph
+from tapestry.optimize import optimize
+
+BAD = Path(__file__).parent / "data" / "rules" / "bad"
+
+
+@pytest.mark.parametrize(
+    ("fixture", "where", "cause"),
+    [
+        ("unknown_constructor.egg", ":2", "unknown constructor 'Frobnicate'"),
+        ("wrong_arity.egg", ":3", "Matmul takes 2 argument(s), found 1"),
+        ("unbalanced.egg", ":3", "unclosed '('"),
+        ("unbound_rhs.egg", ":2", "variable(s) y are not bound by the left-hand side"),
+        ("ruleset_clause.egg", ":2", "do not name a ruleset; the file name 'ruleset_clause' is the ruleset"),
+        ("not_a_rewrite.egg", ":2", "expected (rewrite LHS RHS) or (birewrite LHS RHS), found 'rule'"),
+        ("not-an-identifier.egg", "", "the file name must be an identifier"),
+    ],
+)
+def test_a_bad_rule_file_is_reported_as_file_line_and_cause(fixture: str, where: str, cause: str):
+    with pytest.raises(RuleFileError) as err:
+        load_rule_file(BAD / fixture)
+    assert str(err.value).startswith(f"{BAD / fixture}{where}: ")
+    assert cause in str(err.value)
+
+
+def test_two_files_with_one_stem_clash_on_the_ruleset_name(tmp_path: Path):
+    shutil.copy(BUILTIN_DIR / "fusion.egg", tmp_path / "fusion.egg")
+    with pytest.raises(RuleFileError, match=rf"^{tmp_path}/fusion.egg: ruleset 'fusion' is already defined by .*rules/fusion.egg"):
+        load_rules([BUILTIN_DIR, tmp_path])
+
+
+def test_loading_is_all_or_nothing():
+    good = BUILTIN_DIR / "fusion.egg"
+    assert [f.name for f in load_rules([good])] == ["fusion"]
+    loaded = None
+    with pytest.raises(RuleFileError, match="unknown_constructor.egg:2"):
+        loaded = load_rules([good, BAD / "unknown_constructor.egg"])
+    assert loaded is None
+
+
+def test_a_missing_rule_path_is_an_error(tmp_path: Path):
+    with pytest.raises(RuleFileError, match="no such rule file or directory"):
+        load_rules([tmp_path / "absent.egg"])
+
+
+def small_graph() -> Graph:
+    g = Graph()
+    g.output("y", g.exp(g.relu(g.input("x", (4, 8)))))
+    return g
+
+
+def test_optimize_rejects_a_bad_rules_dir_before_any_work(monkeypatch: pytest.MonkeyPatch):
+    def saturate(*args: object, **kwargs: object) -> None:
+        raise AssertionError("saturation started with unloadable rules")
+
+    monkeypatch.setattr(tapestry.optimize, "saturate", saturate)
+    with pytest.raises(RuleFileError, match=r"\.egg"):
+        optimize(small_graph(), 1, rules=[BAD])
+
+
+def test_a_user_rules_dir_adds_its_ruleset(tmp_path: Path):
+    (tmp_path / "mine.egg").write_text("; mine\n(rewrite (Exp (Relu x)) (Exp (Relu (Relu x))))\n")
+    result = optimize(small_graph(), 1, rules=[BUILTIN_DIR, tmp_path], budget=Budget(iterations=3), extractor="greedy-dag")
+    assert [f.name for f in result.rule_files] == ["fusion", "substitution", "mine"]
+    fired = {where for it in result.stats.iterations for where in it.matches}
+    assert f"{tmp_path / 'mine.egg'}:2" in fired
