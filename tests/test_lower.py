@@ -1,0 +1,143 @@
+"""Lowering a plan gives each rank its exact local work: shard reads, and the collective each reshard is."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from tapestry.cli import main
+from tapestry.demo import seeds_example
+from tapestry.graph import Graph
+from tapestry.lower import (
+    AllGather, AllReduce, AllToAll, Comm, Local, Piece, PlaceBlock, ReduceScatter, SendRecv, ShardCompute, lower,
+)
+from tapestry.plan import Plan, build_plan
+from tapestry.sharding import Mesh
+from tapestry.zspace import ZRange
+
+MESH = Mesh(2)
+
+
+def _matmul(a: tuple[int, int], b: tuple[int, int]) -> Graph:
+    g = Graph()
+    g.output("y", g.relu(g.matmul(g.input("a", a), g.input("b", b))))
+    return g
+
+
+def _chain(batch: int, features: int, out: int) -> Graph:
+    g = Graph()
+    x = g.input("x", (batch, features))
+    h = g.relu(g.linear(x, g.input("w0", (features, out)), g.input("b0", (out,))))
+    g.output("y", g.linear(h, g.input("w1", (out, out)), g.input("b1", (out,))))
+    return g
+
+
+def _conv() -> Graph:
+    g = Graph()
+    x = g.relu(g.input("x", (1, 2, 9, 6)))
+    g.output("y", g.conv2d(x, g.input("w", (3, 2, 3, 3)), padding=1))
+    return g
+
+
+# name -> plan on 2 ranks; test_runtime runs every one of these and compares with tapestry.evaluate
+CASES: dict[str, Callable[[], Plan]] = {
+    "seeds split on batch": lambda: build_plan(seeds_example(8, 4, 6), MESH, {"linear_0": (0,), "relu_0": (0,)}),
+    "seeds split on out": lambda: build_plan(seeds_example(8, 4, 6), MESH, {"linear_0": (1,), "relu_0": (1,)}),
+    "matmul split on k, then rows": lambda: build_plan(_matmul((6, 8), (8, 5)), MESH, {"matmul_0": (2,), "relu_0": (0,)}),
+    "matmul split on k, then whole": lambda: build_plan(_matmul((6, 8), (8, 5)), MESH, {"matmul_0": (2,)}),
+    "chain of different splits": lambda: build_plan(_chain(8, 4, 6), MESH, {"linear_0": (0,), "relu_0": (1,)}),
+    "conv2d split on rows": lambda: build_plan(_conv(), MESH, {"relu_0": (2,), "conv2d_0": (2,)}),
+    "uneven sizes": lambda: build_plan(_chain(7, 3, 5), MESH, {"linear_0": (0,), "relu_0": (1,)}),
+}
+
+
+def comm_kinds(plan: Plan, rank: int = 0) -> list[str]:
+    return [s.kind for s in lower(plan).ranks[rank].steps if isinstance(s, Comm)]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_every_rank_runs_the_same_collective_sequence(name: str) -> None:
+    """SPMD: collectives line up across ranks, even on ranks with nothing to give or take."""
+    program = lower(CASES[name]())
+    collectives = (AllGather, AllReduce, ReduceScatter, AllToAll)
+    sequences = [[(s.step, s.kind) for s in r.steps if isinstance(s, collectives)] for r in program.ranks]
+    assert all(seq == sequences[0] for seq in sequences)
+
+
+def test_a_split_batch_needs_no_communication_until_the_output_is_gathered() -> None:
+    assert comm_kinds(CASES["seeds split on batch"]()) == ["send_recv"]
+
+
+def test_a_shard_reads_exactly_its_rows_of_x_and_all_of_w() -> None:
+    rank1 = lower(CASES["seeds split on batch"]()).ranks[1]
+    place_x, place_w, _, linear = rank1.steps[:4]
+    assert place_x == PlaceBlock(0, "v0", "x", ZRange((4, 0), (8, 4)))
+    assert place_w.block == ZRange((0, 0), (4, 6))
+    assert isinstance(linear, ShardCompute) and linear.index == ZRange((4, 0), (8, 6))
+    assert [r.box for r in linear.reads] == [ZRange((0, 0), (4, 4)), ZRange((0, 0), (4, 6)), ZRange((0,), (6,))]
+
+
+def test_splitting_a_contraction_all_reduces_partial_sums() -> None:
+    assert comm_kinds(CASES["matmul split on k, then whole"]())[0] == "all_reduce"
+    step = next(s for s in lower(CASES["matmul split on k, then whole"]()).ranks[1].steps if isinstance(s, AllReduce))
+    assert step.region == ZRange((0, 0), (6, 5))
+
+
+def test_partial_sums_into_a_split_reduce_scatter() -> None:
+    step = next(s for s in lower(CASES["matmul split on k, then rows"]()).ranks[0].steps if isinstance(s, Comm))
+    assert isinstance(step, ReduceScatter)
+    assert step.out_blocks == (ZRange((0, 0), (3, 5)), ZRange((3, 0), (6, 5)))
+
+
+def test_rows_to_columns_is_an_all_to_all_of_exact_blocks() -> None:
+    rank0 = lower(CASES["chain of different splits"]()).ranks[0]
+    swap = next(s for s in rank0.steps if isinstance(s, AllToAll))
+    assert swap.send == (Piece(1, ZRange((0, 3), (4, 6))),)
+    assert swap.recv == (Piece(1, ZRange((4, 0), (8, 3))),)
+    assert swap.local == ZRange((0, 0), (4, 3))
+
+
+def test_columns_to_replicated_is_an_all_gather() -> None:
+    assert comm_kinds(CASES["chain of different splits"]())[:2] == ["all_to_all", "all_gather"]
+
+
+def test_uneven_blocks_keep_their_own_sizes() -> None:
+    rank1 = lower(CASES["uneven sizes"]()).ranks[1]
+    swap = next(s for s in rank1.steps if isinstance(s, AllToAll))
+    assert swap.out_block == ZRange((0, 3), (7, 5)) and swap.recv == (Piece(0, ZRange((0, 3), (4, 5))),)
+    gather = next(s for s in rank1.steps if isinstance(s, AllGather))
+    assert gather.blocks == (ZRange((0, 0), (7, 3)), ZRange((0, 3), (7, 5)))
+
+
+def test_a_row_split_conv_trades_halo_rows_point_to_point() -> None:
+    program = lower(CASES["conv2d split on rows"]())
+    halo = [s for s in program.ranks[0].steps if isinstance(s, SendRecv)][0]
+    assert halo.recv == (Piece(1, ZRange((0, 0, 5, 0), (1, 2, 6, 6))),)  # one row below its own 5
+    conv = next(s for s in program.ranks[0].steps if isinstance(s, ShardCompute) and s.kernel == "conv2d")
+    assert conv.reads[0].pad == ((0, 0), (0, 0), (1, 0), (1, 1))  # zero padding is read, not computed
+
+
+def test_outputs_are_gathered_to_rank_0_only() -> None:
+    program = lower(CASES["seeds split on out"]())
+    gather = program.ranks[0].steps[-1]
+    assert program.outputs == {"y": gather.out} and gather.out_block == ZRange((0, 0), (8, 6))
+    assert program.ranks[1].steps[-1].out_block is None
+
+
+def test_a_replicated_value_needs_no_move_to_be_split() -> None:
+    plan = build_plan(_chain(8, 4, 6), MESH, {"linear_0": (None,), "relu_0": (0,)})
+    assert comm_kinds(plan)[0] == "local"
+    assert isinstance(next(s for s in lower(plan).ranks[1].steps if isinstance(s, Comm)), Local)
+
+
+def test_a_rank_program_prints_one_line_per_step() -> None:
+    text = str(lower(CASES["chain of different splits"]()).ranks[0])
+    assert text.splitlines()[0] == "rank 0 of 2"
+    assert "v4[0:8, 0:3] = all_to_all v3[0:4, 0:6]  send zr[0:4, 3:6]->1, recv zr[4:8, 0:3]<-1" in text
+
+
+def test_the_lower_command_prints_one_rank(tmp_path, capsys) -> None:
+    CASES["chain of different splits"]().save(tmp_path / "plan.json")
+    assert main(["lower", str(tmp_path / "plan.json"), "--rank", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("rank 1 of 2") and "rank 0" not in out

@@ -1,0 +1,87 @@
+"""Running lowered plans on gloo ranks gives tapestry.evaluate's answer, and failures are loud and quick."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from test_lower import CASES
+
+import tapestry
+from tapestry.cli import main
+from tapestry.demo import seeds_example
+from tapestry.graph import Graph
+from tapestry.plan import build_plan
+from tapestry.runtime import InputError, RankFailure, RunResult, run_plan, run_plans
+from tapestry.runtime.execute import FAULT_ENV, FAULT_EXIT_CODE
+from tapestry.sharding import Mesh
+
+
+@pytest.fixture(scope="module")
+def eager_runs() -> dict[str, RunResult]:
+    """Every case in one spawned group of 2 ranks: starting ranks costs more than the plans."""
+    results = run_plans([make() for make in CASES.values()], nproc=2, compile=False, timeout=120)
+    return dict(zip(CASES, results))
+
+
+def reference(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
+    return tapestry.evaluate(graph, tapestry.random_inputs(graph, seed))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_two_gloo_ranks_compute_what_the_reference_evaluator_computes(name: str, eager_runs) -> None:
+    want = reference(CASES[name]().graph)
+    got = eager_runs[name].outputs
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5)
+
+
+def test_every_rank_reports_a_time_for_each_of_its_steps(eager_runs) -> None:
+    run = eager_runs["chain of different splits"]
+    assert [r.rank for r in run.ranks] == [0, 1]
+    kinds = {t.kind for t in run.ranks[1].steps}
+    assert kinds == {"place", "compute", "comm"} and all(t.seconds >= 0 for t in run.ranks[1].steps)
+
+
+def test_a_fused_kernel_runs_torch_compiled_on_two_ranks() -> None:
+    g = Graph()
+    x, w, b = g.input("x", (16, 8)), g.input("w", (8, 12)), g.input("b", (12,))
+    g.output("y", g.linear_relu(x, w, b))
+    inputs = tapestry.random_inputs(g, seed=3)
+    result = run_plan(build_plan(g, Mesh(2), {"linear_relu_0": (1,)}), inputs, compile=True, timeout=240)
+    np.testing.assert_allclose(result.outputs["y"], tapestry.evaluate(g, inputs)["y"], rtol=1e-5, atol=1e-5)
+
+
+def test_a_rank_killed_mid_run_is_named_with_its_step_within_the_timeout(monkeypatch) -> None:
+    monkeypatch.setenv(FAULT_ENV, "1:3")  # rank 1 dies abruptly inside plan step 3 (its linear shard)
+    plan = CASES["seeds split on batch"]()
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=rf"rank 1 exited with code {FAULT_EXIT_CODE} in step 3 \(ShardCompute -> v3\)"):
+        run_plan(plan, compile=False, timeout=60)
+    assert time.monotonic() - start < 60
+
+
+def test_an_input_file_of_the_wrong_shape_is_refused_before_any_rank_starts(tmp_path) -> None:
+    g = seeds_example(8, 4, 6)
+    for name, array in tapestry.random_inputs(g).items():
+        np.save(tmp_path / f"{name}.npy", array)
+    np.save(tmp_path / "x.npy", np.zeros((3, 4), np.float32))
+    plan = build_plan(g, Mesh(2), {"linear_0": (0,)})
+    with pytest.raises(InputError, match=r"input 'x': .*x\.npy has shape \[3, 4\], the graph expects \[8, 4\]"):
+        run_plan(plan, tmp_path)
+    np.save(tmp_path / "x.npy", np.zeros((8, 4), np.float32))
+    (tmp_path / "w.npy").unlink()
+    with pytest.raises(InputError, match=r"input 'w': found neither w\.npy nor w\.pt"):
+        run_plan(plan, tmp_path)
+
+
+def test_run_verifies_profiles_and_saves_a_script_graph(tmp_path, capsys) -> None:
+    saved = tmp_path / "out"
+    status = main(["run", "examples/mlp.py", "--nproc", "2", "--no-compile", "--verify", "--profile",
+                   "--save-outputs", str(saved), "--timeout", "120"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "verify y: max abs err" in out and "ok" in out
+    assert "predicted" in out and "total comm" in out
+    assert np.load(saved / "y.npy").shape == (512, 256)
