@@ -102,7 +102,7 @@ def test_save_and_load(tmp_path):
 
 def test_dot_has_inputs_ops_and_outputs():
     source = graph_to_dot(seeds_example()).source
-    assert "linear" in source and "out:z" in source and "x -> linear_0" in source
+    assert "linear" in source and "output_z" in source and "x -> linear_0" in source
 
 
 @pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz dot not installed")

@@ -21,8 +21,8 @@ def graph_to_dot(graph: Graph) -> graphviz.Digraph:
         for arg in node.args:
             dot.edge(arg, node.name)
     for out, target in graph.outputs.items():
-        dot.node(f"out:{out}", out, shape="doubleoctagon", style="filled", fillcolor="#D5F5E3")
-        dot.edge(target, f"out:{out}")
+        dot.node(f"output_{out}", out, shape="doubleoctagon", style="filled", fillcolor="#D5F5E3")
+        dot.edge(target, f"output_{out}")
     return dot
 
 
