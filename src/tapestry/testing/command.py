@@ -45,12 +45,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         files = load_rules(args.paths or None)
     except RuleFileError as err:
-        console.print(f"[red]cannot load rules:[/] {escape(str(err))}")
+        console.print(f"[red]cannot load rules:[/] {escape(str(err))}", soft_wrap=True)
         return 2
     verdicts = check_rules(files, args.examples)
     console.print(verdict_table(verdicts))
     failed = [v for v in verdicts if not v.passed]
     for v in failed:
-        console.print(f"[red]FAIL[/] {escape(v.counterexample or '')}")
+        console.print(f"[red]FAIL[/] {escape(v.counterexample or '')}", soft_wrap=True)
     console.print(f"{len(verdicts) - len(failed)} of {len(verdicts)} rules pass")
     return 1 if failed else 0
