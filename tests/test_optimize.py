@@ -110,3 +110,27 @@ def test_cli_reports_a_script_without_a_graph(tmp_path, capsys):
     script.write_text("x = 1\n")
     assert main(["optimize", str(script)]) == 2
     assert "must define `graph`" in capsys.readouterr().err
+
+
+def test_pareto_front_trades_time_for_memory_and_the_budget_picks_from_it():
+    from tapestry.models import transformer_block
+    from tapestry.optimize import MemoryBudgetError, explore
+
+    graph = transformer_block(seq=32, d_model=32, heads=2, ffn=64)
+    front = explore(graph, Mesh(4)).pareto(time_limit=5)
+    times = [r.plan.cost for r in front]
+    memories = [r.peak_memory for r in front]
+    assert times == sorted(times) and memories == sorted(memories, reverse=True)
+    lean = optimize(graph, Mesh(4), memory_budget=memories[-1])
+    assert lean.peak_memory <= memories[-1]
+    with pytest.raises(MemoryBudgetError, match="no plan fits 1 bytes per device"):
+        optimize(graph, Mesh(4), memory_budget=1)
+
+
+def test_cli_pareto_prints_the_front_and_plots_it(tmp_path, capsys):
+    save_graph(seeds_example(64, 32, 16), tmp_path / "g.json")
+    out = tmp_path / "plan.json"
+    assert main(["optimize", str(tmp_path / "g.json"), "--mesh", "2", "--out", str(out),
+                 "--pareto-plot", str(tmp_path / "front.png")]) == 0
+    assert "Pareto front" in capsys.readouterr().out
+    assert (tmp_path / "front.png").stat().st_size > 0 and (tmp_path / "plan.pareto0.json").exists()

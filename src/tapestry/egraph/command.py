@@ -41,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", default="cpu-gloo", help="cost-model profile name or JSON path")
     p.add_argument("--stats", type=Path, help="write per-iteration saturation stats as JSON")
     p.add_argument("--egraph-svg", type=Path, help="draw the e-graph (small ones only)")
+    p.add_argument("--memory-budget", type=int, help="bytes per device; the fastest plan that fits")
+    p.add_argument("--pareto", action="store_true", help="print the time/peak-memory front, save each plan")
+    p.add_argument("--pareto-plot", type=Path, help="plot the front as PNG/SVG (implies --pareto)")
     p.add_argument("--out", "-o", type=Path, default=Path("plan.json"))
     p.set_defaults(func=run)
 
@@ -48,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from tapestry.cost import DefaultCostModel, load_profile
     from tapestry.egraph.rules import builtin_rule_paths
-    from tapestry.optimize import optimize
+    from tapestry.optimize import explore, optimize
 
     console = Console(stderr=True)
     graph, script_mesh = load_program(args.program)
@@ -62,8 +65,14 @@ def run(args: argparse.Namespace) -> int:
                       f"{stats.new_logical_nodes} new ops, {fired} matches, {stats.seconds:.2f}s")
 
     console.print(f"optimizing {args.program} ({len(graph.ops)} ops) on mesh {mesh}")
-    result = optimize(graph, mesh, rules, budget, DefaultCostModel(load_profile(args.profile)),
-                      args.extractor, args.time_limit, progress)
+    model = DefaultCostModel(load_profile(args.profile))
+    if args.pareto or args.pareto_plot:
+        front = explore(graph, mesh, rules, budget, progress).pareto(model, args.extractor, args.time_limit)
+        _report_front(front, args.out, args.pareto_plot)
+        result = front[0]
+    else:
+        result = optimize(graph, mesh, rules, budget, model, args.extractor, args.time_limit, progress,
+                          args.memory_budget)
     console.print(f"saturation stopped by {result.stats.stopped_by}; extraction {result.selection.status}")
     result.plan.save(args.out)
     if args.stats:
@@ -79,3 +88,27 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps({"plan": str(args.out), "cost": result.plan.cost, "steps": len(result.plan.steps),
                       "stopped_by": result.stats.stopped_by}))
     return 0
+
+
+def _report_front(front: list, out: Path, plot: Path | None) -> None:
+    """A table of the time/memory front; each plan saved beside `out`; optionally a plot."""
+    table = Table("plan", "predicted time (s)", "peak memory per device (bytes)", "steps", title="Pareto front")
+    for i, result in enumerate(front):
+        path = out.with_name(f"{out.stem}.pareto{i}{out.suffix}")
+        result.plan.save(path)
+        table.add_row(str(path), f"{result.plan.cost:.6g}", f"{result.peak_memory:,}", str(len(result.plan.steps)))
+    Console().print(table)
+    if plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        points = sorted((r.peak_memory / 2**20, r.plan.cost) for r in front)
+        ax.step([m for m, _ in points], [t for _, t in points], "o-", where="post")
+        ax.set_xlabel("peak memory per device (MiB)")
+        ax.set_ylabel("predicted time (s)")
+        ax.set_title("time / memory Pareto front")
+        fig.tight_layout()
+        fig.savefig(plot)
