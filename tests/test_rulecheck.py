@@ -13,16 +13,9 @@ DATA = Path(__file__).parent / "data" / "rules"
 EXAMPLES = 60
 FLOOR = 40  # fewer valid examples than this means the generator, not the rule, passed
 SHIPPED = [rule for f in load_rules() for rule in f.rules]
-# linear accepts a 1-D x, matmul does not: the rewrite to matmul + add needs a guard on (Rank x).
-KNOWN_WRONG = {"substitution.egg:6"}
 
 
-def shipped(rule: Rule) -> pytest.param:
-    wrong = pytest.mark.xfail(reason="the shipped rule is wrong for 1-D x", strict=True)
-    return pytest.param(rule, id=rule.short, marks=[wrong] if rule.short in KNOWN_WRONG else [])
-
-
-@pytest.mark.parametrize("rule", [shipped(r) for r in SHIPPED])
+@pytest.mark.parametrize("rule", [pytest.param(r, id=r.short) for r in SHIPPED])
 def test_every_shipped_rule_preserves_values(rule: Rule):
     verdict = check_rule(rule, EXAMPLES)
     assert verdict.passed, verdict.counterexample
@@ -62,6 +55,5 @@ def test_cli_exit_status_says_pass_fail_or_unloadable(capsys: pytest.CaptureFixt
     assert "wrong_arity.egg:3: Matmul takes 2 argument(s)" in capsys.readouterr().out
 
 
-@pytest.mark.xfail(reason="substitution.egg:6 is wrong for 1-D x", strict=True)
 def test_cli_passes_the_shipped_rules():
     assert main(["check-rules", "--examples", "20"]) == 0

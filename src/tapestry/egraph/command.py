@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tapestry.egraph.driver import Budget, IterationStats
+from tapestry.egraph.schema import schema_text
 from tapestry.graph import Graph, load_graph
 from tapestry.sharding import Mesh
 
@@ -46,6 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pareto-plot", type=Path, help="plot the front as PNG/SVG (implies --pareto)")
     p.add_argument("--out", "-o", type=Path, default=Path("plan.json"))
     p.set_defaults(func=run)
+    schema = sub.add_parser("schema", help="print the egglog schema generated from the kernel registry")
+    schema.set_defaults(func=lambda _: print(schema_text()) or 0)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,9 +17,9 @@ from tapestry.kernels.registry import register
 
 def _perm(x: Shape, perm: tuple[int, ...]) -> tuple[int, ...]:
     n = len(x)
-    if not perm:
+    if not perm or n == 0:
         return (*range(n - 2), n - 1, n - 2) if n >= 2 else tuple(range(n))
-    if sorted(p % n for p in perm) != list(range(n)) or len(perm) != n:
+    if len(perm) != n or sorted(p % n for p in perm) != list(range(n)):
         raise KernelError(f"perm {list(perm)} is not a permutation of the {n} dims of x{list(x)}")
     return tuple(p % n for p in perm)
 
