@@ -28,7 +28,7 @@ from tapestry.runtime.execute import InputSource
 from tapestry.sharding import Mesh
 from tapestry.zspace import ZRange
 
-RTOL = 1e-4  # float32 error relative to the output's largest magnitude
+RTOL = 1e-3  # float32 error relative to the largest output magnitude: deep or softmax-heavy graphs reach 1e-4
 PROFILE_WARMUP, PROFILE_REPEAT = 1, 5
 
 

@@ -130,7 +130,7 @@ def spawn(job: Job) -> list[RunResult]:
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
     progress: Any = ctx.Array("i", [-1] * 2 * world)  # per rank: program index, plan step
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_spawned_rank, args=(job, r, world, port, results, progress)) for r in range(world)]
     for p in procs:
         p.start()
@@ -184,7 +184,7 @@ def _where(job: Job, progress: Any, rank: int) -> str:
     return job.programs[program].describe(step) + (f" of plan {program}" if len(job.programs) > 1 else "")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
