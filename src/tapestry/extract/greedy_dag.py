@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Sequence
 
 from tapestry.extract.egraph import EGraph
 from tapestry.extract.selection import Selection, finalize
 from tapestry.extract.tree import solvable_tree
 
 
-def greedy_choice(egraph: EGraph, node_cost: Sequence[float] | None = None) -> list[int]:
+def greedy_choice(egraph: EGraph) -> list[int]:
     """Per class, the node with the cheapest DAG given already-finalized children (-1 if never reached)."""
-    costs = egraph.node_cost if node_cost is None else node_cost
+    costs = egraph.node_cost
     child_sets, node_class, parents = egraph.child_sets, egraph.node_class, egraph.parents
     best = [-1] * egraph.num_classes
     class_cost = [0.0] * egraph.num_classes

@@ -56,7 +56,6 @@ def finalize(
     tree: TreeChoice,
     extractor: str,
     started: float,
-    **solver_info: object,
 ) -> Selection:
     """Make `preferred` acyclic and complete, then price it.
 
@@ -79,5 +78,4 @@ def finalize(
         dag_cost=dag_cost(egraph, reach),
         extractor=extractor,
         seconds=time.perf_counter() - started,
-        **solver_info,  # type: ignore[arg-type]
     )
