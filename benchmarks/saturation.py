@@ -17,7 +17,7 @@ from tapestry.egraph.generate import Generator  # noqa: E402
 from tapestry.egraph.rules import load_rules  # noqa: E402
 from tapestry.egraph.session import Session  # noqa: E402
 from tapestry.models import mlp, transformer_block  # noqa: E402
-from tapestry.optimize import optimize  # noqa: E402
+from tapestry.optimizer import optimize  # noqa: E402
 from tapestry.sharding import Mesh  # noqa: E402
 
 

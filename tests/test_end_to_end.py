@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 import tapestry
-from tapestry.optimize import optimize
+from tapestry.optimizer import optimize
 from tapestry.plan.simulate import simulate
 from tapestry.plan.validate import validate_plan
 from tapestry.testing.graphs import block_graphs

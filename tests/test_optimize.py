@@ -12,7 +12,7 @@ from tapestry.cli import main
 from tapestry.egraph.driver import Budget
 from tapestry.graph import save_graph
 from tapestry.models import mlp, seeds_example
-from tapestry.optimize import optimize
+from tapestry.optimizer import optimize
 from tapestry.plan import Compute, Plan
 from tapestry.plan.simulate import simulate
 from tapestry.plan.validate import validate_plan
@@ -114,7 +114,7 @@ def test_cli_reports_a_script_without_a_graph(tmp_path, capsys):
 
 def test_pareto_front_trades_time_for_memory_and_the_budget_picks_from_it():
     from tapestry.models import transformer_block
-    from tapestry.optimize import MemoryBudgetError, explore
+    from tapestry.optimizer import MemoryBudgetError, explore
 
     graph = transformer_block(seq=32, d_model=32, heads=2, ffn=64)
     front = explore(graph, Mesh(4)).pareto(time_limit=5)

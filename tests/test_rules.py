@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-import tapestry.optimize
+import tapestry.optimizer
 from tapestry.egraph.driver import Budget
 from tapestry.egraph.rules import BUILTIN_DIR, RuleFileError, load_rule_file, load_rules
 from tapestry.graph import Graph
-from tapestry.optimize import optimize
+from tapestry.optimizer import optimize
 
 BAD = Path(__file__).parent / "data" / "rules" / "bad"
 
@@ -64,7 +64,7 @@ def test_optimize_rejects_a_bad_rules_dir_before_any_work(monkeypatch: pytest.Mo
     def saturate(*args: object, **kwargs: object) -> None:
         raise AssertionError("saturation started with unloadable rules")
 
-    monkeypatch.setattr(tapestry.optimize, "saturate", saturate)
+    monkeypatch.setattr(tapestry.optimizer, "saturate", saturate)
     with pytest.raises(RuleFileError, match=r"\.egg"):
         optimize(small_graph(), 1, rules=[BAD])
 

@@ -54,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from tapestry.cost import DefaultCostModel, load_profile
     from tapestry.egraph.rules import builtin_rule_paths
-    from tapestry.optimize import explore, optimize
+    from tapestry.optimizer import explore, optimize
 
     console = Console(stderr=True)
     graph, script_mesh = load_program(args.program)
