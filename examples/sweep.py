@@ -59,6 +59,7 @@ def main() -> None:
             ax.plot([d for d, _ in pts], [t * 1e3 for _, t in pts], "o-", label=rules_name)
         ax.set(title=model_name, xlabel="devices", ylabel="predicted time (ms)", xscale="log", xticks=MESHES)
         ax.set_xticklabels([str(m) for m in MESHES])
+        ax.minorticks_off()
         ax.legend()
     fig.tight_layout()
     fig.savefig(args.out / "sweep.png")
