@@ -31,7 +31,6 @@ from tapestry.cost import DefaultCostModel, load_profile, plan_cost
 from tapestry.demo import seeds_example
 from tapestry.graph import Graph
 from tapestry.kernels import get_kernel
-from tapestry.optimize import optimize
 from tapestry.plan import Place, Plan, build_plan
 from tapestry.runtime import run_plans
 from tapestry.runtime.launch import free_port
@@ -154,7 +153,7 @@ def main() -> None:
     for world in RANKS:
         for name, g in graphs.items():
             plans[name, "data parallel", world] = data_parallel(g, Mesh(world))
-            plans[name, "optimised", world] = optimize(g, mesh=Mesh(world)).plan
+            plans[name, "optimised", world] = tapestry.optimize(g, mesh=Mesh(world)).plan
     measured: dict[tuple[str, str, int], float | str] = {}
     steps: dict[tuple[str, str, int], int] = {}
     for world in (1, *RANKS):
