@@ -28,7 +28,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, init_device_mesh
 import tapestry
 from _report import write_section
 from tapestry.cost import DefaultCostModel, load_profile, plan_cost
-from tapestry.demo import seeds_example
+from tapestry.models import mlp, seeds_example, transformer_block
+from tapestry.runtime.eager import eager_seconds, interpret
 from tapestry.graph import Graph
 from tapestry.kernels import get_kernel
 from tapestry.plan import Place, Plan, build_plan
@@ -37,60 +38,16 @@ from tapestry.runtime.launch import free_port
 from tapestry.runtime.command import data_parallel
 from tapestry.sharding import Layout, Mesh
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from mlp import mlp  # noqa: E402
 
 WARMUP, REPEAT = 2, 10
 RANKS = (2, 4)
 
 
-def transformer_block(batch: int = 4, seq: int = 64, dim: int = 128, heads: int = 4) -> Graph:
-    """Pre-LN block: unmasked multi-head attention from matmul/transpose/softmax/mul, then a GELU MLP."""
-    g = Graph()
-    dh = dim // heads
-    x = g.input("x", (batch, seq, dim))
-
-    param = g.input
-    def heads_of(t, perm):
-        return g.transpose(g.reshape(t, shape=(batch, seq, heads, dh)), perm=perm)
-
-    h = g.layer_norm(x, param("ln1_w", (dim,)), param("ln1_b", (dim,)))
-    q, k, v = (g.linear(h, param(f"w{n}", (dim, dim)), param(f"b{n}", (dim,))) for n in "qkv")
-    scores = g.mul(g.matmul(heads_of(q, (0, 2, 1, 3)), heads_of(k, (0, 2, 3, 1))), param("scale", (1,)))
-    attn = g.matmul(g.softmax(scores, axis=-1), heads_of(v, (0, 2, 1, 3)))
-    merged = g.reshape(g.transpose(attn, perm=(0, 2, 1, 3)), shape=(batch, seq, dim))
-    x1 = g.add(x, g.linear(merged, param("wo", (dim, dim)), param("bo", (dim,))))
-    h2 = g.layer_norm(x1, param("ln2_w", (dim,)), param("ln2_b", (dim,)))
-    up = g.gelu(g.linear(h2, param("w1", (dim, 4 * dim)), param("b1", (4 * dim,))))
-    g.output("y", g.add(x1, g.linear(up, param("w2", (4 * dim, dim)), param("b2", (dim,)))))
-    return g
-
-
 WORKLOADS = {
     "seeds MLP 1024x512x512": lambda: seeds_example(1024, 512, 512),
-    "4-layer MLP 512x256": lambda: mlp(512, 256),
+    "4-layer MLP 512x256": lambda: mlp(4, 512, 256),
     "transformer block 4x64x128": transformer_block,
 }
-
-
-def interpret(graph: Graph, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The graph as plain torch calls of each kernel's torch impl, whole tensors (or DTensors)."""
-    values = dict(values)
-    for node in graph.ops:
-        kwargs = graph.signature(node.name).call_kwargs(graph.signature(node.name).index)
-        values[node.name] = get_kernel(node.op).torch(*(values[a] for a in node.args), **kwargs)
-    return {name: values[target] for name, target in graph.outputs.items()}
-
-
-def eager_seconds(graph: Graph) -> float:
-    torch.set_num_threads(1)
-    inputs = {k: torch.from_numpy(v) for k, v in tapestry.random_inputs(graph).items()}
-    times = []
-    for _ in range(WARMUP + REPEAT):
-        start = time.perf_counter()
-        interpret(graph, inputs)
-        times.append(time.perf_counter() - start)
-    return float(np.median(times[WARMUP:]))
 
 
 def placements(plan: Plan) -> dict[str, str]:

@@ -116,7 +116,7 @@ def test_pareto_front_trades_time_for_memory_and_the_budget_picks_from_it():
     from tapestry.models import transformer_block
     from tapestry.optimizer import MemoryBudgetError, explore
 
-    graph = transformer_block(seq=32, d_model=32, heads=2, ffn=64)
+    graph = transformer_block(batch=2, seq=16, dim=32, heads=2)
     front = explore(graph, Mesh(4)).pareto(time_limit=5)
     times = [r.plan.cost for r in front]
     memories = [r.peak_memory for r in front]

@@ -26,30 +26,23 @@ def mlp(depth: int = 4, batch: int = 512, width: int = 256) -> Graph:
     return g
 
 
-def _attention(g: Graph, x: Value, seq: int, d_model: int, heads: int) -> Value:
-    head_dim = d_model // heads
-
-    def project(name: str) -> Value:
-        w = g.input(f"w_{name}", (d_model, d_model))
-        y = g.matmul(x, w, name=f"{name}_proj")
-        return g.transpose(g.reshape(y, shape=(seq, heads, head_dim), name=f"{name}_heads"), perm=(1, 0, 2),
-                           name=f"{name}_t")
-
-    q, k, v = project("q"), project("k"), project("v")
-    scores = g.mul(g.matmul(q, g.transpose(k, name="k_tt"), name="scores"), g.input("scale", (1,)), name="scaled")
-    attn = g.matmul(g.softmax(scores, axis=-1, name="probs"), v, name="attend")
-    merged = g.reshape(g.transpose(attn, perm=(1, 0, 2), name="attn_t"), shape=(seq, d_model), name="merge")
-    return g.matmul(merged, g.input("w_o", (d_model, d_model)), name="o_proj")
-
-
-def transformer_block(seq: int = 128, d_model: int = 128, heads: int = 4, ffn: int = 512) -> Graph:
-    """Post-norm block: x + attention (no mask), layer norm, x + MLP (gelu), layer norm."""
+def transformer_block(batch: int = 4, seq: int = 64, dim: int = 128, heads: int = 4) -> Graph:
+    """Pre-LN block: unmasked multi-head attention built from matmul/transpose/softmax/mul, then a GELU MLP."""
     g = Graph()
-    x = g.input("x", (seq, d_model))
-    h = g.add(x, _attention(g, x, seq, d_model, heads), name="residual1")
-    h = g.layer_norm(h, g.input("ln1_w", (d_model,)), g.input("ln1_b", (d_model,)), name="ln1")
-    up = g.gelu(g.linear(h, g.input("w_up", (d_model, ffn)), g.input("b_up", (ffn,)), name="up"), name="act")
-    down = g.linear(up, g.input("w_down", (ffn, d_model)), g.input("b_down", (d_model,)), name="down")
-    h = g.add(h, down, name="residual2")
-    g.output("y", g.layer_norm(h, g.input("ln2_w", (d_model,)), g.input("ln2_b", (d_model,)), name="ln2"))
+    dh = dim // heads
+    x = g.input("x", (batch, seq, dim))
+    param = g.input
+
+    def heads_of(t: Value, perm: tuple[int, ...]) -> Value:
+        return g.transpose(g.reshape(t, shape=(batch, seq, heads, dh)), perm=perm)
+
+    h = g.layer_norm(x, param("ln1_w", (dim,)), param("ln1_b", (dim,)))
+    q, k, v = (g.linear(h, param(f"w{n}", (dim, dim)), param(f"b{n}", (dim,))) for n in "qkv")
+    scores = g.mul(g.matmul(heads_of(q, (0, 2, 1, 3)), heads_of(k, (0, 2, 3, 1))), param("scale", (1,)))
+    attn = g.matmul(g.softmax(scores, axis=-1), heads_of(v, (0, 2, 1, 3)))
+    merged = g.reshape(g.transpose(attn, perm=(0, 2, 1, 3)), shape=(batch, seq, dim))
+    x1 = g.add(x, g.linear(merged, param("wo", (dim, dim)), param("bo", (dim,))))
+    h2 = g.layer_norm(x1, param("ln2_w", (dim,)), param("ln2_b", (dim,)))
+    up = g.gelu(g.linear(h2, param("w1", (dim, 4 * dim)), param("b1", (4 * dim,))))
+    g.output("y", g.add(x1, g.linear(up, param("w2", (4 * dim, dim)), param("b2", (dim,)))))
     return g

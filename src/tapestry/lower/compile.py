@@ -10,6 +10,7 @@ import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ DEFAULT_CACHE = Path.home() / ".cache" / "tapestry" / "inductor"
 # Every shard of one kernel shares the impl's code object, and dynamo counts recompiles per code
 # object: uneven splits and many layers would pass the default limit of 8 and silently run eager.
 RECOMPILE_LIMIT = 256
+
+if TYPE_CHECKING:
+    from tapestry.lower.program import LoweredProgram
 
 ShardFn = Callable[..., torch.Tensor]
 
@@ -48,3 +52,19 @@ def _compiled(kernel: str, kwargs: Params, shapes: tuple[Shape, ...]) -> ShardFn
     use_persistent_cache()
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     return torch.compile(_eager(kernel, kwargs), dynamic=False, fullgraph=True)
+
+
+def warm_cache(program: LoweredProgram) -> int:
+    """Compile every distinct shard kernel of `program` once, here, so that ranks load it from the
+    persistent cache instead of all compiling it at once. Returns how many kernels it compiled."""
+    from tapestry.lower.program import ShardCompute
+
+    seen = set()
+    for rank in program.ranks:
+        for step in rank.steps:
+            if isinstance(step, ShardCompute) and not get_kernel(step.kernel).is_view:
+                shapes = tuple(r.shape for r in step.reads)
+                if (step.kernel, step.kwargs, shapes) not in seen:
+                    seen.add((step.kernel, step.kwargs, shapes))
+                    shard_function(step.kernel, step.kwargs, shapes, True)(*(torch.zeros(s) for s in shapes))
+    return len(seen)

@@ -108,6 +108,12 @@ class Plan:
             notes=dict(data.get("notes", {})),
         )
 
+    def run(self, inputs: Mapping[str, Any] | str | Path | None = None, nproc: int | None = None, **options: Any) -> Any:
+        """Run on `nproc` local ranks with torch.distributed; see tapestry.runtime.run_plan."""
+        from tapestry.runtime import run_plan
+
+        return run_plan(self, inputs, nproc, **options)
+
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
 
