@@ -36,3 +36,24 @@ def test_optimised_plans_equal_the_program(graph):
 @given(graph=block_graphs(max_ops=10))
 def test_optimised_plans_equal_the_program_exhaustive(graph):
     check_plans_agree(graph)
+
+
+def test_a_sample_of_property_test_plans_runs_on_two_ranks():
+    """The same random programs, optimised for 2 devices, run through lowering and torch.distributed."""
+    from hypothesis import Phase
+
+    from tapestry.runtime import run_plans
+
+    sample: list[tapestry.Graph] = []
+
+    @settings(max_examples=6, derandomize=True, database=None, phases=[Phase.generate], deadline=None)
+    @given(graph=block_graphs(max_ops=4))
+    def collect(graph):
+        sample.append(graph)
+
+    collect()
+    plans = [optimize(graph, 2, time_limit=5).plan for graph in sample]
+    for plan, run in zip(plans, run_plans(plans, nproc=2, compile=False, timeout=120)):
+        expected = tapestry.evaluate(plan.graph, tapestry.random_inputs(plan.graph, seed=0))
+        for name, value in expected.items():
+            np.testing.assert_allclose(run.outputs[name], value, rtol=2e-4, atol=2e-4, err_msg=f"{plan.graph!r}")
