@@ -18,6 +18,7 @@ from tapestry.extract import Selection, extract, validate
 from tapestry.graph import Graph
 from tapestry.plan import Plan, Step
 from tapestry.plan.explain import explain as explain_plan
+from tapestry.plan.validate import validate_plan
 from tapestry.sharding import Mesh
 
 
@@ -89,6 +90,7 @@ class Explored:
         if problems:
             raise AssertionError(f"extractor {extractor} returned an invalid selection: {problems[0]}")
         plan = self.decoder.plan(egraph, selection, self.graph, self.names)
+        validate_plan(plan)  # exact: partitions, covered reads, possible moves (islpy)
         if isinstance(model, MemoryWeighted):  # report time, not the scalarised objective
             plan = Plan(plan.mesh, plan.graph, plan.steps, plan.outputs,
                         sum(model.base.step_cost(s, self.mesh) for s in plan.steps), plan.notes)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from tapestry.kernels import Params, Shape, Signature
 from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.comm import CommError, transfers
-from tapestry.sharding.partition import candidate_partitions, needed_layout, output_layout
+from tapestry.sharding.partition import candidate_partitions, needed_layout, output_layout, partition_issues
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,9 @@ def runs_for(sig: Signature, mesh: Mesh, interner: Interner, origin: str) -> lis
     """(out layout, arg layouts, run key) for every candidate partition of one logical node."""
     found = []
     for part in candidate_partitions(sig, mesh):
+        issues = partition_issues(sig, part.blocks)  # islpy: a partition of the index space, partials sound
+        if issues:
+            raise AssertionError(f"generated an illegal partition of {sig}: {'; '.join(issues)}")
         out = interner.layout(sig.output_shape, output_layout(sig, part))
         args = tuple(
             interner.layout(shape, needed_layout(sig, i, part)) for i, shape in enumerate(sig.input_shapes)
