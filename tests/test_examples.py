@@ -1,0 +1,18 @@
+"""The examples run as documented."""
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def test_custom_cost_model_example_drives_the_optimizer(capsys):
+    runpy.run_path(str(EXAMPLES / "custom_cost_model.py"), run_name="__main__")
+    lines = capsys.readouterr().out.splitlines()
+    optimised = next(line for line in lines if line.strip().startswith("optimised"))
+    assert optimised.split(":")[1].split()[0] == "0", "moving nothing is optimal when only bytes moved count"
+
+
+def test_mlp_example_defines_a_graph():
+    assert len(runpy.run_path(str(EXAMPLES / "mlp.py"))["graph"].ops) == 8
