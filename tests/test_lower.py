@@ -9,7 +9,7 @@ from tapestry.cli import main
 from tapestry.demo import seeds_example
 from tapestry.graph import Graph
 from tapestry.lower import (
-    AllGather, AllReduce, AllToAll, Comm, Local, Piece, PlaceBlock, ReduceScatter, SendRecv, ShardCompute, lower,
+    AllGather, AllReduce, AllToAll, Comm, Gather, Local, Piece, PlaceBlock, ReduceScatter, SendRecv, ShardCompute, lower,
 )
 from tapestry.plan import Plan, build_plan
 from tapestry.sharding import Mesh
@@ -65,7 +65,23 @@ def test_every_rank_runs_the_same_collective_sequence(name: str) -> None:
 
 
 def test_a_split_batch_needs_no_communication_until_the_output_is_gathered() -> None:
-    assert comm_kinds(CASES["seeds split on batch"]()) == ["send_recv"]
+    assert comm_kinds(CASES["seeds split on batch"]()) == ["gather"]
+
+
+def test_moves_to_a_single_rank_are_one_gather_that_every_rank_joins() -> None:
+    program = lower(CASES["seeds split on out"]())
+    gathers = [r.steps[-1] for r in program.ranks]
+    assert all(isinstance(g, Gather) and g.root == 0 for g in gathers)
+    assert gathers[0].sizes == (0, 24) and gathers[0].recv == (Piece(1, ZRange((0, 3), (8, 6))),)
+    assert gathers[1].out_block is None and gathers[1].send == (Piece(0, ZRange((0, 3), (8, 6))),)
+
+
+def test_a_read_of_a_whole_held_block_is_marked_whole() -> None:
+    linear = next(s for s in lower(CASES["seeds split on batch"]()).ranks[1].steps if isinstance(s, ShardCompute))
+    assert [r.whole for r in linear.reads] == [True, True, True]
+    conv = next(s for s in lower(CASES["conv2d split on rows"]()).ranks[0].steps
+                if isinstance(s, ShardCompute) and s.kernel == "conv2d")
+    assert conv.reads[0].whole and conv.reads[0].pad == ((0, 0), (0, 0), (1, 0), (1, 1))  # padded after reading
 
 
 def test_a_shard_reads_exactly_its_rows_of_x_and_all_of_w() -> None:

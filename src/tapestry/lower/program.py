@@ -42,6 +42,7 @@ class Read:
     box: ZRange | None  # None: the read lies wholly outside the tensor
     pad: tuple[tuple[int, int], ...]
     shape: Shape
+    whole: bool = False  # the read is the whole held buffer: no slicing at all
 
     @property
     def slices(self) -> tuple[slice, ...]:
@@ -154,12 +155,22 @@ class AllToAll(Exchange):
 
 @dataclass(frozen=True)
 class SendRecv(Exchange):
-    """Only some pairs trade (halos, gathers to one rank): batched isend/irecv."""
+    """Only some pairs trade (halos): batched isend/irecv."""
+
+
+@dataclass(frozen=True)
+class Gather(SendRecv):
+    """Every move goes to one rank, `root` (the outputs' gather to rank 0, or any block move with a single
+    receiver): one `dist.gather` of each rank's packed pieces, padded to the largest (`sizes[r]` elements
+    from rank r). Every rank joins, even with nothing to give. A send_recv to the cost model."""
+
+    root: int = 0
+    sizes: tuple[int, ...] = ()
 
 
 _KIND_NAMES: dict[type, str] = {
     Local: "local", AllGather: "all_gather", AllReduce: "all_reduce", ReduceScatter: "reduce_scatter",
-    AllToAll: "all_to_all", SendRecv: "send_recv",
+    AllToAll: "all_to_all", SendRecv: "send_recv", Gather: "gather",
 }
 
 RankStep = PlaceBlock | ShardCompute | Comm
@@ -263,7 +274,7 @@ def _read(buffer: str, held: Block, want: ZRange, shape: Shape, where: str) -> R
         return Read(buffer, None, pad, want.shape)
     if held is None or not held.contains(inside):
         raise LoweringError(f"{where}: needs {inside} of {buffer!r} but this rank holds {held}")
-    return Read(buffer, inside.translate([-s for s in held.start]), pad, want.shape)
+    return Read(buffer, inside.translate([-s for s in held.start]), pad, want.shape, inside == held)
 
 
 def _reshard(index: int, step: Reshard, layouts: Mapping[str, Layout], mesh: Mesh) -> list[RankStep | None]:
@@ -273,6 +284,13 @@ def _reshard(index: int, step: Reshard, layouts: Mapping[str, Layout], mesh: Mes
     moves = transfers(src, dst)
     kind = step_type(src, dst, step.shape, mesh)
     world = len(dst.blocks)
+    roots = {t.dst for t in moves}
+    if kind is SendRecv and len(roots) == 1:
+        root = roots.pop()
+        sizes = tuple(sum(t.region.size for t in moves if t.src == r) for r in range(world))
+        return [Gather(index, step.out, step.src, src.blocks[r], dst.blocks[r], _pieces(moves, r, "src"),
+                       _pieces(moves, r, "dst"), _overlap(src.blocks[r], dst.blocks[r]), src.partial, root, sizes)
+                for r in range(world)]
     steps: list[RankStep | None] = []
     for rank in range(world):
         common = (index, step.out, step.src, src.blocks[rank], dst.blocks[rank])

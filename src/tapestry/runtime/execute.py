@@ -22,12 +22,13 @@ from tapestry.evaluator import random_inputs
 from tapestry.graph import Graph
 from tapestry.lower.compile import shard_function
 from tapestry.lower.program import (
-    AllGather, AllReduce, AllToAll, Comm, Exchange, Local, LoweredProgram, PlaceBlock, RankStep, Read, ReduceScatter,
+    AllGather, AllReduce, AllToAll, Comm, Exchange, Gather, Local, LoweredProgram, PlaceBlock, RankStep, Read, ReduceScatter,
     SendRecv, ShardCompute,
 )
 from tapestry.sharding import Block
 from tapestry.zspace import ZRange
 
+Work = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]  # one step, bound: buffers in, its result out
 FAULT_ENV = "TAPESTRY_FAULT"  # "RANK:STEP": that rank exits abruptly inside that plan step (failure tests)
 FAULT_EXIT_CODE = 17
 
@@ -123,50 +124,88 @@ class RankRunner:
         return int(step) if rank and int(rank) == self.rank else None
 
     def run(self, warmup: int = 0, repeat: int = 1) -> tuple[dict[str, torch.Tensor], RankReport]:
-        """Run the program warmup + repeat times; timings are from the last `repeat` runs."""
+        """Place the inputs once, then run the rest of the program warmup + repeat times; timings are from the
+        last `repeat` runs. Placing is setup, as for any program handed tensors already laid out: the
+        iterations start from the same placed buffers (no step writes into a buffer it reads), and a place
+        step's time is that of the one placement, outside the iterations' wall times."""
+        placed, place_times = self._place()
+        program = self._bound
         times: list[list[float]] = []
         totals: list[float] = []
-        buffers: dict[str, torch.Tensor] = {}
+        buffers: dict[str, torch.Tensor] = dict(placed)
         for _ in range(warmup + repeat):
             dist.barrier()
             start = time.perf_counter()
-            buffers, step_times = self._once()
+            buffers, step_times = self._once(placed, program)
             totals.append(time.perf_counter() - start)
             times.append(step_times)
         kept = times[warmup:]
-        steps = tuple(
-            StepTime(s.step, _label(s), _kind(s), float(np.median([t[i] for t in kept]))) for i, s in enumerate(self.steps)
+        steps = tuple(StepTime(s.step, _label(s), "place", place_times[k]) for k, s in enumerate(self._placing))
+        steps += tuple(
+            StepTime(s.step, _label(s), _kind(s), float(np.median([t[i] for t in kept]))) for i, (s, _) in enumerate(program)
         )
+        position = {s.step: k for k, s in enumerate(self.steps)}
+        steps = tuple(sorted(steps, key=lambda t: position[t.step]))
         return buffers, RankReport(self.rank, steps, tuple(totals[warmup:]))
 
-    def _once(self) -> tuple[dict[str, torch.Tensor], list[float]]:
+    @cached_property
+    def _placing(self) -> tuple[PlaceBlock, ...]:
+        return tuple(s for s in self.steps if isinstance(s, PlaceBlock))
+
+    def _place(self) -> tuple[dict[str, torch.Tensor], list[float]]:
         buffers: dict[str, torch.Tensor] = {}
         times = []
-        for step in self.steps:
-            self.on_step(step.step)
-            if self._fault == step.step:
-                os._exit(FAULT_EXIT_CODE)
+        graph = self.program.plan.graph
+        for step in self._placing:
+            self._enter(step)
             start = time.perf_counter()
             try:
-                buffers[step.out] = self._execute(step, buffers)
+                array = np.ascontiguousarray(self.inputs.block(graph, step.input, step.block))
+                buffers[step.out] = torch.from_numpy(array).to(self.device)
             except Exception as err:
-                raise StepFailed(
-                    f"rank {self.rank} failed in {self.program.describe(step.step)}: {type(err).__name__}: {err}"
-                ) from err
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+                raise self._failed(step, err) from err
             times.append(time.perf_counter() - start)
         return buffers, times
 
-    def _execute(self, step: RankStep, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        if isinstance(step, PlaceBlock):
-            graph = self.program.plan.graph
-            return torch.from_numpy(np.ascontiguousarray(self.inputs.block(graph, step.input, step.block))).to(self.device)
+    def _enter(self, step: RankStep) -> None:
+        self.on_step(step.step)
+        if self._fault == step.step:
+            os._exit(FAULT_EXIT_CODE)
+
+    def _failed(self, step: RankStep, err: Exception) -> StepFailed:
+        return StepFailed(f"rank {self.rank} failed in {self.program.describe(step.step)}: {type(err).__name__}: {err}")
+
+    @cached_property
+    def _bound(self) -> list[tuple[RankStep, Work]]:
+        """Every non-place step with its work bound once: kernel looked up, reads resolved to slices."""
+        return [(s, self._bind(s)) for s in self.steps if not isinstance(s, PlaceBlock)]
+
+    def _bind(self, step: RankStep) -> Work:
+        device = self.device
         if isinstance(step, ShardCompute):
-            args = [_read(buffers[r.buffer] if r.box is not None else None, r, self.device) for r in step.reads]
             fn = shard_function(step.kernel, step.kwargs, tuple(r.shape for r in step.reads), self.compile)
-            return fn(*args)
-        return _COMMS[type(step)](step, buffers.get(step.src), self.device)
+            readers = [_reader(r, device) for r in step.reads]
+            return lambda buffers: fn(*(read(buffers) for read in readers))
+        comm, src = _COMMS[type(step)], step.src
+        return lambda buffers: comm(step, buffers.get(src), device)
+
+    def _once(self, placed: Mapping[str, torch.Tensor], program: list[tuple[RankStep, Work]]) -> tuple[dict[str, torch.Tensor], list[float]]:
+        buffers = dict(placed)
+        times = []
+        on_step, fault, cuda = self.on_step, self._fault, self.device.type == "cuda"
+        for step, work in program:
+            on_step(step.step)
+            if fault == step.step:
+                os._exit(FAULT_EXIT_CODE)
+            start = time.perf_counter()
+            try:
+                buffers[step.out] = work(buffers)
+            except Exception as err:
+                raise self._failed(step, err) from err
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            times.append(time.perf_counter() - start)
+        return buffers, times
 
 
 def _kind(step: RankStep) -> str:
@@ -181,13 +220,17 @@ def _label(step: RankStep) -> str:
     return f"{step.kind} {step.src} -> {step.out}"
 
 
-def _read(buffer: torch.Tensor | None, read: Read, device: torch.device) -> torch.Tensor:
-    if buffer is None:
-        return torch.zeros(read.shape, device=device)
-    view = buffer[read.slices]
-    if not any(any(p) for p in read.pad):
-        return view
-    return F.pad(view, [p for before_after in reversed(read.pad) for p in before_after])
+def _reader(read: Read, device: torch.device) -> Work:
+    """One argument of a shard: the held buffer itself, a view of it, zero-padded, or zeros."""
+    name, slices = read.buffer, read.slices
+    if read.box is None:
+        return lambda buffers: torch.zeros(read.shape, device=device)
+    if any(any(p) for p in read.pad):
+        pad = [p for before_after in reversed(read.pad) for p in before_after]
+        return lambda buffers: F.pad(buffers[name][slices], pad)
+    if read.whole:
+        return lambda buffers: buffers[name]
+    return lambda buffers: buffers[name][slices]
 
 
 # -- communication ----------------------------------------------------------------------------
@@ -259,13 +302,15 @@ def _reduce_scatter(step: ReduceScatter, src: torch.Tensor | None, device: torch
 def _exchange(step: Exchange, src: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     world = dist.get_world_size()
     outgoing = [_pack(step, src, peer, device) for peer in range(world)]
-    incoming = [_zeros(ZRange.from_shape((sum(p.region.size for p in step.recv if p.peer == peer),)), src, device)
-                for peer in range(world)]
-    if isinstance(step, AllToAll):
-        received = torch.empty(sum(t.numel() for t in incoming), dtype=incoming[0].dtype, device=device)
-        dist.all_to_all_single(received, torch.cat(outgoing), [t.numel() for t in incoming], [t.numel() for t in outgoing])
-        incoming = list(received.split([t.numel() for t in incoming]))
+    counts = [sum(p.region.size for p in step.recv if p.peer == peer) for peer in range(world)]
+    if isinstance(step, Gather):
+        incoming = _gather(step, outgoing[step.root], src, device)
+    elif isinstance(step, AllToAll):
+        received = torch.empty(sum(counts), dtype=_dtype(src), device=device)
+        dist.all_to_all_single(received, torch.cat(outgoing), counts, [t.numel() for t in outgoing])
+        incoming = list(received.split(counts))
     else:
+        incoming = [torch.empty(n, dtype=_dtype(src), device=device) for n in counts]
         ops = [dist.P2POp(dist.isend, outgoing[p], p) for p in range(world) if outgoing[p].numel()]
         ops += [dist.P2POp(dist.irecv, incoming[p], p) for p in range(world) if incoming[p].numel()]
         for request in dist.batch_isend_irecv(ops) if ops else []:
@@ -287,6 +332,20 @@ def _exchange(step: Exchange, src: torch.Tensor | None, device: torch.device) ->
     return out
 
 
+def _dtype(like: torch.Tensor | None) -> torch.dtype:
+    return like.dtype if like is not None else torch.float32
+
+
+def _gather(step: Gather, sending: torch.Tensor, src: torch.Tensor | None, device: torch.device) -> list[torch.Tensor]:
+    """One dist.gather to the root of every rank's packed pieces, each padded to the largest."""
+    size = max(step.sizes)
+    flat = sending if sending.numel() == size else F.pad(sending, (0, size - sending.numel()))
+    rank = dist.get_rank()
+    slots = [torch.empty(size, dtype=flat.dtype, device=device) for _ in step.sizes] if rank == step.root else None
+    dist.gather(flat, slots, dst=step.root)
+    return [] if slots is None else [slot[:n] for slot, n in zip(slots, step.sizes)]
+
+
 def _pack(step: Exchange, src: torch.Tensor | None, peer: int, device: torch.device) -> torch.Tensor:
     parts = [src[_at(p.region, step.src_block)].reshape(-1) for p in step.send if p.peer == peer]
     return torch.cat(parts) if parts else _zeros(ZRange.from_shape((0,)), src, device)
@@ -294,5 +353,5 @@ def _pack(step: Exchange, src: torch.Tensor | None, peer: int, device: torch.dev
 
 _COMMS: dict[type, Callable[[Comm, torch.Tensor | None, torch.device], torch.Tensor]] = {
     Local: _local, AllGather: _all_gather, AllReduce: _all_reduce, ReduceScatter: _reduce_scatter,
-    AllToAll: _exchange, SendRecv: _exchange,
+    AllToAll: _exchange, SendRecv: _exchange, Gather: _exchange,
 }

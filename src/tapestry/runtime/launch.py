@@ -129,7 +129,10 @@ def spawn(job: Job) -> list[RunResult]:
     world = len(job.programs[0].ranks)
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
-    progress: Any = ctx.Array("i", [-1] * 2 * world)  # per rank: program index, plan step
+    # per rank: program index, plan step. No lock: each rank writes only its own two slots, once per step, and
+    # a lock shared by every rank costs each step a cross-process acquire (and a wait whenever the holder is
+    # descheduled, as it often is with more ranks than cores).
+    progress: Any = ctx.Array("i", [-1] * 2 * world, lock=False)
     port = free_port()
     procs = [ctx.Process(target=_spawned_rank, args=(job, r, world, port, results, progress)) for r in range(world)]
     for p in procs:
