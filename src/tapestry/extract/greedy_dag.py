@@ -3,7 +3,8 @@
 Same idea as extraction-gym's "faster-greedy-dag", but classes are finalized in
 increasing DAG cost (as in `tree.py`), so every node is priced once, when its last
 child class is finalized, and a chosen node only points at earlier classes. The
-search stops as soon as every root is finalized.
+search stops as soon as every root is finalized. A local search (`improve`) then
+re-chooses one class at a time while that lowers the DAG cost of the whole selection.
 """
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import heapq
 import time
 
 from tapestry.extract.egraph import EGraph
-from tapestry.extract.selection import Selection, finalize
-from tapestry.extract.tree import solvable_tree
+from tapestry.extract.selection import Selection, finalize, reachable_choice
+from tapestry.extract.structure import cyclic_components
+from tapestry.extract.tree import TreeChoice, solvable_tree
 
 
 def greedy_choice(egraph: EGraph) -> list[int]:
@@ -54,8 +56,76 @@ def greedy_choice(egraph: EGraph) -> list[int]:
     return best
 
 
+def improve(egraph: EGraph, choice: list[int], tree: TreeChoice) -> list[int]:
+    """Local search: switch one reachable class to another node while the selection's DAG cost drops.
+
+    `choice` must name a node for every class (classes outside the selection keep
+    theirs for when a move reaches them) and be acyclic on the classes the roots
+    reach. Reference counts (chosen parents per class) price a move exactly: the
+    new node's children that were unused join with their own choices, and classes
+    the old node alone kept alive leave. An improving move is kept only if the new
+    selection is still acyclic. Every kept move lowers the cost, so the search ends.
+    """
+    cost, child_sets = egraph.node_cost, egraph.child_sets
+    choice = list(choice)
+    refs = [0] * egraph.num_classes
+    for root in egraph.roots:
+        refs[root] += 1
+    for node in reachable_choice(egraph, choice).values():
+        for d in child_sets[node]:
+            refs[d] += 1
+    total = sum(cost[choice[c]] for c in range(egraph.num_classes) if refs[c])
+
+    def usable(c: int, node: int) -> bool:
+        return egraph.selectable(node) and c not in child_sets[node] and all(map(tree.extractable, child_sets[node]))
+
+    def delta(c: int, new: int) -> tuple[float, dict[int, int]]:
+        """Cost change and reference-count changes of choosing `new` for class `c`; additions first."""
+        change: dict[int, int] = {}
+        price = cost[new] - cost[choice[c]]
+        for work in ([(d, 1) for d in child_sets[new]], [(d, -1) for d in child_sets[choice[c]]]):
+            while work:
+                d, step = work.pop()
+                before = refs[d] + change.get(d, 0)
+                change[d] = change.get(d, 0) + step
+                if (before == 0) != (before + step == 0):  # d joins or leaves the selection
+                    node = new if d == c else choice[d]
+                    price += step * cost[node]
+                    work.extend((e, step) for e in child_sets[node])
+        return price, change
+
+    improved = True
+    while improved:
+        improved = False
+        for c in range(egraph.num_classes):
+            for new in egraph.class_nodes[c]:
+                if not refs[c] or new == choice[c] or not usable(c, new):
+                    continue
+                price, change = delta(c, new)
+                if price >= -1e-12 * total:
+                    continue
+                old, choice[c] = choice[c], new
+                reach = reachable_choice(egraph, choice)
+                if cyclic_components(reach, lambda k: child_sets[choice[k]]):
+                    choice[c] = old
+                    continue
+                for d, step in change.items():
+                    refs[d] += step
+                total += price
+                improved = True
+    return choice
+
+
+def greedy_dag_choice(egraph: EGraph, tree: TreeChoice) -> list[int]:
+    """Greedy DAG choice made acyclic, then locally improved; a node for every class (tree choice if unreached)."""
+    greedy = greedy_choice(egraph)
+    start = finalize(egraph, greedy, tree, "greedy-dag", 0.0).choice
+    full = [start.get(c, g if g >= 0 else t) for c, (g, t) in enumerate(zip(greedy, tree.node))]
+    return improve(egraph, full, tree)
+
+
 def extract_greedy_dag(egraph: EGraph) -> Selection:
     """Shares subterms when choosing, unlike bottom-up; acyclic by construction, re-checked in `finalize`."""
     started = time.perf_counter()
     tree = solvable_tree(egraph)
-    return finalize(egraph, greedy_choice(egraph), tree, "greedy-dag", started)
+    return finalize(egraph, greedy_dag_choice(egraph, tree), tree, "greedy-dag", started)

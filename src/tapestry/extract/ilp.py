@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from tapestry.extract.egraph import EGraph
-from tapestry.extract.greedy_dag import greedy_choice
+from tapestry.extract.greedy_dag import greedy_dag_choice
 from tapestry.extract.selection import Selection, finalize
 from tapestry.extract.structure import strongly_connected_components
 from tapestry.extract.tree import TreeChoice, solvable_tree
@@ -106,7 +106,7 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0, workers: int = 8) -> S
     started = time.perf_counter()
     tree = solvable_tree(egraph)
     reduced = reduce(egraph, tree)
-    best = finalize(egraph, undominate(egraph, greedy_choice(egraph), reduced), tree, "ilp", started)
+    best = finalize(egraph, undominate(egraph, greedy_dag_choice(egraph, tree), reduced), tree, "ilp", started)
     proven, bound = best.dag_cost == 0, 0.0
     deadline = started + time_limit
     if not proven and time.perf_counter() < deadline:
@@ -130,54 +130,134 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0, workers: int = 8) -> S
 def _solve(
     egraph: EGraph, reduced: Reduced, warm: Selection, deadline: float, workers: int
 ) -> tuple[list[int] | None, float, bool]:
-    """One CP-SAT run hinted with `warm`: (choice per class or None, objective bound, proven optimal)."""
+    """Solve each independent part on its own, hinted with `warm`: (choice per class, objective bound, optimal).
+
+    Parts are solved smallest first; each gets the remaining time in proportion to
+    its share of the remaining classes, so time a small part does not need passes on.
+    """
     scale = SCALE / max(warm.dag_cost, MIN_COST)
+    required, parts = _parts(egraph, reduced)
+    solved = [-1] * egraph.num_classes
+    bound, optimal = 0.0, True
+    for c in required.difference(*parts):  # forced: a required class with one candidate, in no part
+        solved[c] = reduced.candidates[c][0]
+        bound += egraph.node_cost[solved[c]]
+    position = {c: i for i, c in enumerate(_children_first(egraph, warm.choice))}
+    left = sum(map(len, parts))
+    for part in parts:
+        budget = (deadline - time.perf_counter()) * len(part) / left
+        left -= len(part)
+        choice, part_bound, part_optimal = _solve_part(
+            egraph, reduced, part, required, (warm.choice, position), scale, budget, workers
+        )
+        if choice is None:
+            return None, 0.0, False
+        for c, n in choice.items():
+            solved[c] = n
+        bound += part_bound
+        optimal = optimal and part_optimal
+    return solved, bound, optimal
+
+
+def _parts(egraph: EGraph, reduced: Reduced) -> tuple[set[int], list[list[int]]]:
+    """Classes every selection needs, and the independent parts of the rest, smallest first.
+
+    A root is required, and so is every child of a required class's only candidate.
+    Fixing those, two classes share a constraint only through a node of one that
+    has the other as a child when the child is not required, or through an order
+    constraint inside a cyclic component; parts are the connected classes (union-find).
+    """
+    candidates, child_sets = reduced.candidates, egraph.child_sets
+    required: set[int] = set()
+    stack = list(egraph.roots)
+    while stack:
+        c = stack.pop()
+        if c not in required:
+            required.add(c)
+            if len(candidates[c]) == 1:
+                stack.extend(child_sets[candidates[c][0]])
+    parent = {c: c for c in candidates}
+
+    def find(c: int) -> int:
+        while parent[c] != c:
+            parent[c] = parent[parent[c]]
+            c = parent[c]
+        return c
+
+    for c, nodes in candidates.items():
+        for n in nodes:
+            for d in child_sets[n]:
+                same_cycle = c in reduced.component and reduced.component.get(d) == reduced.component[c]
+                if d not in required or same_cycle:
+                    parent[find(c)] = find(d)
+    groups: dict[int, list[int]] = {}
+    for c in candidates:
+        groups.setdefault(find(c), []).append(c)
+    free = [g for g in groups.values() if any(c not in required or len(candidates[c]) > 1 or c in reduced.component for c in g)]
+    return required, sorted(free, key=len)
+
+
+def _solve_part(
+    egraph: EGraph,
+    reduced: Reduced,
+    part: list[int],
+    required: set[int],
+    warm: tuple[Mapping[int, int], Mapping[int, int]],
+    scale: float,
+    time_limit: float,
+    workers: int,
+) -> tuple[dict[int, int] | None, float, bool]:
+    """One CP-SAT run over the classes of `part`: (chosen node per active class or None, bound, proven optimal).
+
+    `warm` is the warm-start choice and its children-first position per class.
+    """
     model = cp_model.CpModel()
-    x = {n: model.new_bool_var(f"x{n}") for nodes in reduced.candidates.values() for n in nodes}
+    x = {n: model.new_bool_var(f"x{n}") for c in part for n in reduced.candidates[c]}
     active = {}
-    for c, nodes in reduced.candidates.items():
+    for c in part:
+        nodes = reduced.candidates[c]
         if len(nodes) == 1:
             active[c] = x[nodes[0]]
         else:
             active[c] = model.new_bool_var(f"a{c}")
             model.add(sum(x[n] for n in nodes) == active[c])
-    for root in egraph.roots:
-        model.add(active[root] == 1)
+        if c in required:
+            model.add(active[c] == 1)
     members: dict[int, list[int]] = {}
-    for c, k in reduced.component.items():
-        members.setdefault(k, []).append(c)
+    for c in part:
+        if c in reduced.component:
+            members.setdefault(reduced.component[c], []).append(c)
     order = {c: model.new_int_var(0, len(group) - 1, f"t{c}") for group in members.values() for c in group}
-    for c, nodes in reduced.candidates.items():
-        for n in nodes:
+    for c in part:
+        for n in reduced.candidates[c]:
             for d in egraph.child_sets[n]:
-                model.add_implication(x[n], active[d])
+                if d in active:
+                    model.add_implication(x[n], active[d])
                 if c in order and reduced.component.get(d) == reduced.component[c]:
                     model.add(order[c] > order[d]).only_enforce_if(x[n])
     # A node dearer than the whole warm start is never in a better selection: clamp, so no int64 overflow.
     model.minimize(sum(min(round(egraph.node_cost[n] * scale), 2 * SCALE) * var for n, var in x.items()))
-    _hint(model, egraph, warm.choice, x, active, order, members)
+    _hint(model, *warm, x, active, order, members)
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.01, deadline - time.perf_counter())
+    solver.parameters.max_time_in_seconds = max(0.01, time_limit)
     solver.parameters.num_workers = workers
     status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None, 0.0, False
-    solved = [-1] * egraph.num_classes
-    for c, nodes in reduced.candidates.items():
-        solved[c] = next((n for n in nodes if solver.boolean_value(x[n])), -1)
-    return solved, solver.best_objective_bound / scale, status == cp_model.OPTIMAL
+    choice = {c: n for c in part for n in reduced.candidates[c] if solver.boolean_value(x[n])}
+    return choice, solver.best_objective_bound / scale, status == cp_model.OPTIMAL
 
 
 def _hint(
     model: cp_model.CpModel,
-    egraph: EGraph,
     choice: Mapping[int, int],
+    position: Mapping[int, int],
     x: Mapping[int, cp_model.IntVar],
     active: Mapping[int, cp_model.IntVar],
     order: Mapping[int, cp_model.IntVar],
     members: Mapping[int, list[int]],
 ) -> None:
-    """A complete hint: chosen nodes, active classes, and order values from a children-first numbering."""
+    """A complete hint: chosen nodes, active classes, and order values from the children-first `position`."""
     chosen = set(choice.values())
     for n, var in x.items():
         model.add_hint(var, n in chosen)
@@ -185,7 +265,6 @@ def _hint(
     for c, var in active.items():
         if var.index not in node_vars:
             model.add_hint(var, c in choice)
-    position = {c: i for i, c in enumerate(_children_first(egraph, choice))}
     for group in members.values():
         for value, c in enumerate(sorted(group, key=lambda c: position.get(c, -1))):
             model.add_hint(order[c], value)
