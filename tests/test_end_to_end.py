@@ -14,10 +14,10 @@ from tapestry.testing.graphs import block_graphs
 MESHES = (1, 2, 4)
 
 
-def check_plans_agree(graph: tapestry.Graph) -> None:
+def check_plans_agree(graph: tapestry.Graph, meshes: tuple = MESHES) -> None:
     inputs = tapestry.random_inputs(graph, seed=0)
     expected = tapestry.evaluate(graph, inputs)
-    for mesh in MESHES:
+    for mesh in meshes:
         plan = optimize(graph, mesh, time_limit=5).plan
         validate_plan(plan)
         got = simulate(plan, inputs)
@@ -35,7 +35,7 @@ def test_optimised_plans_equal_the_program(graph):
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(graph=block_graphs(max_ops=10))
 def test_optimised_plans_equal_the_program_exhaustive(graph):
-    check_plans_agree(graph)
+    check_plans_agree(graph, (*MESHES, tapestry.Mesh(3), tapestry.Mesh(2, 2)))
 
 
 def test_a_sample_of_property_test_plans_runs_on_two_ranks():
