@@ -2,8 +2,13 @@
 
 For each workload: a) eager torch in one process, b) the unsharded plan on 1 rank,
 c) the data-parallel and the optimised plans on 2 and 4 gloo ranks, d) a DTensor
-program with the data-parallel plan's placements. One thread per rank. Writes the
-"Lowering" section of docs/benchmarks.md.
+program with the data-parallel plan's placements. One thread per rank. Both sides are
+timed alike: from already-placed local blocks, through the program, to every output
+gathered to rank 0 with one dist.gather; per rank, the slowest rank per iteration.
+Also: the runtime's overhead per step (a chain of tiny steps), and whether the cost
+model orders the candidate plans as their measured times do. Writes the "Lowering"
+section of docs/benchmarks.md; `--save`/`--load` keep the measurements, so the report
+can be redone with another cost profile without running again.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: every rank, and t
 import argparse
 import datetime
 import json
+import math
 import sys
 import tempfile
 import time
@@ -36,10 +42,12 @@ from tapestry.plan import Place, Plan, build_plan
 from tapestry.runtime import run_plans
 from tapestry.runtime.launch import free_port
 from tapestry.runtime.command import data_parallel
+from tapestry.lower import output_gathers, shard_function
 from tapestry.sharding import Layout, Mesh
 
 
 WARMUP, REPEAT = 2, 10
+DTENSOR = "DTensor (data parallel)"
 RANKS = (2, 4)
 
 
@@ -58,6 +66,22 @@ def placements(plan: Plan) -> dict[str, str]:
             split = step.layout == Layout.split(step.shape, plan.mesh, (0,))
             found.setdefault(step.input, "shard" if split else "replicate")
     return found
+
+
+def gather_to_rank0(t: DTensor) -> torch.Tensor | None:
+    """What the runtime does with an output: each rank's dim-0 block, padded to the largest, in one dist.gather
+    to rank 0, which trims and concatenates them. Partial or replicated outputs become Shard(0) first."""
+    if t.placements != (Shard(0),):
+        t = t.redistribute(t.device_mesh, [Shard(0)])
+    local = t.to_local()
+    sizes = [c.shape[0] for c in torch.empty(t.shape[0], 0).tensor_split(dist.get_world_size())]
+    rows = max(sizes)
+    flat = torch.nn.functional.pad(local.reshape(-1), (0, (rows - local.shape[0]) * math.prod(t.shape[1:])))
+    slots = [torch.empty_like(flat) for _ in sizes] if dist.get_rank() == 0 else None
+    dist.gather(flat, slots, dst=0)
+    if slots is None:
+        return None
+    return torch.cat([s.view(rows, *t.shape[1:])[:n] for s, n in zip(slots, sizes)])
 
 
 def _dtensor_rank(rank: int, world: int, port: int, jobs: list[tuple[str, dict[str, str]]], out: str) -> None:
@@ -79,10 +103,11 @@ def _dtensor_rank(rank: int, world: int, port: int, jobs: list[tuple[str, dict[s
             for _ in range(WARMUP + REPEAT):
                 dist.barrier()
                 start = time.perf_counter()
-                [t.full_tensor() for t in interpret(graph, inputs).values()]
-                dist.barrier()
+                [gather_to_rank0(t) for t in interpret(graph, inputs).values()]
                 times.append(time.perf_counter() - start)
-            results[name] = float(np.median(times[WARMUP:]))
+            slowest = [None] * world
+            dist.all_gather_object(slowest, times)
+            results[name] = float(np.median(np.max(slowest, axis=0)[WARMUP:]))
         except Exception as err:  # an op DTensor cannot shard: reported, not fatal
             results[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:80]}"
     if rank == 0:
@@ -96,50 +121,133 @@ def dtensor_seconds(world: int, jobs: list[tuple[str, dict[str, str]]]) -> dict[
         return json.loads(Path(out.name).read_text())
 
 
+TINY_STEPS = 200
+
+
+def tiny_chain() -> Graph:
+    """TINY_STEPS relus of a 4x4 tensor: almost no work per step, so the time per step is the runtime's own."""
+    g = Graph()
+    h = g.input("x", (4, 4))
+    for _ in range(TINY_STEPS):
+        h = g.relu(h)
+    g.output("y", h)
+    return g
+
+
+def step_overhead(compile: bool) -> dict[str, float]:
+    """Seconds per step of the tiny chain: plain torch calls in a loop, the shard function alone (eager, or the
+    torch.compile'd callable), and the unsharded plan run by the runtime on 1 rank."""
+    torch.set_num_threads(1)
+    x = torch.randn(4, 4)
+    fn = shard_function("relu", (), ((4, 4),), compile)
+
+    def per_call(f) -> float:
+        f(x)
+        times = []
+        for _ in range(REPEAT):
+            start = time.perf_counter()
+            for _ in range(TINY_STEPS):
+                f(x)
+            times.append(time.perf_counter() - start)
+        return float(np.median(times)) / TINY_STEPS
+
+    plan = build_plan(tiny_chain(), Mesh(1))
+    (result,) = run_plans([plan], compile=compile, timeout=600, warmup=WARMUP, repeat=REPEAT)
+    return {"torch": per_call(torch.relu), "shard function": per_call(fn), "runtime": result.seconds / TINY_STEPS}
+
+
+def _key(key: tuple[str, str, int]) -> str:
+    return "|".join(map(str, key))
+
+
+def _unkey(text: str) -> tuple[str, str, int]:
+    name, kind, world = text.split("|")
+    return name, kind, int(world)
+
+
+def measure(graphs: dict[str, Graph], plans: dict[tuple[str, str, int], Plan], compile: bool) -> dict:
+    eager = {name: eager_seconds(g) for name, g in graphs.items()}
+    print("eager", eager, flush=True)
+    measured: dict[tuple[str, str, int], float | str] = {}
+    steps: dict[tuple[str, str, int], int] = {}
+    for world in (1, *RANKS):
+        keys = [k for k in plans if k[2] == world]
+        results = run_plans([plans[k] for k in keys], compile=compile, timeout=600, warmup=WARMUP, repeat=REPEAT)
+        for key, result in zip(keys, results):
+            measured[key] = result.seconds
+            steps[key] = sum(1 for t in result.ranks[0].steps if t.kind != "place")
+        print(world, "ranks done", flush=True)
+        if world > 1:
+            jobs = [(n, placements(plans[n, "data parallel", world])) for n in graphs]
+            for name, value in dtensor_seconds(world, jobs).items():
+                measured[name, DTENSOR, world] = value
+    overhead = step_overhead(compile)
+    print("overhead", overhead, flush=True)
+    return {"eager": eager, "measured": {_key(k): v for k, v in measured.items()},
+            "steps": {_key(k): v for k, v in steps.items()}, "overhead": overhead,
+            "load": os.getloadavg(), "cores": os.cpu_count()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--no-compile", dest="compile", action="store_false")
+    parser.add_argument("--cost-profile", default="cpu-gloo", help="profile the predictions use")
+    parser.add_argument("--save", type=Path, help="write the measurements here (JSON)")
+    parser.add_argument("--load", type=Path, help="report these saved measurements instead of measuring")
     args = parser.parse_args()
     command = "python benchmarks/lowering.py" + ("" if args.compile else " --no-compile")
-    model = DefaultCostModel(load_profile("cpu-gloo"))
+    model = DefaultCostModel(load_profile(args.cost_profile))
     graphs = {name: make() for name, make in WORKLOADS.items()}
-
-    eager = {name: eager_seconds(g) for name, g in graphs.items()}
-    print("eager", eager, flush=True)
     plans: dict[tuple[str, str, int], Plan] = {(n, "unsharded", 1): build_plan(g, Mesh(1)) for n, g in graphs.items()}
     for world in RANKS:
         for name, g in graphs.items():
             plans[name, "data parallel", world] = data_parallel(g, Mesh(world))
             plans[name, "optimised", world] = tapestry.optimize(g, mesh=Mesh(world)).plan
-    measured: dict[tuple[str, str, int], float | str] = {}
-    steps: dict[tuple[str, str, int], int] = {}
-    for world in (1, *RANKS):
-        keys = [k for k in plans if k[2] == world]
-        results = run_plans([plans[k] for k in keys], compile=args.compile, timeout=600, warmup=WARMUP, repeat=REPEAT)
-        for key, result in zip(keys, results):
-            measured[key] = result.seconds
-            steps[key] = len(result.ranks[0].steps)
-        print(world, "ranks done", flush=True)
-        if world > 1:
-            jobs = [(n, placements(plans[n, "data parallel", world])) for n in graphs]
-            for name, value in dtensor_seconds(world, jobs).items():
-                measured[name, "DTensor (data parallel)", world] = value
-    write_section("Lowering", command, report(graphs, eager, plans, measured, steps, model, args.compile))
+    data = json.loads(args.load.read_text()) if args.load else measure(graphs, plans, args.compile)
+    if args.save:
+        args.save.write_text(json.dumps(data, indent=1))
+    body = report(graphs, plans, data, model, args.compile)
+    print(body)
+    write_section("Lowering", command, body)
 
 
 def _ms(value: float | str) -> str:
     return f"{value * 1e3:.2f}" if isinstance(value, float) else f"n/a ({value})"
 
 
-def report(graphs, eager, plans, measured, steps, model, compiled: bool) -> str:
-    columns = [("unsharded", 1)] + [(kind, w) for w in RANKS for kind in ("data parallel", "optimised",
-                                                                           "DTensor (data parallel)")]
+def predicted_seconds(plan: Plan, model: DefaultCostModel) -> float:
+    """The plan's cost plus the runtime's gathers of its outputs to rank 0, which the measured times include."""
+    return plan_cost(plan, model) + sum(model.step_cost(g, plan.mesh) for g in output_gathers(plan))
+
+
+def kendall(xs: list[float], ys: list[float]) -> tuple[float, int, int]:
+    """Kendall's tau between two orderings of the same items, and the pairs ordered alike out of all pairs."""
+    pairs = [(i, j) for i in range(len(xs)) for j in range(i + 1, len(xs))]
+    agree = sum(1 for i, j in pairs if (xs[i] - xs[j]) * (ys[i] - ys[j]) > 0)
+    disagree = sum(1 for i, j in pairs if (xs[i] - xs[j]) * (ys[i] - ys[j]) < 0)
+    return (agree - disagree) / len(pairs), agree, len(pairs)
+
+
+def _short(kind: str, world: int) -> str:
+    return {"unsharded": "U", "data parallel": "DP", "optimised": "OPT"}[kind] + str(world)
+
+
+def report(graphs, plans, data, model, compiled: bool) -> str:
+    eager = data["eager"]
+    measured = {_unkey(k): v for k, v in data["measured"].items()}
+    steps = {_unkey(k): v for k, v in data["steps"].items()}
+    load = data.get("load")
+    columns = [("unsharded", 1)] + [(kind, w) for w in RANKS for kind in ("data parallel", "optimised", DTENSOR)]
     head = "| workload | eager torch, 1 process | " + " | ".join(f"{k}, {w} rank{'s' * (w > 1)}" for k, w in columns)
     lines = [
         f"{'torch.compile' if compiled else 'eager'} shard kernels, gloo on loopback, 1 thread per rank, "
-        f"{os.cpu_count()} cores shared by all ranks; median of {REPEAT} runs after {WARMUP} warm-up, in ms "
-        "(slowest rank; plans include placing inputs and gathering outputs to rank 0, DTensor includes "
-        "`full_tensor()` on every rank).",
+        f"{data.get('cores')} cores shared by all ranks (and by other jobs: load average "
+        f"{', '.join(f'{x:.1f}' for x in load) if load else 'not recorded'} at the end of the run); median of "
+        f"{REPEAT} runs after {WARMUP} warm-up, in ms, each run timed as its slowest rank.",
+        "",
+        "Both sides are timed alike: from inputs already placed as local blocks (placing is setup, outside the "
+        "timing), through the program, to every output gathered to rank 0 by one `dist.gather` of the ranks' "
+        "blocks (DTensor: `redistribute` to `Shard(0)` if needed, then the same `dist.gather` of `to_local()`).",
         "",
         head + " |",
         "|---" * (len(columns) + 2) + "|",
@@ -147,17 +255,40 @@ def report(graphs, eager, plans, measured, steps, model, compiled: bool) -> str:
     for name in graphs:
         cells = [_ms(measured.get((name, k, w), "not run")) for k, w in columns]
         lines.append(f"| {name} | {_ms(eager[name])} | " + " | ".join(cells) + " |")
-    lines += ["", "Ratios to eager torch, predicted (cost model, profile cpu-gloo) vs measured, and runtime overhead:",
-              "", "| workload | plan | ranks | measured / eager | predicted ms | measured / predicted | steps on rank 0 |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "Ours / DTensor on the same sharding (data parallel), and the optimised plan / DTensor:", "",
+              "| workload | ranks | data parallel / DTensor | optimised / DTensor |", "|---|---|---|---|"]
+    for name in graphs:
+        for w in RANKS:
+            dt = measured.get((name, DTENSOR, w))
+            if isinstance(dt, float):
+                lines.append(f"| {name} | {w} | {measured[name, 'data parallel', w] / dt:.2f} | "
+                             f"{measured[name, 'optimised', w] / dt:.2f} |")
+    lines += ["", f"Predicted (cost model, profile {model.profile.name}, output gathers included) vs measured:", "",
+              "| workload | plan | ranks | measured / eager | predicted ms | measured ms | measured / predicted | "
+              "steps on rank 0 |", "|---|---|---|---|---|---|---|---|"]
+    predicted = {key: predicted_seconds(plan, model) for key, plan in plans.items()}
     for (name, kind, world), plan in plans.items():
         value = measured[name, kind, world]
-        predicted = plan_cost(plan, model)
-        lines.append(f"| {name} | {kind} | {world} | {value / eager[name]:.2f} | {predicted * 1e3:.2f} | "
-                     f"{value / predicted:.1f} | {steps[name, kind, world]} |")
-    lines += ["", "Overhead per step: (unsharded plan on 1 rank - eager torch) / steps, in ms: " + ", ".join(
-        f"{name}: {(measured[name, 'unsharded', 1] - eager[name]) / steps[name, 'unsharded', 1] * 1e3:.3f}"
-        for name in graphs) + "."]
+        lines.append(f"| {name} | {kind} | {world} | {value / eager[name]:.2f} | {predicted[name, kind, world] * 1e3:.2f} | "
+                     f"{value * 1e3:.2f} | {value / predicted[name, kind, world]:.2f} | {steps[name, kind, world]} |")
+    lines += ["", "Does the model rank the candidate plans as they measure? Per workload, the five plans (U1 unsharded, "
+              "DP data parallel, OPT optimised, on 1, 2, 4 ranks) fastest first:", "",
+              "| workload | measured order | predicted order | Kendall tau | pairs ordered alike |", "|---|---|---|---|---|"]
+    total_agree = total_pairs = 0
+    for name in graphs:
+        keys = [k for k in plans if k[0] == name]
+        meas = [measured[k] for k in keys]
+        pred = [predicted[k] for k in keys]
+        tau, agree, pairs = kendall(meas, pred)
+        total_agree, total_pairs = total_agree + agree, total_pairs + pairs
+        order = lambda values: " < ".join(_short(k[1], k[2]) for _, k in sorted(zip(values, keys)))
+        lines.append(f"| {name} | {order(meas)} | {order(pred)} | {tau:.2f} | {agree} / {pairs} |")
+    lines.append(f"| all | | | | {total_agree} / {total_pairs} |")
+    over = data["overhead"]
+    lines += ["", f"Runtime overhead per step ({TINY_STEPS} relus of a 4x4 tensor, unsharded, 1 rank), in µs: plain "
+              f"torch call {over['torch'] * 1e6:.1f}, shard function alone {over['shard function'] * 1e6:.1f}, "
+              f"through the runtime {over['runtime'] * 1e6:.1f}; the runtime adds "
+              f"{(over['runtime'] - over['shard function']) * 1e6:.1f} µs per step to the kernel's own call."]
     return "\n".join(lines)
 
 

@@ -98,6 +98,18 @@ def test_a_compute_step_takes_as_long_as_its_largest_shard() -> None:
     assert MODEL.step_cost(step, mesh) == pytest.approx(flops / 1e12 + 1e-5)
 
 
+def test_more_ranks_than_cores_time_share_them() -> None:
+    """4 ranks on 2 cores: each step, compute or reshard, takes twice as long as on 4 free devices."""
+    n, mesh = 512, Mesh(4)
+    shared = DefaultCostModel(Profile("2 cores", DeviceProfile(1e12, 1e11, 1e-5, cores=2), (Link(ALPHA, BETA),)))
+    plan = k_split_plan(n, mesh)
+    for step in plan.steps:
+        assert shared.step_cost(step, mesh) == pytest.approx(2 * MODEL.step_cost(step, mesh))
+    two = k_split_plan(n, Mesh(2))
+    assert plan_cost(two, shared) == pytest.approx(plan_cost(two, MODEL))  # no more ranks than cores: unchanged
+    assert DeviceProfile(1, 1, 0, cores=2).oversubscription(3) == 1.5 and PROFILE.device.oversubscription(64) == 1
+
+
 # -- communication --------------------------------------------------------------------------------
 def test_a_partial_output_is_all_reduced_with_the_ring_formula() -> None:
     n, mesh = 8, Mesh(4)
@@ -170,6 +182,9 @@ def test_profile_json_round_trip(tmp_path: Path) -> None:
     PROFILE.save(path)
     assert load_profile(path) == PROFILE
     assert load_profile(path).provenance == PROFILE.provenance
+    cores = Profile("cores", DeviceProfile(1, 2, 3, cores=1.5), (Link(1, 2),))
+    cores.save(path)
+    assert load_profile(path) == cores
 
 
 @pytest.mark.parametrize("name", ["cpu-gloo", "gpu-h100-nccl"])

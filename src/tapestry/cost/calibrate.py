@@ -8,6 +8,7 @@ least squares to the same ring formulas the cost model prices with.
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import socket
 import statistics
@@ -72,15 +73,48 @@ def memory_bandwidth(elements: int, reps: int) -> float:
     return 3 * 4 * elements / median_seconds(lambda: torch.add(a, b, out=c), reps)
 
 
-def launch_overhead(reps: int, calls: int = 2000) -> float:
-    """Seconds per call of a one-element add: dispatch cost with no work."""
+def launch_overhead(reps: int, compile: bool = True, calls: int = 2000) -> tuple[float, float]:
+    """Seconds per call, with no work, of (the runtime's shard function for a one-element add: torch.compile'd
+    unless `compile` is False, a plain torch.add). The first is what every shard kernel costs the runtime
+    beyond its flops and bytes: the compiled callable's guards and wrappers dwarf a bare torch call."""
+    from tapestry.lower.compile import shard_function
+
     a, b = torch.ones(1), torch.ones(1)
+    shard = shard_function("add", (), ((1,), (1,)), compile)
 
-    def many() -> None:
-        for _ in range(calls):
-            torch.add(a, b)
+    def many(fn: Callable[..., Any]) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(calls):
+                fn(a, b)
+        return run
 
-    return median_seconds(many, reps) / calls
+    return median_seconds(many(shard), reps) / calls, median_seconds(many(torch.add), reps) / calls
+
+
+def _matmul_worker(rank: int, n: int, reps: int, start: Any, results: Any) -> None:
+    torch.set_num_threads(1)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    start.wait()
+    results.put(median_seconds(lambda: torch.mm(a, b), reps))
+
+
+def concurrent_cores(n: int, reps: int, alone: float) -> tuple[float, int]:
+    """How many one-thread devices this host really runs at once: as many processes as it has cores each time
+    an n×n matmul together; the cores are that count times the rate each keeps relative to running `alone`
+    (seconds per matmul in this process). Other jobs on the machine lower it, as they lower every rank."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if cores == 1:
+        return 1.0, 1
+    ctx = mp.get_context("spawn")
+    results, start = ctx.SimpleQueue(), ctx.Barrier(cores)
+    procs = [ctx.Process(target=_matmul_worker, args=(r, n, reps, start, results)) for r in range(cores)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    together = [results.get() for _ in procs]
+    return min(float(cores), sum(alone / t for t in together)), cores
 
 
 def _free_port() -> int:
@@ -142,14 +176,19 @@ def calibrate(command: str, quick: bool = False, console: Console | None = None)
             rates = matmul_flops(budget.matmul_sizes, budget.reps)
         with _phase(progress, f"memory bandwidth ({4 * budget.copy_elements >> 20} MiB arrays)"):
             bandwidth = memory_bandwidth(budget.copy_elements, budget.reps)
-        with _phase(progress, "launch overhead"):
-            overhead = launch_overhead(budget.reps)
+        with _phase(progress, "launch overhead (torch.compile'd shard function)" if not quick else "launch overhead"):
+            overhead, bare = launch_overhead(budget.reps, compile=not quick)
+        n = budget.matmul_sizes[0]
+        with _phase(progress, f"concurrent cores ({n}x{n} matmuls in parallel processes)"):
+            a = torch.randn(n, n)
+            alone = median_seconds(lambda: torch.mm(a, a), max(budget.reps, 20))
+            cores, physical = concurrent_cores(n, max(budget.reps, 20), alone)
         with _phase(progress, f"gloo all_reduce/all_gather, {WORLD} processes on loopback"):
             rows = gloo_collectives(budget.collective_elements, budget.reps)
     link = fit_link(rows)
     return Profile(
         name="cpu-gloo",
-        device=DeviceProfile(max(rates.values()), bandwidth, overhead),
+        device=DeviceProfile(max(rates.values()), bandwidth, overhead, cores),
         links=(link,),
         provenance={
             "command": command,
@@ -158,11 +197,18 @@ def calibrate(command: str, quick: bool = False, console: Console | None = None)
             "torch": torch.__version__,
             "method": (
                 "one torch thread per device; medians of repeated runs. peak_flops: best float32 n×n matmul; "
-                "mem_bandwidth: c = a + b (3 × 4 bytes per element); launch_overhead: one-element add; "
+                "mem_bandwidth: c = a + b (3 × 4 bytes per element); launch_overhead: one call of the runtime's "
+                f"{'eager' if quick else 'torch.compile'}'d shard function for a one-element add "
+                "(tapestry.lower.shard_function), what each shard kernel costs beyond its flops and bytes; "
+                f"cores: {physical} processes each timing a {n}x{n} matmul at once, the sum of their rates relative "
+                "to one process alone (below the core count when other jobs share the machine); "
                 f"links: gloo all_reduce/all_gather between {WORLD} spawned processes over tcp://127.0.0.1, "
                 "alpha and beta fitted (NNLS, relative error) to the ring formulas of tapestry.cost.comm"
             ),
             "matmul_flops_by_size": {str(n): r for n, r in rates.items()},
+            "bare_torch_call_seconds": bare,
+            "physical_cores": physical,
+            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
             "collectives": [{"kind": k, "bytes": b, "seconds": s} for k, b, s in rows],
         },
     )

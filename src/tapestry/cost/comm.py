@@ -14,6 +14,8 @@ the textbook ring formula for its collective, on the devices it spans. Simplific
   device's time is its messages times alpha plus its received bytes over beta,
   and the step takes the slowest device's time.
 - Values are float32 (4 bytes per element), as the kernels' byte formulas assume.
+- A mesh with more devices than the profile's `cores` stretches every reshard by
+  devices / cores, as it does compute (see DeviceProfile.oversubscription).
 """
 from __future__ import annotations
 
@@ -119,4 +121,8 @@ class AlphaBeta:
         return collective_time(moved.kind, nbytes, p, link)
 
     def step_cost(self, step: Step, mesh: Mesh) -> float:
-        return self.reshard_time(step, mesh) if isinstance(step, Reshard) else 0.0
+        """The reshard's time, stretched like compute when the mesh outnumbers the host's cores: the ranks'
+        halves of every message are copied, packed and polled by processes that share them."""
+        if not isinstance(step, Reshard):
+            return 0.0
+        return self.reshard_time(step, mesh) * self.profile.device.oversubscription(mesh.size)

@@ -110,7 +110,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     device, link = profile.device, profile.links[0]
     Console(stderr=True, highlight=False).print(
         f"wrote {args.output}: peak {device.peak_flops / 1e9:.1f} GFLOP/s, memory {device.mem_bandwidth / 1e9:.1f} GB/s, "
-        f"launch {device.launch_overhead * 1e6:.2f} µs, link alpha {link.alpha * 1e6:.1f} µs, "
+        f"launch {device.launch_overhead * 1e6:.2f} µs, {device.cores:.2f} cores, link alpha {link.alpha * 1e6:.1f} µs, "
         f"beta {link.beta / 1e9:.3f} GB/s"
     )
     return 0

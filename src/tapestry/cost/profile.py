@@ -17,11 +17,18 @@ FORMAT = "tapestry.profile/1"
 
 @dataclass(frozen=True)
 class DeviceProfile:
-    """One device's roofline: FLOP/s, bytes/s of memory traffic, seconds per kernel launch."""
+    """One device's roofline: FLOP/s, bytes/s of memory traffic, seconds per kernel launch; and `cores`, how many
+    such devices the host runs at once (0: as many as the mesh has, e.g. one GPU per rank). A mesh with more
+    devices than `cores` time-shares them: every step takes `mesh.size / cores` times as long."""
 
     peak_flops: float
     mem_bandwidth: float
     launch_overhead: float
+    cores: float = 0.0
+
+    def oversubscription(self, devices: int) -> float:
+        """How much slower each of `devices` devices runs than alone: 1 until they outnumber the cores."""
+        return max(1.0, devices / self.cores) if self.cores > 0 else 1.0
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,7 @@ class Profile:
                 "peak_flops": self.device.peak_flops,
                 "mem_bandwidth": self.device.mem_bandwidth,
                 "launch_overhead": self.device.launch_overhead,
+                **({"cores": self.device.cores} if self.device.cores else {}),
             },
             "links": [{"alpha": k.alpha, "beta": k.beta} for k in self.links],
         }
@@ -72,7 +80,8 @@ class Profile:
             return cls(
                 name=str(data["name"]),
                 device=DeviceProfile(
-                    float(device["peak_flops"]), float(device["mem_bandwidth"]), float(device["launch_overhead"])
+                    float(device["peak_flops"]), float(device["mem_bandwidth"]), float(device["launch_overhead"]),
+                    float(device.get("cores", 0.0)),
                 ),
                 links=tuple(Link(float(k["alpha"]), float(k["beta"])) for k in data["links"]),
                 provenance=dict(data.get("provenance", {})),

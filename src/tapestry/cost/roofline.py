@@ -1,7 +1,8 @@
 """Compute time of a Compute step on a device roofline.
 
 Every device runs its shard at once, so the step takes as long as its slowest
-device. FLOPs and bytes come from the kernel's sympy formulas (lambdified in
+device; when the mesh has more devices than the host has cores (`DeviceProfile.cores`),
+they time-share them and the step stretches by devices / cores. FLOPs and bytes come from the kernel's sympy formulas (lambdified in
 Signature), so a fused kernel never pays for its intermediate: the intermediate
 is simply not among its inputs or outputs.
 """
@@ -38,4 +39,7 @@ class Roofline:
         return max((self.shard_time(sig, b) for b in step.blocks), default=0.0)
 
     def step_cost(self, step: Step, mesh: Mesh) -> float:
-        return self.compute_time(step) if isinstance(step, Compute) else 0.0
+        """The step's time with every device running at once, stretched when the mesh outnumbers the cores."""
+        if not isinstance(step, Compute):
+            return 0.0
+        return self.compute_time(step) * self.device.oversubscription(mesh.size)

@@ -222,19 +222,25 @@ def lower(plan: Plan) -> LoweredProgram:
             if rank_step is not None:
                 per_rank[rank].append(rank_step)
         layouts[step.out] = step.layout
-    outputs: dict[str, str] = {}
-    gathered: dict[str, str] = {}
-    for name, value in plan.outputs.items():
-        if value not in gathered:
-            shape = plan.by_id[value].shape
-            gather = Reshard(f"{value}@0", value, shape, layouts[value], _on_rank0(shape, mesh))
-            for rank, rank_step in enumerate(_lower_step(len(plan.steps) + len(gathered), gather, layouts, mesh)):
-                if rank_step is not None:
-                    per_rank[rank].append(rank_step)
-            gathered[value] = gather.out
-        outputs[name] = gathered[value]
+    gathers = output_gathers(plan)
+    for k, gather in enumerate(gathers):
+        for rank, rank_step in enumerate(_lower_step(len(plan.steps) + k, gather, layouts, mesh)):
+            if rank_step is not None:
+                per_rank[rank].append(rank_step)
+    outputs = {name: f"{value}@0" for name, value in plan.outputs.items()}
     ranks = tuple(RankProgram(r, mesh.size, tuple(steps)) for r, steps in enumerate(per_rank))
     return LoweredProgram(plan, ranks, outputs)
+
+
+def output_gathers(plan: Plan) -> list[Reshard]:
+    """The reshards the runtime adds after the plan: each distinct output value to one block on rank 0.
+    Not plan steps, so `plan_cost` leaves them out; price them with the same model to predict a run."""
+    gathers: dict[str, Reshard] = {}
+    for value in plan.outputs.values():
+        if value not in gathers:
+            step = plan.by_id[value]
+            gathers[value] = Reshard(f"{value}@0", value, step.shape, step.layout, _on_rank0(step.shape, plan.mesh))
+    return list(gathers.values())
 
 
 def _lower_json(data: Mapping[str, Any]) -> LoweredProgram:

@@ -317,7 +317,11 @@ def _exchange(step: Exchange, src: torch.Tensor | None, device: torch.device) ->
             request.wait()
     if step.out_block is None:
         return _zeros(None, src, device)
-    out = _zeros(step.out_block, src, device)
+    covered = (step.local.size if step.local is not None else 0) + sum(p.region.size for p in step.recv)
+    if not step.accumulate and covered == step.out_block.size:  # disjoint pieces fill it: no need to zero it
+        out = torch.empty(step.out_block.shape, dtype=_dtype(src), device=device)
+    else:
+        out = _zeros(step.out_block, src, device)
     if step.local is not None:
         out[_at(step.local, step.out_block)] = src[_at(step.local, step.src_block)]
     offsets = [0] * world
@@ -348,6 +352,8 @@ def _gather(step: Gather, sending: torch.Tensor, src: torch.Tensor | None, devic
 
 def _pack(step: Exchange, src: torch.Tensor | None, peer: int, device: torch.device) -> torch.Tensor:
     parts = [src[_at(p.region, step.src_block)].reshape(-1) for p in step.send if p.peer == peer]
+    if len(parts) == 1:
+        return parts[0].contiguous()  # no copy when the region is contiguous in the block (whole blocks, rows)
     return torch.cat(parts) if parts else _zeros(ZRange.from_shape((0,)), src, device)
 
 
