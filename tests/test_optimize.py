@@ -134,3 +134,14 @@ def test_cli_pareto_prints_the_front_and_plots_it(tmp_path, capsys):
                  "--pareto-plot", str(tmp_path / "front.png")]) == 0
     assert "Pareto front" in capsys.readouterr().out
     assert (tmp_path / "front.png").stat().st_size > 0 and (tmp_path / "plan.pareto0.json").exists()
+
+
+def test_the_costed_egraph_is_egraph_serialize_json_that_tapestry_extract_reads(tmp_path, capsys):
+    save_graph(mlp(2, 32, 16), tmp_path / "g.json")
+    egraph = tmp_path / "egraph.json"
+    assert main(["optimize", str(tmp_path / "g.json"), "--mesh", "2", "--out", str(tmp_path / "p.json"),
+                 "--egraph-json", str(egraph)]) == 0
+    planned = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["cost"]
+    assert main(["extract", str(egraph), "--extractor", "ilp"]) == 0
+    extracted = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert extracted["acyclic"] and extracted["dag_cost"] == pytest.approx(planned)

@@ -114,6 +114,21 @@ class Explored:
                 front.append(r)
         return front
 
+    def fastest_within(self, memory_budget: int, cost_model: CostModel | None = None, extractor: str = "ilp",
+                       time_limit: float = 10.0) -> OptimizeResult:
+        """The fastest plan on the time/memory front that fits `memory_budget` bytes per device."""
+        front = self.pareto(cost_model, extractor, time_limit)
+        fitting = [r for r in front if r.peak_memory <= memory_budget]
+        if not fitting:
+            raise MemoryBudgetError(
+                f"no plan fits {memory_budget:,} bytes per device; the leanest found needs {front[-1].peak_memory:,}"
+            )
+        return fitting[0]
+
+
+class MemoryBudgetError(ValueError):
+    """No plan found fits the per-device memory budget."""
+
 
 def explore(graph: Graph, mesh: Mesh | int = 1, rules: Sequence[str | Path] | None = None,
             budget: Budget = Budget(), progress: Callable[[IterationStats], None] | None = None) -> Explored:
@@ -125,10 +140,6 @@ def explore(graph: Graph, mesh: Mesh | int = 1, rules: Sequence[str | Path] | No
     nodes, roots, names = distributed_nodes(data)
     return Explored(graph, mesh, Decoder(nodes, gen.interner, mesh), tuple(roots), names, stats,
                     tuple(rule_files), data)
-
-
-class MemoryBudgetError(ValueError):
-    """No plan found fits the per-device memory budget."""
 
 
 def optimize(
@@ -150,10 +161,4 @@ def optimize(
     explored = explore(graph, mesh, rules, budget, progress)
     if memory_budget is None:
         return explored.extract(cost_model, extractor, time_limit)
-    front = explored.pareto(cost_model, extractor, time_limit)
-    fitting = [r for r in front if r.peak_memory <= memory_budget]
-    if not fitting:
-        raise MemoryBudgetError(
-            f"no plan fits {memory_budget:,} bytes per device; the leanest found needs {front[-1].peak_memory:,}"
-        )
-    return fitting[0]
+    return explored.fastest_within(memory_budget, cost_model, extractor, time_limit)

@@ -42,6 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", default="cpu-gloo", help="cost-model profile name or JSON path")
     p.add_argument("--stats", type=Path, help="write per-iteration saturation stats as JSON")
     p.add_argument("--egraph-svg", type=Path, help="draw the e-graph (small ones only)")
+    p.add_argument("--egraph-json", type=Path,
+                   help="write the costed distributed layer as egraph-serialize JSON (for `tapestry extract`)")
     p.add_argument("--memory-budget", type=int, help="bytes per device; the fastest plan that fits")
     p.add_argument("--pareto", action="store_true", help="print the time/peak-memory front, save each plan")
     p.add_argument("--pareto-plot", type=Path, help="plot the front as PNG/SVG (implies --pareto)")
@@ -54,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from tapestry.cost import DefaultCostModel, load_profile
     from tapestry.egraph.rules import builtin_rule_paths
-    from tapestry.optimizer import explore, optimize
+    from tapestry.optimizer import explore
 
     console = Console(stderr=True)
     graph, script_mesh = load_program(args.program)
@@ -69,13 +71,18 @@ def run(args: argparse.Namespace) -> int:
 
     console.print(f"optimizing {args.program} ({len(graph.ops)} ops) on mesh {mesh}")
     model = DefaultCostModel(load_profile(args.profile))
+    explored = explore(graph, mesh, rules, budget, progress)
+    if args.egraph_json:
+        args.egraph_json.write_text(json.dumps(explored.decoder.serialized(list(explored.roots), model)))
+        console.print(f"wrote {args.egraph_json}")
     if args.pareto or args.pareto_plot:
-        front = explore(graph, mesh, rules, budget, progress).pareto(model, args.extractor, args.time_limit)
+        front = explored.pareto(model, args.extractor, args.time_limit)
         _report_front(front, args.out, args.pareto_plot)
         result = front[0]
+    elif args.memory_budget is not None:
+        result = explored.fastest_within(args.memory_budget, model, args.extractor, args.time_limit)
     else:
-        result = optimize(graph, mesh, rules, budget, model, args.extractor, args.time_limit, progress,
-                          args.memory_budget)
+        result = explored.extract(model, args.extractor, args.time_limit)
     console.print(f"saturation stopped by {result.stats.stopped_by}; extraction {result.selection.status}")
     result.plan.save(args.out)
     if args.stats:

@@ -14,7 +14,6 @@ from typing import Any
 from tapestry.egraph.distributed import Interner
 from tapestry.egraph.schema import run_constructors
 from tapestry.extract import EGraph as ExtractGraph
-from tapestry.extract import Node as ExtractNode
 from tapestry.extract import Selection
 from tapestry.graph import Graph
 from tapestry.plan import Compute, Place, Plan, Reshard, Step
@@ -84,14 +83,20 @@ class Decoder:
             self.interner.layouts[info.out_layout][1], origin=f"{info.origin} [{info.partition}]",
         )
 
-    def extraction_graph(self, roots: list[str], cost: Any) -> ExtractGraph:
-        costs = []
+    def serialized(self, roots: list[str], cost: Any) -> dict[str, Any]:
+        """The distributed layer with costs, as egraph-serialize JSON (what `tapestry extract` reads)."""
+        first = {}
+        for n in self.nodes:
+            first.setdefault(n.eclass, n.id)
+        nodes = {}
         for node in self.nodes:
             step = self.step(node)
-            costs.append(0.0 if step is None else float(cost.step_cost(step, self.mesh)))
-        return ExtractGraph.from_nodes(
-            [ExtractNode(n.id, n.op, n.eclass, c, n.children) for n, c in zip(self.nodes, costs)], roots
-        )
+            nodes[node.id] = {"op": node.op, "eclass": node.eclass, "children": [first[c] for c in node.children],
+                              "cost": 0.0 if step is None else float(cost.step_cost(step, self.mesh))}
+        return {"nodes": nodes, "root_eclasses": roots, "class_data": {}}
+
+    def extraction_graph(self, roots: list[str], cost: Any) -> ExtractGraph:
+        return ExtractGraph.from_json(self.serialized(roots, cost))
 
     def plan(self, egraph: ExtractGraph, selection: Selection, graph: Graph, root_names: dict[str, str]) -> Plan:
         chosen = {egraph.class_ids[c]: self.nodes[n] for c, n in selection.choice.items()}
