@@ -273,17 +273,25 @@ def report(graphs, plans, data, model, compiled: bool) -> str:
                      f"{value * 1e3:.2f} | {value / predicted[name, kind, world]:.2f} | {steps[name, kind, world]} |")
     lines += ["", "Does the model rank the candidate plans as they measure? Per workload, the five plans (U1 unsharded, "
               "DP data parallel, OPT optimised, on 1, 2, 4 ranks) fastest first:", "",
-              "| workload | measured order | predicted order | Kendall tau | pairs ordered alike |", "|---|---|---|---|---|"]
-    total_agree = total_pairs = 0
+              "| workload | measured order | predicted order | Kendall tau | pairs ordered alike | of which on the same "
+              "mesh size |", "|---|---|---|---|---|---|"]
+    total = [0, 0, 0, 0]
     for name in graphs:
         keys = [k for k in plans if k[0] == name]
         meas = [measured[k] for k in keys]
         pred = [predicted[k] for k in keys]
         tau, agree, pairs = kendall(meas, pred)
-        total_agree, total_pairs = total_agree + agree, total_pairs + pairs
+        same = [(a, b) for a in range(len(keys)) for b in range(a + 1, len(keys)) if keys[a][2] == keys[b][2]]
+        same_agree = sum(1 for a, b in same if (meas[a] - meas[b]) * (pred[a] - pred[b]) > 0)
+        total = [total[0] + agree, total[1] + pairs, total[2] + same_agree, total[3] + len(same)]
         order = lambda values: " < ".join(_short(k[1], k[2]) for _, k in sorted(zip(values, keys)))
-        lines.append(f"| {name} | {order(meas)} | {order(pred)} | {tau:.2f} | {agree} / {pairs} |")
-    lines.append(f"| all | | | | {total_agree} / {total_pairs} |")
+        lines.append(f"| {name} | {order(meas)} | {order(pred)} | {tau:.2f} | {agree} / {pairs} | "
+                     f"{same_agree} / {len(same)} |")
+    lines.append(f"| all | | | | {total[0]} / {total[1]} | {total[2]} / {total[3]} |")
+    lines += ["", "Where the orders differ it is between mesh sizes: on this shared 2-core machine every multi-rank plan "
+              "measures slower than the unsharded one, by time spent waiting in communication for descheduled ranks, "
+              "which depends on the machine's load and no profile holds (docs/cost-models.md, \"How well it predicts "
+              "runs\")."]
     over = data["overhead"]
     lines += ["", f"Runtime overhead per step ({TINY_STEPS} relus of a 4x4 tensor, unsharded, 1 rank), in µs: plain "
               f"torch call {over['torch'] * 1e6:.1f}, shard function alone {over['shard function'] * 1e6:.1f}, "
