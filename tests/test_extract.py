@@ -15,6 +15,7 @@ from tapestry.extract import (
     extract,
     validate,
 )
+from tapestry.extract.ilp import _parts, reduce
 from tapestry.extract.selection import finalize
 from tapestry.extract.tree import solvable_tree
 
@@ -117,6 +118,34 @@ def test_greedy_dag_prefers_a_shared_subterm_over_separate_cheaper_trees() -> No
     )
     assert extract_valid(g, "bottom-up").dag_cost == 5.5
     assert extract_valid(g, "greedy-dag").dag_cost == 3
+
+
+def test_greedy_dag_local_search_reuses_a_class_already_in_the_selection() -> None:
+    # Alone, B is cheapest as a leaf (2 < 1 + 3); with A already chosen for R, B built on A adds only 1.
+    g = build({"R": [(0, ["A", "B"])], "A": [(3, [])], "B": [(2, []), (1, ["A"])]}, roots=["R"])
+    assert extract_valid(g, "bottom-up").dag_cost == 5
+    selection = extract_valid(g, "greedy-dag")
+    assert (selection.dag_cost, chosen(g, selection)["B"]) == (4, "B.1")
+
+
+def test_ilp_solves_independent_parts_separately() -> None:
+    # R forces A and B; A's choice (with a cycle through A2) and B's choice share no class.
+    g = build(
+        {
+            "R": [(1, ["A", "B"])],
+            "A": [(1, ["A2"]), (5, [])],
+            "A2": [(1, ["A"]), (1, [])],
+            "B": [(2, []), (1, ["C"])],
+            "C": [(0.5, [])],
+        },
+        roots=["R"],
+    )
+    required, parts = _parts(g, reduce(g, solvable_tree(g)))
+    name = g.class_ids.__getitem__
+    assert set(map(name, required)) == {"R", "A", "B"}
+    assert sorted(sorted(map(name, part)) for part in parts) == [["A", "A2"], ["B", "C"]]
+    ilp = extract_valid(g, "ilp")
+    assert (ilp.dag_cost, ilp.status) == (4.5, "optimal")
 
 
 def test_custom_costs_change_the_choice() -> None:

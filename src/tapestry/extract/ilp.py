@@ -24,6 +24,7 @@ from tapestry.extract.structure import strongly_connected_components
 from tapestry.extract.tree import TreeChoice, solvable_tree
 
 SCALE = 10**9  # the warm-start cost maps to this many integer units
+RESERVE = 0.05  # share of the time limit kept for CP-SAT stopping its workers (0.5 s seen under load) and read-back
 MIN_COST = 1e-12  # floor for the scale denominator: subnormal costs must not make it infinite
 
 
@@ -108,7 +109,7 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0, workers: int = 8) -> S
     reduced = reduce(egraph, tree)
     best = finalize(egraph, undominate(egraph, greedy_dag_choice(egraph, tree), reduced), tree, "ilp", started)
     proven, bound = best.dag_cost == 0, 0.0
-    deadline = started + time_limit
+    deadline = started + (1 - RESERVE) * time_limit
     if not proven and time.perf_counter() < deadline:
         solved, bound, optimal = _solve(egraph, reduced, best, deadline, workers)
         if solved is not None:
@@ -145,10 +146,11 @@ def _solve(
     position = {c: i for i, c in enumerate(_children_first(egraph, warm.choice))}
     left = sum(map(len, parts))
     for part in parts:
-        budget = (deadline - time.perf_counter()) * len(part) / left
+        now = time.perf_counter()
+        part_deadline = now + (deadline - now) * len(part) / left
         left -= len(part)
         choice, part_bound, part_optimal = _solve_part(
-            egraph, reduced, part, required, (warm.choice, position), scale, budget, workers
+            egraph, reduced, part, required, (warm.choice, position), scale, part_deadline, workers
         )
         if choice is None:
             return None, 0.0, False
@@ -204,7 +206,7 @@ def _solve_part(
     required: set[int],
     warm: tuple[Mapping[int, int], Mapping[int, int]],
     scale: float,
-    time_limit: float,
+    deadline: float,
     workers: int,
 ) -> tuple[dict[int, int] | None, float, bool]:
     """One CP-SAT run over the classes of `part`: (chosen node per active class or None, bound, proven optimal).
@@ -239,7 +241,7 @@ def _solve_part(
     model.minimize(sum(min(round(egraph.node_cost[n] * scale), 2 * SCALE) * var for n, var in x.items()))
     _hint(model, *warm, x, active, order, members)
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.01, time_limit)
+    solver.parameters.max_time_in_seconds = max(0.01, deadline - time.perf_counter())
     solver.parameters.num_workers = workers
     status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
