@@ -195,8 +195,11 @@ def _parts(egraph: EGraph, reduced: Reduced) -> tuple[set[int], list[list[int]]]
     groups: dict[int, list[int]] = {}
     for c in candidates:
         groups.setdefault(find(c), []).append(c)
-    free = [g for g in groups.values() if any(c not in required or len(candidates[c]) > 1 or c in reduced.component for c in g)]
-    return required, sorted(free, key=len)
+    def free(c: int) -> bool:
+        return c not in required or len(candidates[c]) > 1 or c in reduced.component
+
+    parts = [group for group in groups.values() if any(map(free, group))]
+    return required, sorted(parts, key=len)
 
 
 def _solve_part(
