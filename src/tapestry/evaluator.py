@@ -13,7 +13,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from tapestry.graph import Graph, GraphError
-from tapestry.kernels import DimKind, Signature
+from tapestry.kernels import Signature
+from tapestry.sharding.partition import non_additive_issues, split_reductions
 from tapestry.zspace import ZRange
 from tapestry.zspace.isl import partition_problems
 
@@ -43,14 +44,14 @@ def run_block(sig: Signature, args: Sequence[np.ndarray], index_block: ZRange) -
 
 
 def check_partition(sig: Signature, parts: Partition, where: str = "") -> None:
-    """Reject a partition with a gap or an overlap (asked of islpy), or one splitting a non-additive reduction."""
+    """Reject a partition with a gap or an overlap (asked of islpy), or one splitting a non-additive
+    reduction. Every index point runs exactly once here, so unlike a device assignment there are no replicas."""
     problems = partition_problems(list(parts), sig.index)
     if problems:
         raise GraphError(f"{where}: not a partition of the index space {sig.index}: {'; '.join(problems)}")
-    for d, kind in enumerate(sig.dim_kinds):
-        split = any(p.shape[d] != sig.index.shape[d] for p in parts if not p.is_empty)
-        if kind is DimKind.REDUCTION and split and sig.dims[d] not in sig.kernel.additive:
-            raise GraphError(f"{where}: splits reduction dim {sig.dims[d]!r}, but {sig.kernel.name} is not additive in it")
+    issues = non_additive_issues(sig, split_reductions(sig, parts))
+    if issues:
+        raise GraphError(f"{where}: {'; '.join(issues)}")
 
 
 def run_sharded(sig: Signature, args: Sequence[np.ndarray], parts: Partition) -> np.ndarray:

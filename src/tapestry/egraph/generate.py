@@ -19,7 +19,7 @@ from tapestry.egraph.schema import constructors, decode_param, encode_param, run
 from tapestry.egraph.sexp import SList
 from tapestry.egraph.session import Session, call, lit, set_value, union
 from tapestry.graph import Graph
-from tapestry.kernels import KernelError, Params, Shape
+from tapestry.kernels import KernelError, Params, Shape, Signature
 from tapestry.sharding import Mesh
 
 NodeKey = tuple[str, Params, tuple[int, ...]]  # constructor, params, canonical handles of the args
@@ -168,19 +168,21 @@ class Generator:
                     waiting.append(node)
                     continue
                 key = self._key(node, class_handle)
+                if key in self.generated:
+                    continue
+                self.generated.add(key)
+                sig = self._bind(node, class_handle)
+                if sig is None:
+                    continue
                 if node.eclass not in class_handle:
-                    shape = self._shape(node, class_handle)
-                    if shape is None:
-                        continue
                     h = self._fresh()
                     class_handle[node.eclass] = h
-                    self.shapes[h] = shape
+                    self.shapes[h] = sig.output_shape
                     commands.append(union(call("Id", lit(h)), self._term(node, class_handle)))
-                    commands += self._shape_facts(h, shape)
-                if key not in self.generated:
-                    new_nodes += 1
-                    self.origins.setdefault(key, _provenance(node.ctor, fired, iteration))
-                    commands += self._distribute(node, key, class_handle)
+                    commands += self._shape_facts(h, sig.output_shape)
+                new_nodes += 1
+                self.origins.setdefault(key, _provenance(node.ctor, fired, iteration))
+                commands += self._distribute(node, key, sig, class_handle)
             if len(waiting) == len(pending):
                 break
             pending = waiting
@@ -197,23 +199,18 @@ class Generator:
         return call(node.ctor, *(call("Id", lit(class_handle[a])) for a in node.args),
                     *(self._param_term(params[p]) for p in ctor.params))
 
-    def _shape(self, node: LogicalNode, class_handle: dict[str, int]) -> Shape | None:
+    def _bind(self, node: LogicalNode, class_handle: dict[str, int]) -> Signature | None:
+        """The node's kernel bound to its argument classes' shapes; None (recorded) if they do not fit."""
         kernel = constructors()[node.ctor].kernel
         try:
-            return kernel.bind([self.shapes[self.find(class_handle[a])] for a in node.args], dict(node.params)).output_shape
+            return kernel.bind([self.shapes[self.find(class_handle[a])] for a in node.args], dict(node.params))
         except KernelError as err:
             self.ill_typed[f"{node.ctor}{node.params}"] = str(err)
             return None
 
-    def _distribute(self, node: LogicalNode, key: NodeKey, class_handle: dict[str, int]) -> list[Any]:
-        self.generated.add(key)
-        kernel = constructors()[node.ctor].kernel
+    def _distribute(self, node: LogicalNode, key: NodeKey, sig: Signature, class_handle: dict[str, int]) -> list[Any]:
+        kernel = sig.kernel
         arg_handles = [self.find(class_handle[a]) for a in node.args]
-        try:
-            sig = kernel.bind([self.shapes[h] for h in arg_handles], dict(node.params))
-        except KernelError as err:
-            self.ill_typed[f"{node.ctor}{node.params}"] = str(err)
-            return []
         out = self.find(class_handle[node.eclass])
         if sig.output_shape != self.shapes[out]:
             self.ill_typed[f"{node.ctor}{node.params}"] = (

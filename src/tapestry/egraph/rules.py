@@ -11,9 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from egglog import bindings
-
-from tapestry.egraph.schema import arities, schema_text
+from tapestry.egraph.schema import arities
 from tapestry.egraph.sexp import Atom, SExp, SExpError, SList, parse
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "rules"
@@ -164,18 +162,16 @@ def load_rules(sources: Sequence[str | Path] | None = None) -> list[RuleFile]:
 
 def _check_with_egglog(files: Sequence[RuleFile]) -> None:
     """Send every rule to a scratch e-graph, so egglog's own errors surface as file:line."""
-    scratch = bindings.EGraph()
-    scratch.run_program(*scratch.parse_program(schema_text()))
+    from tapestry.egraph.session import EgglogError, Session  # the session loads rules: import late
+
+    scratch = Session(())
     for f in files:
-        scratch.run_program(*scratch.parse_program(f"(ruleset {f.name})"))
+        scratch.text(f"(ruleset {f.name})")
         for rule in f.rules:
             try:
-                scratch.run_program(*scratch.parse_program(rule.egglog))
-            except (bindings.EggSmolError, BaseException) as err:  # egglog panics are BaseExceptions
-                if isinstance(err, (KeyboardInterrupt, SystemExit)):
-                    raise
-                first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-                raise RuleFileError(f"{rule.where}: egglog rejected the rule: {first}") from None
+                scratch.text(rule.egglog)
+            except EgglogError as err:
+                raise RuleFileError(f"{rule.where}: egglog rejected the rule: {err}") from None
 
 
 def rules_program(files: Sequence[RuleFile]) -> str:

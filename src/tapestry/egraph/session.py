@@ -7,7 +7,7 @@ including Rust panics, surfaces as EgglogError rather than a raw panic.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from egglog import bindings as b
@@ -40,13 +40,14 @@ def set_value(function: str, args: Sequence[Term], value: Term) -> Any:
     return b.ActionCommand(b.Set(_SPAN, function, list(args), value))
 
 
-def _run(egraph: b.EGraph, commands: Sequence[Any]) -> list[Any]:
+def _run(run: Callable[[], list[Any]]) -> list[Any]:
     try:
-        return egraph.run_program(*commands)
+        return run()
     except BaseException as err:  # egglog's Rust panics derive from BaseException
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise
-        raise EgglogError(str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__) from err
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        raise EgglogError(" ".join(lines) or type(err).__name__) from err
 
 
 class Session:
@@ -57,11 +58,13 @@ class Session:
         self.text(rules_program(self.rule_files))
 
     def text(self, program: str) -> list[Any]:
-        return _run(self.egraph, self.egraph.parse_program(program)) if program.strip() else []
+        if not program.strip():
+            return []
+        return _run(lambda: self.egraph.run_program(*self.egraph.parse_program(program)))
 
     def insert(self, commands: Sequence[Any]) -> None:
         for i in range(0, len(commands), CHUNK):
-            _run(self.egraph, commands[i : i + CHUNK])
+            _run(lambda: self.egraph.run_program(*commands[i : i + CHUNK]))
 
     def run_ruleset(self, name: str) -> tuple[dict[str, int], bool]:
         """One iteration of a ruleset: matches per rule (keyed by the rule's egglog text), and

@@ -68,20 +68,10 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def run_plan(
-    plan: Plan,
-    inputs: Inputs = None,
-    nproc: int | None = None,
-    compile: bool = True,
-    backend: str | None = None,
-    seed: int = 0,
-    timeout: float = 300.0,
-    warmup: int = 0,
-    repeat: int = 1,
-) -> RunResult:
+def run_plan(plan: Plan, inputs: Inputs = None, nproc: int | None = None, **options: Any) -> RunResult:
     """Run `plan` on `nproc` (= its mesh size) spawned ranks. `inputs`: arrays by name, a folder of
-    NAME.npy / NAME.pt files, or None for tapestry.random_inputs(graph, seed)."""
-    return run_plans([plan], [inputs], nproc, compile, backend, seed, timeout, warmup, repeat)[0]
+    NAME.npy / NAME.pt files, or None for tapestry.random_inputs(graph, seed). `options` as for run_plans."""
+    return run_plans([plan], [inputs], nproc, **options)[0]
 
 
 def run_plans(

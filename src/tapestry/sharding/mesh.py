@@ -1,7 +1,6 @@
 """A device mesh: devices numbered row-major over named axes."""
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 
@@ -35,7 +34,12 @@ class Mesh:
         return len(self.shape)
 
     def coords(self, device: int) -> tuple[int, ...]:
-        return tuple(itertools.product(*(range(s) for s in self.shape)))[device]
+        """Row-major: the last axis varies fastest."""
+        coords = []
+        for size in reversed(self.shape):
+            device, c = divmod(device, size)
+            coords.append(c)
+        return tuple(reversed(coords))
 
     @property
     def devices(self) -> range:

@@ -8,6 +8,7 @@ replicates would count partials twice, so that combination is not generated.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from tapestry.kernels import DimKind, Signature
@@ -80,19 +81,25 @@ def needed_layout(sig: Signature, arg: int, part: Partition) -> Layout:
     return Layout(tuple(_clipped(sig.projections[arg], b, sig.input_shapes[arg]) for b in part.blocks))
 
 
+def split_reductions(sig: Signature, blocks: Iterable[ZRange]) -> list[str]:
+    """Reduction dims that some block does not cover whole: their outputs are partial sums."""
+    blocks = [b for b in blocks if not b.is_empty]
+    return [sig.dims[d] for d in sig.dims_of(DimKind.REDUCTION)
+            if any(b.shape[d] != sig.index.shape[d] for b in blocks)]
+
+
+def non_additive_issues(sig: Signature, split: list[str]) -> list[str]:
+    return [f"splits reduction dim {name!r}, but {sig.kernel.name} is not additive in it"
+            for name in split if name not in sig.kernel.additive]
+
+
 def partition_issues(sig: Signature, blocks: tuple[Block, ...]) -> list[str]:
     """Problems with a per-device block assignment, checked with islpy: the distinct
     blocks must partition the index space; duplicates only where nothing is partial."""
     distinct = sorted({b for b in blocks if b is not None}, key=lambda b: (b.start, b.end))
-    issues = partition_problems(distinct, sig.index)
-    reductions = sig.dims_of(DimKind.REDUCTION)
-    split_reductions = [
-        sig.dims[d] for d in reductions if any(b.shape[d] != sig.index.shape[d] for b in distinct)
-    ]
-    for name in split_reductions:
-        if name not in sig.kernel.additive:
-            issues.append(f"splits reduction dim {name!r}, but {sig.kernel.name} is not additive in it")
+    split = split_reductions(sig, distinct)
+    issues = partition_problems(distinct, sig.index) + non_additive_issues(sig, split)
     duplicated = len(distinct) < sum(b is not None for b in blocks)
-    if split_reductions and duplicated:
+    if split and duplicated:
         issues.append("splits a reduction while also replicating blocks: partial sums would be counted twice")
     return issues
