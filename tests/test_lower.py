@@ -39,6 +39,14 @@ def _conv() -> Graph:
     return g
 
 
+def _padding_only() -> Graph:
+    """Stride 2 over a padded 1x1 image: every output cell reads only padding or the one input cell."""
+    g = Graph()
+    x, w = g.input("x", (1, 1, 1, 1), "float64"), g.input("w", (1, 1, 1, 1), "float64")
+    g.output("y", g.relu(g.conv2d(x, w, padding=1, stride=2)))
+    return g
+
+
 # name -> plan on 2 ranks; test_runtime runs every one of these and compares with tapestry.evaluate
 CASES: dict[str, Callable[[], Plan]] = {
     "seeds split on batch": lambda: build_plan(seeds_example(8, 4, 6), MESH, {"linear_0": (0,), "relu_0": (0,)}),
@@ -48,6 +56,7 @@ CASES: dict[str, Callable[[], Plan]] = {
     "chain of different splits": lambda: build_plan(_chain(8, 4, 6), MESH, {"linear_0": (0,), "relu_0": (1,)}),
     "conv2d split on rows": lambda: build_plan(_conv(), MESH, {"relu_0": (2,), "conv2d_0": (2,)}),
     "uneven sizes": lambda: build_plan(_chain(7, 3, 5), MESH, {"linear_0": (0,), "relu_0": (1,)}),
+    "float64 reads of padding only": lambda: build_plan(_padding_only(), MESH, {"conv2d_0": (2,)}),
 }
 
 
@@ -115,6 +124,13 @@ def test_rows_to_columns_is_an_all_to_all_of_exact_blocks() -> None:
 
 def test_columns_to_replicated_is_an_all_gather() -> None:
     assert comm_kinds(CASES["chain of different splits"]())[:2] == ["all_to_all", "all_gather"]
+
+
+def test_an_input_only_padding_reads_is_placed_nowhere_and_read_as_zeros_of_its_dtype() -> None:
+    plan = CASES["float64 reads of padding only"]()
+    assert plan.steps[0].layout.blocks == (None, None)
+    conv = next(s for s in lower(plan).ranks[0].steps if isinstance(s, ShardCompute))
+    assert conv.reads[0].box is None and conv.reads[0].dtype == "float64"
 
 
 def test_uneven_blocks_keep_their_own_sizes() -> None:

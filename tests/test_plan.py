@@ -180,6 +180,16 @@ def problems_mentioning(plan: Plan, text: str) -> list[str]:
     return [p for p in plan_problems(plan) if text in p]
 
 
+def test_build_plan_names_an_unknown_op_or_a_split_that_does_not_fit_the_mesh():
+    g = seeds_example(8, 4, 6)
+    with pytest.raises(ValueError, match=r"'linear' is no op of the graph; its ops are lin, act"):
+        build_plan(g, Mesh(2), {"linear": (0,)})
+    with pytest.raises(ValueError, match=r"op 'lin': axes \(0, 1\) name 2 mesh axes; the mesh \(2,\) has 1"):
+        build_plan(g, Mesh(2), {"lin": (0, 1)})
+    with pytest.raises(ValueError, match=r"op 'lin': axes \(5,\): the index space \[8, 6\] has dims 0..1"):
+        build_plan(g, Mesh(2), {"lin": (5,)})
+
+
 def test_a_built_plan_has_no_problems():
     assert plan_problems(split_plan()) == []
 

@@ -44,13 +44,14 @@ def test_every_rank_reports_a_time_for_each_of_its_steps(eager_runs) -> None:
     assert kinds == {"place", "compute", "comm"} and all(t.seconds >= 0 for t in run.ranks[1].steps)
 
 
-def test_a_fused_kernel_runs_torch_compiled_on_two_ranks() -> None:
+def test_a_fused_float64_kernel_runs_compiled_on_two_ranks() -> None:
     g = Graph()
-    x, w, b = g.input("x", (16, 8)), g.input("w", (8, 12)), g.input("b", (12,))
+    x, w, b = g.input("x", (16, 8), "float64"), g.input("w", (8, 12), "float64"), g.input("b", (12,), "float64")
     g.output("y", g.linear_relu(x, w, b))
     inputs = tapestry.random_inputs(g, seed=3)
     result = run_plan(build_plan(g, Mesh(2), {"linear_relu_0": (1,)}), inputs, compile=True, timeout=240)
-    np.testing.assert_allclose(result.outputs["y"], tapestry.evaluate(g, inputs)["y"], rtol=1e-5, atol=1e-5)
+    assert result.outputs["y"].dtype == np.float64
+    np.testing.assert_allclose(result.outputs["y"], tapestry.evaluate(g, inputs)["y"], rtol=1e-12, atol=1e-12)
 
 
 def test_a_rank_killed_mid_run_is_named_with_its_step_within_the_timeout(monkeypatch) -> None:

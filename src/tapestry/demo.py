@@ -55,7 +55,7 @@ def main() -> None:
     plans = [r.plan for r in results.values()]
     if not args.no_compile:
         use_persistent_cache()
-        with console.status("compiling shard kernels with torch.compile (cached for later runs)"):
+        with console.status("compiling shard kernels with inductor (cached for later runs)"):
             compiled = sum(warm_cache(lower(p)) for p in plans)
         console.print(f"compiled {compiled} distinct shard kernels")
     with console.status(f"running both plans on {RANKS} ranks (gloo)"):

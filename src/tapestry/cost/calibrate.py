@@ -74,13 +74,13 @@ def memory_bandwidth(elements: int, reps: int) -> float:
 
 
 def launch_overhead(reps: int, compile: bool = True, calls: int = 2000) -> tuple[float, float]:
-    """Seconds per call, with no work, of (the runtime's shard function for a one-element add: torch.compile'd
+    """Seconds per call, with no work, of (the runtime's shard function for a one-element add: inductor-compiled
     unless `compile` is False, a plain torch.add). The first is what every shard kernel costs the runtime
-    beyond its flops and bytes: the compiled callable's guards and wrappers dwarf a bare torch call."""
+    beyond its flops and bytes: the compiled callable's wrappers dwarf a bare torch call."""
     from tapestry.lower.compile import shard_function
 
     a, b = torch.ones(1), torch.ones(1)
-    shard = shard_function("add", (), ((1,), (1,)), compile)
+    shard = shard_function("add", (), (((1,), "float32"), ((1,), "float32")), compile)
 
     def many(fn: Callable[..., Any]) -> Callable[[], None]:
         def run() -> None:

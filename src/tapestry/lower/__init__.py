@@ -1,4 +1,4 @@
-"""Lowering: a plan becomes one program per rank, with torch.compile'd shard kernels."""
+"""Lowering: a plan becomes one program per rank, with inductor-compiled shard kernels."""
 from tapestry.lower.compile import shard_function, use_persistent_cache
 from tapestry.lower.program import (
     AllGather, AllReduce, AllToAll, Comm, Exchange, Gather, Local, LoweredProgram, LoweringError, Piece, PlaceBlock,

@@ -1,8 +1,12 @@
-"""Shard kernels as callables: torch.compile'd once per (kernel, kwargs, block shapes), or eager.
+"""Shard kernels as callables: compiled by inductor once per (kernel, kwargs, argument blocks, device), or eager.
 
-Compiling per block shape keeps inductor's generated code static-shaped (the
-fast path on CPU); the inductor cache lives in a persistent folder so a second
-process, or a second run, loads the code instead of compiling it again.
+A shard is traced to an aten graph (make_fx) and handed to inductor, torch.compile's
+compiler, through its precompilation API `torch._inductor.standalone_compile`. Each
+compiled function is static-shaped (the fast path on CPU) and is only ever called with
+the blocks it was made for, so it skips dynamo's frame hook and guard checks: about
+5 µs a call instead of about 22 µs through `torch.compile` (docs/benchmarks.md,
+"Lowering"). The inductor cache lives in a persistent folder, so a second process, or a
+second run, loads the code instead of compiling it again.
 """
 from __future__ import annotations
 
@@ -13,19 +17,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from tapestry.kernels import Params, Shape, get_kernel
 
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 DEFAULT_CACHE = Path.home() / ".cache" / "tapestry" / "inductor"
-# Every shard of one kernel shares the impl's code object, and dynamo counts recompiles per code
-# object: uneven splits and many layers would pass the default limit of 8 and silently run eager.
-RECOMPILE_LIMIT = 256
 
 if TYPE_CHECKING:
     from tapestry.lower.program import LoweredProgram
 
 ShardFn = Callable[..., torch.Tensor]
+ArgSpec = tuple[Shape, str]  # one argument block: its shape and dtype name ("float32")
 
 
 def use_persistent_cache() -> Path:
@@ -34,10 +37,10 @@ def use_persistent_cache() -> Path:
     return Path(os.environ[CACHE_ENV])
 
 
-def shard_function(kernel: str, kwargs: Params, shapes: tuple[Shape, ...], compile: bool) -> ShardFn:
+def shard_function(kernel: str, kwargs: Params, args: tuple[ArgSpec, ...], compile: bool, device: str = "cpu") -> ShardFn:
     """The callable for one shard. Views never compile: they move no data."""
     if compile and not get_kernel(kernel).is_view:
-        return _compiled(kernel, kwargs, shapes)
+        return _compiled(kernel, kwargs, args, device)
     return _eager(kernel, kwargs)
 
 
@@ -47,11 +50,11 @@ def _eager(kernel: str, kwargs: Params) -> ShardFn:
 
 
 @functools.cache
-def _compiled(kernel: str, kwargs: Params, shapes: tuple[Shape, ...]) -> ShardFn:
-    """`shapes` is part of the key so each distinct block shape gets its own static-shape graph."""
+def _compiled(kernel: str, kwargs: Params, args: tuple[ArgSpec, ...], device: str) -> ShardFn:
     use_persistent_cache()
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    return torch.compile(_eager(kernel, kwargs), dynamic=False, fullgraph=True)
+    examples = [torch.zeros(shape, dtype=getattr(torch, dtype), device=device) for shape, dtype in args]
+    graph = make_fx(_eager(kernel, kwargs))(*examples)
+    return torch._inductor.standalone_compile(graph, examples, dynamic_shapes="from_example_inputs")
 
 
 def warm_cache(program: LoweredProgram) -> int:
@@ -59,12 +62,8 @@ def warm_cache(program: LoweredProgram) -> int:
     persistent cache instead of all compiling it at once. Returns how many kernels it compiled."""
     from tapestry.lower.program import ShardCompute
 
-    seen = set()
-    for rank in program.ranks:
-        for step in rank.steps:
-            if isinstance(step, ShardCompute) and not get_kernel(step.kernel).is_view:
-                shapes = tuple(r.shape for r in step.reads)
-                if (step.kernel, step.kwargs, shapes) not in seen:
-                    seen.add((step.kernel, step.kwargs, shapes))
-                    shard_function(step.kernel, step.kwargs, shapes, True)(*(torch.zeros(s) for s in shapes))
-    return len(seen)
+    distinct = {(s.kernel, s.kwargs, s.arg_specs) for rank in program.ranks for s in rank.steps
+                if isinstance(s, ShardCompute) and not get_kernel(s.kernel).is_view}
+    for kernel, kwargs, args in distinct:
+        shard_function(kernel, kwargs, args, True)
+    return len(distinct)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tapestry.kernels import Params, Shape
+from tapestry.lower.compile import ArgSpec
 from tapestry.plan.plan import Compute, Place, Plan, Reshard
 from tapestry.sharding import Block, Layout, Mesh
 from tapestry.sharding.collectives import Collective, classify_reshard
@@ -42,6 +43,7 @@ class Read:
     box: ZRange | None  # None: the read lies wholly outside the tensor
     pad: tuple[tuple[int, int], ...]
     shape: Shape
+    dtype: str = "float32"
     whole: bool = False  # the read is the whole held buffer: no slicing at all
 
     @property
@@ -73,6 +75,10 @@ class ShardCompute:
     index: ZRange
     reads: tuple[Read, ...]
     out_block: ZRange
+
+    @property
+    def arg_specs(self) -> tuple[ArgSpec, ...]:
+        return tuple((r.shape, r.dtype) for r in self.reads)
 
     def __str__(self) -> str:
         reads = ", ".join(_show(r) for r in self.reads)
@@ -216,17 +222,12 @@ def lower(plan: Plan) -> LoweredProgram:
     """One program per device of the plan's mesh, then a gather of every output to rank 0."""
     mesh = plan.mesh
     per_rank: list[list[RankStep]] = [[] for _ in mesh.devices]
-    layouts: dict[str, Layout] = {}
-    for index, step in enumerate(plan.steps):
-        for rank, rank_step in enumerate(_lower_step(index, step, layouts, mesh)):
+    values: dict[str, Value] = {}
+    for index, step in enumerate((*plan.steps, *output_gathers(plan))):
+        for rank, rank_step in enumerate(_lower_step(index, step, values, mesh)):
             if rank_step is not None:
                 per_rank[rank].append(rank_step)
-        layouts[step.out] = step.layout
-    gathers = output_gathers(plan)
-    for k, gather in enumerate(gathers):
-        for rank, rank_step in enumerate(_lower_step(len(plan.steps) + k, gather, layouts, mesh)):
-            if rank_step is not None:
-                per_rank[rank].append(rank_step)
+        values[step.out] = Value(step.layout, plan.dtypes[step.src if isinstance(step, Reshard) else step.out])
     outputs = {name: f"{value}@0" for name, value in plan.outputs.items()}
     ranks = tuple(RankProgram(r, mesh.size, tuple(steps)) for r, steps in enumerate(per_rank))
     return LoweredProgram(plan, ranks, outputs)
@@ -243,6 +244,14 @@ def output_gathers(plan: Plan) -> list[Reshard]:
     return list(gathers.values())
 
 
+@dataclass(frozen=True)
+class Value:
+    """What lowering needs of an earlier step's result."""
+
+    layout: Layout
+    dtype: str
+
+
 def _lower_json(data: Mapping[str, Any]) -> LoweredProgram:
     return lower(Plan.from_json(data))
 
@@ -251,41 +260,42 @@ def _on_rank0(shape: Shape, mesh: Mesh) -> Layout:
     return Layout((ZRange.from_shape(shape), *(None,) * (mesh.size - 1)))
 
 
-def _lower_step(index: int, step: Place | Compute | Reshard, layouts: Mapping[str, Layout], mesh: Mesh) -> list[RankStep | None]:
+def _lower_step(index: int, step: Place | Compute | Reshard, values: Mapping[str, Value], mesh: Mesh) -> list[RankStep | None]:
     if isinstance(step, Place):
         return [None if b is None else PlaceBlock(index, step.out, step.input, b) for b in step.layout.blocks]
     if isinstance(step, Compute):
-        return [_shard(index, step, rank, layouts) for rank in mesh.devices]
-    return _reshard(index, step, layouts, mesh)
+        return [_shard(index, step, rank, values) for rank in mesh.devices]
+    return _reshard(index, step, values, mesh)
 
 
-def _shard(index: int, step: Compute, rank: int, layouts: Mapping[str, Layout]) -> ShardCompute | None:
+def _shard(index: int, step: Compute, rank: int, values: Mapping[str, Value]) -> ShardCompute | None:
     block = step.blocks[rank]
     if block is None:
         return None
     sig = step.signature
     reads = []
     for arg, shape, projection in zip(step.args, step.input_shapes, sig.projections):
-        if arg not in layouts:
+        if arg not in values:
             raise LoweringError(f"step {index} ({step.out}) reads {arg!r}, which no earlier step makes")
-        reads.append(_read(arg, layouts[arg].blocks[rank], projection.apply(block), shape, f"step {index} ({step.out})"))
+        reads.append(_read(arg, values[arg], rank, projection.apply(block), shape, f"step {index} ({step.out})"))
     kwargs = tuple(sorted(sig.call_kwargs(block).items()))
     return ShardCompute(index, step.out, step.kernel, kwargs, block, tuple(reads), sig.output.apply(block))
 
 
-def _read(buffer: str, held: Block, want: ZRange, shape: Shape, where: str) -> Read:
+def _read(buffer: str, value: Value, rank: int, want: ZRange, shape: Shape, where: str) -> Read:
     inside = ZRange.from_shape(shape).intersection(want)
     pad = tuple((max(0, -s), max(0, e - size)) for s, e, size in zip(want.start, want.end, shape))
     if inside is None or inside.is_empty:
-        return Read(buffer, None, pad, want.shape)
+        return Read(buffer, None, pad, want.shape, value.dtype)
+    held = value.layout.blocks[rank]
     if held is None or not held.contains(inside):
         raise LoweringError(f"{where}: needs {inside} of {buffer!r} but this rank holds {held}")
-    return Read(buffer, inside.translate([-s for s in held.start]), pad, want.shape, inside == held)
+    return Read(buffer, inside.translate([-s for s in held.start]), pad, want.shape, value.dtype, inside == held)
 
 
-def _reshard(index: int, step: Reshard, layouts: Mapping[str, Layout], mesh: Mesh) -> list[RankStep | None]:
+def _reshard(index: int, step: Reshard, values: Mapping[str, Value], mesh: Mesh) -> list[RankStep | None]:
     src, dst = step.src_layout, step.layout
-    if step.src not in layouts:
+    if step.src not in values:
         raise LoweringError(f"step {index} ({step.out}) reshards {step.src!r}, which no earlier step makes")
     moves = transfers(src, dst)
     kind = step_type(src, dst, step.shape, mesh)

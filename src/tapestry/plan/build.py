@@ -13,6 +13,13 @@ from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.partition import Partition, make_partition, needed_layout, output_layout
 
 
+def _split(graph: Graph, op: str, mesh: Mesh, axes: tuple[int | None, ...] | None) -> Partition:
+    try:
+        return make_partition(graph.signature(op), mesh, axes or (None,) * mesh.ndim)
+    except ValueError as err:
+        raise ValueError(f"build_plan: op {op!r}: {err}") from None
+
+
 class _Values:
     """Each logical value's distributed copies, by layout, in the order made."""
 
@@ -47,11 +54,12 @@ def build_plan(
     """Ops take `partitions[op]`, else the split `axes[op]` (one index dim or None per mesh axis), else run
     replicated. Inputs are placed as their first user needs them; partial outputs are all-reduced."""
     axes, partitions = axes or {}, partitions or {}
+    unknown = sorted((set(axes) | set(partitions)) - {n.name for n in graph.ops})
+    if unknown:
+        raise ValueError(f"build_plan: {', '.join(map(repr, unknown))} is no op of the graph; its ops are "
+                         f"{', '.join(n.name for n in graph.ops)}")
     values = _Values()
-    chosen = {
-        n.name: partitions.get(n.name) or make_partition(graph.signature(n.name), mesh, axes.get(n.name, (None,) * mesh.ndim))
-        for n in graph.ops
-    }
+    chosen = {n.name: partitions.get(n.name) or _split(graph, n.name, mesh, axes.get(n.name)) for n in graph.ops}
     for node in graph.inputs:
         values.shapes[node.name] = node.shape
     for node in graph.ops:

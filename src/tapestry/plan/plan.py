@@ -84,6 +84,18 @@ class Plan:
     def layout_of(self, value: str) -> Layout:
         return self.by_id[value].layout
 
+    @cached_property
+    def dtypes(self) -> dict[str, str]:
+        """Each value's dtype name: a result has its first argument's (as Graph assigns them), back to an input's."""
+        found: dict[str, str] = {}
+        for step in self.steps:
+            if isinstance(step, Place):
+                found[step.out] = self.graph[step.input].dtype
+            else:
+                first = step.src if isinstance(step, Reshard) else next(iter(step.args), None)
+                found[step.out] = "float32" if first is None else found[first]
+        return found
+
     def to_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT,

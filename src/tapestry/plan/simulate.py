@@ -41,7 +41,7 @@ def simulate(plan: Plan, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarr
         elif isinstance(step, Reshard):
             _reshard(step, devices)
         else:
-            _compute(step, devices)
+            _compute(step, devices, plan.dtypes)
     return {name: assemble(plan.by_id[value].layout, plan.by_id[value].shape, devices, value)
             for name, value in plan.outputs.items()}
 
@@ -55,28 +55,29 @@ def _place(plan: Plan, step: Place, inputs: Mapping[str, np.ndarray], devices: l
             device[step.out] = Shard(block, read_block(array, block).copy())
 
 
-def _read(devices: list[Device], k: int, value: str, region: ZRange, shape: tuple[int, ...], where: str) -> np.ndarray:
+def _read(devices: list[Device], k: int, value: str, region: ZRange, shape: tuple[int, ...], dtype: str,
+          where: str) -> np.ndarray:
     """`region` of a tensor from the block device k holds; cells outside the tensor are zero."""
     inside = ZRange.from_shape(shape).intersection(region)
     needed = inside is not None and not inside.is_empty
     if value not in devices[k]:
         if needed:
             raise PlanError(f"{where} reads {inside} of {value} but holds none of it")
-        return np.zeros(region.shape, dtype=_dtype(devices, value))  # a block wholly in the padding
+        return np.zeros(region.shape, dtype=dtype)  # a block wholly in the padding
     held = devices[k][value]
     if needed and not held.block.contains(inside):
         raise PlanError(f"{where} reads {inside} of {value} but holds only {held.block}")
     return read_block(held.cells, region.translate([-s for s in held.block.start]))
 
 
-def _compute(step: Compute, devices: list[Device]) -> None:
+def _compute(step: Compute, devices: list[Device], dtypes: Mapping[str, str]) -> None:
     sig = step.signature
     for k, (index_block, out_block) in enumerate(zip(step.blocks, step.layout.blocks)):
         if index_block is None:
             continue
         where = f"step {step.out} ({step.kernel}) on device {k}"
         args = [
-            _read(devices, k, arg, projection.apply(index_block), shape, where)
+            _read(devices, k, arg, projection.apply(index_block), shape, dtypes[arg], where)
             for arg, projection, shape in zip(step.args, sig.projections, step.input_shapes)
         ]
         value = np.asarray(sig.compute(args, index_block), dtype=args[0].dtype if args else np.float32)

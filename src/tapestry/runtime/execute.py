@@ -183,7 +183,7 @@ class RankRunner:
     def _bind(self, step: RankStep) -> Work:
         device = self.device
         if isinstance(step, ShardCompute):
-            fn = shard_function(step.kernel, step.kwargs, tuple(r.shape for r in step.reads), self.compile)
+            fn = shard_function(step.kernel, step.kwargs, step.arg_specs, self.compile, str(device))
             readers = [_reader(r, device) for r in step.reads]
             return lambda buffers: fn(*(read(buffers) for read in readers))
         comm, src = _COMMS[type(step)], step.src
@@ -224,7 +224,7 @@ def _reader(read: Read, device: torch.device) -> Work:
     """One argument of a shard: the held buffer itself, a view of it, zero-padded, or zeros."""
     name, slices = read.buffer, read.slices
     if read.box is None:
-        return lambda buffers: torch.zeros(read.shape, device=device)
+        return lambda buffers: torch.zeros(read.shape, dtype=getattr(torch, read.dtype), device=device)
     if any(any(p) for p in read.pad):
         pad = [p for before_after in reversed(read.pad) for p in before_after]
         return lambda buffers: F.pad(buffers[name][slices], pad)

@@ -35,6 +35,12 @@ def _non_empty(block: ZRange) -> Block:
 
 
 def make_partition(sig: Signature, mesh: Mesh, axes: tuple[int | None, ...]) -> Partition:
+    """Split index dim `axes[i]` evenly over mesh axis i (None: not split over that axis)."""
+    if len(axes) != mesh.ndim:
+        raise ValueError(f"axes {axes} name {len(axes)} mesh axes; the mesh {mesh.shape} has {mesh.ndim}")
+    rank = len(sig.index.shape)
+    if any(dim is not None and not 0 <= dim < rank for dim in axes):
+        raise ValueError(f"axes {axes}: the index space {list(sig.index.shape)} has dims 0..{rank - 1}")
     blocks = []
     for device in mesh.devices:
         block = sig.index
