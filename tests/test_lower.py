@@ -133,6 +133,22 @@ def test_an_input_only_padding_reads_is_placed_nowhere_and_read_as_zeros_of_its_
     assert conv.reads[0].box is None and conv.reads[0].dtype == "float64"
 
 
+@pytest.mark.parametrize("name", CASES)
+def test_every_buffer_but_the_outputs_is_dropped_once_after_its_last_reader(name: str) -> None:
+    program = lower(CASES[name]())
+    outputs = set(program.outputs.values())
+    rank0 = program.ranks[0]
+    dead = rank0.dead_after(outputs)
+    dropped = [n for names in dead for n in names]
+    assert {s.out for s in rank0.steps} - outputs <= set(dropped)
+    assert len(dropped) == len(set(dropped)) and not outputs & set(dropped)
+    for k, names in enumerate(dead):
+        later = rank0.steps[k + 1 :]
+        read_later = {r.buffer for s in later if isinstance(s, ShardCompute) for r in s.reads if r.box is not None}
+        read_later |= {s.src for s in later if isinstance(s, Comm)}
+        assert not read_later & set(names)
+
+
 def test_uneven_blocks_keep_their_own_sizes() -> None:
     rank1 = lower(CASES["uneven sizes"]()).ranks[1]
     swap = next(s for s in rank1.steps if isinstance(s, AllToAll))

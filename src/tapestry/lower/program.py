@@ -9,7 +9,7 @@ no data for a collective still joins it with an empty contribution.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,6 +188,20 @@ class RankProgram:
     world: int
     steps: tuple[RankStep, ...]
 
+    def dead_after(self, keep: Collection[str] = ()) -> tuple[tuple[str, ...], ...]:
+        """Per step, the buffers no later step reads (its own result too, if nothing does), except `keep`:
+        the runtime drops them there, so a rank holds only live values, as cost.memory assumes."""
+        last: dict[str, int] = {}
+        for k, step in enumerate(self.steps):
+            last[step.out] = k
+            for name in _reads(step):
+                last[name] = k
+        dead: list[list[str]] = [[] for _ in self.steps]
+        for name, k in last.items():
+            if name not in keep:
+                dead[k].append(name)
+        return tuple(map(tuple, dead))
+
     def __str__(self) -> str:
         lines = [f"rank {self.rank} of {self.world}"]
         lines += [f"  [{s.step:>3}] {s}" for s in self.steps]
@@ -358,6 +372,12 @@ _STEP_TYPES: dict[Collective, type[Comm]] = {
 def _one_region(src: Layout, dst: Layout) -> bool:
     held = {b for b in (*src.blocks, *dst.blocks) if b is not None}
     return len(held) == 1
+
+
+def _reads(step: RankStep) -> tuple[str, ...]:
+    if isinstance(step, ShardCompute):
+        return tuple(r.buffer for r in step.reads if r.box is not None)
+    return (step.src,) if isinstance(step, Comm) else ()
 
 
 def _box(block: Block) -> str:

@@ -142,7 +142,7 @@ class RankRunner:
         kept = times[warmup:]
         steps = tuple(StepTime(s.step, _label(s), "place", place_times[k]) for k, s in enumerate(self._placing))
         steps += tuple(
-            StepTime(s.step, _label(s), _kind(s), float(np.median([t[i] for t in kept]))) for i, (s, _) in enumerate(program)
+            StepTime(s.step, _label(s), _kind(s), float(np.median([t[i] for t in kept]))) for i, (s, _, _) in enumerate(program)
         )
         position = {s.step: k for k, s in enumerate(self.steps)}
         steps = tuple(sorted(steps, key=lambda t: position[t.step]))
@@ -176,9 +176,12 @@ class RankRunner:
         return StepFailed(f"rank {self.rank} failed in {self.program.describe(step.step)}: {type(err).__name__}: {err}")
 
     @cached_property
-    def _bound(self) -> list[tuple[RankStep, Work]]:
-        """Every non-place step with its work bound once: kernel looked up, reads resolved to slices."""
-        return [(s, self._bind(s)) for s in self.steps if not isinstance(s, PlaceBlock)]
+    def _bound(self) -> list[tuple[RankStep, Work, tuple[str, ...]]]:
+        """Every non-place step with its work bound once (kernel looked up, reads resolved to slices) and the
+        buffers to drop after it."""
+        keep = set(self.program.outputs.values()) if self.rank == 0 else set()
+        dead = self.program.ranks[self.rank].dead_after(keep)
+        return [(s, self._bind(s), d) for s, d in zip(self.steps, dead) if not isinstance(s, PlaceBlock)]
 
     def _bind(self, step: RankStep) -> Work:
         device = self.device
@@ -189,11 +192,12 @@ class RankRunner:
         comm, src = _COMMS[type(step)], step.src
         return lambda buffers: comm(step, buffers.get(src), device)
 
-    def _once(self, placed: Mapping[str, torch.Tensor], program: list[tuple[RankStep, Work]]) -> tuple[dict[str, torch.Tensor], list[float]]:
-        buffers = dict(placed)
+    def _once(self, placed: Mapping[str, torch.Tensor], program: list[tuple[RankStep, Work, tuple[str, ...]]]
+              ) -> tuple[dict[str, torch.Tensor], list[float]]:
+        buffers = dict(placed)  # `placed` keeps the inputs for the next iteration; dropping them here frees nothing
         times = []
         on_step, fault, cuda = self.on_step, self._fault, self.device.type == "cuda"
-        for step, work in program:
+        for step, work, dead in program:
             on_step(step.step)
             if fault == step.step:
                 os._exit(FAULT_EXIT_CODE)
@@ -205,6 +209,8 @@ class RankRunner:
             if cuda:
                 torch.cuda.synchronize(self.device)
             times.append(time.perf_counter() - start)
+            for name in dead:
+                buffers.pop(name, None)  # a rank holding no block of a value still names it as a collective's source
         return buffers, times
 
 
