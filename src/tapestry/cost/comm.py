@@ -29,7 +29,7 @@ from tapestry.kernels import Shape
 from tapestry.plan.plan import Reshard, Step
 from tapestry.sharding import Block, Layout, Mesh
 from tapestry.sharding.collectives import classify_reshard
-from tapestry.sharding.comm import transfers
+from tapestry.sharding.comm import received_counts
 
 BYTES_PER_ELEMENT = 4
 
@@ -65,12 +65,9 @@ class Moves:
 @lru_cache(maxsize=4096)
 def moves(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> Moves:
     """Cached: extraction prices the same layout pair for many e-nodes."""
-    received, messages = [0] * mesh.size, [0] * mesh.size
-    for t in transfers(src, dst):
-        received[t.dst] += t.region.size
-        messages[t.dst] += 1
+    received, messages = received_counts(src, dst)
     kind = str(classify_reshard(src, dst, shape, mesh))
-    return Moves(kind, tuple(received), tuple(messages), spanned_axes(src, dst, mesh))
+    return Moves(kind, received, messages, spanned_axes(src, dst, mesh))
 
 
 def spanned_axes(src: Layout, dst: Layout, mesh: Mesh) -> tuple[int, ...]:

@@ -8,7 +8,7 @@ cost is local (its layouts are part of its class), so plan cost is a sum.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tapestry.egraph.distributed import Interner
@@ -16,7 +16,7 @@ from tapestry.egraph.schema import run_constructors
 from tapestry.extract import EGraph as ExtractGraph
 from tapestry.extract import Selection
 from tapestry.graph import Graph
-from tapestry.plan import Compute, Place, Plan, Reshard, Step
+from tapestry.plan import Place, Plan, Reshard, Step
 from tapestry.sharding import Mesh
 
 
@@ -76,12 +76,8 @@ class Decoder:
             return Reshard(out, args[0] if args else "?", shape, src, layout)
         if node.op == "Deliver":
             return None
-        info = self.interner.runs[node.key]
-        return Compute(
-            out, info.kernel, info.params, args or ("?",) * len(info.input_shapes), info.input_shapes,
-            tuple(self.interner.layouts[k][1] for k in info.arg_layouts), info.blocks,
-            self.interner.layouts[info.out_layout][1], origin=f"{info.origin} [{info.partition}]",
-        )
+        run = self.interner.runs[node.key]
+        return replace(run, out=out, args=args or run.args)
 
     def serialized(self, roots: list[str], cost: Any) -> dict[str, Any]:
         """The distributed layer with costs, as egraph-serialize JSON (what `tapestry extract` reads)."""

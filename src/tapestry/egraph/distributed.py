@@ -5,38 +5,18 @@ class `(At out L_out)` gets the member `(Run<Kernel> (At arg_i L_i)... key)`,
 where L_i is the layout giving each device exactly what its block reads.
 Every class gets `Reshard` members between the layouts it occurs in, input
 classes get `Place` members, and output classes `Deliver` members in each
-plain layout. Keys name interned Python records (RunInfo, layouts), so the
+plain layout. Keys name interned Python records (Compute steps, layouts), so the
 cost model and the decoder see what each e-node means.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-from tapestry.kernels import Params, Shape, Signature
+from tapestry.kernels import Shape, Signature
+from tapestry.plan import Compute
 from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.comm import CommError, transfers
-from tapestry.sharding.partition import candidate_partitions, needed_layout, output_layout, partition_issues
-
-
-@dataclass(frozen=True)
-class RunInfo:
-    """What a Run e-node computes: the decoder turns it into a plan Compute step."""
-
-    kernel: str
-    params: Params
-    input_shapes: tuple[Shape, ...]
-    arg_layouts: tuple[str, ...]
-    out_layout: str
-    blocks: tuple
-    partition: str
-    origin: str
-
-    @property
-    def signature(self) -> Signature:
-        from tapestry.kernels import get_kernel
-
-        return get_kernel(self.kernel).bind(self.input_shapes, dict(self.params))
+from tapestry.sharding.partition import candidate_partitions, partition_issues
 
 
 class Interner:
@@ -45,8 +25,8 @@ class Interner:
     def __init__(self) -> None:
         self.layouts: dict[str, tuple[Shape, Layout]] = {}
         self._layout_keys: dict[tuple[Shape, Layout], str] = {}
-        self.runs: dict[str, RunInfo] = {}
-        self._run_keys: dict[RunInfo, str] = {}
+        self.runs: dict[str, Compute] = {}  # the step each Run e-node is, its value names "?"
+        self._run_keys: dict[Compute, str] = {}
         self.movable: dict[tuple[str, str], bool] = {}  # can a reshard turn one layout into the other
 
     def layout(self, shape: Shape, layout: Layout) -> str:
@@ -57,12 +37,12 @@ class Interner:
             self.layouts[name] = key
         return self._layout_keys[key]
 
-    def run(self, info: RunInfo) -> str:
-        if info not in self._run_keys:
+    def run(self, step: Compute) -> str:
+        if step not in self._run_keys:
             name = f"p{len(self._run_keys)}"
-            self._run_keys[info] = name
-            self.runs[name] = info
-        return self._run_keys[info]
+            self._run_keys[step] = name
+            self.runs[name] = step
+        return self._run_keys[step]
 
 
 def runs_for(sig: Signature, mesh: Mesh, interner: Interner, origin: str) -> list[tuple[str, tuple[str, ...], str]]:
@@ -72,12 +52,10 @@ def runs_for(sig: Signature, mesh: Mesh, interner: Interner, origin: str) -> lis
         issues = partition_issues(sig, part.blocks)  # islpy: a partition of the index space, partials sound
         if issues:
             raise AssertionError(f"generated an illegal partition of {sig}: {'; '.join(issues)}")
-        out = interner.layout(sig.output_shape, output_layout(sig, part))
-        args = tuple(
-            interner.layout(shape, needed_layout(sig, i, part)) for i, shape in enumerate(sig.input_shapes)
-        )
-        info = RunInfo(sig.kernel.name, sig.params, sig.input_shapes, args, out, part.blocks, part.name(sig), origin)
-        found.append((out, args, interner.run(info)))
+        step = Compute.running(sig, part, f"{origin} [{part.name(sig)}]")
+        out = interner.layout(sig.output_shape, step.layout)
+        args = tuple(interner.layout(shape, layout) for shape, layout in zip(sig.input_shapes, step.arg_layouts))
+        found.append((out, args, interner.run(step)))
     return found
 
 

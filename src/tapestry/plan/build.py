@@ -6,11 +6,12 @@ plan from explicit choices, for baselines (one device, data parallel, ...) and t
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 from tapestry.graph import Graph
 from tapestry.plan.plan import Compute, Place, Plan, Reshard, Step
 from tapestry.sharding import Layout, Mesh
-from tapestry.sharding.partition import Partition, make_partition, needed_layout, output_layout
+from tapestry.sharding.partition import Partition, make_partition
 
 
 def _split(graph: Graph, op: str, mesh: Mesh, axes: tuple[int | None, ...] | None) -> Partition:
@@ -63,19 +64,15 @@ def build_plan(
     for node in graph.inputs:
         values.shapes[node.name] = node.shape
     for node in graph.ops:
-        sig, part = graph.signature(node.name), chosen[node.name]
-        needs = [needed_layout(sig, i, part) for i in range(len(node.args))]
+        sig = graph.signature(node.name)
+        step = Compute.running(sig, chosen[node.name], origin=node.name)
         args = []
-        for arg, need in zip(node.args, needs):
+        for arg, need in zip(node.args, step.arg_layouts):
             if arg not in values.copies:
                 values.add(arg, Place(values.fresh(), arg, graph[arg].shape, need))
             args.append(values.get(arg, need))
         values.shapes[node.name] = sig.output_shape
-        values.add(
-            node.name,
-            Compute(values.fresh(), node.op, sig.params, tuple(args), sig.input_shapes, tuple(needs), part.blocks,
-                    output_layout(sig, part), origin=node.name),
-        )
+        values.add(node.name, replace(step, out=values.fresh(), args=tuple(args)))
     outputs = {}
     for name, target in graph.outputs.items():
         layout = next(reversed(values.copies[target]))

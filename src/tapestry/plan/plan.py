@@ -16,6 +16,7 @@ from typing import Any
 from tapestry.graph import Graph, graph_from_json, graph_to_json
 from tapestry.kernels import Params, Shape, Signature, get_kernel
 from tapestry.sharding import Block, Layout, Mesh
+from tapestry.sharding.partition import Partition, needed_layout, output_layout
 from tapestry.zspace import ZRange
 
 FORMAT = "tapestry.plan/1"
@@ -44,6 +45,17 @@ class Compute:
     blocks: tuple[Block, ...]
     layout: Layout
     origin: str = ""  # the logical node (and the rules that made it), for explanations
+
+    @classmethod
+    def running(cls, sig: Signature, part: Partition, origin: str = "") -> Compute:
+        """`sig` over `part`, each device reading exactly the argument cells its block needs.
+
+        Both routes to a plan (build_plan, the e-graph's Run nodes) start here, so they cannot drift apart;
+        `out` and `args` stay "?" until the caller names them (dataclasses.replace)."""
+        n = len(sig.input_shapes)
+        needs = tuple(needed_layout(sig, i, part) for i in range(n))
+        return cls("?", sig.kernel.name, sig.params, ("?",) * n, sig.input_shapes, needs, part.blocks,
+                   output_layout(sig, part), origin)
 
     @cached_property
     def signature(self) -> Signature:

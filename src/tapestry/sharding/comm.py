@@ -82,9 +82,15 @@ def transfers(src: Layout, dst: Layout) -> list[Transfer]:
     return moves
 
 
+def received_counts(src: Layout, dst: Layout) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per device, the cells and the messages it receives: what a reshard costs each device."""
+    cells, messages = [0] * len(dst.blocks), [0] * len(dst.blocks)
+    for t in transfers(src, dst):
+        cells[t.dst] += t.region.size
+        messages[t.dst] += 1
+    return tuple(cells), tuple(messages)
+
+
 def received_elements(src: Layout, dst: Layout) -> tuple[int, ...]:
     """Cells each device receives: the communication volume per device."""
-    counts = [0] * len(dst.blocks)
-    for t in transfers(src, dst):
-        counts[t.dst] += t.region.size
-    return tuple(counts)
+    return received_counts(src, dst)[0]
