@@ -20,15 +20,16 @@ import argparse
 import datetime
 import json
 import math
-import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, init_device_mesh
 
 import tapestry
@@ -37,16 +38,18 @@ from tapestry.cost import DefaultCostModel, load_profile, plan_cost
 from tapestry.models import mlp, seeds_example, transformer_block
 from tapestry.runtime.eager import eager_seconds, interpret
 from tapestry.graph import Graph
-from tapestry.kernels import get_kernel
 from tapestry.plan import Place, Plan, build_plan
 from tapestry.runtime import run_plans
 from tapestry.runtime.launch import free_port
 from tapestry.runtime.command import data_parallel
-from tapestry.lower import output_gathers, shard_function
+from tapestry.runtime.execute import InputSource, RankRunner
+from tapestry.lower import LoweredProgram, PlaceBlock, lower, output_gathers, shard_function
+from tapestry.lower.compile import warm_cache
 from tapestry.sharding import Layout, Mesh
 
 
 WARMUP, REPEAT = 2, 10
+SIDE_BY_SIDE = 30  # interleaved runs per contender
 DTENSOR = "DTensor (data parallel)"
 RANKS = (2, 4)
 
@@ -84,40 +87,70 @@ def gather_to_rank0(t: DTensor) -> torch.Tensor | None:
     return torch.cat([s.view(rows, *t.shape[1:])[:n] for s, n in zip(slots, sizes)])
 
 
-def _dtensor_rank(rank: int, world: int, port: int, jobs: list[tuple[str, dict[str, str]]], out: str) -> None:
+def _dtensor_program(graph: Graph, placed: dict[str, str], mesh: DeviceMesh) -> Callable[[], object]:
+    """The hand-written DTensor program: inputs as DTensors with the plan's placements, the graph's ops run on them
+    (DTensor's own sharding propagation), every output gathered to rank 0."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    inputs = {}
+    for key, array in tapestry.random_inputs(graph).items():
+        whole = torch.from_numpy(array)
+        local = whole.tensor_split(world)[rank] if placed[key] == "shard" else whole
+        inputs[key] = DTensor.from_local(local, mesh, [Shard(0) if placed[key] == "shard" else Replicate()],
+                                         run_check=False)
+    return lambda: [gather_to_rank0(t) for t in interpret(graph, inputs).values()]
+
+
+def _ours(program: LoweredProgram) -> Callable[[], object]:
+    runner = RankRunner(program, dist.get_rank(), InputSource(), True, torch.device("cpu"))
+    placed, _ = runner.place()
+    return lambda: runner.once(placed)
+
+
+def _side_by_side_rank(rank: int, world: int, port: int, jobs: list[Job], out: str) -> None:
+    """Every contender of a workload in one process group, interleaved run by run in a rotating order, so that
+    the machine's load falls on all of them alike; per run, the slowest rank's time."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+                            timeout=datetime.timedelta(seconds=300))
     mesh = init_device_mesh("cpu", (world,))
-    results = {}
-    for name, placed in jobs:
-        graph = WORKLOADS[name]()
-        inputs = {}
-        for key, array in tapestry.random_inputs(graph).items():
-            whole = torch.from_numpy(array)
-            local = whole.tensor_split(world)[rank] if placed[key] == "shard" else whole
-            inputs[key] = DTensor.from_local(local, mesh, [Shard(0) if placed[key] == "shard" else Replicate()],
-                                             run_check=False)
-        times = []
+    results: dict[str, dict[str, list[float] | str]] = {}
+    for name, programs, placed in jobs:
+        contenders = {label: _ours(program) for label, program in programs.items()}
+        found: dict[str, list[float] | str] = {}
         try:
-            for _ in range(WARMUP + REPEAT):
+            dtensor = _dtensor_program(WORKLOADS[name](), placed, mesh)
+            dtensor()
+            contenders[DTENSOR] = dtensor
+        except Exception as err:  # an op DTensor cannot shard: reported, not fatal
+            found[DTENSOR] = f"{type(err).__name__}: {str(err).splitlines()[0][:80]}"
+        labels = list(contenders)
+        times: dict[str, list[float]] = {label: [] for label in labels}
+        for i in range(WARMUP + SIDE_BY_SIDE):
+            for label in labels[i % len(labels):] + labels[: i % len(labels)]:
                 dist.barrier()
                 start = time.perf_counter()
-                [gather_to_rank0(t) for t in interpret(graph, inputs).values()]
-                times.append(time.perf_counter() - start)
-            slowest = [None] * world
-            dist.all_gather_object(slowest, times)
-            results[name] = float(np.median(np.max(slowest, axis=0)[WARMUP:]))
-        except Exception as err:  # an op DTensor cannot shard: reported, not fatal
-            results[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:80]}"
+                contenders[label]()
+                times[label].append(time.perf_counter() - start)
+        every: list[dict[str, list[float]]] = [{}] * world
+        dist.all_gather_object(every, times)
+        for label in labels:
+            found[label] = np.max([t[label] for t in every], axis=0)[WARMUP:].tolist()
+        results[name] = found
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
-def dtensor_seconds(world: int, jobs: list[tuple[str, dict[str, str]]]) -> dict[str, float | str]:
+Job = tuple[str, dict[str, LoweredProgram], dict[str, str]]  # workload, our programs by label, DTensor placements
+
+
+def side_by_side(world: int, jobs: list[Job]) -> dict[str, dict[str, list[float] | str]]:
+    """Per workload and contender, the per-run times (slowest rank) of `_side_by_side_rank`."""
+    for _, programs, _ in jobs:
+        for program in programs.values():
+            warm_cache(program)  # compile once here, not in every rank at once
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        mp.spawn(_dtensor_rank, args=(world, free_port(), jobs, out.name), nprocs=world)
+        mp.spawn(_side_by_side_rank, args=(world, free_port(), jobs, out.name), nprocs=world)
         return json.loads(Path(out.name).read_text())
 
 
@@ -140,7 +173,7 @@ def step_overhead(compile: bool) -> dict[str, float]:
     runtime on 1 rank."""
     torch.set_num_threads(1)
     x = torch.randn(4, 4)
-    fn = shard_function("relu", (), (((4, 4), "float32"),), compile)
+    fn = shard_function("relu", (), compile)
 
     def per_call(f) -> float:
         f(x)
@@ -172,22 +205,23 @@ def measure(graphs: dict[str, Graph], plans: dict[tuple[str, str, int], Plan], c
     eager = {name: eager_seconds(g) for name, g in graphs.items()}
     print("eager", eager, flush=True)
     measured: dict[tuple[str, str, int], float | str] = {}
-    steps: dict[tuple[str, str, int], int] = {}
-    for world in (1, *RANKS):
-        keys = [k for k in plans if k[2] == world]
-        results = run_plans([plans[k] for k in keys], compile=compile, timeout=600, warmup=WARMUP, repeat=REPEAT)
-        for key, result in zip(keys, results):
-            measured[key] = result.seconds
-            steps[key] = sum(1 for t in result.ranks[0].steps if t.kind != "place")
+    runs: dict[tuple[str, str, int], list[float]] = {}
+    keys = [k for k in plans if k[2] == 1]
+    for key, result in zip(keys, run_plans([plans[k] for k in keys], compile=compile, timeout=600, warmup=WARMUP,
+                                           repeat=REPEAT)):
+        measured[key] = result.seconds
+    for world in RANKS:
+        jobs = [(n, {kind: lower(plans[n, kind, world]) for kind in ("data parallel", "optimised")},
+                 placements(plans[n, "data parallel", world])) for n in graphs]
+        for name, found in side_by_side(world, jobs).items():
+            for label, value in found.items():
+                runs[name, label, world] = value if isinstance(value, list) else []
+                measured[name, label, world] = float(np.median(value)) if isinstance(value, list) else value
         print(world, "ranks done", flush=True)
-        if world > 1:
-            jobs = [(n, placements(plans[n, "data parallel", world])) for n in graphs]
-            for name, value in dtensor_seconds(world, jobs).items():
-                measured[name, DTENSOR, world] = value
     overhead = step_overhead(compile)
     print("overhead", overhead, flush=True)
     return {"eager": eager, "measured": {_key(k): v for k, v in measured.items()},
-            "steps": {_key(k): v for k, v in steps.items()}, "overhead": overhead,
+            "runs": {_key(k): v for k, v in runs.items()}, "overhead": overhead,
             "load": os.getloadavg(), "cores": os.cpu_count()}
 
 
@@ -231,6 +265,12 @@ def kendall(xs: list[float], ys: list[float]) -> tuple[float, int, int]:
     return (agree - disagree) / len(pairs), agree, len(pairs)
 
 
+def _ratios(ours: list[float], theirs: list[float]) -> str:
+    ratios = np.asarray(ours) / np.asarray(theirs)
+    low, mid, high = np.percentile(ratios, [25, 50, 75])
+    return f"{mid:.2f} | {low:.2f}-{high:.2f} | {int((ratios < 1).sum())} / {len(ratios)}"
+
+
 def _short(kind: str, world: int) -> str:
     return {"unsharded": "U", "data parallel": "DP", "optimised": "OPT"}[kind] + str(world)
 
@@ -238,15 +278,19 @@ def _short(kind: str, world: int) -> str:
 def report(graphs, plans, data, model, compiled: bool) -> str:
     eager = data["eager"]
     measured = {_unkey(k): v for k, v in data["measured"].items()}
-    steps = {_unkey(k): v for k, v in data["steps"].items()}
+    runs = {_unkey(k): v for k, v in data["runs"].items()}
+    steps = {key: sum(1 for s in lower(plan).ranks[0].steps if not isinstance(s, PlaceBlock)) for key, plan in plans.items()}
     load = data.get("load")
     columns = [("unsharded", 1)] + [(kind, w) for w in RANKS for kind in ("data parallel", "optimised", DTENSOR)]
     head = "| workload | eager torch, 1 process | " + " | ".join(f"{k}, {w} rank{'s' * (w > 1)}" for k, w in columns)
     lines = [
         f"{'inductor-compiled' if compiled else 'eager'} shard kernels, gloo on loopback, 1 thread per rank, "
         f"{data.get('cores')} cores shared by all ranks (and by other jobs: load average "
-        f"{', '.join(f'{x:.1f}' for x in load) if load else 'not recorded'} at the end of the run); median of "
-        f"{REPEAT} runs after {WARMUP} warm-up, in ms, each run timed as its slowest rank.",
+        f"{', '.join(f'{x:.1f}' for x in load) if load else 'not recorded'} at the end of the run); in ms, each run "
+        f"timed as its slowest rank. Unsharded: median of {REPEAT} runs after {WARMUP} warm-up. On 2 and 4 ranks the "
+        f"data-parallel plan, the optimised plan and DTensor run side by side in one process group, interleaved run "
+        f"by run in a rotating order ({SIDE_BY_SIDE} runs each after {WARMUP} warm-up), so that the machine's load "
+        f"falls on all three alike; medians.",
         "",
         "Both sides are timed alike: from inputs already placed as local blocks (placing is setup, outside the "
         "timing), through the program, to every output gathered to rank 0 by one `dist.gather` of the ranks' "
@@ -258,14 +302,16 @@ def report(graphs, plans, data, model, compiled: bool) -> str:
     for name in graphs:
         cells = [_ms(measured.get((name, k, w), "not run")) for k, w in columns]
         lines.append(f"| {name} | {_ms(eager[name])} | " + " | ".join(cells) + " |")
-    lines += ["", "Ours / DTensor on the same sharding (data parallel), and the optimised plan / DTensor:", "",
-              "| workload | ranks | data parallel / DTensor | optimised / DTensor |", "|---|---|---|---|"]
+    lines += ["", "Ours / DTensor, run by run (each ratio from two runs made one after the other): the median ratio, "
+              "the middle half of the ratios, and in how many runs ours was the faster:", "",
+              "| workload | ranks | same sharding (data parallel) / DTensor | middle half | faster in | "
+              "optimised / DTensor | middle half | faster in |", "|---|---|---|---|---|---|---|---|"]
     for name in graphs:
         for w in RANKS:
-            dt = measured.get((name, DTENSOR, w))
-            if isinstance(dt, float):
-                lines.append(f"| {name} | {w} | {measured[name, 'data parallel', w] / dt:.2f} | "
-                             f"{measured[name, 'optimised', w] / dt:.2f} |")
+            theirs = runs.get((name, DTENSOR, w))
+            if theirs:
+                cells = [_ratios(runs[name, kind, w], theirs) for kind in ("data parallel", "optimised")]
+                lines.append(f"| {name} | {w} | " + " | ".join(cells) + " |")
     lines += ["", f"Predicted (cost model, profile {model.profile.name}, output gathers included) vs measured:", "",
               "| workload | plan | ranks | measured / eager | predicted ms | measured ms | measured / predicted | "
               "steps on rank 0 |", "|---|---|---|---|---|---|---|---|"]

@@ -80,7 +80,7 @@ def launch_overhead(reps: int, compile: bool = True, calls: int = 2000) -> tuple
     from tapestry.lower.compile import shard_function
 
     a, b = torch.ones(1), torch.ones(1)
-    shard = shard_function("add", (), (((1,), "float32"), ((1,), "float32")), compile)
+    shard = shard_function("add", (), compile)
 
     def many(fn: Callable[..., Any]) -> Callable[[], None]:
         def run() -> None:
@@ -176,7 +176,7 @@ def calibrate(command: str, quick: bool = False, console: Console | None = None)
             rates = matmul_flops(budget.matmul_sizes, budget.reps)
         with _phase(progress, f"memory bandwidth ({4 * budget.copy_elements >> 20} MiB arrays)"):
             bandwidth = memory_bandwidth(budget.copy_elements, budget.reps)
-        with _phase(progress, "launch overhead (torch.compile'd shard function)" if not quick else "launch overhead"):
+        with _phase(progress, "launch overhead (inductor-compiled shard function)" if not quick else "launch overhead"):
             overhead, bare = launch_overhead(budget.reps, compile=not quick)
         n = budget.matmul_sizes[0]
         with _phase(progress, f"concurrent cores ({n}x{n} matmuls in parallel processes)"):
@@ -198,7 +198,7 @@ def calibrate(command: str, quick: bool = False, console: Console | None = None)
             "method": (
                 "one torch thread per device; medians of repeated runs. peak_flops: best float32 n×n matmul; "
                 "mem_bandwidth: c = a + b (3 × 4 bytes per element); launch_overhead: one call of the runtime's "
-                f"{'eager' if quick else 'torch.compile'}'d shard function for a one-element add "
+                f"{'eager' if quick else 'inductor-compiled'} shard function for a one-element add "
                 "(tapestry.lower.shard_function), what each shard kernel costs beyond its flops and bytes; "
                 f"cores: {physical} processes each timing a {n}x{n} matmul at once, the sum of their rates relative "
                 "to one process alone (below the core count when other jobs share the machine); "

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from tapestry.kernels import Params, Shape
-from tapestry.lower.compile import ArgSpec
 from tapestry.plan.plan import Compute, Place, Plan, Reshard
 from tapestry.sharding import Block, Layout, Mesh
 from tapestry.sharding.collectives import Collective, classify_reshard
@@ -75,10 +74,6 @@ class ShardCompute:
     index: ZRange
     reads: tuple[Read, ...]
     out_block: ZRange
-
-    @property
-    def arg_specs(self) -> tuple[ArgSpec, ...]:
-        return tuple((r.shape, r.dtype) for r in self.reads)
 
     def __str__(self) -> str:
         reads = ", ".join(_show(r) for r in self.reads)

@@ -128,7 +128,7 @@ class RankRunner:
         last `repeat` runs. Placing is setup, as for any program handed tensors already laid out: the
         iterations start from the same placed buffers (no step writes into a buffer it reads), and a place
         step's time is that of the one placement, outside the iterations' wall times."""
-        placed, place_times = self._place()
+        placed, place_times = self.place()
         program = self._bound
         times: list[list[float]] = []
         totals: list[float] = []
@@ -136,7 +136,7 @@ class RankRunner:
         for _ in range(warmup + repeat):
             dist.barrier()
             start = time.perf_counter()
-            buffers, step_times = self._once(placed, program)
+            buffers, step_times = self.once(placed)
             totals.append(time.perf_counter() - start)
             times.append(step_times)
         kept = times[warmup:]
@@ -152,7 +152,8 @@ class RankRunner:
     def _placing(self) -> tuple[PlaceBlock, ...]:
         return tuple(s for s in self.steps if isinstance(s, PlaceBlock))
 
-    def _place(self) -> tuple[dict[str, torch.Tensor], list[float]]:
+    def place(self) -> tuple[dict[str, torch.Tensor], list[float]]:
+        """This rank's blocks of the program inputs, and the seconds each took."""
         buffers: dict[str, torch.Tensor] = {}
         times = []
         graph = self.program.plan.graph
@@ -186,18 +187,18 @@ class RankRunner:
     def _bind(self, step: RankStep) -> Work:
         device = self.device
         if isinstance(step, ShardCompute):
-            fn = shard_function(step.kernel, step.kwargs, step.arg_specs, self.compile, str(device))
+            fn = shard_function(step.kernel, step.kwargs, self.compile)
             readers = [_reader(r, device) for r in step.reads]
             return lambda buffers: fn(*(read(buffers) for read in readers))
         comm, src = _COMMS[type(step)], step.src
         return lambda buffers: comm(step, buffers.get(src), device)
 
-    def _once(self, placed: Mapping[str, torch.Tensor], program: list[tuple[RankStep, Work, tuple[str, ...]]]
-              ) -> tuple[dict[str, torch.Tensor], list[float]]:
+    def once(self, placed: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[float]]:
+        """One run of the program after `place`: the buffers left at the end, and the seconds per step."""
         buffers = dict(placed)  # `placed` keeps the inputs for the next iteration; dropping them here frees nothing
         times = []
         on_step, fault, cuda = self.on_step, self._fault, self.device.type == "cuda"
-        for step, work, dead in program:
+        for step, work, dead in self._bound:
             on_step(step.step)
             if fault == step.step:
                 os._exit(FAULT_EXIT_CODE)
