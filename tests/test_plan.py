@@ -20,7 +20,7 @@ from tapestry.plan.render import plan_to_dot
 from tapestry.plan.simulate import simulate
 from tapestry.plan.validate import PlanError, plan_problems, validate_plan
 from tapestry.sharding import Layout, Mesh
-from tapestry.sharding.collectives import Collective, classify_reshard
+from tapestry.sharding.collectives import Collective, classify_reshard, reshard_groups
 from tapestry.sharding.comm import CommError
 from tapestry.sharding.partition import candidate_partitions
 from tapestry.testing.strategies import signatures
@@ -284,11 +284,33 @@ def test_classify_reshard_on_a_line(src, dst, expected):
     assert classify_reshard(src(mesh), dst(mesh), SHAPE, mesh) is expected
 
 
-def test_gathering_along_one_axis_of_a_grid_is_an_all_gather():
+def test_gathering_along_one_axis_of_a_grid_is_one_all_gather_per_row_of_devices():
     mesh = Mesh(2, 2)
     rows_cols, rows = Layout.split(SHAPE, mesh, (0, 1)), Layout.split(SHAPE, mesh, (0, None))
     assert classify_reshard(rows_cols, rows, SHAPE, mesh) is Collective.ALL_GATHER
-    assert classify_reshard(rows, Layout.split(SHAPE, mesh, (None, 0)), SHAPE, mesh) is Collective.ALL_TO_ALL
+    groups = reshard_groups(rows_cols, rows, SHAPE, mesh)
+    assert [(g.ranks, g.axes, g.kind) for g in groups] == [((0, 1), (1,), "all_gather"), ((2, 3), (1,), "all_gather")]
+
+
+def test_a_reshard_that_needs_every_axis_is_one_group_of_the_whole_mesh():
+    mesh = Mesh(2, 2)
+    rows_cols = Layout.split(SHAPE, mesh, (0, 1))
+    (group,) = reshard_groups(rows_cols, Layout.replicated(SHAPE, mesh), SHAPE, mesh)
+    assert group.ranks == (0, 1, 2, 3) and group.kind is Collective.ALL_GATHER
+
+
+def test_moving_rows_between_the_axes_of_a_grid_is_one_message_per_column_of_devices():
+    """Rows split over axis 0 to rows split over axis 1: device 2 needs device 0's rows, device 1 device 3's."""
+    mesh = Mesh(2, 2)
+    groups = reshard_groups(Layout.split(SHAPE, mesh, (0, None)), Layout.split(SHAPE, mesh, (None, 0)), SHAPE, mesh)
+    assert [(g.ranks, g.kind) for g in groups] == [((0, 2), "send_recv"), ((1, 3), "send_recv")]
+
+
+def test_partial_sums_are_reduced_along_the_axis_that_split_the_contraction():
+    mesh = Mesh(2, 2)
+    partial = Layout(Layout.split(SHAPE, mesh, (0, None)).blocks, partial=True)  # rows on axis 0, k split on axis 1
+    groups = reshard_groups(partial, Layout.split(SHAPE, mesh, (0, None)), SHAPE, mesh)
+    assert [(g.ranks, g.kind) for g in groups] == [((0, 1), "all_reduce"), ((2, 3), "all_reduce")]
 
 
 def test_classify_reshard_refuses_impossible_moves():

@@ -11,6 +11,7 @@ import tapestry
 from tapestry.cli import main
 from tapestry.demo import seeds_example
 from tapestry.graph import Graph
+from tapestry.lower import AllGather, AllReduce, ReduceScatter, lower
 from tapestry.plan import build_plan
 from tapestry.runtime import InputError, RankFailure, RunResult, run_plan, run_plans
 from tapestry.runtime.execute import FAULT_ENV, FAULT_EXIT_CODE
@@ -52,6 +53,29 @@ def test_a_fused_float64_kernel_reading_a_transposed_view_runs_compiled_on_two_r
     result = run_plan(build_plan(g, Mesh(2), {"linear_relu_0": (1,)}), inputs, compile=True, timeout=240)
     assert result.outputs["y"].dtype == np.float64
     np.testing.assert_allclose(result.outputs["y"], tapestry.evaluate(g, inputs)["y"], rtol=1e-12, atol=1e-12)
+
+
+GRID = {
+    "partial sums reduced in each row of devices": lambda: build_plan(
+        _matmul_relu(), Mesh(2, 2), {"matmul_0": (0, 2), "relu_0": (0, 1)}),
+    "columns gathered in each row of devices": lambda: build_plan(
+        _matmul_relu(), Mesh(2, 2), {"matmul_0": (0, 1), "relu_0": (0, None)}),
+}
+
+
+def _matmul_relu() -> Graph:
+    g = Graph()
+    g.output("y", g.relu(g.matmul(g.input("a", (8, 12)), g.input("b", (12, 6)))))
+    return g
+
+
+def test_collectives_on_a_grid_run_among_the_ranks_of_one_axis_and_compute_the_graph() -> None:
+    plans = [make() for make in GRID.values()]
+    for plan in plans:
+        groups = {s.group for r in lower(plan).ranks for s in r.steps if isinstance(s, (AllReduce, ReduceScatter, AllGather))}
+        assert groups == {(0, 1), (2, 3)}
+    for plan, result in zip(plans, run_plans(plans, nproc=4, compile=False, timeout=120)):
+        np.testing.assert_allclose(result.outputs["y"], reference(plan.graph)["y"], rtol=1e-5, atol=1e-5)
 
 
 def test_a_rank_killed_mid_run_is_named_with_its_step_within_the_timeout(monkeypatch) -> None:

@@ -3,10 +3,11 @@
 A Reshard is classified (sharding.collectives.classify_reshard) and priced by
 the textbook ring formula for its collective, on the devices it spans. Simplifications:
 
-- The group is every mesh axis along which neighbouring devices hold different
-  source or target blocks, or overlapping partial blocks that must be summed;
-  p is the product of their sizes, and the whole collective runs as one flat ring on the slowest of their
-  links (largest alpha, smallest beta). No hierarchical (per-axis) decomposition.
+- The devices are split into the groups of sharding.collectives.reshard_groups:
+  along the fewest mesh axes in which each group holds all it needs. Every group
+  runs its collective at once, on its own; p is the product of those axes' sizes,
+  and each group's collective runs as one flat ring on the slowest of their links
+  (largest alpha, smallest beta). No hierarchical decomposition within a group.
 - n, the buffer of the collective, is the largest block on either side: the
   gathered block for all-gather, the pre-scatter block for reduce-scatter, the
   reduced block for all-reduce, the per-device buffer for all-to-all.
@@ -27,8 +28,8 @@ from functools import lru_cache
 from tapestry.cost.profile import Link, Profile
 from tapestry.kernels import Shape
 from tapestry.plan.plan import Reshard, Step
-from tapestry.sharding import Block, Layout, Mesh
-from tapestry.sharding.collectives import classify_reshard
+from tapestry.sharding import Layout, Mesh
+from tapestry.sharding.collectives import classify_reshard, reshard_groups
 from tapestry.sharding.comm import received_counts
 
 BYTES_PER_ELEMENT = 4
@@ -64,30 +65,15 @@ class Moves:
 
 @lru_cache(maxsize=4096)
 def moves(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> Moves:
-    """Cached: extraction prices the same layout pair for many e-nodes."""
-    received, messages = received_counts(src, dst)
+    """Counted group by group, as the runtime moves them. Cached: extraction prices the same layout pair for
+    many e-nodes."""
+    groups = reshard_groups(src, dst, shape, mesh)
+    received, messages = [0] * len(dst.blocks), [0] * len(dst.blocks)
+    for group in groups:
+        for rank, cells, count in zip(group.ranks, *received_counts(group.src, group.dst)):
+            received[rank], messages[rank] = cells, count
     kind = str(classify_reshard(src, dst, shape, mesh))
-    return Moves(kind, received, messages, spanned_axes(src, dst, mesh))
-
-
-def spanned_axes(src: Layout, dst: Layout, mesh: Mesh) -> tuple[int, ...]:
-    """Mesh axes the layout change must communicate along, judged from the layouts alone
-    (transfers picks sources by ring order, which may cross axes needlessly)."""
-
-    def differ(j: int, k: int) -> bool:
-        a, b = src.blocks[j], src.blocks[k]
-        return a != b or dst.blocks[j] != dst.blocks[k] or (src.partial and _overlap(a, b))
-
-    stride = [math.prod(mesh.shape[i + 1 :]) for i in range(mesh.ndim)]
-    return tuple(
-        axis for axis in range(mesh.ndim)
-        if any(differ(d, d + stride[axis]) for d in mesh.devices if mesh.coords(d)[axis] + 1 < mesh.shape[axis])
-    )
-
-
-def _overlap(a: Block, b: Block) -> bool:
-    inside = None if a is None or b is None else a.intersection(b)
-    return inside is not None and not inside.is_empty
+    return Moves(kind, tuple(received), tuple(messages), groups[0].axes)
 
 
 def _largest_block(layout: Layout) -> int:

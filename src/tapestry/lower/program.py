@@ -16,7 +16,7 @@ from typing import Any
 from tapestry.kernels import Params, Shape
 from tapestry.plan.plan import Compute, Place, Plan, Reshard
 from tapestry.sharding import Block, Layout, Mesh
-from tapestry.sharding.collectives import Collective, classify_reshard
+from tapestry.sharding.collectives import Collective, Group, reshard_groups
 from tapestry.sharding.comm import Transfer, transfers
 from tapestry.zspace import ZRange
 
@@ -83,20 +83,27 @@ class ShardCompute:
 
 @dataclass(frozen=True)
 class Comm:
-    """Common to every communication step: this rank's source and destination blocks."""
+    """Common to every communication step: this rank's source and destination blocks, and the ranks it moves them
+    among (sharding.collectives.reshard_groups), None for the whole mesh. Lists of blocks are in group order."""
 
     step: int
     out: str
     src: str
     src_block: Block
     out_block: Block
+    group: tuple[int, ...] | None
 
     @property
     def kind(self) -> str:
         return _KIND_NAMES[type(self)]
 
+    def member(self, rank: int) -> int:
+        """Where global rank `rank` comes in the group's lists."""
+        return rank if self.group is None else self.group.index(rank)
+
     def __str__(self) -> str:
-        return f"{self.out}{_box(self.out_block)} = {self.kind} {self.src}{_box(self.src_block)}{self._detail()}"
+        among = "" if self.group is None else f"  among ranks {','.join(map(str, self.group))}"
+        return f"{self.out}{_box(self.out_block)} = {self.kind} {self.src}{_box(self.src_block)}{self._detail()}{among}"
 
     def _detail(self) -> str:
         return ""
@@ -211,6 +218,11 @@ class LoweredProgram:
     ranks: tuple[RankProgram, ...]
     outputs: Mapping[str, str]  # output name -> buffer on rank 0 holding the whole value
 
+    @property
+    def groups(self) -> list[tuple[int, ...]]:
+        """Every group of ranks some collective runs among, short of the whole mesh, in one order for all ranks."""
+        return sorted({s.group for r in self.ranks for s in r.steps if isinstance(s, Comm) and s.group is not None})
+
     def describe(self, step: int) -> str:
         """One line naming plan step `step`, for error messages."""
         for rank in self.ranks:
@@ -303,25 +315,33 @@ def _read(buffer: str, value: Value, rank: int, want: ZRange, shape: Shape, wher
 
 
 def _reshard(index: int, step: Reshard, values: Mapping[str, Value], mesh: Mesh) -> list[RankStep | None]:
-    src, dst = step.src_layout, step.layout
     if step.src not in values:
         raise LoweringError(f"step {index} ({step.out}) reshards {step.src!r}, which no earlier step makes")
-    moves = transfers(src, dst)
-    kind = step_type(src, dst, step.shape, mesh)
-    world = len(dst.blocks)
+    steps: list[RankStep | None] = [None] * mesh.size
+    for group in reshard_groups(step.src_layout, step.layout, step.shape, mesh):
+        for rank, rank_step in zip(group.ranks, _group_steps(index, step, group, mesh)):
+            steps[rank] = rank_step
+    return steps
+
+
+def _group_steps(index: int, step: Reshard, group: Group, mesh: Mesh) -> list[RankStep | None]:
+    """One group's steps, in its rank order: blocks listed in group order, peers named by global rank."""
+    src, dst, ranks = group.src, group.dst, group.ranks
+    moves = [Transfer(ranks[t.src], ranks[t.dst], t.region) for t in transfers(src, dst)]
+    kind = step_type(group)
+    members = None if len(ranks) == mesh.size else ranks
     roots = {t.dst for t in moves}
     if kind is SendRecv and len(roots) == 1:
         root = roots.pop()
-        sizes = tuple(sum(t.region.size for t in moves if t.src == r) for r in range(world))
-        return [Gather(index, step.out, step.src, src.blocks[r], dst.blocks[r], _pieces(moves, r, "src"),
-                       _pieces(moves, r, "dst"), _overlap(src.blocks[r], dst.blocks[r]), src.partial, root, sizes)
-                for r in range(world)]
+        sizes = tuple(sum(t.region.size for t in moves if t.src == r) for r in ranks)
+        return [Gather(index, step.out, step.src, s, d, members, _pieces(moves, r, "src"), _pieces(moves, r, "dst"),
+                       _overlap(s, d), src.partial, root, sizes) for r, s, d in zip(ranks, src.blocks, dst.blocks)]
     steps: list[RankStep | None] = []
-    for rank in range(world):
-        common = (index, step.out, step.src, src.blocks[rank], dst.blocks[rank])
-        own = _overlap(src.blocks[rank], dst.blocks[rank])
+    for rank, held, need in zip(ranks, src.blocks, dst.blocks):
+        common = (index, step.out, step.src, held, need, members)
+        own = _overlap(held, need)
         if kind is Local:
-            steps.append(None if dst.blocks[rank] is None else Local(*common))
+            steps.append(None if need is None else Local(*common))
         elif kind is AllReduce:
             steps.append(AllReduce(*common, region=next(b for b in dst.blocks if b is not None)))
         elif kind is ReduceScatter:
@@ -332,7 +352,7 @@ def _reshard(index: int, step: Reshard, values: Mapping[str, Value], mesh: Mesh)
         else:
             send, recv = _pieces(moves, rank, "src"), _pieces(moves, rank, "dst")
             quiet = kind is SendRecv and not send and not recv
-            steps.append(None if quiet and dst.blocks[rank] is None else kind(*common, send, recv, own, src.partial))
+            steps.append(None if quiet and need is None else kind(*common, send, recv, own, src.partial))
     return steps
 
 
@@ -348,14 +368,13 @@ def _pieces(moves: list[Transfer], rank: int, side: str) -> tuple[Piece, ...]:
     return tuple(Piece(t.src, t.region) for t in moves if t.dst == rank)
 
 
-def step_type(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> type[Comm]:
-    """The step for sharding.collectives' name of this reshard. Each step type moves the exact regions
+def step_type(group: Group) -> type[Comm]:
+    """The step for sharding.collectives' name of one group's reshard. Each step type moves the exact regions
     of the layouts, whatever they are; only all_reduce needs every block to be one region, else the
     (padded) reduce_scatter does the same sum."""
-    kind = classify_reshard(src, dst, shape, mesh)
-    if kind is Collective.ALL_REDUCE and not _one_region(src, dst):
+    if group.kind is Collective.ALL_REDUCE and not _one_region(group.src, group.dst):
         return ReduceScatter
-    return _STEP_TYPES[kind]
+    return _STEP_TYPES[group.kind]
 
 
 _STEP_TYPES: dict[Collective, type[Comm]] = {

@@ -29,6 +29,7 @@ from tapestry.sharding import Block
 from tapestry.zspace import ZRange
 
 Work = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]  # one step, bound: buffers in, its result out
+Group = dist.ProcessGroup | None  # a collective's ranks; None: the whole mesh
 FAULT_ENV = "TAPESTRY_FAULT"  # "RANK:STEP": that rank exits abruptly inside that plan step (failure tests)
 FAULT_EXIT_CODE = 17
 
@@ -177,6 +178,11 @@ class RankRunner:
         return StepFailed(f"rank {self.rank} failed in {self.program.describe(step.step)}: {type(err).__name__}: {err}")
 
     @cached_property
+    def _groups(self) -> dict[tuple[int, ...], dist.ProcessGroup]:
+        """The program's groups of ranks, made on every rank in one order (new_group is collective)."""
+        return {ranks: dist.new_group(list(ranks)) for ranks in self.program.groups}
+
+    @cached_property
     def _bound(self) -> list[tuple[RankStep, Work, tuple[str, ...]]]:
         """Every non-place step with its work bound once (kernel looked up, reads resolved to slices) and the
         buffers to drop after it."""
@@ -191,7 +197,8 @@ class RankRunner:
             readers = [_reader(r, device) for r in step.reads]
             return lambda buffers: fn(*(read(buffers) for read in readers))
         comm, src = _COMMS[type(step)], step.src
-        return lambda buffers: comm(step, buffers.get(src), device)
+        group = None if step.group is None else self._groups[step.group]
+        return lambda buffers: comm(step, buffers.get(src), device, group)
 
     def once(self, placed: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[float]]:
         """One run of the program after `place`: the buffers left at the end, and the seconds per step."""
@@ -252,7 +259,7 @@ def _zeros(block: Block, like: torch.Tensor | None, device: torch.device) -> tor
     return torch.zeros(() if block is None else block.shape, dtype=dtype, device=device)
 
 
-def _local(step: Local, src: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+def _local(step: Local, src: torch.Tensor | None, device: torch.device, group: Group) -> torch.Tensor:
     assert step.out_block is not None
     if src is not None and step.src_block is not None and step.src_block.contains(step.out_block):
         return src[_at(step.out_block, step.src_block)]
@@ -271,29 +278,29 @@ def _padded(blocks: tuple[Block, ...]) -> int:
     return max((b.size for b in blocks if b is not None), default=0)
 
 
-def _all_gather(step: AllGather, src: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+def _all_gather(step: AllGather, src: torch.Tensor | None, device: torch.device, group: Group) -> torch.Tensor:
     size = _padded(step.blocks)
     flat = _zeros(ZRange.from_shape((size,)), src, device)
     if src is not None:
         flat[: src.numel()] = src.reshape(-1)
     gathered = [torch.empty_like(flat) for _ in step.blocks]
-    dist.all_gather(gathered, flat)
+    dist.all_gather(gathered, flat, group=group)
     out = _zeros(step.out_block, src, device)
     for piece in step.take:
-        block = step.blocks[piece.peer]
+        block = step.blocks[step.member(piece.peer)]
         assert block is not None and step.out_block is not None
-        held = gathered[piece.peer][: block.size].view(block.shape)
+        held = gathered[step.member(piece.peer)][: block.size].view(block.shape)
         out[_at(piece.region, step.out_block)] = held[_at(piece.region, block)]
     return out
 
 
-def _all_reduce(step: AllReduce, src: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+def _all_reduce(step: AllReduce, src: torch.Tensor | None, device: torch.device, group: Group) -> torch.Tensor:
     buf = src.clone() if src is not None else _zeros(step.region, None, device)
-    dist.all_reduce(buf)
+    dist.all_reduce(buf, group=group)
     return buf
 
 
-def _reduce_scatter(step: ReduceScatter, src: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+def _reduce_scatter(step: ReduceScatter, src: torch.Tensor | None, device: torch.device, group: Group) -> torch.Tensor:
     size = _padded(step.out_blocks)
     contributions = []
     for block in step.out_blocks:
@@ -302,24 +309,24 @@ def _reduce_scatter(step: ReduceScatter, src: torch.Tensor | None, device: torch
             _copy_overlap(part, block, src, step.src_block)
         contributions.append(F.pad(part.reshape(-1), (0, size - part.numel())))
     out = torch.empty_like(contributions[0]) if contributions else _zeros(None, src, device)
-    dist.reduce_scatter(out, contributions)
+    dist.reduce_scatter(out, contributions, group=group)
     return out[: math.prod(step.out_block.shape)].view(step.out_block.shape) if step.out_block else out
 
 
-def _exchange(step: Exchange, src: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    world = dist.get_world_size()
-    outgoing = [_pack(step, src, peer, device) for peer in range(world)]
-    counts = [sum(p.region.size for p in step.recv if p.peer == peer) for peer in range(world)]
+def _exchange(step: Exchange, src: torch.Tensor | None, device: torch.device, group: Group) -> torch.Tensor:
+    members = step.group or tuple(range(dist.get_world_size()))
+    outgoing = [_pack(step, src, peer, device) for peer in members]
+    counts = [sum(p.region.size for p in step.recv if p.peer == peer) for peer in members]
     if isinstance(step, Gather):
-        incoming = _gather(step, outgoing[step.root], src, device)
+        incoming = _gather(step, outgoing[step.member(step.root)], src, device, group)
     elif isinstance(step, AllToAll):
         received = torch.empty(sum(counts), dtype=_dtype(src), device=device)
-        dist.all_to_all_single(received, torch.cat(outgoing), counts, [t.numel() for t in outgoing])
+        dist.all_to_all_single(received, torch.cat(outgoing), counts, [t.numel() for t in outgoing], group=group)
         incoming = list(received.split(counts))
     else:
         incoming = [torch.empty(n, dtype=_dtype(src), device=device) for n in counts]
-        ops = [dist.P2POp(dist.isend, outgoing[p], p) for p in range(world) if outgoing[p].numel()]
-        ops += [dist.P2POp(dist.irecv, incoming[p], p) for p in range(world) if incoming[p].numel()]
+        ops = [dist.P2POp(dist.isend, t, peer, group) for peer, t in zip(members, outgoing) if t.numel()]
+        ops += [dist.P2POp(dist.irecv, t, peer, group) for peer, t in zip(members, incoming) if t.numel()]
         for request in dist.batch_isend_irecv(ops) if ops else []:
             request.wait()
     if step.out_block is None:
@@ -331,10 +338,11 @@ def _exchange(step: Exchange, src: torch.Tensor | None, device: torch.device) ->
         out = _zeros(step.out_block, src, device)
     if step.local is not None:
         out[_at(step.local, step.out_block)] = src[_at(step.local, step.src_block)]
-    offsets = [0] * world
+    offsets = [0] * len(members)
     for piece in step.recv:
-        data = incoming[piece.peer][offsets[piece.peer] : offsets[piece.peer] + piece.region.size].view(piece.region.shape)
-        offsets[piece.peer] += piece.region.size
+        k = step.member(piece.peer)
+        data = incoming[k][offsets[k] : offsets[k] + piece.region.size].view(piece.region.shape)
+        offsets[k] += piece.region.size
         target = out[_at(piece.region, step.out_block)]
         if step.accumulate:
             target += data
@@ -347,13 +355,14 @@ def _dtype(like: torch.Tensor | None) -> torch.dtype:
     return like.dtype if like is not None else torch.float32
 
 
-def _gather(step: Gather, sending: torch.Tensor, src: torch.Tensor | None, device: torch.device) -> list[torch.Tensor]:
+def _gather(step: Gather, sending: torch.Tensor, src: torch.Tensor | None, device: torch.device, group: Group
+            ) -> list[torch.Tensor]:
     """One dist.gather to the root of every rank's packed pieces, each padded to the largest."""
     size = max(step.sizes)
     flat = sending if sending.numel() == size else F.pad(sending, (0, size - sending.numel()))
     rank = dist.get_rank()
     slots = [torch.empty(size, dtype=flat.dtype, device=device) for _ in step.sizes] if rank == step.root else None
-    dist.gather(flat, slots, dst=step.root)
+    dist.gather(flat, slots, dst=step.root, group=group)
     return [] if slots is None else [slot[:n] for slot, n in zip(slots, step.sizes)]
 
 
@@ -364,7 +373,7 @@ def _pack(step: Exchange, src: torch.Tensor | None, peer: int, device: torch.dev
     return torch.cat(parts) if parts else _zeros(ZRange.from_shape((0,)), src, device)
 
 
-_COMMS: dict[type, Callable[[Comm, torch.Tensor | None, torch.device], torch.Tensor]] = {
+_COMMS: dict[type, Callable[[Comm, torch.Tensor | None, torch.device, Group], torch.Tensor]] = {
     Local: _local, AllGather: _all_gather, AllReduce: _all_reduce, ReduceScatter: _reduce_scatter,
     AllToAll: _exchange, SendRecv: _exchange, Gather: _exchange,
 }

@@ -1,17 +1,25 @@
-"""Which collective a layout change is, so explanations, lowering and cost models agree on it.
+"""Which collective a layout change is, and among which devices, so explanations, lowering and cost models agree.
 
 A reshard is always executable as the block moves of `sharding.comm.transfers`;
 the collective names the cheaper library call that does the same thing when
-the layouts are the regular families (R, S(...), P).
+the layouts are the regular families (R, S(...), P). On a mesh of more than one
+axis, a reshard often needs only some axes (gathering the columns of each row):
+it then runs as one collective per group of devices along those axes, each group
+on its own, as DTensor does, and as the cost model prices it.
 """
 from __future__ import annotations
 
 import enum
+import itertools
+import math
+from dataclasses import dataclass
+from functools import lru_cache
 
 from tapestry.kernels import Shape
-from tapestry.sharding.comm import transfers
-from tapestry.sharding.layout import Layout
+from tapestry.sharding.comm import box_difference, transfers
+from tapestry.sharding.layout import Block, Layout
 from tapestry.sharding.mesh import Mesh
+from tapestry.zspace import ZRange
 
 
 class Collective(enum.StrEnum):
@@ -23,18 +31,78 @@ class Collective(enum.StrEnum):
     SEND_RECV = "send_recv"  # anything else: point-to-point block moves
 
 
-def _family(layout: Layout, shape: Shape, mesh: Mesh) -> str:
-    """'R', 'S' or 'blocks' for the plain blocks of `layout`."""
-    name = Layout(layout.blocks).name(shape, mesh)
-    return "S" if name.startswith("S(") else name
+@dataclass(frozen=True)
+class Group:
+    """Devices that reshard among themselves: their ranks (ascending), their source and destination blocks
+    (in that order), the mesh axes they span, and the collective that moves their blocks."""
+
+    ranks: tuple[int, ...]
+    src: Layout
+    dst: Layout
+    axes: tuple[int, ...]
+    kind: Collective
 
 
-def _keeps_own_blocks(src: Layout, dst: Layout) -> bool:
-    return all(s is None or (d is not None and d.contains(s)) for s, d in zip(src.blocks, dst.blocks))
+@lru_cache(maxsize=4096)
+def reshard_groups(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> tuple[Group, ...]:
+    """The reshard as independent collectives: the groups of devices along the fewest mesh axes (fewest devices per
+    group) in which every device finds the cells it needs, and for partial sums every partial of its cells, within
+    its own group. A 1-D mesh, or a change that needs every axis, is one group: the whole mesh."""
+    every = tuple(range(mesh.ndim))
+    subsets = [a for n in range(mesh.ndim) for a in itertools.combinations(every, n)]
+    for axes in sorted(subsets, key=lambda a: math.prod(mesh.shape[i] for i in a)):
+        fibres = mesh.fibres(axes)
+        if all(_self_sufficient(src, dst, ranks) for ranks in fibres):
+            return tuple(_group(src, dst, mesh, axes, ranks) for ranks in fibres)
+    return (_group(src, dst, mesh, every, tuple(mesh.devices)),)
 
 
 def classify_reshard(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> Collective:
-    """The collective that turns `src` into `dst` (raises CommError when no moves can)."""
+    """The collective that turns `src` into `dst` (raises CommError when no moves can): its groups' collective,
+    or send_recv if the groups differ."""
+    kinds = {g.kind for g in reshard_groups(src, dst, shape, mesh)} - {Collective.NOOP}
+    return kinds.pop() if len(kinds) == 1 else Collective.SEND_RECV if kinds else Collective.NOOP
+
+
+def _self_sufficient(src: Layout, dst: Layout, ranks: tuple[int, ...]) -> bool:
+    members = set(ranks)
+    for rank in ranks:
+        need = dst.blocks[rank]
+        if need is None:
+            continue
+        if src.partial:
+            if any(k not in members and _overlap(held, need) for k, held in enumerate(src.blocks)):
+                return False
+            continue
+        missing = [need]
+        for k in ranks:
+            held = src.blocks[k]
+            if held is not None:
+                missing = [piece for m in missing for piece in box_difference(m, held)]
+        if missing:
+            return False
+    return True
+
+
+def _overlap(a: Block, b: Block) -> bool:
+    inside = None if a is None or b is None else a.intersection(b)
+    return inside is not None and not inside.is_empty
+
+
+def _group(src: Layout, dst: Layout, mesh: Mesh, axes: tuple[int, ...], ranks: tuple[int, ...]) -> Group:
+    """Named as a collective on its own: blocks relative to the box the group's blocks span, on its own mesh."""
+    mine = Layout(tuple(src.blocks[r] for r in ranks), src.partial), Layout(tuple(dst.blocks[r] for r in ranks))
+    held = [b for layout in mine for b in layout.blocks if b is not None]
+    if not held:
+        return Group(ranks, *mine, axes, Collective.NOOP)
+    box = ZRange.bounding(held)
+    local = [Layout(tuple(None if b is None else b.translate([-s for s in box.start]) for b in layout.blocks),
+                    layout.partial) for layout in mine]
+    kind = _classify(*local, box.shape, Mesh(*(mesh.shape[a] for a in axes)) if axes else Mesh(1))
+    return Group(ranks, *mine, axes, kind)
+
+
+def _classify(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> Collective:
     if not transfers(src, dst):
         return Collective.NOOP
     target = _family(dst, shape, mesh)
@@ -45,3 +113,13 @@ def classify_reshard(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> Coll
     if target == "S" and _family(src, shape, mesh) == "S":
         return Collective.ALL_GATHER if _keeps_own_blocks(src, dst) else Collective.ALL_TO_ALL
     return Collective.SEND_RECV
+
+
+def _family(layout: Layout, shape: Shape, mesh: Mesh) -> str:
+    """'R', 'S' or 'blocks' for the plain blocks of `layout`."""
+    name = Layout(layout.blocks).name(shape, mesh)
+    return "S" if name.startswith("S(") else name
+
+
+def _keeps_own_blocks(src: Layout, dst: Layout) -> bool:
+    return all(s is None or (d is not None and d.contains(s)) for s, d in zip(src.blocks, dst.blocks))

@@ -45,6 +45,15 @@ class Mesh:
     def devices(self) -> range:
         return range(self.size)
 
+    def fibres(self, axes: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """The groups of devices that differ only along `axes`: one per setting of the other axes' coordinates,
+        each in device order. `fibres(())` is every device alone; all axes, the whole mesh."""
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for device in self.devices:
+            coords = self.coords(device)
+            groups.setdefault(tuple(c for a, c in enumerate(coords) if a not in axes), []).append(device)
+        return [tuple(g) for g in groups.values()]
+
     def __str__(self) -> str:
         return "x".join(map(str, self.shape))
 
