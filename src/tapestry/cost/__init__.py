@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from tapestry.cost.comm import AlphaBeta, collective_time
 from tapestry.cost.memory import held_bytes, peak_memory
-from tapestry.cost.model import CostModel, plan_cost
+from tapestry.cost.model import CostModel, plan_cost, run_costs
 from tapestry.cost.profile import DeviceProfile, Link, Profile, builtin_profiles, load_profile
 from tapestry.cost.roofline import Roofline
 from tapestry.plan.plan import Step
@@ -48,4 +48,5 @@ __all__ = [
     "load_profile",
     "peak_memory",
     "plan_cost",
+    "run_costs",
 ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from tapestry.plan.plan import Plan, Step
+from tapestry.plan.plan import Plan, Step, output_gathers
 from tapestry.sharding import Mesh
 
 
@@ -24,3 +24,10 @@ class CostModel(Protocol):
 def plan_cost(plan: Plan, model: CostModel) -> float:
     """The sequential SPMD time: steps run one after another, each as slow as its slowest device."""
     return sum(model.step_cost(step, plan.mesh) for step in plan.steps)
+
+
+def run_costs(plan: Plan, model: CostModel) -> dict[int, float]:
+    """Seconds per plan step, then per output gather the runtime adds (numbered on, as lowering numbers them):
+    what running the plan should take, step by step."""
+    steps = [*plan.steps, *output_gathers(plan)]
+    return {k: model.step_cost(step, plan.mesh) for k, step in enumerate(steps)}

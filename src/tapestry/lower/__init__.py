@@ -2,11 +2,11 @@
 from tapestry.lower.compile import shard_function, use_persistent_cache
 from tapestry.lower.program import (
     AllGather, AllReduce, AllToAll, Comm, Exchange, Gather, Local, LoweredProgram, LoweringError, Piece, PlaceBlock,
-    RankProgram, RankStep, Read, ReduceScatter, SendRecv, ShardCompute, lower, output_gathers, step_type,
+    RankProgram, RankStep, Read, ReduceScatter, SendRecv, ShardCompute, lower, step_type,
 )
 
 __all__ = [
     "AllGather", "AllReduce", "AllToAll", "Comm", "Exchange", "Gather", "Local", "LoweredProgram", "LoweringError", "Piece",
-    "PlaceBlock", "RankProgram", "RankStep", "Read", "ReduceScatter", "SendRecv", "ShardCompute", "lower", "output_gathers", "step_type",
+    "PlaceBlock", "RankProgram", "RankStep", "Read", "ReduceScatter", "SendRecv", "ShardCompute", "lower", "step_type",
     "shard_function", "use_persistent_cache",
 ]

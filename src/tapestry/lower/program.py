@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tapestry.kernels import Params, Shape
-from tapestry.plan.plan import Compute, Place, Plan, Reshard
+from tapestry.plan.plan import Compute, Place, Plan, Reshard, output_gathers
 from tapestry.sharding import Block, Layout, Mesh
 from tapestry.sharding.collectives import Collective, Group, reshard_groups
 from tapestry.sharding.comm import Transfer, transfers
@@ -254,17 +254,6 @@ def lower(plan: Plan) -> LoweredProgram:
     return LoweredProgram(plan, ranks, outputs)
 
 
-def output_gathers(plan: Plan) -> list[Reshard]:
-    """The reshards the runtime adds after the plan: each distinct output value to one block on rank 0.
-    Not plan steps, so `plan_cost` leaves them out; price them with the same model to predict a run."""
-    gathers: dict[str, Reshard] = {}
-    for value in plan.outputs.values():
-        if value not in gathers:
-            step = plan.by_id[value]
-            gathers[value] = Reshard(f"{value}@0", value, step.shape, step.layout, _on_rank0(step.shape, plan.mesh))
-    return list(gathers.values())
-
-
 @dataclass(frozen=True)
 class Value:
     """What lowering needs of an earlier step's result."""
@@ -275,10 +264,6 @@ class Value:
 
 def _lower_json(data: Mapping[str, Any]) -> LoweredProgram:
     return lower(Plan.from_json(data))
-
-
-def _on_rank0(shape: Shape, mesh: Mesh) -> Layout:
-    return Layout((ZRange.from_shape(shape), *(None,) * (mesh.size - 1)))
 
 
 def _lower_step(index: int, step: Place | Compute | Reshard, values: Mapping[str, Value], mesh: Mesh) -> list[RankStep | None]:

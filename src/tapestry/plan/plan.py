@@ -146,6 +146,21 @@ class Plan:
         return cls.from_json(json.loads(Path(path).read_text()), str(path))
 
 
+def output_gathers(plan: Plan) -> list[Reshard]:
+    """The reshards the runtime adds after the plan: each distinct output value to one block on rank 0.
+    Not plan steps, so `plan_cost` leaves them out; `cost.run_costs` prices them with the plan."""
+    gathers: dict[str, Reshard] = {}
+    for value in plan.outputs.values():
+        if value not in gathers:
+            step = plan.by_id[value]
+            gathers[value] = Reshard(f"{value}@0", value, step.shape, step.layout, _on_rank0(step.shape, plan.mesh))
+    return list(gathers.values())
+
+
+def _on_rank0(shape: Shape, mesh: Mesh) -> Layout:
+    return Layout((ZRange.from_shape(shape), *(None,) * (mesh.size - 1)))
+
+
 def _blocks_json(blocks: tuple[Block, ...]) -> list[str | None]:
     return [None if b is None else str(b) for b in blocks]
 

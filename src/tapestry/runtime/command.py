@@ -18,10 +18,10 @@ from rich.console import Console
 from rich.table import Table
 
 import tapestry
-from tapestry.cost import DefaultCostModel, load_profile
+from tapestry.cost import DefaultCostModel, load_profile, run_costs
 from tapestry.graph import Graph
 from tapestry.kernels import DimKind
-from tapestry.lower import lower, output_gathers
+from tapestry.lower import lower
 from tapestry.plan import Plan, build_plan
 from tapestry.runtime.launch import Job, RankFailure, RunResult, default_backend, run_torchrun, spawn
 from tapestry.runtime.execute import InputSource
@@ -166,7 +166,7 @@ def profile_table(plan: Plan, result: RunResult, cost_profile: str) -> Table:
         table.add_column(column, justify="left" if column in ("step", "kind") else "right")
     by_step = [{t.step: t for t in r.steps} for r in result.ranks]
     labels = {t.step: t for r in result.ranks for t in r.steps}
-    predicted = predict(plan, model)
+    predicted = run_costs(plan, model)
     for step, first in sorted(labels.items()):
         cells = [f"{ranks[step].seconds * 1e3:.3f}" if step in ranks else "-" for ranks in by_step]
         guess = predicted.get(step)
@@ -180,9 +180,3 @@ def profile_table(plan: Plan, result: RunResult, cost_profile: str) -> Table:
     table.add_row("wall", "", *(f"{w:.3f}" for w in walls), f"{sum(predicted.values()) * 1e3:.3f}")
     return table
 
-
-def predict(plan: Plan, model: DefaultCostModel) -> dict[int, float]:
-    """Seconds per plan step by the cost model, and for the runtime's output gathers (numbered after the plan's
-    steps, as lowering numbers them)."""
-    steps = [*plan.steps, *output_gathers(plan)]
-    return {k: model.step_cost(step, plan.mesh) for k, step in enumerate(steps)}
