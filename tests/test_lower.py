@@ -73,6 +73,14 @@ def test_every_rank_runs_the_same_collective_sequence(name: str) -> None:
     assert all(seq == sequences[0] for seq in sequences)
 
 
+@pytest.mark.parametrize("name", CASES)
+def test_on_a_line_of_ranks_no_step_needs_a_group_of_its_own(name: str) -> None:
+    """Groups short of the whole mesh come from meshes of more axes; a step that moves nothing names none."""
+    program = lower(CASES[name]())
+    assert program.groups == []
+    assert all(s.group is None for r in program.ranks for s in r.steps if isinstance(s, Comm))
+
+
 def test_a_split_batch_needs_no_communication_until_the_output_is_gathered() -> None:
     assert comm_kinds(CASES["seeds split on batch"]()) == ["gather"]
 

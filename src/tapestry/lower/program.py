@@ -314,7 +314,7 @@ def _group_steps(index: int, step: Reshard, group: Group, mesh: Mesh) -> list[Ra
     src, dst, ranks = group.src, group.dst, group.ranks
     moves = [Transfer(ranks[t.src], ranks[t.dst], t.region) for t in transfers(src, dst)]
     kind = step_type(group)
-    members = None if len(ranks) == mesh.size else ranks
+    members = None if len(ranks) == mesh.size or kind is Local else ranks  # Local moves nothing: no group
     roots = {t.dst for t in moves}
     if kind is SendRecv and len(roots) == 1:
         root = roots.pop()

@@ -186,6 +186,7 @@ class RankRunner:
     def _bound(self) -> list[tuple[RankStep, Work, tuple[str, ...]]]:
         """Every non-place step with its work bound once (kernel looked up, reads resolved to slices) and the
         buffers to drop after it."""
+        self._groups  # made here, at the same point of every rank's program: new_group is collective
         keep = set(self.program.outputs.values()) if self.rank == 0 else set()
         dead = self.program.ranks[self.rank].dead_after(keep)
         return [(s, self._bind(s), d) for s, d in zip(self.steps, dead) if not isinstance(s, PlaceBlock)]
