@@ -148,6 +148,7 @@ def _side_by_side_rank(rank: int, world: int, port: int, jobs: list[Job], compil
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
+    os._exit(0)  # no interpreter teardown: gloo's threads can abort it (see tapestry.runtime.launch._exit_now)
 
 
 Job = tuple[str, dict[str, LoweredProgram], dict[str, str]]  # workload, our programs by label, DTensor placements

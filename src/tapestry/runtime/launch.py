@@ -199,6 +199,16 @@ def _spawned_rank(job: Job, rank: int, world: int, port: int, results: Any, prog
         raise SystemExit(1) from None
     results.put(("ok", rank, result))
     dist.destroy_process_group()
+    _exit_now(results)
+
+
+def _exit_now(results: Any) -> None:
+    """Leave without the interpreter's teardown, once the results are sent: gloo's worker threads can still hold
+    tensors then, and freeing them while the interpreter shuts down aborts the process ("terminate called
+    without an active exception", pytorch/pytorch#179291), seen here about once in ten runs."""
+    results.close()
+    results.join_thread()
+    os._exit(0)
 
 
 def run_torchrun(job: Job) -> list[RunResult] | None:
