@@ -281,9 +281,9 @@ def target_notes(graphs, eager, measured, runs) -> list[str]:
         f"{sum(r < 1 for r in same.values())} of {len(same)} cases; the highest is {same[worst]:.2f} "
         f"({worst[0]}, {worst[1]} ranks): {'met' if all(r < 1 for r in same.values()) else 'NOT met'}.",
         "",
-        f"Target, at most 10% runtime overhead: the unsharded plan runs the graph's own kernels through the whole "
-        f"runtime (lowering, compiled shard functions, per-step bookkeeping, the output gather); against eager torch "
-        f"on the same graph in the same process, run by run, it takes " + ", ".join(f"{v:.2f}x ({n})" for n, v in over.items())
+        "Target, at most 10% runtime overhead: the unsharded plan runs the graph's own kernels through the whole "
+        "runtime (lowering, compiled shard functions, per-step bookkeeping, the output gather); against eager torch "
+        "on the same graph in the same process, run by run, it takes " + ", ".join(f"{v:.2f}x ({n})" for n, v in over.items())
         + f": {'met' if max(over.values()) <= OVERHEAD_TARGET else 'NOT met'} (target <= {OVERHEAD_TARGET:.2f}x).",
     ]
 

@@ -17,7 +17,7 @@ from tapestry.kernels import Params, Shape
 from tapestry.plan.plan import Compute, Place, Plan, Reshard, output_gathers
 from tapestry.sharding import Block, Layout, Mesh
 from tapestry.sharding.collectives import Collective, Group, reshard_groups
-from tapestry.sharding.comm import Transfer, transfers
+from tapestry.sharding.comm import Transfer, overlap, transfers
 from tapestry.zspace import ZRange
 
 
@@ -243,64 +243,58 @@ def lower(plan: Plan) -> LoweredProgram:
     """One program per device of the plan's mesh, then a gather of every output to rank 0."""
     mesh = plan.mesh
     per_rank: list[list[RankStep]] = [[] for _ in mesh.devices]
-    values: dict[str, Value] = {}
+    layouts: dict[str, Layout] = {}
     for index, step in enumerate((*plan.steps, *output_gathers(plan))):
-        for rank, rank_step in enumerate(_lower_step(index, step, values, mesh)):
+        for rank, rank_step in enumerate(_lower_step(index, step, plan, layouts)):
             if rank_step is not None:
                 per_rank[rank].append(rank_step)
-        values[step.out] = Value(step.layout, plan.dtypes[step.src if isinstance(step, Reshard) else step.out])
+        layouts[step.out] = step.layout
     outputs = {name: f"{value}@0" for name, value in plan.outputs.items()}
     ranks = tuple(RankProgram(r, mesh.size, tuple(steps)) for r, steps in enumerate(per_rank))
     return LoweredProgram(plan, ranks, outputs)
-
-
-@dataclass(frozen=True)
-class Value:
-    """What lowering needs of an earlier step's result."""
-
-    layout: Layout
-    dtype: str
 
 
 def _lower_json(data: Mapping[str, Any]) -> LoweredProgram:
     return lower(Plan.from_json(data))
 
 
-def _lower_step(index: int, step: Place | Compute | Reshard, values: Mapping[str, Value], mesh: Mesh) -> list[RankStep | None]:
+def _lower_step(index: int, step: Place | Compute | Reshard, plan: Plan, layouts: Mapping[str, Layout]
+                ) -> list[RankStep | None]:
     if isinstance(step, Place):
         return [None if b is None else PlaceBlock(index, step.out, step.input, b) for b in step.layout.blocks]
     if isinstance(step, Compute):
-        return [_shard(index, step, rank, values) for rank in mesh.devices]
-    return _reshard(index, step, values, mesh)
+        return [_shard(index, step, rank, layouts, plan.dtypes) for rank in plan.mesh.devices]
+    return _reshard(index, step, layouts, plan.mesh)
 
 
-def _shard(index: int, step: Compute, rank: int, values: Mapping[str, Value]) -> ShardCompute | None:
+def _shard(index: int, step: Compute, rank: int, layouts: Mapping[str, Layout], dtypes: Mapping[str, str]
+           ) -> ShardCompute | None:
     block = step.blocks[rank]
     if block is None:
         return None
     sig = step.signature
     reads = []
     for arg, shape, projection in zip(step.args, step.input_shapes, sig.projections):
-        if arg not in values:
+        if arg not in layouts:
             raise LoweringError(f"step {index} ({step.out}) reads {arg!r}, which no earlier step makes")
-        reads.append(_read(arg, values[arg], rank, projection.apply(block), shape, f"step {index} ({step.out})"))
+        held = layouts[arg].blocks[rank]
+        reads.append(_read(arg, held, dtypes[arg], projection.apply(block), shape, f"step {index} ({step.out})"))
     kwargs = tuple(sorted(sig.call_kwargs(block).items()))
     return ShardCompute(index, step.out, step.kernel, kwargs, block, tuple(reads), sig.output.apply(block))
 
 
-def _read(buffer: str, value: Value, rank: int, want: ZRange, shape: Shape, where: str) -> Read:
+def _read(buffer: str, held: Block, dtype: str, want: ZRange, shape: Shape, where: str) -> Read:
     inside = ZRange.from_shape(shape).intersection(want)
     pad = tuple((max(0, -s), max(0, e - size)) for s, e, size in zip(want.start, want.end, shape))
     if inside is None or inside.is_empty:
-        return Read(buffer, None, pad, want.shape, value.dtype)
-    held = value.layout.blocks[rank]
+        return Read(buffer, None, pad, want.shape, dtype)
     if held is None or not held.contains(inside):
         raise LoweringError(f"{where}: needs {inside} of {buffer!r} but this rank holds {held}")
-    return Read(buffer, inside.translate([-s for s in held.start]), pad, want.shape, value.dtype, inside == held)
+    return Read(buffer, inside.translate([-s for s in held.start]), pad, want.shape, dtype, inside == held)
 
 
-def _reshard(index: int, step: Reshard, values: Mapping[str, Value], mesh: Mesh) -> list[RankStep | None]:
-    if step.src not in values:
+def _reshard(index: int, step: Reshard, layouts: Mapping[str, Layout], mesh: Mesh) -> list[RankStep | None]:
+    if step.src not in layouts:
         raise LoweringError(f"step {index} ({step.out}) reshards {step.src!r}, which no earlier step makes")
     steps: list[RankStep | None] = [None] * mesh.size
     for group in reshard_groups(step.src_layout, step.layout, step.shape, mesh):
@@ -320,11 +314,11 @@ def _group_steps(index: int, step: Reshard, group: Group, mesh: Mesh) -> list[Ra
         root = roots.pop()
         sizes = tuple(sum(t.region.size for t in moves if t.src == r) for r in ranks)
         return [Gather(index, step.out, step.src, s, d, members, _pieces(moves, r, "src"), _pieces(moves, r, "dst"),
-                       _overlap(s, d), src.partial, root, sizes) for r, s, d in zip(ranks, src.blocks, dst.blocks)]
+                       overlap(s, d), src.partial, root, sizes) for r, s, d in zip(ranks, src.blocks, dst.blocks)]
     steps: list[RankStep | None] = []
     for rank, held, need in zip(ranks, src.blocks, dst.blocks):
         common = (index, step.out, step.src, held, need, members)
-        own = _overlap(held, need)
+        own = overlap(held, need)
         if kind is Local:
             steps.append(None if need is None else Local(*common))
         elif kind is AllReduce:
@@ -339,11 +333,6 @@ def _group_steps(index: int, step: Reshard, group: Group, mesh: Mesh) -> list[Ra
             quiet = kind is SendRecv and not send and not recv
             steps.append(None if quiet and need is None else kind(*common, send, recv, own, src.partial))
     return steps
-
-
-def _overlap(a: Block, b: Block) -> ZRange | None:
-    inside = None if a is None or b is None else a.intersection(b)
-    return None if inside is None or inside.is_empty else inside
 
 
 def _pieces(moves: list[Transfer], rank: int, side: str) -> tuple[Piece, ...]:

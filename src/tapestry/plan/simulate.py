@@ -39,10 +39,10 @@ def simulate(plan: Plan, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarr
         if isinstance(step, Place):
             _place(plan, step, inputs, devices)
         elif isinstance(step, Reshard):
-            _reshard(step, devices)
+            _reshard(step, devices, plan.dtypes[step.src])
         else:
             _compute(step, devices, plan.dtypes)
-    return {name: assemble(plan.by_id[value].layout, plan.by_id[value].shape, devices, value)
+    return {name: assemble(plan.by_id[value].layout, plan.by_id[value].shape, devices, value, plan.dtypes[value])
             for name, value in plan.outputs.items()}
 
 
@@ -88,7 +88,7 @@ def _compute(step: Compute, devices: list[Device], dtypes: Mapping[str, str]) ->
             devices[k][step.out] = Shard(out_block, value[out_block.relative_to(region)])
 
 
-def _reshard(step: Reshard, devices: list[Device]) -> None:
+def _reshard(step: Reshard, devices: list[Device], dtype: str) -> None:
     """Every receiver builds its new block from what it kept and what it was sent."""
     incoming: dict[int, list[tuple[int, ZRange]]] = {k: [] for k in range(len(devices))}
     for t in transfers(step.src_layout, step.layout):
@@ -100,7 +100,7 @@ def _reshard(step: Reshard, devices: list[Device]) -> None:
         own = step.src_layout.blocks[k]
         local = own.intersection(need) if own is not None else None
         pieces = incoming[k] + ([(k, local)] if local is not None and not local.is_empty else [])
-        cells = np.zeros(need.shape, dtype=_dtype(devices, step.src))
+        cells = np.zeros(need.shape, dtype=dtype)
         for src, region in sorted(pieces, key=lambda p: p[0]):
             held = devices[src][step.src]
             part = held.cells[region.relative_to(held.block)]
@@ -113,14 +113,10 @@ def _reshard(step: Reshard, devices: list[Device]) -> None:
         devices[k][step.out] = held
 
 
-def _dtype(devices: list[Device], value: str) -> np.dtype:
-    return next(device[value].cells.dtype for device in devices if value in device)
-
-
-def assemble(layout: Layout, shape: tuple[int, ...], devices: list[Device], value: str) -> np.ndarray:
+def assemble(layout: Layout, shape: tuple[int, ...], devices: list[Device], value: str, dtype: str) -> np.ndarray:
     """The tensor a layout's blocks mean: plain blocks must agree where they overlap (to rounding:
     replicas may have run different BLAS paths); partial ones add up."""
-    result = np.zeros(shape, dtype=_dtype(devices, value))
+    result = np.zeros(shape, dtype=dtype)
     seen = np.zeros(shape, dtype=bool)
     for k, (device, block) in enumerate(zip(devices, layout.blocks)):
         if block is None:

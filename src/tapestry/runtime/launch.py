@@ -205,7 +205,7 @@ def _spawned_rank(job: Job, rank: int, world: int, port: int, results: Any, prog
 def _exit_now(results: Any) -> None:
     """Leave without the interpreter's teardown, once the results are sent: gloo's worker threads can still hold
     tensors then, and freeing them while the interpreter shuts down aborts the process ("terminate called
-    without an active exception", pytorch/pytorch#179291), seen here about once in ten runs."""
+    without an active exception", pytorch/pytorch#179291) now and then."""
     results.close()
     results.join_thread()
     os._exit(0)

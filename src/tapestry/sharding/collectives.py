@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from tapestry.kernels import Shape
-from tapestry.sharding.comm import box_difference, transfers
-from tapestry.sharding.layout import Block, Layout
+from tapestry.sharding.comm import box_difference, overlap, transfers
+from tapestry.sharding.layout import Layout
 from tapestry.sharding.mesh import Mesh
 from tapestry.zspace import ZRange
 
@@ -71,7 +71,7 @@ def _self_sufficient(src: Layout, dst: Layout, ranks: tuple[int, ...]) -> bool:
         if need is None:
             continue
         if src.partial:
-            if any(k not in members and _overlap(held, need) for k, held in enumerate(src.blocks)):
+            if any(k not in members and overlap(held, need) is not None for k, held in enumerate(src.blocks)):
                 return False
             continue
         missing = [need]
@@ -82,11 +82,6 @@ def _self_sufficient(src: Layout, dst: Layout, ranks: tuple[int, ...]) -> bool:
         if missing:
             return False
     return True
-
-
-def _overlap(a: Block, b: Block) -> bool:
-    inside = None if a is None or b is None else a.intersection(b)
-    return inside is not None and not inside.is_empty
 
 
 def _group(src: Layout, dst: Layout, mesh: Mesh, axes: tuple[int, ...], ranks: tuple[int, ...]) -> Group:

@@ -23,6 +23,12 @@ def box_difference(a: ZRange, b: ZRange) -> list[ZRange]:
     return pieces
 
 
+def overlap(a: ZRange | None, b: ZRange | None) -> ZRange | None:
+    """The cells two blocks share, or None (an idle device's None block shares nothing)."""
+    inside = None if a is None or b is None else a.intersection(b)
+    return None if inside is None or inside.is_empty else inside
+
+
 def _with_dim(r: ZRange, d: int, lo: int, hi: int) -> ZRange:
     return ZRange(r.start[:d] + (lo,) + r.start[d + 1 :], r.end[:d] + (hi,) + r.end[d + 1 :])
 
