@@ -12,11 +12,13 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from tapestry import dtypes
+
 from tapestry.graph import Graph, GraphError
 from tapestry.kernels import Signature
 from tapestry.sharding.partition import non_additive_issues, split_reductions
+from tapestry import zspace
 from tapestry.zspace import ZRange
-from tapestry.zspace.isl import partition_problems
 
 Partition = Sequence[ZRange]
 
@@ -37,7 +39,7 @@ def run_block(sig: Signature, args: Sequence[np.ndarray], index_block: ZRange) -
     """Compute one index block: (the output region it writes, its values)."""
     blocks = [read_block(a, p.apply(index_block)) for a, p in zip(args, sig.projections)]
     region = sig.output.apply(index_block)
-    value = np.asarray(sig.compute(blocks, index_block), dtype=args[0].dtype if args else np.float32)
+    value = sig.compute(blocks, index_block)
     if value.shape != region.shape:
         raise AssertionError(f"{sig.kernel.name} returned shape {value.shape} for block {region}")
     return region, value
@@ -46,7 +48,7 @@ def run_block(sig: Signature, args: Sequence[np.ndarray], index_block: ZRange) -
 def check_partition(sig: Signature, parts: Partition, where: str = "") -> None:
     """Reject a partition with a gap or an overlap (asked of islpy), or one splitting a non-additive
     reduction. Every index point runs exactly once here, so unlike a device assignment there are no replicas."""
-    problems = partition_problems(list(parts), sig.index)
+    problems = zspace.partition_problems(list(parts), sig.index)
     if problems:
         raise GraphError(f"{where}: not a partition of the index space {sig.index}: {'; '.join(problems)}")
     issues = non_additive_issues(sig, split_reductions(sig, parts))
@@ -55,7 +57,7 @@ def check_partition(sig: Signature, parts: Partition, where: str = "") -> None:
 
 
 def run_sharded(sig: Signature, args: Sequence[np.ndarray], parts: Partition) -> np.ndarray:
-    out = np.zeros(sig.output_shape, dtype=args[0].dtype if args else np.float32)
+    out = np.zeros(sig.output_shape, dtype=dtypes.to_numpy(sig.dtype))
     for part in parts:
         if part.is_empty:
             continue
@@ -69,7 +71,7 @@ def _check_inputs(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, n
     for node in graph.inputs:
         if node.name not in inputs:
             raise GraphError(f"input {node.name!r} was not supplied")
-        array = np.asarray(inputs[node.name], dtype=node.dtype)
+        array = dtypes.cast(inputs[node.name], node.dtype)
         if array.shape != node.shape:
             raise GraphError(f"input {node.name!r}: expected shape {list(node.shape)}, found {list(array.shape)}")
         values[node.name] = array
@@ -95,6 +97,21 @@ def evaluate(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, np.nda
 
 
 def random_inputs(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
-    """Standard-normal inputs, reproducible from `seed`."""
+    """Inputs reproducible from `seed`: standard-normal floats, random booleans, and integers that index every
+    table they are used to index (an embedding's rows), else in [0, 4)."""
     rng = np.random.default_rng(seed)
-    return {n.name: rng.standard_normal(n.shape).astype(n.dtype) for n in graph.inputs}
+    values = {}
+    for node in graph.inputs:
+        if dtypes.is_float(node.dtype):
+            values[node.name] = dtypes.cast(rng.standard_normal(node.shape), node.dtype)
+        elif node.dtype == "bool":
+            values[node.name] = rng.random(node.shape) < 0.5
+        else:
+            values[node.name] = rng.integers(0, _index_bound(graph, node.name), node.shape).astype(node.dtype)
+    return values
+
+
+def _index_bound(graph: Graph, name: str) -> int:
+    sigs = [(graph.signature(op.name), slot) for op in graph.ops for slot, arg in enumerate(op.args) if arg == name]
+    bounds = [sig.kernel.index_bound(sig.input_shapes, slot) for sig, slot in sigs if sig.kernel.index_bound]
+    return max(1, min((b for b in bounds if b is not None), default=4))

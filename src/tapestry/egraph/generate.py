@@ -87,6 +87,7 @@ class Generator:
         self.interner = Interner()
         self.parent: dict[int, int] = {}  # union-find over handles
         self.shapes: dict[int, Shape] = {}
+        self.dtypes: dict[int, str] = {}
         self.origins: dict[NodeKey, str] = {}
         self.generated: set[NodeKey] = set()
         self.layouts: dict[int, set[str]] = defaultdict(set)  # canonical handle -> layouts it occurs in
@@ -134,15 +135,14 @@ class Generator:
                 key = (ctor.name, tuple(sorted(node.params)), tuple(handle[a] for a in node.args))
                 self.origins[key] = f"graph op {node.name}"
             commands.append(union(call("Id", lit(h)), term))
-            self.shapes[h] = node.shape
+            self.shapes[h], self.dtypes[h] = node.shape, node.dtype
             commands += self._shape_facts(h, node.shape)
         self.output_handles = {out: handle[target] for out, target in self.graph.outputs.items()}
         self.session.insert(commands)
 
     @staticmethod
     def _param_term(value: Any) -> Any:
-        text = encode_param(value)
-        return lit(text.strip('"')) if text.startswith('"') else lit(int(text))
+        return lit(encode_param(value))
 
     @staticmethod
     def _shape_facts(h: int, shape: Shape) -> list[Any]:
@@ -177,7 +177,7 @@ class Generator:
                 if node.eclass not in class_handle:
                     h = self._fresh()
                     class_handle[node.eclass] = h
-                    self.shapes[h] = sig.output_shape
+                    self.shapes[h], self.dtypes[h] = sig.output_shape, sig.dtype
                     commands.append(union(call("Id", lit(h)), self._term(node, class_handle)))
                     commands += self._shape_facts(h, sig.output_shape)
                 new_nodes += 1
@@ -202,8 +202,9 @@ class Generator:
     def _bind(self, node: LogicalNode, class_handle: dict[str, int]) -> Signature | None:
         """The node's kernel bound to its argument classes' shapes; None (recorded) if they do not fit."""
         kernel = constructors()[node.ctor].kernel
+        args = [self.find(class_handle[a]) for a in node.args]
         try:
-            return kernel.bind([self.shapes[self.find(class_handle[a])] for a in node.args], dict(node.params))
+            return kernel.bind([self.shapes[a] for a in args], dict(node.params), [self.dtypes[a] for a in args])
         except KernelError as err:
             self.ill_typed[f"{node.ctor}{node.params}"] = str(err)
             return None
@@ -212,9 +213,10 @@ class Generator:
         kernel = sig.kernel
         arg_handles = [self.find(class_handle[a]) for a in node.args]
         out = self.find(class_handle[node.eclass])
-        if sig.output_shape != self.shapes[out]:
+        if (sig.output_shape, sig.dtype) != (self.shapes[out], self.dtypes[out]):
             self.ill_typed[f"{node.ctor}{node.params}"] = (
-                f"shape {list(sig.output_shape)} differs from its class's {list(self.shapes[out])}: a rule equated them"
+                f"type {sig.dtype}{list(sig.output_shape)} differs from its class's "
+                f"{self.dtypes[out]}{list(self.shapes[out])}: a rule equated them"
             )
             return []
         origin = f"{kernel.name} {self.origins.get(key, '')}".strip()

@@ -10,6 +10,7 @@ whose members are `(Deliver name d)`. `Rank`/`Dim` carry shapes for rule guards.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -38,7 +39,7 @@ class Constructor:
         return len(self.kernel.inputs) + len(self.params)
 
     def param_sort(self, param: str) -> str:
-        return "String" if isinstance(self.kernel.params[param], tuple) else "i64"
+        return param_sort(self.kernel.params[param])
 
     @property
     def signature_text(self) -> str:
@@ -58,17 +59,34 @@ def run_constructors() -> Mapping[str, Kernel]:
     return {run_name(k.name): k for k in KERNELS.values()}
 
 
-def encode_param(value: ParamValue) -> str:
-    """A param as egglog literal text."""
+def param_sort(default: ParamValue) -> str:
+    """The egglog sort of a param, by the type of its default: ints and bools (0/1) are i64, floats f64,
+    strings and int tuples (comma-joined) String."""
+    if isinstance(default, float):
+        return "f64"
+    return "String" if isinstance(default, (tuple, str)) else "i64"
+
+
+def encode_param(value: ParamValue) -> int | float | str:
+    """A param as the egglog literal value of its sort."""
     if isinstance(value, tuple):
-        return '"' + ",".join(map(str, value)) + '"'
-    return str(int(value))
+        return ",".join(map(str, value))
+    if isinstance(value, (bool, str, float)):
+        return int(value) if isinstance(value, bool) else value
+    return int(value)
 
 
 def decode_param(default: ParamValue, literal: str) -> ParamValue:
+    """A param from the text egglog serializes its literal as."""
     if isinstance(default, tuple):
         text = literal.strip('"')
         return tuple(int(p) for p in text.split(",")) if text else ()
+    if isinstance(default, str):
+        return json.loads(literal) if literal.startswith('"') else literal
+    if isinstance(default, float):
+        return float(literal)
+    if isinstance(default, bool):
+        return bool(int(literal))
     return int(literal)
 
 

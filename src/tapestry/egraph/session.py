@@ -28,8 +28,10 @@ def call(name: str, *args: Term) -> Term:
     return b.Call(_SPAN, name, list(args))
 
 
-def lit(value: int | str) -> Term:
-    return b.Lit(_SPAN, b.String(value) if isinstance(value, str) else b.Int(int(value)))
+def lit(value: int | float | str) -> Term:
+    if isinstance(value, str):
+        return b.Lit(_SPAN, b.String(value))
+    return b.Lit(_SPAN, b.Float(value) if isinstance(value, float) else b.Int(int(value)))
 
 
 def union(a: Term, c: Term) -> Any:

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from tapestry import dtypes
+from tapestry.dtypes import DTYPES
 from tapestry.kernels import KERNELS, KernelError, Params, Shape, Signature, get_kernel
 
 INPUT = "input"
-DTYPES = ("float32", "float64")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
 
 
@@ -28,6 +29,7 @@ class Value:
 
     name: str
     shape: Shape
+    dtype: str = "float32"
 
     @property
     def ndim(self) -> int:
@@ -71,7 +73,7 @@ class Graph:
         if any(s < 0 for s in shape):
             raise GraphError(f"input {name!r}: shape {list(shape)} has a negative size")
         self._nodes[name] = Node(name, INPUT, (), (), shape, dtype)
-        return Value(name, shape)
+        return Value(name, shape, dtype)
 
     def op(self, op: str, *args: Value | str, name: str | None = None, **params: Any) -> Value:
         """Apply kernel `op` to earlier values; the generic form of g.<kernel>(...)."""
@@ -85,15 +87,15 @@ class Graph:
         for slot, arg in zip(kernel.inputs, arg_names):
             if arg not in self._nodes:
                 raise GraphError(f"op {label!r} ({op}): input {slot!r} refers to {arg!r}, which is not defined before it")
+        args = [self._nodes[a] for a in arg_names]
         try:
-            sig = kernel.bind([self._nodes[a].shape for a in arg_names], params)
-        except KernelError as err:
-            shapes = ", ".join(f"{s}={a}{list(self._nodes[a].shape)}" for s, a in zip(kernel.inputs, arg_names))
+            sig = kernel.bind([a.shape for a in args], params, [a.dtype for a in args])
+        except (KernelError, dtypes.DtypeError) as err:
+            shapes = ", ".join(f"{s}={a.name}{list(a.shape)} {a.dtype}" for s, a in zip(kernel.inputs, args))
             raise GraphError(f"op {label!r} ({op}): {err} [inputs: {shapes}]") from None
-        dtype = self._nodes[arg_names[0]].dtype if arg_names else "float32"
-        self._nodes[label] = Node(label, op, arg_names, sig.params, sig.output_shape, dtype)
+        self._nodes[label] = Node(label, op, arg_names, sig.params, sig.output_shape, sig.dtype)
         self._signatures[label] = sig
-        return Value(label, sig.output_shape)
+        return Value(label, sig.output_shape, sig.dtype)
 
     def output(self, name: str, value: Value | str) -> None:
         target = value.name if isinstance(value, Value) else value

@@ -17,11 +17,13 @@ from typing import Any
 import numpy as np
 import sympy
 
+from tapestry import dtypes
 from tapestry.zspace import IndexProjection, ZAffineMap, ZRange
 
 Shape = tuple[int, ...]
-ParamValue = int | tuple[int, ...]
+ParamValue = bool | int | float | str | tuple[int, ...]
 Params = tuple[tuple[str, ParamValue], ...]
+DtypeRule = Callable[[tuple[str, ...], Mapping[str, ParamValue]], str]
 
 
 class DimKind(enum.Enum):
@@ -65,6 +67,24 @@ class KernelError(ValueError):
     """An op's inputs or params do not fit its kernel."""
 
 
+def matching(kernel_inputs: tuple[str, ...]) -> DtypeRule:
+    """The result dtype of a kernel whose floating inputs must agree (torch raises on mixed matmul operands)."""
+
+    def rule(in_dtypes: tuple[str, ...], params: Mapping[str, ParamValue]) -> str:
+        floats = {d for d in in_dtypes if dtypes.is_float(d)}
+        if len(floats) > 1:
+            listed = ", ".join(f"{n}: {d}" for n, d in zip(kernel_inputs, in_dtypes))
+            raise KernelError(f"operands have different float dtypes ({listed}); cast them to one dtype first")
+        return floats.pop() if floats else dtypes.promote(*in_dtypes) if in_dtypes else "float32"
+
+    return rule
+
+
+def promoted(in_dtypes: tuple[str, ...], params: Mapping[str, ParamValue]) -> str:
+    """torch's type promotion over the tensor operands: the rule of elementwise ops."""
+    return dtypes.promote(*in_dtypes)
+
+
 @dataclass(frozen=True)
 class Kernel:
     """One registry entry. See docs/kernels.md for how to add one."""
@@ -79,27 +99,69 @@ class Kernel:
     additive: frozenset[str] = frozenset()
     is_view: bool = False
     needs_out_shape: bool = False  # the impls take out_shape=: a block alone does not determine it
+    dtype_rule: DtypeRule | None = None  # None: floating inputs must agree (`matching`)
+    # For integer inputs that index a table (an embedding's ids): (input shapes, slot) -> one past the largest
+    # valid value, or None. Random inputs are drawn below it.
+    index_bound: Callable[[tuple[Shape, ...], int], int | None] | None = None
     doc: str = ""
 
-    def bind(self, shapes: Sequence[Shape], params: Mapping[str, ParamValue] | None = None) -> Signature:
-        """Instantiate the signature for concrete shapes, checking arity and params."""
+    def bind(
+        self,
+        shapes: Sequence[Shape],
+        params: Mapping[str, ParamValue] | None = None,
+        in_dtypes: Sequence[str] | None = None,
+    ) -> Signature:
+        """Instantiate the signature for concrete shapes and dtypes (float32 when not given), checking arity,
+        params and dtypes."""
         if len(shapes) != len(self.inputs):
             raise KernelError(
                 f"{self.name}: expected {len(self.inputs)} inputs ({', '.join(self.inputs)}), got {len(shapes)}"
             )
         full = normalize_params(self, params or {})
+        in_dtypes = tuple(in_dtypes) if in_dtypes is not None else ("float32",) * len(shapes)
+        for slot, d in zip(self.inputs, in_dtypes):
+            dtypes.check(d, f"{self.name} input {slot!r}")
+        rule = self.dtype_rule or matching(self.inputs)
+        out_dtype = rule(in_dtypes, dict(full))
         spec = self.signature(*[tuple(s) for s in shapes], **dict(full))
-        return Signature(self, tuple(tuple(s) for s in shapes), full, spec)
+        if any(s < 0 for s in spec.sizes):
+            raise KernelError(f"{self.name}: negative index-space size {list(spec.sizes)}")
+        return Signature(self, tuple(tuple(s) for s in shapes), full, spec, in_dtypes, out_dtype)
 
 
-def normalize_params(kernel: Kernel, params: Mapping[str, ParamValue]) -> Params:
+def _param_value(kernel: Kernel, name: str, value: Any) -> ParamValue:
+    """`value` checked against the type of the param's default: never truncated or coerced silently."""
+    default = kernel.params[name]
+    expected = type(default).__name__
+    if isinstance(value, np.generic):
+        value = value.item()
+    ok: bool
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif isinstance(default, str):
+        ok = isinstance(value, str)
+    else:
+        expected = "list of ints"
+        ok = isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        value = tuple(value) if ok else value
+    if not ok:
+        raise KernelError(f"{kernel.name}: param {name!r} must be {expected}, got {value!r}")
+    return value
+
+
+def normalize_params(kernel: Kernel, params: Mapping[str, Any]) -> Params:
     unknown = set(params) - set(kernel.params)
     if unknown:
         raise KernelError(
             f"{kernel.name}: unknown param(s) {sorted(unknown)}; expected some of {sorted(kernel.params) or 'none'}"
         )
     merged = {**kernel.params, **params}
-    return tuple((k, tuple(v) if isinstance(v, (list, tuple)) else int(v)) for k, v in sorted(merged.items()))
+    return tuple((k, _param_value(kernel, k, v)) for k, v in sorted(merged.items()))
 
 
 @dataclass(frozen=True)
@@ -110,6 +172,8 @@ class Signature:
     input_shapes: tuple[Shape, ...]
     params: Params
     spec: SignatureSpec
+    input_dtypes: tuple[str, ...] = ()
+    dtype: str = "float32"  # the output's
 
     @property
     def index(self) -> ZRange:
@@ -157,7 +221,12 @@ class Signature:
         return kwargs
 
     def compute(self, blocks: Sequence[np.ndarray], index_block: ZRange) -> np.ndarray:
-        return self.kernel.numpy(*blocks, **self.call_kwargs(index_block))
+        """The numpy impl on `blocks`: half-precision floats computed in float32, the result in `dtype`."""
+        args = [
+            b.astype(dtypes.compute_dtype(d), copy=False) if dtypes.is_float(d) else b
+            for b, d in zip(blocks, self.input_dtypes)
+        ]
+        return dtypes.cast(self.kernel.numpy(*args, **self.call_kwargs(index_block)), self.dtype)
 
     # -- cost formulas -------------------------------------------------------------------------
     @cached_property
@@ -179,11 +248,12 @@ class Signature:
 
     @cached_property
     def bytes_expr(self) -> sympy.Expr:
-        """Bytes read and written by one index block (float32)."""
+        """Bytes read and written by one index block, each tensor at its dtype's size."""
         if self.kernel.is_view:
             return sympy.Integer(0)
-        elements = sum((self.footprint_expr(p) for p in (*self.projections, self.output)), sympy.Integer(0))
-        return 4 * elements
+        sizes = [dtypes.itemsize(d) for d in (*self.input_dtypes, self.dtype)]
+        pairs = zip((*self.projections, self.output), sizes)
+        return sum((size * self.footprint_expr(p) for p, size in pairs), sympy.Integer(0))
 
     @cached_property
     def _cost_fn(self) -> Callable[..., tuple[float, float]]:
@@ -199,7 +269,7 @@ class Signature:
     def __str__(self) -> str:
         args = ", ".join(f"{n}{list(s)}" for n, s in zip(self.kernel.inputs, self.input_shapes))
         params = "".join(f", {k}={v}" for k, v in self.params)
-        return f"{self.kernel.name}({args}{params}) -> {list(self.output_shape)}"
+        return f"{self.kernel.name}({args}{params}) -> {self.dtype}{list(self.output_shape)}"
 
 
 def prod(values: Sequence[int]) -> int:

@@ -45,6 +45,7 @@ class Compute:
     blocks: tuple[Block, ...]
     layout: Layout
     origin: str = ""  # the logical node (and the rules that made it), for explanations
+    input_dtypes: tuple[str, ...] = ()  # () means float32 throughout (plans saved before dtypes)
 
     @classmethod
     def running(cls, sig: Signature, part: Partition, origin: str = "") -> Compute:
@@ -55,11 +56,11 @@ class Compute:
         n = len(sig.input_shapes)
         needs = tuple(needed_layout(sig, i, part) for i in range(n))
         return cls("?", sig.kernel.name, sig.params, ("?",) * n, sig.input_shapes, needs, part.blocks,
-                   output_layout(sig, part), origin)
+                   output_layout(sig, part), origin, sig.input_dtypes)
 
     @cached_property
     def signature(self) -> Signature:
-        return get_kernel(self.kernel).bind(self.input_shapes, dict(self.params))
+        return get_kernel(self.kernel).bind(self.input_shapes, dict(self.params), self.input_dtypes or None)
 
     @property
     def shape(self) -> Shape:
@@ -98,14 +99,15 @@ class Plan:
 
     @cached_property
     def dtypes(self) -> dict[str, str]:
-        """Each value's dtype name: a result has its first argument's (as Graph assigns them), back to an input's."""
+        """Each value's dtype name: an input's from the graph, a result's from its kernel, a move keeps it."""
         found: dict[str, str] = {}
         for step in self.steps:
             if isinstance(step, Place):
                 found[step.out] = self.graph[step.input].dtype
+            elif isinstance(step, Reshard):
+                found[step.out] = found[step.src]
             else:
-                first = step.src if isinstance(step, Reshard) else next(iter(step.args), None)
-                found[step.out] = "float32" if first is None else found[first]
+                found[step.out] = step.signature.dtype
         return found
 
     def to_json(self) -> dict[str, Any]:
@@ -181,7 +183,7 @@ def _step_to_json(step: Step) -> dict[str, Any]:
         "params": {k: list(v) if isinstance(v, tuple) else v for k, v in step.params},
         "args": list(step.args), "input_shapes": [list(s) for s in step.input_shapes],
         "arg_layouts": [a.to_json() for a in step.arg_layouts], "blocks": _blocks_json(step.blocks),
-        "layout": step.layout.to_json(), "origin": step.origin,
+        "layout": step.layout.to_json(), "origin": step.origin, "input_dtypes": list(step.input_dtypes),
     }
 
 
@@ -197,6 +199,6 @@ def _step_from_json(data: Mapping[str, Any]) -> Step:
         return Compute(
             data["out"], data["kernel"], params, tuple(data["args"]), tuple(tuple(s) for s in data["input_shapes"]),
             tuple(Layout.from_json(a) for a in data["arg_layouts"]), _blocks_parse(data["blocks"]),
-            Layout.from_json(data["layout"]), data.get("origin", ""),
+            Layout.from_json(data["layout"]), data.get("origin", ""), tuple(data.get("input_dtypes", ())),
         )
     raise ValueError(f"unknown plan step kind {kind!r}")

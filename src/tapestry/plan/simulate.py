@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tapestry import dtypes
+
 from tapestry.evaluator import read_block
 from tapestry.plan.plan import Compute, Place, Plan, Reshard
 from tapestry.plan.validate import PlanError
@@ -47,7 +49,7 @@ def simulate(plan: Plan, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarr
 
 
 def _place(plan: Plan, step: Place, inputs: Mapping[str, np.ndarray], devices: list[Device]) -> None:
-    array = np.asarray(inputs[step.input], dtype=plan.graph[step.input].dtype)
+    array = dtypes.cast(inputs[step.input], plan.graph[step.input].dtype)
     if array.shape != step.shape:
         raise PlanError(f"input {step.input!r}: expected shape {list(step.shape)}, got {list(array.shape)}")
     for device, block in zip(devices, step.layout.blocks):
@@ -63,24 +65,24 @@ def _read(devices: list[Device], k: int, value: str, region: ZRange, shape: tupl
     if value not in devices[k]:
         if needed:
             raise PlanError(f"{where} reads {inside} of {value} but holds none of it")
-        return np.zeros(region.shape, dtype=dtype)  # a block wholly in the padding
+        return np.zeros(region.shape, dtype=dtypes.to_numpy(dtype))  # a block wholly in the padding
     held = devices[k][value]
     if needed and not held.block.contains(inside):
         raise PlanError(f"{where} reads {inside} of {value} but holds only {held.block}")
     return read_block(held.cells, region.translate([-s for s in held.block.start]))
 
 
-def _compute(step: Compute, devices: list[Device], dtypes: Mapping[str, str]) -> None:
+def _compute(step: Compute, devices: list[Device], value_dtypes: Mapping[str, str]) -> None:
     sig = step.signature
     for k, (index_block, out_block) in enumerate(zip(step.blocks, step.layout.blocks)):
         if index_block is None:
             continue
         where = f"step {step.out} ({step.kernel}) on device {k}"
         args = [
-            _read(devices, k, arg, projection.apply(index_block), shape, dtypes[arg], where)
+            _read(devices, k, arg, projection.apply(index_block), shape, value_dtypes[arg], where)
             for arg, projection, shape in zip(step.args, sig.projections, step.input_shapes)
         ]
-        value = np.asarray(sig.compute(args, index_block), dtype=args[0].dtype if args else np.float32)
+        value = sig.compute(args, index_block)
         region = sig.output.apply(index_block)
         if value.shape != region.shape:
             raise PlanError(f"{where}: {step.kernel} returned shape {value.shape} for block {region}")
@@ -100,7 +102,7 @@ def _reshard(step: Reshard, devices: list[Device], dtype: str) -> None:
         own = step.src_layout.blocks[k]
         local = own.intersection(need) if own is not None else None
         pieces = incoming[k] + ([(k, local)] if local is not None and not local.is_empty else [])
-        cells = np.zeros(need.shape, dtype=dtype)
+        cells = np.zeros(need.shape, dtype=dtypes.to_numpy(dtype))
         for src, region in sorted(pieces, key=lambda p: p[0]):
             held = devices[src][step.src]
             part = held.cells[region.relative_to(held.block)]
@@ -116,7 +118,7 @@ def _reshard(step: Reshard, devices: list[Device], dtype: str) -> None:
 def assemble(layout: Layout, shape: tuple[int, ...], devices: list[Device], value: str, dtype: str) -> np.ndarray:
     """The tensor a layout's blocks mean: plain blocks must agree where they overlap (to rounding:
     replicas may have run different BLAS paths); partial ones add up."""
-    result = np.zeros(shape, dtype=dtype)
+    result = np.zeros(shape, dtype=dtypes.to_numpy(dtype))
     seen = np.zeros(shape, dtype=bool)
     for k, (device, block) in enumerate(zip(devices, layout.blocks)):
         if block is None:

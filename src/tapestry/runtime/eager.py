@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from tapestry import dtypes
 from tapestry.evaluator import random_inputs
 from tapestry.graph import Graph
 from tapestry.zspace import ZRange
@@ -33,7 +34,7 @@ def interpret(graph: Graph, values: Mapping[str, torch.Tensor]) -> dict[str, tor
 def eager_seconds(graph: Graph, warmup: int = 2, repeat: int = 10) -> float:
     """Median wall time of `interpret` in this process, on one thread."""
     torch.set_num_threads(1)
-    inputs = {k: torch.from_numpy(v) for k, v in random_inputs(graph).items()}
+    inputs = {k: dtypes.to_tensor(v) for k, v in random_inputs(graph).items()}
     times = []
     for _ in range(warmup + repeat):
         start = time.perf_counter()

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tapestry import dtypes
 from tapestry.evaluator import random_inputs
 from tapestry.graph import Graph
 from tapestry.lower.compile import shard_function
@@ -56,7 +57,7 @@ class InputSource:
         node = graph[name]
         if self.directory is None:
             return _seeded(graph, self.seed)[name][region.slices()]
-        return np.asarray(self._open(name, node.shape)[region.slices()], dtype=node.dtype)
+        return dtypes.cast(self._open(name, node.shape)[region.slices()], node.dtype)
 
     def _open(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         assert self.directory is not None
@@ -64,7 +65,7 @@ class InputSource:
         if npy.exists():
             array, path = np.load(npy, mmap_mode="r"), npy  # read only this rank's block from disk
         elif pt.exists():
-            array, path = torch.load(pt, weights_only=True).numpy(), pt
+            array, path = dtypes.from_tensor(torch.load(pt, weights_only=True)), pt
         else:
             raise InputError(f"input {name!r}: found neither {npy.name} nor {pt.name} in {self.directory}")
         if tuple(array.shape) != tuple(shape):
@@ -163,7 +164,7 @@ class RankRunner:
             start = time.perf_counter()
             try:
                 array = np.ascontiguousarray(self.inputs.block(graph, step.input, step.block))
-                buffers[step.out] = torch.from_numpy(array).to(self.device)
+                buffers[step.out] = dtypes.to_tensor(array).to(self.device)
             except Exception as err:
                 raise self._failed(step, err) from err
             times.append(time.perf_counter() - start)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tapestry import dtypes
 from tapestry.lower.compile import use_persistent_cache
 from tapestry.lower.program import LoweredProgram, lower
 from tapestry.plan.plan import Plan
@@ -240,6 +241,6 @@ def run_rank(
         reports: list[RankReport] | None = [report] * len(program.ranks) if rank == 0 else None
         dist.gather_object(report, reports, dst=0)
         if reports is not None:
-            outputs = {name: buffers[buf].cpu().numpy() for name, buf in program.outputs.items()}
+            outputs = {name: dtypes.from_tensor(buffers[buf]) for name, buf in program.outputs.items()}
             results.append(RunResult(outputs, tuple(reports)))
     return results if rank == 0 else None

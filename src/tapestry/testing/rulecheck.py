@@ -33,6 +33,11 @@ from tapestry.graph import Graph, GraphError, Value
 from tapestry.kernels import KernelError, ParamValue, Shape
 
 RTOL, ATOL = 1e-6, 1e-8
+MAX_RANK = 6  # kernel samplers stop at rank 3; a rule wrong only at rank 4 or 5 must still be drawn
+MAX_CELLS = 4096  # per drawn tensor, so large sizes and high ranks stay cheap to evaluate
+# Sizes past the kernel samplers' 7: a few larger ones, so a rule wrong only for big dims can fail.
+LARGE_SIZES = st.one_of(st.integers(8, 16), st.sampled_from([24, 32, 64]))
+LEAD_SIZES = st.integers(1, 4)
 # Kernel signatures reject shapes with KernelError, but a few index a tuple or
 # divide by a rank first; to a candidate filter they all mean "does not bind".
 _ILL_TYPED = (KernelError, ValueError, IndexError, ArithmeticError)
@@ -164,16 +169,42 @@ def _binds(term: SList, shapes: Mapping[str, Shape], params: Mapping[str, ParamV
 # -- drawing well-typed cases ----------------------------------------------------------------------
 
 
-def _shape_candidates(seeds: Sequence[Shape]) -> list[Shape]:
-    """Shapes an operand plausibly has next to `seeds`: each seed, its suffixes, and one dim swapped for a known size."""
-    pool = sorted({1, *(d for s in seeds for d in s)})
+@dataclass(frozen=True)
+class Extra:
+    """What widens one draw past the kernel samplers: leading dims (up to MAX_RANK) and sizes to swap in
+    (a large one, and the constants the guards compare with, so a guard like (> (Dim x 0) 10) can hold)."""
+
+    lead: Shape
+    sizes: tuple[int, ...]
+
+
+def _shape_candidates(seeds: Sequence[Shape], extra: Extra) -> list[Shape]:
+    """Shapes an operand plausibly has next to `seeds`: each seed, its suffixes, each seed with leading dims
+    added up to MAX_RANK, and one dim swapped for a known or extra size; none over MAX_CELLS cells."""
+    pool = sorted({1, *extra.sizes, *(d for s in seeds for d in s)})
     found: dict[Shape, None] = {}
     for seed in seeds:
         for k in range(len(seed) + 1):
             found[seed[k:]] = None
+        for k in range(1, MAX_RANK - len(seed) + 1):
+            found[(*extra.lead[:k], *seed)] = None
         for i, size in itertools.product(range(len(seed)), pool):
             found[(*seed[:i], size, *seed[i + 1 :])] = None
-    return list(found)
+    return [shape for shape in found if np.prod(shape, dtype=np.int64) <= MAX_CELLS]
+
+
+def _guard_constants(guards: Sequence[SList]) -> set[int]:
+    """Sizes the guards mention, and their neighbours: where a guard's truth changes."""
+    found: set[int] = set()
+    for guard in guards:
+        for atom in _atoms(guard):
+            if atom.lstrip("-").isdigit():
+                found |= {int(atom) - 1, int(atom), int(atom) + 1}
+    return {n for n in found if 1 <= n <= 64}
+
+
+def _atoms(expr: SExp) -> list[str]:
+    return [expr.text] if isinstance(expr, Atom) else [a for item in expr.items for a in _atoms(item)]
 
 
 def _param_candidates(sampled: ParamValue, default: ParamValue, seeds: Sequence[Shape]) -> list[ParamValue]:
@@ -191,20 +222,27 @@ def cases(draw: st.DrawFn, lhs: SList, guards: Sequence[SList]) -> Case:
     """A well-typed instance of `lhs` on which every guard holds."""
     shapes: dict[str, Shape] = {}
     params: dict[str, ParamValue] = {}
-    _draw_term(draw, lhs, guards, shapes, params)
+    lead = tuple(draw(st.lists(LEAD_SIZES, min_size=MAX_RANK, max_size=MAX_RANK)))
+    extra = Extra(lead, (draw(LARGE_SIZES), *sorted(_guard_constants(guards))))
+    _draw_term(draw, lhs, guards, shapes, params, extra)
     assume(all(holds(g, shapes, params) for g in guards))
     return Case(shapes, params, draw(st.integers(0, 2**32 - 1)))
 
 
 def _draw_term(
-    draw: st.DrawFn, term: SList, guards: Sequence[SList], shapes: dict[str, Shape], params: dict[str, ParamValue]
+    draw: st.DrawFn,
+    term: SList,
+    guards: Sequence[SList],
+    shapes: dict[str, Shape],
+    params: dict[str, ParamValue],
+    extra: Extra,
 ) -> None:
     """Bind the fresh variables of `term` (inner terms first) so that it type-checks."""
     ctor, tensors, args = _split(term)
     for inner in tensors:
         if isinstance(inner, SList):
-            _draw_term(draw, inner, guards, shapes, params)
-    sample_shapes, sample_params = ctor.kernel.sample(draw)
+            _draw_term(draw, inner, guards, shapes, params, extra)
+    sample_shapes, sample_params, *_ = ctor.kernel.sample(draw)
     fresh_tensors: dict[str, int] = {}  # variable -> its first operand position
     for position, t in enumerate(tensors):
         if isinstance(t, Atom) and t.text not in shapes:
@@ -216,7 +254,7 @@ def _draw_term(
         known = [term_shape(t, shapes, params) for t in tensors if isinstance(t, SList)]
         seeds = list(dict.fromkeys([sample_shapes[position], *known, *shapes.values()]))
         shapes[var] = _pick(
-            draw, _shape_candidates(seeds), var, lambda s: ({**shapes, var: s}, params), guards, term, n == last
+            draw, _shape_candidates(seeds, extra), var, lambda s: ({**shapes, var: s}, params), guards, term, n == last
         )
     for n, (var, name) in enumerate(fresh_params.items(), start=len(fresh_tensors)):
         default = ctor.kernel.params[name]
@@ -297,7 +335,10 @@ def _directions(rule: Rule) -> list[tuple[str, Rule]]:
 
 
 def check_rule(rule: Rule, max_examples: int = 100) -> RuleVerdict:
-    """Search for inputs on which `rule` changes the value; report the shrunk one with the rule's file:line."""
+    """Search for inputs on which `rule` changes the value; report the shrunk one with the rule's file:line.
+    Each direction of a birewrite needs examples of its own: one never tested fails, as "untested"."""
+    if max_examples < 1:
+        raise ValueError(f"max_examples must be at least 1, got {max_examples}")
     run = 0
 
     def wrong(case: Case) -> bool:
@@ -305,17 +346,21 @@ def check_rule(rule: Rule, max_examples: int = 100) -> RuleVerdict:
         run += 1
         return disagreement(direction, case) is not None
 
-    config = settings(max_examples=max_examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    config = settings(max_examples=max_examples, deadline=None, database=None, suppress_health_check=list(HealthCheck),
+                      print_blob=False)
     for label, direction in _directions(rule):
+        before = run
         try:
             case = find(cases(direction.lhs, direction.guards), wrong, settings=config)
         except (NoSuchExample, Unsatisfiable):
+            if run == before:
+                side = label.rstrip(": ") or ("left-to-right" if rule.form == "birewrite" else "")
+                return RuleVerdict(rule, False, run, f"{rule.where}: {side + ' untested: ' if side else ''}"
+                                   "no well-typed input satisfying the guards was found")
             continue
         except Uncheckable as err:
             return RuleVerdict(rule, False, run, f"{rule.where}: cannot be checked: {err}")
         return RuleVerdict(rule, False, run, f"{rule.where}: {label}{case}: {disagreement(direction, case)}")
-    if run == 0:
-        return RuleVerdict(rule, False, 0, f"{rule.where}: no well-typed input satisfying the guards was found")
     return RuleVerdict(rule, True, run)
 
 

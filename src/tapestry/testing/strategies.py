@@ -6,15 +6,18 @@ import itertools
 import numpy as np
 from hypothesis import strategies as st
 
+from tapestry import dtypes
 from tapestry.kernels import Kernel, Signature
 from tapestry.zspace import ZRange
 
 
 @st.composite
-def signatures(draw, kernel: Kernel) -> Signature:
-    """A kernel bound to random shapes and params from its own sampler."""
-    shapes, params = kernel.sample(draw)
-    return kernel.bind(shapes, params)
+def signatures(draw, kernel: Kernel, float_dtype: str = "float64") -> Signature:
+    """A kernel bound to random shapes, params and dtypes from its own sampler. A sampler returns
+    (shapes, params) or (shapes, params, dtypes); "float" in its dtypes (or no dtypes) means `float_dtype`."""
+    shapes, params, *rest = kernel.sample(draw)
+    in_dtypes = rest[0] if rest else ("float",) * len(shapes)
+    return kernel.bind(shapes, params, [float_dtype if d == "float" else d for d in in_dtypes])
 
 
 @st.composite
@@ -37,5 +40,15 @@ def partitions(draw, index: ZRange, dims: tuple[int, ...]) -> list[ZRange]:
 
 
 def arrays_for(sig: Signature, seed: int) -> list[np.ndarray]:
+    """Random arguments for `sig`: normal floats, random booleans, integers below each slot's index bound."""
     rng = np.random.default_rng(seed)
-    return [rng.standard_normal(s).astype(np.float64) for s in sig.input_shapes]
+    arrays = []
+    for slot, (shape, dtype) in enumerate(zip(sig.input_shapes, sig.input_dtypes)):
+        if dtypes.is_float(dtype):
+            arrays.append(dtypes.cast(rng.standard_normal(shape), dtype))
+        elif dtype == "bool":
+            arrays.append(rng.random(shape) < 0.5)
+        else:
+            bound = sig.kernel.index_bound(sig.input_shapes, slot) if sig.kernel.index_bound else None
+            arrays.append(rng.integers(0, max(1, bound or 4), shape).astype(dtype))
+    return arrays
