@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from tapestry.cli import main
-from tapestry.egraph.rules import BUILTIN_DIR, Rule, load_rule_file, load_rules
+from tapestry.egraph.rules import BUILTIN_DIR, EmptyRulesWarning, Rule, load_rule_file, load_rules
+from tapestry.testing import rulecheck
 from tapestry.testing.rulecheck import check_rule
 
 DATA = Path(__file__).parent / "data" / "rules"
@@ -57,3 +58,49 @@ def test_cli_exit_status_says_pass_fail_or_unloadable(capsys: pytest.CaptureFixt
 
 def test_cli_passes_the_shipped_rules():
     assert main(["check-rules", "--examples", "20"]) == 0
+
+
+@pytest.mark.parametrize("line", [3, 5, 7])
+def test_a_rule_wrong_only_where_its_guard_holds_is_drawn_there_and_fails(line: int):
+    """Ranks up to 6 and sizes past 7 are drawn, steered by the guard: each rule fails with a real counterexample."""
+    rule = next(r for r in load_rule_file(DATA / "wrong" / "guarded.egg").rules if r.line == line)
+    verdict = check_rule(rule, EXAMPLES)
+    assert not verdict.passed
+    assert verdict.counterexample.startswith(f"{rule.where}: x[")
+    assert "values differ" in verdict.counterexample or "shape" in verdict.counterexample
+
+
+def test_a_birewrite_direction_that_gets_no_example_fails_as_untested(tmp_path: Path, monkeypatch):
+    (tmp_path / "both.egg").write_text("(birewrite (Relu (Relu x)) (Relu x))\n")
+    (rule,) = load_rule_file(tmp_path / "both.egg").rules
+    drawn = rulecheck.cases
+
+    def no_right_to_left(lhs, guards):  # as if no input of the right-hand side could be drawn
+        return drawn(lhs, guards).filter(lambda case: False) if lhs == rule.rhs else drawn(lhs, guards)
+
+    monkeypatch.setattr(rulecheck, "cases", no_right_to_left)
+    verdict = check_rule(rule, 20)
+    assert not verdict.passed and verdict.examples_run == 20
+    assert verdict.counterexample == f"{rule.where}: right-to-left untested: no well-typed input satisfying the guards was found"
+
+
+def test_check_rules_refuses_zero_examples_and_an_empty_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    assert main(["check-rules", "--examples", "0"]) == 2
+    assert "--examples must be at least 1, got 0" in capsys.readouterr().err
+    with pytest.warns(EmptyRulesWarning, match="no \\*.egg rule files"):
+        assert main(["check-rules", str(tmp_path)]) == 1
+    assert "no rules found" in capsys.readouterr().out
+    (tmp_path / "blank.egg").write_text("; nothing yet\n")
+    with pytest.warns(EmptyRulesWarning, match="blank.egg: no rules in this file"):
+        assert main(["check-rules", str(tmp_path)]) == 1
+
+
+def test_the_rules_link_at_the_top_of_the_repository_reaches_the_shipped_rules(capsys: pytest.CaptureFixture[str]):
+    top = Path(__file__).parent.parent / "rules"
+    assert sorted(p.name for p in top.glob("*.egg")) == sorted(p.name for p in BUILTIN_DIR.glob("*.egg"))
+
+
+def test_a_failing_check_prints_no_hypothesis_hint(capsys: pytest.CaptureFixture[str]):
+    assert main(["check-rules", str(DATA / "wrong" / "commute.egg"), "--examples", "20"]) == 1
+    captured = capsys.readouterr()
+    assert "@seed" not in captured.out + captured.err and "reproduce_failure" not in captured.out + captured.err

@@ -75,3 +75,16 @@ def test_a_user_rules_dir_adds_its_ruleset(tmp_path: Path):
     assert [f.name for f in result.rule_files] == ["fusion", "substitution", "mine"]
     fired = {where for it in result.stats.iterations for where in it.matches}
     assert f"{tmp_path / 'mine.egg'}:2" in fired
+
+
+def test_a_rule_file_that_is_not_utf8_is_named_with_its_line(tmp_path: Path):
+    (tmp_path / "latin.egg").write_bytes(b"; caf\xe9\n(rewrite (Relu x) (Relu x))\n".replace(b"caf", b"\n"))
+    with pytest.raises(RuleFileError, match=r"latin\.egg:2: not UTF-8 text \(byte 0xe9\)"):
+        load_rule_file(tmp_path / "latin.egg")
+
+
+def test_a_repeated_rule_is_named_before_egglog_sees_it(tmp_path: Path, capfd: pytest.CaptureFixture[str]):
+    (tmp_path / "twice.egg").write_text("(birewrite (Relu (Relu x)) (Relu x))\n\n(rewrite (Relu x) (Relu (Relu x)))\n")
+    with pytest.raises(RuleFileError, match=r"twice\.egg:3: repeats the rule at line 1"):
+        load_rules([tmp_path])
+    assert "panicked" not in capfd.readouterr().err

@@ -7,6 +7,7 @@ leaves half-loaded rules in the e-graph being optimised.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,10 @@ FORMS = ("rewrite", "birewrite")
 
 class RuleFileError(ValueError):
     """A rule file that cannot be loaded; the message starts with file:line."""
+
+
+class EmptyRulesWarning(UserWarning):
+    """A rule file with no rules, or a directory with no *.egg files: probably not what was meant."""
 
 
 @dataclass(frozen=True)
@@ -123,11 +128,30 @@ def load_rule_file(path: str | Path) -> RuleFile:
     if not name.isidentifier():
         raise RuleFileError(f"{path}: the file name must be an identifier (it names the ruleset), found {name!r}")
     try:
-        forms = parse(path.read_text())
+        forms = parse(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        line = path.read_bytes()[: err.start].count(b"\n") + 1
+        raise RuleFileError(f"{path}:{line}: not UTF-8 text (byte {err.object[err.start]:#04x})") from None
     except SExpError as err:
         raise RuleFileError(f"{path}:{err.line}: {err}") from None
     table = arities()
-    return RuleFile(name, path, tuple(_parse_rule(f, name, path, table) for f in forms))
+    rules = tuple(_parse_rule(f, name, path, table) for f in forms)
+    first: dict[tuple[str, ...], Rule] = {}
+    for rule in rules:  # egglog panics on a repeated rule (a birewrite is two); say where instead
+        for key in _directions(rule):
+            if key in first:
+                raise RuleFileError(f"{rule.where}: repeats the rule at line {first[key].line}")
+            first[key] = rule
+    if not rules:
+        warnings.warn(f"{path}: no rules in this file", EmptyRulesWarning, stacklevel=2)
+    return RuleFile(name, path, rules)
+
+
+def _directions(rule: Rule) -> list[tuple[str, ...]]:
+    """The one-way rules egglog makes of `rule`, as (lhs, rhs, guards) text."""
+    guards = " ".join(map(str, rule.guards))
+    forward = (str(rule.lhs), str(rule.rhs), guards)
+    return [forward] if rule.form == "rewrite" else [forward, (str(rule.rhs), str(rule.lhs), guards)]
 
 
 def rule_paths(sources: Iterable[str | Path]) -> list[Path]:
@@ -136,7 +160,10 @@ def rule_paths(sources: Iterable[str | Path]) -> list[Path]:
     for source in sources:
         source = Path(source)
         if source.is_dir():
-            paths.extend(sorted(source.glob("*.egg")))
+            found = sorted(source.glob("*.egg"))
+            if not found:
+                warnings.warn(f"{source}: no *.egg rule files in this directory", EmptyRulesWarning, stacklevel=2)
+            paths.extend(found)
         elif source.is_file():
             paths.append(source)
         else:

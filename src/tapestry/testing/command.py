@@ -42,12 +42,18 @@ def verdict_table(verdicts: list[RuleVerdict]) -> Table:
 
 def run(args: argparse.Namespace) -> int:
     console = Console()
+    if args.examples < 1:
+        raise ValueError(f"--examples must be at least 1, got {args.examples}")
     try:
         files = load_rules(args.paths or None)
     except RuleFileError as err:
         console.print(f"[red]cannot load rules:[/] {escape(str(err))}", soft_wrap=True)
         return 2
     verdicts = check_rules(files, args.examples)
+    if not verdicts:
+        where = ", ".join(map(str, args.paths)) or "the package's rules"
+        console.print(f"[red]no rules found[/] in {escape(where)}: nothing was checked", soft_wrap=True)
+        return 1
     console.print(verdict_table(verdicts))
     failed = [v for v in verdicts if not v.passed]
     for v in failed:

@@ -24,6 +24,7 @@ import numpy as np
 from hypothesis import HealthCheck, assume, find, settings
 from hypothesis import strategies as st
 from hypothesis.errors import NoSuchExample, Unsatisfiable
+from hypothesis.reporting import with_reporter
 
 from tapestry.egraph.rules import Rule, RuleFile, variables
 from tapestry.egraph.schema import Constructor, constructors, decode_param
@@ -351,7 +352,8 @@ def check_rule(rule: Rule, max_examples: int = 100) -> RuleVerdict:
     for label, direction in _directions(rule):
         before = run
         try:
-            case = find(cases(direction.lhs, direction.guards), wrong, settings=config)
+            with with_reporter(lambda text: None):  # hypothesis' own hints (@seed, blobs) mean nothing to a rule author
+                case = find(cases(direction.lhs, direction.guards), wrong, settings=config)
         except (NoSuchExample, Unsatisfiable):
             if run == before:
                 side = label.rstrip(": ") or ("left-to-right" if rule.form == "birewrite" else "")
