@@ -88,3 +88,12 @@ def test_a_repeated_rule_is_named_before_egglog_sees_it(tmp_path: Path, capfd: p
     with pytest.raises(RuleFileError, match=r"twice\.egg:3: repeats the rule at line 1"):
         load_rules([tmp_path])
     assert "panicked" not in capfd.readouterr().err
+
+
+def test_a_rule_with_a_string_literal_shows_in_the_match_counts():
+    """egglog reports string literals as '' where the rule file has "": the stats still key it by file:line."""
+    g = Graph()
+    g.output("y", g.relu(g.transpose(g.transpose(g.input("x", (4, 6))))))
+    result = optimize(g, 1, budget=Budget(iterations=3))
+    fired = {where for it in result.stats.iterations for where in it.matches}
+    assert str(BUILTIN_DIR / "fusion.egg") + ":15" in fired

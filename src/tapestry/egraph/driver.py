@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -58,6 +59,14 @@ def _rule_index(files: Sequence[RuleFile]) -> dict[str, Rule]:
     return {rule.egglog: rule for f in files for rule in f.rules}
 
 
+_SINGLE_QUOTED = re.compile(r"'([^'\"]*)'")
+
+
+def _as_written(report_key: str) -> str:
+    """egglog's run report quotes string literals as '' where rule text has "": key them as written."""
+    return _SINGLE_QUOTED.sub(r'"\1"', report_key)
+
+
 def saturate(
     graph: Graph,
     mesh: Mesh,
@@ -83,7 +92,7 @@ def saturate(
             changed = False
             for f in rule_files:
                 found, updated = session.run_ruleset(f.name)
-                matches.update(found)
+                matches.update({_as_written(k): n for k, n in found.items()})
                 changed |= updated
             fired = [rules[k] for k, n in matches.items() if n and k in rules]
         stats = IterationStats(
