@@ -21,6 +21,11 @@ COMMAND_MODULES: tuple[str, ...] = (
 )
 
 
+# Packages only the optimiser and the pictures need. A machine that only runs saved plans (a GPU node) may lack
+# them: the commands that need one are left out there, and `--help` says which and why.
+OPTIONAL_PACKAGES = frozenset({"egglog", "islpy", "ortools", "graphviz"})
+
+
 class UserError(Exception):
     """A problem with the user's input: printed as one line, exit status 2."""
 
@@ -31,8 +36,20 @@ def build_parser() -> argparse.ArgumentParser:
         description="Shard, fuse and substitute tensor block programs, then run them.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    missing = {}
     for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if (err.name or "").split(".")[0] not in OPTIONAL_PACKAGES:
+                raise
+            missing[name] = err.name
+            continue
+        module.register(sub)
+    if missing:
+        parser.epilog = "left out here, for want of a package: " + ", ".join(
+            f"{name.removeprefix('tapestry.').removesuffix('.command')} commands ({package})"
+            for name, package in missing.items())
     return parser
 
 

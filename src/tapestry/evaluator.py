@@ -12,12 +12,10 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from tapestry import dtypes
-
+from tapestry import dtypes, zspace
 from tapestry.graph import Graph, GraphError
 from tapestry.kernels import Signature
 from tapestry.sharding.partition import non_additive_issues, split_reductions
-from tapestry import zspace
 from tapestry.zspace import ZRange
 
 Partition = Sequence[ZRange]
@@ -85,8 +83,11 @@ def evaluate_sharded(
     values = _check_inputs(graph, inputs)
     for node in graph.ops:
         sig = graph.signature(node.name)
-        parts = partitions.get(node.name, [sig.index])
-        check_partition(sig, parts, f"op {node.name!r} ({node.op})")
+        parts = partitions.get(node.name)
+        if parts is None:
+            parts = [sig.index]  # run whole: trivially a partition, so `evaluate` needs no islpy
+        else:
+            check_partition(sig, parts, f"op {node.name!r} ({node.op})")
         values[node.name] = run_sharded(sig, [values[a] for a in node.args], parts)
     return {name: values[target] for name, target in graph.outputs.items()}
 

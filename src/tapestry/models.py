@@ -1,37 +1,42 @@
-"""Example programs used by the demo, benchmarks and tests: the seeds' layer, MLPs, a transformer block."""
+"""Example programs used by the demo, benchmarks and tests: the seeds' layer, MLPs, a transformer block.
+
+Each takes the dtype of all its inputs (float32 by default; bfloat16 for the GPU benchmark).
+"""
 from __future__ import annotations
+
+import functools
 
 from tapestry.graph import Graph, Value
 
 
-def seeds_example(batch: int = 4096, features: int = 1024, out: int = 1024) -> Graph:
+def seeds_example(batch: int = 4096, features: int = 1024, out: int = 1024, dtype: str = "float32") -> Graph:
     """Y = ReLU(Linear(X, W, b)), the founding documents' running example."""
     g = Graph()
-    x = g.input("x", (batch, features))
-    w = g.input("w", (features, out))
-    b = g.input("b", (out,))
+    x = g.input("x", (batch, features), dtype)
+    w = g.input("w", (features, out), dtype)
+    b = g.input("b", (out,), dtype)
     g.output("y", g.relu(g.linear(x, w, b)))
     return g
 
 
-def mlp(depth: int = 4, batch: int = 512, width: int = 256) -> Graph:
+def mlp(depth: int = 4, batch: int = 512, width: int = 256, dtype: str = "float32") -> Graph:
     """`depth` layers of relu(linear(.)) of equal width."""
     g = Graph()
-    h = g.input("x", (batch, width))
+    h = g.input("x", (batch, width), dtype)
     for i in range(depth):
-        w = g.input(f"w{i}", (width, width))
-        b = g.input(f"b{i}", (width,))
+        w = g.input(f"w{i}", (width, width), dtype)
+        b = g.input(f"b{i}", (width,), dtype)
         h = g.relu(g.linear(h, w, b, name=f"fc{i}"), name=f"act{i}")
     g.output("y", h)
     return g
 
 
-def transformer_block(batch: int = 4, seq: int = 64, dim: int = 128, heads: int = 4) -> Graph:
+def transformer_block(batch: int = 4, seq: int = 64, dim: int = 128, heads: int = 4, dtype: str = "float32") -> Graph:
     """Pre-LN block: unmasked multi-head attention built from matmul/transpose/softmax/mul, then a GELU MLP."""
     g = Graph()
     dh = dim // heads
-    x = g.input("x", (batch, seq, dim))
-    param = g.input
+    x = g.input("x", (batch, seq, dim), dtype)
+    param = functools.partial(g.input, dtype=dtype)
 
     def heads_of(t: Value, perm: tuple[int, ...]) -> Value:
         return g.transpose(g.reshape(t, shape=(batch, seq, heads, dh)), perm=perm)

@@ -1,17 +1,22 @@
-"""Measure this machine into a Profile: one CPU core as a device, gloo on loopback as the links.
+"""Measure this machine into a Profile: one CPU core as a device, gloo on loopback as the links; or, with
+`calibrate_cuda`, one GPU as a device and nccl between GPUs as the links.
 
 Each number is the median of a few repetitions after a warm-up, because the
 cores are shared and noisy; the raw medians are kept in the provenance so a
 profile can be judged later. Link alpha and beta are fitted by non-negative
-least squares to the same ring formulas the cost model prices with.
+least squares to the same ring formulas the cost model prices with. On a GPU
+every timed call ends with a device synchronisation: kernels are only queued
+by the call itself.
 """
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import platform
 import socket
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,7 +32,7 @@ from rich.progress import Progress
 from scipy.optimize import nnls
 
 from tapestry.cost.comm import RING
-from tapestry.cost.profile import DeviceProfile, Link, Profile
+from tapestry.cost.profile import DeviceProfile, Link, Profile, load_profile
 
 WORLD = 2
 
@@ -48,39 +53,54 @@ class Budget:
         return cls((256, 512, 1024), 1 << 24, (1, 1 << 10, 1 << 16, 1 << 20, 1 << 22), 9)
 
 
-def median_seconds(fn: Callable[[], Any], reps: int) -> float:
+def _no_sync() -> None:
+    """The CPU's kernels are done when the call returns."""
+
+
+def synchronizer(device: str) -> Callable[[], None]:
+    """What ends a timed region on `device`: nothing on the CPU, waiting for the queued kernels on a GPU."""
+    return functools.partial(torch.cuda.synchronize, device) if device.startswith("cuda") else _no_sync
+
+
+def median_seconds(fn: Callable[[], Any], reps: int, sync: Callable[[], None] = _no_sync) -> float:
     fn()  # warm-up: allocation, first-touch, lazy init
+    sync()
     times = []
     for _ in range(reps):
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def matmul_flops(sizes: tuple[int, ...], reps: int) -> dict[int, float]:
-    """FLOP/s of an n×n float32 matmul per size; the peak is the best size."""
+def matmul_flops(sizes: tuple[int, ...], reps: int, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> dict[int, float]:
+    """FLOP/s of an n×n matmul per size; the peak is the best size."""
     rates = {}
     for n in sizes:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        rates[n] = 2 * n**3 / median_seconds(lambda: torch.mm(a, b), reps)
+        a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+        rates[n] = 2 * n**3 / median_seconds(lambda: torch.mm(a, b), reps, synchronizer(device))
     return rates
 
 
-def memory_bandwidth(elements: int, reps: int) -> float:
+def memory_bandwidth(elements: int, reps: int, device: str = "cpu") -> float:
     """Bytes/s of c = a + b on arrays far larger than cache: two reads and a write per element."""
-    a, b, c = torch.randn(elements), torch.randn(elements), torch.empty(elements)
-    return 3 * 4 * elements / median_seconds(lambda: torch.add(a, b, out=c), reps)
+    a, b = torch.randn(elements, device=device), torch.randn(elements, device=device)
+    c = torch.empty(elements, device=device)
+    return 3 * 4 * elements / median_seconds(lambda: torch.add(a, b, out=c), reps, synchronizer(device))
 
 
-def launch_overhead(reps: int, compile: bool = True, calls: int = 2000) -> tuple[float, float]:
+def launch_overhead(reps: int, compile: bool = True, calls: int = 2000, device: str = "cpu") -> tuple[float, float]:
     """Seconds per call, with no work, of (the runtime's shard function for a one-element add: inductor-compiled
     unless `compile` is False, a plain torch.add). The first is what every shard kernel costs the runtime
-    beyond its flops and bytes: the compiled callable's wrappers dwarf a bare torch call."""
+    beyond its flops and bytes: the compiled callable's wrappers dwarf a bare torch call. On a GPU the calls
+    queue their kernels, so this is the host's rate of issuing them, synchronised once per `calls`."""
     from tapestry.lower.compile import shard_function
 
-    a, b = torch.ones(1), torch.ones(1)
+    a, b = torch.ones(1, device=device), torch.ones(1, device=device)
     shard = shard_function("add", (), compile)
+    sync = synchronizer(device)
 
     def many(fn: Callable[..., Any]) -> Callable[[], None]:
         def run() -> None:
@@ -88,7 +108,7 @@ def launch_overhead(reps: int, compile: bool = True, calls: int = 2000) -> tuple
                 fn(a, b)
         return run
 
-    return median_seconds(many(shard), reps) / calls, median_seconds(many(torch.add), reps) / calls
+    return median_seconds(many(shard), reps, sync) / calls, median_seconds(many(torch.add), reps, sync) / calls
 
 
 def _matmul_worker(rank: int, n: int, reps: int, start: Any, results: Any) -> None:
@@ -123,29 +143,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _gloo_worker(rank: int, port: int, elements: tuple[int, ...], reps: int, results: Any) -> None:
+def _collective_worker(rank: int, port: int, elements: tuple[int, ...], reps: int, results: Any,
+                       backend: str = "gloo") -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    device = f"cuda:{rank}" if backend == "nccl" else "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     rows = []
     for n in elements:
-        x = torch.ones(n)
-        gathered = [torch.empty(n) for _ in range(WORLD)]
+        x = torch.ones(n, device=device)
+        gathered = [torch.empty(n, device=device) for _ in range(WORLD)]
         for kind, call, buffer in (
             ("all_reduce", lambda: dist.all_reduce(x), 4 * n),
             ("all_gather", lambda: dist.all_gather(gathered, x), 4 * n * WORLD),
         ):
             dist.barrier()
-            rows.append((kind, buffer, median_seconds(call, reps)))
+            rows.append((kind, buffer, median_seconds(call, reps, synchronizer(device))))
     if rank == 0:
         results.put(rows)
     dist.destroy_process_group()
 
 
-def gloo_collectives(elements: tuple[int, ...], reps: int) -> list[tuple[str, int, float]]:
-    """(collective, buffer bytes, median seconds) from two processes on loopback."""
+def collectives(elements: tuple[int, ...], reps: int, backend: str = "gloo") -> list[tuple[str, int, float]]:
+    """(collective, buffer bytes, median seconds) from two processes: on loopback (gloo), or on two GPUs (nccl)."""
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    mp.spawn(_gloo_worker, args=(_free_port(), elements, reps, results), nprocs=WORLD, join=True)
+    mp.spawn(_collective_worker, args=(_free_port(), elements, reps, results, backend), nprocs=WORLD, join=True)
     return results.get()
 
 
@@ -184,7 +208,7 @@ def calibrate(command: str, quick: bool = False, console: Console | None = None)
             alone = median_seconds(lambda: torch.mm(a, a), max(budget.reps, 20))
             cores, physical = concurrent_cores(n, max(budget.reps, 20), alone)
         with _phase(progress, f"gloo all_reduce/all_gather, {WORLD} processes on loopback"):
-            rows = gloo_collectives(budget.collective_elements, budget.reps)
+            rows = collectives(budget.collective_elements, budget.reps)
     link = fit_link(rows)
     return Profile(
         name="cpu-gloo",
@@ -212,3 +236,73 @@ def calibrate(command: str, quick: bool = False, console: Console | None = None)
             "collectives": [{"kind": k, "bytes": b, "seconds": s} for k, b, s in rows],
         },
     )
+
+
+GPU_MATMUL_SIZES = (1024, 2048, 4096, 8192)
+
+
+def _driver() -> str | None:
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else None
+
+
+def calibrate_cuda(command: str, name: str, quick: bool = False, console: Console | None = None,
+                   links_from: str = "gpu-h100-nccl") -> Profile:
+    """Measure GPU 0 as one device (float32 matmuls with torch's default precision, so TF32 only if it is
+    enabled), and nccl between GPUs 0 and 1 as the link. With one GPU there is no link to measure: the links
+    are copied from the profile `links_from`, and the provenance says so."""
+    sizes = (256, 512) if quick else GPU_MATMUL_SIZES
+    elements, reps = (1 << 20, 3) if quick else (1 << 28, 20)
+    device = "cuda:0"
+    torch.cuda.set_device(device)
+    with Progress(console=console or Console(stderr=True)) as progress:
+        with _phase(progress, f"float32 matmul {', '.join(map(str, sizes))}"):
+            rates = matmul_flops(sizes, reps, device)
+        with _phase(progress, f"bfloat16 matmul {', '.join(map(str, sizes))} (provenance only)"):
+            half = matmul_flops(sizes, reps, device, torch.bfloat16)
+        with _phase(progress, f"memory bandwidth ({4 * elements >> 20} MiB arrays)"):
+            bandwidth = memory_bandwidth(elements, reps, device)
+        with _phase(progress, "launch overhead (inductor-compiled shard function)" if not quick else "launch overhead"):
+            overhead, bare = launch_overhead(reps, compile=not quick, device=device)
+        gpus = torch.cuda.device_count()
+        if gpus >= 2:
+            with _phase(progress, f"nccl all_reduce/all_gather, {WORLD} GPUs"):
+                rows = collectives(Budget.choose(quick).collective_elements, reps, "nccl")
+            links: tuple[Link, ...] = (fit_link(rows),)
+            how = (f"nccl all_reduce/all_gather between GPUs 0 and 1, alpha and beta fitted (NNLS, relative error) "
+                   "to the ring formulas of tapestry.cost.comm")
+        else:
+            rows, links = [], load_profile(links_from).links
+            how = f"not measured: one GPU, no link; copied from the {links_from} profile"
+    properties = torch.cuda.get_device_properties(device)
+    return Profile(
+        name=name,
+        device=DeviceProfile(max(rates.values()), bandwidth, overhead, 0.0),
+        links=links,
+        provenance={
+            "command": command,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": f"{properties.name}, {properties.total_memory >> 20} MiB, {properties.multi_processor_count} "
+                       f"SMs, driver {_driver()}; host {platform.machine()} {platform.platform()}",
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "method": (
+                f"one GPU per device; medians of {reps} runs after a warm-up, each ended by torch.cuda.synchronize. "
+                f"peak_flops: best float32 n×n torch.mm (TF32 {'on' if torch.backends.cuda.matmul.allow_tf32 else 'off'}); "
+                "mem_bandwidth: c = a + b (3 × 4 bytes per element); launch_overhead: one call of the runtime's "
+                f"{'eager' if quick else 'inductor-compiled'} shard function for a one-element add "
+                f"(tapestry.lower.shard_function), host time per call over 2000 queued calls; cores: 0 (one GPU per "
+                f"rank); links: {how}"
+            ),
+            "matmul_flops_by_size": {str(n): r for n, r in rates.items()},
+            "bfloat16_matmul_flops_by_size": {str(n): r for n, r in half.items()},
+            "bare_torch_call_seconds": bare,
+            "gpus": gpus,
+            "collectives": [{"kind": k, "bytes": b, "seconds": s} for k, b, s in rows],
+        },
+    )
+

@@ -34,9 +34,12 @@ def register(subparsers: Any) -> None:
 
     calibrate = subparsers.add_parser(
         "calibrate",
-        help="measure this machine (one core per device, gloo on loopback) into a profile JSON",
+        help="measure this machine (one core per device, gloo on loopback; or GPUs and nccl) into a profile JSON",
     )
-    calibrate.add_argument("-o", "--output", type=Path, required=True, help="profile JSON to write")
+    calibrate.add_argument("-o", "--output", type=Path, required=True,
+                           help="profile JSON to write; on --device cuda its name is the profile's name")
+    calibrate.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                           help="cpu: one core per device, gloo links; cuda: one GPU per device, nccl links")
     calibrate.add_argument("--quick", action="store_true", help="a few seconds of tiny measurements (smoke test)")
     calibrate.set_defaults(func=run_calibrate)
 
@@ -102,10 +105,14 @@ def run_cost(args: argparse.Namespace) -> int:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from tapestry.cost.calibrate import calibrate  # imports torch.distributed: only when calibrating
+    from tapestry.cost.calibrate import calibrate, calibrate_cuda  # imports torch.distributed: only when calibrating
 
-    command = f"tapestry calibrate -o {args.output}" + (" --quick" if args.quick else "")
-    profile = calibrate(command, quick=args.quick)
+    command = f"tapestry calibrate -o {args.output}" + (" --device cuda" if args.device == "cuda" else "") + (
+        " --quick" if args.quick else "")
+    if args.device == "cuda":
+        profile = calibrate_cuda(command, args.output.stem, quick=args.quick)
+    else:
+        profile = calibrate(command, quick=args.quick)
     profile.save(args.output)
     device, link = profile.device, profile.links[0]
     Console(stderr=True, highlight=False).print(

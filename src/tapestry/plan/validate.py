@@ -6,12 +6,13 @@ inputs and blocks actually produce. Cost models and lowering rely on both.
 """
 from __future__ import annotations
 
+from tapestry import zspace
 from tapestry.kernels import DimKind, KernelError, Shape, Signature
 from tapestry.plan.plan import Compute, Place, Plan, Reshard, Step
 from tapestry.sharding import Block, Layout, Mesh
 from tapestry.sharding.comm import CommError, transfers
 from tapestry.sharding.partition import Partition, needed_layout, output_layout, partition_issues
-from tapestry.zspace import ZRange, covers
+from tapestry.zspace import ZRange
 
 
 class PlanError(ValueError):
@@ -164,7 +165,7 @@ def _read_problems(sig: Signature, arg: int, step: Compute, what: str) -> list[s
     needs = needed_layout(sig, arg, _partition(step.blocks))
     problems = []
     for device, (need, held) in enumerate(zip(needs.blocks, step.arg_layouts[arg].blocks)):
-        if need is not None and (held is None or not covers([held], need)):
+        if need is not None and (held is None or not zspace.covers([held], need)):
             problems.append(f"device {device} reads {need} of {what} {step.args[arg]!r} but holds only {held}")
     return problems
 
@@ -184,7 +185,7 @@ def _output_problems(plan: Plan, defined: dict[str, Step]) -> list[str]:
         if step.layout.partial:
             problems.append(f"{where} is partial: reduce it before returning it")
         held = [b for b in step.layout.blocks if b is not None]
-        if not layout_problems(step.layout, shape, plan.mesh) and not covers(held, ZRange.from_shape(shape)):
+        if not layout_problems(step.layout, shape, plan.mesh) and not zspace.covers(held, ZRange.from_shape(shape)):
             problems.append(f"{where}: the devices together do not hold the whole tensor")
         target = plan.graph.outputs.get(name)
         if target is not None and plan.graph[target].shape != shape:

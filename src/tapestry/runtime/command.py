@@ -97,7 +97,7 @@ def _run(args: argparse.Namespace) -> int:
     source = InputSource(args.seed, args.inputs)
     source.check(plan.graph)
     warmup, repeat = (PROFILE_WARMUP, PROFILE_REPEAT) if args.profile else (0, 1)
-    backend = args.backend or default_backend()
+    backend = args.backend or default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", plan.mesh.size)))
     job = Job((lower(plan),), (source,), args.compile, backend, args.timeout, warmup, repeat)
     try:
         results = run_torchrun(job) if _torchrun() else spawn(job)

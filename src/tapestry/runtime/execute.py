@@ -137,6 +137,8 @@ class RankRunner:
         buffers: dict[str, torch.Tensor] = dict(placed)
         for _ in range(warmup + repeat):
             dist.barrier()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # start from an idle GPU: the barrier itself is a device collective
             start = time.perf_counter()
             buffers, step_times = self.once(placed)
             totals.append(time.perf_counter() - start)
@@ -203,11 +205,15 @@ class RankRunner:
         return lambda buffers: comm(step, buffers.get(src), device, group)
 
     def once(self, placed: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[float]]:
-        """One run of the program after `place`: the buffers left at the end, and the seconds per step."""
+        """One run of the program after `place`: the buffers left at the end, and the seconds per step. On a GPU
+        the steps are only queued, so a step's time is read from CUDA events, from the end of the step before to
+        its own end on the device's stream; one synchronisation at the end, so launches still overlap kernels."""
         buffers = dict(placed)  # `placed` keeps the inputs for the next iteration; dropping them here frees nothing
-        times = []
-        on_step, fault, cuda = self.on_step, self._fault, self.device.type == "cuda"
-        for step, work, dead in self._bound:
+        times: list[float] = []
+        on_step, fault, marks = self.on_step, self._fault, self._marks
+        if marks:
+            marks[0].record()
+        for k, (step, work, dead) in enumerate(self._bound, 1):
             on_step(step.step)
             if fault == step.step:
                 os._exit(FAULT_EXIT_CODE)
@@ -216,12 +222,23 @@ class RankRunner:
                 buffers[step.out] = work(buffers)
             except Exception as err:
                 raise self._failed(step, err) from err
-            if cuda:
-                torch.cuda.synchronize(self.device)
-            times.append(time.perf_counter() - start)
+            if marks:
+                marks[k].record()
+            else:
+                times.append(time.perf_counter() - start)
             for name in dead:
                 buffers.pop(name, None)  # a rank holding no block of a value still names it as a collective's source
+        if marks:
+            marks[-1].synchronize()
+            times = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
         return buffers, times
+
+    @cached_property
+    def _marks(self) -> list[torch.cuda.Event]:
+        """On a GPU, one timing event before the first step and one after each; none on the CPU."""
+        if self.device.type != "cuda":
+            return []
+        return [torch.cuda.Event(enable_timing=True) for _ in range(len(self._bound) + 1)]
 
 
 def _kind(step: RankStep) -> str:

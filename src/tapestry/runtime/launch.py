@@ -65,8 +65,16 @@ class Job:
     repeat: int = 1
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def default_backend(ranks: int = 1) -> str:
+    """nccl when each of `ranks` local ranks can have a GPU of its own (nccl needs one per rank), else gloo."""
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= ranks else "gloo"
+
+
+def check_backend(backend: str, ranks: int) -> None:
+    """Refuse, before any rank starts, an nccl run with fewer local GPUs than ranks."""
+    if backend == "nccl" and torch.cuda.device_count() < ranks:
+        raise ValueError(f"nccl needs one GPU per rank: {ranks} ranks, {torch.cuda.device_count()} GPUs here "
+                         "(--backend gloo runs on the CPU)")
 
 
 def run_plan(plan: Plan, inputs: Inputs = None, nproc: int | None = None, **options: Any) -> RunResult:
@@ -97,7 +105,7 @@ def run_plans(
         for k, (plan, given) in enumerate(zip(plans, inputs or [None] * len(plans))):
             sources.append(_source(given, seed, Path(scratch) / str(k)))
             sources[-1].check(plan.graph)
-        job = Job(tuple(lower(p) for p in plans), tuple(sources), compile, backend or default_backend(), timeout,
+        job = Job(tuple(lower(p) for p in plans), tuple(sources), compile, backend or default_backend(nproc), timeout,
                   warmup, repeat)
         return spawn(job)
 
@@ -118,6 +126,7 @@ def _source(inputs: Inputs, seed: int, scratch: Path) -> InputSource:
 def spawn(job: Job) -> list[RunResult]:
     use_persistent_cache()  # inherited by the ranks
     world = len(job.programs[0].ranks)
+    check_backend(job.backend, world)
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
     # per rank: program index, plan step. No lock: each rank writes only its own two slots, once per step, and

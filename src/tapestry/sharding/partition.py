@@ -11,10 +11,11 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from tapestry import zspace
 from tapestry.kernels import DimKind, Signature
 from tapestry.sharding.layout import Block, Layout
 from tapestry.sharding.mesh import Mesh
-from tapestry.zspace import IndexProjection, ZRange, partition_problems
+from tapestry.zspace import IndexProjection, ZRange
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def partition_issues(sig: Signature, blocks: tuple[Block, ...]) -> list[str]:
     blocks must partition the index space; duplicates only where nothing is partial."""
     distinct = sorted({b for b in blocks if b is not None}, key=lambda b: (b.start, b.end))
     split = split_reductions(sig, distinct)
-    issues = partition_problems(distinct, sig.index) + non_additive_issues(sig, split)
+    issues = zspace.partition_problems(distinct, sig.index) + non_additive_issues(sig, split)
     duplicated = len(distinct) < sum(b is not None for b in blocks)
     if split and duplicated:
         issues.append("splits a reduction while also replicating blocks: partial sums would be counted twice")
