@@ -17,7 +17,9 @@ from tapestry.plan import Plan
 from tapestry.sharding import Mesh
 
 _OPTIMIZER = {"Budget": "tapestry.egraph.driver", "OptimizeResult": "tapestry.optimizer",
-              "explore": "tapestry.optimizer", "optimize": "tapestry.optimizer"}
+              "explore": "tapestry.optimizer", "optimize": "tapestry.optimizer",
+              "from_torch": "tapestry.importer", "TorchImport": "tapestry.importer",
+              "TorchImportError": "tapestry.importer"}
 
 
 def __getattr__(name: str) -> Any:
@@ -26,5 +28,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["KERNELS", "Budget", "Graph", "GraphError", "Kernel", "Mesh", "OptimizeResult", "Plan", "evaluate",
-           "evaluate_sharded", "explore", "get_kernel", "load_graph", "optimize", "random_inputs", "save_graph"]
+__all__ = ["KERNELS", "Budget", "Graph", "GraphError", "Kernel", "Mesh", "OptimizeResult", "Plan", "TorchImport",
+           "TorchImportError", "evaluate", "evaluate_sharded", "explore", "from_torch", "get_kernel", "load_graph",
+           "optimize", "random_inputs", "save_graph"]

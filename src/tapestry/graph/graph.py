@@ -105,6 +105,12 @@ class Graph:
             raise GraphError(f"output {name!r} is defined twice")
         self.outputs[name] = target
 
+    def truncate(self, length: int) -> None:
+        """Drop every node added after the first `length`: a builder's rollback of a half-built subgraph."""
+        for name in list(self._nodes)[length:]:
+            del self._nodes[name]
+            self._signatures.pop(name, None)
+
     def __getattr__(self, op: str) -> Any:
         if op.startswith("_") or op not in KERNELS:
             raise AttributeError(f"Graph has no attribute or kernel {op!r}; kernels: {', '.join(sorted(KERNELS))}")

@@ -1,0 +1,279 @@
+"""Walk an exported ATen graph and build a Tapestry Graph.
+
+Each fx node becomes one of:
+- folded: every tensor it reads is a constant (or it reads only metadata, as `new_ones` does), so torch
+  computes it now and it becomes a constant (mask construction, position ids);
+- dropped: bookkeeping (`_assert_*`, `clone`, eval-mode `dropout`) that passes its input through;
+- converted: the converter registered for its ATen op (importer/aten.py) emits Tapestry kernels;
+- opaque: no converter (or one that declines), so it runs whole through torch (`opaque<n>` kernels),
+  or, with strict=True, an error naming the op, its source line and module path.
+"""
+from __future__ import annotations
+
+import collections
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
+
+from tapestry import dtypes
+from tapestry.graph import Graph, GraphError, Value
+from tapestry.importer.capture import TorchImportError
+from tapestry.kernels.opaque import MAX_ARITY, encode_args, opaque_name
+
+Converter = Callable[..., Any]
+CONVERTERS: dict[str, Converter] = {}
+PASS_THROUGH = {
+    "aten.clone.default", "aten.contiguous.default", "aten.alias.default", "aten.detach.default",
+    "aten.lift_fresh_copy.default", "aten.dropout.default",
+}
+METADATA_ONLY = {  # read only their tensor argument's shape, dtype or device
+    "aten.new_ones.default", "aten.new_zeros.default", "aten.new_full.default", "aten.new_empty.default",
+    "aten.ones_like.default", "aten.zeros_like.default", "aten.full_like.default", "aten.empty_like.default",
+    "aten.sym_size.int",
+}
+
+
+class Unsupported(Exception):
+    """Raised by a converter for a form of its op it does not map (the node then runs opaque)."""
+
+
+def converts(*names: str) -> Callable[[Converter], Converter]:
+    def register(fn: Converter) -> Converter:
+        for name in names:
+            CONVERTERS[name] = fn
+        return fn
+
+    return register
+
+
+def op_name(target: Any) -> str:
+    if target is operator.getitem:
+        return "getitem"
+    return str(target) if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
+
+
+@dataclass
+class Builder:
+    """What converters see: the graph under construction, and constants made into graph inputs."""
+
+    graph: Graph
+    constants: dict[str, np.ndarray] = field(default_factory=dict)
+    node: Any = None  # the fx node being converted
+
+    def op(self, kernel: str, *args: Value, **params: Any) -> Value:
+        return self.graph.op(kernel, *args, **params)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape torch gives the node being converted."""
+        return tuple(int(s) for s in _meta(self.node).shape)
+
+    @property
+    def dtype(self) -> str:
+        return dtypes.name_of(_meta(self.node).dtype)
+
+    def tensor(self, value: Any) -> Value:
+        """A graph value for a converter's tensor operand: constants become graph inputs."""
+        if isinstance(value, Value):
+            return value
+        if isinstance(value, torch.Tensor):
+            return self.constant(value)
+        raise Unsupported(f"expected a tensor, got {type(value).__name__}")
+
+    def constant(self, tensor: torch.Tensor) -> Value:
+        name = f"const_{len(self.constants)}"
+        self.constants[name] = dtypes.from_tensor(tensor.contiguous())
+        return self.graph.input(name, tuple(tensor.shape), dtypes.name_of(tensor.dtype))
+
+
+def _meta(node: Any) -> Any:
+    value = node.meta.get("val")
+    if isinstance(value, (tuple, list)):
+        raise Unsupported("multi-output node")
+    if value is None:
+        raise Unsupported("no shape recorded")
+    return value
+
+
+def _where(node: Any) -> str:
+    """The node's module path and source line, for errors and the coverage report."""
+    stack = node.meta.get("nn_module_stack") or {}
+    module = next(reversed(stack.values()))[0] if stack else "<top>"
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    line = next((t.strip() for t in reversed(trace) if t.strip().startswith("File ")), "")
+    return f"module {module!r}" + (f", {line}" if line else "")
+
+
+@dataclass
+class Translation:
+    graph: Graph
+    parameters: dict[str, str]  # graph input -> module state path (parameters and buffers)
+    user_inputs: list[str]  # graph inputs for the flattened user arguments, in order
+    constants: dict[str, np.ndarray]
+    outputs: list[str]  # graph output names, in the module's flattened output order
+    coverage: dict[str, collections.Counter]  # ATen op -> what it became ("linear", "folded", "opaque", ...)
+
+
+def translate(program: torch.export.ExportedProgram, strict: bool) -> Translation:
+    from tapestry.importer import aten  # noqa: F401  (registers the converters)
+
+    graph = Graph()
+    builder = Builder(graph)
+    env: dict[Any, Any] = {}
+    parameters: dict[str, str] = {}
+    user_inputs: list[str] = []
+    coverage: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    specs = {s.arg.name: s for s in program.graph_signature.input_specs if isinstance(s.arg, TensorArgument)}
+    for node in program.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = _placeholder(program, node, specs.get(node.name), graph, parameters, user_inputs)
+        elif node.op == "call_function":
+            env[node] = _call(builder, node, env, strict, coverage)
+    outputs: list[str] = []
+    user = [s.arg.name for s in program.graph_signature.output_specs if s.kind is OutputKind.USER_OUTPUT]
+    by_name = {n.name: n for n in program.graph.nodes}
+    for i, name in enumerate(user):
+        value = builder.tensor(env[by_name[name]])
+        graph.output(f"out{i}", value)
+        outputs.append(f"out{i}")
+    return Translation(graph, parameters, user_inputs, builder.constants, outputs, dict(coverage))
+
+
+def _placeholder(program, node, spec, graph: Graph, parameters: dict[str, str], user_inputs: list[str]) -> Any:
+    if spec is None:
+        return None  # a non-tensor argument (use_cache=False): export specialised on it
+    if spec.kind is InputKind.CONSTANT_TENSOR:
+        return program.constants[spec.target]
+    value = node.meta["val"]
+    shape, dtype = tuple(int(s) for s in value.shape), dtypes.name_of(value.dtype)
+    if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+        parameters[spec.target] = spec.target
+        return graph.input(spec.target, shape, dtype)
+    user_inputs.append(node.name)
+    return graph.input(node.name, shape, dtype)
+
+
+def _is_const(value: Any) -> bool:
+    """True when no graph value occurs in `value` (an op's resolved args): torch can compute it now."""
+    if isinstance(value, (list, tuple)):
+        return all(_is_const(v) for v in value)
+    if isinstance(value, dict):
+        return all(_is_const(v) for v in value.values())
+    return not isinstance(value, (Value, _Lazy))
+
+
+def _resolve(value: Any, env: dict[Any, Any]) -> Any:
+    if isinstance(value, torch.fx.Node):
+        return env[value]
+    if isinstance(value, (list, tuple)):
+        return type(value)(_resolve(v, env) for v in value)
+    if isinstance(value, dict):
+        return {k: _resolve(v, env) for k, v in value.items()}
+    return value
+
+
+def _as_dummy(value: Any) -> Any:
+    """A graph value replaced by zeros of its shape and dtype, for ops that read only metadata."""
+    if isinstance(value, Value):
+        return torch.zeros(value.shape, dtype=dtypes.to_torch(value.dtype))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_as_dummy(v) for v in value)
+    return value
+
+
+def _call(builder: Builder, node: Any, env: dict[Any, Any], strict: bool,
+          coverage: dict[str, collections.Counter]) -> Any:
+    name = op_name(node.target)
+    args, kwargs = _resolve(node.args, env), _resolve(node.kwargs, env)
+    if name.startswith("aten._assert") or name == "aten._assert_tensor_metadata.default":
+        coverage[name]["dropped"] += 1
+        return None
+    if name != "getitem" and (_is_const((args, kwargs)) or name in METADATA_ONLY):
+        coverage[name]["folded"] += 1
+        return node.target(*_as_dummy(args), **_as_dummy(kwargs))
+    if name == "getitem":
+        container, index = args
+        item = container[index]
+        if isinstance(item, _Lazy):
+            item = item.emit(builder, coverage)
+        return item
+    if name in PASS_THROUGH:
+        coverage[name]["dropped"] += 1
+        return args[0]
+    builder.node = node
+    converter = CONVERTERS.get(name)
+    if converter is not None:
+        size, constants = len(builder.graph), dict(builder.constants)
+        try:
+            result = converter(builder, *args, **kwargs)
+            if isinstance(result, Value):
+                result = _match_torch(builder, result)
+            made = {n.op for n in builder.graph.nodes[size:] if not n.is_input} or {"view of its input"}
+            coverage[name][", ".join(sorted(made))] += 1
+            return result
+        except (Unsupported, GraphError) as why:  # a form the kernels do not take: roll back, run it opaque
+            builder.graph.truncate(size)
+            builder.constants = constants
+            if strict:
+                raise TorchImportError(f"{name} at {_where(node)}: not supported ({why})") from None
+    elif strict:
+        raise TorchImportError(f"{name} at {_where(node)}: no Tapestry kernel (strict=True)")
+    return _opaque(builder, node, name, args, kwargs, coverage)
+
+
+def _match_torch(builder: Builder, value: Value) -> Value:
+    """Check a converted node against torch's own shape and dtype; cast where promotion rules differ."""
+    if value.shape != builder.shape:
+        raise TorchImportError(
+            f"{op_name(builder.node.target)} at {_where(builder.node)}: importer bug: shape {list(value.shape)}, "
+            f"torch gives {list(builder.shape)}"
+        )
+    if value.dtype != builder.dtype:
+        return builder.op("cast", value, dtype=builder.dtype)
+    return value
+
+
+@dataclass
+class _Lazy:
+    """One output of a multi-output opaque op, emitted when a getitem reads it."""
+
+    node: Any
+    name: str
+    args: Any
+    kwargs: Any
+    output: int
+
+    def emit(self, builder: Builder, coverage: dict[str, collections.Counter]) -> Value:
+        value = self.node.meta["val"][self.output]
+        return _emit_opaque(builder, self.node, self.name, self.args, self.kwargs, self.output, value, coverage)
+
+
+def _opaque(builder: Builder, node: Any, name: str, args: Any, kwargs: Any,
+            coverage: dict[str, collections.Counter]) -> Any:
+    value = node.meta.get("val")
+    if isinstance(value, (tuple, list)):
+        return [_Lazy(node, name, args, kwargs, i) for i in range(len(value))]
+    if not isinstance(value, torch.Tensor):
+        raise TorchImportError(f"{name} at {_where(node)}: returns {type(value).__name__}, not a tensor")
+    return _emit_opaque(builder, node, name, args, kwargs, 0, value, coverage)
+
+
+def _emit_opaque(builder: Builder, node: Any, name: str, args: Any, kwargs: Any, output: int, value: Any,
+                 coverage: dict[str, collections.Counter]) -> Value:
+    tensors: list[Any] = []
+    text = encode_args([list(args), kwargs], tensors)
+    if len(tensors) > MAX_ARITY:
+        raise TorchImportError(f"{name} at {_where(node)}: {len(tensors)} tensor arguments (opaque ops take "
+                               f"at most {MAX_ARITY})")
+    operands = [builder.tensor(t) for t in tensors]
+    coverage[name]["opaque"] += 1
+    try:
+        return builder.op(opaque_name(len(operands)), *operands, aten=name, args=text, output=output,
+                          shape=tuple(int(s) for s in value.shape), dtype=dtypes.name_of(value.dtype))
+    except GraphError as err:
+        raise TorchImportError(f"{name} at {_where(node)}: {err}") from None
