@@ -99,6 +99,7 @@ class Kernel:
     additive: frozenset[str] = frozenset()
     is_view: bool = False
     needs_out_shape: bool = False  # the impls take out_shape=: a block alone does not determine it
+    needs_block_start: bool = False  # the impls take block_start= (the index block's start): causal masks need it
     dtype_rule: DtypeRule | None = None  # None: floating inputs must agree (`matching`)
     # For integer inputs that index a table (an embedding's ids): (input shapes, slot) -> one past the largest
     # valid value, or None. Random inputs are drawn below it.
@@ -218,6 +219,8 @@ class Signature:
         kwargs: dict[str, Any] = dict(self.params)
         if self.kernel.needs_out_shape:
             kwargs["out_shape"] = self.output.apply(index_block).shape
+        if self.kernel.needs_block_start:
+            kwargs["block_start"] = index_block.start
         return kwargs
 
     def compute(self, blocks: Sequence[np.ndarray], index_block: ZRange) -> np.ndarray:
