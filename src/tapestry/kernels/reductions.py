@@ -1,15 +1,16 @@
-"""Kernels that read a whole axis: sum (additive, so its axis is an index dim),
-softmax and layer_norm (not additive, so their axis is inside the block)."""
+"""Kernels that read a whole axis: sum (additive, so its axis is an index dim); mean, amax, softmax,
+log_softmax, layer_norm and rms_norm (not additive, so their axis is inside the block)."""
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 from hypothesis import strategies as st
 
-from tapestry.kernels.kernel import Kernel, KernelError, Shape, SignatureSpec, follow
+from tapestry import dtypes
+from tapestry.kernels.kernel import Kernel, KernelError, ParamValue, Shape, SignatureSpec, follow
 from tapestry.kernels.registry import register
-
-EPS = 1e-5
 
 
 def _axis(shape: Shape, axis: int) -> int:
@@ -23,15 +24,32 @@ def _sample_axis(draw):
     return (shape,), {"axis": draw(st.integers(-len(shape), len(shape) - 1))}
 
 
-def sum_signature(x: Shape, axis: int) -> SignatureSpec:
+def _sample_keepdim(in_dtypes: tuple[str, ...]):
+    """One axis and keepdim over shapes of 2+ dims (so some index dim is left to split), x's dtype from `in_dtypes`."""
+
+    def sample(draw):
+        shape = tuple(draw(st.lists(st.integers(1, 7), min_size=2, max_size=3)))
+        params = {"axis": draw(st.integers(-len(shape), len(shape) - 1)), "keepdim": draw(st.booleans())}
+        return (shape,), params, (draw(st.sampled_from(in_dtypes)),)
+
+    return sample
+
+
+def sum_signature(x: Shape, axis: int, keepdim: bool) -> SignatureSpec:
     ax = _axis(x, axis)
     n = len(x)
+    out = [None if d == ax else d for d in range(n)] if keepdim else [d for d in range(n) if d != ax]
     return SignatureSpec(
         dims=tuple("reduce" if d == ax else f"d{d}" for d in range(n)),
         sizes=x,
         inputs=(follow(n, range(n)),),
-        output=follow(n, [d for d in range(n) if d != ax]),
+        output=follow(n, out),
     )
+
+
+def _sum_rule(in_dtypes: tuple[str, ...], params: Mapping[str, ParamValue]) -> str:
+    """torch sums integers and bools as int64."""
+    return in_dtypes[0] if dtypes.is_float(in_dtypes[0]) else "int64"
 
 
 register(
@@ -39,27 +57,59 @@ register(
         name="sum",
         inputs=("x",),
         signature=sum_signature,
-        numpy=lambda x, axis: x.sum(axis=axis),
-        torch=lambda x, axis: x.sum(dim=axis),
-        sample=_sample_axis,
-        params={"axis": -1},
+        numpy=lambda x, axis, keepdim: x.sum(axis=axis, keepdims=keepdim),
+        torch=lambda x, axis, keepdim: x.sum(dim=axis, keepdim=keepdim),
+        sample=_sample_keepdim(("float", "int32", "bool")),
+        params={"axis": -1, "keepdim": False},
         additive=frozenset({"reduce"}),
-        doc="sum over one axis (the axis is dropped)",
+        dtype_rule=_sum_rule,
+        doc="sum over one axis (dropped unless keepdim)",
     )
 )
 
 
-def whole_axis_signature(x: Shape, axis: int, extra: tuple[Shape, ...] = (), flops: int = 5) -> SignatureSpec:
-    """Index dims are x's dims but `axis`; every block reads and writes that axis whole."""
+def whole_axis_signature(
+    x: Shape, axis: int, extra: tuple[Shape, ...] = (), flops: int = 5, out: str = "whole"
+) -> SignatureSpec:
+    """Index dims are x's dims but `axis`; every block reads that axis whole, and writes it whole (`out`
+    "whole"), as one cell ("keep": a keepdim reduction) or not at all ("drop")."""
     ax = _axis(x, axis)
     kept = [d for d in range(len(x)) if d != ax]
     n = len(kept)
     rows = [kept.index(d) if d != ax else None for d in range(len(x))]
     block = follow(n, rows, shape=[x[ax] if d == ax else 1 for d in range(len(x))])
-    params = tuple(follow(n, [None], shape=s) for s in extra)
+    output = {"whole": block, "keep": follow(n, rows), "drop": follow(n, range(n))}[out]
+    params = tuple(follow(n, [None] * len(s), shape=s) for s in extra)
     return SignatureSpec(
-        tuple(f"d{d}" for d in kept), tuple(x[d] for d in kept), (block, *params), block, flops * x[ax]
+        tuple(f"d{d}" for d in kept), tuple(x[d] for d in kept), (block, *params), output, flops * x[ax]
     )
+
+
+def _mean_rule(in_dtypes: tuple[str, ...], params: Mapping[str, ParamValue]) -> str:
+    if not dtypes.is_float(in_dtypes[0]):
+        raise KernelError(f"mean needs a float x, got {in_dtypes[0]} (torch has no integer mean); cast it first")
+    return in_dtypes[0]
+
+
+def _reduce_whole(name: str, np_fn, torch_fn, rule, sample_dtypes: tuple[str, ...], doc: str) -> Kernel:
+    """A one-axis reduction whose axis is read whole inside each block (not additive, so never split)."""
+    return register(
+        Kernel(
+            name=name,
+            inputs=("x",),
+            signature=lambda x, axis, keepdim: whole_axis_signature(x, axis, flops=1, out="keep" if keepdim else "drop"),
+            numpy=lambda x, axis, keepdim: np_fn(x, axis=axis, keepdims=keepdim),
+            torch=lambda x, axis, keepdim: torch_fn(x, dim=axis, keepdim=keepdim),
+            sample=_sample_keepdim(sample_dtypes),
+            params={"axis": -1, "keepdim": False},
+            dtype_rule=rule,
+            doc=doc,
+        )
+    )
+
+
+_reduce_whole("mean", np.mean, torch.mean, _mean_rule, ("float",), "mean over one axis (dropped unless keepdim)")
+_reduce_whole("amax", np.max, torch.amax, None, ("float", "int64"), "max over one axis (dropped unless keepdim)")
 
 
 def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
@@ -67,45 +117,78 @@ def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
     return e / e.sum(axis=axis, keepdims=True)
 
 
-register(
-    Kernel(
-        name="softmax",
-        inputs=("x",),
-        signature=lambda x, axis: whole_axis_signature(x, axis),
-        numpy=_softmax,
-        torch=lambda x, axis: torch.softmax(x, dim=axis),
-        sample=_sample_axis,
-        params={"axis": -1},
-        doc="softmax over one axis",
+def _log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    shifted = x - x.max(axis=axis, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=axis, keepdims=True))
+
+
+def _whole_axis_map(name: str, np_fn, torch_fn, doc: str) -> Kernel:
+    """A map along one axis (softmax and its log), read and written whole inside each block."""
+    return register(
+        Kernel(
+            name=name,
+            inputs=("x",),
+            signature=lambda x, axis: whole_axis_signature(x, axis),
+            numpy=np_fn,
+            torch=lambda x, axis: torch_fn(x, dim=axis),
+            sample=_sample_axis,
+            params={"axis": -1},
+            doc=doc,
+        )
     )
-)
 
 
-def layer_norm_signature(x: Shape, w: Shape, b: Shape) -> SignatureSpec:
-    if not x or w != x[-1:] or b != x[-1:]:
-        raise KernelError(f"layer_norm needs w and b of shape [{x[-1] if x else '?'}]; got w{list(w)}, b{list(b)}")
-    return whole_axis_signature(x, -1, extra=(w, b), flops=8)
+_whole_axis_map("softmax", _softmax, torch.softmax, "softmax over one axis")
+_whole_axis_map("log_softmax", _log_softmax, torch.log_softmax, "log of softmax over one axis, computed stably")
 
 
-def _layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
+def _norm_signature(name: str, x: Shape, *params: Shape) -> SignatureSpec:
+    if not x or any(p != x[-1:] for p in params):
+        got = ", ".join(f"{list(p)}" for p in params)
+        raise KernelError(f"{name} needs params of shape [{x[-1] if x else '?'}] over x{list(x)}'s last axis; got {got}")
+    return whole_axis_signature(x, -1, extra=params, flops=8)
+
+
+def _layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
     mean = x.mean(axis=-1, keepdims=True)
     var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
-    return ((x - mean) / np.sqrt(var + EPS) * w + b).astype(x.dtype)
+    return (x - mean) / np.sqrt(var + eps) * w + b
 
 
-def _sample_layer_norm(draw):
-    shape = tuple(draw(st.lists(st.integers(1, 7), min_size=1, max_size=3)))
-    return (shape, shape[-1:], shape[-1:]), {}
+def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps) * w
+
+
+def _sample_norm(params: int, eps: tuple[float, ...]):
+    def sample(draw):
+        shape = tuple(draw(st.lists(st.integers(1, 7), min_size=2, max_size=3)))
+        return (shape, *[shape[-1:]] * params), {"eps": draw(st.sampled_from(eps))}
+
+    return sample
 
 
 register(
     Kernel(
         name="layer_norm",
         inputs=("x", "w", "b"),
-        signature=layer_norm_signature,
+        signature=lambda x, w, b, eps: _norm_signature("layer_norm", x, w, b),
         numpy=_layer_norm,
-        torch=lambda x, w, b: torch.nn.functional.layer_norm(x, x.shape[-1:], w, b, EPS),
-        sample=_sample_layer_norm,
+        torch=lambda x, w, b, eps: torch.nn.functional.layer_norm(x, x.shape[-1:], w, b, eps),
+        sample=_sample_norm(2, (1e-5, 1e-12)),
+        params={"eps": 1e-5},
         doc="layer norm over the last axis, with scale w and shift b",
+    )
+)
+
+register(
+    Kernel(
+        name="rms_norm",
+        inputs=("x", "w"),
+        signature=lambda x, w, eps: _norm_signature("rms_norm", x, w),
+        numpy=_rms_norm,
+        torch=lambda x, w, eps: torch.nn.functional.rms_norm(x, x.shape[-1:], w, eps),
+        sample=_sample_norm(1, (1e-6, 1e-5)),
+        params={"eps": 1e-6},
+        doc="x / √(mean(x²) + eps) · w over the last axis",
     )
 )
