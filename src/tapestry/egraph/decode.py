@@ -99,18 +99,27 @@ class Decoder:
         steps: list[Step] = []
         value: dict[str, str] = {}
 
-        def emit(eclass: str) -> str:
-            if eclass in value:
-                return value[eclass]
-            node = chosen[eclass]
-            args = tuple(emit(c) for c in node.children)
-            if node.op == "Deliver":
-                value[eclass] = args[0]
-            else:
-                out = f"v{len(steps)}"
-                steps.append(self.step(node, out, args))  # type: ignore[arg-type]
-                value[eclass] = out
-            return value[eclass]
+        def emit(root: str) -> str:
+            """Post-order over the chosen nodes with an explicit stack: a 10,000-op chain is as deep."""
+            stack = [root]
+            while stack:
+                eclass = stack[-1]
+                if eclass in value:
+                    stack.pop()
+                    continue
+                node = chosen[eclass]
+                pending = [c for c in node.children if c not in value]
+                if pending:
+                    stack.extend(reversed(pending))
+                    continue
+                stack.pop()
+                args = tuple(value[c] for c in node.children)
+                if node.op == "Deliver":
+                    value[eclass] = args[0]
+                else:
+                    value[eclass] = out = f"v{len(steps)}"
+                    steps.append(self.step(node, out, args))  # type: ignore[arg-type]
+            return value[root]
 
         outputs = {root_names[egraph.class_ids[r]]: emit(egraph.class_ids[r]) for r in egraph.roots}
         ordered = {name: outputs[name] for name in graph.outputs}
