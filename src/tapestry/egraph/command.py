@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import runpy
 from pathlib import Path
 
 from rich.console import Console
@@ -11,21 +10,9 @@ from rich.table import Table
 
 from tapestry.egraph.driver import Budget, IterationStats
 from tapestry.egraph.schema import schema_text
-from tapestry.graph import Graph, load_graph
+from tapestry.graph import Graph
+from tapestry.program import load_program
 from tapestry.sharding import Mesh
-
-
-def load_program(path: Path) -> tuple[Graph, Mesh | None]:
-    """A graph JSON, or a Python script defining `graph` (and optionally `mesh`)."""
-    if path.suffix == ".py":
-        if not path.exists():
-            raise FileNotFoundError(f"{path}: no such script")
-        scope = runpy.run_path(str(path), run_name="__tapestry__")
-        graph = scope.get("graph")
-        if not isinstance(graph, Graph):
-            raise ValueError(f"{path}: the script must define `graph`, a tapestry.Graph")
-        return graph, scope.get("mesh")
-    return load_graph(path), None
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -16,7 +16,7 @@ from tapestry.dtypes import DTYPES
 from tapestry.kernels import KERNELS, KernelError, Params, Shape, Signature, get_kernel
 
 INPUT = "input"
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.]*$")  # module paths ("0.weight") included
 
 
 class GraphError(ValueError):

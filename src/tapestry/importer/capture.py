@@ -11,6 +11,7 @@ so SDPA must stay whole anyway.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -23,7 +24,9 @@ class TorchImportError(ValueError):
 def export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.export.ExportedProgram:
     """The module's functional ATen graph (non-strict export, so plain Python in forward is traced through)."""
     try:
-        program = torch.export.export(module, args, kwargs, strict=False)
+        with warnings.catch_warnings():  # torch 2.13's own pytree deprecation warnings, not the user's
+            warnings.simplefilter("ignore", FutureWarning)
+            program = torch.export.export(module, args, kwargs, strict=False)
     except Exception as err:  # torch.export raises many types; the user needs the first line and a hint
         first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
         hint = ""
@@ -32,4 +35,6 @@ def export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         raise TorchImportError(
             f"torch.export could not capture {type(module).__name__}: {type(err).__name__}: {first}{hint}"
         ) from None
-    return program.run_decompositions({})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return program.run_decompositions({})

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import runpy
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from tapestry.graph import Graph
 from tapestry.kernels import DimKind
 from tapestry.lower import lower
 from tapestry.plan import Plan, build_plan
+from tapestry.program import load_program
 from tapestry.runtime.launch import Job, RankFailure, RunResult, default_backend, run_torchrun, spawn
 from tapestry.runtime.execute import InputSource
 from tapestry.sharding import Mesh
@@ -66,11 +66,8 @@ def load_target(path: Path, nproc: int | None) -> Plan:
         if nproc is not None and nproc != plan.mesh.size:
             raise ValueError(f"{path}: the plan's mesh {plan.mesh} has {plan.mesh.size} devices, not --nproc {nproc}")
         return plan
-    scope = runpy.run_path(str(path))
-    graph = scope.get("graph")
-    if not isinstance(graph, Graph):
-        raise ValueError(f"{path} must define `graph`, a tapestry.Graph")
-    mesh = scope.get("mesh") or Mesh(nproc or 1)
+    graph, mesh = load_program(path)
+    mesh = mesh or Mesh(nproc or 1)
     if nproc is not None and mesh.size != nproc:
         raise ValueError(f"{path}: its mesh {mesh} has {mesh.size} devices, not --nproc {nproc}")
     optimize = getattr(tapestry, "optimize", None)
