@@ -241,7 +241,8 @@ def calibrate(command: str, quick: bool = False, console: Console | None = None)
 GPU_MATMUL_SIZES = (1024, 2048, 4096, 8192)
 
 
-def _driver() -> str | None:
+def driver_version() -> str | None:
+    """The NVIDIA driver's version, from nvidia-smi; None without one."""
     try:
         done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                               capture_output=True, text=True, timeout=30)
@@ -287,7 +288,7 @@ def calibrate_cuda(command: str, name: str, quick: bool = False, console: Consol
             "command": command,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": f"{properties.name}, {properties.total_memory >> 20} MiB, {properties.multi_processor_count} "
-                       f"SMs, driver {_driver()}; host {platform.machine()} {platform.platform()}",
+                       f"SMs, driver {driver_version()}; host {platform.machine()} {platform.platform()}",
             "torch": torch.__version__,
             "cuda": torch.version.cuda,
             "method": (
