@@ -65,7 +65,7 @@ class Builder:
     constants: dict[str, np.ndarray] = field(default_factory=dict)
     node: Any = None  # the fx node being converted
 
-    def op(self, kernel: str, *args: Value, **params: Any) -> Value:
+    def op(self, kernel: str, /, *args: Value, **params: Any) -> Value:
         return self.graph.op(kernel, *args, **params)
 
     @property
@@ -150,6 +150,8 @@ def _placeholder(program, node, spec, graph: Graph, parameters: dict[str, str], 
     if spec.kind is InputKind.CONSTANT_TENSOR:
         return program.constants[spec.target]
     value = node.meta["val"]
+    if spec.kind is InputKind.BUFFER and not value.dtype.is_floating_point:
+        return {**program.state_dict, **program.constants}[spec.target]  # an index table (position ids): folds
     shape, dtype = tuple(int(s) for s in value.shape), dtypes.name_of(value.dtype)
     if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
         parameters[spec.target] = spec.target
