@@ -360,3 +360,27 @@ def test_show_command_draws_a_plan_as_svg(tmp_path, capsys):
     build_plan(seeds_example(), Mesh(2), {"lin": (0,), "act": (1,)}).save(path)
     assert main(["show", str(path), "-o", str(tmp_path / "plan.svg")]) == 0
     assert (tmp_path / "plan.svg").read_text().lstrip().startswith(("<?xml", "<svg"))
+
+
+def _matmul_relu(mesh: Mesh, matmul_axes: tuple) -> Plan:
+    g = Graph()
+    g.output("y", g.relu(g.matmul(g.input("a", (8, 6)), g.input("b", (6, 4)))))
+    return build_plan(g, mesh, {"matmul_0": matmul_axes, "relu_0": (None,) * mesh.ndim})
+
+
+@pytest.mark.parametrize(("matmul_axes", "dropped", "cause"), [
+    ((0,), 0, r"cell \[\d+, \d+\] of zr\[0:8, 0:4\] never arrives"),  # rows gathered: one piece lost
+    ((2,), -1, r"device \d's partial sums of zr\[0:8, 0:4\] never arrive"),  # partial sums: the last one lost
+])
+def test_the_simulator_fails_when_a_needed_cell_or_partial_sum_never_arrives(monkeypatch, matmul_axes, dropped, cause):
+    """A lost transfer must not leave zeros that might pass for data: the simulator checks arrivals against the layouts."""
+    import tapestry.plan.simulate as simulation
+
+    plan = _matmul_relu(Mesh(4), matmul_axes)
+    inputs = random_inputs(plan.graph)
+    np.testing.assert_allclose(simulate(plan, inputs)["y"], evaluate(plan.graph, inputs)["y"], rtol=1e-5)
+    moves = simulation.transfers
+    monkeypatch.setattr(simulation, "transfers", lambda src, dst: [t for k, t in enumerate(moves(src, dst))
+                                                                   if k != dropped % len(moves(src, dst))])
+    with pytest.raises(PlanError, match=cause):
+        simulate(plan, inputs)

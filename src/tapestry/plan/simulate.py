@@ -91,11 +91,14 @@ def _compute(step: Compute, devices: list[Device], value_dtypes: Mapping[str, st
 
 
 def _reshard(step: Reshard, devices: list[Device], dtype: str) -> None:
-    """Every receiver builds its new block from what it kept and what it was sent."""
+    """Every receiver builds its new block from what it kept and what it was sent, and fails if a cell it needs
+    never arrives (plain source), or if a holder's partial sum of it never arrives (partial source): the moves
+    come from sharding.comm.transfers, the needs from the layouts alone."""
     incoming: dict[int, list[tuple[int, ZRange]]] = {k: [] for k in range(len(devices))}
     for t in transfers(step.src_layout, step.layout):
         incoming[t.dst].append((t.src, t.region))
     received = {}
+    partial = step.src_layout.partial
     for k, need in enumerate(step.layout.blocks):
         if need is None:
             continue
@@ -103,16 +106,33 @@ def _reshard(step: Reshard, devices: list[Device], dtype: str) -> None:
         local = own.intersection(need) if own is not None else None
         pieces = incoming[k] + ([(k, local)] if local is not None and not local.is_empty else [])
         cells = np.zeros(need.shape, dtype=dtypes.to_numpy(dtype))
+        arrived = {src: np.zeros(need.shape, dtype=bool) for src in range(len(devices))}
         for src, region in sorted(pieces, key=lambda p: p[0]):
             held = devices[src][step.src]
             part = held.cells[region.relative_to(held.block)]
-            if step.src_layout.partial:
+            if partial:
                 cells[region.relative_to(need)] += part
             else:
                 cells[region.relative_to(need)] = part
+            arrived[src][region.relative_to(need)] = True
+        _check_arrivals(step, k, need, arrived)
         received[k] = Shard(need, cells)
     for k, held in received.items():
         devices[k][step.out] = held
+
+
+def _check_arrivals(step: Reshard, k: int, need: ZRange, arrived: Mapping[int, np.ndarray]) -> None:
+    where = f"step {step.out} (reshard of {step.src}) on device {k}"
+    if not step.src_layout.partial:
+        missing = ~np.logical_or.reduce(list(arrived.values()))
+        if missing.any():
+            cell = [int(i) + s for i, s in zip(np.argwhere(missing)[0], need.start)]
+            raise PlanError(f"{where}: cell {cell} of {need} never arrives")
+        return
+    for src, block in enumerate(step.src_layout.blocks):
+        inside = None if block is None else block.intersection(need)
+        if inside is not None and not inside.is_empty and not arrived[src][inside.relative_to(need)].all():
+            raise PlanError(f"{where}: device {src}'s partial sums of {inside} never arrive")
 
 
 def assemble(layout: Layout, shape: tuple[int, ...], devices: list[Device], value: str, dtype: str) -> np.ndarray:
