@@ -4,10 +4,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import sympy
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tapestry import dtypes
 from tapestry.evaluator import check_partition, read_block, run_sharded
 from tapestry.graph import GraphError
 from tapestry.kernels import KERNELS, DimKind, KernelError, get_kernel
@@ -36,7 +36,7 @@ def test_torch_impl_matches_numpy(name, data, seed):
     blocks = [read_block(a, p.apply(sig.index)) for a, p in zip(arrays_for(sig, seed), sig.projections)]
     kwargs = sig.call_kwargs(sig.index)
     expected = sig.kernel.numpy(*blocks, **kwargs)
-    got = sig.kernel.torch(*[torch.from_numpy(np.ascontiguousarray(b)) for b in blocks], **kwargs)
+    got = sig.kernel.torch(*[dtypes.to_tensor(b) for b in blocks], **kwargs)
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-7, atol=1e-9)
 
 

@@ -86,7 +86,7 @@ def to_tensor(array: np.ndarray) -> Any:
     """A torch tensor sharing `array`'s memory where torch can (bfloat16 through its 16 bits)."""
     import torch
 
-    array = np.ascontiguousarray(array)
+    array = np.ascontiguousarray(array).reshape(np.shape(array))  # ascontiguousarray makes a 0-dim array 1-dim
     if array.dtype == _NUMPY["bfloat16"]:
         return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
     return torch.from_numpy(array)

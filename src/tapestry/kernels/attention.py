@@ -1,0 +1,160 @@
+"""Scaled dot-product attention as one kernel: softmax(q·kᵀ·scale + mask)·v.
+
+q[*B, L, E], k[*B, S, E], v[*B, S, Ev] -> [*B, L, Ev]. The index dims are the batch dims, the queries L
+and v's features Ev: all parallel. Every block reads its keys S and q's features E whole, since the
+softmax over keys is not additive. A causal mask (torch's top-left: query i sees keys j <= i) needs each
+query's absolute position, which a block alone does not give: the impls take the block's start
+(`needs_block_start`). A query that sees no key (a mask row all false or all -inf) gives zeros, as
+torch's math backend does.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from hypothesis import strategies as st
+
+from tapestry import dtypes
+from tapestry.kernels.kernel import Kernel, KernelError, ParamValue, Shape, SignatureSpec, follow, matching
+from tapestry.kernels.registry import register
+from tapestry.zspace import IndexProjection
+
+
+def _mask_projection(mask: Shape, full: Shape) -> IndexProjection:
+    """mask, broadcast to [*B, L, S]: its batch and query dims follow the index dims (or read one cell where
+    they are 1), its key dim is read whole."""
+    try:
+        fits = tuple(np.broadcast_shapes(mask, full)) == full
+    except ValueError:
+        fits = False
+    if not fits:
+        raise KernelError(f"mask{list(mask)} does not broadcast to [*B, L, S] = {list(full)}")
+    keys = len(full) - 1
+    lead = len(full) - len(mask)
+    rows = [None if t == keys or (size == 1 and full[t] != 1) else t for t, size in enumerate(mask, start=lead)]
+    return follow(keys + 1, rows, shape=[size if t == keys else 1 for t, size in enumerate(mask, start=lead)])
+
+
+def sdpa_signature(q: Shape, k: Shape, v: Shape, mask: Shape | None = None, **params: ParamValue) -> SignatureSpec:
+    if len(q) < 2 or len(k) != len(q) or len(v) != len(q) or k[:-2] != q[:-2] or v[:-2] != q[:-2]:
+        raise KernelError(f"sdpa needs q[*B, L, E], k[*B, S, E], v[*B, S, Ev]; got q{list(q)}, k{list(k)}, v{list(v)}")
+    if k[-1] != q[-1] or v[-2] != k[-2]:
+        raise KernelError(f"sdpa: k must have q's E={q[-1]} and v k's S={k[-2]}; got q{list(q)}, k{list(k)}, v{list(v)}")
+    batch, (length, features), (keys, out) = q[:-2], q[-2:], v[-2:]
+    nb = len(batch)
+    n = nb + 2
+    ones = (1,) * nb
+    inputs = [
+        follow(n, [*range(nb), nb, None], shape=(*ones, 1, features)),
+        follow(n, [*range(nb), None, None], shape=(*ones, keys, features)),
+        follow(n, [*range(nb), None, nb + 1], shape=(*ones, keys, 1)),
+    ]
+    if mask is not None:
+        inputs.append(_mask_projection(mask, (*batch, length, keys)))
+    return SignatureSpec(
+        dims=(*(f"batch{i}" for i in range(nb)), "query", "feature"),
+        sizes=(*batch, length, out),
+        inputs=tuple(inputs),
+        output=follow(n, range(n)),
+        # scores and softmax are per query row, shared by its Ev points; each point then sums S products
+        flops_per_point=2 * keys + math.ceil((2 * features + 5) * keys / max(out, 1)),
+    )
+
+
+def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, scale: float) -> np.ndarray:
+    scores = q @ np.swapaxes(k, -1, -2) * (scale or 1.0 / math.sqrt(q.shape[-1]))
+    if mask is not None:
+        scores = np.where(mask, scores, -np.inf) if mask.dtype == bool else scores + mask
+    top = scores.max(axis=-1, keepdims=True)
+    e = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
+    total = e.sum(axis=-1, keepdims=True)
+    return np.divide(e, total, out=np.zeros_like(e), where=total > 0) @ v
+
+
+def _causal(queries: int, keys: int, start: int) -> np.ndarray:
+    return (start + np.arange(queries))[:, None] >= np.arange(keys)[None, :]
+
+
+def _sdpa_numpy(q, k, v, causal: bool, scale: float, block_start: tuple[int, ...]) -> np.ndarray:
+    return _attention(q, k, v, _causal(q.shape[-2], k.shape[-2], block_start[-2]) if causal else None, scale)
+
+
+def _sdpa(q, k, v, mask, scale: float) -> Any:
+    """torch's attention; the mask is given q's rank (torch's fused CPU path rejects a 1-D mask on 4-D q)."""
+    if mask is not None:
+        mask = mask[(None,) * (q.dim() - mask.dim())]
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale or None)
+
+
+def _sdpa_torch(q, k, v, causal: bool, scale: float, block_start: tuple[int, ...]) -> Any:
+    mask = None
+    if causal:
+        rows = torch.arange(q.shape[-2], device=q.device) + block_start[-2]
+        mask = rows[:, None] >= torch.arange(k.shape[-2], device=q.device)[None, :]
+    return _sdpa(q, k, v, mask, scale)
+
+
+def _attention_rule(inputs: tuple[str, ...]):
+    """q, k and v share one float dtype (a float mask too, as torch requires); a mask may also be bool."""
+    agree = matching(inputs)
+
+    def rule(in_dtypes: tuple[str, ...], params: Mapping[str, ParamValue]) -> str:
+        for slot, d in zip(inputs, in_dtypes):
+            if not (dtypes.is_float(d) or (slot == "mask" and d == "bool")):
+                kind = "bool or float" if slot == "mask" else "float"
+                raise KernelError(f"{slot} must be {kind}, got {d}")
+        return agree(in_dtypes, params)
+
+    return rule
+
+
+def _sample_qkv(draw) -> tuple[Shape, Shape, Shape]:
+    batch = tuple(draw(st.lists(st.integers(1, 3), max_size=2)))
+    length, keys, features, out = (draw(st.integers(1, 6)) for _ in range(4))
+    return (*batch, length, features), (*batch, keys, features), (*batch, keys, out)
+
+
+def _sample_sdpa(draw):
+    return _sample_qkv(draw), {"causal": draw(st.booleans()), "scale": draw(st.sampled_from([0.0, 0.5]))}
+
+
+def _sample_sdpa_masked(draw):
+    q, k, v = _sample_qkv(draw)
+    full = (*q[:-1], k[-2])
+    keep = draw(st.integers(1, len(full)))
+    mask = tuple(s if draw(st.booleans()) else 1 for s in full[len(full) - keep :])
+    kind = draw(st.sampled_from(["bool", "float"]))
+    return (q, k, v, mask), {"scale": draw(st.sampled_from([0.0, 0.5]))}, ("float", "float", "float", kind)
+
+
+register(
+    Kernel(
+        name="sdpa",
+        inputs=("q", "k", "v"),
+        signature=sdpa_signature,
+        numpy=_sdpa_numpy,
+        torch=_sdpa_torch,
+        sample=_sample_sdpa,
+        params={"causal": False, "scale": 0.0},
+        needs_block_start=True,
+        dtype_rule=_attention_rule(("q", "k", "v")),
+        doc="softmax(q·kᵀ·scale)·v; causal: query i sees keys j <= i; scale 0 means 1/√E",
+    )
+)
+
+register(
+    Kernel(
+        name="sdpa_masked",
+        inputs=("q", "k", "v", "mask"),
+        signature=sdpa_signature,
+        numpy=lambda q, k, v, mask, scale: _attention(q, k, v, mask, scale),
+        torch=_sdpa,
+        sample=_sample_sdpa_masked,
+        params={"scale": 0.0},
+        dtype_rule=_attention_rule(("q", "k", "v", "mask")),
+        doc="softmax(q·kᵀ·scale + mask)·v; a bool mask is True where a query may attend, a float one is added",
+    )
+)
