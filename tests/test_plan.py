@@ -384,3 +384,22 @@ def test_the_simulator_fails_when_a_needed_cell_or_partial_sum_never_arrives(mon
                                                                    if k != dropped % len(moves(src, dst))])
     with pytest.raises(PlanError, match=cause):
         simulate(plan, inputs)
+
+
+def test_validation_computes_reads_itself_so_a_halo_a_row_short_is_caught(monkeypatch):
+    """Plan generation's needed_layout is not trusted: if it drops a halo row, validate_plan still sees the read."""
+    import tapestry.plan.plan as plans
+    from tapestry.sharding.partition import needed_layout
+
+    def short_halo(sig, arg, part):
+        layout, rows = needed_layout(sig, arg, part), sig.input_shapes[arg][2] if arg == 0 else None
+        return Layout(tuple(b if b is None or arg != 0 or b.end[2] == rows else
+                            ZRange(b.start, (*b.end[:2], b.end[2] - 1, *b.end[3:])) for b in layout.blocks))
+
+    g = Graph()
+    g.output("y", g.conv2d(g.input("x", (1, 2, 8, 8)), g.input("w", (3, 2, 3, 3)), padding=1))
+    validate_plan(build_plan(g, Mesh(2), {"conv2d_0": (2,)}))  # rows split: device 0 reads row 4 of device 1's
+    monkeypatch.setattr(plans, "needed_layout", short_halo)
+    with pytest.raises(PlanError, match=r"device 0 reads zr\[0:1, 0:2, 0:5, 0:8\] of arg 0 \(x\) 'v0' but holds only "
+                                        r"zr\[0:1, 0:2, 0:4, 0:8\]"):
+        validate_plan(build_plan(g, Mesh(2), {"conv2d_0": (2,)}))

@@ -11,7 +11,7 @@ from tapestry.kernels import DimKind, KernelError, Shape, Signature
 from tapestry.plan.plan import Compute, Place, Plan, Reshard, Step
 from tapestry.sharding import Block, Layout, Mesh
 from tapestry.sharding.comm import CommError, transfers
-from tapestry.sharding.partition import Partition, needed_layout, output_layout, partition_issues
+from tapestry.sharding.partition import Partition, output_layout, partition_issues
 from tapestry.zspace import ZRange
 
 
@@ -161,12 +161,19 @@ def _splits_reduction(sig: Signature, blocks: tuple[Block, ...]) -> bool:
 
 
 def _read_problems(sig: Signature, arg: int, step: Compute, what: str) -> list[str]:
-    """Each device must hold every cell of the input block its index block reads (cells outside the tensor are zero)."""
-    needs = needed_layout(sig, arg, _partition(step.blocks))
+    """Each device must hold every cell of the input its index block reads (cells outside the tensor are zero).
+    What it reads is islpy's image of the block under the signature's projection, not plan generation's own
+    `needed_layout`: a slip there (a halo a row short) must not pass both."""
+    projection, tensor = sig.projections[arg], zspace.to_isl_set(ZRange.from_shape(sig.input_shapes[arg]))
     problems = []
-    for device, (need, held) in enumerate(zip(needs.blocks, step.arg_layouts[arg].blocks)):
-        if need is not None and (held is None or not zspace.covers([held], need)):
-            problems.append(f"device {device} reads {need} of {what} {step.args[arg]!r} but holds only {held}")
+    for device, (block, held) in enumerate(zip(step.blocks, step.arg_layouts[arg].blocks)):
+        if block is None:
+            continue
+        reads = zspace.footprint(projection, block).intersect(tensor)
+        if reads.is_empty() or (held is not None and reads.is_subset(zspace.to_isl_set(held))):
+            continue
+        need = zspace.bounding_box(reads)
+        problems.append(f"device {device} reads {need} of {what} {step.args[arg]!r} but holds only {held}")
     return problems
 
 
