@@ -69,8 +69,8 @@ def test_matmul_k_is_an_additive_reduction():
 def test_conv_output_rows_are_windowed_when_the_kernel_overlaps():
     sig = bind("conv2d", (1, 2, 8, 8), (3, 2, 3, 3))
     assert dict(zip(sig.dims, sig.dim_kinds)) == {
-        "n": DimKind.PARALLEL, "k": DimKind.PARALLEL, "oh": DimKind.WINDOWED,
-        "ow": DimKind.WINDOWED, "c": DimKind.REDUCTION,
+        "n": DimKind.PARALLEL, "kg": DimKind.PARALLEL, "oh": DimKind.WINDOWED,
+        "ow": DimKind.WINDOWED, "c": DimKind.REDUCTION, "g": DimKind.PARALLEL,
     }
 
 

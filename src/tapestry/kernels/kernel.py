@@ -100,6 +100,9 @@ class Kernel:
     is_view: bool = False
     needs_out_shape: bool = False  # the impls take out_shape=: a block alone does not determine it
     needs_block_start: bool = False  # the impls take block_start= (the index block's start): causal masks need it
+    # The impls take read_pad=: per input, per dim, the (before, after) cells of the block's read that lie
+    # outside the tensor (zeros). Pools need it: their padding is not a zero (max) or not counted (mean).
+    needs_read_pad: bool = False
     dtype_rule: DtypeRule | None = None  # None: floating inputs must agree (`matching`)
     # For integer inputs that index a table (an embedding's ids): (input shapes, slot) -> one past the largest
     # valid value, or None. Random inputs are drawn below it.
@@ -221,6 +224,10 @@ class Signature:
             kwargs["out_shape"] = self.output.apply(index_block).shape
         if self.kernel.needs_block_start:
             kwargs["block_start"] = index_block.start
+        if self.kernel.needs_read_pad:
+            kwargs["read_pad"] = tuple(
+                _outside(p.apply(index_block), shape) for p, shape in zip(self.projections, self.input_shapes)
+            )
         return kwargs
 
     def compute(self, blocks: Sequence[np.ndarray], index_block: ZRange) -> np.ndarray:
@@ -273,6 +280,11 @@ class Signature:
         args = ", ".join(f"{n}{list(s)}" for n, s in zip(self.kernel.inputs, self.input_shapes))
         params = "".join(f", {k}={v}" for k, v in self.params)
         return f"{self.kernel.name}({args}{params}) -> {self.dtype}{list(self.output_shape)}"
+
+
+def _outside(box: ZRange, shape: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """Per dim, how many of `box`'s leading and trailing cells lie outside [0, shape)."""
+    return tuple((min(e - s, max(0, -s)), min(e - s, max(0, e - n))) for s, e, n in zip(box.start, box.end, shape))
 
 
 def prod(values: Sequence[int]) -> int:

@@ -137,7 +137,8 @@ def _check_arrivals(step: Reshard, k: int, need: ZRange, arrived: Mapping[int, n
 
 def assemble(layout: Layout, shape: tuple[int, ...], devices: list[Device], value: str, dtype: str) -> np.ndarray:
     """The tensor a layout's blocks mean: plain blocks must agree where they overlap (to rounding:
-    replicas may have run different BLAS paths); partial ones add up."""
+    replicas may have run different BLAS paths; NaN agrees with NaN, as a batch norm of a negative variance
+    gives on every replica); partial ones add up."""
     result = np.zeros(shape, dtype=dtypes.to_numpy(dtype))
     seen = np.zeros(shape, dtype=bool)
     for k, (device, block) in enumerate(zip(devices, layout.blocks)):
@@ -148,7 +149,7 @@ def assemble(layout: Layout, shape: tuple[int, ...], devices: list[Device], valu
             result[block.slices()] += cells
             continue
         earlier = seen[block.slices()]
-        if not np.allclose(result[block.slices()][earlier], cells[earlier], rtol=1e-6, atol=1e-6):
+        if not np.allclose(result[block.slices()][earlier], cells[earlier], rtol=1e-6, atol=1e-6, equal_nan=True):
             raise PlanError(f"value {value}: device {k}'s block {block} disagrees with another holder")
         result[block.slices()] = cells
         seen[block.slices()] = True
