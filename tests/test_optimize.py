@@ -18,6 +18,7 @@ from tapestry.plan import Compute, Plan
 from tapestry.plan.simulate import simulate
 from tapestry.plan.validate import validate_plan
 from tapestry.sharding import Mesh
+from tapestry.verify import PlanMeaningError, error
 
 
 @pytest.fixture(scope="module")
@@ -174,3 +175,25 @@ def test_a_ten_thousand_op_chain_is_planned(extractor: str):
     plan = optimize(chain(10_000), 1, rules=[], budget=Budget(iterations=1, seconds=300), extractor=extractor,
                     time_limit=120).plan
     assert len(plan.steps) == 10_001
+
+
+def test_optimize_refuses_a_plan_that_computes_something_else(tmp_path):
+    """A wrong rule that check-rules did not draw where it is wrong still cannot make a wrong plan: optimize
+    simulates the plan it chose on random inputs against the reference evaluator."""
+    (tmp_path / "cheap.egg").write_text("(rewrite (Relu (Exp x)) (Relu x) :when ((>= (Rank x) 4)))\n")
+    g = tapestry.Graph()
+    g.output("y", g.relu(g.exp(g.input("x", (3, 3, 2, 2)))))
+    with pytest.raises(PlanMeaningError, match=r"output 'y': max abs err .* \(tolerance 0.001\)"):
+        optimize(g, 2, rules=[tmp_path])
+
+
+@pytest.mark.parametrize(("got", "want", "ok"), [
+    ([1.0, np.nan, np.inf], [1.0, np.nan, np.inf], True),  # shared NaNs and equal infinities agree
+    ([1.0, np.nan], [1.0, 2.0], False),
+    ([1.0, 2.0], [1.0, np.nan], False),
+    ([np.inf], [-np.inf], False),
+    ([1.0, 2.0005], [1.0, 2.0], True),
+    ([1.0, 2.01], [1.0, 2.0], False),
+])
+def test_output_errors_treat_nan_as_a_value(got, want, ok):
+    assert error(np.array(got), np.array(want), "float32").ok is ok

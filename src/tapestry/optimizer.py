@@ -20,6 +20,7 @@ from tapestry.plan import Plan, Step
 from tapestry.plan.explain import explain as explain_plan
 from tapestry.plan.validate import validate_plan
 from tapestry.sharding import Mesh
+from tapestry.verify import CHECK_CELLS, cells, check_meaning
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,8 @@ class Explored:
             raise AssertionError(f"extractor {extractor} returned an invalid selection: {problems[0]}")
         plan = self.decoder.plan(egraph, selection, self.graph, self.names)
         validate_plan(plan)  # exact: partitions, covered reads, possible moves (islpy)
+        if cells(self.graph) <= CHECK_CELLS:
+            check_meaning(plan)  # a rule that passed check-rules can still be wrong where it was not drawn
         if isinstance(model, MemoryWeighted):  # report time, not the scalarised objective
             plan = Plan(plan.mesh, plan.graph, plan.steps, plan.outputs,
                         sum(model.base.step_cost(s, self.mesh) for s in plan.steps), plan.notes)
