@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
 from hypothesis import strategies as st
 
 from tapestry.kernels.kernel import Kernel, KernelError, ParamValue, Shape, SignatureSpec, follow
@@ -44,7 +45,7 @@ register(
         inputs=("ids", "weight"),
         signature=embedding_signature,
         numpy=lambda ids, weight: weight[ids],
-        torch=lambda ids, weight: weight[ids],  # F.embedding turns 0-dim ids into [1, D]
+        torch=lambda ids, weight: torch.nn.functional.embedding(ids, weight),
         sample=_sample,
         dtype_rule=_rule,
         index_bound=lambda shapes, slot: shapes[1][0] if slot == 0 else None,
