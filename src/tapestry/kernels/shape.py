@@ -37,7 +37,8 @@ def slice_signature(x: Shape, axis: int, start: int, stop: int, step: int) -> Si
     out = tuple(len(range(lo, hi, step)) if d == ax else s for d, s in enumerate(x))
     n = len(x)
     at_axis = [d == ax for d in range(n)]
-    projection = follow(n, range(n), scale=[step if a else 1 for a in at_axis], offset=[lo if a else 0 for a in at_axis])
+    scale, offset = [step if a else 1 for a in at_axis], [lo if a else 0 for a in at_axis]
+    projection = follow(n, range(n), scale=scale, offset=offset)
     return SignatureSpec(_dims(n), out, (projection,), follow(n, range(n)), 0)
 
 

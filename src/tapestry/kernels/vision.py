@@ -98,7 +98,8 @@ def _pool_sampler(avg: bool):
         kernel = draw(st.integers(1, 3))
         padding, stride = draw(st.integers(0, kernel // 2)), draw(st.integers(0, 2))
         least = max(1, kernel - 2 * padding)
-        shape = (draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(least, 7)), draw(st.integers(least, 7)))
+        n, c = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+        shape = (n, c, draw(st.integers(least, 7)), draw(st.integers(least, 7)))
         params = {"kernel": kernel, "stride": stride, "padding": padding}
         return (shape,), {**params, "count_include_pad": draw(st.booleans())} if avg else params
 
