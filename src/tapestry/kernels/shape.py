@@ -42,6 +42,11 @@ def slice_signature(x: Shape, axis: int, start: int, stop: int, step: int) -> Si
     return SignatureSpec(_dims(n), out, (projection,), follow(n, range(n)), 0)
 
 
+def _every_step(x, axis: int, start: int, stop: int, step: int):
+    """The block read starts at a selected cell and spans step·(n-1)+1 cells: keep every step-th (numpy or torch)."""
+    return x[_along(x.ndim, axis, slice(None, None, step))]
+
+
 def _sample_slice(draw):
     shape = tuple(draw(st.lists(st.integers(1, 7), min_size=1, max_size=3)))
     axis = draw(st.integers(-len(shape), len(shape) - 1))
@@ -58,8 +63,8 @@ register(
         name="slice",
         inputs=("x",),
         signature=slice_signature,
-        numpy=lambda x, axis, start, stop, step: x[_along(x.ndim, axis, slice(None, None, step))],
-        torch=lambda x, axis, start, stop, step: x[_along(x.ndim, axis, slice(None, None, step))],
+        numpy=_every_step,
+        torch=_every_step,
         sample=_sample_slice,
         params={"axis": 0, "start": 0, "stop": 0, "step": 1},
         is_view=True,
