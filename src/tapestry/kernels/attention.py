@@ -42,7 +42,8 @@ def sdpa_signature(q: Shape, k: Shape, v: Shape, mask: Shape | None = None, **pa
     if len(q) < 2 or len(k) != len(q) or len(v) != len(q) or k[:-2] != q[:-2] or v[:-2] != q[:-2]:
         raise KernelError(f"sdpa needs q[*B, L, E], k[*B, S, E], v[*B, S, Ev]; got q{list(q)}, k{list(k)}, v{list(v)}")
     if k[-1] != q[-1] or v[-2] != k[-2]:
-        raise KernelError(f"sdpa: k must have q's E={q[-1]} and v k's S={k[-2]}; got q{list(q)}, k{list(k)}, v{list(v)}")
+        got = f"q{list(q)}, k{list(k)}, v{list(v)}"
+        raise KernelError(f"sdpa: k must have q's E={q[-1]} and v k's S={k[-2]}; got {got}")
     batch, (length, features), (keys, out) = q[:-2], q[-2:], v[-2:]
     nb = len(batch)
     n = nb + 2

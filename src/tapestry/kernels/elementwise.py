@@ -9,22 +9,19 @@ promotion; a graph dtype rule sees dtypes, not shapes).
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import scipy.special
 import torch
+import torch.nn.functional as F
 from hypothesis import strategies as st
 
 from tapestry import dtypes
 from tapestry.kernels.kernel import DtypeRule, Kernel, KernelError, ParamValue, Shape, SignatureSpec, follow, promoted
 from tapestry.kernels.registry import register
-
-Sampler = Callable[[Callable[[Any], Any]], tuple]
-
 
 def _shape(draw, min_dims: int = 1, max_dims: int = 3) -> Shape:
     return tuple(draw(st.lists(st.integers(1, 7), min_size=min_dims, max_size=max_dims)))
@@ -68,39 +65,8 @@ def unary_signature(flops: int) -> Callable[..., SignatureSpec]:
     return signature
 
 
-def _unary(
-    name: str,
-    flops: int,
-    np_fn: Callable[..., np.ndarray],
-    torch_fn: Callable[..., Any],
-    doc: str,
-    rule: DtypeRule | None = None,
-    sample_dtypes: tuple[str, ...] = ("float",),
-    params: Mapping[str, ParamValue] | None = None,
-    signature: Callable[..., SignatureSpec] | None = None,
-) -> Kernel:
-    if rule is float_result:  # torch has no integer gelu or silu: compute integers as float32, like sqrt does
-        torch_fn = _floating(torch_fn)
-
-    def sample(draw):
-        return (_shape(draw, 0),), {}, (draw(st.sampled_from(sample_dtypes)),)
-
-    return register(
-        Kernel(
-            name=name,
-            inputs=("x",),
-            signature=signature or unary_signature(flops),
-            numpy=_quiet(np_fn),
-            torch=torch_fn,
-            sample=sample,
-            params=params or {},
-            dtype_rule=rule,
-            doc=doc,
-        )
-    )
-
-
 def _floating(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """torch `fn` with integer and bool x computed as float32, like torch's sqrt (torch has no integer gelu)."""
     return lambda x, **params: fn(x if x.is_floating_point() else x.float(), **params)
 
 
@@ -116,32 +82,64 @@ def _gelu_signature(x: Shape, approximate: str) -> SignatureSpec:
     return unary_signature(8)(x)
 
 
-UNARY: tuple[tuple[str, int, Callable[..., np.ndarray], Callable[..., Any], DtypeRule | None, tuple[str, ...], str], ...] = (
-    # name, flops, numpy, torch, dtype rule (None: x's), sampled x dtypes, doc
-    ("relu", 1, lambda x: np.maximum(x, 0), torch.relu, None, ("float", "int64"), "max(x, 0)"),
-    ("neg", 1, np.negative, torch.neg, None, ("float", "int64"), "-x"),
-    ("abs", 1, np.abs, torch.abs, None, ("float", "int32"), "|x|"),
-    ("exp", 4, np.exp, torch.exp, float_result, ("float",), "e^x"),
-    ("log", 4, np.log, torch.log, float_result, ("float",), "natural log (NaN below 0)"),
-    ("sqrt", 4, np.sqrt, torch.sqrt, float_result, ("float",), "√x (NaN below 0)"),
-    ("rsqrt", 5, lambda x: 1.0 / np.sqrt(x), torch.rsqrt, float_result, ("float",), "1/√x"),
-    ("tanh", 8, np.tanh, torch.tanh, float_result, ("float",), "tanh x"),
-    ("sigmoid", 6, scipy.special.expit, torch.sigmoid, float_result, ("float",), "1/(1 + e^-x)"),
-    ("silu", 7, lambda x: x * scipy.special.expit(x), torch.nn.functional.silu, float_result, ("float",), "x·sigmoid(x)"),
-    ("logical_not", 1, np.logical_not, torch.logical_not, to_bool, ("bool", "float"), "not x (x ≠ 0 is true), bool"),
+@dataclass(frozen=True)
+class Unary:
+    """One elementwise map of x."""
+
+    name: str
+    numpy: Callable[..., np.ndarray]
+    torch: Callable[..., Any]
+    flops: int
+    result: DtypeRule | None  # None: x's dtype
+    samples: tuple[str, ...]  # sampled x dtypes
+    doc: str
+    params: Mapping[str, ParamValue] = field(default_factory=dict)
+    signature: Callable[..., SignatureSpec] | None = None  # None: the identity on x's shape
+
+
+REAL = ("float",)  # maps into the reals are only sampled at floats: float32 results from integers round differently
+
+UNARY: tuple[Unary, ...] = (
+    Unary("relu", lambda x: np.maximum(x, 0), torch.relu, 1, None, ("float", "int64"), "max(x, 0)"),
+    Unary("neg", np.negative, torch.neg, 1, None, ("float", "int64"), "-x"),
+    Unary("abs", np.abs, torch.abs, 1, None, ("float", "int32"), "|x|"),
+    Unary("exp", np.exp, torch.exp, 4, float_result, REAL, "e^x"),
+    Unary("log", np.log, torch.log, 4, float_result, REAL, "natural log (NaN below 0)"),
+    Unary("sqrt", np.sqrt, torch.sqrt, 4, float_result, REAL, "√x (NaN below 0)"),
+    Unary("rsqrt", lambda x: 1.0 / np.sqrt(x), torch.rsqrt, 5, float_result, REAL, "1/√x"),
+    Unary("tanh", np.tanh, torch.tanh, 8, float_result, REAL, "tanh x"),
+    Unary("sigmoid", scipy.special.expit, torch.sigmoid, 6, float_result, REAL, "1/(1 + e^-x)"),
+    Unary("silu", lambda x: x * scipy.special.expit(x), F.silu, 7, float_result, REAL, "x·sigmoid(x)"),
+    Unary("logical_not", np.logical_not, torch.logical_not, 1, to_bool, ("bool", "float"), "not x (x ≠ 0 is true)"),
+    Unary(
+        "gelu", _gelu, lambda x, approximate: F.gelu(x, approximate=approximate), 8, float_result,
+        REAL, "x·Φ(x): approximate 'none' is the erf form, 'tanh' the tanh approximation",
+        params={"approximate": "none"}, signature=_gelu_signature,
+    ),
 )
 
-for _name, _flops, _np, _torch, _rule, _dtypes, _doc in UNARY:
-    _unary(_name, _flops, _np, _torch, _doc, _rule, _dtypes)
 
-_unary(
-    "gelu", 8, _gelu,
-    lambda x, approximate: torch.nn.functional.gelu(x, approximate=approximate),
-    "x·Φ(x): approximate 'none' is the erf form, 'tanh' the tanh approximation",
-    rule=float_result,
-    params={"approximate": "none"},
-    signature=_gelu_signature,
-)
+def _unary(op: Unary) -> Kernel:
+    def sample(draw):
+        return (_shape(draw, 0),), {}, (draw(st.sampled_from(op.samples)),)
+
+    return register(
+        Kernel(
+            name=op.name,
+            inputs=("x",),
+            signature=op.signature or unary_signature(op.flops),
+            numpy=_quiet(op.numpy),
+            torch=_floating(op.torch) if op.result is float_result else op.torch,
+            sample=sample,
+            params=op.params,
+            dtype_rule=op.result,
+            doc=op.doc,
+        )
+    )
+
+
+for _unary_op in UNARY:
+    _unary(_unary_op)
 
 
 # -- binary, with numpy broadcasting ----------------------------------------------------------
@@ -160,7 +158,8 @@ def broadcast_signature(*shapes: Shape, **params: ParamValue) -> SignatureSpec:
         lead = n - len(shape)
         return follow(n, [None if size == 1 and out[lead + r] != 1 else lead + r for r, size in enumerate(shape)])
 
-    return SignatureSpec(tuple(f"d{i}" for i in range(n)), out, tuple(projection(s) for s in shapes), follow(n, range(n)))
+    inputs = tuple(projection(s) for s in shapes)
+    return SignatureSpec(tuple(f"d{i}" for i in range(n)), out, inputs, follow(n, range(n)))
 
 
 def _broadcast_shapes(draw, count: int) -> tuple[Shape, ...]:
@@ -231,8 +230,10 @@ BINARY: tuple[Binary, ...] = (
     Binary("le", np.less_equal, torch.le, 1, promoted, to_bool, ARITHMETIC, "a <= b"),
     Binary("gt", np.greater, torch.gt, 1, promoted, to_bool, ARITHMETIC, "a > b"),
     Binary("ge", np.greater_equal, torch.ge, 1, promoted, to_bool, ARITHMETIC, "a >= b"),
-    Binary("logical_and", np.logical_and, torch.logical_and, 1, None, to_bool, LOGICAL, "a and b (≠ 0 is true)", False),
-    Binary("logical_or", np.logical_or, torch.logical_or, 1, None, to_bool, LOGICAL, "a or b (≠ 0 is true)", False),
+    Binary("logical_and", np.logical_and, torch.logical_and, 1, None, to_bool, LOGICAL, "a and b (≠ 0 is true)",
+           twin=False),
+    Binary("logical_or", np.logical_or, torch.logical_or, 1, None, to_bool, LOGICAL, "a or b (≠ 0 is true)",
+           twin=False),
 )
 
 
@@ -291,7 +292,7 @@ def _scalar_twin(op: Binary) -> Kernel:
         # Integers only meet integral values here: their float32 results would round differently from
         # numpy's float64 ones (tests/test_kernels_more.py covers them).
         ints = [0.0, 1.0, 2.0, 3.0] if op.name == "pow" else [0.0, 1.0, 2.0, -1.0]
-        values = [0.0, 1.0, -2.0, 0.5, 1.5, 3.0] if dtypes.is_float(x) or x == "float" else ints
+        values = [0.0, 1.0, -2.0, 0.5, 1.5, 3.0] if x == "float" else ints
         params = {"value": draw(st.sampled_from(values)), "reverse": draw(st.booleans())}
         return (_shape(draw, 0),), params, (x,)
 
@@ -310,10 +311,10 @@ def _scalar_twin(op: Binary) -> Kernel:
     )
 
 
-for _op in BINARY:
-    _binary(_op)
-    if _op.twin:
-        _scalar_twin(_op)
+for _binary_op in BINARY:
+    _binary(_binary_op)
+    if _binary_op.twin:
+        _scalar_twin(_binary_op)
 
 
 # -- selection and casts -------------------------------------------------------------------------------

@@ -97,7 +97,9 @@ def _reduce_whole(name: str, np_fn, torch_fn, rule, sample_dtypes: tuple[str, ..
         Kernel(
             name=name,
             inputs=("x",),
-            signature=lambda x, axis, keepdim: whole_axis_signature(x, axis, flops=1, out="keep" if keepdim else "drop"),
+            signature=lambda x, axis, keepdim: whole_axis_signature(
+                x, axis, flops=1, out="keep" if keepdim else "drop"
+            ),
             numpy=lambda x, axis, keepdim: np_fn(x, axis=axis, keepdims=keepdim),
             torch=lambda x, axis, keepdim: torch_fn(x, dim=axis, keepdim=keepdim),
             sample=_sample_keepdim(sample_dtypes),
@@ -145,7 +147,8 @@ _whole_axis_map("log_softmax", _log_softmax, torch.log_softmax, "log of softmax 
 def _norm_signature(name: str, x: Shape, *params: Shape) -> SignatureSpec:
     if not x or any(p != x[-1:] for p in params):
         got = ", ".join(f"{list(p)}" for p in params)
-        raise KernelError(f"{name} needs params of shape [{x[-1] if x else '?'}] over x{list(x)}'s last axis; got {got}")
+        size = x[-1] if x else "?"
+        raise KernelError(f"{name} needs params of shape [{size}] over x{list(x)}'s last axis; got {got}")
     return whole_axis_signature(x, -1, extra=params, flops=8)
 
 
