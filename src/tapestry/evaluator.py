@@ -98,12 +98,14 @@ def evaluate(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, np.nda
 
 
 def random_inputs(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
-    """Inputs reproducible from `seed`: standard-normal floats, random booleans, and integers that index every
-    table they are used to index (an embedding's rows), else in [0, 4)."""
+    """Inputs reproducible from `seed`: the graph's constants as they are, standard-normal floats, random
+    booleans, and integers that index every table they are used to index (an embedding's rows), else in [0, 4)."""
     rng = np.random.default_rng(seed)
     values = {}
     for node in graph.inputs:
-        if dtypes.is_float(node.dtype):
+        if node.name in graph.constants:
+            values[node.name] = graph.constants[node.name]
+        elif dtypes.is_float(node.dtype):
             values[node.name] = dtypes.cast(rng.standard_normal(node.shape), node.dtype)
         elif node.dtype == "bool":
             values[node.name] = rng.random(node.shape) < 0.5

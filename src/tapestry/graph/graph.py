@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import numpy as np
+
 from tapestry import dtypes
 from tapestry.dtypes import DTYPES
 from tapestry.kernels import KERNELS, KernelError, Params, Shape, Signature, get_kernel
@@ -63,6 +65,7 @@ class Graph:
         self._nodes: dict[str, Node] = {}
         self._signatures: dict[str, Signature] = {}
         self.outputs: dict[str, str] = {}
+        self.constants: dict[str, np.ndarray] = {}  # inputs whose value is part of the program (folded masks)
 
     # -- building ------------------------------------------------------------------------------
     def input(self, name: str, shape: Shape, dtype: str = "float32") -> Value:
@@ -74,6 +77,13 @@ class Graph:
             raise GraphError(f"input {name!r}: shape {list(shape)} has a negative size")
         self._nodes[name] = Node(name, INPUT, (), (), shape, dtype)
         return Value(name, shape, dtype)
+
+    def constant(self, name: str, value: np.ndarray) -> Value:
+        """An input whose value is fixed by the program: random and verification inputs use it as is."""
+        array = np.asarray(value)
+        handle = self.input(name, array.shape, dtypes.name_of(array.dtype))
+        self.constants[name] = array
+        return handle
 
     def op(self, op: str, *args: Value | str, name: str | None = None, **params: Any) -> Value:
         """Apply kernel `op` to earlier values; the generic form of g.<kernel>(...)."""
@@ -110,6 +120,7 @@ class Graph:
         for name in list(self._nodes)[length:]:
             del self._nodes[name]
             self._signatures.pop(name, None)
+            self.constants.pop(name, None)
 
     def __getattr__(self, op: str) -> Any:
         if op.startswith("_") or op not in KERNELS:
@@ -175,4 +186,6 @@ class Graph:
         return "Graph(\n  " + str(self).replace("\n", "\n  ") + "\n)"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Graph) and self.nodes == other.nodes and self.outputs == other.outputs
+        return (isinstance(other, Graph) and self.nodes == other.nodes and self.outputs == other.outputs
+                and self.constants.keys() == other.constants.keys()
+                and all(np.array_equal(v, other.constants[k]) for k, v in self.constants.items()))

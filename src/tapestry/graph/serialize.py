@@ -5,6 +5,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from tapestry import dtypes
 from tapestry.graph.graph import Graph, GraphError
 
 FORMAT = "tapestry.graph/1"
@@ -20,6 +23,9 @@ def graph_to_json(graph: Graph) -> dict[str, Any]:
             for n in graph.ops
         ],
         "outputs": dict(graph.outputs),
+        "constants": {name: {"dtype": dtypes.name_of(v.dtype), "values": v.astype(np.float64).tolist()
+                             if v.dtype == dtypes.to_numpy("bfloat16") else v.tolist()}
+                      for name, v in graph.constants.items()},
     }
 
 
@@ -50,6 +56,14 @@ def graph_from_json(data: dict[str, Any], source: str = "<json>") -> Graph:
                 del pending[spec["name"]]
         for name, target in data.get("outputs", {}).items():
             graph.output(name, target)
+        for name, spec in data.get("constants", {}).items():
+            if name not in graph or not graph[name].is_input:
+                raise GraphError(f"constant {name!r} is not an input of the graph")
+            value = dtypes.cast(np.array(spec["values"]), spec["dtype"])
+            if value.shape != graph[name].shape or spec["dtype"] != graph[name].dtype:
+                raise GraphError(f"constant {name!r}: {spec['dtype']}{list(value.shape)} does not match its input "
+                                 f"{graph[name].dtype}{list(graph[name].shape)}")
+            graph.constants[name] = value
         return graph
     except KeyError as err:
         raise GraphError(f"{source}: missing key {err}") from None

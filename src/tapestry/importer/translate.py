@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -62,7 +62,6 @@ class Builder:
     """What converters see: the graph under construction, and constants made into graph inputs."""
 
     graph: Graph
-    constants: dict[str, np.ndarray] = field(default_factory=dict)
     node: Any = None  # the fx node being converted
 
     def op(self, kernel: str, /, *args: Value, **params: Any) -> Value:
@@ -86,9 +85,7 @@ class Builder:
         raise Unsupported(f"expected a tensor, got {type(value).__name__}")
 
     def constant(self, tensor: torch.Tensor) -> Value:
-        name = f"const_{len(self.constants)}"
-        self.constants[name] = dtypes.from_tensor(tensor.contiguous())
-        return self.graph.input(name, tuple(tensor.shape), dtypes.name_of(tensor.dtype))
+        return self.graph.constant(f"const_{len(self.graph.constants)}", dtypes.from_tensor(tensor.contiguous()))
 
 
 def _meta(node: Any) -> Any:
@@ -114,7 +111,6 @@ class Translation:
     graph: Graph
     parameters: dict[str, str]  # graph input -> module state path (parameters and buffers)
     user_inputs: list[str]  # graph inputs for the flattened user arguments, in order
-    constants: dict[str, np.ndarray]
     outputs: list[str]  # graph output names, in the module's flattened output order
     coverage: dict[str, collections.Counter]  # ATen op -> what it became ("linear", "folded", "opaque", ...)
 
@@ -141,7 +137,7 @@ def translate(program: torch.export.ExportedProgram, strict: bool) -> Translatio
         value = builder.tensor(env[by_name[name]])
         graph.output(f"out{i}", value)
         outputs.append(f"out{i}")
-    return Translation(graph, parameters, user_inputs, builder.constants, outputs, dict(coverage))
+    return Translation(graph, parameters, user_inputs, outputs, dict(coverage))
 
 
 def _placeholder(program, node, spec, graph: Graph, parameters: dict[str, str], user_inputs: list[str]) -> Any:
@@ -210,7 +206,7 @@ def _call(builder: Builder, node: Any, env: dict[Any, Any], strict: bool,
     builder.node = node
     converter = CONVERTERS.get(name)
     if converter is not None:
-        size, constants = len(builder.graph), dict(builder.constants)
+        size = len(builder.graph)
         try:
             result = converter(builder, *args, **kwargs)
             if isinstance(result, Value):
@@ -220,7 +216,6 @@ def _call(builder: Builder, node: Any, env: dict[Any, Any], strict: bool,
             return result
         except (Unsupported, GraphError) as why:  # a form the kernels do not take: roll back, run it opaque
             builder.graph.truncate(size)
-            builder.constants = constants
             if strict:
                 raise TorchImportError(f"{name} at {_where(node)}: not supported ({why})") from None
     elif strict:

@@ -1,0 +1,146 @@
+"""Real PyTorch models go in with tapestry.from_torch, and their plans compute what the module computes."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import tapestry
+from tapestry.evaluator import evaluate
+from tapestry.importer import TorchImportError, from_torch
+from tapestry.importer.zoo import MODELS
+from tapestry.plan.plan import Compute
+from tapestry.plan.simulate import simulate
+
+RTOL = 1e-4  # relative to the largest output magnitude, float32
+
+
+def module_outputs(module, args, kwargs) -> list[np.ndarray]:
+    with torch.no_grad():
+        out = module(*args, **kwargs)
+    return [t.numpy() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+def assert_matches(got: list[np.ndarray], want: list[np.ndarray], rtol: float = RTOL) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        assert np.isfinite(g).all() and np.isfinite(w).all()
+        assert np.abs(g.astype(np.float64) - w).max() <= rtol * np.abs(w).max()
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def imported(request):
+    module, args, kwargs = MODELS[request.param]()
+    return request.param, module, args, kwargs, from_torch(module, args, kwargs, verbose=False)
+
+
+def test_the_imported_graph_computes_what_the_module_computes(imported):
+    _, module, args, kwargs, imp = imported
+    got = imp.outputs(evaluate(imp.graph, imp.inputs(*args, **kwargs)))
+    assert_matches(got, module_outputs(module, args, kwargs))
+
+
+def test_parameters_and_buffers_are_inputs_named_by_module_path(imported):
+    _, module, args, kwargs, imp = imported
+    names = {n.name for n in imp.graph.inputs}
+    params = {name for name, _ in module.named_parameters()}
+    assert params <= names
+    values = imp.inputs(*args, **kwargs)
+    for name, p in module.named_parameters():
+        np.testing.assert_array_equal(values[name], p.detach().numpy())
+
+
+@pytest.mark.parametrize("mesh", [tapestry.Mesh(4), tapestry.Mesh(2, 2)], ids=str)
+def test_the_optimized_plan_is_sharded_and_matches_the_module(imported, mesh):
+    name, module, args, kwargs, imp = imported
+    plan = tapestry.optimize(imp.graph, mesh=mesh).plan
+    got = imp.outputs(simulate(plan, imp.inputs(*args, **kwargs)))
+    assert_matches(got, module_outputs(module, args, kwargs))
+    sharded = [s for s in plan.steps if isinstance(s, Compute) and len(set(s.blocks)) > 1]
+    assert sharded, f"{name} on {mesh}: no compute step is split over the devices"
+
+
+def test_coverage_summary_counts_every_op(imported):
+    _, _, _, _, imp = imported
+    line = imp.summary()
+    assert line.startswith("imported ") and "ATen ops" in line
+    assert all(sum(made.values()) > 0 for made in imp.coverage.values())
+
+
+class Cumulative(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cumsum(torch.relu(x), dim=1)
+
+
+def test_an_op_without_kernel_runs_opaque_and_explain_marks_it():
+    x = torch.randn(4, 8)
+    imp = from_torch(Cumulative(), (x,), verbose=False)
+    assert imp.opaque == {"aten.cumsum.default": 1}
+    np.testing.assert_allclose(imp.outputs(evaluate(imp.graph, imp.inputs(x)))[0],
+                               Cumulative()(x).numpy(), rtol=1e-6)
+    result = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(2))
+    assert "aten.cumsum.default" in result.explain()
+
+
+def test_strict_names_the_op_its_source_line_and_module():
+    with pytest.raises(TorchImportError, match=r"aten\.cumsum\.default at module.*test_importer\.py"):
+        from_torch(Cumulative(), (torch.randn(4, 8),), strict=True, verbose=False)
+
+
+class DataDependent(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # control flow on a value: torch.export cannot capture it
+            return x * 2
+        return x
+
+
+def test_a_module_that_cannot_be_exported_is_a_clear_error():
+    with pytest.raises(TorchImportError, match="torch.export could not capture DataDependent"):
+        from_torch(DataDependent(), (torch.randn(3),), verbose=False)
+
+
+def test_coverage_line_is_printed_on_import(capsys):
+    from_torch(Cumulative(), (torch.randn(4, 8),))
+    assert "1 opaque (aten.cumsum.default x1)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype, rtol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3), (torch.float64, 1e-12)])
+def test_half_and_double_models_keep_their_dtype(dtype, rtol):
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)).to(dtype).eval()
+    x = torch.randn(4, 16, dtype=dtype)
+    imp = from_torch(module, (x,), verbose=False)
+    assert {n.dtype for n in imp.graph} == {str(dtype).removeprefix("torch.")}
+    (got,) = imp.outputs(evaluate(imp.graph, imp.inputs(x)))
+    want = module(x).detach().double().numpy()
+    assert np.abs(got.astype(np.float64) - want).max() <= rtol * np.abs(want).max()
+
+
+def test_token_ids_are_int64_inputs():
+    module, args, kwargs = MODELS["gpt2"]()
+    imp = from_torch(module, args, kwargs, verbose=False)
+    (ids,) = [n for n in imp.graph.inputs if n.name == "input_ids"]
+    assert ids.dtype == "int64"
+
+
+SCRIPT = """
+import torch
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+example_inputs = (torch.randn(64, 16),)
+"""
+
+
+def test_cli_optimizes_and_runs_a_script_that_defines_a_model(tmp_path: Path):
+    script = tmp_path / "model.py"
+    script.write_text(SCRIPT)
+    plan = tmp_path / "plan.json"
+    cli = [sys.executable, "-m", "tapestry.cli"]
+    subprocess.run([*cli, "optimize", str(script), "--mesh", "2", "-o", str(plan)], check=True, capture_output=True)
+    run = subprocess.run([*cli, "run", str(plan), "--verify", "--no-compile"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "ok" in run.stdout
