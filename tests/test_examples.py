@@ -16,3 +16,8 @@ def test_custom_cost_model_example_drives_the_optimizer(capsys):
 
 def test_mlp_example_defines_a_graph():
     assert len(runpy.run_path(str(EXAMPLES / "mlp.py"))["graph"].ops) == 8
+
+
+def test_gpt2_example_defines_a_model_for_the_cli():
+    scope = runpy.run_path(str(EXAMPLES / "gpt2.py"))
+    assert scope["model"].config.n_layer == 2 and scope["example_inputs"][0].dtype.is_floating_point is False
