@@ -36,7 +36,7 @@ from tapestry.lower import lower
 from tapestry.models import mlp, seeds_example, transformer_block
 from tapestry.plan import Compute, Plan, build_plan
 from tapestry.runtime.execute import InputSource, RankRunner
-from tapestry.runtime.launch import free_port
+from tapestry.runtime.launch import default_backend, free_port, init_group, rank_device
 from tapestry.sharding import Mesh
 from tapestry.zspace import ZRange
 
@@ -179,11 +179,9 @@ def environment(device: torch.device) -> dict:
 
 
 def measure(workloads: dict[str, Callable[[str], Graph]], save: Path | None) -> dict:
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    backend = default_backend()
+    device = rank_device(backend, 0)
+    init_group(backend, 0, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     data: dict = {"environment": environment(device), "results": {}}
     for name, make in workloads.items():
         for dtype in DTYPES:

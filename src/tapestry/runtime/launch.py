@@ -198,8 +198,8 @@ def _spawned_rank(job: Job, rank: int, world: int, port: int, results: Any, prog
         progress[2 * rank], progress[2 * rank + 1] = program, step
 
     try:
-        dist.init_process_group(job.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=job.timeout))
+        init_group(job.backend, rank, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                   timeout=datetime.timedelta(seconds=job.timeout))
         result = run_rank(job, rank, rank, on_step)
     except StepFailed as err:
         results.put(("error", rank, str(err)))
@@ -228,11 +228,27 @@ def run_torchrun(job: Job) -> list[RunResult] | None:
     if world != len(job.programs[0].ranks):
         raise ValueError(f"the plan has {len(job.programs[0].ranks)} ranks but torchrun started {world}")
     use_persistent_cache()
-    dist.init_process_group(job.backend, timeout=datetime.timedelta(seconds=job.timeout))
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    init_group(job.backend, local_rank, timeout=datetime.timedelta(seconds=job.timeout))
     try:
-        return run_rank(job, rank, int(os.environ.get("LOCAL_RANK", rank)))
+        return run_rank(job, rank, local_rank)
     finally:
         dist.destroy_process_group()
+
+
+def rank_device(backend: str, local_rank: int) -> torch.device:
+    """Where a rank computes: its own GPU under nccl, else the CPU."""
+    return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+
+
+def init_group(backend: str, local_rank: int, **options: Any) -> None:
+    """Join the process group. Under nccl the rank is bound to its GPU first (device_id): nccl then never guesses
+    the rank's device from its global rank, which hangs when ranks and GPUs are numbered differently."""
+    device = rank_device(backend, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        options["device_id"] = device
+    dist.init_process_group(backend, **options)
 
 
 def run_rank(
@@ -240,9 +256,7 @@ def run_rank(
 ) -> list[RunResult] | None:
     """Run this rank's programs; after each, gather timings (and the outputs rank 0 assembled) on rank 0."""
     torch.set_num_threads(1)
-    device = torch.device("cuda", local_rank) if job.backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = rank_device(job.backend, local_rank)
     results = []
     for k, (program, inputs) in enumerate(zip(job.programs, job.inputs)):
         runner = RankRunner(program, rank, inputs, job.compile, device, functools.partial(on_step, k))
