@@ -144,3 +144,17 @@ def test_cli_optimizes_and_runs_a_script_that_defines_a_model(tmp_path: Path):
     run = subprocess.run([*cli, "run", str(plan), "--verify", "--no-compile"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert "ok" in run.stdout
+
+
+def test_docs_table_names_only_converted_ops():
+    import re
+
+    from tapestry.importer import aten  # noqa: F401  (registers the converters)
+    from tapestry.importer.translate import CONVERTERS
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "importing.md").read_text()
+    table = doc.split("## Op coverage")[1].split("\n## ")[0]
+    packets = {key.split(".")[1] for key in CONVERTERS}
+    named = {name for row in table.splitlines() if row.startswith("| `")
+             for name in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
+    assert named and named <= packets, f"documented but not converted: {sorted(named - packets)}"

@@ -88,7 +88,8 @@ def _binary(b: Builder, lhs: Any, rhs: Any, alpha: Any = 1, rounding_mode: str |
 
 converts(*(f"aten.{packet}.{overload}" for packet in BINARY
            for overload in ("Tensor", "Scalar", "Tensor_Tensor", "Tensor_Scalar", "Scalar_Tensor", "default",
-                            "Tensor_mode")))(_binary)
+                            "Tensor_mode")
+           if overload in getattr(torch.ops.aten, packet).overloads()))(_binary)
 
 
 @converts("aten.rsub.Scalar", "aten.rsub.Tensor")
