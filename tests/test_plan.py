@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tapestry.cli import main
+from tapestry import dtypes
 from tapestry.evaluator import evaluate, random_inputs
 from tapestry.graph import Graph
 from tapestry.kernels import KERNELS
@@ -151,9 +152,11 @@ def one_op_plans(draw) -> Plan:
     sig = draw(signatures(kernel))
     mesh = draw(st.sampled_from(MESHES))
     g = Graph()
-    args = [g.input(f"in{i}", shape, "float64") for i, shape in enumerate(sig.input_shapes)]
-    g.output("y", g.relu(getattr(g, kernel.name)(*args, name="op", **dict(sig.params)), name="after"))
-    partitions = {op: draw(st.sampled_from(candidate_partitions(g.signature(op), mesh))) for op in ("op", "after")}
+    args = [g.input(f"in{i}", shape, dtype) for i, (shape, dtype) in enumerate(zip(sig.input_shapes, sig.input_dtypes))]
+    out = getattr(g, kernel.name)(*args, name="op", **dict(sig.params))
+    ops = ("op", "after") if dtypes.is_float(out.dtype) else ("op",)  # relu is for numbers
+    g.output("y", g.relu(out, name="after") if len(ops) == 2 else out)
+    partitions = {op: draw(st.sampled_from(candidate_partitions(g.signature(op), mesh))) for op in ops}
     return build_plan(g, mesh, partitions=partitions)
 
 
