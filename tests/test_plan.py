@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tapestry.cli import main
 from tapestry import dtypes
+from tapestry.cli import main
 from tapestry.evaluator import evaluate, random_inputs
 from tapestry.graph import Graph
 from tapestry.kernels import KERNELS
