@@ -45,7 +45,7 @@ def error(got: np.ndarray, want: np.ndarray, dtype: str) -> Error:
     tolerance = TOLERANCE.get(dtype, 0.0)
     if np.shape(got) != np.shape(want):
         raise ValueError(f"shape {list(np.shape(got))} differs from the reference's {list(np.shape(want))}")
-    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    got, want = np.atleast_1d(np.asarray(got, dtype=np.float64)), np.atleast_1d(np.asarray(want, dtype=np.float64))
     nan_got, nan_want = np.isnan(got), np.isnan(want)
     with np.errstate(invalid="ignore"):  # inf - inf
         diff = np.abs(got - want)
