@@ -78,8 +78,12 @@ def compute_dtype(name: str) -> np.dtype:
 
 
 def cast(array: Any, name: str) -> np.ndarray:
-    """`array` as a numpy array of dtype `name` (bfloat16 through ml_dtypes)."""
-    return np.asarray(array).astype(to_numpy(name), copy=False)
+    """`array` as a numpy array of dtype `name` (bfloat16 through ml_dtypes). A .npy file of bfloat16 loads as
+    raw 2-byte records (numpy does not know the type), which are reinterpreted, not converted."""
+    array, target = np.asarray(array), to_numpy(name)
+    if array.dtype.kind == "V" and array.dtype.itemsize == target.itemsize:
+        return array.view(target)
+    return array.astype(target, copy=False)
 
 
 def to_tensor(array: np.ndarray) -> Any:
