@@ -1,11 +1,12 @@
 """Small real models, built from configs with random weights (nothing is downloaded).
 
 The importer's tests, its benchmark and docs/importing.md use the same set, so what the docs claim is what the
-tests check. Each entry builds (module in eval mode, args, kwargs).
+tests check. Each entry builds (module in eval mode, args, kwargs) at a named size.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,10 +55,25 @@ class SmallCNN(nn.Module):
         return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
 
 
-def _seeded(build: Callable[[], Case]) -> Callable[[], Case]:
-    def make() -> Case:
+@dataclass(frozen=True)
+class Size:
+    """Model dimensions: `small` is what the tests check; `large` is where sharding pays (the benchmark)."""
+
+    batch: int
+    tokens: int
+    hidden: int
+    heads: int
+    image: int
+
+
+SIZES = {"small": Size(batch=4, tokens=16, hidden=64, heads=4, image=16),
+         "large": Size(batch=8, tokens=512, hidden=1024, heads=16, image=128)}
+
+
+def _seeded(build: Callable[[Size], Case]) -> Callable[..., Case]:
+    def make(size: str = "small") -> Case:
         torch.manual_seed(0)
-        module, args, kwargs = build()
+        module, args, kwargs = build(SIZES[size])
         module.eval()
         for m in module.modules():  # batch norm's running statistics, so eval mode is not the identity
             if isinstance(m, nn.BatchNorm2d):
@@ -68,33 +84,38 @@ def _seeded(build: Callable[[], Case]) -> Callable[[], Case]:
     return make
 
 
-def _gpt2() -> Case:
+def _tokens(s: Size) -> torch.Tensor:
+    return torch.randn(s.batch, s.tokens, s.hidden)
+
+
+def _gpt2(s: Size) -> Case:
     from transformers import GPT2Config, GPT2Model
 
-    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64, bos_token_id=0,
-                        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return GPT2Model(config), (torch.randint(0, 128, (2, 16)),), {"use_cache": False}
+    config = GPT2Config(n_layer=2, n_embd=s.hidden, n_head=s.heads, vocab_size=2 * s.hidden, n_positions=s.tokens,
+                        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2Model(config), (torch.randint(0, config.vocab_size, (s.batch, s.tokens)),), {"use_cache": False}
 
 
-def _bert() -> Case:
+def _bert(s: Size) -> Case:
     from transformers import BertConfig, BertModel
 
-    config = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                        vocab_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0)
-    ids = torch.randint(0, 128, (2, 16))
-    mask = torch.ones(2, 16, dtype=torch.int64)
-    mask[1, 12:] = 0  # a padded sequence: the mask reaches attention
+    config = BertConfig(hidden_size=s.hidden, num_hidden_layers=2, num_attention_heads=s.heads,
+                        intermediate_size=2 * s.hidden, vocab_size=2 * s.hidden, max_position_embeddings=s.tokens,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    ids = torch.randint(0, config.vocab_size, (s.batch, s.tokens))
+    mask = torch.ones(s.batch, s.tokens, dtype=torch.int64)
+    mask[1, s.tokens * 3 // 4:] = 0  # a padded sequence: the mask reaches attention
     return BertModel(config, add_pooling_layer=False), (ids,), {"attention_mask": mask}
 
 
-MODELS: dict[str, Callable[[], Case]] = {
-    "transformer_encoder_layer": _seeded(lambda: (
-        nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True), (torch.randn(4, 16, 64),), {})),
-    "multihead_attention": _seeded(lambda: (
-        nn.MultiheadAttention(64, 4, batch_first=True), (torch.randn(4, 16, 64),) * 3, {})),
-    "llama_block": _seeded(lambda: (LlamaBlock(), (torch.randn(4, 16, 64),), {})),
+MODELS: dict[str, Callable[..., Case]] = {
+    "transformer_encoder_layer": _seeded(lambda s: (
+        nn.TransformerEncoderLayer(s.hidden, s.heads, 2 * s.hidden, dropout=0.0, batch_first=True), (_tokens(s),),
+        {})),
+    "multihead_attention": _seeded(lambda s: (
+        nn.MultiheadAttention(s.hidden, s.heads, batch_first=True), (_tokens(s),) * 3, {})),
+    "llama_block": _seeded(lambda s: (LlamaBlock(s.hidden, s.heads, 2 * s.hidden), (_tokens(s),), {})),
     "gpt2": _seeded(_gpt2),
     "bert": _seeded(_bert),
-    "cnn": _seeded(lambda: (SmallCNN(), (torch.randn(4, 3, 16, 16),), {})),
+    "cnn": _seeded(lambda s: (SmallCNN(), (torch.randn(s.batch, 3, s.image, s.image),), {})),
 }
