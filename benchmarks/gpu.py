@@ -239,7 +239,8 @@ def report(workloads: dict[str, Callable[[str], Graph]], data: dict, spec: Profi
             + " | " + " | ".join(f"{work / m / 1e12:.0f}" if m else "-" for m in med.values()) + " |")
     lines += ["", "Compared with eager torch's outputs (largest difference relative to the largest output magnitude), "
               "and the first call's seconds (compiling: each plan's shard kernels with inductor, the module with "
-              "torch.compile):", "",
+              "torch.compile; a shard kernel already compiled for an earlier workload's same blocks is reused, and "
+              "the first workload's also pays for starting inductor):", "",
               "| workload | dtype | " + " | ".join(f"max diff, {c}" for c in FIRST_CALLED) + " | "
               + " | ".join(f"first call s, {c}" for c in FIRST_CALLED) + " |",
               "|---|---|" + "--:|" * (2 * len(FIRST_CALLED))]
