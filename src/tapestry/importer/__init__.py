@@ -50,7 +50,7 @@ class TorchImport:
         """Every graph input by name: the module's current parameters and buffers, constants folded at import,
         and the tensors among `args`/`kwargs` (flattened as torch.export flattens them)."""
         state = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
-        values = {name: dtypes.from_tensor(state[path]) for name, path in self.translation.parameters.items()}
+        values = {path: dtypes.from_tensor(state[path]) for path in self.translation.state}
         values.update(self.graph.constants)
         leaves = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         names = self.translation.user_inputs

@@ -106,12 +106,12 @@ def _where(node: Any) -> str:
     return f"module {module!r}" + (f", {line}" if line else "")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Translation:
     graph: Graph
-    parameters: dict[str, str]  # graph input -> module state path (parameters and buffers)
-    user_inputs: list[str]  # graph inputs for the flattened user arguments, in order
-    outputs: list[str]  # graph output names, in the module's flattened output order
+    state: tuple[str, ...]  # graph inputs that are module state (parameters, float buffers), named by path
+    user_inputs: tuple[str, ...]  # graph inputs for the flattened user arguments, in order
+    outputs: tuple[str, ...]  # graph output names, in the module's flattened output order
     coverage: dict[str, collections.Counter]  # ATen op -> what it became ("linear", "folded", "opaque", ...)
 
 
@@ -121,13 +121,13 @@ def translate(program: torch.export.ExportedProgram, strict: bool) -> Translatio
     graph = Graph()
     builder = Builder(graph)
     env: dict[Any, Any] = {}
-    parameters: dict[str, str] = {}
+    state: list[str] = []
     user_inputs: list[str] = []
     coverage: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     specs = {s.arg.name: s for s in program.graph_signature.input_specs if isinstance(s.arg, TensorArgument)}
     for node in program.graph.nodes:
         if node.op == "placeholder":
-            env[node] = _placeholder(program, node, specs.get(node.name), graph, parameters, user_inputs)
+            env[node] = _placeholder(program, node, specs.get(node.name), graph, state, user_inputs)
         elif node.op == "call_function":
             env[node] = _call(builder, node, env, strict, coverage)
     outputs: list[str] = []
@@ -137,10 +137,12 @@ def translate(program: torch.export.ExportedProgram, strict: bool) -> Translatio
         value = builder.tensor(env[by_name[name]])
         graph.output(f"out{i}", value)
         outputs.append(f"out{i}")
-    return Translation(graph, parameters, user_inputs, outputs, dict(coverage))
+    return Translation(graph, tuple(state), tuple(user_inputs), tuple(outputs), dict(coverage))
 
 
-def _placeholder(program, node, spec, graph: Graph, parameters: dict[str, str], user_inputs: list[str]) -> Any:
+def _placeholder(program: torch.export.ExportedProgram, node: torch.fx.Node, spec: Any, graph: Graph,
+                 state: list[str], user_inputs: list[str]) -> Any:
+    """A graph input for a parameter, float buffer or user argument; a constant for the rest."""
     if spec is None:
         return None  # a non-tensor argument (use_cache=False): export specialised on it
     if spec.kind is InputKind.CONSTANT_TENSOR:
@@ -150,7 +152,7 @@ def _placeholder(program, node, spec, graph: Graph, parameters: dict[str, str], 
         return {**program.state_dict, **program.constants}[spec.target]  # an index table (position ids): folds
     shape, dtype = tuple(int(s) for s in value.shape), dtypes.name_of(value.dtype)
     if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
-        parameters[spec.target] = spec.target
+        state.append(spec.target)
         return graph.input(spec.target, shape, dtype)
     user_inputs.append(node.name)
     return graph.input(node.name, shape, dtype)
