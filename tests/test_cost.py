@@ -1,6 +1,7 @@
 """Cost models: the default model ranks known cases right, formulas match hand-computed numbers."""
 from __future__ import annotations
 
+import math
 import runpy
 from pathlib import Path
 
@@ -15,10 +16,10 @@ from tapestry.cost import (
     Link,
     Profile,
     collective_time,
-    held_bytes,
     load_profile,
     peak_memory,
     plan_cost,
+    resident_bytes,
 )
 from tapestry.graph import Graph
 from tapestry.plan import Compute, Plan, Reshard, build_plan
@@ -166,14 +167,37 @@ def diamond(mesh: Mesh, axes: tuple[int | None, ...]) -> Plan:
 
 def test_peak_memory_by_hand() -> None:
     block = 4 * 16  # one float32 [4, 4]
-    # live at each step: x | x a | a b | a b c  -> peak 3 blocks
-    assert peak_memory(diamond(Mesh(1), (None,))) == [3 * block]
-    assert peak_memory(diamond(Mesh(2), (0,))) == [3 * block // 2] * 2
+    # x stays resident; live activations at each step: a | a b | a b c  -> x + 3 blocks
+    assert peak_memory(diamond(Mesh(1), (None,))) == [4 * block]
+    assert peak_memory(diamond(Mesh(2), (0,))) == [4 * block // 2] * 2
 
 
-def test_held_bytes_are_the_result_blocks_per_device() -> None:
-    plan = diamond(Mesh(2), (0,))
-    assert held_bytes(plan.by_id[plan.outputs["c"]]) == (32, 32)
+def test_a_one_device_plan_holds_every_weight_for_the_whole_program() -> None:
+    from tapestry.models import mlp
+
+    graph = mlp(depth=6, batch=4, width=32)
+    plan = build_plan(graph, Mesh(1))
+    weights = sum(4 * math.prod(n.shape) for n in graph.inputs)
+    assert resident_bytes(plan) == [weights]
+    # plus the widest moment of activations: one layer's linear output and its relu ([4, 32] float32 each)
+    assert peak_memory(plan) == [weights + 2 * 4 * 4 * 32]
+    assert peak_memory(build_plan(mlp(depth=12, batch=4, width=32), Mesh(1)))[0] > peak_memory(plan)[0]
+
+
+def test_a_bfloat16_graph_needs_half_the_memory_of_its_float32_twin() -> None:
+    from tapestry.models import transformer_block
+
+    twins = [build_plan(transformer_block(2, 8, 16, 2, dtype), Mesh(2), {}) for dtype in ("float32", "bfloat16")]
+    assert peak_memory(twins[1]) == [p // 2 for p in peak_memory(twins[0])]
+
+
+def test_a_view_move_shares_its_source_and_a_weight_split_halves_its_bytes() -> None:
+    g = Graph()
+    x, w = g.input("x", (8, 8)), g.input("w", (8, 8))
+    g.output("y", g.matmul(x, w, name="y"))
+    replicated, split = (build_plan(g, Mesh(2), {"y": axes}) for axes in ((None,), (1,)))  # n: column split
+    assert resident_bytes(replicated) == [2 * 256] * 2 and resident_bytes(split) == [256 + 128] * 2
+    assert peak_memory(replicated) == [2 * 256 + 256] * 2 and peak_memory(split) == [256 + 128 + 128] * 2
 
 
 # -- profiles, protocol, CLI ----------------------------------------------------------------------

@@ -11,7 +11,7 @@ import tapestry
 from tapestry.cli import main
 from tapestry.cost import peak_memory
 from tapestry.egraph.driver import Budget
-from tapestry.graph import save_graph
+from tapestry.graph import Graph, save_graph
 from tapestry.models import mlp, seeds_example
 from tapestry.optimizer import optimize
 from tapestry.plan import Compute, Plan
@@ -129,6 +129,36 @@ def test_pareto_front_trades_time_for_memory_and_the_budget_picks_from_it():
     assert lean.plan.cost > times[0]
     with pytest.raises(MemoryBudgetError, match="no plan fits 1 bytes per device"):
         optimize(graph, Mesh(4), memory_budget=1)
+
+
+def test_a_memory_budget_is_a_hard_limit_that_changes_the_plan_and_beats_megatron_within_it():
+    from tapestry.optimizer import explore
+    from tapestry.plan import build_plan
+
+    graph = Graph()
+    x, w0, b0, w1, b1 = (graph.input(n, s) for n, s in
+                         (("x", (8, 64)), ("w0", (64, 64)), ("b0", (64,)), ("w1", (64, 64)), ("b1", (64,))))
+    h = graph.relu(graph.add(graph.matmul(x, w0, name="mm0"), b0, name="add0"), name="act0")
+    graph.output("y", graph.add(graph.matmul(h, w1, name="mm1"), b1, name="add1"))
+    explored = explore(graph, Mesh(4))
+    fastest = explored.extract(time_limit=5)
+    megatron = build_plan(graph, Mesh(4), {"mm0": ("n",), "add0": (1,), "act0": (1,), "mm1": ("k",)})
+    budget = max(peak_memory(megatron))
+    lean = explored.extract(time_limit=5, memory_budget=budget)
+    assert max(peak_memory(lean.plan)) <= budget < max(peak_memory(fastest.plan))
+    assert lean.plan.steps != fastest.plan.steps and lean.plan.cost >= fastest.plan.cost
+    assert lean.plan.cost <= tapestry.cost.plan_cost(megatron, tapestry.optimizer.default_cost_model()) + 1e-12
+
+
+def test_outputs_ask_for_a_layout():
+    from tapestry.sharding import Layout
+
+    graph = mlp(depth=1, batch=8, width=16)
+    replicated = optimize(graph, Mesh(2), outputs="replicated").plan
+    assert replicated.layout_of(replicated.outputs["y"]) == Layout.replicated((8, 16), Mesh(2))
+    rows = Layout.split((8, 16), Mesh(2), (0,))
+    split = optimize(graph, Mesh(2), outputs={"y": rows}).plan
+    assert split.layout_of(split.outputs["y"]) == rows
 
 
 def test_cli_pareto_prints_the_front_and_plots_it(tmp_path, capsys):

@@ -5,21 +5,23 @@ e-graph, and its `extract` and `pareto` price it under different objectives.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tapestry.cost import CostModel, DefaultCostModel, held_bytes, load_profile, peak_memory
+from tapestry.cost import CostModel, DefaultCostModel, layout_bytes, load_profile, peak_memory
 from tapestry.egraph.decode import Decoder, distributed_nodes
 from tapestry.egraph.driver import Budget, IterationStats, SaturationStats, saturate
 from tapestry.egraph.rules import RuleFile, load_rules
-from tapestry.extract import Selection, extract, validate
+from tapestry.extract import DeviceBudget, NoFiniteChoiceError, Selection, extract, validate
+from tapestry.extract import EGraph as ExtractGraph
 from tapestry.graph import Graph
-from tapestry.plan import Plan, Step
+from tapestry.plan import Plan
 from tapestry.plan.explain import explain as explain_plan
 from tapestry.plan.validate import validate_plan
-from tapestry.sharding import Mesh
+from tapestry.sharding import Layout, Mesh
 from tapestry.verify import CHECK_CELLS, cells, check_meaning
 
 
@@ -54,15 +56,8 @@ class OptimizeResult:
         return write_picture(egraph_to_dot(self.egraph_json, max_nodes), path)
 
 
-@dataclass(frozen=True)
-class MemoryWeighted:
-    """time + weight × bytes the step adds on its fullest device: a scalarisation of the two objectives."""
-
-    base: CostModel
-    weight: float
-
-    def step_cost(self, step: Step, mesh: Mesh) -> float:
-        return self.base.step_cost(step, mesh) + self.weight * max(held_bytes(step), default=0)
+Outputs = str | Mapping[str, "str | Layout"]  # "any", "replicated", or per output name one of those or a Layout
+TIGHTENINGS = 4  # re-solves with tighter constraints when the decoded plan overshoots the budget
 
 
 def default_cost_model() -> CostModel:
@@ -82,51 +77,131 @@ class Explored:
     rule_files: tuple[RuleFile, ...]
     data: dict[str, Any] = field(repr=False)
 
-    def extract(self, cost_model: CostModel | None = None, extractor: str = "ilp",
-                time_limit: float = 10.0) -> OptimizeResult:
+    def extract(self, cost_model: CostModel | None = None, extractor: str = "ilp", time_limit: float = 10.0,
+                memory_budget: int | None = None, outputs: Outputs = "any") -> OptimizeResult:
+        """The cheapest plan whose outputs have the layouts `outputs` asks for and, with `memory_budget`, whose
+        peak memory (cost.peak_memory) fits that many bytes on every device; MemoryBudgetError if none is found.
+
+        The budget enters the ILP as per-device linear constraints that every fitting plan meets (module
+        docstring), so a decoded plan that fits is the optimum. If it does not fit, the constraints tighten by
+        its excess and the ILP runs again: what fits then is returned, marked "feasible" (not proven best)."""
         model = cost_model or default_cost_model()
-        egraph = self.decoder.extraction_graph(list(self.roots), model)
-        selection = extract(egraph, extractor, time_limit)
-        problems = validate(egraph, selection)
-        if problems:
-            raise AssertionError(f"extractor {extractor} returned an invalid selection: {problems[0]}")
-        plan = self.decoder.plan(egraph, selection, self.graph, self.names)
+        egraph = self._restrict_outputs(self.decoder.extraction_graph(list(self.roots), model), outputs)
+        limit, slack, tries = memory_budget, 0, 0
+        while True:
+            budget = None if limit is None else self._device_budget(egraph, limit)
+            try:
+                selection = extract(egraph, extractor, time_limit, budget)
+            except NoFiniteChoiceError as err:
+                if budget is None:
+                    raise ValueError(f"no plan delivers the outputs as asked ({outputs!r}): {err}") from None
+                raise MemoryBudgetError(f"no plan fits {memory_budget:,} bytes per device: {err}") from None
+            problems = validate(egraph, selection)
+            if problems:
+                raise AssertionError(f"extractor {extractor} returned an invalid selection: {problems[0]}")
+            plan = self.decoder.plan(egraph, selection, self.graph, self.names)
+            if budget is None or memory_budget is None:
+                break
+            peaks = peak_memory(plan)
+            if max(peaks) <= memory_budget:
+                break
+            tries += 1
+            if tries > TIGHTENINGS:
+                raise MemoryBudgetError(f"no plan fits {memory_budget:,} bytes per device: after {TIGHTENINGS} "
+                                        f"tightenings the ILP's plan still needs {max(peaks):,}")
+            # The constraints undercounted this plan by `slack` bytes: charge every plan that much more. A plan
+            # they then admit, undercounted by no more, fits.
+            slack = max(slack, *(p - u for p, u in zip(peaks, budget.usage(selection.choice))))
+            limit = memory_budget - slack
+        if tries:
+            selection = replace(selection, status="feasible")
+            plan = replace(plan, notes={**plan.notes, "status": "feasible", "budget_tightenings": tries})
         validate_plan(plan)  # exact: partitions, covered reads, possible moves (islpy)
         if cells(self.graph) <= CHECK_CELLS:
             check_meaning(plan)  # a rule that passed check-rules can still be wrong where it was not drawn
-        if isinstance(model, MemoryWeighted):  # report time, not the scalarised objective
-            plan = Plan(plan.mesh, plan.graph, plan.steps, plan.outputs,
-                        sum(model.base.step_cost(s, self.mesh) for s in plan.steps), plan.notes)
+        plan = replace(plan, cost=sum(model.step_cost(s, self.mesh) for s in plan.steps))  # time, not objective
         return OptimizeResult(plan, self.stats, selection, self.rule_files, self.data)
 
+    def _restrict_outputs(self, egraph: ExtractGraph, outputs: Outputs) -> ExtractGraph:
+        """Deliver nodes of unwanted output layouts become unselectable (infinite cost)."""
+        if outputs == "any":
+            return egraph
+        costs = list(egraph.node_cost)
+        for n, node in enumerate(self.decoder.nodes):
+            if node.op == "Deliver":
+                want = outputs if isinstance(outputs, str) else outputs.get(node.key, "any")
+                shape, layout = self.decoder.interner.layouts[self.decoder.class_layout[node.children[0]]]
+                if not _delivers(want, shape, layout, self.mesh):
+                    costs[n] = math.inf
+        return egraph.with_costs(costs)
+
+    def _device_budget(self, egraph: ExtractGraph, limit: int) -> DeviceBudget:
+        """Bytes per device that every plan containing a node must hold: a Place its block of the input, for the
+        whole program; a Run its result and its non-input arguments while it runs; a Reshard its source and
+        its result, except where the result is a view of the source (cost.memory). Lower bounds of the exact
+        peak, so the constraints exclude no plan that fits; they miss other activations live at the same time."""
+        decoder = self.decoder
+        layouts = decoder.interner.layouts
+        held: dict[str, tuple[int, ...]] = {}
+        inputs = {n.eclass for n in decoder.nodes if n.op == "Place"}
+        for c, dtype in _class_dtypes(decoder, self.graph).items():
+            held[c] = layout_bytes(layouts[decoder.class_layout[c]][1], dtype)
+        resident, transient = {}, {}
+        for n, node in enumerate(decoder.nodes):
+            if node.op == "Place":
+                resident[n] = held[node.eclass]
+            elif node.op == "Reshard":
+                src, dst = layouts[decoder.class_layout[node.children[0]]][1], layouts[node.key][1]
+                transient[n] = tuple(
+                    0 if need is None else s + (0 if own is not None and own.contains(need) else o)
+                    for s, o, own, need in zip(held[node.children[0]], held[node.eclass], src.blocks, dst.blocks))
+            elif node.op != "Deliver":
+                args = [held[c] for c in dict.fromkeys(node.children) if c not in inputs]
+                transient[n] = tuple(map(sum, zip(held[node.eclass], *args)))
+        return DeviceBudget(limit, resident, transient)
+
     def pareto(self, cost_model: CostModel | None = None, extractor: str = "ilp", time_limit: float = 10.0,
-               weights: Sequence[float] = (0.0, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 100.0)) -> list[OptimizeResult]:
-        """Plans not beaten on both predicted time and peak memory, fastest first.
+               points: int = 6) -> list[OptimizeResult]:
+        """Plans not beaten on both predicted time and peak memory, fastest first: the fastest plan, then
+        repeatedly the fastest that needs less memory than the last (an epsilon-constraint sweep, so points in
+        the front's dents are found too), up to `points` tries; a plan the ILP did not prove best can be beaten
+        by a leaner one, and is dropped."""
+        front = [self.extract(cost_model, extractor, time_limit)]
+        while len(front) < points:
+            try:
+                leaner = self.extract(cost_model, extractor, time_limit, memory_budget=front[-1].peak_memory - 1)
+            except MemoryBudgetError:
+                break
+            front.append(leaner)
+        return [r for i, r in enumerate(front) if all(r.plan.cost < later.plan.cost for later in front[i + 1:])]
 
-        Weights are relative to the fastest plan's seconds per byte held. A weighted sum finds
-        the points on the front's convex hull; points in its dents can be missed.
-        """
-        base = cost_model or default_cost_model()
-        fastest = self.extract(base, extractor, time_limit)
-        scale = (fastest.plan.cost or 1e-9) / max(fastest.peak_memory, 1)
-        found = [fastest] + [self.extract(MemoryWeighted(base, w * scale), extractor, time_limit)
-                             for w in weights if w > 0]
-        front: list[OptimizeResult] = []
-        for r in sorted(found, key=lambda r: (r.plan.cost, r.peak_memory)):
-            if not front or r.peak_memory < front[-1].peak_memory:
-                front.append(r)
-        return front
 
-    def fastest_within(self, memory_budget: int, cost_model: CostModel | None = None, extractor: str = "ilp",
-                       time_limit: float = 10.0) -> OptimizeResult:
-        """The fastest plan on the time/memory front that fits `memory_budget` bytes per device."""
-        front = self.pareto(cost_model, extractor, time_limit)
-        fitting = [r for r in front if r.peak_memory <= memory_budget]
-        if not fitting:
-            raise MemoryBudgetError(
-                f"no plan fits {memory_budget:,} bytes per device; the leanest found needs {front[-1].peak_memory:,}"
-            )
-        return fitting[0]
+def _delivers(want: str | Layout, shape: tuple[int, ...], layout: Layout, mesh: Mesh) -> bool:
+    if want == "any":
+        return True
+    if want == "replicated":
+        return layout == Layout.replicated(shape, mesh)
+    return layout == want
+
+
+def _class_dtypes(decoder: Decoder, graph: Graph) -> dict[str, str]:
+    """Each distributed class's dtype: a Run's result dtype, a Place's input dtype, a Reshard its source's."""
+    found: dict[str, str] = {}
+    for node in decoder.nodes:
+        if node.op == "Place":
+            found[node.eclass] = graph[node.key].dtype
+        elif node.op not in ("Reshard", "Deliver"):
+            found[node.eclass] = decoder.interner.runs[node.key].signature.dtype
+    moves = [n for n in decoder.nodes if n.op == "Reshard"]
+    while moves:
+        left = [n for n in moves if n.eclass not in found and n.children[0] not in found]
+        for n in moves:
+            if n.eclass not in found and n.children[0] in found:
+                found[n.eclass] = found[n.children[0]]
+        if len(left) == len(moves):
+            break
+        moves = left
+    return found
 
 
 class MemoryBudgetError(ValueError):
@@ -155,13 +230,13 @@ def optimize(
     time_limit: float = 10.0,
     progress: Callable[[IterationStats], None] | None = None,
     memory_budget: int | None = None,
+    outputs: Outputs = "any",
 ) -> OptimizeResult:
     """Find the cheapest plan for `graph` on `mesh` among everything the rules and sharding allow.
 
-    `rules` are rule files or directories (default: the package's rules/). With `memory_budget`
-    (bytes per device), the fastest plan on the time/memory front that fits is returned.
+    `rules` are rule files or directories (default: the package's rules/). `memory_budget` (bytes per
+    device) is a hard limit on peak memory; `outputs` picks the outputs' layouts: "any" plain layout,
+    "replicated", or per output name a Layout (or "any"/"replicated"). See `Explored.extract`.
     """
-    explored = explore(graph, mesh, rules, budget, progress)
-    if memory_budget is None:
-        return explored.extract(cost_model, extractor, time_limit)
-    return explored.fastest_within(memory_budget, cost_model, extractor, time_limit)
+    return explore(graph, mesh, rules, budget, progress).extract(cost_model, extractor, time_limit, memory_budget,
+                                                                 outputs)

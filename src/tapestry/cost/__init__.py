@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tapestry.cost.comm import AlphaBeta, collective_time
-from tapestry.cost.memory import held_bytes, peak_memory
+from tapestry.cost.memory import layout_bytes, peak_memory, resident_bytes
 from tapestry.cost.model import CostModel, plan_cost, run_costs
 from tapestry.cost.profile import DeviceProfile, Link, Profile, builtin_profiles, load_profile
 from tapestry.cost.roofline import Roofline
@@ -44,9 +44,10 @@ __all__ = [
     "Roofline",
     "builtin_profiles",
     "collective_time",
-    "held_bytes",
+    "layout_bytes",
     "load_profile",
     "peak_memory",
+    "resident_bytes",
     "plan_cost",
     "run_costs",
 ]

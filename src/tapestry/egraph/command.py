@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         _report_front(front, args.out, args.pareto_plot)
         result = front[0]
     elif args.memory_budget is not None:
-        result = explored.fastest_within(args.memory_budget, model, args.extractor, args.time_limit)
+        result = explored.extract(model, args.extractor, args.time_limit, args.memory_budget)
     else:
         result = explored.extract(model, args.extractor, args.time_limit)
     console.print(f"saturation stopped by {result.stats.stopped_by}; extraction {result.selection.status}")

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from tapestry.extract.bottom_up import extract_bottom_up
 from tapestry.extract.egraph import EGraph, EGraphError, Node, NoFiniteChoiceError
 from tapestry.extract.greedy_dag import extract_greedy_dag
-from tapestry.extract.ilp import extract_ilp
+from tapestry.extract.ilp import DeviceBudget, extract_ilp
 from tapestry.extract.selection import Selection
 from tapestry.extract.validate import validate
 
@@ -24,8 +24,14 @@ EXTRACTORS: dict[str, Callable[[EGraph, float], Selection]] = {
 }
 
 
-def extract(egraph: EGraph, extractor: str = "ilp", time_limit: float = 60.0) -> Selection:
-    """One entry point so callers pick an extractor by name; `time_limit` only bounds the ILP."""
+def extract(egraph: EGraph, extractor: str = "ilp", time_limit: float = 60.0,
+            budget: DeviceBudget | None = None) -> Selection:
+    """One entry point so callers pick an extractor by name; `time_limit` only bounds the ILP, and only the ILP
+    takes a `budget` (the others choose node by node, blind to a constraint over the whole selection)."""
+    if budget is not None:
+        if extractor != "ilp":
+            raise ValueError(f"extractor {extractor!r} cannot keep a memory budget; use 'ilp'")
+        return extract_ilp(egraph, time_limit, budget=budget)
     try:
         run = EXTRACTORS[extractor]
     except KeyError:
@@ -34,6 +40,7 @@ def extract(egraph: EGraph, extractor: str = "ilp", time_limit: float = 60.0) ->
 
 
 __all__ = [
+    "DeviceBudget",
     "EGraph",
     "EGraphError",
     "EXTRACTORS",

@@ -8,16 +8,22 @@ t_c > t_d only for children d in the same component; edges between components ca
 never close a cycle. Objective: minimize sum cost_n x_n, scaled to integers.
 The greedy selection is given as a complete hint, so the first incumbent is
 at least as good as greedy.
+
+With a `DeviceBudget`, per device d: sum of resident_n[d] x_n over all nodes,
+plus transient_m[d] for any chosen m, stays within the limit. The whole problem
+is then one part (the budget couples every class), and the greedy start counts
+only if it fits.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from tapestry.extract.egraph import EGraph
+from tapestry.extract.egraph import EGraph, NoFiniteChoiceError
 from tapestry.extract.greedy_dag import greedy_dag_choice
 from tapestry.extract.selection import Selection, finalize
 from tapestry.extract.structure import strongly_connected_components
@@ -26,6 +32,29 @@ from tapestry.extract.tree import TreeChoice, solvable_tree
 SCALE = 10**9  # the warm-start cost maps to this many integer units
 RESERVE = 0.05  # share of the time limit kept for CP-SAT stopping its workers (0.5 s seen under load) and read-back
 MIN_COST = 1e-12  # floor for the scale denominator: subnormal costs must not make it infinite
+
+
+@dataclass(frozen=True)
+class DeviceBudget:
+    """Linear per-device memory constraints: `resident[n]` (bytes per device) is held for the whole program by
+    every chosen node n, and `transient[m]` on top of it while chosen node m runs; neither may pass `limit`."""
+
+    limit: int
+    resident: Mapping[int, tuple[int, ...]]
+    transient: Mapping[int, tuple[int, ...]]
+
+    def usage(self, choice: Mapping[int, int]) -> tuple[int, ...]:
+        """Per device, the bytes the constraints charge a selection (at its worst node)."""
+        nodes = set(choice.values())
+        devices = len(next(iter((*self.resident.values(), *self.transient.values())), ()))
+        return tuple(
+            sum(self.resident[n][d] for n in nodes if n in self.resident)
+            + max((self.transient[n][d] for n in nodes if n in self.transient), default=0)
+            for d in range(devices)
+        )
+
+    def fits(self, choice: Mapping[int, int]) -> bool:
+        return all(u <= self.limit for u in self.usage(choice))
 
 
 @dataclass(frozen=True)
@@ -97,8 +126,10 @@ def undominate(egraph: EGraph, choice: Sequence[int], reduced: Reduced) -> list[
     return result
 
 
-def extract_ilp(egraph: EGraph, time_limit: float = 60.0, workers: int = 8) -> Selection:
+def extract_ilp(egraph: EGraph, time_limit: float = 60.0, workers: int = 8,
+                budget: DeviceBudget | None = None) -> Selection:
     """Best selection CP-SAT finds within `time_limit` seconds; never worse than the greedy warm start.
+    Under `budget`, the best that satisfies it; NoFiniteChoiceError if none does.
 
     `workers` is CP-SAT's portfolio size, not a core count: its LP-based and
     large-neighbourhood workers only run in portfolios of several workers, and on
@@ -107,15 +138,20 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0, workers: int = 8) -> S
     started = time.perf_counter()
     tree = solvable_tree(egraph)
     reduced = reduce(egraph, tree)
-    best = finalize(egraph, undominate(egraph, greedy_dag_choice(egraph, tree), reduced), tree, "ilp", started)
-    proven, bound = best.dag_cost == 0, 0.0
+    warm = finalize(egraph, undominate(egraph, greedy_dag_choice(egraph, tree), reduced), tree, "ilp", started)
+    best = warm if budget is None or budget.fits(warm.choice) else None
+    proven, bound = best is not None and best.dag_cost == 0, 0.0
     deadline = started + (1 - RESERVE) * time_limit
-    if not proven and time.perf_counter() < deadline:
-        solved, bound, optimal = _solve(egraph, reduced, best, deadline, workers)
+    if not proven and (time.perf_counter() < deadline or best is None):
+        solved, bound, optimal = _solve(egraph, reduced, warm, deadline, workers, budget)
         if solved is not None:
             candidate = finalize(egraph, solved, tree, "ilp", started)
-            proven = optimal and candidate.dag_cost <= best.dag_cost
-            best = candidate if candidate.dag_cost <= best.dag_cost else best
+            better = best is None or candidate.dag_cost <= best.dag_cost
+            proven = optimal and better
+            best = candidate if better else best
+    if best is None:
+        raise NoFiniteChoiceError(f"no selection fits the budget of {budget.limit:,} per device"  # type: ignore[union-attr]
+                                  if bound == math.inf else "the solver found no selection within the budget in time")
     bound = best.dag_cost if proven else min(bound, best.dag_cost)
     return Selection(
         choice=best.choice,
@@ -129,7 +165,7 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0, workers: int = 8) -> S
 
 
 def _solve(
-    egraph: EGraph, reduced: Reduced, warm: Selection, deadline: float, workers: int
+    egraph: EGraph, reduced: Reduced, warm: Selection, deadline: float, workers: int, budget: DeviceBudget | None
 ) -> tuple[list[int] | None, float, bool]:
     """Solve each independent part on its own, hinted with `warm`: (choice per class, objective bound, optimal).
 
@@ -138,6 +174,8 @@ def _solve(
     """
     scale = SCALE / max(warm.dag_cost, MIN_COST)
     required, parts = _parts(egraph, reduced)
+    if budget is not None:
+        parts = [sorted(reduced.candidates)]  # the budget couples every class
     solved = [-1] * egraph.num_classes
     bound, optimal = 0.0, True
     for c in required.difference(*parts):  # forced: a required class with one candidate, in no part
@@ -150,10 +188,10 @@ def _solve(
         part_deadline = now + (deadline - now) * len(part) / left
         left -= len(part)
         choice, part_bound, part_optimal = _solve_part(
-            egraph, reduced, part, required, (warm.choice, position), scale, part_deadline, workers
+            egraph, reduced, part, required, (warm.choice, position), scale, part_deadline, workers, budget
         )
         if choice is None:
-            return None, 0.0, False
+            return None, part_bound, False
         for c, n in choice.items():
             solved[c] = n
         bound += part_bound
@@ -211,8 +249,10 @@ def _solve_part(
     scale: float,
     deadline: float,
     workers: int,
+    budget: DeviceBudget | None = None,
 ) -> tuple[dict[int, int] | None, float, bool]:
-    """One CP-SAT run over the classes of `part`: (chosen node per active class or None, bound, proven optimal).
+    """One CP-SAT run over the classes of `part`: (chosen node per active class or None, bound, proven optimal);
+    the bound is inf when the budget is proven infeasible.
 
     `warm` is the warm-start choice and its children-first position per class.
     """
@@ -240,6 +280,8 @@ def _solve_part(
                     model.add_implication(x[n], active[d])
                 if c in order and reduced.component.get(d) == reduced.component[c]:
                     model.add(order[c] > order[d]).only_enforce_if(x[n])
+    if budget is not None:
+        _limit(model, budget, x)
     # A node dearer than the whole warm start is never in a better selection: clamp, so no int64 overflow.
     model.minimize(sum(min(round(egraph.node_cost[n] * scale), 2 * SCALE) * var for n, var in x.items()))
     _hint(model, *warm, x, active, order, members)
@@ -248,9 +290,24 @@ def _solve_part(
     solver.parameters.num_workers = workers
     status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None, 0.0, False
+        return None, math.inf if status == cp_model.INFEASIBLE else 0.0, False
     choice = {c: n for c in part for n in reduced.candidates[c] if solver.boolean_value(x[n])}
     return choice, solver.best_objective_bound / scale, status == cp_model.OPTIMAL
+
+
+def _limit(model: cp_model.CpModel, budget: DeviceBudget, x: Mapping[int, cp_model.IntVar]) -> None:
+    """The budget per device, in units of limit / 2^20 bytes, every term rounded down: a relaxation, so it
+    never excludes a selection that meets the exact constraint."""
+    unit = max(1, budget.limit >> 20)
+    limit = budget.limit // unit
+    devices = len(next(iter((*budget.resident.values(), *budget.transient.values())), ()))
+    for d in range(devices):
+        held = model.new_int_var(0, limit, f"held{d}")
+        model.add(held == sum((budget.resident[n][d] // unit) * var for n, var in x.items() if n in budget.resident))
+        for n, var in x.items():
+            extra = budget.transient.get(n, (0,) * devices)[d] // unit
+            if extra:
+                model.add(held + extra * var <= limit)
 
 
 def _hint(

@@ -14,11 +14,23 @@ from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.partition import Partition, make_partition
 
 
-def _split(graph: Graph, op: str, mesh: Mesh, axes: tuple[int | None, ...] | None) -> Partition:
+Axis = int | str | None  # an index dim, by position or name, or None (not split)
+
+
+def _split(graph: Graph, op: str, mesh: Mesh, axes: tuple[Axis, ...] | None) -> Partition:
+    sig = graph.signature(op)
     try:
-        return make_partition(graph.signature(op), mesh, axes or (None,) * mesh.ndim)
+        return make_partition(sig, mesh, tuple(_position(sig.dims, a) for a in axes or (None,) * mesh.ndim))
     except ValueError as err:
         raise ValueError(f"build_plan: op {op!r}: {err}") from None
+
+
+def _position(dims: tuple[str, ...], axis: Axis) -> int | None:
+    if not isinstance(axis, str):
+        return axis
+    if axis not in dims:
+        raise ValueError(f"no index dim {axis!r}; its index dims are {', '.join(dims)}")
+    return dims.index(axis)
 
 
 class _Values:
@@ -49,11 +61,11 @@ class _Values:
 def build_plan(
     graph: Graph,
     mesh: Mesh,
-    axes: Mapping[str, tuple[int | None, ...]] | None = None,
+    axes: Mapping[str, tuple[Axis, ...]] | None = None,
     partitions: Mapping[str, Partition] | None = None,
 ) -> Plan:
-    """Ops take `partitions[op]`, else the split `axes[op]` (one index dim or None per mesh axis), else run
-    replicated. Inputs are placed as their first user needs them; partial outputs are all-reduced."""
+    """Ops take `partitions[op]`, else the split `axes[op]` (per mesh axis: an index dim, by position or by
+    name as in `{"q": ("out",)}`, or None), else run replicated. Inputs are placed as their first user needs them; partial outputs are all-reduced."""
     axes, partitions = axes or {}, partitions or {}
     unknown = sorted((set(axes) | set(partitions)) - {n.name for n in graph.ops})
     if unknown:
