@@ -21,7 +21,7 @@ import torch
 from tapestry import dtypes
 from tapestry.graph import Graph
 from tapestry.importer.capture import TorchImportError, export
-from tapestry.importer.translate import Translation, translate
+from tapestry.importer.translate import Translation, translate_program
 
 __all__ = ["TorchImport", "TorchImportError", "from_torch"]
 
@@ -82,7 +82,7 @@ def from_torch(module: torch.nn.Module, args: tuple[Any, ...] | Any = (), kwargs
     verbose=False."""
     args = args if isinstance(args, tuple) else (args,)
     program = export(module, args, dict(kwargs or {}))
-    imported = TorchImport(module, translate(program, strict))
+    imported = TorchImport(module, translate_program(program, strict))
     if verbose:
         print(imported.summary(), file=sys.stderr)
     return imported

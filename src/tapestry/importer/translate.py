@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,47 +115,67 @@ class Translation:
     coverage: dict[str, collections.Counter]  # ATen op -> what it became ("linear", "folded", "opaque", ...)
 
 
-def translate(program: torch.export.ExportedProgram, strict: bool) -> Translation:
+@dataclass(frozen=True)
+class Placeholder:
+    """What an fx placeholder is: module state or a user argument (graph inputs), a constant, or nothing."""
+
+    kind: str  # "state" | "user" | "constant" | "none"
+    name: str = ""
+    value: Any = None  # a constant's tensor
+
+
+def translate(graph: torch.fx.Graph, placeholders: Mapping[str, Placeholder], outputs: Sequence[tuple[str, Any]],
+              strict: bool) -> Translation:
+    """Build the Tapestry graph of an ATen fx graph. `placeholders` says what each placeholder (by node name) is;
+    `outputs` names the fx nodes (or constants) that become graph outputs, in order."""
     from tapestry.importer import aten  # noqa: F401  (registers the converters)
 
-    graph = Graph()
-    builder = Builder(graph)
+    builder = Builder(Graph())
     env: dict[Any, Any] = {}
-    state: list[str] = []
-    user_inputs: list[str] = []
     coverage: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    specs = {s.arg.name: s for s in program.graph_signature.input_specs if isinstance(s.arg, TensorArgument)}
-    for node in program.graph.nodes:
+    for node in graph.nodes:
         if node.op == "placeholder":
-            env[node] = _placeholder(program, node, specs.get(node.name), graph, state, user_inputs)
+            env[node] = _placeholder(builder.graph, node, placeholders[node.name])
         elif node.op == "call_function":
             env[node] = _call(builder, node, env, strict, coverage)
-    outputs: list[str] = []
-    user = [s.arg.name for s in program.graph_signature.output_specs if s.kind is OutputKind.USER_OUTPUT]
+    for name, value in outputs:
+        builder.graph.output(name, builder.tensor(_resolve(value, env)))
+    kinds = collections.defaultdict(list)
+    for p in placeholders.values():
+        kinds[p.kind].append(p.name)
+    return Translation(builder.graph, tuple(n for n in kinds["state"] if n in builder.graph), tuple(kinds["user"]),
+                       tuple(name for name, _ in outputs), dict(coverage))
+
+
+def translate_program(program: torch.export.ExportedProgram, strict: bool) -> Translation:
+    """An exported module: parameters and float buffers are state, integer buffers (position ids) constants."""
+    tables = {**program.state_dict, **program.constants}
+    placeholders = {}
+    for spec in program.graph_signature.input_specs:
+        if not isinstance(spec.arg, TensorArgument):
+            continue
+        value = next(n for n in program.graph.nodes if n.name == spec.arg.name).meta["val"]
+        if spec.kind is InputKind.CONSTANT_TENSOR or (spec.kind is InputKind.BUFFER and not value.dtype.is_floating_point):
+            placeholders[spec.arg.name] = Placeholder("constant", spec.target, tables[spec.target])
+        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            placeholders[spec.arg.name] = Placeholder("state", spec.target)
+        else:
+            placeholders[spec.arg.name] = Placeholder("user", spec.arg.name)
+    for node in program.graph.nodes:  # non-tensor arguments (use_cache=False): export specialised on them
+        if node.op == "placeholder":
+            placeholders.setdefault(node.name, Placeholder("none"))
     by_name = {n.name: n for n in program.graph.nodes}
-    for i, name in enumerate(user):
-        value = builder.tensor(env[by_name[name]])
-        graph.output(f"out{i}", value)
-        outputs.append(f"out{i}")
-    return Translation(graph, tuple(state), tuple(user_inputs), tuple(outputs), dict(coverage))
+    user = [s.arg.name for s in program.graph_signature.output_specs if s.kind is OutputKind.USER_OUTPUT]
+    return translate(program.graph, placeholders, [(f"out{i}", by_name[n]) for i, n in enumerate(user)], strict)
 
 
-def _placeholder(program: torch.export.ExportedProgram, node: torch.fx.Node, spec: Any, graph: Graph,
-                 state: list[str], user_inputs: list[str]) -> Any:
-    """A graph input for a parameter, float buffer or user argument; a constant for the rest."""
-    if spec is None:
-        return None  # a non-tensor argument (use_cache=False): export specialised on it
-    if spec.kind is InputKind.CONSTANT_TENSOR:
-        return program.constants[spec.target]
+def _placeholder(graph: Graph, node: torch.fx.Node, role: Placeholder) -> Any:
+    if role.kind == "none":
+        return None
+    if role.kind == "constant":
+        return role.value
     value = node.meta["val"]
-    if spec.kind is InputKind.BUFFER and not value.dtype.is_floating_point:
-        return {**program.state_dict, **program.constants}[spec.target]  # an index table (position ids): folds
-    shape, dtype = tuple(int(s) for s in value.shape), dtypes.name_of(value.dtype)
-    if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
-        state.append(spec.target)
-        return graph.input(spec.target, shape, dtype)
-    user_inputs.append(node.name)
-    return graph.input(node.name, shape, dtype)
+    return graph.input(role.name, tuple(int(s) for s in value.shape), dtypes.name_of(value.dtype))
 
 
 def _is_const(value: Any) -> bool:
