@@ -200,6 +200,41 @@ def test_a_view_move_shares_its_source_and_a_weight_split_halves_its_bytes() -> 
     assert peak_memory(replicated) == [2 * 256 + 256] * 2 and peak_memory(split) == [256 + 128 + 128] * 2
 
 
+# -- dtypes ---------------------------------------------------------------------------------------
+def test_a_bfloat16_move_carries_half_the_bytes() -> None:
+    mesh, shape = Mesh(4), (64, 64)
+    src, dst = Layout.split(shape, mesh, (0,)), Layout.replicated(shape, mesh)
+    link = PROFILE.link(0)
+    for dtype, size in (("float32", 4), ("bfloat16", 2)):
+        step = Reshard("g", "x", shape, src, dst, dtype)
+        assert MODEL.step_cost(step, mesh) == pytest.approx(collective_time("all_gather", size * 64 * 64, 4, link))
+
+
+def test_the_roofline_runs_each_dtype_at_its_own_peak() -> None:
+    gpu = DefaultCostModel(load_profile("gpu-h100-nccl"))
+    assert gpu.profile.device.peak("bfloat16") == 989.4e12 and gpu.profile.device.peak("float32") == 66.9e12
+    assert gpu.profile.device.peak("int64") == gpu.profile.device.peak_flops  # not listed: the default peak
+    times = {}
+    for dtype in ("float32", "bfloat16"):
+        g = Graph()
+        g.output("y", g.matmul(g.input("a", (4096, 4096), dtype), g.input("b", (4096, 4096), dtype), name="y"))
+        plan = build_plan(g, Mesh(1))
+        times[dtype] = plan_cost(plan, gpu) - gpu.profile.device.launch_overhead
+    assert times["float32"] == pytest.approx(2 * 4096**3 / 66.9e12)  # compute-bound either way
+    assert times["bfloat16"] == pytest.approx(2 * 4096**3 / 989.4e12)
+
+
+def test_profiles_without_per_dtype_peaks_still_load_and_peaks_round_trip(tmp_path: Path) -> None:
+    assert load_profile("cpu-gloo").device.peaks == ()  # calibrated float32 only: every dtype runs at it
+    peaks = Profile("p", DeviceProfile(1.0, 2.0, 3.0, peaks=(("bfloat16", 8.0), ("tf32", 4.0))), (Link(1, 2),))
+    peaks.save(tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json") == peaks
+    data = peaks.to_json()
+    data["device"]["peak_flops_by_dtype"] = {"bf16": 1.0}
+    with pytest.raises(ValueError, match="names bf16"):
+        Profile.from_json(data)
+
+
 # -- profiles, protocol, CLI ----------------------------------------------------------------------
 def test_profile_json_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "p.json"

@@ -89,7 +89,7 @@ class Explored:
         egraph = self._restrict_outputs(self.decoder.extraction_graph(list(self.roots), model), outputs)
         limit, slack, tries = memory_budget, 0, 0
         while True:
-            budget = None if limit is None else self._device_budget(egraph, limit)
+            budget = None if limit is None else self._device_budget(limit)
             try:
                 selection = extract(egraph, extractor, time_limit, budget)
             except NoFiniteChoiceError as err:
@@ -135,7 +135,7 @@ class Explored:
                     costs[n] = math.inf
         return egraph.with_costs(costs)
 
-    def _device_budget(self, egraph: ExtractGraph, limit: int) -> DeviceBudget:
+    def _device_budget(self, limit: int) -> DeviceBudget:
         """Bytes per device that every plan containing a node must hold: a Place its block of the input, for the
         whole program; a Run its result and its non-input arguments while it runs; a Reshard its source and
         its result, except where the result is a view of the source (cost.memory). Lower bounds of the exact
@@ -143,8 +143,8 @@ class Explored:
         decoder = self.decoder
         layouts = decoder.interner.layouts
         held: dict[str, tuple[int, ...]] = {}
-        inputs = {n.eclass for n in decoder.nodes if n.op == "Place"}
-        for c, dtype in _class_dtypes(decoder, self.graph).items():
+        placed = {n.eclass: self.graph[n.key].dtype for n in decoder.nodes if n.op == "Place"}
+        for c, dtype in {**decoder.class_dtype, **placed}.items():
             held[c] = layout_bytes(layouts[decoder.class_layout[c]][1], dtype)
         resident, transient = {}, {}
         for n, node in enumerate(decoder.nodes):
@@ -156,7 +156,7 @@ class Explored:
                     0 if need is None else s + (0 if own is not None and own.contains(need) else o)
                     for s, o, own, need in zip(held[node.children[0]], held[node.eclass], src.blocks, dst.blocks))
             elif node.op != "Deliver":
-                args = [held[c] for c in dict.fromkeys(node.children) if c not in inputs]
+                args = [held[c] for c in dict.fromkeys(node.children) if c not in placed]
                 transient[n] = tuple(map(sum, zip(held[node.eclass], *args)))
         return DeviceBudget(limit, resident, transient)
 
@@ -182,26 +182,6 @@ def _delivers(want: str | Layout, shape: tuple[int, ...], layout: Layout, mesh: 
     if want == "replicated":
         return layout == Layout.replicated(shape, mesh)
     return layout == want
-
-
-def _class_dtypes(decoder: Decoder, graph: Graph) -> dict[str, str]:
-    """Each distributed class's dtype: a Run's result dtype, a Place's input dtype, a Reshard its source's."""
-    found: dict[str, str] = {}
-    for node in decoder.nodes:
-        if node.op == "Place":
-            found[node.eclass] = graph[node.key].dtype
-        elif node.op not in ("Reshard", "Deliver"):
-            found[node.eclass] = decoder.interner.runs[node.key].signature.dtype
-    moves = [n for n in decoder.nodes if n.op == "Reshard"]
-    while moves:
-        left = [n for n in moves if n.eclass not in found and n.children[0] not in found]
-        for n in moves:
-            if n.eclass not in found and n.children[0] in found:
-                found[n.eclass] = found[n.children[0]]
-        if len(left) == len(moves):
-            break
-        moves = left
-    return found
 
 
 class MemoryBudgetError(ValueError):

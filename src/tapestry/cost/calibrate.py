@@ -263,7 +263,7 @@ def calibrate_cuda(command: str, name: str, quick: bool = False, console: Consol
     with Progress(console=console or Console(stderr=True)) as progress:
         with _phase(progress, f"float32 matmul {', '.join(map(str, sizes))}"):
             rates = matmul_flops(sizes, reps, device)
-        with _phase(progress, f"bfloat16 matmul {', '.join(map(str, sizes))} (provenance only)"):
+        with _phase(progress, f"bfloat16 matmul {', '.join(map(str, sizes))}"):
             half = matmul_flops(sizes, reps, device, torch.bfloat16)
         with _phase(progress, f"memory bandwidth ({4 * elements >> 20} MiB arrays)"):
             bandwidth = memory_bandwidth(elements, reps, device)
@@ -282,7 +282,7 @@ def calibrate_cuda(command: str, name: str, quick: bool = False, console: Consol
     properties = torch.cuda.get_device_properties(device)
     return Profile(
         name=name,
-        device=DeviceProfile(max(rates.values()), bandwidth, overhead, 0.0),
+        device=DeviceProfile(max(rates.values()), bandwidth, overhead, 0.0, (("bfloat16", max(half.values())),)),
         links=links,
         provenance={
             "command": command,

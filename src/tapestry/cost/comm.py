@@ -14,7 +14,7 @@ the textbook ring formula for its collective, on the devices it spans. Simplific
 - General block moves (send_recv) use the exact volumes of sharding.comm: each
   device's time is its messages times alpha plus its received bytes over beta,
   and the step takes the slowest device's time.
-- Values are float32 (4 bytes per element), as the kernels' byte formulas assume.
+- Bytes are elements times the size of the value's dtype (`Reshard.dtype`).
 - A mesh with more devices than the profile's `cores` stretches every reshard by
   devices / cores, as it does compute (see DeviceProfile.oversubscription).
 """
@@ -25,14 +25,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
+from tapestry import dtypes
 from tapestry.cost.profile import Link, Profile
 from tapestry.kernels import Shape
 from tapestry.plan.plan import Reshard, Step
 from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.collectives import classify_reshard, reshard_groups
 from tapestry.sharding.comm import received_counts
-
-BYTES_PER_ELEMENT = 4
 
 # collective: p -> (alpha terms, fraction of the n-byte buffer crossing each device's link)
 RING: dict[str, Callable[[int], tuple[int, float]]] = {
@@ -95,12 +94,11 @@ class AlphaBeta:
         if moved.kind == "noop":
             return 0.0
         link = self.group_link(moved.axes)
+        size = dtypes.itemsize(step.dtype)
         if moved.kind == "send_recv":
-            return max(
-                m * link.alpha + r * BYTES_PER_ELEMENT / link.beta for m, r in zip(moved.messages, moved.received)
-            )
+            return max(m * link.alpha + r * size / link.beta for m, r in zip(moved.messages, moved.received))
         p = math.prod(mesh.shape[a] for a in moved.axes)
-        nbytes = BYTES_PER_ELEMENT * max(_largest_block(step.src_layout), _largest_block(step.layout))
+        nbytes = size * max(_largest_block(step.src_layout), _largest_block(step.layout))
         return collective_time(moved.kind, nbytes, p, link)
 
     def step_cost(self, step: Step, mesh: Mesh) -> float:

@@ -12,6 +12,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from tapestry import dtypes
+
 FORMAT = "tapestry.profile/1"
 
 
@@ -19,12 +21,19 @@ FORMAT = "tapestry.profile/1"
 class DeviceProfile:
     """One device's roofline: FLOP/s, bytes/s of memory traffic, seconds per kernel launch; and `cores`, how many
     such devices the host runs at once (0: as many as the mesh has, e.g. one GPU per rank). A mesh with more
-    devices than `cores` time-shares them: every step takes `mesh.size / cores` times as long."""
+    devices than `cores` time-shares them: every step takes `mesh.size / cores` times as long. `peaks` gives
+    FLOP/s per compute dtype where it differs from `peak_flops` (tensor cores run bfloat16 far faster than
+    float32); a dtype not listed runs at `peak_flops`."""
 
     peak_flops: float
     mem_bandwidth: float
     launch_overhead: float
     cores: float = 0.0
+    peaks: tuple[tuple[str, float], ...] = ()  # (dtype name, FLOP/s); "tf32" is float32 on tensor cores
+
+    def peak(self, dtype: str) -> float:
+        """FLOP/s of a kernel computing in `dtype`."""
+        return dict(self.peaks).get(dtype, self.peak_flops)
 
     def oversubscription(self, devices: int) -> float:
         """How much slower each of `devices` devices runs than alone: 1 until they outnumber the cores."""
@@ -67,6 +76,7 @@ class Profile:
                 "mem_bandwidth": self.device.mem_bandwidth,
                 "launch_overhead": self.device.launch_overhead,
                 **({"cores": self.device.cores} if self.device.cores else {}),
+                **({"peak_flops_by_dtype": dict(self.device.peaks)} if self.device.peaks else {}),
             },
             "links": [{"alpha": k.alpha, "beta": k.beta} for k in self.links],
         }
@@ -81,7 +91,7 @@ class Profile:
                 name=str(data["name"]),
                 device=DeviceProfile(
                     float(device["peak_flops"]), float(device["mem_bandwidth"]), float(device["launch_overhead"]),
-                    float(device.get("cores", 0.0)),
+                    float(device.get("cores", 0.0)), _peaks(device.get("peak_flops_by_dtype", {}), source),
                 ),
                 links=tuple(Link(float(k["alpha"]), float(k["beta"])) for k in data["links"]),
                 provenance=dict(data.get("provenance", {})),
@@ -91,6 +101,14 @@ class Profile:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+
+def _peaks(table: Mapping[str, Any], source: str) -> tuple[tuple[str, float], ...]:
+    unknown = sorted(set(table) - {*dtypes.DTYPES, "tf32"})
+    if unknown:
+        raise ValueError(f"{source}: peak_flops_by_dtype names {', '.join(unknown)}; dtypes are "
+                         f"{', '.join(dtypes.DTYPES)} (and tf32)")
+    return tuple(sorted((name, float(value)) for name, value in table.items()))
 
 
 def _shipped() -> Any:

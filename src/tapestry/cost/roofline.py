@@ -2,18 +2,26 @@
 
 Every device runs its shard at once, so the step takes as long as its slowest
 device; when the mesh has more devices than the host has cores (`DeviceProfile.cores`),
-they time-share them and the step stretches by devices / cores. FLOPs and bytes come from the kernel's sympy formulas (lambdified in
-Signature), so a fused kernel never pays for its intermediate: the intermediate
-is simply not among its inputs or outputs.
+they time-share them and the step stretches by devices / cores. FLOPs and bytes come from the kernel's sympy
+formulas (lambdified in Signature; bytes at each tensor's dtype size), so a fused kernel never pays for its
+intermediate: the intermediate is simply not among its inputs or outputs. The peak is the profile's for the
+kernel's compute dtype (tensor cores run bfloat16 many times faster than float32).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tapestry import dtypes
 from tapestry.cost.profile import DeviceProfile
 from tapestry.kernels import Signature
 from tapestry.plan.plan import Compute, Step
 from tapestry.sharding import Block, Mesh
+
+
+def compute_dtype(sig: Signature) -> str:
+    """The dtype a kernel's arithmetic runs in: its floating inputs' (promoted), else its result's."""
+    floats = [d for d in sig.input_dtypes if dtypes.is_float(d)]
+    return dtypes.promote(*floats) if floats else sig.dtype
 
 
 @dataclass(frozen=True)
@@ -32,7 +40,8 @@ class Roofline:
         if block is None or block.is_empty or sig.kernel.is_view:
             return 0.0
         flops, nbytes = sig.cost(block)
-        return max(flops / self.device.peak_flops, nbytes / self.device.mem_bandwidth) + self.device.launch_overhead
+        peak = self.device.peak(compute_dtype(sig))
+        return max(flops / peak, nbytes / self.device.mem_bandwidth) + self.device.launch_overhead
 
     def compute_time(self, step: Compute) -> float:
         sig = step.signature

@@ -65,6 +65,7 @@ class Decoder:
         self.interner = interner
         self.mesh = mesh
         self.class_layout = {n.eclass: n.layout for n in nodes if n.layout}
+        self.class_dtype = self._dtypes()
 
     def step(self, node: DNode, out: str = "?", args: tuple[str, ...] = ()) -> Step | None:
         if node.op == "Place":
@@ -73,11 +74,25 @@ class Decoder:
         if node.op == "Reshard":
             shape, layout = self.interner.layouts[node.key]
             src = self.interner.layouts[self.class_layout[node.children[0]]][1]
-            return Reshard(out, args[0] if args else "?", shape, src, layout)
+            return Reshard(out, args[0] if args else "?", shape, src, layout, self.class_dtype[node.eclass])
         if node.op == "Deliver":
             return None
         run = self.interner.runs[node.key]
         return replace(run, out=out, args=args or run.args)
+
+    def _dtypes(self) -> dict[str, str]:
+        """The dtype of each class a Run or Reshard makes: its kernel's result, or its source's (inputs, which
+        only Place makes, are never resharded)."""
+        found = {n.eclass: self.interner.runs[n.key].signature.dtype for n in self.nodes
+                 if n.op not in ("Place", "Reshard", "Deliver")}
+        moves = [n for n in self.nodes if n.op == "Reshard"]
+        while moves:
+            left = [n for n in moves if n.children[0] not in found]
+            found.update((n.eclass, found[n.children[0]]) for n in moves if n.children[0] in found)
+            if len(left) == len(moves):
+                break
+            moves = left
+        return found
 
     def serialized(self, roots: list[str], cost: Any) -> dict[str, Any]:
         """The distributed layer with costs, as egraph-serialize JSON (what `tapestry extract` reads)."""

@@ -40,6 +40,7 @@ class _Values:
         self.steps: list[Step] = []
         self.copies: dict[str, dict[Layout, str]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, str] = {}
 
     def add(self, logical: str, step: Step) -> str:
         self.steps.append(step)
@@ -55,7 +56,8 @@ class _Values:
         if layout in copies:
             return copies[layout]
         src_layout, src = next(reversed(copies.items()))
-        return self.add(logical, Reshard(self.fresh(), src, self.shapes[logical], src_layout, layout))
+        return self.add(logical, Reshard(self.fresh(), src, self.shapes[logical], src_layout, layout,
+                                         self.dtypes[logical]))
 
 
 def build_plan(
@@ -74,7 +76,7 @@ def build_plan(
     values = _Values()
     chosen = {n.name: partitions.get(n.name) or _split(graph, n.name, mesh, axes.get(n.name)) for n in graph.ops}
     for node in graph.inputs:
-        values.shapes[node.name] = node.shape
+        values.shapes[node.name], values.dtypes[node.name] = node.shape, node.dtype
     for node in graph.ops:
         sig = graph.signature(node.name)
         step = Compute.running(sig, chosen[node.name], origin=node.name)
@@ -83,7 +85,7 @@ def build_plan(
             if arg not in values.copies:
                 values.add(arg, Place(values.fresh(), arg, graph[arg].shape, need))
             args.append(values.get(arg, need))
-        values.shapes[node.name] = sig.output_shape
+        values.shapes[node.name], values.dtypes[node.name] = sig.output_shape, sig.dtype
         values.add(node.name, replace(step, out=values.fresh(), args=tuple(args)))
     outputs = {}
     for name, target in graph.outputs.items():

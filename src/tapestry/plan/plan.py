@@ -69,13 +69,14 @@ class Compute:
 
 @dataclass(frozen=True)
 class Reshard:
-    """Move or reduce value `src` from `src_layout` into `layout`."""
+    """Move or reduce value `src` (of `dtype`, which prices the bytes moved) from `src_layout` into `layout`."""
 
     out: str
     src: str
     shape: Shape
     src_layout: Layout
     layout: Layout
+    dtype: str = "float32"
 
 
 Step = Place | Compute | Reshard
@@ -155,7 +156,8 @@ def output_gathers(plan: Plan) -> list[Reshard]:
     for value in plan.outputs.values():
         if value not in gathers:
             step = plan.by_id[value]
-            gathers[value] = Reshard(f"{value}@0", value, step.shape, step.layout, _on_rank0(step.shape, plan.mesh))
+            gathers[value] = Reshard(f"{value}@0", value, step.shape, step.layout, _on_rank0(step.shape, plan.mesh),
+                                     plan.dtypes[value])
     return list(gathers.values())
 
 
@@ -177,7 +179,7 @@ def _step_to_json(step: Step) -> dict[str, Any]:
                 "layout": step.layout.to_json()}
     if isinstance(step, Reshard):
         return {"kind": "reshard", "out": step.out, "src": step.src, "shape": list(step.shape),
-                "src_layout": step.src_layout.to_json(), "layout": step.layout.to_json()}
+                "src_layout": step.src_layout.to_json(), "layout": step.layout.to_json(), "dtype": step.dtype}
     return {
         "kind": "compute", "out": step.out, "kernel": step.kernel,
         "params": {k: list(v) if isinstance(v, tuple) else v for k, v in step.params},
@@ -193,7 +195,7 @@ def _step_from_json(data: Mapping[str, Any]) -> Step:
         return Place(data["out"], data["input"], tuple(data["shape"]), Layout.from_json(data["layout"]))
     if kind == "reshard":
         return Reshard(data["out"], data["src"], tuple(data["shape"]), Layout.from_json(data["src_layout"]),
-                       Layout.from_json(data["layout"]))
+                       Layout.from_json(data["layout"]), data.get("dtype", "float32"))
     if kind == "compute":
         params = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in data["params"].items()))
         return Compute(
