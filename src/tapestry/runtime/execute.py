@@ -165,7 +165,9 @@ class RankRunner:
             self._enter(step)
             start = time.perf_counter()
             try:
-                array = np.ascontiguousarray(self.inputs.block(graph, step.input, step.block))
+                array = self.inputs.block(graph, step.input, step.block)  # to_tensor makes it contiguous
+                if not array.flags.writeable:  # a block of a memory-mapped .npy: torch warns about sharing it
+                    array = array.copy()
                 buffers[step.out] = dtypes.to_tensor(array).to(self.device)
             except Exception as err:
                 raise self._failed(step, err) from err
