@@ -9,7 +9,6 @@ import argparse
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +25,9 @@ from tapestry.program import load_program
 from tapestry.runtime.launch import Job, RankFailure, RunResult, default_backend, run_torchrun, spawn
 from tapestry.runtime.execute import InputSource
 from tapestry.sharding import Mesh
+from tapestry.verify import compare
 from tapestry.zspace import ZRange
 
-RTOL = 1e-3  # float32 error relative to the largest output magnitude: deep or softmax-heavy graphs reach 1e-4
 PROFILE_WARMUP, PROFILE_REPEAT = 1, 5
 
 
@@ -56,7 +55,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _target(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", type=Path, help="PLAN.json, or SCRIPT.py defining `graph` (and optionally `mesh`)")
-    parser.add_argument("--nproc", type=int, help="ranks (default: the plan's mesh size)")
+    parser.add_argument("--nproc", type=_positive, help="ranks (default: the plan's mesh size)")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def load_target(path: Path, nproc: int | None) -> Plan:
@@ -126,32 +132,15 @@ def _lower(args: argparse.Namespace) -> int:
     return 0
 
 
-@dataclass(frozen=True)
-class Error:
-    max_abs: float
-    max_rel: float  # relative to the reference's largest magnitude, so near-zero cells do not dominate
-
-    @property
-    def ok(self) -> bool:
-        return self.max_rel <= RTOL
-
-
-def compare(outputs: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray]) -> dict[str, Error]:
-    errors = {}
-    for name, want in reference.items():
-        diff = float(np.abs(outputs[name].astype(np.float64) - want).max(initial=0.0))
-        errors[name] = Error(diff, diff / max(float(np.abs(want).max(initial=0.0)), np.finfo(np.float32).tiny))
-    return errors
-
-
 def verify(plan: Plan, outputs: Mapping[str, np.ndarray], source: InputSource) -> bool:
-    """Print each output's error against tapestry.evaluate on the same inputs; True when all are within RTOL."""
+    """Print each output's error against tapestry.evaluate on the same inputs (tapestry.verify: per-dtype
+    tolerance, NaN agrees only with NaN); True when all agree."""
     graph = plan.graph
     inputs = {n.name: source.block(graph, n.name, ZRange.from_shape(n.shape)) for n in graph.inputs}
-    errors = compare(outputs, tapestry.evaluate(graph, inputs))
+    errors = compare(outputs, tapestry.evaluate(graph, inputs), graph)
     for name, err in errors.items():
-        verdict = "ok" if err.ok else f"FAIL (tolerance {RTOL:g})"
-        print(f"verify {name}: max abs err {err.max_abs:.3e}, max rel err {err.max_rel:.3e}  {verdict}")
+        verdict = "ok" if err.ok else f"FAIL (tolerance {err.tolerance:g})"
+        print(f"verify {name}: {err}  {verdict}")
     return all(e.ok for e in errors.values())
 
 

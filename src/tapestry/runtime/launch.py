@@ -8,15 +8,21 @@ timeout, and the error names the rank and the step.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime
 import functools
 import os
 import queue
+import signal
 import socket
+import sys
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+import types
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,6 +101,8 @@ def run_plans(
     repeat: int = 1,
 ) -> list[RunResult]:
     """Run several plans on the same mesh size, in order, in one spawned process group."""
+    if nproc is not None and nproc < 1:
+        raise ValueError(f"nproc must be at least 1, got {nproc}")
     sizes = {p.mesh.size for p in plans}
     nproc = nproc or sizes.pop()
     for plan in plans:
@@ -135,16 +143,67 @@ def spawn(job: Job) -> list[RunResult]:
     progress: Any = ctx.Array("i", [-1] * 2 * world, lock=False)
     port = free_port()
     procs = [ctx.Process(target=_spawned_rank, args=(job, r, world, port, results, progress)) for r in range(world)]
-    for p in procs:
-        p.start()
+    with _stopped_by_signals():
+        try:
+            with _main_module_hidden():
+                for p in procs:
+                    p.start()
+            return _supervise(job, procs, results, progress)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                if p.pid is not None:
+                    p.join()
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Spawned ranks never import the user's __main__: a script without an `if __name__ == "__main__":` guard
+    would run again in every rank, and stdin, `python -c` or a notebook have no file to import. A rank needs only
+    tapestry (the job pickles as plan JSON), so the ranks start as if __main__ were an empty module."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
     try:
-        return _supervise(job, procs, results, progress)
+        yield
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join()
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
+class Stopped(SystemExit):
+    """The launcher was sent SIGTERM or SIGHUP: its ranks are killed on the way out, and it exits 128 + signal."""
+
+
+@contextlib.contextmanager
+def _stopped_by_signals() -> Iterator[None]:
+    """SIGTERM (what `timeout` and CI send) and SIGHUP unwind the launcher like Ctrl-C does, so its cleanup kills
+    the ranks; by default they would end it at once and leave the ranks waiting in a collective."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers; ranks still die with their parent (_die_with_parent)
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise Stopped(128 + signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this rank when the launcher dies, even by SIGKILL, so no rank outlives it."""
+    if not sys.platform.startswith("linux"):
+        return
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    parent = mp.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # the launcher died before prctl took effect
+        os._exit(1)
 
 
 def _supervise(job: Job, procs: list[Any], results: Any, progress: Any) -> list[RunResult]:
@@ -194,6 +253,7 @@ def free_port() -> int:
 
 
 def _spawned_rank(job: Job, rank: int, world: int, port: int, results: Any, progress: Any) -> None:
+    _die_with_parent()
     def on_step(program: int, step: int) -> None:
         progress[2 * rank], progress[2 * rank + 1] = program, step
 

@@ -1,0 +1,122 @@
+"""Launching ranks from any kind of program, and stopping them: nothing of a run may be left behind."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tapestry
+from tapestry.cli import main
+from tapestry.plan import Plan, build_plan
+from tapestry.runtime import run_plan
+from tapestry.sharding import Mesh
+
+ROOT = Path(__file__).resolve().parent.parent
+TAPESTRY = str(Path(sys.executable).parent / "tapestry")
+
+# No `if __name__ == "__main__":` guard: spawned ranks must not run this again.
+SCRIPT = """
+import tapestry
+from tapestry.plan import build_plan
+g = tapestry.Graph()
+g.output("y", g.relu(g.matmul(g.input("a", (8, 6)), g.input("b", (6, 4)))))
+plan = build_plan(g, tapestry.Mesh(2), {"matmul_0": (0,), "relu_0": (None,)})
+print("ran", plan.run(compile=False, timeout=120).outputs["y"].shape)
+"""
+
+
+def _python(*args: str, stdin: str | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], input=stdin, capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+@pytest.mark.parametrize("how", ["script", "stdin", "-c"])
+def test_a_plan_runs_on_two_ranks_from_a_script_without_a_main_guard(tmp_path: Path, how: str):
+    script = tmp_path / "unguarded.py"
+    script.write_text(SCRIPT)
+    done = {"script": lambda: _python(str(script), cwd=tmp_path),
+            "stdin": lambda: _python("-", stdin=SCRIPT, cwd=tmp_path),
+            "-c": lambda: _python("-c", SCRIPT, cwd=tmp_path)}[how]()
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("ran (8, 4)") == 1  # once: the ranks never ran the script
+
+
+def _session(leader: int) -> list[int]:
+    """Every live process in the session `leader` started (its own pid is the session id)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == leader and fields[0] != "Z":  # fields after the name: state, ppid, pgrp, session
+                found.append(int(entry.name))
+    return found
+
+
+def _slow_plan(path: Path) -> Path:
+    g = tapestry.Graph()
+    value = g.input("x", (256, 256))
+    for _ in range(40):
+        value = g.exp(g.matmul(value, g.input(f"w{_}", (256, 256))))
+    g.output("y", value)
+    build_plan(g, Mesh(2), {op.name: (0,) for op in g.ops}).save(path)
+    return path
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_after_sigterm_or_sigint_no_process_of_a_run_is_left(tmp_path: Path, sig: signal.Signals):
+    plan = _slow_plan(tmp_path / "plan.json")
+    run = subprocess.Popen([TAPESTRY, "run", str(plan), "--no-compile", "--timeout", "300"], start_new_session=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_session(run.pid)) < 3 and time.monotonic() < deadline:  # the launcher and both ranks are up
+            time.sleep(0.2)
+        assert len(_session(run.pid)) >= 3, "the ranks never started"
+        run.send_signal(sig)
+        run.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while _session(run.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _session(run.pid) == [], f"left running after {sig.name}: {_session(run.pid)}"
+        assert run.returncode != 0
+    finally:
+        for pid in _session(run.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_zero_ranks_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    g = tapestry.Graph()
+    g.output("y", g.relu(g.input("x", (4, 4))))
+    plan = build_plan(g, Mesh(1), {"relu_0": (None,)})
+    with pytest.raises(ValueError, match="nproc must be at least 1, got 0"):
+        run_plan(plan, nproc=0)
+    plan.save(tmp_path / "plan.json")
+    with pytest.raises(SystemExit):
+        main(["run", str(tmp_path / "plan.json"), "--nproc", "0"])
+    assert "--nproc: must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_verify_passes_where_both_sides_are_nan_and_inputs_from_npy_files_raise_no_warning(tmp_path: Path):
+    g = tapestry.Graph()
+    g.output("y", g.log(g.input("x", (8, 4))))  # log of negative inputs: NaN on both sides
+    plan = build_plan(g, Mesh(2), {"log_0": (0,)})
+    plan.save(tmp_path / "plan.json")
+    x = tapestry.random_inputs(g)["x"]
+    assert np.isnan(tapestry.evaluate(g, {"x": x})["y"]).any()
+    (tmp_path / "in").mkdir()
+    np.save(tmp_path / "in" / "x.npy", x)
+    done = subprocess.run([TAPESTRY, "run", str(tmp_path / "plan.json"), "--no-compile", "--verify",
+                           "--inputs", str(tmp_path / "in")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "verify y:" in done.stdout and "ok" in done.stdout
+    assert "not writable" not in done.stderr and "Warning" not in done.stderr, done.stderr
+    Plan.load(tmp_path / "plan.json")
