@@ -19,7 +19,7 @@ from tapestry.sharding import Mesh
 _OPTIMIZER = {"Budget": "tapestry.egraph.driver", "OptimizeResult": "tapestry.optimizer",
               "explore": "tapestry.optimizer", "optimize": "tapestry.optimizer",
               "from_torch": "tapestry.importer", "TorchImport": "tapestry.importer",
-              "TorchImportError": "tapestry.importer"}
+              "TorchImportError": "tapestry.importer", "Training": "tapestry.training"}
 
 
 def __getattr__(name: str) -> Any:
@@ -29,5 +29,5 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["KERNELS", "Budget", "Graph", "GraphError", "Kernel", "Mesh", "OptimizeResult", "Plan", "TorchImport",
-           "TorchImportError", "evaluate", "evaluate_sharded", "explore", "from_torch", "get_kernel", "load_graph",
+           "TorchImportError", "Training", "evaluate", "evaluate_sharded", "explore", "from_torch", "get_kernel", "load_graph",
            "optimize", "random_inputs", "save_graph"]

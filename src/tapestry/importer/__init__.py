@@ -22,6 +22,8 @@ from tapestry import dtypes
 from tapestry.graph import Graph
 from tapestry.importer.capture import TorchImportError, export
 from tapestry.importer.translate import Translation, translate_program
+from tapestry.training import Training
+from tapestry.training.capture import STEP, capture, state_name, updated
 
 __all__ = ["TorchImport", "TorchImportError", "from_torch"]
 
@@ -32,6 +34,7 @@ class TorchImport:
 
     module: torch.nn.Module
     translation: Translation
+    training: Training | None = None
 
     @property
     def graph(self) -> Graph:
@@ -46,11 +49,21 @@ class TorchImport:
     def opaque(self) -> dict[str, int]:
         return {op: made["opaque"] for op, made in self.coverage.items() if made.get("opaque")}
 
-    def inputs(self, *args: Any, **kwargs: Any) -> dict[str, np.ndarray]:
-        """Every graph input by name: the module's current parameters and buffers, constants folded at import,
-        and the tensors among `args`/`kwargs` (flattened as torch.export flattens them)."""
-        state = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
-        values = {path: dtypes.from_tensor(state[path]) for path in self.translation.state}
+    def inputs(self, *args: Any, state: Mapping[str, Any] | None = None, **kwargs: Any) -> dict[str, np.ndarray]:
+        """Every graph input by name: the module's current parameters and buffers (or, for a training step,
+        `state`: the `outputs()` of the step before), the optimizer state (zeros at the first step), the
+        constants folded at import, and the tensors among `args`/`kwargs` (flattened as torch.export does)."""
+        module_state = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
+        carried = _carried(state) if state is not None else {}
+        values: dict[str, np.ndarray] = {}
+        for name in self.translation.state:
+            node = self.graph[name]
+            if name in carried:
+                values[name] = dtypes.cast(carried[name], node.dtype)
+            elif name in module_state:
+                values[name] = dtypes.from_tensor(module_state[name])
+            else:  # optimizer state before the first step
+                values[name] = np.zeros(node.shape, dtypes.to_numpy(node.dtype))
         values.update(self.graph.constants)
         leaves = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         names = self.translation.user_inputs
@@ -59,9 +72,17 @@ class TorchImport:
         values.update({name: dtypes.from_tensor(t) for name, t in zip(names, leaves)})
         return values
 
-    def outputs(self, values: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-        """The module's outputs, flattened in order, from a plan's or the evaluator's output dict."""
-        return [values[name] for name in self.translation.outputs]
+    def outputs(self, values: Mapping[str, np.ndarray]) -> Any:
+        """The module's outputs, flattened in order, from a plan's or the evaluator's output dict. For a training
+        step: {"loss", "parameters": {path: new value}, "optimizer_state": {slot: {path: value}, "step": n}}."""
+        if self.training is None:
+            return [values[name] for name in self.translation.outputs]
+        paths = [name for name, p in self.module.named_parameters() if p.requires_grad]
+        state: dict[str, Any] = {slot: {p: values[updated(state_name(slot, p))] for p in paths}
+                                 for slot in self.training.slots}
+        if self.training.slots:
+            state["step"] = values[updated(STEP)]
+        return {"loss": values["loss"], "parameters": {p: values[updated(p)] for p in paths}, "optimizer_state": state}
 
     def summary(self) -> str:
         """One line: how many ATen ops became kernels, were folded or dropped, or run opaque (and which)."""
@@ -70,19 +91,36 @@ class TorchImport:
             for kind, n in made.items():
                 totals[kind if kind in ("folded", "dropped", "opaque") else "kernels"] += n
         opaque = ", ".join(f"{op} x{n}" for op, n in sorted(self.opaque.items()))
-        return (f"imported {type(self.module).__name__}: {sum(totals.values())} ATen ops -> {totals['kernels']} "
-                f"as kernels, {totals['folded']} folded, {totals['dropped']} dropped, {totals['opaque']} opaque"
-                + (f" ({opaque})" if opaque else "") + f"; graph: {len(self.graph.ops)} ops")
+        what = f"one {self.training.optimizer} training step of " if self.training else ""
+        return (f"imported {what}{type(self.module).__name__}: {sum(totals.values())} ATen ops -> "
+                f"{totals['kernels']} as kernels, {totals['folded']} folded, {totals['dropped']} dropped, "
+                f"{totals['opaque']} opaque" + (f" ({opaque})" if opaque else "") + f"; graph: {len(self.graph.ops)} ops")
+
+
+def _carried(previous: Mapping[str, Any]) -> dict[str, Any]:
+    """A training step's outputs() as the next step's inputs, by graph input name."""
+    carried = dict(previous["parameters"])
+    for slot, values in previous["optimizer_state"].items():
+        if slot == "step":
+            carried[STEP] = values
+        else:
+            carried.update({state_name(slot, p): v for p, v in values.items()})
+    return carried
 
 
 def from_torch(module: torch.nn.Module, args: tuple[Any, ...] | Any = (), kwargs: dict[str, Any] | None = None,
-               *, strict: bool = False, verbose: bool = True) -> TorchImport:
-    """Import `module` as called with `args`/`kwargs` (its eval-mode forward). strict=True raises on the first
-    ATen op with no Tapestry kernel instead of running it opaque. Prints the op-coverage line unless
-    verbose=False."""
+               *, training: Training | None = None, strict: bool = False, verbose: bool = True) -> TorchImport:
+    """Import `module` as called with `args`/`kwargs`: its forward (as it is: call .eval() for inference), or with
+    `training`, one whole training step (docs/training.md). strict=True raises on the first ATen op with no
+    Tapestry kernel instead of running it opaque. Prints the op-coverage line unless verbose=False."""
     args = args if isinstance(args, tuple) else (args,)
-    program = export(module, args, dict(kwargs or {}))
-    imported = TorchImport(module, translate_program(program, strict))
+    if training is not None:
+        if kwargs:
+            raise TorchImportError("a training step takes positional arguments only: loss(module, *args)")
+        translation = capture(module, args, training, strict)
+    else:
+        translation = translate_program(export(module, args, dict(kwargs or {})), strict)
+    imported = TorchImport(module, translation, training)
     if verbose:
         print(imported.summary(), file=sys.stderr)
     return imported

@@ -35,7 +35,7 @@ def _axis(value: int, ndim: int) -> int:
 # -- elementwise -----------------------------------------------------------------------------------------
 UNARY = {
     "aten.relu.default": "relu", "aten.exp.default": "exp", "aten.neg.default": "neg", "aten.sqrt.default": "sqrt",
-    "aten.rsqrt.default": "rsqrt", "aten.tanh.default": "tanh", "aten.sigmoid.default": "sigmoid",
+    "aten.rsqrt.default": "rsqrt", "aten.tanh.default": "tanh", "aten.erf.default": "erf", "aten.sigmoid.default": "sigmoid",
     "aten.silu.default": "silu", "aten.log.default": "log", "aten.abs.default": "abs",
     "aten.logical_not.default": "logical_not", "aten.bitwise_not.default": "logical_not",
 }
@@ -307,6 +307,23 @@ def _layer_norm(b: Builder, x: Any, shape: list[int], w: Any = None, bias: Any =
     weight = b.tensor(w) if w is not None else _ones(b, shape[0], value, 1.0)
     shift = b.tensor(bias) if bias is not None else _ones(b, shape[0], value, 0.0)
     return b.op("layer_norm", value, weight, shift, eps=float(eps))
+
+
+@converts("aten.native_layer_norm.default")
+def _native_layer_norm(b: Builder, x: Any, shape: list[int], w: Any = None, bias: Any = None,
+                       eps: float = 1e-5) -> tuple[Value, Value, Value]:
+    """(normalized, mean, 1/std) over the last dim, the statistics kept (keepdim) for the backward."""
+    value = b.tensor(x)
+    normalized = _layer_norm(b, value, shape, w, bias, eps)
+    mean = b.op("mean", value, axis=-1, keepdim=True)
+    centred = b.op("sub", value, mean)
+    variance = b.op("mean", b.op("mul", centred, centred), axis=-1, keepdim=True)
+    return normalized, mean, b.op("rsqrt", b.op("add_scalar", variance, value=float(eps)))
+
+
+@converts("aten.reciprocal.default")
+def _reciprocal(b: Builder, x: Any) -> Value:
+    return b.op("div_scalar", b.tensor(x), value=1.0, reverse=True)
 
 
 @converts("aten.rms_norm.default")

@@ -1,0 +1,102 @@
+"""A training step (loss, gradients, optimizer update) imported as one graph computes what torch.optim computes."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import tapestry
+from tapestry.evaluator import evaluate
+from tapestry.importer import TorchImportError
+from tapestry.plan.simulate import simulate
+
+
+def mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
+
+
+def mse(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(module(x), y)
+
+
+def cross_entropy(module: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(module(x), labels)
+
+
+X = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+Y = torch.randn(8, 4, generator=torch.Generator().manual_seed(2))
+LABELS = torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(3))
+OPTIMIZERS = {"adam": lambda params: torch.optim.Adam(params, lr=1e-2), "sgd": lambda params: torch.optim.SGD(params, lr=1e-1)}
+TRAINING = {"adam": tapestry.Training(loss=mse, optimizer="adam", lr=1e-2),
+            "sgd": tapestry.Training(loss=mse, optimizer="sgd", lr=1e-1)}
+
+
+def torch_steps(model: torch.nn.Module, optimizer: str, steps: int, loss=mse, target=Y) -> list[tuple[float, dict]]:
+    """(loss, parameters after the step) for each of `steps` steps of torch.optim."""
+    model = copy.deepcopy(model)
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    history = []
+    for _ in range(steps):
+        opt.zero_grad()
+        value = loss(model, X, target)
+        value.backward()
+        opt.step()
+        history.append((value.item(), {k: p.detach().numpy().copy() for k, p in model.named_parameters()}))
+    return history
+
+
+def assert_step_matches(ours: dict, loss: float, params: dict, tol: float = 1e-5) -> None:
+    assert abs(float(ours["loss"]) - loss) <= tol * max(1.0, abs(loss))
+    assert ours["parameters"].keys() == params.keys()
+    for name, want in params.items():
+        np.testing.assert_allclose(ours["parameters"][name], want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_five_steps_carry_the_state_and_match_torch_optim(optimizer):
+    model = mlp()
+    imported = tapestry.from_torch(model, (X, Y), training=TRAINING[optimizer], verbose=False)
+    state = None
+    for loss, params in torch_steps(model, optimizer, 5):
+        state = imported.outputs(evaluate(imported.graph, imported.inputs(X, Y, state=state)))
+        assert_step_matches(state, loss, params)
+    if optimizer == "adam":
+        assert float(state["optimizer_state"]["step"]) == 5
+        assert set(state["optimizer_state"]) == {"m", "v", "step"}
+
+
+def test_one_adam_step_optimized_on_four_devices_equals_torch_optim():
+    model = mlp()
+    imported = tapestry.from_torch(model, (X, Y), training=TRAINING["adam"], verbose=False)
+    assert not imported.opaque, "the whole step maps onto kernels"
+    plan = tapestry.optimize(imported.graph, mesh=tapestry.Mesh(4)).plan
+    ((loss, params),) = torch_steps(model, "adam", 1)
+    assert_step_matches(imported.outputs(simulate(plan, imported.inputs(X, Y))), loss, params)
+
+
+def test_cross_entropy_step_matches():
+    model = mlp()
+    training = tapestry.Training(loss=cross_entropy, optimizer="sgd", lr=1e-1)
+    imported = tapestry.from_torch(model, (X, LABELS), training=training, verbose=False)
+    ((loss, params),) = torch_steps(model, "sgd", 1, cross_entropy, LABELS)
+    assert_step_matches(imported.outputs(evaluate(imported.graph, imported.inputs(X, LABELS))), loss, params)
+
+
+def test_parameters_and_optimizer_state_are_named_inputs_and_outputs():
+    imported = tapestry.from_torch(mlp(), (X, Y), training=TRAINING["adam"], verbose=False)
+    names = {n.name for n in imported.graph.inputs}
+    assert {"0.weight", "adam.m.0.weight", "adam.v.3.bias", "adam.step", "arg0", "arg1"} <= names
+    assert {"loss", "new.0.weight", "new.adam.m.0.weight", "new.adam.step"} <= set(imported.graph.outputs)
+
+
+def test_a_loss_that_is_not_a_scalar_is_a_clear_error():
+    with pytest.raises(TorchImportError, match="the loss must be a scalar"):
+        tapestry.from_torch(mlp(), (X,), training=tapestry.Training(loss=lambda m, x: m(x)), verbose=False)
+
+
+def test_unknown_optimizer_is_refused():
+    with pytest.raises(ValueError, match="optimizer 'lamb' is not one of sgd, adam"):
+        tapestry.Training(loss=mse, optimizer="lamb")
