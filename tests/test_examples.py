@@ -21,3 +21,10 @@ def test_mlp_example_defines_a_graph():
 def test_gpt2_example_defines_a_model_for_the_cli():
     scope = runpy.run_path(str(EXAMPLES / "gpt2.py"))
     assert scope["model"].config.n_layer == 2 and scope["example_inputs"][0].dtype.is_floating_point is False
+
+
+def test_train_mlp_example_runs_steps_on_two_ranks_and_matches_torch(monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["train_mlp.py", "--steps", "2", "--nproc", "2"])
+    scope = runpy.run_path(str(EXAMPLES / "train_mlp.py"))
+    assert scope["main"]() == 0
+    assert capsys.readouterr().out.count("largest parameter difference") == 2
