@@ -10,6 +10,7 @@ predicted time on one device over its predicted time on the mesh, both under the
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -63,6 +64,8 @@ def main() -> None:
         " so no plan beats one device and the speed-up is below 1; on the gpu profile the small models are"
         " launch-bound (speed-up 1). The large rows show what sharding buys when compute dominates."
     )
+    body += (f"\n\nLoad average over the run's last minutes: {os.getloadavg()[1]:.1f} on {os.cpu_count()} cores; seconds"
+             " grow with it, the counts and predicted speed-ups do not.")
     command = "python benchmarks/importing.py"
     write_section("Importing real models", command, body)
 
