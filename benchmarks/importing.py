@@ -61,8 +61,7 @@ def main() -> None:
         " `optimize s` is the whole of `tapestry.optimize` (saturation, pricing, ILP extraction, the plan's meaning"
         " check). `sharded steps` counts compute steps whose index blocks differ between devices. At the small"
         " size, under cpu-gloo, a mesh of 4 ranks on this 2-core machine is oversubscribed (the profile's `cores`),"
-        " so no plan beats one device and the speed-up is below 1; on the gpu profile the small models are"
-        " launch-bound (speed-up 1). The large rows show what sharding buys when compute dominates."
+        " so no plan beats one device and the speed-up is below 1. The large rows show what sharding buys when compute dominates."
     )
     body += (f"\n\nLoad average over the run's last minutes: {os.getloadavg()[1]:.1f} on {os.cpu_count()} cores; seconds"
              " grow with it, the counts and predicted speed-ups do not.")
