@@ -28,9 +28,9 @@ def test_a_grid_never_splits_a_reduction_while_replicating():
     assert {"split(m,n)", "split(m,k)", "split(k,k)", "replicate"} <= set(found)
 
 
-def test_dims_smaller_than_the_mesh_axis_are_not_split():
+def test_dims_smaller_than_the_mesh_axis_are_not_split_alone_only_with_another_by_a_factorization():
     sig = get_kernel("relu").bind([(2, 16)])
-    assert names(sig, Mesh(4)) == ["replicate", "split(d1)"]
+    assert names(sig, Mesh(4)) == ["replicate", "split(d0/2×d1/2)", "split(d1)"]
 
 
 def test_splitting_a_reduction_makes_the_output_partial_and_inputs_split_on_k():

@@ -5,32 +5,39 @@ plan from explicit choices, for baselines (one device, data parallel, ...) and t
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from tapestry.graph import Graph
 from tapestry.plan.plan import Compute, Place, Plan, Reshard, Step
 from tapestry.sharding import Layout, Mesh
-from tapestry.sharding.partition import Partition, make_partition
+from tapestry.sharding.partition import AxisChoice, Partition, make_partition
 
 
-Axis = int | str | None  # an index dim, by position or name, or None (not split)
+Dim = int | str  # an index dim, by position or name
+Axis = Dim | None | Sequence[tuple[Dim, int]]  # one dim, none, or (dim, parts) pairs: a factorization
 
 
 def _split(graph: Graph, op: str, mesh: Mesh, axes: tuple[Axis, ...] | None) -> Partition:
     sig = graph.signature(op)
     try:
-        return make_partition(sig, mesh, tuple(_position(sig.dims, a) for a in axes or (None,) * mesh.ndim))
+        return make_partition(sig, mesh, tuple(_choice(sig.dims, a) for a in axes or (None,) * mesh.ndim))
     except ValueError as err:
         raise ValueError(f"build_plan: op {op!r}: {err}") from None
 
 
-def _position(dims: tuple[str, ...], axis: Axis) -> int | None:
-    if not isinstance(axis, str):
-        return axis
-    if axis not in dims:
-        raise ValueError(f"no index dim {axis!r}; its index dims are {', '.join(dims)}")
-    return dims.index(axis)
+def _choice(dims: tuple[str, ...], axis: Axis) -> AxisChoice:
+    if axis is None or isinstance(axis, (int, str)):
+        return None if axis is None else _position(dims, axis)
+    return tuple((_position(dims, d), parts) for d, parts in axis)
+
+
+def _position(dims: tuple[str, ...], dim: Dim) -> int:
+    if not isinstance(dim, str):
+        return dim
+    if dim not in dims:
+        raise ValueError(f"no index dim {dim!r}; its index dims are {', '.join(dims)}")
+    return dims.index(dim)
 
 
 class _Values:
@@ -67,7 +74,8 @@ def build_plan(
     partitions: Mapping[str, Partition] | None = None,
 ) -> Plan:
     """Ops take `partitions[op]`, else the split `axes[op]` (per mesh axis: an index dim, by position or by
-    name as in `{"q": ("out",)}`, or None), else run replicated. Inputs are placed as their first user needs them; partial outputs are all-reduced."""
+    name as in `{"q": ("out",)}`; None; or several dims at once, `{"mm": ((("batch0", 4), ("m", 2)),)}`
+    splitting batch 4 ways and m 2 ways over one 8-device axis), else run replicated. Inputs are placed as their first user needs them; partial outputs are all-reduced."""
     axes, partitions = axes or {}, partitions or {}
     unknown = sorted((set(axes) | set(partitions)) - {n.name for n in graph.ops})
     if unknown:
