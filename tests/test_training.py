@@ -100,3 +100,37 @@ def test_a_loss_that_is_not_a_scalar_is_a_clear_error():
 def test_unknown_optimizer_is_refused():
     with pytest.raises(ValueError, match="optimizer 'lamb' is not one of sgd, adam"):
         tapestry.Training(loss=mse, optimizer="lamb")
+
+
+def test_attention_backward_of_a_llama_block_matches():
+    from tapestry.importer.zoo import MODELS
+
+    model, (tokens,), _ = MODELS["llama_block"]()
+    target = torch.randn_like(tokens)
+    training = tapestry.Training(loss=lambda m, x, y: torch.nn.functional.mse_loss(m(x), y), lr=1e-1)
+    imported = tapestry.from_torch(model, (tokens, target), training=training, verbose=False)
+    ours = imported.outputs(evaluate(imported.graph, imported.inputs(tokens, target)))
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(reference.parameters(), lr=1e-1)
+    value = torch.nn.functional.mse_loss(reference(tokens), target)
+    value.backward()
+    opt.step()
+    assert_step_matches(ours, value.item(), {k: p.detach().numpy() for k, p in reference.named_parameters()})
+
+
+def test_in_place_ops_in_the_traced_step_are_read_after_their_update():
+    class Accumulate(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = x * self.w
+            h.add_(1.0)  # an in-place op that make_fx keeps
+            return (h * h).sum()
+
+    x = torch.randn(4)
+    imported = tapestry.from_torch(Accumulate(), (x,), training=tapestry.Training(loss=lambda m, x: m(x), lr=0.5),
+                                   verbose=False)
+    ours = imported.outputs(evaluate(imported.graph, imported.inputs(x)))
+    assert abs(float(ours["loss"]) - float(((x + 1) ** 2).sum())) < 1e-5

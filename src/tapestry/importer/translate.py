@@ -208,6 +208,15 @@ def _as_dummy(value: Any) -> Any:
 
 def _call(builder: Builder, node: Any, env: dict[Any, Any], strict: bool,
           coverage: dict[str, collections.Counter]) -> Any:
+    """What `node` becomes. An in-place op (`add_`) is converted as its functional twin, and its first argument
+    is rebound to the result, so later readers of the mutated tensor read the new value (a traced training
+    step is not functionalized; an exported forward is)."""
+    functional = _functional_twin(node.target)
+    if functional is not None:
+        result = _call(builder, _retarget(node, functional), env, strict, coverage)
+        if isinstance(node.args[0], torch.fx.Node):
+            env[node.args[0]] = result
+        return result
     name = op_name(node.target)
     args, kwargs = _resolve(node.args, env), _resolve(node.kwargs, env)
     if name.startswith("aten._assert") or name == "aten._assert_tensor_metadata.default":
@@ -243,6 +252,23 @@ def _call(builder: Builder, node: Any, env: dict[Any, Any], strict: bool,
     elif strict:
         raise TorchImportError(f"{name} at {_where(node)}: no Tapestry kernel (strict=True)")
     return _opaque(builder, node, name, args, kwargs, coverage)
+
+
+def _functional_twin(target: Any) -> Any:
+    """aten.add_.Scalar -> aten.add.Scalar; None for ops that mutate nothing."""
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
+        return None
+    packet = target._schema.name.split("::")[1]
+    if not packet.endswith("_"):
+        return None
+    twin = getattr(torch.ops.aten, packet[:-1], None)
+    return getattr(twin, target._overloadname, None) if twin is not None else None
+
+
+def _retarget(node: Any, target: Any) -> Any:
+    """A stand-in for `node` calling `target`, with the same args and recorded value."""
+    return type("Retargeted", (), {"target": target, "args": node.args, "kwargs": node.kwargs, "meta": node.meta,
+                                   "name": node.name})()
 
 
 def _match_torch(builder: Builder, value: Value) -> Value:

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch._decomp import core_aten_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tapestry.importer.capture import TorchImportError
 from tapestry.importer.translate import Placeholder, Translation, translate
@@ -62,7 +63,9 @@ def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, 
     flat = [*params, *(torch.zeros_like(p) for _ in training.slots for p in params),
             *([torch.zeros((), dtype=torch.float32)] if training.slots else []), *args]
     try:
-        with warnings.catch_warnings():
+        # attention's math backend: its backward is matmuls and a softmax's, where the fused CPU kernel's
+        # backward is one opaque op that needs the forward's private log-sum-exp
+        with warnings.catch_warnings(), sdpa_kernel([SDPBackend.MATH]):
             warnings.simplefilter("ignore", FutureWarning)
             traced = make_fx(step, decomposition_table=core_aten_decompositions(), tracing_mode="fake")(*flat)
     except TorchImportError:
