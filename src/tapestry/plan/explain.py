@@ -36,6 +36,8 @@ def _describe(step: Step, mesh: Mesh) -> tuple[str, list[str]]:
     params = "".join(f", {k}={v}" for k, v in step.params)
     head = f"compute  {step.kernel}({args}{params}) -> {list(step.shape)} as {_layout(step.layout, step.shape, mesh)}"
     details = [f"index blocks: {_blocks(step.blocks, mesh)}"]
+    if step.kernel.startswith("opaque"):
+        details.append(f"opaque: {dict(step.params)['aten']} has no Tapestry kernel; it runs whole through torch")
     if step.origin:
         details.append(f"origin: {step.origin}")
     return head, details
