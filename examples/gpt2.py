@@ -36,7 +36,7 @@ def main() -> int:
     with torch.no_grad():
         want = model(*example_inputs, **example_kwargs).last_hidden_state.numpy()
     error = float(np.abs(got - want).max() / np.abs(want).max())
-    print(f"ran on {args.nproc} gloo ranks: last_hidden_state {list(got.shape)}, max error relative to the largest "
+    print(f"ran on {args.nproc} ranks: last_hidden_state {list(got.shape)}, max error relative to the largest "
           f"value {error:.2e} against the module")
     return 0 if error <= 1e-4 else 1
 

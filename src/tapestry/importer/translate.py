@@ -245,7 +245,7 @@ def _call(builder: Builder, node: Any, env: dict[Any, Any], strict: bool,
             made = {n.op for n in builder.graph.nodes[size:] if not n.is_input} or {"view of its input"}
             coverage[name][", ".join(sorted(made))] += 1
             return result
-        except (Unsupported, GraphError) as why:  # a form the kernels do not take: roll back, run it opaque
+        except Exception as why:  # a form the kernels do not take (or a converter's slip): roll back, run it opaque
             builder.graph.truncate(size)
             if strict:
                 raise TorchImportError(f"{name} at {_where(node)}: not supported ({why})") from None
@@ -274,10 +274,7 @@ def _retarget(node: Any, target: Any) -> Any:
 def _match_torch(builder: Builder, value: Value) -> Value:
     """Check a converted node against torch's own shape and dtype; cast where promotion rules differ."""
     if value.shape != builder.shape:
-        raise TorchImportError(
-            f"{op_name(builder.node.target)} at {_where(builder.node)}: importer bug: shape {list(value.shape)}, "
-            f"torch gives {list(builder.shape)}"
-        )
+        raise Unsupported(f"the kernels give shape {list(value.shape)}, torch {list(builder.shape)}")
     if value.dtype != builder.dtype:
         return builder.op("cast", value, dtype=builder.dtype)
     return value
