@@ -67,9 +67,8 @@ BINARY = {
 def binary(b: Builder, kernel: str, lhs: Any, rhs: Any) -> Value:
     """A binary kernel, or its `_scalar` twin when one operand is a number (reverse when it is the left one)."""
     left, right = _scalar(lhs), _scalar(rhs)
-    if kernel.startswith("logical") and "bool" not in (getattr(lhs, "dtype", None), getattr(rhs, "dtype", None)) \
-            and b.dtype != "bool":
-        raise Unsupported("bitwise op on integers")
+    if kernel.startswith("logical") and b.dtype != "bool":
+        raise Unsupported("a bitwise op on integers")
     if right is not None:
         return b.op(f"{kernel}_scalar", b.tensor(lhs), value=right)
     if left is not None:
