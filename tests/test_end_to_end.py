@@ -45,15 +45,15 @@ def random_plans(graph: tapestry.Graph, mesh: Mesh | int, seed: int, count: int 
 
 @pytest.mark.parametrize("kernel", GENERATED)
 def test_every_kernel_in_random_programs_plans_correctly(kernel: str):
-    """Each kernel leads a few random programs; the optimiser's plan and random-cost plans on 2 and 4 devices."""
+    """Each kernel leads a few random programs: the optimiser's plan on 2 devices, random-cost plans on 2 and 4."""
 
     @settings(max_examples=2, **DETERMINISTIC)
     @given(graph=block_graphs(max_ops=4, first=kernel), seed=st.integers(0, 2**16))
     def check(graph: tapestry.Graph, seed: int) -> None:
         assert any(node.op == kernel for node in graph.ops)
         assume(not any(node.op in OPEN_BUGS and "bool" in {graph[a].dtype for a in node.args} for node in graph.ops))
+        check_plan(tapestry.optimize(graph, 2, time_limit=5).plan)
         for mesh in (2, 4):
-            check_plan(tapestry.optimize(graph, mesh, time_limit=5).plan)
             for plan in random_plans(graph, mesh, seed, count=1):
                 check_plan(plan)
 

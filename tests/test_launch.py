@@ -35,7 +35,7 @@ def _python(*args: str, stdin: str | None = None, cwd: Path | None = None) -> su
     return subprocess.run([sys.executable, *args], input=stdin, capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
-@pytest.mark.parametrize("how", ["script", "stdin", "-c"])
+@pytest.mark.parametrize("how", ["script", "stdin", pytest.param("-c", marks=pytest.mark.slow)])
 def test_a_plan_runs_on_two_ranks_from_a_script_without_a_main_guard(tmp_path: Path, how: str):
     script = tmp_path / "unguarded.py"
     script.write_text(SCRIPT)
