@@ -2,29 +2,34 @@
 
     g = tapestry.Graph(); ...; result = tapestry.optimize(g, mesh=tapestry.Mesh(4))
 
-The optimiser's names (`optimize`, `explore`, `OptimizeResult`, `Budget`) load egglog on first use, so that running
-a saved plan needs only torch and numpy: a GPU machine that runs plans need not have egglog, islpy or ortools.
+Names load on first use, so that running a saved plan needs only torch and numpy (a GPU machine that runs plans
+need not have egglog, islpy or ortools) and `tapestry --help` imports nothing heavy.
 """
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-from tapestry.evaluator import evaluate, evaluate_sharded, random_inputs
-from tapestry.graph import Graph, GraphError, load_graph, save_graph
-from tapestry.kernels import KERNELS, Kernel, get_kernel
-from tapestry.plan import Plan
-from tapestry.sharding import Mesh
-
-_OPTIMIZER = {"Budget": "tapestry.egraph.driver", "OptimizeResult": "tapestry.optimizer",
-              "explore": "tapestry.optimizer", "optimize": "tapestry.optimizer",
-              "from_torch": "tapestry.importer", "TorchImport": "tapestry.importer",
-              "TorchImportError": "tapestry.importer", "Training": "tapestry.training"}
+# Every name loads on first use: `tapestry --help` and a rank that runs a saved plan import none of torch, egglog, islpy
+# or ortools until they need them.
+_LAZY = {"evaluate": "tapestry.evaluator", "evaluate_sharded": "tapestry.evaluator", "random_inputs": "tapestry.evaluator",
+         "Graph": "tapestry.graph", "GraphError": "tapestry.graph", "load_graph": "tapestry.graph",
+         "save_graph": "tapestry.graph", "KERNELS": "tapestry.kernels", "Kernel": "tapestry.kernels",
+         "get_kernel": "tapestry.kernels", "Plan": "tapestry.plan", "Mesh": "tapestry.sharding",
+         "Budget": "tapestry.egraph.driver", "OptimizeResult": "tapestry.optimizer",
+         "explore": "tapestry.optimizer", "optimize": "tapestry.optimizer",
+         "from_torch": "tapestry.importer", "TorchImport": "tapestry.importer",
+         "TorchImportError": "tapestry.importer", "Training": "tapestry.training"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _OPTIMIZER:
-        return getattr(importlib.import_module(_OPTIMIZER[name]), name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    try:  # `import tapestry; tapestry.cost.plan_cost(...)` worked while this file imported everything
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as err:
+        if err.name != f"{__name__}.{name}":
+            raise
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
