@@ -48,6 +48,20 @@ def to_bool(in_dtypes: tuple[str, ...], params: Mapping[str, ParamValue]) -> str
     return "bool"
 
 
+def no_bool(name: str, rule: DtypeRule | None) -> DtypeRule:
+    """`rule` (None: promotion), refusing operands that would compute in bool: numpy and torch have no bool
+    negation, subtraction, power, relu or abs, so the graph must not promise one."""
+
+    def refuse(in_dtypes: tuple[str, ...], params: Mapping[str, ParamValue]) -> str:
+        computed = (rule or promoted)(in_dtypes, params)
+        if computed == "bool":
+            raise KernelError(f"{name}: bool operands are not supported (numpy and torch refuse bool {name}); "
+                              "cast them first, e.g. cast(x, 'int64'), or use the logical_* ops")
+        return computed
+
+    return refuse
+
+
 def _check_bool(kernel: str, slot: str, dtype: str) -> None:
     if dtype != "bool":
         raise KernelError(f"{kernel}: {slot} must be bool, got {dtype}")
@@ -95,14 +109,15 @@ class Unary:
     doc: str
     params: Mapping[str, ParamValue] = field(default_factory=dict)
     signature: Callable[..., SignatureSpec] | None = None  # None: the identity on x's shape
+    takes_bool: bool = True  # False: torch has no bool version, so bool x is refused when the graph is built
 
 
 REAL = ("float",)  # maps into the reals are only sampled at floats: float32 results from integers round differently
 
 UNARY: tuple[Unary, ...] = (
-    Unary("relu", lambda x: np.maximum(x, 0), torch.relu, 1, None, ("float", "int64"), "max(x, 0)"),
-    Unary("neg", np.negative, torch.neg, 1, None, ("float", "int64"), "-x"),
-    Unary("abs", np.abs, torch.abs, 1, None, ("float", "int32"), "|x|"),
+    Unary("relu", lambda x: np.maximum(x, 0), torch.relu, 1, None, ("float", "int64"), "max(x, 0)", takes_bool=False),
+    Unary("neg", np.negative, torch.neg, 1, None, ("float", "int64"), "-x", takes_bool=False),
+    Unary("abs", np.abs, torch.abs, 1, None, ("float", "int32"), "|x|", takes_bool=False),
     Unary("exp", np.exp, torch.exp, 4, float_result, REAL, "e^x"),
     Unary("log", np.log, torch.log, 4, float_result, REAL, "natural log (NaN below 0)"),
     Unary("sqrt", np.sqrt, torch.sqrt, 4, float_result, REAL, "√x (NaN below 0)"),
@@ -133,7 +148,7 @@ def _unary(op: Unary) -> Kernel:
             torch=_floating(op.torch) if op.result is float_result else op.torch,
             sample=sample,
             params=op.params,
-            dtype_rule=op.result,
+            dtype_rule=op.result if op.takes_bool else no_bool(op.name, op.result),
             doc=op.doc,
         )
     )
@@ -212,6 +227,7 @@ class Binary:
     samples: tuple[tuple[str, str], ...]  # sampled operand dtypes
     doc: str
     twin: bool = True
+    takes_bool: bool = True  # False: numpy and torch have no bool version; bool operands are refused
 
 
 ARITHMETIC = (("float", "float"), ("float", "int64"), ("int32", "int64"))
@@ -219,10 +235,10 @@ LOGICAL = (("bool", "bool"), ("bool", "float"))
 
 BINARY: tuple[Binary, ...] = (
     Binary("add", np.add, torch.add, 1, promoted, promoted, ARITHMETIC, "a + b"),
-    Binary("sub", np.subtract, torch.sub, 1, promoted, promoted, ARITHMETIC, "a - b"),
+    Binary("sub", np.subtract, torch.sub, 1, promoted, promoted, ARITHMETIC, "a - b", takes_bool=False),
     Binary("mul", np.multiply, torch.mul, 1, promoted, promoted, ARITHMETIC, "a · b"),
     Binary("div", np.true_divide, torch.div, 1, true_division, true_division, ARITHMETIC, "a / b, true division"),
-    Binary("pow", np.power, torch.pow, 8, promoted, promoted, ARITHMETIC, "a ** b"),
+    Binary("pow", np.power, torch.pow, 8, promoted, promoted, ARITHMETIC, "a ** b", takes_bool=False),
     Binary("maximum", np.maximum, torch.maximum, 1, promoted, promoted, ARITHMETIC, "max(a, b), NaN if either is"),
     Binary("minimum", np.minimum, torch.minimum, 1, promoted, promoted, ARITHMETIC, "min(a, b), NaN if either is"),
     Binary("eq", np.equal, torch.eq, 1, promoted, to_bool, ARITHMETIC, "a == b"),
@@ -238,6 +254,17 @@ BINARY: tuple[Binary, ...] = (
 )
 
 
+def _refusing_bool(op: Binary) -> DtypeRule:
+    """op's result rule, after refusing operands whose compute dtype is bool."""
+    compute = no_bool(op.name, op.compute)
+
+    def rule(in_dtypes: tuple[str, ...], params: Mapping[str, ParamValue]) -> str:
+        compute(in_dtypes, params)
+        return op.result(in_dtypes, params)
+
+    return rule
+
+
 def _binary(op: Binary) -> Kernel:
     def sample(draw):
         return _broadcast_shapes(draw, 2), {}, draw(st.sampled_from(op.samples))
@@ -250,7 +277,7 @@ def _binary(op: Binary) -> Kernel:
             numpy=_quiet(op.numpy),
             torch=in_dtype(op.compute, op.torch),
             sample=sample,
-            dtype_rule=op.result,
+            dtype_rule=op.result if op.takes_bool else _refusing_bool(op),
             doc=f"{op.doc}, numpy broadcasting, torch promotion",
         )
     )

@@ -155,7 +155,8 @@ def _batch_norm(x: np.ndarray, mean: np.ndarray, var: np.ndarray, w: np.ndarray,
     def per_channel(v: np.ndarray) -> np.ndarray:
         return v.reshape(-1, *(1,) * (x.ndim - 2))
 
-    return (x - per_channel(mean)) / np.sqrt(per_channel(var) + eps) * per_channel(w) + per_channel(b)
+    with np.errstate(invalid="ignore", divide="ignore"):  # a negative variance gives NaN, as torch does, silently
+        return (x - per_channel(mean)) / np.sqrt(per_channel(var) + eps) * per_channel(w) + per_channel(b)
 
 
 def _sample_batch_norm(draw):
