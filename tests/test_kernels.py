@@ -44,9 +44,19 @@ def test_torch_impl_matches_numpy(name, data, seed):
 @settings(max_examples=10, deadline=None)
 @given(data=st.data())
 def test_declared_additivity_is_only_on_reduction_dims(name, data):
+    """Every dim of every kernel: a declared additive dim is a reduction the kernel has; only reductions not
+    declared additive are unsplittable; and splitting any splittable dim in halves, summed, gives the whole."""
     sig = data.draw(signatures(KERNELS[name]))
-    for dim in sig.kernel.additive:
-        assert sig.dim_kinds[sig.dims.index(dim)] is DimKind.REDUCTION
+    assert set(sig.kernel.additive) <= set(sig.dims), f"{name} declares additive dims it does not have"
+    args = arrays_for(sig, 0)
+    whole = run_sharded(sig, args, [sig.index])
+    for d, (dim, kind) in enumerate(zip(sig.dims, sig.dim_kinds)):
+        if dim in sig.kernel.additive:
+            assert kind is DimKind.REDUCTION, f"{name}: {dim} is declared additive but is {kind.value}"
+        assert (d in sig.splittable) == (kind is not DimKind.REDUCTION or dim in sig.kernel.additive), dim
+        if d in sig.splittable and sig.index.shape[d] >= 2:
+            halves = run_sharded(sig, args, sig.index.split_even(d, 2))
+            np.testing.assert_allclose(halves, whole, rtol=1e-9, atol=1e-9, err_msg=f"{name} split on {dim}")
 
 
 def bind(name, *shapes, **params):

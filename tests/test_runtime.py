@@ -14,7 +14,7 @@ import tapestry
 from tapestry.cli import main
 from tapestry.demo import seeds_example
 from tapestry.graph import Graph
-from tapestry.lower import AllGather, AllReduce, ReduceScatter, lower
+from tapestry.lower import AllGather, AllReduce, PlaceBlock, ReduceScatter, ShardCompute, lower
 from tapestry.plan import build_plan
 from tapestry.runtime import InputError, RankFailure, RunResult, run_plan, run_plans
 from tapestry.runtime.execute import FAULT_ENV, FAULT_EXIT_CODE
@@ -42,10 +42,16 @@ def test_two_gloo_ranks_compute_what_the_reference_evaluator_computes(name: str,
 
 
 def test_every_rank_reports_a_time_for_each_of_its_steps(eager_runs) -> None:
+    """One measured time per step of each rank's lowered program, in its order and of its kind."""
     run = eager_runs["chain of different splits"]
+    program = lower(CASES["chain of different splits"]())
     assert [r.rank for r in run.ranks] == [0, 1]
-    kinds = {t.kind for t in run.ranks[1].steps}
-    assert kinds == {"place", "compute", "comm"} and all(t.seconds >= 0 for t in run.ranks[1].steps)
+    kind = {PlaceBlock: "place", ShardCompute: "compute"}
+    for report, rank_program in zip(run.ranks, program.ranks):
+        assert [(t.step, t.kind) for t in report.steps] == [
+            (s.step, kind.get(type(s), "comm")) for s in rank_program.steps]
+        assert all(0 < t.seconds < max(report.iterations) for t in report.steps if t.kind != "place")
+    assert {t.kind for t in run.ranks[1].steps} == {"place", "compute", "comm"}
 
 
 def test_a_fused_float64_kernel_reading_a_transposed_view_runs_compiled_on_two_ranks() -> None:
