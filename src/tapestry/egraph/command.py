@@ -66,10 +66,8 @@ def run(args: argparse.Namespace) -> int:
         front = explored.pareto(model, args.extractor, args.time_limit)
         _report_front(front, args.out, args.pareto_plot)
         result = front[0]
-    elif args.memory_budget is not None:
-        result = explored.extract(model, args.extractor, args.time_limit, args.memory_budget)
     else:
-        result = explored.extract(model, args.extractor, args.time_limit)
+        result = explored.extract(model, args.extractor, args.time_limit, args.memory_budget)
     console.print(f"saturation stopped by {result.stats.stopped_by}; extraction {result.selection.status}")
     result.plan.save(args.out)
     if args.stats:
