@@ -19,7 +19,8 @@ _LAZY = {"evaluate": "tapestry.evaluator", "evaluate_sharded": "tapestry.evaluat
          "Budget": "tapestry.egraph.driver", "OptimizeResult": "tapestry.optimizer",
          "explore": "tapestry.optimizer", "optimize": "tapestry.optimizer",
          "from_torch": "tapestry.importer", "TorchImport": "tapestry.importer",
-         "TorchImportError": "tapestry.importer", "Training": "tapestry.training"}
+         "TorchImportError": "tapestry.importer", "Training": "tapestry.training",
+         "equivalent": "tapestry.prove", "Equivalence": "tapestry.prove"}
 
 
 def __getattr__(name: str) -> Any:
@@ -33,6 +34,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["KERNELS", "Budget", "Graph", "GraphError", "Kernel", "Mesh", "OptimizeResult", "Plan", "TorchImport",
-           "TorchImportError", "Training", "evaluate", "evaluate_sharded", "explore", "from_torch", "get_kernel", "load_graph",
-           "optimize", "random_inputs", "save_graph"]
+__all__ = ["KERNELS", "Budget", "Equivalence", "Graph", "GraphError", "Kernel", "Mesh", "OptimizeResult", "Plan",
+           "TorchImport", "TorchImportError", "Training", "equivalent", "evaluate", "evaluate_sharded", "explore",
+           "from_torch", "get_kernel", "load_graph", "optimize", "random_inputs", "save_graph"]

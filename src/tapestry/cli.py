@@ -40,6 +40,8 @@ COMMANDS: dict[str, Command] = {
                         ("egglog", "graphviz")),
     "schema": Command("tapestry.egraph.command", "print the egglog schema generated from the kernel registry",
                       ("egglog", "graphviz")),
+    "prove": Command("tapestry.prove", "prove two graphs equal by saturating them together with the rule files",
+                     ("egglog",)),
     "run": Command("tapestry.runtime.command", "run a plan or a graph script on N ranks (gloo or nccl)"),
     "lower": Command("tapestry.runtime.command", "print the per-rank programs of a plan"),
 }

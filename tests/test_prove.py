@@ -1,0 +1,74 @@
+"""tapestry.equivalent proves two graphs equal by saturating them together, and proves nothing false."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tapestry
+from tapestry.graph import Graph, GraphError, save_graph
+
+
+def linear_relu() -> Graph:
+    g = Graph()
+    x, w, b = g.input("x", (8, 4)), g.input("w", (4, 6)), g.input("b", (6,))
+    g.output("y", g.relu(g.linear(x, w, b)))
+    return g
+
+
+def matmul_add_relu() -> Graph:
+    g = Graph()
+    x, w, b = g.input("x", (8, 4)), g.input("w", (4, 6)), g.input("b", (6,))
+    g.output("y", g.relu(g.add(g.matmul(x, w), b)))
+    return g
+
+
+def reassociated(left: bool) -> Graph:
+    g = Graph()
+    a, b, c = g.input("a", (4, 5)), g.input("b", (5, 6)), g.input("c", (6, 3))
+    g.output("y", g.matmul(g.matmul(a, b), c) if left else g.matmul(a, g.matmul(b, c)))
+    return g
+
+
+def test_a_fusion_and_a_substitution_prove_linear_relu_equal_to_its_parts():
+    result = tapestry.equivalent(linear_relu(), matmul_add_relu())
+    assert result and result.outputs == {"y": True}
+    assert any("fusion.egg" in rule for round_ in result.rules for rule in round_)
+
+
+def test_matmul_associativity_is_derived():
+    assert tapestry.equivalent(reassociated(True), reassociated(False)).proven
+
+
+def test_different_programs_are_not_proven_equal():
+    g = Graph()
+    x, w, b = g.input("x", (8, 4)), g.input("w", (4, 6)), g.input("b", (6,))
+    g.output("y", g.gelu(g.linear(x, w, b)))  # gelu, not relu
+    result = tapestry.equivalent(linear_relu(), g)
+    assert not result and result.outputs == {"y": False}
+
+
+@pytest.mark.filterwarnings("ignore:.*no rules in this file")
+def test_without_rules_only_identical_programs_are_proven(tmp_path: Path):
+    (tmp_path / "empty.egg").write_text("; no rules\n")
+    assert tapestry.equivalent(linear_relu(), linear_relu(), rules=[tmp_path / "empty.egg"]).proven
+    assert not tapestry.equivalent(linear_relu(), matmul_add_relu(), rules=[tmp_path / "empty.egg"]).proven
+
+
+def test_graphs_with_other_inputs_or_outputs_are_refused():
+    other = Graph()
+    other.output("z", other.relu(other.input("x", (8, 4))))
+    with pytest.raises(GraphError, match="inputs differ"):
+        tapestry.equivalent(linear_relu(), other)
+
+
+def test_prove_command_exits_0_when_proven_and_1_when_not(tmp_path: Path):
+    save_graph(linear_relu(), tmp_path / "a.json")
+    save_graph(matmul_add_relu(), tmp_path / "b.json")
+    run = subprocess.run([sys.executable, "-m", "tapestry.cli", "prove", str(tmp_path / "a.json"),
+                          str(tmp_path / "b.json")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout.splitlines()[-1])["proven"] is True
