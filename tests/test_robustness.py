@@ -5,9 +5,17 @@ import warnings
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import tapestry
-from tapestry.kernels import get_kernel
+from tapestry import dtypes
+from tapestry.evaluator import run_sharded
+from tapestry.kernels import KernelError, get_kernel
+from tapestry.plan import build_plan
+from tapestry.sharding import Mesh
+from tapestry.testing.graphs import GENERATED
+from tapestry.testing.strategies import arrays_for
 
 
 @pytest.mark.parametrize(("op", "arity"), [("sub", 2), ("neg", 1), ("pow", 2), ("relu", 1), ("abs", 1)])
@@ -34,3 +42,50 @@ def test_batch_norm_of_a_negative_variance_is_nan_without_a_warning() -> None:
         warnings.simplefilter("error")
         out = kernel.numpy(x, np.zeros(2), np.array([-1.0, 1.0]), np.ones(2), np.zeros(2), eps=1e-5)
     assert np.isnan(out[0, 0]).all() and np.isfinite(out[0, 1]).all()
+
+
+def test_zero_size_dims_keep_their_shapes() -> None:
+    """relu of a (4, 0) tensor is (4, 0) (it was (0, 0)); reductions over an empty dim give the identity."""
+    g = tapestry.Graph()
+    x, w = g.input("x", (4, 0)), g.input("w", (0, 3))
+    for name, value in {"relu": g.relu(x), "sum": g.sum(x, axis=1), "matmul": g.matmul(x, w),
+                        "reshape": g.reshape(x, shape=(2, 0, 3)), "transpose": g.transpose(x, perm=(1, 0))}.items():
+        g.output(name, value)
+    got = tapestry.evaluate(g, tapestry.random_inputs(g, seed=0))
+    assert {k: v.shape for k, v in got.items()} == {
+        "relu": (4, 0), "sum": (4,), "matmul": (4, 3), "reshape": (2, 0, 3), "transpose": (0, 4)}
+    assert not got["sum"].any() and not got["matmul"].any()
+
+
+@pytest.mark.parametrize("name", GENERATED)
+@settings(max_examples=4, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_every_kernel_gives_torchs_shape_for_a_zero_size_input_or_refuses_it(name: str, data) -> None:
+    """Each input dim in turn set to 0: the kernel refuses at bind time, or its shape and values are torch's."""
+    kernel = get_kernel(name)
+    shapes, params, *kinds = kernel.sample(data.draw)
+    in_dtypes = ["float64" if d == "float" else d for d in (kinds[0] if kinds else ("float",) * len(shapes))]
+    for slot, shape in enumerate(shapes):
+        for dim in range(len(shape)):
+            zeroed = [tuple(s) for s in shapes]
+            zeroed[slot] = tuple(0 if d == dim else size for d, size in enumerate(shape))
+            try:
+                sig = kernel.bind(zeroed, params, in_dtypes)
+            except KernelError:
+                continue
+            args = arrays_for(sig, 0)
+            want = kernel.torch(*[dtypes.to_tensor(a) for a in args], **sig.call_kwargs(sig.index)).numpy()
+            assert sig.output_shape == want.shape, f"{name}{zeroed}: {sig.output_shape}, torch {want.shape}"
+            got = run_sharded(sig, args, [sig.index])
+            np.testing.assert_allclose(got, want, err_msg=f"{name}{zeroed}")
+
+
+def test_plans_refuse_zero_size_tensors_and_graphs_without_outputs() -> None:
+    g = tapestry.Graph()
+    g.output("y", g.relu(g.input("x", (4, 0))))
+    with pytest.raises(tapestry.GraphError, match=r"input 'x' has shape \[4, 0\]: plans cannot place zero-size"):
+        build_plan(g, Mesh(2))
+    empty = tapestry.Graph()
+    empty.relu(empty.input("x", (4, 3)))
+    with pytest.raises(tapestry.GraphError, match="the graph has no outputs"):
+        tapestry.optimize(empty, 2)

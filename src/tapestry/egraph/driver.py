@@ -74,6 +74,7 @@ def saturate(
     budget: Budget = Budget(),
     progress: Callable[[IterationStats], None] | None = None,
 ) -> tuple[Generator, View, SaturationStats]:
+    graph.check_plannable()
     started = time.perf_counter()
     session = Session(rule_files)
     gen = Generator(session, graph, mesh)

@@ -115,6 +115,19 @@ class Graph:
             raise GraphError(f"output {name!r} is defined twice")
         self.outputs[name] = target
 
+    def check_plannable(self) -> None:
+        """Refuse what a plan cannot hold: a graph with no outputs computes nothing, and a zero-size tensor has
+        no cells to place on devices (plans give every device a block; `tapestry.evaluate` computes such
+        graphs, with the right shapes)."""
+        if not self.outputs:
+            raise GraphError("the graph has no outputs: mark the values to compute with g.output(name, value) "
+                             "(or \"outputs\" in graph JSON)")
+        for node in self._nodes.values():
+            if 0 in node.shape:
+                what = "input" if node.is_input else f"op ({node.op})"
+                raise GraphError(f"{what} {node.name!r} has shape {list(node.shape)}: plans cannot place "
+                                 "zero-size tensors on devices; tapestry.evaluate computes this graph")
+
     def truncate(self, length: int) -> None:
         """Drop every node added after the first `length`: a builder's rollback of a half-built subgraph."""
         for name in list(self._nodes)[length:]:

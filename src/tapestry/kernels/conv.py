@@ -106,6 +106,7 @@ def _conv(name: str, inputs: tuple[str, ...], additive: frozenset[str], doc: str
             sample=_sampler(len(inputs) == 3),
             params={"stride": 1, "padding": 0, "groups": 1},
             additive=additive,
+            takes_zero_size=False,
             doc=doc,
         )
     )

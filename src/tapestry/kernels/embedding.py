@@ -49,6 +49,7 @@ register(
         sample=_sample,
         dtype_rule=_rule,
         index_bound=lambda shapes, slot: shapes[1][0] if slot == 0 else None,
+        takes_zero_size=False,
         doc="rows of weight[V, D] picked by integer ids (weight's dtype)",
     )
 )

@@ -98,6 +98,9 @@ class Kernel:
     params: Mapping[str, ParamValue] = field(default_factory=dict)
     additive: frozenset[str] = frozenset()
     is_view: bool = False
+    # False: its numpy or torch impl cannot run on a tensor with a zero-size dim (or gives another shape), so
+    # bind refuses one rather than let a run fail inside a rank.
+    takes_zero_size: bool = True
     needs_out_shape: bool = False  # the impls take out_shape=: a block alone does not determine it
     needs_block_start: bool = False  # the impls take block_start= (the index block's start): causal masks need it
     # The impls take read_pad=: per input, per dim, the (before, after) cells of the block's read that lie
@@ -122,6 +125,11 @@ class Kernel:
                 f"{self.name}: expected {len(self.inputs)} inputs ({', '.join(self.inputs)}), got {len(shapes)}"
             )
         full = normalize_params(self, params or {})
+        if not self.takes_zero_size:
+            for slot, shape in zip(self.inputs, shapes):
+                if 0 in shape:
+                    raise KernelError(f"{self.name}: input {slot!r} has a zero-size dim ({slot}{list(shape)}); "
+                                      f"{self.name} does not take zero-size tensors")
         in_dtypes = tuple(in_dtypes) if in_dtypes is not None else ("float32",) * len(shapes)
         for slot, d in zip(self.inputs, in_dtypes):
             dtypes.check(d, f"{self.name} input {slot!r}")
@@ -197,7 +205,7 @@ class Signature:
 
     @cached_property
     def output_shape(self) -> Shape:
-        return self.output.apply(self.index).shape
+        return self.output.extent(self.index)
 
     @cached_property
     def dim_kinds(self) -> tuple[DimKind, ...]:

@@ -105,6 +105,7 @@ def _reduce_whole(name: str, np_fn, torch_fn, rule, sample_dtypes: tuple[str, ..
             sample=_sample_keepdim(sample_dtypes),
             params={"axis": -1, "keepdim": False},
             dtype_rule=rule,
+            takes_zero_size=False,
             doc=doc,
         )
     )
@@ -135,6 +136,7 @@ def _whole_axis_map(name: str, np_fn, torch_fn, doc: str) -> Kernel:
             torch=lambda x, axis: torch_fn(x, dim=axis),
             sample=_sample_axis,
             params={"axis": -1},
+            takes_zero_size=False,
             doc=doc,
         )
     )

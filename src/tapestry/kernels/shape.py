@@ -69,6 +69,7 @@ register(
         params={"axis": 0, "start": 0, "stop": 0, "step": 1},
         is_view=True,
         dtype_rule=promoted,
+        takes_zero_size=False,
         doc="x[start:stop:step] along `axis` (Python's clipping; step >= 1)",
     )
 )
@@ -136,6 +137,7 @@ register(
         sample=_sample_concat,
         params={"axis": 0},
         dtype_rule=promoted,
+        takes_zero_size=False,
         doc="a and b joined along `axis` (each block is the sum of two zero-padded reads)",
     )
 )
@@ -180,6 +182,7 @@ register(
         is_view=True,
         needs_out_shape=True,
         dtype_rule=promoted,
+        takes_zero_size=False,
         doc="x broadcast to `shape` (numpy rules; -1 keeps x's size)",
     )
 )

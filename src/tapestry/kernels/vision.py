@@ -117,6 +117,7 @@ register(
         params={"kernel": 1, "stride": 0, "padding": 0},
         needs_read_pad=True,
         dtype_rule=_floats_only,
+        takes_zero_size=False,
         doc="max over kernel×kernel windows, NCHW; stride 0 means the kernel size; padding is -inf",
     )
 )
@@ -132,6 +133,7 @@ register(
         params={"kernel": 1, "stride": 0, "padding": 0, "count_include_pad": True},
         needs_read_pad=True,
         dtype_rule=_floats_only,
+        takes_zero_size=False,
         doc="mean over kernel×kernel windows, NCHW; stride 0 means the kernel size",
     )
 )

@@ -91,6 +91,9 @@ class Plan:
     cost: float | None = None
     notes: Mapping[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.graph.check_plannable()
+
     @cached_property
     def by_id(self) -> dict[str, Step]:
         return {s.out: s for s in self.steps}

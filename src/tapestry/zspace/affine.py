@@ -131,6 +131,18 @@ class IndexProjection:
         ]
         return ZRange(lo, hi)
 
+    def extent(self, x: ZRange) -> Point:
+        """The shape of `x`'s image per tensor dim, as if `x` were not empty: zero only in the dims whose row
+        reads an index dim of size zero (or whose box is empty). `apply` gives an all-zero box when `x` is empty,
+        which is right for a block that computes nothing but wrong for a whole tensor's shape: relu of a (4, 0)
+        tensor is (4, 0), and a sum over an empty axis of it is (4,)."""
+        check_ndim(str(x), x.ndim, self.in_dim)
+        return tuple(
+            0 if n == 0 or any(a and size == 0 for a, size in zip(row, x.shape))
+            else n + sum(abs(a) * (size - 1) for a, size in zip(row, x.shape))
+            for row, n in zip(self.matrix, self.shape)
+        )
+
     def __str__(self) -> str:
         return f"ipf({self.affine}, shape={list(self.shape)})"
 
