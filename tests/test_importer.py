@@ -172,3 +172,15 @@ def test_docs_table_names_only_converted_ops():
     named = {name for row in table.splitlines() if row.startswith("| `")
              for name in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
     assert named and named <= packets, f"documented but not converted: {sorted(named - packets)}"
+
+
+def test_hugging_face_llama_with_rotary_embeddings_and_grouped_query_attention():
+    from transformers import LlamaConfig, LlamaModel
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    module, ids = LlamaModel(config).eval(), torch.randint(0, 128, (2, 12))
+    imp = from_torch(module, (ids,), {"use_cache": False}, verbose=False)
+    assert not imp.opaque
+    assert_plan_is_sharded_and_matches("llama", module, (ids,), {"use_cache": False}, imp, tapestry.Mesh(4))

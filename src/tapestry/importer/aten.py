@@ -35,7 +35,8 @@ def _axis(value: int, ndim: int) -> int:
 # -- elementwise -----------------------------------------------------------------------------------------
 UNARY = {
     "aten.relu.default": "relu", "aten.exp.default": "exp", "aten.neg.default": "neg", "aten.sqrt.default": "sqrt",
-    "aten.rsqrt.default": "rsqrt", "aten.tanh.default": "tanh", "aten.erf.default": "erf", "aten.sigmoid.default": "sigmoid",
+    "aten.rsqrt.default": "rsqrt", "aten.tanh.default": "tanh", "aten.erf.default": "erf",
+    "aten.sin.default": "sin", "aten.cos.default": "cos", "aten.sigmoid.default": "sigmoid",
     "aten.silu.default": "silu", "aten.log.default": "log", "aten.abs.default": "abs",
     "aten.logical_not.default": "logical_not", "aten.bitwise_not.default": "logical_not",
 }

@@ -124,6 +124,8 @@ UNARY: tuple[Unary, ...] = (
     Unary("rsqrt", lambda x: 1.0 / np.sqrt(x), torch.rsqrt, 5, float_result, REAL, "1/√x"),
     Unary("tanh", np.tanh, torch.tanh, 8, float_result, REAL, "tanh x"),
     Unary("erf", scipy.special.erf, torch.erf, 8, float_result, REAL, "the error function (gelu's backward)"),
+    Unary("sin", np.sin, torch.sin, 8, float_result, REAL, "sin x (rotary position embeddings)"),
+    Unary("cos", np.cos, torch.cos, 8, float_result, REAL, "cos x (rotary position embeddings)"),
     Unary("sigmoid", scipy.special.expit, torch.sigmoid, 6, float_result, REAL, "1/(1 + e^-x)"),
     Unary("silu", lambda x: x * scipy.special.expit(x), F.silu, 7, float_result, REAL, "x·sigmoid(x)"),
     Unary("logical_not", np.logical_not, torch.logical_not, 1, to_bool, ("bool", "float"), "not x (x ≠ 0 is true)"),
