@@ -101,8 +101,10 @@ def _binary_scaled(b: Builder, x: Any, alpha: Any) -> Any:
     return x if alpha == 1 else binary(b, "mul", x, alpha)
 
 
-@converts("aten.clamp.default", "aten.clamp_min.default", "aten.clamp_max.default")
+@converts("aten.clamp.default", "aten.clamp_min.default", "aten.clamp_max.default", "aten.hardtanh.default")
 def _clamp(b: Builder, x: Any, low: Any = None, high: Any = None) -> Value:
+    if str(b.node.target) == "aten.hardtanh.default":
+        low, high = (-1.0 if low is None else low), (1.0 if high is None else high)
     if str(b.node.target) == "aten.clamp_max.default":
         low, high = None, low
     value = b.tensor(x)

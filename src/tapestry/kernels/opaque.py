@@ -18,7 +18,7 @@ from tapestry import dtypes
 from tapestry.kernels.kernel import Kernel, Shape, SignatureSpec, follow
 from tapestry.kernels.registry import register
 
-MAX_ARITY = 6
+MAX_ARITY = 16  # an LSTM layer takes 2 + 4 tensors per layer and direction
 _TAGS = {torch.dtype: "dtype", torch.device: "device", torch.memory_format: "memory_format", torch.layout: "layout"}
 
 
