@@ -82,9 +82,10 @@ class Explored:
         """The cheapest plan whose outputs have the layouts `outputs` asks for and, with `memory_budget`, whose
         peak memory (cost.peak_memory) fits that many bytes on every device; MemoryBudgetError if none is found.
 
-        The budget enters the ILP as per-device linear constraints that every fitting plan meets (module
-        docstring), so a decoded plan that fits is the optimum. If it does not fit, the constraints tighten by
-        its excess and the ILP runs again: what fits then is returned, marked "feasible" (not proven best)."""
+        The budget enters the ILP as per-device linear constraints that every fitting plan meets
+        (`_device_budget`), so a decoded plan that fits is the optimum. If it does not fit, every node is charged
+        the largest shortfall seen and the ILP runs again: what fits then is returned, marked "feasible" (not
+        proven best). docs/cost-models.md says what is exact."""
         model = cost_model or default_cost_model()
         egraph = self._restrict_outputs(self.decoder.extraction_graph(list(self.roots), model), outputs)
         limit, slack, tries = memory_budget, 0, 0
