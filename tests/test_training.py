@@ -134,3 +134,14 @@ def test_in_place_ops_in_the_traced_step_are_read_after_their_update():
                                    verbose=False)
     ours = imported.outputs(evaluate(imported.graph, imported.inputs(x)))
     assert abs(float(ours["loss"]) - float(((x + 1) ** 2).sum())) < 1e-5
+
+
+def test_one_device_holds_at_least_16_bytes_per_parameter_for_an_fp32_adam_step():
+    from tapestry.cost.memory import peak_memory
+
+    model = mlp()
+    imported = tapestry.from_torch(model, (X, Y), training=TRAINING["adam"], verbose=False)
+    plan = tapestry.optimize(imported.graph, mesh=tapestry.Mesh(1)).plan
+    parameters = sum(p.numel() for p in model.parameters())
+    (peak,) = peak_memory(plan)
+    assert peak >= 16 * parameters  # weight, gradient, m and v (Rajbhandari et al. 2020)
