@@ -1,15 +1,19 @@
 """Bad input gives a clear error or the right result (issue 14): bool arithmetic, zero-size dims, malformed files."""
 from __future__ import annotations
 
+import json
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tapestry
-from tapestry import dtypes
+from tapestry import cli, dtypes
+from tapestry.demo import seeds_example
 from tapestry.evaluator import run_sharded
 from tapestry.kernels import KernelError, get_kernel
 from tapestry.plan import build_plan
@@ -89,3 +93,65 @@ def test_plans_refuse_zero_size_tensors_and_graphs_without_outputs() -> None:
     empty.relu(empty.input("x", (4, 3)))
     with pytest.raises(tapestry.GraphError, match="the graph has no outputs"):
         tapestry.optimize(empty, 2)
+
+
+@pytest.fixture
+def saved_plan(tmp_path: Path) -> dict:
+    plan = build_plan(seeds_example(8, 4, 6), Mesh(2), {"linear_0": (0,), "relu_0": (0,)})
+    plan.save(tmp_path / "plan.json")
+    return json.loads((tmp_path / "plan.json").read_text())
+
+
+def cli_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The one-line error (and its listed problems) of a command that must fail with exit status 2."""
+    assert cli.main(argv) == 2
+    return capsys.readouterr().err
+
+
+def test_a_corrupt_or_wrong_input_file_names_the_input_and_file(tmp_path, saved_plan, capsys) -> None:
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "x.npy").write_bytes(b"\x93NUMPY garbage")
+    err = cli_error(["run", str(tmp_path / "plan.json"), "--no-compile", "--inputs", str(tmp_path / "in")], capsys)
+    assert f"input 'x': {tmp_path / 'in' / 'x.npy'} is not a readable .npy file" in err
+    (tmp_path / "in" / "x.npy").unlink()
+    torch.save({"x": torch.zeros(8, 4)}, tmp_path / "in" / "x.pt")
+    err = cli_error(["run", str(tmp_path / "plan.json"), "--no-compile", "--inputs", str(tmp_path / "in")], capsys)
+    assert "x.pt holds a dict, not one array" in err
+
+
+@pytest.mark.parametrize("command", ["explain", "run", "optimize", "show"])
+def test_a_top_level_json_list_is_refused_by_name(command: str, tmp_path, saved_plan, capsys) -> None:
+    path = tmp_path / "list.json"
+    path.write_text(json.dumps([saved_plan if command in ("explain", "run") else saved_plan["graph"]]))
+    extra = {"optimize": ["--out", str(tmp_path / "o.json")], "run": ["--no-compile"]}.get(command, [])
+    err = cli_error([command, str(path), *extra], capsys)
+    assert f"{path}: " in err and "the top level is a JSON list" in err
+
+
+EDITS = {
+    "a step removed": (lambda d: d["steps"].pop(1), "step v3 (compute linear): arg 1 (w) refers to 'v1', which no "
+                       "earlier step defines"),
+    "an output renamed": (lambda d: d["outputs"].update(y="nope"), "output 'y' refers to 'nope', which no step"),
+    "a layout cut short": (lambda d: d["steps"][-1]["layout"].update(blocks=d["steps"][-1]["layout"]["blocks"][:1]),
+                           "step v4 (compute relu): layout"),
+    "an unknown kernel": (lambda d: d["steps"][3].update(kernel="nokernel"), "unknown kernel 'nokernel'"),
+    "a step that is not an object": (lambda d: d["steps"].__setitem__(0, "place"), "steps[0]: "),
+    "no steps": (lambda d: d.pop("steps"), "steps: missing key 'steps'"),
+}
+
+
+@pytest.mark.parametrize("command", ["explain", "run"])
+@pytest.mark.parametrize("edit", EDITS)
+def test_explain_and_run_validate_an_edited_plan_first(command: str, edit: str, tmp_path, saved_plan, capsys) -> None:
+    change, expected = EDITS[edit]
+    change(saved_plan)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(saved_plan))
+    err = cli_error([command, str(path), *(["--no-compile"] if command == "run" else [])], capsys)
+    assert f"{path}: " in err and expected in err, err
+
+
+def test_a_graph_without_outputs_cannot_be_optimized(tmp_path, saved_plan, capsys) -> None:
+    path = tmp_path / "graph.json"
+    path.write_text(json.dumps({**saved_plan["graph"], "outputs": {}}))
+    assert "the graph has no outputs" in cli_error(["optimize", str(path), "--out", str(tmp_path / "o.json")], capsys)

@@ -27,6 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     data = json.loads(args.file.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{args.file}: the top level is a JSON {type(data).__name__}; a graph or plan is an object")
     fmt = data.get("format")
     if fmt not in RENDERERS:
         raise ValueError(f"{args.file}: unknown document format {fmt!r}; expected one of {sorted(RENDERERS)}")

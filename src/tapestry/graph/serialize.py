@@ -35,6 +35,9 @@ def _plain(value: Any) -> Any:
 
 def graph_from_json(data: dict[str, Any], source: str = "<json>") -> Graph:
     """Build a graph from its JSON form; errors name the source, the op and the problem."""
+    if not isinstance(data, dict):
+        raise GraphError(f"{source}: not a graph: the top level is a JSON {type(data).__name__}, expected an object "
+                         "with \"inputs\", \"ops\" and \"outputs\"")
     try:
         if data.get("format", FORMAT) != FORMAT:
             raise GraphError(f"format {data.get('format')!r} is not {FORMAT!r}")
@@ -69,11 +72,15 @@ def graph_from_json(data: dict[str, Any], source: str = "<json>") -> Graph:
         raise GraphError(f"{source}: missing key {err}") from None
     except GraphError as err:
         raise GraphError(f"{source}: {err}") from None
+    except (TypeError, AttributeError) as err:  # a list where an object belongs, a string for a spec...
+        raise GraphError(f"{source}: malformed graph JSON: {err}") from None
 
 
 def _ops_by_name(ops: list[dict[str, Any]], graph: Graph) -> dict[str, dict[str, Any]]:
     pending: dict[str, dict[str, Any]] = {}
-    for spec in ops:
+    for k, spec in enumerate(ops):
+        if not isinstance(spec, dict):
+            raise GraphError(f"ops[{k}] is {spec!r}, not an object with \"name\", \"op\" and \"args\"")
         name = spec["name"]
         if name in pending or name in graph:
             raise GraphError(f"name {name!r} is defined twice")

@@ -13,7 +13,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from tapestry.graph import Graph, graph_from_json, graph_to_json
+from tapestry.graph import Graph, GraphError, graph_from_json, graph_to_json
 from tapestry.kernels import Params, Shape, Signature, get_kernel
 from tapestry.sharding import Block, Layout, Mesh
 from tapestry.sharding.partition import Partition, needed_layout, output_layout
@@ -127,16 +127,36 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], source: str = "<json>") -> Plan:
+        """A plan from its JSON form; a malformed document is a ValueError naming the source and the part at
+        fault (an edited file is checked again by `validate_plan`, which `tapestry explain` and `run` call)."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{source}: not a plan: the top level is a JSON {type(data).__name__}, expected an "
+                             f"object with \"format\": {FORMAT!r}")
         if data.get("format") != FORMAT:
             raise ValueError(f"{source}: not a plan (format {data.get('format')!r}, expected {FORMAT!r})")
-        return cls(
-            mesh=Mesh(*data["mesh"]),
-            graph=graph_from_json(data["graph"], source),
-            steps=tuple(_step_from_json(s) for s in data["steps"]),
-            outputs=dict(data["outputs"]),
-            cost=data.get("cost"),
-            notes=dict(data.get("notes", {})),
-        )
+        where = "mesh"
+        try:
+            mesh = Mesh(*data["mesh"])
+            where = "graph"
+            graph = graph_from_json(data["graph"], source)
+            where, steps = "steps", []
+            for k, step in enumerate(data["steps"]):
+                where = f"steps[{k}]"
+                steps.append(_step_from_json(step))
+            where = "outputs"
+            outputs = dict(data["outputs"])
+            where = "notes"
+            notes = dict(data.get("notes", {}))
+        except GraphError:
+            raise
+        except KeyError as err:
+            raise ValueError(f"{source}: {where}: missing key {err}") from None
+        except (TypeError, ValueError, AttributeError, IndexError) as err:
+            raise ValueError(f"{source}: {where}: {err}") from None
+        try:
+            return cls(mesh=mesh, graph=graph, steps=tuple(steps), outputs=outputs, cost=data.get("cost"), notes=notes)
+        except GraphError as err:
+            raise GraphError(f"{source}: {err}") from None
 
     def run(self, inputs: Mapping[str, Any] | str | Path | None = None, nproc: int | None = None, **options: Any) -> Any:
         """Run on `nproc` local ranks with torch.distributed; see tapestry.runtime.run_plan."""

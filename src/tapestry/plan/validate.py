@@ -6,6 +6,8 @@ inputs and blocks actually produce. Cost models and lowering rely on both.
 """
 from __future__ import annotations
 
+import importlib.util
+
 from tapestry import zspace
 from tapestry.kernels import DimKind, KernelError, Shape, Signature
 from tapestry.plan.plan import Compute, Place, Plan, Reshard, Step
@@ -23,6 +25,20 @@ def validate_plan(plan: Plan) -> None:
     problems = plan_problems(plan)
     if problems:
         raise PlanError(f"invalid plan ({len(problems)} problem(s)):\n  " + "\n  ".join(problems))
+
+
+def validate_loaded(plan: Plan, source: str) -> None:
+    """Check a plan read from a file before explaining or running it: an edited plan fails here, naming each
+    step at fault, instead of with a KeyError deep inside. The checks need islpy; where it is missing (a node
+    that only runs plans) they are skipped and lowering's own checks remain."""
+    try:
+        if importlib.util.find_spec("islpy") is None:
+            return
+    except ImportError:
+        return
+    problems = plan_problems(plan)
+    if problems:
+        raise PlanError(f"{source}: invalid plan ({len(problems)} problem(s)):\n  " + "\n  ".join(problems))
 
 
 def plan_problems(plan: Plan) -> list[str]:

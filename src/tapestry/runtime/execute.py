@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -62,12 +63,17 @@ class InputSource:
     def _open(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         assert self.directory is not None
         npy, pt = self.directory / f"{name}.npy", self.directory / f"{name}.pt"
-        if npy.exists():
-            array, path = np.load(npy, mmap_mode="r"), npy  # read only this rank's block from disk
-        elif pt.exists():
-            array, path = dtypes.from_tensor(torch.load(pt, weights_only=True)), pt
-        else:
+        if not npy.exists() and not pt.exists():
             raise InputError(f"input {name!r}: found neither {npy.name} nor {pt.name} in {self.directory}")
+        path = npy if npy.exists() else pt
+        try:  # a .npy is memory-mapped: each rank reads only its block from disk
+            array = np.load(npy, mmap_mode="r") if path == npy else torch.load(pt, weights_only=True)
+        except (ValueError, OSError, EOFError, RuntimeError, pickle.UnpicklingError) as err:
+            raise InputError(f"input {name!r}: {path} is not a readable {path.suffix} file: {err}") from None
+        if isinstance(array, torch.Tensor):
+            array = dtypes.from_tensor(array)
+        if not isinstance(array, np.ndarray):  # .npz data in a .npy file, a dict saved with torch.save
+            raise InputError(f"input {name!r}: {path} holds a {type(array).__name__}, not one array")
         if tuple(array.shape) != tuple(shape):
             raise InputError(f"input {name!r}: {path} has shape {list(array.shape)}, the graph expects {list(shape)}")
         return array
