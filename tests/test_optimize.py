@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import numpy as np
@@ -9,12 +10,13 @@ import pytest
 
 import tapestry
 from tapestry.cli import main
-from tapestry.cost import peak_memory
+from tapestry.cost import DefaultCostModel, load_profile, peak_memory
+from tapestry.cost.memory import layout_bytes
 from tapestry.egraph.driver import Budget
 from tapestry.graph import Graph, save_graph
 from tapestry.models import mlp, seeds_example
 from tapestry.optimizer import optimize
-from tapestry.plan import Compute, Plan
+from tapestry.plan import Compute, Place, Plan, Reshard
 from tapestry.plan.simulate import simulate
 from tapestry.plan.validate import validate_plan
 from tapestry.sharding import Mesh
@@ -227,3 +229,29 @@ def test_optimize_refuses_a_plan_that_computes_something_else(tmp_path):
 ])
 def test_output_errors_treat_nan_as_a_value(got, want, ok):
     assert error(np.array(got), np.array(want), "float32").ok is ok
+
+
+class ShardedStorage:
+    """The default model, but weights (inputs named w...) live split over the devices, as ZeRO-3 and FSDP keep
+    them: placing one with more than its share on a device costs a second."""
+
+    def __init__(self) -> None:
+        self.base = DefaultCostModel(load_profile("gpu-h100-nccl"))
+
+    def step_cost(self, step, mesh):
+        if isinstance(step, Place) and step.input.startswith("w"):
+            share = math.prod(step.shape) * 4 / mesh.size
+            return 1.0 if max(layout_bytes(step.layout, "float32")) > share else 0.0
+        return self.base.step_cost(step, mesh)
+
+
+def test_an_input_may_be_placed_split_and_gathered_before_use():
+    g = Graph()
+    x, w = g.input("x", (4096, 128)), g.input("w", (128, 128))
+    g.output("y", g.softmax(g.matmul(x, w), axis=-1))  # moving w costs less than moving x's products
+    result = tapestry.optimize(g, mesh=Mesh(4), cost_model=ShardedStorage())
+    by = result.plan.by_id
+    gathered = [s for s in result.plan.steps if isinstance(s, Reshard) and isinstance(by[s.src], Place)]
+    assert any(by[s.src].input == "w" for s in gathered), result.explain()
+    inputs = tapestry.random_inputs(g)
+    np.testing.assert_allclose(simulate(result.plan, inputs)["y"], tapestry.evaluate(g, inputs)["y"], atol=1e-5)

@@ -197,7 +197,7 @@ def explore(graph: Graph, mesh: Mesh | int = 1, rules: Sequence[str | Path] | No
     gen, _, stats = saturate(graph, mesh, rule_files, budget, progress)
     data = gen.session.serialize()
     nodes, roots, names = distributed_nodes(data)
-    return Explored(graph, mesh, Decoder(nodes, gen.interner, mesh), tuple(roots), names, stats,
+    return Explored(graph, mesh, Decoder(nodes, gen.interner, mesh, {n.name: n.dtype for n in graph.inputs}), tuple(roots), names, stats,
                     tuple(rule_files), data)
 
 

@@ -60,12 +60,12 @@ def distributed_nodes(data: Mapping[str, Any]) -> tuple[list[DNode], list[str], 
 class Decoder:
     """Turns distributed e-nodes into plan steps (for costs) and selections into plans."""
 
-    def __init__(self, nodes: list[DNode], interner: Interner, mesh: Mesh) -> None:
+    def __init__(self, nodes: list[DNode], interner: Interner, mesh: Mesh, input_dtypes: Mapping[str, str]) -> None:
         self.nodes = nodes
         self.interner = interner
         self.mesh = mesh
         self.class_layout = {n.eclass: n.layout for n in nodes if n.layout}
-        self.class_dtype = self._dtypes()
+        self.class_dtype = self._dtypes(input_dtypes)
 
     def step(self, node: DNode, out: str = "?", args: tuple[str, ...] = ()) -> Step | None:
         if node.op == "Place":
@@ -80,11 +80,11 @@ class Decoder:
         run = self.interner.runs[node.key]
         return replace(run, out=out, args=args or run.args)
 
-    def _dtypes(self) -> dict[str, str]:
-        """The dtype of each class a Run or Reshard makes: its kernel's result, or its source's (inputs, which
-        only Place makes, are never resharded)."""
+    def _dtypes(self, input_dtypes: Mapping[str, str]) -> dict[str, str]:
+        """The dtype of each class: a placed input's, a kernel's result, or a move's source's."""
         found = {n.eclass: self.interner.runs[n.key].signature.dtype for n in self.nodes
                  if n.op not in ("Place", "Reshard", "Deliver")}
+        found.update((n.eclass, input_dtypes[n.key]) for n in self.nodes if n.op == "Place")
         moves = [n for n in self.nodes if n.op == "Reshard"]
         while moves:
             left = [n for n in moves if n.children[0] not in found]

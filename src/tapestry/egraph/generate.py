@@ -241,16 +241,15 @@ class Generator:
         for h in {self.find(x) for x in class_handle.values()}:
             layouts = self.layouts.get(h, set())
             at = lambda key: call("At", call("Id", lit(h)), lit(key))  # noqa: E731
-            if h in inputs:
+            if h in inputs:  # placed in any plain layout; a weight may also be held split and gathered on use
                 for key in layouts:
                     if (h, "place", key) not in self.linked and not self.interner.layouts[key][1].partial:
                         self.linked.add((h, "place", key))
                         commands.append(union(at(key), call("Place", lit(inputs[h]), lit(key))))
-            else:
-                for src, dst in reshard_pairs(layouts, self.interner):
-                    if (h, src, dst) not in self.linked:
-                        self.linked.add((h, src, dst))
-                        commands.append(union(at(dst), call("Reshard", at(src), lit(dst))))
+            for src, dst in reshard_pairs(layouts, self.interner):
+                if (h, src, dst) not in self.linked:
+                    self.linked.add((h, src, dst))
+                    commands.append(union(at(dst), call("Reshard", at(src), lit(dst))))
             for name in outputs.get(h, ()):
                 for key in layouts:
                     if (h, name, key) not in self.linked and not self.interner.layouts[key][1].partial:
