@@ -80,11 +80,12 @@ def test_fusion_saves_the_intermediate_bytes() -> None:
     assert plan_cost(plan(True), MODEL) < plan_cost(plan(False), MODEL)
 
 
-def test_a_view_costs_nothing() -> None:
+def test_a_view_costs_far_less_than_a_launch_but_not_nothing() -> None:
+    """Not zero, so that extraction breaks ties toward fewer views (tests/test_robustness.py)."""
     g = Graph()
     g.output("t", g.transpose(g.input("x", (64, 32))))
     (step,) = [s for s in build_plan(g, Mesh(2), {"transpose_0": (0,)}).steps if isinstance(s, Compute)]
-    assert MODEL.step_cost(step, Mesh(2)) == 0.0
+    assert 0.0 < MODEL.step_cost(step, Mesh(2)) < MODEL.profile.device.launch_overhead / 100
 
 
 def test_place_is_free_inputs_arrive_laid_out() -> None:

@@ -14,9 +14,11 @@ from hypothesis import strategies as st
 import tapestry
 from tapestry import cli, dtypes
 from tapestry.demo import seeds_example
+from tapestry.egraph.rules import BUILTIN_DIR
 from tapestry.evaluator import run_sharded
 from tapestry.kernels import KernelError, get_kernel
 from tapestry.plan import build_plan
+from tapestry.plan.plan import Compute
 from tapestry.sharding import Mesh
 from tapestry.testing.graphs import GENERATED
 from tapestry.testing.strategies import arrays_for
@@ -155,3 +157,13 @@ def test_a_graph_without_outputs_cannot_be_optimized(tmp_path, saved_plan, capsy
     path = tmp_path / "graph.json"
     path.write_text(json.dumps({**saved_plan["graph"], "outputs": {}}))
     assert "the graph has no outputs" in cli_error(["optimize", str(path), "--out", str(tmp_path / "o.json")], capsys)
+
+
+def test_extraction_picks_no_useless_views_after_a_rule_that_grows_them(tmp_path: Path) -> None:
+    """At zero cost per view the ILP picked transpose(relu(transpose(x))) for relu(x) on one device."""
+    (tmp_path / "grow.egg").write_text('(rewrite (Relu x) (Transpose (Relu (Transpose x "")) ""))\n')
+    g = tapestry.Graph()
+    g.output("y", g.relu(g.input("x", (64, 32))))
+    for mesh in (1, 2):
+        plan = tapestry.optimize(g, mesh, rules=[BUILTIN_DIR, tmp_path], time_limit=10).plan
+        assert [s.kernel for s in plan.steps if isinstance(s, Compute)] == ["relu"], mesh

@@ -18,6 +18,12 @@ from tapestry.plan.plan import Compute, Step
 from tapestry.sharding import Block, Mesh
 
 
+# What a view step costs: far below any launch, so it never outweighs a real saving, but not zero, so among
+# plans that differ only by views extraction picks the one with fewest (a growing rule otherwise left
+# transpose(relu(transpose(x))) tied with relu(x)).
+VIEW_SECONDS = 1e-9
+
+
 def compute_dtype(sig: Signature) -> str:
     """The dtype a kernel's arithmetic runs in: its floating inputs' (promoted), else its result's."""
     floats = [d for d in sig.input_dtypes if dtypes.is_float(d)]
@@ -31,14 +37,16 @@ class Roofline:
     device: DeviceProfile
 
     def shard_time(self, sig: Signature, block: Block) -> float:
-        """max(flops/peak, bytes/bandwidth) + launch overhead; an idle device or a view costs nothing.
+        """max(flops/peak, bytes/bandwidth) + launch overhead; an idle device costs nothing, a view VIEW_SECONDS.
 
-        Views are free: on a local block they are metadata (or fold into the
+        Views are all but free: on a local block they are metadata (or fold into the
         consumer's load), and charging them a launch would bias extraction
         towards rewrites that merely remove transposes.
         """
-        if block is None or block.is_empty or sig.kernel.is_view:
+        if block is None or block.is_empty:
             return 0.0
+        if sig.kernel.is_view:
+            return VIEW_SECONDS
         flops, nbytes = sig.cost(block)
         peak = self.device.peak(compute_dtype(sig))
         return max(flops / peak, nbytes / self.device.mem_bandwidth) + self.device.launch_overhead
