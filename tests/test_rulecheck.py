@@ -104,3 +104,26 @@ def test_a_failing_check_prints_no_hypothesis_hint(capsys: pytest.CaptureFixture
     assert main(["check-rules", str(DATA / "wrong" / "commute.egg"), "--examples", "20"]) == 1
     captured = capsys.readouterr()
     assert "@seed" not in captured.out + captured.err and "reproduce_failure" not in captured.out + captured.err
+
+
+@pytest.mark.parametrize(("line", "expected"), [
+    (3, "the left-hand side gives float32, the right-hand side "),
+    (5, " bool, "),
+])
+def test_a_rule_wrong_only_at_some_dtypes_is_drawn_there_and_fails(line: int, expected: str):
+    """Variables get the dtypes their kernels accept, mixed ones included; result dtypes and values are compared."""
+    rule = next(r for r in load_rule_file(DATA / "wrong" / "dtypes.egg").rules if r.line == line)
+    verdict = check_rule(rule, EXAMPLES)
+    assert not verdict.passed
+    assert verdict.counterexample.startswith(f"{rule.where}: ") and expected in verdict.counterexample
+
+
+def test_mixed_dtypes_are_drawn(monkeypatch):
+    """Over one rule's examples, its two variables get several dtypes, and sometimes different ones."""
+    seen = []
+    disagreement = rulecheck.disagreement
+    monkeypatch.setattr(rulecheck, "disagreement", lambda rule, case: seen.append(case.types) or disagreement(rule, case))
+    rule = next(r for f in load_rules() for r in f.rules if r.lhs.head == "Relu" and "Add" in str(r.lhs))
+    assert check_rule(rule, EXAMPLES).passed
+    drawn = {d for types in seen for d in types.values()}
+    assert {"float64", "float32", "int64"} <= drawn and any(len(set(t.values())) > 1 for t in seen), drawn

@@ -85,6 +85,22 @@ def promoted(in_dtypes: tuple[str, ...], params: Mapping[str, ParamValue]) -> st
     return dtypes.promote(*in_dtypes)
 
 
+def contraction(name: str, kernel_inputs: tuple[str, ...], floats_only: bool = False) -> DtypeRule:
+    """`matching`, refusing bool operands (torch has no bool matmul, and a bool sum is an or: matmul would not
+    distribute over a bool add) and, with `floats_only`, integer ones (torch has no integer gelu)."""
+    agree = matching(kernel_inputs)
+
+    def rule(in_dtypes: tuple[str, ...], params: Mapping[str, ParamValue]) -> str:
+        refused = [f"{n}: {d}" for n, d in zip(kernel_inputs, in_dtypes)
+                   if d == "bool" or (floats_only and not dtypes.is_float(d))]
+        if refused:
+            kind = "non-float" if floats_only else "bool"
+            raise KernelError(f"{name} does not take {kind} operands ({', '.join(refused)}); cast them first")
+        return agree(in_dtypes, params)
+
+    return rule
+
+
 @dataclass(frozen=True)
 class Kernel:
     """One registry entry. See docs/kernels.md for how to add one."""

@@ -11,6 +11,15 @@ starts from its kernel's own sampler; a fresh operand next to known ones picks
 from candidates derived from the shapes already known (copies, suffixes, one
 dim replaced by a known size or 1), filtered by the guards and, for the last
 fresh operand, by the kernel itself. What remains is left to `assume`.
+
+Each tensor variable also gets a dtype: its kernel sampler's kind first (float64
+for "float", so failures shrink towards float64), then any dtype the kernel
+accepts, mixed ones included. Both sides must give the same result dtype, and
+values within the tolerance (`tapestry.verify`) of the least precise float among
+the result and the inputs, so a rule that drops a rounding cast, like
+(Cast (Cast x "float16") "float32") -> x, fails. A right-hand side that does not
+type-check at the drawn dtypes, but does at float64, is no counterexample: the
+e-graph drops such a node.
 """
 from __future__ import annotations
 
@@ -18,7 +27,7 @@ import functools
 import itertools
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from hypothesis import HealthCheck, assume, find, settings
@@ -29,11 +38,12 @@ from hypothesis.reporting import with_reporter
 from tapestry.egraph.rules import Rule, RuleFile, variables
 from tapestry.egraph.schema import Constructor, constructors, decode_param
 from tapestry.egraph.sexp import Atom, SExp, SList
-from tapestry.evaluator import evaluate
+from tapestry import dtypes
+from tapestry.evaluator import evaluate, random_inputs
 from tapestry.graph import Graph, GraphError, Value
 from tapestry.kernels import KernelError, ParamValue, Shape
+from tapestry.verify import TOLERANCE, error
 
-RTOL, ATOL = 1e-6, 1e-8
 MAX_RANK = 6  # kernel samplers stop at rank 3; a rule wrong only at rank 4 or 5 must still be drawn
 MAX_CELLS = 4096  # per drawn tensor, so large sizes and high ranks stay cheap to evaluate
 # Sizes past the kernel samplers' 7: a few larger ones, so a rule wrong only for big dims can fail.
@@ -63,13 +73,11 @@ class Case:
     shapes: Mapping[str, Shape]
     params: Mapping[str, ParamValue]
     seed: int
-
-    def inputs(self) -> dict[str, np.ndarray]:
-        rng = np.random.default_rng(self.seed)
-        return {var: rng.standard_normal(shape) for var, shape in sorted(self.shapes.items())}
+    types: Mapping[str, str] = field(default_factory=dict)  # per tensor variable; float64 where absent
 
     def __str__(self) -> str:
-        parts = [f"{v}{list(s)}" for v, s in sorted(self.shapes.items())]
+        parts = [f"{v}{list(s)}" + ("" if _dtype(self.types, v) == "float64" else f" {self.types[v]}")
+                 for v, s in sorted(self.shapes.items())]
         parts += [f"{v}={p!r}" for v, p in sorted(self.params.items())]
         return ", ".join(parts) + f", data seed {self.seed}"
 
@@ -150,18 +158,30 @@ def _params(ctor: Constructor, args: Sequence[SExp], params: Mapping[str, ParamV
     return {name: _param(ctor, name, arg, params) for name, arg in zip(ctor.params, args)}
 
 
-def term_shape(term: SExp, shapes: Mapping[str, Shape], params: Mapping[str, ParamValue]) -> Shape:
-    """The shape `term` has under `shapes`; raises KernelError (or KeyError: unbound) when it has none."""
+def _dtype(types: Mapping[str, str] | None, var: str) -> str:
+    return (types or {}).get(var, "float64")
+
+
+def term_type(term: SExp, shapes: Mapping[str, Shape], params: Mapping[str, ParamValue],
+              types: Mapping[str, str] | None = None) -> tuple[Shape, str]:
+    """The shape and dtype `term` has; raises KernelError (or KeyError: unbound) when it has none."""
     if isinstance(term, Atom):
-        return shapes[term.text]
+        return shapes[term.text], _dtype(types, term.text)
     ctor, tensors, args = _split(term)
-    operands = [term_shape(t, shapes, params) for t in tensors]
-    return ctor.kernel.bind(operands, _params(ctor, args, params)).output_shape
+    operands = [term_type(t, shapes, params, types) for t in tensors]
+    sig = ctor.kernel.bind([s for s, _ in operands], _params(ctor, args, params), [d for _, d in operands])
+    return sig.output_shape, sig.dtype
 
 
-def _binds(term: SList, shapes: Mapping[str, Shape], params: Mapping[str, ParamValue]) -> bool:
+def term_shape(term: SExp, shapes: Mapping[str, Shape], params: Mapping[str, ParamValue],
+               types: Mapping[str, str] | None = None) -> Shape:
+    return term_type(term, shapes, params, types)[0]
+
+
+def _binds(term: SList, shapes: Mapping[str, Shape], params: Mapping[str, ParamValue],
+           types: Mapping[str, str] | None = None) -> bool:
     try:
-        term_shape(term, shapes, params)
+        term_type(term, shapes, params, types)
         return True
     except _ILL_TYPED:
         return False
@@ -223,11 +243,34 @@ def cases(draw: st.DrawFn, lhs: SList, guards: Sequence[SList]) -> Case:
     """A well-typed instance of `lhs` on which every guard holds."""
     shapes: dict[str, Shape] = {}
     params: dict[str, ParamValue] = {}
+    types: dict[str, str] = {}
     lead = tuple(draw(st.lists(LEAD_SIZES, min_size=MAX_RANK, max_size=MAX_RANK)))
     extra = Extra(lead, (draw(LARGE_SIZES), *sorted(_guard_constants(guards))))
-    _draw_term(draw, lhs, guards, shapes, params, extra)
+    _draw_term(draw, lhs, guards, shapes, params, types, extra)
     assume(all(holds(g, shapes, params) for g in guards))
-    return Case(shapes, params, draw(st.integers(0, 2**32 - 1)))
+    types = _draw_types(draw, lhs, shapes, params, types)
+    return Case(shapes, params, draw(st.integers(0, 2**32 - 1)), types)
+
+
+def _draw_types(draw: st.DrawFn, lhs: SList, shapes: Mapping[str, Shape], params: Mapping[str, ParamValue],
+                preferred: Mapping[str, str]) -> dict[str, str]:
+    """A dtype per tensor variable, in turn, among those under which `lhs` still binds when the variables not
+    yet drawn keep their preferred dtype or all take the same one (so float16 throughout stays reachable for
+    kernels whose float operands must agree). The preferred dtype comes first: failures shrink towards it."""
+    types = dict(preferred)
+    order = list(preferred)
+    for n, var in enumerate(order):
+        rest = order[n + 1 :]
+
+        def fits(dtype: str) -> bool:
+            return _binds(lhs, shapes, params, {**types, var: dtype}) or _binds(
+                lhs, shapes, params, {**types, var: dtype, **dict.fromkeys(rest, dtype)})
+
+        kept = [d for d in dict.fromkeys([preferred[var], *dtypes.DTYPES]) if fits(d)]
+        assume(kept)
+        types[var] = draw(st.sampled_from(kept))
+    assume(_binds(lhs, shapes, params, types))
+    return types
 
 
 def _draw_term(
@@ -236,14 +279,16 @@ def _draw_term(
     guards: Sequence[SList],
     shapes: dict[str, Shape],
     params: dict[str, ParamValue],
+    types: dict[str, str],
     extra: Extra,
 ) -> None:
-    """Bind the fresh variables of `term` (inner terms first) so that it type-checks."""
+    """Bind the fresh variables of `term` (inner terms first) so that it type-checks, each tensor variable at
+    the dtype its kernel's sampler gives that operand (float64 for "float"), recorded in `types`."""
     ctor, tensors, args = _split(term)
     for inner in tensors:
         if isinstance(inner, SList):
-            _draw_term(draw, inner, guards, shapes, params, extra)
-    sample_shapes, sample_params, *_ = ctor.kernel.sample(draw)
+            _draw_term(draw, inner, guards, shapes, params, types, extra)
+    sample_shapes, sample_params, *kinds = ctor.kernel.sample(draw)
     fresh_tensors: dict[str, int] = {}  # variable -> its first operand position
     for position, t in enumerate(tensors):
         if isinstance(t, Atom) and t.text not in shapes:
@@ -252,17 +297,19 @@ def _draw_term(
     fresh_params = {var: name for var, name in fresh_params.items() if var not in params}
     last = len(fresh_tensors) + len(fresh_params) - 1
     for n, (var, position) in enumerate(fresh_tensors.items()):
-        known = [term_shape(t, shapes, params) for t in tensors if isinstance(t, SList)]
+        kind = kinds[0][position] if kinds else "float"
+        types[var] = "float64" if kind == "float" else kind
+        known = [term_shape(t, shapes, params, types) for t in tensors if isinstance(t, SList)]
         seeds = list(dict.fromkeys([sample_shapes[position], *known, *shapes.values()]))
-        shapes[var] = _pick(
-            draw, _shape_candidates(seeds, extra), var, lambda s: ({**shapes, var: s}, params), guards, term, n == last
-        )
+        shapes[var] = _pick(draw, _shape_candidates(seeds, extra), var, lambda s: ({**shapes, var: s}, params),
+                            guards, term, n == last, types)
     for n, (var, name) in enumerate(fresh_params.items(), start=len(fresh_tensors)):
         default = ctor.kernel.params[name]
-        seeds = [term_shape(t, shapes, params) for t in tensors]
+        seeds = [term_shape(t, shapes, params, types) for t in tensors]
         options = _param_candidates(sample_params.get(name, default), default, seeds)
-        params[var] = _pick(draw, options, var, lambda p: (shapes, {**params, var: p}), guards, term, n == last)
-    assume(_binds(term, shapes, params))
+        params[var] = _pick(draw, options, var, lambda p: (shapes, {**params, var: p}), guards, term, n == last,
+                            types)
+    assume(_binds(term, shapes, params, types))
 
 
 Binding = tuple[Mapping[str, Shape], Mapping[str, ParamValue]]
@@ -276,6 +323,7 @@ def _pick(
     guards: Sequence[SList],
     term: SList,
     last: bool,
+    types: Mapping[str, str],
 ) -> Shape | ParamValue:
     """One of `options` for `var` under which every decidable guard holds and, once `var` is the last
     fresh variable of `term`, `term` binds: filtering instead of rejecting keeps most draws valid."""
@@ -283,7 +331,7 @@ def _pick(
     def fits(value: Shape | ParamValue) -> bool:
         shapes, params = trial(value)
         decidable = [g for g in guards if var in variables(g) and variables(g) <= {*shapes, *params}]
-        return all(holds(g, shapes, params) for g in decidable) and (not last or _binds(term, shapes, params))
+        return all(holds(g, shapes, params) for g in decidable) and (not last or _binds(term, shapes, params, types))
 
     kept = [o for o in options if fits(o)]
     assume(kept)
@@ -301,32 +349,51 @@ def _emit(g: Graph, term: SExp, case: Case) -> Value | str:
 
 
 def _graph(side: SExp, case: Case) -> Graph:
-    """One side of a rule as a graph: variables are float64 inputs, literals are kernel params."""
+    """One side of a rule as a graph: variables are inputs of their drawn dtypes, literals are kernel params."""
     g = Graph()
     for var, shape in sorted(case.shapes.items()):
-        g.input(var, shape, "float64")
+        g.input(var, shape, _dtype(case.types, var))
     g.output("out", _emit(g, side, case))
     return g
 
 
-def _evaluate(side: SExp, case: Case) -> np.ndarray:
-    return evaluate(_graph(side, case), case.inputs())["out"]
+def _graph_or_none(side: SExp, case: Case) -> Graph | None:
+    try:
+        return _graph(side, case)
+    except GraphError:
+        return None
 
 
 def disagreement(rule: Rule, case: Case) -> str | None:
-    """Why the rule's two sides differ on `case`, or None when they agree."""
-    expected = _evaluate(rule.lhs, case)
+    """Why the rule's two sides differ on `case` (shape, dtype, or values beyond the result dtype's
+    tolerance), or None when they agree. Both sides read the same inputs, drawn for the left-hand side."""
+    left = _graph(rule.lhs, case)
+    inputs = random_inputs(left, case.seed)
+    expected = evaluate(left, inputs)["out"]
     try:
-        got = _evaluate(rule.rhs, case)
+        right = _graph(rule.rhs, case)
     except GraphError as err:
+        if case.types and _graph_or_none(rule.rhs, replace(case, types={})) is not None:
+            return None  # ill-typed only at these dtypes: the e-graph drops such a node (egraph/generate.py)
         return f"the right-hand side does not type-check: {err}"
+    got = evaluate(right, inputs)["out"]
     if got.shape != expected.shape:
         return f"the left-hand side has shape {list(expected.shape)}, the right-hand side {list(got.shape)}"
-    if np.allclose(got, expected, rtol=RTOL, atol=ATOL):
+    want_dtype, got_dtype = left[left.outputs["out"]].dtype, right[right.outputs["out"]].dtype
+    if got_dtype != want_dtype:
+        return f"the left-hand side gives {want_dtype}, the right-hand side {got_dtype}"
+    # A rewrite may move where a value is rounded to the narrowest float among its inputs (matmul distributed over
+    # a float64 + float32 add rounds a·c to float32), so values are compared at that float's tolerance.
+    loosest = max([want_dtype, *(_dtype(case.types, v) for v in case.shapes)], key=lambda d: TOLERANCE.get(d, 0.0))
+    if error(got, expected, loosest).ok:
         return None
-    error = np.abs(got - expected)
-    at = np.unravel_index(int(np.argmax(error)), error.shape)
-    return f"values differ: at {list(map(int, at))} the left-hand side gives {expected[at]:.6g}, the right {got[at]:.6g}"
+    wide_got, wide_want = np.asarray(got, np.float64), np.asarray(expected, np.float64)
+    with np.errstate(invalid="ignore"):
+        diff = np.where(np.isnan(wide_got) != np.isnan(wide_want), np.inf, np.abs(wide_got - wide_want))
+    diff[np.isnan(diff)] = 0.0
+    at = np.unravel_index(int(np.argmax(diff)), diff.shape) if diff.ndim else ()
+    return (f"values differ beyond {loosest}'s tolerance: at {list(map(int, at))} the left-hand side gives "
+            f"{wide_want[at]:.6g}, the right {wide_got[at]:.6g}")
 
 
 def _directions(rule: Rule) -> list[tuple[str, Rule]]:
