@@ -15,7 +15,7 @@ import tapestry
 from tapestry import cli, dtypes
 from tapestry.demo import seeds_example
 from tapestry.egraph.rules import BUILTIN_DIR
-from tapestry.evaluator import run_sharded
+from tapestry.evaluator import read_block, run_sharded
 from tapestry.kernels import KernelError, get_kernel
 from tapestry.plan import build_plan
 from tapestry.plan.plan import Compute
@@ -167,3 +167,21 @@ def test_extraction_picks_no_useless_views_after_a_rule_that_grows_them(tmp_path
     for mesh in (1, 2):
         plan = tapestry.optimize(g, mesh, rules=[BUILTIN_DIR, tmp_path], time_limit=10).plan
         assert [s.kernel for s in plan.steps if isinstance(s, Compute)] == ["relu"], mesh
+
+
+@pytest.mark.parametrize("dtype", ["bool", "int64", "float16"])
+@pytest.mark.parametrize("name", GENERATED)
+@settings(max_examples=3, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_what_the_graph_accepts_at_a_dtype_torch_computes_at_the_promised_dtype(name: str, dtype: str, data) -> None:
+    """Every operand at `dtype`: the kernel refuses at bind time, or torch runs it and gives the graph's dtype
+    (softmax, the norms, add_relu and matmul took bool or integers torch has no kernel for)."""
+    kernel = get_kernel(name)
+    shapes, params, *_ = kernel.sample(data.draw)
+    try:
+        sig = kernel.bind(shapes, params, [dtype] * len(shapes))
+    except KernelError:
+        return
+    blocks = [read_block(a, p.apply(sig.index)) for a, p in zip(arrays_for(sig, 0), sig.projections)]
+    got = kernel.torch(*[dtypes.to_tensor(b) for b in blocks], **sig.call_kwargs(sig.index))
+    assert dtypes.name_of(got) == sig.dtype, f"{name} at {dtype}: graph says {sig.dtype}, torch gives {got.dtype}"

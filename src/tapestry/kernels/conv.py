@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
-from tapestry.kernels.kernel import Kernel, KernelError, Shape, SignatureSpec, follow
+from tapestry.kernels.kernel import Kernel, KernelError, Shape, SignatureSpec, follow, numeric
 from tapestry.kernels.registry import register
 from tapestry.zspace import IndexProjection, ZAffineMap
 
@@ -106,6 +106,7 @@ def _conv(name: str, inputs: tuple[str, ...], additive: frozenset[str], doc: str
             sample=_sampler(len(inputs) == 3),
             params={"stride": 1, "padding": 0, "groups": 1},
             additive=additive,
+            dtype_rule=numeric(name, inputs),
             takes_zero_size=False,
             doc=doc,
         )

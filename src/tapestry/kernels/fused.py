@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from tapestry.kernels.elementwise import _binary_sample, broadcast_signature
-from tapestry.kernels.kernel import Kernel
+from tapestry.kernels.kernel import Kernel, numeric
 from tapestry.kernels.registry import register
 
 register(
@@ -16,6 +16,7 @@ register(
         numpy=lambda a, b: np.maximum(a + b, 0),
         torch=lambda a, b: torch.relu(a + b),
         sample=_binary_sample,
+        dtype_rule=numeric("add_relu", ("a", "b")),
         doc="relu(a + b), fused",
     )
 )

@@ -85,9 +85,10 @@ def promoted(in_dtypes: tuple[str, ...], params: Mapping[str, ParamValue]) -> st
     return dtypes.promote(*in_dtypes)
 
 
-def contraction(name: str, kernel_inputs: tuple[str, ...], floats_only: bool = False) -> DtypeRule:
-    """`matching`, refusing bool operands (torch has no bool matmul, and a bool sum is an or: matmul would not
-    distribute over a bool add) and, with `floats_only`, integer ones (torch has no integer gelu)."""
+def numeric(name: str, kernel_inputs: tuple[str, ...], floats_only: bool = False) -> DtypeRule:
+    """`matching`, refusing the operands torch has no kernel for: bool (no bool matmul or relu; and a bool sum is
+    an or, so matmul would not distribute over a bool add) and, with `floats_only`, integers (no integer gelu,
+    softmax or norms). The graph must not promise a result the runtime cannot compute."""
     agree = matching(kernel_inputs)
 
     def rule(in_dtypes: tuple[str, ...], params: Mapping[str, ParamValue]) -> str:

@@ -11,7 +11,7 @@ import torch
 from hypothesis import strategies as st
 
 from tapestry.kernels.elementwise import _gelu
-from tapestry.kernels.kernel import Kernel, KernelError, Shape, SignatureSpec, contraction, follow
+from tapestry.kernels.kernel import Kernel, KernelError, Shape, SignatureSpec, follow, numeric
 from tapestry.kernels.registry import register
 
 
@@ -53,7 +53,7 @@ def _linear(name: str, np_act, torch_act, doc: str) -> Kernel:
             numpy=lambda x, w, b: np_act(x @ w + b),
             torch=lambda x, w, b: torch_act(torch.addmm(b, x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1])),
             sample=_sample,
-            dtype_rule=contraction(name, ("x", "w", "b"), floats_only=name == "linear_gelu"),
+            dtype_rule=numeric(name, ("x", "w", "b"), floats_only=name == "linear_gelu"),
             doc=doc,
         )
     )

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
-from tapestry.kernels.kernel import Kernel, KernelError, Shape, SignatureSpec, contraction, follow
+from tapestry.kernels.kernel import Kernel, KernelError, Shape, SignatureSpec, follow, numeric
 from tapestry.kernels.registry import register
 
 
@@ -49,7 +49,7 @@ register(
         torch=torch.matmul,
         sample=_sample,
         additive=frozenset({"k"}),
-        dtype_rule=contraction("matmul", ("a", "b")),
+        dtype_rule=numeric("matmul", ("a", "b")),
         doc="a @ b, batched",
     )
 )

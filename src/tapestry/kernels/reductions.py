@@ -9,7 +9,7 @@ import torch
 from hypothesis import strategies as st
 
 from tapestry import dtypes
-from tapestry.kernels.kernel import Kernel, KernelError, ParamValue, Shape, SignatureSpec, follow
+from tapestry.kernels.kernel import Kernel, KernelError, ParamValue, Shape, SignatureSpec, follow, numeric
 from tapestry.kernels.registry import register
 
 
@@ -136,6 +136,7 @@ def _whole_axis_map(name: str, np_fn, torch_fn, doc: str) -> Kernel:
             torch=lambda x, axis: torch_fn(x, dim=axis),
             sample=_sample_axis,
             params={"axis": -1},
+            dtype_rule=numeric(name, ("x",), floats_only=True),
             takes_zero_size=False,
             doc=doc,
         )
@@ -181,6 +182,7 @@ register(
         torch=lambda x, w, b, eps: torch.nn.functional.layer_norm(x, x.shape[-1:], w, b, eps),
         sample=_sample_norm(2, (1e-5, 1e-12)),
         params={"eps": 1e-5},
+        dtype_rule=numeric("layer_norm", ("x", "w", "b"), floats_only=True),
         doc="layer norm over the last axis, with scale w and shift b",
     )
 )
@@ -194,6 +196,7 @@ register(
         torch=lambda x, w, eps: torch.nn.functional.rms_norm(x, x.shape[-1:], w, eps),
         sample=_sample_norm(1, (1e-6, 1e-5)),
         params={"eps": 1e-6},
+        dtype_rule=numeric("rms_norm", ("x", "w"), floats_only=True),
         doc="x / √(mean(x²) + eps) · w over the last axis",
     )
 )

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from hypothesis import strategies as st
 
 from tapestry import dtypes
-from tapestry.kernels.kernel import Kernel, KernelError, ParamValue, Shape, SignatureSpec, follow
+from tapestry.kernels.kernel import Kernel, KernelError, ParamValue, Shape, SignatureSpec, follow, numeric
 from tapestry.kernels.registry import register
 
 Pad = tuple[tuple[tuple[int, int], ...], ...]
@@ -175,6 +175,7 @@ register(
         torch=lambda x, mean, var, w, b, eps: F.batch_norm(x, mean, var, w, b, False, 0.0, eps),
         sample=_sample_batch_norm,
         params={"eps": 1e-5},
+        dtype_rule=numeric("batch_norm", ("x", "mean", "var", "w", "b"), floats_only=True),
         doc="batch norm in eval mode: (x - mean) / sqrt(var + eps) · w + b per channel (dim 1)",
     )
 )
