@@ -1,6 +1,7 @@
 """Communication sets: which cells move between devices to turn one layout into another."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from tapestry.sharding.layout import Layout
@@ -46,8 +47,9 @@ class CommError(ValueError):
     """A layout change that cannot be made: some needed cell is held by no device."""
 
 
-def transfers(src: Layout, dst: Layout) -> list[Transfer]:
-    """The block moves that take `src` to `dst`.
+@functools.lru_cache(maxsize=1 << 16)
+def transfers(src: Layout, dst: Layout) -> tuple[Transfer, ...]:
+    """The block moves that take `src` to `dst` (cached: pricing asks for the same pairs across the e-graph).
 
     Plain source: every needed cell not held locally is fetched once, from the
     nearest device (in ring order) holding it. Partial source: every device
@@ -85,7 +87,7 @@ def transfers(src: Layout, dst: Layout) -> list[Transfer]:
             missing = still
         if missing:
             raise CommError(f"device {k} needs {missing[0]} but no device holds it")
-    return moves
+    return tuple(moves)
 
 
 def received_counts(src: Layout, dst: Layout) -> tuple[tuple[int, ...], tuple[int, ...]]:

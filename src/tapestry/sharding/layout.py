@@ -7,6 +7,7 @@ partial layout the value of a cell is the sum over the devices holding it.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -43,15 +44,10 @@ class Layout:
 
     def name(self, shape: tuple[int, ...], mesh: Mesh) -> str:
         """A short family name when the layout is one: R, S(0), S(0,·), P, P·S(1); else 'blocks'."""
-        plain = Layout(self.blocks)
-        prefix = "P" if self.partial else ""
-        if plain == Layout.replicated(shape, mesh):
-            return prefix or "R"
-        for dims in _split_choices(len(shape), mesh):
-            if plain == Layout.split(shape, mesh, dims):
-                text = ",".join("·" if d is None else str(d) for d in dims)
-                return f"{prefix}{'·' if prefix else ''}S({text})"
-        return f"{prefix}{'·' if prefix else ''}blocks"
+        family = _family_names(tuple(shape), mesh).get(Layout(self.blocks), "blocks")
+        if not self.partial:
+            return family
+        return "P" if family == "R" else f"P·{family}"
 
     def to_json(self) -> dict[str, Any]:
         return {"blocks": [None if b is None else str(b) for b in self.blocks], "partial": self.partial}
@@ -62,6 +58,17 @@ class Layout:
 
     def __str__(self) -> str:
         return ("partial " if self.partial else "") + "[" + ", ".join(str(b) for b in self.blocks) + "]"
+
+
+@functools.lru_cache(maxsize=1024)
+def _family_names(shape: tuple[int, ...], mesh: Mesh) -> dict[Layout, str]:
+    """Every named plain layout of `shape` on `mesh`, by layout: pricing asks for names of the same few layouts
+    many thousand times."""
+    names = {}
+    for dims in reversed(_split_choices(len(shape), mesh)):  # the first choice wins where two give one layout
+        names[Layout.split(shape, mesh, dims)] = "S(" + ",".join("·" if d is None else str(d) for d in dims) + ")"
+    names[Layout.replicated(shape, mesh)] = "R"
+    return names
 
 
 def _split_choices(ndim: int, mesh: Mesh) -> list[tuple[int | None, ...]]:
