@@ -274,7 +274,7 @@ def calibrate_cuda(command: str, name: str, quick: bool = False, console: Consol
             with _phase(progress, f"nccl all_reduce/all_gather, {WORLD} GPUs"):
                 rows = collectives(Budget.choose(quick).collective_elements, reps, "nccl")
             links: tuple[Link, ...] = (fit_link(rows),)
-            how = (f"nccl all_reduce/all_gather between GPUs 0 and 1, alpha and beta fitted (NNLS, relative error) "
+            how = ("nccl all_reduce/all_gather between GPUs 0 and 1, alpha and beta fitted (NNLS, relative error) "
                    "to the ring formulas of tapestry.cost.comm")
         else:
             rows, links = [], load_profile(links_from).links

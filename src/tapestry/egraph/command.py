@@ -10,7 +10,6 @@ from rich.table import Table
 
 from tapestry.egraph.driver import Budget, IterationStats
 from tapestry.egraph.schema import schema_text
-from tapestry.graph import Graph
 from tapestry.program import load_program
 from tapestry.sharding import Mesh
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
-from tapestry.kernels.kernel import Kernel, KernelError, Shape, SignatureSpec, follow, numeric
+from tapestry.kernels.kernel import Kernel, KernelError, Shape, SignatureSpec, numeric
 from tapestry.kernels.registry import register
 from tapestry.zspace import IndexProjection, ZAffineMap
 
@@ -40,7 +40,7 @@ def conv2d_signature(x: Shape, w: Shape, *bias: Shape, stride: int, padding: int
         raise KernelError(f"conv2d_bias needs b[{w[0]}]; got b{list(bias[0])}")
     if stride < 1 or padding < 0:
         raise KernelError(f"conv2d needs stride >= 1 and padding >= 0; got stride={stride}, padding={padding}")
-    (n, c, h, wd), (k, cg, kh, kw) = x, w
+    (n, _, h, wd), (k, cg, kh, kw) = x, w
     kg = k // groups
     oh, ow = (h + 2 * padding - kh) // stride + 1, (wd + 2 * padding - kw) // stride + 1
     if oh < 1 or ow < 1:

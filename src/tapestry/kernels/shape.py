@@ -10,7 +10,6 @@ a_block + b_block (logical or for bool), whichever side of the seam it lies.
 from __future__ import annotations
 
 import numpy as np
-import torch
 from hypothesis import strategies as st
 
 from tapestry.kernels.kernel import Kernel, KernelError, Shape, SignatureSpec, follow, promoted

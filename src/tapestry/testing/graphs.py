@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from hypothesis import strategies as st
 
-from tapestry.graph import Graph, GraphError, Value
+from tapestry.graph import Graph, Value
 from tapestry.kernels import KERNELS, DimKind, Kernel, KernelError, Shape
 from tapestry.plan.plan import Compute, Plan, Reshard, Step
 from tapestry.sharding import Mesh
