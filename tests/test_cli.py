@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from blocking import OPTIONAL_ABSENT
 
 from tapestry import cli
 
@@ -32,13 +33,8 @@ def test_the_table_lists_every_command_of_its_modules_with_their_help() -> None:
         assert registered == listed, module
 
 
-BLOCK_ALL_OPTIONAL = '''
-import importlib, importlib.abc, json, sys
-class Absent(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in {"egglog", "islpy", "ortools", "graphviz"}:
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-sys.meta_path.insert(0, Absent())
+LOAD_EACH = '''
+import importlib, json
 failed = []
 for module in MODULES:
     try:
@@ -51,7 +47,7 @@ print(json.dumps(failed))
 
 def test_commands_that_need_an_optional_package_are_the_ones_that_cannot_load_without_it() -> None:
     """On a node without the optimiser's packages, `--help` must leave out exactly the commands that cannot load."""
-    code = f"MODULES = {list(cli.COMMAND_MODULES)!r}\n{BLOCK_ALL_OPTIONAL}"
+    code = f"{OPTIONAL_ABSENT}\nMODULES = {list(cli.COMMAND_MODULES)!r}\n{LOAD_EACH}"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     failed = set(json.loads(done.stdout.splitlines()[-1]))

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+from blocking import OPTIONAL_ABSENT
 from test_lower import CASES
 
 import tapestry
@@ -121,21 +122,12 @@ def test_run_verifies_profiles_and_saves_a_script_graph(tmp_path, capsys) -> Non
     assert np.load(saved / "y.npy").shape == (512, 256)
 
 
-BLOCKER = '''
-import importlib.abc, sys
-class Absent(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in {"egglog", "islpy", "ortools", "graphviz"}:
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-sys.meta_path.insert(0, Absent())
-'''
-
 
 def test_a_saved_plan_runs_and_verifies_where_the_optimizer_packages_are_missing(tmp_path) -> None:
     """What a GPU node without egglog, islpy, ortools or graphviz has: `tapestry run PLAN.json` needs torch and numpy."""
     plan = tmp_path / "plan.json"
     build_plan(seeds_example(8, 4, 6), Mesh(2), {"linear_0": (0,), "relu_0": (0,)}).save(plan)
-    (tmp_path / "sitecustomize.py").write_text(BLOCKER)  # in every process, the spawned ranks too
+    (tmp_path / "sitecustomize.py").write_text(OPTIONAL_ABSENT)  # in every process, the spawned ranks too
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     done = subprocess.run([sys.executable, "-m", "tapestry.cli", "run", str(plan), "--no-compile", "--verify",
                            "--backend", "gloo", "--timeout", "120"], env=env, capture_output=True, text=True, timeout=180)

@@ -72,6 +72,15 @@ def promote(*names: str) -> str:
     return kinds.pop()
 
 
+def random_array(rng: np.random.Generator, shape: tuple[int, ...], name: str, bound: int | None = None) -> np.ndarray:
+    """Random values of dtype `name`: standard normals, fair booleans, or integers in [0, bound) (default 4)."""
+    if is_float(name):
+        return cast(rng.standard_normal(shape), name)
+    if name == "bool":
+        return rng.random(shape) < 0.5
+    return rng.integers(0, max(1, bound or 4), shape).astype(to_numpy(name))
+
+
 def compute_dtype(name: str) -> np.dtype:
     """The numpy dtype the reference evaluator computes in: float32 for the half types."""
     return np.dtype(np.float32) if name in ("float16", "bfloat16") else to_numpy(name)

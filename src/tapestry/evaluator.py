@@ -105,16 +105,13 @@ def random_inputs(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
     for node in graph.inputs:
         if node.name in graph.constants:
             values[node.name] = graph.constants[node.name]
-        elif dtypes.is_float(node.dtype):
-            values[node.name] = dtypes.cast(rng.standard_normal(node.shape), node.dtype)
-        elif node.dtype == "bool":
-            values[node.name] = rng.random(node.shape) < 0.5
         else:
-            values[node.name] = rng.integers(0, _index_bound(graph, node.name), node.shape).astype(node.dtype)
+            values[node.name] = dtypes.random_array(rng, node.shape, node.dtype, _index_bound(graph, node.name))
     return values
 
 
-def _index_bound(graph: Graph, name: str) -> int:
-    sigs = [(graph.signature(op.name), slot) for op in graph.ops for slot, arg in enumerate(op.args) if arg == name]
-    bounds = [sig.kernel.index_bound(sig.input_shapes, slot) for sig, slot in sigs if sig.kernel.index_bound]
-    return max(1, min((b for b in bounds if b is not None), default=4))
+def _index_bound(graph: Graph, name: str) -> int | None:
+    """The tightest index bound among the ops that read input `name`."""
+    bounds = [graph.signature(op.name).index_bound(slot)
+              for op in graph.ops for slot, arg in enumerate(op.args) if arg == name]
+    return min((b for b in bounds if b is not None), default=None)

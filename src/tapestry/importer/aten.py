@@ -296,7 +296,8 @@ def _embedding(b: Builder, weight: Any, ids: Any, *rest: Any) -> Value:
 
 
 # -- normalisation and attention ------------------------------------------------------------------------------
-def _ones(b: Builder, size: int, like: Value, fill: float) -> Value:
+def _filled(b: Builder, size: int, like: Value, fill: float) -> Value:
+    """A constant [size] of `fill` in `like`'s dtype: an affine weight or bias the module left out."""
     return b.constant(torch.full((size,), fill, dtype=getattr(torch, like.dtype)))
 
 
@@ -306,8 +307,8 @@ def _layer_norm(b: Builder, x: Any, shape: list[int], w: Any = None, bias: Any =
     value = b.tensor(x)
     if len(shape) != 1:
         raise Unsupported(f"normalized_shape {list(shape)} (only the last dim)")
-    weight = b.tensor(w) if w is not None else _ones(b, shape[0], value, 1.0)
-    shift = b.tensor(bias) if bias is not None else _ones(b, shape[0], value, 0.0)
+    weight = b.tensor(w) if w is not None else _filled(b, shape[0], value, 1.0)
+    shift = b.tensor(bias) if bias is not None else _filled(b, shape[0], value, 0.0)
     return b.op("layer_norm", value, weight, shift, eps=float(eps))
 
 
@@ -333,7 +334,7 @@ def _rms_norm(b: Builder, x: Any, shape: list[int], w: Any = None, eps: float | 
     value = b.tensor(x)
     if len(shape) != 1:
         raise Unsupported(f"normalized_shape {list(shape)} (only the last dim)")
-    weight = b.tensor(w) if w is not None else _ones(b, shape[0], value, 1.0)
+    weight = b.tensor(w) if w is not None else _filled(b, shape[0], value, 1.0)
     eps = torch.finfo(getattr(torch, value.dtype)).eps if eps is None else eps
     return b.op("rms_norm", value, weight, eps=float(eps))
 
@@ -423,8 +424,8 @@ def _batch_norm_op(b: Builder, x: Any, w: Any, bias: Any, mean: Any, var: Any, t
 def _batch_norm(b: Builder, x: Any, w: Any, bias: Any, mean: Any, var: Any, eps: float) -> Value:
     value = b.tensor(x)
     channels = value.shape[1]
-    weight = b.tensor(w) if w is not None else _ones(b, channels, value, 1.0)
-    shift = b.tensor(bias) if bias is not None else _ones(b, channels, value, 0.0)
+    weight = b.tensor(w) if w is not None else _filled(b, channels, value, 1.0)
+    shift = b.tensor(bias) if bias is not None else _filled(b, channels, value, 0.0)
     return b.op("batch_norm", value, b.tensor(mean), b.tensor(var), weight, shift, eps=float(eps))
 
 

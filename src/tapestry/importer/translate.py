@@ -264,10 +264,19 @@ def _functional_twin(target: Any) -> Any:
     return getattr(twin, target._overloadname, None) if twin is not None else None
 
 
-def _retarget(node: Any, target: Any) -> Any:
-    """A stand-in for `node` calling `target`, with the same args and recorded value."""
-    return type("Retargeted", (), {"target": target, "args": node.args, "kwargs": node.kwargs, "meta": node.meta,
-                                   "name": node.name})()
+@dataclass(frozen=True)
+class _Retargeted:
+    """`node` as if it called another op: what converters read of an fx node."""
+
+    target: Any
+    args: Any
+    kwargs: Any
+    meta: Any
+    name: str
+
+
+def _retarget(node: Any, target: Any) -> _Retargeted:
+    return _Retargeted(target, node.args, node.kwargs, node.meta, node.name)
 
 
 def _match_torch(builder: Builder, value: Value) -> Value:

@@ -242,6 +242,10 @@ class Signature:
             if k is not DimKind.REDUCTION or self.dims[d] in self.kernel.additive
         )
 
+    def index_bound(self, slot: int) -> int | None:
+        """For an integer input that indexes a table: one past its largest valid value (else None)."""
+        return self.kernel.index_bound(self.input_shapes, slot) if self.kernel.index_bound else None
+
     def call_kwargs(self, index_block: ZRange) -> dict[str, Any]:
         """Keyword arguments for the numpy or torch impl computing `index_block`."""
         kwargs: dict[str, Any] = dict(self.params)

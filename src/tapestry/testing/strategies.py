@@ -42,13 +42,5 @@ def partitions(draw, index: ZRange, dims: tuple[int, ...]) -> list[ZRange]:
 def arrays_for(sig: Signature, seed: int) -> list[np.ndarray]:
     """Random arguments for `sig`: normal floats, random booleans, integers below each slot's index bound."""
     rng = np.random.default_rng(seed)
-    arrays = []
-    for slot, (shape, dtype) in enumerate(zip(sig.input_shapes, sig.input_dtypes)):
-        if dtypes.is_float(dtype):
-            arrays.append(dtypes.cast(rng.standard_normal(shape), dtype))
-        elif dtype == "bool":
-            arrays.append(rng.random(shape) < 0.5)
-        else:
-            bound = sig.kernel.index_bound(sig.input_shapes, slot) if sig.kernel.index_bound else None
-            arrays.append(rng.integers(0, max(1, bound or 4), shape).astype(dtype))
-    return arrays
+    return [dtypes.random_array(rng, shape, dtype, sig.index_bound(slot))
+            for slot, (shape, dtype) in enumerate(zip(sig.input_shapes, sig.input_dtypes))]
