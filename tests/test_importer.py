@@ -184,3 +184,16 @@ def test_hugging_face_llama_with_rotary_embeddings_and_grouped_query_attention()
     imp = from_torch(module, (ids,), {"use_cache": False}, verbose=False)
     assert not imp.opaque
     assert_plan_is_sharded_and_matches("llama", module, (ids,), {"use_cache": False}, imp, tapestry.Mesh(4))
+
+
+class Scaled(torch.nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.add(x, y, alpha=2.5) - torch.sub(y, 1.5, alpha=2) + torch.rsub(x, 3.0, alpha=0.5)
+
+
+def test_alpha_scales_the_second_operand_of_add_sub_and_rsub():
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    imp = from_torch(Scaled(), (x, y), verbose=False)
+    assert not imp.opaque
+    np.testing.assert_allclose(imp.outputs(evaluate(imp.graph, imp.inputs(x, y)))[0], Scaled()(x, y).numpy(),
+                               rtol=1e-6, atol=1e-6)

@@ -81,9 +81,14 @@ def _binary(b: Builder, lhs: Any, rhs: Any, alpha: Any = 1, rounding_mode: str |
     packet = str(b.node.target).split(".")[1]
     if rounding_mode is not None:
         raise Unsupported(f"rounding_mode={rounding_mode!r}")
-    if alpha != 1:
-        rhs = binary(b, "mul", rhs, alpha) if _scalar(rhs) is None else _scalar(rhs) * alpha
-    return binary(b, BINARY[packet], lhs, rhs)
+    return binary(b, BINARY[packet], lhs, _scaled(b, rhs, alpha))
+
+
+def _scaled(b: Builder, x: Any, alpha: Any) -> Any:
+    """add/sub/rsub's `alpha * x`: a number stays a number."""
+    if alpha == 1:
+        return x
+    return _scalar(x) * alpha if _scalar(x) is not None else binary(b, "mul", x, alpha)
 
 
 converts(*(f"aten.{packet}.{overload}" for packet in BINARY
@@ -94,11 +99,7 @@ converts(*(f"aten.{packet}.{overload}" for packet in BINARY
 
 @converts("aten.rsub.Scalar", "aten.rsub.Tensor")
 def _rsub(b: Builder, x: Any, other: Any, alpha: Any = 1) -> Value:
-    return binary(b, "sub", other, _binary_scaled(b, x, alpha))
-
-
-def _binary_scaled(b: Builder, x: Any, alpha: Any) -> Any:
-    return x if alpha == 1 else binary(b, "mul", x, alpha)
+    return binary(b, "sub", other, _scaled(b, x, alpha))
 
 
 @converts("aten.clamp.default", "aten.clamp_min.default", "aten.clamp_max.default", "aten.hardtanh.default")
