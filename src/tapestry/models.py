@@ -4,7 +4,6 @@ Each takes the dtype of all its inputs (float32 by default; bfloat16 for the GPU
 """
 from __future__ import annotations
 
-import functools
 
 from tapestry.graph import Graph, Value
 
@@ -33,10 +32,29 @@ def mlp(depth: int = 4, batch: int = 512, width: int = 256, dtype: str = "float3
 
 def transformer_block(batch: int = 4, seq: int = 64, dim: int = 128, heads: int = 4, dtype: str = "float32") -> Graph:
     """Pre-LN block: unmasked multi-head attention built from matmul/transpose/softmax/mul, then a GELU MLP."""
+    return transformer_stack(1, batch, seq, dim, heads, dtype)
+
+
+def transformer_stack(layers: int, batch: int = 4, seq: int = 64, dim: int = 128, heads: int = 4,
+                      dtype: str = "float32") -> Graph:
+    """`layers` pre-LN blocks in a row, each with its own weights (named `l{i}.` after the first layer's): the
+    deep model of the optimizer-at-scale benchmarks."""
+    if layers < 1:
+        raise ValueError(f"a transformer stack needs at least one layer, got {layers}")
     g = Graph()
-    dh = dim // heads
     x = g.input("x", (batch, seq, dim), dtype)
-    param = functools.partial(g.input, dtype=dtype)
+    for layer in range(layers):
+        x = _pre_ln_block(g, x, "" if layer == 0 else f"l{layer}.", heads)
+    g.output("y", x)
+    return g
+
+
+def _pre_ln_block(g: Graph, x: Value, prefix: str, heads: int) -> Value:
+    batch, seq, dim = x.shape
+    dh = dim // heads
+
+    def param(name: str, shape: tuple[int, ...]) -> Value:
+        return g.input(prefix + name, shape, x.dtype)
 
     def heads_of(t: Value, perm: tuple[int, ...]) -> Value:
         return g.transpose(g.reshape(t, shape=(batch, seq, heads, dh)), perm=perm)
@@ -49,5 +67,4 @@ def transformer_block(batch: int = 4, seq: int = 64, dim: int = 128, heads: int 
     x1 = g.add(x, g.linear(merged, param("wo", (dim, dim)), param("bo", (dim,))))
     h2 = g.layer_norm(x1, param("ln2_w", (dim,)), param("ln2_b", (dim,)))
     up = g.gelu(g.linear(h2, param("w1", (dim, 4 * dim)), param("b1", (4 * dim,))))
-    g.output("y", g.add(x1, g.linear(up, param("w2", (4 * dim, dim)), param("b2", (dim,)))))
-    return g
+    return g.add(x1, g.linear(up, param("w2", (4 * dim, dim)), param("b2", (dim,))))
