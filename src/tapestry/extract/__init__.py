@@ -13,7 +13,7 @@ from collections.abc import Callable
 from tapestry.extract.bottom_up import extract_bottom_up
 from tapestry.extract.egraph import EGraph, EGraphError, Node, NoFiniteChoiceError
 from tapestry.extract.greedy_dag import extract_greedy_dag
-from tapestry.extract.ilp import DeviceBudget, extract_ilp
+from tapestry.extract.ilp import DeviceBudget, Ties, extract_ilp, ties_hold
 from tapestry.extract.selection import Selection
 from tapestry.extract.validate import validate
 
@@ -25,13 +25,14 @@ EXTRACTORS: dict[str, Callable[[EGraph, float], Selection]] = {
 
 
 def extract(egraph: EGraph, extractor: str = "ilp", time_limit: float = 60.0,
-            budget: DeviceBudget | None = None) -> Selection:
+            budget: DeviceBudget | None = None, ties: Ties = ()) -> Selection:
     """One entry point so callers pick an extractor by name; `time_limit` only bounds the ILP, and only the ILP
-    takes a `budget` (the others choose node by node, blind to a constraint over the whole selection)."""
-    if budget is not None:
+    takes a `budget` or `ties` (the others choose node by node, blind to a constraint over the whole selection)."""
+    if budget is not None or ties:
         if extractor != "ilp":
-            raise ValueError(f"extractor {extractor!r} cannot keep a memory budget; use 'ilp'")
-        return extract_ilp(egraph, time_limit, budget=budget)
+            what = "a memory budget" if budget is not None else "tied nodes"
+            raise ValueError(f"extractor {extractor!r} cannot keep {what}; use 'ilp'")
+        return extract_ilp(egraph, time_limit, budget=budget, ties=ties)
     try:
         run = EXTRACTORS[extractor]
     except KeyError:
@@ -47,9 +48,11 @@ __all__ = [
     "Node",
     "NoFiniteChoiceError",
     "Selection",
+    "Ties",
     "extract",
     "extract_bottom_up",
     "extract_greedy_dag",
     "extract_ilp",
+    "ties_hold",
     "validate",
 ]

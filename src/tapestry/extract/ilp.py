@@ -13,6 +13,11 @@ With a `DeviceBudget`, per device d: sum of resident_n[d] x_n over all nodes,
 plus transient_m[d] for any chosen m, stays within the limit. The whole problem
 is then one part (the budget couples every class), and the greedy start counts
 only if it fits.
+
+With `ties` (pairs of nodes chosen together or not at all: a training step's
+placed weight and its delivered update, so the step repeats), x_a = x_b. Tied
+nodes neither dominate nor are dominated, tied classes share a part, and the
+greedy start counts only if it keeps every tie.
 """
 from __future__ import annotations
 
@@ -66,12 +71,26 @@ class Reduced:
     replacement: Mapping[int, int]  # dropped (dominated) node -> node that dominates it
 
 
-def reduce(egraph: EGraph, tree: TreeChoice) -> Reduced:
+Ties = Sequence[tuple[int, int]]  # node pairs whose x must be equal
+
+
+def tied_nodes(ties: Ties) -> frozenset[int]:
+    return frozenset(n for pair in ties for n in pair)
+
+
+def ties_hold(choice: Mapping[int, int], ties: Ties) -> bool:
+    """Every tied pair is chosen together or not at all."""
+    chosen = set(choice.values())
+    return all((a in chosen) == (b in chosen) for a, b in ties)
+
+
+def reduce(egraph: EGraph, tree: TreeChoice, tied: frozenset[int] = frozenset()) -> Reduced:
     """Drop nodes that are never chosen in some optimal selection, then keep what the roots reach.
 
     Removed: subsumed or infinite-cost nodes, self-loops, nodes with a child that has no
     finite choice, and dominated nodes (another node of the class has a subset of its
-    child classes and no higher cost; swapping it in never adds a cycle or cost).
+    child classes and no higher cost; swapping it in never adds a cycle or cost). A
+    `tied` node is kept and dominates nothing: choosing it chooses its partner too.
     """
     child_sets, cost = egraph.child_sets, egraph.node_cost
     replacement: dict[int, int] = {}
@@ -91,13 +110,15 @@ def reduce(egraph: EGraph, tree: TreeChoice) -> Reduced:
         )
         kept: list[tuple[int, frozenset[int]]] = []
         for n in viable:
+            if n in tied:
+                continue
             children = frozenset(child_sets[n])
             dominator = next((m for m, mc in kept if mc <= children), None)
             if dominator is None:
                 kept.append((n, children))
             else:
                 replacement[n] = dominator
-        per_class[c] = [n for n, _ in kept]
+        per_class[c] = [n for n, _ in kept] + [n for n in viable if n in tied]
 
     candidates: dict[int, tuple[int, ...]] = {}
     stack = list(egraph.roots)
@@ -127,9 +148,9 @@ def undominate(egraph: EGraph, choice: Sequence[int], reduced: Reduced) -> list[
 
 
 def extract_ilp(egraph: EGraph, time_limit: float = 60.0, workers: int = 8,
-                budget: DeviceBudget | None = None) -> Selection:
+                budget: DeviceBudget | None = None, ties: Ties = ()) -> Selection:
     """Best selection CP-SAT finds within `time_limit` seconds; never worse than the greedy warm start.
-    Under `budget`, the best that satisfies it; NoFiniteChoiceError if none does.
+    Under `budget` and `ties`, the best that satisfies them; NoFiniteChoiceError if none does.
 
     `workers` is CP-SAT's portfolio size, not a core count: its LP-based and
     large-neighbourhood workers only run in portfolios of several workers, and on
@@ -137,21 +158,22 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0, workers: int = 8,
     """
     started = time.perf_counter()
     tree = solvable_tree(egraph)
-    reduced = reduce(egraph, tree)
+    reduced = reduce(egraph, tree, tied_nodes(ties))
     warm = finalize(egraph, undominate(egraph, greedy_dag_choice(egraph, tree), reduced), tree, "ilp", started)
-    best = warm if budget is None or budget.fits(warm.choice) else None
+    best = warm if (budget is None or budget.fits(warm.choice)) and ties_hold(warm.choice, ties) else None
     proven, bound = best is not None and best.dag_cost == 0, 0.0
     deadline = started + (1 - RESERVE) * time_limit
     if not proven and (time.perf_counter() < deadline or best is None):
-        solved, bound, optimal = _solve(egraph, reduced, warm, deadline, workers, budget)
+        solved, bound, optimal = _solve(egraph, reduced, warm, deadline, workers, budget, ties)
         if solved is not None:
             candidate = finalize(egraph, solved, tree, "ilp", started)
             better = best is None or candidate.dag_cost <= best.dag_cost
             proven = optimal and better
             best = candidate if better else best
     if best is None:
-        raise NoFiniteChoiceError(f"no selection fits the budget of {budget.limit:,} per device"  # type: ignore[union-attr]
-                                  if bound == math.inf else "the solver found no selection within the budget in time")
+        asked = "the ties" if budget is None else f"the budget of {budget.limit:,} per device"
+        raise NoFiniteChoiceError(f"no selection keeps {asked}" if bound == math.inf
+                                  else f"the solver found no selection that keeps {asked} in time")
     bound = best.dag_cost if proven else min(bound, best.dag_cost)
     return Selection(
         choice=best.choice,
@@ -165,7 +187,8 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0, workers: int = 8,
 
 
 def _solve(
-    egraph: EGraph, reduced: Reduced, warm: Selection, deadline: float, workers: int, budget: DeviceBudget | None
+    egraph: EGraph, reduced: Reduced, warm: Selection, deadline: float, workers: int, budget: DeviceBudget | None,
+    ties: Ties = (),
 ) -> tuple[list[int] | None, float, bool]:
     """Solve each independent part on its own, hinted with `warm`: (choice per class, objective bound, optimal).
 
@@ -173,7 +196,7 @@ def _solve(
     its share of the remaining classes, so time a small part does not need passes on.
     """
     scale = SCALE / max(warm.dag_cost, MIN_COST)
-    required, parts = _parts(egraph, reduced)
+    required, parts = _parts(egraph, reduced, ties)
     if budget is not None:
         parts = [sorted(reduced.candidates)]  # the budget couples every class
     solved = [-1] * egraph.num_classes
@@ -188,7 +211,7 @@ def _solve(
         part_deadline = now + (deadline - now) * len(part) / left
         left -= len(part)
         choice, part_bound, part_optimal = _solve_part(
-            egraph, reduced, part, required, (warm.choice, position), scale, part_deadline, workers, budget
+            egraph, reduced, part, required, (warm.choice, position), scale, part_deadline, workers, budget, ties
         )
         if choice is None:
             return None, part_bound, False
@@ -199,13 +222,14 @@ def _solve(
     return solved, bound, optimal
 
 
-def _parts(egraph: EGraph, reduced: Reduced) -> tuple[set[int], list[list[int]]]:
+def _parts(egraph: EGraph, reduced: Reduced, ties: Ties = ()) -> tuple[set[int], list[list[int]]]:
     """Classes every selection needs, and the independent parts of the rest, smallest first.
 
     A root is required, and so is every child of a required class's only candidate.
     Fixing those, two classes share a constraint only through a node of one that
-    has the other as a child when the child is not required, or through an order
-    constraint inside a cyclic component; parts are the connected classes (union-find).
+    has the other as a child when the child is not required, through an order
+    constraint inside a cyclic component, or through a tie; parts are the connected
+    classes (union-find). A class with a tied candidate is always in a part.
     """
     candidates, child_sets = reduced.candidates, egraph.child_sets
     required: set[int] = set()
@@ -230,11 +254,17 @@ def _parts(egraph: EGraph, reduced: Reduced) -> tuple[set[int], list[list[int]]]
                 same_cycle = c in reduced.component and reduced.component.get(d) == reduced.component[c]
                 if d not in required or same_cycle:
                     parent[find(c)] = find(d)
+    tied_classes = set()
+    for a, b in ties:
+        ca, cb = egraph.node_class[a], egraph.node_class[b]
+        if ca in candidates and cb in candidates:
+            parent[find(ca)] = find(cb)
+        tied_classes.update(c for c in (ca, cb) if c in candidates)
     groups: dict[int, list[int]] = {}
     for c in candidates:
         groups.setdefault(find(c), []).append(c)
     def free(c: int) -> bool:
-        return c not in required or len(candidates[c]) > 1 or c in reduced.component
+        return c not in required or len(candidates[c]) > 1 or c in reduced.component or c in tied_classes
 
     parts = [group for group in groups.values() if any(map(free, group))]
     return required, sorted(parts, key=len)
@@ -250,6 +280,7 @@ def _solve_part(
     deadline: float,
     workers: int,
     budget: DeviceBudget | None = None,
+    ties: Ties = (),
 ) -> tuple[dict[int, int] | None, float, bool]:
     """One CP-SAT run over the classes of `part`: (chosen node per active class or None, bound, proven optimal);
     the bound is inf when the budget is proven infeasible.
@@ -282,6 +313,7 @@ def _solve_part(
                     model.add(order[c] > order[d]).only_enforce_if(x[n])
     if budget is not None:
         _limit(model, budget, x)
+    _tie(model, ties, x, {n for nodes in reduced.candidates.values() for n in nodes})
     # A node dearer than the whole warm start is never in a better selection: clamp, so no int64 overflow.
     model.minimize(sum(min(round(egraph.node_cost[n] * scale), 2 * SCALE) * var for n, var in x.items()))
     _hint(model, *warm, x, active, order, members)
@@ -308,6 +340,18 @@ def _limit(model: cp_model.CpModel, budget: DeviceBudget, x: Mapping[int, cp_mod
             extra = budget.transient.get(n, (0,) * devices)[d] // unit
             if extra:
                 model.add(held + extra * var <= limit)
+
+
+def _tie(model: cp_model.CpModel, ties: Ties, x: Mapping[int, cp_model.IntVar], candidates: set[int]) -> None:
+    """x_a = x_b for the pairs in this part; a node that is no candidate (unreachable, unselectable) is never
+    chosen, so neither is its partner."""
+    for a, b in ties:
+        if a in x and b in x:
+            model.add(x[a] == x[b])
+        elif a in x and b not in candidates:
+            model.add(x[a] == 0)
+        elif b in x and a not in candidates:
+            model.add(x[b] == 0)
 
 
 def _hint(

@@ -1,0 +1,66 @@
+"""Tied nodes: the ILP chooses both nodes of a pair or neither (a training step's weight placed in the layout its
+update is delivered in), and the greedy extractors refuse ties rather than ignore them."""
+from __future__ import annotations
+
+import pytest
+
+from tapestry.extract import NoFiniteChoiceError, extract, ties_hold, validate
+from tests.extract_helpers import build
+
+# w is placed in layout A or B (or moved between them); y reads it; w's update `new` is delivered in A or B.
+# Unconstrained, w sits in A (cheap to read) and its update comes out in B (cheap to make): cost 2.
+STEP = {
+    "wA": [(0, []), (5, ["wB"])],
+    "wB": [(0, []), (5, ["wA"])],
+    "y": [(1, ["wA"]), (3, ["wB"])],
+    "newA": [(10, ["y"])],
+    "newB": [(1, ["y"])],
+    "out": [(0, ["newA"]), (0, ["newB"])],
+}
+
+
+def node(egraph, node_id: str) -> int:
+    return egraph.node_ids.index(node_id)
+
+
+def steady_ties(egraph) -> list[tuple[int, int]]:
+    """Place in A with delivery in A, place in B with delivery in B."""
+    return [(node(egraph, "wA.0"), node(egraph, "out.0")), (node(egraph, "wB.0"), node(egraph, "out.1"))]
+
+
+def test_without_ties_the_update_comes_out_in_another_layout_than_its_weight():
+    egraph = build(STEP, ["out"])
+    selection = extract(egraph, "ilp", time_limit=5)
+    assert selection.dag_cost == 2
+    assert not ties_hold(selection.choice, steady_ties(egraph))
+
+
+def test_tied_extraction_is_the_cheapest_selection_that_keeps_every_tie():
+    egraph = build(STEP, ["out"])
+    ties = steady_ties(egraph)
+    selection = extract(egraph, "ilp", time_limit=5, ties=ties)
+    assert ties_hold(selection.choice, ties)
+    assert not validate(egraph, selection)
+    # w placed in B, read there (3), update made in B (1); placing in A costs 1 + 10, moving B to A 5 + 1 + 1
+    assert selection.dag_cost == 4
+    assert selection.status == "optimal"
+
+
+def test_a_tie_to_a_node_that_can_never_be_chosen_rules_its_partner_out():
+    egraph = build({**STEP, "newB": [(float("inf"), ["y"])]}, ["out"])
+    selection = extract(egraph, "ilp", time_limit=5, ties=steady_ties(egraph))
+    assert selection.dag_cost == 11  # only delivery in A is left, so w is placed in A
+
+
+def test_ties_no_selection_can_keep_are_an_error():
+    egraph = build(STEP, ["out"])
+    ties = [*steady_ties(egraph), (node(egraph, "wA.0"), node(egraph, "out.1"))]  # A and B delivered at once
+    with pytest.raises(NoFiniteChoiceError, match="keeps the ties"):
+        extract(egraph, "ilp", time_limit=5, ties=ties)
+
+
+@pytest.mark.parametrize("extractor", ["bottom-up", "greedy-dag"])
+def test_greedy_extractors_refuse_ties(extractor):
+    egraph = build(STEP, ["out"])
+    with pytest.raises(ValueError, match=f"extractor '{extractor}' cannot keep tied nodes; use 'ilp'"):
+        extract(egraph, extractor, ties=steady_ties(egraph))
