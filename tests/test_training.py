@@ -10,6 +10,7 @@ import torch
 import tapestry
 from tapestry.evaluator import evaluate
 from tapestry.importer import TorchImportError
+from tapestry.optimizer import steady_violations
 from tapestry.plan.simulate import simulate
 
 
@@ -73,6 +74,7 @@ def test_one_adam_step_optimized_on_four_devices_equals_torch_optim():
     imported = tapestry.from_torch(model, (X, Y), training=TRAINING["adam"], verbose=False)
     assert not imported.opaque, "the whole step maps onto kernels"
     plan = tapestry.optimize(imported.graph, mesh=tapestry.Mesh(4)).plan
+    assert not steady_violations(plan, imported.graph.carried)
     ((loss, params),) = torch_steps(model, "adam", 1)
     assert_step_matches(imported.outputs(simulate(plan, imported.inputs(X, Y))), loss, params)
 
@@ -90,6 +92,12 @@ def test_parameters_and_optimizer_state_are_named_inputs_and_outputs():
     names = {n.name for n in imported.graph.inputs}
     assert {"0.weight", "adam.m.0.weight", "adam.v.3.bias", "adam.step", "arg0", "arg1"} <= names
     assert {"loss", "new.0.weight", "new.adam.m.0.weight", "new.adam.step"} <= set(imported.graph.outputs)
+
+
+def test_every_parameter_and_optimizer_state_is_carried_to_its_update():
+    imported = tapestry.from_torch(mlp(), (X, Y), training=TRAINING["adam"], verbose=False)
+    state = [n.name for n in imported.graph.inputs if not n.name.startswith("arg")]
+    assert imported.graph.carried == {f"new.{name}": name for name in state}
 
 
 def test_a_loss_that_is_not_a_scalar_is_a_clear_error():

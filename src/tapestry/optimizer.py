@@ -6,6 +6,7 @@ e-graph, and its `extract` and `pareto` price it under different objectives.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -15,10 +16,10 @@ from tapestry.cost import CostModel, DefaultCostModel, layout_bytes, load_profil
 from tapestry.egraph.decode import Decoder, distributed_nodes
 from tapestry.egraph.driver import Budget, IterationStats, SaturationStats, saturate
 from tapestry.egraph.rules import RuleFile, load_rules
-from tapestry.extract import DeviceBudget, NoFiniteChoiceError, Selection, extract, validate
+from tapestry.extract import DeviceBudget, NoFiniteChoiceError, Selection, Ties, extract, ties_hold, validate
 from tapestry.extract import EGraph as ExtractGraph
-from tapestry.graph import Graph
-from tapestry.plan import Plan
+from tapestry.graph import Graph, GraphError
+from tapestry.plan import Place, Plan
 from tapestry.plan.explain import explain as explain_plan
 from tapestry.plan.validate import validate_plan
 from tapestry.sharding import Layout, Mesh
@@ -78,24 +79,34 @@ class Explored:
     data: dict[str, Any] = field(repr=False)
 
     def extract(self, cost_model: CostModel | None = None, extractor: str = "ilp", time_limit: float = 10.0,
-                memory_budget: int | None = None, outputs: Outputs = "any") -> OptimizeResult:
+                memory_budget: int | None = None, outputs: Outputs = "any",
+                steady: Mapping[str, str] | None = None) -> OptimizeResult:
         """The cheapest plan whose outputs have the layouts `outputs` asks for and, with `memory_budget`, whose
         peak memory (cost.peak_memory) fits that many bytes on every device; MemoryBudgetError if none is found.
+
+        Steady state: each output in `steady` (output -> input; default the graph's `carried`, {} for none) is
+        delivered in the layout its input is placed in, so the step repeats without moving weights or optimizer
+        state; the ILP keeps it exactly (`_steady_ties`), the greedy extractors by fixing each input's layout to
+        the one their unconstrained choice placed it in (`_pin_layouts`).
 
         The budget enters the ILP as per-device linear constraints that every fitting plan meets
         (`_device_budget`), so a decoded plan that fits is the optimum. If it does not fit, every node is charged
         the largest shortfall seen and the ILP runs again: what fits then is returned, marked "feasible" (not
         proven best). docs/cost-models.md says what is exact."""
         model = cost_model or default_cost_model()
+        carried = dict(self.graph.carried if steady is None else steady)
+        _check_carried(self.graph, carried)
         egraph = self._restrict_outputs(self.decoder.extraction_graph(list(self.roots), model), outputs)
+        egraph, ties = self._steady_ties(egraph, carried)
         limit, slack, tries = memory_budget, 0, 0
         while True:
             budget = None if limit is None else self._device_budget(limit)
             try:
-                selection = extract(egraph, extractor, time_limit, budget)
+                selection = self._select(egraph, extractor, time_limit, budget, ties, carried)
             except NoFiniteChoiceError as err:
                 if budget is None:
-                    raise ValueError(f"no plan delivers the outputs as asked ({outputs!r}): {err}") from None
+                    asked = f"outputs as asked ({outputs!r})" + (" in steady state" if ties else "")
+                    raise ValueError(f"no plan delivers the {asked}: {err}") from None
                 raise MemoryBudgetError(f"no plan fits {memory_budget:,} bytes per device: {err}") from None
             problems = validate(egraph, selection)
             if problems:
@@ -118,10 +129,57 @@ class Explored:
             selection = replace(selection, status="feasible")
             plan = replace(plan, notes={**plan.notes, "status": "feasible", "budget_tightenings": tries})
         validate_plan(plan)  # exact: partitions, covered reads, possible moves (islpy)
+        unsteady = steady_violations(plan, carried)
+        if unsteady:
+            raise AssertionError(f"extractor {extractor} broke steady state: {unsteady[0]}")
         if cells(self.graph) <= CHECK_CELLS:
             check_meaning(plan)  # a rule that passed check-rules can still be wrong where it was not drawn
         plan = replace(plan, cost=sum(model.step_cost(s, self.mesh) for s in plan.steps))  # time, not objective
         return OptimizeResult(plan, self.stats, selection, self.rule_files, self.data)
+
+    def _select(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget: DeviceBudget | None,
+                ties: Ties, carried: Mapping[str, str]) -> Selection:
+        if not ties or extractor == "ilp":
+            return extract(egraph, extractor, time_limit, budget, ties)
+        free = extract(egraph, extractor, time_limit, budget)
+        selection = extract(self._pin_layouts(egraph, free, carried), extractor, time_limit, budget)
+        if not ties_hold(selection.choice, ties):
+            raise NoFiniteChoiceError(f"extractor {extractor!r} found no steady-state plan; use 'ilp'")
+        return selection
+
+    def _steady_ties(self, egraph: ExtractGraph, carried: Mapping[str, str]) -> tuple[ExtractGraph, Ties]:
+        """Pairs (Place of input X in layout L, Deliver of its carried output in L); a Place or Deliver with no
+        partner in its layout is unselectable: the output could not come back, or the input never arrive."""
+        places: dict[tuple[str, str], int] = {}
+        delivers: dict[tuple[str, str], int] = {}
+        into = dict(carried)
+        for n, node in enumerate(self.decoder.nodes):
+            if node.op == "Place" and node.key in into.values():
+                places[(node.key, node.layout)] = n
+            elif node.op == "Deliver" and node.key in into:
+                delivers[(into[node.key], self.decoder.class_layout[node.children[0]])] = n
+        ties = [(places[k], delivers[k]) for k in places.keys() & delivers.keys()]
+        costs = list(egraph.node_cost)
+        for k in places.keys() ^ delivers.keys():
+            costs[places.get(k, delivers.get(k))] = math.inf  # type: ignore[index]
+        return (egraph.with_costs(costs) if ties or places or delivers else egraph), sorted(ties)
+
+    def _pin_layouts(self, egraph: ExtractGraph, free: Selection, carried: Mapping[str, str]) -> ExtractGraph:
+        """Each carried input allowed only the layout `free` placed it in first, and its output only that one."""
+        chosen = sorted(free.choice.values())
+        pinned: dict[str, str] = {}
+        for n in chosen:
+            node = self.decoder.nodes[n]
+            if node.op == "Place" and node.key in carried.values():
+                pinned.setdefault(node.key, node.layout)
+        costs = list(egraph.node_cost)
+        for n, node in enumerate(self.decoder.nodes):
+            if node.op == "Place" and node.key in pinned and node.layout != pinned[node.key]:
+                costs[n] = math.inf
+            elif node.op == "Deliver" and carried.get(node.key) in pinned:
+                if self.decoder.class_layout[node.children[0]] != pinned[carried[node.key]]:
+                    costs[n] = math.inf
+        return egraph.with_costs(costs)
 
     def _restrict_outputs(self, egraph: ExtractGraph, outputs: Outputs) -> ExtractGraph:
         """Deliver nodes of unwanted output layouts become unselectable (infinite cost)."""
@@ -185,6 +243,23 @@ def _delivers(want: str | Layout, shape: tuple[int, ...], layout: Layout, mesh: 
     return layout == want
 
 
+def steady_violations(plan: Plan, carried: Mapping[str, str]) -> list[str]:
+    """Each carried output the plan delivers in another layout than its input was placed in (one line each)."""
+    placed = {s.input: s.layout for s in plan.steps if isinstance(s, Place)}
+    return [f"output {out!r} comes out as {plan.layout_of(plan.outputs[out])}, input {name!r} is placed as "
+            f"{placed[name]}" for out, name in carried.items()
+            if name in placed and plan.layout_of(plan.outputs[out]) != placed[name]]
+
+
+def _check_carried(graph: Graph, carried: Mapping[str, str]) -> None:
+    """`steady` pairs outputs and inputs of the graph that match, each input carried once."""
+    for out, name in carried.items():
+        graph.check_carry(out, name)
+    twice = [name for name, n in Counter(carried.values()).items() if n > 1]
+    if twice:
+        raise GraphError(f"steady: input {twice[0]!r} is carried by more than one output")
+
+
 class MemoryBudgetError(ValueError):
     """No plan found fits the per-device memory budget."""
 
@@ -212,12 +287,15 @@ def optimize(
     progress: Callable[[IterationStats], None] | None = None,
     memory_budget: int | None = None,
     outputs: Outputs = "any",
+    steady: Mapping[str, str] | None = None,
 ) -> OptimizeResult:
     """Find the cheapest plan for `graph` on `mesh` among everything the rules and sharding allow.
 
     `rules` are rule files or directories (default: the package's rules/). `memory_budget` (bytes per
     device) is a hard limit on peak memory; `outputs` picks the outputs' layouts: "any" plain layout,
-    "replicated", or per output name a Layout (or "any"/"replicated"). See `Explored.extract`.
+    "replicated", or per output name a Layout (or "any"/"replicated"). `steady` maps outputs to the inputs they
+    replace at the next step (default `graph.carried`, which training imports fill; {} turns it off): each is
+    delivered in its input's placed layout. See `Explored.extract`.
     """
     return explore(graph, mesh, rules, budget, progress).extract(cost_model, extractor, time_limit, memory_budget,
-                                                                 outputs)
+                                                                 outputs, steady)

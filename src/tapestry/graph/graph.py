@@ -66,6 +66,7 @@ class Graph:
         self._signatures: dict[str, Signature] = {}
         self.outputs: dict[str, str] = {}
         self.constants: dict[str, np.ndarray] = {}  # inputs whose value is part of the program (folded masks)
+        self.carried: dict[str, str] = {}  # output -> the input it becomes at the next step (see `carry`)
 
     # -- building ------------------------------------------------------------------------------
     def input(self, name: str, shape: Shape, dtype: str = "float32") -> Value:
@@ -114,6 +115,25 @@ class Graph:
         if name in self.outputs:
             raise GraphError(f"output {name!r} is defined twice")
         self.outputs[name] = target
+
+    def carry(self, output: str, input: str) -> None:
+        """Output `output` is input `input`'s value at the next step (a training step's updated weight or
+        optimizer state): `tapestry.optimize` then delivers it in the layout `input` is placed in (steady state)."""
+        self.check_carry(output, input)
+        if output in self.carried or input in self.carried.values():
+            raise GraphError(f"carry: {output!r} or {input!r} is already carried")
+        self.carried[output] = input
+
+    def check_carry(self, output: str, input: str) -> None:
+        """GraphError unless `output` is an output and `input` an input of the same shape and dtype."""
+        if output not in self.outputs:
+            raise GraphError(f"carry: {output!r} is not an output of the graph")
+        if input not in self._nodes or not self._nodes[input].is_input:
+            raise GraphError(f"carry: {input!r} is not an input of the graph")
+        out, into = self._nodes[self.outputs[output]], self._nodes[input]
+        if (out.shape, out.dtype) != (into.shape, into.dtype):
+            raise GraphError(f"carry: output {output!r} is {out.dtype}{list(out.shape)} but input {input!r} is "
+                             f"{into.dtype}{list(into.shape)}; a carried value keeps its shape and dtype")
 
     def check_plannable(self) -> None:
         """Refuse what a plan cannot hold: a graph with no outputs computes nothing, and a zero-size tensor has

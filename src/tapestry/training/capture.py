@@ -81,4 +81,7 @@ def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, 
              for i, (h, name) in enumerate(zip(holders, names))}
     (returned,) = [node.args[0] for node in traced.graph.nodes if node.op == "output"]
     outputs = [("loss", returned[0]), *((updated(name), node) for name, node in zip(inputs, returned[1:]))]
-    return translate(traced.graph, roles, outputs, strict)
+    translation = translate(traced.graph, roles, outputs, strict)
+    for name in inputs:  # the step repeats: plans keep each weight and state tensor where it was placed
+        translation.graph.carry(updated(name), name)
+    return translation
