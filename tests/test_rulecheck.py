@@ -75,7 +75,7 @@ def test_a_birewrite_direction_that_gets_no_example_fails_as_untested(tmp_path: 
     (rule,) = load_rule_file(tmp_path / "both.egg").rules
     drawn = rulecheck.cases
 
-    def no_right_to_left(lhs, guards):  # as if no input of the right-hand side could be drawn
+    def no_right_to_left(lhs, guards, *sizes):  # as if no input of the right-hand side could be drawn
         return drawn(lhs, guards).filter(lambda case: False) if lhs == rule.rhs else drawn(lhs, guards)
 
     monkeypatch.setattr(rulecheck, "cases", no_right_to_left)
@@ -127,3 +127,22 @@ def test_mixed_dtypes_are_drawn(monkeypatch):
     assert check_rule(rule, EXAMPLES).passed
     drawn = {d for types in seen for d in types.values()}
     assert {"float64", "float32", "int64"} <= drawn and any(len(set(t.values())) > 1 for t in seen), drawn
+
+
+def test_a_wrong_two_output_rule_fails_naming_its_file_line_and_output():
+    """Both outputs of a multi-output rule are checked on one drawn case; the shrunk counterexample names the
+    output whose right-hand side is wrong."""
+    (rule,) = load_rule_file(DATA / "wrong" / "merge_two.egg").rules
+    verdict = check_rule(rule, EXAMPLES)
+    assert not verdict.passed
+    assert verdict.counterexample.startswith(f"{DATA / 'wrong' / 'merge_two.egg'}:2: ")
+    assert "output b: values differ" in verdict.counterexample and "n=1" in verdict.counterexample
+
+
+def test_a_right_two_output_rule_passes_and_the_cli_names_the_wrong_one(capsys: pytest.CaptureFixture[str]):
+    (merge,) = [r for r in load_rule_file(BUILTIN_DIR / "merge.egg").rules if r.line == 13]
+    assert merge.form == "rule" and len(merge.outputs) == 2
+    assert check_rule(merge, 30).passed
+    assert main(["check-rules", str(DATA / "wrong" / "merge_two.egg"), "--examples", "20"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "merge_two.egg:2: " in out.replace("\n", "")

@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 
 import tapestry.optimizer
-from tapestry.egraph.driver import Budget
+from tapestry.egraph.driver import Budget, saturate
 from tapestry.egraph.rules import BUILTIN_DIR, RuleFileError, load_rule_file, load_rules
 from tapestry.graph import Graph
 from tapestry.optimizer import optimize
+from tapestry.sharding import Mesh
 
 BAD = Path(__file__).parent / "data" / "rules" / "bad"
 
@@ -23,7 +24,11 @@ BAD = Path(__file__).parent / "data" / "rules" / "bad"
         ("unbalanced.egg", ":3", "unclosed '('"),
         ("unbound_rhs.egg", ":2", "variable(s) y are not bound by the left-hand side"),
         ("ruleset_clause.egg", ":2", "do not name a ruleset; the file name 'ruleset_clause' is the ruleset"),
-        ("not_a_rewrite.egg", ":2", "expected (rewrite LHS RHS) or (birewrite LHS RHS), found 'rule'"),
+        ("not_a_rewrite.egg", ":2", "expected (rewrite LHS RHS), (birewrite LHS RHS), (rule ((= OUT"),
+        ("union_twice.egg", ":5", "output a is unioned twice"),
+        ("union_unknown.egg", ":3", "an action is (union OUT RHS) with OUT one of a, found (union c (Relu x))"),
+        ("unbound_size.egg", ":3", "variable(s) v are not bound by a pattern"),
+        ("bad_iterations.egg", ":3", "expected (iterations N) with N a positive integer, found (iterations 0)"),
         ("not-an-identifier.egg", "", "the file name must be an identifier"),
     ],
 )
@@ -72,7 +77,7 @@ def test_optimize_rejects_a_bad_rules_dir_before_any_work(monkeypatch: pytest.Mo
 def test_a_user_rules_dir_adds_its_ruleset(tmp_path: Path):
     (tmp_path / "mine.egg").write_text("; mine\n(rewrite (Exp (Relu x)) (Exp (Relu (Relu x))))\n")
     result = optimize(small_graph(), 1, rules=[BUILTIN_DIR, tmp_path], budget=Budget(iterations=3), extractor="greedy-dag")
-    assert [f.name for f in result.rule_files] == ["fusion", "substitution", "mine"]
+    assert [f.name for f in result.rule_files] == ["fusion", "merge", "substitution", "mine"]
     fired = {where for it in result.stats.iterations for where in it.matches}
     assert f"{tmp_path / 'mine.egg'}:2" in fired
 
@@ -97,3 +102,33 @@ def test_a_rule_with_a_string_literal_shows_in_the_match_counts():
     result = optimize(g, 1, budget=Budget(iterations=3))
     fired = {where for it in result.stats.iterations for where in it.matches}
     assert str(BUILTIN_DIR / "fusion.egg") + ":15" in fired
+
+
+def two_gemms_sharing_x() -> Graph:
+    g = Graph()
+    x = g.input("x", (8, 16))
+    g.output("a", g.matmul(x, g.input("w1", (16, 4))))
+    g.output("b", g.matmul(x, g.input("w2", (16, 6))))
+    return g
+
+
+def test_a_two_output_rule_counts_its_matches_by_file_line_in_its_rounds_only():
+    """merge.egg's GEMM merge matches both matmuls at once; (iterations 2) keeps it to rounds 0 and 1."""
+    result = optimize(two_gemms_sharing_x(), 1, budget=Budget(iterations=4), extractor="greedy-dag")
+    merge = str(BUILTIN_DIR / "merge.egg") + ":13"
+    rounds = [i for i, it in enumerate(result.stats.iterations) if merge in it.matches]
+    assert rounds and set(rounds) <= {0, 1}
+    assert len(result.stats.iterations) > 2  # the other rulesets went on
+
+
+def test_a_node_made_by_a_two_output_rule_names_it_as_its_origin():
+    generator, _, _ = saturate(two_gemms_sharing_x(), Mesh(1), load_rules(), Budget(iterations=2))
+    assert any(origin == "made by merge.egg:13 in round 1" for origin in generator.origins.values())
+
+
+def test_a_rule_file_may_bound_its_rounds(tmp_path: Path):
+    (tmp_path / "once.egg").write_text("(iterations 1)\n(rewrite (Exp (Relu x)) (Exp (Relu (Relu x))))\n")
+    (loaded,) = load_rules([tmp_path])
+    assert loaded.iterations == 1
+    result = optimize(small_graph(), 1, rules=[tmp_path], budget=Budget(iterations=4), extractor="greedy-dag")
+    assert [bool(it.matches) for it in result.stats.iterations][:2] == [True, False]

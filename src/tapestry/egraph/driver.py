@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -56,15 +55,8 @@ class SaturationStats:
 
 
 def _rule_index(files: Sequence[RuleFile]) -> dict[str, Rule]:
-    return {rule.egglog: rule for f in files for rule in f.rules}
-
-
-_SINGLE_QUOTED = re.compile(r"'([^'\"]*)'")
-
-
-def _as_written(report_key: str) -> str:
-    """egglog's run report quotes string literals as '' where rule text has "": key them as written."""
-    return _SINGLE_QUOTED.sub(r'"\1"', report_key)
+    """Each rule under the names egglog's run report counts its matches by (file:line, see Rule.report_keys)."""
+    return {key: rule for f in files for rule in f.rules for key in rule.report_keys}
 
 
 def saturate(
@@ -92,10 +84,12 @@ def saturate(
         if stop is None:
             changed = False
             for f in rule_files:
+                if f.iterations is not None and iteration >= f.iterations:
+                    continue  # a bounded ruleset (merges, algebra) has had its rounds
                 found, updated = session.run_ruleset(f.name)
-                matches.update({_as_written(k): n for k, n in found.items()})
+                matches.update(found)
                 changed |= updated
-            fired = [rules[k] for k, n in matches.items() if n and k in rules]
+            fired = list(dict.fromkeys(rules[k] for k, n in matches.items() if n and k in rules))
         stats = IterationStats(
             iteration, size, len(view.handles) + len(view.at_classes), new_nodes,
             {rules[k].where: n for k, n in matches.items() if k in rules and n}, time.perf_counter() - tick,

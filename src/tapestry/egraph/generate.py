@@ -16,7 +16,6 @@ from typing import Any
 from tapestry.egraph.distributed import Interner, reshard_pairs, runs_for
 from tapestry.egraph.rules import Rule
 from tapestry.egraph.schema import constructors, decode_param, encode_param, run_name
-from tapestry.egraph.sexp import SList
 from tapestry.egraph.session import Session, call, lit, set_value, union
 from tapestry.graph import Graph
 from tapestry.kernels import KernelError, Params, Shape, Signature
@@ -75,7 +74,7 @@ def read_view(data: dict[str, Any]) -> View:
 
 def _provenance(ctor: str, fired: Sequence[Rule], iteration: int) -> str:
     """The rules of the last round whose right-hand side builds `ctor`: the ones that made this node."""
-    makers = [r.short for r in fired if isinstance(r.rhs, SList) and r.rhs.head == ctor]
+    makers = [r.short for r in fired if ctor in r.builds]
     return f"made by {' or '.join(makers)} in round {iteration}" if makers else ""
 
 
@@ -136,7 +135,7 @@ class Generator:
                 self.origins[key] = f"graph op {node.name}"
             commands.append(union(call("Id", lit(h)), term))
             self.shapes[h], self.dtypes[h] = node.shape, node.dtype
-            commands += self._shape_facts(h, node.shape)
+            commands += self._shape_facts(h, node.shape, node.dtype)
         self.output_handles = {out: handle[target] for out, target in self.graph.outputs.items()}
         self.session.insert(commands)
 
@@ -145,8 +144,9 @@ class Generator:
         return lit(encode_param(value))
 
     @staticmethod
-    def _shape_facts(h: int, shape: Shape) -> list[Any]:
-        facts = [set_value("Rank", [call("Id", lit(h))], lit(len(shape)))]
+    def _shape_facts(h: int, shape: Shape, dtype: str) -> list[Any]:
+        facts = [set_value("Rank", [call("Id", lit(h))], lit(len(shape))),
+                 set_value("Dtype", [call("Id", lit(h))], lit(dtype))]
         facts += [set_value("Dim", [call("Id", lit(h)), lit(i)], lit(n)) for i, n in enumerate(shape)]
         return facts
 
@@ -179,7 +179,7 @@ class Generator:
                     class_handle[node.eclass] = h
                     self.shapes[h], self.dtypes[h] = sig.output_shape, sig.dtype
                     commands.append(union(call("Id", lit(h)), self._term(node, class_handle)))
-                    commands += self._shape_facts(h, sig.output_shape)
+                    commands += self._shape_facts(h, sig.output_shape, sig.dtype)
                 new_nodes += 1
                 self.origins.setdefault(key, _provenance(node.ctor, fired, iteration))
                 commands += self._distribute(node, key, sig, class_handle)

@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import NoSuchExample, Unsatisfiable
 from hypothesis.reporting import with_reporter
 
-from tapestry.egraph.rules import Rule, RuleFile, variables
+from tapestry.egraph.rules import ARITH_OPS, Output, Rule, RuleFile, variables
 from tapestry.egraph.schema import Constructor, constructors, decode_param
 from tapestry.egraph.sexp import Atom, SExp, SList
 from tapestry import dtypes
@@ -89,6 +89,10 @@ class _Undefined(Exception):
     """A guard term egglog would have no value for (Dim out of range, division by zero): no match."""
 
 
+class _TypesPending(Exception):
+    """A guard on (Dtype t) asked before the dtypes are drawn."""
+
+
 def _trunc_div(a: int, b: int) -> int:
     if b == 0:
         raise _Undefined
@@ -107,27 +111,39 @@ _ARITH: dict[str, Callable[[int, int], int]] = {
 }
 
 
-def _guard_value(expr: SExp, shapes: Mapping[str, Shape], params: Mapping[str, ParamValue]) -> int | bool:
-    """i64 semantics, as egglog evaluates a :when clause (i64 arithmetic truncates like Rust)."""
+def _guard_value(expr: SExp, shapes: Mapping[str, Shape], params: Mapping[str, ParamValue],
+                 types: Mapping[str, str] | None = None) -> int | bool | str:
+    """i64 semantics, as egglog evaluates a :when clause (i64 arithmetic truncates like Rust); (Dtype t) is
+    t's dtype name, known once `types` are drawn."""
     if isinstance(expr, Atom):
+        if expr.text.startswith('"'):
+            return expr.text.strip('"')
         return int(params[expr.text]) if variables(expr) else int(expr.text)
     head, args = expr.head, expr.items[1:]
+    if head == "Dtype":
+        if types is None:
+            raise _TypesPending
+        return term_type(args[0], shapes, params, types)[1]
     if head == "Rank":
         return len(term_shape(args[0], shapes, params))
     if head == "Dim":
-        shape, index = term_shape(args[0], shapes, params), _guard_value(args[1], shapes, params)
+        shape, index = term_shape(args[0], shapes, params), _guard_value(args[1], shapes, params, types)
         if not 0 <= index < len(shape):
             raise _Undefined
         return shape[index]
-    values = [_guard_value(a, shapes, params) for a in args]
+    values = [_guard_value(a, shapes, params, types) for a in args]
     if head in _COMPARE:
         return _COMPARE[head](*values)
     return functools.reduce(_ARITH[head], values)
 
 
-def holds(guard: SList, shapes: Mapping[str, Shape], params: Mapping[str, ParamValue]) -> bool:
+def holds(guard: SList, shapes: Mapping[str, Shape], params: Mapping[str, ParamValue],
+          types: Mapping[str, str] | None = None) -> bool:
+    """Whether the guard holds; one on dtypes holds until `types` are given (they are drawn after shapes)."""
     try:
-        return bool(_guard_value(guard, shapes, params))
+        return bool(_guard_value(guard, shapes, params, types))
+    except _TypesPending:
+        return True
     except (_Undefined, *_ILL_TYPED):
         return False
 
@@ -150,7 +166,10 @@ def _split(term: SList) -> tuple[Constructor, tuple[SExp, ...], tuple[SExp, ...]
 
 def _param(ctor: Constructor, name: str, arg: SExp, params: Mapping[str, ParamValue]) -> ParamValue:
     if isinstance(arg, SList):
-        raise Uncheckable(f"param {name} of {ctor.name} is a computed term {arg}; use a literal or a variable")
+        if arg.head not in ARITH_OPS:
+            raise Uncheckable(f"param {name} of {ctor.name} is a computed term {arg}; use a literal, a variable "
+                              "or integer arithmetic on them")
+        return _guard_value(arg, {}, params)
     return params[arg.text] if variables(arg) else decode_param(ctor.kernel.params[name], arg.text)
 
 
@@ -239,37 +258,58 @@ def _param_candidates(sampled: ParamValue, default: ParamValue, seeds: Sequence[
 
 
 @st.composite
-def cases(draw: st.DrawFn, lhs: SList, guards: Sequence[SList]) -> Case:
-    """A well-typed instance of `lhs` on which every guard holds."""
+def cases(draw: st.DrawFn, lhs: SList | Sequence[SList], guards: Sequence[SList],
+          sizes: Sequence[tuple[str, SList]] = ()) -> Case:
+    """A well-typed instance of `lhs` (one term, or the patterns of a multi-output rule, drawn in turn over
+    shared variables) on which every guard holds; `sizes` are integer variables read off the drawn shapes,
+    like n = (Dim w 1)."""
+    terms = [lhs] if isinstance(lhs, SList) else list(lhs)
     shapes: dict[str, Shape] = {}
     params: dict[str, ParamValue] = {}
     types: dict[str, str] = {}
     lead = tuple(draw(st.lists(LEAD_SIZES, min_size=MAX_RANK, max_size=MAX_RANK)))
     extra = Extra(lead, (draw(LARGE_SIZES), *sorted(_guard_constants(guards))))
-    _draw_term(draw, lhs, guards, shapes, params, types, extra)
+    for term in terms:
+        _draw_term(draw, term, guards, shapes, params, types, extra)
+    for var, size in sizes:
+        try:
+            params[var] = int(_guard_value(size, shapes, params))
+        except (_Undefined, *_ILL_TYPED):
+            assume(False)
     assume(all(holds(g, shapes, params) for g in guards))
-    types = _draw_types(draw, lhs, shapes, params, types)
+    types = _draw_types(draw, terms, guards, shapes, params, types)
+    assume(all(holds(g, shapes, params, types) for g in guards))
     return Case(shapes, params, draw(st.integers(0, 2**32 - 1)), types)
 
 
-def _draw_types(draw: st.DrawFn, lhs: SList, shapes: Mapping[str, Shape], params: Mapping[str, ParamValue],
-                preferred: Mapping[str, str]) -> dict[str, str]:
-    """A dtype per tensor variable, in turn, among those under which `lhs` still binds when the variables not
+def _all_bind(terms: Sequence[SList], shapes: Mapping[str, Shape], params: Mapping[str, ParamValue],
+              types: Mapping[str, str]) -> bool:
+    return all(_binds(t, shapes, params, types) for t in terms)
+
+
+def _draw_types(draw: st.DrawFn, terms: Sequence[SList], guards: Sequence[SList], shapes: Mapping[str, Shape],
+                params: Mapping[str, ParamValue], preferred: Mapping[str, str]) -> dict[str, str]:
+    """A dtype per tensor variable, in turn, among those under which the terms still bind when the variables not
     yet drawn keep their preferred dtype or all take the same one (so float16 throughout stays reachable for
-    kernels whose float operands must agree). The preferred dtype comes first: failures shrink towards it."""
+    kernels whose float operands must agree), and under which each guard on dtypes over the variables drawn so
+    far holds. The preferred dtype comes first: failures shrink towards it."""
     types = dict(preferred)
     order = list(preferred)
+    on_dtypes = [g for g in guards if "Dtype" in _atoms(g)]
     for n, var in enumerate(order):
         rest = order[n + 1 :]
+        decided = [g for g in on_dtypes if var in variables(g) and not variables(g) & set(rest)]
 
         def fits(dtype: str) -> bool:
-            return _binds(lhs, shapes, params, {**types, var: dtype}) or _binds(
-                lhs, shapes, params, {**types, var: dtype, **dict.fromkeys(rest, dtype)})
+            if not all(holds(g, shapes, params, {**types, var: dtype}) for g in decided):
+                return False
+            return _all_bind(terms, shapes, params, {**types, var: dtype}) or _all_bind(
+                terms, shapes, params, {**types, var: dtype, **dict.fromkeys(rest, dtype)})
 
         kept = [d for d in dict.fromkeys([preferred[var], *dtypes.DTYPES]) if fits(d)]
         assume(kept)
         types[var] = draw(st.sampled_from(kept))
-    assume(_binds(lhs, shapes, params, types))
+    assume(_all_bind(terms, shapes, params, types))
     return types
 
 
@@ -348,38 +388,63 @@ def _emit(g: Graph, term: SExp, case: Case) -> Value | str:
     return g.op(ctor.kernel.name, *(_emit(g, t, case) for t in tensors), **_params(ctor, args, case.params))
 
 
-def _graph(side: SExp, case: Case) -> Graph:
-    """One side of a rule as a graph: variables are inputs of their drawn dtypes, literals are kernel params."""
+def _graph(sides: Mapping[str, SExp], case: Case) -> Graph:
+    """One side of a rule as a graph with an output per rule output: variables are inputs of their drawn
+    dtypes, literals (and arithmetic on size variables) are kernel params."""
     g = Graph()
     for var, shape in sorted(case.shapes.items()):
         g.input(var, shape, _dtype(case.types, var))
-    g.output("out", _emit(g, side, case))
+    for name, term in sides.items():
+        g.output(name, _emit(g, term, case))
     return g
 
 
-def _graph_or_none(side: SExp, case: Case) -> Graph | None:
+def _graph_or_none(sides: Mapping[str, SExp], case: Case) -> Graph | None:
     try:
-        return _graph(side, case)
+        return _graph(sides, case)
     except GraphError:
         return None
 
 
+def checked_outputs(rule: Rule) -> tuple[Output, ...]:
+    """The outputs a rule unions with something: a multi-output rule's pattern without a union is context."""
+    return tuple(o for o in rule.outputs if not (isinstance(o.rhs, Atom) and o.rhs.text == o.name))
+
+
+def _value_guards(rule: Rule) -> tuple[SList, ...]:
+    """Guards on sizes; a guard on output e-classes, like (!= a b), only narrows the matches, so it is not drawn."""
+    names = {o.name for o in rule.outputs if o.name}
+    return tuple(g for g in rule.guards if not variables(g) & names)
+
+
 def disagreement(rule: Rule, case: Case) -> str | None:
     """Why the rule's two sides differ on `case` (shape, dtype, or values beyond the result dtype's
-    tolerance), or None when they agree. Both sides read the same inputs, drawn for the left-hand side."""
-    left = _graph(rule.lhs, case)
+    tolerance) at some output, or None when they agree. Both sides read the same inputs, drawn for the
+    left-hand sides."""
+    outputs = checked_outputs(rule)
+    label = {o.name or "out": f"output {o.name}: " if len(rule.outputs) > 1 else "" for o in outputs}
+    left = _graph({o.name or "out": o.lhs for o in outputs}, case)
     inputs = random_inputs(left, case.seed)
-    expected = evaluate(left, inputs)["out"]
+    expected_all = evaluate(left, inputs)
+    rights = {o.name or "out": o.rhs for o in outputs}
     try:
-        right = _graph(rule.rhs, case)
+        right = _graph(rights, case)
     except GraphError as err:
-        if case.types and _graph_or_none(rule.rhs, replace(case, types={})) is not None:
+        if case.types and _graph_or_none(rights, replace(case, types={})) is not None:
             return None  # ill-typed only at these dtypes: the e-graph drops such a node (egraph/generate.py)
         return f"the right-hand side does not type-check: {err}"
-    got = evaluate(right, inputs)["out"]
+    got_all = evaluate(right, inputs)
+    for name, expected in expected_all.items():
+        why = _differs(left, right, name, got_all[name], expected, case)
+        if why is not None:
+            return label[name] + why
+    return None
+
+
+def _differs(left: Graph, right: Graph, name: str, got: np.ndarray, expected: np.ndarray, case: Case) -> str | None:
     if got.shape != expected.shape:
         return f"the left-hand side has shape {list(expected.shape)}, the right-hand side {list(got.shape)}"
-    want_dtype, got_dtype = left[left.outputs["out"]].dtype, right[right.outputs["out"]].dtype
+    want_dtype, got_dtype = left[left.outputs[name]].dtype, right[right.outputs[name]].dtype
     if got_dtype != want_dtype:
         return f"the left-hand side gives {want_dtype}, the right-hand side {got_dtype}"
     # A rewrite may move where a value is rounded to the narrowest float among its inputs (matmul distributed over
@@ -399,7 +464,14 @@ def disagreement(rule: Rule, case: Case) -> str | None:
 def _directions(rule: Rule) -> list[tuple[str, Rule]]:
     """A birewrite is two rules; each direction must hold on its own left-hand side's inputs."""
     forward = [("", rule)]
-    return forward if rule.form == "rewrite" else [*forward, ("right-to-left: ", replace(rule, lhs=rule.rhs, rhs=rule.lhs))]
+    if rule.form != "birewrite":
+        return forward
+    return [*forward, ("right-to-left: ", replace(rule, outputs=(Output(rule.rhs, rule.lhs),)))]  # type: ignore[arg-type]
+
+
+def _drawn_for(rule: Rule) -> st.SearchStrategy[Case]:
+    lhs = rule.lhs if rule.form != "rule" else tuple(o.lhs for o in rule.outputs)
+    return cases(lhs, _value_guards(rule), rule.sizes)
 
 
 def check_rule(rule: Rule, max_examples: int = 100) -> RuleVerdict:
@@ -420,7 +492,7 @@ def check_rule(rule: Rule, max_examples: int = 100) -> RuleVerdict:
         before = run
         try:
             with with_reporter(lambda text: None):  # hypothesis' own hints (@seed, blobs) mean nothing to a rule author
-                case = find(cases(direction.lhs, direction.guards), wrong, settings=config)
+                case = find(_drawn_for(direction), wrong, settings=config)
         except (NoSuchExample, Unsatisfiable):
             if run == before:
                 side = label.rstrip(": ") or ("left-to-right" if rule.form == "birewrite" else "")
