@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -56,3 +57,27 @@ def _acyclic(egraph: EGraph, reach: Mapping[int, int]) -> bool:
         return ok
 
     return all(visit(c) for c in reach)
+
+
+def layered(values: int, layouts: int, seed: int = 0) -> EGraph:
+    """A miniature Tapestry extraction graph: a chain of values, each in `layouts` layout classes joined by
+    reshards both ways (so every value is a cyclic component), computed by runs that read the previous value
+    (and the one before, like a residual) in given layouts, and one root delivering the last value in any layout.
+    Costs are drawn from `seed`: runs dearer than reshards, as on a real mesh."""
+    rng = random.Random(seed)
+    spec: dict[str, list[tuple[float, list[str]]]] = {}
+    for v in range(values):
+        for lay in range(layouts):
+            options: list[tuple[float, list[str]]] = []
+            if v == 0:
+                options.append((0.0, []))  # an input placed in this layout
+            else:
+                for _ in range(2):
+                    reads = [f"v{v - 1}.{rng.randrange(layouts)}"]
+                    if v >= 2 and rng.random() < 0.5:
+                        reads.append(f"v{v - 2}.{rng.randrange(layouts)}")
+                    options.append((rng.uniform(1.0, 4.0), reads))
+            options.extend((rng.uniform(0.1, 1.5), [f"v{v}.{src}"]) for src in range(layouts) if src != lay)
+            spec[f"v{v}.{lay}"] = options
+    spec["out"] = [(0.0, [f"v{values - 1}.{lay}"]) for lay in range(layouts)]
+    return build(spec, roots=["out"])

@@ -50,3 +50,19 @@ def test_every_extractor_is_valid_and_the_ilp_is_optimal(egraph: EGraph) -> None
         if name == "ilp":
             assert selection.status == "optimal"
             assert math.isclose(selection.dag_cost, optimum, rel_tol=1e-6, abs_tol=1e-9)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(egraphs(), st.sampled_from([0.001, 0.01, 0.1, 10.0]))
+def test_at_any_time_limit_the_ilp_bound_is_below_the_optimum_and_the_ilp_not_worse_than_greedy_dag(
+    egraph: EGraph, time_limit: float
+) -> None:
+    optimum = brute_force(egraph)
+    if math.isinf(optimum):
+        return
+    selection = extract(egraph, "ilp", time_limit)
+    assert validate(egraph, selection) == []
+    assert selection.bound is not None and selection.gap is not None
+    assert 0 <= selection.bound <= optimum + 1e-9 * (1 + optimum)
+    assert 0 <= selection.gap <= 1
+    assert selection.dag_cost <= extract(egraph, "greedy-dag").dag_cost

@@ -1,0 +1,53 @@
+"""The ILP on e-graphs shaped like Tapestry's (each value a cycle of layouts joined by reshards): its gap is
+honest at any time limit, it is never worse than greedy-dag, and the source constraints let it prove optimality."""
+from __future__ import annotations
+
+import pytest
+
+from extract_helpers import layered
+from tapestry.extract import EGraph, extract, validate
+from tapestry.models import mlp
+from tapestry.optimizer import default_cost_model, explore
+from tapestry.sharding import Mesh
+
+
+def assert_honest(egraph: EGraph, time_limit: float, optimum: float) -> None:
+    selection = extract(egraph, "ilp", time_limit)
+    assert validate(egraph, selection) == []
+    assert selection.bound is not None and selection.gap is not None
+    assert 0 <= selection.bound <= optimum + 1e-9 * optimum <= selection.dag_cost + 2e-9 * optimum
+    assert 0 <= selection.gap <= 1
+    assert selection.gap == pytest.approx((selection.dag_cost - selection.bound) / selection.dag_cost)
+
+
+def test_the_gap_is_in_0_1_and_the_bound_below_the_optimum_whenever_the_solver_stops() -> None:
+    # CP-SAT's bound right after presolve can be negative (the presolved objective has negative terms); stopped
+    # there, the gap was reported as 4.9 on this graph.
+    egraph = layered(12, 8, seed=0)
+    optimum = extract(egraph, "ilp", 30).dag_cost
+    for time_limit in (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5):
+        assert_honest(egraph, time_limit, optimum)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_ilp_proves_a_layered_graph_optimal_and_beats_greedy_dag(seed: int) -> None:
+    # Without the source constraints CP-SAT's bound stayed under 3% of the cost for 10 s on these graphs.
+    egraph = layered(12, 8, seed)
+    ilp = extract(egraph, "ilp", time_limit=20)
+    assert ilp.status == "optimal" and ilp.gap == 0
+    assert ilp.dag_cost <= extract(egraph, "greedy-dag").dag_cost
+
+
+@pytest.mark.parametrize("time_limit", [0.01, 0.1, 1.0])
+def test_the_ilp_is_never_worse_than_greedy_dag_even_when_stopped_early(time_limit: float) -> None:
+    for seed in range(3):
+        egraph = layered(16, 8, seed)
+        assert extract(egraph, "ilp", time_limit).dag_cost <= extract(egraph, "greedy-dag").dag_cost
+
+
+def test_the_ilp_proves_the_plan_of_a_two_layer_mlp_on_a_2x2_mesh_optimal() -> None:
+    explored = explore(mlp(2, 512, 256), Mesh(2, 2))
+    egraph = explored.decoder.extraction_graph(list(explored.roots), default_cost_model())
+    ilp = extract(egraph, "ilp", time_limit=10)
+    assert ilp.status == "optimal"
+    assert ilp.dag_cost <= extract(egraph, "greedy-dag").dag_cost
