@@ -25,6 +25,7 @@ from tapestry.graph import Graph
 from tapestry.models import transformer_block
 from tapestry.optimizer import Explored, MemoryBudgetError, explore
 from tapestry.plan import Plan, build_plan
+from tapestry.plan.build import expand_linears
 from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.partition import make_partition, output_layout
 
@@ -41,23 +42,6 @@ def mlp_block(tokens: int, hidden: int, dtype: str = "float32") -> Graph:
     down = g.linear(g.gelu(up, name="act"), g.input("w2", (4 * hidden, hidden), dtype),
                     g.input("b2", (hidden,), dtype), name="fc2")
     g.output("y", down)
-    return g
-
-
-def expanded(graph: Graph) -> Graph:
-    """The same program with every linear as matmul then add (named as the linear): what a row-parallel
-    hand plan needs, since linear's contraction dim is no index dim (the e-graph makes the same rewrite)."""
-    g = Graph()
-    for node in graph.nodes:
-        if node.is_input:
-            g.input(node.name, node.shape, node.dtype)
-        elif node.op == "linear":
-            x, w, b = node.args
-            g.op("add", g.op("matmul", x, w, name=f"{node.name}_mm"), b, name=node.name)
-        else:
-            g.op(node.op, *node.args, name=node.name, **dict(node.params))
-    for name, value in graph.outputs.items():
-        g.output(name, value)
     return g
 
 
@@ -122,7 +106,7 @@ class Case:
         return transformer_block(devices, self.tokens, self.hidden, max(1, self.hidden // 128))
 
     def hand_plans(self, graph: Graph) -> dict[str, Plan]:
-        wide = expanded(graph)
+        wide = expand_linears(graph)
         tp = mlp_tp if self.model == "mlp" else block_tp
         strategies = ({"DPxTP": dp_tp(wide, tp(False))} if self.mesh.ndim == 2 else
                       {"DP": data_parallel(wide), "TP": tp(False), "TP+SP": tp(True)})

@@ -102,3 +102,24 @@ def build_plan(
             layout = Layout.replicated(values.shapes[target], mesh)
         outputs[name] = values.get(target, layout)
     return Plan(mesh, graph, tuple(values.steps), outputs)
+
+
+def expand_linears(graph: Graph) -> Graph:
+    """The same program with every linear as matmul then add (named as the linear): what a row-parallel
+    hand plan needs, since linear's contraction dim is no index dim (the e-graph makes the same rewrite).
+    Constants and carried outputs are kept."""
+    g = Graph()
+    for node in graph.nodes:
+        if node.is_input:
+            g.input(node.name, node.shape, node.dtype)
+        elif node.op == "linear":
+            x, w, b = node.args
+            g.op("add", g.op("matmul", x, w, name=f"{node.name}_mm"), b, name=node.name)
+        else:
+            g.op(node.op, *node.args, name=node.name, **dict(node.params))
+    for name, value in graph.outputs.items():
+        g.output(name, value)
+    g.constants.update(graph.constants)
+    for output, input_name in graph.carried.items():
+        g.carry(output, input_name)
+    return g

@@ -1,0 +1,112 @@
+"""Hand-written training strategies as plans: data parallel, ZeRO-3 and Megatron tensor parallel, the baselines
+the optimizer's plans are priced against (benchmarks/training.py, tests).
+
+Each is one rule for splitting every op of a training step, found by following a split tensor dim through the
+ops' index maps (`split_by_propagation`): data parallel follows the batch dim of the step's arguments through
+forward and backward; ZeRO-3 does too, and splits every weight and optimizer state on its first dim between
+steps (gathered whole before the forward and backward use them, gradients reduce-scattered, the update run on
+shards); Megatron follows the hidden dim of an MLP's weights (column-parallel then row-parallel). Every plan is
+made steady: each carried output is moved back into the layout its input was placed in, where the rule left it
+elsewhere.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+from tapestry.graph import Graph
+from tapestry.plan import Place, Plan, Reshard, Step, build_plan
+from tapestry.plan.build import expand_linears
+from tapestry.sharding import Layout, Mesh
+
+Seeds = Mapping[str, int]  # input name -> the tensor dim to split
+
+
+def split_by_propagation(graph: Graph, mesh: Mesh, seeds: Sequence[Seeds]) -> Plan:
+    """Every op splits, over a 1-D mesh, the index dim that maps to a split dim of one of its arguments (seed
+    maps earlier in `seeds` win; within one, the first argument), if that dim divides evenly and the kernel can
+    be split there; its result is split on the dim that index dim maps to. Ops with none run replicated.
+    Inputs are placed as their first user reads them (build_plan)."""
+    if mesh.ndim != 1:
+        raise ValueError(f"split_by_propagation plans 1-D meshes; got {mesh.shape}")
+    split: dict[str, tuple[int, int]] = {}  # value -> (priority, tensor dim)
+    for priority, chosen in enumerate(seeds):
+        for name, dim in chosen.items():
+            split.setdefault(name, (priority, dim))
+    axes: dict[str, tuple[int]] = {}
+    for node in graph.ops:
+        sig = graph.signature(node.name)
+        options = sorted(
+            (split[arg][0], k, i)
+            for k, (arg, projection) in enumerate(zip(node.args, sig.projections)) if arg in split
+            for i in range(len(sig.dims))
+            if projection.matrix[split[arg][1]][i] != 0 and i in sig.splittable
+            and sig.spec.sizes[i] % mesh.size == 0
+        )
+        if not options:
+            continue
+        priority, _, index_dim = options[0]
+        axes[node.name] = (index_dim,)
+        out = [t for t, row in enumerate(sig.output.matrix) if row[index_dim] != 0]
+        if out:
+            split[node.name] = (priority, out[0])
+    return build_plan(graph, mesh, axes)
+
+
+def placed(plan: Plan, layouts: Mapping[str, Layout]) -> Plan:
+    """The plan with inputs placed in `layouts` and moved, before anything reads them, into the layout the plan
+    placed them in."""
+    steps: list[Step] = []
+    for step in plan.steps:
+        layout = layouts.get(step.input) if isinstance(step, Place) else None
+        if layout is None or layout == step.layout:
+            steps.append(step)
+        else:
+            stored = f"{step.out}.stored"
+            dtype = plan.graph[step.input].dtype
+            steps += [replace(step, out=stored, layout=layout),
+                      Reshard(step.out, stored, step.shape, layout, step.layout, dtype)]
+    return replace(plan, steps=tuple(steps))
+
+
+def steady(plan: Plan) -> Plan:
+    """The plan with each carried output moved into the layout its input is placed in, where it is not."""
+    where = {s.input: s.layout for s in plan.steps if isinstance(s, Place)}
+    steps, outputs = list(plan.steps), dict(plan.outputs)
+    for out, name in plan.graph.carried.items():
+        value = plan.by_id[outputs[out]]
+        if name in where and value.layout != where[name]:
+            steps.append(Reshard(f"{value.out}.back", value.out, plan.graph[name].shape, value.layout, where[name],
+                                 plan.dtypes[value.out]))
+            outputs[out] = steps[-1].out
+    return replace(plan, steps=tuple(steps), outputs=outputs)
+
+
+def batch_seeds(graph: Graph, arguments: Sequence[str]) -> Seeds:
+    return {name: 0 for name in arguments if graph[name].shape}
+
+
+def data_parallel(graph: Graph, mesh: Mesh, arguments: Sequence[str]) -> Plan:
+    """The batch split over every device; weights and optimizer state whole on each, gradients all-reduced."""
+    return steady(split_by_propagation(graph, mesh, [batch_seeds(graph, arguments)]))
+
+
+def zero3(graph: Graph, mesh: Mesh, arguments: Sequence[str]) -> Plan:
+    """Data parallel compute, with every carried tensor that splits evenly stored split on its first dim between
+    steps (ZeRO stage 3): gathered before use, gradients reduce-scattered, the update run on shards."""
+    state = {name: 0 for name in graph.carried.values()
+             if graph[name].shape and graph[name].shape[0] % mesh.size == 0}
+    plan = split_by_propagation(graph, mesh, [batch_seeds(graph, arguments), state])
+    return steady(placed(plan, {name: Layout.split(graph[name].shape, mesh, (0,)) for name in state}))
+
+
+def megatron(graph: Graph, mesh: Mesh, hidden: Seeds) -> Plan:
+    """Tensor parallel over the graph with linears expanded (so a row-parallel contraction can split):
+    `hidden` names each weight's dim to split (column-parallel weights on their output dim, row-parallel ones
+    on their input dim); each weight's optimizer state is split like it."""
+    seeds = dict(hidden)
+    for name in graph.carried.values():
+        for weight, dim in hidden.items():
+            if name.endswith(f".{weight}") and name != weight:
+                seeds[name] = dim
+    return steady(split_by_propagation(expand_linears(graph), mesh, [seeds]))

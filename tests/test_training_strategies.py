@@ -1,0 +1,83 @@
+"""Data parallel, ZeRO-3 and tensor parallel emerge from a training step's kernel signatures, by cost and memory
+(issue 11's "done when" on the gpu profile), and the hand-built strategies they are priced against are correct."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import tapestry
+from tapestry.cost import DefaultCostModel, load_profile, peak_memory, plan_cost
+from tapestry.evaluator import evaluate
+from tapestry.optimizer import explore, steady_violations
+from tapestry.plan import Place
+from tapestry.plan.simulate import simulate
+from tapestry.plan.validate import validate_plan
+from tapestry.training.plans import data_parallel, megatron, zero3
+from tapestry.training.strategy import GATHERED, IN_PLACE, REPLICATED, gradient_reductions, storage
+
+GPU = DefaultCostModel(load_profile("gpu-h100-nccl"))
+ARGUMENTS = ("arg0", "arg1")
+HIDDEN = {"0.weight": 0, "0.bias": 0, "2.weight": 1}  # Megatron: column-parallel, then row-parallel
+
+
+def mse(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(module(x), y)
+
+
+def adam_step(dim: int, hidden: int, batch: int) -> tuple[tapestry.TorchImport, int]:
+    """An Adam step of linear -> relu -> linear, and its parameter count."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, dim))
+    args = (torch.randn(batch, dim), torch.randn(batch, dim))
+    imported = tapestry.from_torch(model, args, training=tapestry.Training(loss=mse, optimizer="adam"), verbose=False)
+    return imported, sum(p.numel() for p in model.parameters())
+
+
+def parameters(imported: tapestry.TorchImport) -> list[str]:
+    return [name for name in imported.graph.carried.values() if not name.startswith("adam.")]
+
+
+@pytest.mark.parametrize("build, stored", [
+    (lambda g, mesh: data_parallel(g, mesh, ARGUMENTS), {"0.weight": REPLICATED, "2.bias": REPLICATED}),
+    (lambda g, mesh: zero3(g, mesh, ARGUMENTS), {"0.weight": GATHERED, "adam.m.2.weight": IN_PLACE}),
+    (lambda g, mesh: megatron(g, mesh, HIDDEN), {"0.weight": IN_PLACE, "2.weight": IN_PLACE, "2.bias": REPLICATED}),
+])
+def test_hand_built_strategies_compute_the_step_and_keep_the_state_in_place(build, stored):
+    imported, _ = adam_step(8, 16, 16)
+    plan = build(imported.graph, tapestry.Mesh(4))
+    validate_plan(plan)
+    assert not steady_violations(plan, imported.graph.carried)
+    inputs = imported.inputs(torch.randn(16, 8), torch.randn(16, 8))
+    got, want = simulate(plan, inputs), evaluate(imported.graph, inputs)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6)
+    found = storage(plan)
+    assert {name: found[name].strategy for name in stored} == stored
+
+
+@pytest.mark.parametrize("devices", [4, pytest.param(8, marks=pytest.mark.slow)])
+def test_a_small_model_at_a_large_batch_comes_out_data_parallel(devices):
+    imported, _ = adam_step(256, 1024, 65536)
+    mesh = tapestry.Mesh(devices)
+    plan = explore(imported.graph, mesh).extract(GPU, time_limit=20).plan
+    batch = next(s.layout for s in plan.steps if isinstance(s, Place) and s.input == "arg0")
+    assert {b.shape[0] for b in batch.blocks} == {65536 // devices}  # the batch split over every device
+    found = storage(plan)
+    assert all(found[name].read_whole for name in parameters(imported))  # every weight whole where it is used
+    assert gradient_reductions(plan) >= len(parameters(imported))  # every gradient summed over the devices
+    assert plan.cost <= plan_cost(data_parallel(imported.graph, mesh, ARGUMENTS), GPU) * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("devices, batch, per_parameter", [
+    (4, 1024, 14), pytest.param(8, 4096, 12, marks=pytest.mark.slow)])
+def test_a_budget_below_16_bytes_per_parameter_shards_weights_and_optimizer_state(devices, batch, per_parameter):
+    imported, count = adam_step(512, 2048, batch)
+    mesh, budget = tapestry.Mesh(devices), per_parameter * count
+    assert max(peak_memory(data_parallel(imported.graph, mesh, ARGUMENTS))) > budget  # data parallel cannot
+    plan = explore(imported.graph, mesh).extract(GPU, time_limit=20, memory_budget=budget).plan
+    assert max(peak_memory(plan)) <= budget
+    found = storage(plan)
+    for name in ("0.weight", "2.weight"):
+        for tensor in (name, f"adam.m.{name}", f"adam.v.{name}"):
+            assert not found[tensor].replicated, tensor
