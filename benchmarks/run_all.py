@@ -6,7 +6,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = (["saturation.py"], ["extraction.py", "--time-limit", "60"], ["lowering.py"], ["importing.py"], ["plans.py"])
+SCRIPTS = (["saturation.py"], ["extraction.py", "--time-limit", "60"], ["lowering.py"], ["importing.py"], ["plans.py"],
+           ["training.py"])
 
 
 def main() -> int:

@@ -13,7 +13,8 @@ from tapestry.optimizer import explore, steady_violations
 from tapestry.plan import Place
 from tapestry.plan.simulate import simulate
 from tapestry.plan.validate import validate_plan
-from tapestry.training.plans import data_parallel, megatron, zero3
+from tapestry.sharding import Layout
+from tapestry.training.plans import data_parallel, megatron, placed, zero3
 from tapestry.training.strategy import GATHERED, IN_PLACE, REPLICATED, gradient_reductions, storage
 
 GPU = DefaultCostModel(load_profile("gpu-h100-nccl"))
@@ -81,3 +82,31 @@ def test_a_budget_below_16_bytes_per_parameter_shards_weights_and_optimizer_stat
     for name in ("0.weight", "2.weight"):
         for tensor in (name, f"adam.m.{name}", f"adam.v.{name}"):
             assert not found[tensor].replicated, tensor
+
+
+@pytest.mark.slow  # spawns 2 ranks: about 12 s
+def test_a_sharded_steady_plan_runs_steps_back_to_back_on_ranks_and_matches_torch():
+    """ZeRO-3 keeps every weight and Adam state tensor split between steps: chained, each rank's block of new.X
+    is its block of X at the next step, and three steps equal torch.optim.Adam's."""
+    imported, _ = adam_step(8, 16, 16)
+    plan = zero3(imported.graph, tapestry.Mesh(2), ARGUMENTS)
+    x, y = torch.randn(16, 8, generator=torch.Generator().manual_seed(1)), torch.randn(16, 8)
+    state = imported.outputs(plan.run(imported.inputs(x, y), repeat=3, chain=True, compile=False).outputs)
+    reference = imported.module
+    optimizer = torch.optim.Adam(reference.parameters(), lr=1e-3)
+    for _ in range(3):
+        optimizer.zero_grad()
+        mse(reference, x, y).backward()
+        optimizer.step()
+    assert float(state["optimizer_state"]["step"]) == 3
+    for name, p in reference.named_parameters():
+        np.testing.assert_allclose(state["parameters"][name], p.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_chaining_steps_needs_a_steady_plan():
+    imported, _ = adam_step(8, 16, 16)
+    mesh = tapestry.Mesh(2)
+    split = {"0.weight": Layout.split((16, 8), mesh, (0,))}  # placed split, its update still delivered whole
+    plan = placed(data_parallel(imported.graph, mesh, ARGUMENTS), split)
+    with pytest.raises(ValueError, match="chain needs a steady plan .*'new.0.weight'"):
+        plan.run(imported.inputs(torch.randn(16, 8), torch.randn(16, 8)), repeat=2, chain=True)

@@ -23,6 +23,7 @@ from tapestry import dtypes
 from tapestry.evaluator import random_inputs
 from tapestry.graph import Graph
 from tapestry.lower.compile import shard_function
+from tapestry.plan import Place
 from tapestry.lower.program import (
     AllGather, AllReduce, AllToAll, Comm, Exchange, Gather, Local, LoweredProgram, PlaceBlock, RankStep, Read, ReduceScatter,
     SendRecv, ShardCompute,
@@ -121,6 +122,7 @@ class RankRunner:
     compile: bool
     device: torch.device
     on_step: Callable[[int], None] = lambda step: None
+    chain: bool = False  # each iteration's carried outputs are the next one's inputs (training steps)
 
     @cached_property
     def steps(self) -> tuple[RankStep, ...]:
@@ -135,7 +137,9 @@ class RankRunner:
         """Place the inputs once, then run the rest of the program warmup + repeat times; timings are from the
         last `repeat` runs. Placing is setup, as for any program handed tensors already laid out: the
         iterations start from the same placed buffers (no step writes into a buffer it reads), and a place
-        step's time is that of the one placement, outside the iterations' wall times."""
+        step's time is that of the one placement, outside the iterations' wall times. With `chain`, each
+        iteration starts instead from the carried outputs of the one before, where they stay: this rank's
+        block of `new.X` becomes its block of `X` (a steady plan places and delivers them alike)."""
         placed, place_times = self.place()
         program = self._bound
         times: list[list[float]] = []
@@ -148,6 +152,8 @@ class RankRunner:
             start = time.perf_counter()
             buffers, step_times = self.once(placed)
             totals.append(time.perf_counter() - start)
+            if self.chain:
+                placed = {**placed, **{p: buffers[o] for p, o in self._carried.items() if p in placed}}
             times.append(step_times)
         kept = times[warmup:]
         steps = tuple(StepTime(s.step, _label(s), "place", place_times[k]) for k, s in enumerate(self._placing))
@@ -157,6 +163,13 @@ class RankRunner:
         position = {s.step: k for k, s in enumerate(self.steps)}
         steps = tuple(sorted(steps, key=lambda t: position[t.step]))
         return buffers, RankReport(self.rank, steps, tuple(totals[warmup:]))
+
+    @cached_property
+    def _carried(self) -> dict[str, str]:
+        """Place buffer of each carried input -> the buffer of its output (the plan is steady: same layout)."""
+        plan = self.program.plan
+        placed = {s.input: s.out for s in plan.steps if isinstance(s, Place)}
+        return {placed[x]: plan.outputs[out] for out, x in plan.graph.carried.items() if x in placed}
 
     @cached_property
     def _placing(self) -> tuple[PlaceBlock, ...]:
@@ -199,6 +212,8 @@ class RankRunner:
         buffers to drop after it."""
         self._groups  # made here, at the same point of every rank's program: new_group is collective
         keep = set(self.program.outputs.values()) if self.rank == 0 else set()
+        if self.chain:
+            keep |= set(self._carried.values())
         dead = self.program.ranks[self.rank].dead_after(keep)
         return [(s, self._bind(s), d) for s, d in zip(self.steps, dead) if not isinstance(s, PlaceBlock)]
 

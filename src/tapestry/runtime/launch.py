@@ -69,6 +69,7 @@ class Job:
     timeout: float
     warmup: int = 0
     repeat: int = 1
+    chain: bool = False
 
 
 def default_backend(ranks: int = 1) -> str:
@@ -99,10 +100,20 @@ def run_plans(
     timeout: float = 300.0,
     warmup: int = 0,
     repeat: int = 1,
+    chain: bool = False,
 ) -> list[RunResult]:
-    """Run several plans on the same mesh size, in order, in one spawned process group."""
+    """Run several plans on the same mesh size, in order, in one spawned process group. With `chain`, the
+    warmup + repeat iterations are consecutive steps: each starts from the carried outputs (graph.carried) of
+    the one before, kept on the ranks, and the outputs are the last step's; the plans must be steady."""
     if nproc is not None and nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
+    if chain:
+        from tapestry.optimizer import steady_violations
+
+        for plan in plans:
+            moved = steady_violations(plan, plan.graph.carried)
+            if moved:
+                raise ValueError(f"chain needs a steady plan (outputs where their inputs are placed): {moved[0]}")
     sizes = {p.mesh.size for p in plans}
     nproc = nproc or sizes.pop()
     for plan in plans:
@@ -114,7 +125,7 @@ def run_plans(
             sources.append(_source(given, seed, Path(scratch) / str(k)))
             sources[-1].check(plan.graph)
         job = Job(tuple(lower(p) for p in plans), tuple(sources), compile, backend or default_backend(nproc), timeout,
-                  warmup, repeat)
+                  warmup, repeat, chain)
         return spawn(job)
 
 
@@ -319,7 +330,7 @@ def run_rank(
     device = rank_device(job.backend, local_rank)
     results = []
     for k, (program, inputs) in enumerate(zip(job.programs, job.inputs)):
-        runner = RankRunner(program, rank, inputs, job.compile, device, functools.partial(on_step, k))
+        runner = RankRunner(program, rank, inputs, job.compile, device, functools.partial(on_step, k), job.chain)
         buffers, report = runner.run(job.warmup, job.repeat)
         reports: list[RankReport] | None = [report] * len(program.ranks) if rank == 0 else None
         dist.gather_object(report, reports, dst=0)
