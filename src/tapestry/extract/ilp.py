@@ -307,14 +307,14 @@ def _solve_part(
     `warm` is the warm-start choice and its children-first position per class.
     """
     model = cp_model.CpModel()
-    x = {n: model.new_bool_var(f"x{n}") for c in part for n in reduced.candidates[c]}
+    x = {n: model.new_bool_var("") for c in part for n in reduced.candidates[c]}
     active = {}
     for c in part:
         nodes = reduced.candidates[c]
         if len(nodes) == 1:
             active[c] = x[nodes[0]]
         else:
-            active[c] = model.new_bool_var(f"a{c}")
+            active[c] = model.new_bool_var("")
             model.add(sum(x[n] for n in nodes) == active[c])
         if c in required:
             model.add(active[c] == 1)
@@ -322,7 +322,7 @@ def _solve_part(
     for c in part:
         if c in reduced.component:
             members.setdefault(reduced.component[c], []).append(c)
-    order = {c: model.new_int_var(0, len(group) - 1, f"t{c}") for group in members.values() for c in group}
+    order = {c: model.new_int_var(0, len(group) - 1, "") for group in members.values() for c in group}
     for c in part:
         for n in reduced.candidates[c]:
             for d in egraph.child_sets[n]:
@@ -367,9 +367,10 @@ def _sources(
 
     A class alone is its own block: u is a_c, and every node is an entry, its own source.
     """
+    block = {c: _block(reduced, c) for c in active}
     blocks: dict[int, list[int]] = {}
     for c in part:
-        blocks.setdefault(_block(reduced, c), []).append(c)
+        blocks.setdefault(block[c], []).append(c)
     used: dict[int, cp_model.IntVar] = {}
     source: dict[int, cp_model.IntVar] = {}
     readers: dict[tuple[int, int], list[cp_model.IntVar]] = {}
@@ -378,22 +379,22 @@ def _sources(
             used[b] = active[classes[0]]
             entries = {n: x[n] for n in reduced.candidates[classes[0]]}
         else:
-            used[b] = model.new_bool_var(f"u{b}")
+            used[b] = model.new_bool_var("")
             for c in classes:
                 model.add_implication(active[c], used[b])
             model.add_bool_or([active[c] for c in classes]).only_enforce_if(used[b])
             entries = {
-                n: model.new_bool_var(f"s{n}")
+                n: model.new_bool_var("")
                 for c in classes
                 for n in reduced.candidates[c]
-                if all(_block(reduced, d) != b for d in egraph.child_sets[n])
+                if all(block.get(d) != b for d in egraph.child_sets[n])
             }
             for n, var in entries.items():
                 model.add_implication(var, x[n])
                 source[n] = var
             model.add(sum(entries.values()) == used[b])
         for n, var in entries.items():
-            for read in {_block(reduced, d) for d in egraph.child_sets[n] if d in active}:
+            for read in {block[d] for d in egraph.child_sets[n] if d in block}:
                 readers.setdefault((b, read), []).append(var)
     for (_, read), sources in readers.items():
         if len(sources) > 1:  # one source already implies its children's classes, hence their block
@@ -451,12 +452,10 @@ def _hint(
     """A complete hint: chosen nodes, active classes and blocks, order values from the children-first
     `position`, and as each used cyclic block's source its chosen entry node that comes first."""
     chosen = set(choice.values())
-    hinted: set[int] = set()
+    hints: dict[int, int] = {}  # variable index -> value, written to the proto at once (add_hint is slow)
 
     def hint(var: cp_model.IntVar, value: int | bool) -> None:
-        if var.index not in hinted:
-            hinted.add(var.index)
-            model.add_hint(var, value)
+        hints.setdefault(var.index, int(value))
 
     for n, var in variables.x.items():
         hint(var, n in chosen)
@@ -475,6 +474,8 @@ def _hint(
                 first[b] = n
     for n, var in variables.source.items():
         hint(var, first.get(reduced.component[egraph.node_class[n]]) == n)
+    model.proto.solution_hint.vars.extend(list(hints))
+    model.proto.solution_hint.values.extend(list(hints.values()))
 
 
 def _children_first(egraph: EGraph, choice: Mapping[int, int]) -> list[int]:
