@@ -22,8 +22,8 @@ from tapestry import dtypes
 from tapestry.graph import Graph
 from tapestry.importer.capture import TorchImportError, export
 from tapestry.importer.translate import Translation, translate_program
-from tapestry.training import Training
-from tapestry.training.capture import STEP, capture, state_name, updated
+from tapestry.training import STEP, Training, state_name, updated
+from tapestry.training.capture import capture
 
 __all__ = ["TorchImport", "TorchImportError", "from_torch"]
 

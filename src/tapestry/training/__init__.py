@@ -21,6 +21,17 @@ from typing import Any
 import torch
 
 OPTIMIZERS = ("sgd", "adam")
+ADAM_SLOTS = ("m", "v")  # Adam's state per parameter: first and second moments
+STEP = "adam.step"
+
+
+def state_name(slot: str, path: str) -> str:
+    return f"adam.{slot}.{path}"
+
+
+def updated(name: str) -> str:
+    """The output that carries input `name` after the step."""
+    return f"new.{name}"
 
 
 @dataclass(frozen=True)
@@ -40,7 +51,7 @@ class Training:
     @property
     def slots(self) -> tuple[str, ...]:
         """Optimizer state per parameter (Adam's moments m and v; SGD keeps none)."""
-        return ("m", "v") if self.optimizer == "adam" else ()
+        return ADAM_SLOTS if self.optimizer == "adam" else ()
 
     def update(self, params: list[torch.Tensor], grads: list[torch.Tensor], state: Mapping[str, list[torch.Tensor]],
                step: torch.Tensor | None) -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]], Any]:

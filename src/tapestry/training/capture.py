@@ -11,18 +11,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tapestry.importer.capture import TorchImportError
 from tapestry.importer.translate import Placeholder, Translation, translate
-from tapestry.training import Training
-
-STEP = "adam.step"
-
-
-def state_name(slot: str, path: str) -> str:
-    return f"adam.{slot}.{path}"
-
-
-def updated(name: str) -> str:
-    """The output that carries input `name` after the step."""
-    return f"new.{name}"
+from tapestry.training import STEP, Training, state_name, updated
 
 
 class _LossOf(torch.nn.Module):

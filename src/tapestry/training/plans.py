@@ -18,6 +18,7 @@ from tapestry.graph import Graph
 from tapestry.plan import Place, Plan, Reshard, Step, build_plan
 from tapestry.plan.build import expand_linears
 from tapestry.sharding import Layout, Mesh
+from tapestry.training import ADAM_SLOTS, state_name
 
 Seeds = Mapping[str, int]  # input name -> the tensor dim to split
 
@@ -105,8 +106,6 @@ def megatron(graph: Graph, mesh: Mesh, hidden: Seeds) -> Plan:
     `hidden` names each weight's dim to split (column-parallel weights on their output dim, row-parallel ones
     on their input dim); each weight's optimizer state is split like it."""
     seeds = dict(hidden)
-    for name in graph.carried.values():
-        for weight, dim in hidden.items():
-            if name.endswith(f".{weight}") and name != weight:
-                seeds[name] = dim
+    for weight, dim in hidden.items():
+        seeds.update({state_name(slot, weight): dim for slot in ADAM_SLOTS if state_name(slot, weight) in graph})
     return steady(split_by_propagation(expand_linears(graph), mesh, [seeds]))
