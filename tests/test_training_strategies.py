@@ -57,6 +57,19 @@ def test_hand_built_strategies_compute_the_step_and_keep_the_state_in_place(buil
     assert {name: found[name].strategy for name in stored} == stored
 
 
+@pytest.mark.parametrize("devices", [4, 8])
+def test_data_parallel_holds_16_bytes_per_parameter_per_device_and_zero3_an_nth_of_the_state(devices):
+    """fp32 Adam, activations small (batch 8): data parallel holds weight, m, v and gradient (16 B/parameter) on
+    every device, and here their updates beside them (no in-place update: 28 at most); ZeRO-3 holds the 24 bytes
+    of state and updates split N ways, plus one gathered copy of the weights and a layer's whole gradient."""
+    imported, count = adam_step(128, 512, 8)
+    mesh = tapestry.Mesh(devices)
+    replicated = peak_memory(data_parallel(imported.graph, mesh, ARGUMENTS))
+    split = peak_memory(zero3(imported.graph, mesh, ARGUMENTS))
+    assert all(16 * count <= peak <= 28 * count for peak in replicated)
+    assert all(peak <= (24 / devices + 4 + 4) * count for peak in split)
+
+
 @pytest.mark.parametrize("devices", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_a_small_model_at_a_large_batch_comes_out_data_parallel(devices):
     imported, _ = adam_step(256, 1024, 65536)
