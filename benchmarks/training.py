@@ -179,7 +179,7 @@ def main() -> None:
                f"the same budget{' (flagged **WORSE**)' if worse else ''}; "
                f"{time.perf_counter() - started:.0f} s on this machine.")
     body = "\n\n".join([
-        "One Adam step (forward, backward, update; float32) of linear(dim, 4 dim) -> relu -> linear(4 dim, dim) "
+        ("One Adam step (forward, backward, update; float32) of linear(dim, 4 dim) -> relu -> linear(4 dim, dim) "
         f"on {rows[0].case.devices} devices of the {PROFILE} profile. Predicted time (µs) and exact peak memory "
         "per device (MiB; cost.peak_memory: weights and Adam state resident, their updates and the activations "
         "live to their last reader) of hand-built data parallel, ZeRO-3 and Megatron tensor parallel "
@@ -187,7 +187,7 @@ def main() -> None:
         "out where it was placed). The budget rows give the optimizer the peak of the leanest hand plan; `best "
         "hand` is the fastest hand plan within the row's budget. `its weights / state`: per parameter (0.weight, "
         "0.bias, 2.weight, 2.bias) R stored replicated, G stored sharded and gathered whole on use, S sharded and "
-        "computed in place; then how many Adam m/v tensors are stored each way.",
+        "computed in place; then how many Adam m/v tensors are stored each way."),
         summary,
         table(rows),
         f"![each hand strategy's predicted step time over the optimizer's, against the batch](img/{IMG.name})",

@@ -15,7 +15,13 @@ from tapestry.plan.simulate import simulate
 from tapestry.plan.validate import validate_plan
 from tapestry.sharding import Layout
 from tapestry.training.plans import data_parallel, megatron, placed, zero3
-from tapestry.training.strategy import GATHERED, IN_PLACE, REPLICATED, gradient_reductions, storage
+from tapestry.training.strategy import (
+    GATHERED,
+    IN_PLACE,
+    REPLICATED,
+    gradient_reductions,
+    storage,
+)
 
 GPU = DefaultCostModel(load_profile("gpu-h100-nccl"))
 ARGUMENTS = ("arg0", "arg1")
