@@ -12,7 +12,7 @@ import heapq
 import time
 
 from tapestry.extract.egraph import EGraph
-from tapestry.extract.selection import Selection, finalize, reachable_choice
+from tapestry.extract.selection import Selection, children_first, finalize, reachable_choice
 from tapestry.extract.structure import cyclic_components
 from tapestry.extract.tree import TreeChoice, solvable_tree
 
@@ -65,6 +65,11 @@ def improve(egraph: EGraph, choice: list[int], tree: TreeChoice) -> list[int]:
     new node's children that were unused join with their own choices, and classes
     the old node alone kept alive leave. An improving move is kept only if the new
     selection is still acyclic. Every kept move lowers the cost, so the search ends.
+    A children-first position of the selected classes makes most acyclicity checks
+    local (`joining`): a move is acyclic if its new children are selected classes placed
+    before its class, or unselected ones whose own choices lead only there; the classes
+    that join then get positions in between. Any other move re-checks the whole
+    selection and recomputes the positions (on a 47,000-node e-graph that alone took 18 s).
     """
     cost, child_sets = egraph.node_cost, egraph.child_sets
     choice = list(choice)
@@ -94,6 +99,50 @@ def improve(egraph: EGraph, choice: list[int], tree: TreeChoice) -> list[int]:
                     work.extend((e, step) for e in child_sets[node])
         return price, change
 
+    def positions() -> dict[int, float]:
+        return {k: float(i) for i, k in enumerate(children_first(egraph, choice))}
+
+    def reaches(start: int, c: int) -> bool:
+        """Whether selected class `start` reaches `c` through the chosen nodes; only classes placed after `c`
+        can (a class's descendants all lie before it)."""
+        stack, seen = [start], {start}
+        while stack:
+            d = stack.pop()
+            if d == c:
+                return True
+            for e in child_sets[choice[d]]:
+                if e not in seen and position[e] >= position[c]:
+                    seen.add(e)
+                    stack.append(e)
+        return False
+
+    def joining(c: int, new: int) -> tuple[list[int], float] | bool:
+        """Whether choosing `new` for `c` closes a cycle (True), may reorder the selection (False), or else the
+        unselected classes it brings in, children first, and the latest position of a selected class they or
+        `new` reach (new positions for them go between that and `c`'s)."""
+        order: list[int] = []
+        seen: set[int] = set()
+        low = position[c] - 1
+        reorders = False
+        stack = [(d, False) for d in child_sets[new]]
+        while stack:
+            d, expanded = stack.pop()
+            if expanded:
+                order.append(d)
+            elif refs[d]:
+                if d == c or (position[d] >= position[c] and reaches(d, c)):
+                    return True
+                reorders = reorders or position[d] >= position[c]
+                low = max(low, position[d])
+            elif d in seen:  # met twice: may be a cycle among the joining classes
+                return cyclic_components(reachable_choice(egraph, choice), lambda k: child_sets[choice[k]]) != []
+            else:
+                seen.add(d)
+                stack.append((d, True))
+                stack.extend((e, False) for e in child_sets[choice[d]])
+        return False if reorders else (order, low)
+
+    position = positions()
     improved = True
     while improved:
         improved = False
@@ -105,14 +154,20 @@ def improve(egraph: EGraph, choice: list[int], tree: TreeChoice) -> list[int]:
                 if price >= -1e-12 * total:
                     continue
                 old, choice[c] = choice[c], new
-                reach = reachable_choice(egraph, choice)
-                if cyclic_components(reach, lambda k: child_sets[choice[k]]):
+                joins = joining(c, new)
+                if joins is True:
                     choice[c] = old
                     continue
                 for d, step in change.items():
                     refs[d] += step
                 total += price
                 improved = True
+                if joins is False:
+                    position = positions()
+                else:  # between the latest selected class they reach and c, children first
+                    order, low = joins
+                    for i, d in enumerate(order, 1):
+                        position[d] = low + (position[c] - low) * i / (len(order) + 1)
     return choice
 
 

@@ -38,14 +38,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
 from tapestry.extract.egraph import EGraph, NoFiniteChoiceError
 from tapestry.extract.greedy_dag import greedy_dag_choice
-from tapestry.extract.selection import Selection, finalize
+from tapestry.extract.selection import Selection, children_first, finalize
 from tapestry.extract.structure import strongly_connected_components
 from tapestry.extract.tree import TreeChoice, solvable_tree
 
@@ -221,14 +221,15 @@ def _solve(
     for c in required.difference(*parts):  # forced: a required class with one candidate, in no part
         solved[c] = reduced.candidates[c][0]
         bound += egraph.node_cost[solved[c]]
-    position = {c: i for i, c in enumerate(_children_first(egraph, warm.choice))}
+    position = {c: i for i, c in enumerate(children_first(egraph, warm.choice))}
     left = sum(map(len, parts))
     for part in parts:
         now = time.perf_counter()
         part_deadline = now + (deadline - now) * len(part) / left
         left -= len(part)
         choice, part_bound, part_optimal = _solve_part(
-            egraph, reduced, part, required, (warm.choice, position), scale, part_deadline, workers, budget, ties
+            egraph, reduced, part, required, (warm.choice, position), scale, part_deadline, workers, budget, ties,
+            give_up=part_deadline if admissible else math.inf,
         )
         if choice is None and (part_bound == math.inf or not admissible):
             return None, part_bound, False
@@ -289,6 +290,18 @@ def _parts(egraph: EGraph, reduced: Reduced, ties: Ties = ()) -> tuple[set[int],
     return required, sorted(parts, key=len)
 
 
+@dataclass(frozen=True)
+class _Variables:
+    """A part's CP-SAT variables, for the hint."""
+
+    x: Mapping[int, cp_model.IntVar]  # per node
+    active: Mapping[int, cp_model.IntVar]  # per class
+    order: Mapping[int, cp_model.IntVar]  # per class in a cyclic component
+    members: Mapping[int, list[int]]  # cyclic component -> its classes in the part
+    used: Mapping[int, cp_model.IntVar]  # per block
+    source: Mapping[int, cp_model.IntVar]  # per entry node of a cyclic block
+
+
 def _solve_part(
     egraph: EGraph,
     reduced: Reduced,
@@ -300,12 +313,52 @@ def _solve_part(
     workers: int,
     budget: DeviceBudget | None = None,
     ties: Ties = (),
+    give_up: float = math.inf,
 ) -> tuple[dict[int, int] | None, float, bool]:
     """One CP-SAT run over the classes of `part`: (chosen node per active class or None, bound, proven optimal);
     the bound is inf when the budget or ties are proven infeasible, 0 when nothing is known.
 
-    `warm` is the warm-start choice and its children-first position per class.
+    `warm` is the warm-start choice and its children-first position per class. Building the model of a
+    100,000-node part takes seconds: past `give_up` it is abandoned (None, 0.0, False), so the time limit holds.
     """
+    try:
+        model, variables, weights = _model(egraph, reduced, part, required, scale, budget, ties, give_up)
+    except _OutOfTime:
+        return None, 0.0, False
+    _hint(model, *warm, variables, egraph, reduced)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.01, deadline - time.perf_counter())
+    solver.parameters.num_workers = workers
+    status = solver.solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None, math.inf if status == cp_model.INFEASIBLE else 0.0, False
+    choice = {c: n for c in part for n in reduced.candidates[c] if solver.boolean_value(variables.x[n])}
+    # Rounding up a cost can make any selection look dearer by at most `excess`; clamping only makes it cheaper.
+    excess = sum(max(0.0, w - egraph.node_cost[n] * scale) for n, w in weights.items())
+    return choice, max(0.0, solver.best_objective_bound - excess) / scale, status == cp_model.OPTIMAL
+
+
+class _OutOfTime(Exception):
+    """Building a model passed its time."""
+
+
+def _model(
+    egraph: EGraph,
+    reduced: Reduced,
+    part: list[int],
+    required: set[int],
+    scale: float,
+    budget: DeviceBudget | None,
+    ties: Ties,
+    give_up: float,
+) -> tuple[cp_model.CpModel, _Variables, dict[int, int]]:
+    """The CP-SAT model of one part (module docstring): the model, its variables, and each node's integer cost.
+    Raises _OutOfTime past `give_up`."""
+
+    def check_time() -> None:
+        if time.perf_counter() > give_up:
+            raise _OutOfTime
+
     model = cp_model.CpModel()
     x = {n: model.new_bool_var("") for c in part for n in reduced.candidates[c]}
     active = {}
@@ -323,31 +376,24 @@ def _solve_part(
         if c in reduced.component:
             members.setdefault(reduced.component[c], []).append(c)
     order = {c: model.new_int_var(0, len(group) - 1, "") for group in members.values() for c in group}
+    check_time()
     for c in part:
+        check_time()
         for n in reduced.candidates[c]:
             for d in egraph.child_sets[n]:
                 if d in active:
                     model.add_implication(x[n], active[d])
                 if c in order and reduced.component.get(d) == reduced.component[c]:
                     model.add(order[c] > order[d]).only_enforce_if(x[n])
-    used, source = _sources(model, egraph, reduced, part, x, active)
+    used, source = _sources(model, egraph, reduced, part, x, active, check_time)
     if budget is not None:
         _limit(model, budget, x)
     _tie(model, ties, x, {n for nodes in reduced.candidates.values() for n in nodes})
     # A node dearer than the whole warm start is never in a better selection: clamp, so no int64 overflow.
     weights = {n: min(round(egraph.node_cost[n] * scale), 2 * SCALE) for n in x}
     model.minimize(sum(weights[n] * var for n, var in x.items()))
-    _hint(model, *warm, _Variables(x, active, order, members, used, source), egraph, reduced)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.01, deadline - time.perf_counter())
-    solver.parameters.num_workers = workers
-    status = solver.solve(model)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None, math.inf if status == cp_model.INFEASIBLE else 0.0, False
-    choice = {c: n for c in part for n in reduced.candidates[c] if solver.boolean_value(x[n])}
-    # Rounding up a cost can make any selection look dearer by at most `excess`; clamping only makes it cheaper.
-    excess = sum(max(0.0, w - egraph.node_cost[n] * scale) for n, w in weights.items())
-    return choice, max(0.0, solver.best_objective_bound - excess) / scale, status == cp_model.OPTIMAL
+    check_time()
+    return model, _Variables(x, active, order, members, used, source), weights
 
 
 def _block(reduced: Reduced, c: int) -> int:
@@ -362,6 +408,7 @@ def _sources(
     part: list[int],
     x: Mapping[int, cp_model.IntVar],
     active: Mapping[int, cp_model.IntVar],
+    check_time: Callable[[], None],
 ) -> tuple[dict[int, cp_model.IntVar], dict[int, cp_model.IntVar]]:
     """The source constraints of the module docstring: (u per block, s per entry node of a cyclic block).
 
@@ -375,6 +422,7 @@ def _sources(
     source: dict[int, cp_model.IntVar] = {}
     readers: dict[tuple[int, int], list[cp_model.IntVar]] = {}
     for b, classes in blocks.items():
+        check_time()
         if len(classes) == 1:
             used[b] = active[classes[0]]
             entries = {n: x[n] for n in reduced.candidates[classes[0]]}
@@ -429,18 +477,6 @@ def _tie(model: cp_model.CpModel, ties: Ties, x: Mapping[int, cp_model.IntVar], 
             model.add(x[b] == 0)
 
 
-@dataclass(frozen=True)
-class _Variables:
-    """A part's CP-SAT variables, for the hint."""
-
-    x: Mapping[int, cp_model.IntVar]  # per node
-    active: Mapping[int, cp_model.IntVar]  # per class
-    order: Mapping[int, cp_model.IntVar]  # per class in a cyclic component
-    members: Mapping[int, list[int]]  # cyclic component -> its classes in the part
-    used: Mapping[int, cp_model.IntVar]  # per block
-    source: Mapping[int, cp_model.IntVar]  # per entry node of a cyclic block
-
-
 def _hint(
     model: cp_model.CpModel,
     choice: Mapping[int, int],
@@ -476,22 +512,3 @@ def _hint(
         hint(var, first.get(reduced.component[egraph.node_class[n]]) == n)
     model.proto.solution_hint.vars.extend(list(hints))
     model.proto.solution_hint.values.extend(list(hints.values()))
-
-
-def _children_first(egraph: EGraph, choice: Mapping[int, int]) -> list[int]:
-    """Post-order of an acyclic choice: every class after all of its chosen children."""
-    done: set[int] = set()
-    result: list[int] = []
-    for root in egraph.roots:
-        stack = [(root, False)]
-        while stack:
-            c, expanded = stack.pop()
-            if expanded:
-                result.append(c)
-                continue
-            if c in done:
-                continue
-            done.add(c)
-            stack.append((c, True))
-            stack.extend((d, False) for d in egraph.child_sets[choice[c]] if d not in done)
-    return result

@@ -79,3 +79,22 @@ def finalize(
         extractor=extractor,
         seconds=time.perf_counter() - started,
     )
+
+
+def children_first(egraph: EGraph, choice: Mapping[int, int]) -> list[int]:
+    """Post-order of an acyclic choice: every class after all of its chosen children."""
+    done: set[int] = set()
+    result: list[int] = []
+    for root in egraph.roots:
+        stack = [(root, False)]
+        while stack:
+            c, expanded = stack.pop()
+            if expanded:
+                result.append(c)
+                continue
+            if c in done:
+                continue
+            done.add(c)
+            stack.append((c, True))
+            stack.extend((d, False) for d in egraph.child_sets[choice[c]] if d not in done)
+    return result
