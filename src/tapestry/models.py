@@ -4,7 +4,6 @@ Each takes the dtype of all its inputs (float32 by default; bfloat16 for the GPU
 """
 from __future__ import annotations
 
-
 from tapestry.graph import Graph, Value
 
 

@@ -6,6 +6,7 @@ e-graph, and its `extract` and `pareto` price it under different objectives.
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -45,7 +46,7 @@ class OptimizeResult:
             f"mesh {self.plan.mesh}: {len(self.plan.steps)} steps, predicted {self.plan.cost:.6g} s, "
             f"peak {self.peak_memory:,} bytes per device ({self.selection.extractor}, {self.selection.status})",
             f"saturation: {len(self.stats.iterations)} iterations, {self.stats.enodes} e-nodes, "
-            f"stopped by {self.stats.stopped_by}",
+            f"stopped by {self.stats.stopped_by}" + (f" ({self.stats.undone})" if self.stats.undone else ""),
         ]
         return "\n".join(head) + "\n" + explain_plan(self.plan)
 
@@ -77,6 +78,7 @@ class Explored:
     stats: SaturationStats
     rule_files: tuple[RuleFile, ...]
     data: dict[str, Any] = field(repr=False)
+    pricing_seconds: float = math.inf  # what the saturation budget left for pricing (Decoder.serialized)
 
     def extract(self, cost_model: CostModel | None = None, extractor: str = "ilp", time_limit: float = 10.0,
                 memory_budget: int | None = None, outputs: Outputs = "any",
@@ -96,7 +98,8 @@ class Explored:
         model = cost_model or default_cost_model()
         carried = dict(self.graph.carried if steady is None else steady)
         _check_carried(self.graph, carried)
-        egraph = self._restrict_outputs(self.decoder.extraction_graph(list(self.roots), model), outputs)
+        egraph = self._restrict_outputs(self.decoder.extraction_graph(list(self.roots), model, self.pricing_seconds),
+                                        outputs)
         egraph, ties = self._steady_ties(egraph, carried)
         limit, slack, tries = memory_budget, 0, 0
         while True:
@@ -269,11 +272,12 @@ def explore(graph: Graph, mesh: Mesh | int = 1, rules: Sequence[str | Path] | No
     """Saturate: every sharding, fusion and substitution the rules and signatures allow, in one e-graph."""
     mesh = Mesh(mesh) if isinstance(mesh, int) else mesh
     rule_files = load_rules(rules)
+    started = time.perf_counter()
     gen, _, stats = saturate(graph, mesh, rule_files, budget, progress)
     data = gen.session.serialize()
-    nodes, roots, names = distributed_nodes(data)
+    nodes, roots, names = distributed_nodes(data, gen.interner)
     return Explored(graph, mesh, Decoder(nodes, gen.interner, mesh, {n.name: n.dtype for n in graph.inputs}), tuple(roots), names, stats,
-                    tuple(rule_files), data)
+                    tuple(rule_files), data, max(budget.seconds - (time.perf_counter() - started), 0.0))
 
 
 def optimize(

@@ -17,7 +17,8 @@ class CostModel(Protocol):
     """Anything with `step_cost`; subclassing is not needed."""
 
     def step_cost(self, step: Step, mesh: Mesh) -> float:
-        """Seconds the mesh spends on `step` (a Place, Compute or Reshard)."""
+        """Seconds the mesh spends on `step` (a Place, Compute or Reshard). A Compute's `origin` is for
+        explanations only: extraction prices each distinct step once, without it."""
         ...
 
 

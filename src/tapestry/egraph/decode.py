@@ -1,23 +1,47 @@
 """From the e-graph to an extractable graph with costs, and from a selection back to a plan.
 
-Only the distributed layer is extracted: Run, Reshard and Place e-nodes (whose
-children are distributed classes), and Deliver nodes under each output's root.
-`At` and `Result` only name classes, so they are never candidates. Each node's
-cost is local (its layouts are part of its class), so plan cost is a sum.
+Only the distributed layer is extracted: Run and Place e-nodes (whose
+children are distributed classes), Deliver nodes under each output's root, and
+Reshard nodes between the layouts of each value. `At` and `Result` only name
+classes, so they are never candidates. Each node's cost is local (its layouts
+are part of its class), so plan cost is a sum.
+
+Reshards are not e-nodes of egglog's e-graph: no rule reads them, and a value
+in k layouts has k(k-1) of them (95% of a 2x4 transformer's distributed layer).
+They are made here, from the `At` classes each logical class has at the end.
+Pricing is memoised per distinct step (a Compute without its origin, a Reshard
+by its layout pair, shape and dtype): identical layers cost one pricing.
 """
 from __future__ import annotations
 
+import functools
+import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tapestry.egraph.distributed import Interner
+from tapestry.egraph.distributed import Interner, reshard_pairs
 from tapestry.egraph.schema import run_constructors
 from tapestry.extract import EGraph as ExtractGraph
 from tapestry.extract import Selection
 from tapestry.graph import Graph
-from tapestry.plan import Place, Plan, Reshard, Step
-from tapestry.sharding import Mesh
+from tapestry.plan import Compute, Place, Plan, Reshard, Step
+from tapestry.sharding import Layout, Mesh
+
+
+@dataclass(frozen=True)
+class PricingStats:
+    """What `Decoder.serialized` priced: distinct steps, and reshards its time budget left unpriced."""
+
+    seconds: float
+    steps: int
+    reshards_unpriced: int
+
+
+@functools.lru_cache(maxsize=1024)
+def _replicated(shape: tuple[int, ...], mesh: Mesh) -> Layout:
+    return Layout.replicated(shape, mesh)
 
 
 @dataclass(frozen=True)
@@ -32,14 +56,16 @@ class DNode:
     layout: str  # layout key of the node's own class ("" for Deliver)
 
 
-def distributed_nodes(data: Mapping[str, Any]) -> tuple[list[DNode], list[str], dict[str, str]]:
+def distributed_nodes(data: Mapping[str, Any], interner: Interner) -> tuple[list[DNode], list[str], dict[str, str]]:
     """(nodes, root classes in output order, output name per root class)."""
     raw = data["nodes"]
     runs = run_constructors()
     at: dict[str, str] = {}
+    value_layouts: dict[str, dict[str, str]] = {}  # logical class -> layout key -> its At class
     for spec in raw.values():
         if spec["op"] == "At":
-            at[spec["eclass"]] = raw[spec["children"][1]]["op"].strip('"')
+            at[spec["eclass"]] = layout = raw[spec["children"][1]]["op"].strip('"')
+            value_layouts.setdefault(raw[spec["children"][0]]["eclass"], {})[layout] = spec["eclass"]
     nodes, roots = [], {}
     for nid, spec in raw.items():
         op, kids, eclass = spec["op"], spec["children"], spec["eclass"]
@@ -54,6 +80,9 @@ def distributed_nodes(data: Mapping[str, Any]) -> tuple[list[DNode], list[str], 
             nodes.append(DNode(nid, op, eclass, (raw[kids[1]]["eclass"],), lit(0), ""))
         elif op == "Result":
             roots[eclass] = lit(0)
+    for classes in value_layouts.values():
+        for src, dst in reshard_pairs(classes, interner):
+            nodes.append(DNode(f"Reshard-{len(nodes)}", "Reshard", classes[dst], (classes[src],), dst, dst))
     return nodes, list(roots), roots
 
 
@@ -66,6 +95,7 @@ class Decoder:
         self.mesh = mesh
         self.class_layout = {n.eclass: n.layout for n in nodes if n.layout}
         self.class_dtype = self._dtypes(input_dtypes)
+        self.pricing: PricingStats | None = None  # of the last `serialized`
 
     def step(self, node: DNode, out: str = "?", args: tuple[str, ...] = ()) -> Step | None:
         if node.op == "Place":
@@ -94,20 +124,60 @@ class Decoder:
             moves = left
         return found
 
-    def serialized(self, roots: list[str], cost: Any) -> dict[str, Any]:
-        """The distributed layer with costs, as egraph-serialize JSON (what `tapestry extract` reads)."""
+    def serialized(self, roots: list[str], cost: Any, seconds: float = math.inf) -> dict[str, Any]:
+        """The distributed layer with costs, as egraph-serialize JSON (what `tapestry extract` reads).
+
+        Each distinct step is priced once. Pricing stops after `seconds`: Runs, Places and reshards out of a
+        replicated layout (local slicing, which the replicated plan needs) are priced first, and reshards left
+        unpriced cost infinity, so extraction leaves them out and a plan still exists. `self.pricing` says what
+        was priced."""
+        started = time.perf_counter()
         first = {}
         for n in self.nodes:
             first.setdefault(n.eclass, n.id)
-        nodes = {}
-        for node in self.nodes:
-            step = self.step(node)
-            nodes[node.id] = {"op": node.op, "eclass": node.eclass, "children": [first[c] for c in node.children],
-                              "cost": 0.0 if step is None else float(cost.step_cost(step, self.mesh))}
+        prices: dict[Any, float] = {}
+        costs = [math.inf] * len(self.nodes)
+        unpriced = 0
+        for i in sorted(range(len(self.nodes)), key=self._pricing_order):
+            node = self.nodes[i]
+            if node.op == "Deliver":
+                costs[i] = 0.0
+                continue
+            key = self._price_key(node)
+            if key not in prices:
+                if node.op == "Reshard" and not self._from_replicated(node) and time.perf_counter() - started > seconds:
+                    unpriced += 1
+                    continue
+                prices[key] = float(cost.step_cost(self._priced_step(node), self.mesh))
+            costs[i] = prices[key]
+        self.pricing = PricingStats(time.perf_counter() - started, len(prices), unpriced)
+        nodes = {node.id: {"op": node.op, "eclass": node.eclass, "children": [first[c] for c in node.children],
+                           "cost": c} for node, c in zip(self.nodes, costs)}
         return {"nodes": nodes, "root_eclasses": roots, "class_data": {}}
 
-    def extraction_graph(self, roots: list[str], cost: Any) -> ExtractGraph:
-        return ExtractGraph.from_json(self.serialized(roots, cost))
+    def extraction_graph(self, roots: list[str], cost: Any, seconds: float = math.inf) -> ExtractGraph:
+        return ExtractGraph.from_json(self.serialized(roots, cost, seconds))
+
+    def _pricing_order(self, i: int) -> int:
+        node = self.nodes[i]
+        return 1 if node.op == "Reshard" and not self._from_replicated(node) else 0
+
+    def _from_replicated(self, node: DNode) -> bool:
+        shape, layout = self.interner.layouts[self.class_layout[node.children[0]]]
+        return not layout.partial and layout == _replicated(shape, self.mesh)
+
+    def _price_key(self, node: DNode) -> Any:
+        """Equal for steps any cost model prices alike: a Run's step without its origin, a Reshard's layout pair
+        and dtype (layout keys name (shape, layout) pairs)."""
+        if node.op == "Reshard":
+            return (self.class_layout[node.children[0]], node.key, self.class_dtype[node.eclass])
+        if node.op == "Place":
+            return (node.op, node.key, node.layout)
+        return self.interner.priced_as[node.key]
+
+    def _priced_step(self, node: DNode) -> Step:
+        step = self.step(node)
+        return replace(step, origin="") if isinstance(step, Compute) else step  # type: ignore[return-value]
 
     def plan(self, egraph: ExtractGraph, selection: Selection, graph: Graph, root_names: dict[str, str]) -> Plan:
         chosen = {egraph.class_ids[c]: self.nodes[n] for c, n in selection.choice.items()}

@@ -3,31 +3,37 @@
 For each logical node and each candidate partition of its index space, the
 class `(At out L_out)` gets the member `(Run<Kernel> (At arg_i L_i)... key)`,
 where L_i is the layout giving each device exactly what its block reads.
-Every class gets `Reshard` members between the layouts it occurs in, input
-classes get `Place` members, and output classes `Deliver` members in each
-plain layout. Keys name interned Python records (Compute steps, layouts), so the
+Input classes get `Place` members, and output classes `Deliver` members in each
+plain layout. Reshards between the layouts a value occurs in are made by
+`egraph.decode`, outside egglog (`reshard_pairs` says which). Keys name interned Python records (Compute steps, layouts), so the
 cost model and the decoder see what each e-node means.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
+from typing import Any
 
 from tapestry.kernels import Shape, Signature
 from tapestry.plan import Compute
 from tapestry.sharding import Layout, Mesh
-from tapestry.sharding.comm import CommError, transfers
-from tapestry.sharding.partition import candidate_partitions, partition_issues
+from tapestry.sharding.comm import can_move
+from tapestry.sharding.partition import Partition, candidate_partitions, partition_issues
 
 
 class Interner:
-    """Stable short names for layouts and runs, so e-nodes stay small and costs stay local."""
+    """Stable short names for layouts and runs, so e-nodes stay small and costs stay local; and each distinct
+    signature's candidate steps, made once (identical layers share them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
         self.layouts: dict[str, tuple[Shape, Layout]] = {}
         self._layout_keys: dict[tuple[Shape, Layout], str] = {}
         self.runs: dict[str, Compute] = {}  # the step each Run e-node is, its value names "?"
         self._run_keys: dict[Compute, str] = {}
-        self.movable: dict[tuple[str, str], bool] = {}  # can a reshard turn one layout into the other
+        self.priced_as: dict[str, str] = {}  # run key -> its candidate's name: runs that differ only in origin
+        self._candidates: dict[tuple[Any, ...], list[tuple[str, Partition, Compute, str, tuple[str, ...]]]] = {}
+        self._candidate_count = 0
 
     def layout(self, shape: Shape, layout: Layout) -> str:
         key = (shape, layout)
@@ -44,37 +50,40 @@ class Interner:
             self.runs[name] = step
         return self._run_keys[step]
 
+    def candidates(self, sig: Signature) -> list[tuple[str, Partition, Compute, str, tuple[str, ...]]]:
+        """(name, partition, step without origin, out layout, arg layouts) for every candidate partition of `sig`,
+        each checked with islpy once per distinct signature."""
+        key = (sig.kernel.name, sig.input_shapes, sig.params, sig.input_dtypes)
+        if key not in self._candidates:
+            found = []
+            for part in candidate_partitions(sig, self.mesh):
+                issues = partition_issues(sig, part.blocks)  # islpy: a partition of the index space, partials sound
+                if issues:
+                    raise AssertionError(f"generated an illegal partition of {sig}: {'; '.join(issues)}")
+                step = Compute.running(sig, part)
+                out = self.layout(sig.output_shape, step.layout)
+                args = tuple(self.layout(shape, layout) for shape, layout in zip(sig.input_shapes, step.arg_layouts))
+                found.append((f"c{self._candidate_count}", part, step, out, args))
+                self._candidate_count += 1
+            self._candidates[key] = found
+        return self._candidates[key]
 
-def runs_for(sig: Signature, mesh: Mesh, interner: Interner, origin: str) -> list[tuple[str, tuple[str, ...], str]]:
-    """(out layout, arg layouts, run key) for every candidate partition of one logical node."""
+
+def runs_for(sig: Signature, interner: Interner, origin: str,
+             sharded: bool) -> list[tuple[str, tuple[str, ...], str]]:
+    """(out layout, arg layouts, run key) for each candidate partition of one logical node: the sharded ones, or
+    else the replicated one."""
     found = []
-    for part in candidate_partitions(sig, mesh):
-        issues = partition_issues(sig, part.blocks)  # islpy: a partition of the index space, partials sound
-        if issues:
-            raise AssertionError(f"generated an illegal partition of {sig}: {'; '.join(issues)}")
-        step = Compute.running(sig, part, f"{origin} [{part.name(sig)}]")
-        out = interner.layout(sig.output_shape, step.layout)
-        args = tuple(interner.layout(shape, layout) for shape, layout in zip(sig.input_shapes, step.arg_layouts))
-        found.append((out, args, interner.run(step)))
+    for name, part, step, out, args in interner.candidates(sig):
+        if any(part.axes) == sharded:
+            key = interner.run(replace(step, origin=f"{origin} [{part.name(sig)}]"))
+            interner.priced_as[key] = name
+            found.append((out, args, key))
     return found
 
 
 def reshard_pairs(layouts: Iterable[str], interner: Interner) -> list[tuple[str, str]]:
     """Ordered pairs (from, to) of one value's layouts that a reshard can connect."""
     keys = sorted(set(layouts))
-    pairs = []
-    for src in keys:
-        for dst in keys:
-            if src != dst and not interner.layouts[dst][1].partial and _movable(src, dst, interner):
-                pairs.append((src, dst))
-    return pairs
-
-
-def _movable(src: str, dst: str, interner: Interner) -> bool:
-    if (src, dst) not in interner.movable:
-        try:
-            transfers(interner.layouts[src][1], interner.layouts[dst][1])
-            interner.movable[(src, dst)] = True
-        except CommError:
-            interner.movable[(src, dst)] = False
-    return interner.movable[(src, dst)]
+    table = interner.layouts
+    return [(src, dst) for src in keys for dst in keys if src != dst and can_move(table[src][1], table[dst][1])]

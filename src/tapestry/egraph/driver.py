@@ -1,21 +1,38 @@
-"""The saturation driver: alternate rule-file rulesets with generation passes, under hard budgets."""
+"""The saturation driver: rule rounds on the logical layer, then the distributed layer, under hard budgets.
+
+Rules rewrite only logical terms, so they run first, to a fixpoint, alternating
+with passes that name and type new classes (Rank/Dim guards need them). Then the
+distributed layer is generated once for the whole logical e-graph. Splitting
+the phases keeps rule rounds cheap (no distributed layer to rebuild) and means
+fusion and substitution never starve. Budget.seconds runs from the start of
+saturation to the end of pricing: rule rounds stop by RULES_SHARE of it,
+generation by GENERATION_SHARE, and pricing (egraph.decode) has the rest. A
+stopped generation still leaves every node's replicated run, and a stopped
+pricing every reshard that run needs, so a plan always exists
+(docs/cost-models.md, "Budgets").
+"""
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
-from tapestry.egraph.generate import Generator, View
+from tapestry.egraph.generate import GenerationStats, Generator, View
 from tapestry.egraph.rules import Rule, RuleFile
 from tapestry.egraph.session import Session
 from tapestry.graph import Graph
 from tapestry.sharding import Mesh
 
 
+RULES_SHARE = 0.25  # of Budget.seconds, when rule rounds stop at the latest
+GENERATION_SHARE = 0.6  # when generation stops at the latest; pricing has the rest
+
+
 @dataclass(frozen=True)
 class Budget:
-    """Saturation stops at the first budget reached; the result says which."""
+    """Saturation stops at the first budget reached; the result says which, and in which phase. `iterations`
+    bounds rule rounds; `seconds` and `nodes` bound rule rounds and generation alike."""
 
     nodes: int = 200_000
     seconds: float = 30.0
@@ -34,18 +51,35 @@ class IterationStats:
 
 @dataclass(frozen=True)
 class SaturationStats:
-    iterations: tuple[IterationStats, ...]
-    stopped_by: str  # "fixpoint", "nodes", "seconds" or "iterations"
+    iterations: tuple[IterationStats, ...]  # the rule rounds
+    stopped_by: str  # "fixpoint", "nodes", "seconds" or "iterations": the first budget reached
     seconds: float
     ill_typed: dict[str, str] = field(default_factory=dict)
+    stopped_in: str = ""  # the phase the budget stopped: "rules" or "generation" ("" at a fixpoint)
+    generation: GenerationStats | None = None
 
     @property
     def enodes(self) -> int:
+        if self.generation is not None:
+            return self.generation.enodes
         return self.iterations[-1].enodes if self.iterations else 0
 
     @property
     def eclasses(self) -> int:
+        if self.generation is not None:
+            return self.generation.eclasses
         return self.iterations[-1].eclasses if self.iterations else 0
+
+    @property
+    def undone(self) -> str:
+        """What the budgets left out, in words ("" when nothing)."""
+        parts = []
+        if self.stopped_in == "rules":
+            parts.append(f"rule rounds stopped by {self.stopped_by} after {len(self.iterations)} rounds")
+        if self.generation is not None and self.generation.stopped_by:
+            parts.append(f"generation stopped by {self.generation.stopped_by}: {self.generation.unsharded} of "
+                         f"{self.generation.nodes} nodes only replicated")
+        return "; ".join(parts)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -75,12 +109,13 @@ def saturate(
     history: list[IterationStats] = []
     fired: list[Rule] = []
     stopped_by, changed = "iterations", True
+    rules_budget = replace(budget, seconds=budget.seconds * RULES_SHARE)
     for iteration in range(budget.iterations + 1):
         tick = time.perf_counter()
         view, new_nodes = gen.refresh(fired, iteration)
         size = session.size()
         matches: dict[str, int] = {}
-        stop = _stop_reason(budget, started, size, iteration, new_nodes or changed)
+        stop = _stop_reason(rules_budget, started, size, iteration, new_nodes or changed)
         if stop is None:
             changed = False
             for f in rule_files:
@@ -100,7 +135,12 @@ def saturate(
         if stop is not None:
             stopped_by = stop
             break
-    return gen, view, SaturationStats(tuple(history), stopped_by, time.perf_counter() - started, dict(gen.ill_typed))
+    generation = gen.distribute(started + budget.seconds * GENERATION_SHARE, budget.nodes)
+    stopped_in = "rules" if stopped_by != "fixpoint" else "generation" if generation.stopped_by else ""
+    if stopped_in == "generation":
+        stopped_by = generation.stopped_by
+    return gen, view, SaturationStats(tuple(history), stopped_by, time.perf_counter() - started,
+                                      dict(gen.ill_typed), stopped_in, generation)
 
 
 def _stop_reason(budget: Budget, started: float, size: int, iteration: int, growing: bool) -> str | None:

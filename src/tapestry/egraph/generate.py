@@ -1,26 +1,31 @@
-"""One generation pass: read the e-graph, name new classes, add shapes and the distributed layer.
+"""Generation: name new logical classes between rule rounds, then add the distributed layer once.
 
-The pass reads a serialization of the e-graph, gives every logical class a
-handle `(Id n)` (so later commands can refer to it without rebuilding terms),
-infers each class's shape from the kernel registry, records `Rank`/`Dim` facts
-for rule guards, and inserts the distributed members of every logical node it
-has not seen before.
+A pass (`refresh`) reads a serialization of the e-graph, gives every logical
+class a handle `(Id n)` (so later commands can refer to it without rebuilding
+terms), infers each class's shape from the kernel registry, records
+`Rank`/`Dim`/`Dtype` facts for rule guards, and queues each logical node it has
+not seen before. When the rules are done, `distribute` inserts the queued
+nodes' distributed members, under a time and size budget: first every node's
+replicated run (so a plan always exists), then the sharded ones node by node.
 """
 from __future__ import annotations
 
+import math
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tapestry.egraph.distributed import Interner, reshard_pairs, runs_for
+from tapestry.egraph.distributed import Interner, runs_for
 from tapestry.egraph.rules import Rule
 from tapestry.egraph.schema import constructors, decode_param, encode_param, run_name
-from tapestry.egraph.session import Session, call, lit, set_value, union
+from tapestry.egraph.session import CHUNK, Session, call, lit, set_value, union
 from tapestry.graph import Graph
 from tapestry.kernels import KernelError, Params, Shape, Signature
 from tapestry.sharding import Mesh
 
+ENODES_PER_RUN = 4  # at most, in practice: the Run, and the new At e-nodes of its result and arguments
 NodeKey = tuple[str, Params, tuple[int, ...]]  # constructor, params, canonical handles of the args
 
 
@@ -31,6 +36,29 @@ class LogicalNode:
     args: tuple[str, ...]  # child T classes
     params: Params
     input_name: str | None = None
+
+
+@dataclass(frozen=True)
+class Queued:
+    """A logical node named and bound, waiting for its distributed members."""
+
+    key: NodeKey
+    sig: Signature
+    args: tuple[int, ...]  # argument handles (canonical when queued; merges may follow)
+    out: int
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """What `distribute` did, and what its budget left out."""
+
+    seconds: float
+    nodes: int  # logical nodes distributed
+    runs: int  # Run members inserted
+    unsharded: int  # nodes whose sharded runs the budget left out (each keeps its replicated run)
+    stopped_by: str  # "" when complete, else "seconds" or "nodes"
+    enodes: int
+    eclasses: int  # logical classes plus (class, layout) pairs
 
 
 @dataclass
@@ -83,17 +111,18 @@ class Generator:
 
     def __init__(self, session: Session, graph: Graph, mesh: Mesh) -> None:
         self.session, self.graph, self.mesh = session, graph, mesh
-        self.interner = Interner()
+        self.interner = Interner(mesh)
         self.parent: dict[int, int] = {}  # union-find over handles
         self.shapes: dict[int, Shape] = {}
         self.dtypes: dict[int, str] = {}
         self.origins: dict[NodeKey, str] = {}
         self.generated: set[NodeKey] = set()
         self.layouts: dict[int, set[str]] = defaultdict(set)  # canonical handle -> layouts it occurs in
-        self.linked: set[tuple[int, str, str]] = set()  # reshards, places and delivers inserted
+        self.linked: set[tuple[int, str, str]] = set()  # places and delivers inserted
         self.input_handles: dict[int, str] = {}
         self.output_handles: dict[str, int] = {}
         self.ill_typed: dict[str, str] = {}
+        self.queued: list[Queued] = []
         self._next = 0
 
     # -- handles --------------------------------------------------------------------------------
@@ -152,8 +181,8 @@ class Generator:
 
     # -- one pass -------------------------------------------------------------------------------
     def refresh(self, fired: Sequence[Rule] = (), iteration: int = 0) -> tuple[View, int]:
-        """Serialize, then insert what the new logical nodes imply. Returns the view and how many
-        logical nodes were new (0 at a fixpoint)."""
+        """Serialize, name and type the new logical nodes' classes, queue the nodes for `distribute`. Returns the
+        view and how many logical nodes were new (0 at a fixpoint)."""
         view = read_view(self.session.serialize())
         class_handle = {c: self._merge(hs) for c, hs in view.handles.items()}
         commands: list[Any] = []
@@ -182,11 +211,10 @@ class Generator:
                     commands += self._shape_facts(h, sig.output_shape, sig.dtype)
                 new_nodes += 1
                 self.origins.setdefault(key, _provenance(node.ctor, fired, iteration))
-                commands += self._distribute(node, key, sig, class_handle)
+                self.queued.append(Queued(key, sig, key[2], self.find(class_handle[node.eclass])))
             if len(waiting) == len(pending):
                 break
             pending = waiting
-        commands += self._links(class_handle)
         self.session.insert(commands)
         return view, new_nodes
 
@@ -209,47 +237,90 @@ class Generator:
             self.ill_typed[f"{node.ctor}{node.params}"] = str(err)
             return None
 
-    def _distribute(self, node: LogicalNode, key: NodeKey, sig: Signature, class_handle: dict[str, int]) -> list[Any]:
-        kernel = sig.kernel
-        arg_handles = [self.find(class_handle[a]) for a in node.args]
-        out = self.find(class_handle[node.eclass])
-        if (sig.output_shape, sig.dtype) != (self.shapes[out], self.dtypes[out]):
-            self.ill_typed[f"{node.ctor}{node.params}"] = (
-                f"type {sig.dtype}{list(sig.output_shape)} differs from its class's "
-                f"{self.dtypes[out]}{list(self.shapes[out])}: a rule equated them"
-            )
-            return []
-        origin = f"{kernel.name} {self.origins.get(key, '')}".strip()
+    # -- the distributed layer ------------------------------------------------------------------
+    def distribute(self, deadline: float = float("inf"), max_nodes: int | None = None) -> GenerationStats:
+        """Insert the queued nodes' Run members, and Place/Deliver members for inputs and outputs.
+
+        Every node's replicated run goes in first, whatever the budget, so a plan always exists. Then each
+        node's sharded runs, node by node, until `deadline` (a perf_counter time) or `max_nodes` e-nodes."""
+        started = time.perf_counter()
+        todo = self._dequeue()
+        mandatory = [command for item in todo for command in self._runs(item, sharded=False)]
+        runs = len(mandatory)
+        self.session.insert(mandatory + self._links())
+        size = self.session.size()  # exact after each insert
+        limit = math.inf if max_nodes is None else max_nodes
+        stopped_by, left_out, batch = "", 0, []
+        for n, item in enumerate(todo):
+            if len(batch) >= CHUNK or size + ENODES_PER_RUN * len(batch) >= limit:  # near the limit: measure
+                self.session.insert(batch)
+                batch = []
+                size = self.session.size()
+            if time.perf_counter() >= deadline:
+                stopped_by = "seconds"
+            elif size >= limit:
+                stopped_by = "nodes"
+            if stopped_by:
+                left_out = len(todo) - n
+                break
+            commands = self._runs(item, sharded=True)
+            runs += len(commands)
+            batch += commands
+        self.session.insert(batch + self._links())
+        return GenerationStats(time.perf_counter() - started, len(todo), runs, left_out, stopped_by,
+                               self.session.size(), len(self.layouts) + sum(map(len, self.layouts.values())))
+
+    def _dequeue(self) -> list[Queued]:
+        """The queued nodes, once each under the handles' latest merges; a node whose class a rule equated with a
+        differently typed one is recorded as ill-typed and dropped."""
+        todo, seen = [], set()
+        for item in self.queued:
+            args, out = tuple(self.find(a) for a in item.args), self.find(item.out)
+            key = (item.key[0], item.key[1], args)
+            if key in seen:
+                continue
+            seen.add(key)
+            sig = item.sig
+            if (sig.output_shape, sig.dtype) != (self.shapes[out], self.dtypes[out]):
+                self.ill_typed[f"{key[0]}{key[1]}"] = (
+                    f"type {sig.dtype}{list(sig.output_shape)} differs from its class's "
+                    f"{self.dtypes[out]}{list(self.shapes[out])}: a rule equated them"
+                )
+                continue
+            todo.append(Queued(item.key, sig, args, out))
+        self.queued = []
+        return todo
+
+    def _runs(self, item: Queued, sharded: bool) -> list[Any]:
+        """One `(At out L) = (Run<Kernel> (At arg L_i)... key)` union per sharded partition, or for the
+        replicated one."""
+        kernel = item.sig.kernel
+        origin = f"{kernel.name} {self.origins.get(item.key, '')}".strip()
         commands = []
-        for out_layout, arg_layouts, run_key in runs_for(sig, self.mesh, self.interner, origin):
-            self.layouts[out].add(out_layout)
+        for out_layout, arg_layouts, run_key in runs_for(item.sig, self.interner, origin, sharded):
+            self.layouts[item.out].add(out_layout)
             args = []
-            for h, layout in zip(arg_handles, arg_layouts):
+            for h, layout in zip(item.args, arg_layouts):
                 self.layouts[h].add(layout)
                 args.append(call("At", call("Id", lit(h)), lit(layout)))
-            commands.append(union(call("At", call("Id", lit(out)), lit(out_layout)),
+            commands.append(union(call("At", call("Id", lit(item.out)), lit(out_layout)),
                                   call(run_name(kernel.name), *args, lit(run_key))))
         return commands
 
-    def _links(self, class_handle: dict[str, int]) -> list[Any]:
-        """Place members for inputs, Reshard members between layouts, Deliver members for outputs."""
+    def _links(self) -> list[Any]:
+        """Place members for inputs, Deliver members for outputs (reshards are made by decode, outside egglog)."""
         commands = []
         inputs = {self.find(h): name for h, name in self.input_handles.items()}
         outputs: dict[int, list[str]] = defaultdict(list)
         for name, out in self.output_handles.items():
             outputs[self.find(out)].append(name)
-        for h in {self.find(x) for x in class_handle.values()}:
-            layouts = self.layouts.get(h, set())
+        for h, layouts in self.layouts.items():
             at = lambda key: call("At", call("Id", lit(h)), lit(key))  # noqa: E731
             if h in inputs:  # placed in any plain layout; a weight may also be held split and gathered on use
                 for key in layouts:
                     if (h, "place", key) not in self.linked and not self.interner.layouts[key][1].partial:
                         self.linked.add((h, "place", key))
                         commands.append(union(at(key), call("Place", lit(inputs[h]), lit(key))))
-            for src, dst in reshard_pairs(layouts, self.interner):
-                if (h, src, dst) not in self.linked:
-                    self.linked.add((h, src, dst))
-                    commands.append(union(at(dst), call("Reshard", at(src), lit(dst))))
             for name in outputs.get(h, ()):
                 for key in layouts:
                     if (h, name, key) not in self.linked and not self.interner.layouts[key][1].partial:

@@ -6,6 +6,7 @@ alone. Steps are in execution order; values are named by the step that makes the
 """
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,6 +21,13 @@ from tapestry.sharding.partition import Partition, needed_layout, output_layout
 from tapestry.zspace import ZRange
 
 FORMAT = "tapestry.plan/1"
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _bound(kernel: str, shapes: tuple[Shape, ...], params: Params, in_dtypes: tuple[str, ...]) -> Signature:
+    """One Signature per distinct binding, shared by every step that runs it (the steps of identical layers differ
+    only in their origin): its cost formulas are compiled once."""
+    return get_kernel(kernel).bind(shapes, dict(params), in_dtypes or None)
 
 
 @dataclass(frozen=True)
@@ -60,7 +68,7 @@ class Compute:
 
     @cached_property
     def signature(self) -> Signature:
-        return get_kernel(self.kernel).bind(self.input_shapes, dict(self.params), self.input_dtypes or None)
+        return _bound(self.kernel, self.input_shapes, self.params, self.input_dtypes)
 
     @property
     def shape(self) -> Shape:

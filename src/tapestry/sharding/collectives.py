@@ -74,11 +74,12 @@ def _self_sufficient(src: Layout, dst: Layout, ranks: tuple[int, ...]) -> bool:
             if any(k not in members and overlap(held, need) is not None for k, held in enumerate(src.blocks)):
                 return False
             continue
+        held = [b for b in (src.blocks[k] for k in ranks) if b is not None]
+        if any(h.contains(need) for h in held):
+            continue
         missing = [need]
-        for k in ranks:
-            held = src.blocks[k]
-            if held is not None:
-                missing = [piece for m in missing for piece in box_difference(m, held)]
+        for h in held:
+            missing = [piece for m in missing for piece in box_difference(m, h)]
         if missing:
             return False
     return True

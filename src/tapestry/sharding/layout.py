@@ -23,6 +23,15 @@ class Layout:
     blocks: tuple[Block, ...]
     partial: bool = False
 
+    def __hash__(self) -> int:
+        """Computed once: pricing keys its caches by layout pairs, and hashing every block each time was half of
+        it."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.blocks, self.partial))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     @classmethod
     def replicated(cls, shape: tuple[int, ...], mesh: Mesh) -> Layout:
         return cls((ZRange.from_shape(shape),) * mesh.size)

@@ -113,7 +113,7 @@ class IndexProjection:
         if not isinstance(x, ZRange):
             start = self.affine.apply(x)
             return ZRange(start, [s + n for s, n in zip(start, self.shape)])
-        check_ndim(str(x), x.ndim, self.in_dim)
+        check_ndim(x, x.ndim, self.in_dim)
         if x.is_empty or 0 in self.shape:
             # Nothing is selected; keep a position so callers can still place the result.
             start = self.affine.apply(x.start)
@@ -136,7 +136,7 @@ class IndexProjection:
         reads an index dim of size zero (or whose box is empty). `apply` gives an all-zero box when `x` is empty,
         which is right for a block that computes nothing but wrong for a whole tensor's shape: relu of a (4, 0)
         tensor is (4, 0), and a sum over an empty axis of it is (4,)."""
-        check_ndim(str(x), x.ndim, self.in_dim)
+        check_ndim(x, x.ndim, self.in_dim)
         return tuple(
             0 if n == 0 or any(a and size == 0 for a, size in zip(row, x.shape))
             else n + sum(abs(a) * (size - 1) for a, size in zip(row, x.shape))

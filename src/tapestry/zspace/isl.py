@@ -50,7 +50,7 @@ def to_isl_map(p: IndexProjection) -> isl.Map:
 
 def footprint(p: IndexProjection, r: ZRange) -> isl.Set:
     """Every tensor cell some index point of r selects."""
-    check_ndim(str(r), r.ndim, p.in_dim)
+    check_ndim(r, r.ndim, p.in_dim)
     return to_isl_map(p).intersect_domain(to_isl_set(r)).range()
 
 
@@ -75,7 +75,7 @@ def box_of(s: isl.Set) -> ZRange | None:
 def _union(ranges: Sequence[ZRange], ndim: int) -> isl.Set:
     result = isl.Set.empty(isl.Space.set_alloc(_CTX, 0, ndim))
     for r in ranges:
-        check_ndim(str(r), r.ndim, ndim)
+        check_ndim(r, r.ndim, ndim)
         result = result.union(to_isl_set(r))
     return result
 

@@ -21,8 +21,9 @@ def as_point(values: Iterable[int]) -> Point:
     return tuple(operator.index(v) for v in values)
 
 
-def check_ndim(what: str, got: int, expected: int) -> None:
-    """One wording for every dimension check, so messages are greppable."""
+def check_ndim(what: object, got: int, expected: int) -> None:
+    """One wording for every dimension check, so messages are greppable; `what` is formatted only for the error
+    (box arithmetic checks millions of times)."""
     if got != expected:
         raise ValueError(f"ndim mismatch: {what} has {got} dims, expected {expected}")
 
@@ -44,6 +45,15 @@ class ZRange:
         object.__setattr__(self, "end", end)
 
     @classmethod
+    def _checked(cls, start: Point, end: Point) -> ZRange:
+        """A box from int tuples already known to be ordered and of one rank: box arithmetic makes millions of
+        these while pricing reshards, and __init__'s checks would be half its time."""
+        box = object.__new__(cls)
+        object.__setattr__(box, "start", start)
+        object.__setattr__(box, "end", end)
+        return box
+
+    @classmethod
     def from_shape(cls, shape: Sequence[int]) -> ZRange:
         return cls((0,) * len(shape), shape)
 
@@ -54,7 +64,7 @@ class ZRange:
         if not ranges:
             raise ValueError("bounding box of no ranges")
         for r in ranges:
-            check_ndim(str(r), r.ndim, ranges[0].ndim)
+            check_ndim(r, r.ndim, ranges[0].ndim)
         return cls(
             [min(col) for col in zip(*(r.start for r in ranges))],
             [max(col) for col in zip(*(r.end for r in ranges))],
@@ -66,15 +76,15 @@ class ZRange:
 
     @property
     def shape(self) -> Point:
-        return tuple(e - s for s, e in zip(self.start, self.end))
+        return tuple(map(operator.sub, self.end, self.start))
 
     @property
     def size(self) -> int:
-        return math.prod(self.shape)
+        return math.prod(map(operator.sub, self.end, self.start))
 
     @property
     def is_empty(self) -> bool:
-        return self.size == 0
+        return any(map(operator.eq, self.start, self.end))
 
     @property
     def inclusive_end(self) -> Point:
@@ -86,7 +96,7 @@ class ZRange:
     def contains(self, x: ZRange | Sequence[int]) -> bool:
         """Per-coordinate containment (not the original's dominance order)."""
         if isinstance(x, ZRange):
-            check_ndim(str(x), x.ndim, self.ndim)
+            check_ndim(x, x.ndim, self.ndim)
             return all(s <= xs for s, xs in zip(self.start, x.start)) and all(
                 xe <= e for e, xe in zip(self.end, x.end)
             )
@@ -96,19 +106,18 @@ class ZRange:
 
     def intersection(self, other: ZRange) -> ZRange | None:
         """None only when disjoint; touching boxes meet in an empty range."""
-        check_ndim(str(other), other.ndim, self.ndim)
-        start = [max(a, b) for a, b in zip(self.start, other.start)]
-        end = [min(a, b) for a, b in zip(self.end, other.end)]
-        if any(s > e for s, e in zip(start, end)):
+        check_ndim(other, other.ndim, self.ndim)
+        start = tuple(map(max, self.start, other.start))
+        end = tuple(map(min, self.end, other.end))
+        if any(map(operator.gt, start, end)):
             return None
-        return ZRange(start, end)
+        return ZRange._checked(start, end)
 
     def translate(self, delta: Sequence[int]) -> ZRange:
         delta = as_point(delta)
-        check_ndim(f"delta {delta}", len(delta), self.ndim)
-        return ZRange(
-            [s + d for s, d in zip(self.start, delta)], [e + d for e, d in zip(self.end, delta)]
-        )
+        if len(delta) != self.ndim:
+            check_ndim(f"delta {delta}", len(delta), self.ndim)
+        return ZRange._checked(tuple(map(operator.add, self.start, delta)), tuple(map(operator.add, self.end, delta)))
 
     def split(self, dim: int, chunk_size: int) -> list[ZRange]:
         """ceil(n / chunk_size) pieces along dim, the last one smaller."""
@@ -175,7 +184,7 @@ class ZRange:
     def _cut(self, d: int, sizes: Sequence[int]) -> list[ZRange]:
         bounds = list(itertools.accumulate(sizes, initial=self.start[d]))
         return [
-            ZRange(_replace(self.start, d, lo), _replace(self.end, d, hi))
+            ZRange._checked(_replace(self.start, d, lo), _replace(self.end, d, hi))
             for lo, hi in itertools.pairwise(bounds)
         ]
 

@@ -1,0 +1,133 @@
+"""Budgets bind in every phase (rule rounds, generation, pricing), and each stop still leaves a valid plan."""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+
+import pytest
+
+from tapestry.egraph.decode import Decoder, distributed_nodes
+from tapestry.egraph.driver import Budget, saturate
+from tapestry.egraph.generate import Generator
+from tapestry.egraph.rules import load_rules
+from tapestry.egraph.session import Session
+from tapestry.extract import extract
+from tapestry.models import mlp
+from tapestry.optimizer import default_cost_model, optimize
+from tapestry.plan import Compute
+from tapestry.plan.validate import validate_plan
+from tapestry.sharding import Layout, Mesh
+from tapestry.sharding.comm import CommError, can_move, transfers
+from tapestry.sharding.partition import candidate_partitions, needed_layout, output_layout
+
+
+def _plan(gen: Generator, graph):
+    data = gen.session.serialize()
+    nodes, roots, names = distributed_nodes(data, gen.interner)
+    decoder = Decoder(nodes, gen.interner, gen.mesh, {n.name: n.dtype for n in graph.inputs})
+    egraph = decoder.extraction_graph(roots, default_cost_model())
+    return decoder, decoder.plan(egraph, extract(egraph, "greedy-dag"), graph, names)
+
+
+def test_a_generation_out_of_time_leaves_every_node_replicated_and_a_valid_plan():
+    graph = mlp(3, 64, 32)
+    gen = Generator(Session(load_rules()), graph, Mesh(4))
+    gen.encode()
+    gen.refresh()
+    stats = gen.distribute(deadline=time.perf_counter())
+    assert stats.stopped_by == "seconds" and stats.unsharded == stats.nodes > 0
+    _, plan = _plan(gen, graph)
+    validate_plan(plan)
+    computes = [s for s in plan.steps if isinstance(s, Compute)]
+    assert computes and all(len(set(s.blocks)) == 1 for s in computes), "only replicated runs were generated"
+
+
+def test_a_node_budget_stops_generation_after_the_rules_ran_and_says_so():
+    graph = mlp(3, 64, 32)
+    full = optimize(graph, Mesh(4), extractor="greedy-dag")
+    logical = full.stats.iterations[-1].enodes
+    assert full.stats.stopped_by == "fixpoint" and full.stats.enodes > 2 * logical
+    replicated = optimize(graph, Mesh(4), budget=Budget(nodes=logical + 1), extractor="greedy-dag").stats
+    assert replicated.generation.unsharded == replicated.generation.nodes
+    between = (replicated.enodes + full.stats.enodes) // 2
+    stopped = optimize(graph, Mesh(4), budget=Budget(nodes=between), extractor="greedy-dag")
+    stats = stopped.stats
+    assert (stats.stopped_by, stats.stopped_in) == ("nodes", "generation")
+    assert stats.iterations[0].matches, "the rules ran before generation stopped"
+    assert 0 < stats.generation.unsharded < stats.generation.nodes
+    assert "generation stopped by nodes" in stats.undone
+    validate_plan(stopped.plan)
+    assert stopped.plan.cost >= full.plan.cost * (1 - 1e-9)  # fewer choices, never a cheaper plan
+
+
+def test_rule_rounds_stop_by_their_share_of_the_time_and_generation_still_runs():
+    result = optimize(mlp(3, 64, 32), Mesh(2), budget=Budget(seconds=0.0))
+    assert (result.stats.stopped_by, result.stats.stopped_in) == ("seconds", "rules")
+    assert result.stats.generation is not None and result.stats.generation.nodes > 0
+    validate_plan(result.plan)
+
+
+def test_pricing_out_of_time_prices_what_the_replicated_plan_needs_and_leaves_the_rest_out():
+    graph = mlp(2, 16, 8)
+    gen, _, _ = saturate(graph, Mesh(2, 2), load_rules())
+    data = gen.session.serialize()
+    nodes, roots, names = distributed_nodes(data, gen.interner)
+    decoder = Decoder(nodes, gen.interner, gen.mesh, {n.name: n.dtype for n in graph.inputs})
+    full = decoder.extraction_graph(roots, default_cost_model())
+    assert decoder.pricing.reshards_unpriced == 0
+    cut = decoder.extraction_graph(roots, default_cost_model(), seconds=0.0)
+    reshards = sum(n.op == "Reshard" for n in nodes)
+    assert 0 < decoder.pricing.reshards_unpriced < reshards
+    assert sum(math.isinf(c) for c in cut.node_cost) == decoder.pricing.reshards_unpriced
+    assert all(c == f for c, f in zip(cut.node_cost, full.node_cost) if not math.isinf(c)), "same prices"
+    plan = decoder.plan(cut, extract(cut, "greedy-dag"), graph, names)
+    validate_plan(plan)
+
+
+class CountingCost:
+    """The default model, counting the Computes it is asked to price."""
+
+    def __init__(self) -> None:
+        self.base, self.computes = default_cost_model(), 0
+
+    def step_cost(self, step, mesh):
+        self.computes += isinstance(step, Compute)
+        return self.base.step_cost(step, mesh)
+
+
+def test_the_runs_of_identical_layers_are_priced_once():
+    graph = mlp(4, 64, 64)  # four identical layers
+    gen, _, _ = saturate(graph, Mesh(2), load_rules())
+    nodes, roots, _ = distributed_nodes(gen.session.serialize(), gen.interner)
+    decoder = Decoder(nodes, gen.interner, gen.mesh, {n.name: n.dtype for n in graph.inputs})
+    model = CountingCost()
+    decoder.extraction_graph(roots, model)
+    runs = [n for n in nodes if n.op.startswith("Run")]
+    assert 0 < model.computes <= len(runs) / 4 + 2  # the first layer's relu may differ (fused or not) from the rest
+
+
+@pytest.mark.parametrize("mesh", [Mesh(4), Mesh(2, 2)])
+def test_can_move_says_exactly_when_transfers_can_plan_a_move(mesh):
+    from tapestry.kernels import get_kernel
+
+    sigs = [get_kernel("matmul").bind([(4, 6), (6, 8)]),
+            get_kernel("slice").bind([(8, 6)], {"axis": 0, "start": 1, "stop": 7}),
+            get_kernel("transpose").bind([(4, 8)], {"perm": (1, 0)})]
+    by_shape: dict[tuple[int, ...], set[Layout]] = {}
+    for sig in sigs:
+        for shape, layout in [(sig.output_shape, output_layout(sig, p)) for p in candidate_partitions(sig, mesh)] + [
+                (s, needed_layout(sig, i, p)) for p in candidate_partitions(sig, mesh)
+                for i, s in enumerate(sig.input_shapes)]:
+            by_shape.setdefault(shape, set()).add(layout)
+    pairs = 0
+    for layouts in by_shape.values():
+        for src, dst in itertools.permutations(layouts, 2):
+            try:
+                transfers(src, dst)
+                movable = True
+            except CommError:
+                movable = False
+            assert can_move(src, dst) == movable, (src, dst)
+            pairs += 1
+    assert pairs > 50
