@@ -56,6 +56,7 @@ class Session:
     def __init__(self, rule_files: Sequence[RuleFile]) -> None:
         self.egraph = b.EGraph()
         self.rule_files = tuple(rule_files)
+        self._inserts = 0  # one-shot rulesets made by insert
         self.text(schema_text())
         self.text(rules_program(self.rule_files))
 
@@ -65,8 +66,15 @@ class Session:
         return _run(lambda: self.egraph.run_program(*self.egraph.parse_program(program)))
 
     def insert(self, commands: Sequence[Any]) -> None:
+        """Action commands (union, set), CHUNK at a time, each chunk as the actions of one rule with no premise,
+        run once: 3-4 times faster than as top-level commands (egglog's per-command overhead)."""
         for i in range(0, len(commands), CHUNK):
-            _run(lambda: self.egraph.run_program(*commands[i : i + CHUNK]))
+            name = f"insert{self._inserts}"
+            self._inserts += 1
+            actions = [command.action for command in commands[i : i + CHUNK]]
+            _run(lambda: self.egraph.run_program(
+                b.AddRuleset(_SPAN, name), b.RuleCommand(b.Rule(_SPAN, actions, [], name, name)),
+                b.RunSchedule(b.Repeat(_SPAN, 1, b.Run(_SPAN, b.RunConfig(name, None))))))
 
     def run_ruleset(self, name: str) -> tuple[dict[str, int], bool]:
         """One iteration of a ruleset: matches per rule (keyed by the rule's egglog text), and
