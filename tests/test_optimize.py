@@ -202,6 +202,15 @@ def test_a_chain_deeper_than_pythons_stack_is_planned_checked_and_run():
 
 
 @pytest.mark.slow
+def test_a_1500_op_chain_optimizes_on_two_devices_with_the_shipped_rules():
+    """Generation, pricing and extraction of a sharded, rewritten chain walk without recursion too."""
+    graph = chain(1500)
+    result = optimize(graph, Mesh(2), extractor="greedy-dag")
+    assert result.stats.stopped_by == "fixpoint" and len(result.plan.steps) >= 1501
+    validate_plan(result.plan)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("extractor", ["bottom-up", "greedy-dag", "ilp"])
 def test_a_ten_thousand_op_chain_is_planned(extractor: str):
     plan = optimize(chain(10_000), 1, rules=[], budget=Budget(iterations=1, seconds=300), extractor=extractor,

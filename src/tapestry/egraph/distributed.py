@@ -18,7 +18,7 @@ from tapestry.kernels import Shape, Signature
 from tapestry.plan import Compute
 from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.comm import can_move
-from tapestry.sharding.partition import Partition, candidate_partitions, partition_issues
+from tapestry.sharding.partition import Partition, candidate_partitions, make_partition, partition_issues
 
 
 class Interner:
@@ -50,13 +50,15 @@ class Interner:
             self.runs[name] = step
         return self._run_keys[step]
 
-    def candidates(self, sig: Signature) -> list[tuple[str, Partition, Compute, str, tuple[str, ...]]]:
-        """(name, partition, step without origin, out layout, arg layouts) for every candidate partition of `sig`,
-        each checked with islpy once per distinct signature."""
-        key = (sig.kernel.name, sig.input_shapes, sig.params, sig.input_dtypes)
+    def candidates(self, sig: Signature, sharded: bool) -> list[tuple[str, Partition, Compute, str, tuple[str, ...]]]:
+        """(name, partition, step without origin, out layout, arg layouts) for every sharded candidate partition
+        of `sig`, or else for its replicated one; each checked with islpy once per distinct signature."""
+        key = (sig.kernel.name, sig.input_shapes, sig.params, sig.input_dtypes, sharded)
         if key not in self._candidates:
             found = []
-            for part in candidate_partitions(sig, self.mesh):
+            replicated = make_partition(sig, self.mesh, (None,) * self.mesh.ndim)
+            parts = [p for p in candidate_partitions(sig, self.mesh) if any(p.axes)] if sharded else [replicated]
+            for part in parts:
                 issues = partition_issues(sig, part.blocks)  # islpy: a partition of the index space, partials sound
                 if issues:
                     raise AssertionError(f"generated an illegal partition of {sig}: {'; '.join(issues)}")
@@ -74,11 +76,10 @@ def runs_for(sig: Signature, interner: Interner, origin: str,
     """(out layout, arg layouts, run key) for each candidate partition of one logical node: the sharded ones, or
     else the replicated one."""
     found = []
-    for name, part, step, out, args in interner.candidates(sig):
-        if any(part.axes) == sharded:
-            key = interner.run(replace(step, origin=f"{origin} [{part.name(sig)}]"))
-            interner.priced_as[key] = name
-            found.append((out, args, key))
+    for name, part, step, out, args in interner.candidates(sig, sharded):
+        key = interner.run(replace(step, origin=f"{origin} [{part.name(sig)}]"))
+        interner.priced_as[key] = name
+        found.append((out, args, key))
     return found
 
 
