@@ -6,11 +6,13 @@ import math
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tapestry.egraph.decode import Decoder, distributed_nodes
+from tapestry.egraph.decode import Decoder, distributed_nodes, dominated_moves
 from tapestry.egraph.driver import Budget, saturate
 from tapestry.egraph.generate import Generator
-from tapestry.egraph.rules import load_rules
+from tapestry.egraph.rules import BUILTIN_DIR, load_rules
 from tapestry.egraph.session import Session
 from tapestry.extract import extract
 from tapestry.models import mlp
@@ -131,3 +133,35 @@ def test_can_move_says_exactly_when_transfers_can_plan_a_move(mesh):
             assert can_move(src, dst) == movable, (src, dst)
             pairs += 1
     assert pairs > 50
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 6).flatmap(lambda n: st.lists(
+    st.one_of(st.just(math.inf), st.floats(0, 10), st.sampled_from([0.0, 1.0, 2.0])), min_size=n * n, max_size=n * n
+).map(lambda costs: {(str(i), str(j)): costs[i * n + j] for i in range(n) for j in range(n) if i != j})))
+def test_dropping_dominated_moves_keeps_the_cheapest_route_between_every_pair(moves):
+    dropped = dominated_moves(moves)
+    kept = {pair: c for pair, c in moves.items() if pair not in dropped}
+    assert _shortest(kept) == pytest.approx(_shortest(moves), rel=1e-6)
+
+
+def _shortest(moves: dict[tuple[str, str], float]) -> dict[tuple[str, str], float]:
+    """All-pairs cheapest routes (Floyd-Warshall)."""
+    nodes = sorted({n for pair in moves for n in pair})
+    dist = {(a, b): 0.0 if a == b else moves.get((a, b), math.inf) for a in nodes for b in nodes}
+    for k, a, b in itertools.product(nodes, nodes, nodes):
+        dist[a, b] = min(dist[a, b], dist[a, k] + dist[k, b])
+    return dist
+
+
+@pytest.mark.parametrize(("graph", "mesh"), [(mlp(2, 64, 64), Mesh(2, 2)), (mlp(1, 512, 512), Mesh(2, 2))])
+def test_plans_without_dominated_moves_cost_what_the_optimum_costs(graph, mesh):
+    """The exact ILP's proven optimum over every move equals its optimum without the dominated ones."""
+    gen, _, _ = saturate(graph, mesh, load_rules([BUILTIN_DIR / "fusion.egg"]))
+    nodes, roots, _ = distributed_nodes(gen.session.serialize(), gen.interner)
+    decoder = Decoder(nodes, gen.interner, gen.mesh, {n.name: n.dtype for n in graph.inputs})
+    every = extract(decoder.extraction_graph(roots, default_cost_model()), "ilp", 60)
+    lean = extract(decoder.extraction_graph(roots, default_cost_model(), drop_dominated_moves=True), "ilp", 60)
+    assert decoder.pricing.reshards_dominated > 0
+    assert every.status == lean.status == "optimal"
+    assert lean.dag_cost == pytest.approx(every.dag_cost, rel=1e-9)

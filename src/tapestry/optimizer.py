@@ -98,8 +98,9 @@ class Explored:
         model = cost_model or default_cost_model()
         carried = dict(self.graph.carried if steady is None else steady)
         _check_carried(self.graph, carried)
-        egraph = self._restrict_outputs(self.decoder.extraction_graph(list(self.roots), model, self.pricing_seconds),
-                                        outputs)
+        priced = self.decoder.extraction_graph(list(self.roots), model, self.pricing_seconds,
+                                               drop_dominated_moves=memory_budget is None)  # sound for time only
+        egraph = self._restrict_outputs(priced, outputs)
         egraph, ties = self._steady_ties(egraph, carried)
         limit, slack, tries = memory_budget, 0, 0
         while True:

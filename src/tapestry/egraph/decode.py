@@ -37,6 +37,29 @@ class PricingStats:
     seconds: float
     steps: int
     reshards_unpriced: int
+    reshards_dominated: int = 0  # left out because a two-step route is strictly cheaper
+
+
+def dominated_moves(moves: Mapping[tuple[str, str], float]) -> set[tuple[str, str]]:
+    """The moves (from class, to class) -> cost that some two-step route through a third class beats strictly.
+
+    Leaving them out keeps the cheapest route between every pair: an edge of a cheapest path is never
+    beaten strictly by a two-step route (that would make a cheaper path), so every cheapest path survives
+    whole. A plan that used a dropped move can use the cheaper route instead, whose middle value it may even
+    share. Ties are kept (dropping both of two equal routes could drop them all)."""
+    out: dict[str, dict[str, float]] = {}
+    for (src, dst), c in moves.items():
+        if c < math.inf:
+            out.setdefault(src, {})[dst] = c
+    dropped = set()
+    for src, targets in out.items():
+        best: dict[str, float] = {}  # cheapest two-step route to each class
+        for mid, first in targets.items():
+            for dst, second in out.get(mid, {}).items():
+                if first + second < best.get(dst, math.inf):
+                    best[dst] = first + second
+        dropped.update((src, dst) for dst, direct in targets.items() if best.get(dst, math.inf) < direct * (1 - 1e-9))
+    return dropped
 
 
 @functools.lru_cache(maxsize=1024)
@@ -124,13 +147,16 @@ class Decoder:
             moves = left
         return found
 
-    def serialized(self, roots: list[str], cost: Any, seconds: float = math.inf) -> dict[str, Any]:
+    def serialized(self, roots: list[str], cost: Any, seconds: float = math.inf,
+                   drop_dominated_moves: bool = False) -> dict[str, Any]:
         """The distributed layer with costs, as egraph-serialize JSON (what `tapestry extract` reads).
 
         Each distinct step is priced once. Pricing stops after `seconds`: Runs, Places and reshards out of a
         replicated layout (local slicing, which the replicated plan needs) are priced first, and reshards left
-        unpriced cost infinity, so extraction leaves them out and a plan still exists. `self.pricing` says what
-        was priced."""
+        unpriced cost infinity, so extraction leaves them out and a plan still exists. With
+        `drop_dominated_moves`, so do reshards a two-step route is strictly cheaper than (`dominated_moves`;
+        sound for plan time, not for a memory budget: the route holds its middle layout). `self.pricing` says
+        what was priced."""
         started = time.perf_counter()
         first = {}
         for n in self.nodes:
@@ -150,13 +176,18 @@ class Decoder:
                     continue
                 prices[key] = float(cost.step_cost(self._priced_step(node), self.mesh))
             costs[i] = prices[key]
-        self.pricing = PricingStats(time.perf_counter() - started, len(prices), unpriced)
+        moves = {(n.children[0], n.eclass): i for i, n in enumerate(self.nodes) if n.op == "Reshard"}
+        dropped = dominated_moves({pair: costs[i] for pair, i in moves.items()}) if drop_dominated_moves else set()
+        for pair in dropped:
+            costs[moves[pair]] = math.inf
+        self.pricing = PricingStats(time.perf_counter() - started, len(prices), unpriced, len(dropped))
         nodes = {node.id: {"op": node.op, "eclass": node.eclass, "children": [first[c] for c in node.children],
                            "cost": c} for node, c in zip(self.nodes, costs)}
         return {"nodes": nodes, "root_eclasses": roots, "class_data": {}}
 
-    def extraction_graph(self, roots: list[str], cost: Any, seconds: float = math.inf) -> ExtractGraph:
-        return ExtractGraph.from_json(self.serialized(roots, cost, seconds))
+    def extraction_graph(self, roots: list[str], cost: Any, seconds: float = math.inf,
+                         drop_dominated_moves: bool = False) -> ExtractGraph:
+        return ExtractGraph.from_json(self.serialized(roots, cost, seconds, drop_dominated_moves))
 
     def _pricing_order(self, i: int) -> int:
         node = self.nodes[i]
