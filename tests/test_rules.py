@@ -113,17 +113,17 @@ def two_gemms_sharing_x() -> Graph:
 
 
 def test_a_two_output_rule_counts_its_matches_by_file_line_in_its_rounds_only():
-    """merge.egg's GEMM merge matches both matmuls at once; (iterations 2) keeps it to rounds 0 and 1."""
+    """merge.egg's GEMM merge matches both matmuls at once; (iterations 1) keeps it to round 0."""
     result = optimize(two_gemms_sharing_x(), 1, budget=Budget(iterations=4), extractor="greedy-dag")
-    merge = str(BUILTIN_DIR / "merge.egg") + ":13"
+    merge = str(BUILTIN_DIR / "merge.egg") + ":15"
     rounds = [i for i, it in enumerate(result.stats.iterations) if merge in it.matches]
-    assert rounds and set(rounds) <= {0, 1}
+    assert rounds == [0]
     assert len(result.stats.iterations) > 2  # the other rulesets went on
 
 
 def test_a_node_made_by_a_two_output_rule_names_it_as_its_origin():
     generator, _, _ = saturate(two_gemms_sharing_x(), Mesh(1), load_rules(), Budget(iterations=2))
-    assert any(origin == "made by merge.egg:13 in round 1" for origin in generator.origins.values())
+    assert any(origin == "made by merge.egg:15 in round 1" for origin in generator.origins.values())
 
 
 def test_a_rule_file_may_bound_its_rounds(tmp_path: Path):

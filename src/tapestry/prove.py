@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tapestry.egraph.driver import Budget, saturate
-from tapestry.egraph.rules import load_rules
+from tapestry.egraph.rules import BUILTIN_DIR, TASO_DIR, load_rules
 from tapestry.graph import Graph, GraphError, load_graph
 from tapestry.sharding import Mesh
 
@@ -68,11 +68,16 @@ def _joined(a: Graph, b: Graph) -> Graph:
     return joined
 
 
+PROOF_RULES = (BUILTIN_DIR, TASO_DIR)  # the default rules and TASO's algebra
+
+
 def equivalent(a: Graph, b: Graph, rules: Sequence[str | Path] | None = None,
                budget: Budget = Budget(seconds=10, iterations=12)) -> Equivalence:
-    """Saturate both graphs together with `rules` (default: the shipped rule files) within `budget`."""
+    """Saturate both graphs together with `rules` (default: PROOF_RULES, every shipped rule file) within
+    `budget`."""
     _check_same_interface(a, b)
-    generator, _, stats = saturate(_joined(a, b), Mesh(1), load_rules(rules), budget)
+    generator, _, stats = saturate(_joined(a, b), Mesh(1), load_rules(PROOF_RULES if rules is None else rules),
+                                   budget)
     handles = generator.output_handles
     outputs = {name: generator.find(handles[f"a.{name}"]) == generator.find(handles[f"b.{name}"])
                for name in a.outputs}
@@ -84,7 +89,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("prove", help="prove two graphs equal by saturating them together with the rule files")
     p.add_argument("first", type=Path, help="GRAPH.json")
     p.add_argument("second", type=Path, help="GRAPH.json with the same inputs and output names")
-    p.add_argument("--rules", type=Path, action="append", help="rule file or directory (default: the shipped ones)")
+    p.add_argument("--rules", type=Path, action="append", help="rule file or directory (default: the shipped ones, rules/taso/ included)")
     p.add_argument("--budget-seconds", type=float, default=10.0)
     p.set_defaults(func=_prove)
 

@@ -175,7 +175,8 @@ class Generator:
     @staticmethod
     def _shape_facts(h: int, shape: Shape, dtype: str) -> list[Any]:
         facts = [set_value("Rank", [call("Id", lit(h))], lit(len(shape))),
-                 set_value("Dtype", [call("Id", lit(h))], lit(dtype))]
+                 set_value("Dtype", [call("Id", lit(h))], lit(dtype)),
+                 set_value("Shape", [call("Id", lit(h))], lit(",".join(map(str, shape))))]
         facts += [set_value("Dim", [call("Id", lit(h)), lit(i)], lit(n)) for i, n in enumerate(shape)]
         return facts
 

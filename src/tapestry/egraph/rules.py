@@ -19,6 +19,8 @@ from tapestry.egraph.schema import FUNCTIONS, arities
 from tapestry.egraph.sexp import Atom, SExp, SExpError, SList, parse
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "rules"
+# TASO/Tensat algebra (ew, matmul, concat, conv): opt-in, for proofs and the substitution benchmark (docs/rules.md).
+TASO_DIR = BUILTIN_DIR / "taso"
 ARITH_OPS = {"+", "-", "*", "/", "%", "min", "max"}
 GUARD_OPS = {"=", "!=", "<", ">", "<=", ">=", *ARITH_OPS}
 FORMS = ("rewrite", "birewrite", "rule")

@@ -6,7 +6,8 @@ trailing primitive args (ints as i64, int tuples as a comma string), plus
 the distributed layer: `(At t layout)` names "value t laid out as layout";
 its members are `(Run<Kernel> args... partition)`, `(Reshard d layout)` and
 `(Place name layout)`. `(Result name)` names each program output's root class,
-whose members are `(Deliver name d)`. `Rank`/`Dim`/`Dtype` carry types for rule guards.
+whose members are `(Deliver name d)`. `Rank`/`Dim`/`Dtype`/`Shape` (dims comma-joined) carry types for
+rule guards.
 """
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ def decode_param(default: ParamValue, literal: str) -> ParamValue:
 
 
 BUILTIN_T = {"Input": ("String",), "Id": ("i64",)}
-FUNCTIONS = {"Rank": ("T",), "Dim": ("T", "i64"), "Dtype": ("T",)}
+FUNCTIONS = {"Rank": ("T",), "Dim": ("T", "i64"), "Dtype": ("T",), "Shape": ("T",)}
 
 
 def schema_text() -> str:
@@ -115,6 +116,7 @@ def schema_text() -> str:
             "(function Rank (T) i64 :merge old)",
             "(function Dim (T i64) i64 :merge old)",
             "(function Dtype (T) String :merge old)",
+            "(function Shape (T) String :merge old)",
             "(datatype D",
             *d_lines,
             ")",

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from tapestry.egraph.rules import RuleFileError, load_rules
+from tapestry.egraph.rules import BUILTIN_DIR, TASO_DIR, RuleFileError, load_rules
 from tapestry.testing.rulecheck import RuleVerdict, check_rules
 
 
@@ -22,7 +22,7 @@ def register(subparsers: Any) -> None:
         "2: a rule file cannot be loaded.",
     )
     p.add_argument("paths", nargs="*", type=Path, metavar="PATH",
-                   help="rule files or directories of *.egg (default: the package's rules)")
+                   help="rule files or directories of *.egg (default: the package's rules, rules/taso/ included)")
     p.add_argument("--examples", type=int, default=100, metavar="N", help="examples per rule direction (default 100)")
     p.set_defaults(func=run)
 
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if args.examples < 1:
         raise ValueError(f"--examples must be at least 1, got {args.examples}")
     try:
-        files = load_rules(args.paths or None)
+        files = load_rules(args.paths or [BUILTIN_DIR, TASO_DIR])
     except RuleFileError as err:
         console.print(f"[red]cannot load rules:[/] {escape(str(err))}", soft_wrap=True)
         return 2

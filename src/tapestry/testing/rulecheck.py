@@ -126,6 +126,8 @@ def _guard_value(expr: SExp, shapes: Mapping[str, Shape], params: Mapping[str, P
         return term_type(args[0], shapes, params, types)[1]
     if head == "Rank":
         return len(term_shape(args[0], shapes, params))
+    if head == "Shape":
+        return ",".join(map(str, term_shape(args[0], shapes, params)))
     if head == "Dim":
         shape, index = term_shape(args[0], shapes, params), _guard_value(args[1], shapes, params, types)
         if not 0 <= index < len(shape):
@@ -321,14 +323,17 @@ def _draw_term(
     params: dict[str, ParamValue],
     types: dict[str, str],
     extra: Extra,
+    hint: Shape | None = None,
 ) -> None:
     """Bind the fresh variables of `term` (inner terms first) so that it type-checks, each tensor variable at
-    the dtype its kernel's sampler gives that operand (float64 for "float"), recorded in `types`."""
+    the dtype its kernel's sampler gives that operand (float64 for "float"), recorded in `types`. `hint` is a
+    shape the enclosing kernel's sampler gave this term's place: a seed for its operands, so an inner add
+    can be drawn 4-D for the conv around it."""
     ctor, tensors, args = _split(term)
-    for inner in tensors:
-        if isinstance(inner, SList):
-            _draw_term(draw, inner, guards, shapes, params, types, extra)
     sample_shapes, sample_params, *kinds = ctor.kernel.sample(draw)
+    for position, inner in enumerate(tensors):
+        if isinstance(inner, SList):
+            _draw_term(draw, inner, guards, shapes, params, types, extra, sample_shapes[position])
     fresh_tensors: dict[str, int] = {}  # variable -> its first operand position
     for position, t in enumerate(tensors):
         if isinstance(t, Atom) and t.text not in shapes:
@@ -340,7 +345,7 @@ def _draw_term(
         kind = kinds[0][position] if kinds else "float"
         types[var] = "float64" if kind == "float" else kind
         known = [term_shape(t, shapes, params, types) for t in tensors if isinstance(t, SList)]
-        seeds = list(dict.fromkeys([sample_shapes[position], *known, *shapes.values()]))
+        seeds = list(dict.fromkeys([sample_shapes[position], *known, *shapes.values(), *([hint] if hint else [])]))
         shapes[var] = _pick(draw, _shape_candidates(seeds, extra), var, lambda s: ({**shapes, var: s}, params),
                             guards, term, n == last, types)
     for n, (var, name) in enumerate(fresh_params.items(), start=len(fresh_tensors)):
@@ -411,10 +416,28 @@ def checked_outputs(rule: Rule) -> tuple[Output, ...]:
     return tuple(o for o in rule.outputs if not (isinstance(o.rhs, Atom) and o.rhs.text == o.name))
 
 
+_TYPE_FUNCTIONS = ("Rank", "Dim", "Dtype", "Shape")
+
+
+def _compares_classes(guard: SExp, names: set[str]) -> bool:
+    """Whether `guard` uses an output as an e-class (as in (!= a b)), not inside Rank, Dim, Dtype or Shape."""
+    if isinstance(guard, Atom):
+        return guard.text in names
+    return guard.head not in _TYPE_FUNCTIONS and any(_compares_classes(i, names) for i in guard.items[1:])
+
+
+def _substitute(term: SExp, terms: Mapping[str, SExp]) -> SExp:
+    if isinstance(term, Atom):
+        return terms.get(term.text, term)
+    return SList(tuple(_substitute(i, terms) for i in term.items), term.line)
+
+
 def _value_guards(rule: Rule) -> tuple[SList, ...]:
-    """Guards on sizes; a guard on output e-classes, like (!= a b), only narrows the matches, so it is not drawn."""
-    names = {o.name for o in rule.outputs if o.name}
-    return tuple(g for g in rule.guards if not variables(g) & names)
+    """Guards on types, with each output read as its pattern ((Rank a) is the rank of a's term); a guard on
+    output e-classes, like (!= a b), only narrows the matches, so it is not drawn."""
+    patterns = {o.name: o.lhs for o in rule.outputs if o.name}
+    return tuple(_substitute(g, patterns) for g in rule.guards  # type: ignore[misc]
+                 if not _compares_classes(g, set(patterns)))
 
 
 def disagreement(rule: Rule, case: Case) -> str | None:
@@ -470,8 +493,11 @@ def _directions(rule: Rule) -> list[tuple[str, Rule]]:
 
 
 def _drawn_for(rule: Rule) -> st.SearchStrategy[Case]:
-    lhs = rule.lhs if rule.form != "rule" else tuple(o.lhs for o in rule.outputs)
-    return cases(lhs, _value_guards(rule), rule.sizes)
+    if rule.form != "rule":
+        return cases(rule.lhs, _value_guards(rule))
+    patterns = {o.name: o.lhs for o in rule.outputs}
+    sizes = tuple((var, _substitute(term, patterns)) for var, term in rule.sizes)
+    return cases(tuple(patterns.values()), _value_guards(rule), sizes)
 
 
 def check_rule(rule: Rule, max_examples: int = 100) -> RuleVerdict:
