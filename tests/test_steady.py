@@ -55,9 +55,13 @@ def test_a_carried_output_comes_out_where_its_input_was_placed():
     assert steady.cost >= 1.0  # it pays for placing w whole: there is no cheaper steady plan
 
 
-def test_greedy_extractors_keep_steady_state_by_pinning_the_layout_they_placed_the_input_in():
-    plan = tapestry.optimize(stepped(), MESH, extractor="greedy-dag", cost_model=WeightsLiveSplit()).plan
+@pytest.mark.parametrize("extractor", ["greedy-dag", "bottom-up"])
+def test_greedy_extractors_keep_steady_state_by_pinning_the_layout_they_delivered_the_output_in(extractor):
+    # unconstrained, w is placed split and new.w gathered for delivery: pinned to the delivered layout
+    plan = tapestry.optimize(stepped(), MESH, extractor=extractor, cost_model=WeightsLiveSplit(),
+                             outputs={"new.w": "replicated"}).plan
     assert not steady_violations(plan, {"new.w": "w"})
+    assert placed(plan, "w") == Layout.replicated((128, 128), MESH)
 
 
 def test_steady_state_can_be_asked_for_outputs_the_graph_does_not_carry():

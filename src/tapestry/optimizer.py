@@ -89,7 +89,7 @@ class Explored:
         Steady state: each output in `steady` (output -> input; default the graph's `carried`, {} for none) is
         delivered in the layout its input is placed in, so the step repeats without moving weights or optimizer
         state; the ILP keeps it exactly (`_steady_ties`), the greedy extractors by fixing each input's layout to
-        the one their unconstrained choice placed it in (`_pin_layouts`).
+        the one their unconstrained choice delivered its output in (`_pin_layouts`).
 
         The budget enters the ILP as per-device linear constraints that every fitting plan meets
         (`_device_budget`), so a decoded plan that fits is the optimum. If it does not fit, every node is charged
@@ -169,13 +169,13 @@ class Explored:
         return (egraph.with_costs(costs) if ties or places or delivers else egraph), sorted(ties)
 
     def _pin_layouts(self, egraph: ExtractGraph, free: Selection, carried: Mapping[str, str]) -> ExtractGraph:
-        """Each carried input allowed only the layout `free` placed it in first, and its output only that one."""
-        chosen = sorted(free.choice.values())
-        pinned: dict[str, str] = {}
-        for n in chosen:
+        """Each carried output allowed only the layout `free` delivered it in, and its input only that one (a
+        selectable Deliver has a Place partner: `_steady_ties`)."""
+        pinned: dict[str, str] = {}  # input -> layout key
+        for n in free.choice.values():
             node = self.decoder.nodes[n]
-            if node.op == "Place" and node.key in carried.values():
-                pinned.setdefault(node.key, node.layout)
+            if node.op == "Deliver" and node.key in carried:
+                pinned[carried[node.key]] = self.decoder.class_layout[node.children[0]]
         costs = list(egraph.node_cost)
         for n, node in enumerate(self.decoder.nodes):
             if node.op == "Place" and node.key in pinned and node.layout != pinned[node.key]:
