@@ -30,7 +30,7 @@ from tapestry.cost.profile import Link, Profile
 from tapestry.kernels import Shape
 from tapestry.plan.plan import Reshard, Step
 from tapestry.sharding import Layout, Mesh
-from tapestry.sharding.collectives import classify_reshard, reshard_groups
+from tapestry.sharding.collectives import classify_reshard, local_layouts, reshard_groups
 from tapestry.sharding.comm import received_counts
 
 # collective: p -> (alpha terms, fraction of the n-byte buffer crossing each device's link)
@@ -69,7 +69,10 @@ def moves(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> Moves:
     groups = reshard_groups(src, dst, shape, mesh)
     received, messages = [0] * len(dst.blocks), [0] * len(dst.blocks)
     for group in groups:
-        for rank, cells, count in zip(group.ranks, *received_counts(group.src, group.dst)):
+        local = local_layouts(group.src, group.dst)  # translations of one group share one count
+        if local is None:
+            continue
+        for rank, cells, count in zip(group.ranks, *received_counts(*local[:2])):
             received[rank], messages[rank] = cells, count
     kind = str(classify_reshard(src, dst, shape, mesh))
     return Moves(kind, tuple(received), tuple(messages), groups[0].axes)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import itertools
 import math
+import operator
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -51,7 +52,7 @@ def reshard_groups(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> tuple[
     every = tuple(range(mesh.ndim))
     subsets = [a for n in range(mesh.ndim) for a in itertools.combinations(every, n)]
     for axes in sorted(subsets, key=lambda a: math.prod(mesh.shape[i] for i in a)):
-        fibres = mesh.fibres(axes)
+        fibres = _fibres(mesh, axes)
         if all(_self_sufficient(src, dst, ranks) for ranks in fibres):
             return tuple(_group(src, dst, mesh, axes, ranks) for ranks in fibres)
     return (_group(src, dst, mesh, every, tuple(mesh.devices)),)
@@ -85,16 +86,36 @@ def _self_sufficient(src: Layout, dst: Layout, ranks: tuple[int, ...]) -> bool:
     return True
 
 
+@lru_cache(maxsize=256)
+def _fibres(mesh: Mesh, axes: tuple[int, ...]) -> list[tuple[int, ...]]:
+    return mesh.fibres(axes)
+
+
+@lru_cache(maxsize=1 << 14)
+def local_layouts(src: Layout, dst: Layout) -> tuple[Layout, Layout, Shape] | None:
+    """A group's layouts relative to the box their blocks span, and that box's shape (None if it holds nothing):
+    groups that are translations of one another are one collective, and one entry in transfers' cache."""
+    held = [b for layout in (src, dst) for b in layout.blocks if b is not None]
+    if not held:
+        return None
+    box = ZRange.bounding(held)
+    origin = box.start
+
+    def shifted(b: ZRange | None) -> ZRange | None:
+        return None if b is None else ZRange._checked(tuple(map(operator.sub, b.start, origin)),
+                                                      tuple(map(operator.sub, b.end, origin)))
+
+    src_local, dst_local = (Layout(tuple(map(shifted, layout.blocks)), layout.partial) for layout in (src, dst))
+    return src_local, dst_local, box.shape
+
+
 def _group(src: Layout, dst: Layout, mesh: Mesh, axes: tuple[int, ...], ranks: tuple[int, ...]) -> Group:
     """Named as a collective on its own: blocks relative to the box the group's blocks span, on its own mesh."""
     mine = Layout(tuple(src.blocks[r] for r in ranks), src.partial), Layout(tuple(dst.blocks[r] for r in ranks))
-    held = [b for layout in mine for b in layout.blocks if b is not None]
-    if not held:
+    local = local_layouts(*mine)
+    if local is None:
         return Group(ranks, *mine, axes, Collective.NOOP)
-    box = ZRange.bounding(held)
-    local = [Layout(tuple(None if b is None else b.translate([-s for s in box.start]) for b in layout.blocks),
-                    layout.partial) for layout in mine]
-    kind = _classify(*local, box.shape, Mesh(*(mesh.shape[a] for a in axes)) if axes else Mesh(1))
+    kind = _classify(*local, Mesh(*(mesh.shape[a] for a in axes)) if axes else Mesh(1))
     return Group(ranks, *mine, axes, kind)
 
 
