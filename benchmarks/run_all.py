@@ -7,7 +7,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SCRIPTS = (["saturation.py"], ["extraction.py", "--time-limit", "60"], ["lowering.py"], ["importing.py"], ["plans.py"],
-           ["training.py"])
+           ["training.py"], ["substitutions.py"])
 
 
 def main() -> int:

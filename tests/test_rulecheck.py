@@ -140,7 +140,7 @@ def test_a_wrong_two_output_rule_fails_naming_its_file_line_and_output():
 
 
 def test_a_right_two_output_rule_passes_and_the_cli_names_the_wrong_one(capsys: pytest.CaptureFixture[str]):
-    (merge,) = [r for r in load_rule_file(BUILTIN_DIR / "merge.egg").rules if r.line == 15]
+    (merge,) = [r for r in load_rule_file(TASO_DIR / "merge.egg").rules if r.line == 21]
     assert merge.form == "rule" and len(merge.outputs) == 2
     assert check_rule(merge, 30).passed
     assert main(["check-rules", str(DATA / "wrong" / "merge_two.egg"), "--examples", "20"]) == 1

@@ -104,7 +104,8 @@ def qkv(merged: bool) -> Graph:
 
 
 def test_the_qkv_merge_is_proven_by_merge_egg():
-    assert tapestry.equivalent(qkv(False), qkv(True), rules=[BUILTIN_DIR], budget=BUDGET).proven
+    rules = [BUILTIN_DIR, TASO_DIR / "merge.egg"]
+    assert tapestry.equivalent(qkv(False), qkv(True), rules=rules, budget=BUDGET).proven
 
 
 def test_merge_egg_follows_from_the_concat_rules_and_slice_of_concat():
