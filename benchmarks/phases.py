@@ -1,9 +1,10 @@
 """Seconds per optimizer phase (saturation, pricing, extraction) for a transformer stack, one case per run.
 
     .venv/bin/python benchmarks/phases.py --mesh 2x4 --layers 12 [--rules fusion,substitution] [--budget 30]
-        [--extractor greedy-dag] [--time-limit 10]
+        [--extractor greedy-dag] [--time-limit 10] [--optimize]
 
-Prints one JSON line. It uses only APIs older trees have too, so the same file can time an older
+Prints one JSON line. With --optimize it times `tapestry.optimize` whole instead (validation and the
+plan's meaning check included). It uses only APIs older trees have too, so the same file can time an older
 checkout side by side (PYTHONPATH=OLD/src .venv/bin/python benchmarks/phases.py ...).
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from tapestry.egraph.driver import Budget
 from tapestry.egraph.rules import BUILTIN_DIR
 from tapestry.extract import extract
 from tapestry.models import transformer_stack
-from tapestry.optimizer import default_cost_model, explore
+from tapestry.optimizer import default_cost_model, explore, optimize
 from tapestry.sharding import Mesh
 
 
@@ -33,11 +34,25 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=30.0, help="Budget(seconds=...)")
     parser.add_argument("--extractor", default="greedy-dag")
     parser.add_argument("--time-limit", type=float, default=10.0)
+    parser.add_argument("--optimize", action="store_true", help="time tapestry.optimize end to end")
     args = parser.parse_args()
     mesh = Mesh.parse(args.mesh)
     rules = [BUILTIN_DIR / f"{r}.egg" for r in args.rules.split(",")] if args.rules else None
     graph = transformer_stack(args.layers, 4, 256, 1024, 16)
     start = time.perf_counter()
+    if args.optimize:
+        result = optimize(graph, mesh, rules, Budget(seconds=args.budget), extractor=args.extractor,
+                          time_limit=args.time_limit)
+        kernels = Counter(getattr(step, "kernel", "") for step in result.plan.steps)
+        print(json.dumps({
+            "mesh": args.mesh, "layers": args.layers, "rules": args.rules or "all", "budget": args.budget,
+            "optimize_s": round(time.perf_counter() - start, 2), "stopped_by": result.stats.stopped_by,
+            "undone": getattr(result.stats, "undone", ""), "enodes": result.stats.enodes,
+            "cost": result.plan.cost, "extractor": args.extractor, "status": result.selection.status,
+            "gap": result.selection.gap, "fused_kernels": sum(n for k, n in kernels.items() if k in FUSED),
+            "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+        }), flush=True)
+        return
     explored = explore(graph, mesh, rules, Budget(seconds=args.budget))
     saturated = time.perf_counter()
     egraph = explored.decoder.extraction_graph(list(explored.roots), default_cost_model(),
