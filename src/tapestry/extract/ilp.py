@@ -25,7 +25,8 @@ that rounding costs to integers can add, and summed with the costs of classes
 whose choice is forced; `Selection.gap` = (cost - bound) / cost is in [0, 1].
 
 With a `DeviceBudget`, per device d: sum of resident_n[d] x_n over all nodes,
-plus transient_m[d] for any chosen m, stays within the limit. The whole problem
+plus transient_m[d] for any chosen m, stays within the limit; and for each of its
+`groups` (bytes per node), sum of bytes_n x_n stays within it too. The whole problem
 is then one part (the budget couples every class), and the greedy start counts
 only if it fits.
 
@@ -62,11 +63,14 @@ MIN_COST = 1e-12  # floor for the scale denominator: subnormal costs must not ma
 @dataclass(frozen=True)
 class DeviceBudget:
     """Linear per-device memory constraints: `resident[n]` (bytes per device) is held for the whole program by
-    every chosen node n, and `transient[m]` on top of it while chosen node m runs; neither may pass `limit`."""
+    every chosen node n, and `transient[m]` on top of it while chosen node m runs; neither may pass `limit`.
+    Each of `groups` (bytes per node, on one device) is a set of nodes whose chosen members' bytes may not pass
+    `limit` together either: what a caller learnt held memory at once (the optimizer's cuts)."""
 
     limit: int
     resident: Mapping[int, tuple[int, ...]]
     transient: Mapping[int, tuple[int, ...]]
+    groups: tuple[Mapping[int, int], ...] = ()
 
     def usage(self, choice: Mapping[int, int]) -> tuple[int, ...]:
         """Per device, the bytes the constraints charge a selection (at its worst node)."""
@@ -79,7 +83,9 @@ class DeviceBudget:
         )
 
     def fits(self, choice: Mapping[int, int]) -> bool:
-        return all(u <= self.limit for u in self.usage(choice))
+        nodes = set(choice.values())
+        return all(u <= self.limit for u in self.usage(choice)) and all(
+            sum(b for n, b in group.items() if n in nodes) <= self.limit for group in self.groups)
 
 
 @dataclass(frozen=True)
@@ -465,6 +471,8 @@ def _limit(model: cp_model.CpModel, budget: DeviceBudget, x: Mapping[int, cp_mod
             extra = budget.transient.get(n, (0,) * devices)[d] // unit
             if extra:
                 model.add(held + extra * var <= limit)
+    for group in budget.groups:  # rounded up, unlike the rest: the selection a group came from stays excluded
+        model.add(sum(-(-b // unit) * x[n] for n, b in group.items() if n in x) <= limit)
 
 
 def _tie(model: cp_model.CpModel, ties: Ties, x: Mapping[int, cp_model.IntVar], candidates: set[int]) -> None:
