@@ -26,7 +26,7 @@ from tapestry.sharding.partition import candidate_partitions, needed_layout, out
 
 def _plan(gen: Generator, graph):
     data = gen.session.serialize()
-    nodes, roots, names = distributed_nodes(data, gen.interner)
+    nodes, roots, names, _ = distributed_nodes(data, gen.interner)
     decoder = Decoder(nodes, gen.interner, gen.mesh, {n.name: n.dtype for n in graph.inputs})
     egraph = decoder.extraction_graph(roots, default_cost_model())
     return decoder, decoder.plan(egraph, extract(egraph, "greedy-dag"), graph, names)
@@ -74,7 +74,7 @@ def test_pricing_out_of_time_prices_what_the_replicated_plan_needs_and_leaves_th
     graph = mlp(2, 16, 8)
     gen, _, _ = saturate(graph, Mesh(2, 2), load_rules())
     data = gen.session.serialize()
-    nodes, roots, names = distributed_nodes(data, gen.interner)
+    nodes, roots, names, _ = distributed_nodes(data, gen.interner)
     decoder = Decoder(nodes, gen.interner, gen.mesh, {n.name: n.dtype for n in graph.inputs})
     full = decoder.extraction_graph(roots, default_cost_model())
     assert decoder.pricing.reshards_unpriced == 0
@@ -85,6 +85,19 @@ def test_pricing_out_of_time_prices_what_the_replicated_plan_needs_and_leaves_th
     assert all(c == f for c, f in zip(cut.node_cost, full.node_cost) if not math.isinf(c)), "same prices"
     plan = decoder.plan(cut, extract(cut, "greedy-dag"), graph, names)
     validate_plan(plan)
+
+
+def test_making_reshards_out_of_time_keeps_those_out_of_replicated_layouts_and_a_valid_plan():
+    graph = mlp(2, 16, 8)
+    gen, _, _ = saturate(graph, Mesh(2, 2), load_rules())
+    data = gen.session.serialize()
+    every, _, _, none_cut = distributed_nodes(data, gen.interner)
+    nodes, roots, names, cut = distributed_nodes(data, gen.interner, deadline=time.perf_counter())
+    assert none_cut == 0 and cut > 0
+    assert 0 < sum(n.op == "Reshard" for n in nodes) < sum(n.op == "Reshard" for n in every)
+    decoder = Decoder(nodes, gen.interner, gen.mesh, {n.name: n.dtype for n in graph.inputs})
+    egraph = decoder.extraction_graph(roots, default_cost_model())
+    validate_plan(decoder.plan(egraph, extract(egraph, "greedy-dag"), graph, names))
 
 
 class CountingCost:
@@ -101,7 +114,7 @@ class CountingCost:
 def test_the_runs_of_identical_layers_are_priced_once():
     graph = mlp(4, 64, 64)  # four identical layers
     gen, _, _ = saturate(graph, Mesh(2), load_rules())
-    nodes, roots, _ = distributed_nodes(gen.session.serialize(), gen.interner)
+    nodes, roots, _, _ = distributed_nodes(gen.session.serialize(), gen.interner)
     decoder = Decoder(nodes, gen.interner, gen.mesh, {n.name: n.dtype for n in graph.inputs})
     model = CountingCost()
     decoder.extraction_graph(roots, model)
@@ -158,7 +171,7 @@ def _shortest(moves: dict[tuple[str, str], float]) -> dict[tuple[str, str], floa
 def test_plans_without_dominated_moves_cost_what_the_optimum_costs(graph, mesh):
     """The exact ILP's proven optimum over every move equals its optimum without the dominated ones."""
     gen, _, _ = saturate(graph, mesh, load_rules([BUILTIN_DIR / "fusion.egg"]))
-    nodes, roots, _ = distributed_nodes(gen.session.serialize(), gen.interner)
+    nodes, roots, _, _ = distributed_nodes(gen.session.serialize(), gen.interner)
     decoder = Decoder(nodes, gen.interner, gen.mesh, {n.name: n.dtype for n in graph.inputs})
     every = extract(decoder.extraction_graph(roots, default_cost_model()), "ilp", 60)
     lean = extract(decoder.extraction_graph(roots, default_cost_model(), drop_dominated_moves=True), "ilp", 60)

@@ -276,7 +276,8 @@ def explore(graph: Graph, mesh: Mesh | int = 1, rules: Sequence[str | Path] | No
     started = time.perf_counter()
     gen, _, stats = saturate(graph, mesh, rule_files, budget, progress)
     data = gen.session.serialize()
-    nodes, roots, names = distributed_nodes(data, gen.interner)
+    nodes, roots, names, cut = distributed_nodes(data, gen.interner, started + budget.seconds)
+    stats = replace(stats, values_with_few_moves=cut)
     return Explored(graph, mesh, Decoder(nodes, gen.interner, mesh, {n.name: n.dtype for n in graph.inputs}), tuple(roots), names, stats,
                     tuple(rule_files), data, max(budget.seconds - (time.perf_counter() - started), 0.0))
 

@@ -79,8 +79,12 @@ class DNode:
     layout: str  # layout key of the node's own class ("" for Deliver)
 
 
-def distributed_nodes(data: Mapping[str, Any], interner: Interner) -> tuple[list[DNode], list[str], dict[str, str]]:
-    """(nodes, root classes in output order, output name per root class)."""
+def distributed_nodes(data: Mapping[str, Any], interner: Interner, deadline: float = math.inf,
+                      ) -> tuple[list[DNode], list[str], dict[str, str], int]:
+    """(nodes, root classes in output order, output name per root class, values whose moves the deadline cut).
+
+    Reshards out of a replicated layout (local slices: what the replicated plan needs) are made for every value;
+    the other moves value by value until `deadline` (a perf_counter time)."""
     raw = data["nodes"]
     runs = run_constructors()
     at: dict[str, str] = {}
@@ -95,18 +99,34 @@ def distributed_nodes(data: Mapping[str, Any], interner: Interner) -> tuple[list
         lit = lambda i: raw[kids[i]]["op"].strip('"')  # noqa: E731
         if op in runs:
             nodes.append(DNode(nid, op, eclass, tuple(raw[k]["eclass"] for k in kids[:-1]), lit(-1), at[eclass]))
-        elif op == "Reshard":
-            nodes.append(DNode(nid, op, eclass, (raw[kids[0]]["eclass"],), lit(1), at[eclass]))
         elif op == "Place":
             nodes.append(DNode(nid, op, eclass, (), lit(0), lit(1)))
         elif op == "Deliver":
             nodes.append(DNode(nid, op, eclass, (raw[kids[1]]["eclass"],), lit(0), ""))
         elif op == "Result":
             roots[eclass] = lit(0)
-    for classes in value_layouts.values():
-        for src, dst in reshard_pairs(classes, interner):
+    made: set[tuple[str, str]] = set()
+
+    def move(classes: dict[str, str], src: str, dst: str) -> None:
+        if (classes[src], classes[dst]) not in made:
+            made.add((classes[src], classes[dst]))
             nodes.append(DNode(f"Reshard-{len(nodes)}", "Reshard", classes[dst], (classes[src],), dst, dst))
-    return nodes, list(roots), roots
+
+    for classes in value_layouts.values():
+        for src in classes:
+            shape, layout = interner.layouts[src]
+            if not layout.partial and layout == _replicated(shape, interner.mesh):
+                for dst in classes:
+                    if dst != src and not interner.layouts[dst][1].partial:
+                        move(classes, src, dst)
+    cut = 0
+    for classes in value_layouts.values():
+        if time.perf_counter() > deadline:
+            cut += 1
+            continue
+        for src, dst in reshard_pairs(classes, interner):
+            move(classes, src, dst)
+    return nodes, list(roots), roots, cut
 
 
 class Decoder:

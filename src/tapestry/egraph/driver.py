@@ -57,6 +57,7 @@ class SaturationStats:
     ill_typed: dict[str, str] = field(default_factory=dict)
     stopped_in: str = ""  # the phase the budget stopped: "rules" or "generation" ("" at a fixpoint)
     generation: GenerationStats | None = None
+    values_with_few_moves: int = 0  # values whose reshards the budget cut to those out of a replicated layout
 
     @property
     def enodes(self) -> int:
@@ -79,6 +80,9 @@ class SaturationStats:
         if self.generation is not None and self.generation.stopped_by:
             parts.append(f"generation stopped by {self.generation.stopped_by}: {self.generation.unsharded} of "
                          f"{self.generation.nodes} nodes only replicated")
+        if self.values_with_few_moves:
+            parts.append(f"reshards cut by seconds: {self.values_with_few_moves} values keep only those out of their "
+                         f"replicated layout")
         return "; ".join(parts)
 
     def to_json(self) -> dict:
