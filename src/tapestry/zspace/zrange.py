@@ -63,12 +63,11 @@ class ZRange:
         ranges = list(ranges)
         if not ranges:
             raise ValueError("bounding box of no ranges")
+        ndim = len(ranges[0].start)
         for r in ranges:
-            check_ndim(r, r.ndim, ranges[0].ndim)
-        return cls(
-            [min(col) for col in zip(*(r.start for r in ranges))],
-            [max(col) for col in zip(*(r.end for r in ranges))],
-        )
+            check_ndim(r, r.ndim, ndim)
+        return cls._checked(tuple(map(min, *(r.start for r in ranges))) if len(ranges) > 1 else ranges[0].start,
+                            tuple(map(max, *(r.end for r in ranges))) if len(ranges) > 1 else ranges[0].end)
 
     @property
     def ndim(self) -> int:
@@ -97,9 +96,7 @@ class ZRange:
         """Per-coordinate containment (not the original's dominance order)."""
         if isinstance(x, ZRange):
             check_ndim(x, x.ndim, self.ndim)
-            return all(s <= xs for s, xs in zip(self.start, x.start)) and all(
-                xe <= e for e, xe in zip(self.end, x.end)
-            )
+            return all(map(operator.le, self.start, x.start)) and all(map(operator.le, x.end, self.end))
         p = as_point(x)
         check_ndim(f"point {p}", len(p), self.ndim)
         return all(s <= c < e for s, c, e in zip(self.start, p, self.end))
