@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tapestry.cost import CostModel, DefaultCostModel, layout_bytes, load_profile, peak_memory
+from tapestry.cost import CostModel, DefaultCostModel, RankPeak, layout_bytes, load_profile, peak_memory, rank_peaks
+from tapestry.cost.memory import lean_order
 from tapestry.egraph.decode import Decoder, distributed_nodes
 from tapestry.egraph.driver import Budget, IterationStats, SaturationStats, saturate
 from tapestry.egraph.rules import RuleFile, load_rules
@@ -59,7 +60,7 @@ class OptimizeResult:
 
 
 Outputs = str | Mapping[str, "str | Layout"]  # "any", "replicated", or per output name one of those or a Layout
-TIGHTENINGS = 4  # re-solves with tighter constraints when the decoded plan overshoots the budget
+CUT_ROUNDS = 12  # re-solves with memory cuts when the decoded plan overshoots the budget
 
 
 def default_cost_model() -> CostModel:
@@ -92,9 +93,10 @@ class Explored:
         the one their unconstrained choice delivered its output in (`_pin_layouts`).
 
         The budget enters the ILP as per-device linear constraints that every fitting plan meets
-        (`_device_budget`), so a decoded plan that fits is the optimum. If it does not fit, every node is charged
-        the largest shortfall seen and the ILP runs again: what fits then is returned, marked "feasible" (not
-        proven best). docs/cost-models.md says what is exact."""
+        (`_device_budget`), so a decoded plan that fits is the optimum. If it does not fit, what held its peak
+        becomes a cut (`_memory_cuts`) and the ILP runs again, up to CUT_ROUNDS times: the cuts are heuristic
+        (they can exclude a plan that fits), so what fits then is returned marked "feasible" (not proven best).
+        docs/cost-models.md says what is exact."""
         model = cost_model or default_cost_model()
         carried = dict(self.graph.carried if steady is None else steady)
         _check_carried(self.graph, carried)
@@ -102,36 +104,37 @@ class Explored:
                                                drop_dominated_moves=memory_budget is None)  # sound for time only
         egraph = self._restrict_outputs(priced, outputs)
         egraph, ties = self._steady_ties(egraph, carried)
-        limit, slack, tries = memory_budget, 0, 0
+        base = None if memory_budget is None else self._device_budget(memory_budget)
+        cuts: list[dict[int, int]] = []
+        rounds = 0
         while True:
-            budget = None if limit is None else self._device_budget(limit)
+            budget = None if base is None else replace(base, groups=tuple(cuts))
             try:
                 selection = self._select(egraph, extractor, time_limit, budget, ties, carried)
             except NoFiniteChoiceError as err:
                 if budget is None:
                     asked = f"outputs as asked ({outputs!r})" + (" in steady state" if ties else "")
                     raise ValueError(f"no plan delivers the {asked}: {err}") from None
-                raise MemoryBudgetError(f"no plan fits {memory_budget:,} bytes per device: {err}") from None
+                raise MemoryBudgetError(f"no plan fits {memory_budget:,} bytes per device: {err}"
+                                        + (f" (after {rounds} rounds of memory cuts)" if rounds else "")) from None
             problems = validate(egraph, selection)
             if problems:
                 raise AssertionError(f"extractor {extractor} returned an invalid selection: {problems[0]}")
             plan = self.decoder.plan(egraph, selection, self.graph, self.names)
-            if budget is None or memory_budget is None:
+            if memory_budget is None:
                 break
-            peaks = peak_memory(plan)
-            if max(peaks) <= memory_budget:
+            plan, step_nodes, peaks = self._leaner(plan, self.decoder.step_nodes(egraph, selection))
+            if max(p.bytes for p in peaks) <= memory_budget:
                 break
-            tries += 1
-            if tries > TIGHTENINGS:
-                raise MemoryBudgetError(f"no plan fits {memory_budget:,} bytes per device: after {TIGHTENINGS} "
-                                        f"tightenings the ILP's plan still needs {max(peaks):,}")
-            # The constraints undercounted this plan by `slack` bytes: charge every plan that much more. A plan
-            # they then admit, undercounted by no more, fits.
-            slack = max(slack, *(p - u for p, u in zip(peaks, budget.usage(selection.choice))))
-            limit = memory_budget - slack
-        if tries:
+            rounds += 1
+            if rounds > CUT_ROUNDS:
+                raise MemoryBudgetError(f"no plan fits {memory_budget:,} bytes per device: after {CUT_ROUNDS} "
+                                        f"rounds of memory cuts the ILP's plan still needs "
+                                        f"{max(p.bytes for p in peaks):,}")
+            cuts += [cut for cut in _memory_cuts(step_nodes, peaks, memory_budget) if cut not in cuts]
+        if rounds:
             selection = replace(selection, status="feasible")
-            plan = replace(plan, notes={**plan.notes, "status": "feasible", "budget_tightenings": tries})
+            plan = replace(plan, notes={**plan.notes, "status": "feasible", "memory_cut_rounds": rounds})
         validate_plan(plan)  # exact: partitions, covered reads, possible moves (islpy)
         unsteady = steady_violations(plan, carried)
         if unsteady:
@@ -223,6 +226,18 @@ class Explored:
                 transient[n] = tuple(map(sum, zip(held[node.eclass], *args)))
         return DeviceBudget(limit, resident, transient)
 
+    @staticmethod
+    def _leaner(plan: Plan, step_nodes: list[int]) -> tuple[Plan, list[int], list[RankPeak]]:
+        """The plan in its own (children-first) order or in cost.memory.lean_order, whichever peaks lower; with
+        the node each step comes from and the peak per device."""
+        peaks = rank_peaks(plan)
+        order = lean_order(plan)
+        reordered = replace(plan, steps=tuple(plan.steps[i] for i in order))
+        lean = rank_peaks(reordered)
+        if max(p.bytes for p in lean) < max(p.bytes for p in peaks):
+            return reordered, [step_nodes[i] for i in order], lean
+        return plan, step_nodes, peaks
+
     def pareto(self, cost_model: CostModel | None = None, extractor: str = "ilp", time_limit: float = 10.0,
                points: int = 6) -> list[OptimizeResult]:
         """Plans not beaten on both predicted time and peak memory, fastest first: the fastest plan, then
@@ -237,6 +252,23 @@ class Explored:
                 break
             front.append(leaner)
         return [r for i, r in enumerate(front) if all(r.plan.cost < later.plan.cost for later in front[i + 1:])]
+
+
+def _memory_cuts(step_nodes: Sequence[int], peaks: Sequence[RankPeak], limit: int) -> list[dict[int, int]]:
+    """Per device a plan overshoots `limit` on, a group (DeviceBudget.groups) of the nodes whose buffers were live
+    at its peak, each charged its bytes there: no plan may choose all of them. Heuristic: whether buffers are
+    live together depends on the rest of the plan (later readers, step order), so a plan that holds them at
+    different times is excluded too; only the placed inputs' bytes are held in every plan. The plan a cut
+    came from is always excluded by it."""
+    cuts: list[dict[int, int]] = []
+    for peak in peaks:
+        if peak.bytes > limit:
+            held: dict[int, int] = {}  # node -> bytes
+            for step, size in peak.live.items():
+                held[step_nodes[step]] = held.get(step_nodes[step], 0) + size
+            if held not in cuts:
+                cuts.append(held)
+    return cuts
 
 
 def _delivers(want: str | Layout, shape: tuple[int, ...], layout: Layout, mesh: Mesh) -> bool:

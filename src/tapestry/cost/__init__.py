@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tapestry.cost.comm import AlphaBeta, collective_time
-from tapestry.cost.memory import layout_bytes, peak_memory, resident_bytes
+from tapestry.cost.memory import RankPeak, layout_bytes, peak_memory, rank_peaks, resident_bytes
 from tapestry.cost.model import CostModel, plan_cost, run_costs
 from tapestry.cost.profile import DeviceProfile, Link, Profile, builtin_profiles, load_profile
 from tapestry.cost.roofline import Roofline
@@ -41,12 +41,14 @@ __all__ = [
     "DeviceProfile",
     "Link",
     "Profile",
+    "RankPeak",
     "Roofline",
     "builtin_profiles",
     "collective_time",
     "layout_bytes",
     "load_profile",
     "peak_memory",
+    "rank_peaks",
     "resident_bytes",
     "plan_cost",
     "run_costs",

@@ -12,10 +12,12 @@ that `Plan.run` adds after the plan (the plan's outputs stay live to its end).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tapestry import dtypes
-from tapestry.plan.plan import Place, Plan
+from tapestry.plan.plan import Compute, Place, Plan, Reshard
 from tapestry.sharding import Block, Layout
 
 if TYPE_CHECKING:
@@ -40,8 +42,17 @@ def resident_bytes(plan: Plan) -> list[int]:
     return total
 
 
-def _rank_peak(plan: Plan, program: RankProgram) -> int:
-    """One rank's most bytes at once: its placed blocks throughout, plus the live buffers at each step."""
+@dataclass(frozen=True)
+class RankPeak:
+    """One rank's most bytes at once, and what holds them then: bytes per plan step whose buffers are live at
+    that moment (its placed blocks included), so a memory budget can say which choices overshot together."""
+
+    bytes: int
+    live: Mapping[int, int]  # plan step index -> its bytes live at the peak on this rank
+
+
+def _rank_peak(plan: Plan, program: RankProgram) -> RankPeak:
+    """One rank's placed blocks throughout, plus the live buffers at the step where they are most."""
     from tapestry.lower.program import Local, PlaceBlock, RankProgram  # imports torch: only when asked
 
     steps = [s for s in program.steps if s.step < len(plan.steps)]  # the outputs' gather is not the plan's
@@ -49,11 +60,13 @@ def _rank_peak(plan: Plan, program: RankProgram) -> int:
     owner: dict[str, str | None] = {}  # buffer -> the buffer whose storage it is (a view's source); None: resident
     users: dict[str, int] = {}  # storage -> how many live buffers share it
     size: dict[str, int] = {}
-    resident, live, peak = 0, 0, 0
+    made_by: dict[str, int] = {}  # storage -> the plan step that made it
+    placed: dict[int, int] = {}  # Place step -> its bytes on this rank
+    live, peak, at_peak = 0, 0, dict(size)
     for step, gone in zip(steps, dead):
         dtype = plan.dtypes[step.out]
         if isinstance(step, PlaceBlock):
-            resident += block_bytes(step.block, dtype)
+            placed[step.step] = placed.get(step.step, 0) + block_bytes(step.block, dtype)
             owner[step.out] = None
             continue
         if isinstance(step, Local) and step.src_block is not None and step.src_block.contains(step.out_block):
@@ -61,11 +74,13 @@ def _rank_peak(plan: Plan, program: RankProgram) -> int:
         else:
             owner[step.out] = step.out
             size[step.out] = block_bytes(step.out_block, dtype)
+            made_by[step.out] = step.step
             live += size[step.out]
         base = owner[step.out]
         if base is not None:
             users[base] = users.get(base, 0) + 1
-        peak = max(peak, live)
+        if live > peak:
+            peak, at_peak = live, dict(size)
         for name in gone:
             base = owner.pop(name, None)
             if base is None:
@@ -73,11 +88,51 @@ def _rank_peak(plan: Plan, program: RankProgram) -> int:
             users[base] -= 1
             if users[base] == 0:
                 live -= size.pop(base)
-    return resident + peak
+    held = dict(placed)
+    for buffer, n in at_peak.items():
+        held[made_by[buffer]] = held.get(made_by[buffer], 0) + n
+    return RankPeak(sum(placed.values()) + peak, held)
+
+
+def rank_peaks(plan: Plan) -> list[RankPeak]:
+    """Per device, its peak when the plan runs as lowered, and the plan steps whose buffers make it up."""
+    from tapestry.lower.program import lower
+
+    return [_rank_peak(plan, program) for program in lower(plan).ranks]
 
 
 def peak_memory(plan: Plan) -> list[int]:
     """Per device, the most bytes it holds at once when the plan runs as lowered."""
-    from tapestry.lower.program import lower
+    return [peak.bytes for peak in rank_peaks(plan)]
 
-    return [_rank_peak(plan, program) for program in lower(plan).ranks]
+
+def lean_order(plan: Plan) -> tuple[int, ...]:
+    """A children-first order of the plan's steps (step indices) that tends to a lower peak: each time, of the
+    steps whose arguments are made, the one that adds fewest bytes net of the arguments it is the last reader
+    of (earliest first on ties). Greedy, so not always leaner than the plan's own order: compare peaks."""
+    arguments = [tuple(dict.fromkeys(s.args if isinstance(s, Compute) else (s.src,) if isinstance(s, Reshard)
+                                     else ())) for s in plan.steps]
+    index = {s.out: i for i, s in enumerate(plan.steps)}
+    size = [0 if isinstance(s, Place) else max(layout_bytes(s.layout, plan.dtypes[s.out])) for s in plan.steps]
+    kept = {index[v] for v in plan.outputs.values()}
+    readers = [0] * len(plan.steps)
+    users: list[list[int]] = [[] for _ in plan.steps]
+    for i, args in enumerate(arguments):
+        for a in args:
+            readers[index[a]] += 1
+            users[index[a]].append(i)
+    waiting = [len(args) for args in arguments]
+    ready = [i for i, w in enumerate(waiting) if w == 0]
+    order: list[int] = []
+    while ready:
+        step = min(ready, key=lambda i: (size[i] - sum(size[index[a]] for a in arguments[i]
+                                                       if readers[index[a]] == 1 and index[a] not in kept), i))
+        ready.remove(step)
+        order.append(step)
+        for a in arguments[step]:
+            readers[index[a]] -= 1
+        for user in users[step]:
+            waiting[user] -= 1
+            if waiting[user] == 0:
+                ready.append(user)
+    return tuple(order)

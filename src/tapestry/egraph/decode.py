@@ -230,34 +230,44 @@ class Decoder:
         step = self.step(node)
         return replace(step, origin="") if isinstance(step, Compute) else step  # type: ignore[return-value]
 
-    def plan(self, egraph: ExtractGraph, selection: Selection, graph: Graph, root_names: dict[str, str]) -> Plan:
-        chosen = {egraph.class_ids[c]: self.nodes[n] for c, n in selection.choice.items()}
-        steps: list[Step] = []
-        value: dict[str, str] = {}
-
-        def emit(root: str) -> str:
-            """Post-order over the chosen nodes with an explicit stack: a 10,000-op chain is as deep."""
-            stack = [root]
+    def emitted(self, egraph: ExtractGraph, selection: Selection) -> list[tuple[str, int]]:
+        """The chosen (e-class, node) pairs children first, from each root in turn, each once: the order `plan`
+        makes its steps in. Post-order with an explicit stack: a 10,000-op chain is as deep."""
+        chosen = {egraph.class_ids[c]: n for c, n in selection.choice.items()}
+        order: list[tuple[str, int]] = []
+        done: set[str] = set()
+        for root in egraph.roots:
+            stack = [egraph.class_ids[root]]
             while stack:
                 eclass = stack[-1]
-                if eclass in value:
+                if eclass in done:
                     stack.pop()
                     continue
-                node = chosen[eclass]
-                pending = [c for c in node.children if c not in value]
+                pending = [c for c in self.nodes[chosen[eclass]].children if c not in done]
                 if pending:
                     stack.extend(reversed(pending))
                     continue
                 stack.pop()
-                args = tuple(value[c] for c in node.children)
-                if node.op == "Deliver":
-                    value[eclass] = args[0]
-                else:
-                    value[eclass] = out = f"v{len(steps)}"
-                    steps.append(self.step(node, out, args))  # type: ignore[arg-type]
-            return value[root]
+                done.add(eclass)
+                order.append((eclass, chosen[eclass]))
+        return order
 
-        outputs = {root_names[egraph.class_ids[r]]: emit(egraph.class_ids[r]) for r in egraph.roots}
+    def step_nodes(self, egraph: ExtractGraph, selection: Selection) -> list[int]:
+        """The node each step of `plan(egraph, selection, ...)` comes from, by step index."""
+        return [n for _, n in self.emitted(egraph, selection) if self.nodes[n].op != "Deliver"]
+
+    def plan(self, egraph: ExtractGraph, selection: Selection, graph: Graph, root_names: dict[str, str]) -> Plan:
+        steps: list[Step] = []
+        value: dict[str, str] = {}
+        for eclass, n in self.emitted(egraph, selection):
+            node = self.nodes[n]
+            args = tuple(value[c] for c in node.children)
+            if node.op == "Deliver":
+                value[eclass] = args[0]
+            else:
+                value[eclass] = out = f"v{len(steps)}"
+                steps.append(self.step(node, out, args))  # type: ignore[arg-type]
+        outputs = {root_names[egraph.class_ids[r]]: value[egraph.class_ids[r]] for r in egraph.roots}
         ordered = {name: outputs[name] for name in graph.outputs}
         return Plan(self.mesh, graph, tuple(steps), ordered, cost=selection.dag_cost,
                     notes={"extractor": selection.extractor, "extract_seconds": round(selection.seconds, 3),
