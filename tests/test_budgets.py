@@ -38,7 +38,7 @@ def test_a_generation_out_of_time_leaves_every_node_replicated_and_a_valid_plan(
     gen.encode()
     gen.refresh()
     stats = gen.distribute(deadline=time.perf_counter())
-    assert stats.stopped_by == "seconds" and stats.unsharded == stats.nodes > 0
+    assert stats.stopped_by == "seconds" and stats.runs == stats.nodes and stats.runs_left_out > 0
     _, plan = _plan(gen, graph)
     validate_plan(plan)
     computes = [s for s in plan.steps if isinstance(s, Compute)]
@@ -51,13 +51,15 @@ def test_a_node_budget_stops_generation_after_the_rules_ran_and_says_so():
     logical = full.stats.iterations[-1].enodes
     assert full.stats.stopped_by == "fixpoint" and full.stats.enodes > 2 * logical
     replicated = optimize(graph, Mesh(4), budget=Budget(nodes=logical + 1), extractor="greedy-dag").stats
-    assert replicated.generation.unsharded == replicated.generation.nodes
+    assert replicated.generation.runs == replicated.generation.nodes  # only the replicated runs
     between = (replicated.enodes + full.stats.enodes) // 2
     stopped = optimize(graph, Mesh(4), budget=Budget(nodes=between), extractor="greedy-dag")
     stats = stopped.stats
     assert (stats.stopped_by, stats.stopped_in) == ("nodes", "generation")
     assert stats.iterations[0].matches, "the rules ran before generation stopped"
-    assert 0 < stats.generation.unsharded < stats.generation.nodes
+    assert stats.generation.nodes < stats.generation.runs < stats.generation.runs + stats.generation.runs_left_out
+    assert full.stats.generation.runs_left_out == 0
+    assert stats.generation.runs + stats.generation.runs_left_out == full.stats.generation.runs
     assert "generation stopped by nodes" in stats.undone
     validate_plan(stopped.plan)
     assert stopped.plan.cost >= full.plan.cost * (1 - 1e-9)  # fewer choices, never a cheaper plan

@@ -71,12 +71,13 @@ class Interner:
         return self._candidates[key]
 
 
-def runs_for(sig: Signature, interner: Interner, origin: str,
-             sharded: bool) -> list[tuple[str, tuple[str, ...], str]]:
-    """(out layout, arg layouts, run key) for each candidate partition of one logical node: the sharded ones, or
-    else the replicated one."""
+def runs_for(sig: Signature, interner: Interner, origin: str, sharded: bool,
+             rank: int | None = None) -> list[tuple[str, tuple[str, ...], str]]:
+    """(out layout, arg layouts, run key) for each candidate partition of one logical node: the sharded ones (only
+    the rank-th, if given), or else the replicated one."""
     found = []
-    for name, part, step, out, args in interner.candidates(sig, sharded):
+    candidates = interner.candidates(sig, sharded)
+    for name, part, step, out, args in candidates if rank is None else candidates[rank:rank + 1]:
         key = interner.run(replace(step, origin=f"{origin} [{part.name(sig)}]"))
         interner.priced_as[key] = name
         found.append((out, args, key))

@@ -6,7 +6,7 @@ terms), infers each class's shape from the kernel registry, records
 `Rank`/`Dim`/`Dtype` facts for rule guards, and queues each logical node it has
 not seen before. When the rules are done, `distribute` inserts the queued
 nodes' distributed members, under a time and size budget: first every node's
-replicated run (so a plan always exists), then the sharded ones node by node.
+replicated run (so a plan always exists), then the sharded ones in rounds over all nodes.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class GenerationStats:
     seconds: float
     nodes: int  # logical nodes distributed
     runs: int  # Run members inserted
-    unsharded: int  # nodes whose sharded runs the budget left out (each keeps its replicated run)
+    runs_left_out: int  # sharded runs the budget left out (every node keeps its replicated run)
     stopped_by: str  # "" when complete, else "seconds" or "nodes"
     enodes: int
     eclasses: int  # logical classes plus (class, layout) pairs
@@ -242,8 +242,11 @@ class Generator:
     def distribute(self, deadline: float = float("inf"), max_nodes: int | None = None) -> GenerationStats:
         """Insert the queued nodes' Run members, and Place/Deliver members for inputs and outputs.
 
-        Every node's replicated run goes in first, whatever the budget, so a plan always exists. Then each
-        node's sharded runs, node by node, until `deadline` (a perf_counter time) or `max_nodes` e-nodes."""
+        Every node's replicated run goes in first, whatever the budget, so a plan always exists. Then the sharded
+        runs, in rounds: round k adds every node's k-th candidate (candidate_partitions' order, so round 0 splits
+        one dim over the last mesh axis, mostly the batch), until `deadline` (a perf_counter time) or `max_nodes`
+        e-nodes. A stop thus leaves every node similar choices, which fit together, rather than some nodes all
+        of theirs and the rest none."""
         started = time.perf_counter()
         todo = self._dequeue()
         mandatory = [command for item in todo for command in self._runs(item, sharded=False)]
@@ -251,24 +254,29 @@ class Generator:
         self.session.insert(mandatory + self._links())
         size = self.session.size()  # exact after each insert
         limit = math.inf if max_nodes is None else max_nodes
-        stopped_by, left_out, batch = "", 0, []
-        for n, item in enumerate(todo):
-            if len(batch) >= CHUNK or size + ENODES_PER_RUN * len(batch) >= limit:  # near the limit: measure
-                self.session.insert(batch)
-                batch = []
-                size = self.session.size()
-            if time.perf_counter() >= deadline:
-                stopped_by = "seconds"
-            elif size >= limit:
-                stopped_by = "nodes"
+        counts = [len(self.interner.candidates(item.sig, sharded=True)) for item in todo]
+        stopped_by, sharded_runs, batch = "", 0, []
+        for rank in range(max(counts, default=0)):
+            for item, count in zip(todo, counts):
+                if rank >= count:
+                    continue
+                if len(batch) >= CHUNK or size + ENODES_PER_RUN * len(batch) >= limit:  # near the limit: measure
+                    self.session.insert(batch)
+                    batch = []
+                    size = self.session.size()
+                if time.perf_counter() >= deadline:
+                    stopped_by = "seconds"
+                elif size >= limit:
+                    stopped_by = "nodes"
+                if stopped_by:
+                    break
+                batch += self._runs(item, sharded=True, rank=rank)
+                sharded_runs += 1
             if stopped_by:
-                left_out = len(todo) - n
                 break
-            commands = self._runs(item, sharded=True)
-            runs += len(commands)
-            batch += commands
         self.session.insert(batch + self._links())
-        return GenerationStats(time.perf_counter() - started, len(todo), runs, left_out, stopped_by,
+        return GenerationStats(time.perf_counter() - started, len(todo), runs + sharded_runs,
+                               sum(counts) - sharded_runs, stopped_by,
                                self.session.size(), len(self.layouts) + sum(map(len, self.layouts.values())))
 
     def _dequeue(self) -> list[Queued]:
@@ -292,13 +300,13 @@ class Generator:
         self.queued = []
         return todo
 
-    def _runs(self, item: Queued, sharded: bool) -> list[Any]:
-        """One `(At out L) = (Run<Kernel> (At arg L_i)... key)` union per sharded partition, or for the
-        replicated one."""
+    def _runs(self, item: Queued, sharded: bool, rank: int | None = None) -> list[Any]:
+        """One `(At out L) = (Run<Kernel> (At arg L_i)... key)` union per sharded partition (only the rank-th,
+        if given), or for the replicated one."""
         kernel = item.sig.kernel
         origin = f"{kernel.name} {self.origins.get(item.key, '')}".strip()
         commands = []
-        for out_layout, arg_layouts, run_key in runs_for(item.sig, self.interner, origin, sharded):
+        for out_layout, arg_layouts, run_key in runs_for(item.sig, self.interner, origin, sharded, rank):
             self.layouts[item.out].add(out_layout)
             args = []
             for h, layout in zip(item.args, arg_layouts):
