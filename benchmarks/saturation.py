@@ -45,6 +45,7 @@ class Row:
     layers: int
     ops: int
     enodes: int
+    extraction_nodes: int
     stopped_by: str
     saturate: float
     price: float
@@ -78,7 +79,7 @@ def measure(mesh: str, layers: int) -> Row:
     decoded = time.perf_counter()
     own_ops = {node.op for node in graph.ops}
     fused = sum(1 for step in plan.steps if isinstance(step, Compute) and step.kernel not in own_ops)
-    return Row(mesh, layers, len(graph.ops), explored.stats.enodes, explored.stats.stopped_by,
+    return Row(mesh, layers, len(graph.ops), explored.stats.enodes, egraph.num_nodes, explored.stats.stopped_by,
                saturated - tick, priced - saturated, greedy.seconds, extracted - priced - greedy.seconds,
                decoded - extracted, ilp.status, ilp.gap or 0.0, greedy.dag_cost, ilp.dag_cost, fused,
                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
@@ -110,19 +111,38 @@ def measure_capped(mesh: str, layers: int, seconds: float) -> Row | None:
 
 
 def table(rows: list[Row | str]) -> str:
-    head = ("| mesh | layers | ops | e-nodes | stopped by | saturate s | price s | greedy-dag s | ILP s | decode s "
-            "| total s | ILP status | gap | greedy-dag cost | ILP cost | ILP / greedy | fused kernels | peak RSS MiB |")
-    lines = [head, "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    head = ("| mesh | layers | ops | e-nodes | extraction nodes | stopped by | saturate s | price s | greedy-dag s "
+            "| ILP s | decode s | total s | ILP status | gap | greedy-dag cost | ILP cost | ILP / greedy "
+            "| fused kernels | peak RSS MiB |")
+    lines = [head, "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         if isinstance(row, str):
             lines.append(row)
             continue
         lines.append(
-            f"| {row.mesh} | {row.layers} | {row.ops} | {row.enodes:,} | {row.stopped_by} | {row.saturate:.1f} | "
-            f"{row.price:.1f} | {row.greedy:.2f} | {row.ilp:.1f} | {row.decode:.2f} | {row.total:.1f} | "
+            f"| {row.mesh} | {row.layers} | {row.ops} | {row.enodes:,} | {row.extraction_nodes:,} | "
+            f"{row.stopped_by} | {row.saturate:.1f} | {row.price:.1f} | {row.greedy:.2f} | {row.ilp:.1f} | "
+            f"{row.decode:.2f} | {row.total:.1f} | "
             f"{row.status} | {row.gap:.4f} | {row.greedy_cost:.6g} | {row.ilp_cost:.6g} | "
             f"{row.ilp_cost / row.greedy_cost:.4f} | {row.fused} | {row.rss_mib:,.0f} |")
     return "\n".join(lines)
+
+
+def targets(rows: list[Row]) -> str:
+    """Issue 12's targets next to what this run measured."""
+    def total(mesh: str, layers: int) -> str:
+        row = next((r for r in rows if r.mesh == mesh and r.layers == layers), None)
+        if row is None:
+            return "not measured (over the cap or skipped)"
+        return (f"{row.total:.1f} s, stopped by {row.stopped_by}, {row.fused} fused kernels, ILP {row.status} "
+                f"(gap {row.gap:.4f})")
+    return "\n".join([
+        "Targets (issue 12) against this run:",
+        "",
+        f"- 12 layers on mesh 8, at most 10 s: {total('8', 12)}.",
+        f"- 12 layers on 2x4 to a fixpoint with fused kernels, at most 30 s (aim 10 s): {total('2x4', 12)}.",
+        f"- 48 layers on 2x4, at most 2 minutes: {total('2x4', 48)}.",
+    ])
 
 
 def plot(rows: list[Row]) -> None:
@@ -178,27 +198,32 @@ def main() -> None:
                 progress.update(task, description=f"mesh {mesh}, {layers} layers")
                 if capped:
                     rows.append(f"| {mesh} | {layers} | skipped: {capped} layers passed the cap |"
-                                + " |" * 15)
+                                + " |" * 16)
                 else:
                     row = measure_capped(mesh, layers, args.row_seconds)
                     if row is None:
                         capped = layers
-                        rows.append(f"| {mesh} | {layers} | over the cap of {args.row_seconds:.0f} s |" + " |" * 15)
+                        rows.append(f"| {mesh} | {layers} | over the cap of {args.row_seconds:.0f} s |"
+                                    + " |" * 16)
                     else:
                         rows.append(row)
-                    progress.console.print(rows[-1] if isinstance(rows[-1], str) else table([rows[-1]]).splitlines()[-1])
+                    last = rows[-1]
+                    progress.console.print(last if isinstance(last, str) else table([last]).splitlines()[-1])
                 progress.advance(task)
     measured = [r for r in rows if isinstance(r, Row)]
     plot(measured)
     encode = encode_seconds(1000)
     body = (
         table(rows)
+        + "\n\n" + targets(measured)
         + f"\n\n![seconds against layers per mesh](img/{PLOT.name})\n\n"
         "A transformer stack (`tapestry.models.transformer_stack`: batch 4, 256 tokens, hidden 1024, 16 heads) under "
         "the default saturation budget and cost model. Phases are timed one by one: saturate is `explore` "
         "(generation, rule rounds, serialization), price builds the extraction graph (every node's cost), then "
         f"greedy-dag and the ILP (CP-SAT, time limit {ILP_SECONDS:.0f} s, warm-started from greedy-dag) extract, "
-        "and decode turns the ILP's selection into a plan; total is saturate + price + ILP + decode. gap is the ILP's "
+        "and decode turns the ILP's selection into a plan. e-nodes are egglog's (stats.enodes); extraction nodes "
+        "are the extraction graph's, reshards between every value's layouts included; total is saturate + price + "
+        "ILP + decode. gap is the ILP's "
         "(cost - bound) / cost, 0 when proven optimal. Fused kernels: plan steps whose kernel is no op of the "
         "graph (from fusion.egg or substitution.egg). Peak RSS is the measuring process's. "
         f"Each row ran in its own process, capped at {args.row_seconds:.0f} s."
