@@ -131,7 +131,7 @@ class Explored:
                 raise MemoryBudgetError(f"no plan fits {memory_budget:,} bytes per device: after {CUT_ROUNDS} "
                                         f"rounds of memory cuts the ILP's plan still needs "
                                         f"{max(p.bytes for p in peaks):,}")
-            cuts += [cut for cut in _memory_cuts(step_nodes, peaks, memory_budget) if cut not in cuts]
+            cuts += [cut for cut in _memory_cuts(egraph, step_nodes, peaks, memory_budget) if cut not in cuts]
         if rounds:
             selection = replace(selection, status="feasible")
             plan = replace(plan, notes={**plan.notes, "status": "feasible", "memory_cut_rounds": rounds})
@@ -254,20 +254,23 @@ class Explored:
         return [r for i, r in enumerate(front) if all(r.plan.cost < later.plan.cost for later in front[i + 1:])]
 
 
-def _memory_cuts(step_nodes: Sequence[int], peaks: Sequence[RankPeak], limit: int) -> list[dict[int, int]]:
-    """Per device a plan overshoots `limit` on, a group (DeviceBudget.groups) of the nodes whose buffers were live
-    at its peak, each charged its bytes there: no plan may choose all of them. Heuristic: whether buffers are
-    live together depends on the rest of the plan (later readers, step order), so a plan that holds them at
-    different times is excluded too; only the placed inputs' bytes are held in every plan. The plan a cut
-    came from is always excluded by it."""
+def _memory_cuts(egraph: ExtractGraph, step_nodes: Sequence[int], peaks: Sequence[RankPeak],
+                 limit: int) -> list[dict[int, int]]:
+    """Per device a plan overshoots `limit` on, a group (DeviceBudget.groups) of the e-classes whose values were
+    live at its peak, every node of such a class charged the bytes its value held there: no plan may make all
+    of those values. Heuristic: whether values are live together depends on the rest of the plan (their
+    readers, the step order), so a plan that holds them at different times is excluded too; only the placed
+    inputs' bytes are held in every plan. The plan a cut came from is always excluded by it."""
     cuts: list[dict[int, int]] = []
     for peak in peaks:
         if peak.bytes > limit:
-            held: dict[int, int] = {}  # node -> bytes
+            held: dict[int, int] = {}  # e-class -> bytes
             for step, size in peak.live.items():
-                held[step_nodes[step]] = held.get(step_nodes[step], 0) + size
-            if held not in cuts:
-                cuts.append(held)
+                c = egraph.node_class[step_nodes[step]]
+                held[c] = held.get(c, 0) + size
+            cut = {n: size for c, size in held.items() for n in egraph.class_nodes[c]}
+            if cut not in cuts:
+                cuts.append(cut)
     return cuts
 
 
