@@ -67,6 +67,15 @@ def _replicated(shape: tuple[int, ...], mesh: Mesh) -> Layout:
     return Layout.replicated(shape, mesh)
 
 
+def _is_replicated(interner: Interner, key: str) -> bool:
+    """Whether layout `key` is the replicated one (answered once per key: asked for every reshard)."""
+    known = interner.replicated_keys
+    if key not in known:
+        shape, layout = interner.layouts[key]
+        known[key] = not layout.partial and layout == _replicated(shape, interner.mesh)
+    return known[key]
+
+
 @dataclass(frozen=True)
 class DNode:
     """A distributed e-node, as the decoder needs it."""
@@ -114,8 +123,7 @@ def distributed_nodes(data: Mapping[str, Any], interner: Interner, deadline: flo
 
     for classes in value_layouts.values():
         for src in classes:
-            shape, layout = interner.layouts[src]
-            if not layout.partial and layout == _replicated(shape, interner.mesh):
+            if _is_replicated(interner, src):
                 for dst in classes:
                     if dst != src and not interner.layouts[dst][1].partial:
                         move(classes, src, dst)
@@ -214,8 +222,7 @@ class Decoder:
         return 1 if node.op == "Reshard" and not self._from_replicated(node) else 0
 
     def _from_replicated(self, node: DNode) -> bool:
-        shape, layout = self.interner.layouts[self.class_layout[node.children[0]]]
-        return not layout.partial and layout == _replicated(shape, self.mesh)
+        return _is_replicated(self.interner, self.class_layout[node.children[0]])
 
     def _price_key(self, node: DNode) -> Any:
         """Equal for steps any cost model prices alike: a Run's step without its origin, a Reshard's layout pair

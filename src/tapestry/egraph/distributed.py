@@ -32,6 +32,7 @@ class Interner:
         self.runs: dict[str, Compute] = {}  # the step each Run e-node is, its value names "?"
         self._run_keys: dict[Compute, str] = {}
         self.priced_as: dict[str, str] = {}  # run key -> its candidate's name: runs that differ only in origin
+        self.replicated_keys: dict[str, bool] = {}  # layout key -> is it the replicated layout (egraph.decode)
         self._candidates: dict[tuple[Any, ...], list[tuple[str, Partition, Compute, str, tuple[str, ...]]]] = {}
         self._candidate_count = 0
 
