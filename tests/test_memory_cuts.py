@@ -5,17 +5,22 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+from extract_helpers import build
 
 import tapestry
-from tapestry.cost import DefaultCostModel, load_profile, peak_memory, plan_cost, rank_peaks
+from tapestry.cost import (
+    DefaultCostModel,
+    load_profile,
+    peak_memory,
+    plan_cost,
+    rank_peaks,
+)
 from tapestry.cost.memory import lean_order
 from tapestry.extract import DeviceBudget, extract
 from tapestry.optimizer import explore, steady_violations
 from tapestry.plan import Plan
 from tapestry.plan.validate import validate_plan
 from tapestry.training.plans import data_parallel, megatron, zero3
-
-from extract_helpers import build
 
 GPU = DefaultCostModel(load_profile("gpu-h100-nccl"))
 ARGUMENTS = ("arg0", "arg1")

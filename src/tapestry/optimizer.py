@@ -13,12 +13,28 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tapestry.cost import CostModel, DefaultCostModel, RankPeak, layout_bytes, load_profile, peak_memory, rank_peaks
+from tapestry.cost import (
+    CostModel,
+    DefaultCostModel,
+    RankPeak,
+    layout_bytes,
+    load_profile,
+    peak_memory,
+    rank_peaks,
+)
 from tapestry.cost.memory import lean_order
 from tapestry.egraph.decode import Decoder, distributed_nodes
 from tapestry.egraph.driver import Budget, IterationStats, SaturationStats, saturate
 from tapestry.egraph.rules import RuleFile, load_rules
-from tapestry.extract import DeviceBudget, NoFiniteChoiceError, Selection, Ties, extract, ties_hold, validate
+from tapestry.extract import (
+    DeviceBudget,
+    NoFiniteChoiceError,
+    Selection,
+    Ties,
+    extract,
+    ties_hold,
+    validate,
+)
 from tapestry.extract import EGraph as ExtractGraph
 from tapestry.graph import Graph, GraphError
 from tapestry.plan import Place, Plan

@@ -53,7 +53,11 @@ class RankPeak:
 
 def _rank_peak(plan: Plan, program: RankProgram) -> RankPeak:
     """One rank's placed blocks throughout, plus the live buffers at the step where they are most."""
-    from tapestry.lower.program import Local, PlaceBlock, RankProgram  # imports torch: only when asked
+    from tapestry.lower.program import (  # imports torch: only when asked
+        Local,
+        PlaceBlock,
+        RankProgram,
+    )
 
     steps = [s for s in program.steps if s.step < len(plan.steps)]  # the outputs' gather is not the plan's
     dead = RankProgram(program.rank, program.world, tuple(steps)).dead_after()
