@@ -15,15 +15,25 @@ EXAMPLES = 60
 FLOOR = 40  # fewer valid examples than this means the generator, not the rule, passed
 SHIPPED = [rule for f in load_rules() for rule in f.rules]
 # rules/taso/'s conv rules evaluate convs of up to 4,096 cells in numpy: 10-50 s each, so make test-all checks them.
+# Two convs sharing an input are drawn well-typed a third to all of the time (34 to 100 of 100 over six runs of
+# conv.egg:10), so these get more examples and a lower floor.
 TASO = [pytest.param(rule, id=f"taso/{rule.short}", marks=pytest.mark.slow)
         for f in load_rules([TASO_DIR]) for rule in f.rules]
+TASO_EXAMPLES, TASO_FLOOR = 100, 25
 
 
-@pytest.mark.parametrize("rule", [*[pytest.param(r, id=r.short) for r in SHIPPED], *TASO])
+@pytest.mark.parametrize("rule", [pytest.param(r, id=r.short) for r in SHIPPED])
 def test_every_shipped_rule_preserves_values(rule: Rule):
     verdict = check_rule(rule, EXAMPLES)
     assert verdict.passed, verdict.counterexample
     assert verdict.examples_run >= FLOOR
+
+
+@pytest.mark.parametrize("rule", TASO)
+def test_every_taso_rule_preserves_values(rule: Rule):
+    verdict = check_rule(rule, TASO_EXAMPLES)
+    assert verdict.passed, verdict.counterexample
+    assert verdict.examples_run >= TASO_FLOOR
 
 
 def test_matmul_commutativity_is_caught_with_a_shrunk_counterexample():

@@ -327,10 +327,13 @@ def _draw_term(
 ) -> None:
     """Bind the fresh variables of `term` (inner terms first) so that it type-checks, each tensor variable at
     the dtype its kernel's sampler gives that operand (float64 for "float"), recorded in `types`. `hint` is a
-    shape the enclosing kernel's sampler gave this term's place: a seed for its operands, so an inner add
-    can be drawn 4-D for the conv around it."""
+    shape the enclosing kernel's sampler gave this term's place: a seed for its operands when this term's
+    kernel keeps its operands' shape (an add), so an inner add can be drawn 4-D for the conv around it; for
+    other kernels (a conv inside an add) it would only crowd out well-typed candidates."""
     ctor, tensors, args = _split(term)
     sample_shapes, sample_params, *kinds = ctor.kernel.sample(draw)
+    if hint is not None and not _keeps_shape(ctor, sample_shapes, sample_params):
+        hint = None
     for position, inner in enumerate(tensors):
         if isinstance(inner, SList):
             _draw_term(draw, inner, guards, shapes, params, types, extra, sample_shapes[position])
@@ -355,6 +358,15 @@ def _draw_term(
         params[var] = _pick(draw, options, var, lambda p: (shapes, {**params, var: p}), guards, term, n == last,
                             types)
     assume(_binds(term, shapes, params, types))
+
+
+def _keeps_shape(ctor: Constructor, sample_shapes: Sequence[Shape], sample_params: Mapping[str, ParamValue]) -> bool:
+    """Whether the kernel's sampled operands all have its output's shape (elementwise ops)."""
+    try:
+        out = ctor.kernel.bind(list(sample_shapes), dict(sample_params)).output_shape
+    except _ILL_TYPED:
+        return False
+    return all(tuple(s) == out for s in sample_shapes)
 
 
 Binding = tuple[Mapping[str, Shape], Mapping[str, ParamValue]]
