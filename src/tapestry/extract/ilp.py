@@ -52,10 +52,11 @@ from tapestry.extract.tree import TreeChoice, solvable_tree
 
 SCALE = 10**9  # the warm-start cost maps to this many integer units
 # CP-SAT's workers, time-sliced on the 2 cores: the full LP relaxation (with the source constraints it is what
-# proves Tapestry's graphs) and core-based search. Side by side at 20 s against the default 8-worker portfolio,
-# under load: a 4-layer stack on 8 devices proven in 15 s (8 workers: gap 0.9%), nasneta at its optimum with gap
-# 0.24% (8 workers: 8-17% dearer than it, gap 10-17%), vgg proven in 8 s (6 s), resnet50 and bert alike.
-PORTFOLIO = ("max_lp", "core")
+# proves Tapestry's graphs), core-based search, and the default LP worker. Side by side under load (10-20 s
+# limits) against the default 8-worker portfolio: a 4-layer stack on 8 devices proven in 7 s (8 workers: gap 0.9%
+# at 20 s), nasneta proven in 9 s (8 workers: 8-17% dearer than its optimum at 30 s), vgg in 2 s, a rover file
+# in 2 s (without default_lp: unproven at 10 s).
+PORTFOLIO = ("max_lp", "core", "default_lp")
 # One presolve pass: repeating them took 4.4 s of a 10 s limit on a 12-layer stack on 8 devices (30,000 nodes),
 # leaving the LP no time (gap 93%; one pass: 3.2%); tensat's graphs end as before (vgg proven in 11 s, was 8).
 PRESOLVE_PASSES = 1
