@@ -20,6 +20,7 @@ from tapestry.cost import (
     layout_bytes,
     load_profile,
     peak_memory,
+    plan_cost,
     rank_peaks,
 )
 from tapestry.cost.memory import lean_order
@@ -157,7 +158,7 @@ class Explored:
             raise AssertionError(f"extractor {extractor} broke steady state: {unsteady[0]}")
         if cells(self.graph) <= CHECK_CELLS:
             check_meaning(plan)  # a rule that passed check-rules can still be wrong where it was not drawn
-        plan = replace(plan, cost=sum(model.step_cost(s, self.mesh) for s in plan.steps))  # time, not objective
+        plan = replace(plan, cost=plan_cost(plan, model))  # time per run, not objective
         return OptimizeResult(plan, self.stats, selection, self.rule_files, self.data)
 
     def _select(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget: DeviceBudget | None,
@@ -329,7 +330,8 @@ def explore(graph: Graph, mesh: Mesh | int = 1, rules: Sequence[str | Path] | No
     data = gen.session.serialize()
     nodes, roots, names, cut = distributed_nodes(data, gen.interner, started + budget.seconds)
     stats = replace(stats, values_with_few_moves=cut)
-    return Explored(graph, mesh, Decoder(nodes, gen.interner, mesh, {n.name: n.dtype for n in graph.inputs}), tuple(roots), names, stats,
+    return Explored(graph, mesh, Decoder(nodes, gen.interner, mesh, {n.name: n.dtype for n in graph.inputs},
+                                             graph.fixed), tuple(roots), names, stats,
                     tuple(rule_files), data, max(budget.seconds - (time.perf_counter() - started), 0.0))
 
 

@@ -23,8 +23,9 @@ class CostModel(Protocol):
 
 
 def plan_cost(plan: Plan, model: CostModel) -> float:
-    """The sequential SPMD time: steps run one after another, each as slow as its slowest device."""
-    return sum(model.step_cost(step, plan.mesh) for step in plan.steps)
+    """The sequential SPMD time per run: steps run one after another, each as slow as its slowest device; prepared
+    steps (`Plan.prepared`: computed from static inputs alone) run once ahead of time, so they cost nothing."""
+    return sum(model.step_cost(step, plan.mesh) for step in plan.steps if step.out not in plan.prepared)
 
 
 def run_costs(plan: Plan, model: CostModel) -> dict[int, float]:

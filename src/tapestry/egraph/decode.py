@@ -11,6 +11,11 @@ in k layouts has k(k-1) of them (95% of a 2x4 transformer's distributed layer).
 They are made here, from the `At` classes each logical class has at the end.
 Pricing is memoised per distinct step (a Compute without its origin, a Reshard
 by its layout pair, shape and dtype): identical layers cost one pricing.
+
+A Run or Reshard whose children are all static-derived classes (made from
+static inputs and constants alone: `Decoder.static_classes`) is a one-time
+preparation, priced 0 per run, as TASO and Tensat price weight-only subgraphs:
+a merged GEMM's weight concat is then free (`Plan.prepared` names such steps).
 """
 from __future__ import annotations
 
@@ -140,13 +145,32 @@ def distributed_nodes(data: Mapping[str, Any], interner: Interner, deadline: flo
 class Decoder:
     """Turns distributed e-nodes into plan steps (for costs) and selections into plans."""
 
-    def __init__(self, nodes: list[DNode], interner: Interner, mesh: Mesh, input_dtypes: Mapping[str, str]) -> None:
+    def __init__(self, nodes: list[DNode], interner: Interner, mesh: Mesh, input_dtypes: Mapping[str, str],
+                 fixed_inputs: frozenset[str] = frozenset()) -> None:
         self.nodes = nodes
         self.interner = interner
         self.mesh = mesh
         self.class_layout = {n.eclass: n.layout for n in nodes if n.layout}
         self.class_dtype = self._dtypes(input_dtypes)
+        self.static_classes = self._static_classes(fixed_inputs)
         self.pricing: PricingStats | None = None  # of the last `serialized`
+
+    def _static_classes(self, fixed_inputs: frozenset[str]) -> frozenset[str]:
+        """The distributed classes some node computes from static inputs and constants alone (`Graph.fixed`):
+        a Place of one, or a Run or Reshard whose children are all such classes (to a fixpoint)."""
+        found = {n.eclass for n in self.nodes if n.op == "Place" and n.key in fixed_inputs}
+        if not found:
+            return frozenset()
+        pending = [n for n in self.nodes if n.op not in ("Place", "Deliver")]
+        while True:
+            grown = {n.eclass for n in pending if n.eclass not in found and all(c in found for c in n.children)}
+            if not grown:
+                return frozenset(found)
+            found |= grown
+
+    def prepared(self, node: DNode) -> bool:
+        """Whether `node` is a Run or Reshard made from static-derived classes only: done once, free per run."""
+        return node.op not in ("Place", "Deliver") and all(c in self.static_classes for c in node.children)
 
     def step(self, node: DNode, out: str = "?", args: tuple[str, ...] = ()) -> Step | None:
         if node.op == "Place":
@@ -194,7 +218,7 @@ class Decoder:
         unpriced = 0
         for i in sorted(range(len(self.nodes)), key=self._pricing_order):
             node = self.nodes[i]
-            if node.op == "Deliver":
+            if node.op == "Deliver" or self.prepared(node):
                 costs[i] = 0.0
                 continue
             key = self._price_key(node)
@@ -276,6 +300,7 @@ class Decoder:
                 steps.append(self.step(node, out, args))  # type: ignore[arg-type]
         outputs = {root_names[egraph.class_ids[r]]: value[egraph.class_ids[r]] for r in egraph.roots}
         ordered = {name: outputs[name] for name in graph.outputs}
-        return Plan(self.mesh, graph, tuple(steps), ordered, cost=selection.dag_cost,
+        plan = Plan(self.mesh, graph, tuple(steps), ordered, cost=selection.dag_cost,
                     notes={"extractor": selection.extractor, "extract_seconds": round(selection.seconds, 3),
                            "status": selection.status, "gap": selection.gap})
+        return replace(plan, notes={**plan.notes, "prepared": len(plan.prepared)}) if plan.prepared else plan

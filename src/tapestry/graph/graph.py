@@ -67,9 +67,12 @@ class Graph:
         self.outputs: dict[str, str] = {}
         self.constants: dict[str, np.ndarray] = {}  # inputs whose value is part of the program (folded masks)
         self.carried: dict[str, str] = {}  # output -> the input it becomes at the next step (see `carry`)
+        self.static: set[str] = set()  # inputs whose value stays fixed across runs (inference weights)
 
     # -- building ------------------------------------------------------------------------------
-    def input(self, name: str, shape: Shape, dtype: str = "float32") -> Value:
+    def input(self, name: str, shape: Shape, dtype: str = "float32", static: bool = False) -> Value:
+        """A program input; `static`: its value stays the same from run to run (an inference weight), so what is
+        computed from static inputs and constants alone is prepared once, not paid for per run (`fixed`)."""
         self._check_new_name(name)
         if dtype not in DTYPES:
             raise GraphError(f"input {name!r}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -77,6 +80,8 @@ class Graph:
         if any(s < 0 for s in shape):
             raise GraphError(f"input {name!r}: shape {list(shape)} has a negative size")
         self._nodes[name] = Node(name, INPUT, (), (), shape, dtype)
+        if static:
+            self.static.add(name)
         return Value(name, shape, dtype)
 
     def constant(self, name: str, value: np.ndarray) -> Value:
@@ -154,6 +159,7 @@ class Graph:
             del self._nodes[name]
             self._signatures.pop(name, None)
             self.constants.pop(name, None)
+            self.static.discard(name)
 
     def __getattr__(self, op: str) -> Any:
         if op.startswith("_") or op not in KERNELS:
@@ -200,6 +206,11 @@ class Graph:
     def __len__(self) -> int:
         return len(self._nodes)
 
+    @property
+    def fixed(self) -> frozenset[str]:
+        """The inputs whose value is the same in every run: static inputs and constants."""
+        return frozenset(self.static) | frozenset(self.constants)
+
     def signature(self, name: str) -> Signature:
         return self._signatures[name]
 
@@ -220,5 +231,6 @@ class Graph:
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, Graph) and self.nodes == other.nodes and self.outputs == other.outputs
+                and self.static == other.static
                 and self.constants.keys() == other.constants.keys()
                 and all(np.array_equal(v, other.constants[k]) for k, v in self.constants.items()))

@@ -24,6 +24,7 @@ def graph_to_json(graph: Graph) -> dict[str, Any]:
         ],
         "outputs": dict(graph.outputs),
         **({"carried": dict(graph.carried)} if graph.carried else {}),
+        **({"static": sorted(graph.static)} if graph.static else {}),
         "constants": {name: {"dtype": dtypes.name_of(v.dtype), "values": v.astype(np.float64).tolist()
                              if v.dtype == dtypes.to_numpy("bfloat16") else v.tolist()}
                       for name, v in graph.constants.items()},
@@ -62,6 +63,10 @@ def graph_from_json(data: dict[str, Any], source: str = "<json>") -> Graph:
             graph.output(name, target)
         for name, input_name in data.get("carried", {}).items():
             graph.carry(name, input_name)
+        for name in data.get("static", []):
+            if name not in graph or not graph[name].is_input:
+                raise GraphError(f"static {name!r} is not an input of the graph")
+            graph.static.add(name)
         for name, spec in data.get("constants", {}).items():
             if name not in graph or not graph[name].is_input:
                 raise GraphError(f"constant {name!r} is not an input of the graph")

@@ -147,7 +147,8 @@ def translate(graph: torch.fx.Graph, placeholders: Mapping[str, Placeholder], ou
 
 
 def translate_program(program: torch.export.ExportedProgram, strict: bool) -> Translation:
-    """An exported module: parameters and float buffers are state, integer buffers (position ids) constants."""
+    """An exported module: parameters and float buffers are state, integer buffers (position ids) constants. For
+    inference the state is static (`Graph.input(static=True)`): the same every run, unless the forward mutates it."""
     tables = {**program.state_dict, **program.constants}
     placeholders = {}
     for spec in program.graph_signature.input_specs:
@@ -165,7 +166,10 @@ def translate_program(program: torch.export.ExportedProgram, strict: bool) -> Tr
             placeholders.setdefault(node.name, Placeholder("none"))
     by_name = {n.name: n for n in program.graph.nodes}
     user = [s.arg.name for s in program.graph_signature.output_specs if s.kind is OutputKind.USER_OUTPUT]
-    return translate(program.graph, placeholders, [(f"out{i}", by_name[n]) for i, n in enumerate(user)], strict)
+    translation = translate(program.graph, placeholders, [(f"out{i}", by_name[n]) for i, n in enumerate(user)], strict)
+    mutated = set(program.graph_signature.buffers_to_mutate.values())  # a train-mode batch norm's running stats
+    translation.graph.static.update(n for n in translation.state if n not in mutated)  # inference: weights fixed
+    return translation
 
 
 def _placeholder(graph: Graph, node: torch.fx.Node, role: Placeholder) -> Any:

@@ -11,10 +11,13 @@ from tapestry.sharding.comm import received_elements
 def explain(plan: Plan) -> str:
     mesh = plan.mesh
     outputs = ", ".join(f"{name}={value}" for name, value in plan.outputs.items())
-    lines = [f"plan on mesh {mesh} ({mesh.size} devices): {len(plan.steps)} steps; outputs {outputs}"]
+    prepared = f" ({len(plan.prepared)} prepared once from static inputs)" if plan.prepared else ""
+    lines = [f"plan on mesh {mesh} ({mesh.size} devices): {len(plan.steps)} steps{prepared}; outputs {outputs}"]
     width = max((len(s.out) for s in plan.steps), default=1)
     for step in plan.steps:
         head, details = _describe(step, mesh)
+        if step.out in plan.prepared:
+            details.append("prepared: made from static inputs alone, so run once ahead of time (0 per run)")
         lines.append(f"{step.out:<{width}}  {head}")
         lines += [f"{'':<{width}}      {d}" for d in details]
     lines.append("per device:")

@@ -106,6 +106,20 @@ class Plan:
     def by_id(self) -> dict[str, Step]:
         return {s.out: s for s in self.steps}
 
+    @cached_property
+    def prepared(self) -> frozenset[str]:
+        """The Compute and Reshard steps (by value) computed from static inputs and constants alone, transitively
+        (`Graph.fixed`): the same in every run, so a serving loop runs them once at load time and the cost model
+        prices them 0 per run (TASO's and Tensat's weight-only subgraphs). `Plan.run` still runs them each call."""
+        fixed, made = self.graph.fixed, set()
+        for step in self.steps:
+            if isinstance(step, Place):
+                if step.input in fixed:
+                    made.add(step.out)
+            elif all(a in made for a in (step.args if isinstance(step, Compute) else (step.src,))):
+                made.add(step.out)
+        return frozenset(v for v in made if not isinstance(self.by_id[v], Place))
+
     def layout_of(self, value: str) -> Layout:
         return self.by_id[value].layout
 

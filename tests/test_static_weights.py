@@ -1,0 +1,102 @@
+"""Static inputs (inference weights): what is computed from them alone is prepared once, so its per-run cost is 0
+(TASO and Tensat price weight-only subgraphs so). That makes the merged QKV GEMM of rules/taso/merge.egg pay off:
+its weight concat is prepared, and only the launches it saves remain (tests/test_merge_cost.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tapestry import optimize
+from tapestry.cost import DefaultCostModel, load_profile, plan_cost
+from tapestry.egraph.rules import BUILTIN_DIR, builtin_rule_paths
+from tapestry.graph import Graph, graph_from_json, graph_to_json
+from tapestry.plan.explain import explain
+from tapestry.plan.plan import Compute, Place
+from tapestry.sharding import Mesh
+from tapestry.verify import check_meaning
+
+GPU = DefaultCostModel(load_profile("gpu-h100-nccl"))
+MERGE_RULES = [*builtin_rule_paths(), BUILTIN_DIR / "taso" / "merge.egg"]
+TOKENS, DIM, HEADS = 8, 1024, 4  # decode-sized: one launch is a large share of a GEMM's time
+
+
+def attention_block(static: bool) -> Graph:
+    """Multi-head attention with q, k, v = x @ Wq, x @ Wk, x @ Wv, then an output projection."""
+    g = Graph()
+    x = g.input("x", (TOKENS, DIM))
+
+    def heads(t, perm):
+        return g.transpose(g.reshape(t, shape=(TOKENS, HEADS, DIM // HEADS)), perm=perm)
+
+    q, k, v = (g.matmul(x, g.input(f"w{n}", (DIM, DIM), static=static)) for n in "qkv")
+    scores = g.softmax(g.matmul(heads(q, (1, 0, 2)), heads(k, (1, 2, 0))), axis=2)
+    mixed = g.reshape(g.transpose(g.matmul(scores, heads(v, (1, 0, 2))), perm=(1, 0, 2)), shape=(TOKENS, DIM))
+    g.output("y", g.relu(g.matmul(mixed, g.input("wo", (DIM, DIM), static=static))))
+    return g
+
+
+def plan_of(static: bool):
+    return optimize(attention_block(static), Mesh(4), rules=MERGE_RULES, cost_model=GPU).plan
+
+
+def matmuls_reading_x(plan) -> list[Compute]:
+    x = next(s.out for s in plan.steps if isinstance(s, Place) and s.input == "x")
+    return [s for s in plan.steps if isinstance(s, Compute) and s.kernel == "matmul" and s.args[0] == x]
+
+
+def test_with_static_weights_one_merged_gemm_computes_q_k_and_v():
+    plan = plan_of(static=True)
+    [qkv] = matmuls_reading_x(plan)
+    assert qkv.shape == (TOKENS, 3 * DIM)
+    merged_weight = plan.by_id[qkv.args[1]]
+    assert merged_weight.out in plan.prepared and merged_weight.kernel == "concat"
+    assert "prepared once from static inputs" in explain(plan)
+    check_meaning(plan)
+
+
+def test_prepared_steps_cost_nothing_per_run():
+    plan = plan_of(static=True)
+    assert plan.prepared and plan.notes["prepared"] == len(plan.prepared)
+    per_run = sum(GPU.step_cost(s, plan.mesh) for s in plan.steps if s.out not in plan.prepared)
+    assert plan_cost(plan, GPU) == pytest.approx(per_run) == pytest.approx(plan.cost)
+
+
+def test_without_static_weights_the_merge_does_not_pay():
+    plan = plan_of(static=False)
+    assert len(matmuls_reading_x(plan)) == 3
+    assert not plan.prepared
+    assert not any(isinstance(s, Compute) and s.kernel == "concat" for s in plan.steps)
+
+
+def test_prepared_is_transitive_and_stops_at_a_run_time_input():
+    g = Graph()
+    x, w = g.input("x", (4, 4)), g.input("w", (4, 4), static=True)
+    c = g.constant("c", np.ones((4, 4), np.float32))
+    g.output("y", g.matmul(x, g.add(g.relu(w), c)))
+    plan = optimize(g, 1, rules=[], cost_model=GPU).plan
+    kernels = {s.kernel for s in plan.steps if s.out in plan.prepared}
+    assert kernels == {"relu", "add"}
+
+
+def test_static_inputs_survive_json():
+    g = Graph()
+    g.output("y", g.relu(g.input("w", (2,), static=True)))
+    assert graph_from_json(graph_to_json(g)).static == {"w"}
+
+
+def test_static_in_json_must_name_an_input():
+    data = graph_to_json(attention_block(static=False)) | {"static": ["nope"]}
+    with pytest.raises(ValueError, match="static 'nope' is not an input"):
+        graph_from_json(data)
+
+
+def test_an_inference_import_marks_parameters_and_float_buffers_static_and_a_training_import_does_not():
+    torch = pytest.importorskip("torch")
+    import tapestry
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).eval()
+    x = torch.randn(3, 4)
+    inference = tapestry.from_torch(model, (x,), verbose=False)
+    assert inference.graph.static == set(inference.translation.state) >= {"0.weight", "1.running_mean"}
+    loss = tapestry.Training(loss=lambda m, x: m(x).square().mean(), optimizer="sgd", lr=0.1)
+    assert not tapestry.from_torch(torch.nn.Linear(4, 4), (x,), training=loss, verbose=False).graph.static
