@@ -68,14 +68,33 @@ def test_without_static_weights_the_merge_does_not_pay():
     assert not any(isinstance(s, Compute) and s.kernel == "concat" for s in plan.steps)
 
 
-def test_prepared_is_transitive_and_stops_at_a_run_time_input():
+def weight_prepared_with_a_constant() -> Graph:
     g = Graph()
-    x, w = g.input("x", (4, 4)), g.input("w", (4, 4), static=True)
-    c = g.constant("c", np.ones((4, 4), np.float32))
+    x, w = g.input("x", (4, 8)), g.input("w", (8, 8), static=True)
+    c = g.constant("c", np.ones((8, 8), np.float32))
     g.output("y", g.matmul(x, g.add(g.relu(w), c)))
-    plan = optimize(g, 1, rules=[], cost_model=GPU).plan
+    return g
+
+
+def test_prepared_is_transitive_and_stops_at_a_run_time_input():
+    plan = optimize(weight_prepared_with_a_constant(), 1, rules=[], cost_model=GPU).plan
     kernels = {s.kernel for s in plan.steps if s.out in plan.prepared}
     assert kernels == {"relu", "add"}
+
+
+def test_two_gloo_ranks_run_the_prepared_steps_once_before_the_iterations_and_compute_what_the_evaluator_does():
+    pytest.importorskip("torch")
+    import tapestry
+    from tapestry.runtime import run_plan
+
+    graph = weight_prepared_with_a_constant()
+    plan = optimize(graph, 2, rules=[], cost_model=GPU).plan
+    inputs = tapestry.random_inputs(graph, seed=1)
+    result = run_plan(plan, inputs, compile=False, backend="gloo", repeat=2)
+    np.testing.assert_allclose(result.outputs["y"], tapestry.evaluate(graph, inputs)["y"], rtol=1e-5, atol=1e-5)
+    prepared = {k for k, s in enumerate(plan.steps) if s.out in plan.prepared}
+    reported = [{t.step for t in rank.steps if t.kind == "prepare"} for rank in result.ranks]
+    assert prepared and set().union(*reported) == prepared
 
 
 def test_static_inputs_survive_json():

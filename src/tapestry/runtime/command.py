@@ -160,11 +160,12 @@ def profile_table(plan: Plan, result: RunResult, cost_profile: str) -> Table:
         guess = predicted.get(step)
         table.add_row(f"[{step}] {first.label}", first.kind, *cells, "-" if guess is None else f"{guess * 1e3:.3f}",
                       end_section=step == max(labels))
-    for kind in ("place", "compute", "comm"):
+    for kind in ("place", "prepare", "compute", "comm"):
         totals = [sum(t.seconds for t in r.steps if t.kind == kind) * 1e3 for r in result.ranks]
         guess = sum(v for k, v in predicted.items() if k in labels and labels[k].kind == kind) * 1e3
         table.add_row(f"total {kind}", "", *(f"{t:.3f}" for t in totals), f"{guess:.3f}")
     walls = [float(np.median(r.iterations)) * 1e3 for r in result.ranks]  # placing is setup, outside the wall
-    table.add_row("wall", "", *(f"{w:.3f}" for w in walls), f"{sum(predicted.values()) * 1e3:.3f}")
+    per_run = sum(v for k, v in predicted.items() if k >= len(plan.steps) or plan.steps[k].out not in plan.prepared)
+    table.add_row("wall", "", *(f"{w:.3f}" for w in walls), f"{per_run * 1e3:.3f}")  # prepared steps are setup
     return table
 

@@ -95,7 +95,7 @@ def _seeded(graph: Graph, seed: int) -> dict[str, np.ndarray]:
 class StepTime:
     step: int
     label: str
-    kind: str  # "place", "compute" or "comm"
+    kind: str  # "place", "prepare" (a step of `Plan.prepared`, run once), "compute" or "comm"
     seconds: float
 
 
@@ -139,8 +139,11 @@ class RankRunner:
         iterations start from the same placed buffers (no step writes into a buffer it reads), and a place
         step's time is that of the one placement, outside the iterations' wall times. With `chain`, each
         iteration starts instead from the carried outputs of the one before, where they stay: this rank's
-        block of `new.X` becomes its block of `X` (a steady plan places and delivers them alike)."""
+        block of `new.X` becomes its block of `X` (a steady plan places and delivers them alike). The steps of
+        `Plan.prepared` (computed from static inputs alone) run once after placing, as setup too: a serving loop
+        runs them at load time, so the iterations start from their results as from the placed inputs."""
         placed, place_times = self.place()
+        placed, prepare_times = self.prepare(placed)
         program = self._bound
         times: list[list[float]] = []
         totals: list[float] = []
@@ -157,6 +160,7 @@ class RankRunner:
             times.append(step_times)
         kept = times[warmup:]
         steps = tuple(StepTime(s.step, _label(s), "place", place_times[k]) for k, s in enumerate(self._placing))
+        steps += tuple(StepTime(s.step, _label(s), "prepare", t) for (s, _, _), t in zip(self._preparing, prepare_times))
         steps += tuple(
             StepTime(s.step, _label(s), _kind(s), float(np.median([t[i] for t in kept]))) for i, (s, _, _) in enumerate(program)
         )
@@ -193,6 +197,23 @@ class RankRunner:
             times.append(time.perf_counter() - start)
         return buffers, times
 
+    def prepare(self, placed: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[float]]:
+        """The placed buffers plus the results of the prepared steps, run once in program order (every rank alike,
+        so their collectives match), and the seconds each took. Nothing is dropped: the iterations read them."""
+        buffers = dict(placed)
+        times = []
+        for step, work, _ in self._preparing:
+            self._enter(step)
+            start = time.perf_counter()
+            try:
+                buffers[step.out] = work(buffers)
+            except Exception as err:
+                raise self._failed(step, err) from err
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            times.append(time.perf_counter() - start)
+        return buffers, times
+
     def _enter(self, step: RankStep) -> None:
         self.on_step(step.step)
         if self._fault == step.step:
@@ -207,7 +228,7 @@ class RankRunner:
         return {ranks: dist.new_group(list(ranks)) for ranks in self.program.groups}
 
     @cached_property
-    def _bound(self) -> list[tuple[RankStep, Work, tuple[str, ...]]]:
+    def _all_bound(self) -> list[tuple[RankStep, Work, tuple[str, ...]]]:
         """Every non-place step with its work bound once (kernel looked up, reads resolved to slices) and the
         buffers to drop after it."""
         self._groups  # made here, at the same point of every rank's program: new_group is collective
@@ -216,6 +237,21 @@ class RankRunner:
             keep |= set(self._carried.values())
         dead = self.program.ranks[self.rank].dead_after(keep)
         return [(s, self._bind(s), d) for s, d in zip(self.steps, dead) if not isinstance(s, PlaceBlock)]
+
+    @cached_property
+    def _prepared_steps(self) -> frozenset[int]:
+        plan = self.program.plan
+        return frozenset(k for k, s in enumerate(plan.steps) if s.out in plan.prepared)
+
+    @cached_property
+    def _preparing(self) -> list[tuple[RankStep, Work, tuple[str, ...]]]:
+        """The bound steps of prepared plan steps: `prepare` runs them once (their buffers are never dropped)."""
+        return [b for b in self._all_bound if b[0].step in self._prepared_steps]
+
+    @cached_property
+    def _bound(self) -> list[tuple[RankStep, Work, tuple[str, ...]]]:
+        """The bound steps each iteration runs: all but the placing and the prepared ones."""
+        return [b for b in self._all_bound if b[0].step not in self._prepared_steps]
 
     def _bind(self, step: RankStep) -> Work:
         device = self.device
