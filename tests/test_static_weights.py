@@ -3,6 +3,8 @@
 its weight concat is prepared, and only the launches it saves remain (tests/test_merge_cost.py)."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -35,6 +37,7 @@ def attention_block(static: bool) -> Graph:
     return g
 
 
+@functools.cache
 def plan_of(static: bool):
     return optimize(attention_block(static), Mesh(4), rules=MERGE_RULES, cost_model=GPU).plan
 
@@ -70,9 +73,9 @@ def test_without_static_weights_the_merge_does_not_pay():
 
 def weight_prepared_with_a_constant() -> Graph:
     g = Graph()
-    x, w = g.input("x", (4, 8)), g.input("w", (8, 8), static=True)
+    x, w = g.input("x", (256, 8)), g.input("w", (8, 8), static=True)
     c = g.constant("c", np.ones((8, 8), np.float32))
-    g.output("y", g.matmul(x, g.add(g.relu(w), c)))
+    g.output("y", g.relu(g.matmul(x, g.add(g.relu(w), c))))  # the peak: the two activations, after add
     return g
 
 
@@ -119,3 +122,12 @@ def test_an_inference_import_marks_parameters_and_float_buffers_static_and_a_tra
     assert inference.graph.static == set(inference.translation.state) >= {"0.weight", "1.running_mean"}
     loss = tapestry.Training(loss=lambda m, x: m(x).square().mean(), optimizer="sgd", lr=0.1)
     assert not tapestry.from_torch(torch.nn.Linear(4, 4), (x,), training=loss, verbose=False).graph.static
+
+
+def test_prepared_results_stay_resident_in_the_memory_model_as_the_runtime_keeps_them():
+    from tapestry.cost import rank_peaks
+
+    plan = optimize(weight_prepared_with_a_constant(), 2, rules=[], cost_model=GPU).plan
+    relu = next(k for k, s in enumerate(plan.steps) if s.out in plan.prepared and s.kernel == "relu")
+    assert all(relu in peak.live for peak in rank_peaks(plan))  # the add read it last, before the peak
+

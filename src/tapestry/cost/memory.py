@@ -2,7 +2,8 @@
 
 The model is the runtime's (tapestry.runtime.execute): every rank places its
 blocks of the program inputs before the first step and keeps them for the
-whole program (weights stay resident), then runs its lowered steps, dropping
+whole program (weights stay resident; so do the results of prepared steps,
+`Plan.prepared`, which it runs once after placing), then runs its lowered steps, dropping
 each buffer after its last reader (`RankProgram.dead_after`). A buffer holds
 its block at its value's dtype size. A `Local` move whose block lies inside
 the source block is a view of it, as the runtime makes it: it adds no bytes
@@ -52,7 +53,8 @@ class RankPeak:
 
 
 def _rank_peak(plan: Plan, program: RankProgram) -> RankPeak:
-    """One rank's placed blocks throughout, plus the live buffers at the step where they are most."""
+    """One rank's placed blocks and prepared buffers (`Plan.prepared`, which the runtime runs once and keeps)
+    throughout, plus the live buffers at the step where they are most."""
     from tapestry.lower.program import (  # imports torch: only when asked
         Local,
         PlaceBlock,
@@ -66,11 +68,14 @@ def _rank_peak(plan: Plan, program: RankProgram) -> RankPeak:
     size: dict[str, int] = {}
     made_by: dict[str, int] = {}  # storage -> the plan step that made it
     placed: dict[int, int] = {}  # Place step -> its bytes on this rank
+    prepared = {k for k, s in enumerate(plan.steps) if s.out in plan.prepared}  # kept like placed inputs
     live, peak, at_peak = 0, 0, dict(size)
     for step, gone in zip(steps, dead):
         dtype = plan.dtypes[step.out]
-        if isinstance(step, PlaceBlock):
-            placed[step.step] = placed.get(step.step, 0) + block_bytes(step.block, dtype)
+        if isinstance(step, PlaceBlock) or step.step in prepared:
+            view = isinstance(step, Local) and step.src_block is not None and step.src_block.contains(step.out_block)
+            made = 0 if view else block_bytes(step.block if isinstance(step, PlaceBlock) else step.out_block, dtype)
+            placed[step.step] = placed.get(step.step, 0) + made
             owner[step.out] = None
             continue
         if isinstance(step, Local) and step.src_block is not None and step.src_block.contains(step.out_block):
