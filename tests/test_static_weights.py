@@ -22,24 +22,24 @@ MERGE_RULES = [*builtin_rule_paths(), BUILTIN_DIR / "taso" / "merge.egg"]
 TOKENS, DIM, HEADS = 8, 1024, 4  # decode-sized: one launch is a large share of a GEMM's time
 
 
-def attention_block(static: bool) -> Graph:
+def attention_block(static: bool, dim: int = DIM, n_heads: int = HEADS) -> Graph:
     """Multi-head attention with q, k, v = x @ Wq, x @ Wk, x @ Wv, then an output projection."""
     g = Graph()
-    x = g.input("x", (TOKENS, DIM))
+    x = g.input("x", (TOKENS, dim))
 
     def heads(t, perm):
-        return g.transpose(g.reshape(t, shape=(TOKENS, HEADS, DIM // HEADS)), perm=perm)
+        return g.transpose(g.reshape(t, shape=(TOKENS, n_heads, dim // n_heads)), perm=perm)
 
-    q, k, v = (g.matmul(x, g.input(f"w{n}", (DIM, DIM), static=static)) for n in "qkv")
+    q, k, v = (g.matmul(x, g.input(f"w{n}", (dim, dim), static=static)) for n in "qkv")
     scores = g.softmax(g.matmul(heads(q, (1, 0, 2)), heads(k, (1, 2, 0))), axis=2)
-    mixed = g.reshape(g.transpose(g.matmul(scores, heads(v, (1, 0, 2))), perm=(1, 0, 2)), shape=(TOKENS, DIM))
-    g.output("y", g.relu(g.matmul(mixed, g.input("wo", (DIM, DIM), static=static))))
+    mixed = g.reshape(g.transpose(g.matmul(scores, heads(v, (1, 0, 2))), perm=(1, 0, 2)), shape=(TOKENS, dim))
+    g.output("y", g.relu(g.matmul(mixed, g.input("wo", (dim, dim), static=static))))
     return g
 
 
 @functools.cache
-def plan_of(static: bool):
-    return optimize(attention_block(static), Mesh(4), rules=MERGE_RULES, cost_model=GPU).plan
+def plan_of(static: bool, dim: int = DIM, n_heads: int = HEADS):
+    return optimize(attention_block(static, dim, n_heads), Mesh(4), rules=MERGE_RULES, cost_model=GPU).plan
 
 
 def matmuls_reading_x(plan) -> list[Compute]:
@@ -57,6 +57,17 @@ def test_with_static_weights_one_merged_gemm_computes_q_k_and_v():
     check_meaning(plan)
 
 
+def test_a_wide_merged_qkv_gemm_is_column_split_over_4_devices_when_the_heads_are_not():
+    """Three heads do not split over 4 devices, so attention runs whole on each; at 3072 wide, reading a quarter
+    of [Wq Wk Wv] on each device (Megatron's column split) and gathering q, k and v in one collective beats
+    reading all of it (1536 wide: the whole merged GEMM on each device is cheaper)."""
+    plan = plan_of(static=True, dim=3072, n_heads=3)
+    [qkv] = matmuls_reading_x(plan)
+    assert qkv.shape == (TOKENS, 3 * 3072)
+    assert qkv.layout.name(qkv.shape, plan.mesh) == "S(1)"
+    check_meaning(plan)
+
+
 def test_prepared_steps_cost_nothing_per_run():
     plan = plan_of(static=True)
     assert plan.prepared and plan.notes["prepared"] == len(plan.prepared)
@@ -64,8 +75,9 @@ def test_prepared_steps_cost_nothing_per_run():
     assert plan_cost(plan, GPU) == pytest.approx(per_run) == pytest.approx(plan.cost)
 
 
-def test_without_static_weights_the_merge_does_not_pay():
-    plan = plan_of(static=False)
+@pytest.mark.parametrize("dim, n_heads", [(DIM, HEADS), (3072, 3)])
+def test_without_static_weights_the_merge_does_not_pay(dim: int, n_heads: int):
+    plan = plan_of(False, dim, n_heads)
     assert len(matmuls_reading_x(plan)) == 3
     assert not plan.prepared
     assert not any(isinstance(s, Compute) and s.kernel == "concat" for s in plan.steps)
