@@ -18,3 +18,13 @@ def write_section(name: str, command: str, body: str) -> None:
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
     DOC.parent.mkdir(parents=True, exist_ok=True)
     DOC.write_text(text)
+
+
+def mib(n: int | None) -> str:
+    """Bytes as MiB for a table cell; a dash for a plan that was not found."""
+    return "—" if n is None else f"{n / 2**20:,.1f}"
+
+
+def us(t: float | None, digits: int = 1) -> str:
+    """Seconds as microseconds for a table cell; a dash for a plan that was not found."""
+    return "—" if t is None else f"{t * 1e6:,.{digits}f}"

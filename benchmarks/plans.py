@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from _report import write_section
+from _report import mib, us, write_section
 from tapestry.cost import DefaultCostModel, load_profile, peak_memory, plan_cost
 from tapestry.graph import Graph
 from tapestry.models import transformer_block
@@ -162,27 +162,19 @@ def grid(full: bool) -> list[Case]:
             Case("block", 1024, 128, Mesh(4))]
 
 
-def _mib(n: int | None) -> str:
-    return "—" if n is None else f"{n / 2**20:,.1f}"
-
-
-def _us(t: float | None) -> str:
-    return "—" if t is None else f"{t * 1e6:,.1f}"
-
-
 def table(rows: list[Row]) -> str:
     head = ("| model | hidden | tokens/dev | mesh | profile | budget MiB | DP µs / MiB | TP µs / MiB | "
             "TP+SP µs / MiB | DPxTP µs / MiB | optimizer µs / MiB | status | best hand | flag |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        cells = [f"{_us(r.hand[s][0])} / {_mib(r.hand[s][1])}" if s in r.hand else "" for s in ("DP", "TP", "TP+SP",
+        cells = [f"{us(r.hand[s][0])} / {mib(r.hand[s][1])}" if s in r.hand else "" for s in ("DP", "TP", "TP+SP",
                                                                                                   "DPxTP")]
         best = r.best_hand
         found = r.found or (None, None)
         flag = "**WORSE**" if r.worse else ""
         lines.append(f"| {r.case.model} | {r.case.hidden} | {r.case.tokens} | {r.case.mesh} | {r.profile} | "
-                     f"{_mib(r.budget) if r.budget else 'none'} | {' | '.join(cells)} | "
-                     f"{_us(found[0])} / {_mib(found[1])} | {r.status} | {best[0] if best else '—'} | {flag} |")
+                     f"{mib(r.budget) if r.budget else 'none'} | {' | '.join(cells)} | "
+                     f"{us(found[0])} / {mib(found[1])} | {r.status} | {best[0] if best else '—'} | {flag} |")
     return "\n".join(lines)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from _report import write_section
+from _report import mib, us, write_section
 
 import tapestry
 from tapestry.cost import DefaultCostModel, load_profile, peak_memory, plan_cost
@@ -111,25 +111,17 @@ def grid(full: bool) -> list[Case]:
     return [Case(d, b) for d, b in itertools.product(dims, batches)]
 
 
-def _mib(n: int | None) -> str:
-    return "—" if n is None else f"{n / 2**20:,.1f}"
-
-
-def _us(t: float | None) -> str:
-    return "—" if t is None else f"{t * 1e6:,.0f}"
-
-
 def table(rows: list[Row]) -> str:
     head = ("| dim | params | batch | budget MiB | DP µs / MiB | ZeRO-3 µs / MiB | TP µs / MiB | optimizer µs / MiB | "
             "its weights / state | status | best hand | flag |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        cells = [f"{_us(r.hand[s][0])} / {_mib(r.hand[s][1])}" for s in HAND]
+        cells = [f"{us(r.hand[s][0], 0)} / {mib(r.hand[s][1])}" for s in HAND]
         found = r.found or (None, None)
         best = r.best_hand
         lines.append(f"| {r.case.dim} | {r.case.parameters / 1e6:.2f} M | {r.case.batch} | "
-                     f"{_mib(r.budget) if r.budget else 'none'} | {' | '.join(cells)} | "
-                     f"{_us(found[0])} / {_mib(found[1])} | {r.strategy} | {r.status} | "
+                     f"{mib(r.budget) if r.budget else 'none'} | {' | '.join(cells)} | "
+                     f"{us(found[0], 0)} / {mib(found[1])} | {r.strategy} | {r.status} | "
                      f"{best[0] if best else '—'} | {'**WORSE**' if r.worse else ''} |")
     return "\n".join(lines)
 

@@ -14,7 +14,7 @@ at the seam of the concat inside the split.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -192,33 +192,35 @@ def wrong_variant(sub: Substitution) -> Substitution | None:
     return None
 
 
-def _swap_operands(op: str, first: int):
-    def edit(term: SExp) -> SExp | None:
-        if not isinstance(term, SList):
-            return None
-        items = list(term.items)
-        if term.head == op and items[first] != items[first + 1]:
-            items[first], items[first + 1] = items[first + 1], items[first]
-            return SList(tuple(items), term.line)
-        for n, item in enumerate(items[1:], start=1):
-            inner = edit(item)
-            if inner is not None:
-                items[n] = inner
-                return SList(tuple(items), term.line)
-        return None
-
-    return edit
-
-
-def _exchange_ew(term: SExp) -> SExp | None:
+def _edit_first(term: SExp, here: Callable[[SList], SExp | None]) -> SExp | None:
+    """`term` with its first subterm (pre-order) that `here` rewrites rewritten; None when `here` applies nowhere."""
     if not isinstance(term, SList):
         return None
+    changed = here(term)
+    if changed is not None:
+        return changed
     items = list(term.items)
-    if term.head in _SWAPS:
-        return SList((Atom(_SWAPS[term.head], term.line), *items[1:]), term.line)
     for n, item in enumerate(items[1:], start=1):
-        inner = _exchange_ew(item)
+        inner = _edit_first(item, here)
         if inner is not None:
             items[n] = inner
             return SList(tuple(items), term.line)
     return None
+
+
+def _swap_operands(op: str, first: int) -> Callable[[SExp], SExp | None]:
+    def swap(term: SList) -> SExp | None:
+        items = list(term.items)
+        if term.head != op or items[first] == items[first + 1]:
+            return None
+        items[first], items[first + 1] = items[first + 1], items[first]
+        return SList(tuple(items), term.line)
+
+    return lambda term: _edit_first(term, swap)
+
+
+def _exchange_ew(term: SExp) -> SExp | None:
+    def exchange(t: SList) -> SExp | None:
+        return SList((Atom(_SWAPS[t.head], t.line), *t.items[1:]), t.line) if t.head in _SWAPS else None
+
+    return _edit_first(term, exchange)
