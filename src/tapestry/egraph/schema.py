@@ -4,8 +4,8 @@ Two sorts. `T` is the logical layer: one constructor per kernel, kernel params a
 trailing primitive args (ints as i64, int tuples as a comma string), plus
 `(Input name)` and `(Id n)`, the handle Python uses to name an e-class. `D` is
 the distributed layer: `(At t layout)` names "value t laid out as layout";
-its members are `(Run<Kernel> args... partition)`, `(Reshard d layout)` and
-`(Place name layout)`. `(Result name)` names each program output's root class,
+its members are `(Run<Kernel> args... partition)` and `(Place name layout)`
+(reshards between layouts are made outside egglog, by `egraph.decode`). `(Result name)` names each program output's root class,
 whose members are `(Deliver name d)`. `Rank`/`Dim`/`Dtype`/`Shape` (dims comma-joined) carry types for
 rule guards.
 """
@@ -102,7 +102,6 @@ def schema_text() -> str:
     d_lines = [
         "  (At T String)",
         "  (Place String String)",
-        "  (Reshard D String)",
         "  (Result String)",
         "  (Deliver String D)",
         *(f"  ({name} {' '.join(['D'] * len(k.inputs))} String)" for name, k in run_constructors().items()),
