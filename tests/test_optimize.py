@@ -74,6 +74,16 @@ def test_budgets_stop_saturation_and_say_which(budget, reason):
     validate_plan(result.plan)  # the program itself is always in the e-graph, so a plan exists
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_relu_after_a_conv_runs_inside_the_conv_kernel_on_every_device(bias):
+    g = Graph()
+    x, w = g.input("x", (4, 8, 10, 10)), g.input("w", (16, 8, 3, 3))
+    conv = g.op("conv2d_bias", x, w, g.input("b", (16,)), padding=1) if bias else g.op("conv2d", x, w, padding=1)
+    g.output("y", g.relu(conv))
+    plan = optimize(g, Mesh(2)).plan  # extract checks the plan against the evaluator
+    assert [s.kernel for s in computes(plan)] == ["conv2d_bias_relu" if bias else "conv2d_relu"]
+
+
 def test_explain_names_the_rule_that_made_a_fused_kernel():
     text = optimize(seeds_example(64, 32, 16), Mesh(2)).explain()
     assert "linear_relu made by fusion.egg:4" in text

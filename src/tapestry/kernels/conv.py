@@ -1,4 +1,5 @@
-"""conv2d over NCHW, with stride, zero padding and groups; conv2d_bias adds a bias.
+"""conv2d over NCHW, with stride, zero padding and groups; conv2d_bias adds a bias; the _relu twins apply relu
+in the same kernel.
 
 Output rows and columns are windowed index dims: neighbouring blocks read
 overlapping input rows (halos). Padding is an offset of -padding in x's
@@ -76,6 +77,12 @@ def _conv2d(x: np.ndarray, w: np.ndarray, *bias: np.ndarray, stride: int, paddin
     return out + bias[0][:, None, None] if bias else out
 
 
+def _relu_after(conv):
+    """The conv with relu applied to its result, as one kernel (TASO's conv2d activation mode)."""
+    relu = torch.relu if conv is _conv2d_torch else (lambda y: np.maximum(y, 0))
+    return lambda *args, **params: relu(conv(*args, **params))
+
+
 def _conv2d_torch(x: torch.Tensor, w: torch.Tensor, *bias: torch.Tensor, stride: int, padding: int, groups: int
                   ) -> torch.Tensor:
     """The block is already padded; it holds x.shape[1] // w.shape[1] whole groups."""
@@ -95,14 +102,14 @@ def _sampler(with_bias: bool):
     return sample
 
 
-def _conv(name: str, inputs: tuple[str, ...], additive: frozenset[str], doc: str) -> Kernel:
+def _conv(name: str, inputs: tuple[str, ...], additive: frozenset[str], doc: str, relu: bool = False) -> Kernel:
     return register(
         Kernel(
             name=name,
             inputs=inputs,
             signature=conv2d_signature,
-            numpy=_conv2d,
-            torch=_conv2d_torch,
+            numpy=_relu_after(_conv2d) if relu else _conv2d,
+            torch=_relu_after(_conv2d_torch) if relu else _conv2d_torch,
             sample=_sampler(len(inputs) == 3),
             params={"stride": 1, "padding": 0, "groups": 1},
             additive=additive,
@@ -116,3 +123,7 @@ def _conv(name: str, inputs: tuple[str, ...], additive: frozenset[str], doc: str
 conv2d = _conv("conv2d", ("x", "w"), frozenset({"c"}), "2-D convolution (cross-correlation), NCHW, no bias")
 # The bias must be added once, so c is not additive: splitting it needs conv2d + add.
 conv2d_bias = _conv("conv2d_bias", ("x", "w", "b"), frozenset(), "2-D convolution plus a per-channel bias")
+# relu of a partial sum is not the sum of relus: no fused kernel splits its contraction.
+conv2d_relu = _conv("conv2d_relu", ("x", "w"), frozenset(), "relu(conv2d(x, w)), fused", relu=True)
+conv2d_bias_relu = _conv("conv2d_bias_relu", ("x", "w", "b"), frozenset(), "relu(conv2d_bias(x, w, b)), fused",
+                         relu=True)
