@@ -28,3 +28,18 @@ def mib(n: int | None) -> str:
 def us(t: float | None, digits: int = 1) -> str:
     """Seconds as microseconds for a table cell; a dash for a plan that was not found."""
     return "—" if t is None else f"{t * 1e6:,.{digits}f}"
+
+
+Measured = tuple[float, int]  # (predicted seconds, peak bytes per device)
+
+
+def best_hand(hand: dict[str, Measured], budget: int | None) -> tuple[str, float] | None:
+    """The fastest hand-built plan within `budget`: (its name, its seconds); None when none fits."""
+    fitting = [(t, name) for name, (t, peak) in hand.items() if budget is None or peak <= budget]
+    return None if not fitting else min(fitting)[::-1]
+
+
+def worse_than_hand(found: Measured | None, hand: dict[str, Measured], budget: int | None) -> bool:
+    """Whether the optimizer's plan (None: it found none) is slower than the best hand plan within `budget`."""
+    best = best_hand(hand, budget)
+    return best is not None and (found is None or found[0] > best[1] * (1 + 1e-9))

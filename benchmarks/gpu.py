@@ -265,7 +265,7 @@ def report(workloads: dict[str, Callable[[str], Graph]], data: dict, spec: Profi
     if measured:
         half = measured.provenance.get("bfloat16_matmul_flops_by_size", {})
         if half:
-            lines += ["", f"bfloat16 n×n matmul, measured: " + ", ".join(
+            lines += ["", "bfloat16 n×n matmul, measured: " + ", ".join(
                 f"n={n} {r / 1e12:.0f} TFLOP/s" for n, r in half.items()) + "; the roofline has one peak for every "
                 "dtype (float32's), so it overprices bfloat16 matmuls by about the ratio of the two."]
         method = measured.provenance.get("method", "")

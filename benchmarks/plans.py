@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from _report import mib, us, write_section
+from _report import best_hand, mib, us, worse_than_hand, write_section
 from tapestry.cost import DefaultCostModel, load_profile, peak_memory, plan_cost
 from tapestry.graph import Graph
 from tapestry.models import transformer_block
@@ -125,13 +125,11 @@ class Row:
 
     @property
     def best_hand(self) -> tuple[str, float] | None:
-        fitting = [(t, name) for name, (t, peak) in self.hand.items() if self.budget is None or peak <= self.budget]
-        return None if not fitting else min(fitting)[::-1]
+        return best_hand(self.hand, self.budget)
 
     @property
     def worse(self) -> bool:
-        best = self.best_hand
-        return best is not None and (self.found is None or self.found[0] > best[1] * (1 + 1e-9))
+        return worse_than_hand(self.found, self.hand, self.budget)
 
 
 def rows_for(case: Case, time_limit: float) -> list[Row]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from _report import mib, us, write_section
+from _report import best_hand, mib, us, worse_than_hand, write_section
 
 import tapestry
 from tapestry.cost import DefaultCostModel, load_profile, peak_memory, plan_cost
@@ -68,13 +68,11 @@ class Row:
 
     @property
     def best_hand(self) -> tuple[str, float] | None:
-        fitting = [(t, name) for name, (t, peak) in self.hand.items() if self.budget is None or peak <= self.budget]
-        return None if not fitting else min(fitting)[::-1]
+        return best_hand(self.hand, self.budget)
 
     @property
     def worse(self) -> bool:
-        best = self.best_hand
-        return best is not None and (self.found is None or self.found[0] > best[1] * (1 + 1e-9))
+        return worse_than_hand(self.found, self.hand, self.budget)
 
 
 def described(plan: Plan) -> str:
