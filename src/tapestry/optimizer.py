@@ -285,9 +285,7 @@ def _memory_cuts(egraph: ExtractGraph, step_nodes: Sequence[int], peaks: Sequenc
             for step, size in peak.live.items():
                 c = egraph.node_class[step_nodes[step]]
                 held[c] = held.get(c, 0) + size
-            cut = {n: size for c, size in held.items() for n in egraph.class_nodes[c]}
-            if cut not in cuts:
-                cuts.append(cut)
+            cuts.append({n: size for c, size in held.items() for n in egraph.class_nodes[c]})
     return cuts
 
 

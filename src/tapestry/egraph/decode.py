@@ -161,12 +161,13 @@ class Decoder:
         found = {n.eclass for n in self.nodes if n.op == "Place" and n.key in fixed_inputs}
         if not found:
             return frozenset()
-        pending = [n for n in self.nodes if n.op not in ("Place", "Deliver")]
+        pending = [n for n in self.nodes if n.op not in ("Place", "Deliver") and n.eclass not in found]
         while True:
-            grown = {n.eclass for n in pending if n.eclass not in found and all(c in found for c in n.children)}
+            grown = {n.eclass for n in pending if all(c in found for c in n.children)}
             if not grown:
                 return frozenset(found)
             found |= grown
+            pending = [n for n in pending if n.eclass not in found]
 
     def prepared(self, node: DNode) -> bool:
         """Whether `node` is a Run or Reshard made from static-derived classes only: done once, free per run."""
