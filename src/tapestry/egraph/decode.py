@@ -19,7 +19,6 @@ a merged GEMM's weight concat is then free (`Plan.prepared` names such steps).
 """
 from __future__ import annotations
 
-import functools
 import math
 import time
 from collections.abc import Mapping
@@ -67,17 +66,13 @@ def dominated_moves(moves: Mapping[tuple[str, str], float]) -> set[tuple[str, st
     return dropped
 
 
-@functools.lru_cache(maxsize=1024)
-def _replicated(shape: tuple[int, ...], mesh: Mesh) -> Layout:
-    return Layout.replicated(shape, mesh)
-
-
 def _is_replicated(interner: Interner, key: str) -> bool:
-    """Whether layout `key` is the replicated one (answered once per key: asked for every reshard)."""
+    """Whether layout `key` is the replicated one (answered once per key, in `Interner.replicated_keys`: asked for
+    every reshard)."""
     known = interner.replicated_keys
     if key not in known:
         shape, layout = interner.layouts[key]
-        known[key] = not layout.partial and layout == _replicated(shape, interner.mesh)
+        known[key] = not layout.partial and layout == Layout.replicated(shape, interner.mesh)
     return known[key]
 
 
