@@ -4,17 +4,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
 from extract_helpers import build
+from training_helpers import ARGUMENTS, GPU, HIDDEN, adam_step
 
 import tapestry
-from tapestry.cost import (
-    DefaultCostModel,
-    load_profile,
-    peak_memory,
-    plan_cost,
-    rank_peaks,
-)
+from tapestry.cost import peak_memory, plan_cost, rank_peaks
 from tapestry.cost.memory import lean_order
 from tapestry.extract import DeviceBudget, extract
 from tapestry.optimizer import explore, steady_violations
@@ -22,29 +16,15 @@ from tapestry.plan import Plan
 from tapestry.plan.validate import validate_plan
 from tapestry.training.plans import data_parallel, megatron, zero3
 
-GPU = DefaultCostModel(load_profile("gpu-h100-nccl"))
-ARGUMENTS = ("arg0", "arg1")
-
-
-def mse(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.mse_loss(module(x), y)
-
-
-def adam_step(dim: int, hidden: int, batch: int) -> tapestry.TorchImport:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, dim))
-    args = (torch.randn(batch, dim), torch.randn(batch, dim))
-    return tapestry.from_torch(model, args, training=tapestry.Training(loss=mse, optimizer="adam"), verbose=False)
-
 
 def hand_plans(imported: tapestry.TorchImport, mesh: tapestry.Mesh) -> dict[str, Plan]:
     graph = imported.graph
     return {"DP": data_parallel(graph, mesh, ARGUMENTS), "ZeRO-3": zero3(graph, mesh, ARGUMENTS),
-            "TP": megatron(graph, mesh, {"0.weight": 0, "0.bias": 0, "2.weight": 1})}
+            "TP": megatron(graph, mesh, HIDDEN)}
 
 
 def test_a_rank_peak_names_the_steps_whose_buffers_make_it_up():
-    plan = hand_plans(adam_step(8, 32, 64), tapestry.Mesh(4))["ZeRO-3"]
+    plan = hand_plans(adam_step(8, 32, 64)[0], tapestry.Mesh(4))["ZeRO-3"]
     peaks = rank_peaks(plan)
     assert [p.bytes for p in peaks] == peak_memory(plan)
     for peak in peaks:
@@ -53,7 +33,7 @@ def test_a_rank_peak_names_the_steps_whose_buffers_make_it_up():
 
 
 def test_the_lean_order_is_a_valid_order_of_the_same_steps():
-    plan = hand_plans(adam_step(8, 32, 64), tapestry.Mesh(4))["DP"]
+    plan = hand_plans(adam_step(8, 32, 64)[0], tapestry.Mesh(4))["DP"]
     order = lean_order(plan)
     assert sorted(order) == list(range(len(plan.steps)))
     validate_plan(replace(plan, steps=tuple(plan.steps[i] for i in order)))  # every argument made before use
@@ -74,7 +54,7 @@ def test_a_group_excludes_selections_that_choose_too_much_of_it_together():
 def test_a_training_step_fits_the_leanest_hand_plans_budget_and_is_no_slower_than_the_hand_plans_within_it():
     # Before the cuts, the ILP's plan overshot this budget (its constraints count one running node at a time)
     # and charging every node the shortfall left no plan at all.
-    imported, mesh = adam_step(16, 64, 1024), tapestry.Mesh(4)
+    imported, mesh = adam_step(16, 64, 1024)[0], tapestry.Mesh(4)
     hand = {name: (plan_cost(plan, GPU), max(peak_memory(plan))) for name, plan in hand_plans(imported, mesh).items()}
     budget = min(peak for _, peak in hand.values())
     found = explore(imported.graph, mesh).extract(GPU, time_limit=5, memory_budget=budget)

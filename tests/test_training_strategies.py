@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from training_helpers import ARGUMENTS, GPU, HIDDEN, adam_step, mse
 
 import tapestry
-from tapestry.cost import DefaultCostModel, load_profile, peak_memory, plan_cost
+from tapestry.cost import peak_memory, plan_cost
 from tapestry.evaluator import evaluate
 from tapestry.optimizer import explore, steady_violations
 from tapestry.plan import Place
@@ -22,23 +23,6 @@ from tapestry.training.strategy import (
     gradient_reductions,
     storage,
 )
-
-GPU = DefaultCostModel(load_profile("gpu-h100-nccl"))
-ARGUMENTS = ("arg0", "arg1")
-HIDDEN = {"0.weight": 0, "0.bias": 0, "2.weight": 1}  # Megatron: column-parallel, then row-parallel
-
-
-def mse(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.mse_loss(module(x), y)
-
-
-def adam_step(dim: int, hidden: int, batch: int) -> tuple[tapestry.TorchImport, int]:
-    """An Adam step of linear -> relu -> linear, and its parameter count."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, dim))
-    args = (torch.randn(batch, dim), torch.randn(batch, dim))
-    imported = tapestry.from_torch(model, args, training=tapestry.Training(loss=mse, optimizer="adam"), verbose=False)
-    return imported, sum(p.numel() for p in model.parameters())
 
 
 def parameters(imported: tapestry.TorchImport) -> list[str]:
