@@ -16,6 +16,7 @@ from rich.console import Console
 
 from _report import write_section
 from tapestry.extract import EXTRACTORS, EGraph, extract, validate
+from tapestry.extract.ilp import PORTFOLIO
 
 GYM = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "extraction-gym"
 FOLDERS = ("tensat", "rover", "diospyros")
@@ -83,7 +84,8 @@ def _num(value: float | None, fmt: str) -> str:
 
 def markdown(rows: list[Row], time_limit: float) -> str:
     lines = [
-        f"Machine: {platform.machine()}, 2 shared CPU cores. ILP: OR-tools CP-SAT, 8-worker portfolio time-sliced on the 2 cores, "
+        f"Machine: {platform.machine()}, 2 shared CPU cores. ILP: OR-tools CP-SAT, {len(PORTFOLIO)}-worker portfolio "
+        f"({', '.join(PORTFOLIO)}) time-sliced on the 2 cores, "
         "one run per independent part of the problem, warm start from greedy-dag (greedy plus local search), "
         f"time limit {time_limit:g} s for the whole call. Gap: DAG cost over the best known "
         "cost (CPLEX, 10 h cap) minus 1; `ILP gap` is CP-SAT's own (cost - bound) / cost. The `_acyclic` "

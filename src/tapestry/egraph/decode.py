@@ -7,7 +7,7 @@ classes, so they are never candidates. Each node's cost is local (its layouts
 are part of its class), so plan cost is a sum.
 
 Reshards are not e-nodes of egglog's e-graph: no rule reads them, and a value
-in k layouts has k(k-1) of them (95% of a 2x4 transformer's distributed layer).
+in k layouts has k(k-1) of them (most of a 2x4 transformer's distributed layer).
 They are made here, from the `At` classes each logical class has at the end.
 Pricing is memoised per distinct step (a Compute without its origin, a Reshard
 by its layout pair, shape and dtype): identical layers cost one pricing.
