@@ -11,7 +11,7 @@ import tapestry
 from tapestry.cost import peak_memory, plan_cost
 from tapestry.evaluator import evaluate
 from tapestry.optimizer import explore, steady_violations
-from tapestry.plan import Place
+from tapestry.plan import Place, Reshard
 from tapestry.plan.simulate import simulate
 from tapestry.plan.validate import validate_plan
 from tapestry.sharding import Layout
@@ -68,8 +68,10 @@ def test_a_small_model_at_a_large_batch_comes_out_data_parallel(devices):
     batch = next(s.layout for s in plan.steps if isinstance(s, Place) and s.input == "arg0")
     assert {b.shape[0] for b in batch.blocks} == {65536 // devices}  # the batch split over every device
     found = storage(plan)
-    assert all(found[name].read_whole for name in parameters(imported))  # every weight whole where it is used
-    assert gradient_reductions(plan) >= len(parameters(imported))  # every gradient summed over the devices
+    assert {found[name].strategy for name in imported.graph.carried.values()} == {REPLICATED}  # weights, m, v
+    reductions = [s for s in plan.steps if isinstance(s, Reshard) and s.src_layout.partial]
+    assert len(reductions) == gradient_reductions(plan) >= len(parameters(imported))  # every gradient summed...
+    assert all(s.layout == Layout.replicated(s.shape, mesh) for s in reductions)  # ... by an all-reduce
     assert plan.cost <= plan_cost(data_parallel(imported.graph, mesh, ARGUMENTS), GPU) * (1 + 1e-9)
 
 

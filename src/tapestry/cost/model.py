@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from tapestry.cost.overlap import overlap
 from tapestry.plan.plan import Plan, Step, output_gathers
 from tapestry.sharding import Mesh
 
@@ -24,8 +25,10 @@ class CostModel(Protocol):
 
 def plan_cost(plan: Plan, model: CostModel) -> float:
     """The sequential SPMD time per run: steps run one after another, each as slow as its slowest device; prepared
-    steps (`Plan.prepared`: computed from static inputs alone) run once ahead of time, so they cost nothing."""
-    return sum(model.step_cost(step, plan.mesh) for step in plan.steps if step.out not in plan.prepared)
+    steps (`Plan.prepared`: computed from static inputs alone) run once ahead of time, so they cost nothing; a
+    training step's gradient reductions hide behind its backward pass as far as it lasts (`cost.overlap`)."""
+    total = sum(model.step_cost(step, plan.mesh) for step in plan.steps if step.out not in plan.prepared)
+    return total - overlap(plan, model.step_cost).hidden
 
 
 def run_costs(plan: Plan, model: CostModel) -> dict[int, float]:

@@ -1,0 +1,60 @@
+"""A training step's gradient reductions hide behind its backward pass, as far as it lasts (cost.overlap); nothing
+else is hidden, and a plan without carried state is a plain sum of its steps."""
+from __future__ import annotations
+
+import pytest
+from training_helpers import ARGUMENTS, GPU, HIDDEN, adam_step
+
+import tapestry
+from tapestry.cost import plan_cost
+from tapestry.cost.overlap import overlap
+from tapestry.graph import Graph
+from tapestry.plan import Compute, Reshard
+from tapestry.training.plans import data_parallel, megatron, split_by_propagation
+
+
+def total(plan: tapestry.Plan) -> float:
+    return sum(GPU.step_cost(s, plan.mesh) for s in plan.steps)
+
+
+def partial_sums(plan: tapestry.Plan) -> list[Reshard]:
+    return [s for s in plan.steps if isinstance(s, Reshard) and s.src_layout.partial]
+
+
+@pytest.mark.parametrize("batch", [16, 4096])
+def test_data_parallel_hides_its_gradient_all_reduces_up_to_its_backward_compute(batch):
+    imported, _ = adam_step(64, 256, batch)
+    plan = data_parallel(imported.graph, tapestry.Mesh(4), ARGUMENTS)
+    found = overlap(plan, GPU.step_cost)
+    assert found.reductions == pytest.approx(sum(GPU.step_cost(s, plan.mesh) for s in partial_sums(plan)))
+    assert 0 < found.backward < sum(GPU.step_cost(s, plan.mesh) for s in plan.steps if isinstance(s, Compute))
+    assert found.hidden == min(found.reductions, found.backward)
+    assert plan_cost(plan, GPU) == pytest.approx(total(plan) - found.hidden)
+
+
+def test_a_larger_batch_hides_more_of_the_same_all_reduces():
+    small, large = (data_parallel(adam_step(64, 256, b)[0].graph, tapestry.Mesh(4), ARGUMENTS) for b in (16, 65536))
+    small_overlap, large_overlap = overlap(small, GPU.step_cost), overlap(large, GPU.step_cost)
+    assert small_overlap.reductions == pytest.approx(large_overlap.reductions)  # the gradients are batch-free
+    assert small_overlap.hidden < small_overlap.reductions  # little backward compute to hide them behind
+    assert large_overlap.hidden > 2 * small_overlap.hidden  # launch overheads bound both from below
+
+
+def test_a_forward_all_reduce_is_never_hidden():
+    """Megatron's row-parallel layer sums its output in the forward pass: the loss waits for it."""
+    imported, _ = adam_step(64, 256, 4096)
+    plan = megatron(imported.graph, tapestry.Mesh(4), HIDDEN)
+    forward = [s for s in partial_sums(plan) if s.shape == (4096, 64)]
+    assert forward
+    found = overlap(plan, GPU.step_cost)
+    assert found.reductions <= sum(GPU.step_cost(s, plan.mesh) for s in partial_sums(plan) if s not in forward)
+
+
+def test_without_carried_state_a_plan_costs_the_sum_of_its_steps():
+    g = Graph()
+    x, w = g.input("x", (256, 64)), g.input("w", (64, 32))
+    g.output("y", g.matmul(x, w))
+    plan = split_by_propagation(g, tapestry.Mesh(4), [{"w": 0}])  # contraction split: the output is summed
+    assert partial_sums(plan)
+    assert overlap(plan, GPU.step_cost).hidden == 0
+    assert plan_cost(plan, GPU) == pytest.approx(total(plan))
