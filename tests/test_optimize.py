@@ -84,6 +84,19 @@ def test_a_relu_after_a_conv_runs_inside_the_conv_kernel_on_every_device(bias):
     assert [s.kernel for s in computes(plan)] == ["conv2d_bias_relu" if bias else "conv2d_relu"]
 
 
+@pytest.mark.parametrize("bias_shape, bias_first", [((16, 1, 1), False), ((1, 16, 1, 1), False), ((16, 1, 1), True)])
+def test_a_bias_added_to_a_conv_and_its_relu_run_inside_the_conv_kernel_on_every_device(bias_shape, bias_first):
+    """conv + add(b reshaped to broadcast per channel) + relu, as a model written with the Graph API has it."""
+    g = Graph()
+    x, w, b = g.input("x", (4, 8, 10, 10)), g.input("w", (16, 8, 3, 3)), g.input("b", (16,))
+    conv, bias = g.conv2d(x, w, padding=1), g.reshape(b, shape=bias_shape)
+    g.output("y", g.relu(g.add(bias, conv) if bias_first else g.add(conv, bias)))
+    plan = optimize(g, Mesh(2)).plan
+    assert [s.kernel for s in computes(plan)] == ["conv2d_bias_relu"]
+    inputs = tapestry.random_inputs(g, seed=5)
+    np.testing.assert_allclose(simulate(plan, inputs)["y"], tapestry.evaluate(g, inputs)["y"], rtol=1e-5, atol=1e-5)
+
+
 def test_explain_names_the_rule_that_made_a_fused_kernel():
     text = optimize(seeds_example(64, 32, 16), Mesh(2)).explain()
     assert "linear_relu made by fusion.egg:4" in text

@@ -89,6 +89,17 @@ def test_a_rule_wrong_only_where_its_guard_holds_is_drawn_there_and_fails(line: 
     assert "values differ" in verdict.counterexample or "shape" in verdict.counterexample
 
 
+@pytest.mark.parametrize("line", [3, 7])
+def test_a_conv_bias_fused_on_the_wrong_axis_fails(line: int):
+    """fusion.egg's conv + bias rule (b[K] reshaped to [K,1,1] or [1,K,1,1]) passes with the shipped rules; the
+    same rule with the bias on the conv's rows or batch draws its reshape target too, and fails at its file:line."""
+    # Not in wrong/: the CLI test checks that whole folder, and drawing convs is slow.
+    wrong = next(r for r in load_rule_file(DATA / "wrong_conv" / "bias_axis.egg").rules if r.line == line)
+    verdict = check_rule(wrong, EXAMPLES)
+    assert not verdict.passed
+    assert verdict.counterexample.startswith(f"{wrong.where}: b[") and "sh=" in verdict.counterexample
+
+
 def test_a_birewrite_direction_that_gets_no_example_fails_as_untested(tmp_path: Path, monkeypatch):
     (tmp_path / "both.egg").write_text("(birewrite (Relu (Relu x)) (Relu x))\n")
     (rule,) = load_rule_file(tmp_path / "both.egg").rules

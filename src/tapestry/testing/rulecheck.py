@@ -41,7 +41,7 @@ from tapestry.egraph.sexp import Atom, SExp, SList
 from tapestry import dtypes
 from tapestry.evaluator import evaluate, random_inputs
 from tapestry.graph import Graph, GraphError, Value
-from tapestry.kernels import KernelError, ParamValue, Shape
+from tapestry.kernels import KERNELS, KernelError, ParamValue, Shape
 from tapestry.verify import TOLERANCE, error
 
 MAX_RANK = 6  # kernel samplers stop at rank 3; a rule wrong only at rank 4 or 5 must still be drawn
@@ -190,7 +190,22 @@ def term_type(term: SExp, shapes: Mapping[str, Shape], params: Mapping[str, Para
         return shapes[term.text], _dtype(types, term.text)
     ctor, tensors, args = _split(term)
     operands = [term_type(t, shapes, params, types) for t in tensors]
-    sig = ctor.kernel.bind([s for s, _ in operands], _params(ctor, args, params), [d for _, d in operands])
+    found = _bound(ctor.kernel.name, tuple(s for s, _ in operands), tuple(_params(ctor, args, params).items()),
+                   tuple(d for _, d in operands))
+    if isinstance(found, Exception):
+        raise found.with_traceback(None)
+    return found
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _bound(kernel: str, shapes: tuple[Shape, ...], params: tuple[tuple[str, ParamValue], ...],
+           in_dtypes: tuple[str, ...]) -> tuple[Shape, str] | Exception:
+    """The kernel's result type for these operands, or the error its bind raised: a draw asks for the same
+    binds over and over (each guard and candidate re-types the term), and a conv's bind builds its projections."""
+    try:
+        sig = KERNELS[kernel].bind(list(shapes), dict(params), list(in_dtypes))
+    except _ILL_TYPED as err:
+        return err
     return sig.output_shape, sig.dtype
 
 
@@ -249,11 +264,26 @@ def _atoms(expr: SExp) -> list[str]:
     return [expr.text] if isinstance(expr, Atom) else [a for item in expr.items for a in _atoms(item)]
 
 
+def _with_unit_dims(shape: Shape) -> list[Shape]:
+    """`shape` with size-1 dims inserted anywhere, up to MAX_RANK: the reshapes that only add broadcast axes,
+    like a per-channel bias b[K] reshaped to [K,1,1] to add to a conv's [N,K,H,W]."""
+    found: list[Shape] = []
+    for rank in range(len(shape) + 1, MAX_RANK + 1):
+        for places in itertools.combinations(range(rank), len(shape)):
+            dims = [1] * rank
+            for place, size in zip(places, shape):
+                dims[place] = size
+            found.append(tuple(dims))
+    return found
+
+
 def _param_candidates(sampled: ParamValue, default: ParamValue, seeds: Sequence[Shape]) -> list[ParamValue]:
-    """The sampler's value first; then axes (ints) or permutations and known shapes (tuples) up to the seeds' rank."""
+    """The sampler's value first; then axes (ints) or permutations, known shapes and those shapes with size-1
+    dims added (tuples), up to the seeds' rank."""
     rank = max((len(s) for s in seeds), default=0)
     if isinstance(default, tuple):
-        more: list[ParamValue] = [(), *itertools.permutations(range(min(rank, 4))), *seeds]
+        more: list[ParamValue] = [(), *itertools.permutations(range(min(rank, 4))), *seeds,
+                                  *(s for seed in seeds for s in _with_unit_dims(seed))]
     else:
         more = list(range(-rank, rank))
     return list(dict.fromkeys([sampled, default, *more]))
@@ -387,9 +417,11 @@ def _pick(
     time the kernel sampler's own value (options[0]) when it fits: samplers give operands that fit each other,
     which a uniform pick among widened shapes rarely does for a conv's input, filters and params."""
 
+    on_var = [(g, variables(g)) for g in guards if var in variables(g)]
+
     def fits(value: Shape | ParamValue) -> bool:
         shapes, params = trial(value)
-        decidable = [g for g in guards if var in variables(g) and variables(g) <= {*shapes, *params}]
+        decidable = [g for g, needs in on_var if needs <= {*shapes, *params}]
         return all(holds(g, shapes, params) for g in decidable) and (not last or _binds(term, shapes, params, types))
 
     kept = [o for o in options if fits(o)]
