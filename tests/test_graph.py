@@ -47,6 +47,14 @@ def test_unknown_kernel_is_an_attribute_error_and_a_graph_error():
         g.op("convolve", g.input("x", (2,)))
 
 
+def test_a_parameter_passed_positionally_says_to_pass_it_by_keyword():
+    g = Graph()
+    b = g.input("b", (16,))
+    with pytest.raises(GraphError, match=r"op 'r' \(reshape\) takes 1 tensor input\(s\) \(x\); got also "
+                                         r"\(16, 1, 1\): parameters go by keyword \(shape=...\)"):
+        g.reshape(b, (16, 1, 1), name="r")
+
+
 def test_duplicate_names_are_rejected():
     g = Graph()
     g.input("x", (2,))

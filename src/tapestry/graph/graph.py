@@ -99,6 +99,11 @@ class Graph:
         except KernelError as err:
             raise GraphError(f"op {label!r}: {err}") from None
         self._check_new_name(label)
+        if len(args) > len(kernel.inputs):
+            extra = ", ".join(repr(a) for a in args[len(kernel.inputs):])
+            keywords = ", ".join(f"{p}=..." for p in kernel.params) or "none"
+            raise GraphError(f"op {label!r} ({op}) takes {len(kernel.inputs)} tensor input(s) "
+                             f"({', '.join(kernel.inputs)}); got also {extra}: parameters go by keyword ({keywords})")
         arg_names = tuple(a.name if isinstance(a, Value) else str(a) for a in args)
         for slot, arg in zip(kernel.inputs, arg_names):
             if arg not in self._nodes:
