@@ -56,7 +56,7 @@ from ortools.sat.python import cp_model
 
 from tapestry.extract.egraph import EGraph, NoFiniteChoiceError
 from tapestry.extract.greedy_dag import greedy_dag_choice
-from tapestry.extract.relax import PathCut, relax
+from tapestry.extract.relax import PROVEN, PathCut, relax
 from tapestry.extract.selection import Selection, children_first, finalize
 from tapestry.extract.structure import strongly_connected_components
 from tapestry.extract.tree import TreeChoice, solvable_tree
@@ -74,7 +74,6 @@ PRESOLVE_PASSES = 1
 RESERVE = 0.05  # share of the time limit kept for CP-SAT stopping its workers (0.5 s seen under load) and read-back
 MIN_COST = 1e-12  # floor for the scale denominator: subnormal costs must not make it infinite
 RELAX_SHARE = 0.6  # of the time limit, the most the LP with path cuts (relax.py) may take before CP-SAT
-PROVEN = 1e-6  # a selection within this share of the LP bound (relax.SLACK, HiGHS's tolerances) is optimal
 
 
 @dataclass(frozen=True)
@@ -251,15 +250,19 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0,
     best = warm if admissible(warm) else None
     proven, bound, lp_bound, cuts = best is not None and best.dag_cost == 0, 0.0, 0.0, ()
     deadline = started + (1 - RESERVE) * time_limit
+
+    def offer(choice: list[int]) -> float:
+        """An LP solution rounded: made a selection, kept if it is the best admissible one yet."""
+        nonlocal best, warm
+        rounded = finalize(egraph, undominate(egraph, choice, reduced), tree, "ilp", started)
+        if admissible(rounded) and (best is None or rounded.dag_cost < best.dag_cost):
+            best = warm = rounded
+        return math.inf if best is None else best.dag_cost
+
     if not proven and time.perf_counter() < deadline:
         relaxation = relax(egraph, reduced.candidates, {c: _block(reduced, c) for c in reduced.candidates},
-                           reduced.needs, started + RELAX_SHARE * time_limit, ties,
-                           incumbent=math.inf if best is None else best.dag_cost)
+                           reduced.needs, started + RELAX_SHARE * time_limit, ties, offer)
         lp_bound, cuts = relaxation.bound, relaxation.cuts
-        if relaxation.rounded is not None:
-            rounded = finalize(egraph, undominate(egraph, relaxation.rounded, reduced), tree, "ilp", started)
-            if admissible(rounded) and (best is None or rounded.dag_cost < best.dag_cost):
-                best = warm = rounded
         proven = best is not None and best.dag_cost <= lp_bound + PROVEN * best.dag_cost
     if not proven and (time.perf_counter() < deadline or best is None):
         solved, bound, optimal = _solve(egraph, reduced, warm, best is not None, deadline, budget, ties, cuts)

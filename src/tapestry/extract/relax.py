@@ -8,8 +8,8 @@ through chosen nodes, a class of B: a selection has a path of chosen nodes from 
 source of B'. So for every cut C of the graph of such paths, u_B' <= sum of x_n over the nodes in C (a node's
 capacity is x_n, a source's s_n). Separation is a max flow per pair of blocks (B', B) under the LP solution; a
 flow below u_B' gives the violated cut. On a transformer block on 8 devices they take the LP bound from 99.0% of
-the optimum to the optimum; the LP solution is then often integral, and an integral, acyclic LP solution that
-keeps the budget and ties is optimal outright.
+the optimum to the optimum; the LP solution rounded (each class's largest x) is then often a selection that
+meets the bound, so optimal outright.
 
 Every cut holds for every acyclic selection, so adding them to the CP-SAT model cuts no selection.
 """
@@ -28,12 +28,14 @@ from scipy.optimize._highspy import _core as highs
 
 from tapestry.extract.egraph import EGraph
 
-TOLERANCE = 1e-6  # a cut counts as violated by more than this; an x within it of 0 or 1 counts as integral
+TOLERANCE = 1e-6  # a cut counts as violated by more than this
 SLACK = 1e-7  # share shaved off the LP optimum for the bound: HiGHS's tolerances put it 2e-8 above the true one
-# Two rounds of cuts in a row that each close less than this share of the gap between the bound and the
-# incumbent end the loop: on a 2x4 mesh the path cuts move the bound by 0-5% of the gap a round (its gap is of
-# another kind) and a re-solve of a 4-layer stack's LP takes 0.5-1 s; on mesh 8 a round closes 15-100% of
-# it, after at most one round that closes none (one layer: 1.15%, 0.97%, 0.97%, 0.58%, 0 above greedy-dag).
+PROVEN = 1e-6  # a selection within this share of the bound counts as optimal
+# A round of cuts that closes less than this share of the gap between the bound and the incumbent ends the
+# loop if it is the first round or follows another such round: on a 2x4 mesh the path cuts move the bound by
+# 0-5% of the gap a round (its gap is of another kind) and a re-solve of a 4-layer stack's LP takes 0.5-1 s;
+# on mesh 8 the first round closes 15-50% of it, and a round that closes none is followed by one that closes
+# much (one layer: 1.15%, 0.97%, 0.97%, 0.58%, 0 above greedy-dag).
 STALL = 0.05
 
 
@@ -53,12 +55,10 @@ class PathCut:
 
 @dataclass(frozen=True)
 class Relaxation:
-    """What the tightened LP gave: its cuts, its bound, and its solution rounded to a choice."""
+    """What the tightened LP gave: its cuts and its bound."""
 
     cuts: tuple[PathCut, ...]
     bound: float  # lower bound on the cost of every acyclic selection (0 when the LP did not solve)
-    rounded: list[int] | None  # per class, its candidate of largest x (-1 for none); None if the LP failed
-    integral: bool  # every x was 0 or 1
     rounds: int
 
 
@@ -76,19 +76,24 @@ class _Flow:
 def relax(
     egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
     needs: Mapping[int, Sequence[int]], deadline: float, ties: Sequence[tuple[int, int]] = (),
-    incumbent: float = math.inf,
+    offer: Callable[[list[int]], float] = lambda _: math.inf,
 ) -> Relaxation:
-    """Solve the LP of `candidates` (class -> nodes), adding violated path cuts until none is left, a round
-    closes less than `STALL` of the gap to `incumbent` (a selection's cost), or `deadline` passes.
+    """Solve the LP of `candidates` (class -> nodes), adding violated path cuts until none is left, the bound
+    proves the incumbent optimal (within `PROVEN`), a round closes too little of the gap to it (`STALL`), or
+    `deadline` passes. Each LP solution, rounded to a choice per class (its candidate of largest x, -1 for
+    classes without one), is passed to `offer`, which returns the incumbent's cost (inf for none yet).
     `block` maps each class to its block (cyclic component id, or -1 - class), `needs` is `Reduced.needs`."""
     cuts: list[PathCut] = []
-    rounds = stalled = 0
+    rounds, stalled, productive = 0, False, False
     bound, values = 0.0, None  # the last LP solved; out of time, it and the cuts found so far still hold
     try:
         lp = _Lp(egraph, candidates, block, needs, ties, deadline)
         flows = _flows(egraph, candidates, block, needs, deadline)
         bound, values = lp.solve(deadline)
-        while values is not None and bound < incumbent:
+        while values is not None:
+            incumbent = offer(_rounded(egraph, candidates, lp, values))
+            if math.isfinite(incumbent) and incumbent <= _shaved(bound) + PROVEN * incumbent:
+                break
             found = []
             for flow in flows:
                 if time.perf_counter() > deadline:
@@ -107,19 +112,23 @@ def relax(
                 bound, values = last
                 break
             small = math.isfinite(incumbent) and bound - last[0] < STALL * (incumbent - last[0])
-            stalled = stalled + 1 if small else 0
-            if stalled == 2:
+            if small and (stalled or not productive):
                 break
+            stalled, productive = small, productive or not small
     except _OutOfTime:
         pass
-    if values is None:
-        return Relaxation(tuple(cuts), 0.0, None, False, rounds)
-    bound = max(0.0, bound - SLACK * abs(bound))
-    rounded = [-1] * egraph.num_classes
+    return Relaxation(tuple(cuts), 0.0 if values is None else _shaved(bound), rounds)
+
+
+def _shaved(bound: float) -> float:
+    return max(0.0, bound - SLACK * abs(bound))
+
+
+def _rounded(egraph: EGraph, candidates: Mapping[int, Sequence[int]], lp: _Lp, values: Sequence[float]) -> list[int]:
+    choice = [-1] * egraph.num_classes
     for c, nodes in candidates.items():
-        rounded[c] = max(nodes, key=lambda n: values[lp.x[n]])
-    integral = all(min(v, 1 - v) <= TOLERANCE for v in values[: len(lp.x)])
-    return Relaxation(tuple(cuts), bound, rounded, integral, rounds)
+        choice[c] = max(nodes, key=lambda n: values[lp.x[n]])
+    return choice
 
 
 class _Lp:
