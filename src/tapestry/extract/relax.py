@@ -88,12 +88,14 @@ def relax(
     bound, values = 0.0, None  # the last LP solved; out of time, it and the cuts found so far still hold
     try:
         lp = _Lp(egraph, candidates, block, needs, ties, deadline)
-        flows = _flows(egraph, candidates, block, needs, deadline)
         bound, values = lp.solve(deadline)
+        flows: list[_Flow] | None = None  # built once the LP without cuts has proven nothing
         while values is not None:
             incumbent = offer(_rounded(egraph, candidates, lp, values))
             if math.isfinite(incumbent) and incumbent <= _shaved(bound) + PROVEN * incumbent:
                 break
+            if flows is None:
+                flows = _flows(egraph, candidates, block, needs, deadline)
             found = []
             for flow in flows:
                 if time.perf_counter() > deadline:
