@@ -23,8 +23,9 @@ transformer block); with them it is about two thirds of the optimum.
 Need constraints (`needed_blocks`): u_B <= u_D when every selection that uses block B
 uses block D. Without them the LP splits a value between alternative derivations that
 meet again below and pays for what they share by halves (the bound was 67% of the
-optimum on a transformer block; with them 99%). Before CP-SAT, `relax.py` solves the
-LP with HiGHS, adding path cuts until they stop raising its bound; on mesh 8 that
+optimum on a transformer block; with them 99%). Before CP-SAT, if the graph is small
+enough for the time limit (LP_NODES_PER_SECOND), `relax.py` solves the LP with HiGHS,
+adding path cuts until they stop raising its bound; on mesh 8 that
 reaches the optimum, and a selection that meets the LP bound is optimal at once (a
 12-layer stack in 5 s; CP-SAT alone stopped at 10 s with a gap of 2.4%). Otherwise
 the cuts join the CP-SAT model and the LP bound joins CP-SAT's.
@@ -74,6 +75,11 @@ PRESOLVE_PASSES = 1
 RESERVE = 0.05  # share of the time limit kept for CP-SAT stopping its workers (0.5 s seen under load) and read-back
 MIN_COST = 1e-12  # floor for the scale denominator: subnormal costs must not make it infinite
 RELAX_SHARE = 0.6  # of the time limit, the most the LP with path cuts (relax.py) may take before CP-SAT
+# Candidate nodes the LP pass takes on per second of its share: building and solving the first LP ran at 27,000
+# a second on a 12-layer stack on 8 devices (28,000 nodes) and 13,000-20,000 on 4 layers on 2x4 (51,000); on
+# larger graphs it did not finish in its share and only took CP-SAT's time (a 2x2x2 mesh: 1.1 million nodes,
+# 5 s past a 10 s limit in building it).
+LP_NODES_PER_SECOND = 15_000
 
 
 @dataclass(frozen=True)
@@ -259,9 +265,11 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0,
             best = warm = rounded
         return math.inf if best is None else best.dag_cost
 
-    if not proven and time.perf_counter() < deadline:
+    relax_deadline = started + RELAX_SHARE * time_limit
+    size = sum(map(len, reduced.candidates.values()))
+    if not proven and size <= LP_NODES_PER_SECOND * (relax_deadline - time.perf_counter()):
         relaxation = relax(egraph, reduced.candidates, {c: _block(reduced, c) for c in reduced.candidates},
-                           reduced.needs, started + RELAX_SHARE * time_limit, ties, offer)
+                           reduced.needs, relax_deadline, ties, offer)
         lp_bound, cuts = relaxation.bound, relaxation.cuts
         proven = best is not None and best.dag_cost <= lp_bound + PROVEN * best.dag_cost
     if not proven and (time.perf_counter() < deadline or best is None):

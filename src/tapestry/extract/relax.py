@@ -162,6 +162,8 @@ class _Lp:
             raise _OutOfTime
         readers: dict[tuple[int, int], list[int]] = {}
         for b, classes in blocks.items():
+            if time.perf_counter() > deadline:
+                raise _OutOfTime
             if len(classes) == 1:
                 self.used[b] = self.active[classes[0]]
                 entries = {n: self.x[n] for n in candidates[classes[0]]}
@@ -192,6 +194,8 @@ class _Lp:
         for a, b in ties:
             if a in self.x and b in self.x:
                 rows.append(({self.x[a]: 1.0, self.x[b]: -1.0}, 0.0, 0.0))
+        if time.perf_counter() > deadline:
+            raise _OutOfTime
         lower = np.zeros(count)
         for root in egraph.roots:
             lower[self.active[root]] = 1.0
