@@ -23,14 +23,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from tapestry import dtypes
 from tapestry.cost.profile import Link, Profile
 from tapestry.kernels import Shape
 from tapestry.plan.plan import Reshard, Step
 from tapestry.sharding import Layout, Mesh
-from tapestry.sharding.collectives import classify_reshard, local_layouts, reshard_groups
+from tapestry.sharding.collectives import Group, classify_reshard, local_layouts, reshard_groups
 from tapestry.sharding.comm import received_counts
 
 # collective: p -> (alpha terms, fraction of the n-byte buffer crossing each device's link)
@@ -54,28 +54,41 @@ def collective_time(kind: str, nbytes: float, p: int, link: Link) -> float:
 
 @dataclass(frozen=True)
 class Moves:
-    """What a layout change is and moves, per device, and which mesh axes it crosses."""
+    """What a layout change is and moves, per device, and which mesh axes it crosses. The per-device counts are
+    counted on first use, group by group, as the runtime moves them: pricing a collective needs none."""
 
     kind: str  # a sharding.collectives.Collective name
-    received: tuple[int, ...]  # elements
-    messages: tuple[int, ...]
     axes: tuple[int, ...]
+    groups: tuple[Group, ...]
+
+    @cached_property
+    def _counts(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        devices = sum(len(g.ranks) for g in self.groups)
+        received, messages = [0] * devices, [0] * devices
+        for group in self.groups:
+            local = local_layouts(group.src, group.dst)  # translations of one group share one count
+            if local is None:
+                continue
+            for rank, cells, count in zip(group.ranks, *received_counts(*local[:2])):
+                received[rank], messages[rank] = cells, count
+        return tuple(received), tuple(messages)
+
+    @property
+    def received(self) -> tuple[int, ...]:
+        """Elements each device receives."""
+        return self._counts[0]
+
+    @property
+    def messages(self) -> tuple[int, ...]:
+        """Messages each device receives."""
+        return self._counts[1]
 
 
 @lru_cache(maxsize=4096)
 def moves(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> Moves:
-    """Counted group by group, as the runtime moves them. Cached: extraction prices the same layout pair for
-    many e-nodes."""
+    """Cached: extraction prices the same layout pair for many e-nodes."""
     groups = reshard_groups(src, dst, shape, mesh)
-    received, messages = [0] * len(dst.blocks), [0] * len(dst.blocks)
-    for group in groups:
-        local = local_layouts(group.src, group.dst)  # translations of one group share one count
-        if local is None:
-            continue
-        for rank, cells, count in zip(group.ranks, *received_counts(*local[:2])):
-            received[rank], messages[rank] = cells, count
-    kind = str(classify_reshard(src, dst, shape, mesh))
-    return Moves(kind, tuple(received), tuple(messages), groups[0].axes)
+    return Moves(str(classify_reshard(src, dst, shape, mesh)), groups[0].axes, groups)
 
 
 def _largest_block(layout: Layout) -> int:

@@ -16,11 +16,14 @@ import operator
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
+
 from tapestry.kernels import Shape
-from tapestry.sharding.comm import box_difference, overlap, transfers
+from tapestry.sharding.comm import CommError, transfers
 from tapestry.sharding.layout import Layout
 from tapestry.sharding.mesh import Mesh
 from tapestry.zspace import ZRange
+from tapestry.zspace.zrange import check_ndim
 
 
 class Collective(enum.StrEnum):
@@ -49,13 +52,12 @@ def reshard_groups(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> tuple[
     """The reshard as independent collectives: the groups of devices along the fewest mesh axes (fewest devices per
     group) in which every device finds the cells it needs, and for partial sums every partial of its cells, within
     its own group. A 1-D mesh, or a change that needs every axis, is one group: the whole mesh."""
-    every = tuple(range(mesh.ndim))
-    subsets = [a for n in range(mesh.ndim) for a in itertools.combinations(every, n)]
-    for axes in sorted(subsets, key=lambda a: math.prod(mesh.shape[i] for i in a)):
-        fibres = _fibres(mesh, axes)
-        if all(_self_sufficient(src, dst, ranks) for ranks in fibres):
-            return tuple(_group(src, dst, mesh, axes, ranks) for ranks in fibres)
-    return (_group(src, dst, mesh, every, tuple(mesh.devices)),)
+    subsets, together = _axis_choices(mesh)
+    for axes, ok in zip(subsets, _self_sufficient(src, dst, together)):
+        if ok:
+            return tuple(_group(src, dst, mesh, axes, ranks) for ranks in _fibres(mesh, axes))
+    transfers(src, dst)  # some needed cell is held by no device: this raises CommError saying which
+    raise CommError(f"no group of devices holds what {dst} needs from {src}")
 
 
 def classify_reshard(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> Collective:
@@ -65,25 +67,63 @@ def classify_reshard(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> Coll
     return kinds.pop() if len(kinds) == 1 else Collective.SEND_RECV if kinds else Collective.NOOP
 
 
-def _self_sufficient(src: Layout, dst: Layout, ranks: tuple[int, ...]) -> bool:
-    members = set(ranks)
-    for rank in ranks:
-        need = dst.blocks[rank]
-        if need is None:
-            continue
-        if src.partial:
-            if any(k not in members and overlap(held, need) is not None for k, held in enumerate(src.blocks)):
-                return False
-            continue
-        held = [b for b in (src.blocks[k] for k in ranks) if b is not None]
-        if any(h.contains(need) for h in held):
-            continue
-        missing = [need]
-        for h in held:
-            missing = [piece for m in missing for piece in box_difference(m, h)]
-        if missing:
-            return False
-    return True
+@lru_cache(maxsize=256)
+def _axis_choices(mesh: Mesh) -> tuple[list[tuple[int, ...]], np.ndarray]:
+    """The subsets of the mesh's axes, fewest devices per group first (all of them last), and for each a
+    (devices, devices) 0/1 matrix: whether two devices share a group along those axes."""
+    every = tuple(range(mesh.ndim))
+    subsets = [a for n in range(mesh.ndim) for a in itertools.combinations(every, n)] + [every]
+    subsets.sort(key=lambda a: math.prod(mesh.shape[i] for i in a))
+    together = np.zeros((len(subsets), mesh.size, mesh.size), dtype=np.int64)
+    for s, axes in enumerate(subsets):
+        for ranks in _fibres(mesh, axes):
+            together[s][np.ix_(ranks, ranks)] = 1
+    return subsets, together
+
+
+def _self_sufficient(src: Layout, dst: Layout, together: np.ndarray) -> np.ndarray:
+    """For each grouping (a `_axis_choices` matrix), whether every group holds all its devices need: each cell of
+    a device's block is held by some device of its group, or, from partial sums, by none outside it (so the
+    group's sum is the whole sum). An empty block needs no cell (transfers refuses one for a device that holds
+    nothing, in any group).
+
+    Decided on the grid of cells the blocks' bounds cut the tensor into, for every grouping at once."""
+    has, needs = _cells(src, dst)
+    if src.partial:
+        outside = np.einsum("skj,jc->skc", 1 - together, has) > 0
+        return ~(outside & needs).any(axis=(1, 2))
+    covered = np.einsum("skj,jc->skc", together, has) > 0
+    return (covered | ~needs).all(axis=(1, 2))
+
+
+def _cells(src: Layout, dst: Layout) -> tuple[np.ndarray, np.ndarray]:
+    """(src's, dst's) (devices, cells) arrays, 0/1 and bool: which cells each block covers, on the grid that
+    every block bound of either layout cuts the tensor into (no cell is empty; an empty block covers none)."""
+    (src_start, src_end, src_held), (dst_start, dst_end, dst_held) = _bounds(src, dst)
+    starts, ends = np.concatenate([src_start, dst_start]), np.concatenate([src_end, dst_end])
+    held = np.concatenate([src_held, dst_held])
+    ndim = starts.shape[1]
+    inside = held.reshape(-1, *(1,) * ndim)
+    for d in range(ndim):
+        cuts = np.unique(np.concatenate([starts[held, d], ends[held, d]]))
+        axis = (starts[:, d, None] <= cuts[:-1]) & (cuts[1:] <= ends[:, d, None])  # (blocks, cells along d)
+        inside = inside & axis.reshape(len(held), *(1,) * d, axis.shape[1], *(1,) * (ndim - d - 1))
+    inside = inside.reshape(len(held), -1)
+    n = len(src_held)
+    return inside[:n].astype(np.int64), inside[n:]
+
+
+def _bounds(src: Layout, dst: Layout) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]:
+    """Both layouts' `Layout.bounds`, of one rank (a layout holding no block has rank 0: it takes the other's)."""
+    src_rank, dst_rank = src.bounds[0].shape[1], dst.bounds[0].shape[1]
+    if src_rank == dst_rank:
+        return src.bounds, dst.bounds
+    if src.bounds[2].any() and dst.bounds[2].any():
+        check_ndim("destination blocks", dst_rank, src_rank)
+    ndim = max(src_rank, dst_rank)
+    return tuple((np.zeros((len(held), ndim), np.int64) if start.shape[1] < ndim else start,
+                  np.zeros((len(held), ndim), np.int64) if start.shape[1] < ndim else end, held)
+                 for start, end, held in (src.bounds, dst.bounds))
 
 
 @lru_cache(maxsize=256)
@@ -120,7 +160,12 @@ def _group(src: Layout, dst: Layout, mesh: Mesh, axes: tuple[int, ...], ranks: t
 
 
 def _classify(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> Collective:
-    if not transfers(src, dst):
+    """The group's collective, from its blocks alone: transfers are planned only where `_moves_nothing` cannot
+    tell (a move it would refuse), so pricing a collective never plans its block moves."""
+    nothing = _moves_nothing(src, dst)
+    if nothing is None:
+        nothing = not transfers(src, dst)  # raises CommError
+    if nothing:
         return Collective.NOOP
     target = _family(dst, shape, mesh)
     if src.partial:
@@ -140,3 +185,22 @@ def _family(layout: Layout, shape: Shape, mesh: Mesh) -> str:
 
 def _keeps_own_blocks(src: Layout, dst: Layout) -> bool:
     return all(s is None or (d is not None and d.contains(s)) for s, d in zip(src.blocks, dst.blocks))
+
+
+def _moves_nothing(src: Layout, dst: Layout) -> bool | None:
+    """Whether `transfers(src, dst)` is empty, for a group in which every needed cell is held (a
+    `reshard_groups` group); None where transfers would refuse the move: into a partial layout, or a device
+    holding nothing that needs an empty block."""
+    if dst.partial:
+        return None
+    (src_start, src_end, src_held), (dst_start, dst_end, dst_held) = _bounds(src, dst)
+    if src.partial:  # every other device holding a cell of a needed block sends its partial sum
+        sharing = (np.maximum(src_start[None], dst_start[:, None]) < np.minimum(src_end[None], dst_end[:, None]))
+        sharing = sharing.all(axis=2) & dst_held[:, None] & src_held[None]
+        np.fill_diagonal(sharing, False)
+        return not sharing.any()
+    if (dst_held & ~src_held & (dst_start == dst_end).any(axis=1)).any():
+        return None
+    empty = (dst_start == dst_end).any(axis=1)
+    own = src_held & (src_start <= dst_start).all(axis=1) & (dst_end <= src_end).all(axis=1)
+    return bool((~dst_held | own | (src_held & empty)).all())

@@ -12,6 +12,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from tapestry.sharding.mesh import Mesh
 from tapestry.zspace import ZRange
 
@@ -31,6 +33,16 @@ class Layout:
             cached = hash((self.blocks, self.partial))
             object.__setattr__(self, "_hash", cached)
         return cached
+
+    @functools.cached_property
+    def bounds(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(starts, ends, held): the blocks as (devices, ndim) int arrays (zeros where a device holds None) and
+        which devices hold one. Made once per layout: pricing does box arithmetic on all blocks at once."""
+        ndim = next((b.ndim for b in self.blocks if b is not None), 0)
+        starts = np.array([b.start if b is not None else (0,) * ndim for b in self.blocks], dtype=np.int64)
+        ends = np.array([b.end if b is not None else (0,) * ndim for b in self.blocks], dtype=np.int64)
+        held = np.array([b is not None for b in self.blocks], dtype=bool)
+        return starts.reshape(len(self.blocks), ndim), ends.reshape(len(self.blocks), ndim), held
 
     @classmethod
     def replicated(cls, shape: tuple[int, ...], mesh: Mesh) -> Layout:
