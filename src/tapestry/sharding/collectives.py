@@ -53,9 +53,11 @@ def reshard_groups(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> tuple[
     group) in which every device finds the cells it needs, and for partial sums every partial of its cells, within
     its own group. A 1-D mesh, or a change that needs every axis, is one group: the whole mesh."""
     subsets, together = _axis_choices(mesh)
-    for axes, ok in zip(subsets, _self_sufficient(src, dst, together)):
+    sharing = _sharing(src, dst)
+    for axes, ok in zip(subsets, _self_sufficient(src, dst, together, sharing)):
         if ok:
-            return tuple(_group(src, dst, mesh, axes, ranks) for ranks in _fibres(mesh, axes))
+            stays = _stays(src, dst, sharing)
+            return tuple(_group(src, dst, mesh, axes, ranks, stays) for ranks in _fibres(mesh, axes))
     transfers(src, dst)  # some needed cell is held by no device: this raises CommError saying which
     raise CommError(f"no group of devices holds what {dst} needs from {src}")
 
@@ -81,17 +83,17 @@ def _axis_choices(mesh: Mesh) -> tuple[list[tuple[int, ...]], np.ndarray]:
     return subsets, together
 
 
-def _self_sufficient(src: Layout, dst: Layout, together: np.ndarray) -> np.ndarray:
+def _self_sufficient(src: Layout, dst: Layout, together: np.ndarray, sharing: np.ndarray) -> np.ndarray:
     """For each grouping (a `_axis_choices` matrix), whether every group holds all its devices need: each cell of
     a device's block is held by some device of its group, or, from partial sums, by none outside it (so the
     group's sum is the whole sum). An empty block needs no cell (transfers refuses one for a device that holds
     nothing, in any group).
 
-    Decided on the grid of cells the blocks' bounds cut the tensor into, for every grouping at once."""
-    has, needs = _cells(src, dst)
+    Decided for every grouping at once: from `_sharing` for partial sums, else on the grid of cells the blocks'
+    bounds cut the tensor into."""
     if src.partial:
-        outside = np.einsum("skj,jc->skc", 1 - together, has) > 0
-        return ~(outside & needs).any(axis=(1, 2))
+        return ~((together == 0) & sharing).any(axis=(1, 2))
+    has, needs = _cells(src, dst)
     covered = np.einsum("skj,jc->skc", together, has) > 0
     return (covered | ~needs).all(axis=(1, 2))
 
@@ -149,24 +151,27 @@ def local_layouts(src: Layout, dst: Layout) -> tuple[Layout, Layout, Shape] | No
     return src_local, dst_local, box.shape
 
 
-def _group(src: Layout, dst: Layout, mesh: Mesh, axes: tuple[int, ...], ranks: tuple[int, ...]) -> Group:
-    """Named as a collective on its own: blocks relative to the box the group's blocks span, on its own mesh."""
+def _group(src: Layout, dst: Layout, mesh: Mesh, axes: tuple[int, ...], ranks: tuple[int, ...],
+           stays: np.ndarray | None) -> Group:
+    """Named as a collective on its own: blocks relative to the box the group's blocks span, on its own mesh.
+    Block moves are planned only where `_stays` cannot tell whether any are needed (a move transfers refuses),
+    so naming a collective never plans them."""
     mine = Layout(tuple(src.blocks[r] for r in ranks), src.partial), Layout(tuple(dst.blocks[r] for r in ranks))
-    local = local_layouts(*mine)
-    if local is None:
+    if all(b is None for b in (*mine[0].blocks, *mine[1].blocks)):
         return Group(ranks, *mine, axes, Collective.NOOP)
-    kind = _classify(*local, Mesh(*(mesh.shape[a] for a in axes)) if axes else Mesh(1))
-    return Group(ranks, *mine, axes, kind)
+    here = None if stays is None else stays[list(ranks)]
+    if here is None or (here < 0).any():
+        moving = bool(transfers(*local_layouts(*mine)[:2]))  # raises CommError
+    else:
+        moving = not here.all()
+    if not moving:
+        return Group(ranks, *mine, axes, Collective.NOOP)
+    local = local_layouts(*mine)
+    return Group(ranks, *mine, axes, _classify(*local, Mesh(*(mesh.shape[a] for a in axes)) if axes else Mesh(1)))
 
 
 def _classify(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> Collective:
-    """The group's collective, from its blocks alone: transfers are planned only where `_moves_nothing` cannot
-    tell (a move it would refuse), so pricing a collective never plans its block moves."""
-    nothing = _moves_nothing(src, dst)
-    if nothing is None:
-        nothing = not transfers(src, dst)  # raises CommError
-    if nothing:
-        return Collective.NOOP
+    """The collective of a group whose devices move some cells."""
     target = _family(dst, shape, mesh)
     if src.partial:
         return {"R": Collective.ALL_REDUCE, "S": Collective.REDUCE_SCATTER}.get(target, Collective.SEND_RECV)
@@ -187,20 +192,24 @@ def _keeps_own_blocks(src: Layout, dst: Layout) -> bool:
     return all(s is None or (d is not None and d.contains(s)) for s, d in zip(src.blocks, dst.blocks))
 
 
-def _moves_nothing(src: Layout, dst: Layout) -> bool | None:
-    """Whether `transfers(src, dst)` is empty, for a group in which every needed cell is held (a
-    `reshard_groups` group); None where transfers would refuse the move: into a partial layout, or a device
-    holding nothing that needs an empty block."""
+def _sharing(src: Layout, dst: Layout) -> np.ndarray:
+    """(devices, devices) bool: whether device k's needed block and device j's held block share a cell."""
+    (src_start, src_end, src_held), (dst_start, dst_end, dst_held) = _bounds(src, dst)
+    sharing = (np.maximum(src_start[None], dst_start[:, None]) < np.minimum(src_end[None], dst_end[:, None]))
+    return sharing.all(axis=2) & dst_held[:, None] & src_held[None]
+
+
+def _stays(src: Layout, dst: Layout, sharing: np.ndarray) -> np.ndarray | None:
+    """Per device, 1 if it needs no cell from another device of a `reshard_groups` group (one in which every
+    needed cell is held), 0 if it does, -1 where transfers refuses the move (a device holding nothing that needs
+    an empty block); None for all of them when it refuses every move (into a partial layout)."""
     if dst.partial:
         return None
-    (src_start, src_end, src_held), (dst_start, dst_end, dst_held) = _bounds(src, dst)
     if src.partial:  # every other device holding a cell of a needed block sends its partial sum
-        sharing = (np.maximum(src_start[None], dst_start[:, None]) < np.minimum(src_end[None], dst_end[:, None]))
-        sharing = sharing.all(axis=2) & dst_held[:, None] & src_held[None]
-        np.fill_diagonal(sharing, False)
-        return not sharing.any()
-    if (dst_held & ~src_held & (dst_start == dst_end).any(axis=1)).any():
-        return None
+        return (sharing.sum(axis=1) == np.diagonal(sharing)).astype(np.int8)
+    (src_start, src_end, src_held), (dst_start, dst_end, dst_held) = _bounds(src, dst)
     empty = (dst_start == dst_end).any(axis=1)
-    own = src_held & (src_start <= dst_start).all(axis=1) & (dst_end <= src_end).all(axis=1)
-    return bool((~dst_held | own | (src_held & empty)).all())
+    own = src_held & (empty | ((src_start <= dst_start).all(axis=1) & (dst_end <= src_end).all(axis=1)))
+    stays = (~dst_held | own).astype(np.int8)
+    stays[dst_held & ~src_held & empty] = -1
+    return stays
