@@ -2,7 +2,9 @@
 
 Each plan step (and each distributed e-node, which decodes 1:1 into a step)
 carries everything needed to price it, so a model never sees the whole plan:
-that keeps node costs local, which exact DAG extraction relies on.
+that keeps node costs local, which exact DAG extraction relies on. The one
+plan-wide term, a training step's gradient reductions hidden behind its backward
+pass, is the model-independent `cost.overlap`, applied by `plan_cost`.
 """
 from __future__ import annotations
 

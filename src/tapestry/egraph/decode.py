@@ -4,7 +4,8 @@ Only the distributed layer is extracted: Run and Place e-nodes (whose
 children are distributed classes), Deliver nodes under each output's root, and
 Reshard nodes between the layouts of each value. `At` and `Result` only name
 classes, so they are never candidates. Each node's cost is local (its layouts
-are part of its class), so plan cost is a sum.
+are part of its class), so plan cost is a sum (less a training step's overlap
+credit, cost.overlap, which Explored.extract handles).
 
 Reshards are not e-nodes of egglog's e-graph: no rule reads them, and a value
 in k layouts has k(k-1) of them (most of a 2x4 transformer's distributed layer).
