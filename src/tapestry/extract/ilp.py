@@ -27,7 +27,7 @@ optimum on a transformer block; with them 99%). Before CP-SAT, if the graph is s
 enough for the time limit (LP_NODES_PER_SECOND), `relax.py` solves the LP with HiGHS,
 adding path cuts until they stop raising its bound; on mesh 8 that
 reaches the optimum, and a selection that meets the LP bound is optimal at once (a
-12-layer stack in 5 s; CP-SAT alone stopped at 10 s with a gap of 2.4%). Otherwise
+12-layer stack in under 5 s; CP-SAT alone stopped at 10 s, gap 1.7-3.2%). Otherwise
 the cuts join the CP-SAT model and the LP bound joins CP-SAT's.
 
 The bound is honest: each part's CP-SAT bound is clamped at 0, lowered by the most
