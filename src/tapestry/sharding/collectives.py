@@ -53,10 +53,9 @@ def reshard_groups(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> tuple[
     group) in which every device finds the cells it needs, and for partial sums every partial of its cells, within
     its own group. A 1-D mesh, or a change that needs every axis, is one group: the whole mesh."""
     subsets, together = _axis_choices(mesh)
-    sharing = _sharing(src, dst)
-    for axes, ok in zip(subsets, _self_sufficient(src, dst, together, sharing)):
+    for axes, ok in zip(subsets, _self_sufficient(src, dst, together)):
         if ok:
-            stays = _stays(src, dst, sharing)
+            stays = _stays(src, dst)
             return tuple(_group(src, dst, mesh, axes, ranks, stays) for ranks in _fibres(mesh, axes))
     transfers(src, dst)  # some needed cell is held by no device: this raises CommError saying which
     raise CommError(f"no group of devices holds what {dst} needs from {src}")
@@ -83,7 +82,7 @@ def _axis_choices(mesh: Mesh) -> tuple[list[tuple[int, ...]], np.ndarray]:
     return subsets, together
 
 
-def _self_sufficient(src: Layout, dst: Layout, together: np.ndarray, sharing: np.ndarray) -> np.ndarray:
+def _self_sufficient(src: Layout, dst: Layout, together: np.ndarray) -> np.ndarray:
     """For each grouping (a `_axis_choices` matrix), whether every group holds all its devices need: each cell of
     a device's block is held by some device of its group, or, from partial sums, by none outside it (so the
     group's sum is the whole sum). An empty block needs no cell (transfers refuses one for a device that holds
@@ -92,7 +91,7 @@ def _self_sufficient(src: Layout, dst: Layout, together: np.ndarray, sharing: np
     Decided for every grouping at once: from `_sharing` for partial sums, else on the grid of cells the blocks'
     bounds cut the tensor into."""
     if src.partial:
-        return ~((together == 0) & sharing).any(axis=(1, 2))
+        return ~((together == 0) & _sharing(src, dst)).any(axis=(1, 2))
     has, needs = _cells(src, dst)
     covered = np.einsum("skj,jc->skc", together, has) > 0
     return (covered | ~needs).all(axis=(1, 2))
@@ -142,6 +141,8 @@ def local_layouts(src: Layout, dst: Layout) -> tuple[Layout, Layout, Shape] | No
         return None
     box = ZRange.bounding(held)
     origin = box.start
+    if not any(origin):  # already relative to the box
+        return src, dst, box.shape
 
     def shifted(b: ZRange | None) -> ZRange | None:
         return None if b is None else ZRange._checked(tuple(map(operator.sub, b.start, origin)),
@@ -159,15 +160,20 @@ def _group(src: Layout, dst: Layout, mesh: Mesh, axes: tuple[int, ...], ranks: t
     mine = Layout(tuple(src.blocks[r] for r in ranks), src.partial), Layout(tuple(dst.blocks[r] for r in ranks))
     if all(b is None for b in (*mine[0].blocks, *mine[1].blocks)):
         return Group(ranks, *mine, axes, Collective.NOOP)
-    here = None if stays is None else stays[list(ranks)]
-    if here is None or (here < 0).any():
+    here = None if stays is None else [stays[r] for r in ranks]
+    if here is None or min(here) < 0:
         moving = bool(transfers(*local_layouts(*mine)[:2]))  # raises CommError
     else:
-        moving = not here.all()
+        moving = not all(here)
     if not moving:
         return Group(ranks, *mine, axes, Collective.NOOP)
-    local = local_layouts(*mine)
-    return Group(ranks, *mine, axes, _classify(*local, Mesh(*(mesh.shape[a] for a in axes)) if axes else Mesh(1)))
+    return Group(ranks, *mine, axes, _classify(*local_layouts(*mine), _group_mesh(mesh, axes)))
+
+
+@lru_cache(maxsize=256)
+def _group_mesh(mesh: Mesh, axes: tuple[int, ...]) -> Mesh:
+    """The mesh one group along `axes` forms on its own."""
+    return Mesh(*(mesh.shape[a] for a in axes)) if axes else Mesh(1)
 
 
 def _classify(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> Collective:
@@ -199,17 +205,18 @@ def _sharing(src: Layout, dst: Layout) -> np.ndarray:
     return sharing.all(axis=2) & dst_held[:, None] & src_held[None]
 
 
-def _stays(src: Layout, dst: Layout, sharing: np.ndarray) -> np.ndarray | None:
+def _stays(src: Layout, dst: Layout) -> list[int] | None:
     """Per device, 1 if it needs no cell from another device of a `reshard_groups` group (one in which every
     needed cell is held), 0 if it does, -1 where transfers refuses the move (a device holding nothing that needs
     an empty block); None for all of them when it refuses every move (into a partial layout)."""
     if dst.partial:
         return None
     if src.partial:  # every other device holding a cell of a needed block sends its partial sum
-        return (sharing.sum(axis=1) == np.diagonal(sharing)).astype(np.int8)
+        sharing = _sharing(src, dst)
+        return (sharing.sum(axis=1) == np.diagonal(sharing)).astype(np.int8).tolist()
     (src_start, src_end, src_held), (dst_start, dst_end, dst_held) = _bounds(src, dst)
     empty = (dst_start == dst_end).any(axis=1)
     own = src_held & (empty | ((src_start <= dst_start).all(axis=1) & (dst_end <= src_end).all(axis=1)))
     stays = (~dst_held | own).astype(np.int8)
     stays[dst_held & ~src_held & empty] = -1
-    return stays
+    return stays.tolist()
