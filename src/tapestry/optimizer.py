@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -117,11 +117,12 @@ class Explored:
         becomes a cut (`_memory_cuts`) and the ILP runs again, up to CUT_ROUNDS times: the cuts are heuristic
         (they can exclude a plan that fits), so what fits then is returned marked "feasible" (not proven best).
 
-        A training step's gradient reductions hide behind its backward pass (cost.overlap), which no node cost can
-        say: extraction first takes them as hidden whole; if the plan's backward pass is shorter, it extracts
-        again with none hidden (what another second of them costs then), and with the share the first plan hid;
-        the cheapest plan by plan_cost is kept, marked "feasible" (the objectives were not its time).
-        docs/cost-models.md says what is exact."""
+        A training step's gradient reductions hide behind its backward pass (cost.overlap): the plan's time is
+        max(sum - reductions, sum - backward), which no node cost can say. Extraction first takes the reductions
+        as hidden whole (`_overlap_split`: weight 1 on the first piece); if the plan's backward pass is shorter
+        than its reductions, it extracts again with the backward compute hidden instead (weight 0), and with
+        both half hidden; the cheapest plan by plan_cost is kept, marked "feasible" (the objectives were not its
+        time). docs/cost-models.md says what is exact."""
         model = cost_model or default_cost_model()
         carried = dict(self.graph.carried if steady is None else steady)
         _check_carried(self.graph, carried)
@@ -130,11 +131,11 @@ class Explored:
         egraph = self._restrict_outputs(priced, outputs)
         egraph, ties = self._steady_ties(egraph, carried)
         base = None if memory_budget is None else self._device_budget(memory_budget)
-        reductions = self._gradient_reductions()
+        reductions, backward = self._overlap_split()
         best: tuple[Plan, Selection] | None = None
-        shares = [1.0]  # of each gradient reduction's time the backward pass is taken to hide, round by round
-        for attempt, share in enumerate(shares, start=1):
-            hidden = egraph.with_costs([c * (1 - share) if n in reductions else c
+        weights = [1.0]  # per round, the weight of "reductions hidden" against "backward compute hidden"
+        for attempt, weight in enumerate(weights, start=1):
+            hidden = egraph.with_costs([c * (1 - weight) if n in reductions else c * weight if n in backward else c
                                         for n, c in enumerate(egraph.node_cost)]) if reductions else egraph
             plan, selection = self._fit(hidden, extractor, time_limit, base, ties, carried, memory_budget, outputs)
             plan = replace(plan, cost=plan_cost(plan, model))  # time per run, not objective
@@ -142,9 +143,7 @@ class Explored:
                 best = plan, selection
             found = overlap(plan, model.step_cost)
             if attempt == 1 and found.reductions > found.backward * (1 + 1e-9):
-                # The backward pass is shorter than the reductions: each second more of them is paid in full
-                # (share 0), or, nearer the first plan, in the share it hid.
-                shares += [0.0, found.backward / found.reductions][:OVERLAP_ROUNDS - 1]
+                weights += [0.0, 0.5][:OVERLAP_ROUNDS - 1]  # the other piece, and between the two
         plan, selection = best  # type: ignore[misc]
         if attempt > 1:  # the objective extracted under was not the plan's time: nothing is proven
             selection = replace(selection, status="feasible")
@@ -192,21 +191,28 @@ class Explored:
             check_meaning(plan)  # a rule that passed check-rules can still be wrong where it was not drawn
         return plan, selection
 
-    def _gradient_reductions(self) -> frozenset[int]:
-        """The Reshard nodes out of a partial layout in classes no non-carried output can need (cost.overlap's
-        reductions, as far as the e-graph tells: a class some forward node could read is never credited)."""
+    def _overlap_split(self) -> tuple[frozenset[int], frozenset[int]]:
+        """cost.overlap's reductions and backward compute as far as the e-graph tells (a class some forward node
+        could read is never credited): Reshard nodes out of a partial layout, and Run nodes those wait for."""
         decoder, carried = self.decoder, self.graph.carried
         if not carried:
-            return frozenset()
+            return frozenset(), frozenset()
         made: dict[str, list[DNode]] = {}
         for node in decoder.nodes:
             made.setdefault(node.eclass, []).append(node)
-        forward = upstream(forward_outputs({self.names[r]: r for r in self.roots}, carried),
-                           lambda c: (d for node in made.get(c, ()) for d in node.children))
+
+        def children(c: str) -> Iterator[str]:
+            return (d for node in made.get(c, ()) for d in node.children)
+
+        forward = upstream(forward_outputs({self.names[r]: r for r in self.roots}, carried), children)
         layouts = decoder.interner.layouts
-        return frozenset(n for n, node in enumerate(decoder.nodes) if node.op == "Reshard"
-                         and node.eclass not in forward
-                         and layouts[decoder.class_layout[node.children[0]]][1].partial)
+        reductions = frozenset(n for n, node in enumerate(decoder.nodes) if node.op == "Reshard"
+                               and node.eclass not in forward
+                               and layouts[decoder.class_layout[node.children[0]]][1].partial)
+        waited_for = upstream((decoder.nodes[n].children[0] for n in reductions), children) - forward
+        backward = frozenset(n for n, node in enumerate(decoder.nodes) if node.eclass in waited_for
+                             and node.op not in ("Place", "Reshard", "Deliver"))
+        return reductions, backward
 
     def _select(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget: DeviceBudget | None,
                 ties: Ties, carried: Mapping[str, str]) -> Selection:
