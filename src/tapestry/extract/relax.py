@@ -90,10 +90,16 @@ def relax(
         lp = _Lp(egraph, candidates, block, needs, ties, deadline)
         bound, values = lp.solve(deadline)
         flows: list[_Flow] | None = None  # built once the LP without cuts has proven nothing
+        previous = None  # the bound before the last round of cuts
         while values is not None:
             incumbent = offer(_rounded(egraph, candidates, lp, values))
             if math.isfinite(incumbent) and incumbent <= _shaved(bound) + PROVEN * incumbent:
                 break
+            if previous is not None:
+                small = math.isfinite(incumbent) and bound - previous < STALL * (incumbent - previous)
+                if small and (stalled or not productive):
+                    break
+                stalled, productive = small, productive or not small
             if flows is None:
                 flows = _flows(egraph, candidates, block, needs, deadline)
             found = []
@@ -108,25 +114,22 @@ def relax(
             rounds += 1
             cuts += found
             lp.add(found)
-            last = bound, values
-            bound, values = lp.solve(deadline)
-            if values is None:
-                bound, values = last
+            solved = lp.solve(deadline)
+            if solved[1] is None:
                 break
-            small = math.isfinite(incumbent) and bound - last[0] < STALL * (incumbent - last[0])
-            if small and (stalled or not productive):
-                break
-            stalled, productive = small, productive or not small
+            previous, (bound, values) = bound, solved
     except _OutOfTime:
         pass
     return Relaxation(tuple(cuts), 0.0 if values is None else _shaved(bound), rounds)
 
 
 def _shaved(bound: float) -> float:
+    """The LP optimum lowered by `SLACK`: a bound despite HiGHS's tolerances."""
     return max(0.0, bound - SLACK * abs(bound))
 
 
 def _rounded(egraph: EGraph, candidates: Mapping[int, Sequence[int]], lp: _Lp, values: Sequence[float]) -> list[int]:
+    """Per class, its candidate of largest x in `values` (-1 for a class without candidates)."""
     choice = [-1] * egraph.num_classes
     for c, nodes in candidates.items():
         choice[c] = max(nodes, key=lambda n: values[lp.x[n]])
