@@ -105,8 +105,16 @@ def _cells(src: Layout, dst: Layout) -> tuple[np.ndarray, np.ndarray]:
     held = np.concatenate([src_held, dst_held])
     ndim = starts.shape[1]
     inside = held.reshape(-1, *(1,) * ndim)
+    held_start, held_end = starts[held], ends[held]
+    if not len(held_start):
+        return np.zeros((len(src_held), 0), np.int64), np.zeros((len(dst_held), 0), bool)
+    # a dim along which every block spans the same cells is one interval every block holds: no cut needed
+    uniform = ((held_start == held_start[0]).all(axis=0) & (held_end == held_end[0]).all(axis=0)
+               & (held_start[0] < held_end[0])).tolist()
     for d in range(ndim):
-        cuts = np.unique(np.concatenate([starts[held, d], ends[held, d]]))
+        if uniform[d]:
+            continue
+        cuts = np.unique(np.concatenate([held_start[:, d], held_end[:, d]]))
         axis = (starts[:, d, None] <= cuts[:-1]) & (cuts[1:] <= ends[:, d, None])  # (blocks, cells along d)
         inside = inside & axis.reshape(len(held), *(1,) * d, axis.shape[1], *(1,) * (ndim - d - 1))
     inside = inside.reshape(len(held), -1)
@@ -176,8 +184,10 @@ def _group_mesh(mesh: Mesh, axes: tuple[int, ...]) -> Mesh:
     return Mesh(*(mesh.shape[a] for a in axes)) if axes else Mesh(1)
 
 
+@lru_cache(maxsize=1 << 14)
 def _classify(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> Collective:
-    """The collective of a group whose devices move some cells."""
+    """The collective of a group whose devices move some cells (cached: groups of many reshards are one local
+    pair, `local_layouts`' same objects)."""
     target = _family(dst, shape, mesh)
     if src.partial:
         return {"R": Collective.ALL_REDUCE, "S": Collective.REDUCE_SCATTER}.get(target, Collective.SEND_RECV)
