@@ -8,6 +8,7 @@ import pytest
 
 from extract_helpers import layered
 from tapestry.extract import EGraph, extract, validate
+from tapestry.extract.ilp import WARM_SHARE
 from tapestry.models import mlp
 from tapestry.optimizer import default_cost_model, explore
 from tapestry.sharding import Mesh
@@ -40,13 +41,17 @@ def test_the_ilp_proves_a_layered_graph_optimal_and_beats_greedy_dag(seed: int) 
     assert ilp.dag_cost <= extract(egraph, "greedy-dag").dag_cost
 
 
-@pytest.mark.parametrize("time_limit", [0.01, 0.1, 1.0])
-def test_the_ilp_is_never_worse_than_greedy_dag_even_when_stopped_early(time_limit: float) -> None:
+@pytest.mark.parametrize("time_limit", [0.001, 0.01, 1.0])
+def test_the_ilp_is_never_worse_than_greedy_dag_when_its_warm_start_has_time(time_limit: float) -> None:
+    """Greedy-dag is the ILP's warm start, stopped at WARM_SHARE of the time limit (on a 2x2x2 mesh it alone
+    outlasted a 10 s limit): with time for it, the ILP is never worse; with none, still valid."""
     for seed in range(3):
         egraph = layered(16, 8, seed)
         greedy = extract(egraph, "greedy-dag")
-        assert validate(egraph, greedy) == []
-        assert extract(egraph, "ilp", time_limit).dag_cost <= greedy.dag_cost
+        ilp = extract(egraph, "ilp", time_limit)
+        assert validate(egraph, greedy) == validate(egraph, ilp) == []
+        if greedy.seconds < WARM_SHARE * time_limit / 10:  # ten times the time it needs
+            assert ilp.dag_cost <= greedy.dag_cost
 
 
 def test_the_ilp_proves_the_plan_of_a_two_layer_mlp_on_a_2x2_mesh_optimal() -> None:

@@ -10,6 +10,9 @@ from hypothesis import strategies as st
 
 from extract_helpers import brute_force
 from tapestry.extract import EXTRACTORS, EGraph, Node, NoFiniteChoiceError, extract, validate
+from tapestry.extract.greedy_dag import greedy_dag_choice
+from tapestry.extract.selection import finalize
+from tapestry.extract.tree import solvable_tree
 
 
 @st.composite
@@ -66,3 +69,15 @@ def test_at_any_time_limit_the_ilp_bound_is_below_the_optimum_and_the_ilp_not_wo
     assert 0 <= selection.bound <= optimum + 1e-9 * (1 + optimum)
     assert 0 <= selection.gap <= 1
     assert selection.dag_cost <= extract(egraph, "greedy-dag").dag_cost
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(egraphs())
+def test_greedy_dag_stopped_by_a_deadline_is_still_a_valid_selection(egraph: EGraph) -> None:
+    """The ILP's warm start stops at its share of the time limit (a deadline already past: nothing searched)."""
+    if math.isinf(brute_force(egraph)):
+        return
+    tree = solvable_tree(egraph)
+    for deadline in (0.0, math.inf):
+        selection = finalize(egraph, greedy_dag_choice(egraph, tree, deadline), tree, "greedy-dag", 0.0)
+        assert validate(egraph, selection) == []

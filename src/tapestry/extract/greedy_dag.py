@@ -5,10 +5,13 @@ increasing DAG cost (as in `tree.py`), so every node is priced once, when its la
 child class is finalized, and a chosen node only points at earlier classes. The
 search stops as soon as every root is finalized. A local search (`improve`) then
 re-chooses one class at a time while that lowers the DAG cost of the whole selection.
+With a `deadline` (as the ILP's warm start has) both stop when it passes: classes the search
+did not finalize take the tree choice, and the local search keeps the moves made so far.
 """
 from __future__ import annotations
 
 import heapq
+import math
 import time
 
 from tapestry.extract.egraph import EGraph
@@ -17,8 +20,12 @@ from tapestry.extract.structure import cyclic_components
 from tapestry.extract.tree import TreeChoice, solvable_tree
 
 
-def greedy_choice(egraph: EGraph) -> list[int]:
-    """Per class, the node with the cheapest DAG given already-finalized children (-1 if never reached)."""
+CHECK_EVERY = 4096  # heap pops or classes between looks at the clock
+
+
+def greedy_choice(egraph: EGraph, deadline: float = math.inf) -> list[int]:
+    """Per class, the node with the cheapest DAG given already-finalized children (-1 if never reached, or not
+    reached by `deadline`, a perf_counter time)."""
     costs = egraph.node_cost
     child_sets, node_class, parents = egraph.child_sets, egraph.node_class, egraph.parents
     best = [-1] * egraph.num_classes
@@ -40,7 +47,11 @@ def greedy_choice(egraph: EGraph) -> list[int]:
     heap = [(costs[n], n) for n in range(egraph.num_nodes) if pending[n] == 0 and egraph.selectable(n)]
     heapq.heapify(heap)
     waiting = set(egraph.roots)
+    popped = 0
     while heap and waiting:
+        popped += 1
+        if popped % CHECK_EVERY == 0 and time.perf_counter() > deadline:
+            break
         _, n = heapq.heappop(heap)
         c = node_class[n]
         if best[c] >= 0:
@@ -56,7 +67,7 @@ def greedy_choice(egraph: EGraph) -> list[int]:
     return best
 
 
-def improve(egraph: EGraph, choice: list[int], tree: TreeChoice) -> list[int]:
+def improve(egraph: EGraph, choice: list[int], tree: TreeChoice, deadline: float = math.inf) -> list[int]:
     """Local search: switch one reachable class to another node while the selection's DAG cost drops.
 
     `choice` must name a node for every class (classes outside the selection keep
@@ -147,6 +158,8 @@ def improve(egraph: EGraph, choice: list[int], tree: TreeChoice) -> list[int]:
     while improved:
         improved = False
         for c in range(egraph.num_classes):
+            if c % CHECK_EVERY == 0 and time.perf_counter() > deadline:
+                return choice  # every kept move left a valid selection
             for new in egraph.class_nodes[c]:
                 if not refs[c] or new == choice[c] or not usable(c, new):
                     continue
@@ -171,12 +184,13 @@ def improve(egraph: EGraph, choice: list[int], tree: TreeChoice) -> list[int]:
     return choice
 
 
-def greedy_dag_choice(egraph: EGraph, tree: TreeChoice) -> list[int]:
-    """Greedy DAG choice made acyclic, then locally improved; a node for every class (tree choice if unreached)."""
-    greedy = greedy_choice(egraph)
+def greedy_dag_choice(egraph: EGraph, tree: TreeChoice, deadline: float = math.inf) -> list[int]:
+    """Greedy DAG choice made acyclic, then locally improved, each until `deadline`; a node for every class (tree
+    choice if unreached)."""
+    greedy = greedy_choice(egraph, deadline)
     start = finalize(egraph, greedy, tree, "greedy-dag", 0.0).choice
     full = [start.get(c, g if g >= 0 else t) for c, (g, t) in enumerate(zip(greedy, tree.node))]
-    return improve(egraph, full, tree)
+    return improve(egraph, full, tree, deadline)
 
 
 def extract_greedy_dag(egraph: EGraph) -> Selection:

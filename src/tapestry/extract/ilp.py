@@ -48,6 +48,7 @@ greedy start counts only if it keeps every tie.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -75,6 +76,15 @@ PRESOLVE_PASSES = 1
 RESERVE = 0.05  # share of the time limit kept for CP-SAT stopping its workers (0.5 s seen under load) and read-back
 MIN_COST = 1e-12  # floor for the scale denominator: subnormal costs must not make it infinite
 RELAX_SHARE = 0.6  # of the time limit, the most the LP with path cuts (relax.py) may take before CP-SAT
+# Of the time limit, the most the greedy warm start may take: on a 2x2x2 mesh's 12-layer stack (2 million nodes)
+# greedy-dag alone took longer than a 10 s limit; stopped, it is still a valid selection (greedy_dag.py).
+WARM_SHARE = 0.3
+# Nodes the ILP can reduce and model per second of its time limit: past it, only the warm start comes back. On
+# 2x4 (162,000 nodes) and 2x2x2 meshes (285,000 and more) a 10 s limit never let CP-SAT better or bound the
+# warm start (docs/benchmarks.md, Saturation: gap 1.0), and reducing a 2x2x2 12-layer graph (820,000 nodes)
+# alone took 7 s of its 10 s.
+MODEL_NODES_PER_SECOND = 20_000
+SUBSETS_LOOKED_UP = 6  # most child classes whose subsets `reduce` looks up one by one (64) rather than scan
 # Candidate nodes the LP pass takes on per second of its share: building and solving the first LP ran at 27,000
 # a second on a 12-layer stack on 8 devices (28,000 nodes) and 13,000-20,000 on 4 layers on 2x4 (51,000); on
 # larger graphs it did not finish in its share and only took CP-SAT's time (a 2x2x2 mesh: 1.1 million nodes,
@@ -159,17 +169,19 @@ def reduce(egraph: EGraph, tree: TreeChoice, tied: frozenset[int] = frozenset())
             ),
             key=lambda n: (cost[n], len(child_sets[n])),
         )
-        kept: list[tuple[int, frozenset[int]]] = []
+        kept: list[int] = []
+        first: dict[frozenset[int], int] = {}  # child classes -> position in `kept` of the first node with them
         for n in viable:
             if n in tied:
                 continue
             children = frozenset(child_sets[n])
-            dominator = next((m for m, mc in kept if mc <= children), None)
-            if dominator is None:
-                kept.append((n, children))
+            at = _first_subset(children, first)
+            if at is None:
+                first[children] = len(kept)
+                kept.append(n)
             else:
-                replacement[n] = dominator
-        per_class[c] = [n for n, _ in kept] + [n for n in viable if n in tied]
+                replacement[n] = kept[at]
+        per_class[c] = kept + [n for n in viable if n in tied]
 
     candidates: dict[int, tuple[int, ...]] = {}
     stack = list(egraph.roots)
@@ -229,6 +241,16 @@ def needed_blocks(egraph: EGraph, reduced: Reduced, components: Sequence[Sequenc
     return result
 
 
+def _first_subset(children: frozenset[int], first: Mapping[frozenset[int], int]) -> int | None:
+    """The earliest position in `first` of a child-class set inside `children`: looked up subset by subset when
+    there are few (a 2x2x2 mesh's classes hold hundreds of reshards, each with one child), else scanned."""
+    if len(children) > SUBSETS_LOOKED_UP:
+        return min((at for made, at in first.items() if made <= children), default=None)
+    found = [first[subset] for k in range(len(children) + 1)
+             for subset in map(frozenset, itertools.combinations(children, k)) if subset in first]
+    return min(found, default=None)
+
+
 def undominate(egraph: EGraph, choice: Sequence[int], reduced: Reduced) -> list[int]:
     """Map a choice onto surviving nodes: a dominator has fewer children and no higher cost."""
     result = list(choice)
@@ -246,16 +268,21 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0,
     CP-SAT runs the `PORTFOLIO` workers.
     """
     started = time.perf_counter()
+    deadline = started + (1 - RESERVE) * time_limit
     tree = solvable_tree(egraph)
-    reduced = reduce(egraph, tree, tied_nodes(ties))
-    warm = finalize(egraph, undominate(egraph, greedy_dag_choice(egraph, tree), reduced), tree, "ilp", started)
+    greedy = greedy_dag_choice(egraph, tree, started + WARM_SHARE * time_limit)
 
     def admissible(selection: Selection) -> bool:
         return (budget is None or budget.fits(selection.choice)) and ties_hold(selection.choice, ties)
 
+    if egraph.num_nodes > MODEL_NODES_PER_SECOND * (deadline - time.perf_counter()):
+        unsolved = finalize(egraph, greedy, tree, "ilp", started)
+        if admissible(unsolved):  # no time to reduce the graph and model it: the warm start, unproven
+            return _result(unsolved, False, 0.0, started)
+    reduced = reduce(egraph, tree, tied_nodes(ties))
+    warm = finalize(egraph, undominate(egraph, greedy, reduced), tree, "ilp", started)
     best = warm if admissible(warm) else None
     proven, bound, lp_bound, cuts = best is not None and best.dag_cost == 0, 0.0, 0.0, ()
-    deadline = started + (1 - RESERVE) * time_limit
 
     def offer(choice: list[int]) -> float:
         """An LP solution rounded: made a selection, kept if it is the best admissible one yet."""
@@ -283,7 +310,12 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0,
         asked = "the ties" if budget is None else f"the budget of {budget.limit:,} per device"
         raise NoFiniteChoiceError(f"no selection keeps {asked}" if bound == math.inf
                                   else f"the solver found no selection that keeps {asked} in time")
-    bound = best.dag_cost if proven else min(max(bound, lp_bound, 0.0), best.dag_cost)
+    return _result(best, proven, max(bound, lp_bound), started)
+
+
+def _result(best: Selection, proven: bool, bound: float, started: float) -> Selection:
+    """The ILP's selection with its status, and a bound and gap that are honest: the bound clamped to [0, cost]."""
+    bound = best.dag_cost if proven else min(max(bound, 0.0), best.dag_cost)
     return Selection(
         choice=best.choice,
         dag_cost=best.dag_cost,
