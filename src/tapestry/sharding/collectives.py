@@ -147,32 +147,31 @@ def local_layouts(src: Layout, dst: Layout) -> tuple[Layout, Layout, Shape] | No
     held = [b for layout in (src, dst) for b in layout.blocks if b is not None]
     if not held:
         return None
-    box = ZRange.bounding(held)
-    origin = box.start
+    origin = tuple(map(min, *(b.start for b in held))) if len(held) > 1 else held[0].start
+    shape = tuple(map(operator.sub, map(max, *(b.end for b in held)) if len(held) > 1 else held[0].end, origin))
     if not any(origin):  # already relative to the box
-        return src, dst, box.shape
+        return src, dst, shape
 
     def shifted(b: ZRange | None) -> ZRange | None:
         return None if b is None else ZRange._checked(tuple(map(operator.sub, b.start, origin)),
                                                       tuple(map(operator.sub, b.end, origin)))
 
     src_local, dst_local = (Layout(tuple(map(shifted, layout.blocks)), layout.partial) for layout in (src, dst))
-    return src_local, dst_local, box.shape
+    return src_local, dst_local, shape
 
 
 def _group(src: Layout, dst: Layout, mesh: Mesh, axes: tuple[int, ...], ranks: tuple[int, ...],
-           stays: np.ndarray | None) -> Group:
+           stays: list[int] | None) -> Group:
     """Named as a collective on its own: blocks relative to the box the group's blocks span, on its own mesh.
     Block moves are planned only where `_stays` cannot tell whether any are needed (a move transfers refuses),
     so naming a collective never plans them."""
     mine = Layout(tuple(src.blocks[r] for r in ranks), src.partial), Layout(tuple(dst.blocks[r] for r in ranks))
-    if all(b is None for b in (*mine[0].blocks, *mine[1].blocks)):
-        return Group(ranks, *mine, axes, Collective.NOOP)
     here = None if stays is None else [stays[r] for r in ranks]
-    if here is None or min(here) < 0:
-        moving = bool(transfers(*local_layouts(*mine)[:2]))  # raises CommError
+    if here is not None and min(here) >= 0:
+        moving = not all(here)  # a group holding nothing needs nothing
     else:
-        moving = not all(here)
+        local = local_layouts(*mine)
+        moving = local is not None and bool(transfers(*local[:2]))  # raises CommError
     if not moving:
         return Group(ranks, *mine, axes, Collective.NOOP)
     return Group(ranks, *mine, axes, _classify(*local_layouts(*mine), _group_mesh(mesh, axes)))
