@@ -79,8 +79,9 @@ class OptimizeResult:
 
 Outputs = str | Mapping[str, "str | Layout"]  # "any", "replicated", or per output name one of those or a Layout
 CUT_ROUNDS = 12  # re-solves with memory cuts when the decoded plan overshoots the budget
-# Extractions per plan when the backward pass hides less than all of its gradient reductions (cost.overlap).
-OVERLAP_ROUNDS = 3
+# The weights of "reductions hidden" tried after 1.0 when the plan's backward pass hides less than all of its
+# gradient reductions (cost.overlap): the other piece of max(sum - reductions, sum - backward), and between.
+LAGRANGE_WEIGHTS = (0.0, 0.5)
 
 
 def default_cost_model() -> CostModel:
@@ -132,22 +133,21 @@ class Explored:
         egraph, ties = self._steady_ties(egraph, carried)
         base = None if memory_budget is None else self._device_budget(memory_budget)
         reductions, backward = self._overlap_split()
-        best: tuple[Plan, Selection] | None = None
-        weights = [1.0]  # per round, the weight of "reductions hidden" against "backward compute hidden"
-        for attempt, weight in enumerate(weights, start=1):
+
+        def fit(weight: float) -> tuple[Plan, Selection]:
+            """Extracted with `weight` of each reduction's cost hidden and 1 - weight of each backward Run's."""
             hidden = egraph.with_costs([c * (1 - weight) if n in reductions else c * weight if n in backward else c
                                         for n, c in enumerate(egraph.node_cost)]) if reductions else egraph
             plan, selection = self._fit(hidden, extractor, time_limit, base, ties, carried, memory_budget, outputs)
-            plan = replace(plan, cost=plan_cost(plan, model))  # time per run, not objective
-            if best is None or plan.cost < best[0].cost:
-                best = plan, selection
-            found = overlap(plan, model.step_cost)
-            if attempt == 1 and found.reductions > found.backward * (1 + 1e-9):
-                weights += [0.0, 0.5][:OVERLAP_ROUNDS - 1]  # the other piece, and between the two
-        plan, selection = best  # type: ignore[misc]
-        if attempt > 1:  # the objective extracted under was not the plan's time: nothing is proven
-            selection = replace(selection, status="feasible")
-            plan = replace(plan, notes={**plan.notes, "status": "feasible", "overlap_rounds": attempt})
+            return replace(plan, cost=plan_cost(plan, model)), selection  # time per run, not objective
+
+        plan, selection = fit(1.0)
+        found = overlap(plan, model.step_cost)
+        if found.reductions > found.backward * (1 + 1e-9):  # the first piece was not the plan's time
+            plan, selection = min([(plan, selection), *map(fit, LAGRANGE_WEIGHTS)], key=lambda p: p[0].cost)
+            selection = replace(selection, status="feasible")  # no objective was the plan's time: nothing proven
+            plan = replace(plan, notes={**plan.notes, "status": "feasible",
+                                        "overlap_rounds": 1 + len(LAGRANGE_WEIGHTS)})
         return OptimizeResult(plan, self.stats, selection, self.rule_files, self.data)
 
     def _fit(self, egraph: ExtractGraph, extractor: str, time_limit: float, base: DeviceBudget | None, ties: Ties,

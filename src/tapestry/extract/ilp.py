@@ -23,12 +23,10 @@ transformer block); with them it is about two thirds of the optimum.
 Need constraints (`needed_blocks`): u_B <= u_D when every selection that uses block B
 uses block D. Without them the LP splits a value between alternative derivations that
 meet again below and pays for what they share by halves (the bound was 67% of the
-optimum on a transformer block; with them 99%). Before CP-SAT, if the graph is small
-enough for the time limit (LP_NODES_PER_SECOND), `relax.py` solves the LP with HiGHS,
-adding path cuts until they stop raising its bound; on mesh 8 that
-reaches the optimum, and a selection that meets the LP bound is optimal at once (a
-12-layer stack in under 5 s; CP-SAT alone stopped at 10 s, gap 1.7-3.2%). Otherwise
-the cuts join the CP-SAT model and the LP bound joins CP-SAT's.
+optimum on a transformer block; with them 99%). An LP pass before CP-SAT (`relax.py`:
+HiGHS with path cuts; a selection meeting its bound is optimal at once) is OFF
+(LP_NODES_PER_SECOND = 0): its bound was seen above the optimum, so it could call a dearer
+plan optimal. When on, its cuts join the CP-SAT model and its bound joins CP-SAT's.
 
 The bound is honest: each part's CP-SAT bound is clamped at 0, lowered by the most
 that rounding costs to integers can add, and summed with the costs of classes
@@ -85,14 +83,12 @@ WARM_SHARE = 0.3
 # alone took 7 s of its 10 s.
 MODEL_NODES_PER_SECOND = 20_000
 SUBSETS_LOOKED_UP = 6  # most child classes whose subsets `reduce` looks up one by one (64) rather than scan
-# Candidate nodes the LP pass takes on per second of its share: building and solving the first LP ran at 27,000
-# a second on a 12-layer stack on 8 devices (28,000 nodes) and 13,000-20,000 on 4 layers on 2x4 (51,000); on
-# larger graphs it did not finish in its share and only took CP-SAT's time (a 2x2x2 mesh: 1.1 million nodes,
-# 5 s past a 10 s limit in building it).
-# 0: the LP pass is off. Its bound can exceed the optimum: a transformer block on 8 devices
-# (tests/test_strategies.py's batch-too-small case), re-run in fresh processes, gave an LP bound (needs, no path
-# cuts) above the optimum that CP-SAT alone finds in 1 run of 6, and so a dearer plan called "optimal". The needs
-# themselves held for that optimum; the fault is in relax.py's LP (or its cuts), not yet found. Was 15,000.
+# Candidate nodes the LP pass takes on per second of its share; 0 turns it off, as now: on a transformer block on
+# 8 devices (tests/test_strategies.py's batch-too-small case), re-run in fresh processes, its bound (needs, no path
+# cuts) exceeded the optimum CP-SAT alone finds in 1 run of 6, so a dearer plan was called "optimal". The needs
+# held for that optimum; the fault is in relax.py's LP or cuts, not yet found. When sound again: 15,000 (the first
+# LP ran at 27,000 a second on a 12-layer stack on 8 devices, 13,000-20,000 on 4 layers on 2x4; on a 2x2x2 mesh's
+# 1.1 million nodes building it ran 5 s past a 10 s limit).
 LP_NODES_PER_SECOND = 0
 
 
