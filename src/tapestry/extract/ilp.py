@@ -24,14 +24,13 @@ Need constraints (`needed_blocks`): u_B <= u_D when every selection that uses bl
 uses block D. Without them the LP splits a value between alternative derivations that
 meet again below and pays for what they share by halves (the bound was 67% of the
 optimum on a transformer block; with them 99%). An LP pass before CP-SAT (`relax.py`:
-HiGHS with path cuts; a selection meeting its bound is optimal at once) is OFF
-(LP_NODES_PER_SECOND = 0): its bound was seen above the optimum, so it could call a dearer
-plan optimal. When on, its cuts join the CP-SAT model and its bound joins CP-SAT's.
+HiGHS with path cuts; a selection meeting its bound is optimal at once) adds its cuts to
+the CP-SAT model and its bound to CP-SAT's.
 
 The bound is honest: each part's CP-SAT bound is clamped at 0, lowered by the most
 that rounding costs to integers can add, and summed with the costs of classes
-whose choice is forced; the LP bound is shaved by HiGHS's tolerances (relax.SLACK);
-the larger is taken. `Selection.gap` = (cost - bound) / cost is in [0, 1].
+whose choice is forced; the LP bound is Lagrangian, from HiGHS's duals (`relax._Lp.solve`),
+so HiGHS's tolerances cannot lift it; the larger is taken. `Selection.gap` = (cost - bound) / cost is in [0, 1].
 
 With a `DeviceBudget`, per device d: sum of resident_n[d] x_n over all nodes,
 plus transient_m[d] for any chosen m, stays within the limit; and for each of its
@@ -83,13 +82,10 @@ WARM_SHARE = 0.3
 # alone took 7 s of its 10 s.
 MODEL_NODES_PER_SECOND = 20_000
 SUBSETS_LOOKED_UP = 6  # most child classes whose subsets `reduce` looks up one by one (64) rather than scan
-# Candidate nodes the LP pass takes on per second of its share; 0 turns it off, as now: on a transformer block on
-# 8 devices (tests/test_strategies.py's batch-too-small case), re-run in fresh processes, its bound (needs, no path
-# cuts) exceeded the optimum CP-SAT alone finds in 1 run of 6, so a dearer plan was called "optimal". The needs
-# held for that optimum; the fault is in relax.py's LP or cuts, not yet found. When sound again: 15,000 (the first
-# LP ran at 27,000 a second on a 12-layer stack on 8 devices, 13,000-20,000 on 4 layers on 2x4; on a 2x2x2 mesh's
-# 1.1 million nodes building it ran 5 s past a 10 s limit).
-LP_NODES_PER_SECOND = 0
+# Candidate nodes the LP pass takes on per second of its share (0 turns it off): the first LP ran at 27,000 a
+# second on a 12-layer stack on 8 devices, 13,000-20,000 on 4 layers on 2x4; on a 2x2x2 mesh's 1.1 million nodes
+# building it ran 5 s past a 10 s limit.
+LP_NODES_PER_SECOND = 15_000
 
 
 @dataclass(frozen=True)
