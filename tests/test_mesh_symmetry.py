@@ -1,0 +1,125 @@
+"""Mesh symmetries price one layout pair per orbit (sharding.symmetry): swapping axes of equal size and equal
+link maps fibres onto fibres; between layouts that split each dim over one axis at most, a reshard and its image
+cost exactly the same, and the memo that answers the image from the original never differs from pricing it."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_reshard_pricing import layouts
+
+from tapestry.cost import comm, load_profile
+from tapestry.cost.comm import AlphaBeta
+from tapestry.cost.profile import Link
+from tapestry.plan.plan import Reshard
+from tapestry.sharding import Layout, Mesh
+from tapestry.sharding.comm import CommError
+from tapestry.sharding.symmetry import axis_permutations, permuted
+
+MESHES = [Mesh(4), Mesh(2, 2), Mesh(2, 4), Mesh(3, 3), Mesh(2, 2, 2), Mesh(1, 2, 2), Mesh(2, 2, 4)]
+PROFILES = [load_profile(name) for name in ("cpu-gloo", "gpu-h100-nccl")]
+
+
+def always(a: int, b: int) -> bool:
+    return True
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=str)
+def test_each_permutation_of_equal_axes_maps_fibres_onto_fibres(mesh: Mesh) -> None:
+    permutations = axis_permutations(mesh, always)
+    expected = math.prod(math.factorial(list(mesh.shape).count(size)) for size in set(mesh.shape))
+    assert len(permutations) == expected and permutations[0] == tuple(mesh.devices)
+    for permutation in permutations:
+        assert sorted(permutation) == list(mesh.devices)
+        image_axes = _axis_map(mesh, permutation)
+        for n in range(mesh.ndim + 1):
+            for axes in itertools.combinations(range(mesh.ndim), n):
+                fibres = {tuple(sorted(permutation[d] for d in fibre)) for fibre in mesh.fibres(axes)}
+                assert fibres == set(mesh.fibres(tuple(sorted(image_axes[a] for a in axes))))
+
+
+def _axis_map(mesh: Mesh, permutation: tuple[int, ...]) -> dict[int, int]:
+    """Which axis each axis went to: the one along which the image of a step along it moves."""
+    found = {}
+    for a in range(mesh.ndim):
+        step = [0] * mesh.ndim
+        step[a] = 1 if mesh.shape[a] > 1 else 0
+        moved = mesh.coords(permutation[_index(mesh, step)])
+        found[a] = next((b for b, c in enumerate(moved) if c), a)
+    return found
+
+
+def _index(mesh: Mesh, coords: list[int]) -> int:
+    return next(d for d in mesh.devices if list(mesh.coords(d)) == coords)
+
+
+def test_axes_with_different_links_are_not_swapped() -> None:
+    fast, slow = Link(1e-6, 1e11), Link(1e-5, 1e10)
+    assert len(comm._orbit_prices((fast, slow), Mesh(2, 2))[0].permutations) == 1
+    assert len(comm._orbit_prices((fast, fast), Mesh(2, 2))[0].permutations) == 2
+    assert len(comm._orbit_prices((fast,), Mesh(2, 2, 2))[0].permutations) == 6
+
+
+@st.composite
+def priced_pairs(draw: st.DrawFn) -> tuple[Reshard, Mesh]:
+    mesh = draw(st.sampled_from([Mesh(2, 2), Mesh(2, 2, 2), Mesh(1, 2, 2)]))
+    shape = tuple(draw(st.lists(st.integers(1, 8), min_size=1, max_size=3)))
+    dtype = draw(st.sampled_from(["float32", "bfloat16"]))
+    return Reshard("y", "x", shape, draw(layouts(shape, mesh)), draw(layouts(shape, mesh)), dtype), mesh
+
+
+def _price(model: AlphaBeta, step: Reshard, mesh: Mesh) -> float | type[CommError]:
+    try:
+        return model.reshard_time(step, mesh)
+    except CommError:
+        return CommError
+
+
+@settings(max_examples=300, deadline=None)
+@given(pair=priced_pairs(), profile=st.sampled_from(PROFILES))
+def test_the_orbit_memo_answers_every_image_as_pricing_it_afresh_would(pair, profile) -> None:
+    step, mesh = pair
+    model = AlphaBeta(profile)
+    comm._orbit_prices.cache_clear()
+    _price(model, step, mesh)  # now in the memo: its images are answered from it
+    for image in _images(step, mesh):
+        remembered = _price(model, image, mesh)
+        comm._orbit_prices.cache_clear()
+        assert remembered == _price(model, image, mesh)
+
+
+@pytest.mark.parametrize("shape", [(4, 4), (8, 4, 2), (2, 6)], ids=str)
+@pytest.mark.parametrize("mesh", [Mesh(2, 2), Mesh(2, 2, 2), Mesh(2, 2, 4)], ids=str)
+def test_relabellings_that_keep_splits_keep_prices(mesh: Mesh, shape: tuple[int, ...]) -> None:
+    """Every even split of the dims over the axes (a dim over several axes too), plain and partial, to every
+    other: each image `pair_images` offers costs what the pair costs, and the memo prices fewer pairs than
+    there are."""
+    named = [Layout.split(shape, mesh, dims) for dims in itertools.product([None, *range(len(shape))], repeat=mesh.ndim)
+             if all(shape[d] % math.prod(mesh.shape[a] for a, e in enumerate(dims) if e == d) == 0
+                    for d in dims if d is not None)]
+    named += [Layout(layout.blocks, partial=True) for layout in named]
+    model = AlphaBeta(PROFILES[1])
+    comm._orbit_prices.cache_clear()
+    symmetries, prices = comm._orbit_prices(PROFILES[1].links, mesh)
+    for src, dst in itertools.product(named, named):
+        step = Reshard("y", "x", shape, src, dst)
+        own = _raw(model, step, mesh)
+        for image_src, image_dst in symmetries.pair_images(src, dst, shape):
+            assert _raw(model, Reshard("y", "x", shape, image_src, image_dst), mesh) == own
+        _price(model, step, mesh)
+    assert len(prices) < 0.8 * len(named) ** 2
+
+
+def _raw(model: AlphaBeta, step: Reshard, mesh: Mesh) -> float | type[CommError]:
+    try:
+        return model._priced(step, mesh)
+    except CommError:
+        return CommError
+
+
+def _images(step: Reshard, mesh: Mesh) -> list[Reshard]:
+    return [Reshard("y", "x", step.shape, permuted(step.src_layout, p), permuted(step.layout, p), step.dtype)
+            for p in axis_permutations(mesh, always)]
