@@ -176,7 +176,7 @@ def test_plans_without_dominated_moves_cost_what_the_optimum_costs(graph, mesh):
     nodes, roots, _, _ = distributed_nodes(gen.session.serialize(), gen.interner)
     decoder = Decoder(nodes, gen.interner, gen.mesh, {n.name: n.dtype for n in graph.inputs})
     every = extract(decoder.extraction_graph(roots, default_cost_model()), "ilp", 60)
-    lean = extract(decoder.extraction_graph(roots, default_cost_model(), drop_dominated_moves=True), "ilp", 60)
+    lean = extract(decoder.extraction_graph(roots, default_cost_model(), drop_dominated=True), "ilp", 60)
     assert decoder.pricing.reshards_dominated > 0
     assert every.status == lean.status == "optimal"
     assert lean.dag_cost == pytest.approx(every.dag_cost, rel=1e-9)

@@ -1,17 +1,24 @@
-"""Pruning is sound: the optimizer leaves out dominated reshards, dominated e-nodes and layouts no candidate makes,
-yet no plan `build_plan` can build from any per-op choice of split dims is cheaper than the optimizer's plan
-(issue 12: "a brute force over build_plan choices finds nothing cheaper")."""
+"""Pruning is sound: the optimizer leaves out dominated reshards, dominated Runs (decode.dominated_runs), dominated
+e-nodes and layouts no candidate makes, yet no plan `build_plan` can build from any per-op choice of split dims is
+cheaper than the optimizer's plan (issue 12: "a brute force over build_plan choices finds nothing cheaper"). Runs
+are left out only where plan time is a plain sum of node costs."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
+from training_helpers import adam_step
 
 import tapestry
 from tapestry.cost import DefaultCostModel, load_profile, plan_cost
+from tapestry.egraph.decode import Decoder
+from tapestry.extract import extract
 from tapestry.graph import Graph
+from tapestry.models import transformer_stack
+from tapestry.optimizer import Explored, default_cost_model
 from tapestry.plan.build import build_plan
-from tapestry.sharding import Mesh
+from tapestry.sharding import Layout, Mesh
 
 MODELS = {name: DefaultCostModel(load_profile(name)) for name in ("cpu-gloo", "gpu-h100-nccl")}
 
@@ -61,3 +68,64 @@ def test_no_build_plan_choice_beats_the_optimizer(build, mesh, model):
     found = tapestry.optimize(graph, mesh, rules=[], cost_model=MODELS[model], time_limit=20)
     assert found.selection.status == "optimal"
     assert found.plan.cost <= brute_force(graph, mesh, MODELS[model]) * (1 + 1e-9)
+
+
+
+def big_matmul() -> Graph:
+    g = Graph()
+    g.output("y", g.matmul(g.input("x", (8192, 512)), g.input("w", (512, 2048)), name="mm"))
+    return g
+
+
+def replicated_runs(decoder: Decoder) -> list[str]:
+    """The ids of the Run nodes whose output is replicated: every device computes the whole op."""
+    def replicated(key: str) -> bool:
+        shape, layout = decoder.interner.layouts[key]
+        return layout == Layout.replicated(shape, decoder.mesh)
+    return [node.id for node in decoder.nodes if node.op not in ("Place", "Reshard", "Deliver")
+            and replicated(node.layout)]
+
+
+def run_costs(explored: Explored, drop_dominated: bool) -> dict[str, float]:
+    priced = explored.decoder.serialized(list(explored.roots), default_cost_model(), drop_dominated=drop_dominated)
+    return {n: node["cost"] for n, node in priced["nodes"].items()}
+
+
+def test_the_replicated_run_of_a_large_matmul_is_dropped():
+    """Each of 4 devices multiplying a quarter of x's rows, then gathering y, beats each multiplying all of x."""
+    explored = tapestry.explore(big_matmul(), Mesh(4), rules=[])
+    (run,) = replicated_runs(explored.decoder)
+    assert run_costs(explored, drop_dominated=False)[run] < math.inf
+    assert run_costs(explored, drop_dominated=True)[run] == math.inf
+
+
+def test_no_run_is_dropped_under_a_memory_budget():
+    """The route that replaces a dropped Run holds more layouts, which a budget may not fit."""
+    explored = tapestry.explore(big_matmul(), Mesh(4), rules=[])
+    explored.extract()
+    assert explored.decoder.pricing.runs_dominated > 0
+    explored.extract(memory_budget=10**12)
+    assert explored.decoder.pricing.runs_dominated == explored.decoder.pricing.reshards_dominated == 0
+
+
+def test_no_run_is_dropped_for_a_training_step():
+    """A training step's time credits backward Runs against gradient reductions (cost.overlap): a cheaper Run
+    plus moves can hide less. The same e-graph has Runs to drop when asked to."""
+    explored = tapestry.explore(adam_step(64, 256, 4096)[0].graph, Mesh(4))
+    assert explored.graph.carried
+    run_costs(explored, drop_dominated=True)
+    assert explored.decoder.pricing.runs_dominated > 0
+    explored.extract(time_limit=20)
+    assert explored.decoder.pricing.runs_dominated == 0
+
+
+@pytest.mark.parametrize("mesh", [Mesh(4), Mesh((2, 2))], ids=str)
+def test_the_ilp_optimum_of_a_transformer_block_is_the_same_without_dominated_runs_and_moves(mesh):
+    """All rules on: several logical ops make each value."""
+    explored = tapestry.explore(transformer_stack(1, 4, 256, 1024, 16), mesh)
+    every = extract(explored.decoder.extraction_graph(list(explored.roots), default_cost_model()), "ilp", 60)
+    lean = extract(explored.decoder.extraction_graph(list(explored.roots), default_cost_model(), drop_dominated=True),
+                   "ilp", 60)
+    assert explored.decoder.pricing.runs_dominated > 0
+    assert every.status == lean.status == "optimal"
+    assert lean.dag_cost == pytest.approx(every.dag_cost, rel=1e-9)

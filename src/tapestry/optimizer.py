@@ -127,8 +127,9 @@ class Explored:
         model = cost_model or default_cost_model()
         carried = dict(self.graph.carried if steady is None else steady)
         _check_carried(self.graph, carried)
-        priced = self.decoder.extraction_graph(list(self.roots), model, self.pricing_seconds,
-                                               drop_dominated_moves=memory_budget is None)  # sound for time only
+        priced = self.decoder.extraction_graph(  # pruning is sound for a plain sum of node costs only
+            list(self.roots), model, self.pricing_seconds,
+            drop_dominated=memory_budget is None and not (carried or self.graph.carried))
         egraph = self._restrict_outputs(priced, outputs)
         egraph, ties = self._steady_ties(egraph, carried)
         base = None if memory_budget is None else self._device_budget(memory_budget)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -43,6 +43,7 @@ class PricingStats:
     steps: int
     reshards_unpriced: int
     reshards_dominated: int = 0  # left out because a two-step route is strictly cheaper
+    runs_dominated: int = 0  # left out because a kept run of the same op plus moves costs no more
 
 
 def dominated_moves(moves: Mapping[tuple[str, str], float]) -> set[tuple[str, str]]:
@@ -67,6 +68,49 @@ def dominated_moves(moves: Mapping[tuple[str, str], float]) -> set[tuple[str, st
     return dropped
 
 
+Candidate = tuple[int, float, str, tuple[str, ...]]  # (node, cost, out class, arg classes) of one Run node
+
+
+def dominated_runs(ops: Iterable[Sequence[Candidate]], moves: Mapping[tuple[str, str], float]) -> set[int]:
+    """The Run nodes that another kept Run of the same op, reached and left by moves, computes for no more.
+
+    `ops` holds, per logical op (one out value from one tuple of argument values), its candidate Runs; `moves`
+    the reshard costs (from class, to class; infinite or absent: no such move). Run P (out class C, args A_i)
+    is dropped when a kept Run P' of the op (out C', args A_i') has cost(P') + the moves A_i -> A_i' + the
+    move C' -> C (each where the classes differ) <= cost(P). Each op's Runs are taken by (cost, node), and P is compared only with the
+    Runs kept before it: those cost no more, and a dominator is never dropped later.
+
+    Why the optimum survives: take a cheapest acyclic choice S (a node per needed class) using P for C, and
+    let D be the classes whose choice in S reaches C (C included). If C' is chosen in S outside D, choose the
+    move C' -> C for C: no cycle (C' never reached C), and cost(move) <= cost(P). Otherwise choose P' for C'
+    (the move C' -> C for C, if C' != C) and, for each A_i' != A_i not chosen in S outside D, the move
+    A_i -> A_i'; every other class keeps its choice. A_i is outside D (P read it), and so is everything a class
+    outside D reaches, so the new choices reach only each other and classes outside D, whose choices are
+    unchanged: no cycle. The cost added is at most cost(P') and those moves, and P's cost goes: the total
+    does not rise, and one dropped Run fewer is used, so repeating ends in a cheapest choice with none.
+    It counts on plan cost being the sum of node costs and on any choice being allowed: not under a memory
+    budget (the moved-to layouts are held too), steady-state ties (a tied Place that only P read would no
+    longer be chosen) or the overlap credit of a training step (cost.overlap: P' may hide less)."""
+    dropped: set[int] = set()
+    for op in ops:
+        kept: list[Candidate] = []
+        for node, cost, out, args in sorted(op, key=lambda c: (c[1], c[0])):
+            for _, total, other_out, other_args in kept:
+                for a, b in zip(args, other_args):
+                    if a != b:
+                        total += moves.get((a, b), math.inf)
+                        if total > cost:
+                            break
+                if other_out != out:
+                    total += moves.get((other_out, out), math.inf)
+                if total <= cost:
+                    dropped.add(node)
+                    break
+            else:
+                kept.append((node, cost, out, args))
+    return dropped
+
+
 def _is_replicated(interner: Interner, key: str) -> bool:
     """Whether layout `key` is the replicated one (answered once per key, in `Interner.replicated_keys`: asked for
     every reshard)."""
@@ -87,6 +131,7 @@ class DNode:
     children: tuple[str, ...]  # distributed child classes
     key: str  # run key, target layout key, or input name
     layout: str  # layout key of the node's own class ("" for Deliver)
+    value: str = ""  # logical class of the node's own class ("" for Deliver)
 
 
 def distributed_nodes(data: Mapping[str, Any], interner: Interner, deadline: float = math.inf,
@@ -98,43 +143,46 @@ def distributed_nodes(data: Mapping[str, Any], interner: Interner, deadline: flo
     raw = data["nodes"]
     runs = run_constructors()
     at: dict[str, str] = {}
+    value_of: dict[str, str] = {}  # At class -> its logical class
     value_layouts: dict[str, dict[str, str]] = {}  # logical class -> layout key -> its At class
     for spec in raw.values():
         if spec["op"] == "At":
             at[spec["eclass"]] = layout = raw[spec["children"][1]]["op"].strip('"')
-            value_layouts.setdefault(raw[spec["children"][0]]["eclass"], {})[layout] = spec["eclass"]
+            value_of[spec["eclass"]] = value = raw[spec["children"][0]]["eclass"]
+            value_layouts.setdefault(value, {})[layout] = spec["eclass"]
     nodes, roots = [], {}
     for nid, spec in raw.items():
         op, kids, eclass = spec["op"], spec["children"], spec["eclass"]
         lit = lambda i: raw[kids[i]]["op"].strip('"')  # noqa: E731
         if op in runs:
-            nodes.append(DNode(nid, op, eclass, tuple(raw[k]["eclass"] for k in kids[:-1]), lit(-1), at[eclass]))
+            nodes.append(DNode(nid, op, eclass, tuple(raw[k]["eclass"] for k in kids[:-1]), lit(-1), at[eclass],
+                               value_of[eclass]))
         elif op == "Place":
-            nodes.append(DNode(nid, op, eclass, (), lit(0), lit(1)))
+            nodes.append(DNode(nid, op, eclass, (), lit(0), lit(1), value_of[eclass]))
         elif op == "Deliver":
             nodes.append(DNode(nid, op, eclass, (raw[kids[1]]["eclass"],), lit(0), ""))
         elif op == "Result":
             roots[eclass] = lit(0)
     made: set[tuple[str, str]] = set()
 
-    def move(classes: dict[str, str], src: str, dst: str) -> None:
+    def move(value: str, classes: dict[str, str], src: str, dst: str) -> None:
         if (classes[src], classes[dst]) not in made:
             made.add((classes[src], classes[dst]))
-            nodes.append(DNode(f"Reshard-{len(nodes)}", "Reshard", classes[dst], (classes[src],), dst, dst))
+            nodes.append(DNode(f"Reshard-{len(nodes)}", "Reshard", classes[dst], (classes[src],), dst, dst, value))
 
-    for classes in value_layouts.values():
+    for value, classes in value_layouts.items():
         for src in classes:
             if _is_replicated(interner, src):
                 for dst in classes:
                     if dst != src and not interner.layouts[dst][1].partial:
-                        move(classes, src, dst)
+                        move(value, classes, src, dst)
     cut = 0
-    for classes in value_layouts.values():
+    for value, classes in value_layouts.items():
         if time.perf_counter() > deadline:
             cut += 1
             continue
         for src, dst in reshard_pairs(classes, interner):
-            move(classes, src, dst)
+            move(value, classes, src, dst)
     return nodes, list(roots), roots, cut
 
 
@@ -147,6 +195,7 @@ class Decoder:
         self.interner = interner
         self.mesh = mesh
         self.class_layout = {n.eclass: n.layout for n in nodes if n.layout}
+        self.class_value = {n.eclass: n.value for n in nodes if n.value}
         self.class_dtype = self._dtypes(input_dtypes)
         self.static_classes = self._static_classes(fixed_inputs)
         self.pricing: PricingStats | None = None  # of the last `serialized`
@@ -197,15 +246,16 @@ class Decoder:
         return found
 
     def serialized(self, roots: list[str], cost: Any, seconds: float = math.inf,
-                   drop_dominated_moves: bool = False) -> dict[str, Any]:
+                   drop_dominated: bool = False) -> dict[str, Any]:
         """The distributed layer with costs, as egraph-serialize JSON (what `tapestry extract` reads).
 
         Each distinct step is priced once. Pricing stops after `seconds`: Runs, Places and reshards out of a
         replicated layout (local slicing, which the replicated plan needs) are priced first, and reshards left
-        unpriced cost infinity, so extraction leaves them out and a plan still exists. With
-        `drop_dominated_moves`, so do reshards a two-step route is strictly cheaper than (`dominated_moves`;
-        sound for plan time, not for a memory budget: the route holds its middle layout). `self.pricing` says
-        what was priced."""
+        unpriced cost infinity, so extraction leaves them out and a plan still exists. With `drop_dominated`,
+        so do reshards a two-step route is strictly cheaper than (`dominated_moves`), and then Runs that a kept
+        Run of the same op and the moves left cost no more than (`dominated_runs`): sound when plan time is
+        the sum of node costs, not under a memory budget (the routes hold more layouts), steady-state ties or
+        a training step's overlap credit. `self.pricing` says what was priced."""
         started = time.perf_counter()
         first = {}
         for n in self.nodes:
@@ -226,17 +276,34 @@ class Decoder:
                 prices[key] = float(cost.step_cost(self._priced_step(node), self.mesh))
             costs[i] = prices[key]
         moves = {(n.children[0], n.eclass): i for i, n in enumerate(self.nodes) if n.op == "Reshard"}
-        dropped = dominated_moves({pair: costs[i] for pair, i in moves.items()}) if drop_dominated_moves else set()
-        for pair in dropped:
-            costs[moves[pair]] = math.inf
-        self.pricing = PricingStats(time.perf_counter() - started, len(prices), unpriced, len(dropped))
+        dropped, runs = set(), set()
+        if drop_dominated:
+            dropped = dominated_moves({pair: costs[i] for pair, i in moves.items()})
+            for pair in dropped:
+                costs[moves[pair]] = math.inf
+            runs = dominated_runs(self._ops(costs), {pair: costs[i] for pair, i in moves.items()})  # less `dropped`
+            for i in runs:
+                costs[i] = math.inf
+        self.pricing = PricingStats(time.perf_counter() - started, len(prices), unpriced, len(dropped), len(runs))
         nodes = {node.id: {"op": node.op, "eclass": node.eclass, "children": [first[c] for c in node.children],
                            "cost": c} for node, c in zip(self.nodes, costs)}
         return {"nodes": nodes, "root_eclasses": roots, "class_data": {}}
 
     def extraction_graph(self, roots: list[str], cost: Any, seconds: float = math.inf,
-                         drop_dominated_moves: bool = False) -> ExtractGraph:
-        return ExtractGraph.from_json(self.serialized(roots, cost, seconds, drop_dominated_moves))
+                         drop_dominated: bool = False) -> ExtractGraph:
+        return ExtractGraph.from_json(self.serialized(roots, cost, seconds, drop_dominated))
+
+    def _ops(self, costs: Sequence[float]) -> Iterable[list[Candidate]]:
+        """The Run nodes grouped by logical op (out value, argument values), for `dominated_runs`; an op that
+        reads its own value (a cycle of the e-graph) is left out."""
+        ops: dict[tuple[str, tuple[str, ...]], list[Candidate]] = {}
+        value = self.class_value
+        for i, node in enumerate(self.nodes):
+            if node.op not in ("Place", "Reshard", "Deliver"):
+                args = tuple(value.get(c, "") for c in node.children)
+                if node.value not in args and "" not in args:
+                    ops.setdefault((node.value, args), []).append((i, costs[i], node.eclass, node.children))
+        return ops.values()
 
     def _pricing_order(self, i: int) -> int:
         node = self.nodes[i]
