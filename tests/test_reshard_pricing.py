@@ -1,5 +1,5 @@
 """Fast reshard pricing against its oracle: the box-by-box group search, classification and counting that
-sharding.collectives and cost.comm did before they worked on block arrays (issue 12). Both must agree on every
+sharding.collectives, cost.comm and can_move did before they worked on block arrays (issue 12). Both must agree on every
 group (ranks, blocks, axes, collective), every count and every refusal, on random layout pairs: even and uneven
 splits, replicated axes, idle devices, empty blocks, partial sums, on 1-D to 3-D meshes."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tapestry.cost.comm import moves
 from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.collectives import Collective, Group, reshard_groups
-from tapestry.sharding.comm import CommError, box_difference, overlap, received_counts, transfers
+from tapestry.sharding.comm import CommError, box_difference, can_move, overlap, received_counts, transfers
 from tapestry.zspace import ZRange
 
 # -- the oracle: box arithmetic one block at a time ------------------------------------------------------------
@@ -39,6 +39,21 @@ def oracle_counts(src: Layout, dst: Layout, mesh: Mesh) -> tuple[tuple[int, ...]
             for rank, cells, count in zip(group.ranks, *received_counts(*local[:2])):
                 received[rank], messages[rank] = cells, count
     return tuple(received), tuple(messages)
+
+
+def oracle_can_move(src: Layout, dst: Layout) -> bool:
+    if dst.partial:
+        return False
+    if src.partial:
+        return True
+    held = [b for b in src.blocks if b is not None]
+    for need in (b for b in dst.blocks if b is not None):
+        missing = [need]
+        for have in held:
+            missing = [piece for m in missing for piece in box_difference(m, have)]
+        if missing:
+            return False
+    return True
 
 
 def _self_sufficient(src: Layout, dst: Layout, ranks: tuple[int, ...]) -> bool:
@@ -158,6 +173,13 @@ def test_groups_kinds_and_counts_match_the_box_by_box_oracle(pair):
     moved = moves(src, dst, shape, mesh)
     assert (moved.received, moved.messages) == oracle_counts(src, dst, mesh)
     assert moved.axes == expected[0].axes
+
+
+@settings(max_examples=1000, deadline=None)
+@given(pair=layout_pairs())
+def test_can_move_matches_the_box_by_box_oracle(pair):
+    src, dst, _, _ = pair
+    assert can_move(src, dst) == oracle_can_move(src, dst)
 
 
 @pytest.mark.parametrize("mesh", MESHES)

@@ -20,10 +20,10 @@ import numpy as np
 
 from tapestry.kernels import Shape
 from tapestry.sharding.comm import CommError, transfers
+from tapestry.sharding.grid import bounds, cells
 from tapestry.sharding.layout import Layout
 from tapestry.sharding.mesh import Mesh
 from tapestry.zspace import ZRange
-from tapestry.zspace.zrange import check_ndim
 
 
 class Collective(enum.StrEnum):
@@ -92,47 +92,9 @@ def _self_sufficient(src: Layout, dst: Layout, together: np.ndarray) -> np.ndarr
     bounds cut the tensor into."""
     if src.partial:
         return ~((together == 0) & _sharing(src, dst)).any(axis=(1, 2))
-    has, needs = _cells(src, dst)
+    has, needs = cells(src, dst)
     covered = np.einsum("skj,jc->skc", together, has) > 0
     return (covered | ~needs).all(axis=(1, 2))
-
-
-def _cells(src: Layout, dst: Layout) -> tuple[np.ndarray, np.ndarray]:
-    """(src's, dst's) (devices, cells) arrays, 0/1 and bool: which cells each block covers, on the grid that
-    every block bound of either layout cuts the tensor into (no cell is empty; an empty block covers none)."""
-    (src_start, src_end, src_held), (dst_start, dst_end, dst_held) = _bounds(src, dst)
-    starts, ends = np.concatenate([src_start, dst_start]), np.concatenate([src_end, dst_end])
-    held = np.concatenate([src_held, dst_held])
-    ndim = starts.shape[1]
-    inside = held.reshape(-1, *(1,) * ndim)
-    held_start, held_end = starts[held], ends[held]
-    if not len(held_start):
-        return np.zeros((len(src_held), 0), np.int64), np.zeros((len(dst_held), 0), bool)
-    # a dim along which every block spans the same cells is one interval every block holds: no cut needed
-    uniform = ((held_start == held_start[0]).all(axis=0) & (held_end == held_end[0]).all(axis=0)
-               & (held_start[0] < held_end[0])).tolist()
-    for d in range(ndim):
-        if uniform[d]:
-            continue
-        cuts = np.unique(np.concatenate([held_start[:, d], held_end[:, d]]))
-        axis = (starts[:, d, None] <= cuts[:-1]) & (cuts[1:] <= ends[:, d, None])  # (blocks, cells along d)
-        inside = inside & axis.reshape(len(held), *(1,) * d, axis.shape[1], *(1,) * (ndim - d - 1))
-    inside = inside.reshape(len(held), -1)
-    n = len(src_held)
-    return inside[:n].astype(np.int64), inside[n:]
-
-
-def _bounds(src: Layout, dst: Layout) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]:
-    """Both layouts' `Layout.bounds`, of one rank (a layout holding no block has rank 0: it takes the other's)."""
-    src_rank, dst_rank = src.bounds[0].shape[1], dst.bounds[0].shape[1]
-    if src_rank == dst_rank:
-        return src.bounds, dst.bounds
-    if src.bounds[2].any() and dst.bounds[2].any():
-        check_ndim("destination blocks", dst_rank, src_rank)
-    ndim = max(src_rank, dst_rank)
-    return tuple((np.zeros((len(held), ndim), np.int64) if start.shape[1] < ndim else start,
-                  np.zeros((len(held), ndim), np.int64) if start.shape[1] < ndim else end, held)
-                 for start, end, held in (src.bounds, dst.bounds))
 
 
 @lru_cache(maxsize=256)
@@ -209,7 +171,7 @@ def _keeps_own_blocks(src: Layout, dst: Layout) -> bool:
 
 def _sharing(src: Layout, dst: Layout) -> np.ndarray:
     """(devices, devices) bool: whether device k's needed block and device j's held block share a cell."""
-    (src_start, src_end, src_held), (dst_start, dst_end, dst_held) = _bounds(src, dst)
+    (src_start, src_end, src_held), (dst_start, dst_end, dst_held) = bounds(src, dst)
     sharing = (np.maximum(src_start[None], dst_start[:, None]) < np.minimum(src_end[None], dst_end[:, None]))
     return sharing.all(axis=2) & dst_held[:, None] & src_held[None]
 
@@ -223,7 +185,7 @@ def _stays(src: Layout, dst: Layout) -> list[int] | None:
     if src.partial:  # every other device holding a cell of a needed block sends its partial sum
         sharing = _sharing(src, dst)
         return (sharing.sum(axis=1) == np.diagonal(sharing)).astype(np.int8).tolist()
-    (src_start, src_end, src_held), (dst_start, dst_end, dst_held) = _bounds(src, dst)
+    (src_start, src_end, src_held), (dst_start, dst_end, dst_held) = bounds(src, dst)
     empty = (dst_start == dst_end).any(axis=1)
     own = src_held & (empty | ((src_start <= dst_start).all(axis=1) & (dst_end <= src_end).all(axis=1)))
     stays = (~dst_held | own).astype(np.int8)
