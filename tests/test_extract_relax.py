@@ -11,6 +11,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import replace
 
+import networkx
 import numpy as np
 import pytest
 from extract_helpers import _acyclic, build
@@ -19,8 +20,9 @@ from hypothesis import strategies as st
 
 from tapestry.extract import EGraph, extract, validate
 from tapestry.extract import ilp as ilp_module
+from tapestry.extract import relax as relax_module
 from tapestry.extract.ilp import Reduced, _block, reduce
-from tapestry.extract.relax import PathCut, Relaxation, _flows, _Lp, _separate, relax
+from tapestry.extract.relax import PathCut, Relaxation, _Batch, _flows, _Lp, _pairs, relax
 from tapestry.extract.tree import solvable_tree
 from tapestry.models import transformer_stack
 from tapestry.optimizer import default_cost_model, explore
@@ -95,10 +97,12 @@ def test_needs_and_path_cuts_hold_for_every_acyclic_selection_and_the_ilp_is_opt
     # cuts from the LP's own solutions, and from random capacities (every min cut is a valid inequality)
     relaxation = relax(egraph, reduced.candidates, block, reduced.needs, time.perf_counter() + 10)
     lp = _Lp(egraph, reduced.candidates, block, reduced.needs, (), math.inf)
-    rng = random.Random(seed)
-    flows = _flows(egraph, reduced.candidates, block, reduced.needs, math.inf)
-    drawn = [_separate(flow, [rng.random() for _ in range(lp.highs.getNumCol())], lp) for flow in flows]
-    for cut in [*relaxation.cuts, *(cut for cut in drawn if cut is not None)]:
+    pairs = _pairs(egraph, reduced.candidates, block, reduced.needs, math.inf)
+    assert pairs is not None
+    flows = _flows(egraph, reduced.candidates, block, pairs, lp, math.inf)
+    values = np.random.default_rng(seed).random(lp.highs.getNumCol())
+    drawn = _Batch.of(flows, len(values)).separate(values, values[[lp.used[f.reader] for f in flows]]) if flows else []
+    for cut in [*relaxation.cuts, *drawn]:
         assert all(holds(egraph, reduced, cut, choice) for choice in every), f"{cut} cuts a selection"
     assert relaxation.bound <= optimum + 1e-9
     selection = extract(egraph, "ilp", time_limit=10)
@@ -160,3 +164,47 @@ def test_the_lp_with_path_cuts_proves_a_transformer_layer_on_8_devices_and_agree
     plain = extract(egraph, "ilp", time_limit=30)  # CP-SAT alone, as before the LP
     assert plain.status == "optimal"
     assert proven.dag_cost == pytest.approx(plain.dag_cost, rel=1e-9)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**6))
+def test_separation_finds_a_violated_cut_exactly_where_the_max_flow_falls_short_of_the_demand(seed: int) -> None:
+    # All pairs share one max flow (`_Batch`) on integer capacities; each pair must still get its own answer.
+    egraph = tapestry_like(seed, 4, 2)
+    reduced = reduce(egraph, solvable_tree(egraph))
+    block = {c: _block(reduced, c) for c in reduced.candidates}
+    lp = _Lp(egraph, reduced.candidates, block, reduced.needs, (), math.inf)
+    pairs = _pairs(egraph, reduced.candidates, block, reduced.needs, math.inf)
+    assert pairs is not None and pairs.pairs
+    flows = _flows(egraph, reduced.candidates, block, pairs, lp, math.inf)
+    rng = np.random.default_rng(seed)
+    values = rng.random(lp.highs.getNumCol()) ** 2  # capacities mostly small, demands large: some pairs fall short
+    readers = [lp.used[flow.reader] for flow in flows]
+    values[readers] = rng.uniform(0.5, 1.0, len(readers))
+    demands = values[readers]
+    cuts = _Batch.of(flows, len(values)).separate(values, demands)
+    short = []
+    for flow, demand in zip(flows, demands):
+        graph = networkx.DiGraph()
+        for (u, v), variables in zip(flow.edges, flow.variables):
+            graph.add_edge(u, v, **({"capacity": float(values[list(variables)].sum())} if variables else {}))
+        flowed = networkx.maximum_flow_value(graph, 0, 1) if 0 in graph and 1 in graph else 0.0
+        short.append(flowed < demand - 1e-4)
+    assert len(cuts) == sum(short) and any(short)
+    for cut in cuts:
+        capacity = sum(values[lp.x[n]] for n in cut.nodes) + sum(values[lp.variable(n, True)] for n in cut.sources)
+        assert capacity < values[lp.used[cut.reader]] - 1e-6
+
+
+def test_the_lp_pass_is_skipped_when_its_path_graphs_would_outgrow_the_lp(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On Tensat's bert the regions span the graph: building the path graphs took the LP pass's whole share, and
+    # the LP without cuts is CP-SAT's own root LP.
+    egraph = tapestry_like(3, 4, 2)
+    reduced = reduce(egraph, solvable_tree(egraph))
+    block = {c: _block(reduced, c) for c in reduced.candidates}
+    assert _pairs(egraph, reduced.candidates, block, reduced.needs, math.inf) is not None
+    monkeypatch.setattr(relax_module, "PATH_NODES", 0.01)
+    assert _pairs(egraph, reduced.candidates, block, reduced.needs, math.inf) is None
+    assert relax(egraph, reduced.candidates, block, reduced.needs, time.perf_counter() + 10) == Relaxation((), 0.0, 0)
+    selection = extract(egraph, "ilp", time_limit=10)
+    assert validate(egraph, selection) == [] and selection.status == "optimal"

@@ -6,8 +6,10 @@ matmul then an add; a layer norm replicated or sharded): the LP chooses each at 
 share by that fraction. Path cuts repair it. If block B' needs block B (`Reduced.needs`), the source of B' reads,
 through chosen nodes, a class of B: a selection has a path of chosen nodes from an entry node of B up to the
 source of B'. So for every cut C of the graph of such paths, u_B' <= sum of x_n over the nodes in C (a node's
-capacity is x_n, a source's s_n). Separation is a max flow per pair of blocks (B', B) under the LP solution; a
-flow below u_B' gives the violated cut. On a transformer block on 8 devices they take the LP bound from 99.0% of
+capacity is x_n, a source's s_n). The same holds for B reached from B' through several steps of needs: pairs up
+to `NEED_HOPS` steps apart take a 12-layer stack on 16 devices to its optimum in 4 rounds (one step: 10).
+Separation is a max flow per pair under the LP solution, all pairs in one graph (`_Batch`); a flow below u_B'
+gives the violated cut. On a transformer block on 8 devices they take the LP bound from 99.0% of
 the optimum to the optimum; the LP solution rounded (each class's largest x) is then often a selection that
 meets the bound, so optimal outright.
 
@@ -17,12 +19,12 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from scipy import sparse
+from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 # SciPy's own HiGHS: the highspy wheel's library and OR-tools' clash in one process (undefined symbols)
 from scipy.optimize._highspy import _core as highs
@@ -38,6 +40,17 @@ PROVEN = 1e-6  # a selection within this share of the bound counts as optimal
 # on mesh 8 the first round closes 15-50% of it, and a round that closes none is followed by one that closes
 # much (one layer: 1.15%, 0.97%, 0.97%, 0.58%, 0 above greedy-dag).
 STALL = 0.05
+# Path cuts for a block and the blocks it needs within this many steps (needs are transitively reduced): on a
+# 12-layer stack on 16 devices, 1 step took 10 rounds to the optimum, 2 steps 6, 3 steps 5.
+NEED_HOPS = 3
+# Path graphs may hold this many times the LP's candidate nodes in all, so that a round of separation costs
+# about what a re-solve does: on Tapestry's stacks 3 steps take 3-17 times (17 on 12 layers on 16 devices); on
+# Tensat's bert the 1-step pairs alone take 900 times (their regions span the graph) and building them took
+# the LP pass's whole share. Without cuts the LP is CP-SAT's own root LP, so the LP pass is then skipped.
+PATH_NODES = 32
+FLOW_UNIT = 2**20  # max flow runs on integer capacities: LP values in these units
+BATCH = 512  # path graphs per max flow: their demands (at most 1 each) sum to at most 2^29 units
+UNBOUNDED = 2**30  # an unbounded edge's capacity in those units: more than a batch's whole flow
 
 
 class _OutOfTime(Exception):
@@ -66,12 +79,92 @@ class Relaxation:
 @dataclass(frozen=True)
 class _Flow:
     """One pair (B', B): the path graph, vertices 0 (s), 1 (t), then classes and nodes with several children.
-    An edge is unbounded, or has a capacity: the sum of x over its nodes and of s over its sources."""
+    Each edge has the LP variables its capacity sums (x over its nodes, s over its sources), or none: then it
+    is unbounded."""
 
     reader: int
     vertices: int
-    unbounded: tuple[tuple[int, int], ...]
-    capacities: Mapping[tuple[int, int], tuple[list[int], list[int]]]  # edge -> (nodes, sources)
+    edges: tuple[tuple[int, int], ...]
+    terms: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # per edge: (nodes, sources) of its capacity
+    variables: tuple[tuple[int, ...], ...]  # per edge
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """Path graphs side by side in one graph, for one max flow: vertex 0 feeds each pair's s through an edge of
+    capacity its demand u_B', each pair's t feeds vertex 1. The pairs share no other vertex, so the max flow is
+    each pair's, capped at its demand, and a pair short of its demand has its min cut in the residual graph."""
+
+    flows: tuple[_Flow, ...]
+    graph: sparse.csr_matrix  # capacities filled in per separation
+    row: np.ndarray  # per CSR entry: its row of `capacity`, -1 for the edges from 0 and into 1
+    owner: np.ndarray  # per CSR entry: its flow, -1 for the edges from 0 and into 1
+    bounded: np.ndarray  # per CSR entry: an edge with a capacity (not from 0, into 1, or unbounded)
+    feeds: np.ndarray  # per flow: the CSR entry of its edge from vertex 0
+    starts: np.ndarray  # per flow: its s vertex
+    first: np.ndarray  # per flow: the row of `capacity` of its first edge
+    capacity: sparse.csr_matrix  # edge x LP variable
+
+    @staticmethod
+    def of(flows: Sequence[_Flow], columns: int) -> _Batch:
+        tails, heads, rows, owners, variables, starts, first = [], [], [], [], [], [], []
+        vertices = 2
+        for i, flow in enumerate(flows):
+            starts.append(vertices)
+            first.append(len(variables))
+            tails += [0, vertices + 1]
+            heads += [vertices, 1]
+            rows += [-1, -1]
+            owners += [-1, -1]
+            for (u, v), used in zip(flow.edges, flow.variables):
+                tails.append(vertices + u)
+                heads.append(vertices + v)
+                rows.append(len(variables))
+                owners.append(i)
+                variables.append(used)
+            vertices += flow.vertices
+        order = np.lexsort((heads, tails))  # CSR order
+        tail, head = np.array(tails)[order], np.array(heads, dtype=np.int32)[order]
+        graph = sparse.csr_matrix((np.zeros(len(order), dtype=np.int32), head,
+                                   np.searchsorted(tail, np.arange(vertices + 1)).astype(np.int32)),
+                                  shape=(vertices, vertices))
+        row = np.array(rows)[order]
+        lengths = np.array([len(v) for v in variables], dtype=np.int64)
+        capacity = sparse.csr_matrix(
+            (np.ones(lengths.sum()), np.fromiter((c for v in variables for c in v), np.int64, lengths.sum()),
+             np.concatenate(([0], np.cumsum(lengths)))), shape=(len(variables), columns))
+        bounded = row >= 0
+        bounded[bounded] = lengths[row[bounded]] > 0
+        return _Batch(tuple(flows), graph, row, np.array(owners)[order], bounded,
+                      np.flatnonzero(tail == 0), np.array(starts), np.array(first), capacity)
+
+    def separate(self, values: np.ndarray, demands: np.ndarray) -> list[PathCut]:
+        """The violated min cuts under the LP `values`, where pair i's reader has u = `demands[i]`: those whose
+        capacity is below it by more than `TOLERANCE`. SciPy's max flow takes integers: capacities go in
+        units of 1 / `FLOW_UNIT` rounded down, and a cut's capacity is then summed exactly, so rounding can
+        miss a cut, never add one that is not violated."""
+        exact = self.capacity @ values
+        data = np.full(self.graph.nnz, UNBOUNDED, dtype=np.int64)
+        data[self.bounded] = np.floor(np.minimum(exact[self.row[self.bounded]], UNBOUNDED) * FLOW_UNIT)
+        data[self.feeds] = np.floor(np.clip(demands, 0.0, 1.0) * FLOW_UNIT)
+        self.graph.data = data.astype(np.int32)
+        residual = self.graph - maximum_flow(self.graph, 0, 1, method="dinic").flow
+        residual.data = (residual.data > 0).astype(np.int8)
+        residual.eliminate_zeros()
+        side = np.zeros(self.graph.shape[0], dtype=bool)
+        side[breadth_first_order(residual, 0, return_predecessors=False)] = True
+        short = side[self.starts] & (demands > TOLERANCE)  # s still reachable: the pair is below its demand
+        tails = np.repeat(np.arange(self.graph.shape[0]), np.diff(self.graph.indptr))
+        crossing = np.flatnonzero((self.row >= 0) & side[tails] & ~side[self.graph.indices])
+        crossing = crossing[short[self.owner[crossing]]]
+        found = []
+        for i in np.unique(self.owner[crossing]):
+            rows = self.row[crossing[self.owner[crossing] == i]]
+            if demands[i] - exact[rows].sum() > TOLERANCE:
+                terms = [self.flows[i].terms[e] for e in rows - self.first[i]]
+                found.append(PathCut(self.flows[i].reader, tuple(n for nodes, _ in terms for n in nodes),
+                                     tuple(n for _, sources in terms for n in sources)))
+        return found
 
 
 def relax(
@@ -88,9 +181,12 @@ def relax(
     rounds, stalled, productive = 0, False, False
     bound, values = 0.0, None  # the last LP solved; out of time, it and the cuts found so far still hold
     try:
+        pairs = _pairs(egraph, candidates, block, needs, deadline)
+        if pairs is None:  # no cuts to afford: the LP alone is CP-SAT's own root LP
+            return Relaxation((), 0.0, 0)
         lp = _Lp(egraph, candidates, block, needs, ties, deadline)
         bound, values = lp.solve(deadline)
-        flows: list[_Flow] | None = None  # built once the LP without cuts has proven nothing
+        batches: list[_Batch] | None = None  # built once the LP without cuts has proven nothing
         previous = None  # the bound before the last round of cuts
         while values is not None:
             incumbent = offer(_rounded(egraph, candidates, lp, values))
@@ -101,15 +197,14 @@ def relax(
                 if small and (stalled or not productive):
                     break
                 stalled, productive = small, productive or not small
-            if flows is None:
-                flows = _flows(egraph, candidates, block, needs, deadline)
+            if batches is None:
+                batches = _batches(_flows(egraph, candidates, block, pairs, lp, deadline), len(lp.cost), deadline)
             found = []
-            for flow in flows:
+            for batch in batches:
                 if time.perf_counter() > deadline:
                     raise _OutOfTime
-                cut = _separate(flow, values, lp)
-                if cut is not None:
-                    found.append(cut)
+                point = np.asarray(values)
+                found += batch.separate(point, point[[lp.used[flow.reader] for flow in batch.flows]])
             if not found:
                 break
             rounds += 1
@@ -277,11 +372,20 @@ class _Lp:
                 + float(reduced[reduced > 0] @ self.lower[reduced > 0]) + float(reduced[reduced < 0].sum()))
 
 
-def _flows(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
-           needs: Mapping[int, Sequence[int]], deadline: float) -> list[_Flow]:
-    """The path graph of every pair (B', B) with B in needs(B'): classes of the blocks between them (below B',
-    above B), each node an edge from its child classes in that region into its class (through a vertex of its
-    own when it has several), an entry of B an edge from s, the source of B' an edge into t."""
+@dataclass(frozen=True)
+class _Pairs:
+    """The pairs (B', B) to separate, each with its region (the blocks a path from B up to B' can cross), and
+    each block's classes."""
+
+    pairs: tuple[tuple[int, int, frozenset[int]], ...]  # (reader, target, region)
+    members: Mapping[int, list[int]]
+
+
+def _pairs(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
+           needs: Mapping[int, Sequence[int]], deadline: float) -> _Pairs | None:
+    """Every pair (B', B) with B one step of needs from B', then two, .. `NEED_HOPS`, as long as their path
+    graphs hold at most `PATH_NODES` times the candidate nodes in all (whole steps only); None when the
+    one-step pairs alone hold more. The region of (B', B): the blocks below B' and above B."""
     child_sets = egraph.child_sets
     members: dict[int, list[int]] = {}
     for c in candidates:
@@ -293,18 +397,55 @@ def _flows(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mappi
             below[block[c]].add(d)
             above[d].add(block[c])
     position = {b: i for i, b in enumerate(_children_first(below))}
+    size = {b: sum(len(candidates[c]) for c in classes) for b, classes in members.items()}
+    room = PATH_NODES * sum(size.values())
+    readers = [b for b in needs if b in members]
+    reached = {b: {b} for b in readers}  # per reader, itself and the blocks of the steps so far
+    frontier = {b: {b} for b in readers}
+    pairs: list[tuple[int, int, frozenset[int]]] = []
+    for hops in range(NEED_HOPS):
+        step = []
+        for reader in readers:
+            frontier[reader] = {d for b in frontier[reader] for d in needs.get(b, ())} - reached[reader]
+            reached[reader] |= frontier[reader]
+            for target in frontier[reader]:  # the region lies between them, children first
+                if time.perf_counter() > deadline:
+                    raise _OutOfTime
+                low, high = position[target], position[reader]
+                region = frozenset(_closure(reader, below, lambda b, low=low: position[b] >= low)
+                                   & _closure(target, above, lambda b, high=high: position[b] <= high))
+                room -= sum(size[b] for b in region)
+                if room < 0:
+                    return _Pairs(tuple(pairs), members) if hops else None
+                step.append((reader, target, region))
+        pairs += step
+    return _Pairs(tuple(pairs), members)
+
+
+def _flows(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int], pairs: _Pairs,
+           lp: _Lp, deadline: float) -> list[_Flow]:
+    """The path graph of every pair: classes of its region, each node an edge from its child classes in the
+    region into its class (through a vertex of its own when it has several), an entry of B an edge from s, the
+    source of B' an edge into t."""
+    child_sets = egraph.child_sets
+    prepared = {c: [(n, child_sets[n], all(block[d] != block[c] for d in child_sets[n]), lp.x[n],
+                     lp.variable(n, True)) for n in nodes] for c, nodes in candidates.items()}
     flows = []
-    for reader, needed in needs.items():
-        if reader not in members:
-            continue
+    for reader, target, region in pairs.pairs:
         if time.perf_counter() > deadline:
             raise _OutOfTime
-        for target in needed:  # the region lies between them in a children-first order
-            low, high = position[target], position[reader]
-            region = (_closure(reader, below, lambda b, low=low: position[b] >= low)
-                      & _closure(target, above, lambda b, high=high: position[b] <= high))
-            flows.append(_flow(egraph, candidates, block, members, reader, target, region))
+        flows.append(_flow(prepared, pairs.members, reader, target, region))
     return flows
+
+
+def _batches(flows: Sequence[_Flow], columns: int, deadline: float) -> list[_Batch]:
+    """`flows` in batches of `BATCH` (their demands sum to at most that, so flows stay within int32)."""
+    batches = []
+    for i in range(0, len(flows), BATCH):
+        if time.perf_counter() > deadline:
+            raise _OutOfTime
+        batches.append(_Batch.of(flows[i:i + BATCH], columns))
+    return batches
 
 
 def _children_first(below: Mapping[int, set[int]]) -> list[int]:
@@ -335,99 +476,41 @@ def _closure(start: int, edges: Mapping[int, set[int]], keep: Callable[[int], bo
     return seen
 
 
-def _flow(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
-          members: Mapping[int, list[int]], reader: int, target: int, region: set[int]) -> _Flow:
-    """The path graph of (`reader`, `target`) over the blocks of `region` (`_flows`)."""
-    child_sets = egraph.child_sets
+def _flow(prepared: Mapping[int, list[tuple[int, tuple[int, ...], bool, int, int]]],
+          members: Mapping[int, list[int]], reader: int, target: int, region: frozenset[int]) -> _Flow:
+    """The path graph of (`reader`, `target`) over the blocks of `region` (`_flows`). `prepared` has per class
+    its candidates: (node, child classes, entry of its block, x variable, source variable)."""
     vertex: dict[int, int] = {}
     for r in region:
         for c in members[r]:
             vertex[c] = 2 + len(vertex)
     count = 2 + len(vertex)
-    edges: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
-    unbounded: set[tuple[int, int]] = set()
-
-    def capacity(u: int, v: int, node: int, source: bool) -> None:
-        xs, ss = edges.setdefault((u, v), ([], []))
-        (ss if source else xs).append(node)
-
+    edges: dict[tuple[int, int], tuple[list[int], list[int], list[int]]] = {}  # -> nodes, sources, variables
+    unbounded: list[tuple[int, int]] = []
     for r in region:
         for c in members[r]:
-            for n in candidates[c]:
-                inside = [vertex[d] for d in child_sets[n] if d in vertex]
-                entry = all(block[d] != r for d in child_sets[n])
+            for n, children, entry, x, s in prepared[c]:
                 if r == reader:
                     if not entry:
                         continue  # only the source of B' ends a path
-                    head, source = 1, True
+                    head, source, variable = 1, True, s
                 else:
-                    head, source = vertex[c], False
+                    head, source, variable = vertex[c], False, x
                 if r == target and entry:
-                    capacity(0, head, n, source)
-                elif len(set(inside)) == 1:
-                    capacity(inside[0], head, n, source)
-                elif inside:
-                    count += 1
-                    for u in set(inside):
-                        unbounded.add((u, count - 1))
-                    capacity(count - 1, head, n, source)
-    return _Flow(reader, count, tuple(unbounded), edges)
-
-
-def _separate(flow: _Flow, values: Sequence[float], lp: _Lp) -> PathCut | None:
-    """The min cut of `flow` under the LP `values` if its capacity is below u_B' (Edmonds-Karp: the graphs are
-    a few hundred edges)."""
-    demand = values[lp.used[flow.reader]]
-    if demand <= TOLERANCE:
-        return None
-    adjacency: list[list[int]] = [[] for _ in range(flow.vertices)]
-    head: list[int] = []
-    residual: list[float] = []
-    edges = [(u, v, math.inf) for u, v in flow.unbounded] + [
-        (u, v, sum(values[lp.x[n]] for n in xs) + sum(values[lp.variable(n, True)] for n in ss))
-        for (u, v), (xs, ss) in flow.capacities.items()]
-    for u, v, cap in edges:  # edge e and its reverse e ^ 1
-        for a, b, c in ((u, v, cap), (v, u, 0.0)):
-            adjacency[a].append(len(head))
-            head.append(b)
-            residual.append(c)
-    total = 0.0
-    while total < demand - TOLERANCE:
-        parent = [-1] * flow.vertices
-        parent[0] = -2
-        queue = deque([0])
-        while queue and parent[1] == -1:
-            u = queue.popleft()
-            for e in adjacency[u]:
-                if residual[e] > 1e-12 and parent[head[e]] == -1:
-                    parent[head[e]] = e
-                    queue.append(head[e])
-        if parent[1] == -1:
-            break
-        path, v = [], 1
-        while v != 0:
-            e = parent[v]
-            path.append(e)
-            v = head[e ^ 1]
-        push = min(residual[e] for e in path)
-        for e in path:
-            residual[e] -= push
-            residual[e ^ 1] += push
-        total += push
-    if total >= demand - TOLERANCE:
-        return None
-    side = {0}
-    queue = deque([0])
-    while queue:
-        u = queue.popleft()
-        for e in adjacency[u]:
-            if residual[e] > 1e-12 and head[e] not in side:
-                side.add(head[e])
-                queue.append(head[e])
-    nodes: list[int] = []
-    sources: list[int] = []
-    for (u, v), (xs, ss) in flow.capacities.items():
-        if u in side and v not in side:
-            nodes += xs
-            sources += ss
-    return PathCut(flow.reader, tuple(nodes), tuple(sources))
+                    tail = 0
+                else:
+                    inside = {vertex[d] for d in children if d in vertex}
+                    if not inside:
+                        continue
+                    if len(inside) == 1:
+                        (tail,) = inside
+                    else:
+                        tail, count = count, count + 1
+                        unbounded += [(u, tail) for u in inside]
+                if (terms := edges.get((tail, head))) is None:
+                    terms = edges[tail, head] = ([], [], [])
+                terms[source].append(n)
+                terms[2].append(variable)
+    return _Flow(reader, count, (*edges, *unbounded),
+                 tuple((tuple(xs), tuple(ss)) for xs, ss, _ in edges.values()) + (((), ()),) * len(unbounded),
+                 tuple(tuple(variables) for _, _, variables in edges.values()) + ((),) * len(unbounded))
