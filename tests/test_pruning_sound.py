@@ -119,6 +119,26 @@ def test_no_run_is_dropped_for_a_training_step():
     assert explored.decoder.pricing.runs_dominated == 0
 
 
+def mlp_rows(rows: int) -> Graph:
+    g = Graph()
+    x, w1, w2 = g.input("x", (rows, 256)), g.input("w1", (256, 256)), g.input("w2", (256, 256))
+    g.output("y", g.matmul(g.relu(g.matmul(x, w1, name="up"), name="act"), w2, name="down"))
+    return g
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("outputs", ["any", "replicated"])
+@pytest.mark.parametrize("rows", [64, 8192])
+def test_the_optimum_with_dropped_runs_is_the_optimum_without(rows, outputs, model):
+    """A memory budget that binds nothing turns pruning off. Gathering replicated outputs is where a Run that
+    is cheaper only before its output's move must not replace the replicated one (64 rows)."""
+    explored = tapestry.explore(mlp_rows(rows), Mesh(4), rules=[])
+    pruned = explored.extract(MODELS[model], outputs=outputs, time_limit=20)
+    every = explored.extract(MODELS[model], outputs=outputs, time_limit=20, memory_budget=10**12)
+    assert pruned.selection.status == every.selection.status == "optimal"
+    assert pruned.plan.cost == pytest.approx(every.plan.cost, rel=1e-9)
+
+
 @pytest.mark.parametrize("mesh", [Mesh(4), Mesh((2, 2))], ids=str)
 def test_the_ilp_optimum_of_a_transformer_block_is_the_same_without_dominated_runs_and_moves(mesh):
     """All rules on: several logical ops make each value."""
