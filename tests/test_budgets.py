@@ -160,6 +160,23 @@ def test_dropping_dominated_moves_keeps_the_cheapest_route_between_every_pair(mo
     assert _shortest(kept) == pytest.approx(_shortest(moves), rel=1e-6)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 5).flatmap(lambda n: st.lists(
+    st.one_of(st.just(math.inf), st.floats(0, 10), st.sampled_from([0.0, 1.0, 2.0])), min_size=n * n, max_size=n * n
+).map(lambda costs: (n, costs))), min_size=1, max_size=4))
+def test_dominated_moves_of_several_values_are_what_a_pairwise_search_finds(values):
+    """One min-plus product per value (its layouts' moves) drops what trying every middle class drops."""
+    moves = {(f"v{v}.{i}", f"v{v}.{j}"): costs[i * n + j]
+             for v, (n, costs) in enumerate(values) for i in range(n) for j in range(n) if i != j}
+    assert dominated_moves(moves) == _beaten_by_two_steps(moves)
+
+
+def _beaten_by_two_steps(moves: dict[tuple[str, str], float]) -> set[tuple[str, str]]:
+    classes = {c for pair in moves for c in pair}
+    return {(a, b) for (a, b), direct in moves.items() if direct < math.inf and any(
+        moves.get((a, m), math.inf) + moves.get((m, b), math.inf) < direct * (1 - 1e-9) for m in classes)}
+
+
 def _shortest(moves: dict[tuple[str, str], float]) -> dict[tuple[str, str], float]:
     """All-pairs cheapest routes (Floyd-Warshall)."""
     nodes = sorted({n for pair in moves for n in pair})

@@ -26,6 +26,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from tapestry.egraph.distributed import Interner, reshard_pairs
 from tapestry.egraph.schema import run_constructors
 from tapestry.extract import EGraph as ExtractGraph
@@ -46,25 +48,44 @@ class PricingStats:
     runs_dominated: int = 0  # left out because a kept run of the same op plus moves costs no more
 
 
+MIN_PLUS_ROWS = 64  # rows of a value's move matrix per min-plus step (rows x layouts x layouts floats)
+
+
 def dominated_moves(moves: Mapping[tuple[str, str], float]) -> set[tuple[str, str]]:
     """The moves (from class, to class) -> cost that some two-step route through a third class beats strictly.
 
     Leaving them out keeps the cheapest route between every pair: an edge of a cheapest path is never
     beaten strictly by a two-step route (that would make a cheaper path), so every cheapest path survives
     whole. A plan that used a dropped move can use the cheaper route instead, whose middle value it may even
-    share. Ties are kept (dropping both of two equal routes could drop them all)."""
-    out: dict[str, dict[str, float]] = {}
-    for (src, dst), c in moves.items():
-        if c < math.inf:
-            out.setdefault(src, {})[dst] = c
+    share. Ties are kept (dropping both of two equal routes could drop them all). Moves join the layouts of one
+    value, so each value's cheapest two-step routes are one min-plus product of its matrix of moves (a 2x2x2
+    mesh's stack has ~150 layouts of a value, 200,000 moves)."""
+    finite = [(src, dst, c) for (src, dst), c in moves.items() if c < math.inf]
+    root: dict[str, str] = {}
+
+    def find(c: str) -> str:
+        while root.setdefault(c, c) != c:
+            root[c] = c = root[root[c]]
+        return c
+
+    for src, dst, _ in finite:
+        root[find(src)] = find(dst)
+    values: dict[str, list[tuple[str, str, float]]] = {}
+    for edge in finite:
+        values.setdefault(find(edge[0]), []).append(edge)
     dropped = set()
-    for src, targets in out.items():
-        best: dict[str, float] = {}  # cheapest two-step route to each class
-        for mid, first in targets.items():
-            for dst, second in out.get(mid, {}).items():
-                if first + second < best.get(dst, math.inf):
-                    best[dst] = first + second
-        dropped.update((src, dst) for dst, direct in targets.items() if best.get(dst, math.inf) < direct * (1 - 1e-9))
+    for edges in values.values():
+        index: dict[str, int] = {}
+        rows = [index.setdefault(src, len(index)) for src, _, _ in edges]
+        columns = [index.setdefault(dst, len(index)) for _, dst, _ in edges]
+        direct = np.full((len(index), len(index)), np.inf)
+        direct[rows, columns] = [c for _, _, c in edges]
+        best = np.empty_like(direct)
+        for start in range(0, len(index), MIN_PLUS_ROWS):  # rows x layouts x layouts at a time
+            part = direct[start:start + MIN_PLUS_ROWS]
+            best[start:start + MIN_PLUS_ROWS] = (part[:, :, None] + direct[None, :, :]).min(axis=1)
+        beaten = best[rows, columns] < direct[rows, columns] * (1 - 1e-9)
+        dropped.update((src, dst) for (src, dst, _), drop in zip(edges, beaten.tolist()) if drop)
     return dropped
 
 
