@@ -411,9 +411,9 @@ def _pairs(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mappi
             for target in frontier[reader]:  # the region lies between them, children first
                 if time.perf_counter() > deadline:
                     raise _OutOfTime
-                low, high = position[target], position[reader]
-                region = frozenset(_closure(reader, below, lambda b, low=low: position[b] >= low)
-                                   & _closure(target, above, lambda b, high=high: position[b] <= high))
+                low = position[target]
+                down = _closure(reader, below, lambda b, low=low: position[b] >= low)
+                region = frozenset(_closure(target, above, down.__contains__))
                 room -= sum(size[b] for b in region)
                 if room < 0:
                     return _Pairs(tuple(pairs), members) if hops else None
