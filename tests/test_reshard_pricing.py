@@ -47,13 +47,15 @@ def oracle_can_move(src: Layout, dst: Layout) -> bool:
     if src.partial:
         return True
     held = [b for b in src.blocks if b is not None]
-    for need in (b for b in dst.blocks if b is not None):
-        missing = [need]
-        for have in held:
-            missing = [piece for m in missing for piece in box_difference(m, have)]
-        if missing:
-            return False
-    return True
+    return not any(_missing(need, held) for need in dst.blocks if need is not None)
+
+
+def _missing(need: ZRange, held: list[ZRange]) -> list[ZRange]:
+    """The boxes of `need` that no block of `held` holds."""
+    missing = [need]
+    for have in held:
+        missing = [piece for m in missing for piece in box_difference(m, have)]
+    return missing
 
 
 def _self_sufficient(src: Layout, dst: Layout, ranks: tuple[int, ...]) -> bool:
@@ -67,12 +69,7 @@ def _self_sufficient(src: Layout, dst: Layout, ranks: tuple[int, ...]) -> bool:
                 return False
             continue
         held = [b for b in (src.blocks[k] for k in ranks) if b is not None]
-        if any(h.contains(need) for h in held):
-            continue
-        missing = [need]
-        for h in held:
-            missing = [piece for m in missing for piece in box_difference(m, h)]
-        if missing:
+        if not any(h.contains(need) for h in held) and _missing(need, held):
             return False
     return True
 
