@@ -22,7 +22,15 @@ from tapestry.extract import EGraph, extract, validate
 from tapestry.extract import ilp as ilp_module
 from tapestry.extract import relax as relax_module
 from tapestry.extract.ilp import Reduced, _block, reduce
-from tapestry.extract.relax import PathCut, Relaxation, _Batch, _flows, _Lp, _pairs, relax
+from tapestry.extract.relax import (
+    PathCut,
+    Relaxation,
+    _Batch,
+    _flows,
+    _Lp,
+    _pairs,
+    relax,
+)
 from tapestry.extract.tree import solvable_tree
 from tapestry.models import transformer_stack
 from tapestry.optimizer import default_cost_model, explore

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy import sparse
-from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 # SciPy's own HiGHS: the highspy wheel's library and OR-tools' clash in one process (undefined symbols)
 from scipy.optimize._highspy import _core as highs
+from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 from tapestry.extract.egraph import EGraph
 
@@ -41,7 +41,7 @@ PROVEN = 1e-6  # a selection within this share of the bound counts as optimal
 # much (one layer: 1.15%, 0.97%, 0.97%, 0.58%, 0 above greedy-dag).
 STALL = 0.05
 # Path cuts for a block and the blocks it needs within this many steps (needs are transitively reduced): on a
-# 12-layer stack on 16 devices, 1 step took 10 rounds to the optimum, 2 steps 6, 3 steps 5.
+# 12-layer stack on 16 devices, 1 step took 10 rounds to the optimum, 2 steps 5, 3 steps 4, 4 and 5 steps 4.
 NEED_HOPS = 3
 # Path graphs may hold this many times the LP's candidate nodes in all, so that a round of separation costs
 # about what a re-solve does: on Tapestry's stacks 3 steps take 3-17 times (17 on 12 layers on 16 devices); on
@@ -145,7 +145,7 @@ class _Batch:
         miss a cut, never add one that is not violated."""
         exact = self.capacity @ values
         data = np.full(self.graph.nnz, UNBOUNDED, dtype=np.int64)
-        data[self.bounded] = np.floor(np.minimum(exact[self.row[self.bounded]], UNBOUNDED) * FLOW_UNIT)
+        data[self.bounded] = np.minimum(np.floor(exact[self.row[self.bounded]] * FLOW_UNIT), UNBOUNDED)
         data[self.feeds] = np.floor(np.clip(demands, 0.0, 1.0) * FLOW_UNIT)
         self.graph.data = data.astype(np.int32)
         residual = self.graph - maximum_flow(self.graph, 0, 1, method="dinic").flow
@@ -176,7 +176,8 @@ def relax(
     proves the incumbent optimal (within `PROVEN`), a round closes too little of the gap to it (`STALL`), or
     `deadline` passes. Each LP solution, rounded to a choice per class (its candidate of largest x, -1 for
     classes without one), is passed to `offer`, which returns the incumbent's cost (inf for none yet).
-    `block` maps each class to its block (cyclic component id, or -1 - class), `needs` is `Reduced.needs`."""
+    `block` maps each class to its block (cyclic component id, or -1 - class), `needs` is `Reduced.needs`.
+    Nothing is solved (bound 0, no cuts) when the path graphs would outgrow the LP (`PATH_NODES`)."""
     cuts: list[PathCut] = []
     rounds, stalled, productive = 0, False, False
     bound, values = 0.0, None  # the last LP solved; out of time, it and the cuts found so far still hold
@@ -200,10 +201,10 @@ def relax(
             if batches is None:
                 batches = _batches(_flows(egraph, candidates, block, pairs, lp, deadline), len(lp.cost), deadline)
             found = []
+            point = np.asarray(values)
             for batch in batches:
                 if time.perf_counter() > deadline:
                     raise _OutOfTime
-                point = np.asarray(values)
                 found += batch.separate(point, point[[lp.used[flow.reader] for flow in batch.flows]])
             if not found:
                 break
