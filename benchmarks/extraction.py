@@ -17,7 +17,7 @@ from rich.console import Console
 from _report import write_section
 from tapestry.extract import EXTRACTORS, EGraph, extract, validate
 from tapestry.extract.ilp import PORTFOLIO, RELAX_SHARE
-from tapestry.extract.relax import PATH_NODES
+from tapestry.extract.relax import PATH_SHARE
 
 GYM = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "extraction-gym"
 FOLDERS = ("tensat", "rover", "diospyros")
@@ -90,7 +90,7 @@ def markdown(rows: list[Row], time_limit: float) -> str:
         "one run per independent part of the problem, warm start from greedy-dag (greedy plus local search), "
         f"time limit {time_limit:g} s for the whole call. Before CP-SAT, an LP pass (HiGHS with path cuts, "
         f"`relax.py`: at most {RELAX_SHARE:.0%} of the limit, ended when its rounds stop closing the gap, skipped "
-        f"where its path graphs would hold over {PATH_NODES} times the LP's nodes) offers its rounded solutions "
+        f"where building its path graphs would take over {PATH_SHARE:.0%} of that) offers its rounded solutions "
         "as incumbents and adds its cuts to the model. Gap: DAG cost over the best known "
         "cost (CPLEX, 10 h cap) minus 1; `ILP gap` is the ILP's own (cost - bound) / cost, the bound CP-SAT's "
         "or the LP's, the higher. The `_acyclic` "

@@ -204,15 +204,17 @@ def test_separation_finds_a_violated_cut_exactly_where_the_max_flow_falls_short_
         assert capacity < values[lp.used[cut.reader]] - 1e-6
 
 
-def test_the_lp_pass_is_skipped_when_its_path_graphs_would_outgrow_the_lp(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_lp_pass_is_skipped_when_its_path_graphs_would_take_too_long_to_build(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     # On Tensat's bert the regions span the graph: building the path graphs took the LP pass's whole share, and
     # the LP without cuts is CP-SAT's own root LP.
     egraph = tapestry_like(3, 4, 2)
     reduced = reduce(egraph, solvable_tree(egraph))
     block = {c: _block(reduced, c) for c in reduced.candidates}
-    assert _pairs(egraph, reduced.candidates, block, reduced.needs, math.inf) is not None
-    monkeypatch.setattr(relax_module, "PATH_NODES", 0.01)
-    assert _pairs(egraph, reduced.candidates, block, reduced.needs, math.inf) is None
-    assert relax(egraph, reduced.candidates, block, reduced.needs, time.perf_counter() + 10) == Relaxation((), 0.0, 0)
+    soon = time.perf_counter() + 10
+    assert _pairs(egraph, reduced.candidates, block, reduced.needs, soon) is not None
+    monkeypatch.setattr(relax_module, "PATH_NODES_PER_SECOND", 0.01)
+    assert _pairs(egraph, reduced.candidates, block, reduced.needs, soon) is None
+    assert relax(egraph, reduced.candidates, block, reduced.needs, soon) == Relaxation((), 0.0, 0)
     selection = extract(egraph, "ilp", time_limit=10)
     assert validate(egraph, selection) == [] and selection.status == "optimal"

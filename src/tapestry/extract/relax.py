@@ -43,11 +43,14 @@ STALL = 0.05
 # Path cuts for a block and the blocks it needs within this many steps (needs are transitively reduced): on a
 # 12-layer stack on 16 devices, 1 step took 10 rounds to the optimum, 2 steps 5, 3 steps 4, 4 and 5 steps 4.
 NEED_HOPS = 3
-# Path graphs may hold this many times the LP's candidate nodes in all, so that a round of separation costs
-# about what a re-solve does: on Tapestry's stacks 3 steps take 3-17 times (17 on 12 layers on 16 devices); on
-# Tensat's bert the 1-step pairs alone take 900 times (their regions span the graph) and building them took
-# the LP pass's whole share. Without cuts the LP is CP-SAT's own root LP, so the LP pass is then skipped.
-PATH_NODES = 32
+# Path-graph nodes built per second, and the share of the LP pass's time that building them may take, so that
+# rounds (re-solves and separations) have the rest: pairs are taken a whole step at a time while they fit, and
+# the pass is skipped if the 1-step pairs do not (without cuts the LP is CP-SAT's own root LP). Built at
+# 225,000 a second on Rover's fir_8_tap_5 (1.4 million: its LP with 1-step cuts then proves the optimum in 18 s)
+# and 350,000 on 12 layers on 16 devices (350,000 at 3 steps); Tensat's bert and nasrnn need 18 and 10 million
+# at 1 step (their regions span the graph) and building them had taken the LP pass's whole share.
+PATH_NODES_PER_SECOND = 250_000
+PATH_SHARE = 0.3
 FLOW_UNIT = 2**20  # max flow runs on integer capacities: LP values in these units
 BATCH = 512  # path graphs per max flow: their demands (at most 1 each) sum to at most 2^29 units
 UNBOUNDED = 2**30  # an unbounded edge's capacity in those units: more than a batch's whole flow
@@ -177,7 +180,7 @@ def relax(
     `deadline` passes. Each LP solution, rounded to a choice per class (its candidate of largest x, -1 for
     classes without one), is passed to `offer`, which returns the incumbent's cost (inf for none yet).
     `block` maps each class to its block (cyclic component id, or -1 - class), `needs` is `Reduced.needs`.
-    Nothing is solved (bound 0, no cuts) when the path graphs would outgrow the LP (`PATH_NODES`)."""
+    Nothing is solved (bound 0, no cuts) when the path graphs would take too long to build (`PATH_SHARE`)."""
     cuts: list[PathCut] = []
     rounds, stalled, productive = 0, False, False
     bound, values = 0.0, None  # the last LP solved; out of time, it and the cuts found so far still hold
@@ -384,9 +387,9 @@ class _Pairs:
 
 def _pairs(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
            needs: Mapping[int, Sequence[int]], deadline: float) -> _Pairs | None:
-    """Every pair (B', B) with B one step of needs from B', then two, .. `NEED_HOPS`, as long as their path
-    graphs hold at most `PATH_NODES` times the candidate nodes in all (whole steps only); None when the
-    one-step pairs alone hold more. The region of (B', B): the blocks below B' and above B."""
+    """Every pair (B', B) with B one step of needs from B', then two, .. `NEED_HOPS`, while their path graphs
+    can be built in `PATH_SHARE` of the time to `deadline` (whole steps only); None when the one-step pairs
+    alone cannot. The region of (B', B): the blocks below B' and above B."""
     child_sets = egraph.child_sets
     members: dict[int, list[int]] = {}
     for c in candidates:
@@ -399,7 +402,7 @@ def _pairs(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mappi
             above[d].add(block[c])
     position = {b: i for i, b in enumerate(_children_first(below))}
     size = {b: sum(len(candidates[c]) for c in classes) for b, classes in members.items()}
-    room = PATH_NODES * sum(size.values())
+    room = PATH_NODES_PER_SECOND * PATH_SHARE * (deadline - time.perf_counter())
     readers = [b for b in needs if b in members]
     reached = {b: {b} for b in readers}  # per reader, itself and the blocks of the steps so far
     frontier = {b: {b} for b in readers}
