@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tapestry.extract import NoFiniteChoiceError, extract, ties_hold, validate
-from tests.extract_helpers import build
+from extract_helpers import build
 
 # w is placed in layout A or B (or moved between them); y reads it; w's update `new` is delivered in A or B.
 # Unconstrained, w sits in A (cheap to read) and its update comes out in B (cheap to make): cost 2.
