@@ -74,7 +74,8 @@ def test_at_any_time_limit_the_ilp_bound_is_below_the_optimum_and_the_ilp_not_wo
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(egraphs())
 def test_greedy_dag_stopped_by_a_deadline_is_still_a_valid_selection(egraph: EGraph) -> None:
-    """The ILP's warm start stops at its share of the time limit (a deadline already past: nothing searched)."""
+    """The ILP's warm start stops its local search at its share of the time limit (a deadline already past: the
+    greedy choice alone)."""
     if math.isinf(brute_force(egraph)):
         return
     tree = solvable_tree(egraph)

@@ -5,8 +5,9 @@ increasing DAG cost (as in `tree.py`), so every node is priced once, when its la
 child class is finalized, and a chosen node only points at earlier classes. The
 search stops as soon as every root is finalized. A local search (`improve`) then
 re-chooses one class at a time while that lowers the DAG cost of the whole selection.
-With a `deadline` (as the ILP's warm start has) both stop when it passes: classes the search
-did not finalize take the tree choice, and the local search keeps the moves made so far.
+With a `deadline` (as the ILP's warm start has) the local search stops when it passes, keeping the moves
+made so far; the greedy search always finishes: stopped, it left classes to the tree choice, which recomputes
+what the DAG shares (a 2x2x2 mesh's 24- and 48-layer stacks came out 3.2x and 5.5x dearer than greedy-dag).
 """
 from __future__ import annotations
 
@@ -20,12 +21,11 @@ from tapestry.extract.structure import cyclic_components
 from tapestry.extract.tree import TreeChoice, solvable_tree
 
 
-CHECK_EVERY = 4096  # heap pops or classes between looks at the clock
+CHECK_EVERY = 4096  # classes the local search tries between looks at the clock
 
 
-def greedy_choice(egraph: EGraph, deadline: float = math.inf) -> list[int]:
-    """Per class, the node with the cheapest DAG given already-finalized children (-1 if never reached, or not
-    reached by `deadline`, a perf_counter time)."""
+def greedy_choice(egraph: EGraph) -> list[int]:
+    """Per class, the node with the cheapest DAG given already-finalized children (-1 if never reached)."""
     costs = egraph.node_cost
     child_sets, node_class, parents = egraph.child_sets, egraph.node_class, egraph.parents
     best = [-1] * egraph.num_classes
@@ -47,11 +47,7 @@ def greedy_choice(egraph: EGraph, deadline: float = math.inf) -> list[int]:
     heap = [(costs[n], n) for n in range(egraph.num_nodes) if pending[n] == 0 and egraph.selectable(n)]
     heapq.heapify(heap)
     waiting = set(egraph.roots)
-    popped = 0
     while heap and waiting:
-        popped += 1
-        if popped % CHECK_EVERY == 0 and time.perf_counter() > deadline:
-            break
         _, n = heapq.heappop(heap)
         c = node_class[n]
         if best[c] >= 0:
@@ -185,9 +181,9 @@ def improve(egraph: EGraph, choice: list[int], tree: TreeChoice, deadline: float
 
 
 def greedy_dag_choice(egraph: EGraph, tree: TreeChoice, deadline: float = math.inf) -> list[int]:
-    """Greedy DAG choice made acyclic, then locally improved, each until `deadline`; a node for every class (tree
+    """Greedy DAG choice made acyclic, then locally improved until `deadline`; a node for every class (tree
     choice if unreached)."""
-    greedy = greedy_choice(egraph, deadline)
+    greedy = greedy_choice(egraph)
     start = finalize(egraph, greedy, tree, "greedy-dag", 0.0).choice
     full = [start.get(c, g if g >= 0 else t) for c, (g, t) in enumerate(zip(greedy, tree.node))]
     return improve(egraph, full, tree, deadline)

@@ -76,8 +76,9 @@ MIN_COST = 1e-12  # floor for the scale denominator: subnormal costs must not ma
 # bound needs no CP-SAT, and `relax.STALL` ends a pass whose rounds stop closing the gap: on 12 layers on 16
 # devices the LP proves in 8 s the optimum CP-SAT alone proves in 67 s (at 0.6 it stopped 1 round short).
 RELAX_SHARE = 0.9
-# Of the time limit, the most the greedy warm start may take: on a 2x2x2 mesh's 12-layer stack (2 million nodes)
-# greedy-dag alone took longer than a 10 s limit; stopped, it is still a valid selection (greedy_dag.py).
+# Of the time limit, the most the greedy warm start's local search may take (the greedy search itself always
+# finishes: greedy_dag.py): on a 2x2x2 mesh's 12-layer stack (2 million nodes) greedy-dag with its local search
+# took longer than a 10 s limit.
 WARM_SHARE = 0.3
 # Nodes the ILP can reduce and model per second of its time limit: past it, only the warm start comes back. On
 # 2x4 (162,000 nodes) and 2x2x2 meshes (285,000 and more) a 10 s limit never let CP-SAT better or bound the
