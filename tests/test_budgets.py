@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import time
 
@@ -14,6 +15,7 @@ from tapestry.egraph.driver import Budget, saturate
 from tapestry.egraph.generate import Generator
 from tapestry.egraph.rules import BUILTIN_DIR, load_rules
 from tapestry.egraph.session import Session
+from tapestry.extract import EGraph as ExtractGraph
 from tapestry.extract import extract
 from tapestry.models import mlp
 from tapestry.optimizer import default_cost_model, optimize
@@ -197,3 +199,17 @@ def test_plans_without_dominated_moves_cost_what_the_optimum_costs(graph, mesh):
     assert decoder.pricing.reshards_dominated > 0
     assert every.status == lean.status == "optimal"
     assert lean.dag_cost == pytest.approx(every.dag_cost, rel=1e-9)
+
+
+@pytest.mark.parametrize("drop_dominated", [False, True])
+def test_the_extraction_graph_is_what_tapestry_extract_reads_from_the_json(drop_dominated):
+    """`extraction_graph` skips the JSON round trip, and makes the same graph: nodes, classes, costs, roots."""
+    graph = mlp(2, 64, 64)
+    gen, _, _ = saturate(graph, Mesh(2, 2), load_rules([BUILTIN_DIR / "fusion.egg"]))
+    nodes, roots, _, _ = distributed_nodes(gen.session.serialize(), gen.interner)
+    decoder = Decoder(nodes, gen.interner, gen.mesh, {n.name: n.dtype for n in graph.inputs})
+    direct = decoder.extraction_graph(roots, default_cost_model(), drop_dominated=drop_dominated)
+    read = ExtractGraph.from_json(json.loads(json.dumps(
+        decoder.serialized(roots, default_cost_model(), drop_dominated=drop_dominated))))
+    assert direct == read and direct.node_cost == read.node_cost
+    assert (math.inf in direct.node_cost) == drop_dominated  # what pruning left out is there, unselectable
