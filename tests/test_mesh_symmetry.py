@@ -17,7 +17,7 @@ from tapestry.cost.profile import Link
 from tapestry.plan.plan import Reshard
 from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.comm import CommError
-from tapestry.sharding.symmetry import axis_permutations, permuted
+from tapestry.sharding.symmetry import permuted, relabellings
 
 MESHES = [Mesh(4), Mesh(2, 2), Mesh(2, 4), Mesh(3, 3), Mesh(2, 2, 2), Mesh(1, 2, 2), Mesh(2, 2, 4)]
 PROFILES = [load_profile(name) for name in ("cpu-gloo", "gpu-h100-nccl")]
@@ -29,38 +29,22 @@ def always(a: int, b: int) -> bool:
 
 @pytest.mark.parametrize("mesh", MESHES, ids=str)
 def test_each_permutation_of_equal_axes_maps_fibres_onto_fibres(mesh: Mesh) -> None:
-    permutations = axis_permutations(mesh, always)
+    found = relabellings(mesh, always)
     expected = math.prod(math.factorial(list(mesh.shape).count(size)) for size in set(mesh.shape))
-    assert len(permutations) == expected and permutations[0] == tuple(mesh.devices)
-    for permutation in permutations:
-        assert sorted(permutation) == list(mesh.devices)
-        image_axes = _axis_map(mesh, permutation)
+    assert len(found) == expected and found[0].devices == tuple(mesh.devices)
+    for relabelling in found:
+        assert sorted(relabelling.devices) == list(mesh.devices)
         for n in range(mesh.ndim + 1):
             for axes in itertools.combinations(range(mesh.ndim), n):
-                fibres = {tuple(sorted(permutation[d] for d in fibre)) for fibre in mesh.fibres(axes)}
-                assert fibres == set(mesh.fibres(tuple(sorted(image_axes[a] for a in axes))))
-
-
-def _axis_map(mesh: Mesh, permutation: tuple[int, ...]) -> dict[int, int]:
-    """Which axis each axis went to: the one along which the image of a step along it moves."""
-    found = {}
-    for a in range(mesh.ndim):
-        step = [0] * mesh.ndim
-        step[a] = 1 if mesh.shape[a] > 1 else 0
-        moved = mesh.coords(permutation[_index(mesh, step)])
-        found[a] = next((b for b, c in enumerate(moved) if c), a)
-    return found
-
-
-def _index(mesh: Mesh, coords: list[int]) -> int:
-    return next(d for d in mesh.devices if list(mesh.coords(d)) == coords)
+                fibres = {tuple(sorted(relabelling.devices[d] for d in fibre)) for fibre in mesh.fibres(axes)}
+                assert fibres == set(mesh.fibres(tuple(sorted(relabelling.axes[a] for a in axes))))
 
 
 def test_axes_with_different_links_are_not_swapped() -> None:
     fast, slow = Link(1e-6, 1e11), Link(1e-5, 1e10)
-    assert len(comm._orbit_prices((fast, slow), Mesh(2, 2))[0].permutations) == 1
-    assert len(comm._orbit_prices((fast, fast), Mesh(2, 2))[0].permutations) == 2
-    assert len(comm._orbit_prices((fast,), Mesh(2, 2, 2))[0].permutations) == 6
+    assert len(comm._orbit_prices((fast, slow), Mesh(2, 2))[0].relabellings) == 1
+    assert len(comm._orbit_prices((fast, fast), Mesh(2, 2))[0].relabellings) == 2
+    assert len(comm._orbit_prices((fast,), Mesh(2, 2, 2))[0].relabellings) == 6
 
 
 @st.composite
@@ -121,5 +105,5 @@ def _raw(model: AlphaBeta, step: Reshard, mesh: Mesh) -> float | type[CommError]
 
 
 def _images(step: Reshard, mesh: Mesh) -> list[Reshard]:
-    return [Reshard("y", "x", step.shape, permuted(step.src_layout, p), permuted(step.layout, p), step.dtype)
-            for p in axis_permutations(mesh, always)]
+    return [Reshard("y", "x", step.shape, permuted(step.src_layout, r.devices), permuted(step.layout, r.devices),
+                    step.dtype) for r in relabellings(mesh, always)]

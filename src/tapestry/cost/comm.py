@@ -32,7 +32,7 @@ from tapestry.plan.plan import Reshard, Step
 from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.collectives import Group, classify_reshard, local_layouts, reshard_groups
 from tapestry.sharding.comm import received_counts
-from tapestry.sharding.symmetry import Symmetries, axis_permutations
+from tapestry.sharding.symmetry import Symmetries, relabellings
 
 # collective: p -> (alpha terms, fraction of the n-byte buffer crossing each device's link)
 RING: dict[str, Callable[[int], tuple[int, float]]] = {
@@ -99,7 +99,7 @@ def _orbit_prices(links: tuple[Link, ...], mesh: Mesh) -> tuple[Symmetries, dict
     def alike(a: int, b: int) -> bool:  # a profile with too few links fails later, in Profile.link
         return len(links) == 1 or max(a, b) < len(links) and links[a] == links[b]
 
-    return Symmetries(mesh, axis_permutations(mesh, alike)), {}
+    return Symmetries(mesh, relabellings(mesh, alike)), {}
 
 
 def _largest_block(layout: Layout) -> int:

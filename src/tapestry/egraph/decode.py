@@ -52,28 +52,19 @@ class PricingStats:
 MIN_PLUS_ROWS = 64  # rows of a value's move matrix per min-plus step (rows x layouts x layouts floats)
 
 
-def dominated_moves(moves: Mapping[tuple[str, str], float]) -> set[tuple[str, str]]:
+def dominated_moves(moves: Mapping[tuple[str, str], float], value: Mapping[str, str]) -> set[tuple[str, str]]:
     """The moves (from class, to class) -> cost that some two-step route through a third class beats strictly.
 
     Leaving them out keeps the cheapest route between every pair: an edge of a cheapest path is never
     beaten strictly by a two-step route (that would make a cheaper path), so every cheapest path survives
     whole. A plan that used a dropped move can use the cheaper route instead, whose middle value it may even
     share. Ties are kept (dropping both of two equal routes could drop them all). Moves join the layouts of one
-    value, so each value's cheapest two-step routes are one min-plus product of its matrix of moves (a 2x2x2
-    mesh's stack has ~150 layouts of a value, 200,000 moves)."""
-    finite = [(src, dst, c) for (src, dst), c in moves.items() if c < math.inf]
-    root: dict[str, str] = {}
-
-    def find(c: str) -> str:
-        while root.setdefault(c, c) != c:
-            root[c] = c = root[root[c]]
-        return c
-
-    for src, dst, _ in finite:
-        root[find(src)] = find(dst)
+    value (`value`: each class's), so each value's cheapest two-step routes are one min-plus product of its
+    matrix of moves (a 2x2x2 mesh's stack has ~150 layouts of a value, 200,000 moves)."""
     values: dict[str, list[tuple[str, str, float]]] = {}
-    for edge in finite:
-        values.setdefault(find(edge[0]), []).append(edge)
+    for (src, dst), c in moves.items():
+        if c < math.inf:
+            values.setdefault(value[dst], []).append((src, dst, c))
     dropped = set()
     for edges in values.values():
         index: dict[str, int] = {}
@@ -220,7 +211,7 @@ class Decoder:
         self.class_value = {n.eclass: n.value for n in nodes if n.value}
         self.class_dtype = self._dtypes(input_dtypes)
         self.static_classes = self._static_classes(fixed_inputs)
-        self.pricing: PricingStats | None = None  # of the last `serialized`
+        self.pricing: PricingStats | None = None  # of the last `priced`
 
     def _static_classes(self, fixed_inputs: frozenset[str]) -> frozenset[str]:
         """The distributed classes some node computes from static inputs and constants alone (`Graph.fixed`):
@@ -307,7 +298,7 @@ class Decoder:
         moves = {(n.children[0], n.eclass): i for i, n in enumerate(self.nodes) if n.op == "Reshard"}
         dropped, runs = set(), set()
         if drop_dominated:
-            dropped = dominated_moves({pair: costs[i] for pair, i in moves.items()})
+            dropped = dominated_moves({pair: costs[i] for pair, i in moves.items()}, self.class_value)
             for pair in dropped:
                 costs[moves[pair]] = math.inf
             runs = dominated_runs(self._ops(costs), {pair: costs[i] for pair, i in moves.items()})  # less `dropped`

@@ -11,7 +11,6 @@ relabellings, a 2x2 mesh two, a 2x4 or 1-D mesh only the identity.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,21 +21,28 @@ from tapestry.sharding.mesh import Mesh
 Permutation = tuple[int, ...]  # device -> its image
 
 
-def axis_permutations(mesh: Mesh, alike: Callable[[int, int], bool]) -> tuple[Permutation, ...]:
-    """The device permutations made by permuting axes onto axes of the same size that `alike` accepts (their
-    links are equal), the identity first."""
-    found: list[Permutation] = []
-    for order in itertools.permutations(range(mesh.ndim)):  # axis a goes to axis order[a]
+@dataclass(frozen=True)
+class Relabelling:
+    """A permutation of mesh axes (axis a goes to `axes[a]`) and the device permutation it makes."""
+
+    axes: tuple[int, ...]
+    devices: Permutation
+
+
+def relabellings(mesh: Mesh, alike: Callable[[int, int], bool]) -> tuple[Relabelling, ...]:
+    """The permutations of axes onto axes of the same size that `alike` accepts (their links are equal), the
+    identity first."""
+    found: list[Relabelling] = []
+    for order in itertools.permutations(range(mesh.ndim)):
         if any(mesh.shape[a] != mesh.shape[b] or (a != b and not alike(a, b)) for a, b in enumerate(order)):
             continue
         image = []
         for device in mesh.devices:
-            coords = mesh.coords(device)
             moved = [0] * mesh.ndim
-            for a, b in enumerate(order):
-                moved[b] = coords[a]
+            for a, c in enumerate(mesh.coords(device)):
+                moved[order[a]] = c
             image.append(_device(mesh, moved))
-        found.append(tuple(image))
+        found.append(Relabelling(order, tuple(image)))
     return tuple(found)
 
 
@@ -61,7 +67,7 @@ class Symmetries:
     the same few thousand layouts many times)."""
 
     mesh: Mesh
-    permutations: tuple[Permutation, ...]
+    relabellings: tuple[Relabelling, ...]
     _images: dict[tuple[Layout, Shape], dict[int, Layout]] = field(default_factory=dict, repr=False, compare=False)
 
     def pair_images(self, src: Layout, dst: Layout, shape: Shape) -> list[tuple[Layout, Layout]]:
@@ -74,31 +80,24 @@ class Symmetries:
         key = (layout, shape)
         found = self._images.get(key)
         if found is None:
-            found = {i: permuted(layout, self.permutations[i])
-                     for i in kept_splits(layout, shape, self.mesh, self.permutations)}
+            found = {i: permuted(layout, self.relabellings[i].devices)
+                     for i in kept_splits(layout, shape, self.mesh, self.relabellings)}
             found[0] = layout
             self._images[key] = found
         return found
 
 
-def kept_splits(layout: Layout, shape: Shape, mesh: Mesh, permutations: tuple[Permutation, ...]) -> list[int]:
+def kept_splits(layout: Layout, shape: Shape, mesh: Mesh, relabellings: tuple[Relabelling, ...]) -> list[int]:
     """The relabellings that map `layout`, an even split of dims over axes (`Layout.split`, partial or not), to
     the split of the same dims over the image axes: those that keep the order of the axes that split one dim (the
     lower axis is major). On other layouts (uneven, factored blocks) the alpha-beta model breaks ties by device
     order, so none but the identity."""
     name = Layout(layout.blocks).name(shape, mesh)
     if name == "R":
-        return list(range(len(permutations)))
+        return list(range(len(relabellings)))
     if not name.startswith("S("):
         return [0]
     dims = name[2:-1].split(",")
     groups = [[a for a, d in enumerate(dims) if d == dim and mesh.shape[a] > 1] for dim in set(dims) - {"·"}]
-    return [i for i, p in enumerate(permutations)
-            if all(_axis_image(mesh, p, a) < _axis_image(mesh, p, b) for axes in groups for a, b in zip(axes, axes[1:]))]
-
-
-def _axis_image(mesh: Mesh, permutation: Permutation, axis: int) -> int:
-    """The axis that `permutation` moves `axis` to: where a step along `axis` from device 0 lands."""
-    stride = math.prod(mesh.shape[axis + 1:])
-    moved = mesh.coords(permutation[stride])
-    return next((b for b, c in enumerate(moved) if c), axis)
+    return [i for i, r in enumerate(relabellings)
+            if all(r.axes[a] < r.axes[b] for axes in groups for a, b in zip(axes, axes[1:]))]
