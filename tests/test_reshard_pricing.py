@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from tapestry.cost.comm import moves
 from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.collectives import Collective, Group, reshard_groups
+from tapestry.sharding.collectives import _classify as collective_of
 from tapestry.sharding.comm import CommError, box_difference, can_move, overlap, received_counts, transfers
 from tapestry.zspace import ZRange
 
@@ -97,22 +98,9 @@ def _group(src: Layout, dst: Layout, mesh: Mesh, axes: tuple[int, ...], ranks: t
 
 
 def _classify(src: Layout, dst: Layout, shape: tuple[int, ...], mesh: Mesh) -> Collective:
-    if not transfers(src, dst):
-        return Collective.NOOP
-    target = _family(dst, shape, mesh)
-    if src.partial:
-        return {"R": Collective.ALL_REDUCE, "S": Collective.REDUCE_SCATTER}.get(target, Collective.SEND_RECV)
-    if target == "R":
-        return Collective.ALL_GATHER
-    if target == "S" and _family(src, shape, mesh) == "S":
-        keeps = all(s is None or (d is not None and d.contains(s)) for s, d in zip(src.blocks, dst.blocks))
-        return Collective.ALL_GATHER if keeps else Collective.ALL_TO_ALL
-    return Collective.SEND_RECV
-
-
-def _family(layout: Layout, shape: tuple[int, ...], mesh: Mesh) -> str:
-    name = Layout(layout.blocks).name(shape, mesh)
-    return "S" if name.startswith("S(") else name
+    """As before the fast path: planned moves decide whether the group moves anything; naming the collective of
+    one that does is the same code then and now (collectives._classify)."""
+    return collective_of(src, dst, shape, mesh) if transfers(src, dst) else Collective.NOOP
 
 
 # -- random layout pairs ---------------------------------------------------------------------------------------
