@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from tapestry.extract import EGraph, Node
+from tapestry.extract import EGraph, Node, Repeated
 
 GYM = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "extraction-gym"
 
@@ -81,3 +81,29 @@ def layered(values: int, layouts: int, seed: int = 0) -> EGraph:
             spec[f"v{v}.{lay}"] = options
     spec["out"] = [(0.0, [f"v{values - 1}.{lay}"]) for lay in range(layouts)]
     return build(spec, roots=["out"])
+
+
+def stacked(blocks: int, per: int, layouts: int, seed: int = 0) -> tuple[EGraph, Repeated]:
+    """`blocks` identical copies of a block of `per` values in the style of `layered` (each value in `layouts`
+    layout classes joined by reshards, runs reading the value before and maybe the one before that), after a
+    placed input; and the copies, aligned, as `tapestry.egraph.repeat` would find them. Position j of every
+    block draws its costs and reads from `seed` and j alone, and names its ops by position, so blocks are alike."""
+    nodes = [Node(f"v0.{lay}", "place", f"v0.{lay}", 0.0) for lay in range(layouts)]
+    for j in range(per):
+        rng = random.Random(f"{seed}.{j}")
+        runs = [(rng.uniform(1.0, 4.0), [rng.randrange(layouts) for _ in range(2 if j and rng.random() < 0.5 else 1)],
+                 rng.randrange(layouts)) for _ in range(2 * layouts)]
+        moves = [(rng.uniform(0.1, 1.5), src, dst) for src in range(layouts) for dst in range(layouts) if src != dst]
+        for b in range(blocks):
+            v = 1 + b * per + j
+            nodes += [Node(f"v{v}.run{i}", f"run{j}.{i}", f"v{v}.{out}", cost,
+                           tuple(f"v{v - 1 - k}.{r}" for k, r in enumerate(reads)))
+                      for i, (cost, reads, out) in enumerate(runs)]
+            nodes += [Node(f"v{v}.move{src}.{dst}", "move", f"v{v}.{dst}", cost, (f"v{v}.{src}",))
+                      for cost, src, dst in moves]
+    last = blocks * per
+    nodes += [Node(f"out.{lay}", "deliver", "out", 0.0, (f"v{last}.{lay}",)) for lay in range(layouts)]
+    copies = tuple(tuple(f"v{1 + b * per + j}.{lay}" for j in range(per) for lay in range(layouts))
+                   for b in range(blocks))
+    entry = {f"v0.{lay}": f"v{per}.{lay}" for lay in range(layouts)}
+    return EGraph.from_nodes(nodes, ["out"]), Repeated(copies, entry)

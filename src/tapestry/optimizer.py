@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +28,12 @@ from tapestry.cost.memory import lean_order
 from tapestry.cost.overlap import forward_outputs, overlap, upstream
 from tapestry.egraph.decode import Decoder, DNode, distributed_nodes
 from tapestry.egraph.driver import Budget, IterationStats, SaturationStats, saturate
+from tapestry.egraph.repeat import find_repetition
 from tapestry.egraph.rules import RuleFile, load_rules
 from tapestry.extract import (
     DeviceBudget,
     NoFiniteChoiceError,
+    Repeated,
     Selection,
     Ties,
     extract,
@@ -101,6 +104,11 @@ class Explored:
     rule_files: tuple[RuleFile, ...]
     data: dict[str, Any] = field(repr=False)
     pricing_seconds: float = math.inf  # what the saturation budget left for pricing (Decoder.serialized)
+
+    @cached_property
+    def repeated(self) -> Repeated | None:
+        """The stack of identical layers, if any, for the ILP's periodic warm start (egraph.repeat)."""
+        return find_repetition(self.decoder, list(self.roots))
 
     def extract(self, cost_model: CostModel | None = None, extractor: str = "ilp", time_limit: float = 10.0,
                 memory_budget: int | None = None, outputs: Outputs = "any",
@@ -218,7 +226,7 @@ class Explored:
     def _select(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget: DeviceBudget | None,
                 ties: Ties, carried: Mapping[str, str]) -> Selection:
         if not ties or extractor == "ilp":
-            return extract(egraph, extractor, time_limit, budget, ties)
+            return extract(egraph, extractor, time_limit, budget, ties, self.repeated)
         free = extract(egraph, extractor, time_limit, budget)
         selection = extract(self._pin_layouts(egraph, free, carried), extractor, time_limit, budget)
         if not ties_hold(selection.choice, ties):

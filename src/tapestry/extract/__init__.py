@@ -14,6 +14,7 @@ from tapestry.extract.bottom_up import extract_bottom_up
 from tapestry.extract.egraph import EGraph, EGraphError, Node, NoFiniteChoiceError
 from tapestry.extract.greedy_dag import extract_greedy_dag
 from tapestry.extract.ilp import DeviceBudget, Ties, extract_ilp, ties_hold
+from tapestry.extract.periodic import Repeated
 from tapestry.extract.selection import Selection
 from tapestry.extract.validate import validate
 
@@ -25,14 +26,17 @@ EXTRACTORS: dict[str, Callable[[EGraph, float], Selection]] = {
 
 
 def extract(egraph: EGraph, extractor: str = "ilp", time_limit: float = 60.0,
-            budget: DeviceBudget | None = None, ties: Ties = ()) -> Selection:
+            budget: DeviceBudget | None = None, ties: Ties = (), repeated: Repeated | None = None) -> Selection:
     """One entry point so callers pick an extractor by name; `time_limit` only bounds the ILP, and only the ILP
-    takes a `budget` or `ties` (the others choose node by node, blind to a constraint over the whole selection)."""
+    takes a `budget` or `ties` (the others choose node by node, blind to a constraint over the whole selection)
+    or uses `repeated` (a periodic warm start)."""
     if budget is not None or ties:
         if extractor != "ilp":
             what = "a memory budget" if budget is not None else "tied nodes"
             raise ValueError(f"extractor {extractor!r} cannot keep {what}; use 'ilp'")
         return extract_ilp(egraph, time_limit, budget=budget, ties=ties)
+    if extractor == "ilp":
+        return extract_ilp(egraph, time_limit, repeated=repeated)
     try:
         run = EXTRACTORS[extractor]
     except KeyError:
@@ -47,6 +51,7 @@ __all__ = [
     "EXTRACTORS",
     "Node",
     "NoFiniteChoiceError",
+    "Repeated",
     "Selection",
     "Ties",
     "extract",

@@ -55,6 +55,7 @@ from ortools.sat.python import cp_model
 
 from tapestry.extract.egraph import EGraph, NoFiniteChoiceError
 from tapestry.extract.greedy_dag import greedy_dag_choice
+from tapestry.extract.periodic import Repeated, periodic_choice
 from tapestry.extract.relax import PROVEN, PathCut, relax
 from tapestry.extract.selection import Selection, children_first, finalize
 from tapestry.extract.structure import strongly_connected_components
@@ -80,6 +81,8 @@ RELAX_SHARE = 0.9
 # finishes: greedy_dag.py): on a 2x2x2 mesh's 12-layer stack (2 million nodes) greedy-dag with its local search
 # took longer than a 10 s limit.
 WARM_SHARE = 0.3
+# Of the time limit, the most the periodic warm start (periodic.py) may take, the greedy search's time included.
+PERIODIC_SHARE = 0.5
 # Nodes the ILP can reduce and model per second of its time limit: past it, only the warm start comes back. On
 # 2x4 (162,000 nodes) and 2x2x2 meshes (285,000 and more) a 10 s limit never let CP-SAT better or bound the
 # warm start (docs/benchmarks.md, Saturation: gap 1.0), and reducing a 2x2x2 12-layer graph (820,000 nodes)
@@ -262,15 +265,18 @@ def undominate(egraph: EGraph, choice: Sequence[int], reduced: Reduced) -> list[
 
 
 def extract_ilp(egraph: EGraph, time_limit: float = 60.0,
-                budget: DeviceBudget | None = None, ties: Ties = ()) -> Selection:
+                budget: DeviceBudget | None = None, ties: Ties = (), repeated: Repeated | None = None) -> Selection:
     """Best selection CP-SAT finds within `time_limit` seconds; never worse than the greedy warm start.
     Under `budget` and `ties`, the best that satisfies them; NoFiniteChoiceError if none does.
-    CP-SAT runs the `PORTFOLIO` workers.
+    CP-SAT runs the `PORTFOLIO` workers. With `repeated` (and no budget or ties), the best periodic selection
+    (`periodic.py`, solved in PERIODIC_SHARE of the limit) is a second warm start, kept if it is cheaper.
     """
     started = time.perf_counter()
     deadline = started + (1 - RESERVE) * time_limit
     tree = solvable_tree(egraph)
     greedy = greedy_dag_choice(egraph, tree, started + WARM_SHARE * time_limit)
+    if repeated is not None and budget is None and not ties:
+        greedy = _cheaper(egraph, tree, greedy, _periodic(egraph, repeated, started + PERIODIC_SHARE * time_limit))
 
     def admissible(selection: Selection) -> bool:
         return (budget is None or budget.fits(selection.choice)) and ties_hold(selection.choice, ties)
@@ -311,6 +317,30 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0,
         raise NoFiniteChoiceError(f"no selection keeps {asked}" if bound == math.inf
                                   else f"the solver found no selection that keeps {asked} in time")
     return _result(best, proven, max(bound, lp_bound), started)
+
+
+def _periodic(egraph: EGraph, repeated: Repeated, deadline: float) -> list[int] | None:
+    """The periodic warm start, or None when there is no time, no period to fold, or no periodic selection."""
+    def solve(graph: EGraph, seconds: float, ties: Ties) -> Selection:
+        return extract_ilp(graph, seconds, ties=ties)
+
+    seconds = deadline - time.perf_counter()
+    if seconds <= 0:
+        return None
+    try:
+        return periodic_choice(egraph, repeated, solve, seconds, MODEL_NODES_PER_SECOND * seconds)
+    except NoFiniteChoiceError:  # the solver found no periodic selection in time
+        return None
+
+
+def _cheaper(egraph: EGraph, tree: TreeChoice, choice: list[int], other: list[int] | None) -> list[int]:
+    """Of two choices per class, the one whose finalized selection costs less (`choice` on a tie)."""
+    if other is None:
+        return choice
+    a, b = (finalize(egraph, c, tree, "ilp", 0.0) for c in (choice, other))
+    if b.dag_cost >= a.dag_cost:
+        return choice
+    return [b.choice.get(c, -1) for c in range(egraph.num_classes)]
 
 
 def _result(best: Selection, proven: bool, bound: float, started: float) -> Selection:

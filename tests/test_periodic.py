@@ -1,0 +1,107 @@
+"""A repeated block's extraction is solved once and reused: the layers of a stack are found in the e-graph
+(egraph.repeat), the stack is folded to two tied copies and solved (extract.periodic), and the solution, copied
+onto every layer, is a warm start the ILP keeps when it is cheaper."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extract_helpers import brute_force, stacked
+from tapestry.extract import EGraph, Node, Repeated, Selection, extract_greedy_dag, extract_ilp, validate
+from tapestry.extract.periodic import periodic_choice
+from tapestry.extract.selection import finalize
+from tapestry.extract.tree import solvable_tree
+from tapestry.models import transformer_stack
+from tapestry.optimizer import default_cost_model, explore
+
+
+def solved_periodically(egraph: EGraph, repeated: Repeated) -> Selection:
+    """The whole e-graph's selection made from the folded problem's."""
+    choice = periodic_choice(egraph, repeated, lambda graph, seconds, ties: extract_ilp(graph, seconds, ties=ties),
+                             10.0)
+    assert choice is not None
+    return finalize(egraph, choice, solvable_tree(egraph), "periodic", 0.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(blocks=st.integers(3, 5), per=st.integers(1, 3), layouts=st.integers(2, 3), seed=st.integers(0, 10**6))
+def test_one_solved_block_is_reused_in_every_copy_and_the_plan_is_valid(blocks, per, layouts, seed):
+    egraph, repeated = stacked(blocks, per, layouts, seed)
+    tiled = solved_periodically(egraph, repeated)
+    assert not validate(egraph, tiled)
+    index = {c: i for i, c in enumerate(egraph.class_ids)}
+    ops = [[egraph.node_ops[tiled.choice[index[c]]] if index[c] in tiled.choice else None for c in copy]
+           for copy in repeated.copies]
+    assert all(middle == ops[1] for middle in ops[1:-1])  # the last copy may leave out what nothing reads
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10**6))
+def test_the_tiled_plan_is_a_plan_so_no_cheaper_than_the_optimum(seed):
+    egraph, repeated = stacked(3, 1, 2, seed)  # 3^9 selections for the brute force
+    assert solved_periodically(egraph, repeated).dag_cost >= brute_force(egraph) - 1e-9
+
+
+@pytest.mark.parametrize("layers, best", [(3, "slow"), (5, "fast")])
+def test_copy_one_stands_for_every_later_copy(layers, best):
+    """A layout that costs 3.5 to reach once and then saves 1 per layer pays off from four layers on: the fold
+    must count copy 1 once per later copy to see it."""
+    nodes = [Node("place", "place", "x.slow", 0.0), Node("setup", "move", "x.fast", 3.5, ("x.slow",))]
+    for v in range(1, layers + 1):
+        nodes += [Node(f"{kind}{v}", kind, f"v{v}.{kind}", cost, (f"{'x' if v == 1 else f'v{v - 1}'}.{kind}",))
+                  for kind, cost in (("slow", 2.0), ("fast", 1.0))]
+    nodes += [Node(f"out.{kind}", "deliver", "out", 0.0, (f"v{layers}.{kind}",)) for kind in ("slow", "fast")]
+    egraph = EGraph.from_nodes(nodes, ["out"])
+    repeated = Repeated(tuple((f"v{v}.slow", f"v{v}.fast") for v in range(1, layers + 1)),
+                        {"x.slow": "v1.slow", "x.fast": "v1.fast"})
+    tiled = solved_periodically(egraph, repeated)
+    assert tiled.dag_cost == pytest.approx(brute_force(egraph))
+    assert {egraph.node_ops[n] for n in tiled.choice.values()} >= {best}
+
+
+@settings(max_examples=30, deadline=None)
+@given(blocks=st.integers(3, 5), per=st.integers(1, 3), seed=st.integers(0, 10**6), shuffle=st.integers(0, 10**6))
+def test_wrong_copies_never_make_the_ilp_worse_or_invalid(blocks, per, seed, shuffle):
+    """A proposal that pairs the wrong classes (shuffled within copies, entries crossed) is only a poor warm
+    start: the ILP's selection stays valid and no dearer than greedy-dag's."""
+    egraph, repeated = stacked(blocks, per, 2, seed)
+    rng = random.Random(shuffle)
+    copies = [list(copy) for copy in repeated.copies]
+    for copy in copies[1:]:
+        rng.shuffle(copy)
+    wrong = Repeated(tuple(map(tuple, copies)), dict(zip(repeated.entry, reversed(list(repeated.entry.values())))))
+    selection = extract_ilp(egraph, 5.0, repeated=wrong)
+    assert not validate(egraph, selection)
+    assert selection.dag_cost <= extract_greedy_dag(egraph).dag_cost + 1e-9
+
+
+def test_finds_the_layers_of_a_transformer_stack():
+    explored = explore(transformer_stack(5, 2, 16, 32, 2), 2)
+    repeated = explored.repeated
+    assert repeated is not None and len(repeated.copies) == 4  # the first layer reads the placed input
+    layout, value = explored.decoder.class_layout, explored.decoder.class_value
+    for column in zip(*repeated.copies):
+        assert len({layout[c] for c in column}) == 1
+        assert len({value[c] for c in column}) == len(column)
+    inside = {c for copy in repeated.copies for c in copy}
+    assert repeated.entry and all(a not in inside and b in repeated.copies[0] for a, b in repeated.entry.items())
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_too_few_layers_to_fold(layers):
+    assert explore(transformer_stack(layers, 2, 16, 32, 2), 2).repeated is None
+
+
+def test_the_periodic_plan_of_a_stack_beats_greedy_and_is_the_optimum():
+    """On 4 devices, greedy-dag's choices per layer differ from the best; the folded problem finds the best
+    layer once, and the ILP proves that copying it is optimal."""
+    explored = explore(transformer_stack(4, 2, 64, 256, 4), 4)
+    egraph = explored.decoder.extraction_graph(list(explored.roots), default_cost_model(), drop_dominated=True)
+    tiled = solved_periodically(egraph, explored.repeated)
+    optimum = extract_ilp(egraph, 20.0)
+    assert optimum.status == "optimal"
+    assert tiled.dag_cost == pytest.approx(optimum.dag_cost)
+    assert tiled.dag_cost < extract_greedy_dag(egraph).dag_cost * (1 - 1e-3)
