@@ -54,7 +54,7 @@ from dataclasses import dataclass, field, replace
 from ortools.sat.python import cp_model
 
 from tapestry.extract.egraph import EGraph, NoFiniteChoiceError
-from tapestry.extract.greedy_dag import greedy_dag_choice
+from tapestry.extract.greedy_dag import greedy_dag_choice, improve
 from tapestry.extract.periodic import Repeated, periodic_choice
 from tapestry.extract.relax import PROVEN, PathCut, relax
 from tapestry.extract.selection import Selection, children_first, finalize
@@ -81,8 +81,9 @@ RELAX_SHARE = 0.9
 # finishes: greedy_dag.py): on a 2x2x2 mesh's 12-layer stack (2 million nodes) greedy-dag with its local search
 # took longer than a 10 s limit.
 WARM_SHARE = 0.3
-# Of the time limit, the most the periodic warm start (periodic.py) may take, the greedy search's time included.
-PERIODIC_SHARE = 0.5
+# Of the time limit, the most the periodic warm start (periodic.py) may take: a 12- or 48-layer stack on 8
+# devices folds to 7,600 nodes, solved in about 1 s.
+PERIODIC_SHARE = 0.25
 # Nodes the ILP can reduce and model per second of its time limit: past it, only the warm start comes back. On
 # 2x4 (162,000 nodes) and 2x2x2 meshes (285,000 and more) a 10 s limit never let CP-SAT better or bound the
 # warm start (docs/benchmarks.md, Saturation: gap 1.0), and reducing a 2x2x2 12-layer graph (820,000 nodes)
@@ -276,14 +277,16 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0,
     tree = solvable_tree(egraph)
     greedy = greedy_dag_choice(egraph, tree, started + WARM_SHARE * time_limit)
     if repeated is not None and budget is None and not ties:
-        greedy = _cheaper(egraph, tree, greedy, _periodic(egraph, repeated, started + PERIODIC_SHARE * time_limit))
+        greedy = _cheaper(egraph, tree, greedy, _periodic(egraph, repeated, PERIODIC_SHARE * time_limit))
 
     def admissible(selection: Selection) -> bool:
         return (budget is None or budget.fits(selection.choice)) and ties_hold(selection.choice, ties)
 
     if egraph.num_nodes > MODEL_NODES_PER_SECOND * (deadline - time.perf_counter()):
-        unsolved = finalize(egraph, greedy, tree, "ilp", started)
-        if admissible(unsolved):  # no time to reduce the graph and model it: the warm start, unproven
+        # No time to reduce the graph and model it: the warm start, its local search given the time left (cut
+        # at WARM_SHARE, it could end dearer than greedy-dag's), unproven.
+        unsolved = finalize(egraph, improve(egraph, greedy, tree, deadline), tree, "ilp", started)
+        if admissible(unsolved):
             return _result(unsolved, False, 0.0, started)
     reduced = reduce(egraph, tree, tied_nodes(ties))
     warm = finalize(egraph, undominate(egraph, greedy, reduced), tree, "ilp", started)
@@ -319,16 +322,15 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0,
     return _result(best, proven, max(bound, lp_bound), started)
 
 
-def _periodic(egraph: EGraph, repeated: Repeated, deadline: float) -> list[int] | None:
-    """The periodic warm start, or None when there is no time, no period to fold, or no periodic selection."""
+def _periodic(egraph: EGraph, repeated: Repeated, seconds: float) -> list[int] | None:
+    """The periodic warm start solved in `seconds`, or None when there is no period to fold, no periodic
+    selection, or a folded problem too big to model in half that time: on 2x4 meshes (a 40,000-node fold) a
+    2.5 s solve never bettered greedy-dag, and the time it took left the whole graph's LP pass none."""
     def solve(graph: EGraph, seconds: float, ties: Ties) -> Selection:
         return extract_ilp(graph, seconds, ties=ties)
 
-    seconds = deadline - time.perf_counter()
-    if seconds <= 0:
-        return None
     try:
-        return periodic_choice(egraph, repeated, solve, seconds, MODEL_NODES_PER_SECOND * seconds)
+        return periodic_choice(egraph, repeated, solve, seconds, MODEL_NODES_PER_SECOND * seconds / 2)
     except NoFiniteChoiceError:  # the solver found no periodic selection in time
         return None
 
@@ -340,7 +342,7 @@ def _cheaper(egraph: EGraph, tree: TreeChoice, choice: list[int], other: list[in
     a, b = (finalize(egraph, c, tree, "ilp", 0.0) for c in (choice, other))
     if b.dag_cost >= a.dag_cost:
         return choice
-    return [b.choice.get(c, -1) for c in range(egraph.num_classes)]
+    return [b.choice.get(c, t) for c, t in enumerate(tree.node)]  # a node for every class, as `improve` needs
 
 
 def _result(best: Selection, proven: bool, bound: float, started: float) -> Selection:
