@@ -81,9 +81,10 @@ RELAX_SHARE = 0.9
 # finishes: greedy_dag.py): on a 2x2x2 mesh's 12-layer stack (2 million nodes) greedy-dag with its local search
 # took longer than a 10 s limit.
 WARM_SHARE = 0.3
-# Of the time limit, the most the periodic warm start (periodic.py) may take: a 12- or 48-layer stack on 8
-# devices folds to 7,600 nodes, solved in about 1 s.
-PERIODIC_SHARE = 0.25
+# Of the time limit, the most the periodic warm start (periodic.py) may take; it comes out of CP-SAT's time,
+# not the LP pass's (12 layers on 16 devices need all of RELAX_SHARE to be proven). A 24- or 48-layer stack on
+# 8 devices folds to 7,600 nodes, whose best periodic plan the fold finds in 0.8-0.9 s (0.6 s was too little).
+PERIODIC_SHARE = 0.1
 # Nodes the ILP can reduce and model per second of its time limit: past it, only the warm start comes back. On
 # 2x4 (162,000 nodes) and 2x2x2 meshes (285,000 and more) a 10 s limit never let CP-SAT better or bound the
 # warm start (docs/benchmarks.md, Saturation: gap 1.0), and reducing a 2x2x2 12-layer graph (820,000 nodes)
@@ -276,8 +277,10 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0,
     deadline = started + (1 - RESERVE) * time_limit
     tree = solvable_tree(egraph)
     greedy = greedy_dag_choice(egraph, tree, started + WARM_SHARE * time_limit)
+    folding = time.perf_counter()
     if repeated is not None and budget is None and not ties:
         greedy = _cheaper(egraph, tree, greedy, _periodic(egraph, repeated, PERIODIC_SHARE * time_limit))
+    folded = time.perf_counter() - folding  # comes out of CP-SAT's share, not the LP pass's
 
     def admissible(selection: Selection) -> bool:
         return (budget is None or budget.fits(selection.choice)) and ties_hold(selection.choice, ties)
@@ -294,14 +297,15 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0,
     proven, bound, lp_bound, cuts = best is not None and best.dag_cost == 0, 0.0, 0.0, ()
 
     def offer(choice: list[int]) -> float:
-        """An LP solution rounded: made a selection, kept if it is the best admissible one yet."""
+        """A choice (an LP solution rounded, the periodic plan) made a selection, kept if it is the best
+        admissible one yet."""
         nonlocal best, warm
         rounded = finalize(egraph, undominate(egraph, choice, reduced), tree, "ilp", started)
         if admissible(rounded) and (best is None or rounded.dag_cost < best.dag_cost):
             best = warm = rounded
         return math.inf if best is None else best.dag_cost
 
-    relax_deadline = started + RELAX_SHARE * time_limit
+    relax_deadline = min(started + RELAX_SHARE * time_limit + folded, deadline)
     size = sum(map(len, reduced.candidates.values()))
     if not proven and size <= LP_NODES_PER_SECOND * (relax_deadline - time.perf_counter()):
         relaxation = relax(egraph, reduced.candidates, {c: _block(reduced, c) for c in reduced.candidates},
@@ -324,13 +328,17 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0,
 
 def _periodic(egraph: EGraph, repeated: Repeated, seconds: float) -> list[int] | None:
     """The periodic warm start solved in `seconds`, or None when there is no period to fold, no periodic
-    selection, or a folded problem too big to model in half that time: on 2x4 meshes (a 40,000-node fold) a
-    2.5 s solve never bettered greedy-dag, and the time it took left the whole graph's LP pass none."""
+    selection, or a folded problem too big: more than it can model in that time (a 2x4 stack's 40,000-node
+    fold never bettered greedy-dag in 2.5 s), or over half the whole graph (a 4-layer stack), which the whole
+    graph's own solve would handle as well."""
     def solve(graph: EGraph, seconds: float, ties: Ties) -> Selection:
         return extract_ilp(graph, seconds, ties=ties)
 
+    if seconds <= 0:
+        return None
     try:
-        return periodic_choice(egraph, repeated, solve, seconds, MODEL_NODES_PER_SECOND * seconds / 2)
+        return periodic_choice(egraph, repeated, solve, seconds,
+                               min(MODEL_NODES_PER_SECOND * seconds, egraph.num_nodes / 2))
     except NoFiniteChoiceError:  # the solver found no periodic selection in time
         return None
 

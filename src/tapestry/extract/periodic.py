@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from tapestry.extract.egraph import EGraph, Node
+from tapestry.extract.egraph import EGraph, EGraphError, Node
 from tapestry.extract.selection import Selection
 
 
@@ -28,6 +28,15 @@ class Repeated:
     copies: tuple[tuple[str, ...], ...]
     entry: Mapping[str, str]
 
+    def __post_init__(self) -> None:
+        if len({len(copy) for copy in self.copies}) > 1:
+            raise ValueError(f"copies must line up class for class; their lengths are "
+                             f"{sorted({len(copy) for copy in self.copies})}")
+        classes = [c for copy in self.copies for c in copy]
+        if len(set(classes)) < len(classes):
+            twice = next(c for i, c in enumerate(classes) if c in classes[:i])
+            raise ValueError(f"class {twice!r} is in the copies twice; each class belongs to one copy")
+
 
 MIN_COPIES = 3  # the folded problem models two copies, so fewer save nothing
 Solve = Callable[[EGraph, float, Sequence[tuple[int, int]]], Selection]  # (graph, seconds, ties) -> selection
@@ -38,6 +47,9 @@ class _Copies:
 
     def __init__(self, egraph: EGraph, repeated: Repeated) -> None:
         index = {c: i for i, c in enumerate(egraph.class_ids)}
+        unknown = [c for copy in repeated.copies for c in copy if c not in index]
+        if unknown:
+            raise EGraphError(f"the repeated copies name class {unknown[0]!r}, which the e-graph does not have")
         self.egraph = egraph
         self.copies = [[index[c] for c in copy] for copy in repeated.copies]
         self.where = {c: (k, i) for k, copy in enumerate(self.copies) for i, c in enumerate(copy)}
@@ -74,7 +86,8 @@ def periodic_choice(egraph: EGraph, repeated: Repeated, solve: Solve, seconds: f
     later = {c for copy in copies.copies[2:] for c in copy}
     if m < MIN_COPIES or any(r in later for r in egraph.roots):
         return None
-    if egraph.num_nodes - sum(len(egraph.class_nodes[c]) for c in later) > max_nodes:
+    size = egraph.num_nodes - sum(len(egraph.class_nodes[c]) for c in later)
+    if size > max_nodes:
         return None
     inside = copies.where
     first, second = set(copies.copies[0]), set(copies.copies[1])
