@@ -65,8 +65,9 @@ def test_copy_one_stands_for_every_later_copy(layers, best):
 
 def test_the_ilp_starts_from_the_periodic_plan_when_it_is_cheaper(monkeypatch):
     """With the LP pass and CP-SAT finding nothing (as on a graph too big for the limit), what the ILP returns
-    is its warm start: here the periodic plan, which greedy-dag's is dearer than (seed 9: 2 seeds in 40 are)."""
-    egraph, repeated = stacked(6, 2, 3, seed=9)
+    is its warm start: here the periodic plan, which greedy-dag's is dearer than (seed 9: 1 seed in 30 is).
+    Twelve blocks, so the fold keeps under ilp.FOLD_SHARE of the graph."""
+    egraph, repeated = stacked(12, 2, 3, seed=9)
     monkeypatch.setattr(ilp, "LP_NODES_PER_SECOND", 0)
     solve = ilp._solve  # CP-SAT still solves the fold, whose ties are its 7th argument
     monkeypatch.setattr(ilp, "_solve", lambda *args: solve(*args) if args[6] else (None, 0.0, False))
@@ -77,7 +78,7 @@ def test_the_ilp_starts_from_the_periodic_plan_when_it_is_cheaper(monkeypatch):
 
 
 @settings(max_examples=30, deadline=None)
-@given(blocks=st.integers(5, 7), per=st.integers(1, 3), seed=st.integers(0, 10**6), shuffle=st.integers(0, 10**6))
+@given(blocks=st.integers(11, 13), per=st.integers(1, 2), seed=st.integers(0, 10**6), shuffle=st.integers(0, 10**6))
 def test_wrong_copies_never_make_the_ilp_worse_or_invalid(blocks, per, seed, shuffle):
     """A proposal that pairs the wrong classes (shuffled within copies, entries crossed) is only a poor warm
     start: the ILP's selection stays valid and no dearer than greedy-dag's (blocks enough that the ILP folds)."""

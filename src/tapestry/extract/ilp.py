@@ -85,6 +85,10 @@ WARM_SHARE = 0.3
 # not the LP pass's (12 layers on 16 devices need all of RELAX_SHARE to be proven). A 24- or 48-layer stack on
 # 8 devices folds to 7,600 nodes, whose best periodic plan the fold finds in 0.8-0.9 s (0.6 s was too little).
 PERIODIC_SHARE = 0.1
+# The most of the whole graph a fold may keep to be tried. A fold keeps two copies and what is around them, a
+# quarter of a 12-layer stack, which the LP pass proves on its own on 8 and 16 devices (the fold's second only
+# delayed it); from about 15 layers on a fold keeps less, and its plan pays (24 and 48 layers on 8 devices).
+FOLD_SHARE = 0.2
 # Nodes the ILP can reduce and model per second of its time limit: past it, only the warm start comes back. On
 # 2x4 (162,000 nodes) and 2x2x2 meshes (285,000 and more) a 10 s limit never let CP-SAT better or bound the
 # warm start (docs/benchmarks.md, Saturation: gap 1.0), and reducing a 2x2x2 12-layer graph (820,000 nodes)
@@ -288,7 +292,9 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0,
     if egraph.num_nodes > MODEL_NODES_PER_SECOND * (deadline - time.perf_counter()):
         # No time to reduce the graph and model it: the warm start, its local search given the time left (cut
         # at WARM_SHARE, it could end dearer than greedy-dag's), unproven.
-        unsolved = finalize(egraph, improve(egraph, greedy, tree, deadline), tree, "ilp", started)
+        if time.perf_counter() < deadline:  # setting the search up alone takes seconds on millions of nodes
+            greedy = improve(egraph, greedy, tree, deadline)
+        unsolved = finalize(egraph, greedy, tree, "ilp", started)
         if admissible(unsolved):
             return _result(unsolved, False, 0.0, started)
     reduced = reduce(egraph, tree, tied_nodes(ties))
@@ -329,8 +335,7 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0,
 def _periodic(egraph: EGraph, repeated: Repeated, seconds: float) -> list[int] | None:
     """The periodic warm start solved in `seconds`, or None when there is no period to fold, no periodic
     selection, or a folded problem too big: more than it can model in that time (a 2x4 stack's 40,000-node
-    fold never bettered greedy-dag in 2.5 s), or over half the whole graph (a 4-layer stack), which the whole
-    graph's own solve would handle as well."""
+    fold never bettered greedy-dag in 2.5 s), or over FOLD_SHARE of the whole graph."""
     def solve(graph: EGraph, seconds: float, ties: Ties) -> Selection:
         return extract_ilp(graph, seconds, ties=ties)
 
@@ -338,7 +343,7 @@ def _periodic(egraph: EGraph, repeated: Repeated, seconds: float) -> list[int] |
         return None
     try:
         return periodic_choice(egraph, repeated, solve, seconds,
-                               min(MODEL_NODES_PER_SECOND * seconds, egraph.num_nodes / 2))
+                               min(MODEL_NODES_PER_SECOND * seconds, egraph.num_nodes * FOLD_SHARE))
     except NoFiniteChoiceError:  # the solver found no periodic selection in time
         return None
 
