@@ -15,6 +15,7 @@ pairing only makes the periodic plan dearer, never invalid.
 from __future__ import annotations
 
 from collections.abc import Sequence
+
 import numpy as np
 
 from tapestry.egraph.decode import Decoder, DNode

@@ -81,10 +81,10 @@ RELAX_SHARE = 0.9
 # finishes: greedy_dag.py): on a 2x2x2 mesh's 12-layer stack (2 million nodes) greedy-dag with its local search
 # took longer than a 10 s limit.
 WARM_SHARE = 0.3
-# Of the time limit, the most the periodic warm start (periodic.py) may take; it comes out of CP-SAT's time,
-# not the LP pass's (12 layers on 16 devices need all of RELAX_SHARE to be proven). A 24- or 48-layer stack on
-# 8 devices folds to 7,600 nodes, whose best periodic plan the fold finds in 0.8-0.9 s (0.6 s was too little).
-PERIODIC_SHARE = 0.1
+# Of the time limit, the most the periodic warm start (periodic.py) may take. The LP pass's window moves on by
+# the time it took (up to the deadline), so CP-SAT gives it up first. A 24- or 48-layer stack on 8 devices
+# folds to 7,600-10,000 nodes, whose best periodic plan took 0.8-0.9 s unloaded (1 s was too little loaded).
+PERIODIC_SHARE = 0.2
 # The most of the whole graph a fold may keep to be tried. A fold keeps two copies and what is around them, a
 # quarter of a 12-layer stack, which the LP pass proves on its own on 8 and 16 devices (the fold's second only
 # delayed it); from about 15 layers on a fold keeps less, and its plan pays (24 and 48 layers on 8 devices).
@@ -284,7 +284,7 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0,
     folding = time.perf_counter()
     if repeated is not None and budget is None and not ties:
         greedy = _cheaper(egraph, tree, greedy, _periodic(egraph, repeated, PERIODIC_SHARE * time_limit))
-    folded = time.perf_counter() - folding  # comes out of CP-SAT's share, not the LP pass's
+    folded = time.perf_counter() - folding  # the LP pass's window moves on by it
 
     def admissible(selection: Selection) -> bool:
         return (budget is None or budget.fits(selection.choice)) and ties_hold(selection.choice, ties)
@@ -303,8 +303,7 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0,
     proven, bound, lp_bound, cuts = best is not None and best.dag_cost == 0, 0.0, 0.0, ()
 
     def offer(choice: list[int]) -> float:
-        """A choice (an LP solution rounded, the periodic plan) made a selection, kept if it is the best
-        admissible one yet."""
+        """An LP solution rounded: made a selection, kept if it is the best admissible one yet."""
         nonlocal best, warm
         rounded = finalize(egraph, undominate(egraph, choice, reduced), tree, "ilp", started)
         if admissible(rounded) and (best is None or rounded.dag_cost < best.dag_cost):
@@ -334,8 +333,8 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0,
 
 def _periodic(egraph: EGraph, repeated: Repeated, seconds: float) -> list[int] | None:
     """The periodic warm start solved in `seconds`, or None when there is no period to fold, no periodic
-    selection, or a folded problem too big: more than it can model in that time (a 2x4 stack's 40,000-node
-    fold never bettered greedy-dag in 2.5 s), or over FOLD_SHARE of the whole graph."""
+    selection, or a folded problem too big: more than it can model in half that time (a 2x4 stack's
+    40,000-node fold never bettered greedy-dag in 2.5 s), or over FOLD_SHARE of the whole graph."""
     def solve(graph: EGraph, seconds: float, ties: Ties) -> Selection:
         return extract_ilp(graph, seconds, ties=ties)
 
@@ -343,7 +342,7 @@ def _periodic(egraph: EGraph, repeated: Repeated, seconds: float) -> list[int] |
         return None
     try:
         return periodic_choice(egraph, repeated, solve, seconds,
-                               min(MODEL_NODES_PER_SECOND * seconds, egraph.num_nodes * FOLD_SHARE))
+                               min(MODEL_NODES_PER_SECOND * seconds / 2, egraph.num_nodes * FOLD_SHARE))
     except NoFiniteChoiceError:  # the solver found no periodic selection in time
         return None
 
