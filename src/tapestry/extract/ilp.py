@@ -53,7 +53,7 @@ from dataclasses import dataclass, field, replace
 
 from ortools.sat.python import cp_model
 
-from tapestry.extract.egraph import EGraph, NoFiniteChoiceError
+from tapestry.extract.egraph import EGraph, EGraphError, NoFiniteChoiceError
 from tapestry.extract.greedy_dag import greedy_dag_choice, improve
 from tapestry.extract.periodic import Repeated, periodic_choice
 from tapestry.extract.relax import PROVEN, PathCut, relax
@@ -343,7 +343,7 @@ def _periodic(egraph: EGraph, repeated: Repeated, seconds: float) -> list[int] |
     try:
         return periodic_choice(egraph, repeated, solve, seconds,
                                min(MODEL_NODES_PER_SECOND * seconds / 2, egraph.num_nodes * FOLD_SHARE))
-    except NoFiniteChoiceError:  # the solver found no periodic selection in time
+    except EGraphError:  # no periodic selection found in time, or a class whose every node the fold left out
         return None
 
 

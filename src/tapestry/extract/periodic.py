@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from tapestry.extract.egraph import EGraph, EGraphError, Node
+from tapestry.extract.egraph import EGraph, Node
 from tapestry.extract.selection import Selection
 
 
@@ -49,7 +49,7 @@ class _Copies:
         index = {c: i for i, c in enumerate(egraph.class_ids)}
         unknown = [c for copy in repeated.copies for c in copy if c not in index]
         if unknown:
-            raise EGraphError(f"the repeated copies name class {unknown[0]!r}, which the e-graph does not have")
+            raise ValueError(f"the repeated copies name class {unknown[0]!r}, which the e-graph does not have")
         self.egraph = egraph
         self.copies = [[index[c] for c in copy] for copy in repeated.copies]
         self.where = {c: (k, i) for k, copy in enumerate(self.copies) for i, c in enumerate(copy)}
