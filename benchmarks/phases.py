@@ -1,7 +1,7 @@
 """Seconds per optimizer phase (saturation, pricing, extraction) for a transformer stack, one case per run.
 
     .venv/bin/python benchmarks/phases.py --mesh 2x4 --layers 12 [--rules fusion,substitution] [--budget 30]
-        [--extractor greedy-dag] [--time-limit 10] [--optimize]
+        [--extractor greedy-dag] [--time-limit 10] [--optimize] [--model stack|gpt2|bert]
 
 Prints one JSON line. With --optimize it times `tapestry.optimize` whole instead (validation and the
 plan's meaning check included). It uses only APIs older trees have too, so the same file can time an older
@@ -26,6 +26,27 @@ from tapestry.sharding import Mesh
 FUSED = {"linear_relu", "linear_gelu", "add_relu"}
 
 
+def model(name: str, layers: int):
+    """The graph to time: Tapestry's transformer stack, or GPT-2 or BERT imported from transformers (random
+    weights, no download) at the stack's sizes."""
+    if name == "stack":
+        return transformer_stack(layers, 4, 256, 1024, 16)
+    import torch
+    from transformers import BertConfig, BertModel, GPT2Config, GPT2Model
+
+    from tapestry.importer import from_torch
+    torch.manual_seed(0)
+    ids = torch.randint(0, 2048, (4, 256))
+    if name == "gpt2":
+        module = GPT2Model(GPT2Config(n_layer=layers, n_embd=1024, n_head=16, vocab_size=2048, n_positions=256,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+        return from_torch(module.eval(), (ids,), {"use_cache": False}, verbose=False).graph
+    module = BertModel(BertConfig(hidden_size=1024, num_hidden_layers=layers, num_attention_heads=16,
+                                  intermediate_size=4096, vocab_size=2048, max_position_embeddings=256,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), add_pooling_layer=False)
+    return from_torch(module.eval(), (ids,), verbose=False).graph
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mesh", default="2x4")
@@ -35,18 +56,19 @@ def main() -> None:
     parser.add_argument("--extractor", default="greedy-dag")
     parser.add_argument("--time-limit", type=float, default=10.0)
     parser.add_argument("--optimize", action="store_true", help="time tapestry.optimize end to end")
+    parser.add_argument("--model", choices=("stack", "gpt2", "bert"), default="stack")
     args = parser.parse_args()
     mesh = Mesh.parse(args.mesh)
     rules = [BUILTIN_DIR / f"{r}.egg" for r in args.rules.split(",")] if args.rules else None
-    graph = transformer_stack(args.layers, 4, 256, 1024, 16)
+    graph = model(args.model, args.layers)
     start = time.perf_counter()
     if args.optimize:
         result = optimize(graph, mesh, rules, Budget(seconds=args.budget), extractor=args.extractor,
                           time_limit=args.time_limit)
         kernels = Counter(getattr(step, "kernel", "") for step in result.plan.steps)
         print(json.dumps({
-            "mesh": args.mesh, "layers": args.layers, "rules": args.rules or "all", "budget": args.budget,
-            "optimize_s": round(time.perf_counter() - start, 2), "stopped_by": result.stats.stopped_by,
+            "model": args.model, "mesh": args.mesh, "layers": args.layers, "rules": args.rules or "all",
+            "budget": args.budget, "optimize_s": round(time.perf_counter() - start, 2), "stopped_by": result.stats.stopped_by,
             "undone": getattr(result.stats, "undone", ""), "enodes": result.stats.enodes,
             "cost": result.plan.cost, "extractor": args.extractor, "status": result.selection.status,
             "gap": result.selection.gap, "fused_kernels": sum(n for k, n in kernels.items() if k in FUSED),
@@ -65,8 +87,8 @@ def main() -> None:
     plan = explored.decoder.plan(egraph, selection, graph, explored.names)
     kernels = Counter(getattr(step, "kernel", "") for step in plan.steps)
     print(json.dumps({
-        "mesh": args.mesh, "layers": args.layers, "rules": args.rules or "all", "budget": args.budget,
-        "saturate_s": round(saturated - start, 2), "price_s": round(priced - saturated, 2),
+        "model": args.model, "mesh": args.mesh, "layers": args.layers, "rules": args.rules or "all",
+        "budget": args.budget, "saturate_s": round(saturated - start, 2), "price_s": round(priced - saturated, 2),
         "extract_s": round(done - priced, 2), "total_s": round(done - start, 2),
         "stopped_by": stats.stopped_by, "stopped_in": getattr(stats, "stopped_in", ""),
         "undone": getattr(stats, "undone", ""), "enodes": stats.enodes,
