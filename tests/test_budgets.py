@@ -12,18 +12,19 @@ from hypothesis import strategies as st
 
 from tapestry.egraph.decode import Decoder, distributed_nodes, dominated_moves
 from tapestry.egraph.driver import Budget, saturate
-from tapestry.egraph.generate import Generator
+from tapestry.egraph.generate import ENODES_PER_RUN, Generator
 from tapestry.egraph.rules import BUILTIN_DIR, load_rules
 from tapestry.egraph.session import Session
 from tapestry.extract import EGraph as ExtractGraph
 from tapestry.extract import extract
+from tapestry.kernels import get_kernel
 from tapestry.models import mlp
 from tapestry.optimizer import default_cost_model, optimize
 from tapestry.plan import Compute
 from tapestry.plan.validate import validate_plan
 from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.comm import CommError, can_move, transfers
-from tapestry.sharding.partition import candidate_partitions, needed_layout, output_layout
+from tapestry.sharding.partition import candidate_partitions, generation_order, needed_layout, output_layout
 
 
 def _plan(gen: Generator, graph):
@@ -65,6 +66,28 @@ def test_a_node_budget_stops_generation_after_the_rules_ran_and_says_so():
     assert "generation stopped by nodes" in stats.undone
     validate_plan(stopped.plan)
     assert stopped.plan.cost >= full.plan.cost * (1 - 1e-9)  # fewer choices, never a cheaper plan
+
+
+def test_a_generation_stopped_after_its_first_round_already_splits_every_node_over_every_device():
+    graph, mesh = mlp(3, 64, 32), Mesh.parse("2x2x2")
+    full = optimize(graph, mesh, extractor="greedy-dag")
+    replicated = optimize(graph, mesh, budget=Budget(nodes=full.stats.iterations[-1].enodes + 1),
+                          extractor="greedy-dag").stats
+    one_round = Budget(nodes=replicated.enodes + ENODES_PER_RUN * replicated.generation.nodes)
+    stopped = optimize(graph, mesh, budget=one_round, extractor="greedy-dag")
+    assert stopped.stats.stopped_by == "nodes" and stopped.stats.generation.runs_left_out > 0
+    computes = [s for s in stopped.plan.steps if isinstance(s, Compute)]
+    assert computes and all(len(set(s.blocks)) == mesh.size for s in computes), "2-way splits came first"
+    assert stopped.plan.cost <= full.plan.cost * (1 + 1e-9)
+
+
+def test_candidates_busy_the_most_devices_first_and_split_the_fewest_dims_among_those():
+    sig = get_kernel("matmul").bind([(8, 16), (16, 32)])
+    order = generation_order(candidate_partitions(sig, Mesh.parse("2x2x2")))
+    busy = [len({b for b in p.blocks if b is not None}) for p in order]
+    assert busy == sorted(busy, reverse=True) and busy[0] == 8
+    assert len(order[0].dims()) == 1, "one dim split over every axis (data parallel) comes first"
+    assert sorted(map(repr, order)) == sorted(map(repr, candidate_partitions(sig, Mesh.parse("2x2x2"))))
 
 
 def test_rule_rounds_stop_by_their_share_of_the_time_and_generation_still_runs():
@@ -128,8 +151,6 @@ def test_the_runs_of_identical_layers_are_priced_once():
 
 @pytest.mark.parametrize("mesh", [Mesh(4), Mesh(2, 2)])
 def test_can_move_says_exactly_when_transfers_can_plan_a_move(mesh):
-    from tapestry.kernels import get_kernel
-
     sigs = [get_kernel("matmul").bind([(4, 6), (6, 8)]),
             get_kernel("slice").bind([(8, 6)], {"axis": 0, "start": 1, "stop": 7}),
             get_kernel("transpose").bind([(4, 8)], {"perm": (1, 0)})]

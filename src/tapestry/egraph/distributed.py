@@ -18,7 +18,9 @@ from tapestry.kernels import Shape, Signature
 from tapestry.plan import Compute
 from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.comm import can_move
-from tapestry.sharding.partition import Partition, candidate_partitions, make_partition, partition_issues
+from tapestry.sharding.partition import (
+    Partition, candidate_partitions, generation_order, make_partition, partition_issues,
+)
 
 
 class Interner:
@@ -33,6 +35,7 @@ class Interner:
         self._run_keys: dict[Compute, str] = {}
         self.priced_as: dict[str, str] = {}  # run key -> its candidate's name: runs that differ only in origin
         self.replicated_keys: dict[str, bool] = {}  # layout key -> is it the replicated layout (egraph.decode)
+        self._parts: dict[tuple[Any, ...], list[Partition]] = {}
         self._candidates: dict[tuple[Any, ...], list[tuple[str, Partition, Compute, str, tuple[str, ...]]]] = {}
         self._candidate_count = 0
 
@@ -51,25 +54,34 @@ class Interner:
             self.runs[name] = step
         return self._run_keys[step]
 
-    def candidates(self, sig: Signature, sharded: bool) -> list[tuple[str, Partition, Compute, str, tuple[str, ...]]]:
+    def count(self, sig: Signature, sharded: bool) -> int:
+        return len(self._partitions(sig, sharded)[1])
+
+    def candidates(self, sig: Signature, sharded: bool,
+                   first: int | None = None) -> list[tuple[str, Partition, Compute, str, tuple[str, ...]]]:
         """(name, partition, step without origin, out layout, arg layouts) for every sharded candidate partition
-        of `sig`, or else for its replicated one; each checked with islpy once per distinct signature."""
+        of `sig` (only the `first` ones, in `generation_order`, if given), or else for its replicated one; each
+        made and checked with islpy once per distinct signature, and only when first asked for, so a
+        budget-stopped generation pays for the candidates it inserts."""
+        key, parts = self._partitions(sig, sharded)
+        found = self._candidates.setdefault(key, [])
+        for part in parts[len(found):len(parts) if first is None else first]:
+            issues = partition_issues(sig, part.blocks)  # islpy: a partition of the index space, partials sound
+            if issues:
+                raise AssertionError(f"generated an illegal partition of {sig}: {'; '.join(issues)}")
+            step = Compute.running(sig, part)
+            out = self.layout(sig.output_shape, step.layout)
+            args = tuple(self.layout(shape, layout) for shape, layout in zip(sig.input_shapes, step.arg_layouts))
+            found.append((f"c{self._candidate_count}", part, step, out, args))
+            self._candidate_count += 1
+        return found if first is None else found[:first]
+
+    def _partitions(self, sig: Signature, sharded: bool) -> tuple[tuple[Any, ...], list[Partition]]:
         key = (sig.kernel.name, sig.input_shapes, sig.params, sig.input_dtypes, sharded)
-        if key not in self._candidates:
-            found = []
-            replicated = make_partition(sig, self.mesh, (None,) * self.mesh.ndim)
-            parts = [p for p in candidate_partitions(sig, self.mesh) if any(p.axes)] if sharded else [replicated]
-            for part in parts:
-                issues = partition_issues(sig, part.blocks)  # islpy: a partition of the index space, partials sound
-                if issues:
-                    raise AssertionError(f"generated an illegal partition of {sig}: {'; '.join(issues)}")
-                step = Compute.running(sig, part)
-                out = self.layout(sig.output_shape, step.layout)
-                args = tuple(self.layout(shape, layout) for shape, layout in zip(sig.input_shapes, step.arg_layouts))
-                found.append((f"c{self._candidate_count}", part, step, out, args))
-                self._candidate_count += 1
-            self._candidates[key] = found
-        return self._candidates[key]
+        if key not in self._parts:
+            self._parts[key] = (generation_order(p for p in candidate_partitions(sig, self.mesh) if any(p.axes))
+                                if sharded else [make_partition(sig, self.mesh, (None,) * self.mesh.ndim)])
+        return key, self._parts[key]
 
 
 def runs_for(sig: Signature, interner: Interner, origin: str, sharded: bool,
@@ -77,8 +89,8 @@ def runs_for(sig: Signature, interner: Interner, origin: str, sharded: bool,
     """(out layout, arg layouts, run key) for each candidate partition of one logical node: the sharded ones (only
     the rank-th, if given), or else the replicated one."""
     found = []
-    candidates = interner.candidates(sig, sharded)
-    for name, part, step, out, args in candidates if rank is None else candidates[rank:rank + 1]:
+    candidates = interner.candidates(sig, sharded, None if rank is None else rank + 1)
+    for name, part, step, out, args in candidates if rank is None else candidates[rank:]:
         key = interner.run(replace(step, origin=f"{origin} [{part.name(sig)}]"))
         interner.priced_as[key] = name
         found.append((out, args, key))

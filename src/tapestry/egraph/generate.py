@@ -243,8 +243,8 @@ class Generator:
         """Insert the queued nodes' Run members, and Place/Deliver members for inputs and outputs.
 
         Every node's replicated run goes in first, whatever the budget, so a plan always exists. Then the sharded
-        runs, in rounds: round k adds every node's k-th candidate (candidate_partitions' order, so round 0 splits
-        one dim over the last mesh axis, mostly the batch), until `deadline` (a perf_counter time) or `max_nodes`
+        runs, in rounds: round k adds every node's k-th candidate (`generation_order`: round 0 splits one dim,
+        mostly the batch, over every mesh axis), until `deadline` (a perf_counter time) or `max_nodes`
         e-nodes. A stop thus leaves every node similar choices, which fit together, rather than some nodes all
         of theirs and the rest none."""
         started = time.perf_counter()
@@ -254,7 +254,7 @@ class Generator:
         self.session.insert(mandatory + self._links())
         size = self.session.size()  # exact after each insert
         limit = math.inf if max_nodes is None else max_nodes
-        counts = [len(self.interner.candidates(item.sig, sharded=True)) for item in todo]
+        counts = [self.interner.count(item.sig, sharded=True) for item in todo]
         stopped_by, sharded_runs, batch = "", 0, []
         for rank in range(max(counts, default=0)):
             for item, count in zip(todo, counts):

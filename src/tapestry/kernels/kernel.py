@@ -204,7 +204,7 @@ class Signature:
     input_dtypes: tuple[str, ...] = ()
     dtype: str = "float32"  # the output's
 
-    @property
+    @cached_property
     def index(self) -> ZRange:
         return ZRange.from_shape(self.spec.sizes)
 

@@ -10,6 +10,7 @@ replicates would count partials twice, so that combination is not generated.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterable
@@ -82,9 +83,14 @@ def make_partition(sig: Signature, mesh: Mesh, axes: tuple[AxisChoice, ...]) -> 
         for split, coord in zip(splits, mesh.coords(device)):
             for dim, parts in reversed(split):  # mixed radix: the last dim varies fastest
                 coord, index = divmod(coord, parts)
-                block = block.split_even(dim, parts)[index]
+                block = _pieces(block, dim, parts)[index]
         blocks.append(_non_empty(block))
     return Partition(tuple(blocks), splits)
+
+
+@functools.lru_cache(maxsize=1 << 16)  # every partition of a signature cuts the same index space
+def _pieces(block: ZRange, dim: int, parts: int) -> tuple[ZRange, ...]:
+    return tuple(block.split_even(dim, parts))
 
 
 def _axis_choices(sig: Signature, size: int) -> list[Split]:
@@ -119,10 +125,19 @@ def candidate_partitions(sig: Signature, mesh: Mesh) -> list[Partition]:
     return list(found.values())
 
 
+def generation_order(parts: Iterable[Partition]) -> list[Partition]:
+    """Most devices busy first, then fewest dims split: what a budget-stopped generation inserts first is then
+    each node's fully parallel, mutually consistent splits (batch over every axis), not 2-way ones."""
+    def key(part: Partition) -> tuple[int, int]:
+        return -len({b for b in part.blocks if b is not None}), len(part.dims())
+    return sorted(parts, key=key)
+
+
 def is_partial(sig: Signature, part: Partition) -> bool:
     return bool(part.dims() & set(sig.dims_of(DimKind.REDUCTION)))
 
 
+@functools.lru_cache(maxsize=1 << 16)  # blocks recur across a signature's partitions and devices
 def _clipped(projection: IndexProjection, block: Block, shape: tuple[int, ...]) -> Block:
     if block is None:
         return None
