@@ -5,6 +5,7 @@ import itertools
 import json
 import math
 import time
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -19,7 +20,7 @@ from tapestry.extract import EGraph as ExtractGraph
 from tapestry.extract import extract
 from tapestry.kernels import get_kernel
 from tapestry.models import mlp
-from tapestry.optimizer import default_cost_model, optimize
+from tapestry.optimizer import default_cost_model, explore, optimize
 from tapestry.plan import Compute
 from tapestry.plan.validate import validate_plan
 from tapestry.sharding import Layout, Mesh
@@ -112,6 +113,15 @@ def test_pricing_out_of_time_prices_what_the_replicated_plan_needs_and_leaves_th
     assert all(c == f for c, f in zip(cut.node_cost, full.node_cost) if not math.isinf(c)), "same prices"
     plan = decoder.plan(cut, extract(cut, "greedy-dag"), graph, names)
     validate_plan(plan)
+
+
+def test_a_pricing_out_of_time_is_reported_with_the_result():
+    explored = explore(mlp(2, 16, 8), Mesh(2, 2))
+    assert "pricing" not in explored.extract(extractor="greedy-dag").stats.undone
+    cut = replace(explored, pricing_seconds=0.0).extract(extractor="greedy-dag")
+    assert cut.stats.reshards_unpriced == explored.decoder.pricing.reshards_unpriced > 0
+    assert f"pricing stopped by seconds: {cut.stats.reshards_unpriced} reshards left unpriced" in cut.stats.undone
+    validate_plan(cut.plan)
 
 
 def test_making_reshards_out_of_time_keeps_those_out_of_replicated_layouts_and_a_valid_plan():

@@ -157,7 +157,8 @@ class Explored:
             selection = replace(selection, status="feasible")  # no objective was the plan's time: nothing proven
             plan = replace(plan, notes={**plan.notes, "status": "feasible",
                                         "overlap_rounds": 1 + len(LAGRANGE_WEIGHTS)})
-        return OptimizeResult(plan, self.stats, selection, self.rule_files, self.data)
+        stats = replace(self.stats, reshards_unpriced=self.decoder.pricing.reshards_unpriced)
+        return OptimizeResult(plan, stats, selection, self.rule_files, self.data)
 
     def _fit(self, egraph: ExtractGraph, extractor: str, time_limit: float, base: DeviceBudget | None, ties: Ties,
              carried: Mapping[str, str], memory_budget: int | None, outputs: Outputs) -> tuple[Plan, Selection]:

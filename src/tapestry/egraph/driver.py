@@ -58,6 +58,7 @@ class SaturationStats:
     stopped_in: str = ""  # the phase the budget stopped: "rules" or "generation" ("" at a fixpoint)
     generation: GenerationStats | None = None
     values_with_few_moves: int = 0  # values whose reshards the budget cut to those out of a replicated layout
+    reshards_unpriced: int = 0  # reshards pricing left out of time (set by the extraction that priced them)
 
     @property
     def enodes(self) -> int:
@@ -83,6 +84,8 @@ class SaturationStats:
         if self.values_with_few_moves:
             parts.append(f"reshards cut by seconds: {self.values_with_few_moves} values keep only those out of their "
                          f"replicated layout")
+        if self.reshards_unpriced:
+            parts.append(f"pricing stopped by seconds: {self.reshards_unpriced} reshards left unpriced (not chosen)")
         return "; ".join(parts)
 
     def to_json(self) -> dict:
