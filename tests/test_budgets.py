@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tapestry.egraph.decode import Decoder, distributed_nodes, dominated_moves
+from tapestry.egraph.decode import Decoder, distributed_nodes, dominated_moves, moved_cells
 from tapestry.egraph.driver import Budget, saturate
 from tapestry.egraph.generate import ENODES_PER_RUN, Generator
 from tapestry.egraph.rules import BUILTIN_DIR, load_rules
@@ -89,6 +89,27 @@ def test_candidates_busy_the_most_devices_first_and_split_the_fewest_dims_among_
     assert busy == sorted(busy, reverse=True) and busy[0] == 8
     assert len(order[0].dims()) == 1, "one dim split over every axis (data parallel) comes first"
     assert sorted(map(repr, order)) == sorted(map(repr, candidate_partitions(sig, Mesh.parse("2x2x2"))))
+
+
+def test_generation_stops_before_its_layouts_make_more_reshards_than_pricing_has_time_for():
+    graph = mlp(3, 64, 32)
+    gen = Generator(Session(load_rules()), graph, Mesh.parse("2x2x2"))
+    gen.encode()
+    gen.refresh()
+    stats = gen.distribute(max_pairs=200)
+    assert stats.stopped_by == "seconds" and 0 < stats.runs_left_out
+    assert 200 <= gen.layout_pairs <= 200 + 2 * ENODES_PER_RUN * max(map(len, gen.layouts.values()))
+    assert gen.layout_pairs == sum(len(held) * (len(held) - 1) for held in gen.layouts.values())
+    _, plan = _plan(gen, graph)
+    validate_plan(plan)
+
+
+def test_moved_cells_counts_what_each_device_needs_and_does_not_hold():
+    mesh, shape = Mesh(2), (4,)
+    keys = {"R": (shape, Layout.replicated(shape, mesh)), "S": (shape, Layout.split(shape, mesh, (0,))),
+            "P": (shape, replace(Layout.replicated(shape, mesh), partial=True))}
+    pairs = [("R", "S"), ("S", "R"), ("P", "R"), ("P", "S"), ("S", "S")]
+    assert moved_cells(pairs, keys).tolist() == [0, 4, 8, 4, 0]
 
 
 def test_rule_rounds_stop_by_their_share_of_the_time_and_generation_still_runs():

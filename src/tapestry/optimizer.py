@@ -27,7 +27,7 @@ from tapestry.cost import (
 from tapestry.cost.memory import lean_order
 from tapestry.cost.overlap import forward_outputs, overlap, upstream
 from tapestry.egraph.decode import Decoder, DNode, distributed_nodes
-from tapestry.egraph.driver import Budget, IterationStats, SaturationStats, saturate
+from tapestry.egraph.driver import MOVES_SHARE, Budget, IterationStats, SaturationStats, saturate
 from tapestry.egraph.repeat import find_repetition
 from tapestry.egraph.rules import RuleFile, load_rules
 from tapestry.extract import (
@@ -389,7 +389,7 @@ def explore(graph: Graph, mesh: Mesh | int = 1, rules: Sequence[str | Path] | No
     started = time.perf_counter()
     gen, _, stats = saturate(graph, mesh, rule_files, budget, progress)
     data = gen.session.serialize()
-    nodes, roots, names, cut = distributed_nodes(data, gen.interner, started + budget.seconds)
+    nodes, roots, names, cut = distributed_nodes(data, gen.interner, started + budget.seconds * MOVES_SHARE)
     stats = replace(stats, values_with_few_moves=cut)
     return Explored(graph, mesh, Decoder(nodes, gen.interner, mesh, {n.name: n.dtype for n in graph.inputs},
                                              graph.fixed), tuple(roots), names, stats,

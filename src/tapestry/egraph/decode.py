@@ -124,6 +124,32 @@ def dominated_runs(ops: Iterable[Sequence[Candidate]], moves: Mapping[tuple[str,
     return dropped
 
 
+def moved_cells(pairs: Sequence[tuple[str, str]], layouts: Mapping[str, tuple[Any, Layout]]) -> np.ndarray:
+    """Per (from, to) pair of layout keys, the cells devices need and do not hold: each device's block of `to`
+    less what its own block of `from` covers (all of it from a partial source). An estimate of a move's cost
+    (no collectives, no links), made for all pairs at once, to order pricing by."""
+    if not pairs:
+        return np.zeros(0, np.int64)
+    keys = sorted({k for pair in pairs for k in pair})
+    index = {k: i for i, k in enumerate(keys)}
+    ndim = max(layouts[k][1].bounds[0].shape[1] for k in keys)
+    devices = len(layouts[keys[0]][1].blocks)
+    starts = np.zeros((len(keys), devices, ndim), np.int64)
+    ends = np.ones((len(keys), devices, ndim), np.int64)  # padded dims span [0, 1): they scale nothing
+    held, partial = np.zeros((len(keys), devices), bool), np.zeros(len(keys), bool)
+    for i, k in enumerate(keys):
+        layout = layouts[k][1]
+        start, end, holds = layout.bounds
+        starts[i, :, :start.shape[1]], ends[i, :, :end.shape[1]], held[i] = start, end, holds
+        partial[i] = layout.partial
+    src, dst = (np.array([index[pair[j]] for pair in pairs]) for j in (0, 1))
+    need = np.where(held[dst], np.prod(ends[dst] - starts[dst], axis=2), 0)
+    overlap = np.prod(np.clip(np.minimum(ends[src], ends[dst]) - np.maximum(starts[src], starts[dst]), 0, None),
+                      axis=2)
+    kept = np.where(held[src] & ~partial[src][:, None], np.minimum(overlap, need), 0)
+    return (need - kept).sum(axis=1)
+
+
 def _is_replicated(interner: Interner, key: str) -> bool:
     """Whether layout `key` is the replicated one (answered once per key, in `Interner.replicated_keys`: asked for
     every reshard)."""
@@ -273,8 +299,10 @@ class Decoder:
         """Each node's cost under the cost model `cost`.
 
         Each distinct step is priced once. Pricing stops after `seconds`: Runs, Places and reshards out of a
-        replicated layout (local slicing, which the replicated plan needs) are priced first, and reshards left
-        unpriced cost infinity, so extraction leaves them out and a plan still exists. With `drop_dominated`,
+        replicated layout (local slicing, which the replicated plan needs) are priced first, then the other
+        reshards by the cells they move, fewest first (`moved_cells`), so a stop leaves every value its cheap
+        moves rather than some values all of theirs; reshards left unpriced cost infinity, so extraction leaves
+        them out and a plan still exists. With `drop_dominated`,
         so do reshards a two-step route is strictly cheaper than (`dominated_moves`), and then Runs that a kept
         Run of the same op and the moves left cost no more than (`dominated_runs`): sound when plan time is
         the sum of node costs, not under a memory budget (the routes hold more layouts), steady-state ties or
@@ -282,19 +310,30 @@ class Decoder:
         started = time.perf_counter()
         prices: dict[Any, float] = {}
         costs = [math.inf] * len(self.nodes)
-        unpriced = 0
-        for i in sorted(range(len(self.nodes)), key=self._pricing_order):
-            node = self.nodes[i]
+        optional: dict[Any, list[int]] = {}  # the other reshards by price key, priced last
+        for i, node in enumerate(self.nodes):
             if node.op == "Deliver" or self.prepared(node):
                 costs[i] = 0.0
                 continue
             key = self._price_key(node)
+            if node.op == "Reshard" and not self._from_replicated(node):
+                optional.setdefault(key, []).append(i)
+                continue
             if key not in prices:
-                if node.op == "Reshard" and not self._from_replicated(node) and time.perf_counter() - started > seconds:
-                    unpriced += 1
-                    continue
                 prices[key] = float(cost.step_cost(self._priced_step(node), self.mesh))
             costs[i] = prices[key]
+        keys = list(optional)
+        if seconds < math.inf:  # what a stop leaves out: the moves of most cells
+            moved = moved_cells([(src, dst) for src, dst, _ in keys], self.interner.layouts)
+            keys = [keys[j] for j in np.argsort(moved, kind="stable")]
+        unpriced = 0
+        for key in keys:
+            if time.perf_counter() - started > seconds:
+                unpriced += len(optional[key])
+                continue
+            prices[key] = price = float(cost.step_cost(self._priced_step(self.nodes[optional[key][0]]), self.mesh))
+            for i in optional[key]:
+                costs[i] = price
         moves = {(n.children[0], n.eclass): i for i, n in enumerate(self.nodes) if n.op == "Reshard"}
         dropped, runs = set(), set()
         if drop_dominated:
@@ -326,10 +365,6 @@ class Decoder:
                 if node.value not in args and "" not in args:
                     ops.setdefault((node.value, args), []).append((i, costs[i], node.eclass, node.children))
         return ops.values()
-
-    def _pricing_order(self, i: int) -> int:
-        node = self.nodes[i]
-        return 1 if node.op == "Reshard" and not self._from_replicated(node) else 0
 
     def _from_replicated(self, node: DNode) -> bool:
         return _is_replicated(self.interner, self.class_layout[node.children[0]])

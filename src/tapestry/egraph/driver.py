@@ -6,7 +6,9 @@ distributed layer is generated once for the whole logical e-graph. Splitting
 the phases keeps rule rounds cheap (no distributed layer to rebuild) and means
 fusion and substitution never starve. Budget.seconds runs from the start of
 saturation to the end of pricing: rule rounds stop by RULES_SHARE of it,
-generation by GENERATION_SHARE, and pricing (egraph.decode) has the rest. A
+generation by GENERATION_SHARE, making reshards by MOVES_SHARE, and pricing
+(egraph.decode) has the rest: a share of its own, since runs nobody moves
+between and moves nobody priced make no plan better. A
 stopped generation still leaves every node's replicated run, and a stopped
 pricing every reshard that run needs, so a plan always exists
 (docs/cost-models.md, "Budgets").
@@ -26,7 +28,9 @@ from tapestry.sharding import Mesh
 
 
 RULES_SHARE = 0.25  # of Budget.seconds, when rule rounds stop at the latest
-GENERATION_SHARE = 0.6  # when generation stops at the latest; pricing has the rest
+GENERATION_SHARE = 0.5  # when generation stops at the latest
+MOVES_SHARE = 0.75  # when making reshards stops at the latest (optimizer.explore); pricing has the rest
+PAIRS_PER_SECOND = 100_000  # layout pairs whose reshards decode makes and prices per second (a 2x2x2 stack)
 
 
 @dataclass(frozen=True)
@@ -142,7 +146,8 @@ def saturate(
         if stop is not None:
             stopped_by = stop
             break
-    generation = gen.distribute(started + budget.seconds * GENERATION_SHARE, budget.nodes)
+    generation = gen.distribute(started + budget.seconds * GENERATION_SHARE, budget.nodes,
+                                PAIRS_PER_SECOND * budget.seconds * (1 - MOVES_SHARE))
     stopped_in = "rules" if stopped_by != "fixpoint" else "generation" if generation.stopped_by else ""
     if stopped_in == "generation":
         stopped_by = generation.stopped_by
