@@ -97,7 +97,8 @@ def test_generation_stops_before_its_layouts_make_more_reshards_than_pricing_has
     gen.encode()
     gen.refresh()
     stats = gen.distribute(max_pairs=200)
-    assert stats.stopped_by == "seconds" and 0 < stats.runs_left_out
+    assert stats.stopped_by == "seconds" and stats.pairs_capped and 0 < stats.runs_left_out
+    assert stats.layout_pairs == gen.layout_pairs
     assert 200 <= gen.layout_pairs <= 200 + 2 * ENODES_PER_RUN * max(map(len, gen.layouts.values()))
     assert gen.layout_pairs == sum(len(held) * (len(held) - 1) for held in gen.layouts.values())
     _, plan = _plan(gen, graph)

@@ -84,7 +84,9 @@ class SaturationStats:
             parts.append(f"rule rounds stopped by {self.stopped_by} after {len(self.iterations)} rounds")
         if self.generation is not None and self.generation.stopped_by:
             parts.append(f"generation stopped by {self.generation.stopped_by}: {self.generation.runs_left_out} "
-                         f"sharded runs left out")
+                         f"sharded runs left out"
+                         + (f" ({self.generation.layout_pairs:,} layout pairs, more reshards than pricing has time for)"
+                            if self.generation.pairs_capped else ""))
         if self.values_with_few_moves:
             parts.append(f"reshards cut by seconds: {self.values_with_few_moves} values keep only those out of their "
                          f"replicated layout")

@@ -59,6 +59,8 @@ class GenerationStats:
     stopped_by: str  # "" when complete, else "seconds" or "nodes"
     enodes: int
     eclasses: int  # logical classes plus (class, layout) pairs
+    layout_pairs: int = 0  # ordered pairs of one value's layouts, summed: the reshards decode may make
+    pairs_capped: bool = False  # stopped by seconds foreseen: more pairs than pricing had time for (max_pairs)
 
 
 @dataclass
@@ -260,7 +262,7 @@ class Generator:
         size = self.session.size()  # exact after each insert
         limit = math.inf if max_nodes is None else max_nodes
         counts = [self.interner.count(item.sig, sharded=True) for item in todo]
-        stopped_by, sharded_runs, batch = "", 0, []
+        stopped_by, sharded_runs, batch, capped = "", 0, [], False
         for rank in range(max(counts, default=0)):
             for item, count in zip(todo, counts):
                 if rank >= count:
@@ -269,7 +271,8 @@ class Generator:
                     self.session.insert(batch)
                     batch = []
                     size = self.session.size()
-                if time.perf_counter() >= deadline or self.layout_pairs >= max_pairs:
+                capped = self.layout_pairs >= max_pairs
+                if time.perf_counter() >= deadline or capped:
                     stopped_by = "seconds"
                 elif size >= limit:
                     stopped_by = "nodes"
@@ -282,7 +285,8 @@ class Generator:
         self.session.insert(batch + self._links())
         return GenerationStats(time.perf_counter() - started, len(todo), runs + sharded_runs,
                                sum(counts) - sharded_runs, stopped_by,
-                               self.session.size(), len(self.layouts) + sum(map(len, self.layouts.values())))
+                               self.session.size(), len(self.layouts) + sum(map(len, self.layouts.values())),
+                               self.layout_pairs, capped)
 
     def _dequeue(self) -> list[Queued]:
         """The queued nodes, once each under the handles' latest merges; a node whose class a rule equated with a
