@@ -73,8 +73,10 @@ def test_the_ilp_starts_from_the_periodic_plan_when_it_is_cheaper(monkeypatch):
     monkeypatch.setattr(ilp, "_solve", lambda *args: solve(*args) if args[6] else (None, 0.0, False))
     selection = extract_ilp(egraph, 10.0, repeated=repeated)
     assert not validate(egraph, selection)
-    tiled = solved_periodically(egraph, repeated).dag_cost
-    assert selection.dag_cost == pytest.approx(tiled) and tiled < extract_greedy_dag(egraph).dag_cost - 1e-6
+    greedy = extract_greedy_dag(egraph).dag_cost
+    assert solved_periodically(egraph, repeated).dag_cost < greedy - 1e-6, "here a periodic plan beats greedy-dag's"
+    # Not equal to that plan: two optima of the fold can tile to different costs (each at most the fold's).
+    assert selection.dag_cost < greedy - 1e-6, "only the periodic warm start can beat greedy-dag's here"
 
 
 @settings(max_examples=30, deadline=None)
