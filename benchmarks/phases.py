@@ -68,9 +68,9 @@ def main() -> None:
         kernels = Counter(getattr(step, "kernel", "") for step in result.plan.steps)
         print(json.dumps({
             "model": args.model, "mesh": args.mesh, "layers": args.layers, "rules": args.rules or "all",
-            "budget": args.budget, "optimize_s": round(time.perf_counter() - start, 2), "stopped_by": result.stats.stopped_by,
-            "undone": getattr(result.stats, "undone", ""), "enodes": result.stats.enodes,
-            "cost": result.plan.cost, "extractor": args.extractor, "status": result.selection.status,
+            "budget": args.budget, "optimize_s": round(time.perf_counter() - start, 2),
+            "stopped_by": result.stats.stopped_by, "undone": getattr(result.stats, "undone", ""),
+            "enodes": result.stats.enodes, "cost": result.plan.cost, "extractor": args.extractor, "status": result.selection.status,
             "gap": result.selection.gap, "fused_kernels": sum(n for k, n in kernels.items() if k in FUSED),
             "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         }), flush=True)

@@ -6,12 +6,12 @@ distributed layer is generated once for the whole logical e-graph. Splitting
 the phases keeps rule rounds cheap (no distributed layer to rebuild) and means
 fusion and substitution never starve. Budget.seconds runs from the start of
 saturation to the end of pricing: rule rounds stop by RULES_SHARE of it,
-generation by GENERATION_SHARE, making reshards by MOVES_SHARE, and pricing
-(egraph.decode) has the rest: a share of its own, since runs nobody moves
-between and moves nobody priced make no plan better. A
-stopped generation still leaves every node's replicated run, and a stopped
-pricing every reshard that run needs, so a plan always exists
-(docs/cost-models.md, "Budgets").
+generation by GENERATION_SHARE (or once its layouts make more reshards than
+the last share can price), making reshards by MOVES_SHARE, and pricing
+(egraph.decode) has the rest: runs nobody moves between and moves nobody
+priced make no plan better. A stopped generation still leaves every node's
+replicated run, and a stopped pricing every reshard that run needs, so a
+plan always exists (docs/cost-models.md, "Budgets").
 """
 from __future__ import annotations
 

@@ -248,11 +248,10 @@ class Generator:
 
         Every node's replicated run goes in first, whatever the budget, so a plan always exists. Then the sharded
         runs, in rounds: round k adds every node's k-th candidate (`generation_order`: round 0 splits one dim,
-        mostly the batch, over every mesh axis), until `deadline` (a perf_counter time) or `max_nodes`
-        e-nodes, or until the values' layouts make `max_pairs` ordered pairs (reshards to make and price: a
-        4-layer stack on 2x2x2 once got runs in 25,000 e-nodes in a 5 s budget that left no time to price the
-        moves between them, and a plan 6x dearer than from 10,000). A stop thus leaves every node similar choices, which fit together, rather than some nodes all
-        of theirs and the rest none."""
+        mostly the batch, over every mesh axis), until `deadline` (a perf_counter time), `max_nodes` e-nodes, or
+        the values' layouts making `max_pairs` ordered pairs (reshards to make and price; docs/cost-models.md,
+        "Budgets", has the case). A stop thus leaves every node similar choices, which fit together, rather
+        than some nodes all of theirs and the rest none."""
         started = time.perf_counter()
         todo = self._dequeue()
         self.layout_pairs = sum(len(held) * (len(held) - 1) for held in self.layouts.values())
