@@ -148,6 +148,19 @@ def test_a_rule_wrong_only_at_some_dtypes_is_drawn_there_and_fails(line: int, ex
     assert verdict.counterexample.startswith(f"{rule.where}: ") and expected in verdict.counterexample
 
 
+def test_half_precision_rounding_under_cancellation_is_not_a_wrong_rule():
+    """CI drew this case for matmul distributing over add: in bfloat16 the sides differ by 5% of the output
+    (b + c cancels), at float64 they agree. A rule wrong in its algebra still fails at half precision."""
+    rule = next(r for r in SHIPPED if r.where.endswith("substitution.egg:21"))
+    case = rulecheck.Case({"a": (2, 1), "b": (1, 1), "c": (1, 1)}, {}, 2185504,
+                          {"a": "bfloat16", "b": "bfloat16", "c": "bfloat16"})
+    assert rulecheck.disagreement(rule, case) is None
+    (wrong,) = load_rule_file(DATA / "wrong" / "commute.egg").rules
+    drawn = {v: (2, 2) for v in ("a", "b")}
+    half = rulecheck.Case(drawn, {}, 1, dict.fromkeys(drawn, "bfloat16"))
+    assert rulecheck.disagreement(wrong, half) is not None
+
+
 def test_mixed_dtypes_are_drawn(monkeypatch):
     """Over one rule's examples, its two variables get several dtypes, and sometimes different ones."""
     seen = []

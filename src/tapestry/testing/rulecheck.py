@@ -508,8 +508,21 @@ def disagreement(rule: Rule, case: Case) -> str | None:
     for name, expected in expected_all.items():
         why = _differs(left, right, name, got_all[name], expected, case)
         if why is not None:
-            return label[name] + why
+            return None if _rounding_only(rule, case) else label[name] + why
     return None
+
+
+HALF = ("float16", "bfloat16")
+
+
+def _rounding_only(rule: Rule, case: Case) -> bool:
+    """Whether the sides agree once every half-precision input is float64. Half precision's error is relative to
+    the terms a value is summed from, not to the value: a·b + a·c against a·(b + c), with b + c cancelling in
+    bfloat16, differed by 5% of the output (test_rulecheck has the case); that is rounding, not the rule."""
+    if not any(t in HALF for t in case.types.values()):
+        return False
+    wide = replace(case, types={v: "float64" if t in HALF else t for v, t in case.types.items()})
+    return disagreement(rule, wide) is None
 
 
 def _differs(left: Graph, right: Graph, name: str, got: np.ndarray, expected: np.ndarray, case: Case) -> str | None:
