@@ -12,11 +12,12 @@ from blocking import OPTIONAL_ABSENT
 from test_lower import CASES
 
 import tapestry
+from tapestry import dtypes
 from tapestry.cli import main
 from tapestry.demo import seeds_example
 from tapestry.graph import Graph
 from tapestry.lower import AllGather, AllReduce, PlaceBlock, ReduceScatter, ShardCompute, lower
-from tapestry.plan import build_plan
+from tapestry.plan import Plan, build_plan
 from tapestry.runtime import InputError, RankFailure, RunResult, run_plan, run_plans
 from tapestry.runtime.execute import FAULT_ENV, FAULT_EXIT_CODE
 from tapestry.sharding import Mesh
@@ -86,6 +87,38 @@ def test_collectives_on_a_grid_run_among_the_ranks_of_one_axis_and_compute_the_g
         assert groups == {(0, 1), (2, 3)}
     for plan, result in zip(plans, run_plans(plans, nproc=4, compile=False, timeout=120)):
         np.testing.assert_allclose(result.outputs["y"], reference(plan.graph)["y"], rtol=1e-5, atol=1e-5)
+
+
+def _idle_ranks_plan(dtype: str) -> Plan:
+    """On Mesh(2, 2), a [1, ...] value split in rows over the first axis leaves ranks 2 and 3 idle: they join the
+    all_reduce, the all_gather and the gather of values they hold no block of."""
+    g = Graph()
+    x = g.input("x", (1, 8), dtype)
+    if dtype == "bool":
+        both = g.logical_and(x, g.input("y", (1, 8), dtype))
+        g.output("split", both)
+        g.output("whole", g.logical_or(both, x))
+        return build_plan(g, Mesh(2, 2), {"logical_and_0": (0, 1)})
+    m = g.matmul(x, g.input("w", (8, 6), dtype))
+    split = g.add(m, m)
+    g.output("split", split)
+    g.output("gathered", g.add(split, split))
+    g.output("reduced", g.add(m, m))
+    return build_plan(g, Mesh(2, 2), {"matmul_0": (0, 2), "add_0": (0, 1)})
+
+
+def test_ranks_idle_for_a_value_make_their_buffers_in_its_dtype() -> None:
+    """Small integer inputs keep every sum exact, whatever the order: the results must equal the evaluator's."""
+    kinds = ("bfloat16", "float16", "float64", "int64", "int32", "bool")
+    plans = [_idle_ranks_plan(d) for d in kinds]
+    rng = np.random.default_rng(0)
+    inputs = [{n.name: dtypes.cast(rng.integers(-2, 3, n.shape), n.dtype) for n in p.graph.inputs} for p in plans]
+    for kind, plan, given, result in zip(kinds, plans, inputs, run_plans(plans, inputs, compile=False, timeout=120)):
+        want = tapestry.evaluate(plan.graph, given)
+        assert result.outputs.keys() == want.keys()
+        for name, value in want.items():
+            assert result.outputs[name].dtype == value.dtype, (kind, name)
+            np.testing.assert_array_equal(result.outputs[name], value, err_msg=f"{kind} {name}")
 
 
 def test_a_rank_killed_mid_run_is_named_with_its_step_within_the_timeout(monkeypatch) -> None:

@@ -84,7 +84,8 @@ class ShardCompute:
 @dataclass(frozen=True)
 class Comm:
     """Common to every communication step: this rank's source and destination blocks, and the ranks it moves them
-    among (sharding.collectives.reshard_groups), None for the whole mesh. Lists of blocks are in group order."""
+    among (sharding.collectives.reshard_groups), None for the whole mesh. Lists of blocks are in group order.
+    `dtype` is the value's dtype from the plan: a rank holding no block of the source still makes buffers of it."""
 
     step: int
     out: str
@@ -92,6 +93,7 @@ class Comm:
     src_block: Block
     out_block: Block
     group: tuple[int, ...] | None
+    dtype: str
 
     @property
     def kind(self) -> str:
@@ -264,7 +266,7 @@ def _lower_step(index: int, step: Place | Compute | Reshard, plan: Plan, layouts
         return [None if b is None else PlaceBlock(index, step.out, step.input, b) for b in step.layout.blocks]
     if isinstance(step, Compute):
         return [_shard(index, step, rank, layouts, plan.dtypes) for rank in plan.mesh.devices]
-    return _reshard(index, step, layouts, plan.mesh)
+    return _reshard(index, step, layouts, plan.mesh, plan.dtypes)
 
 
 def _shard(index: int, step: Compute, rank: int, layouts: Mapping[str, Layout], dtypes: Mapping[str, str]
@@ -293,17 +295,19 @@ def _read(buffer: str, held: Block, dtype: str, want: ZRange, shape: Shape, wher
     return Read(buffer, inside.translate([-s for s in held.start]), pad, want.shape, dtype, inside == held)
 
 
-def _reshard(index: int, step: Reshard, layouts: Mapping[str, Layout], mesh: Mesh) -> list[RankStep | None]:
+def _reshard(index: int, step: Reshard, layouts: Mapping[str, Layout], mesh: Mesh, dtypes: Mapping[str, str]
+             ) -> list[RankStep | None]:
     if step.src not in layouts:
         raise LoweringError(f"step {index} ({step.out}) reshards {step.src!r}, which no earlier step makes")
     steps: list[RankStep | None] = [None] * mesh.size
+    dtype = dtypes[step.src]
     for group in reshard_groups(step.src_layout, step.layout, step.shape, mesh):
-        for rank, rank_step in zip(group.ranks, _group_steps(index, step, group, mesh)):
+        for rank, rank_step in zip(group.ranks, _group_steps(index, step, group, mesh, dtype)):
             steps[rank] = rank_step
     return steps
 
 
-def _group_steps(index: int, step: Reshard, group: Group, mesh: Mesh) -> list[RankStep | None]:
+def _group_steps(index: int, step: Reshard, group: Group, mesh: Mesh, dtype: str) -> list[RankStep | None]:
     """One group's steps, in its rank order: blocks listed in group order, peers named by global rank."""
     src, dst, ranks = group.src, group.dst, group.ranks
     moves = [Transfer(ranks[t.src], ranks[t.dst], t.region) for t in transfers(src, dst)]
@@ -313,11 +317,11 @@ def _group_steps(index: int, step: Reshard, group: Group, mesh: Mesh) -> list[Ra
     if kind is SendRecv and len(roots) == 1:
         root = roots.pop()
         sizes = tuple(sum(t.region.size for t in moves if t.src == r) for r in ranks)
-        return [Gather(index, step.out, step.src, s, d, members, _pieces(moves, r, "src"), _pieces(moves, r, "dst"),
+        return [Gather(index, step.out, step.src, s, d, members, dtype, _pieces(moves, r, "src"), _pieces(moves, r, "dst"),
                        overlap(s, d), src.partial, root, sizes) for r, s, d in zip(ranks, src.blocks, dst.blocks)]
     steps: list[RankStep | None] = []
     for rank, held, need in zip(ranks, src.blocks, dst.blocks):
-        common = (index, step.out, step.src, held, need, members)
+        common = (index, step.out, step.src, held, need, members, dtype)
         own = overlap(held, need)
         if kind is Local:
             steps.append(None if need is None else Local(*common))

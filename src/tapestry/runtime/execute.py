@@ -332,16 +332,16 @@ def _at(region: ZRange, block: ZRange) -> tuple[slice, ...]:
     return region.relative_to(block)
 
 
-def _zeros(block: Block, like: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    dtype = like.dtype if like is not None else torch.float32
-    return torch.zeros(() if block is None else block.shape, dtype=dtype, device=device)
+def _zeros(block: Block, step: Comm, device: torch.device) -> torch.Tensor:
+    """Zeros of the step's value dtype (from the plan): a rank holding no block has no tensor to copy it from."""
+    return torch.zeros(() if block is None else block.shape, dtype=_dtype(step), device=device)
 
 
 def _local(step: Local, src: torch.Tensor | None, device: torch.device, group: Group) -> torch.Tensor:
     assert step.out_block is not None
     if src is not None and step.src_block is not None and step.src_block.contains(step.out_block):
         return src[_at(step.out_block, step.src_block)]
-    out = _zeros(step.out_block, src, device)  # partial source: cells no device holds are zero
+    out = _zeros(step.out_block, step, device)  # partial source: cells no device holds are zero
     _copy_overlap(out, step.out_block, src, step.src_block)
     return out
 
@@ -358,12 +358,12 @@ def _padded(blocks: tuple[Block, ...]) -> int:
 
 def _all_gather(step: AllGather, src: torch.Tensor | None, device: torch.device, group: Group) -> torch.Tensor:
     size = _padded(step.blocks)
-    flat = _zeros(ZRange.from_shape((size,)), src, device)
+    flat = _zeros(ZRange.from_shape((size,)), step, device)
     if src is not None:
         flat[: src.numel()] = src.reshape(-1)
     gathered = [torch.empty_like(flat) for _ in step.blocks]
     dist.all_gather(gathered, flat, group=group)
-    out = _zeros(step.out_block, src, device)
+    out = _zeros(step.out_block, step, device)
     for piece in step.take:
         block = step.blocks[step.member(piece.peer)]
         assert block is not None and step.out_block is not None
@@ -373,7 +373,7 @@ def _all_gather(step: AllGather, src: torch.Tensor | None, device: torch.device,
 
 
 def _all_reduce(step: AllReduce, src: torch.Tensor | None, device: torch.device, group: Group) -> torch.Tensor:
-    buf = src.clone() if src is not None else _zeros(step.region, None, device)
+    buf = src.clone() if src is not None else _zeros(step.region, step, device)
     dist.all_reduce(buf, group=group)
     return buf
 
@@ -382,11 +382,11 @@ def _reduce_scatter(step: ReduceScatter, src: torch.Tensor | None, device: torch
     size = _padded(step.out_blocks)
     contributions = []
     for block in step.out_blocks:
-        part = _zeros(block, src, device)
+        part = _zeros(block, step, device)
         if block is not None:
             _copy_overlap(part, block, src, step.src_block)
         contributions.append(F.pad(part.reshape(-1), (0, size - part.numel())))
-    out = torch.empty_like(contributions[0]) if contributions else _zeros(None, src, device)
+    out = torch.empty_like(contributions[0]) if contributions else _zeros(None, step, device)
     dist.reduce_scatter(out, contributions, group=group)
     return out[: math.prod(step.out_block.shape)].view(step.out_block.shape) if step.out_block else out
 
@@ -398,22 +398,22 @@ def _exchange(step: Exchange, src: torch.Tensor | None, device: torch.device, gr
     if isinstance(step, Gather):
         incoming = _gather(step, outgoing[step.member(step.root)], src, device, group)
     elif isinstance(step, AllToAll):
-        received = torch.empty(sum(counts), dtype=_dtype(src), device=device)
+        received = torch.empty(sum(counts), dtype=_dtype(step), device=device)
         dist.all_to_all_single(received, torch.cat(outgoing), counts, [t.numel() for t in outgoing], group=group)
         incoming = list(received.split(counts))
     else:
-        incoming = [torch.empty(n, dtype=_dtype(src), device=device) for n in counts]
+        incoming = [torch.empty(n, dtype=_dtype(step), device=device) for n in counts]
         ops = [dist.P2POp(dist.isend, t, peer, group) for peer, t in zip(members, outgoing) if t.numel()]
         ops += [dist.P2POp(dist.irecv, t, peer, group) for peer, t in zip(members, incoming) if t.numel()]
         for request in dist.batch_isend_irecv(ops) if ops else []:
             request.wait()
     if step.out_block is None:
-        return _zeros(None, src, device)
+        return _zeros(None, step, device)
     covered = (step.local.size if step.local is not None else 0) + sum(p.region.size for p in step.recv)
     if not step.accumulate and covered == step.out_block.size:  # disjoint pieces fill it: no need to zero it
-        out = torch.empty(step.out_block.shape, dtype=_dtype(src), device=device)
+        out = torch.empty(step.out_block.shape, dtype=_dtype(step), device=device)
     else:
-        out = _zeros(step.out_block, src, device)
+        out = _zeros(step.out_block, step, device)
     if step.local is not None:
         out[_at(step.local, step.out_block)] = src[_at(step.local, step.src_block)]
     offsets = [0] * len(members)
@@ -429,8 +429,8 @@ def _exchange(step: Exchange, src: torch.Tensor | None, device: torch.device, gr
     return out
 
 
-def _dtype(like: torch.Tensor | None) -> torch.dtype:
-    return like.dtype if like is not None else torch.float32
+def _dtype(step: Comm) -> torch.dtype:
+    return dtypes.to_torch(step.dtype)
 
 
 def _gather(step: Gather, sending: torch.Tensor, src: torch.Tensor | None, device: torch.device, group: Group
@@ -448,7 +448,7 @@ def _pack(step: Exchange, src: torch.Tensor | None, peer: int, device: torch.dev
     parts = [src[_at(p.region, step.src_block)].reshape(-1) for p in step.send if p.peer == peer]
     if len(parts) == 1:
         return parts[0].contiguous()  # no copy when the region is contiguous in the block (whole blocks, rows)
-    return torch.cat(parts) if parts else _zeros(ZRange.from_shape((0,)), src, device)
+    return torch.cat(parts) if parts else _zeros(ZRange.from_shape((0,)), step, device)
 
 
 _COMMS: dict[type, Callable[[Comm, torch.Tensor | None, torch.device, Group], torch.Tensor]] = {
