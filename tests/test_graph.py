@@ -62,6 +62,17 @@ def test_duplicate_names_are_rejected():
         g.input("x", (3,))
 
 
+@pytest.mark.parametrize("name", ["../x", "/tmp/x", "a/b", ".hidden", "", "a b", "x\\y"])
+def test_output_names_that_could_be_paths_are_refused_by_the_builder_and_in_json(name):
+    g = seeds_example()
+    with pytest.raises(GraphError, match="output .* is not an identifier"):
+        g.output(name, "relu_0")
+    data = graph_to_json(seeds_example())
+    data["outputs"] = {name: "relu_0"}
+    with pytest.raises(GraphError, match="output .* is not an identifier"):
+        graph_from_json(data, "g.json")
+
+
 def test_json_round_trip():
     g = seeds_example()
     assert graph_from_json(json.loads(json.dumps(graph_to_json(g)))) == g

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -330,6 +331,22 @@ def test_plans_round_trip_through_json():
     again = Plan.from_json(json.loads(json.dumps(plan.to_json())))
     assert again == plan
     assert_plan_computes_graph(again)
+
+
+@pytest.mark.parametrize("name", ["../escaped", "/tmp/escaped", "sub/x"])
+def test_a_plan_file_whose_output_name_is_a_path_is_refused_and_run_writes_nothing(tmp_path, capsys, name):
+    data = build_plan(seeds_example(), Mesh(2), {"lin": (0,), "act": (0,)}).to_json()
+    data["outputs"] = {name: data["outputs"]["y"]}
+    with pytest.raises(ValueError, match="output .* is not an identifier"):
+        Plan.from_json(data, "plan.json")
+    data["graph"]["outputs"] = {name: data["graph"]["outputs"]["y"]}
+    with pytest.raises(ValueError, match=r"plan\.json: .*output .* is not an identifier"):
+        Plan.from_json(data, "plan.json")
+    path, saved = tmp_path / "plan.json", tmp_path / "deep" / "out"
+    path.write_text(json.dumps(data))
+    assert main(["run", str(path), "--no-compile", "--save-outputs", str(saved)]) == 2
+    assert "is not an identifier" in capsys.readouterr().err
+    assert not any(p.suffix == ".npy" for p in tmp_path.rglob("*")) and not list(Path("/tmp").glob("escaped*"))
 
 
 def test_explain_lists_every_step_with_its_layouts_and_communication():

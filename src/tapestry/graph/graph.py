@@ -25,6 +25,14 @@ class GraphError(ValueError):
     """An invalid graph: the message names the op and input at fault."""
 
 
+def check_name(name: object, what: str = "name") -> str:
+    """`name` if it is an identifier (module paths like "0.weight" included), else GraphError: names become file
+    names (`tapestry run --save-outputs DIR` writes DIR/NAME.npy), so "../x" or "/tmp/x" must never pass."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise GraphError(f"{what} {name!r} is not an identifier (letters, digits, '_' and '.', not starting with '.')")
+    return name
+
+
 @dataclass(frozen=True)
 class Value:
     """A handle on a node's result, returned by the builder methods."""
@@ -119,6 +127,7 @@ class Graph:
         return Value(label, sig.output_shape, sig.dtype)
 
     def output(self, name: str, value: Value | str) -> None:
+        check_name(name, "output")
         target = value.name if isinstance(value, Value) else value
         if target not in self._nodes:
             raise GraphError(f"output {name!r} refers to {target!r}, which is not defined")
@@ -181,8 +190,7 @@ class Graph:
         return f"{op}_{count}"
 
     def _check_new_name(self, name: str) -> None:
-        if not _NAME.match(name):
-            raise GraphError(f"name {name!r} is not an identifier")
+        check_name(name)
         if name in self._nodes:
             raise GraphError(f"name {name!r} is defined twice")
 

@@ -14,7 +14,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from tapestry.graph import Graph, GraphError, graph_from_json, graph_to_json
+from tapestry.graph import Graph, GraphError, check_name, graph_from_json, graph_to_json
 from tapestry.kernels import Params, Shape, Signature, get_kernel
 from tapestry.sharding import Block, Layout, Mesh
 from tapestry.sharding.partition import Partition, needed_layout, output_layout
@@ -101,6 +101,8 @@ class Plan:
 
     def __post_init__(self) -> None:
         self.graph.check_plannable()
+        for name in self.outputs:
+            check_name(name, "plan output")
 
     @cached_property
     def by_id(self) -> dict[str, Step]:

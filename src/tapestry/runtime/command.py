@@ -17,7 +17,7 @@ from rich.table import Table
 
 import tapestry
 from tapestry.cost import DefaultCostModel, load_profile, run_costs
-from tapestry.graph import Graph
+from tapestry.graph import Graph, check_name
 from tapestry.kernels import DimKind
 from tapestry.lower import lower
 from tapestry.plan import Plan, build_plan
@@ -118,7 +118,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.save_outputs:
         args.save_outputs.mkdir(parents=True, exist_ok=True)
         for name, array in result.outputs.items():
-            np.save(args.save_outputs / f"{name}.npy", array)
+            np.save(args.save_outputs / f"{check_name(name, 'output')}.npy", array)  # never a path out of the folder
     if args.profile:
         Console().print(profile_table(plan, result, args.cost_profile))
     if args.verify:
