@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import tapestry
@@ -72,3 +73,21 @@ def test_prove_command_exits_0_when_proven_and_1_when_not(tmp_path: Path):
                           str(tmp_path / "b.json")], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout.splitlines()[-1])["proven"] is True
+
+
+def _plus_constant(values: list[float], name: str = "c") -> Graph:
+    g = Graph()
+    g.output("y", g.add(g.input("x", (3,)), g.constant(name, np.array(values, np.float32))))
+    return g
+
+
+def test_constants_are_part_of_what_is_proven():
+    assert not tapestry.equivalent(_plus_constant([1, 2, 3]), _plus_constant([100, 200, 300]))
+    assert not tapestry.equivalent(_plus_constant([1, 2, 3]), _plus_constant([1, 2, 4]))
+    assert tapestry.equivalent(_plus_constant([1, 2, 3]), _plus_constant([1, 2, 3]))
+
+
+def test_a_constant_is_not_proven_equal_to_a_free_input_of_the_same_name():
+    free = Graph()
+    free.output("y", free.add(free.input("x", (3,)), free.input("c", (3,))))
+    assert not tapestry.equivalent(_plus_constant([1, 2, 3]), free)

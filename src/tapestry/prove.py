@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from tapestry.egraph.driver import Budget, saturate
 from tapestry.egraph.rules import BUILTIN_DIR, TASO_DIR, load_rules
 from tapestry.graph import Graph, GraphError, load_graph
@@ -54,13 +56,28 @@ def _check_same_interface(a: Graph, b: Graph) -> None:
         raise GraphError("the graphs have no outputs to compare")
 
 
+def _same_input(a: Graph, b: Graph, name: str) -> bool:
+    """One leaf for both programs only when the input means the same in both: a free input in both, or a constant
+    with the same values in both (a constant's value is part of the program: x + [1, 2, 3] is not x + [4, 5, 6])."""
+    ca, cb = a.constants.get(name), b.constants.get(name)
+    if ca is None or cb is None:
+        return ca is None and cb is None
+    return ca.dtype == cb.dtype and np.array_equal(ca, cb, equal_nan=ca.dtype.kind == "f")
+
+
 def _joined(a: Graph, b: Graph) -> Graph:
-    """One graph holding both programs over the shared inputs; ops and outputs prefixed a. and b."""
+    """One graph holding both programs over the shared inputs; ops and outputs prefixed a. and b., and so are the
+    inputs that mean different things in the two (constants with different values: leaves the rules cannot equate)."""
     joined = Graph()
-    for node in a.inputs:
-        joined.input(node.name, node.shape, node.dtype)
+    shared = [n.name for n in a.inputs if _same_input(a, b, n.name)]  # in the graph's order: no hash-seed order
+    for name in shared:
+        joined.input(name, a[name].shape, a[name].dtype)
     for prefix, graph in (("a", a), ("b", b)):
-        rename = {n.name: n.name for n in graph.inputs} | {n.name: f"{prefix}.{n.name}" for n in graph.ops}
+        rename = {n.name: n.name if n.name in shared else f"{prefix}.{n.name}" for n in graph.inputs}
+        for node in graph.inputs:
+            if node.name not in shared:
+                joined.input(rename[node.name], node.shape, node.dtype)
+        rename |= {n.name: f"{prefix}.{n.name}" for n in graph.ops}
         for node in graph.ops:
             joined.op(node.op, *(rename[x] for x in node.args), name=rename[node.name], **dict(node.params))
         for name, target in graph.outputs.items():
