@@ -20,6 +20,7 @@ from tapestry.plan import Compute, Place, Plan, Reshard
 from tapestry.plan.simulate import simulate
 from tapestry.plan.validate import validate_plan
 from tapestry.sharding import Mesh
+from tapestry import verify
 from tapestry.verify import PlanMeaningError, error
 
 
@@ -249,6 +250,37 @@ def test_optimize_refuses_a_plan_that_computes_something_else(tmp_path):
     g.output("y", g.relu(g.exp(g.input("x", (3, 3, 2, 2)))))
     with pytest.raises(PlanMeaningError, match=r"output 'y': max abs err .* \(tolerance 0.001\)"):
         optimize(g, 2, rules=[tmp_path])
+
+
+def test_a_wrong_rule_is_caught_on_a_graph_too_large_to_simulate_whole(tmp_path):
+    """Above verify.CHECK_CELLS the plan's ops and the graph's compute sampled lines of the output from only the
+    cells those need: a rule that drops a relu still fails."""
+    (tmp_path / "wrong.egg").write_text("(rewrite (Relu (Relu x)) x)\n")
+    g = tapestry.Graph()
+    g.output("y", g.relu(g.relu(g.input("x", (1100, 1000)))))
+    assert verify.cells(g) > verify.CHECK_CELLS
+    with pytest.raises(PlanMeaningError, match=r"at 4 sampled line\(s\) of each output.*output 'y': max abs err"):
+        optimize(g, 2, rules=[tmp_path])
+    result = optimize(g, 2)
+    assert result.meaning_check.startswith("sampled: 4 line(s)") and "meaning: sampled" in result.explain()
+
+
+def test_a_plan_too_large_to_check_even_by_samples_says_so_loudly(monkeypatch):
+    monkeypatch.setattr(verify, "CHECK_CELLS", 0)
+    monkeypatch.setattr(verify, "SAMPLE_WORK", 1)
+    with pytest.warns(UserWarning, match="the plan's meaning was NOT CHECKED"):
+        result = optimize(seeds_example(8, 4, 6), 2)
+    assert result.meaning_check.startswith("NOT CHECKED") and "meaning: NOT CHECKED" in result.explain()
+
+
+def test_a_float32_output_computed_through_bfloat16_is_judged_at_bfloat16s_tolerance():
+    """Split-K partial sums of a bfloat16 matmul, cast to float32: bfloat16's rounding, not float32's."""
+    g = Graph()
+    x, w = g.input("x", (4, 8192), "bfloat16"), g.input("w", (8192, 4), "bfloat16")
+    g.output("y", g.cast(g.matmul(x, w), dtype="float32"))
+    result = optimize(g, Mesh(4), memory_budget=40000)
+    assert verify.compare(simulate(result.plan, tapestry.random_inputs(g)), tapestry.evaluate(
+        g, tapestry.random_inputs(g)), g, result.plan)["y"].tolerance == verify.TOLERANCE["bfloat16"]
 
 
 @pytest.mark.parametrize(("got", "want", "ok"), [

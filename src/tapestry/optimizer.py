@@ -46,7 +46,7 @@ from tapestry.plan import Place, Plan
 from tapestry.plan.explain import explain as explain_plan
 from tapestry.plan.validate import validate_plan
 from tapestry.sharding import Layout, Mesh
-from tapestry.verify import CHECK_CELLS, cells, check_meaning
+from tapestry.verify import meaning_check
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,12 @@ class OptimizeResult:
         """Most bytes any one device holds at once."""
         return max(peak_memory(self.plan))
 
+    @property
+    def meaning_check(self) -> str:
+        """How the plan was checked against the graph's meaning (verify.meaning_check): "simulated on every
+        device", "sampled: ...", or "NOT CHECKED: ..." (with a warning) when even one sampled cell was too big."""
+        return str(self.plan.notes.get("meaning_check", "NOT CHECKED"))
+
     def explain(self) -> str:
         """The plan step by step, each compute with the graph op or rule that produced its kernel."""
         head = [
@@ -69,6 +75,7 @@ class OptimizeResult:
             f"peak {self.peak_memory:,} bytes per device ({self.selection.extractor}, {self.selection.status})",
             f"saturation: {len(self.stats.iterations)} iterations, {self.stats.enodes} e-nodes, "
             f"stopped by {self.stats.stopped_by}" + (f" ({self.stats.undone})" if self.stats.undone else ""),
+            f"meaning: {self.meaning_check}",
         ]
         return "\n".join(head) + "\n" + explain_plan(self.plan)
 
@@ -197,8 +204,8 @@ class Explored:
         unsteady = steady_violations(plan, carried)
         if unsteady:
             raise AssertionError(f"extractor {extractor} broke steady state: {unsteady[0]}")
-        if cells(self.graph) <= CHECK_CELLS:
-            check_meaning(plan)  # a rule that passed check-rules can still be wrong where it was not drawn
+        # a rule that passed check-rules can still be wrong where it was not drawn
+        plan = replace(plan, notes={**plan.notes, "meaning_check": meaning_check(plan)})
         return plan, selection
 
     def _overlap_split(self) -> tuple[frozenset[int], frozenset[int]]:
