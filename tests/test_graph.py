@@ -78,6 +78,18 @@ def test_json_round_trip():
     assert graph_from_json(json.loads(json.dumps(graph_to_json(g)))) == g
 
 
+def test_example_values_of_inputs_round_trip_through_json_and_feed_random_inputs():
+    g = Graph()
+    offsets = g.input("offsets", (3,), "int64")
+    g.output("y", g.add_scalar(offsets, value=1))
+    g.example("offsets", np.array([0, 2, 5]))
+    again = graph_from_json(json.loads(json.dumps(graph_to_json(g))))
+    assert again == g and again.examples["offsets"].dtype == np.int64
+    np.testing.assert_array_equal(tapestry.random_inputs(again, seed=7)["offsets"], [0, 2, 5])
+    with pytest.raises(GraphError, match=r"example: input 'offsets' has shape \[3\], the value \[2\]"):
+        g.example("offsets", np.array([0, 1]))
+
+
 def test_json_ops_may_come_in_any_order():
     data = graph_to_json(seeds_example())
     data["ops"].reverse()

@@ -197,3 +197,26 @@ def test_alpha_scales_the_second_operand_of_add_sub_and_rsub():
     assert not imp.opaque
     np.testing.assert_allclose(imp.outputs(evaluate(imp.graph, imp.inputs(x, y)))[0], Scaled()(x, y).numpy(),
                                rtol=1e-6, atol=1e-6)
+
+
+class _Bags(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag, self.lin = torch.nn.EmbeddingBag(20, 8, mode="sum"), torch.nn.Linear(8, 4)
+
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(self.bag(ids, offsets)))
+
+
+def test_the_meaning_check_uses_the_example_offsets_an_embedding_bag_was_imported_with():
+    """Random offsets break EmbeddingBag's contract (offsets[0] == 0, rising): integer inputs are checked with
+    the example values given to from_torch, which the graph carries."""
+    torch.manual_seed(0)
+    module = _Bags().eval()
+    args = (torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 3, 5, 6]))
+    imported = from_torch(module, args, verbose=False)
+    assert sorted(imported.graph.examples) == ["ids", "offsets"]
+    result = tapestry.optimize(imported.graph, 2)
+    assert result.meaning_check == "simulated on every device"
+    got = imported.outputs(simulate(result.plan, imported.inputs(*args)))
+    assert_matches(got, module_outputs(module, args, {}))

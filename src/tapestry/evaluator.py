@@ -98,19 +98,21 @@ def evaluate(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, np.nda
 
 
 def random_inputs(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
-    """Inputs reproducible from `seed`: the graph's constants as they are, standard-normal floats, random
-    booleans, and integers that index every table they are used to index (an embedding's rows), else in [0, 4)."""
+    """Inputs reproducible from `seed`: the graph's constants and example values (`Graph.example`) as they are,
+    standard-normal floats, random booleans, and integers that index every table they are used to index (an
+    embedding's rows), else in [0, 4)."""
     rng = np.random.default_rng(seed)
     values = {}
+    given = {**graph.examples, **graph.constants}
     for node in graph.inputs:
-        if node.name in graph.constants:
-            values[node.name] = graph.constants[node.name]
+        if node.name in given:
+            values[node.name] = given[node.name]
         else:
-            values[node.name] = dtypes.random_array(rng, node.shape, node.dtype, _index_bound(graph, node.name))
+            values[node.name] = dtypes.random_array(rng, node.shape, node.dtype, index_bound(graph, node.name))
     return values
 
 
-def _index_bound(graph: Graph, name: str) -> int | None:
+def index_bound(graph: Graph, name: str) -> int | None:
     """The tightest index bound among the ops that read input `name`."""
     bounds = [graph.signature(op.name).index_bound(slot)
               for op in graph.ops for slot, arg in enumerate(op.args) if arg == name]

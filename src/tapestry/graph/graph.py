@@ -76,6 +76,7 @@ class Graph:
         self.constants: dict[str, np.ndarray] = {}  # inputs whose value is part of the program (folded masks)
         self.carried: dict[str, str] = {}  # output -> the input it becomes at the next step (see `carry`)
         self.static: set[str] = set()  # inputs whose value stays fixed across runs (inference weights)
+        self.examples: dict[str, np.ndarray] = {}  # example values of inputs (see `example`)
 
     # -- building ------------------------------------------------------------------------------
     def input(self, name: str, shape: Shape, dtype: str = "float32", static: bool = False) -> Value:
@@ -98,6 +99,17 @@ class Graph:
         handle = self.input(name, array.shape, dtypes.name_of(array.dtype))
         self.constants[name] = array
         return handle
+
+    def example(self, name: str, value: np.ndarray) -> None:
+        """An example value of input `name`, which checks (tapestry.random_inputs, optimize()'s meaning check) use
+        instead of random draws: an op may have a contract random values break (EmbeddingBag's offsets start at 0
+        and rise). The importer records the example values of integer inputs."""
+        if name not in self._nodes or not self._nodes[name].is_input:
+            raise GraphError(f"example: {name!r} is not an input of the graph")
+        node, array = self._nodes[name], np.asarray(value)
+        if array.shape != node.shape:
+            raise GraphError(f"example: input {name!r} has shape {list(node.shape)}, the value {list(array.shape)}")
+        self.examples[name] = dtypes.cast(array, node.dtype)
 
     def op(self, op: str, *args: Value | str, name: str | None = None, **params: Any) -> Value:
         """Apply kernel `op` to earlier values; the generic form of g.<kernel>(...)."""
@@ -173,6 +185,7 @@ class Graph:
             del self._nodes[name]
             self._signatures.pop(name, None)
             self.constants.pop(name, None)
+            self.examples.pop(name, None)
             self.static.discard(name)
 
     def __getattr__(self, op: str) -> Any:
@@ -246,4 +259,6 @@ class Graph:
         return (isinstance(other, Graph) and self.nodes == other.nodes and self.outputs == other.outputs
                 and self.static == other.static
                 and self.constants.keys() == other.constants.keys()
-                and all(np.array_equal(v, other.constants[k]) for k, v in self.constants.items()))
+                and all(np.array_equal(v, other.constants[k]) for k, v in self.constants.items())
+                and self.examples.keys() == other.examples.keys()
+                and all(np.array_equal(v, other.examples[k]) for k, v in self.examples.items()))

@@ -25,10 +25,14 @@ def graph_to_json(graph: Graph) -> dict[str, Any]:
         "outputs": dict(graph.outputs),
         **({"carried": dict(graph.carried)} if graph.carried else {}),
         **({"static": sorted(graph.static)} if graph.static else {}),
-        "constants": {name: {"dtype": dtypes.name_of(v.dtype), "values": v.astype(np.float64).tolist()
-                             if v.dtype == dtypes.to_numpy("bfloat16") else v.tolist()}
-                      for name, v in graph.constants.items()},
+        "constants": {name: _array_json(v) for name, v in graph.constants.items()},
+        **({"examples": {name: _array_json(v) for name, v in graph.examples.items()}} if graph.examples else {}),
     }
+
+
+def _array_json(value: np.ndarray) -> dict[str, Any]:
+    plain = value.astype(np.float64) if value.dtype == dtypes.to_numpy("bfloat16") else value
+    return {"dtype": dtypes.name_of(value.dtype), "values": plain.tolist()}
 
 
 def _plain(value: Any) -> Any:
@@ -75,6 +79,8 @@ def graph_from_json(data: dict[str, Any], source: str = "<json>") -> Graph:
                 raise GraphError(f"constant {name!r}: {spec['dtype']}{list(value.shape)} does not match its input "
                                  f"{graph[name].dtype}{list(graph[name].shape)}")
             graph.constants[name] = value
+        for name, spec in data.get("examples", {}).items():
+            graph.example(name, dtypes.cast(np.array(spec["values"]), spec["dtype"]))
         return graph
     except KeyError as err:
         raise GraphError(f"{source}: missing key {err}") from None

@@ -108,6 +108,15 @@ def _carried(previous: Mapping[str, Any]) -> dict[str, Any]:
     return carried
 
 
+def _record_examples(imported: TorchImport, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    """The example values of integer and bool inputs go into the graph (Graph.example): offsets, indices and
+    masks have contracts random draws break (EmbeddingBag's offsets start at 0), so checks use these instead."""
+    graph = imported.graph
+    for name, value in imported.inputs(*args, **kwargs).items():
+        if not dtypes.is_float(graph[name].dtype) and name not in graph.constants:
+            graph.example(name, value)
+
+
 def from_torch(module: torch.nn.Module, args: tuple[Any, ...] | Any = (), kwargs: dict[str, Any] | None = None,
                *, training: Training | None = None, strict: bool = False, verbose: bool = True) -> TorchImport:
     """Import `module` as called with `args`/`kwargs`: its forward (as it is: call .eval() for inference), or with
@@ -121,6 +130,7 @@ def from_torch(module: torch.nn.Module, args: tuple[Any, ...] | Any = (), kwargs
     else:
         translation = translate_program(export(module, args, dict(kwargs or {})), strict)
     imported = TorchImport(module, translation, training)
+    _record_examples(imported, args, kwargs or {})
     if verbose:
         print(imported.summary(), file=sys.stderr)
     return imported
