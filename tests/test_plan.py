@@ -349,6 +349,27 @@ def test_a_plan_file_whose_output_name_is_a_path_is_refused_and_run_writes_nothi
     assert not any(p.suffix == ".npy" for p in tmp_path.rglob("*")) and not list(Path("/tmp").glob("escaped*"))
 
 
+@pytest.mark.parametrize("edit", [
+    {"kernel": "linear_gelu"},  # another kernel of the same signature
+    {"params": {"value": 2.0}},  # another parameter
+])
+def test_a_plan_edited_to_compute_something_else_is_refused_naming_the_step_and_the_file(tmp_path, capsys, edit):
+    g = Graph()
+    x, w, b = g.input("x", (16, 8)), g.input("w", (8, 6)), g.input("b", (6,))
+    made = g.linear_relu(x, w, b) if "kernel" in edit else g.add_scalar(g.linear(x, w, b), value=1.0)
+    g.output("y", made)
+    data = build_plan(g, Mesh(2), {}).to_json()
+    step = data["steps"][-1]
+    step.update(edit)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    for command in (["explain", str(path)], ["run", str(path), "--no-compile"]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert f"{path}: the plan does not compute its graph" in err
+        assert f"the first step computing a value the graph does not: step {step['out']} (compute {step['kernel']})" in err
+
+
 def test_explain_lists_every_step_with_its_layouts_and_communication():
     plan = build_plan(seeds_example(), Mesh(4), {"lin": (0,), "act": (1,)})
     text = explain(plan)

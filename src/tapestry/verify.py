@@ -159,19 +159,55 @@ def check_inputs(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
 
 def check_meaning(plan: Plan, seed: int = 0) -> None:
     """Simulate `plan` device by device on the check inputs and compare with the reference evaluator; raise
-    PlanMeaningError naming each output that differs. Cheap on small graphs; the caller decides which."""
+    PlanMeaningError naming each output that differs, and the first step that computes a value the graph does
+    not. Cheap on small graphs; the caller decides which."""
     from tapestry.evaluator import evaluate
     from tapestry.plan.simulate import simulate
 
     inputs = check_inputs(plan.graph, seed)
-    _raise_wrong(compare(simulate(plan, inputs), evaluate(plan.graph, inputs), plan.graph, plan), "")
+    errors = compare(simulate(plan, inputs), evaluate(plan.graph, inputs), plan.graph, plan)
+    if not all(err.ok for err in errors.values()):
+        _raise_wrong(errors, "", first_strange_step(plan, inputs))
 
 
-def _raise_wrong(errors: Mapping[str, Error], how: str) -> None:
+def _raise_wrong(errors: Mapping[str, Error], how: str, step: str | None = None) -> None:
     wrong = [f"output {name!r}: {err} (tolerance {err.tolerance:g})" for name, err in errors.items() if not err.ok]
     if wrong:
-        raise PlanMeaningError(f"the chosen plan does not compute the graph{how} (a wrong rule? run `tapestry "
-                               "check-rules`): " + "; ".join(wrong))
+        at = f"; the first step computing a value the graph does not: {step}" if step else ""
+        raise PlanMeaningError(f"the plan does not compute its graph{how} (a wrong rule? run `tapestry "
+                               "check-rules`; an edited plan?): " + "; ".join(wrong) + at)
+
+
+def first_strange_step(plan: Plan, inputs: Mapping[str, np.ndarray]) -> str | None:
+    """The first compute step, in plan order, whose value equals (to tolerance) none of the graph's values though
+    all its arguments do: where a plan that computes something else most likely goes wrong (a rewritten plan can
+    hold values the graph lacks, so this names a suspect, not a proof)."""
+    graph = plan.graph
+    by_shape: dict[tuple[Shape, str], list[np.ndarray]] = {}
+    for name, array in _values(_Program.of_graph(graph), inputs).items():
+        by_shape.setdefault((array.shape, graph[name].dtype), []).append(array)
+    program = _Program.of_plan(plan)
+    known = set(program.inputs)
+    values = _values(program, inputs)
+    for op in program.ops:
+        if not all(a in known for a in op.args):
+            continue
+        judged, got = precision(program.dtypes_upstream(op.name), op.sig.dtype), values[op.name]
+        if any(error(got, want, judged).ok for want in by_shape.get((got.shape, op.sig.dtype), [])):
+            known.add(op.name)
+        else:
+            return f"step {op.name} (compute {op.sig.kernel.name})"
+    return None
+
+
+def _values(program: _Program, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every value of `program`, each op run whole (as tapestry.evaluate runs them)."""
+    from tapestry.evaluator import run_sharded
+
+    values = {name: dtypes.cast(inputs[name], dtype) for name, (_, dtype) in program.inputs.items()}
+    for op in program.ops:
+        values[op.name] = run_sharded(op.sig, [values[a] for a in op.args], [op.sig.index])
+    return values
 
 
 def meaning_check(plan: Plan, seed: int = 0) -> str:
@@ -189,7 +225,7 @@ def meaning_check(plan: Plan, seed: int = 0) -> str:
         return f"sampled: {checked} line(s) of each output computed by the plan's ops and by the graph"
     note = (f"NOT CHECKED: the graph holds {cells(plan.graph):,} cells, and no sampled line of output cells can be computed within "
             f"{SAMPLE_WORK:,} index points")
-    warnings.warn(f"tapestry.optimize: the plan's meaning was {note}", stacklevel=3)
+    warnings.warn(f"the plan's meaning was {note}", stacklevel=3)
     return note
 
 

@@ -29,8 +29,10 @@ def validate_plan(plan: Plan) -> None:
 
 def validate_loaded(plan: Plan, source: str) -> None:
     """Check a plan read from a file before explaining or running it: an edited plan fails here, naming each
-    step at fault, instead of with a KeyError deep inside. The checks need islpy; where it is missing (a node
-    that only runs plans) they are skipped and lowering's own checks remain."""
+    step at fault, instead of with a KeyError deep inside; then its meaning against its graph (verify.meaning_check:
+    simulated whole when small, sampled output lines when large), so a step edited to compute something else is
+    refused too. The checks need islpy; where it is missing (a node that only runs plans) they are skipped and
+    lowering's own checks remain."""
     try:
         if importlib.util.find_spec("islpy") is None:
             return
@@ -39,6 +41,12 @@ def validate_loaded(plan: Plan, source: str) -> None:
     problems = plan_problems(plan)
     if problems:
         raise PlanError(f"{source}: invalid plan ({len(problems)} problem(s)):\n  " + "\n  ".join(problems))
+    from tapestry.verify import PlanMeaningError, meaning_check  # verify builds on this module
+
+    try:  # a valid plan may still compute something else: a kernel edited into another (linear_relu -> linear_gelu)
+        meaning_check(plan)
+    except PlanMeaningError as err:
+        raise PlanError(f"{source}: {err}") from None
 
 
 def plan_problems(plan: Plan) -> list[str]:
