@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import tapestry
+from tapestry import verify
 from tapestry.graph import Graph, GraphError, graph_from_json, graph_to_json, load_graph, save_graph
 from tapestry.graph.render import graph_to_dot
 
@@ -71,6 +72,20 @@ def test_output_names_that_could_be_paths_are_refused_by_the_builder_and_in_json
     data["outputs"] = {name: "relu_0"}
     with pytest.raises(GraphError, match="output .* is not an identifier"):
         graph_from_json(data, "g.json")
+
+
+def test_a_shape_of_fractions_is_refused_not_truncated():
+    with pytest.raises(GraphError, match=r"input 'x': shape \[8.9, 6\] is not whole numbers"):
+        Graph().input("x", [8.9, 6])
+    data = {"inputs": [{"name": "x", "shape": [8.9, 6]}], "ops": [], "outputs": {"y": "x"}}
+    with pytest.raises(GraphError, match=r"g.json: input 'x': shape \[8.9, 6\] is not whole numbers"):
+        graph_from_json(data, "g.json")
+
+
+def test_cells_counts_huge_shapes_exactly():
+    g = Graph()
+    g.output("y", g.relu(g.input("x", (2**40, 2**40))))
+    assert verify.cells(g) == 2 * 2**80
 
 
 def test_json_round_trip():

@@ -370,6 +370,27 @@ def test_a_plan_edited_to_compute_something_else_is_refused_naming_the_step_and_
         assert f"the first step computing a value the graph does not: step {step['out']} (compute {step['kernel']})" in err
 
 
+@pytest.mark.parametrize("mesh", [[2.7], [2, 1.5], [2.0]])
+def test_a_mesh_of_fractional_devices_is_refused_not_truncated(mesh):
+    with pytest.raises(ValueError, match="a mesh's axes are whole numbers of devices"):
+        Mesh(*mesh)
+    data = build_plan(seeds_example(), Mesh(2), {}).to_json()
+    data["mesh"] = mesh
+    with pytest.raises(ValueError, match=r"plan.json: mesh: a mesh's axes are whole numbers of devices"):
+        Plan.from_json(data, "plan.json")
+
+
+def test_a_truncated_plan_file_is_an_error_naming_the_file_and_line(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    build_plan(seeds_example(), Mesh(2), {}).save(path)
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError, match=rf"{path}:\d+:\d+: not valid JSON"):
+        Plan.load(path)
+    assert main(["explain", str(path)]) == 2
+    assert f"{path}:" in capsys.readouterr().err
+
+
 def test_explain_lists_every_step_with_its_layouts_and_communication():
     plan = build_plan(seeds_example(), Mesh(4), {"lin": (0,), "act": (1,)})
     text = explain(plan)

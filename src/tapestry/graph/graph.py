@@ -16,6 +16,7 @@ import numpy as np
 from tapestry import dtypes
 from tapestry.dtypes import DTYPES
 from tapestry.kernels import KERNELS, KernelError, Params, Shape, Signature, get_kernel
+from tapestry.zspace.zrange import as_point
 
 INPUT = "input"
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.]*$")  # module paths ("0.weight") included
@@ -85,7 +86,10 @@ class Graph:
         self._check_new_name(name)
         if dtype not in DTYPES:
             raise GraphError(f"input {name!r}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-        shape = tuple(int(s) for s in shape)
+        try:
+            shape = as_point(shape)  # [8.9, 6] is refused, not truncated
+        except TypeError:
+            raise GraphError(f"input {name!r}: shape {list(shape)} is not whole numbers") from None
         if any(s < 0 for s in shape):
             raise GraphError(f"input {name!r}: shape {list(shape)} has a negative size")
         self._nodes[name] = Node(name, INPUT, (), (), shape, dtype)

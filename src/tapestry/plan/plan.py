@@ -19,6 +19,7 @@ from tapestry.kernels import Params, Shape, Signature, get_kernel
 from tapestry.sharding import Block, Layout, Mesh
 from tapestry.sharding.partition import Partition, needed_layout, output_layout
 from tapestry.zspace import ZRange
+from tapestry.zspace.zrange import as_point
 
 FORMAT = "tapestry.plan/1"
 
@@ -193,7 +194,11 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        return cls.from_json(json.loads(Path(path).read_text()), str(path))
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as err:  # a truncated or hand-broken file
+            raise ValueError(f"{path}:{err.lineno}:{err.colno}: not valid JSON: {err.msg}") from None
+        return cls.from_json(data, str(path))
 
 
 def output_gathers(plan: Plan) -> list[Reshard]:
@@ -239,14 +244,14 @@ def _step_to_json(step: Step) -> dict[str, Any]:
 def _step_from_json(data: Mapping[str, Any]) -> Step:
     kind = data["kind"]
     if kind == "place":
-        return Place(data["out"], data["input"], tuple(data["shape"]), Layout.from_json(data["layout"]))
+        return Place(data["out"], data["input"], as_point(data["shape"]), Layout.from_json(data["layout"]))
     if kind == "reshard":
-        return Reshard(data["out"], data["src"], tuple(data["shape"]), Layout.from_json(data["src_layout"]),
+        return Reshard(data["out"], data["src"], as_point(data["shape"]), Layout.from_json(data["src_layout"]),
                        Layout.from_json(data["layout"]), data.get("dtype", "float32"))
     if kind == "compute":
         params = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in data["params"].items()))
         return Compute(
-            data["out"], data["kernel"], params, tuple(data["args"]), tuple(tuple(s) for s in data["input_shapes"]),
+            data["out"], data["kernel"], params, tuple(data["args"]), tuple(as_point(s) for s in data["input_shapes"]),
             tuple(Layout.from_json(a) for a in data["arg_layouts"]), _blocks_parse(data["blocks"]),
             Layout.from_json(data["layout"]), data.get("origin", ""), tuple(data.get("input_dtypes", ())),
         )

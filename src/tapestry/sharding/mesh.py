@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tapestry.zspace.zrange import as_point
+
 
 @dataclass(frozen=True)
 class Mesh:
@@ -12,7 +14,11 @@ class Mesh:
     shape: tuple[int, ...]
 
     def __init__(self, *shape: int | tuple[int, ...]) -> None:
-        dims = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], tuple) else tuple(int(s) for s in shape)
+        given = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+        try:
+            dims = as_point(given)  # 2.7 devices is refused, not truncated
+        except TypeError:
+            raise ValueError(f"a mesh's axes are whole numbers of devices, got {list(given)}") from None
         if not dims or any(d < 1 for d in dims):
             raise ValueError(f"a mesh needs one or more axes of size >= 1, got {list(dims)}")
         object.__setattr__(self, "shape", dims)
