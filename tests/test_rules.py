@@ -39,6 +39,14 @@ def test_a_bad_rule_file_is_reported_as_file_line_and_cause(fixture: str, where:
     assert cause in str(err.value)
 
 
+def test_a_rule_nested_thousands_deep_is_an_error_at_its_file_and_line(tmp_path: Path):
+    deep = "(Relu " * 5000 + "x" + ")" * 5000
+    path = tmp_path / "deep.egg"
+    path.write_text(f"; a rule too deep to walk\n\n(rewrite {deep} x)\n")
+    with pytest.raises(RuleFileError, match=rf"^{path}:3: nested deeper than 100 levels"):
+        load_rules([path])
+
+
 def test_two_files_with_one_stem_clash_on_the_ruleset_name(tmp_path: Path):
     shutil.copy(BUILTIN_DIR / "fusion.egg", tmp_path / "fusion.egg")
     with pytest.raises(RuleFileError, match=rf"^{tmp_path}/fusion.egg: ruleset 'fusion' is already defined by .*rules/fusion.egg"):

@@ -264,13 +264,16 @@ def _iterations(forms: list[SExp], path: Path) -> int | None:
     return int(str(form.items[1]))
 
 
+MAX_DEPTH = 100  # rule terms nest this deep at most: checking them recurses, and no real pattern comes close
+
+
 def load_rule_file(path: str | Path) -> RuleFile:
     path = Path(path)
     name = path.stem
     if not name.isidentifier():
         raise RuleFileError(f"{path}: the file name must be an identifier (it names the ruleset), found {name!r}")
     try:
-        forms = parse(path.read_text(encoding="utf-8"))
+        forms = parse(path.read_text(encoding="utf-8"), MAX_DEPTH)
     except UnicodeDecodeError as err:
         line = path.read_bytes()[: err.start].count(b"\n") + 1
         raise RuleFileError(f"{path}:{line}: not UTF-8 text (byte {err.object[err.start]:#04x})") from None

@@ -38,8 +38,9 @@ class SExpError(ValueError):
         self.line = line
 
 
-def parse(text: str) -> list[SExp]:
-    """Top-level forms of `text`; comments (; ...) are dropped."""
+def parse(text: str, max_depth: int | None = None) -> list[SExp]:
+    """Top-level forms of `text`; comments (; ...) are dropped. Nesting deeper than `max_depth` is an error at its
+    line (the reader itself never recurses, but whatever walks the forms does)."""
     stack: list[list[SExp]] = [[]]
     opened: list[int] = []
     line, pos = 1, 0
@@ -49,6 +50,8 @@ def parse(text: str) -> list[SExp]:
             raise SExpError(f"unreadable text {text[pos:pos + 10]!r}", line)
         token = match.group()
         if token == "(":
+            if max_depth is not None and len(opened) >= max_depth:
+                raise SExpError(f"nested deeper than {max_depth} levels (opened at line {opened[0]})", line)
             stack.append([])
             opened.append(line)
         elif token == ")":
