@@ -168,3 +168,30 @@ def test_a_saved_plan_runs_and_verifies_where_the_optimizer_packages_are_missing
     assert "verify y: max abs err" in done.stdout and "ok" in done.stdout
     helped = subprocess.run([sys.executable, "-m", "tapestry.cli", "--help"], env=env, capture_output=True, text=True)
     assert "left out here, for want of a package" in helped.stdout and "(egglog)" in helped.stdout
+
+
+def _plus_constant() -> Plan:
+    g = Graph()
+    g.output("y", g.add(g.input("x", (4, 3)), g.constant("c", np.arange(3, dtype=np.float32))))
+    return build_plan(g, Mesh(2), {"add_0": (0,)})
+
+
+def test_a_constant_cannot_be_overridden_and_a_missing_input_is_named_not_a_scratch_file(tmp_path) -> None:
+    plan = _plus_constant()
+    x = np.ones((4, 3), np.float32)
+    with pytest.raises(InputError, match=r"input 'c' is a constant of the graph .*the value given differs"):
+        run_plan(plan, {"x": x, "c": np.full(3, 100, np.float32)})
+    with pytest.raises(InputError, match=r"^input 'x' was not supplied$"):
+        run_plan(plan, {"c": np.arange(3, dtype=np.float32)})
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "c.npy", np.zeros(3, np.float32))
+    with pytest.raises(InputError, match=r"input 'c' is a constant of the graph .*c\.npy holds another value"):
+        run_plan(plan, tmp_path)
+
+
+def test_a_constant_left_out_or_given_as_it_is_comes_from_the_graph() -> None:
+    plans = [_plus_constant()] * 2
+    x = np.ones((4, 3), np.float32)
+    given = [{"x": x}, tapestry.random_inputs(plans[0].graph)]
+    for inputs, result in zip(given, run_plans(plans, given, compile=False, timeout=120)):
+        np.testing.assert_array_equal(result.outputs["y"], inputs["x"] + np.arange(3, dtype=np.float32))

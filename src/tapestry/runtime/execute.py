@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,16 +51,29 @@ class InputSource:
     directory: Path | None = None
 
     def check(self, graph: Graph) -> None:
-        """Fail early, in the launching process, with the input and file at fault."""
+        """Fail early, in the launching process, with the input and file at fault. A constant's value is part of
+        the program: it comes from the graph, and a file holding another value for it is refused."""
         if self.directory is not None:
             for node in graph.inputs:
-                self._open(node.name, node.shape)
+                if node.name not in graph.constants:
+                    self._open(node.name, node.shape)
+                elif self._files(node.name) and not np.array_equal(self._open(node.name, node.shape),
+                                                                   graph.constants[node.name]):
+                    raise InputError(f"input {node.name!r} is a constant of the graph (its value is part of the "
+                                     f"program), and {self._files(node.name)[0]} holds another value: remove it")
 
     def block(self, graph: Graph, name: str, region: ZRange) -> np.ndarray:
         node = graph[name]
         if self.directory is None:
             return _seeded(graph, self.seed)[name][region.slices()]
+        if name in graph.constants:
+            return graph.constants[name][region.slices()]
         return dtypes.cast(self._open(name, node.shape)[region.slices()], node.dtype)
+
+
+    def _files(self, name: str) -> list[Path]:
+        assert self.directory is not None
+        return [p for p in (self.directory / f"{name}.npy", self.directory / f"{name}.pt") if p.exists()]
 
     def _open(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         assert self.directory is not None
@@ -78,6 +92,25 @@ class InputSource:
         if tuple(array.shape) != tuple(shape):
             raise InputError(f"input {name!r}: {path} has shape {list(array.shape)}, the graph expects {list(shape)}")
         return array
+
+
+def check_supplied(graph: Graph, inputs: Mapping[str, Any]) -> None:
+    """Arrays given by name must be the graph's inputs, each one supplied; a constant may be left out or given
+    with its own value (tapestry.random_inputs includes it), never another: its value is part of the program.
+    InputError naming the first input at fault."""
+    for name, value in inputs.items():
+        if name in graph.constants:
+            if not np.array_equal(np.asarray(value), graph.constants[name]):
+                raise InputError(f"input {name!r} is a constant of the graph (its value is part of the program), "
+                                 "and the value given differs; leave it out of the inputs")
+            continue
+        if name not in graph or not graph[name].is_input:
+            raise InputError(f"{name!r} is not an input of the graph; its inputs are "
+                             f"{', '.join(n.name for n in graph.inputs if n.name not in graph.constants)}")
+    missing = [n.name for n in graph.inputs if n.name not in inputs and n.name not in graph.constants]
+    if missing:
+        raise InputError(f"input {missing[0]!r} was not supplied" + (f" (nor {', '.join(map(repr, missing[1:]))})"
+                                                                       if len(missing) > 1 else ""))
 
 
 _SEEDED: dict[tuple[int, int], dict[str, np.ndarray]] = {}

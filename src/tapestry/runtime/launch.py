@@ -35,8 +35,9 @@ import torch.multiprocessing as mp
 from tapestry import dtypes
 from tapestry.lower.compile import use_persistent_cache
 from tapestry.lower.program import LoweredProgram, lower
+from tapestry.graph import Graph
 from tapestry.plan.plan import Plan
-from tapestry.runtime.execute import InputSource, RankReport, RankRunner, StepFailed
+from tapestry.runtime.execute import InputSource, RankReport, RankRunner, StepFailed, check_supplied
 
 GRACE_S = 1.0  # after a first failure, how long to wait for the other ranks' reports before killing them
 Inputs = Mapping[str, np.ndarray] | str | Path | InputSource | None
@@ -122,22 +123,25 @@ def run_plans(
     with tempfile.TemporaryDirectory(prefix="tapestry-inputs-") as scratch:
         sources = []
         for k, (plan, given) in enumerate(zip(plans, inputs or [None] * len(plans))):
-            sources.append(_source(given, seed, Path(scratch) / str(k)))
+            sources.append(_source(given, seed, Path(scratch) / str(k), plan.graph))
             sources[-1].check(plan.graph)
         job = Job(tuple(lower(p) for p in plans), tuple(sources), compile, backend or default_backend(nproc), timeout,
                   warmup, repeat, chain)
         return spawn(job)
 
 
-def _source(inputs: Inputs, seed: int, scratch: Path) -> InputSource:
+def _source(inputs: Inputs, seed: int, scratch: Path, graph: Graph) -> InputSource:
     if isinstance(inputs, InputSource):
         return inputs
     if inputs is None:
         return InputSource(seed)
     if isinstance(inputs, (str, Path)):
         return InputSource(seed, Path(inputs))
+    check_supplied(graph, inputs)  # before any file is written: errors name inputs, not the scratch files
     scratch.mkdir()
     for name, array in inputs.items():  # ranks map the files and read only their own blocks
+        if name in graph.constants:
+            continue  # InputSource takes constants from the graph
         np.save(scratch / f"{name}.npy", np.asarray(array))
     return InputSource(seed, scratch)
 
