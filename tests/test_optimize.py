@@ -283,6 +283,21 @@ def test_a_float32_output_computed_through_bfloat16_is_judged_at_bfloat16s_toler
         g, tapestry.random_inputs(g)), g, result.plan)["y"].tolerance == verify.TOLERANCE["bfloat16"]
 
 
+@pytest.mark.parametrize(("shape", "perm"), [((8, 6), (1, 0)), ((4, 8, 6), (0, 2, 1)), ((4, 8, 6), (-3, -1, -2))])
+def test_a_transpose_spelled_with_its_default_perm_cancels_with_another(shape, perm):
+    """Parameters reach the e-graph in one form, so the shipped (Transpose (Transpose x "") "") rule fires."""
+    g = Graph()
+    once = g.transpose(g.input("x", shape), perm=perm)
+    assert g[once.name].params == (("perm", ()),)
+    g.output("y", g.relu(g.transpose(once, perm=perm)))
+    assert [s.kernel for s in computes(optimize(g, Mesh(2)).plan)] == ["relu"]
+
+
+def test_a_transpose_other_than_the_default_keeps_its_perm():
+    g = Graph()
+    assert g[g.transpose(g.input("x", (2, 3, 4)), perm=(-2, 0, 2)).name].params == (("perm", (1, 0, 2)),)
+
+
 @pytest.mark.parametrize(("got", "want", "ok"), [
     ([1.0, np.nan, np.inf], [1.0, np.nan, np.inf], True),  # shared NaNs and equal infinities agree
     ([1.0, np.nan], [1.0, 2.0], False),

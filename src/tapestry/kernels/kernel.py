@@ -127,6 +127,9 @@ class Kernel:
     # For integer inputs that index a table (an embedding's ids): (input shapes, slot) -> one past the largest
     # valid value, or None. Random inputs are drawn below it.
     index_bound: Callable[[tuple[Shape, ...], int], int | None] | None = None
+    # (input shapes, params) -> the one form of params that mean the same (transpose's perm=(1, 0) on a matrix is
+    # its default): graph nodes, and so the e-graph's terms, hold that form, so rules written for it match.
+    canonical: Callable[[tuple[Shape, ...], Params], Params] | None = None
     doc: str = ""
 
     def bind(
@@ -142,6 +145,8 @@ class Kernel:
                 f"{self.name}: expected {len(self.inputs)} inputs ({', '.join(self.inputs)}), got {len(shapes)}"
             )
         full = normalize_params(self, params or {})
+        if self.canonical is not None:
+            full = self.canonical(tuple(tuple(s) for s in shapes), full)
         if not self.takes_zero_size:
             for slot, shape in zip(self.inputs, shapes):
                 if 0 in shape:

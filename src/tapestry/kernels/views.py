@@ -11,7 +11,7 @@ import math
 import numpy as np
 from hypothesis import strategies as st
 
-from tapestry.kernels.kernel import Kernel, KernelError, Shape, SignatureSpec, follow
+from tapestry.kernels.kernel import Kernel, KernelError, Params, Shape, SignatureSpec, follow
 from tapestry.kernels.registry import register
 
 
@@ -22,6 +22,13 @@ def _perm(x: Shape, perm: tuple[int, ...]) -> tuple[int, ...]:
     if len(perm) != n or sorted(p % n for p in perm) != list(range(n)):
         raise KernelError(f"perm {list(perm)} is not a permutation of the {n} dims of x{list(x)}")
     return tuple(p % n for p in perm)
+
+
+def _canonical_transpose(shapes: tuple[Shape, ...], params: Params) -> Params:
+    """A perm that spells out the default (swap the last two dims) is the default, (); any other, with dims
+    counted from 0: the rules (Transpose x "") match every spelling of one transpose."""
+    (x,), perm = shapes, dict(params)["perm"]
+    return (("perm", () if _perm(x, perm) == _perm(x, ()) else _perm(x, perm)),)
 
 
 def transpose_signature(x: Shape, perm: tuple[int, ...]) -> SignatureSpec:
@@ -108,6 +115,7 @@ register(
         torch=lambda x, perm: x.permute(*_perm(tuple(x.shape), perm)),
         sample=_sample_transpose,
         params={"perm": ()},
+        canonical=_canonical_transpose,
         is_view=True,
         doc="permute dims (default: swap the last two)",
     )
