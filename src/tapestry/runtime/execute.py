@@ -34,7 +34,8 @@ from tapestry.zspace import ZRange
 
 Work = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]  # one step, bound: buffers in, its result out
 Group = dist.ProcessGroup | None  # a collective's ranks; None: the whole mesh
-FAULT_ENV = "TAPESTRY_FAULT"  # "RANK:STEP": that rank exits abruptly inside that plan step (failure tests)
+FAULT_ENV = "TAPESTRY_FAULT"  # "RANK:STEP": that rank exits abruptly inside that plan step; "RANK:STEP:hang": it
+# stops there for good, as a rank stuck in a kernel or a lost message would (failure tests)
 FAULT_EXIT_CODE = 17
 
 
@@ -164,7 +165,14 @@ class RankRunner:
     @cached_property
     def _fault(self) -> int | None:
         rank, _, step = os.environ.get(FAULT_ENV, "").partition(":")
-        return int(step) if rank and int(rank) == self.rank else None
+        return int(step.partition(":")[0]) if rank and int(rank) == self.rank else None
+
+    def _trip(self) -> None:
+        """The fault FAULT_ENV asks for, in this rank's faulty step: exit abruptly, or hang."""
+        if os.environ[FAULT_ENV].endswith(":hang"):
+            while True:
+                time.sleep(60)
+        os._exit(FAULT_EXIT_CODE)
 
     def run(self, warmup: int = 0, repeat: int = 1) -> tuple[dict[str, torch.Tensor], RankReport]:
         """Place the inputs once, then run the rest of the program warmup + repeat times; timings are from the
@@ -250,7 +258,7 @@ class RankRunner:
     def _enter(self, step: RankStep) -> None:
         self.on_step(step.step)
         if self._fault == step.step:
-            os._exit(FAULT_EXIT_CODE)
+            self._trip()
 
     def _failed(self, step: RankStep, err: Exception) -> StepFailed:
         return StepFailed(f"rank {self.rank} failed in {self.program.describe(step.step)}: {type(err).__name__}: {err}")
@@ -308,7 +316,7 @@ class RankRunner:
         for k, (step, work, dead) in enumerate(self._bound, 1):
             on_step(step.step)
             if fault == step.step:
-                os._exit(FAULT_EXIT_CODE)
+                self._trip()
             start = time.perf_counter()
             try:
                 buffers[step.out] = work(buffers)

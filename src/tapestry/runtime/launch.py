@@ -239,12 +239,23 @@ def _supervise(job: Job, procs: list[Any], results: Any, progress: Any) -> list[
         if failed_at is not None and now - failed_at > GRACE_S:
             raise RankFailure(_failure(job, died, errors, progress))
         if now > deadline:
-            late = [r for r in range(len(procs)) if r not in done]
-            where = "; ".join(f"rank {r} in {_where(job, progress, r)}" for r in late)
-            raise RankFailure(f"timed out after {job.timeout:g} s: {where}")
+            raise RankFailure(_timed_out(job, [r for r in range(len(procs)) if r not in done], progress))
     result = done[0]
     assert result is not None
     return result
+
+
+def _timed_out(job: Job, late: Sequence[int], progress: Any) -> str:
+    """Where each unfinished rank is, led by the stuck ones: the ranks in the furthest step wait there (in a
+    collective) for those that had not reached it."""
+    at = {r: (progress[2 * r], progress[2 * r + 1]) for r in late}
+    waiting = [r for r in late if at[r] == max(at.values())]
+    behind = [r for r in late if r not in waiting]
+    where = "; ".join(f"rank {r} in {_where(job, progress, r)}" for r in late)
+    if not behind:
+        return f"timed out after {job.timeout:g} s: {where}"
+    return (f"timed out after {job.timeout:g} s: rank(s) {', '.join(map(str, behind))} had not reached "
+            f"{_where(job, progress, waiting[0])}, where rank(s) {', '.join(map(str, waiting))} wait for them; {where}")
 
 
 def _failure(job: Job, died: Mapping[int, int], errors: Mapping[int, str], progress: Any) -> str:
