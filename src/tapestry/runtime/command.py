@@ -136,10 +136,10 @@ def _lower(args: argparse.Namespace) -> int:
 
 def verify(plan: Plan, outputs: Mapping[str, np.ndarray], source: InputSource) -> bool:
     """Print each output's error against tapestry.evaluate on the same inputs (tapestry.verify: per-dtype
-    tolerance, NaN agrees only with NaN); True when all agree."""
+    tolerance after the precision the plan computes in, NaN agrees only with NaN); True when all agree."""
     graph = plan.graph
     inputs = {n.name: source.block(graph, n.name, ZRange.from_shape(n.shape)) for n in graph.inputs}
-    errors = compare(outputs, tapestry.evaluate(graph, inputs), graph)
+    errors = compare(outputs, tapestry.evaluate(graph, inputs), graph, plan)
     for name, err in errors.items():
         verdict = "ok" if err.ok else f"FAIL (tolerance {err.tolerance:g})"
         print(f"verify {name}: {err}  {verdict}")
