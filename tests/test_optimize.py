@@ -7,6 +7,8 @@ import shutil
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 import tapestry
 from tapestry.cli import main
@@ -14,14 +16,17 @@ from tapestry.cost import DefaultCostModel, load_profile, peak_memory
 from tapestry.cost.memory import layout_bytes
 from tapestry.egraph.driver import Budget
 from tapestry.graph import Graph, save_graph
+from tapestry.kernels import KERNELS
 from tapestry.models import mlp, seeds_example
 from tapestry.optimizer import optimize
 from tapestry.plan import Compute, Place, Plan, Reshard
 from tapestry.plan.simulate import simulate
 from tapestry.plan.validate import validate_plan
 from tapestry.sharding import Mesh
+from tapestry.testing.strategies import signatures
 from tapestry import verify
 from tapestry.verify import PlanMeaningError, error
+from tapestry.zspace import ZRange
 
 
 @pytest.fixture(scope="module")
@@ -263,6 +268,18 @@ def test_a_wrong_rule_is_caught_on_a_graph_too_large_to_simulate_whole(tmp_path)
         optimize(g, 2, rules=[tmp_path])
     result = optimize(g, 2)
     assert result.meaning_check.startswith("sampled: 4 line(s)") and "meaning: sampled" in result.explain()
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(sig=st.sampled_from(sorted(k for k in KERNELS if not k.startswith("opaque"))).flatmap(
+    lambda k: signatures(KERNELS[k])), data=st.data())
+def test_the_sampled_checks_index_blocks_are_islpys_preimages(sig, data):
+    """Which index points write a box of the output: read off the projection's rows, equal to islpy's answer."""
+    shape = sig.output_shape
+    assume(0 not in shape)
+    start = [data.draw(st.integers(0, n - 1)) for n in shape]
+    box = ZRange(start, [data.draw(st.integers(a + 1, n)) for a, n in zip(start, shape)])
+    assert verify._preimage(sig, box) == verify._preimage_isl(sig, box)
 
 
 def test_a_plan_too_large_to_check_even_by_samples_says_so_loudly(monkeypatch):

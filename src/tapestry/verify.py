@@ -291,7 +291,25 @@ def _backward(program: _Program, cells_: Mapping[str, ZRange]) -> tuple[dict[str
 
 
 def _preimage(sig: Signature, box: ZRange) -> ZRange:
-    """The bounding box of the index points that write any cell of `box` (all of a reduction: it is summed)."""
+    """The bounding box of the index points that write any cell of `box` (all of a reduction: it is summed).
+    Rows that read one index dim each bound it directly (index point i writes a*i + b + [0, n)); islpy answers
+    the rest."""
+    lo, hi = list(sig.index.start), list(sig.index.end)
+    projection = sig.output
+    for row, b, n, start, end in zip(projection.matrix, projection.offset, projection.shape, box.start, box.end):
+        read = [(c, a) for c, a in enumerate(row) if a]
+        if len(read) > 1 or (read and read[0][1] < 0):
+            return _preimage_isl(sig, box)
+        if read:
+            (c, a), = read
+            lo[c] = max(lo[c], -((b + n - 1 - start) // a))  # a*i + b + n - 1 >= start
+            hi[c] = min(hi[c], (end - 1 - b) // a + 1)  # a*i + b <= end - 1
+    if any(l >= h for l, h in zip(lo, hi)):
+        raise AssertionError(f"{sig.kernel.name}: no index point writes {box} of its output {sig.output_shape}")
+    return ZRange(lo, hi)
+
+
+def _preimage_isl(sig: Signature, box: ZRange) -> ZRange:
     from tapestry import zspace
 
     points = zspace.to_isl_map(sig.output).intersect_range(zspace.to_isl_set(box)).domain()
