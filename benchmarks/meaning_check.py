@@ -45,8 +45,8 @@ def main() -> None:
         sampled, whole = seconds(lambda: check_sampled(plan)), seconds(lambda: check_meaning(plan))
         rows.append(f"| `{name}` | {cells(graph):,} | {sampled:.2f} | {whole:.2f} |")
         print(rows[-1], flush=True)
-    body = ("Median of 3 runs each on this machine (2 cores, shared). Attention makes one output line depend on the "
-            "whole sequence, so the transformer's sampled check costs about what a whole simulation does; "
+    body = ("Median of 3 runs each on this machine (2 cores, shared). Attention makes one output line depend on the\n"
+            "whole sequence, so the transformer's sampled check costs about what a whole simulation does;\n"
             "row-local programs cost a fraction.\n\n" + "\n".join(rows))
     write_section("Meaning check", ".venv/bin/python benchmarks/meaning_check.py", body)
 

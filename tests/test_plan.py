@@ -367,7 +367,8 @@ def test_a_plan_edited_to_compute_something_else_is_refused_naming_the_step_and_
         assert main(command) == 2
         err = capsys.readouterr().err
         assert f"{path}: the plan does not compute its graph" in err
-        assert f"the first step computing a value the graph does not: step {step['out']} (compute {step['kernel']})" in err
+        culprit = f"step {step['out']} (compute {step['kernel']})"
+        assert f"the first step computing a value the graph does not: {culprit}" in err
 
 
 @pytest.mark.parametrize("mesh", [[2.7], [2, 1.5], [2.0]])
@@ -389,6 +390,23 @@ def test_a_truncated_plan_file_is_an_error_naming_the_file_and_line(tmp_path, ca
         Plan.load(path)
     assert main(["explain", str(path)]) == 2
     assert f"{path}:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("edit", "problem"), [
+    (lambda steps: steps[3].update(input_dtypes=["bfloat16"] * 3), r"arg 0 \(x\) 'v0' is float32, but the step reads"
+                                                                     r" it as bfloat16"),
+    (lambda steps: steps[4].update(dtype="float16"), r"says its source 'v3' is float16, but it is float32"),
+    (lambda steps: steps[3].update(input_dtypes=["float8"] * 3), r"float8"),
+])
+def test_a_plan_edited_to_another_dtype_is_refused(edit, problem):
+    g = Graph()
+    x, w, b = g.input("x", (16, 8)), g.input("w", (8, 6)), g.input("b", (6,))
+    g.output("y", g.relu(g.linear(x, w, b)))
+    data = build_plan(g, Mesh(2), {"linear_0": (0,), "relu_0": (1,)}).to_json()
+    assert [s["kind"] for s in data["steps"]][3:5] == ["compute", "reshard"]
+    edit(data["steps"])
+    with pytest.raises(PlanError, match=problem):
+        validate_plan(Plan.from_json(data, "plan.json"))
 
 
 def test_explain_lists_every_step_with_its_layouts_and_communication():

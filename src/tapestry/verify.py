@@ -3,8 +3,8 @@ check of the plan it chose, and for tests.
 
 Errors are relative to the reference's largest finite magnitude, so near-zero cells do not dominate, with a
 tolerance per dtype: the loosest of the float dtypes the output is computed through (a float32 cast of a bfloat16
-matmul carries bfloat16's rounding). NaN is a value like any other: a NaN where the reference has one agrees, a NaN anywhere else
-(or a number where the reference has NaN) does not, and equal infinities agree.
+matmul carries bfloat16's rounding). NaN is a value like any other: a NaN where the reference has one agrees, a NaN
+anywhere else (or a number where the reference has NaN) does not, and equal infinities agree.
 """
 from __future__ import annotations
 
@@ -223,8 +223,8 @@ def meaning_check(plan: Plan, seed: int = 0) -> str:
     checked = check_sampled(plan, seed, SAMPLES, SAMPLE_WORK)
     if checked:
         return f"sampled: {checked} line(s) of each output computed by the plan's ops and by the graph"
-    note = (f"NOT CHECKED: the graph holds {cells(plan.graph):,} cells, and no sampled line of output cells can be computed within "
-            f"{SAMPLE_WORK:,} index points")
+    note = (f"NOT CHECKED: the graph holds {cells(plan.graph):,} cells, and no sampled line of output cells can be "
+            f"computed within {SAMPLE_WORK:,} index points")
     warnings.warn(f"the plan's meaning was {note}", stacklevel=3)
     return note
 

@@ -317,7 +317,8 @@ def _group_steps(index: int, step: Reshard, group: Group, mesh: Mesh, dtype: str
     if kind is SendRecv and len(roots) == 1:
         root = roots.pop()
         sizes = tuple(sum(t.region.size for t in moves if t.src == r) for r in ranks)
-        return [Gather(index, step.out, step.src, s, d, members, dtype, _pieces(moves, r, "src"), _pieces(moves, r, "dst"),
+        return [Gather(index, step.out, step.src, s, d, members, dtype, _pieces(moves, r, "src"),
+                       _pieces(moves, r, "dst"),
                        overlap(s, d), src.partial, root, sizes) for r, s, d in zip(ranks, src.blocks, dst.blocks)]
     steps: list[RankStep | None] = []
     for rank, held, need in zip(ranks, src.blocks, dst.blocks):

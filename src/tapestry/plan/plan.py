@@ -193,12 +193,19 @@ class Plan:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> Plan:
+    def load(cls, path: str | Path, check: bool = True) -> Plan:
+        """The plan saved at `path`; with `check`, checked as `validate_loaded` does (its steps, then its meaning
+        against its graph), so an edited file is refused here, naming itself and the step at fault."""
         try:
             data = json.loads(Path(path).read_text())
         except json.JSONDecodeError as err:  # a truncated or hand-broken file
             raise ValueError(f"{path}:{err.lineno}:{err.colno}: not valid JSON: {err.msg}") from None
-        return cls.from_json(data, str(path))
+        plan = cls.from_json(data, str(path))
+        if check:
+            from tapestry.plan.validate import validate_loaded  # validate builds on this module
+
+            validate_loaded(plan, str(path))
+        return plan
 
 
 def output_gathers(plan: Plan) -> list[Reshard]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 
 from tapestry import zspace
+from tapestry.dtypes import DtypeError
 from tapestry.kernels import DimKind, KernelError, Shape, Signature
 from tapestry.plan.plan import Compute, Place, Plan, Reshard, Step
 from tapestry.sharding import Block, Layout, Mesh
@@ -53,13 +54,45 @@ def plan_problems(plan: Plan) -> list[str]:
     """Every problem, each naming the step (and kernel and device) at fault; empty when valid."""
     problems: list[str] = []
     defined: dict[str, Step] = {}
+    value_dtypes: dict[str, str] = {}
     for step in plan.steps:
         where = _where(step)
         if step.out in defined:
             problems.append(f"{where}: value {step.out!r} is defined twice")
         problems += [f"{where}: {p}" for p in _step_problems(plan, step, defined)]
+        problems += [f"{where}: {p}" for p in _dtype_problems(plan, step, value_dtypes)]
         defined[step.out] = step
     problems += _output_problems(plan, defined)
+    for name, value in plan.outputs.items():
+        target = plan.graph.outputs.get(name)
+        if target is not None and value in value_dtypes and value_dtypes[value] != plan.graph[target].dtype:
+            problems.append(f"output {name!r} ({value}) is {value_dtypes[value]}, but the graph's is "
+                            f"{plan.graph[target].dtype}")
+    return problems
+
+
+def _dtype_problems(plan: Plan, step: Step, value_dtypes: dict[str, str]) -> list[str]:
+    """Each value's dtype follows from the inputs and kernels (Plan.dtypes); a step that says otherwise (a kernel
+    reading an argument as another dtype, a reshard pricing another) was edited. Records the step's own dtype."""
+    problems = []
+    if isinstance(step, Place):
+        if step.input in plan.graph:
+            value_dtypes[step.out] = plan.graph[step.input].dtype
+    elif isinstance(step, Reshard):
+        if step.src in value_dtypes:
+            value_dtypes[step.out] = value_dtypes[step.src]
+            if step.dtype != value_dtypes[step.src]:
+                problems.append(f"says its source {step.src!r} is {step.dtype}, but it is {value_dtypes[step.src]}")
+    else:
+        try:
+            sig = step.signature
+        except (KernelError, DtypeError):
+            return []  # _compute_problems reports it
+        for i, (arg, dtype) in enumerate(zip(step.args, sig.input_dtypes)):
+            if arg in value_dtypes and value_dtypes[arg] != dtype:
+                problems.append(f"arg {i} ({sig.kernel.inputs[i]}) {arg!r} is {value_dtypes[arg]}, but the step "
+                                f"reads it as {dtype}")
+        value_dtypes[step.out] = sig.dtype
     return problems
 
 
@@ -104,7 +137,7 @@ def _shape(step: Step) -> Shape | None:
     """None when a Compute's kernel does not bind: that step reports it, later ones need not."""
     try:
         return step.shape
-    except KernelError:
+    except (KernelError, DtypeError):
         return None
 
 
@@ -135,7 +168,7 @@ def _reshard_problems(mesh: Mesh, step: Reshard, defined: dict[str, Step]) -> li
 def _compute_problems(mesh: Mesh, step: Compute, defined: dict[str, Step]) -> list[str]:
     try:
         sig = step.signature
-    except KernelError as err:
+    except (KernelError, DtypeError) as err:
         return [str(err)]
     if not len(step.args) == len(step.arg_layouts) == len(sig.projections):
         return [f"{len(step.args)} args and {len(step.arg_layouts)} arg layouts for {len(sig.projections)} inputs"]

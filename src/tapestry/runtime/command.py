@@ -21,7 +21,6 @@ from tapestry.graph import Graph, check_name
 from tapestry.kernels import DimKind
 from tapestry.lower import lower
 from tapestry.plan import Plan, build_plan
-from tapestry.plan.validate import validate_loaded
 from tapestry.program import load_program
 from tapestry.runtime.launch import Job, RankFailure, RunResult, default_backend, run_torchrun, spawn
 from tapestry.runtime.execute import InputSource
@@ -69,8 +68,7 @@ def _positive(text: str) -> int:
 def load_target(path: Path, nproc: int | None) -> Plan:
     """A saved plan, or a script's graph planned by tapestry.optimize (data parallel until that exists)."""
     if path.suffix != ".py":
-        plan = Plan.load(path)
-        validate_loaded(plan, str(path))
+        plan = Plan.load(path)  # checked: an edited file is refused
         if nproc is not None and nproc != plan.mesh.size:
             raise ValueError(f"{path}: the plan's mesh {plan.mesh} has {plan.mesh.size} devices, not --nproc {nproc}")
         return plan
