@@ -19,7 +19,7 @@ from tapestry.graph import Graph, save_graph
 from tapestry.kernels import KERNELS
 from tapestry.models import mlp, seeds_example
 from tapestry.optimizer import optimize
-from tapestry.plan import Compute, Place, Plan, Reshard
+from tapestry.plan import Compute, Place, Plan, Reshard, build_plan
 from tapestry.plan.simulate import simulate
 from tapestry.plan.validate import validate_plan
 from tapestry.sharding import Mesh
@@ -264,10 +264,19 @@ def test_a_wrong_rule_is_caught_on_a_graph_too_large_to_simulate_whole(tmp_path)
     g = tapestry.Graph()
     g.output("y", g.relu(g.relu(g.input("x", (1100, 1000)))))
     assert verify.cells(g) > verify.CHECK_CELLS
-    with pytest.raises(PlanMeaningError, match=r"at 4 sampled line\(s\) of each output.*output 'y': max abs err"):
+    with pytest.raises(PlanMeaningError, match=r"at 4 sampled line\(s\) or cell\(s\) of each output.*output 'y': "):
         optimize(g, 2, rules=[tmp_path])
     result = optimize(g, 2)
     assert result.meaning_check.startswith("sampled: 4 line(s)") and "meaning: sampled" in result.explain()
+
+
+def test_a_sampled_line_too_costly_shrinks_to_one_cell():
+    """One output line of x @ w needs all of w; one cell, one column of it."""
+    g = Graph()
+    g.output("y", g.matmul(g.input("x", (4, 64)), g.input("w", (64, 32))))
+    plan = build_plan(g, Mesh(2), {"matmul_0": (0,)})
+    assert verify.check_sampled(plan, work=100_000) == verify.check_sampled(plan, work=1000) == 4
+    assert verify.check_sampled(plan, work=10) == 0
 
 
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
