@@ -22,7 +22,7 @@ from tapestry import dtypes
 from tapestry.graph import Graph
 from tapestry.importer.capture import TorchImportError, export
 from tapestry.importer.translate import Translation, translate_program
-from tapestry.training import STEP, Training, state_name, updated
+from tapestry.training import LR, Training, state_name, updated
 from tapestry.training.capture import capture
 
 __all__ = ["TorchImport", "TorchImportError", "from_torch"]
@@ -49,17 +49,23 @@ class TorchImport:
     def opaque(self) -> dict[str, int]:
         return {op: made["opaque"] for op, made in self.coverage.items() if made.get("opaque")}
 
-    def inputs(self, *args: Any, state: Mapping[str, Any] | None = None, **kwargs: Any) -> dict[str, np.ndarray]:
+    def inputs(self, *args: Any, state: Mapping[str, Any] | None = None, lr: float | None = None,
+               **kwargs: Any) -> dict[str, np.ndarray]:
         """Every graph input by name: the module's current parameters and buffers (or, for a training step,
-        `state`: the `outputs()` of the step before), the optimizer state (zeros at the first step), the
-        constants folded at import, and the tensors among `args`/`kwargs` (flattened as torch.export does)."""
+        `state`: the `outputs()` of the step before), the optimizer state (zeros at the first step), the learning
+        rate (`lr`, training only; the Training's own by default), the constants folded at import, and the
+        tensors among `args`/`kwargs` (flattened as torch.export does)."""
+        if lr is not None and self.training is None:
+            raise TorchImportError("lr= is an input of a training step; this import is a forward")
         module_state = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
-        carried = _carried(state) if state is not None else {}
+        carried = self._carried(state) if state is not None else {}
         values: dict[str, np.ndarray] = {}
         for name in self.translation.state:
             node = self.graph[name]
             if name in carried:
                 values[name] = dtypes.cast(carried[name], node.dtype)
+            elif name == LR and self.training is not None:
+                values[name] = np.asarray(self.training.lr if lr is None else lr, dtypes.to_numpy(node.dtype))
             elif name in module_state:
                 values[name] = dtypes.from_tensor(module_state[name])
             else:  # optimizer state before the first step
@@ -77,12 +83,29 @@ class TorchImport:
         step: {"loss", "parameters": {path: new value}, "optimizer_state": {slot: {path: value}, "step": n}}."""
         if self.training is None:
             return [values[name] for name in self.translation.outputs]
-        paths = [name for name, p in self.module.named_parameters() if p.requires_grad]
-        state: dict[str, Any] = {slot: {p: values[updated(state_name(slot, p))] for p in paths}
-                                 for slot in self.training.slots}
-        if self.training.slots:
-            state["step"] = values[updated(STEP)]
+        training, paths = self.training, self.trained
+        state: dict[str, Any] = {slot: {p: values[updated(state_name(slot, p, training.family))] for p in paths}
+                                 for slot in training.slots}
+        if training.step_input:
+            state["step"] = values[updated(training.step_input)]
         return {"loss": values["loss"], "parameters": {p: values[updated(p)] for p in paths}, "optimizer_state": state}
+
+    @property
+    def trained(self) -> tuple[str, ...]:
+        """The trainable parameters' paths, one per distinct tensor (a tied weight by its first name)."""
+        return tuple(name for name, p in self.module.named_parameters() if p.requires_grad)
+
+    def _carried(self, previous: Mapping[str, Any]) -> dict[str, Any]:
+        """A training step's outputs() as the next step's inputs, by graph input name."""
+        if self.training is None:
+            raise TorchImportError("state= is the outputs() of a training step; this import is a forward")
+        carried = dict(previous["parameters"])
+        for slot, values in previous["optimizer_state"].items():
+            if slot == "step":
+                carried[self.training.step_input] = values
+            else:
+                carried.update({state_name(slot, p, self.training.family): v for p, v in values.items()})
+        return carried
 
     def summary(self) -> str:
         """One line: how many ATen ops became kernels, were folded or dropped, or run opaque (and which)."""
@@ -95,17 +118,6 @@ class TorchImport:
         return (f"imported {what}{type(self.module).__name__}: {sum(totals.values())} ATen ops -> "
                 f"{totals['kernels']} as kernels, {totals['folded']} folded, {totals['dropped']} dropped, "
                 f"{totals['opaque']} opaque" + (f" ({opaque})" if opaque else "") + f"; graph: {len(self.graph.ops)} ops")
-
-
-def _carried(previous: Mapping[str, Any]) -> dict[str, Any]:
-    """A training step's outputs() as the next step's inputs, by graph input name."""
-    carried = dict(previous["parameters"])
-    for slot, values in previous["optimizer_state"].items():
-        if slot == "step":
-            carried[STEP] = values
-        else:
-            carried.update({state_name(slot, p): v for p, v in values.items()})
-    return carried
 
 
 def from_torch(module: torch.nn.Module, args: tuple[Any, ...] | Any = (), kwargs: dict[str, Any] | None = None,
