@@ -53,8 +53,10 @@ class TorchImport:
         """Every graph input by name: the module's current parameters and buffers (or, for a training step,
         `state`: the `outputs()` of the step before), the optimizer state (zeros at the first step), the
         constants folded at import, and the tensors among `args`/`kwargs` (flattened as torch.export does)."""
-        module_state = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
+        module_state = {**dict(self.module.named_parameters(remove_duplicate=False)),
+                        **dict(self.module.named_buffers(remove_duplicate=False))}  # every path of a tied weight
         carried = _carried(state) if state is not None else {}
+        optimizer = self._optimizer_state()
         values: dict[str, np.ndarray] = {}
         for name in self.translation.state:
             node = self.graph[name]
@@ -62,8 +64,12 @@ class TorchImport:
                 values[name] = dtypes.cast(carried[name], node.dtype)
             elif name in module_state:
                 values[name] = dtypes.from_tensor(module_state[name])
-            else:  # optimizer state before the first step
+            elif name in optimizer:  # before the first step
                 values[name] = np.zeros(node.shape, dtypes.to_numpy(node.dtype))
+            else:
+                raise TorchImportError(f"graph input {name!r} is module state, but {type(self.module).__name__} "
+                                       f"has no parameter or buffer of that name (was the module changed since "
+                                       f"import?)")
         values.update(self.graph.constants)
         leaves = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         names = self.translation.user_inputs
@@ -71,6 +77,14 @@ class TorchImport:
             raise TorchImportError(f"expected {len(names)} tensor argument(s) ({', '.join(names)}), got {len(leaves)}")
         values.update({name: dtypes.from_tensor(t) for name, t in zip(names, leaves)})
         return values
+
+    def _optimizer_state(self) -> set[str]:
+        """The graph inputs a training step declares as optimizer state (its slots, per parameter, and the step
+        count): the only inputs that may start from zeros."""
+        if self.training is None or not self.training.slots:
+            return set()
+        paths = [name for name, p in self.module.named_parameters() if p.requires_grad]
+        return {STEP, *(state_name(slot, p) for slot in self.training.slots for p in paths)}
 
     def outputs(self, values: Mapping[str, np.ndarray]) -> Any:
         """The module's outputs, flattened in order, from a plan's or the evaluator's output dict. For a training
