@@ -57,8 +57,10 @@ class TorchImport:
         tensors among `args`/`kwargs` (flattened as torch.export does)."""
         if lr is not None and self.training is None:
             raise TorchImportError("lr= is an input of a training step; this import is a forward")
-        module_state = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
+        module_state = {**dict(self.module.named_parameters(remove_duplicate=False)),
+                        **dict(self.module.named_buffers(remove_duplicate=False))}  # every path of a tied weight
         carried = self._carried(state) if state is not None else {}
+        optimizer = self._optimizer_state()
         values: dict[str, np.ndarray] = {}
         for name in self.translation.state:
             node = self.graph[name]
@@ -68,8 +70,12 @@ class TorchImport:
                 values[name] = np.asarray(self.training.lr if lr is None else lr, dtypes.to_numpy(node.dtype))
             elif name in module_state:
                 values[name] = dtypes.from_tensor(module_state[name])
-            else:  # optimizer state before the first step
+            elif name in optimizer:  # before the first step
                 values[name] = np.zeros(node.shape, dtypes.to_numpy(node.dtype))
+            else:
+                raise TorchImportError(f"graph input {name!r} is module state, but {type(self.module).__name__} "
+                                       f"has no parameter or buffer of that name (was the module changed since "
+                                       f"import?)")
         values.update(self.graph.constants)
         leaves = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         names = self.translation.user_inputs
@@ -77,6 +83,14 @@ class TorchImport:
             raise TorchImportError(f"expected {len(names)} tensor argument(s) ({', '.join(names)}), got {len(leaves)}")
         values.update({name: dtypes.from_tensor(t) for name, t in zip(names, leaves)})
         return values
+
+    def _optimizer_state(self) -> set[str]:
+        """The graph inputs a training step declares as optimizer state (its slots, per parameter, and the step
+        count): the only inputs that may start from zeros."""
+        if self.training is None or not self.training.step_input:
+            return set()
+        family = self.training.family
+        return {self.training.step_input, *(state_name(s, p, family) for s in self.training.slots for p in self.trained)}
 
     def outputs(self, values: Mapping[str, np.ndarray]) -> Any:
         """The module's outputs, flattened in order, from a plan's or the evaluator's output dict. For a training
