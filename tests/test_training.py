@@ -124,10 +124,12 @@ def test_torch_optimizer_options_are_checked_as_torch_checks_them():
 
 def test_adamw_defaults_are_torchs():
     training = tapestry.Training.from_torch_optimizer(torch.optim.AdamW, mse)
-    assert (training.optimizer, training.lr, training.weight_decay, training.betas) == ("adamw", 1e-3, 0.01, (0.9, 0.999))
+    assert training.optimizer == "adamw" and training.lr == 1e-3
+    assert training.weight_decay == 0.01 and training.betas == (0.9, 0.999)
     assert tapestry.Training(loss=mse, optimizer="adamw").weight_decay == 0.01
     assert tapestry.Training(loss=mse, optimizer="adam").weight_decay == 0.0
-    decoupled = tapestry.Training.from_torch_optimizer(torch.optim.Adam, mse, weight_decay=0.1, decoupled_weight_decay=True)
+    decoupled = tapestry.Training.from_torch_optimizer(torch.optim.Adam, mse, weight_decay=0.1,
+                                                       decoupled_weight_decay=True)
     assert decoupled.optimizer == "adamw"
 
 

@@ -89,8 +89,8 @@ class TorchImport:
         count): the only inputs that may start from zeros."""
         if self.training is None or not self.training.step_input:
             return set()
-        family = self.training.family
-        return {self.training.step_input, *(state_name(s, p, family) for s in self.training.slots for p in self.trained)}
+        family, slots = self.training.family, self.training.slots
+        return {self.training.step_input, *(state_name(s, p, family) for s in slots for p in self.trained)}
 
     def outputs(self, values: Mapping[str, np.ndarray]) -> Any:
         """The module's outputs, flattened in order, from a plan's or the evaluator's output dict. For a training
