@@ -3,6 +3,7 @@ computes, on 2 and 4 gloo ranks, eager and compiled whole; every rank receives t
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -162,3 +163,47 @@ def test_carried_state_stays_on_the_ranks_and_feeds_the_next_call() -> None:
             torch.testing.assert_close(outputs[k]["total"], s.sum(), rtol=1e-5, atol=1e-5)
     for rank, (_, _, state) in enumerate(per_rank):
         torch.testing.assert_close(state["s"], s[4 * rank : 4 * rank + 4], rtol=1e-5, atol=1e-5)
+
+
+# -- tapestry.parallelize -------------------------------------------------------------------------------------------
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        h = torch.relu(self.up(x))
+        return self.down(h), {"hidden": h}
+
+
+def serve_module(batches: list[torch.Tensor], wrong: torch.Tensor) -> tuple[list[Any], str]:
+    """On each launched rank: the MLP parallelized on a mesh of 2, called on every batch, then on a wrong shape."""
+    model = tapestry.parallelize(_MLP().eval(), (batches[0],), mesh=2, compile=False, verbose=True,
+                                 budget=tapestry.Budget(seconds=5), time_limit=5)
+    outputs = [model(x) for x in batches]
+    try:
+        model(wrong)
+    except ValueError as err:
+        return outputs, str(err)
+    return outputs, ""
+
+
+def test_parallelize_serves_the_module_on_every_rank_and_plans_once_per_cache_key(tmp_path, monkeypatch, capfd
+                                                                                   ) -> None:
+    monkeypatch.setenv("TAPESTRY_PLAN_CACHE", str(tmp_path))
+    batches = _calls(3, 2, (12, 16))
+    module = _MLP().eval()
+    for start in ("cold", "warm"):
+        per_rank = launch(serve_module, batches, torch.zeros(5, 16), nproc=2, timeout=300)
+        for outputs, refused in per_rank:
+            for x, (y, extra) in zip(batches, outputs):
+                want_y, want_extra = module(x)
+                torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(extra["hidden"], want_extra["hidden"], rtol=1e-5, atol=1e-5)
+            assert "expected shape [12, 16], given [5, 16]" in refused and "input 'x'" in refused
+        log = capfd.readouterr().err
+        assert ("plan cache hit, planning skipped" in log) == (start == "warm"), log
+    assert len(list(tmp_path.glob("*.json"))) == 1
