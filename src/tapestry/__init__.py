@@ -22,7 +22,7 @@ _LAZY = {"evaluate": "tapestry.evaluator", "evaluate_sharded": "tapestry.evaluat
          "TorchImportError": "tapestry.importer", "Training": "tapestry.training",
          "equivalent": "tapestry.prove", "Equivalence": "tapestry.prove", "parallelize": "tapestry.spmd.module",
          "ParallelModule": "tapestry.spmd.module", "ParallelProgram": "tapestry.spmd.program",
-         "launch": "tapestry.spmd.launch"}
+         "launch": "tapestry.spmd.launch", "run_plan": "tapestry.runtime"}
 
 
 def __getattr__(name: str) -> Any:
@@ -39,4 +39,4 @@ def __getattr__(name: str) -> Any:
 __all__ = ["KERNELS", "Budget", "Equivalence", "Graph", "GraphError", "Kernel", "Mesh", "OptimizeResult",
            "ParallelModule", "ParallelProgram", "Plan", "TorchImport", "TorchImportError", "Training", "equivalent",
            "evaluate", "evaluate_sharded", "explore", "from_torch", "get_kernel", "launch", "load_graph", "optimize",
-           "parallelize", "random_inputs", "save_graph"]
+           "parallelize", "random_inputs", "run_plan", "save_graph"]
