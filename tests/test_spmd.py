@@ -3,6 +3,7 @@ computes, on 2 and 4 gloo ranks, eager and compiled whole; every rank receives t
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -162,3 +163,116 @@ def test_carried_state_stays_on_the_ranks_and_feeds_the_next_call() -> None:
             torch.testing.assert_close(outputs[k]["total"], s.sum(), rtol=1e-5, atol=1e-5)
     for rank, (_, _, state) in enumerate(per_rank):
         torch.testing.assert_close(state["s"], s[4 * rank : 4 * rank + 4], rtol=1e-5, atol=1e-5)
+
+
+# -- tapestry.parallelize -------------------------------------------------------------------------------------------
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        h = torch.relu(self.up(x))
+        return self.down(h), {"hidden": h}
+
+
+def serve_module(batches: list[torch.Tensor], wrong: torch.Tensor) -> tuple[list[Any], str]:
+    """On each launched rank: the MLP parallelized on a mesh of 2, called on every batch, then on a wrong shape."""
+    model = tapestry.parallelize(_MLP().eval(), (batches[0],), mesh=2, compile=False, verbose=True,
+                                 budget=tapestry.Budget(seconds=5), time_limit=5)
+    outputs = [model(x) for x in batches]
+    try:
+        model(wrong)
+    except ValueError as err:
+        return outputs, str(err)
+    return outputs, ""
+
+
+def test_parallelize_serves_the_module_on_every_rank_and_plans_once_per_cache_key(tmp_path, monkeypatch, capfd
+                                                                                   ) -> None:
+    monkeypatch.setenv("TAPESTRY_PLAN_CACHE", str(tmp_path))
+    batches = _calls(3, 2, (12, 16))
+    module = _MLP().eval()
+    for start in ("cold", "warm"):
+        per_rank = launch(serve_module, batches, torch.zeros(5, 16), nproc=2, timeout=300)
+        for outputs, refused in per_rank:
+            for x, (y, extra) in zip(batches, outputs):
+                want_y, want_extra = module(x)
+                torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(extra["hidden"], want_extra["hidden"], rtol=1e-5, atol=1e-5)
+            assert "expected shape [12, 16], given [5, 16]" in refused and "input 'x'" in refused
+        log = capfd.readouterr().err
+        assert ("plan cache hit, planning skipped" in log) == (start == "warm"), log
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+
+# -- faults and launchers -------------------------------------------------------------------------------------------
+
+
+def fail_in_call(plan: Plan, bad_rank: int, bad_call: int, how: str) -> None:
+    """Serve `plan`; rank `bad_rank` raises in call `bad_call` (or dies in it, or hangs before it while the others
+    wait in it)."""
+    import os
+    import time
+
+    from tapestry.spmd.program import ParallelProgram
+
+    program = ParallelProgram(plan, compile=False)
+    for call in range(bad_call + 3):
+        inputs = {k: dtypes.to_tensor(v) for k, v in tapestry.random_inputs(plan.graph, seed=call).items()}
+        if dist.get_rank() == bad_rank and call == bad_call:
+            if how == "raise":
+                inputs["x"] = inputs["x"][:1]  # the wrong shape: refused on this rank alone
+            elif how == "die":
+                launch_module = __import__("tapestry.spmd.launch", fromlist=["note_call"])
+                launch_module.note_call(call)
+                os._exit(3)
+            else:
+                time.sleep(60)
+        program(**inputs)
+
+
+@pytest.mark.parametrize("how, message", [
+    ("raise", r"rank 1 failed in call 2 of its parallel program: ValueError: input 'x': expected shape \[8, 4\]"),
+    ("die", r"rank 0 exited with code 3 in call 1 of its parallel program"),
+])
+def test_a_rank_that_fails_stops_every_rank_naming_the_rank_and_the_call(how: str, message: str) -> None:
+    import time
+
+    plan = CASES["seeds split on out"]()
+    bad_rank, bad_call = (1, 2) if how == "raise" else (0, 1)
+    start = time.monotonic()
+    with pytest.raises(tapestry.spmd.launch.RankFailure, match=message):
+        launch(fail_in_call, plan, bad_rank, bad_call, how, nproc=2, timeout=60)
+    assert time.monotonic() - start < 30
+
+
+def test_a_rank_that_hangs_is_named_at_the_timeout_and_no_rank_outlives_the_launcher() -> None:
+    import multiprocessing
+
+    plan = CASES["seeds split on out"]()
+    with pytest.raises(tapestry.spmd.launch.RankFailure, match=r"timed out after 8 s: rank 0 in call 0 of its parallel program; rank 1 in call 1"):
+        launch(fail_in_call, plan, 0, 1, "hang", nproc=2, timeout=8)
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.parametrize("own_group", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_parallelize_runs_under_torchrun_in_its_own_group_or_one_it_opens(own_group: bool, tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "examples" / "serve_torchrun.py"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TAPESTRY_PLAN_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script),
+                           "--no-compile", *(["--own-group"] if own_group else [])],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    import re
+
+    found = dict(re.findall(r"rank (\d): 3 calls, max abs difference from the module (\S+)", done.stdout))
+    assert found.keys() == {"0", "1"} and all(float(v) < 1e-5 for v in found.values()), done.stdout

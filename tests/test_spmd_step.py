@@ -92,7 +92,7 @@ def torch_run(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 def make_step(plan: str | None, nproc: int) -> tapestry.spmd.step.ParallelStep:
     return tapestry.parallelize_step(mlp(), mse, batches(1)[0], mesh=tapestry.Mesh(nproc), optimizer=torch.optim.AdamW,
-                                     plan=PLANS[plan] if plan else None, compile=False, **OPTIONS)
+                                     plan=PLANS[plan] if plan else None, compile=False, cache=False, **OPTIONS)
 
 
 def train(plan: str | None, nproc: int, steps: range, load: str | None = None, save: str | None = None,
@@ -157,7 +157,7 @@ IDS = [torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(k)) 
 
 def train_tied() -> dict:
     step = tapestry.parallelize_step(TiedLM(), token_loss, (IDS[0], IDS[0]), optimizer=torch.optim.SGD, lr=0.5,
-                                     momentum=0.9, compile=False)
+                                     momentum=0.9, compile=False, cache=False)
     losses = [float(step(ids, ids)) for ids in IDS]
     try:
         step(IDS[0][:2], IDS[0][:2])

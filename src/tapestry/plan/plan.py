@@ -110,7 +110,8 @@ class Plan:
     def prepared(self) -> frozenset[str]:
         """The Compute and Reshard steps (by value) computed from static inputs and constants alone, transitively
         (`Graph.fixed`): the same in every run, so a serving loop runs them once at load time and the cost model
-        prices them 0 per run (TASO's and Tensat's weight-only subgraphs). `Plan.run` still runs them each call."""
+        prices them 0 per run (TASO's and Tensat's weight-only subgraphs). `run_plan` and a persistent
+        ParallelProgram run them once, as setup."""
         fixed, made = self.graph.fixed, set()
         for step in self.steps:
             if isinstance(step, Place):
@@ -179,12 +180,6 @@ class Plan:
             return cls(mesh=mesh, graph=graph, steps=tuple(steps), outputs=outputs, cost=data.get("cost"), notes=notes)
         except GraphError as err:
             raise GraphError(f"{source}: {err}") from None
-
-    def run(self, inputs: Mapping[str, Any] | str | Path | None = None, nproc: int | None = None, **options: Any) -> Any:
-        """Run on `nproc` local ranks with torch.distributed; see tapestry.runtime.run_plan."""
-        from tapestry.runtime import run_plan
-
-        return run_plan(self, inputs, nproc, **options)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")

@@ -28,6 +28,12 @@ __all__ = ["RankFailure", "launch", "note_call"]
 _PROGRESS: tuple[Any, int] | None = None  # in a launched rank: (shared array of each rank's call, this rank)
 
 
+def forked() -> bool:
+    """Whether this process is a rank `launch` forked (native libraries with thread pools, egglog's, must not be
+    used here if the launcher loaded them: planning then runs in a fresh process)."""
+    return _PROGRESS is not None
+
+
 def note_call(call: int) -> None:
     """A parallel program starts its call `call` (0-based) on this rank: what the launcher names if the rank fails."""
     if _PROGRESS is not None:
@@ -35,11 +41,16 @@ def note_call(call: int) -> None:
         array[rank] = call
 
 
-def launch(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float = 600.0, backend: str = "gloo",
-           **kwargs: Any) -> list[Any]:
+def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None, timeout: float = 600.0,
+           backend: str = "gloo", **kwargs: Any) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `nproc` local ranks, each in one process group of `backend` (the rank is
-    `dist.get_rank()`); returns each rank's result, by rank. Results travel pickled (torch tensors
-    by value). A failure raises RankFailure naming the rank and its call; `timeout` bounds the whole run."""
+    `dist.get_rank()`); returns each rank's result, by rank. `launch(fn, *args, nproc=4)`, or `launch(fn, 4, *args)`.
+    Results travel pickled (torch tensors by value). A failure raises RankFailure naming the rank and its call;
+    `timeout` bounds the whole run."""
+    if nproc is None:
+        if not args or not isinstance(args[0], int):
+            raise TypeError("launch(fn, *args, nproc=N): say how many ranks to start")
+        nproc, args = args[0], args[1:]
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
     if dist.is_initialized():

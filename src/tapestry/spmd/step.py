@@ -15,6 +15,7 @@ and the learning rate go in and only the loss comes out.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -29,12 +30,15 @@ from tapestry.importer import TorchImport, from_torch
 from tapestry.lower.program import PlaceBlock
 from tapestry.plan import Plan
 from tapestry.sharding import Mesh
+from tapestry.spmd.planning import shared_plan
 from tapestry.spmd.program import ParallelProgram, join_group
 from tapestry.spmd.state import device_mesh, placements
 from tapestry.training import LR, TORCH_STATE, Training, state_name
 from tapestry.zspace import ZRange
 
 Planner = Callable[[Graph, Mesh], Plan]  # a graph and mesh -> the plan to run (e.g. training.plans.zero3)
+# the options of tapestry.optimize a step passes on (the rest are torch.optim's)
+PLANNING_OPTIONS = frozenset({"rules", "budget", "cost_model", "extractor", "time_limit", "memory_budget"})
 
 
 class _ModelLoss:
@@ -52,18 +56,23 @@ class ParallelStep:
     called with a new batch each time. See the module docstring; every rank constructs it and calls it alike."""
 
     def __init__(self, module: torch.nn.Module, loss_fn: Callable[..., torch.Tensor], example_batch: Sequence[Any],
-                 mesh: Mesh | None = None, optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
-                 max_norm: float | None = None, plan: Planner | None = None, time_limit: float = 10.0,
-                 compile: bool = True, **optimizer_options: Any) -> None:
-        mesh = mesh if mesh is not None else Mesh(_world_size())
+                 mesh: Mesh | int | None = None, optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
+                 max_norm: float | None = None, plan: Planner | None = None, compile: bool = True,
+                 cache: bool = True, verbose: bool = True, **options: Any) -> None:
+        mesh = Mesh(mesh) if isinstance(mesh, int) else mesh if mesh is not None else Mesh(_world_size())
         join_group(mesh.size)
         self.module, self.mesh = module, mesh
+        planning = {k: v for k, v in options.items() if k in PLANNING_OPTIONS}
+        torch_options = {k: v for k, v in options.items() if k not in PLANNING_OPTIONS}
         self.training = Training.from_torch_optimizer(optimizer, _ModelLoss(loss_fn), max_norm=max_norm,
-                                                      **optimizer_options)
+                                                      **torch_options)
         batch = tuple(example_batch)
         self.imported: TorchImport = from_torch(module, batch, training=self.training, verbose=False)
         graph = self.imported.graph
-        self.plan = plan(graph, mesh) if plan is not None else _shared_plan(graph, mesh, time_limit)
+        if plan is not None and planning:
+            raise TypeError(f"{', '.join(sorted(planning))}: options of tapestry.optimize, but plan= is given")
+        self.plan = plan(graph, mesh) if plan is not None else \
+            shared_plan(graph, mesh, cache, verbose and dist.get_rank() == 0, **planning)
         self.program = ParallelProgram(self.plan, self._initial_state(), deliver=["loss"], carry=graph.carried,
                                        compile=compile)
         self.lr = self.training.lr  # the learning rate of the last call
@@ -198,30 +207,18 @@ class ParallelStep:
 
 
 def parallelize_step(module: torch.nn.Module, loss_fn: Callable[..., torch.Tensor], example_batch: Sequence[Any],
-                     mesh: Mesh | None = None, optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
+                     mesh: Mesh | int | None = None, optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
                      **options: Any) -> ParallelStep:
     """A ParallelStep: `step(*batch, lr=...)` trains `module` on the ranks of `mesh` (default: every rank of the
-    process group). `options`: torch.optim's keyword arguments (lr, weight_decay, betas, momentum, ...), and
-    max_norm (gradient clipping), plan (a Planner instead of tapestry.optimize), time_limit, compile."""
+    process group). Collective: every rank calls it alike. `options`: torch.optim's keyword arguments (lr,
+    weight_decay, betas, momentum, ...); tapestry.optimize's (time_limit, memory_budget, rules, budget,
+    cost_model, extractor); max_norm (gradient clipping); plan (a Planner instead of the optimizer's plan);
+    cache=False (plan afresh); compile=False (run eager)."""
     return ParallelStep(module, loss_fn, example_batch, mesh, optimizer, **options)
 
 
 def _world_size() -> int:
-    if dist.is_initialized():
-        return dist.get_world_size()
-    import os
-
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _shared_plan(graph: Graph, mesh: Mesh, time_limit: float) -> Plan:
-    """tapestry.optimize's plan, made on rank 0 and sent to the others (one plan, whatever each would find)."""
-    from tapestry.optimizer import optimize
-
-    sent: list[Any] = [optimize(graph, mesh=mesh, time_limit=time_limit).plan.to_json()
-                       if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(sent, src=0)
-    return Plan.from_json(sent[0])
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
