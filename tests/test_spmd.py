@@ -14,7 +14,7 @@ from test_runtime import GRID
 import tapestry
 from tapestry import dtypes
 from tapestry.graph import Graph
-from tapestry.lower import AllToAll, Gather, SendRecv, lower
+from tapestry.lower import LoweringError, lower
 from tapestry.plan import Plan, build_plan
 from tapestry.sharding import Mesh
 from tapestry.spmd import RankFunction, compiled, make_groups, place
@@ -65,6 +65,17 @@ def test_traced_rank_functions_compute_the_reference_on_two_and_four_gloo_ranks(
     check_against_reference(two, launch(run_everywhere, 2, two, False, timeout=120))
     four = _four_rank_plans()
     check_against_reference(four, launch(run_everywhere, 4, four, False, timeout=120))
+
+
+def test_lowering_delivers_only_the_outputs_named_and_to_every_rank_when_asked() -> None:
+    plan = build_plan(_accumulator(), Mesh(2), {"matmul_0": (0,), "add_0": (0,), "sum_0": (0,)})
+    program = lower(plan, deliver=("total",), everywhere=True)
+    assert program.outputs == {"total": f"{plan.outputs['total']}@all"}
+    last = [r.steps[-1] for r in program.ranks]
+    assert all(s.out == program.outputs["total"] and s.out_block is not None for s in last)  # whole on both ranks
+    assert lower(plan).outputs.keys() == {"new.s", "total"}
+    with pytest.raises(LoweringError, match=r"deliver: 'loss' is no output of the plan; its outputs are 'new.s'"):
+        lower(plan, deliver=("loss",))
 
 
 def test_outputs_gathered_to_rank_zero_alone_reach_rank_zero_alone() -> None:
