@@ -22,7 +22,8 @@ _LAZY = {"evaluate": "tapestry.evaluator", "evaluate_sharded": "tapestry.evaluat
          "TorchImportError": "tapestry.importer", "Training": "tapestry.training",
          "equivalent": "tapestry.prove", "Equivalence": "tapestry.prove", "parallelize": "tapestry.spmd.module",
          "ParallelModule": "tapestry.spmd.module", "ParallelProgram": "tapestry.spmd.program",
-         "launch": "tapestry.spmd.launch", "run_plan": "tapestry.runtime"}
+         "launch": "tapestry.spmd.launch", "run_plan": "tapestry.runtime",
+         "parallelize_step": "tapestry.spmd.step", "ParallelStep": "tapestry.spmd.step"}
 
 
 def __getattr__(name: str) -> Any:
@@ -37,6 +38,6 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["KERNELS", "Budget", "Equivalence", "Graph", "GraphError", "Kernel", "Mesh", "OptimizeResult",
-           "ParallelModule", "ParallelProgram", "Plan", "TorchImport", "TorchImportError", "Training", "equivalent",
-           "evaluate", "evaluate_sharded", "explore", "from_torch", "get_kernel", "launch", "load_graph", "optimize",
-           "parallelize", "random_inputs", "run_plan", "save_graph"]
+           "ParallelModule", "ParallelProgram", "ParallelStep", "Plan", "TorchImport", "TorchImportError", "Training",
+           "equivalent", "evaluate", "evaluate_sharded", "explore", "from_torch", "get_kernel", "launch", "load_graph",
+           "optimize", "parallelize", "parallelize_step", "random_inputs", "run_plan", "save_graph"]
