@@ -96,8 +96,9 @@ def test_the_plans_exercise_every_collective_the_engine_maps() -> None:
 
 @pytest.mark.slow
 def test_compiled_rank_functions_compute_the_reference_on_two_and_four_gloo_ranks() -> None:
-    two = [CASES[name]() for name in ("chain of different splits", "conv2d split on rows", "matmul split on k, then rows",
-                                     "float64 reads of padding only")]
+    names = ("chain of different splits", "conv2d split on rows", "matmul split on k, then rows",
+             "float64 reads of padding only")
+    two = [CASES[name]() for name in names]
     check_against_reference(two, launch(run_everywhere, 2, two, True, timeout=600))
     four = _four_rank_plans()[:3]
     check_against_reference(four, launch(run_everywhere, 4, four, True, timeout=600))
@@ -265,7 +266,8 @@ def test_a_rank_that_hangs_is_named_at_the_timeout_and_no_rank_outlives_the_laun
     import multiprocessing
 
     plan = CASES["seeds split on out"]()
-    with pytest.raises(tapestry.spmd.launch.RankFailure, match=r"timed out after 8 s: rank 0 in call 0 of its parallel program; rank 1 in call 1"):
+    hung = r"timed out after 8 s: rank 0 in call 0 of its parallel program; rank 1 in call 1"
+    with pytest.raises(tapestry.spmd.launch.RankFailure, match=hung):
         launch(fail_in_call, plan, 0, 1, "hang", nproc=2, timeout=8)
     assert multiprocessing.active_children() == []
 
