@@ -289,3 +289,40 @@ def test_parallelize_runs_under_torchrun_in_its_own_group_or_one_it_opens(own_gr
 
     found = dict(re.findall(r"rank (\d): 3 calls, max abs difference from the module (\S+)", done.stdout))
     assert found.keys() == {"0", "1"} and all(float(v) < 1e-5 for v in found.values()), done.stdout
+
+
+SLEEPER = """
+import os, sys, time
+import tapestry
+
+def sleep(folder):
+    import torch.distributed as dist
+    open(os.path.join(folder, str(dist.get_rank())), "w").write(str(os.getpid()))
+    time.sleep(120)
+
+tapestry.launch(sleep, sys.argv[1], nproc=2, timeout=120)
+"""
+
+
+def test_sigterm_ends_the_launcher_and_its_ranks(tmp_path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env)
+    deadline = time.monotonic() + 60
+    while len([p for p in tmp_path.iterdir() if p.name in ("0", "1") and p.read_text()]) < 2 \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    ranks = [int((tmp_path / r).read_text()) for r in ("0", "1")]
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+    time.sleep(0.5)
+    for pid in ranks:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
