@@ -1,4 +1,4 @@
-"""Persistent runtime benchmark: the MLP 256-1024-1024-256 served by Tapestry's plan on N gloo ranks, one torchrun.
+"""Persistent runtime benchmark: the MLP 256-1024-1024-256 served and trained by Tapestry's plan on N gloo ranks.
 
     torchrun --nproc-per-node 2 benchmarks/runtime.py          # and --nproc-per-node 4
 
@@ -8,7 +8,9 @@ torch.compile'd in one process (rank 0, one thread, while the other ranks wait).
 calls between two barriers. Start-up, separately: import (from_torch), planning cold (a fresh plan cache) and warm
 (the cache hit), lowering and placing, and the first call's trace and compile, cold (a fresh inductor cache) and
 warm (torch._dynamo.reset(), then inductor's on-disk cache, as a second start finds it). Every rank uses one
-thread. Writes the "Persistent runtime (N gloo ranks)" section of docs/benchmarks.md from rank 0.
+thread. Training: AdamW steps under DDP, FSDP2 (fully_shard per layer), DTensor tensor parallel (column, row,
+column) and, where `tapestry.parallelize_step` exists, Tapestry's plan, one after another in the same run, with
+the losses against one device. Writes the "Persistent runtime (N gloo ranks)" section of docs/benchmarks.md from rank 0.
 """
 from __future__ import annotations
 
@@ -73,9 +75,100 @@ def per_call(call: Callable[[torch.Tensor], object], batches: list[torch.Tensor]
     return (time.perf_counter() - start) / len(batches)
 
 
+def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(out, y)
+
+
+def reference_losses(batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> list[float]:
+    """One device: the module, AdamW, every whole batch."""
+    torch.manual_seed(0)
+    module = MLP()
+    opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=0.01)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = mse(module(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def torch_step(kind: str, lr: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A training step of the same MLP under DDP, FSDP2 (fully_shard) or DTensor tensor parallel; the loss of the
+    whole batch, on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    module = MLP()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    share = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    if kind == "DDP":
+        model: torch.nn.Module = torch.nn.parallel.DistributedDataParallel(module)
+    elif kind == "FSDP2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in module.layers:
+            fully_shard(layer, mesh=mesh)
+        model = fully_shard(module, mesh=mesh)
+    else:
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        model = parallelize_module(module, mesh, {"layers.0": ColwiseParallel(), "layers.1": RowwiseParallel(),
+                                                  "layers.2": ColwiseParallel(output_layouts=Replicate())})
+        share = slice(0, BATCH)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = mse(model(x[share]), y[share])
+        loss.backward()
+        opt.step()
+        if kind != "TP":  # each rank's loss is the mean of its share: the whole batch's is their mean
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            loss /= world
+        return loss.detach()
+
+    return step
+
+
+def training(steps: int, lr: float) -> tuple[list[str], dict[str, float], dict[str, float]]:
+    """Step times (mean over `steps`, after 3 warm-up steps) and the largest loss difference from one device."""
+    gen = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(BATCH, DIMS[0], generator=gen), torch.randn(BATCH, DIMS[-1], generator=gen))
+               for _ in range(steps + 3)]
+    want = reference_losses(batches, lr)
+    makers: dict[str, Callable[[], Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]] = {
+        kind: (lambda kind=kind: torch_step(kind, lr)) for kind in ("DDP", "FSDP2", "TP")}
+    notes = []
+    if hasattr(tapestry, "parallelize_step"):
+        def tapestry_step() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+            torch.manual_seed(0)
+            return tapestry.parallelize_step(MLP(), mse, batches[0], mesh=tapestry.Mesh(dist.get_world_size()),
+                                             optimizer=torch.optim.AdamW, lr=lr, weight_decay=0.01)
+        makers["Tapestry plan"] = tapestry_step
+    else:
+        notes.append("Tapestry's training step is not measured: `tapestry.parallelize_step` is not on this branch.")
+    times, errors = {}, {}
+    for name, make in makers.items():
+        step = make()
+        losses = [float(step(x, y)) for x, y in batches[:3]]
+        dist.barrier()
+        start = time.perf_counter()
+        losses += [float(step(x, y)) for x, y in batches[3:]]
+        dist.barrier()
+        times[name] = (time.perf_counter() - start) / steps
+        errors[name] = max(abs(a - b) for a, b in zip(losses, want))
+    return notes, times, errors
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--steps", type=int, default=20, help="training steps per strategy")
     parser.add_argument("--no-write", action="store_true", help="print the section instead of writing it")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -112,6 +205,7 @@ def main() -> None:
             f"Tapestry plan, {world} ranks, compiled whole": per_call(lambda x: program(x), batches, True),
             f"Tapestry plan, {world} ranks, eager": per_call(lambda x: eager(x), batches, True),
         }
+    notes, step_times, loss_errors = training(args.steps, 1e-3)
     starts = [None] * world
     dist.all_gather_object(starts, start)
     if rank != 0:
@@ -133,6 +227,17 @@ def main() -> None:
         "| start-up (slowest rank) | seconds |",
         "|---|---:|",
         *(f"| {name} | {max(s[name] for s in starts):.2f} |" for name in start),
+        "",
+        f"Training: one AdamW step (lr 1e-3, weight decay 0.01, MSE loss) on a fresh batch of {BATCH} per step, "
+        f"{args.steps} steps after 3 warm-up steps; the loss of the whole batch on every rank, against one device.",
+        "",
+        "| training step | ms per step | x best | largest loss difference from one device |",
+        "|---|---:|---:|---:|",
+        *(f"| {name} | {t * 1e3:.2f} | {t / min(step_times.values()):.2f} | {loss_errors[name]:.1e} |"
+          for name, t in step_times.items()),
+        *(["", *notes] if notes else []),
+        "",
+        "Peak memory per rank is not reported: on the CPU there is no allocator counter to read it from.",
         "",
         "Before this runtime, `run_plan` spawned new ranks on every call: 14.9 s per inference call of this MLP on 2 "
         "ranks (issue 26).",

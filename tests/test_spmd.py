@@ -14,7 +14,7 @@ from test_runtime import GRID
 import tapestry
 from tapestry import dtypes
 from tapestry.graph import Graph
-from tapestry.lower import AllToAll, Gather, SendRecv, lower
+from tapestry.lower import LoweringError, lower
 from tapestry.plan import Plan, build_plan
 from tapestry.sharding import Mesh
 from tapestry.spmd import RankFunction, compiled, make_groups, place
@@ -67,6 +67,17 @@ def test_traced_rank_functions_compute_the_reference_on_two_and_four_gloo_ranks(
     check_against_reference(four, launch(run_everywhere, 4, four, False, timeout=120))
 
 
+def test_lowering_delivers_only_the_outputs_named_and_to_every_rank_when_asked() -> None:
+    plan = build_plan(_accumulator(), Mesh(2), {"matmul_0": (0,), "add_0": (0,), "sum_0": (0,)})
+    program = lower(plan, deliver=("total",), everywhere=True)
+    assert program.outputs == {"total": f"{plan.outputs['total']}@all"}
+    last = [r.steps[-1] for r in program.ranks]
+    assert all(s.out == program.outputs["total"] and s.out_block is not None for s in last)  # whole on both ranks
+    assert lower(plan).outputs.keys() == {"new.s", "total"}
+    with pytest.raises(LoweringError, match=r"deliver: 'loss' is no output of the plan; its outputs are 'new.s'"):
+        lower(plan, deliver=("loss",))
+
+
 def test_outputs_gathered_to_rank_zero_alone_reach_rank_zero_alone() -> None:
     plans = [make() for make in CASES.values()] + _four_rank_plans()[:2]
     per_rank = launch(run_everywhere, 2, plans[:-2], False, False, timeout=120)
@@ -85,8 +96,9 @@ def test_the_plans_exercise_every_collective_the_engine_maps() -> None:
 
 @pytest.mark.slow
 def test_compiled_rank_functions_compute_the_reference_on_two_and_four_gloo_ranks() -> None:
-    two = [CASES[name]() for name in ("chain of different splits", "conv2d split on rows", "matmul split on k, then rows",
-                                     "float64 reads of padding only")]
+    names = ("chain of different splits", "conv2d split on rows", "matmul split on k, then rows",
+             "float64 reads of padding only")
+    two = [CASES[name]() for name in names]
     check_against_reference(two, launch(run_everywhere, 2, two, True, timeout=600))
     four = _four_rank_plans()[:3]
     check_against_reference(four, launch(run_everywhere, 4, four, True, timeout=600))
@@ -254,7 +266,8 @@ def test_a_rank_that_hangs_is_named_at_the_timeout_and_no_rank_outlives_the_laun
     import multiprocessing
 
     plan = CASES["seeds split on out"]()
-    with pytest.raises(tapestry.spmd.launch.RankFailure, match=r"timed out after 8 s: rank 0 in call 0 of its parallel program; rank 1 in call 1"):
+    hung = r"timed out after 8 s: rank 0 in call 0 of its parallel program; rank 1 in call 1"
+    with pytest.raises(tapestry.spmd.launch.RankFailure, match=hung):
         launch(fail_in_call, plan, 0, 1, "hang", nproc=2, timeout=8)
     assert multiprocessing.active_children() == []
 
@@ -276,3 +289,40 @@ def test_parallelize_runs_under_torchrun_in_its_own_group_or_one_it_opens(own_gr
 
     found = dict(re.findall(r"rank (\d): 3 calls, max abs difference from the module (\S+)", done.stdout))
     assert found.keys() == {"0", "1"} and all(float(v) < 1e-5 for v in found.values()), done.stdout
+
+
+SLEEPER = """
+import os, sys, time
+import tapestry
+
+def sleep(folder):
+    import torch.distributed as dist
+    open(os.path.join(folder, str(dist.get_rank())), "w").write(str(os.getpid()))
+    time.sleep(120)
+
+tapestry.launch(sleep, sys.argv[1], nproc=2, timeout=120)
+"""
+
+
+def test_sigterm_ends_the_launcher_and_its_ranks(tmp_path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env)
+    deadline = time.monotonic() + 60
+    while len([p for p in tmp_path.iterdir() if p.name in ("0", "1") and p.read_text()]) < 2 \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    ranks = [int((tmp_path / r).read_text()) for r in ("0", "1")]
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+    time.sleep(0.5)
+    for pid in ranks:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -41,6 +41,7 @@ from tapestry.zspace import ZRange
 
 Buffers = dict[str, torch.Tensor]
 Groups = Mapping[tuple[int, ...], dist.ProcessGroup]  # a collective's ranks -> its process group
+On = tuple[Any, tuple[int, ...]]  # where a collective runs: its process group, and its ranks in group order
 
 
 def make_groups(program: LoweredProgram) -> dict[tuple[int, ...], dist.ProcessGroup]:
@@ -234,7 +235,7 @@ def _overlap_into(out: torch.Tensor, out_block: ZRange, src: torch.Tensor | None
     return out
 
 
-def _local(step: Local, src: torch.Tensor | None, dtype: torch.dtype, device: torch.device, on: tuple[Any, tuple[int, ...]]
+def _local(step: Local, src: torch.Tensor | None, dtype: torch.dtype, device: torch.device, on: On
            ) -> torch.Tensor:
     assert step.out_block is not None
     if src is not None and step.src_block is not None and step.src_block.contains(step.out_block):
@@ -242,7 +243,7 @@ def _local(step: Local, src: torch.Tensor | None, dtype: torch.dtype, device: to
     return _overlap_into(_zeros(step.out_block, dtype, device), step.out_block, src, step.src_block)
 
 
-def _all_gather(step: AllGather, src: torch.Tensor | None, dtype: torch.dtype, device: torch.device, on: tuple[Any, tuple[int, ...]]
+def _all_gather(step: AllGather, src: torch.Tensor | None, dtype: torch.dtype, device: torch.device, on: On
                 ) -> torch.Tensor:
     size = _padded(step.blocks)
     flat = _flat(size, dtype, device) if src is None else src.reshape(-1)
@@ -265,13 +266,13 @@ def _all_gather(step: AllGather, src: torch.Tensor | None, dtype: torch.dtype, d
     return out
 
 
-def _all_reduce(step: AllReduce, src: torch.Tensor | None, dtype: torch.dtype, device: torch.device, on: tuple[Any, tuple[int, ...]]
+def _all_reduce(step: AllReduce, src: torch.Tensor | None, dtype: torch.dtype, device: torch.device, on: On
                 ) -> torch.Tensor:
     return fc.all_reduce(_zeros(step.region, dtype, device) if src is None else src, "sum", on[0])
 
 
 def _reduce_scatter(step: ReduceScatter, src: torch.Tensor | None, dtype: torch.dtype, device: torch.device,
-                    on: tuple[Any, tuple[int, ...]]) -> torch.Tensor:
+                    on: On) -> torch.Tensor:
     size = _padded(step.out_blocks)
     parts = []
     for block in step.out_blocks:
@@ -285,7 +286,7 @@ def _reduce_scatter(step: ReduceScatter, src: torch.Tensor | None, dtype: torch.
     return summed[: math.prod(step.out_block.shape)].view(step.out_block.shape)
 
 
-def _exchange(step: Exchange, src: torch.Tensor | None, dtype: torch.dtype, device: torch.device, on: tuple[Any, tuple[int, ...]]
+def _exchange(step: Exchange, src: torch.Tensor | None, dtype: torch.dtype, device: torch.device, on: On
               ) -> torch.Tensor:
     """AllToAll, SendRecv and Gather alike: one all_to_all_single with exact split sizes (zero between ranks that
     trade nothing), then the arrivals written (or, for partial sources, summed) into the destination block."""
