@@ -31,7 +31,7 @@ def main() -> int:
     imported = tapestry.from_torch(model, example_inputs, example_kwargs)
     result = tapestry.optimize(imported.graph, mesh=tapestry.Mesh(args.nproc))
     print(result.explain().splitlines()[0])
-    run = result.plan.run(imported.inputs(*example_inputs, **example_kwargs), compile=not args.no_compile)
+    run = tapestry.run_plan(result.plan, imported.inputs(*example_inputs, **example_kwargs), compile=not args.no_compile)
     (got,) = imported.outputs(run.outputs)
     with torch.no_grad():
         want = model(*example_inputs, **example_kwargs).last_hidden_state.numpy()

@@ -49,7 +49,7 @@ def main() -> int:
         if not name.startswith("adam."):
             print(f"{name}: {kept.strategy}, {kept.layout.name(imported.graph[name].shape, plan.mesh)}")
     # the steps run back to back on the ranks: each rank's block of new.X is its block of X at the next step
-    run = plan.run(imported.inputs(x, y), repeat=args.steps, chain=True, compile=args.compile)
+    run = tapestry.run_plan(plan, imported.inputs(x, y), repeat=args.steps, chain=True, compile=args.compile)
     state = imported.outputs(run.outputs)
     reference = copy.deepcopy(model)
     optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)

@@ -27,7 +27,7 @@ from tapestry.plan import build_plan
 g = tapestry.Graph()
 g.output("y", g.relu(g.matmul(g.input("a", (8, 6)), g.input("b", (6, 4)))))
 plan = build_plan(g, tapestry.Mesh(2), {"matmul_0": (0,), "relu_0": (None,)})
-print("ran", plan.run(compile=False, timeout=120).outputs["y"].shape)
+print("ran", tapestry.run_plan(plan, compile=False, timeout=120).outputs["y"].shape)
 """
 
 

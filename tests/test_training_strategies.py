@@ -96,7 +96,7 @@ def test_a_sharded_steady_plan_runs_steps_back_to_back_on_ranks_and_matches_torc
     imported, _ = adam_step(8, 16, 16)
     plan = zero3(imported.graph, tapestry.Mesh(2), ARGUMENTS)
     x, y = torch.randn(16, 8, generator=torch.Generator().manual_seed(1)), torch.randn(16, 8)
-    state = imported.outputs(plan.run(imported.inputs(x, y), repeat=3, chain=True, compile=False).outputs)
+    state = imported.outputs(tapestry.run_plan(plan, imported.inputs(x, y), repeat=3, chain=True, compile=False).outputs)
     reference = imported.module
     optimizer = torch.optim.Adam(reference.parameters(), lr=1e-3)
     for _ in range(3):
@@ -114,4 +114,4 @@ def test_chaining_steps_needs_a_steady_plan():
     split = {"0.weight": Layout.split((16, 8), mesh, (0,))}  # placed split, its update still delivered whole
     plan = placed(data_parallel(imported.graph, mesh, ARGUMENTS), split)
     with pytest.raises(ValueError, match="chain needs a steady plan .*'new.0.weight'"):
-        plan.run(imported.inputs(torch.randn(16, 8), torch.randn(16, 8)), repeat=2, chain=True)
+        tapestry.run_plan(plan, imported.inputs(torch.randn(16, 8), torch.randn(16, 8)), repeat=2, chain=True)

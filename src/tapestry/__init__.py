@@ -20,7 +20,10 @@ _LAZY = {"evaluate": "tapestry.evaluator", "evaluate_sharded": "tapestry.evaluat
          "explore": "tapestry.optimizer", "optimize": "tapestry.optimizer",
          "from_torch": "tapestry.importer", "TorchImport": "tapestry.importer",
          "TorchImportError": "tapestry.importer", "Training": "tapestry.training",
-         "equivalent": "tapestry.prove", "Equivalence": "tapestry.prove"}
+         "equivalent": "tapestry.prove", "Equivalence": "tapestry.prove", "parallelize": "tapestry.spmd.module",
+         "ParallelModule": "tapestry.spmd.module", "ParallelProgram": "tapestry.spmd.program",
+         "launch": "tapestry.spmd.launch", "run_plan": "tapestry.runtime",
+         "parallelize_step": "tapestry.spmd.step", "ParallelStep": "tapestry.spmd.step"}
 
 
 def __getattr__(name: str) -> Any:
@@ -34,6 +37,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["KERNELS", "Budget", "Equivalence", "Graph", "GraphError", "Kernel", "Mesh", "OptimizeResult", "Plan",
-           "TorchImport", "TorchImportError", "Training", "equivalent", "evaluate", "evaluate_sharded", "explore",
-           "from_torch", "get_kernel", "load_graph", "optimize", "random_inputs", "save_graph"]
+__all__ = ["KERNELS", "Budget", "Equivalence", "Graph", "GraphError", "Kernel", "Mesh", "OptimizeResult",
+           "ParallelModule", "ParallelProgram", "ParallelStep", "Plan", "TorchImport", "TorchImportError", "Training",
+           "equivalent", "evaluate", "evaluate_sharded", "explore", "from_torch", "get_kernel", "launch", "load_graph",
+           "optimize", "parallelize", "parallelize_step", "random_inputs", "run_plan", "save_graph"]

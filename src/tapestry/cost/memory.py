@@ -9,7 +9,7 @@ its block at its value's dtype size. A `Local` move whose block lies inside
 the source block is a view of it, as the runtime makes it: it adds no bytes
 and keeps its source alive. Not counted: kernel scratch space, collective
 staging buffers and allocator slack; nor the gather of the outputs to rank 0
-that `Plan.run` adds after the plan (the plan's outputs stay live to its end).
+that `run_plan` adds after the plan (the plan's outputs stay live to its end).
 """
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ from tapestry import dtypes
 from tapestry.lower.compile import use_persistent_cache
 from tapestry.lower.program import LoweredProgram, lower
 from tapestry.graph import Graph
-from tapestry.plan.plan import Plan
+from tapestry.plan.plan import Plan, steady_violations
 from tapestry.runtime.execute import InputSource, RankReport, RankRunner, StepFailed, check_supplied
 
 GRACE_S = 1.0  # after a first failure, how long to wait for the other ranks' reports before killing them
@@ -109,8 +109,6 @@ def run_plans(
     if nproc is not None and nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
     if chain:
-        from tapestry.optimizer import steady_violations
-
         for plan in plans:
             moved = steady_violations(plan, plan.graph.carried)
             if moved:
@@ -222,8 +220,20 @@ def _die_with_parent() -> None:
 
 
 def _supervise(job: Job, procs: list[Any], results: Any, progress: Any) -> list[RunResult]:
-    deadline = time.monotonic() + job.timeout
-    done: dict[int, list[RunResult] | None] = {}
+    result = supervise(procs, results, job.timeout, functools.partial(_where, job, progress),
+                       lambda r: (progress[2 * r], progress[2 * r + 1]))[0]
+    assert result is not None
+    return result
+
+
+def supervise(procs: Sequence[Any], results: Any, timeout: float, where: Callable[[int], str],
+              position: Callable[[int], tuple[int, ...]] | None = None) -> list[Any]:
+    """Wait for every rank's ("ok" | "error", rank, payload) on `results`; the payloads of "ok" by rank. A rank that
+    reports an error or dies outright (`where(rank)` names what it was doing) fails the run after GRACE_S, so the
+    others' reports come in too; past `timeout` the ranks still running are named, those behind the furthest
+    `position(rank)` (how far it got, comparable across ranks) first. The caller kills them."""
+    deadline = time.monotonic() + timeout
+    done: dict[int, Any] = {}
     errors: dict[int, str] = {}
     failed_at: float | None = None
     while len(done) < len(procs):
@@ -237,30 +247,30 @@ def _supervise(job: Job, procs: list[Any], results: Any, progress: Any) -> list[
         if (errors or died) and failed_at is None:
             failed_at = now
         if failed_at is not None and now - failed_at > GRACE_S:
-            raise RankFailure(_failure(job, died, errors, progress))
+            raise RankFailure(_failure(died, errors, where))
         if now > deadline:
-            raise RankFailure(_timed_out(job, [r for r in range(len(procs)) if r not in done], progress))
-    result = done[0]
-    assert result is not None
-    return result
+            late = [r for r in range(len(procs)) if r not in done]
+            raise RankFailure(_timed_out(timeout, late, where, position))
+    return [done[r] for r in range(len(procs))]
 
 
-def _timed_out(job: Job, late: Sequence[int], progress: Any) -> str:
-    """Where each unfinished rank is, led by the stuck ones: the ranks in the furthest step wait there (in a
+def _timed_out(timeout: float, late: Sequence[int], where: Callable[[int], str],
+               position: Callable[[int], tuple[int, ...]] | None) -> str:
+    """Where each unfinished rank is, led by the stuck ones: the ranks at the furthest `position` wait there (in a
     collective) for those that had not reached it."""
-    at = {r: (progress[2 * r], progress[2 * r + 1]) for r in late}
-    waiting = [r for r in late if at[r] == max(at.values())]
-    behind = [r for r in late if r not in waiting]
-    where = "; ".join(f"rank {r} in {_where(job, progress, r)}" for r in late)
+    everywhere = "; ".join(f"rank {r} in {where(r)}" for r in late)
+    at = {r: position(r) for r in late} if position is not None else {}
+    waiting = [r for r in late if at and at[r] == max(at.values())]
+    behind = [r for r in late if at and r not in waiting]
     if not behind:
-        return f"timed out after {job.timeout:g} s: {where}"
-    return (f"timed out after {job.timeout:g} s: rank(s) {', '.join(map(str, behind))} had not reached "
-            f"{_where(job, progress, waiting[0])}, where rank(s) {', '.join(map(str, waiting))} wait for them; {where}")
+        return f"timed out after {timeout:g} s: {everywhere}"
+    return (f"timed out after {timeout:g} s: rank(s) {', '.join(map(str, behind))} had not reached "
+            f"{where(waiting[0])}, where rank(s) {', '.join(map(str, waiting))} wait for them; {everywhere}")
 
 
-def _failure(job: Job, died: Mapping[int, int], errors: Mapping[int, str], progress: Any) -> str:
+def _failure(died: Mapping[int, int], errors: Mapping[int, str], where: Callable[[int], str]) -> str:
     """Ranks that died outright come first: the others' errors are usually their peers' broken connections."""
-    lines = [f"rank {r} exited with code {code} in {_where(job, progress, r)}" for r, code in sorted(died.items())]
+    lines = [f"rank {r} exited with code {code} in {where(r)}" for r, code in sorted(died.items())]
     lines += [errors[r] for r in errors]
     return "\n".join(lines)
 

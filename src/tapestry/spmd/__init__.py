@@ -1,0 +1,19 @@
+"""The persistent SPMD runtime: each rank's program as one compiled function, run in the user's process group.
+
+A layer above plan, lower, runtime.launch, importer and the optimizer; nothing below imports it. Its modules:
+
+- `trace`: the engine. `RankFunction.of(lowered, rank, make_groups(lowered))` is one rank's steps as a pure
+  `fn({buffer: block}) -> {buffer: block}`, shard kernels through their torch lowering and every communication
+  step a functional collective; `compiled(fn)` makes it one FX graph compiled whole by torch.compile; `place`
+  slices a rank's blocks from whole tensors.
+- `program`: `ParallelProgram(plan, state, deliver=, carry=, compile=)`, made once per rank: state placed once,
+  prepared steps run once, called with new whole inputs, the delivered outputs whole on every rank, carried
+  outputs left where the plan puts them (a training step's weights and optimizer state); `join_group`.
+- `planning`: `shared_plan(graph, mesh, **optimize_options)`: planned on rank 0 (or read from the plan cache)
+  and broadcast as plan JSON.
+- `module`: `parallelize(module, example_args, mesh=)` -> `ParallelModule` (inference).
+- `launch`: `launch(fn, *args, nproc=N)`: local gloo ranks for scripts and notebooks, supervised.
+"""
+from tapestry.spmd.trace import RankFunction, buffer_dtypes, compiled, make_groups, place
+
+__all__ = ["RankFunction", "buffer_dtypes", "compiled", "make_groups", "place"]

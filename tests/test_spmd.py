@@ -1,0 +1,328 @@
+"""A rank's program traced as one torch function (functional collectives) computes what the reference evaluator
+computes, on 2 and 4 gloo ranks, eager and compiled whole; every rank receives the outputs."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_lower import CASES, _chain, _conv, _matmul
+from test_runtime import GRID
+
+import tapestry
+from tapestry import dtypes
+from tapestry.graph import Graph
+from tapestry.lower import LoweringError, lower
+from tapestry.plan import Plan, build_plan
+from tapestry.sharding import Mesh
+from tapestry.spmd import RankFunction, compiled, make_groups, place
+from tapestry.spmd.launch import launch
+
+Outputs = dict[str, torch.Tensor]
+
+
+def run_everywhere(plans: Sequence[Plan], compile: bool, everywhere: bool = True) -> list[Outputs]:
+    """On each launched rank: every plan's outputs, delivered whole to this rank by the traced function (without
+    `everywhere`, to rank 0 only: the others return nothing)."""
+    rank = dist.get_rank()
+    results = []
+    for plan in plans:
+        program = lower(plan, everywhere=everywhere)
+        fn = RankFunction.of(program, rank, make_groups(program))
+        inputs = {k: dtypes.to_tensor(v) for k, v in tapestry.random_inputs(plan.graph).items()}
+        got = (compiled(fn) if compile else fn)(place(program, rank, inputs))
+        results.append({name: got[buffer].clone() for name, buffer in program.outputs.items() if buffer in got})
+    return results
+
+
+def check_against_reference(plans: Sequence[Plan], per_rank: Sequence[Sequence[Outputs]]) -> None:
+    for k, plan in enumerate(plans):
+        want = tapestry.evaluate(plan.graph, tapestry.random_inputs(plan.graph))
+        for rank, results in enumerate(per_rank):
+            got = results[k]
+            assert got.keys() == want.keys(), (k, rank)
+            for name, value in want.items():
+                assert got[name].dtype == getattr(torch, plan.dtypes[plan.outputs[name]]), (k, rank, name)
+                torch.testing.assert_close(got[name], dtypes.to_tensor(value), rtol=1e-5, atol=1e-5,
+                                           msg=lambda m: f"plan {k}, rank {rank}, output {name}: {m}")
+
+
+def _four_rank_plans() -> list[Plan]:
+    mesh = Mesh(4)
+    return [make() for make in GRID.values()] + [
+        build_plan(_chain(8, 4, 6), mesh, {"linear_0": (0,), "relu_0": (1,)}),
+        build_plan(_chain(7, 3, 5), mesh, {"linear_0": (1,), "relu_0": (0,)}),
+        build_plan(_matmul((6, 8), (8, 5)), mesh, {"matmul_0": (2,), "relu_0": (0,)}),
+        build_plan(_conv(), mesh, {"relu_0": (2,), "conv2d_0": (2,)}),
+        build_plan(_matmul((6, 8), (8, 5)), Mesh(2, 2), {"matmul_0": (0, 2), "relu_0": (1, 0)}),
+    ]
+
+
+def test_traced_rank_functions_compute_the_reference_on_two_and_four_gloo_ranks() -> None:
+    two = [make() for make in CASES.values()]
+    check_against_reference(two, launch(run_everywhere, 2, two, False, timeout=120))
+    four = _four_rank_plans()
+    check_against_reference(four, launch(run_everywhere, 4, four, False, timeout=120))
+
+
+def test_lowering_delivers_only_the_outputs_named_and_to_every_rank_when_asked() -> None:
+    plan = build_plan(_accumulator(), Mesh(2), {"matmul_0": (0,), "add_0": (0,), "sum_0": (0,)})
+    program = lower(plan, deliver=("total",), everywhere=True)
+    assert program.outputs == {"total": f"{plan.outputs['total']}@all"}
+    last = [r.steps[-1] for r in program.ranks]
+    assert all(s.out == program.outputs["total"] and s.out_block is not None for s in last)  # whole on both ranks
+    assert lower(plan).outputs.keys() == {"new.s", "total"}
+    with pytest.raises(LoweringError, match=r"deliver: 'loss' is no output of the plan; its outputs are 'new.s'"):
+        lower(plan, deliver=("loss",))
+
+
+def test_outputs_gathered_to_rank_zero_alone_reach_rank_zero_alone() -> None:
+    plans = [make() for make in CASES.values()] + _four_rank_plans()[:2]
+    per_rank = launch(run_everywhere, 2, plans[:-2], False, False, timeout=120)
+    check_against_reference(plans[:-2], per_rank[:1])
+    assert all(results == {} for results in per_rank[1])
+    check_against_reference(plans[-2:], launch(run_everywhere, 4, plans[-2:], False, False, timeout=120)[:1])
+
+
+def test_the_plans_exercise_every_collective_the_engine_maps() -> None:
+    """The cases above reach each of the engine's communication paths, point-to-point and gathers included."""
+    kinds = {s.kind for plan in [make() for make in CASES.values()] + _four_rank_plans()
+             for everywhere in (False, True) for r in lower(plan, everywhere=everywhere).ranks for s in r.steps
+             if hasattr(s, "kind")}
+    assert {"local", "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "send_recv", "gather"} <= kinds
+
+
+@pytest.mark.slow
+def test_compiled_rank_functions_compute_the_reference_on_two_and_four_gloo_ranks() -> None:
+    names = ("chain of different splits", "conv2d split on rows", "matmul split on k, then rows",
+             "float64 reads of padding only")
+    two = [CASES[name]() for name in names]
+    check_against_reference(two, launch(run_everywhere, 2, two, True, timeout=600))
+    four = _four_rank_plans()[:3]
+    check_against_reference(four, launch(run_everywhere, 4, four, True, timeout=600))
+
+
+# -- the persistent program -----------------------------------------------------------------------------------------
+
+
+def _served_mlp() -> Graph:
+    """x -> relu(linear) -> matmul with a transposed weight: static weights, so the transpose is prepared once."""
+    g = Graph()
+    x = g.input("x", (8, 6))
+    w0, b0 = g.input("w0", (6, 10), static=True), g.input("b0", (10,), static=True)
+    w1 = g.input("w1", (4, 10), static=True)
+    g.output("y", g.matmul(g.relu(g.linear(x, w0, b0)), g.transpose(w1, perm=(1, 0))))
+    return g
+
+
+def _accumulator() -> Graph:
+    """A training-like step: state s becomes s + x @ w, carried to the next call; the output is its sum."""
+    g = Graph()
+    s, x, w = g.input("s", (8, 4)), g.input("x", (8, 6)), g.input("w", (6, 4), static=True)
+    new = g.add(s, g.matmul(x, w))
+    g.output("new.s", new)
+    g.output("total", g.sum(g.sum(new, axis=1), axis=0))
+    g.carry("new.s", "s")
+    return g
+
+
+def _calls(seed: int, n: int, shape: tuple[int, ...]) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen) for _ in range(n)]
+
+
+def serve(plan: Plan, state: dict[str, torch.Tensor], calls: list[dict[str, torch.Tensor]], compile: bool,
+          carry: dict[str, str] | None = None) -> tuple[list[Outputs], int, dict[str, torch.Tensor]]:
+    """On each launched rank: one ParallelProgram, called once per input set; its outputs, the count of its prepared
+    steps it did not rerun, and its state blocks at the end."""
+    from tapestry.spmd.program import ParallelProgram
+
+    program = ParallelProgram(plan, state, carry=carry, compile=compile)
+    outputs = [{k: v.clone() for k, v in program(**inputs).items()} for inputs in calls]
+    skipped = sum(1 for s in program.program.ranks[program.rank].steps if s.step not in {t.step for t in
+                  program.function.steps} and not hasattr(s, "input"))
+    return outputs, skipped, {name: t.clone() for name, (_, t) in program.state().items()}
+
+
+def test_a_parallel_program_serves_new_inputs_every_call_from_weights_placed_once() -> None:
+    g = _served_mlp()
+    weights = {k: dtypes.to_tensor(v) for k, v in tapestry.random_inputs(g, seed=1).items() if k != "x"}
+    calls = [{"x": x} for x in _calls(0, 3, (8, 6))]
+    plans = [build_plan(g, Mesh(2), {"linear_0": (0,), "relu_0": (0,), "matmul_0": (0,)}),
+             build_plan(g, Mesh(2), {"linear_0": (1,), "relu_0": (1,), "matmul_0": (2,)})]
+    for plan in plans:
+        per_rank = launch(serve, 2, plan, weights, calls, False, timeout=120)
+        for outputs, skipped, _ in per_rank:
+            assert skipped >= 1  # the weight's transpose ran once, at load time
+            for inputs, got in zip(calls, outputs):
+                want = tapestry.evaluate(g, {**{k: v.numpy() for k, v in weights.items()}, "x": inputs["x"].numpy()})
+                torch.testing.assert_close(got["y"], dtypes.to_tensor(want["y"]), rtol=1e-5, atol=1e-5)
+
+
+def test_carried_state_stays_on_the_ranks_and_feeds_the_next_call() -> None:
+    g = _accumulator()
+    w = _calls(1, 1, (6, 4))[0]
+    calls = [{"x": x} for x in _calls(2, 3, (8, 6))]
+    plan = build_plan(g, Mesh(2), {"matmul_0": (0,), "add_0": (0,), "sum_0": (0,)})
+    per_rank = launch(serve, 2, plan, {"w": w, "s": torch.zeros(8, 4)}, calls, False, {"new.s": "s"}, timeout=120)
+    s = torch.zeros(8, 4)
+    for k, inputs in enumerate(calls):
+        s = s + inputs["x"] @ w
+        for outputs, _, _ in per_rank:
+            assert outputs[k].keys() == {"total"}  # the new state is not delivered
+            torch.testing.assert_close(outputs[k]["total"], s.sum(), rtol=1e-5, atol=1e-5)
+    for rank, (_, _, state) in enumerate(per_rank):
+        torch.testing.assert_close(state["s"], s[4 * rank : 4 * rank + 4], rtol=1e-5, atol=1e-5)
+
+
+# -- tapestry.parallelize -------------------------------------------------------------------------------------------
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        h = torch.relu(self.up(x))
+        return self.down(h), {"hidden": h}
+
+
+def serve_module(batches: list[torch.Tensor], wrong: torch.Tensor) -> tuple[list[Any], str]:
+    """On each launched rank: the MLP parallelized on a mesh of 2, called on every batch, then on a wrong shape."""
+    model = tapestry.parallelize(_MLP().eval(), (batches[0],), mesh=2, compile=False, verbose=True,
+                                 budget=tapestry.Budget(seconds=5), time_limit=5)
+    outputs = [model(x) for x in batches]
+    try:
+        model(wrong)
+    except ValueError as err:
+        return outputs, str(err)
+    return outputs, ""
+
+
+def test_parallelize_serves_the_module_on_every_rank_and_plans_once_per_cache_key(tmp_path, monkeypatch, capfd
+                                                                                   ) -> None:
+    monkeypatch.setenv("TAPESTRY_PLAN_CACHE", str(tmp_path))
+    batches = _calls(3, 2, (12, 16))
+    module = _MLP().eval()
+    for start in ("cold", "warm"):
+        per_rank = launch(serve_module, batches, torch.zeros(5, 16), nproc=2, timeout=300)
+        for outputs, refused in per_rank:
+            for x, (y, extra) in zip(batches, outputs):
+                want_y, want_extra = module(x)
+                torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(extra["hidden"], want_extra["hidden"], rtol=1e-5, atol=1e-5)
+            assert "expected shape [12, 16], given [5, 16]" in refused and "input 'x'" in refused
+        log = capfd.readouterr().err
+        assert ("plan cache hit, planning skipped" in log) == (start == "warm"), log
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+
+# -- faults and launchers -------------------------------------------------------------------------------------------
+
+
+def fail_in_call(plan: Plan, bad_rank: int, bad_call: int, how: str) -> None:
+    """Serve `plan`; rank `bad_rank` raises in call `bad_call` (or dies in it, or hangs before it while the others
+    wait in it)."""
+    import os
+    import time
+
+    from tapestry.spmd.program import ParallelProgram
+
+    program = ParallelProgram(plan, compile=False)
+    for call in range(bad_call + 3):
+        inputs = {k: dtypes.to_tensor(v) for k, v in tapestry.random_inputs(plan.graph, seed=call).items()}
+        if dist.get_rank() == bad_rank and call == bad_call:
+            if how == "raise":
+                inputs["x"] = inputs["x"][:1]  # the wrong shape: refused on this rank alone
+            elif how == "die":
+                launch_module = __import__("tapestry.spmd.launch", fromlist=["note_call"])
+                launch_module.note_call(call)
+                os._exit(3)
+            else:
+                time.sleep(60)
+        program(**inputs)
+
+
+@pytest.mark.parametrize("how, message", [
+    ("raise", r"rank 1 failed in call 2 of its parallel program: ValueError: input 'x': expected shape \[8, 4\]"),
+    ("die", r"rank 0 exited with code 3 in call 1 of its parallel program"),
+])
+def test_a_rank_that_fails_stops_every_rank_naming_the_rank_and_the_call(how: str, message: str) -> None:
+    import time
+
+    plan = CASES["seeds split on out"]()
+    bad_rank, bad_call = (1, 2) if how == "raise" else (0, 1)
+    start = time.monotonic()
+    with pytest.raises(tapestry.spmd.launch.RankFailure, match=message):
+        launch(fail_in_call, plan, bad_rank, bad_call, how, nproc=2, timeout=60)
+    assert time.monotonic() - start < 30
+
+
+def test_a_rank_that_hangs_is_named_at_the_timeout_and_no_rank_outlives_the_launcher() -> None:
+    import multiprocessing
+
+    plan = CASES["seeds split on out"]()
+    hung = r"timed out after 8 s: rank 0 in call 0 of its parallel program; rank 1 in call 1"
+    with pytest.raises(tapestry.spmd.launch.RankFailure, match=hung):
+        launch(fail_in_call, plan, 0, 1, "hang", nproc=2, timeout=8)
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.parametrize("own_group", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_parallelize_runs_under_torchrun_in_its_own_group_or_one_it_opens(own_group: bool, tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "examples" / "serve_torchrun.py"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TAPESTRY_PLAN_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script),
+                           "--no-compile", *(["--own-group"] if own_group else [])],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    import re
+
+    found = dict(re.findall(r"rank (\d): 3 calls, max abs difference from the module (\S+)", done.stdout))
+    assert found.keys() == {"0", "1"} and all(float(v) < 1e-5 for v in found.values()), done.stdout
+
+
+SLEEPER = """
+import os, sys, time
+import tapestry
+
+def sleep(folder):
+    import torch.distributed as dist
+    open(os.path.join(folder, str(dist.get_rank())), "w").write(str(os.getpid()))
+    time.sleep(120)
+
+tapestry.launch(sleep, sys.argv[1], nproc=2, timeout=120)
+"""
+
+
+def test_sigterm_ends_the_launcher_and_its_ranks(tmp_path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env)
+    deadline = time.monotonic() + 60
+    while len([p for p in tmp_path.iterdir() if p.name in ("0", "1") and p.read_text()]) < 2 \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    ranks = [int((tmp_path / r).read_text()) for r in ("0", "1")]
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+    time.sleep(0.5)
+    for pid in ranks:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -1,0 +1,201 @@
+"""tapestry.parallelize_step: a training step run persistently on gloo ranks equals torch.optim on one device,
+its state saves and loads with torch.distributed.checkpoint (sharded as DTensor), and resumes on another plan."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+import tapestry
+from tapestry.sharding import Mesh
+from tapestry.spmd.launch import launch
+from tapestry.spmd.state import local_block, placements
+from tapestry.training.plans import data_parallel, zero3
+from tapestry.zspace import ZRange
+
+
+
+def torch_block(shape: tuple[int, ...], placed: tuple, mesh: Mesh, rank: int) -> ZRange:
+    """DTensor's own answer: the local shard's shape and global offset on device `rank`."""
+    size, offset = _compute_local_shape_and_global_offset(shape, mesh.shape, list(mesh.coords(rank)), placed)
+    return ZRange(offset, [o + s for o, s in zip(offset, size)])
+
+
+@pytest.mark.parametrize(("shape", "mesh", "want"), [
+    ((8, 6), Mesh(2), (Replicate(),)),
+    ((8, 6), Mesh(2), (Shard(0),)),
+    ((8, 6), Mesh(2, 2), (Shard(1), Replicate())),
+    ((8, 6), Mesh(2, 2), (Replicate(), Shard(0))),
+    ((8, 6), Mesh(2, 2), (Shard(0), Shard(0))),  # nested: the second axis cuts the first's pieces
+    ((8, 6), Mesh(2, 2), (Shard(0), Shard(1))),
+    ((7, 6), Mesh(2), (Shard(0),)),  # torch.chunk's uneven pieces: 4 and 3
+])
+def test_the_blocks_dtensor_gives_are_read_back_as_its_placements(shape, mesh, want):
+    blocks = [torch_block(shape, want, mesh, rank) for rank in mesh.devices]
+    assert [local_block(shape, want, mesh, rank) for rank in mesh.devices] == blocks
+    assert placements(shape, blocks, mesh) == want
+
+
+def test_blocks_with_no_dtensor_form_are_refused():
+    mesh = Mesh(2)
+    assert placements((7, 6), [ZRange((0, 0), (3, 6)), ZRange((3, 0), (7, 6))], mesh) is None  # 3 and 4, not 4 and 3
+    assert placements((8, 6), [ZRange((0, 0), (8, 6)), None], mesh) is None  # a rank holds none
+    assert placements((8, 6), [ZRange((0, 0), (4, 3)), ZRange((4, 3), (8, 6))], mesh) is None  # two dims move
+
+
+# -- the step on gloo ranks -------------------------------------------------------------------------------------
+ARGS = ("arg0", "arg1")  # the step's batch inputs
+PLANS = {  # hand-built plans (training/plans.py), so each test knows the layout it checks
+    "data_parallel": lambda graph, mesh: data_parallel(graph, mesh, ARGS),
+    "zero3": lambda graph, mesh: zero3(graph, mesh, ARGS),
+}
+OPTIONS = {"lr": 1e-2, "weight_decay": 0.05}
+
+
+def mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
+
+
+def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(out, y)
+
+
+def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A new batch every step."""
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(n)]
+
+
+def schedule(i: int) -> float:
+    return OPTIONS["lr"] * (0.5 + 0.5 * (i % 3))
+
+
+def torch_run(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The reference: torch.optim.AdamW on one device under the same schedule."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), **OPTIONS)
+    losses = []
+    for i, (x, y) in enumerate(batches(steps)):
+        for group in opt.param_groups:
+            group["lr"] = schedule(i)
+        opt.zero_grad()
+        loss = mse(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def make_step(plan: str | None, nproc: int) -> tapestry.spmd.step.ParallelStep:
+    return tapestry.parallelize_step(mlp(), mse, batches(1)[0], mesh=tapestry.Mesh(nproc), optimizer=torch.optim.AdamW,
+                                     plan=PLANS[plan] if plan else None, compile=False, cache=False, **OPTIONS)
+
+
+def train(plan: str | None, nproc: int, steps: range, load: str | None = None, save: str | None = None,
+          full: bool = False) -> dict:
+    """On each rank: a fresh step (resumed from checkpoint `load`, read as whole tensors with `full`), trained on
+    `steps`, saved to `save`."""
+    step = make_step(plan, nproc)
+    if load:
+        state = step.state_dict(full=full)  # DTensors share the step's buffers (DCP loads in place); full: copies
+        dcp.load(state, checkpoint_id=load)
+        step.load_state_dict(state)
+    losses = [step(x, y, lr=schedule(i)) for i, (x, y) in enumerate(batches(steps.stop)) if i in steps]
+    if save:
+        dcp.save(step.state_dict(), checkpoint_id=save)
+    placed = {k: tuple(v.placements) if isinstance(v, DTensor) else None for k, v in step.state_dict()["model"].items()}
+    return {"losses": losses, "module": step.module_state_dict(), "placements": placed}
+
+
+def test_ten_adamw_steps_under_a_schedule_on_two_ranks_equal_torch():
+    want, weights = torch_run(10)
+    for rank, got in enumerate(launch(train, 2, None, 2, range(10))):
+        assert all(isinstance(loss, torch.Tensor) and loss.dim() == 0 for loss in got["losses"])
+        losses = [float(v) for v in got["losses"]]
+        np.testing.assert_allclose(losses, want, rtol=1e-5, atol=1e-5, err_msg=f"rank {rank}")
+        model = mlp()
+        model.load_state_dict(got["module"])  # full tensors in the module's own names
+        for name, value in weights.items():
+            torch.testing.assert_close(got["module"][name], value, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {name}")
+
+
+def test_a_checkpoint_resumes_on_another_plan_and_mesh_as_if_uninterrupted(tmp_path):
+    want, _ = torch_run(10)
+    first = launch(train, 2, "zero3", 2, range(5), None, str(tmp_path / "zero3"))
+    assert set(first[0]["placements"].values()) == {(Shard(0),)}, "ZeRO-3 keeps its state sharded: saved as shards"
+    for plan, nproc, full in (("data_parallel", 2, False), ("zero3", 2, True), (None, 1, True)):
+        resumed = launch(train, nproc, plan, nproc, range(5, 10), str(tmp_path / "zero3"), None, full)
+        got = [float(v) for v in first[0]["losses"] + resumed[0]["losses"]]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"resumed on {plan} x{nproc}")
+
+
+class TiedLM(torch.nn.Module):
+    """An embedding whose weight the output head reuses, and a float buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("shift", torch.randn(8))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(ids) + self.shift))
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+IDS = [torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(k)) for k in range(4)]
+
+
+def train_tied() -> dict:
+    step = tapestry.parallelize_step(TiedLM(), token_loss, (IDS[0], IDS[0]), optimizer=torch.optim.SGD, lr=0.5,
+                                     momentum=0.9, compile=False, plan=PLANS["zero3"])  # the tied weight split
+    losses = [float(step(ids, ids)) for ids in IDS]
+    try:
+        step(IDS[0][:2], IDS[0][:2])
+    except ValueError as err:
+        refused = str(err)
+    module = TiedLM()
+    module.load_state_dict(step.module_state_dict())  # strict: every name, the tied head's included
+    return {"losses": losses, "module": module.state_dict(), "refused": refused,
+            "still_tied": module.head.weight is module.embed.weight}
+
+
+def test_a_tied_model_trains_on_two_ranks_and_its_module_state_loads_into_the_module():
+    model = TiedLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    want = []
+    for ids in IDS:
+        opt.zero_grad()
+        loss = token_loss(model(ids), ids)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    for got in launch(train_tied, 2):
+        np.testing.assert_allclose(got["losses"], want, rtol=1e-5, atol=1e-6)
+        assert got["still_tied"]
+        torch.testing.assert_close(got["module"]["embed.weight"], model.embed.weight.detach(), rtol=1e-5, atol=1e-6)
+        assert got["refused"] == ("batch tensor 0 (arg0): expected shape [4, 6] (the example batch's: the step is "
+                                  "planned for it), given [2, 6]")
+
+
+def train_compiled() -> list[float]:
+    step = tapestry.parallelize_step(mlp(), mse, batches(1)[0], mesh=tapestry.Mesh(2), optimizer=torch.optim.AdamW,
+                                     plan=PLANS["zero3"], **OPTIONS)  # compile=True: the default
+    return [float(step(x, y, lr=schedule(i))) for i, (x, y) in enumerate(batches(3))]
+
+
+@pytest.mark.slow
+def test_the_compiled_step_equals_torch():
+    """Each rank's step compiled whole by torch.compile (a cold compile took 191 s on the loaded 2-core machine)."""
+    want, _ = torch_run(3)
+    for got in launch(train_compiled, nproc=2, timeout=900):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
