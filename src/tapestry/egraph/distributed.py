@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
+from tapestry import zspace
 from tapestry.kernels import Shape, Signature
 from tapestry.plan import Compute
 from tapestry.sharding import Layout, Mesh
@@ -21,6 +22,7 @@ from tapestry.sharding.comm import can_move
 from tapestry.sharding.partition import (
     Partition, candidate_partitions, generation_order, make_partition, partition_issues,
 )
+from tapestry.zspace import ZRange
 
 
 class Interner:
@@ -35,6 +37,7 @@ class Interner:
         self._run_keys: dict[Compute, str] = {}
         self.priced_as: dict[str, str] = {}  # run key -> its candidate's name: runs that differ only in origin
         self.replicated_keys: dict[str, bool] = {}  # layout key -> is it the replicated layout (egraph.decode)
+        self._whole: dict[str, bool] = {}
         self._parts: dict[tuple[Any, ...], list[Partition]] = {}
         self.pairs: dict[tuple[str, ...], list[tuple[str, str]]] = {}  # a set of layout keys -> `reshard_pairs`
         self._candidates: dict[tuple[Any, ...], list[tuple[str, Partition, Compute, str, tuple[str, ...]]]] = {}
@@ -47,6 +50,15 @@ class Interner:
             self._layout_keys[key] = name
             self.layouts[name] = key
         return self._layout_keys[key]
+
+    def whole(self, key: str) -> bool:
+        """Whether layout `key` is plain and its blocks together hold the whole tensor: what an output may be
+        delivered in (an argument's layout holds only what its reader reads, e.g. the row a select takes)."""
+        if key not in self._whole:
+            shape, layout = self.layouts[key]
+            held = [b for b in layout.blocks if b is not None]
+            self._whole[key] = not layout.partial and bool(held) and zspace.covers(held, ZRange.from_shape(shape))
+        return self._whole[key]
 
     def run(self, step: Compute) -> str:
         if step not in self._run_keys:
