@@ -231,7 +231,7 @@ def _call(builder: Builder, node: Any, env: dict[Any, Any], strict: bool,
             env[node.args[0]] = result
         return result
     name = op_name(node.target)
-    args, kwargs = _resolve(node.args, env), _resolve(node.kwargs, env)
+    args, kwargs = by_schema(node.target, _resolve(node.args, env), _resolve(node.kwargs, env))
     if name.startswith("aten._assert") or name == "aten._assert_tensor_metadata.default":
         coverage[name]["dropped"] += 1
         return None
@@ -265,6 +265,33 @@ def _call(builder: Builder, node: Any, env: dict[Any, Any], strict: bool,
     elif strict:
         raise TorchImportError(f"{name} at {_where(node)}: no Tapestry kernel (strict=True)")
     return _opaque(builder, node, name, args, kwargs, coverage)
+
+
+def by_schema(target: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """An ATen op's arguments as its schema takes them: the positional ones in order (one passed by name moves
+    into place, defaults fill the gaps before it), the keyword-only ones by their schema names. Converters and
+    opaque ops then read `cumsum(x, 1, dtype=...)` the same however the call was written."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return tuple(args), dict(kwargs)
+    schema = target._schema
+    positional = [a for a in schema.arguments if not a.kwarg_only]
+    keywords = {a.name for a in schema.arguments if a.kwarg_only}
+    if len(args) > len(positional):
+        raise TorchImportError(f"{schema.name}: {len(args)} positional arguments, the schema takes {len(positional)}")
+    rest, out = dict(kwargs), list(args)
+    named = positional[len(args):]
+    last = max((i for i, a in enumerate(named) if a.name in rest), default=-1)
+    for a in named[: last + 1]:
+        if a.name in rest:
+            out.append(rest.pop(a.name))
+        elif a.has_default_value():
+            out.append(a.default_value)
+        else:
+            raise TorchImportError(f"{schema.name}: argument {a.name!r} is missing")
+    unknown = set(rest) - keywords
+    if unknown:
+        raise TorchImportError(f"{schema.name}: unknown keyword argument(s) {sorted(unknown)} (schema: {schema})")
+    return tuple(out), rest
 
 
 def _functional_twin(target: Any) -> Any:
@@ -330,7 +357,7 @@ def _opaque(builder: Builder, node: Any, name: str, args: Any, kwargs: Any,
 def _emit_opaque(builder: Builder, node: Any, name: str, args: Any, kwargs: Any, output: int, value: Any,
                  coverage: dict[str, collections.Counter]) -> Value:
     tensors: list[Any] = []
-    text = encode_args([list(args), kwargs], tensors)
+    text = encode_args(args, kwargs, tensors)
     if len(tensors) > MAX_ARITY:
         raise TorchImportError(f"{name} at {_where(node)}: {len(tensors)} tensor arguments (opaque ops take "
                                f"at most {MAX_ARITY})")
