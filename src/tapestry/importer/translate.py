@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,6 +62,7 @@ class Builder:
 
     graph: Graph
     node: Any = None  # the fx node being converted
+    opaque_why: dict[str, str] = field(default_factory=dict)  # ATen op run opaque -> why (the first refusal)
 
     def op(self, kernel: str, /, *args: Value, **params: Any) -> Value:
         return self.graph.op(kernel, *args, **params)
@@ -112,6 +113,7 @@ class Translation:
     user_inputs: tuple[str, ...]  # graph inputs for the flattened user arguments, in order
     outputs: tuple[str, ...]  # graph output names, in the module's flattened output order
     coverage: dict[str, collections.Counter]  # ATen op -> what it became ("linear", "folded", "opaque", ...)
+    opaque_why: dict[str, str] = field(default_factory=dict)  # ATen op run opaque -> why: no converter, or its refusal
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,7 @@ def translate(graph: torch.fx.Graph, placeholders: Mapping[str, Placeholder], ou
         kinds[p.kind].append(p.name)
     state = tuple(dict.fromkeys(n for n in kinds["state"] if n in builder.graph))
     return Translation(builder.graph, state, tuple(kinds["user"]),
-                       tuple(name for name, _ in outputs), dict(coverage))
+                       tuple(name for name, _ in outputs), dict(coverage), builder.opaque_why)
 
 
 def translate_program(program: torch.export.ExportedProgram, strict: bool) -> Translation:
@@ -262,8 +264,10 @@ def _call(builder: Builder, node: Any, env: dict[Any, Any], strict: bool,
             builder.graph.truncate(size)
             if strict:
                 raise TorchImportError(f"{name} at {_where(node)}: not supported ({why})") from None
+            builder.opaque_why.setdefault(name, f"the converter declined: {why}")
     elif strict:
         raise TorchImportError(f"{name} at {_where(node)}: no Tapestry kernel (strict=True)")
+    builder.opaque_why.setdefault(name, "no converter (no Tapestry kernel for this op)")
     return _opaque(builder, node, name, args, kwargs, coverage)
 
 
