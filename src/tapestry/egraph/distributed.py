@@ -14,11 +14,13 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
+
 from tapestry import zspace
 from tapestry.kernels import Shape, Signature
 from tapestry.plan import Compute
 from tapestry.sharding import Layout, Mesh
-from tapestry.sharding.comm import can_move
+from tapestry.sharding.comm import movable
 from tapestry.sharding.partition import (
     Partition, candidate_partitions, generation_order, make_partition, partition_issues,
 )
@@ -115,7 +117,6 @@ def reshard_pairs(layouts: Iterable[str], interner: Interner) -> list[tuple[str,
     layouts (identical layers' values have the same set: this took 7 of a 2x2x2 12-layer stack's 30 s)."""
     keys = tuple(sorted(set(layouts)))
     if keys not in interner.pairs:
-        table = interner.layouts
-        interner.pairs[keys] = [(src, dst) for src in keys for dst in keys
-                                if src != dst and can_move(table[src][1], table[dst][1])]
+        ok = movable([interner.layouts[key][1] for key in keys])
+        interner.pairs[keys] = [(keys[i], keys[j]) for i, j in zip(*np.nonzero(ok)) if i != j]
     return interner.pairs[keys]

@@ -208,6 +208,16 @@ def _decoder(config_class: str, model_class: str, **extra: Any) -> Callable[[Siz
     return build
 
 
+def _gpt_neox(s: Size) -> Case:
+    from transformers import GPTNeoXConfig, GPTNeoXModel
+
+    config = GPTNeoXConfig(vocab_size=2 * s.hidden, hidden_size=s.hidden, num_hidden_layers=2,
+                           num_attention_heads=s.heads, intermediate_size=2 * s.hidden,
+                           max_position_embeddings=2 * s.tokens, rotary_pct=0.5, hidden_dropout=0.0,
+                           attention_dropout=0.0)
+    return GPTNeoXModel(config), (_ids(s, config.vocab_size),), {"use_cache": False}
+
+
 def _t5(s: Size) -> Case:
     from transformers import T5Config, T5ForConditionalGeneration
 
@@ -305,6 +315,7 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family(_seeded(_decoder("MixtralConfig", "MixtralModel", num_local_experts=4, num_experts_per_tok=2)),
                       "mixture-of-experts decoder"),
     "gpt2": Family(MODELS["gpt2"], "decoder, fused QKV"),
+    "gpt_neox": Family(_seeded(_gpt_neox), "decoder, parallel attention and MLP, partial RoPE"),
     "bert": Family(_seeded(_encoder("BertConfig", "BertModel")), "encoder with pooler and token types"),
     "roberta": Family(_seeded(_encoder("RobertaConfig", "RobertaModel", pad_token_id=1)), "encoder with pooler"),
     "vit": Family(_seeded(_vit), "vision transformer"),
