@@ -19,8 +19,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from tapestry import dtypes
-from tapestry.graph import Graph
 from tapestry.importer import TorchImport
+from tapestry.kernels import Signature
 from tapestry.kernels.opaque import aten_op, decode_args
 from tapestry.plan import Compute, Plan
 from tapestry.sharding import Mesh
@@ -79,7 +79,7 @@ def import_report(name: str, imported: TorchImport, mesh: Mesh, plan: Plan | Non
                    sorted(imported.opaque.items()))
     flops = shardable = 0.0
     for node in graph.ops:
-        work = op_flops(graph, node.name)
+        work = flops_of(graph.signature(node.name))
         flops += work
         if not node.op.startswith("opaque") and any(any(p.axes) for p in
                                                      candidate_partitions(graph.signature(node.name), mesh)):
@@ -87,16 +87,15 @@ def import_report(name: str, imported: TorchImport, mesh: Mesh, plan: Plan | Non
     sharded = total = None
     if plan is not None:
         computes = [s for s in plan.steps if isinstance(s, Compute)]
-        total = sum(s.signature.cost(s.signature.index)[0] for s in computes)
-        sharded = sum(s.signature.cost(s.signature.index)[0] for s in computes if len(set(s.blocks)) > 1)
+        total = sum(flops_of(s.signature) for s in computes)
+        sharded = sum(flops_of(s.signature) for s in computes if len(set(s.blocks)) > 1)
     return ImportReport(name, mesh, sum(totals.values()), dict(totals), dict(kernels), opaque, flops, shardable,
                         sharded, total)
 
 
-def op_flops(graph: Graph, name: str) -> float:
-    """FLOPs of graph op `name` (see the module docstring for opaque ops)."""
-    node, sig = graph[name], graph.signature(name)
-    if not node.op.startswith("opaque"):
+def flops_of(sig: Signature) -> float:
+    """FLOPs of a whole op (see the module docstring for opaque ops)."""
+    if not sig.kernel.name.startswith("opaque"):
         return sig.cost(sig.index)[0]
     params = dict(sig.params)
     metas = tuple(torch.empty(s, dtype=dtypes.to_torch(d), device="meta")
