@@ -12,8 +12,8 @@ the mesh splits it; opaque ops never do.
 from __future__ import annotations
 
 import collections
+import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -100,19 +100,11 @@ def flops_of(sig: Signature) -> float:
     params = dict(sig.params)
     metas = tuple(torch.empty(s, dtype=dtypes.to_torch(d), device="meta")
                   for s, d in zip(sig.input_shapes, sig.input_dtypes))
-    counted = 0
     try:
         positional, keywords = decode_args(params["args"], metas)
         with FlopCounterMode(display=False) as counter:
             aten_op(params["aten"])(*positional, **keywords)
         counted = counter.get_total_flops()
-    except Exception:  # noqa: BLE001  an op with no meta kernel: count its output elements
-        pass
-    return float(counted or _numel(params["shape"]))
-
-
-def _numel(shape: Any) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
+    except Exception:  # noqa: BLE001  an op with no meta kernel (a library's custom op): its output elements
+        counted = 0
+    return float(counted or math.prod(int(s) for s in params["shape"]))

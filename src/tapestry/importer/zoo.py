@@ -234,7 +234,8 @@ def _bart(s: Size) -> Case:
 
     config = BartConfig(vocab_size=2 * s.hidden, d_model=s.hidden, encoder_layers=1, decoder_layers=1,
                         encoder_attention_heads=s.heads, decoder_attention_heads=s.heads,
-                        encoder_ffn_dim=2 * s.hidden, decoder_ffn_dim=2 * s.hidden, max_position_embeddings=2 * s.tokens,
+                        encoder_ffn_dim=2 * s.hidden, decoder_ffn_dim=2 * s.hidden,
+                        max_position_embeddings=2 * s.tokens,
                         dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
     return BartModel(config), (_ids(s, config.vocab_size),), {"use_cache": False}
 
@@ -284,7 +285,8 @@ def _wav2vec2(s: Size) -> Case:
     config = Wav2Vec2Config(hidden_size=s.hidden, num_hidden_layers=2, num_attention_heads=s.heads,
                             intermediate_size=2 * s.hidden, conv_dim=(16, 16), conv_stride=(4, 2), conv_kernel=(8, 4),
                             num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4, hidden_dropout=0.0,
-                            attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, do_stable_layer_norm=True,
+                            attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
+                            do_stable_layer_norm=True,
                             apply_spec_augment=False)
     return Wav2Vec2Model(config), (torch.randn(s.batch, 64 * s.tokens),), {}
 
@@ -327,6 +329,7 @@ FAMILIES: dict[str, Family] = {
     "gru": Family(_seeded(lambda s: (GRUClassifier(), (_ids(s, 64),), {})), "recurrent classifier (GRU)"),
     "lstm": Family(_seeded(lambda s: (LSTMTagger(), (_ids(s, 64),), {})), "recurrent tagger (2-layer LSTM)"),
     "dlrm": Family(_seeded(_dlrm), "recommendation: embedding bags, dot interactions",
-                   fails="the self-check feeds random offsets to embedding_bag (offsets[0] must be 0): issue 25 item 4"),
+                   fails="the meaning check feeds random offsets to embedding_bag (offsets[0] must be 0): "
+                         "issue 25 item 4"),
     "llama_block": Family(MODELS["llama_block"], "hand-written decoder block"),
 }
