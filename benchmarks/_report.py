@@ -8,16 +8,16 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 HEADER = "# Benchmarks\n\nEach section is written by the script it names; rerun the command to reproduce it.\n"
 
 
-def write_section(name: str, command: str, body: str) -> None:
-    """Replace the section called `name` (or append it) with `body` and the command that made it."""
-    text = DOC.read_text() if DOC.exists() else HEADER
+def write_section(name: str, command: str, body: str, doc: Path = DOC) -> None:
+    """Replace the section called `name` of `doc` (or append it) with `body` and the command that made it."""
+    text = doc.read_text() if doc.exists() else HEADER
     block = (
         f"<!-- BEGIN {name} -->\n## {name}\n\nCommand: `{command}`\n\n{body.rstrip()}\n<!-- END {name} -->"
     )
     pattern = re.compile(rf"<!-- BEGIN {re.escape(name)} -->.*?<!-- END {re.escape(name)} -->", re.S)
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    DOC.write_text(text)
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)
 
 
 def mib(n: int | None) -> str:

@@ -1,7 +1,7 @@
 """Seconds per optimizer phase (saturation, pricing, extraction) for a transformer stack, one case per run.
 
     .venv/bin/python benchmarks/phases.py --mesh 2x4 --layers 12 [--rules fusion,substitution] [--budget 30]
-        [--extractor greedy-dag] [--time-limit 10] [--optimize] [--model stack|gpt2|bert]
+        [--extractor greedy-dag] [--time-limit 10] [--optimize] [--model stack|gpt2|bert|FAMILY]
 
 Prints one JSON line. With --optimize it times `tapestry.optimize` whole instead (validation and the
 plan's meaning check included). It uses only APIs older trees have too, so the same file can time an older
@@ -18,6 +18,7 @@ from collections import Counter
 from tapestry.egraph.driver import Budget
 from tapestry.egraph.rules import BUILTIN_DIR
 from tapestry.extract import extract
+from tapestry.importer.zoo import FAMILIES
 from tapestry.models import transformer_stack
 from tapestry.optimizer import default_cost_model, explore, optimize
 from tapestry.sharding import Mesh
@@ -31,6 +32,11 @@ def model(name: str, layers: int):
     weights, no download) at the stack's sizes."""
     if name == "stack":
         return transformer_stack(layers, 4, 256, 1024, 16)
+    if name in FAMILIES:  # the importer zoo's tiny model (its own layer count: 2 for the decoders)
+        from tapestry.importer import from_torch
+
+        module, args, kwargs = FAMILIES[name].build()
+        return from_torch(module, args, kwargs, verbose=False).graph
     import torch
     from transformers import BertConfig, BertModel, GPT2Config, GPT2Model
 
@@ -56,7 +62,9 @@ def main() -> None:
     parser.add_argument("--extractor", default="greedy-dag")
     parser.add_argument("--time-limit", type=float, default=10.0)
     parser.add_argument("--optimize", action="store_true", help="time tapestry.optimize end to end")
-    parser.add_argument("--model", choices=("stack", "gpt2", "bert"), default="stack")
+    zoo = [f for f in FAMILIES if f not in ("gpt2", "bert")]
+    parser.add_argument("--model", choices=("stack", "gpt2", "bert", *zoo),
+                        default="stack", help="stack, gpt2, bert at the stack's sizes, or a tiny importer zoo family")
     args = parser.parse_args()
     mesh = Mesh.parse(args.mesh)
     rules = [BUILTIN_DIR / f"{r}.egg" for r in args.rules.split(",")] if args.rules else None

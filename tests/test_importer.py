@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tapestry
+from tapestry import dtypes
 from tapestry.evaluator import evaluate
 from tapestry.importer import TorchImportError, from_torch
 from tapestry.importer.zoo import MODELS
@@ -220,3 +221,32 @@ def test_the_meaning_check_uses_the_example_offsets_an_embedding_bag_was_importe
     assert result.meaning_check == "simulated on every device"
     got = imported.outputs(simulate(result.plan, imported.inputs(*args)))
     assert_matches(got, module_outputs(module, args, {}))
+
+
+class KeywordOnly(torch.nn.Module):
+    """Ops Tapestry has no kernel for, called with keyword-only arguments (`dtype=`, `right=`)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        boundaries = torch.tensor([-1.0, 0.0, 1.0])
+        return torch.cumprod(x, 1, dtype=torch.float64), torch.bucketize(x, boundaries, right=True)
+
+
+def test_opaque_ops_take_their_keyword_only_arguments_by_schema_name():
+    x = torch.randn(4, 8)
+    imp = from_torch(KeywordOnly(), (x,), verbose=False)
+    assert imp.opaque == {"aten.cumprod.default": 1, "aten.bucketize.Tensor": 1}
+    got = imp.outputs(evaluate(imp.graph, imp.inputs(x)))
+    for g, w in zip(got, KeywordOnly()(x)):
+        assert g.dtype == dtypes.to_numpy(dtypes.name_of(w.dtype))
+        np.testing.assert_allclose(g, w.numpy(), rtol=1e-12)
+
+
+def test_arguments_are_normalised_by_the_ops_schema():
+    from tapestry.importer.translate import by_schema
+
+    x = object()
+    assert by_schema(torch.ops.aten.cumsum.default, (x,), {"dim": 1, "dtype": torch.float64}) == \
+        ((x, 1), {"dtype": torch.float64})
+    assert by_schema(torch.ops.aten.topk.default, (x, 2), {"largest": False}) == ((x, 2, -1, False), {})
+    with pytest.raises(TorchImportError, match="unknown keyword argument.*'axis'"):
+        by_schema(torch.ops.aten.cumsum.default, (x, 1), {"axis": 1})

@@ -44,6 +44,8 @@ COMMANDS: dict[str, Command] = {
                      ("egglog",)),
     "run": Command("tapestry.runtime.command", "run a plan or a graph script on N ranks (gloo or nccl)"),
     "lower": Command("tapestry.runtime.command", "print the per-rank programs of a plan"),
+    "import-report": Command("tapestry.importer.command", "report what importing a PyTorch model makes of it: "
+                             "kernels, opaque ops and why, FLOPs that can shard"),
 }
 
 # The modules whose commands are offered (tests narrow it to the command they drive).

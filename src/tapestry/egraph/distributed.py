@@ -14,13 +14,17 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
+
+from tapestry import zspace
 from tapestry.kernels import Shape, Signature
 from tapestry.plan import Compute
 from tapestry.sharding import Layout, Mesh
-from tapestry.sharding.comm import can_move
+from tapestry.sharding.comm import movable
 from tapestry.sharding.partition import (
     Partition, candidate_partitions, generation_order, make_partition, partition_issues,
 )
+from tapestry.zspace import ZRange
 
 
 class Interner:
@@ -35,6 +39,7 @@ class Interner:
         self._run_keys: dict[Compute, str] = {}
         self.priced_as: dict[str, str] = {}  # run key -> its candidate's name: runs that differ only in origin
         self.replicated_keys: dict[str, bool] = {}  # layout key -> is it the replicated layout (egraph.decode)
+        self._whole: dict[str, bool] = {}
         self._parts: dict[tuple[Any, ...], list[Partition]] = {}
         self.pairs: dict[tuple[str, ...], list[tuple[str, str]]] = {}  # a set of layout keys -> `reshard_pairs`
         self._candidates: dict[tuple[Any, ...], list[tuple[str, Partition, Compute, str, tuple[str, ...]]]] = {}
@@ -47,6 +52,15 @@ class Interner:
             self._layout_keys[key] = name
             self.layouts[name] = key
         return self._layout_keys[key]
+
+    def whole(self, key: str) -> bool:
+        """Whether layout `key` is plain and its blocks together hold the whole tensor: what an output may be
+        delivered in (an argument's layout holds only what its reader reads, e.g. the row a select takes)."""
+        if key not in self._whole:
+            shape, layout = self.layouts[key]
+            held = [b for b in layout.blocks if b is not None]
+            self._whole[key] = not layout.partial and bool(held) and zspace.covers(held, ZRange.from_shape(shape))
+        return self._whole[key]
 
     def run(self, step: Compute) -> str:
         if step not in self._run_keys:
@@ -103,7 +117,6 @@ def reshard_pairs(layouts: Iterable[str], interner: Interner) -> list[tuple[str,
     layouts (identical layers' values have the same set: this took 7 of a 2x2x2 12-layer stack's 30 s)."""
     keys = tuple(sorted(set(layouts)))
     if keys not in interner.pairs:
-        table = interner.layouts
-        interner.pairs[keys] = [(src, dst) for src in keys for dst in keys
-                                if src != dst and can_move(table[src][1], table[dst][1])]
+        ok = movable([interner.layouts[key][1] for key in keys])
+        interner.pairs[keys] = [(keys[i], keys[j]) for i, j in zip(*np.nonzero(ok)) if i != j]
     return interner.pairs[keys]

@@ -119,7 +119,8 @@ class Generator:
         self.dtypes: dict[int, str] = {}
         self.origins: dict[NodeKey, str] = {}
         self.generated: set[NodeKey] = set()
-        self.layouts: dict[int, set[str]] = defaultdict(set)  # canonical handle -> layouts it occurs in
+        self.layouts: dict[int, dict[str, None]] = defaultdict(dict)  # canonical handle -> layouts it occurs in, in
+        # the order made (a set of strings would order Place/Deliver members by the hash seed)
         self.layout_pairs = 0  # ordered pairs of one value's layouts: the reshards decode may make and price
         self.linked: set[tuple[int, str, str]] = set()  # places and delivers inserted
         self.input_handles: dict[int, str] = {}
@@ -140,7 +141,7 @@ class Generator:
             r = self.find(h)
             if r != root:
                 self.parent[r] = root
-                self.layouts[root] |= self.layouts.pop(r, set())
+                self.layouts[root].update(self.layouts.pop(r, {}))
         return root
 
     def _fresh(self) -> int:
@@ -329,7 +330,7 @@ class Generator:
         held = self.layouts[h]
         if layout not in held:
             self.layout_pairs += 2 * len(held)
-            held.add(layout)
+            held[layout] = None
 
     def _links(self) -> list[Any]:
         """Place members for inputs, Deliver members for outputs (reshards are made by decode, outside egglog)."""
@@ -347,7 +348,7 @@ class Generator:
                         commands.append(union(at(key), call("Place", lit(inputs[h]), lit(key))))
             for name in outputs.get(h, ()):
                 for key in layouts:
-                    if (h, name, key) not in self.linked and not self.interner.layouts[key][1].partial:
+                    if (h, name, key) not in self.linked and self.interner.whole(key):
                         self.linked.add((h, name, key))
                         commands.append(union(call("Result", lit(name)), call("Deliver", lit(name), at(key))))
         return commands

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,6 +62,7 @@ class Builder:
 
     graph: Graph
     node: Any = None  # the fx node being converted
+    opaque_why: dict[str, str] = field(default_factory=dict)  # ATen op run opaque -> why (the first refusal)
 
     def op(self, kernel: str, /, *args: Value, **params: Any) -> Value:
         return self.graph.op(kernel, *args, **params)
@@ -112,6 +113,7 @@ class Translation:
     user_inputs: tuple[str, ...]  # graph inputs for the flattened user arguments, in order
     outputs: tuple[str, ...]  # graph output names, in the module's flattened output order
     coverage: dict[str, collections.Counter]  # ATen op -> what it became ("linear", "folded", "opaque", ...)
+    opaque_why: dict[str, str] = field(default_factory=dict)  # ATen op run opaque -> why: no converter, or its refusal
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,7 @@ def translate(graph: torch.fx.Graph, placeholders: Mapping[str, Placeholder], ou
         kinds[p.kind].append(p.name)
     state = tuple(dict.fromkeys(n for n in kinds["state"] if n in builder.graph))
     return Translation(builder.graph, state, tuple(kinds["user"]),
-                       tuple(name for name, _ in outputs), dict(coverage))
+                       tuple(name for name, _ in outputs), dict(coverage), builder.opaque_why)
 
 
 def translate_program(program: torch.export.ExportedProgram, strict: bool) -> Translation:
@@ -231,7 +233,7 @@ def _call(builder: Builder, node: Any, env: dict[Any, Any], strict: bool,
             env[node.args[0]] = result
         return result
     name = op_name(node.target)
-    args, kwargs = _resolve(node.args, env), _resolve(node.kwargs, env)
+    args, kwargs = by_schema(node.target, _resolve(node.args, env), _resolve(node.kwargs, env))
     if name.startswith("aten._assert") or name == "aten._assert_tensor_metadata.default":
         coverage[name]["dropped"] += 1
         return None
@@ -262,9 +264,38 @@ def _call(builder: Builder, node: Any, env: dict[Any, Any], strict: bool,
             builder.graph.truncate(size)
             if strict:
                 raise TorchImportError(f"{name} at {_where(node)}: not supported ({why})") from None
+            builder.opaque_why.setdefault(name, f"the converter declined: {why}")
     elif strict:
         raise TorchImportError(f"{name} at {_where(node)}: no Tapestry kernel (strict=True)")
+    builder.opaque_why.setdefault(name, "no converter (no Tapestry kernel for this op)")
     return _opaque(builder, node, name, args, kwargs, coverage)
+
+
+def by_schema(target: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """An ATen op's arguments as its schema takes them: the positional ones in order (one passed by name moves
+    into place, defaults fill the gaps before it), the keyword-only ones by their schema names. Converters and
+    opaque ops then read `cumsum(x, 1, dtype=...)` the same however the call was written."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return tuple(args), dict(kwargs)
+    schema = target._schema
+    positional = [a for a in schema.arguments if not a.kwarg_only]
+    keywords = {a.name for a in schema.arguments if a.kwarg_only}
+    if len(args) > len(positional):
+        raise TorchImportError(f"{schema.name}: {len(args)} positional arguments, the schema takes {len(positional)}")
+    rest, out = dict(kwargs), list(args)
+    named = positional[len(args):]
+    last = max((i for i, a in enumerate(named) if a.name in rest), default=-1)
+    for a in named[: last + 1]:
+        if a.name in rest:
+            out.append(rest.pop(a.name))
+        elif a.has_default_value():
+            out.append(a.default_value)
+        else:
+            raise TorchImportError(f"{schema.name}: argument {a.name!r} is missing")
+    unknown = set(rest) - keywords
+    if unknown:
+        raise TorchImportError(f"{schema.name}: unknown keyword argument(s) {sorted(unknown)} (schema: {schema})")
+    return tuple(out), rest
 
 
 def _functional_twin(target: Any) -> Any:
@@ -330,7 +361,7 @@ def _opaque(builder: Builder, node: Any, name: str, args: Any, kwargs: Any,
 def _emit_opaque(builder: Builder, node: Any, name: str, args: Any, kwargs: Any, output: int, value: Any,
                  coverage: dict[str, collections.Counter]) -> Value:
     tensors: list[Any] = []
-    text = encode_args([list(args), kwargs], tensors)
+    text = encode_args(args, kwargs, tensors)
     if len(tensors) > MAX_ARITY:
         raise TorchImportError(f"{name} at {_where(node)}: {len(tensors)} tensor arguments (opaque ops take "
                                f"at most {MAX_ARITY})")

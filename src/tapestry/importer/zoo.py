@@ -119,3 +119,215 @@ MODELS: dict[str, Callable[..., Case]] = {
     "bert": _seeded(_bert),
     "cnn": _seeded(lambda s: (SmallCNN(), (torch.randn(s.batch, 3, s.image, s.image),), {})),
 }
+
+
+# -- Families: one tiny model of each kind users bring (docs/importing.md's table, tests/test_zoo.py) ----------
+
+class GRUClassifier(nn.Module):
+    """Embedding -> one GRU layer -> linear on the last step's state."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 32, classes: int = 8) -> None:
+        super().__init__()
+        self.embed, self.rnn = nn.Embedding(vocab, hidden), nn.GRU(hidden, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        states, _ = self.rnn(self.embed(ids))
+        return self.head(states[:, -1])
+
+
+class LSTMTagger(nn.Module):
+    """Embedding -> two LSTM layers -> a tag per token."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 32, tags: int = 8) -> None:
+        super().__init__()
+        self.embed, self.rnn = nn.Embedding(vocab, hidden), nn.LSTM(hidden, hidden, num_layers=2, batch_first=True)
+        self.head = nn.Linear(hidden, tags)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.embed(ids))[0])
+
+
+class TinyUNet(nn.Module):
+    """Two levels down (conv, pool) and up (nearest upsample, concat with the skip, conv): a U-Net's shape."""
+
+    def __init__(self, channels: int = 8) -> None:
+        super().__init__()
+        c = channels
+
+        def block(i: int, o: int) -> nn.Module:
+            return nn.Sequential(nn.Conv2d(i, o, 3, padding=1), nn.BatchNorm2d(o), nn.ReLU())
+
+        self.down1, self.down2, self.middle = block(3, c), block(c, 2 * c), block(2 * c, 4 * c)
+        self.up2, self.up1 = block(4 * c + 2 * c, 2 * c), block(2 * c + c, c)
+        self.out = nn.Conv2d(c, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s1 = self.down1(x)
+        s2 = self.down2(nn.functional.max_pool2d(s1, 2))
+        m = self.middle(nn.functional.max_pool2d(s2, 2))
+        u2 = self.up2(torch.cat([nn.functional.interpolate(m, scale_factor=2.0, mode="nearest"), s2], dim=1))
+        u1 = self.up1(torch.cat([nn.functional.interpolate(u2, scale_factor=2.0, mode="nearest"), s1], dim=1))
+        return self.out(u1)
+
+
+class DLRM(nn.Module):
+    """DLRM-like: a bottom MLP on dense features, sum-pooled embedding bags of sparse ids, pairwise dot
+    interactions, a top MLP."""
+
+    def __init__(self, dense: int = 8, dim: int = 16, tables: tuple[int, ...] = (50, 40, 30)) -> None:
+        super().__init__()
+        self.bottom = nn.Sequential(nn.Linear(dense, 32), nn.ReLU(), nn.Linear(32, dim), nn.ReLU())
+        self.bags = nn.ModuleList(nn.EmbeddingBag(n, dim, mode="sum") for n in tables)
+        pairs = (len(tables) + 1) * len(tables) // 2
+        self.top = nn.Sequential(nn.Linear(dim + pairs, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, dense: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        x = self.bottom(dense)
+        features = torch.stack([x, *(bag(ids[i], offsets[i]) for i, bag in enumerate(self.bags))], dim=1)
+        dots = features @ features.transpose(1, 2)
+        i, j = torch.tril_indices(features.shape[1], features.shape[1], offset=-1)
+        return torch.sigmoid(self.top(torch.cat([x, dots[:, i, j]], dim=1)))
+
+
+def _ids(s: Size, vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (s.batch, s.tokens))
+
+
+def _decoder(config_class: str, model_class: str, **extra: Any) -> Callable[[Size], Case]:
+    """A Hugging Face decoder-only model with grouped-query attention (2 key/value heads)."""
+
+    def build(s: Size) -> Case:
+        import transformers
+
+        config = getattr(transformers, config_class)(
+            vocab_size=2 * s.hidden, hidden_size=s.hidden, intermediate_size=2 * s.hidden, num_hidden_layers=2,
+            num_attention_heads=s.heads, num_key_value_heads=2, max_position_embeddings=2 * s.tokens, **extra)
+        return getattr(transformers, model_class)(config), (_ids(s, config.vocab_size),), {"use_cache": False}
+
+    return build
+
+
+def _gpt_neox(s: Size) -> Case:
+    from transformers import GPTNeoXConfig, GPTNeoXModel
+
+    config = GPTNeoXConfig(vocab_size=2 * s.hidden, hidden_size=s.hidden, num_hidden_layers=2,
+                           num_attention_heads=s.heads, intermediate_size=2 * s.hidden,
+                           max_position_embeddings=2 * s.tokens, rotary_pct=0.5, hidden_dropout=0.0,
+                           attention_dropout=0.0)
+    return GPTNeoXModel(config), (_ids(s, config.vocab_size),), {"use_cache": False}
+
+
+def _t5(s: Size) -> Case:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=2 * s.hidden, d_model=s.hidden, d_kv=s.hidden // s.heads, d_ff=2 * s.hidden,
+                      num_layers=1, num_decoder_layers=1, num_heads=s.heads, dropout_rate=0.0,
+                      tie_word_embeddings=True, decoder_start_token_id=0, relative_attention_num_buckets=8)
+    decoder_ids = torch.randint(0, config.vocab_size, (s.batch, s.tokens // 2))
+    return (T5ForConditionalGeneration(config), (_ids(s, config.vocab_size),),
+            {"decoder_input_ids": decoder_ids, "use_cache": False})
+
+
+def _bart(s: Size) -> Case:
+    from transformers import BartConfig, BartModel
+
+    config = BartConfig(vocab_size=2 * s.hidden, d_model=s.hidden, encoder_layers=1, decoder_layers=1,
+                        encoder_attention_heads=s.heads, decoder_attention_heads=s.heads,
+                        encoder_ffn_dim=2 * s.hidden, decoder_ffn_dim=2 * s.hidden,
+                        max_position_embeddings=2 * s.tokens,
+                        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    return BartModel(config), (_ids(s, config.vocab_size),), {"use_cache": False}
+
+
+def _encoder(config_class: str, model_class: str, **extra: Any) -> Callable[[Size], Case]:
+    """A BERT-like encoder with its pooler (tanh of a linear of token 0), token types and a padded sequence."""
+
+    def build(s: Size) -> Case:
+        import transformers
+
+        config = getattr(transformers, config_class)(
+            vocab_size=2 * s.hidden, hidden_size=s.hidden, num_hidden_layers=2, num_attention_heads=s.heads,
+            intermediate_size=2 * s.hidden, max_position_embeddings=2 * s.tokens + 2, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, type_vocab_size=2, **extra)
+        ids = _ids(s, config.vocab_size)
+        mask = torch.ones(s.batch, s.tokens, dtype=torch.int64)
+        mask[1, s.tokens * 3 // 4:] = 0
+        types = torch.zeros(s.batch, s.tokens, dtype=torch.int64)
+        types[:, s.tokens // 2:] = 1
+        return getattr(transformers, model_class)(config), (ids,), {"attention_mask": mask, "token_type_ids": types}
+
+    return build
+
+
+def _vit(s: Size) -> Case:
+    from transformers import ViTConfig, ViTModel
+
+    config = ViTConfig(image_size=s.image, patch_size=4, num_channels=3, hidden_size=s.hidden, num_hidden_layers=2,
+                       num_attention_heads=s.heads, intermediate_size=2 * s.hidden, hidden_dropout_prob=0.0,
+                       attention_probs_dropout_prob=0.0)
+    return ViTModel(config), (torch.randn(s.batch, 3, s.image, s.image),), {}
+
+
+def _whisper_encoder(s: Size) -> Case:
+    from transformers import WhisperConfig
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+    config = WhisperConfig(num_mel_bins=16, d_model=s.hidden, encoder_layers=2, encoder_attention_heads=s.heads,
+                           encoder_ffn_dim=2 * s.hidden, max_source_positions=s.tokens, dropout=0.0,
+                           attention_dropout=0.0, activation_dropout=0.0)
+    return WhisperEncoder(config), (torch.randn(s.batch, 16, 2 * s.tokens),), {}
+
+
+def _wav2vec2(s: Size) -> Case:
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+
+    config = Wav2Vec2Config(hidden_size=s.hidden, num_hidden_layers=2, num_attention_heads=s.heads,
+                            intermediate_size=2 * s.hidden, conv_dim=(16, 16), conv_stride=(4, 2), conv_kernel=(8, 4),
+                            num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4, hidden_dropout=0.0,
+                            attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
+                            do_stable_layer_norm=True,
+                            apply_spec_augment=False)
+    return Wav2Vec2Model(config), (torch.randn(s.batch, 64 * s.tokens),), {}
+
+
+def _dlrm(s: Size) -> Case:
+    module = DLRM()
+    ids = torch.stack([torch.randint(0, n, (2 * s.batch,)) for n in (50, 40, 30)])
+    offsets = torch.arange(0, 2 * s.batch, 2).repeat(3, 1)  # two ids per bag
+    return module, (torch.randn(s.batch, 8), ids, offsets), {}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One kind of model: how to build a tiny one, what it is, and why it does not pass end to end yet (None
+    when it does: tests/test_zoo.py checks both, strictly)."""
+
+    build: Callable[..., Case]
+    kind: str
+    fails: str | None = None
+
+
+FAMILIES: dict[str, Family] = {
+    "t5": Family(_seeded(_t5), "encoder-decoder, tied embedding and LM head"),
+    "bart": Family(_seeded(_bart), "encoder-decoder"),
+    "llama": Family(_seeded(_decoder("LlamaConfig", "LlamaModel")), "decoder, grouped-query attention, RoPE"),
+    "qwen2": Family(_seeded(_decoder("Qwen2Config", "Qwen2Model")), "decoder, grouped-query attention, QKV bias"),
+    "mistral": Family(_seeded(_decoder("MistralConfig", "MistralModel")), "decoder, grouped-query attention"),
+    "mixtral": Family(_seeded(_decoder("MixtralConfig", "MixtralModel", num_local_experts=4, num_experts_per_tok=2)),
+                      "mixture-of-experts decoder"),
+    "gpt2": Family(MODELS["gpt2"], "decoder, fused QKV"),
+    "gpt_neox": Family(_seeded(_gpt_neox), "decoder, parallel attention and MLP, partial RoPE"),
+    "bert": Family(_seeded(_encoder("BertConfig", "BertModel")), "encoder with pooler and token types"),
+    "roberta": Family(_seeded(_encoder("RobertaConfig", "RobertaModel", pad_token_id=1)), "encoder with pooler"),
+    "vit": Family(_seeded(_vit), "vision transformer"),
+    "cnn": Family(MODELS["cnn"], "convolutional network"),
+    "unet": Family(_seeded(lambda s: (TinyUNet(), (torch.randn(s.batch, 3, s.image, s.image),), {})),
+                   "U-Net: skips, pooling, upsampling"),
+    "whisper_encoder": Family(_seeded(_whisper_encoder), "audio encoder (conv1d front end)"),
+    "wav2vec2": Family(_seeded(_wav2vec2), "audio encoder (conv feature extractor)"),
+    "gru": Family(_seeded(lambda s: (GRUClassifier(), (_ids(s, 64),), {})), "recurrent classifier (GRU)"),
+    "lstm": Family(_seeded(lambda s: (LSTMTagger(), (_ids(s, 64),), {})), "recurrent tagger (2-layer LSTM)"),
+    "dlrm": Family(_seeded(_dlrm), "recommendation: embedding bags, dot interactions"),
+    "llama_block": Family(MODELS["llama_block"], "hand-written decoder block"),
+}

@@ -22,14 +22,13 @@ MAX_ARITY = 16  # an LSTM layer takes 2 + 4 tensors per layer and direction
 _TAGS = {torch.dtype: "dtype", torch.device: "device", torch.memory_format: "memory_format", torch.layout: "layout"}
 
 
-def encode_args(args: Any, tensors: list[Any]) -> str:
-    """`args` as JSON; each tensor (an fx node) becomes {"tensor": i}, appended to `tensors`."""
+def encode_args(args: Any, kwargs: dict[str, Any], tensors: list[Any]) -> str:
+    """[args, kwargs] as JSON; each tensor (an fx node) becomes {"tensor": i}, appended to `tensors`. Keyword
+    names stay keys of the top-level dict, so a keyword named like a tag (`dtype=`) is never read as one."""
 
     def enc(a: Any) -> Any:
         if isinstance(a, (list, tuple)):
             return [enc(x) for x in a]
-        if isinstance(a, dict):
-            return {k: enc(v) for k, v in a.items()}
         for kind, tag in _TAGS.items():
             if isinstance(a, kind):
                 return {tag: str(a).removeprefix("torch.")}
@@ -38,10 +37,12 @@ def encode_args(args: Any, tensors: list[Any]) -> str:
         tensors.append(a)
         return {"tensor": len(tensors) - 1}
 
-    return json.dumps(enc(args))
+    return json.dumps([enc(list(args)), {k: enc(v) for k, v in kwargs.items()}])
 
 
-def decode_args(text: str, tensors: tuple[Any, ...]) -> Any:
+def decode_args(text: str, tensors: tuple[Any, ...]) -> tuple[list[Any], dict[str, Any]]:
+    """encode_args' (args, kwargs), tensors put back."""
+
     def dec(a: Any) -> Any:
         if isinstance(a, list):
             return [dec(x) for x in a]
@@ -56,10 +57,11 @@ def decode_args(text: str, tensors: tuple[Any, ...]) -> Any:
                 return getattr(torch, a["memory_format"])
             if "layout" in a:
                 return getattr(torch, a["layout"])
-            return {k: dec(v) for k, v in a.items()}
+            raise ValueError(f"opaque op argument {a!r} is no tag encode_args writes")
         return a
 
-    return dec(json.loads(text))
+    positional, keywords = json.loads(text)
+    return [dec(a) for a in positional], {k: dec(v) for k, v in keywords.items()}
 
 
 def aten_op(name: str) -> Any:

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import functools
+import math
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from tapestry.sharding.grid import cells
 from tapestry.sharding.layout import Layout
@@ -108,6 +112,43 @@ def can_move(src: Layout, dst: Layout) -> bool:
         return True
     has, needs = cells(src, dst)
     return not (needs.any(axis=0) & ~has.any(axis=0)).any()
+
+
+MOVABLE_CELLS = 1 << 22  # blocks x grid cells above which `movable` asks `can_move` pair by pair instead
+
+
+def movable(layouts: Sequence[Layout]) -> np.ndarray:
+    """`can_move` of every ordered pair of one value's layouts at once: a (k, k) bool array, [i, j] for i -> j
+    (the diagonal included). A plain move is possible when the cells the destination's blocks cover are all
+    covered by the source's; so each layout's covered cells are found once, on the grid that every block bound
+    of every layout cuts the tensor into, and the pairs are one matrix product. `reshard_pairs` asks this of
+    each value: pair by pair it was 12 of a 2-layer GPT-NeoX's 17 s of saturation on a 2x2 mesh."""
+    k = len(layouts)
+    partial = np.array([layout.partial for layout in layouts], bool)
+    holds = np.array([any(b is not None for b in layout.blocks) for layout in layouts], bool)
+    blocks = [(i, b) for i, layout in enumerate(layouts) for b in layout.blocks if b is not None]
+    ndim = blocks[0][1].ndim if blocks else 0
+    if any(b.ndim != ndim for _, b in blocks):
+        return np.array([[can_move(a, b) for b in layouts] for a in layouts], bool).reshape(k, k)
+    starts = np.array([b.start for _, b in blocks], np.int64).reshape(len(blocks), ndim)
+    ends = np.array([b.end for _, b in blocks], np.int64).reshape(len(blocks), ndim)
+    along = []
+    for d in range(ndim):
+        cuts = np.unique(np.concatenate([starts[:, d], ends[:, d]]))
+        along.append((starts[:, d, None] <= cuts[:-1]) & (cuts[1:] <= ends[:, d, None]))  # (blocks, cells along d)
+    if len(blocks) * math.prod(a.shape[1] for a in along) > MOVABLE_CELLS:
+        return np.array([[can_move(a, b) for b in layouts] for a in layouts], bool).reshape(k, k)
+    inside = np.ones((len(blocks), 1), bool)
+    for a in along:
+        inside = (inside[:, :, None] & a[:, None, :]).reshape(len(blocks), -1)
+    covered = np.zeros((k, inside.shape[1]), bool)
+    np.logical_or.at(covered, np.array([i for i, _ in blocks], np.int64), inside)
+    lacking = (~covered).astype(np.float64) @ covered.T.astype(np.float64)  # [i, j]: cells j covers, i does not
+    ok = lacking == 0
+    ok[~holds] = ~holds  # a source holding nothing moves only to a layout holding nothing (as in can_move)
+    ok[partial, :] = True
+    ok[:, partial] = False
+    return ok
 
 
 @functools.lru_cache(maxsize=1 << 14)

@@ -1,0 +1,110 @@
+"""What an import made of a model: ATen ops in, the kernels they became, the ops left opaque and why, and the
+share of the model's FLOPs that can shard (and, given a plan, the share it does shard).
+
+    tapestry import-report t5 examples/gpt2.py --mesh 2x2 --optimize
+
+FLOPs are the kernels' own counts (`Signature.cost` over the whole index space: 2 per multiply-add, one per
+element of an elementwise op). An opaque op's index space is one point, so its FLOPs are torch's count for the
+ATen op on meta tensors (torch.utils.flop_counter: matmuls, convolutions, attention, recurrent cells), or one
+per output element where torch counts none. An op can shard when some candidate partition of its index space on
+the mesh splits it; opaque ops never do.
+"""
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from tapestry import dtypes
+from tapestry.importer import TorchImport
+from tapestry.kernels import Signature
+from tapestry.kernels.opaque import aten_op, decode_args
+from tapestry.plan import Compute, Plan
+from tapestry.sharding import Mesh
+from tapestry.sharding.partition import candidate_partitions
+
+
+@dataclass(frozen=True)
+class OpaqueOp:
+    aten: str
+    count: int
+    why: str
+
+
+@dataclass(frozen=True)
+class ImportReport:
+    model: str
+    mesh: Mesh
+    aten_ops: int
+    made: dict[str, int]  # "kernels", "folded", "dropped", "opaque" -> ATen ops
+    kernels: dict[str, int]  # graph kernel -> ops of it
+    opaque: tuple[OpaqueOp, ...]
+    flops: float
+    shardable_flops: float
+    plan_sharded_flops: float | None = None  # of the plan's compute FLOPs, those in steps split over devices
+    plan_flops: float | None = None
+
+    @property
+    def shardable(self) -> float:
+        return self.shardable_flops / self.flops if self.flops else 1.0
+
+    @property
+    def plan_sharded(self) -> float | None:
+        if self.plan_flops is None or self.plan_sharded_flops is None:
+            return None
+        return self.plan_sharded_flops / self.plan_flops if self.plan_flops else 1.0
+
+    def text(self) -> str:
+        made = ", ".join(f"{self.made.get(k, 0)} {k}" for k in ("kernels", "folded", "dropped", "opaque"))
+        lines = [f"{self.model}: {self.aten_ops} ATen ops -> {made}",
+                 "  kernels: " + ", ".join(f"{k} x{n}" for k, n in sorted(self.kernels.items())),
+                 f"  FLOPs: {self.flops:.3g}; can shard on {self.mesh}: {self.shardable:.1%}"]
+        if self.plan_sharded is not None:
+            lines[-1] += f"; the plan shards {self.plan_sharded:.1%}"
+        lines += [f"  opaque: {op.aten} x{op.count}: {op.why}" for op in self.opaque]
+        return "\n".join(lines)
+
+
+def import_report(name: str, imported: TorchImport, mesh: Mesh, plan: Plan | None = None) -> ImportReport:
+    totals: collections.Counter = collections.Counter()
+    for made in imported.coverage.values():
+        for kind, n in made.items():
+            totals[kind if kind in ("folded", "dropped", "opaque") else "kernels"] += n
+    graph = imported.graph
+    kernels = collections.Counter(node.op for node in graph.ops if not node.op.startswith("opaque"))
+    opaque = tuple(OpaqueOp(op, n, imported.translation.opaque_why.get(op, "")) for op, n in
+                   sorted(imported.opaque.items()))
+    flops = shardable = 0.0
+    for node in graph.ops:
+        work = flops_of(graph.signature(node.name))
+        flops += work
+        if not node.op.startswith("opaque") and any(any(p.axes) for p in
+                                                     candidate_partitions(graph.signature(node.name), mesh)):
+            shardable += work
+    sharded = total = None
+    if plan is not None:
+        computes = [s for s in plan.steps if isinstance(s, Compute)]
+        total = sum(flops_of(s.signature) for s in computes)
+        sharded = sum(flops_of(s.signature) for s in computes if len(set(s.blocks)) > 1)
+    return ImportReport(name, mesh, sum(totals.values()), dict(totals), dict(kernels), opaque, flops, shardable,
+                        sharded, total)
+
+
+def flops_of(sig: Signature) -> float:
+    """FLOPs of a whole op (see the module docstring for opaque ops)."""
+    if not sig.kernel.name.startswith("opaque"):
+        return sig.cost(sig.index)[0]
+    params = dict(sig.params)
+    metas = tuple(torch.empty(s, dtype=dtypes.to_torch(d), device="meta")
+                  for s, d in zip(sig.input_shapes, sig.input_dtypes))
+    try:
+        positional, keywords = decode_args(params["args"], metas)
+        with FlopCounterMode(display=False) as counter:
+            aten_op(params["aten"])(*positional, **keywords)
+        counted = counter.get_total_flops()
+    except Exception:  # noqa: BLE001  an op with no meta kernel (a library's custom op): its output elements
+        counted = 0
+    return float(counted or math.prod(int(s) for s in params["shape"]))

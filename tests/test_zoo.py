@@ -1,0 +1,72 @@
+"""Every model family of the tiny zoo imports, optimizes on Mesh(4) and Mesh(2, 2), and its plan computes what
+eager PyTorch computes; a family that does not yet is marked with its reason (strict: it fails once fixed)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import tapestry
+from tapestry.cli import main
+from tapestry.importer import from_torch
+from tapestry.importer.report import import_report
+from tapestry.importer.zoo import FAMILIES
+from tapestry.plan.simulate import simulate
+
+MESHES = {"4": tapestry.Mesh(4), "2x2": tapestry.Mesh(2, 2)}
+FAST = {("unet", "4"), ("gru", "2x2"), ("dlrm", "4")}  # the default suite's share (GQA: test_importer)
+
+
+def eager(module, args, kwargs) -> list[np.ndarray]:
+    with torch.no_grad():
+        out = module(*args, **kwargs)
+    return [t.numpy() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+def cases():
+    for name, family in FAMILIES.items():
+        for mesh in MESHES:
+            marks = [] if (name, mesh) in FAST else [pytest.mark.slow]
+            if family.fails:
+                marks.append(pytest.mark.xfail(reason=family.fails, strict=True))
+            yield pytest.param(name, mesh, marks=marks, id=f"{name}-{mesh}")
+
+
+@pytest.mark.parametrize("name, mesh", cases())
+def test_the_family_imports_optimizes_and_its_plan_matches_eager(name, mesh):
+    module, args, kwargs = FAMILIES[name].build()
+    imported = from_torch(module, args, kwargs, verbose=False)
+    plan = tapestry.optimize(imported.graph, mesh=MESHES[mesh]).plan
+    want = eager(module, args, kwargs)
+    for got in (imported.outputs(tapestry.evaluate(imported.graph, imported.inputs(*args, **kwargs))),
+                imported.outputs(simulate(plan, imported.inputs(*args, **kwargs)))):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and np.isfinite(g).all()
+            assert np.abs(g.astype(np.float64) - w).max() <= 1e-4 * max(np.abs(w).max(), 1.0)
+
+
+def test_the_report_names_each_opaque_op_with_its_reason_and_counts_its_flops_as_unshardable():
+    module, args, kwargs = FAMILIES["gru"].build()
+    report = import_report("gru", from_torch(module, args, kwargs, verbose=False), tapestry.Mesh(4))
+    (gru,) = report.opaque
+    assert gru.aten == "aten.gru.input" and gru.count == 1 and "no converter" in gru.why
+    assert report.made["opaque"] == 1 and report.kernels["embedding"] == 1
+    assert 0 < report.shardable_flops < report.flops  # the linear head shards; the recurrence, most FLOPs, not
+
+
+def test_import_report_reads_a_zoo_family_and_a_model_script(tmp_path: Path, capsys):
+    script = tmp_path / "mlp.py"
+    script.write_text("import torch\nmodel = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU())\n"
+                      "example_inputs = (torch.randn(4, 8),)\n")
+    assert main(["import-report", "lstm", str(script), "--mesh", "2x2"]) == 0
+    out = capsys.readouterr().out
+    assert "lstm: " in out and "opaque: aten.lstm.input x1: no converter" in out
+    assert f"{script}: 2 ATen ops -> 2 kernels" in out and "can shard on 2x2: 100.0%" in out
+
+
+def test_import_report_refuses_a_name_that_is_neither_script_nor_family(capsys):
+    assert main(["import-report", "no_such_family"]) == 2
+    assert "neither a .py model script nor a zoo family" in capsys.readouterr().err
