@@ -272,7 +272,8 @@ def test_a_rank_that_hangs_is_named_at_the_timeout_and_no_rank_outlives_the_laun
     assert multiprocessing.active_children() == []
 
 
-@pytest.mark.parametrize("own_group", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("own_group", [False, True])
 def test_parallelize_runs_under_torchrun_in_its_own_group_or_one_it_opens(own_group: bool, tmp_path) -> None:
     import os
     import subprocess
