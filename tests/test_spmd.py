@@ -327,3 +327,15 @@ def test_sigterm_ends_the_launcher_and_its_ranks(tmp_path) -> None:
     for pid in ranks:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def serve_on_grid(x: torch.Tensor) -> torch.Tensor:
+    model = tapestry.parallelize(_MLP().eval(), (x,), mesh=tapestry.Mesh(2, 2), verbose=False)
+    return (model(x * 2)[0] - _MLP().eval()(x * 2)[0]).abs().max()
+
+
+@pytest.mark.slow
+def test_parallelize_on_a_two_by_two_mesh_compiled_gives_the_module_on_every_rank(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("TAPESTRY_PLAN_CACHE", str(tmp_path))
+    errors = launch(serve_on_grid, torch.randn(12, 16), nproc=4, timeout=900)
+    assert len(errors) == 4 and max(errors) < 1e-5
