@@ -2,7 +2,8 @@
 computes, on 2 and 4 gloo ranks, eager and compiled whole; every rank receives the outputs."""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -339,3 +340,16 @@ def test_parallelize_on_a_two_by_two_mesh_compiled_gives_the_module_on_every_ran
     monkeypatch.setenv("TAPESTRY_PLAN_CACHE", str(tmp_path))
     errors = launch(serve_on_grid, torch.randn(12, 16), nproc=4, timeout=900)
     assert len(errors) == 4 and max(errors) < 1e-5
+
+
+def test_the_plan_cache_key_changes_with_the_graph_mesh_rules_and_options(tmp_path) -> None:
+    from tapestry.spmd.planning import plan_key
+
+    g = _chain(8, 4, 6)
+    key = plan_key(g, Mesh(2), {})
+    assert key == plan_key(_chain(8, 4, 6), Mesh(2), {})  # equal inputs, equal key (no hash seed, no ids)
+    rules = tmp_path / "one.egg"
+    rules.write_text((Path(tapestry.__file__).parent / "rules" / "fusion.egg").read_text())
+    others = {plan_key(_chain(16, 4, 6), Mesh(2), {}), plan_key(g, Mesh(4), {}), plan_key(g, Mesh(2, 1), {}),
+              plan_key(g, Mesh(2), {"time_limit": 3}), plan_key(g, Mesh(2), {"rules": [rules]})}
+    assert key not in others and len(others) == 5
