@@ -2,7 +2,8 @@
 computes, on 2 and 4 gloo ranks, eager and compiled whole; every rank receives the outputs."""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -272,7 +273,8 @@ def test_a_rank_that_hangs_is_named_at_the_timeout_and_no_rank_outlives_the_laun
     assert multiprocessing.active_children() == []
 
 
-@pytest.mark.parametrize("own_group", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("own_group", [False, True])
 def test_parallelize_runs_under_torchrun_in_its_own_group_or_one_it_opens(own_group: bool, tmp_path) -> None:
     import os
     import subprocess
@@ -326,3 +328,28 @@ def test_sigterm_ends_the_launcher_and_its_ranks(tmp_path) -> None:
     for pid in ranks:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def serve_on_grid(x: torch.Tensor) -> torch.Tensor:
+    model = tapestry.parallelize(_MLP().eval(), (x,), mesh=tapestry.Mesh(2, 2), verbose=False)
+    return (model(x * 2)[0] - _MLP().eval()(x * 2)[0]).abs().max()
+
+
+@pytest.mark.slow
+def test_parallelize_on_a_two_by_two_mesh_compiled_gives_the_module_on_every_rank(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("TAPESTRY_PLAN_CACHE", str(tmp_path))
+    errors = launch(serve_on_grid, torch.randn(12, 16), nproc=4, timeout=900)
+    assert len(errors) == 4 and max(errors) < 1e-5
+
+
+def test_the_plan_cache_key_changes_with_the_graph_mesh_rules_and_options(tmp_path) -> None:
+    from tapestry.spmd.planning import plan_key
+
+    g = _chain(8, 4, 6)
+    key = plan_key(g, Mesh(2), {})
+    assert key == plan_key(_chain(8, 4, 6), Mesh(2), {})  # equal inputs, equal key (no hash seed, no ids)
+    rules = tmp_path / "one.egg"
+    rules.write_text((Path(tapestry.__file__).parent / "rules" / "fusion.egg").read_text())
+    others = {plan_key(_chain(16, 4, 6), Mesh(2), {}), plan_key(g, Mesh(4), {}), plan_key(g, Mesh(2, 1), {}),
+              plan_key(g, Mesh(2), {"time_limit": 3}), plan_key(g, Mesh(2), {"rules": [rules]})}
+    assert key not in others and len(others) == 5

@@ -42,7 +42,7 @@ from tapestry.extract import (
 )
 from tapestry.extract import EGraph as ExtractGraph
 from tapestry.graph import Graph, GraphError
-from tapestry.plan import Place, Plan, steady_violations
+from tapestry.plan import Plan, steady_violations
 from tapestry.plan.explain import explain as explain_plan
 from tapestry.plan.validate import validate_plan
 from tapestry.sharding import Layout, Mesh

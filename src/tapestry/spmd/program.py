@@ -14,7 +14,6 @@ and nothing goes through disk.
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -30,8 +29,6 @@ from tapestry.runtime.launch import default_backend, free_port, init_group
 from tapestry.spmd import launch
 from tapestry.spmd.trace import Buffers, RankFunction, compiled, make_groups, place
 from tapestry.zspace import ZRange
-
-log = logging.getLogger("tapestry.spmd")
 
 
 class RankError(RuntimeError):
