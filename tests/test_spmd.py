@@ -267,7 +267,8 @@ def test_a_rank_that_hangs_is_named_at_the_timeout_and_no_rank_outlives_the_laun
     import multiprocessing
 
     plan = CASES["seeds split on out"]()
-    hung = r"timed out after 8 s: rank 0 in call 0 of its parallel program; rank 1 in call 1"
+    hung = (r"timed out after 8 s: rank\(s\) 0 had not reached call 1 of its parallel program, where rank\(s\) 1 "
+            r"wait for them; rank 0 in call 0 of its parallel program; rank 1 in call 1")
     with pytest.raises(tapestry.spmd.launch.RankFailure, match=hung):
         launch(fail_in_call, plan, 0, 1, "hang", nproc=2, timeout=8)
     assert multiprocessing.active_children() == []
