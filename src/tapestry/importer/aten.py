@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from tapestry import dtypes
 from tapestry.graph import Value
 from tapestry.importer.translate import Builder, Unsupported, converts
 
@@ -462,3 +463,111 @@ def _adaptive_avg_pool(b: Builder, x: Any, size: Any) -> Value:
         raise Unsupported(f"output {oh}x{ow} does not tile the input {h}x{w} evenly")
     k = h // oh
     return b.op("avg_pool2d", value, kernel=k, stride=k, padding=0, count_include_pad=True)
+
+
+# -- scans, indexing and orderings ------------------------------------------------------------------------------
+@converts("aten.cumsum.default")
+def _cumsum(b: Builder, x: Any, dim: int, dtype: torch.dtype | None = None) -> Value:
+    value = b.tensor(x)
+    if dtype is not None and value.dtype != dtypes.name_of(dtype):  # torch casts first, then sums
+        value = b.op("cast", value, dtype=dtypes.name_of(dtype))
+    return b.op("cumsum", value, axis=_axis(dim, value.ndim))
+
+
+@converts("aten.argmax.default", "aten.argmin.default")
+def _argmax(b: Builder, x: Any, dim: int | None = None, keepdim: bool = False) -> Value:
+    value, kernel = b.tensor(x), str(b.node.target).split(".")[1]
+    if dim is None:  # over the flattened tensor
+        flat = b.op("reshape", value, shape=(math.prod(value.shape),)) if value.ndim != 1 else value
+        found = b.op(kernel, flat, axis=0, keepdim=False)
+        return b.op("reshape", found, shape=b.shape) if b.shape != found.shape else found
+    return b.op(kernel, value, axis=_axis(dim, value.ndim), keepdim=bool(keepdim))
+
+
+@converts("aten.index.Tensor")
+def _index(b: Builder, x: Any, indices: list[Any]) -> Value:
+    """x[idx] and x[:, idx]: one integer index tensor, the other positions whole (None)."""
+    given = [(axis, i) for axis, i in enumerate(indices) if i is not None]
+    if len(given) != 1:
+        raise Unsupported(f"{len(given)} index tensors (one is taken: x[idx], x[:, idx])")
+    (axis, idx), = given
+    idx = b.tensor(idx)
+    if idx.dtype == "bool":
+        raise Unsupported("a bool mask index (its result's shape depends on the values)")
+    return b.op("take", b.tensor(x), idx, axis=axis)
+
+
+@converts("aten.index_select.default")
+def _index_select(b: Builder, x: Any, dim: int, idx: Any) -> Value:
+    value = b.tensor(x)
+    return b.op("take", value, b.tensor(idx), axis=_axis(dim, value.ndim))
+
+
+@converts("aten.gather.default")
+def _gather(b: Builder, x: Any, dim: int, index: Any, sparse_grad: bool = False) -> Value:
+    value = b.tensor(x)
+    return b.op("gather", value, b.tensor(index), axis=_axis(dim, value.ndim))
+
+
+@converts("aten.scatter_add.default")
+def _scatter_add(b: Builder, x: Any, dim: int, index: Any, src: Any) -> Value:
+    value, idx, source = b.tensor(x), b.tensor(index), b.tensor(src)
+    if idx.shape != source.shape:
+        raise Unsupported(f"src{list(source.shape)} larger than index{list(idx.shape)} (torch reads a box of it)")
+    return b.op("scatter_add", value, idx, source, axis=_axis(dim, value.ndim))
+
+
+def _index_add(b: Builder, x: Value, axis: int, idx: Value, src: Value) -> Value:
+    """x with src[..., k, ...] added at row idx[k] of `axis` (1-D idx): a scatter_add of idx broadcast to src."""
+    if idx.ndim != 1:
+        raise Unsupported(f"a {idx.ndim}-D index (1-D is taken)")
+    full = (*x.shape[:axis], idx.shape[0], *x.shape[axis + 1 :])
+    src = src if src.shape == full else b.op("expand", src, shape=full)
+    column = b.op("reshape", idx, shape=tuple(s if d == axis else 1 for d, s in enumerate(full)))
+    return b.op("scatter_add", x, b.op("expand", column, shape=full), src, axis=axis)
+
+
+@converts("aten.index_add.default")
+def _index_add_op(b: Builder, x: Any, dim: int, index: Any, source: Any, alpha: Any = 1) -> Value:
+    value = b.tensor(x)
+    return _index_add(b, value, _axis(dim, value.ndim), b.tensor(index), _scaled(b, b.tensor(source), alpha))
+
+
+@converts("aten.index_put.default")
+def _index_put(b: Builder, x: Any, indices: list[Any], values: Any, accumulate: bool = False) -> Value:
+    if not accumulate:
+        raise Unsupported("index_put without accumulate (repeated indices write in an unspecified order)")
+    given = [(axis, i) for axis, i in enumerate(indices) if i is not None]
+    if len(given) != 1:
+        raise Unsupported(f"{len(given)} index tensors (one is taken: x[idx] += v, x[:, idx] += v)")
+    (axis, idx), = given
+    idx = b.tensor(idx)
+    if idx.dtype == "bool":
+        raise Unsupported("a bool mask index")
+    return _index_add(b, b.tensor(x), axis, idx, b.tensor(values))
+
+
+def _ordered(b: Builder, x: Value, axis: int, k: int, largest: bool) -> tuple[Value, Value]:
+    return tuple(b.op("topk", x, axis=axis, k=k, largest=largest, indices=i) for i in (False, True))
+
+
+@converts("aten.topk.default")
+def _topk(b: Builder, x: Any, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> tuple[Value, Value]:
+    if not sorted:
+        raise Unsupported("sorted=False (torch leaves the order unspecified)")
+    value = b.tensor(x)
+    return _ordered(b, value, _axis(dim, value.ndim), int(k), bool(largest))
+
+
+@converts("aten.sort.default", "aten.sort.stable")
+def _sort(b: Builder, x: Any, dim: int = -1, descending: bool = False, *, stable: bool | None = None
+          ) -> tuple[Value, Value]:
+    """A stable sort is one valid answer of an unstable one."""
+    value = b.tensor(x)
+    axis = _axis(dim, value.ndim)
+    return _ordered(b, value, axis, value.shape[axis], bool(descending))
+
+
+@converts("aten.argsort.default", "aten.argsort.stable")
+def _argsort(b: Builder, x: Any, dim: int = -1, descending: bool = False, *, stable: bool | None = None) -> Value:
+    return _sort(b, x, dim, descending)[1]

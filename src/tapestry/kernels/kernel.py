@@ -124,9 +124,9 @@ class Kernel:
     # outside the tensor (zeros). Pools need it: their padding is not a zero (max) or not counted (mean).
     needs_read_pad: bool = False
     dtype_rule: DtypeRule | None = None  # None: floating inputs must agree (`matching`)
-    # For integer inputs that index a table (an embedding's ids): (input shapes, slot) -> one past the largest
-    # valid value, or None. Random inputs are drawn below it.
-    index_bound: Callable[[tuple[Shape, ...], int], int | None] | None = None
+    # For integer inputs that index a table (an embedding's ids, a gather's index): (input shapes, slot, params)
+    # -> one past the largest valid value, or None. Random inputs are drawn below it.
+    index_bound: Callable[[tuple[Shape, ...], int, Mapping[str, ParamValue]], int | None] | None = None
     doc: str = ""
 
     def bind(
@@ -244,7 +244,9 @@ class Signature:
 
     def index_bound(self, slot: int) -> int | None:
         """For an integer input that indexes a table: one past its largest valid value (else None)."""
-        return self.kernel.index_bound(self.input_shapes, slot) if self.kernel.index_bound else None
+        if self.kernel.index_bound is None:
+            return None
+        return self.kernel.index_bound(self.input_shapes, slot, dict(self.params))
 
     def call_kwargs(self, index_block: ZRange) -> dict[str, Any]:
         """Keyword arguments for the numpy or torch impl computing `index_block`."""

@@ -1,0 +1,104 @@
+"""ATen ops of issue 25 (scans, indexing, orderings) import as kernels, not opaque ops, and compute what eager
+torch computes, whole and in a plan sharded over four devices."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import tapestry
+from tapestry.evaluator import evaluate
+from tapestry.importer import from_torch
+from tapestry.plan.plan import Compute
+from tapestry.plan.simulate import simulate
+
+
+def eager(module, args) -> list[np.ndarray]:
+    with torch.no_grad():
+        out = module(*args)
+    return [t.numpy() for t in torch.utils._pytree.tree_leaves(out)]
+
+
+def assert_same(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    assert len(got) == len(want)
+    for n, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == w.dtype and g.shape == w.shape, (n, g.dtype, w.dtype, g.shape, w.shape)
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=f"output {n}")
+
+
+class Routing(torch.nn.Module):
+    """A MoE router's ops (topk, cumsum with dtype=, scatter_add, argmax) and the indexing forms torch.export
+    makes of x[idx], x[:, idx] and table[positions]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(8, 6)
+        self.table = torch.nn.Parameter(torch.randn(10, 8))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits = self.router(x + self.table[ids[0, :4]])
+        weights, experts = torch.topk(logits.softmax(-1), 2, dim=-1)
+        counts = torch.cumsum(experts, 0, dtype=torch.int32)
+        ranked, order = torch.sort(logits, dim=0, descending=True)
+        return (
+            weights, experts, counts, ranked, order, torch.argsort(logits, dim=1),
+            logits.argmax(-1, keepdim=True), logits.argmin(0), logits.argmax(),
+            x[:, ids[1]], torch.index_select(x, 1, ids[0]), torch.gather(x, 1, index),
+            torch.zeros(4, 8).scatter_add(1, index, x[:, :3] * 2),
+            x.index_add(0, ids[0, :2] % 4, x[:2]),
+            torch.ops.aten.index_put(torch.zeros(4, 10), [None, ids[1]], x[:, :5], True),
+        )
+
+
+def routing_case():
+    torch.manual_seed(0)
+    args = (torch.randn(4, 8), torch.randint(0, 8, (2, 5)), torch.randint(0, 8, (4, 3)))
+    return Routing().eval(), args
+
+
+KERNELS = {"aten.topk.default": "topk", "aten.cumsum.default": "cast, cumsum", "aten.sort.default": "topk",
+           "aten.argsort.default": "topk", "aten.argmax.default": "argmax", "aten.argmin.default": "argmin",
+           "aten.index.Tensor": "take", "aten.index_select.default": "take", "aten.gather.default": "gather",
+           "aten.scatter_add.default": "scatter_add", "aten.index_add.default": "expand, reshape, scatter_add",
+           "aten.index_put.default": "expand, reshape, scatter_add"}
+
+
+def test_scans_indexing_and_orderings_import_as_kernels_and_match_eager():
+    module, args = routing_case()
+    imp = from_torch(module, args, verbose=False)
+    assert set(imp.opaque) == {"aten.remainder.Scalar"}  # the test's own `% 4`
+    for op, made in KERNELS.items():
+        assert made in imp.coverage[op], (op, dict(imp.coverage[op]))
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(module, args))
+
+
+def test_a_plan_on_four_devices_shards_them_and_matches_eager():
+    module, args = routing_case()
+    imp = from_torch(module, args, verbose=False)
+    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
+    assert_same(imp.outputs(simulate(plan, imp.inputs(*args))), eager(module, args))
+    assert any(isinstance(s, Compute) and len(set(s.blocks)) > 1 for s in plan.steps)
+
+
+@pytest.mark.parametrize("form", ["x[idx]", "x[:, idx]", "x[:, :, idx2d]"])
+def test_one_index_tensor_takes_along_its_position(form):
+    class Index(torch.nn.Module):
+        def forward(self, x, idx):
+            return {"x[idx]": lambda: x[idx[0]], "x[:, idx]": lambda: x[:, idx[0]],
+                    "x[:, :, idx2d]": lambda: x[:, :, idx]}[form]()
+
+    x, idx = torch.randn(3, 4, 5), torch.tensor([[0, 2, -1], [1, 1, 0]])
+    imp = from_torch(Index(), (x, idx), verbose=False)
+    assert not imp.opaque and "take" in imp.coverage["aten.index.Tensor"]
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(x, idx))), eager(Index(), (x, idx)))
+
+
+def test_forms_without_a_kernel_run_opaque_and_still_match():
+    class Unmapped(torch.nn.Module):
+        def forward(self, x, a, b):
+            return x[a, b], torch.topk(x, 2, sorted=False)[0].sort(-1)[0], x.index_put((a,), x[0], False)
+
+    x, a, b = torch.randn(4, 5), torch.tensor([0, 3, 1]), torch.tensor([4, 0, 2])
+    imp = from_torch(Unmapped(), (x, a, b), verbose=False)
+    assert set(imp.opaque) == {"aten.index.Tensor", "aten.topk.default", "aten.index_put.default"}
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(x, a, b))), eager(Unmapped(), (x, a, b)))
