@@ -102,3 +102,68 @@ def test_forms_without_a_kernel_run_opaque_and_still_match():
     imp = from_torch(Unmapped(), (x, a, b), verbose=False)
     assert set(imp.opaque) == {"aten.index.Tensor", "aten.topk.default", "aten.index_put.default"}
     assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(x, a, b))), eager(Unmapped(), (x, a, b)))
+
+
+# -- einsum ------------------------------------------------------------------------------------------------------
+class Einsum(torch.nn.Module):
+    def __init__(self, equation: str) -> None:
+        super().__init__()
+        self.equation = equation
+
+    def forward(self, *operands: torch.Tensor) -> torch.Tensor:
+        return torch.einsum(self.equation, *operands)
+
+
+LOWERED = [
+    ("bhqd,bhkd->bhqk", [(2, 3, 4, 5), (2, 3, 6, 5)]), ("bhqk,bhkd->bhqd", [(2, 3, 4, 6), (2, 3, 6, 5)]),
+    ("bsd,df->bsf", [(2, 4, 5), (5, 7)]), ("ij,jk", [(3, 4), (4, 5)]), ("...d,de->...e", [(2, 3, 4), (4, 5)]),
+    ("bi,bj->bij", [(2, 3), (2, 4)]), ("i,i->", [(4,), (4,)]), ("abc,cd,de->abe", [(2, 3, 4), (4, 5), (5, 6)]),
+    ("bhqd,hdk->bqk", [(2, 3, 4, 5), (3, 5, 6)]), ("ij->ji", [(3, 4)]), ("bij->bj", [(2, 3, 4)]),
+]
+
+
+@pytest.mark.parametrize("equation, shapes", LOWERED)
+def test_einsum_lowers_to_matmul_transposes_and_reshapes_and_matches_eager(equation, shapes):
+    torch.manual_seed(0)
+    module, operands = Einsum(equation), tuple(torch.randn(*s) for s in shapes)
+    imp = from_torch(module, operands, verbose=False)
+    assert not imp.opaque
+    if len(shapes) > 1:
+        assert all("matmul" in made for made in imp.coverage["aten.einsum.default"])
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*operands))), eager(module, operands))
+
+
+@pytest.mark.parametrize("equation, shapes, why", [
+    ("ii->i", [(3, 3)], "a label repeated within 'ii'"),
+    ("bij,bjk->bik", [(1, 3, 4), (2, 4, 5)], "different sizes in two operands"),
+])
+def test_an_einsum_it_cannot_lower_runs_opaque_and_says_why(equation, shapes, why):
+    module, operands = Einsum(equation), tuple(torch.randn(*s) for s in shapes)
+    imp = from_torch(module, operands, verbose=False)
+    assert imp.opaque == {"aten.einsum.default": 1}
+    (reason,) = imp.translation.declined["aten.einsum.default"]
+    assert why in reason
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*operands))), eager(module, operands))
+
+
+class EinsumAttention(torch.nn.Module):
+    def __init__(self, width: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, torch.nn.Parameter(torch.randn(width, 3, width) / 6), \
+            torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = torch.einsum("bsd,dte->tbse", x, self.qkv).reshape(3, b, s, self.heads, -1).unbind(0)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k).softmax(-1)
+        return self.out(torch.einsum("bhqk,bkhd->bqhd", scores, v).reshape(b, s, d))
+
+
+def test_einsum_attention_is_sharded_on_four_devices_and_matches_eager():
+    torch.manual_seed(0)
+    module, x = EinsumAttention().eval(), torch.randn(4, 8, 32)
+    imp = from_torch(module, (x,), verbose=False)
+    assert not imp.opaque
+    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
+    assert_same(imp.outputs(simulate(plan, imp.inputs(x))), eager(module, (x,)))
+    assert any(isinstance(s, Compute) and s.kernel == "matmul" and len(set(s.blocks)) > 1 for s in plan.steps)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,6 +62,9 @@ class Builder:
 
     graph: Graph
     node: Any = None  # the fx node being converted
+    # ATen op -> {why its converter declined it: count}; those nodes run opaque
+    declined: dict[str, collections.Counter] = field(
+        default_factory=lambda: collections.defaultdict(collections.Counter))
 
     def op(self, kernel: str, /, *args: Value, **params: Any) -> Value:
         return self.graph.op(kernel, *args, **params)
@@ -112,6 +115,7 @@ class Translation:
     user_inputs: tuple[str, ...]  # graph inputs for the flattened user arguments, in order
     outputs: tuple[str, ...]  # graph output names, in the module's flattened output order
     coverage: dict[str, collections.Counter]  # ATen op -> what it became ("linear", "folded", "opaque", ...)
+    declined: dict[str, collections.Counter] = field(default_factory=dict)  # ATen op -> {why it runs opaque: count}
 
 
 @dataclass(frozen=True)
@@ -143,7 +147,7 @@ def translate(graph: torch.fx.Graph, placeholders: Mapping[str, Placeholder], ou
     for p in placeholders.values():
         kinds[p.kind].append(p.name)
     return Translation(builder.graph, tuple(n for n in kinds["state"] if n in builder.graph), tuple(kinds["user"]),
-                       tuple(name for name, _ in outputs), dict(coverage))
+                       tuple(name for name, _ in outputs), dict(coverage), dict(builder.declined))
 
 
 def translate_program(program: torch.export.ExportedProgram, strict: bool) -> Translation:
@@ -252,6 +256,7 @@ def _call(builder: Builder, node: Any, env: dict[Any, Any], strict: bool,
             builder.graph.truncate(size)
             if strict:
                 raise TorchImportError(f"{name} at {_where(node)}: not supported ({why})") from None
+            builder.declined[name][str(why)] += 1
     elif strict:
         raise TorchImportError(f"{name} at {_where(node)}: no Tapestry kernel (strict=True)")
     return _opaque(builder, node, name, args, kwargs, coverage)
