@@ -167,3 +167,56 @@ def test_einsum_attention_is_sharded_on_four_devices_and_matches_eager():
     plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
     assert_same(imp.outputs(simulate(plan, imp.inputs(x))), eager(module, (x,)))
     assert any(isinstance(s, Compute) and s.kernel == "matmul" and len(set(s.blocks)) > 1 for s in plan.steps)
+
+
+# -- grouped-query attention -------------------------------------------------------------------------------------
+class Grouped(torch.nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, q, k, v, mask):
+        attend = torch.nn.functional.scaled_dot_product_attention
+        if self.kind == "causal":
+            return attend(q, k, v, is_causal=True, enable_gqa=True)
+        if self.kind == "multi-query":
+            return attend(q, k[:, :1], v[:, :1], enable_gqa=True)
+        return attend(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+@pytest.mark.parametrize("kind, mask", [("causal", (5, 6)), ("multi-query", (5, 6)), ("2-D mask", (5, 6)),
+                                        ("per-head mask", (2, 8, 5, 6))])
+def test_grouped_query_attention_is_sdpa_with_shared_kv_heads_and_matches_eager(kind, mask):
+    torch.manual_seed(0)
+    module = Grouped(kind)
+    args = (torch.randn(2, 8, 5, 4), torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 3), torch.randn(*mask))
+    imp = from_torch(module, args, verbose=False)
+    assert not imp.opaque
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(module, args))
+
+
+class GroupedAttention(torch.nn.Module):
+    """Projections around attention with 8 query heads over 2 kv heads (enable_gqa)."""
+
+    def __init__(self, width: int = 32, heads: int = 8, shared: int = 2) -> None:
+        super().__init__()
+        self.heads, self.shared, self.dim = heads, shared, width // heads
+        self.q, self.kv = torch.nn.Linear(width, width), torch.nn.Linear(width, 2 * shared * self.dim)
+        self.out = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q = self.q(x).reshape(b, s, self.heads, self.dim).transpose(1, 2)
+        k, v = self.kv(x).reshape(b, s, 2, self.shared, self.dim).permute(2, 0, 3, 1, 4).unbind(0)
+        att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.out(att.transpose(1, 2).reshape(b, s, d))
+
+
+def test_grouped_query_attention_plans_sharded_on_four_devices_and_matches_eager():
+    torch.manual_seed(0)
+    module, x = GroupedAttention().eval(), torch.randn(2, 8, 32)
+    imp = from_torch(module, (x,), verbose=False)
+    assert not imp.opaque
+    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
+    assert_same(imp.outputs(simulate(plan, imp.inputs(x))), eager(module, (x,)))
+    assert any(isinstance(s, Compute) and len(set(s.blocks)) > 1 for s in plan.steps)

@@ -150,3 +150,17 @@ def test_topk_keeps_ties_in_order_puts_nan_first_when_largest_and_equals_a_stabl
         np.testing.assert_array_equal(got, want[:, :4].numpy())
     topk = torch.topk(torch.from_numpy(x[:1]), 1, largest=largest)
     assert np.isnan(topk.values.item()) == largest
+
+
+# -- grouped-query attention: sdpa with kv heads shared by a group of query heads ----------------------------------
+@pytest.mark.parametrize("dim, bounds", [(1, [0, 1, 2]), (2, [0, 1, 4]), (2, [0, 3, 4])])
+def test_sdpa_with_shared_kv_heads_split_on_kv_heads_or_the_group_equals_torch_gqa(dim, bounds):
+    """q[B, Hkv, G, L, E] with k, v[B, Hkv, 1, S, E]: q head h = G·kv + g reads kv head h // G."""
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal(s) for s in ((2, 2, 4, 5, 3), (2, 2, 1, 6, 3), (2, 2, 1, 6, 7)))
+    sig = bind("sdpa", [q.shape, k.shape, v.shape], {"causal": True}, ["float64"] * 3)
+    assert sig.dims == ("batch0", "batch1", "batch2", "query", "feature") and set(sig.dim_kinds) == {P}
+    want = torch.nn.functional.scaled_dot_product_attention(
+        *(torch.from_numpy(a.reshape(2, -1, *a.shape[-2:])) for a in (q, k, v)), is_causal=True, enable_gqa=True)
+    got = run_sharded(sig, [q, k, v], pieces(sig, dim, bounds))
+    np.testing.assert_allclose(got.reshape(want.shape), want.numpy(), rtol=1e-10)
