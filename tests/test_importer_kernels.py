@@ -220,3 +220,90 @@ def test_grouped_query_attention_plans_sharded_on_four_devices_and_matches_eager
     plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
     assert_same(imp.outputs(simulate(plan, imp.inputs(x))), eager(module, (x,)))
     assert any(isinstance(s, Compute) and len(set(s.blocks)) > 1 for s in plan.steps)
+
+
+# -- convolutions, padding, upsampling, norms, bags, floor division ----------------------------------------------
+class Vision(torch.nn.Module):
+    """The ops of U-Nets, audio encoders and recommendation models that used to run opaque."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1d = torch.nn.Conv1d(4, 6, 3, padding=1, stride=2)
+        self.grouped1d = torch.nn.Conv1d(4, 6, 2, groups=2, bias=False)
+        self.up = torch.nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1)
+        self.grouped_up = torch.nn.ConvTranspose2d(4, 6, (2, 3), stride=(1, 2), padding=(0, 2), groups=2, bias=False)
+        self.norm = torch.nn.GroupNorm(2, 4)
+        self.weight_normed = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(7, 4))
+        self.mean_bag = torch.nn.EmbeddingBag(10, 4, mode="mean")
+        self.sum_bag = torch.nn.EmbeddingBag(10, 4, mode="sum", include_last_offset=True)
+
+    def forward(self, x, x1, ids, offsets):
+        interpolate = torch.nn.functional.interpolate
+        return (self.conv1d(x1), self.grouped1d(x1), self.up(x), self.grouped_up(x), self.norm(x),
+                self.weight_normed(x1), self.mean_bag(ids, offsets),
+                self.sum_bag(ids, torch.cat([offsets, torch.tensor([6])])), self.mean_bag(ids.reshape(2, 3)),
+                interpolate(x, scale_factor=2, mode="nearest"), interpolate(x, size=(7, 8), mode="nearest"),
+                interpolate(x, size=(7, 5), mode="bilinear"),
+                interpolate(x, scale_factor=2, mode="bilinear", align_corners=True),
+                torch.nn.functional.pad(x, (1, 2, 0, 1), value=0.5), torch.floor_divide(x, 0.3),
+                torch.div(x, x1[:1, :, :5, None], rounding_mode="floor"), x1 // 2)
+
+
+VISION_KERNELS = {
+    "aten.conv1d.default": "conv2d", "aten.conv_transpose2d.input": "conv2d", "aten.group_norm.default": "layer_norm",
+    "aten._weight_norm.default": "sqrt", "aten.embedding_bag.padding_idx": "scatter_add",
+    "aten.upsample_nearest2d.vec": "reshape", "aten.upsample_bilinear2d.vec": "matmul", "aten.pad.default": "pad",
+    "aten.floor_divide.default": "floor_divide_scalar", "aten.div.Tensor_mode": "floor_divide",
+}
+
+
+def vision_case():
+    torch.manual_seed(0)
+    args = (torch.randn(2, 4, 5, 5), torch.randn(2, 4, 7), torch.randint(0, 10, (6,)), torch.tensor([0, 2, 2]))
+    return Vision().eval(), args
+
+
+def test_convolutions_upsampling_norms_and_bags_import_as_kernels_and_match_eager():
+    module, args = vision_case()
+    imp = from_torch(module, args, verbose=False)
+    assert not imp.opaque
+    for op, kernel in VISION_KERNELS.items():
+        assert any(kernel in made.split(", ") for made in imp.coverage[op]), (op, dict(imp.coverage[op]))
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(module, args))
+
+
+def test_histc_runs_opaque_and_says_why():
+    class Histogram(torch.nn.Module):
+        def forward(self, x):
+            return torch.histc(x, 4)
+
+    x = torch.randn(3, 5)
+    imp = from_torch(Histogram(), (x,), verbose=False)
+    assert imp.opaque == {"aten.histc.default": 1}
+    assert any("min and max" in why for why in imp.translation.declined["aten.histc.default"])
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(x))), eager(Histogram(), (x,)))
+
+
+class Decoder(torch.nn.Module):
+    """A U-Net-style upsampling block over a 1-D audio front end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.audio = torch.nn.Conv1d(8, 16, 3, padding=1)
+        self.up = torch.nn.ConvTranspose2d(16, 8, 2, stride=2)
+        self.norm = torch.nn.GroupNorm(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.audio(x).reshape(x.shape[0], 16, 4, 4)
+        up = self.norm(self.up(h))
+        return torch.nn.functional.interpolate(up, scale_factor=2, mode="nearest")
+
+
+def test_an_upsampling_decoder_plans_sharded_on_four_devices_and_matches_eager():
+    torch.manual_seed(0)
+    module, x = Decoder().eval(), torch.randn(4, 8, 16)
+    imp = from_torch(module, (x,), verbose=False)
+    assert not imp.opaque
+    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
+    assert_same(imp.outputs(simulate(plan, imp.inputs(x))), eager(module, (x,)))
+    assert any(isinstance(s, Compute) and s.kernel.startswith("conv2d") and len(set(s.blocks)) > 1 for s in plan.steps)

@@ -19,7 +19,7 @@ from tapestry.testing.strategies import arrays_for, signatures
 from tapestry.zspace import ZRange
 
 P, R = DimKind.PARALLEL, DimKind.REDUCTION
-MINE = ["cumsum", "argmax", "argmin", "take", "gather", "scatter_add", "topk"]
+MINE = ["cumsum", "argmax", "argmin", "take", "gather", "scatter_add", "topk", "pad", "floor_divide"]
 
 
 def bind(name, shapes, params=None, in_dtypes=None):
@@ -164,3 +164,24 @@ def test_sdpa_with_shared_kv_heads_split_on_kv_heads_or_the_group_equals_torch_g
         *(torch.from_numpy(a.reshape(2, -1, *a.shape[-2:])) for a in (q, k, v)), is_causal=True, enable_gqa=True)
     got = run_sharded(sig, [q, k, v], pieces(sig, dim, bounds))
     np.testing.assert_allclose(got.reshape(want.shape), want.numpy(), rtol=1e-10)
+
+
+# -- pad, floor_divide ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pad, bounds", [((1, 2, 0, 1), [0, 1, 3, 6]), ((-1, 2), [0, 2, 3]),
+                                         ((2, -2, 1, 0), [0, 1, 4])])
+def test_pad_split_anywhere_fills_value_only_outside_x_like_torch(pad, bounds):
+    x = np.random.default_rng(5).standard_normal((2, 3, 4))
+    sig = bind("pad", [x.shape], {"pad": pad, "value": 0.5}, ["float64"])
+    want = torch.nn.functional.pad(torch.from_numpy(x), pad, value=0.5).numpy()
+    assert sig.output_shape == want.shape and set(sig.dim_kinds) == {P}
+    for dim in range(3):
+        cuts = [min(b, sig.index.shape[dim]) for b in bounds[:-1]] + [sig.index.shape[dim]]
+        np.testing.assert_array_equal(run_sharded(sig, [x], pieces(sig, dim, sorted(cuts))), want)
+
+
+def test_floor_divide_rounds_toward_minus_infinity_like_torch():
+    a, b = np.array([7.0, -7.0, 7.5, -0.5, 3.0]), np.array([2.0, 2.0, -2.0, 0.3, 0.0])
+    sig = bind("floor_divide", [a.shape, b.shape], {}, ["float64", "float64"])
+    np.testing.assert_array_equal(run_sharded(sig, [a, b], pieces(sig, 0, [0, 2, 5])),
+                                  torch.floor_divide(torch.from_numpy(a), torch.from_numpy(b)).numpy())
+    assert bind("floor_divide_scalar", [(3,)], {"value": 2.0}, ["int64"]).dtype == "int64"

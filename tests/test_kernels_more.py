@@ -150,6 +150,7 @@ def test_promotion_matches_torch_result_type():
 
 PYTHON_OPS = {
     "add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv, "pow": operator.pow,
+    "floor_divide": operator.floordiv,
     "eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge,
     "maximum": lambda a, b: torch.clamp_min(*((a, b) if isinstance(a, torch.Tensor) else (b, a))),
     "minimum": lambda a, b: torch.clamp_max(*((a, b) if isinstance(a, torch.Tensor) else (b, a))),

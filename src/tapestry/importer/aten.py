@@ -62,7 +62,7 @@ BINARY = {
     "add": "add", "sub": "sub", "mul": "mul", "div": "div", "pow": "pow", "maximum": "maximum",
     "minimum": "minimum", "eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge",
     "logical_and": "logical_and", "logical_or": "logical_or", "__and__": "logical_and", "__or__": "logical_or",
-    "bitwise_and": "logical_and", "bitwise_or": "logical_or",
+    "bitwise_and": "logical_and", "bitwise_or": "logical_or", "floor_divide": "floor_divide",
 }
 
 
@@ -80,9 +80,9 @@ def binary(b: Builder, kernel: str, lhs: Any, rhs: Any) -> Value:
 
 def _binary(b: Builder, lhs: Any, rhs: Any, alpha: Any = 1, rounding_mode: str | None = None) -> Value:
     packet = str(b.node.target).split(".")[1]
-    if rounding_mode is not None:
+    if rounding_mode not in (None, "floor"):
         raise Unsupported(f"rounding_mode={rounding_mode!r}")
-    return binary(b, BINARY[packet], lhs, _scaled(b, rhs, alpha))
+    return binary(b, "floor_divide" if rounding_mode else BINARY[packet], lhs, _scaled(b, rhs, alpha))
 
 
 def _scaled(b: Builder, x: Any, alpha: Any) -> Any:
@@ -682,3 +682,211 @@ def _einsum(b: Builder, equation: str, operands: list[Any], path: Any = None) ->
     if set(have) != set(output):
         raise Unsupported(f"output labels {output!r} not among the operands' {have!r}")
     return _arranged(b, value, have, output)
+
+
+# -- padding, 1-D and transposed convolution, upsampling ---------------------------------------------------------
+@converts("aten.constant_pad_nd.default", "aten.pad.default")
+def _pad(b: Builder, x: Any, pad: list[int], mode: str = "constant", value: float | None = None) -> Value:
+    if mode != "constant":
+        raise Unsupported(f"mode={mode!r} (constant padding is taken)")
+    tensor = b.tensor(x)
+    return tensor if not any(pad) else b.op("pad", tensor, pad=tuple(int(p) for p in pad), value=float(value or 0.0))
+
+
+def _per_dim(name: str, value: Any, n: int) -> list[int]:
+    values = [int(value)] * n if isinstance(value, int) else [int(v) for v in value]
+    if len(values) == 1:
+        values *= n
+    if len(values) != n:
+        raise Unsupported(f"{name} {values} for {n} spatial dims")
+    return values
+
+
+@converts("aten.conv1d.default")
+def _conv1d(b: Builder, x: Any, w: Any, bias: Any = None, stride: Any = 1, padding: Any = 0, dilation: Any = 1,
+            groups: int = 1) -> Value:
+    """conv2d over [N, C, 1, L]: the padding made explicit (a `pad` of L), the kernel one row high."""
+    value, weight = b.tensor(x), b.tensor(w)
+    if isinstance(padding, str) or _per_dim("dilation", dilation, 1) != [1] or value.ndim != 3:
+        raise Unsupported("string padding, dilation or a non-NCL input")
+    (p,), (s,) = _per_dim("padding", padding, 1), _per_dim("stride", stride, 1)
+    padded = b.op("pad", value, pad=(p, p), value=0.0) if p else value
+    rows = b.op("reshape", padded, shape=(padded.shape[0], padded.shape[1], 1, padded.shape[2]))
+    kernel = b.op("reshape", weight, shape=(weight.shape[0], weight.shape[1], 1, weight.shape[2]))
+    params = {"stride": s, "padding": 0, "groups": int(groups)}
+    out = b.op("conv2d", rows, kernel, **params) if bias is None else \
+        b.op("conv2d_bias", rows, kernel, b.tensor(bias), **params)
+    return b.op("reshape", out, shape=b.shape)
+
+
+@converts("aten.conv_transpose2d.input")
+def _conv_transpose2d(b: Builder, x: Any, w: Any, bias: Any = None, stride: Any = 1, padding: Any = 0,
+                      output_padding: Any = 0, groups: int = 1, dilation: Any = 1) -> Value:
+    """A transposed conv is a conv2d (stride 1) of x with stride-1 zeros put between its cells and k-1-p padding
+    around, by the weight flipped in space with its channel axes swapped (per group)."""
+    value, weight = b.tensor(x), b.tensor(w)
+    if value.ndim != 4 or _per_dim("dilation", dilation, 2) != [1, 1]:
+        raise Unsupported("dilation or a non-NCHW input")
+    strides, pads, extra = (_per_dim(n, v, 2) for n, v in (("stride", stride), ("padding", padding),
+                                                           ("output_padding", output_padding)))
+    n, c, h, wd = value.shape
+    cin, kg, kh, kw = weight.shape
+    spread = value
+    if strides != [1, 1]:  # [N, C, H, 1, W, 1] padded to [N, C, H, sh, W, sw]: each cell, then sh-1 zeros
+        (sh, sw) = strides
+        spread = b.op("reshape", value, shape=(n, c, h, 1, wd, 1))
+        spread = b.op("pad", spread, pad=(0, sw - 1, 0, 0, 0, sh - 1), value=0.0)
+        spread = b.op("reshape", spread, shape=(n, c, h * sh, wd * sw))
+    # then (k-1-p) on each side, less the trailing stride-1 zeros, plus output_padding at the end
+    around = []
+    for size, k, s, p, op in ((wd, kw, strides[1], pads[1], extra[1]), (h, kh, strides[0], pads[0], extra[0])):
+        around += [k - 1 - p, k - 1 - p - (s - 1) + op]
+    padded = b.op("pad", spread, pad=tuple(around), value=0.0) if any(around) else spread
+    flipped = weight
+    for axis, size in ((2, kh), (3, kw)):
+        if size > 1:
+            flipped = b.op("take", flipped, b.constant(torch.arange(size - 1, -1, -1)), axis=axis)
+    swapped = b.op("reshape", flipped, shape=(groups, cin // groups, kg, kh, kw))
+    swapped = b.op("transpose", swapped, perm=(0, 2, 1, 3, 4))
+    swapped = b.op("reshape", swapped, shape=(groups * kg, cin // groups, kh, kw))
+    params = {"stride": 1, "padding": 0, "groups": int(groups)}
+    if bias is None:
+        return b.op("conv2d", padded, swapped, **params)
+    return b.op("conv2d_bias", padded, swapped, b.tensor(bias), **params)
+
+
+def _upsampled_size(b: Builder) -> tuple[int, int]:
+    return b.shape[-2], b.shape[-1]
+
+
+@converts("aten.upsample_nearest2d.vec", "aten.upsample_nearest2d.default")
+def _upsample_nearest(b: Builder, x: Any, *rest: Any) -> Value:
+    """Whole scale factors are views (each cell repeated: reshape, expand, reshape); others a `take` of the rows
+    and columns torch picks (read off torch's own op applied to their positions)."""
+    value = b.tensor(x)
+    (n, c, h, w), (oh, ow) = value.shape, _upsampled_size(b)
+    if oh % h == 0 and ow % w == 0 and _nearest_index(b, rest, h, oh, 2) == [i // (oh // h) for i in range(oh)] \
+            and _nearest_index(b, rest, w, ow, 3) == [i // (ow // w) for i in range(ow)]:
+        fh, fw = oh // h, ow // w
+        cells = b.op("reshape", value, shape=(n, c, h, 1, w, 1))
+        cells = b.op("expand", cells, shape=(n, c, h, fh, w, fw))
+        return b.op("reshape", cells, shape=(n, c, oh, ow))
+    rows = b.op("take", value, b.constant(torch.tensor(_nearest_index(b, rest, h, oh, 2))), axis=2)
+    return b.op("take", rows, b.constant(torch.tensor(_nearest_index(b, rest, w, ow, 3))), axis=3)
+
+
+def _nearest_index(b: Builder, rest: tuple[Any, ...], size: int, out: int, axis: int) -> list[int]:
+    """The input position torch's op reads for each output position along `axis`: the op run on positions."""
+    shape = [1, 1, 1, 1]
+    shape[axis] = size
+    positions = torch.arange(size, dtype=torch.float64).reshape(shape)
+    other = 3 if axis == 2 else 2
+    positions = positions.expand(*(s if d != other else b.node.args[0].meta["val"].shape[other]
+                                   for d, s in enumerate(shape)))
+    picked = b.node.target(positions, *rest)
+    return [int(v) for v in picked.select(other, 0).flatten()]
+
+
+@converts("aten.upsample_bilinear2d.vec", "aten.upsample_bilinear2d.default")
+def _upsample_bilinear(b: Builder, x: Any, *rest: Any) -> Value:
+    """Bilinear interpolation is separable and linear: x @ Aw then Ah @ (that), two matmuls by constant
+    matrices read off torch's own op applied to unit vectors (so align_corners and scales are torch's)."""
+    value = b.tensor(x)
+    (n, c, h, w), (oh, ow) = value.shape, _upsampled_size(b)
+    if not dtypes.is_float(value.dtype):
+        raise Unsupported(f"a {value.dtype} input")
+    a_h, a_w = (_interpolation(b, rest, size, axis) for size, axis in ((h, 2), (w, 3)))  # [size, out]
+    dtype = getattr(torch, value.dtype)
+    across = b.op("matmul", value, b.constant(a_w.to(dtype)))  # [N, C, H, OW]
+    down = b.op("matmul", b.op("transpose", across, perm=(0, 1, 3, 2)), b.constant(a_h.to(dtype)))  # [N, C, OW, OH]
+    return b.op("transpose", down, perm=(0, 1, 3, 2))
+
+
+def _interpolation(b: Builder, rest: tuple[Any, ...], size: int, axis: int) -> torch.Tensor:
+    """[size, out]: row j is the op's output along `axis` for the unit vector e_j (constant along the other
+    spatial axis, which interpolation keeps constant)."""
+    shape = list(b.node.args[0].meta["val"].shape[2:])
+    units = torch.eye(size, dtype=torch.float64).reshape(size, 1, *(size if d == axis - 2 else 1 for d in range(2)))
+    units = units.expand(size, 1, *shape)
+    out = b.node.target(units, *rest)  # [size, 1, OH, OW]
+    return out[:, 0, :, 0] if axis == 2 else out[:, 0, 0, :]
+
+
+# -- group norm, weight norm, embedding bags, histograms ---------------------------------------------------------
+@converts("aten.group_norm.default")
+def _group_norm(b: Builder, x: Any, groups: int, w: Any = None, bias: Any = None, eps: float = 1e-5,
+                cudnn_enabled: bool = True) -> Value:
+    """x[N, C, *] as [N, G, C/G·*]: a layer norm of the last dim (no affine), back to x's shape, then the
+    per-channel scale and shift."""
+    value = b.tensor(x)
+    n, c, rest = value.shape[0], value.shape[1], value.shape[2:]
+    if value.ndim < 2 or c % groups:
+        raise Unsupported(f"{groups} groups of {c} channels")
+    cells = (c // groups) * math.prod(rest)
+    grouped = b.op("reshape", value, shape=(n, groups, cells))
+    normed = b.op("layer_norm", grouped, _filled(b, cells, value, 1.0), _filled(b, cells, value, 0.0), eps=float(eps))
+    out = b.op("reshape", normed, shape=value.shape)
+    per_channel = (c, *(1,) * len(rest))
+    if w is not None:
+        out = b.op("mul", out, b.op("reshape", b.tensor(w), shape=per_channel))
+    if bias is not None:
+        out = b.op("add", out, b.op("reshape", b.tensor(bias), shape=per_channel))
+    return out
+
+
+@converts("aten._weight_norm.default")
+def _weight_norm(b: Builder, v: Any, g: Any, dim: int = 0) -> Value:
+    """v · g / ‖v‖, the norm over every dim but `dim` (kept as size 1); from static weights, prepared once."""
+    value, gain = b.tensor(v), b.tensor(g)
+    if dim == -1:  # torch: the norm over the whole tensor
+        axes = range(value.ndim)
+    else:
+        axes = [d for d in range(value.ndim) if d != _axis(dim, value.ndim)]
+    squares = b.op("mul", value, value)
+    for axis in sorted(axes, reverse=True):
+        squares = b.op("sum", squares, axis=axis, keepdim=True)
+    return b.op("mul", value, b.op("div", gain, b.op("sqrt", squares)))
+
+
+@converts("aten.embedding_bag.padding_idx", "aten._embedding_bag.default", "aten.embedding_bag.default")
+def _embedding_bag(b: Builder, weight: Any, ids: Any, offsets: Any, scale_grad_by_freq: bool = False,
+                   mode: int = 0, sparse: bool = False, per_sample_weights: Any = None,
+                   include_last_offset: bool = False, padding_idx: int | None = None) -> tuple[Any, ...]:
+    """Bags of rows, summed (mode 0) or averaged (mode 1): the rows are an `embedding`, each id's bag is the
+    number of offsets at or before its position, less one (`ge`, `sum`), and the bags are a `scatter_add` into
+    zeros; a mean divides by the bag sizes (an empty bag gives zeros, as torch). Only the bags are converted
+    (the other three outputs serve the backward)."""
+    table, index = b.tensor(weight), b.tensor(ids)
+    if mode not in (0, 1) or (padding_idx is not None and padding_idx >= 0):
+        raise Unsupported(f"mode {mode} (0: sum and 1: mean are taken) or a padding_idx")
+    if per_sample_weights is not None and mode != 0:
+        raise Unsupported("per_sample_weights with a mean")
+    rows = b.op("embedding", index, table)
+    if index.ndim == 2:  # [B, L]: fixed-size bags, no offsets
+        if per_sample_weights is not None:
+            rows = b.op("mul", rows, b.op("reshape", b.tensor(per_sample_weights), shape=(*index.shape, 1)))
+        return (b.op("sum" if mode == 0 else "mean", rows, axis=1, keepdim=False), None, None, None)
+    starts = b.tensor(offsets)
+    if include_last_offset:
+        starts = b.op("slice", starts, axis=0, start=0, stop=starts.shape[0] - 1, step=1)
+    count, dim = index.shape[0], table.shape[1]
+    bags = starts.shape[0]
+    positions = b.constant(torch.arange(count, dtype=getattr(torch, starts.dtype)).reshape(count, 1))
+    started = b.op("ge", positions, b.op("reshape", starts, shape=(1, bags)))  # [T, B]: bag b began at or before t
+    bag = b.op("sub_scalar", b.op("sum", started, axis=1, keepdim=False), value=1.0)  # [T]
+    if per_sample_weights is not None:
+        rows = b.op("mul", rows, b.op("reshape", b.tensor(per_sample_weights), shape=(count, 1)))
+    column = b.op("expand", b.op("reshape", bag, shape=(count, 1)), shape=(count, dim))
+    zeros = b.constant(torch.zeros(bags, dim, dtype=getattr(torch, table.dtype)))
+    total = b.op("scatter_add", zeros, column, rows, axis=0)
+    if mode == 1:
+        ones = b.constant(torch.ones(count, 1, dtype=getattr(torch, table.dtype)))
+        sizes = b.op("scatter_add", b.constant(torch.zeros(bags, 1, dtype=getattr(torch, table.dtype))),
+                     b.op("reshape", bag, shape=(count, 1)), ones, axis=0)
+        total = b.op("div", total, b.op("maximum_scalar", sizes, value=1.0))
+    return (total, None, None, None)
+
+
+@converts("aten.histc.default")
+def _histc(b: Builder, *args: Any) -> Value:
+    raise Unsupported("histc's bins depend on the values' min and max over the whole tensor; it runs whole")
