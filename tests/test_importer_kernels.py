@@ -307,3 +307,45 @@ def test_an_upsampling_decoder_plans_sharded_on_four_devices_and_matches_eager()
     plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
     assert_same(imp.outputs(simulate(plan, imp.inputs(x))), eager(module, (x,)))
     assert any(isinstance(s, Compute) and s.kernel.startswith("conv2d") and len(set(s.blocks)) > 1 for s in plan.steps)
+
+
+# -- recurrent layers ----------------------------------------------------------------------------------------------
+class Recurrent(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = torch.nn.LSTM(4, 6, num_layers=2, batch_first=True, bidirectional=True)
+        self.gru = torch.nn.GRU(4, 5)
+        self.plain = torch.nn.GRU(4, 3, bias=False, bidirectional=True)
+
+    def forward(self, x: torch.Tensor, h0: torch.Tensor):
+        return self.lstm(x), self.gru(x.transpose(0, 1)), self.plain(x.transpose(0, 1), h0)
+
+
+def test_lstm_and_gru_unroll_into_cells_of_kernels_and_match_eager():
+    """Two layers, both directions, batch_first, no biases, a given h0: outputs and final states."""
+    torch.manual_seed(0)
+    module, args = Recurrent().eval(), (torch.randn(2, 3, 4), torch.randn(2, 2, 3))
+    imp = from_torch(module, args, verbose=False)
+    assert not imp.opaque
+    assert {"sigmoid", "tanh", "linear"} <= set(", ".join(imp.coverage["aten.lstm.input"]).split(", "))
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(module, args))
+
+
+class Tagger(torch.nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.rnn = getattr(torch.nn, kind)(8, 16, batch_first=True)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0])
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_a_recurrent_tagger_plans_its_cells_sharded_on_four_devices_and_matches_eager(kind):
+    torch.manual_seed(0)
+    module, x = Tagger(kind).eval(), torch.randn(4, 4, 8)
+    imp = from_torch(module, (x,), verbose=False)
+    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
+    assert_same(imp.outputs(simulate(plan, imp.inputs(x))), eager(module, (x,)))
+    assert any(isinstance(s, Compute) and s.kernel == "sigmoid" and len(set(s.blocks)) > 1 for s in plan.steps)
