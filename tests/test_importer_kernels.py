@@ -96,12 +96,26 @@ def test_one_index_tensor_takes_along_its_position(form):
 def test_forms_without_a_kernel_run_opaque_and_still_match():
     class Unmapped(torch.nn.Module):
         def forward(self, x, a, b):
-            return x[a, b], torch.topk(x, 2, sorted=False)[0].sort(-1)[0], x.index_put((a,), x[0], False)
+            return torch.topk(x, 2, sorted=False)[0].sort(-1)[0], x.index_put((a,), x[0], False)
 
-    x, a, b = torch.randn(4, 5), torch.tensor([0, 3, 1]), torch.tensor([4, 0, 2])
+    x, a, b = torch.randn(4, 5), torch.tensor([0, 3, 1, 2]), torch.tensor([4, 0, 2])
     imp = from_torch(Unmapped(), (x, a, b), verbose=False)
-    assert set(imp.opaque) == {"aten.index.Tensor", "aten.topk.default", "aten.index_put.default"}
+    assert set(imp.opaque) == {"aten.topk.default", "aten.index_put.default"}
     assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(x, a, b))), eager(Unmapped(), (x, a, b)))
+
+
+class Indexed(torch.nn.Module):
+    def forward(self, x, scores, a, b):
+        return (x[torch.arange(x.shape[0]), scores.argmax(-1)], x[a, b], x[:, a[:, None], b], x[a[:2], b[:2]],
+                x[a, :, b])
+
+
+def test_several_index_tensors_take_at_the_flat_position_like_torch():
+    """CLIP's pooling h[arange(B), ids.argmax(-1)], broadcast indices, negatives, non-adjacent index dims."""
+    args = (torch.randn(3, 4, 5), torch.randn(3, 4), torch.tensor([0, -1, 2]), torch.tensor([3, 0, -2]))
+    imp = from_torch(Indexed(), args, verbose=False)
+    assert not imp.opaque
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(Indexed(), args))
 
 
 # -- einsum ------------------------------------------------------------------------------------------------------

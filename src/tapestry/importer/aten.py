@@ -510,15 +510,34 @@ def _argmax(b: Builder, x: Any, dim: int | None = None, keepdim: bool = False) -
 
 @converts("aten.index.Tensor")
 def _index(b: Builder, x: Any, indices: list[Any]) -> Value:
-    """x[idx] and x[:, idx]: one integer index tensor, the other positions whole (None)."""
-    given = [(axis, i) for axis, i in enumerate(indices) if i is not None]
-    if len(given) != 1:
-        raise Unsupported(f"{len(given)} index tensors (one is taken: x[idx], x[:, idx])")
-    (axis, idx), = given
-    idx = b.tensor(idx)
-    if idx.dtype == "bool":
+    """x[idx], x[:, idx] (one integer index tensor) and x[i, j] (CLIP's pooling, `h[arange(B), ids.argmax(-1)]`):
+    the indexed dims (moved first when not adjacent, as torch does) merged into one (`reshape`) and read at the
+    flat position Σ i_k · stride_k (negatives wrapped, the indices broadcast), a `take`."""
+    value = b.tensor(x)
+    given = [(axis, b.tensor(i)) for axis, i in enumerate(indices) if i is not None]
+    axes = [axis for axis, _ in given]
+    if axes != list(range(axes[0], axes[0] + len(axes))):  # not adjacent: torch puts the index dims first
+        value = b.op("transpose", value, perm=(*axes, *(d for d in range(value.ndim) if d not in axes)))
+        given = [(k, i) for k, (_, i) in enumerate(given)]
+        axes = list(range(len(given)))
+    if any(i.dtype not in ("int32", "int64") for _, i in given):
         raise Unsupported("a bool mask index (its result's shape depends on the values)")
-    return b.op("take", b.tensor(x), idx, axis=axis)
+    first = axes[0]
+    if len(given) == 1:
+        return b.op("take", value, given[0][1], axis=first)
+    shape = tuple(torch.broadcast_shapes(*(i.shape for _, i in given)))
+    sizes = [value.shape[a] for a in axes]
+    flat = None
+    for k, (axis, idx) in enumerate(given):
+        idx = idx if idx.dtype == "int64" else b.op("cast", idx, dtype="int64")
+        negative = b.op("cast", b.op("lt_scalar", idx, value=0.0), dtype="int64")
+        idx = b.op("add", idx, b.op("mul_scalar", negative, value=float(sizes[k])))  # wrapped
+        stride = math.prod(sizes[k + 1 :])
+        term = idx if stride == 1 else b.op("mul_scalar", idx, value=float(stride))
+        term = term if term.shape == shape else b.op("expand", term, shape=shape)
+        flat = term if flat is None else b.op("add", flat, term)
+    merged = b.op("reshape", value, shape=(*value.shape[:first], math.prod(sizes), *value.shape[axes[-1] + 1 :]))
+    return b.op("take", merged, flat, axis=first)
 
 
 @converts("aten.index_select.default")
