@@ -363,3 +363,45 @@ def test_a_recurrent_tagger_plans_its_cells_sharded_on_four_devices_and_matches_
     plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
     assert_same(imp.outputs(simulate(plan, imp.inputs(x))), eager(module, (x,)))
     assert any(isinstance(s, Compute) and s.kernel == "sigmoid" and len(set(s.blocks)) > 1 for s in plan.steps)
+
+
+# -- Hugging Face models whose ops were opaque ----------------------------------------------------------------------
+def hugging_face(name: str):
+    import transformers
+
+    torch.manual_seed(0)
+    small = {"vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4}
+    if name == "mixtral":
+        config = transformers.MixtralConfig(**small, intermediate_size=64, num_key_value_heads=2,
+                                            num_local_experts=4, num_experts_per_tok=2)
+        return transformers.MixtralModel(config).eval()
+    if name == "falcon":
+        config = transformers.FalconConfig(**small, num_kv_heads=2, new_decoder_architecture=True)
+        return transformers.FalconModel(config).eval()
+    if name == "falcon-multi-query":
+        config = transformers.FalconConfig(**small, new_decoder_architecture=False, multi_query=True)
+        return transformers.FalconModel(config).eval()
+    config = transformers.CLIPTextConfig(**small, intermediate_size=64, bos_token_id=0, eos_token_id=1)
+    return transformers.CLIPTextModel(config).eval()
+
+
+@pytest.mark.parametrize("name, opaque, kernel", [
+    ("mixtral", {"aten.histc.default", "aten.index_put.default"}, ("transformers.grouped_mm_fallback.default",
+                                                                   "grouped_mm")),
+    ("falcon", set(), ("aten.scaled_dot_product_attention.default", "sdpa_masked")),
+    ("falcon-multi-query", set(), ("aten.scaled_dot_product_attention.default", "sdpa_masked")),
+    ("clip", set(), ("aten.index.Tensor", "take")),
+])
+def test_hugging_face_moe_gqa_and_pooled_models_import_their_ops_as_kernels(name, opaque, kernel):
+    """Mixtral's expert dispatch (grouped_mm) and cumsum(dtype=), Falcon's grouped-query attention, CLIP's argmax
+    pooling: kernels now; Mixtral keeps histc and its inverse-permutation index_put opaque."""
+    module, ids = hugging_face(name), torch.randint(0, 100, (2, 8))
+    imp = from_torch(module, (ids,), {"use_cache": False} if name != "clip" else {}, verbose=False)
+    assert set(imp.opaque) == opaque
+    op, made = kernel
+    assert any(made in m.split(", ") for m in imp.coverage[op]), dict(imp.coverage[op])
+    kwargs = {"use_cache": False} if name != "clip" else {}
+    got = imp.outputs(evaluate(imp.graph, imp.inputs(ids, **kwargs)))[0]
+    with torch.no_grad():
+        want = module(ids, **kwargs)[0].numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -19,7 +19,7 @@ from tapestry.testing.strategies import arrays_for, signatures
 from tapestry.zspace import ZRange
 
 P, R = DimKind.PARALLEL, DimKind.REDUCTION
-MINE = ["cumsum", "argmax", "argmin", "take", "gather", "scatter_add", "topk", "pad", "floor_divide"]
+MINE = ["cumsum", "argmax", "argmin", "take", "gather", "scatter_add", "topk", "pad", "floor_divide", "grouped_mm"]
 
 
 def bind(name, shapes, params=None, in_dtypes=None):
@@ -185,3 +185,29 @@ def test_floor_divide_rounds_toward_minus_infinity_like_torch():
     np.testing.assert_array_equal(run_sharded(sig, [a, b], pieces(sig, 0, [0, 2, 5])),
                                   torch.floor_divide(torch.from_numpy(a), torch.from_numpy(b)).numpy())
     assert bind("floor_divide_scalar", [(3,)], {"value": 2.0}, ["int64"]).dtype == "int64"
+
+
+# -- grouped_mm: MoE expert dispatch ---------------------------------------------------------------------------------
+def _fallback(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """transformers' grouped_mm_fallback: expert e's rows [ends[e-1], ends[e]) by w[e]."""
+    out, start = x.new_zeros(x.shape[0], w.shape[2]), 0
+    for e, end in enumerate(ends.tolist()):
+        out[start:end] = x[start:end] @ w[e]
+        start = end
+    return out
+
+
+def test_grouped_mm_experts_are_an_additive_reduction_so_they_shard():
+    sig = bind("grouped_mm", [(6, 4), (3, 4, 5), (3,)], {}, ["float32", "float32", "int64"])
+    assert kinds(sig) == {"row": P, "n": P, "k": R, "expert": R} and sig.splittable == (0, 1, 2, 3)
+    assert sig.cost(sig.index)[0] == 2 * 6 * 4 * 5  # each row meets one expert
+
+
+@pytest.mark.parametrize("dim, bounds", [(3, [0, 1, 4]), (3, [0, 2, 3, 4]), (0, [0, 3, 5, 7]), (1, [0, 2, 5]),
+                                         (2, [0, 1, 3])])
+def test_grouped_mm_split_over_experts_rows_features_or_k_equals_the_per_expert_loop(dim, bounds):
+    rng = np.random.default_rng(6)
+    x, w, ends = rng.standard_normal((7, 3)), rng.standard_normal((4, 3, 5)), np.array([2, 2, 6, 7])  # one empty
+    sig = bind("grouped_mm", [x.shape, w.shape, ends.shape], {}, ["float64", "float64", "int64"])
+    want = _fallback(*(torch.from_numpy(a) for a in (x, w, ends))).numpy()
+    np.testing.assert_allclose(run_sharded(sig, [x, w, ends], pieces(sig, dim, bounds)), want, rtol=1e-12)

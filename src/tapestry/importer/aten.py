@@ -1009,3 +1009,14 @@ def _lstm(b: Builder, x: Any, hx: list[Any], params: list[Any], *flags: Any) -> 
 @converts("aten.gru.input")
 def _gru(b: Builder, x: Any, hx: Any, params: list[Any], *flags: Any) -> tuple[Value, ...]:
     return _recurrent(b, "gru", x, [hx], list(params), *flags)
+
+
+# -- MoE expert dispatch ------------------------------------------------------------------------------------------
+@converts("transformers.grouped_mm_fallback.default", "aten._grouped_mm.default")
+def _grouped_mm(b: Builder, x: Any, w: Any, offs: Any = None, bias: Any = None, out_dtype: Any = None) -> Value:
+    """Rows sorted by expert, `offs` each expert's end row: `grouped_mm`, whose expert dim shards (expert
+    parallelism)."""
+    value, weight = b.tensor(x), b.tensor(w)
+    if offs is None or bias is not None or out_dtype is not None or value.ndim != 2 or weight.ndim != 3:
+        raise Unsupported("a grouped mm other than x[R, D] by w[E, D, F] with offsets (no bias, no out_dtype)")
+    return b.op("grouped_mm", value, weight, b.tensor(offs))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+from fractions import Fraction
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -60,7 +61,7 @@ class SignatureSpec:
     sizes: Shape
     inputs: tuple[IndexProjection, ...]
     output: IndexProjection
-    flops_per_point: int = 1
+    flops_per_point: int | Fraction = 1  # a Fraction where index points outnumber the work (grouped_mm's experts)
 
 
 class KernelError(ValueError):
@@ -277,7 +278,7 @@ class Signature:
     @cached_property
     def flops_expr(self) -> sympy.Expr:
         """FLOPs of one index block, over the block's extent per index dim."""
-        return sympy.Integer(self.spec.flops_per_point) * sympy.Mul(*self.symbols)
+        return sympy.Rational(self.spec.flops_per_point) * sympy.Mul(*self.symbols)
 
     def footprint_expr(self, projection: IndexProjection) -> sympy.Expr:
         """Elements of the box an index block selects: per tensor dim, Σ|A|·(extent−1) + shape."""
