@@ -104,6 +104,21 @@ def test_forms_without_a_kernel_run_opaque_and_still_match():
     assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(x, a, b))), eager(Unmapped(), (x, a, b)))
 
 
+class InversePermutation(torch.nn.Module):
+    def forward(self, x):
+        order = x.flatten().argsort()
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.shape[0])
+        return inverse
+
+
+def test_index_put_of_a_sorts_positions_writes_each_row_once_so_it_is_a_scatter():
+    x = torch.randn(3, 4)
+    imp = from_torch(InversePermutation(), (x,), verbose=False)
+    assert not imp.opaque and "scatter_add" in ", ".join(imp.coverage["aten.index_put.default"])
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(x))), eager(InversePermutation(), (x,)))
+
+
 class Indexed(torch.nn.Module):
     def forward(self, x, scores, a, b):
         return (x[torch.arange(x.shape[0]), scores.argmax(-1)], x[a, b], x[:, a[:, None], b], x[a[:2], b[:2]],
@@ -386,7 +401,7 @@ def hugging_face(name: str):
 
 
 @pytest.mark.parametrize("name, opaque, kernel", [
-    ("mixtral", {"aten.histc.default", "aten.index_put.default"}, ("transformers.grouped_mm_fallback.default",
+    ("mixtral", {"aten.histc.default"}, ("transformers.grouped_mm_fallback.default",
                                                                    "grouped_mm")),
     ("falcon", set(), ("aten.scaled_dot_product_attention.default", "sdpa_masked")),
     ("falcon-multi-query", set(), ("aten.scaled_dot_product_attention.default", "sdpa_masked")),
@@ -394,7 +409,7 @@ def hugging_face(name: str):
 ])
 def test_hugging_face_moe_gqa_and_pooled_models_import_their_ops_as_kernels(name, opaque, kernel):
     """Mixtral's expert dispatch (grouped_mm) and cumsum(dtype=), Falcon's grouped-query attention, CLIP's argmax
-    pooling: kernels now; Mixtral keeps histc and its inverse-permutation index_put opaque."""
+    pooling: kernels now; Mixtral keeps histc opaque."""
     module, ids = hugging_face(name), torch.randint(0, 100, (2, 8))
     imp = from_torch(module, (ids,), {"use_cache": False} if name != "clip" else {}, verbose=False)
     assert set(imp.opaque) == opaque

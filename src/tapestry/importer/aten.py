@@ -578,16 +578,31 @@ def _index_add_op(b: Builder, x: Any, dim: int, index: Any, source: Any, alpha: 
 
 @converts("aten.index_put.default")
 def _index_put(b: Builder, x: Any, indices: list[Any], values: Any, accumulate: bool = False) -> Value:
-    if not accumulate:
-        raise Unsupported("index_put without accumulate (repeated indices write in an unspecified order)")
+    """x[idx] += v (accumulate) is a scatter_add. Without accumulate, repeated indices write in an unspecified
+    order, so only a permutation is taken: the indices of a full sort of the axis (MoE's inverse permutation,
+    `inv[perm] = arange`) write every row once, which is a scatter_add into zeros."""
     given = [(axis, i) for axis, i in enumerate(indices) if i is not None]
     if len(given) != 1:
         raise Unsupported(f"{len(given)} index tensors (one is taken: x[idx] += v, x[:, idx] += v)")
     (axis, idx), = given
-    idx = b.tensor(idx)
+    idx, value = b.tensor(idx), b.tensor(x)
     if idx.dtype == "bool":
         raise Unsupported("a bool mask index")
-    return _index_add(b, b.tensor(x), axis, idx, b.tensor(values))
+    if accumulate:
+        return _index_add(b, value, axis, idx, b.tensor(values))
+    if not (_is_permutation(b, idx) and idx.shape[0] == value.shape[axis]):
+        raise Unsupported("index_put without accumulate of indices not known to be a permutation (repeated "
+                          "indices write in an unspecified order)")
+    zeros = b.constant(torch.zeros(value.shape, dtype=getattr(torch, value.dtype)))
+    return _index_add(b, zeros, axis, idx, b.tensor(values))
+
+
+def _is_permutation(b: Builder, idx: Value) -> bool:
+    """idx is the positions of a full 1-D sort (a `topk` with indices and k the whole axis)."""
+    if idx.ndim != 1 or idx.name not in b.graph:
+        return False
+    node = b.graph[idx.name]
+    return node.op == "topk" and dict(node.params)["indices"] and b.graph[node.args[0]].shape == idx.shape
 
 
 def _ordered(b: Builder, x: Value, axis: int, k: int, largest: bool) -> tuple[Value, Value]:
