@@ -420,3 +420,13 @@ def test_hugging_face_moe_gqa_and_pooled_models_import_their_ops_as_kernels(name
     with torch.no_grad():
         want = module(ids, **kwargs)[0].numpy()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # spawns 4 gloo ranks per plan (~1 min)
+@pytest.mark.parametrize("case", ["routing", "vision", "recurrent"])
+def test_plans_with_the_new_kernels_run_on_four_gloo_ranks_and_match_eager(case):
+    module, args = {"routing": routing_case, "vision": vision_case,
+                    "recurrent": lambda: (Tagger("LSTM").eval(), (torch.randn(4, 4, 8),))}[case]()
+    imp = from_torch(module, args, verbose=False)
+    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
+    assert_same(imp.outputs(plan.run(imp.inputs(*args), compile=False).outputs), eager(module, args))
