@@ -21,7 +21,8 @@ from tapestry.kernels.registry import register
 _INTS = ("int32", "int64")
 
 
-def _along(ndim: int, axis: int, item) -> tuple:
+def _along(axis: int, item) -> tuple:
+    """An index applying `item` to `axis` (non-negative)."""
     return (*[slice(None)] * axis, item)
 
 
@@ -68,7 +69,7 @@ register(
         inputs=("x", "idx"),
         signature=take_signature,
         numpy=lambda x, idx, axis: np.take(x, idx, axis=axis % x.ndim),
-        torch=lambda x, idx, axis: x[_along(x.dim(), axis % x.dim(), idx.long())],
+        torch=lambda x, idx, axis: x[_along(axis % x.dim(), idx.long())],
         sample=_sample_take,
         params={"axis": 0},
         dtype_rule=_index_dtype("take", "idx", 0),
