@@ -89,21 +89,21 @@ def test_coverage_summary_counts_every_op(imported):
 
 class Cumulative(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cumsum(torch.relu(x), dim=1)
+        return torch.cumprod(torch.relu(x), dim=1)
 
 
 def test_an_op_without_kernel_runs_opaque_and_explain_marks_it():
     x = torch.randn(4, 8)
     imp = from_torch(Cumulative(), (x,), verbose=False)
-    assert imp.opaque == {"aten.cumsum.default": 1}
+    assert imp.opaque == {"aten.cumprod.default": 1}
     np.testing.assert_allclose(imp.outputs(evaluate(imp.graph, imp.inputs(x)))[0],
                                Cumulative()(x).numpy(), rtol=1e-6)
     result = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(2))
-    assert "opaque: aten.cumsum.default has no Tapestry kernel; it runs whole through torch" in result.explain()
+    assert "opaque: aten.cumprod.default has no Tapestry kernel; it runs whole through torch" in result.explain()
 
 
 def test_strict_names_the_op_its_source_line_and_module():
-    with pytest.raises(TorchImportError, match=r"aten\.cumsum\.default at module.*test_importer\.py"):
+    with pytest.raises(TorchImportError, match=r"aten\.cumprod\.default at module.*test_importer\.py"):
         from_torch(Cumulative(), (torch.randn(4, 8),), strict=True, verbose=False)
 
 
@@ -121,7 +121,7 @@ def test_a_module_that_cannot_be_exported_is_a_clear_error():
 
 def test_coverage_line_is_printed_on_import(capsys):
     from_torch(Cumulative(), (torch.randn(4, 8),))
-    assert "1 opaque (aten.cumsum.default x1)" in capsys.readouterr().err
+    assert "1 opaque (aten.cumprod.default x1)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("dtype, rtol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3), (torch.float64, 1e-12)])
@@ -245,8 +245,8 @@ def test_arguments_are_normalised_by_the_ops_schema():
     from tapestry.importer.translate import by_schema
 
     x = object()
-    assert by_schema(torch.ops.aten.cumsum.default, (x,), {"dim": 1, "dtype": torch.float64}) == \
+    assert by_schema(torch.ops.aten.cumprod.default, (x,), {"dim": 1, "dtype": torch.float64}) == \
         ((x, 1), {"dtype": torch.float64})
     assert by_schema(torch.ops.aten.topk.default, (x, 2), {"largest": False}) == ((x, 2, -1, False), {})
     with pytest.raises(TorchImportError, match="unknown keyword argument.*'axis'"):
-        by_schema(torch.ops.aten.cumsum.default, (x, 1), {"axis": 1})
+        by_schema(torch.ops.aten.cumprod.default, (x, 1), {"axis": 1})

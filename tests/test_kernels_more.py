@@ -106,7 +106,7 @@ def test_embedding_splits_ids_and_features_and_reads_the_table_whole():
     sig = bind("embedding", [(2, 5), (100, 16)], {}, ["int64", "float32"])
     assert kinds(sig) == {"d0": P, "d1": P, "feature": P} and sig.output_shape == (2, 5, 16)
     assert sig.projections[1].apply(ZRange((0, 1, 4), (1, 3, 8))) == ZRange((0, 4), (100, 8))
-    assert sig.kernel.index_bound(sig.input_shapes, 0) == 100 and sig.kernel.index_bound(sig.input_shapes, 1) is None
+    assert sig.index_bound(0) == 100 and sig.index_bound(1) is None
 
 
 def test_a_broadcast_operand_reads_one_cell_along_its_size_one_dims():
@@ -150,6 +150,7 @@ def test_promotion_matches_torch_result_type():
 
 PYTHON_OPS = {
     "add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv, "pow": operator.pow,
+    "floor_divide": operator.floordiv,
     "eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge,
     "maximum": lambda a, b: torch.clamp_min(*((a, b) if isinstance(a, torch.Tensor) else (b, a))),
     "minimum": lambda a, b: torch.clamp_max(*((a, b) if isinstance(a, torch.Tensor) else (b, a))),

@@ -68,6 +68,13 @@ class ImportReport:
         return "\n".join(lines)
 
 
+def _why_opaque(declined: collections.Counter | None) -> str:
+    """Why an op runs opaque: its converter's reasons for declining (most frequent first), or no converter at all."""
+    if not declined:
+        return "no converter (no Tapestry kernel for this op)"
+    return "the converter declined: " + "; ".join(why for why, _ in declined.most_common())
+
+
 def import_report(name: str, imported: TorchImport, mesh: Mesh, plan: Plan | None = None) -> ImportReport:
     totals: collections.Counter = collections.Counter()
     for made in imported.coverage.values():
@@ -75,7 +82,7 @@ def import_report(name: str, imported: TorchImport, mesh: Mesh, plan: Plan | Non
             totals[kind if kind in ("folded", "dropped", "opaque") else "kernels"] += n
     graph = imported.graph
     kernels = collections.Counter(node.op for node in graph.ops if not node.op.startswith("opaque"))
-    opaque = tuple(OpaqueOp(op, n, imported.translation.opaque_why.get(op, "")) for op, n in
+    opaque = tuple(OpaqueOp(op, n, _why_opaque(imported.translation.declined.get(op))) for op, n in
                    sorted(imported.opaque.items()))
     flops = shardable = 0.0
     for node in graph.ops:

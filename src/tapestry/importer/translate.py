@@ -62,7 +62,9 @@ class Builder:
 
     graph: Graph
     node: Any = None  # the fx node being converted
-    opaque_why: dict[str, str] = field(default_factory=dict)  # ATen op run opaque -> why (the first refusal)
+    # ATen op -> {why its converter declined it: count}; those nodes run opaque
+    declined: dict[str, collections.Counter] = field(
+        default_factory=lambda: collections.defaultdict(collections.Counter))
 
     def op(self, kernel: str, /, *args: Value, **params: Any) -> Value:
         return self.graph.op(kernel, *args, **params)
@@ -113,7 +115,7 @@ class Translation:
     user_inputs: tuple[str, ...]  # graph inputs for the flattened user arguments, in order
     outputs: tuple[str, ...]  # graph output names, in the module's flattened output order
     coverage: dict[str, collections.Counter]  # ATen op -> what it became ("linear", "folded", "opaque", ...)
-    opaque_why: dict[str, str] = field(default_factory=dict)  # ATen op run opaque -> why: no converter, or its refusal
+    declined: dict[str, collections.Counter] = field(default_factory=dict)  # ATen op -> {why it runs opaque: count}
 
 
 @dataclass(frozen=True)
@@ -151,9 +153,8 @@ def translate(graph: torch.fx.Graph, placeholders: Mapping[str, Placeholder], ou
     kinds = collections.defaultdict(list)
     for p in placeholders.values():
         kinds[p.kind].append(p.name)
-    state = tuple(dict.fromkeys(n for n in kinds["state"] if n in builder.graph))
-    return Translation(builder.graph, state, tuple(kinds["user"]),
-                       tuple(name for name, _ in outputs), dict(coverage), builder.opaque_why)
+    return Translation(builder.graph, tuple(n for n in kinds["state"] if n in builder.graph), tuple(kinds["user"]),
+                       tuple(name for name, _ in outputs), dict(coverage), dict(builder.declined))
 
 
 def translate_program(program: torch.export.ExportedProgram, strict: bool) -> Translation:
@@ -264,10 +265,9 @@ def _call(builder: Builder, node: Any, env: dict[Any, Any], strict: bool,
             builder.graph.truncate(size)
             if strict:
                 raise TorchImportError(f"{name} at {_where(node)}: not supported ({why})") from None
-            builder.opaque_why.setdefault(name, f"the converter declined: {why}")
+            builder.declined[name][str(why)] += 1
     elif strict:
         raise TorchImportError(f"{name} at {_where(node)}: no Tapestry kernel (strict=True)")
-    builder.opaque_why.setdefault(name, "no converter (no Tapestry kernel for this op)")
     return _opaque(builder, node, name, args, kwargs, coverage)
 
 

@@ -1,7 +1,9 @@
 """Scaled dot-product attention as one kernel: softmax(q·kᵀ·scale + mask)·v.
 
 q[*B, L, E], k[*B, S, E], v[*B, S, Ev] -> [*B, L, Ev]. The index dims are the batch dims, the queries L
-and v's features Ev: all parallel. Every block reads its keys S and q's features E whole, since the
+and v's features Ev: all parallel. A batch dim of k and v may be 1 where q's is not: grouped-query attention
+imports q as [B, Hkv, G, L, E] and k, v as [B, Hkv, 1, S, E], so query head h = G·kv + g reads kv head kv
+= h // G, and both the kv heads and the group split. Every block reads its keys S and q's features E whole, since the
 softmax over keys is not additive. A causal mask (torch's top-left: query i sees keys j <= i) needs each
 query's absolute position, which a block alone does not give: the impls take the block's start
 (`needs_block_start`). A query that sees no key (a mask row all false or all -inf) gives zeros, as
@@ -38,9 +40,20 @@ def _mask_projection(mask: Shape, full: Shape) -> IndexProjection:
     return follow(keys + 1, rows, shape=[size if t == keys else 1 for t, size in enumerate(mask, start=lead)])
 
 
+def _broadcasts(kv: Shape, q: Shape) -> bool:
+    """kv's batch dims are q's, or 1 (one key/value head shared by a group of query heads)."""
+    return all(b in (1, a) for a, b in zip(q[:-2], kv[:-2]))
+
+
+def _batch_rows(kv: Shape, q: Shape) -> list[int | None]:
+    """kv's batch dims follow q's, or read their one cell where broadcast."""
+    return [None if b == 1 and a != 1 else i for i, (a, b) in enumerate(zip(q[:-2], kv[:-2]))]
+
+
 def sdpa_signature(q: Shape, k: Shape, v: Shape, mask: Shape | None = None, **params: ParamValue) -> SignatureSpec:
-    if len(q) < 2 or len(k) != len(q) or len(v) != len(q) or k[:-2] != q[:-2] or v[:-2] != q[:-2]:
-        raise KernelError(f"sdpa needs q[*B, L, E], k[*B, S, E], v[*B, S, Ev]; got q{list(q)}, k{list(k)}, v{list(v)}")
+    if len(q) < 2 or len(k) != len(q) or len(v) != len(q) or not (_broadcasts(k, q) and _broadcasts(v, q)):
+        raise KernelError(f"sdpa needs q[*B, L, E], k[*B, S, E], v[*B, S, Ev] (k's and v's batch dims q's or 1); "
+                          f"got q{list(q)}, k{list(k)}, v{list(v)}")
     if k[-1] != q[-1] or v[-2] != k[-2]:
         got = f"q{list(q)}, k{list(k)}, v{list(v)}"
         raise KernelError(f"sdpa: k must have q's E={q[-1]} and v k's S={k[-2]}; got {got}")
@@ -50,8 +63,8 @@ def sdpa_signature(q: Shape, k: Shape, v: Shape, mask: Shape | None = None, **pa
     ones = (1,) * nb
     inputs = [
         follow(n, [*range(nb), nb, None], shape=(*ones, 1, features)),
-        follow(n, [*range(nb), None, None], shape=(*ones, keys, features)),
-        follow(n, [*range(nb), None, nb + 1], shape=(*ones, keys, 1)),
+        follow(n, [*_batch_rows(k, q), None, None], shape=(*ones, keys, features)),
+        follow(n, [*_batch_rows(v, q), None, nb + 1], shape=(*ones, keys, 1)),
     ]
     if mask is not None:
         inputs.append(_mask_projection(mask, (*batch, length, keys)))
@@ -87,6 +100,7 @@ def _sdpa(q, k, v, mask, scale: float) -> Any:
     """torch's attention; the mask is given q's rank (torch's fused CPU path rejects a 1-D mask on 4-D q)."""
     if mask is not None:
         mask = mask[(None,) * (q.dim() - mask.dim())]
+    k, v = k.expand(*q.shape[:-2], *k.shape[-2:]), v.expand(*q.shape[:-2], *v.shape[-2:])  # shared kv heads
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale or None)
 
 
@@ -113,9 +127,11 @@ def _attention_rule(inputs: tuple[str, ...]):
 
 
 def _sample_qkv(draw) -> tuple[Shape, Shape, Shape]:
+    """Some batch dims of k and v may be 1 (grouped-query attention: kv heads shared by a group of q heads)."""
     batch = tuple(draw(st.lists(st.integers(1, 3), max_size=2)))
     length, keys, features, out = (draw(st.integers(1, 6)) for _ in range(4))
-    return (*batch, length, features), (*batch, keys, features), (*batch, keys, out)
+    shared = tuple(1 if draw(st.booleans()) else s for s in batch)
+    return (*batch, length, features), (*shared, keys, features), (*shared, keys, out)
 
 
 def _sample_sdpa(draw):

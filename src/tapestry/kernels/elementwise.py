@@ -240,6 +240,8 @@ BINARY: tuple[Binary, ...] = (
     Binary("sub", np.subtract, torch.sub, 1, promoted, promoted, ARITHMETIC, "a - b", takes_bool=False),
     Binary("mul", np.multiply, torch.mul, 1, promoted, promoted, ARITHMETIC, "a · b"),
     Binary("div", np.true_divide, torch.div, 1, true_division, true_division, ARITHMETIC, "a / b, true division"),
+    Binary("floor_divide", np.floor_divide, torch.floor_divide, 1, promoted, promoted, ARITHMETIC[:2],
+           "⌊a / b⌋ (Python's //)", takes_bool=False),
     Binary("pow", np.power, torch.pow, 8, promoted, promoted, ARITHMETIC, "a ** b", takes_bool=False),
     Binary("maximum", np.maximum, torch.maximum, 1, promoted, promoted, ARITHMETIC, "max(a, b), NaN if either is"),
     Binary("minimum", np.minimum, torch.minimum, 1, promoted, promoted, ARITHMETIC, "min(a, b), NaN if either is"),
@@ -321,7 +323,8 @@ def _scalar_twin(op: Binary) -> Kernel:
         x = draw(st.sampled_from(op.samples))[0]
         # Integers only meet integral values here: their float32 results would round differently from
         # numpy's float64 ones (tests/test_kernels_more.py covers them).
-        ints = [0.0, 1.0, 2.0, 3.0] if op.name == "pow" else [0.0, 1.0, 2.0, -1.0]
+        # (torch raises on an integer // 0, numpy gives 0)
+        ints = {"pow": [0.0, 1.0, 2.0, 3.0], "floor_divide": [1.0, 2.0, -3.0]}.get(op.name, [0.0, 1.0, 2.0, -1.0])
         values = [0.0, 1.0, -2.0, 0.5, 1.5, 3.0] if x == "float" else ints
         params = {"value": draw(st.sampled_from(values)), "reverse": draw(st.booleans())}
         return (_shape(draw, 0),), params, (x,)

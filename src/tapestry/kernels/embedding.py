@@ -48,7 +48,7 @@ register(
         torch=lambda ids, weight: torch.nn.functional.embedding(ids, weight),
         sample=_sample,
         dtype_rule=_rule,
-        index_bound=lambda shapes, slot: shapes[1][0] if slot == 0 else None,
+        index_bound=lambda shapes, slot, params: shapes[1][0] if slot == 0 else None,
         takes_zero_size=False,
         doc="rows of weight[V, D] picked by integer ids (weight's dtype)",
     )

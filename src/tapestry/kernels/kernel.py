@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+from fractions import Fraction
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -60,7 +61,7 @@ class SignatureSpec:
     sizes: Shape
     inputs: tuple[IndexProjection, ...]
     output: IndexProjection
-    flops_per_point: int = 1
+    flops_per_point: int | Fraction = 1  # a Fraction where index points outnumber the work (grouped_mm's experts)
 
 
 class KernelError(ValueError):
@@ -124,9 +125,9 @@ class Kernel:
     # outside the tensor (zeros). Pools need it: their padding is not a zero (max) or not counted (mean).
     needs_read_pad: bool = False
     dtype_rule: DtypeRule | None = None  # None: floating inputs must agree (`matching`)
-    # For integer inputs that index a table (an embedding's ids): (input shapes, slot) -> one past the largest
-    # valid value, or None. Random inputs are drawn below it.
-    index_bound: Callable[[tuple[Shape, ...], int], int | None] | None = None
+    # For integer inputs that index a table (an embedding's ids, a gather's index): (input shapes, slot, params)
+    # -> one past the largest valid value, or None. Random inputs are drawn below it.
+    index_bound: Callable[[tuple[Shape, ...], int, Mapping[str, ParamValue]], int | None] | None = None
     # (input shapes, params) -> the one form of params that mean the same (transpose's perm=(1, 0) on a matrix is
     # its default): graph nodes, and so the e-graph's terms, hold that form, so rules written for it match.
     canonical: Callable[[tuple[Shape, ...], Params], Params] | None = None
@@ -249,7 +250,9 @@ class Signature:
 
     def index_bound(self, slot: int) -> int | None:
         """For an integer input that indexes a table: one past its largest valid value (else None)."""
-        return self.kernel.index_bound(self.input_shapes, slot) if self.kernel.index_bound else None
+        if self.kernel.index_bound is None:
+            return None
+        return self.kernel.index_bound(self.input_shapes, slot, dict(self.params))
 
     def call_kwargs(self, index_block: ZRange) -> dict[str, Any]:
         """Keyword arguments for the numpy or torch impl computing `index_block`."""
@@ -280,7 +283,7 @@ class Signature:
     @cached_property
     def flops_expr(self) -> sympy.Expr:
         """FLOPs of one index block, over the block's extent per index dim."""
-        return sympy.Integer(self.spec.flops_per_point) * sympy.Mul(*self.symbols)
+        return sympy.Rational(self.spec.flops_per_point) * sympy.Mul(*self.symbols)
 
     def footprint_expr(self, projection: IndexProjection) -> sympy.Expr:
         """Elements of the box an index block selects: per tensor dim, Σ|A|·(extent−1) + shape."""

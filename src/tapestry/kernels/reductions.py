@@ -200,3 +200,18 @@ register(
         doc="x / √(mean(x²) + eps) · w over the last axis",
     )
 )
+
+
+def _index_rule(name: str):
+    def rule(in_dtypes: tuple[str, ...], params: Mapping[str, ParamValue]) -> str:
+        if in_dtypes[0] == "bool":
+            raise KernelError(f"{name} does not take a bool x (torch has no bool {name}); cast it first")
+        return "int64"
+
+    return rule
+
+
+_reduce_whole("argmax", np.argmax, torch.argmax, _index_rule("argmax"), ("float", "int64"),
+              "position of the first largest value along one axis (int64; dropped unless keepdim)")
+_reduce_whole("argmin", np.argmin, torch.argmin, _index_rule("argmin"), ("float", "int64"),
+              "position of the first smallest value along one axis (int64; dropped unless keepdim)")

@@ -185,3 +185,53 @@ register(
         doc="x broadcast to `shape` (numpy rules; -1 keeps x's size)",
     )
 )
+
+
+def pad_signature(x: Shape, pad: tuple[int, ...], value: float) -> SignatureSpec:
+    """torch's pad list: (before, after) pairs from the last dim backwards; negative pads crop."""
+    if len(pad) % 2 or len(pad) // 2 > len(x):
+        raise KernelError(f"pad needs (before, after) pairs for at most {len(x)} dims; got pad={list(pad)}")
+    before, after = [0] * len(x), [0] * len(x)
+    for i in range(len(pad) // 2):
+        before[-1 - i], after[-1 - i] = pad[2 * i], pad[2 * i + 1]
+    out = tuple(s + b + a for s, b, a in zip(x, before, after))
+    if any(s < 1 for s in out):
+        raise KernelError(f"pad={list(pad)} leaves x{list(x)} with no cells along some dim")
+    n = len(x)
+    return SignatureSpec(_dims(n), out, (follow(n, range(n), offset=[-b for b in before]),), follow(n, range(n)), 0)
+
+
+def _pad_fill(x, pad: tuple[int, ...], value: float, read_pad):
+    """The block read (zeros outside x), its outside cells set to `value` (numpy or torch)."""
+    out = x.copy() if isinstance(x, np.ndarray) else x.clone()
+    if value != 0:
+        for axis, (lead, trail) in enumerate(read_pad[0]):
+            out[_along(x.ndim, axis, slice(0, lead))] = value
+            out[_along(x.ndim, axis, slice(x.shape[axis] - trail, x.shape[axis]))] = value
+    return out
+
+
+def _sample_pad(draw):
+    shape = tuple(draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)))
+    pad = []
+    for size in reversed(shape[len(shape) - draw(st.integers(1, len(shape))):]):
+        crop = (size - 1) // 2
+        pad += [draw(st.integers(-crop, 2)), draw(st.integers(-crop, 2))]
+    return (shape,), {"pad": tuple(pad), "value": draw(st.sampled_from([0.0, 1.5, -2.0]))}, ("float",)
+
+
+register(
+    Kernel(
+        name="pad",
+        inputs=("x",),
+        signature=pad_signature,
+        numpy=_pad_fill,
+        torch=_pad_fill,
+        sample=_sample_pad,
+        params={"pad": (), "value": 0.0},
+        needs_read_pad=True,
+        dtype_rule=promoted,
+        takes_zero_size=False,
+        doc="x padded with `value` (torch's pad list: (before, after) from the last dim; negative crops)",
+    )
+)

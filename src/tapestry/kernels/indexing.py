@@ -1,0 +1,190 @@
+"""Kernels that read or write at positions held in an integer tensor: take, gather, scatter_add.
+
+Which cells an index names depends on its values, not on where a block lies, so the indexed axis of the
+tensor read (or the whole index and source, for a scatter) is read whole by every block; every other dim
+follows the index space and splits. Sharding along the indexed axis therefore costs what any other whole read
+costs: the plan gathers that axis to the devices that need it.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from hypothesis import strategies as st
+
+from tapestry import dtypes
+from tapestry.kernels.kernel import Kernel, KernelError, ParamValue, Shape, SignatureSpec, follow
+from tapestry.kernels.reductions import _axis
+from tapestry.kernels.registry import register
+
+_INTS = ("int32", "int64")
+
+
+def _along(axis: int, item) -> tuple:
+    """An index applying `item` to `axis` (non-negative)."""
+    return (*[slice(None)] * axis, item)
+
+
+def _index_dtype(name: str, slot: str, value_slot: int):
+    """The rule of a kernel whose input `slot` holds indices: they must be integers; the result is input
+    `value_slot`'s dtype."""
+
+    def rule(in_dtypes: tuple[str, ...], params: Mapping[str, ParamValue]) -> str:
+        index = in_dtypes[1]
+        if index not in _INTS:
+            raise KernelError(f"{name}: {slot} must be int32 or int64, got {index}")
+        return in_dtypes[value_slot]
+
+    return rule
+
+
+# -- take: x[..., idx, ...] --------------------------------------------------------------------------------
+def take_signature(x: Shape, idx: Shape, axis: int) -> SignatureSpec:
+    ax = _axis(x, axis)
+    pre, post = len(x[:ax]), len(x[ax + 1 :])
+    n = pre + len(idx) + post
+    rows = [*range(pre), None, *range(pre + len(idx), n)]
+    return SignatureSpec(
+        dims=(*(f"d{d}" for d in range(pre)), *(f"i{d}" for d in range(len(idx))),
+              *(f"d{d}" for d in range(ax + 1, len(x)))),
+        sizes=(*x[:ax], *idx, *x[ax + 1 :]),
+        inputs=(follow(n, rows, shape=[x[ax] if r is None else 1 for r in rows]),
+                follow(n, range(pre, pre + len(idx)))),
+        output=follow(n, range(n)),
+        flops_per_point=0,
+    )
+
+
+def _sample_take(draw):
+    x = tuple(draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)))
+    idx = tuple(draw(st.lists(st.integers(1, 5), max_size=2)))
+    axis = draw(st.integers(-len(x), len(x) - 1))
+    return (x, idx), {"axis": axis}, (draw(st.sampled_from(("float", "int64", "bool"))), draw(st.sampled_from(_INTS)))
+
+
+register(
+    Kernel(
+        name="take",
+        inputs=("x", "idx"),
+        signature=take_signature,
+        numpy=lambda x, idx, axis: np.take(x, idx, axis=axis % x.ndim),
+        torch=lambda x, idx, axis: x[_along(axis % x.dim(), idx.long())],
+        sample=_sample_take,
+        params={"axis": 0},
+        dtype_rule=_index_dtype("take", "idx", 0),
+        index_bound=lambda shapes, slot, params: shapes[0][params["axis"] % len(shapes[0])] if slot == 1 else None,
+        takes_zero_size=False,
+        doc="x[..., idx, ...]: idx (any shape, negatives count from the end) replaces x's `axis` (index_select, "
+            "x[:, idx])",
+    )
+)
+
+
+# -- gather: out[i, j] = x[i, index[i, j]] (axis 1) ------------------------------------------------------------
+def gather_signature(x: Shape, index: Shape, axis: int) -> SignatureSpec:
+    ax = _axis(x, axis)
+    if len(index) != len(x) or any(i > s for d, (i, s) in enumerate(zip(index, x)) if d != ax):
+        raise KernelError(f"gather along axis {axis} needs index no larger than x off that axis, with x's rank; "
+                          f"got x{list(x)}, index{list(index)}")
+    n = len(x)
+    rows = [None if d == ax else d for d in range(n)]
+    return SignatureSpec(
+        dims=tuple(f"d{d}" for d in range(n)),
+        sizes=index,
+        inputs=(follow(n, rows, shape=[x[ax] if d == ax else 1 for d in range(n)]), follow(n, range(n))),
+        output=follow(n, range(n)),
+        flops_per_point=0,
+    )
+
+
+def _sample_gather(draw):
+    x = tuple(draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)))
+    axis = draw(st.integers(-len(x), len(x) - 1))
+    index = tuple(draw(st.integers(1, 5)) if d == axis % len(x) else draw(st.integers(1, s)) for d, s in enumerate(x))
+    return (x, index), {"axis": axis}, (draw(st.sampled_from(("float", "int64"))), draw(st.sampled_from(_INTS)))
+
+
+register(
+    Kernel(
+        name="gather",
+        inputs=("x", "index"),
+        signature=gather_signature,
+        numpy=lambda x, index, axis: np.take_along_axis(x, index, axis=axis),
+        torch=lambda x, index, axis: torch.gather(x, axis, index.long()),
+        sample=_sample_gather,
+        params={"axis": 0},
+        dtype_rule=_index_dtype("gather", "index", 0),
+        index_bound=lambda shapes, slot, params: shapes[0][params["axis"] % len(shapes[0])] if slot == 1 else None,
+        takes_zero_size=False,
+        doc="out[..., i, ...] = x[..., index[..., i, ...], ...] along `axis` (torch.gather)",
+    )
+)
+
+
+# -- scatter_add: out = x; out[..., index[..., i, ...], ...] += src[..., i, ...] ----------------------------------
+def scatter_add_signature(x: Shape, index: Shape, src: Shape, axis: int) -> SignatureSpec:
+    ax = _axis(x, axis)
+    if index != src or len(x) != len(index) or any(i > s for d, (i, s) in enumerate(zip(index, x)) if d != ax):
+        raise KernelError(f"scatter_add along axis {axis} needs index and src of one shape, with x's rank and no "
+                          f"larger than x off that axis; got x{list(x)}, index{list(index)}, src{list(src)}")
+    n = len(x)
+    rows = [None if d == ax else d for d in range(n)]
+    whole = follow(n, rows, shape=[index[ax] if d == ax else 1 for d in range(n)])
+    return SignatureSpec(tuple(f"d{d}" for d in range(n)), x, (follow(n, range(n)), whole, whole),
+                         follow(n, range(n)), max(1, index[ax]) if x[ax] else 1)
+
+
+def _scatter_add_numpy(x, index, src, axis: int, block_start: tuple[int, ...]) -> np.ndarray:
+    """The block's rows of x plus the src cells whose index lands in them (reads past index's end are zeros, and
+    so are their src cells)."""
+    ax = axis % x.ndim
+    out = x.copy()
+    grid = list(np.indices(index.shape))
+    grid[ax] = index - block_start[ax]
+    keep = (grid[ax] >= 0) & (grid[ax] < x.shape[ax])
+    np.add.at(out, tuple(g[keep] for g in grid), src[keep])
+    return out
+
+
+def _scatter_add_torch(x, index, src, axis: int, block_start: tuple[int, ...]):
+    ax = axis % x.dim()
+    rows = index.long() - block_start[ax]
+    keep = (rows >= 0) & (rows < x.shape[ax])
+    return x.scatter_add(ax, torch.where(keep, rows, 0), torch.where(keep, src, torch.zeros_like(src)))
+
+
+def _scatter_rule(in_dtypes: tuple[str, ...], params: Mapping[str, ParamValue]) -> str:
+    x, index, src = in_dtypes
+    if index not in _INTS:
+        raise KernelError(f"scatter_add: index must be int32 or int64, got {index}")
+    if x != src or x == "bool":
+        raise KernelError(f"scatter_add needs x and src of one numeric dtype (as torch does); got x: {x}, src: {src}")
+    return x
+
+
+def _sample_scatter_add(draw):
+    x = tuple(draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)))
+    axis = draw(st.integers(-len(x), len(x) - 1))
+    index = tuple(draw(st.integers(1, 6)) if d == axis % len(x) else draw(st.integers(1, s)) for d, s in enumerate(x))
+    value = draw(st.sampled_from(("float", "int64")))
+    return (x, index, index), {"axis": axis}, (value, draw(st.sampled_from(_INTS)), value)
+
+
+register(
+    Kernel(
+        name="scatter_add",
+        inputs=("x", "index", "src"),
+        signature=scatter_add_signature,
+        numpy=_scatter_add_numpy,
+        torch=_scatter_add_torch,
+        sample=_sample_scatter_add,
+        params={"axis": 0},
+        needs_block_start=True,
+        dtype_rule=_scatter_rule,
+        index_bound=lambda shapes, slot, params: shapes[0][params["axis"] % len(shapes[0])] if slot == 1 else None,
+        takes_zero_size=False,
+        doc="x with src added at index along `axis` (torch.scatter_add; index_add and index_put(accumulate=True) "
+            "import as it)",
+    )
+)

@@ -1,0 +1,432 @@
+"""ATen ops of issue 25 (scans, indexing, orderings) import as kernels, not opaque ops, and compute what eager
+torch computes, whole and in a plan sharded over four devices."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import tapestry
+from tapestry.evaluator import evaluate
+from tapestry.importer import from_torch
+from tapestry.plan.plan import Compute
+from tapestry.plan.simulate import simulate
+
+
+def eager(module, args) -> list[np.ndarray]:
+    with torch.no_grad():
+        out = module(*args)
+    return [t.numpy() for t in torch.utils._pytree.tree_leaves(out)]
+
+
+def assert_same(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    assert len(got) == len(want)
+    for n, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == w.dtype and g.shape == w.shape, (n, g.dtype, w.dtype, g.shape, w.shape)
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=f"output {n}")
+
+
+class Routing(torch.nn.Module):
+    """A MoE router's ops (topk, cumsum with dtype=, scatter_add, argmax) and the indexing forms torch.export
+    makes of x[idx], x[:, idx] and table[positions]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(8, 6)
+        self.table = torch.nn.Parameter(torch.randn(10, 8))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits = self.router(x + self.table[ids[0, :4]])
+        weights, experts = torch.topk(logits.softmax(-1), 2, dim=-1)
+        counts = torch.cumsum(experts, 0, dtype=torch.int32)
+        ranked, order = torch.sort(logits, dim=0, descending=True)
+        return (
+            weights, experts, counts, ranked, order, torch.argsort(logits, dim=1),
+            logits.argmax(-1, keepdim=True), logits.argmin(0), logits.argmax(),
+            x[:, ids[1]], torch.index_select(x, 1, ids[0]), torch.gather(x, 1, index),
+            torch.zeros(4, 8).scatter_add(1, index, x[:, :3] * 2),
+            x.index_add(0, ids[0, :2] % 4, x[:2]),
+            torch.ops.aten.index_put(torch.zeros(4, 10), [None, ids[1]], x[:, :5], True),
+        )
+
+
+def routing_case():
+    torch.manual_seed(0)
+    args = (torch.randn(4, 8), torch.randint(0, 8, (2, 5)), torch.randint(0, 8, (4, 3)))
+    return Routing().eval(), args
+
+
+KERNELS = {"aten.topk.default": "topk", "aten.cumsum.default": "cast, cumsum", "aten.sort.default": "topk",
+           "aten.argsort.default": "topk", "aten.argmax.default": "argmax", "aten.argmin.default": "argmin",
+           "aten.index.Tensor": "take", "aten.index_select.default": "take", "aten.gather.default": "gather",
+           "aten.scatter_add.default": "scatter_add", "aten.index_add.default": "expand, reshape, scatter_add",
+           "aten.index_put.default": "expand, reshape, scatter_add"}
+
+
+def test_scans_indexing_and_orderings_import_as_kernels_and_match_eager():
+    module, args = routing_case()
+    imp = from_torch(module, args, verbose=False)
+    assert set(imp.opaque) == {"aten.remainder.Scalar"}  # the test's own `% 4`
+    for op, made in KERNELS.items():
+        assert made in imp.coverage[op], (op, dict(imp.coverage[op]))
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(module, args))
+
+
+def test_a_plan_on_four_devices_shards_them_and_matches_eager():
+    module, args = routing_case()
+    imp = from_torch(module, args, verbose=False)
+    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
+    assert_same(imp.outputs(simulate(plan, imp.inputs(*args))), eager(module, args))
+    assert any(isinstance(s, Compute) and len(set(s.blocks)) > 1 for s in plan.steps)
+
+
+@pytest.mark.parametrize("form", ["x[idx]", "x[:, idx]", "x[:, :, idx2d]"])
+def test_one_index_tensor_takes_along_its_position(form):
+    class Index(torch.nn.Module):
+        def forward(self, x, idx):
+            return {"x[idx]": lambda: x[idx[0]], "x[:, idx]": lambda: x[:, idx[0]],
+                    "x[:, :, idx2d]": lambda: x[:, :, idx]}[form]()
+
+    x, idx = torch.randn(3, 4, 5), torch.tensor([[0, 2, -1], [1, 1, 0]])
+    imp = from_torch(Index(), (x, idx), verbose=False)
+    assert not imp.opaque and "take" in imp.coverage["aten.index.Tensor"]
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(x, idx))), eager(Index(), (x, idx)))
+
+
+def test_forms_without_a_kernel_run_opaque_and_still_match():
+    class Unmapped(torch.nn.Module):
+        def forward(self, x, a, b):
+            return torch.topk(x, 2, sorted=False)[0].sort(-1)[0], x.index_put((a,), x[0], False)
+
+    x, a, b = torch.randn(4, 5), torch.tensor([0, 3, 1, 2]), torch.tensor([4, 0, 2])
+    imp = from_torch(Unmapped(), (x, a, b), verbose=False)
+    assert set(imp.opaque) == {"aten.topk.default", "aten.index_put.default"}
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(x, a, b))), eager(Unmapped(), (x, a, b)))
+
+
+class InversePermutation(torch.nn.Module):
+    def forward(self, x):
+        order = x.flatten().argsort()
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.shape[0])
+        return inverse
+
+
+def test_index_put_of_a_sorts_positions_writes_each_row_once_so_it_is_a_scatter():
+    x = torch.randn(3, 4)
+    imp = from_torch(InversePermutation(), (x,), verbose=False)
+    assert not imp.opaque and "scatter_add" in ", ".join(imp.coverage["aten.index_put.default"])
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(x))), eager(InversePermutation(), (x,)))
+
+
+class Indexed(torch.nn.Module):
+    def forward(self, x, scores, a, b):
+        return (x[torch.arange(x.shape[0]), scores.argmax(-1)], x[a, b], x[:, a[:, None], b], x[a[:2], b[:2]],
+                x[a, :, b])
+
+
+def test_several_index_tensors_take_at_the_flat_position_like_torch():
+    """CLIP's pooling h[arange(B), ids.argmax(-1)], broadcast indices, negatives, non-adjacent index dims."""
+    args = (torch.randn(3, 4, 5), torch.randn(3, 4), torch.tensor([0, -1, 2]), torch.tensor([3, 0, -2]))
+    imp = from_torch(Indexed(), args, verbose=False)
+    assert not imp.opaque
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(Indexed(), args))
+
+
+# -- einsum ------------------------------------------------------------------------------------------------------
+class Einsum(torch.nn.Module):
+    def __init__(self, equation: str) -> None:
+        super().__init__()
+        self.equation = equation
+
+    def forward(self, *operands: torch.Tensor) -> torch.Tensor:
+        return torch.einsum(self.equation, *operands)
+
+
+LOWERED = [
+    ("bhqd,bhkd->bhqk", [(2, 3, 4, 5), (2, 3, 6, 5)]), ("bhqk,bhkd->bhqd", [(2, 3, 4, 6), (2, 3, 6, 5)]),
+    ("bsd,df->bsf", [(2, 4, 5), (5, 7)]), ("ij,jk", [(3, 4), (4, 5)]), ("...d,de->...e", [(2, 3, 4), (4, 5)]),
+    ("bi,bj->bij", [(2, 3), (2, 4)]), ("i,i->", [(4,), (4,)]), ("abc,cd,de->abe", [(2, 3, 4), (4, 5), (5, 6)]),
+    ("bhqd,hdk->bqk", [(2, 3, 4, 5), (3, 5, 6)]), ("ij->ji", [(3, 4)]), ("bij->bj", [(2, 3, 4)]),
+]
+
+
+@pytest.mark.parametrize("equation, shapes", LOWERED)
+def test_einsum_lowers_to_matmul_transposes_and_reshapes_and_matches_eager(equation, shapes):
+    torch.manual_seed(0)
+    module, operands = Einsum(equation), tuple(torch.randn(*s) for s in shapes)
+    imp = from_torch(module, operands, verbose=False)
+    assert not imp.opaque
+    if len(shapes) > 1:
+        assert all("matmul" in made for made in imp.coverage["aten.einsum.default"])
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*operands))), eager(module, operands))
+
+
+@pytest.mark.parametrize("equation, shapes, why", [
+    ("ii->i", [(3, 3)], "a label repeated within 'ii'"),
+    ("bij,bjk->bik", [(1, 3, 4), (2, 4, 5)], "different sizes in two operands"),
+])
+def test_an_einsum_it_cannot_lower_runs_opaque_and_says_why(equation, shapes, why):
+    module, operands = Einsum(equation), tuple(torch.randn(*s) for s in shapes)
+    imp = from_torch(module, operands, verbose=False)
+    assert imp.opaque == {"aten.einsum.default": 1}
+    (reason,) = imp.translation.declined["aten.einsum.default"]
+    assert why in reason
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*operands))), eager(module, operands))
+
+
+class EinsumAttention(torch.nn.Module):
+    def __init__(self, width: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, torch.nn.Parameter(torch.randn(width, 3, width) / 6), \
+            torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = torch.einsum("bsd,dte->tbse", x, self.qkv).reshape(3, b, s, self.heads, -1).unbind(0)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k).softmax(-1)
+        return self.out(torch.einsum("bhqk,bkhd->bqhd", scores, v).reshape(b, s, d))
+
+
+def test_einsum_attention_is_sharded_on_four_devices_and_matches_eager():
+    torch.manual_seed(0)
+    module, x = EinsumAttention().eval(), torch.randn(4, 8, 32)
+    imp = from_torch(module, (x,), verbose=False)
+    assert not imp.opaque
+    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
+    assert_same(imp.outputs(simulate(plan, imp.inputs(x))), eager(module, (x,)))
+    assert any(isinstance(s, Compute) and s.kernel == "matmul" and len(set(s.blocks)) > 1 for s in plan.steps)
+
+
+# -- grouped-query attention -------------------------------------------------------------------------------------
+class Grouped(torch.nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, q, k, v, mask):
+        attend = torch.nn.functional.scaled_dot_product_attention
+        if self.kind == "causal":
+            return attend(q, k, v, is_causal=True, enable_gqa=True)
+        if self.kind == "multi-query":
+            return attend(q, k[:, :1], v[:, :1], enable_gqa=True)
+        return attend(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+@pytest.mark.parametrize("kind, mask", [("causal", (5, 6)), ("multi-query", (5, 6)), ("2-D mask", (5, 6)),
+                                        ("per-head mask", (2, 8, 5, 6))])
+def test_grouped_query_attention_is_sdpa_with_shared_kv_heads_and_matches_eager(kind, mask):
+    torch.manual_seed(0)
+    module = Grouped(kind)
+    args = (torch.randn(2, 8, 5, 4), torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 3), torch.randn(*mask))
+    imp = from_torch(module, args, verbose=False)
+    assert not imp.opaque
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(module, args))
+
+
+class GroupedAttention(torch.nn.Module):
+    """Projections around attention with 8 query heads over 2 kv heads (enable_gqa)."""
+
+    def __init__(self, width: int = 32, heads: int = 8, shared: int = 2) -> None:
+        super().__init__()
+        self.heads, self.shared, self.dim = heads, shared, width // heads
+        self.q, self.kv = torch.nn.Linear(width, width), torch.nn.Linear(width, 2 * shared * self.dim)
+        self.out = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q = self.q(x).reshape(b, s, self.heads, self.dim).transpose(1, 2)
+        k, v = self.kv(x).reshape(b, s, 2, self.shared, self.dim).permute(2, 0, 3, 1, 4).unbind(0)
+        att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.out(att.transpose(1, 2).reshape(b, s, d))
+
+
+def test_grouped_query_attention_plans_sharded_on_four_devices_and_matches_eager():
+    torch.manual_seed(0)
+    module, x = GroupedAttention().eval(), torch.randn(2, 8, 32)
+    imp = from_torch(module, (x,), verbose=False)
+    assert not imp.opaque
+    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
+    assert_same(imp.outputs(simulate(plan, imp.inputs(x))), eager(module, (x,)))
+    assert any(isinstance(s, Compute) and len(set(s.blocks)) > 1 for s in plan.steps)
+
+
+# -- convolutions, padding, upsampling, norms, bags, floor division ----------------------------------------------
+class Vision(torch.nn.Module):
+    """The ops of U-Nets, audio encoders and recommendation models that used to run opaque."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1d = torch.nn.Conv1d(4, 6, 3, padding=1, stride=2)
+        self.grouped1d = torch.nn.Conv1d(4, 6, 2, groups=2, bias=False)
+        self.up = torch.nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1)
+        self.grouped_up = torch.nn.ConvTranspose2d(4, 6, (2, 3), stride=(1, 2), padding=(0, 2), groups=2, bias=False)
+        self.norm = torch.nn.GroupNorm(2, 4)
+        self.weight_normed = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(7, 4))
+        self.mean_bag = torch.nn.EmbeddingBag(10, 4, mode="mean")
+        self.sum_bag = torch.nn.EmbeddingBag(10, 4, mode="sum", include_last_offset=True)
+
+    def forward(self, x, x1, ids, offsets):
+        interpolate = torch.nn.functional.interpolate
+        return (self.conv1d(x1), self.grouped1d(x1), self.up(x), self.grouped_up(x), self.norm(x),
+                self.weight_normed(x1), self.mean_bag(ids, offsets),
+                self.sum_bag(ids, torch.cat([offsets, torch.tensor([6])])), self.mean_bag(ids.reshape(2, 3)),
+                interpolate(x, scale_factor=2, mode="nearest"), interpolate(x, size=(7, 8), mode="nearest"),
+                interpolate(x, size=(7, 5), mode="bilinear"),
+                interpolate(x, scale_factor=2, mode="bilinear", align_corners=True),
+                torch.nn.functional.pad(x, (1, 2, 0, 1), value=0.5), torch.floor_divide(x, 0.3),
+                torch.div(x, x1[:1, :, :5, None], rounding_mode="floor"), x1 // 2)
+
+
+VISION_KERNELS = {
+    "aten.conv1d.default": "conv2d", "aten.conv_transpose2d.input": "conv2d", "aten.group_norm.default": "layer_norm",
+    "aten._weight_norm.default": "sqrt", "aten.embedding_bag.padding_idx": "scatter_add",
+    "aten.upsample_nearest2d.vec": "reshape", "aten.upsample_bilinear2d.vec": "matmul", "aten.pad.default": "pad",
+    "aten.floor_divide.default": "floor_divide_scalar", "aten.div.Tensor_mode": "floor_divide",
+}
+
+
+def vision_case():
+    torch.manual_seed(0)
+    args = (torch.randn(2, 4, 5, 5), torch.randn(2, 4, 7), torch.randint(0, 10, (6,)), torch.tensor([0, 2, 2]))
+    return Vision().eval(), args
+
+
+def test_convolutions_upsampling_norms_and_bags_import_as_kernels_and_match_eager():
+    module, args = vision_case()
+    imp = from_torch(module, args, verbose=False)
+    assert not imp.opaque
+    for op, kernel in VISION_KERNELS.items():
+        assert any(kernel in made.split(", ") for made in imp.coverage[op]), (op, dict(imp.coverage[op]))
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(module, args))
+
+
+def test_histc_runs_opaque_and_says_why():
+    class Histogram(torch.nn.Module):
+        def forward(self, x):
+            return torch.histc(x, 4)
+
+    x = torch.randn(3, 5)
+    imp = from_torch(Histogram(), (x,), verbose=False)
+    assert imp.opaque == {"aten.histc.default": 1}
+    assert any("min and max" in why for why in imp.translation.declined["aten.histc.default"])
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(x))), eager(Histogram(), (x,)))
+
+
+class Decoder(torch.nn.Module):
+    """A U-Net-style upsampling block over a 1-D audio front end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.audio = torch.nn.Conv1d(8, 16, 3, padding=1)
+        self.up = torch.nn.ConvTranspose2d(16, 8, 2, stride=2)
+        self.norm = torch.nn.GroupNorm(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.audio(x).reshape(x.shape[0], 16, 4, 4)
+        up = self.norm(self.up(h))
+        return torch.nn.functional.interpolate(up, scale_factor=2, mode="nearest")
+
+
+def test_an_upsampling_decoder_plans_sharded_on_four_devices_and_matches_eager():
+    torch.manual_seed(0)
+    module, x = Decoder().eval(), torch.randn(4, 8, 16)
+    imp = from_torch(module, (x,), verbose=False)
+    assert not imp.opaque
+    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
+    assert_same(imp.outputs(simulate(plan, imp.inputs(x))), eager(module, (x,)))
+    assert any(isinstance(s, Compute) and s.kernel.startswith("conv2d") and len(set(s.blocks)) > 1 for s in plan.steps)
+
+
+# -- recurrent layers ----------------------------------------------------------------------------------------------
+class Recurrent(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = torch.nn.LSTM(4, 6, num_layers=2, batch_first=True, bidirectional=True)
+        self.gru = torch.nn.GRU(4, 5)
+        self.plain = torch.nn.GRU(4, 3, bias=False, bidirectional=True)
+
+    def forward(self, x: torch.Tensor, h0: torch.Tensor):
+        return self.lstm(x), self.gru(x.transpose(0, 1)), self.plain(x.transpose(0, 1), h0)
+
+
+def test_lstm_and_gru_unroll_into_cells_of_kernels_and_match_eager():
+    """Two layers, both directions, batch_first, no biases, a given h0: outputs and final states."""
+    torch.manual_seed(0)
+    module, args = Recurrent().eval(), (torch.randn(2, 3, 4), torch.randn(2, 2, 3))
+    imp = from_torch(module, args, verbose=False)
+    assert not imp.opaque
+    assert {"sigmoid", "tanh", "linear"} <= set(", ".join(imp.coverage["aten.lstm.input"]).split(", "))
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(module, args))
+
+
+class Tagger(torch.nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.rnn = getattr(torch.nn, kind)(8, 16, batch_first=True)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0])
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_a_recurrent_tagger_plans_its_cells_sharded_on_four_devices_and_matches_eager(kind):
+    torch.manual_seed(0)
+    module, x = Tagger(kind).eval(), torch.randn(4, 4, 8)
+    imp = from_torch(module, (x,), verbose=False)
+    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
+    assert_same(imp.outputs(simulate(plan, imp.inputs(x))), eager(module, (x,)))
+    assert any(isinstance(s, Compute) and s.kernel == "sigmoid" and len(set(s.blocks)) > 1 for s in plan.steps)
+
+
+# -- Hugging Face models whose ops were opaque ----------------------------------------------------------------------
+def hugging_face(name: str):
+    import transformers
+
+    torch.manual_seed(0)
+    small = {"vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4}
+    if name == "mixtral":
+        config = transformers.MixtralConfig(**small, intermediate_size=64, num_key_value_heads=2,
+                                            num_local_experts=4, num_experts_per_tok=2)
+        return transformers.MixtralModel(config).eval()
+    if name == "falcon":
+        config = transformers.FalconConfig(**small, num_kv_heads=2, new_decoder_architecture=True)
+        return transformers.FalconModel(config).eval()
+    if name == "falcon-multi-query":
+        config = transformers.FalconConfig(**small, new_decoder_architecture=False, multi_query=True)
+        return transformers.FalconModel(config).eval()
+    config = transformers.CLIPTextConfig(**small, intermediate_size=64, bos_token_id=0, eos_token_id=1)
+    return transformers.CLIPTextModel(config).eval()
+
+
+@pytest.mark.parametrize("name, opaque, kernel", [
+    ("mixtral", {"aten.histc.default"}, ("transformers.grouped_mm_fallback.default",
+                                                                   "grouped_mm")),
+    ("falcon", set(), ("aten.scaled_dot_product_attention.default", "sdpa_masked")),
+    ("falcon-multi-query", set(), ("aten.scaled_dot_product_attention.default", "sdpa_masked")),
+    ("clip", set(), ("aten.index.Tensor", "take")),
+])
+def test_hugging_face_moe_gqa_and_pooled_models_import_their_ops_as_kernels(name, opaque, kernel):
+    """Mixtral's expert dispatch (grouped_mm) and cumsum(dtype=), Falcon's grouped-query attention, CLIP's argmax
+    pooling: kernels now; Mixtral keeps histc opaque."""
+    module, ids = hugging_face(name), torch.randint(0, 100, (2, 8))
+    imp = from_torch(module, (ids,), {"use_cache": False} if name != "clip" else {}, verbose=False)
+    assert set(imp.opaque) == opaque
+    op, made = kernel
+    assert any(made in m.split(", ") for m in imp.coverage[op]), dict(imp.coverage[op])
+    kwargs = {"use_cache": False} if name != "clip" else {}
+    got = imp.outputs(evaluate(imp.graph, imp.inputs(ids, **kwargs)))[0]
+    with torch.no_grad():
+        want = module(ids, **kwargs)[0].numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # spawns 4 gloo ranks per plan (~1 min)
+@pytest.mark.parametrize("case", ["routing", "vision", "recurrent"])
+def test_plans_with_the_new_kernels_run_on_four_gloo_ranks_and_match_eager(case):
+    module, args = {"routing": routing_case, "vision": vision_case,
+                    "recurrent": lambda: (Tagger("LSTM").eval(), (torch.randn(4, 4, 8),))}[case]()
+    imp = from_torch(module, args, verbose=False)
+    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
+    assert_same(imp.outputs(plan.run(imp.inputs(*args), compile=False).outputs), eager(module, args))

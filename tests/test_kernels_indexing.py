@@ -1,0 +1,213 @@
+"""Scans, indexing and orderings (issue 25): which dims split, and that sharded runs equal torch's ops.
+
+test_kernels.py already checks every kernel sharded against whole on random cases; here each kernel's
+distinctive cases: a scan split along its scanned axis, an index with repeats or negatives, ties and NaN."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import find, settings
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from tapestry import dtypes
+from tapestry.evaluator import run_sharded
+from tapestry.kernels import KERNELS, DimKind, KernelError, get_kernel
+from tapestry.testing.strategies import arrays_for, signatures
+from tapestry.zspace import ZRange
+
+P, R = DimKind.PARALLEL, DimKind.REDUCTION
+MINE = ["cumsum", "argmax", "argmin", "take", "gather", "scatter_add", "topk", "pad", "floor_divide", "grouped_mm"]
+
+
+def bind(name, shapes, params=None, in_dtypes=None):
+    return get_kernel(name).bind(shapes, params or {}, in_dtypes)
+
+
+def kinds(sig):
+    return dict(zip(sig.dims, sig.dim_kinds))
+
+
+def pieces(sig, dim: int, bounds: list[int]) -> list[ZRange]:
+    """The index space cut along `dim` at `bounds`."""
+    start, end = sig.index.start, sig.index.end
+    return [ZRange(tuple(lo if d == dim else s for d, s in enumerate(start)),
+                   tuple(hi if d == dim else e for d, e in enumerate(end))) for lo, hi in zip(bounds, bounds[1:])]
+
+
+@pytest.mark.parametrize("name", MINE)
+def test_the_sampler_draws_a_splittable_dim_of_two_or_more(name):
+    find(signatures(KERNELS[name]), lambda sig: any(sig.index.shape[d] >= 2 for d in sig.splittable),
+         settings=settings(max_examples=300, database=None))
+
+
+@pytest.mark.parametrize("name", MINE)
+def test_the_torch_impl_traces_with_make_fx(name):
+    sig = find(signatures(KERNELS[name]), lambda sig: len(sig.dims) >= 1, settings=settings(database=None))
+    args = [dtypes.to_tensor(a) for a in arrays_for(sig, 0)]
+    fn = functools.partial(sig.kernel.torch, **sig.call_kwargs(sig.index))
+    torch.testing.assert_close(make_fx(fn)(*args)(*args), fn(*args))
+
+
+# -- cumsum ------------------------------------------------------------------------------------------------------
+def test_cumsum_positions_are_parallel_and_the_source_an_additive_reduction():
+    sig = bind("cumsum", [(3, 7)], {"axis": 1})
+    assert kinds(sig) == {"d0": P, "d1": P, "source": R}
+    assert sig.splittable == (0, 1, 2) and sig.output_shape == (3, 7)
+    # positions 2..5 read every source position the block is given: the source dim's box, not a prefix
+    assert sig.projections[0].apply(ZRange((0, 2, 1), (3, 5, 4))) == ZRange((0, 1), (3, 4))
+
+
+@pytest.mark.parametrize("dim, bounds", [(1, [0, 3, 4, 7]), (2, [0, 2, 7]), (2, [0, 1, 5, 6, 7])])
+def test_cumsum_split_along_its_axis_or_its_source_equals_torch(dim, bounds):
+    sig = bind("cumsum", [(3, 7)], {"axis": 1}, ["float64"])
+    x = np.random.default_rng(0).standard_normal((3, 7))
+    np.testing.assert_allclose(run_sharded(sig, [x], pieces(sig, dim, bounds)),
+                               torch.cumsum(torch.from_numpy(x), 1).numpy(), rtol=1e-12)
+
+
+def test_cumsum_of_integers_and_bools_is_int64():
+    assert bind("cumsum", [(4,)], {}, ["int32"]).dtype == "int64"
+    assert bind("cumsum", [(4,)], {}, ["bool"]).dtype == "int64"
+    assert bind("cumsum", [(4,)], {}, ["bfloat16"]).dtype == "bfloat16"
+
+
+# -- argmax / argmin -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["argmax", "argmin"])
+def test_argmax_reads_its_axis_whole_and_picks_the_first_of_ties_like_torch(name):
+    sig = bind(name, [(4, 3)], {"axis": 0, "keepdim": True}, ["int64"])
+    assert sig.dims == ("d1",) and sig.dtype == "int64" and sig.output_shape == (1, 3)
+    x = np.array([[1, 5, 2], [5, 5, 0], [1, 0, 0], [5, 2, 2]])
+    got = run_sharded(sig, [x], pieces(sig, 0, [0, 1, 3]))
+    np.testing.assert_array_equal(got, getattr(torch, name)(torch.from_numpy(x), 0, keepdim=True).numpy())
+    with pytest.raises(KernelError, match="bool"):
+        bind(name, [(4,)], {}, ["bool"])
+
+
+# -- take / gather / scatter_add -----------------------------------------------------------------------------------
+def test_take_replaces_its_axis_by_the_index_dims_and_reads_that_axis_whole():
+    sig = bind("take", [(2, 9, 3), (4, 5)], {"axis": 1}, ["float32", "int64"])
+    assert sig.dims == ("d0", "i0", "i1", "d2") and sig.output_shape == (2, 4, 5, 3)
+    assert set(sig.dim_kinds) == {P} and sig.splittable == (0, 1, 2, 3)
+    assert sig.projections[0].apply(ZRange((0, 1, 0, 1), (1, 3, 5, 2))) == ZRange((0, 0, 1), (1, 9, 2))
+    assert sig.index_bound(1) == 9 and sig.index_bound(0) is None
+
+
+def test_take_with_negative_and_repeated_indices_split_along_them_equals_torch():
+    sig = bind("take", [(3, 6), (5,)], {"axis": 1}, ["float64", "int64"])
+    x, idx = np.random.default_rng(1).standard_normal((3, 6)), np.array([5, -1, 0, 0, -6])
+    want = torch.from_numpy(x)[:, torch.from_numpy(idx)].numpy()
+    np.testing.assert_array_equal(run_sharded(sig, [x, idx], pieces(sig, 1, [0, 2, 3, 5])), want)
+
+
+def test_gather_along_a_split_axis_reads_x_whole_there_and_equals_torch():
+    sig = bind("gather", [(3, 6), (2, 4)], {"axis": 1}, ["float64", "int32"])
+    assert set(sig.dim_kinds) == {P} and sig.output_shape == (2, 4)
+    assert sig.projections[0].apply(ZRange((1, 2), (2, 3))) == ZRange((1, 0), (2, 6))
+    x, index = np.random.default_rng(2).standard_normal((3, 6)), np.array([[5, 0, 0, 3], [1, 1, 4, 2]], np.int32)
+    want = torch.gather(torch.from_numpy(x), 1, torch.from_numpy(index).long()).numpy()
+    np.testing.assert_array_equal(run_sharded(sig, [x, index], pieces(sig, 1, [0, 1, 4])), want)
+
+
+@pytest.mark.parametrize("bounds", [[0, 6], [0, 1, 4, 6], [0, 3, 3, 6]])
+def test_scatter_add_split_along_its_axis_adds_each_source_to_the_block_holding_its_row(bounds):
+    sig = bind("scatter_add", [(6, 2), (5, 2), (5, 2)], {"axis": 0}, ["float64", "int64", "float64"])
+    assert set(sig.dim_kinds) == {P} and sig.output_shape == (6, 2)
+    rng = np.random.default_rng(3)
+    x, src, index = rng.standard_normal((6, 2)), rng.standard_normal((5, 2)), np.array([[0, 5], [3, 3]] * 2 + [[0, 0]])
+    want = torch.from_numpy(x).scatter_add(0, torch.from_numpy(index), torch.from_numpy(src)).numpy()
+    np.testing.assert_allclose(run_sharded(sig, [x, index, src], pieces(sig, 0, bounds)), want, rtol=1e-12)
+
+
+@pytest.mark.parametrize("name, shapes, dtype_list, message", [
+    ("take", [(3,), (2,)], ["float32", "float32"], "idx must be int32 or int64"),
+    ("gather", [(3, 4), (2, 5)], ["float32", "int64"], "index no larger than x"),
+    ("scatter_add", [(3,), (2,), (3,)], ["float32", "int64", "float32"], "index and src of one shape"),
+    ("scatter_add", [(3,), (2,), (2,)], ["float32", "int64", "float64"], "x and src of one numeric dtype"),
+])
+def test_bad_index_inputs_say_what_was_expected(name, shapes, dtype_list, message):
+    with pytest.raises(KernelError, match=message):
+        bind(name, shapes, {"axis": 0}, dtype_list)
+
+
+# -- topk / sort ---------------------------------------------------------------------------------------------------
+def test_topk_axis_is_inside_the_block_and_the_other_dims_split():
+    sig = bind("topk", [(4, 9, 2)], {"axis": 1, "k": 3})
+    assert sig.dims == ("d0", "d2") and sig.output_shape == (4, 3, 2) and sig.splittable == (0, 1)
+    with pytest.raises(KernelError, match="k=10 is out of range"):
+        bind("topk", [(4, 9)], {"axis": 1, "k": 10})
+
+
+@pytest.mark.parametrize("largest", [True, False])
+def test_topk_keeps_ties_in_order_puts_nan_first_when_largest_and_equals_a_stable_torch_sort(largest):
+    x = np.array([[1.0, 3.0, 3.0, np.nan, 1.0, 2.0], [0.0, -1.0, 0.0, 0.0, 5.0, -1.0]])
+    order = torch.sort(torch.from_numpy(x), dim=1, descending=largest, stable=True)
+    for indices, want in ((False, order.values), (True, order.indices)):
+        sig = bind("topk", [x.shape], {"axis": 1, "k": 4, "largest": largest, "indices": indices})
+        got = run_sharded(sig, [x], pieces(sig, 0, [0, 1, 2]))
+        np.testing.assert_array_equal(got, want[:, :4].numpy())
+    topk = torch.topk(torch.from_numpy(x[:1]), 1, largest=largest)
+    assert np.isnan(topk.values.item()) == largest
+
+
+# -- grouped-query attention: sdpa with kv heads shared by a group of query heads ----------------------------------
+@pytest.mark.parametrize("dim, bounds", [(1, [0, 1, 2]), (2, [0, 1, 4]), (2, [0, 3, 4])])
+def test_sdpa_with_shared_kv_heads_split_on_kv_heads_or_the_group_equals_torch_gqa(dim, bounds):
+    """q[B, Hkv, G, L, E] with k, v[B, Hkv, 1, S, E]: q head h = G·kv + g reads kv head h // G."""
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal(s) for s in ((2, 2, 4, 5, 3), (2, 2, 1, 6, 3), (2, 2, 1, 6, 7)))
+    sig = bind("sdpa", [q.shape, k.shape, v.shape], {"causal": True}, ["float64"] * 3)
+    assert sig.dims == ("batch0", "batch1", "batch2", "query", "feature") and set(sig.dim_kinds) == {P}
+    want = torch.nn.functional.scaled_dot_product_attention(
+        *(torch.from_numpy(a.reshape(2, -1, *a.shape[-2:])) for a in (q, k, v)), is_causal=True, enable_gqa=True)
+    got = run_sharded(sig, [q, k, v], pieces(sig, dim, bounds))
+    np.testing.assert_allclose(got.reshape(want.shape), want.numpy(), rtol=1e-10)
+
+
+# -- pad, floor_divide ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pad, bounds", [((1, 2, 0, 1), [0, 1, 3, 6]), ((-1, 2), [0, 2, 3]),
+                                         ((2, -2, 1, 0), [0, 1, 4])])
+def test_pad_split_anywhere_fills_value_only_outside_x_like_torch(pad, bounds):
+    x = np.random.default_rng(5).standard_normal((2, 3, 4))
+    sig = bind("pad", [x.shape], {"pad": pad, "value": 0.5}, ["float64"])
+    want = torch.nn.functional.pad(torch.from_numpy(x), pad, value=0.5).numpy()
+    assert sig.output_shape == want.shape and set(sig.dim_kinds) == {P}
+    for dim in range(3):
+        cuts = [min(b, sig.index.shape[dim]) for b in bounds[:-1]] + [sig.index.shape[dim]]
+        np.testing.assert_array_equal(run_sharded(sig, [x], pieces(sig, dim, sorted(cuts))), want)
+
+
+def test_floor_divide_rounds_toward_minus_infinity_like_torch():
+    a, b = np.array([7.0, -7.0, 7.5, -0.5, 3.0]), np.array([2.0, 2.0, -2.0, 0.3, 0.0])
+    sig = bind("floor_divide", [a.shape, b.shape], {}, ["float64", "float64"])
+    np.testing.assert_array_equal(run_sharded(sig, [a, b], pieces(sig, 0, [0, 2, 5])),
+                                  torch.floor_divide(torch.from_numpy(a), torch.from_numpy(b)).numpy())
+    assert bind("floor_divide_scalar", [(3,)], {"value": 2.0}, ["int64"]).dtype == "int64"
+
+
+# -- grouped_mm: MoE expert dispatch ---------------------------------------------------------------------------------
+def _fallback(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """transformers' grouped_mm_fallback: expert e's rows [ends[e-1], ends[e]) by w[e]."""
+    out, start = x.new_zeros(x.shape[0], w.shape[2]), 0
+    for e, end in enumerate(ends.tolist()):
+        out[start:end] = x[start:end] @ w[e]
+        start = end
+    return out
+
+
+def test_grouped_mm_experts_are_an_additive_reduction_so_they_shard():
+    sig = bind("grouped_mm", [(6, 4), (3, 4, 5), (3,)], {}, ["float32", "float32", "int64"])
+    assert kinds(sig) == {"row": P, "n": P, "k": R, "expert": R} and sig.splittable == (0, 1, 2, 3)
+    assert sig.cost(sig.index)[0] == 2 * 6 * 4 * 5  # each row meets one expert
+
+
+@pytest.mark.parametrize("dim, bounds", [(3, [0, 1, 4]), (3, [0, 2, 3, 4]), (0, [0, 3, 5, 7]), (1, [0, 2, 5]),
+                                         (2, [0, 1, 3])])
+def test_grouped_mm_split_over_experts_rows_features_or_k_equals_the_per_expert_loop(dim, bounds):
+    rng = np.random.default_rng(6)
+    x, w, ends = rng.standard_normal((7, 3)), rng.standard_normal((4, 3, 5)), np.array([2, 2, 6, 7])  # one empty
+    sig = bind("grouped_mm", [x.shape, w.shape, ends.shape], {}, ["float64", "float64", "int64"])
+    want = _fallback(*(torch.from_numpy(a) for a in (x, w, ends))).numpy()
+    np.testing.assert_allclose(run_sharded(sig, [x, w, ends], pieces(sig, dim, bounds)), want, rtol=1e-12)
