@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -42,7 +43,7 @@ from tapestry.extract import (
 )
 from tapestry.extract import EGraph as ExtractGraph
 from tapestry.graph import Graph, GraphError
-from tapestry.plan import Place, Plan
+from tapestry.plan import Compute, Place, Plan
 from tapestry.plan.explain import explain as explain_plan
 from tapestry.plan.validate import validate_plan
 from tapestry.sharding import Layout, Mesh
@@ -62,11 +63,32 @@ class OptimizeResult:
         """Most bytes any one device holds at once."""
         return max(peak_memory(self.plan))
 
+    @property
+    def status(self) -> str:
+        """How the plan was found (`search_status`): "optimal" only if the search space was complete and the
+        extractor proved its choice; "feasible" or "heuristic" when the space was complete but the choice not
+        proven; "stopped by <phase> (<budget>)" when a budget cut the search space."""
+        return self.selection.status
+
+    @property
+    def gap(self) -> float | None:
+        """(cost - bound) / cost of the extractor's proof, within the space searched (none for greedy
+        extractors). When the search was cut it bounds nothing outside that space."""
+        return self.selection.gap
+
+    @property
+    def replicated_share(self) -> float:
+        """The share of the plan's compute steps that every device runs whole (1.0: nothing sharded)."""
+        return replicated_share(self.plan)
+
     def explain(self) -> str:
         """The plan step by step, each compute with the graph op or rule that produced its kernel."""
+        gap = "" if self.gap is None else f", gap {self.gap:.2%}" + (" within the space searched"
+                                                                         if self.status.startswith("stopped") else "")
         head = [
             f"mesh {self.plan.mesh}: {len(self.plan.steps)} steps, predicted {self.plan.cost:.6g} s, "
-            f"peak {self.peak_memory:,} bytes per device ({self.selection.extractor}, {self.selection.status})",
+            f"peak {self.peak_memory:,} bytes per device ({self.selection.extractor}, {self.status}{gap}; "
+            f"{self.replicated_share:.0%} of compute steps replicated)",
             f"saturation: {len(self.stats.iterations)} iterations, {self.stats.enodes} e-nodes, "
             f"stopped by {self.stats.stopped_by}" + (f" ({self.stats.undone})" if self.stats.undone else ""),
         ]
@@ -89,6 +111,45 @@ LAGRANGE_WEIGHTS = (0.0, 0.5)
 
 def default_cost_model() -> CostModel:
     return DefaultCostModel(load_profile("cpu-gloo"))
+
+
+class SearchCutWarning(UserWarning):
+    """A budget cut the search and the plan came out replicated: the sharded options may never have been made."""
+
+
+def search_cut(stats: SaturationStats) -> str:
+    """The first phase a budget cut, as "phase (budget)"; "" when the search space was complete. Each phase's
+    stop leaves out options the later phases and extraction never see (docs/cost-models.md, "Budgets")."""
+    generation = stats.generation
+    if stats.stopped_in == "rules":
+        return f"rules ({stats.stopped_by})"
+    if stats.stopped_in == "generation":
+        return "generation (" + ("layout pairs" if generation is not None and generation.pairs_capped
+                                 else stats.stopped_by) + ")"
+    if stats.values_with_few_moves:
+        return "making reshards (seconds)"
+    if stats.reshards_unpriced:
+        return "pricing (seconds)"
+    return ""
+
+
+def search_status(stats: SaturationStats, selection: Selection) -> str:
+    """The extractor's status where the search space was complete, else which phase a budget stopped."""
+    cut = search_cut(stats)
+    return f"stopped by {cut}" if cut else selection.status
+
+
+def replicated_share(plan: Plan) -> float:
+    """The share of the plan's (per-run) compute steps that every device runs on the same block."""
+    computes = [s for s in plan.steps if isinstance(s, Compute) and s.out not in plan.prepared]
+    if plan.mesh.size == 1 or not computes:
+        return 1.0
+    return sum(all(b == s.blocks[0] for b in s.blocks) for s in computes) / len(computes)
+
+
+def _unless_unselectable(cost: float, weight: float) -> float:
+    """`cost` weighted, an unselectable node (an unpriced reshard: inf) kept so (inf * 0 is NaN)."""
+    return cost if math.isinf(cost) else cost * weight
 
 
 @dataclass(frozen=True)
@@ -145,7 +206,8 @@ class Explored:
 
         def fit(weight: float) -> tuple[Plan, Selection]:
             """Extracted with `weight` of each reduction's cost hidden and 1 - weight of each backward Run's."""
-            hidden = egraph.with_costs([c * (1 - weight) if n in reductions else c * weight if n in backward else c
+            hidden = egraph.with_costs([_unless_unselectable(c, 1 - weight) if n in reductions
+                                        else _unless_unselectable(c, weight) if n in backward else c
                                         for n, c in enumerate(egraph.node_cost)]) if reductions else egraph
             plan, selection = self._fit(hidden, extractor, time_limit, base, ties, carried, memory_budget, outputs)
             return replace(plan, cost=plan_cost(plan, model)), selection  # time per run, not objective
@@ -158,7 +220,14 @@ class Explored:
             plan = replace(plan, notes={**plan.notes, "status": "feasible",
                                         "overlap_rounds": 1 + len(LAGRANGE_WEIGHTS)})
         stats = replace(self.stats, reshards_unpriced=self.decoder.pricing.reshards_unpriced)
-        return OptimizeResult(plan, stats, selection, self.rule_files, self.data)
+        status = search_status(stats, selection)
+        plan = replace(plan, notes={**plan.notes, "status": status, "extractor_status": selection.status})
+        result = OptimizeResult(plan, stats, replace(selection, status=status), self.rule_files, self.data)
+        if status.startswith("stopped") and result.replicated_share == 1.0:
+            warnings.warn(f"every compute step of the plan is replicated and the search was {status} "
+                          f"({stats.undone}): its sharded options were never all made; raise Budget.seconds or "
+                          f"Budget.nodes", SearchCutWarning, stacklevel=3)
+        return result
 
     def _fit(self, egraph: ExtractGraph, extractor: str, time_limit: float, base: DeviceBudget | None, ties: Ties,
              carried: Mapping[str, str], memory_budget: int | None, outputs: Outputs) -> tuple[Plan, Selection]:
