@@ -12,6 +12,7 @@ from tapestry.evaluator import evaluate
 from tapestry.importer import TorchImportError
 from tapestry.optimizer import steady_violations
 from tapestry.plan.simulate import simulate
+from tapestry.training import TORCH_STATE
 
 
 def mlp() -> torch.nn.Module:
@@ -96,7 +97,7 @@ def test_parameters_and_optimizer_state_are_named_inputs_and_outputs():
 
 def test_every_parameter_and_optimizer_state_is_carried_to_its_update():
     imported = tapestry.from_torch(mlp(), (X, Y), training=TRAINING["adam"], verbose=False)
-    state = [n.name for n in imported.graph.inputs if not n.name.startswith("arg")]
+    state = [n.name for n in imported.graph.inputs if not n.name.startswith("arg") and n.name != "lr"]
     assert imported.graph.carried == {f"new.{name}": name for name in state}
 
 
@@ -106,8 +107,77 @@ def test_a_loss_that_is_not_a_scalar_is_a_clear_error():
 
 
 def test_unknown_optimizer_is_refused():
-    with pytest.raises(ValueError, match="optimizer 'lamb' is not one of sgd, adam"):
+    with pytest.raises(ValueError, match="optimizer 'lamb' is not one of sgd, adam, adamw"):
         tapestry.Training(loss=mse, optimizer="lamb")
+    with pytest.raises(ValueError, match="is not one of torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW"):
+        tapestry.Training.from_torch_optimizer(torch.optim.RMSprop, mse, lr=1e-3)
+
+
+def test_torch_optimizer_options_are_checked_as_torch_checks_them():
+    with pytest.raises(ValueError, match="unexpected keyword argument 'momentum'"):
+        tapestry.Training.from_torch_optimizer(torch.optim.AdamW, mse, momentum=0.9)
+    with pytest.raises(ValueError, match="nesterov momentum requires a momentum and zero dampening"):
+        tapestry.Training.from_torch_optimizer(torch.optim.SGD, mse, lr=0.1, nesterov=True)
+    with pytest.raises(ValueError, match="momentum is not an option of adam"):
+        tapestry.Training(loss=mse, optimizer="adam", momentum=0.9)
+
+
+def test_adamw_defaults_are_torchs():
+    training = tapestry.Training.from_torch_optimizer(torch.optim.AdamW, mse)
+    assert (training.optimizer, training.lr, training.weight_decay, training.betas) == ("adamw", 1e-3, 0.01, (0.9, 0.999))
+    assert tapestry.Training(loss=mse, optimizer="adamw").weight_decay == 0.01
+    assert tapestry.Training(loss=mse, optimizer="adam").weight_decay == 0.0
+    decoupled = tapestry.Training.from_torch_optimizer(torch.optim.Adam, mse, weight_decay=0.1, decoupled_weight_decay=True)
+    assert decoupled.optimizer == "adamw"
+
+
+# every torch.optim option the step supports, each against torch.optim itself, with clipping where max_norm is set
+OPTIONS = {
+    "sgd": (torch.optim.SGD, {"lr": 0.1}, None),
+    "sgd-momentum-dampening": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.5}, None),
+    "sgd-nesterov-weight-decay": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.8, "nesterov": True,
+                                                    "weight_decay": 0.1}, None),
+    "sgd-maximize-clipped": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.5, "maximize": True}, 0.05),
+    "adam": (torch.optim.Adam, {"lr": 1e-2}, None),
+    "adam-l2-betas-eps": (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.1, "betas": (0.8, 0.99), "eps": 1e-6},
+                          None),
+    "adam-amsgrad": (torch.optim.Adam, {"lr": 1e-2, "amsgrad": True}, None),
+    "adamw": (torch.optim.AdamW, {"lr": 1e-2}, None),
+    "adamw-amsgrad-clipped": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "amsgrad": True}, 0.1),
+    "adamw-unclipped": (torch.optim.AdamW, {"lr": 1e-2}, 1e3),
+}
+SCHEDULE = (1.0, 0.5, 2.0, 0.25, 1.5)  # times the optimizer's lr, one per step
+
+
+@pytest.mark.parametrize("case", sorted(OPTIONS))
+def test_steps_under_a_changing_lr_equal_torch_optim(case):
+    optimizer, options, max_norm = OPTIONS[case]
+    model = mlp()
+    training = tapestry.Training.from_torch_optimizer(optimizer, mse, max_norm=max_norm, **options)
+    imported = tapestry.from_torch(model, (X, Y), training=training, verbose=False)
+    assert "lr" in {n.name for n in imported.graph.inputs} and "lr" not in imported.graph.constants
+    reference = copy.deepcopy(model)
+    opt = optimizer(reference.parameters(), **options)
+    state = None
+    for scale in SCHEDULE:
+        lr = options["lr"] * scale
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.zero_grad()
+        loss = mse(reference, X, Y)
+        loss.backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+        opt.step()
+        state = imported.outputs(evaluate(imported.graph, imported.inputs(X, Y, state=state, lr=lr)))
+        assert_step_matches(state, loss.item(), {k: p.detach().numpy() for k, p in reference.named_parameters()})
+        by_path = dict(zip(imported.trained, reference.parameters()))
+        for slot in training.slots:
+            for path, value in state["optimizer_state"][slot].items():
+                want = opt.state[by_path[path]][TORCH_STATE[slot]].numpy()
+                np.testing.assert_allclose(value, want, rtol=1e-5, atol=1e-6, err_msg=f"{slot} of {path}")
+    if training.slots:
+        assert float(state["optimizer_state"]["step"]) == len(SCHEDULE)
 
 
 def test_attention_backward_of_a_llama_block_matches():

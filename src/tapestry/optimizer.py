@@ -43,7 +43,7 @@ from tapestry.extract import (
 )
 from tapestry.extract import EGraph as ExtractGraph
 from tapestry.graph import Graph, GraphError
-from tapestry.plan import Compute, Place, Plan
+from tapestry.plan import Compute, Place, Plan, steady_violations
 from tapestry.plan.explain import explain as explain_plan
 from tapestry.plan.validate import validate_plan
 from tapestry.sharding import Layout, Mesh
@@ -427,14 +427,6 @@ def _delivers(want: str | Layout, shape: tuple[int, ...], layout: Layout, mesh: 
     if want == "replicated":
         return layout == Layout.replicated(shape, mesh)
     return layout == want
-
-
-def steady_violations(plan: Plan, carried: Mapping[str, str]) -> list[str]:
-    """Each carried output the plan delivers in another layout than its input was placed in (one line each)."""
-    placed = {s.input: s.layout for s in plan.steps if isinstance(s, Place)}
-    return [f"output {out!r} comes out as {plan.layout_of(plan.outputs[out])}, input {name!r} is placed as "
-            f"{placed[name]}" for out, name in carried.items()
-            if name in placed and plan.layout_of(plan.outputs[out]) != placed[name]]
 
 
 def _check_carried(graph: Graph, carried: Mapping[str, str]) -> None:

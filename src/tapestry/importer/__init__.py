@@ -22,7 +22,7 @@ from tapestry import dtypes
 from tapestry.graph import Graph
 from tapestry.importer.capture import TorchImportError, export
 from tapestry.importer.translate import Translation, translate_program
-from tapestry.training import STEP, Training, state_name, updated
+from tapestry.training import LR, Training, state_name, updated
 from tapestry.training.capture import capture
 
 __all__ = ["TorchImport", "TorchImportError", "from_torch"]
@@ -49,21 +49,33 @@ class TorchImport:
     def opaque(self) -> dict[str, int]:
         return {op: made["opaque"] for op, made in self.coverage.items() if made.get("opaque")}
 
-    def inputs(self, *args: Any, state: Mapping[str, Any] | None = None, **kwargs: Any) -> dict[str, np.ndarray]:
+    def inputs(self, *args: Any, state: Mapping[str, Any] | None = None, lr: float | None = None,
+               **kwargs: Any) -> dict[str, np.ndarray]:
         """Every graph input by name: the module's current parameters and buffers (or, for a training step,
-        `state`: the `outputs()` of the step before), the optimizer state (zeros at the first step), the
-        constants folded at import, and the tensors among `args`/`kwargs` (flattened as torch.export does)."""
-        module_state = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
-        carried = _carried(state) if state is not None else {}
+        `state`: the `outputs()` of the step before), the optimizer state (zeros at the first step), the learning
+        rate (`lr`, training only; the Training's own by default), the constants folded at import, and the
+        tensors among `args`/`kwargs` (flattened as torch.export does)."""
+        if lr is not None and self.training is None:
+            raise TorchImportError("lr= is an input of a training step; this import is a forward")
+        module_state = {**dict(self.module.named_parameters(remove_duplicate=False)),
+                        **dict(self.module.named_buffers(remove_duplicate=False))}  # every path of a tied weight
+        carried = self._carried(state) if state is not None else {}
+        optimizer = self._optimizer_state()
         values: dict[str, np.ndarray] = {}
         for name in self.translation.state:
             node = self.graph[name]
             if name in carried:
                 values[name] = dtypes.cast(carried[name], node.dtype)
+            elif name == LR and self.training is not None:
+                values[name] = np.asarray(self.training.lr if lr is None else lr, dtypes.to_numpy(node.dtype))
             elif name in module_state:
                 values[name] = dtypes.from_tensor(module_state[name])
-            else:  # optimizer state before the first step
+            elif name in optimizer:  # before the first step
                 values[name] = np.zeros(node.shape, dtypes.to_numpy(node.dtype))
+            else:
+                raise TorchImportError(f"graph input {name!r} is module state, but {type(self.module).__name__} "
+                                       f"has no parameter or buffer of that name (was the module changed since "
+                                       f"import?)")
         values.update(self.graph.constants)
         leaves = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         names = self.translation.user_inputs
@@ -72,17 +84,42 @@ class TorchImport:
         values.update({name: dtypes.from_tensor(t) for name, t in zip(names, leaves)})
         return values
 
+    def _optimizer_state(self) -> set[str]:
+        """The graph inputs a training step declares as optimizer state (its slots, per parameter, and the step
+        count): the only inputs that may start from zeros."""
+        if self.training is None or not self.training.step_input:
+            return set()
+        family = self.training.family
+        return {self.training.step_input, *(state_name(s, p, family) for s in self.training.slots for p in self.trained)}
+
     def outputs(self, values: Mapping[str, np.ndarray]) -> Any:
         """The module's outputs, flattened in order, from a plan's or the evaluator's output dict. For a training
         step: {"loss", "parameters": {path: new value}, "optimizer_state": {slot: {path: value}, "step": n}}."""
         if self.training is None:
             return [values[name] for name in self.translation.outputs]
-        paths = [name for name, p in self.module.named_parameters() if p.requires_grad]
-        state: dict[str, Any] = {slot: {p: values[updated(state_name(slot, p))] for p in paths}
-                                 for slot in self.training.slots}
-        if self.training.slots:
-            state["step"] = values[updated(STEP)]
+        training, paths = self.training, self.trained
+        state: dict[str, Any] = {slot: {p: values[updated(state_name(slot, p, training.family))] for p in paths}
+                                 for slot in training.slots}
+        if training.step_input:
+            state["step"] = values[updated(training.step_input)]
         return {"loss": values["loss"], "parameters": {p: values[updated(p)] for p in paths}, "optimizer_state": state}
+
+    @property
+    def trained(self) -> tuple[str, ...]:
+        """The trainable parameters' paths, one per distinct tensor (a tied weight by its first name)."""
+        return tuple(name for name, p in self.module.named_parameters() if p.requires_grad)
+
+    def _carried(self, previous: Mapping[str, Any]) -> dict[str, Any]:
+        """A training step's outputs() as the next step's inputs, by graph input name."""
+        if self.training is None:
+            raise TorchImportError("state= is the outputs() of a training step; this import is a forward")
+        carried = dict(previous["parameters"])
+        for slot, values in previous["optimizer_state"].items():
+            if slot == "step":
+                carried[self.training.step_input] = values
+            else:
+                carried.update({state_name(slot, p, self.training.family): v for p, v in values.items()})
+        return carried
 
     def summary(self) -> str:
         """One line: how many ATen ops became kernels, were folded or dropped, or run opaque (and which)."""
@@ -95,17 +132,6 @@ class TorchImport:
         return (f"imported {what}{type(self.module).__name__}: {sum(totals.values())} ATen ops -> "
                 f"{totals['kernels']} as kernels, {totals['folded']} folded, {totals['dropped']} dropped, "
                 f"{totals['opaque']} opaque" + (f" ({opaque})" if opaque else "") + f"; graph: {len(self.graph.ops)} ops")
-
-
-def _carried(previous: Mapping[str, Any]) -> dict[str, Any]:
-    """A training step's outputs() as the next step's inputs, by graph input name."""
-    carried = dict(previous["parameters"])
-    for slot, values in previous["optimizer_state"].items():
-        if slot == "step":
-            carried[STEP] = values
-        else:
-            carried.update({state_name(slot, p): v for p, v in values.items()})
-    return carried
 
 
 def from_torch(module: torch.nn.Module, args: tuple[Any, ...] | Any = (), kwargs: dict[str, Any] | None = None,

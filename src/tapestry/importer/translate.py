@@ -152,9 +152,16 @@ def translate(graph: torch.fx.Graph, placeholders: Mapping[str, Placeholder], ou
     builder = Builder(Graph())
     env: dict[Any, Any] = {}
     coverage: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    inputs: dict[str, Value] = {}  # by graph input name: aliased placeholders (tied weights) share one
     for node in graph.nodes:
         if node.op == "placeholder":
-            env[node] = _placeholder(builder.graph, node, placeholders[node.name])
+            role = placeholders[node.name]
+            if role.kind in ("state", "user"):
+                if role.name not in inputs:
+                    inputs[role.name] = _placeholder(builder.graph, node, role)
+                env[node] = inputs[role.name]
+            else:
+                env[node] = _placeholder(builder.graph, node, role)
         elif node.op == "call_function":
             env[node] = _call(builder, node, env, strict, coverage)
     for name, value in outputs:
@@ -162,7 +169,8 @@ def translate(graph: torch.fx.Graph, placeholders: Mapping[str, Placeholder], ou
     kinds = collections.defaultdict(list)
     for p in placeholders.values():
         kinds[p.kind].append(p.name)
-    return Translation(builder.graph, tuple(n for n in kinds["state"] if n in builder.graph), tuple(kinds["user"]),
+    state = tuple(dict.fromkeys(n for n in kinds["state"] if n in builder.graph))
+    return Translation(builder.graph, state, tuple(kinds["user"]),
                        tuple(name for name, _ in outputs), dict(coverage))
 
 
@@ -170,6 +178,7 @@ def translate_program(program: torch.export.ExportedProgram, strict: bool) -> Tr
     """An exported module: parameters and float buffers are state, integer buffers (position ids) constants. For
     inference the state is static (`Graph.input(static=True)`): the same every run, unless the forward mutates it."""
     tables = {**program.state_dict, **program.constants}
+    first_name: dict[int, str] = {}  # a tied weight (T5's embedding and LM head) is one tensor under several paths
     placeholders = {}
     for spec in program.graph_signature.input_specs:
         if not isinstance(spec.arg, TensorArgument):
@@ -182,7 +191,8 @@ def translate_program(program: torch.export.ExportedProgram, strict: bool) -> Tr
                                                         and not value.dtype.is_floating_point):
             placeholders[spec.arg.name] = Placeholder("constant", spec.target, table)
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
-            placeholders[spec.arg.name] = Placeholder("state", spec.target)
+            name = first_name.setdefault(id(tables[spec.target]), spec.target)
+            placeholders[spec.arg.name] = Placeholder("state", name)
         else:
             placeholders[spec.arg.name] = Placeholder("user", spec.arg.name)
     for node in program.graph.nodes:  # non-tensor arguments (use_cache=False): export specialised on them

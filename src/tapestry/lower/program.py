@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tapestry.kernels import Params, Shape
-from tapestry.plan.plan import Compute, Place, Plan, Reshard, output_gathers
+from tapestry.plan.plan import Compute, Place, Plan, Reshard, delivered, output_gathers
 from tapestry.sharding import Block, Layout, Mesh
 from tapestry.sharding.collectives import Collective, Group, reshard_groups
 from tapestry.sharding.comm import Transfer, overlap, transfers
@@ -212,11 +212,13 @@ class RankProgram:
 
 @dataclass(frozen=True)
 class LoweredProgram:
-    """The per-rank programs, plus where rank 0 finds each gathered output."""
+    """The per-rank programs, plus where each delivered output is found whole: on rank 0, or with `everywhere` on
+    every rank. Outputs not delivered stay in the plan's layout, in the buffer named by the plan's value."""
 
     plan: Plan
     ranks: tuple[RankProgram, ...]
-    outputs: Mapping[str, str]  # output name -> buffer on rank 0 holding the whole value
+    outputs: Mapping[str, str]  # delivered output name -> buffer holding the whole value (on rank 0 or everywhere)
+    everywhere: bool = False
 
     @property
     def groups(self) -> list[tuple[int, ...]]:
@@ -236,26 +238,35 @@ class LoweredProgram:
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         """Pickles as the plan's JSON (kernels hold lambdas); lowering again is cheap and deterministic."""
-        return _lower_json, (self.plan.to_json(),)
+        delivering = tuple(self.outputs) if set(self.outputs) != set(self.plan.outputs) else None
+        return _lower_json, (self.plan.to_json(), delivering, self.everywhere)
 
 
-def lower(plan: Plan) -> LoweredProgram:
-    """One program per device of the plan's mesh, then a gather of every output to rank 0."""
+def lower(plan: Plan, deliver: Collection[str] | None = None, everywhere: bool = False) -> LoweredProgram:
+    """One program per device of the plan's mesh, then a gather of the outputs `deliver` (default: every output)
+    to rank 0, or with `everywhere` to every rank (an all-gather: each rank gets the whole value). A training step
+    delivers only its loss; its new state stays where the plan put it."""
+    unknown = sorted(set(deliver or ()) - set(plan.outputs))
+    if unknown:
+        raise LoweringError(f"deliver: {', '.join(map(repr, unknown))} is no output of the plan; its outputs are "
+                            f"{', '.join(map(repr, plan.outputs))}")
     mesh = plan.mesh
     per_rank: list[list[RankStep]] = [[] for _ in mesh.devices]
     layouts: dict[str, Layout] = {}
-    for index, step in enumerate((*plan.steps, *output_gathers(plan))):
+    for index, step in enumerate((*plan.steps, *output_gathers(plan, deliver, everywhere))):
         for rank, rank_step in enumerate(_lower_step(index, step, plan, layouts)):
             if rank_step is not None:
                 per_rank[rank].append(rank_step)
         layouts[step.out] = step.layout
-    outputs = {name: f"{value}@0" for name, value in plan.outputs.items()}
+    outputs = {name: delivered(value, everywhere) for name, value in plan.outputs.items()
+               if deliver is None or name in deliver}
     ranks = tuple(RankProgram(r, mesh.size, tuple(steps)) for r, steps in enumerate(per_rank))
-    return LoweredProgram(plan, ranks, outputs)
+    return LoweredProgram(plan, ranks, outputs, everywhere)
 
 
-def _lower_json(data: Mapping[str, Any]) -> LoweredProgram:
-    return lower(Plan.from_json(data))
+def _lower_json(data: Mapping[str, Any], deliver: tuple[str, ...] | None = None, everywhere: bool = False
+                ) -> LoweredProgram:
+    return lower(Plan.from_json(data), deliver, everywhere)
 
 
 def _lower_step(index: int, step: Place | Compute | Reshard, plan: Plan, layouts: Mapping[str, Layout]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -194,16 +194,32 @@ class Plan:
         return cls.from_json(json.loads(Path(path).read_text()), str(path))
 
 
-def output_gathers(plan: Plan) -> list[Reshard]:
-    """The reshards the runtime adds after the plan: each distinct output value to one block on rank 0.
-    Not plan steps, so `plan_cost` leaves them out; `cost.run_costs` prices them with the plan."""
+def output_gathers(plan: Plan, names: Collection[str] | None = None, everywhere: bool = False) -> list[Reshard]:
+    """The reshards the runtime adds after the plan: each distinct value of outputs `names` (default: all) to one
+    whole block on rank 0, or with `everywhere` on every rank (replicated: a persistent program hands each rank
+    its outputs). Not plan steps, so `plan_cost` leaves them out; `cost.run_costs` prices them with the plan."""
     gathers: dict[str, Reshard] = {}
-    for value in plan.outputs.values():
-        if value not in gathers:
+    for name, value in plan.outputs.items():
+        if value not in gathers and (names is None or name in names):
             step = plan.by_id[value]
-            gathers[value] = Reshard(f"{value}@0", value, step.shape, step.layout, _on_rank0(step.shape, plan.mesh),
+            where = Layout.replicated(step.shape, plan.mesh) if everywhere else _on_rank0(step.shape, plan.mesh)
+            gathers[value] = Reshard(delivered(value, everywhere), value, step.shape, step.layout, where,
                                      plan.dtypes[value])
     return list(gathers.values())
+
+
+def steady_violations(plan: Plan, carried: Mapping[str, str]) -> list[str]:
+    """Each carried output (output -> the input it becomes next run) the plan delivers in another layout than its
+    input was placed in, one line each: a plan with none is steady (its state stays where it is, run after run)."""
+    placed = {s.input: s.layout for s in plan.steps if isinstance(s, Place)}
+    return [f"output {out!r} comes out as {plan.layout_of(plan.outputs[out])}, input {name!r} is placed as "
+            f"{placed[name]}" for out, name in carried.items()
+            if name in placed and plan.layout_of(plan.outputs[out]) != placed[name]]
+
+
+def delivered(value: str, everywhere: bool = False) -> str:
+    """The name of the buffer that holds the whole of `value` after `output_gathers`."""
+    return f"{value}@all" if everywhere else f"{value}@0"
 
 
 def _on_rank0(shape: Shape, mesh: Mesh) -> Layout:

@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 from tapestry import dtypes
 from tapestry.lower.compile import use_persistent_cache
 from tapestry.lower.program import LoweredProgram, lower
-from tapestry.plan.plan import Plan
+from tapestry.plan.plan import Plan, steady_violations
 from tapestry.runtime.execute import InputSource, RankReport, RankRunner, StepFailed
 
 GRACE_S = 1.0  # after a first failure, how long to wait for the other ranks' reports before killing them
@@ -108,8 +108,6 @@ def run_plans(
     if nproc is not None and nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
     if chain:
-        from tapestry.optimizer import steady_violations
-
         for plan in plans:
             moved = steady_violations(plan, plan.graph.carried)
             if moved:
@@ -218,8 +216,17 @@ def _die_with_parent() -> None:
 
 
 def _supervise(job: Job, procs: list[Any], results: Any, progress: Any) -> list[RunResult]:
-    deadline = time.monotonic() + job.timeout
-    done: dict[int, list[RunResult] | None] = {}
+    result = supervise(procs, results, job.timeout, functools.partial(_where, job, progress))[0]
+    assert result is not None
+    return result
+
+
+def supervise(procs: Sequence[Any], results: Any, timeout: float, where: Callable[[int], str]) -> list[Any]:
+    """Wait for every rank's ("ok" | "error", rank, payload) on `results`; the payloads of "ok" by rank. A rank that
+    reports an error or dies outright (`where(rank)` names what it was doing) fails the run after GRACE_S, so the
+    others' reports come in too; past `timeout` the ranks still running are named. The caller kills them."""
+    deadline = time.monotonic() + timeout
+    done: dict[int, Any] = {}
     errors: dict[int, str] = {}
     failed_at: float | None = None
     while len(done) < len(procs):
@@ -233,19 +240,16 @@ def _supervise(job: Job, procs: list[Any], results: Any, progress: Any) -> list[
         if (errors or died) and failed_at is None:
             failed_at = now
         if failed_at is not None and now - failed_at > GRACE_S:
-            raise RankFailure(_failure(job, died, errors, progress))
+            raise RankFailure(_failure(died, errors, where))
         if now > deadline:
             late = [r for r in range(len(procs)) if r not in done]
-            where = "; ".join(f"rank {r} in {_where(job, progress, r)}" for r in late)
-            raise RankFailure(f"timed out after {job.timeout:g} s: {where}")
-    result = done[0]
-    assert result is not None
-    return result
+            raise RankFailure(f"timed out after {timeout:g} s: " + "; ".join(f"rank {r} in {where(r)}" for r in late))
+    return [done[r] for r in range(len(procs))]
 
 
-def _failure(job: Job, died: Mapping[int, int], errors: Mapping[int, str], progress: Any) -> str:
+def _failure(died: Mapping[int, int], errors: Mapping[int, str], where: Callable[[int], str]) -> str:
     """Ranks that died outright come first: the others' errors are usually their peers' broken connections."""
-    lines = [f"rank {r} exited with code {code} in {_where(job, progress, r)}" for r, code in sorted(died.items())]
+    lines = [f"rank {r} exited with code {code} in {where(r)}" for r, code in sorted(died.items())]
     lines += [errors[r] for r in errors]
     return "\n".join(lines)
 

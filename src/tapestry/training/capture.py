@@ -1,7 +1,16 @@
-"""Trace one training step (forward, backward, update) into an ATen graph and translate it."""
+"""Trace one training step (forward, backward, update) into an ATen graph and translate it.
+
+Every tensor the module holds enters the trace as an argument, never closed over: trainable parameters, the
+optimizer state, the step count and learning rate, and the buffers (rotary `inv_freq`, masks) and frozen
+parameters. Closed-over real tensors meet fake ones inside the trace and tracing refuses them; as arguments they
+become graph inputs (floating point, `static`: the same every step) or constants (integer buffers, folded).
+Tied parameters (an embedding shared with the output head) are one tensor: one input, read by both uses.
+"""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -11,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tapestry.importer.capture import TorchImportError
 from tapestry.importer.translate import Placeholder, Translation, translate
-from tapestry.training import STEP, Training, state_name, updated
+from tapestry.training import LR, Training, state_name, updated
 
 
 class _LossOf(torch.nn.Module):
@@ -25,32 +34,77 @@ class _LossOf(torch.nn.Module):
         return self.loss(self.module, *args)
 
 
+@dataclass(frozen=True)
+class StepLayout:
+    """The traced step's arguments in order, by graph input name: trainable parameters (one per distinct
+    tensor, by the first path that reaches it), their optimizer state slot by slot, the step count, the
+    learning rate, then the module's other tensors (buffers and frozen parameters) and the user's arguments."""
+
+    paths: tuple[str, ...]
+    training: Training
+    held: tuple[str, ...]  # buffers and frozen parameters, by module path
+
+    @classmethod
+    def of(cls, module: torch.nn.Module, training: Training) -> StepLayout:
+        trainable = tuple(name for name, p in module.named_parameters() if p.requires_grad)
+        frozen = (name for name, p in module.named_parameters() if not p.requires_grad)
+        return cls(trainable, training, (*frozen, *(name for name, _ in module.named_buffers())))
+
+    @property
+    def state(self) -> tuple[str, ...]:
+        """Inputs the step updates: each has an output `new.<name>` carried to it."""
+        family, step = self.training.family, self.training.step_input
+        slots = (state_name(slot, p, family) for slot in self.training.slots for p in self.paths)
+        return (*self.paths, *slots, *([step] if step else []))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (*self.state, LR, *self.held)
+
+    def split(self, flat: tuple[torch.Tensor, ...]) -> Iterator[Any]:
+        """The traced step's arguments as (params, state by slot, step, lr, held, user args)."""
+        n = len(self.paths)
+        yield list(flat[:n])
+        at = n
+        state = {}
+        for slot in self.training.slots:
+            state[slot], at = list(flat[at: at + n]), at + n
+        yield state
+        if self.training.step_input:
+            yield flat[at]
+            at += 1
+        else:
+            yield None
+        yield flat[at]
+        yield list(flat[at + 1: at + 1 + len(self.held)])
+        yield flat[at + 1 + len(self.held):]
+
+
 def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, strict: bool) -> Translation:
-    paths = [name for name, p in module.named_parameters() if p.requires_grad]
-    n = len(paths)
+    layout = StepLayout.of(module, training)
     wrapper = _LossOf(module, training.loss)
-    frozen = {f"module.{k}": v for k, v in [*module.named_buffers(),
-                                             *((k, p) for k, p in module.named_parameters() if not p.requires_grad)]}
 
     def step(*flat: torch.Tensor) -> list[torch.Tensor]:
-        params = list(flat[:n])
-        state = {slot: list(flat[n * (i + 1): n * (i + 2)]) for i, slot in enumerate(training.slots)}
-        count = flat[n * (len(training.slots) + 1)] if training.slots else None
-        user = flat[n * (len(training.slots) + 1) + (1 if training.slots else 0):]
+        params, state, count, lr, held, user = layout.split(flat)
         with torch.enable_grad():
-            swapped = {**frozen, **{f"module.{k}": p for k, p in zip(paths, params)}}
+            swapped = {f"module.{k}": t for k, t in [*zip(layout.paths, params), *zip(layout.held, held)]}
             loss = torch.func.functional_call(wrapper, swapped, tuple(user))
             if loss.dim() != 0:
                 raise TorchImportError(f"the loss must be a scalar; it has shape {list(loss.shape)}")
-            grads = torch.autograd.grad(loss, params)
-        new_params, new_state, new_count = training.update(params, list(grads), state, count)
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+        unused = [p for p, g in zip(layout.paths, grads) if g is None]
+        if unused:
+            raise TorchImportError(f"parameter(s) {', '.join(unused)} do not reach the loss (no gradient); "
+                                   f"set requires_grad=False on them to train the rest")
+        new_params, new_state, new_count = training.update(params, list(grads), state, count, lr)
         return [loss, *new_params, *(t for slot in training.slots for t in new_state[slot]),
-                *([new_count] if training.slots else [])]
+                *([new_count] if training.step_input else [])]
 
-    named = dict(module.named_parameters())
-    params = [named[p].detach().clone().requires_grad_() for p in paths]
+    tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    params = [tensors[p].detach().clone().requires_grad_() for p in layout.paths]
     flat = [*params, *(torch.zeros_like(p) for _ in training.slots for p in params),
-            *([torch.zeros((), dtype=torch.float32)] if training.slots else []), *args]
+            *([torch.zeros((), dtype=torch.float32)] if training.step_input else []),
+            torch.tensor(training.lr, dtype=torch.float32), *(tensors[h].detach() for h in layout.held), *args]
     try:
         # attention's math backend: its backward is matmuls and a softmax's, where the fused CPU kernel's
         # backward is one opaque op that needs the forward's private log-sum-exp
@@ -63,14 +117,23 @@ def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, 
         first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
         raise TorchImportError(f"could not trace a training step of {type(module).__name__}: "
                                f"{type(err).__name__}: {first}") from None
-    inputs = [*paths, *(state_name(s, p) for s in training.slots for p in paths), *([STEP] if training.slots else [])]
-    names = [*inputs, *(f"arg{i}" for i in range(len(args)))]
     holders = [node for node in traced.graph.nodes if node.op == "placeholder"]
-    roles = {h.name: Placeholder("state" if i < len(inputs) else "user", name)
-             for i, (h, name) in enumerate(zip(holders, names))}
+    roles = {h.name: _role(name, flat[i], user=i >= len(layout.names))
+             for i, (h, name) in enumerate(zip(holders, [*layout.names, *(f"arg{i}" for i in range(len(args)))]))}
     (returned,) = [node.args[0] for node in traced.graph.nodes if node.op == "output"]
-    outputs = [("loss", returned[0]), *((updated(name), node) for name, node in zip(inputs, returned[1:]))]
+    outputs = [("loss", returned[0]), *((updated(name), node) for name, node in zip(layout.state, returned[1:]))]
     translation = translate(traced.graph, roles, outputs, strict)
-    for name in inputs:  # the step repeats: plans keep each weight and state tensor where it was placed
+    for name in layout.state:  # the step repeats: plans keep each weight and state tensor where it was placed
         translation.graph.carry(updated(name), name)
+    translation.graph.static.update(name for name in layout.held if name in translation.graph)
     return translation
+
+
+def _role(name: str, value: Any, user: bool) -> Placeholder:
+    """Module tensors are inputs ("state"; the learning rate too) except integer buffers, which are constants
+    (position ids, folded at import as in inference); the user's arguments are "user" inputs."""
+    if user:
+        return Placeholder("user", name)
+    if isinstance(value, torch.Tensor) and not (value.dtype.is_floating_point or value.dtype.is_complex):
+        return Placeholder("constant", name, value)
+    return Placeholder("state", name)
