@@ -110,6 +110,25 @@ def test_a_training_step_of_a_block_on_meta_imports_as_its_real_twin(monkeypatch
         np.testing.assert_allclose(ours["parameters"][path], p.detach().numpy(), atol=1e-5)
 
 
+def test_a_hugging_face_llama_training_step_on_meta_imports_as_its_real_twin():
+    """Rotary tables, the causal mask and cross-entropy's zeros: nothing in the step needs the weights' values."""
+    def loss(module: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return module(ids, labels=labels, use_cache=False).loss
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    training, ids = tapestry.Training(loss=loss, optimizer="adam", lr=1e-3), torch.randint(0, 128, (2, 12))
+    graphs = []
+    for device in ("cpu", "meta"):
+        torch.manual_seed(0)
+        with torch.device(device):
+            module = LlamaForCausalLM(config)
+        graphs.append(tapestry.from_torch(module, (ids.to(device),) * 2, training=training, verbose=False).graph)
+    assert _structure(graphs[1]) == _structure(graphs[0])
+
+
 RSS_SCRIPT = textwrap.dedent("""
     import json, re, torch, tapestry
     from transformers import LlamaConfig, LlamaForCausalLM
