@@ -246,7 +246,8 @@ def _on(value: Any, device: str) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_on(v, device) for v in value)
     if isinstance(value, dict):
-        return {k: torch.device(device) if k == "device" and v is not None else _on(v, device) for k, v in value.items()}
+        return {k: torch.device(device) if k == "device" and v is not None else _on(v, device)
+                for k, v in value.items()}
     return value
 
 
