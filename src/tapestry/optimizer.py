@@ -296,7 +296,17 @@ class Explored:
     def _select(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget: DeviceBudget | None,
                 ties: Ties, carried: Mapping[str, str]) -> Selection:
         if not ties or extractor == "ilp":
-            return extract(egraph, extractor, time_limit, budget, ties, self.repeated)
+            try:
+                return extract(egraph, extractor, time_limit, budget, ties, self.repeated)
+            except NoFiniteChoiceError as err:
+                if not ties or extractor != "ilp" or budget is not None:  # greedy-dag takes no budget
+                    raise
+                # CP-SAT found no steady selection in time (a training step past a few layers on many devices):
+                # greedy-dag's pinned layouts are steady; the selection names its extractor, and proves nothing
+                try:
+                    return self._select(egraph, "greedy-dag", time_limit, budget, ties, carried)
+                except NoFiniteChoiceError:
+                    raise err from None
         free = extract(egraph, extractor, time_limit, budget)
         selection = extract(self._pin_layouts(egraph, free, carried), extractor, time_limit, budget)
         if not ties_hold(selection.choice, ties):
