@@ -293,6 +293,7 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=30.0, help="Budget.seconds (the default)")
     parser.add_argument("--time-limit", type=float, default=10.0, help="extraction's (the default)")
     parser.add_argument("--full-layers", type=int, default=32, help="layers of the import-only rows (0: none)")
+    parser.add_argument("--provenance", default="", help="with --from-json: which runs made the rows, for the doc")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--json", help="also write the rows here")
@@ -334,7 +335,10 @@ def main() -> None:
         "and how many weights are split; `weights live`: R replicated, G gathered on use, S sharded in place. "
         "A status `stopped by ...` is a search a budget cut (docs/cost-models.md, \"Budgets\"); `(warned)`: "
         "the plan is all replicated and SearchCutWarning was raised. Rows without a mesh measure the import "
-        "of the whole model alone.",
+        "of the whole model alone. `7B blocks`: a stack of `importer.zoo.LlamaBlock` at the 7B width (no rotary, "
+        "embedding or head; training loss MSE), a graph the hand plans can split. At batch 8, data parallelism "
+        "cannot split 64 ways: the hand DP and ZeRO-3 rows on 8x8 run replicated.",
+        *([f"\n{args.provenance}"] if args.provenance else []),
         "",
         table(rows),
     ])
