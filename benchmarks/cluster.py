@@ -249,6 +249,14 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f}"
 
 
+def warns(row: dict[str, Any]) -> bool:
+    """Whether the row's result raises SearchCutWarning under the current threshold (runs before it recorded
+    the warning under an older one)."""
+    from tapestry.optimizer import REPLICATED_WARNING
+
+    return row["status"].startswith("stopped") and row["replicated"] >= REPLICATED_WARNING
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| model | layers | step | batch x seq | mesh | import s | RSS GiB | optimize s | status | gap | "
             "predicted ms | MFU | GiB/device | replicated | ids / weights split | weights live | "
@@ -271,7 +279,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             continue
         d = r["degrees"]
         gap = "—" if r["gap"] is None else f"{r['gap']:.1%}"
-        lines.append(first + f" {r['optimize_s']:.0f} | {r['status']}{' (warned)' if r['warned'] else ''} | {gap} | "
+        lines.append(first + f" {r['optimize_s']:.0f} | {r['status']}{' (warns)' if warns(r) else ''} | {gap} | "
                      f"{r['seconds'] * 1e3:.1f} | {r['mfu']:.1%} | {gib(r['peak_memory'])} | {r['replicated']:.0%} | "
                      f"{d['ids split']} / {d['weights split']} of {d['weights']} (max {d['weights split (max)']}) | "
                      f"{d.get('storage', '—')} | {' | '.join(hand)} |")
@@ -333,8 +341,8 @@ def main() -> None:
         "on the flat mesh of as many devices (a 64-ring crosses nodes: InfiniBand). `replicated`: share of "
         "compute steps every device runs whole; `ids / weights split`: distinct blocks of the token ids' layout, "
         "and how many weights are split; `weights live`: R replicated, G gathered on use, S sharded in place. "
-        "A status `stopped by ...` is a search a budget cut (docs/cost-models.md, \"Budgets\"); `(warned)`: "
-        "the plan is all replicated and SearchCutWarning was raised. Rows without a mesh measure the import "
+        "A status `stopped by ...` is a search a budget cut (docs/cost-models.md, \"Budgets\"); `(warns)`: "
+        "so cut a search with so replicated a plan raises SearchCutWarning (optimizer.REPLICATED_WARNING). Rows without a mesh measure the import "
         "of the whole model alone. `7B blocks`: a stack of `importer.zoo.LlamaBlock` at the 7B width (no rotary, "
         "embedding or head; training loss MSE), a graph the hand plans can split. At batch 8, data parallelism "
         "cannot split 64 ways: the hand DP and ZeRO-3 rows on 8x8 run replicated.",

@@ -30,7 +30,7 @@ def test_training_step_extracts_when_pricing_left_its_gradient_reductions_unpric
 
 
 def test_search_cut_by_nodes_is_labelled_and_its_replicated_plan_warns(step):
-    with pytest.warns(SearchCutWarning, match="replicated.*stopped by rules"):
+    with pytest.warns(SearchCutWarning, match="100% of the plan's compute steps are replicated.*stopped by rules"):
         result = tapestry.optimize(step.graph, tapestry.Mesh(4), cost_model=GPU, budget=tapestry.Budget(nodes=1))
     assert result.status == result.selection.status == result.plan.notes["status"] == "stopped by rules (nodes)"
     assert result.replicated_share == 1.0
