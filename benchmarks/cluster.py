@@ -352,6 +352,7 @@ def main() -> None:
     ])
     if not args.no_write:
         command = "python benchmarks/cluster.py" + (" --quick" if args.quick else "") + (
+            f" --models {args.models}" if args.models != "7B" else "") + (
             f" --from-json {args.from_json}" if args.from_json else "")
         write_section("Cluster", command, body)
     print(body)
