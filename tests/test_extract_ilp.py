@@ -8,7 +8,8 @@ import pytest
 
 from extract_helpers import layered
 from tapestry.extract import EGraph, extract, validate
-from tapestry.extract.ilp import WARM_SHARE
+from tapestry.extract import ilp
+from tapestry.extract.ilp import WARM_SHARE, extract_ilp
 from tapestry.models import mlp
 from tapestry.optimizer import default_cost_model, explore
 from tapestry.sharding import Mesh
@@ -36,7 +37,7 @@ def test_the_gap_is_in_0_1_and_the_bound_below_the_optimum_whenever_the_solver_s
 def test_the_ilp_proves_a_layered_graph_optimal_and_beats_greedy_dag(seed: int) -> None:
     # Without the source constraints CP-SAT's bound stayed under 3% of the cost for 10 s on these graphs.
     egraph = layered(12, 8, seed)
-    ilp = extract(egraph, "ilp", time_limit=20)
+    ilp = extract_ilp(egraph, time_limit=20, stop_gap=0)  # proven, not stopped within STOP_GAP of the bound
     assert ilp.status == "optimal" and ilp.gap == 0
     assert ilp.dag_cost <= extract(egraph, "greedy-dag").dag_cost
 
@@ -69,3 +70,21 @@ def test_the_time_limit_holds_when_the_warm_start_and_the_model_alone_would_take
     selection = extract(egraph, "ilp", time_limit=2)
     assert time.perf_counter() - started < 8  # 2 s, and greedy-dag (about 3 s), which no limit cuts
     assert validate(egraph, selection) == [] and 0 <= selection.gap <= 1
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_selection_within_the_stop_gap_of_the_lp_bound_is_returned_without_cp_sat_its_gap_reported(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    egraph = layered(12, 8, seed)
+    optimum = extract_ilp(egraph, 20, stop_gap=0).dag_cost
+
+    def cp_sat(*args: object) -> None:
+        raise AssertionError("CP-SAT ran although the selection was within the stop gap")
+
+    monkeypatch.setattr(ilp, "_solve", cp_sat)
+    selection = extract_ilp(egraph, 20, stop_gap=0.5)
+    assert validate(egraph, selection) == []
+    assert selection.bound is not None and selection.gap is not None
+    assert selection.bound <= optimum + 1e-9 * optimum <= selection.dag_cost + 2e-9 * optimum
+    assert selection.gap <= 0.5
+    assert selection.status == ("optimal" if selection.gap == 0 else "feasible")

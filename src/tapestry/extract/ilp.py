@@ -99,6 +99,10 @@ SUBSETS_LOOKED_UP = 6  # most child classes whose subsets `reduce` looks up one 
 # second on a 12-layer stack on 8 devices, 13,000-20,000 on 4 layers on 2x4; on a 2x2x2 mesh's 1.1 million nodes
 # building it ran 5 s past a 10 s limit.
 LP_NODES_PER_SECOND = 15_000
+# A selection within this share of the LP bound ends the search, unproven ("feasible", its gap reported): CP-SAT
+# would spend the rest of the time limit on at most that. Tiny LLaMA on 2x2 came within 0.046% of the bound
+# after the first LP, and CP-SAT then took 27 s to prove that same plan optimal (docs/benchmarks.md).
+STOP_GAP = 1e-3
 
 
 @dataclass(frozen=True)
@@ -270,9 +274,10 @@ def undominate(egraph: EGraph, choice: Sequence[int], reduced: Reduced) -> list[
     return result
 
 
-def extract_ilp(egraph: EGraph, time_limit: float = 60.0,
-                budget: DeviceBudget | None = None, ties: Ties = (), repeated: Repeated | None = None) -> Selection:
-    """Best selection CP-SAT finds within `time_limit` seconds; never worse than the greedy warm start.
+def extract_ilp(egraph: EGraph, time_limit: float = 60.0, budget: DeviceBudget | None = None, ties: Ties = (),
+                repeated: Repeated | None = None, stop_gap: float = STOP_GAP) -> Selection:
+    """Best selection CP-SAT finds within `time_limit` seconds; never worse than the greedy warm start. A
+    selection within `stop_gap` of the LP bound is returned as it is ("feasible" with that gap).
     Under `budget` and `ties`, the best that satisfies them; NoFiniteChoiceError if none does.
     CP-SAT runs the `PORTFOLIO` workers. With `repeated` (and no budget or ties), the best periodic selection
     (`periodic.py`, solved in PERIODIC_SHARE of the limit) is a second warm start, kept if it is cheaper.
@@ -314,10 +319,11 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0,
     size = sum(map(len, reduced.candidates.values()))
     if not proven and size <= LP_NODES_PER_SECOND * (relax_deadline - time.perf_counter()):
         relaxation = relax(egraph, reduced.candidates, {c: _block(reduced, c) for c in reduced.candidates},
-                           reduced.needs, relax_deadline, ties, offer)
+                           reduced.needs, relax_deadline, ties, offer, max(stop_gap, PROVEN))
         lp_bound, cuts = relaxation.bound, relaxation.cuts
         proven = best is not None and best.dag_cost <= lp_bound + PROVEN * best.dag_cost
-    if not proven and (time.perf_counter() < deadline or best is None):
+    close = best is not None and best.dag_cost <= lp_bound + stop_gap * best.dag_cost
+    if not proven and not close and (time.perf_counter() < deadline or best is None):
         solved, bound, optimal = _solve(egraph, reduced, warm, best is not None, deadline, budget, ties, cuts)
         if solved is not None:
             candidate = finalize(egraph, solved, tree, "ilp", started)

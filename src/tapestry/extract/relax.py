@@ -173,12 +173,13 @@ class _Batch:
 def relax(
     egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
     needs: Mapping[int, Sequence[int]], deadline: float, ties: Sequence[tuple[int, int]] = (),
-    offer: Callable[[list[int]], float] = lambda _: math.inf,
+    offer: Callable[[list[int]], float] = lambda _: math.inf, enough: float = PROVEN,
 ) -> Relaxation:
     """Solve the LP of `candidates` (class -> nodes), adding violated path cuts until none is left, the bound
-    proves the incumbent optimal (within `PROVEN`), a round closes too little of the gap to it (`STALL`), or
-    `deadline` passes. Each LP solution, rounded to a choice per class (its candidate of largest x, -1 for
-    classes without one), is passed to `offer`, which returns the incumbent's cost (inf for none yet).
+    comes within `enough` of the incumbent (at `PROVEN` that proves it optimal), a round closes too little of the
+    gap to it (`STALL`), or `deadline` passes. Each LP solution, rounded to a choice per class (its candidate of
+    largest x, -1 for classes without one), is passed to `offer`, which returns the incumbent's cost (inf for
+    none yet).
     `block` maps each class to its block (cyclic component id, or -1 - class), `needs` is `Reduced.needs`.
     Nothing is solved (bound 0, no cuts) when the path graphs would take too long to build (`PATH_SHARE`)."""
     cuts: list[PathCut] = []
@@ -194,7 +195,7 @@ def relax(
         previous = None  # the bound before the last round of cuts
         while values is not None:
             incumbent = offer(_rounded(egraph, candidates, lp, values))
-            if math.isfinite(incumbent) and incumbent <= _shaved(bound) + PROVEN * incumbent:
+            if math.isfinite(incumbent) and incumbent <= _shaved(bound) + enough * incumbent:
                 break
             if previous is not None:
                 small = math.isfinite(incumbent) and bound - previous < STALL * (incumbent - previous)
