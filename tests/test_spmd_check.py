@@ -6,8 +6,10 @@ from dataclasses import replace
 
 import pytest
 
+from tapestry.cli import main
 from tapestry.lower import lower
 from tapestry.lower.program import Gather, LoweredProgram, Piece
+from tapestry.plan.validate import validate_plan
 from tapestry.sharding import Mesh
 from tapestry.spmd.check import CollectiveMismatch, CollectiveReport, check_collectives, match, trace_rank
 from tapestry.training.plans import data_tensor_parallel
@@ -17,7 +19,9 @@ from training_helpers import ARGUMENTS, HIDDEN, adam_step
 @pytest.fixture(scope="module")
 def program() -> LoweredProgram:
     imported, _ = adam_step(64, 256, 64)
-    return lower(data_tensor_parallel(imported.graph, Mesh(8, 8), ARGUMENTS, HIDDEN))
+    plan = data_tensor_parallel(imported.graph, Mesh(8, 8), ARGUMENTS, HIDDEN)
+    validate_plan(plan)
+    return lower(plan)
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +59,10 @@ def test_a_rank_whose_split_sizes_differ_is_named_with_its_step_and_peer(program
     message = str(caught.value)
     assert f"step {gather.step} " in message
     assert f"rank {peer} sends {size} elements to rank 0, which expects {smaller} from it" in message
+
+
+def test_the_lower_command_checks_the_collectives_of_a_saved_plan(tmp_path, capsys) -> None:
+    imported, _ = adam_step(8, 16, 8)
+    data_tensor_parallel(imported.graph, Mesh(2, 2), ARGUMENTS, HIDDEN).save(tmp_path / "plan.json")
+    assert main(["lower", str(tmp_path / "plan.json"), "--check-collectives"]) == 0
+    assert capsys.readouterr().out.startswith("collectives match: 4 ranks, ")

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from tapestry.graph import Graph
+from tapestry.kernels import DimKind, Signature
 from tapestry.plan import Place, Plan, Reshard, Step, build_plan
 from tapestry.plan.build import expand_linears
 from tapestry.sharding import Layout, Mesh
@@ -121,8 +122,20 @@ def data_tensor_parallel(graph: Graph, mesh: Mesh, arguments: Sequence[str], hid
     expanded = expand_linears(graph)
     data = propagated_splits(expanded, mesh.shape[0], [batch_seeds(expanded, arguments)])
     tensor = propagated_splits(expanded, mesh.shape[1], [_with_state(graph, hidden)])
-    return steady(build_plan(expanded, mesh, {op.name: (data.get(op.name), tensor.get(op.name))
-                                              for op in expanded.ops}))
+    axes = {op.name: _joint(expanded.signature(op.name), data.get(op.name), tensor.get(op.name), mesh.size)
+            for op in expanded.ops}
+    return steady(build_plan(expanded, mesh, axes))
+
+
+def _joint(sig: Signature, first: int | None, second: int | None, devices: int) -> tuple[int | None, int | None]:
+    """The two axes' splits of one op, where a reduction split over one axis only would leave partial sums
+    replicated over the other (counted twice): then the reduction splits over both (if it divides among all
+    devices) or over neither."""
+    reductions = sig.dims_of(DimKind.REDUCTION)
+    alone = first if second is None else second if first is None else None
+    if alone is None or alone not in reductions:
+        return first, second
+    return (alone, alone) if sig.spec.sizes[alone] % devices == 0 else (None, None)
 
 
 def _with_state(graph: Graph, hidden: Seeds) -> Seeds:
