@@ -22,12 +22,20 @@ import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from tapestry.lower.program import Comm, Local, LoweredProgram, PlaceBlock
+from tapestry.lower.program import (
+    AllGather, AllReduce, AllToAll, Comm, Gather, Local, LoweredProgram, PlaceBlock, ReduceScatter, SendRecv,
+)
 from tapestry.spmd.trace import RankFunction, buffer_dtypes, make_groups
 
 _OPS = {  # functional collective op -> the kind it carries out
     "all_gather_into_tensor": "all_gather", "all_reduce": "all_reduce",
     "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all",
+}
+
+
+_KINDS = {  # communication step -> the functional collective the runtime issues for it
+    AllGather: "all_gather", AllReduce: "all_reduce", ReduceScatter: "reduce_scatter", AllToAll: "all_to_all",
+    SendRecv: "all_to_all", Gather: "all_to_all",
 }
 
 
@@ -97,12 +105,7 @@ def trace_rank(program: LoweredProgram, rank: int) -> list[Collective]:
         dtypes = buffer_dtypes(program)
         shapes = {s.out: s.block.shape for s in program.ranks[rank].steps if isinstance(s, PlaceBlock)}
         args = [torch.empty(shapes[name], dtype=getattr(torch, dtypes[name]), device=meta) for name in fn.inputs]
-
-        def flat(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            out = fn(dict(zip(fn.inputs, tensors)))
-            return tuple(out[name] for name in fn.outputs)
-
-        graph = make_fx(flat, tracing_mode="fake")(*args)
+        graph = make_fx(fn.flat, tracing_mode="fake")(*args)
         members = {name: tuple(dist.get_process_group_ranks(pg)) for name, pg in _group_names(groups)}
         issued = [s for s in fn.steps if isinstance(s, Comm) and not isinstance(s, Local)]
         found = list(_collectives(graph, members))
@@ -111,6 +114,11 @@ def trace_rank(program: LoweredProgram, rank: int) -> list[Collective]:
     if len(found) != len(issued):
         raise CollectiveMismatch(f"rank {rank}: its trace has {len(found)} collectives, its program "
                                  f"{len(issued)} communication steps")
+    for step, (kind, group, *_) in zip(issued, found):
+        meant = (_KINDS[type(step)], step.group or tuple(range(world)))
+        if (kind, group) != meant:
+            raise CollectiveMismatch(f"{program.describe(step.step)}, rank {rank}: traced as {kind} among ranks "
+                                     f"{_ranks(group)}, but the step is {meant[0]} among ranks {_ranks(meant[1])}")
     return [Collective(rank, step.step, *c) for step, c in zip(issued, found)]
 
 
