@@ -32,7 +32,6 @@ _OPS = {  # functional collective op -> the kind it carries out
     "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all",
 }
 
-
 _KINDS = {  # communication step -> the functional collective the runtime issues for it
     AllGather: "all_gather", AllReduce: "all_reduce", ReduceScatter: "reduce_scatter", AllToAll: "all_to_all",
     SendRecv: "all_to_all", Gather: "all_to_all",
@@ -105,7 +104,10 @@ def trace_rank(program: LoweredProgram, rank: int) -> list[Collective]:
         dtypes = buffer_dtypes(program)
         shapes = {s.out: s.block.shape for s in program.ranks[rank].steps if isinstance(s, PlaceBlock)}
         args = [torch.empty(shapes[name], dtype=getattr(torch, dtypes[name]), device=meta) for name in fn.inputs]
-        graph = make_fx(fn.flat, tracing_mode="fake")(*args)
+        try:
+            graph = make_fx(fn.flat, tracing_mode="fake")(*args)
+        except Exception as err:  # a kernel with no meta form, a read outside a block: say whose program
+            raise RuntimeError(f"rank {rank}: its program does not trace on meta tensors: {err}") from err
         members = {name: tuple(dist.get_process_group_ranks(pg)) for name, pg in _group_names(groups)}
         issued = [s for s in fn.steps if isinstance(s, Comm) and not isinstance(s, Local)]
         found = list(_collectives(graph, members))
