@@ -19,10 +19,9 @@ from tapestry.plan.validate import validate_plan
 from tapestry.sharding import Mesh
 from tapestry.spmd import RankFunction, make_groups, place
 from tapestry.spmd.check import CollectiveMismatch, CollectiveReport, check_collectives, match, trace_rank
-from tapestry.training.plans import data_tensor_parallel
 from tapestry.spmd.launch import launch
+from tapestry.training.plans import data_tensor_parallel
 from training_helpers import ARGUMENTS, HIDDEN, adam_step
-
 
 WIDTH = (64, 256, 64)  # dim, hidden, batch
 
