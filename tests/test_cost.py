@@ -21,6 +21,7 @@ from tapestry.cost import (
     plan_cost,
     resident_bytes,
 )
+from tapestry.cost.comm import hierarchical_time, phases
 from tapestry.graph import Graph
 from tapestry.plan import Compute, Plan, Reshard, build_plan
 from tapestry.sharding import Layout, Mesh
@@ -153,7 +154,63 @@ def test_a_collective_on_one_mesh_axis_uses_that_axis_link_and_size() -> None:
     gather_axis_1 = Reshard("g", "x", shape, Layout.split(shape, mesh, (None, 0)), Layout.replicated(shape, mesh))
     assert model.step_cost(gather_axis_1, mesh) == pytest.approx(collective_time("all_gather", 256, 4, fast))
     gather_both = Reshard("g", "x", shape, Layout.split(shape, mesh, (0, 1)), Layout.replicated(shape, mesh))
-    assert model.step_cost(gather_both, mesh) == pytest.approx(collective_time("all_gather", 256, 8, Link(1e-3, 1e8)))
+    hierarchical = collective_time("all_gather", 256, 4, fast) + collective_time("all_gather", 256 / 4, 2, slow)
+    assert model.step_cost(gather_both, mesh) == pytest.approx(hierarchical)
+
+
+# -- topology: links per level, hierarchical collectives ---------------------------------------------
+CLUSTER = load_profile("gpu-h100-cluster")
+NVLINK, INFINIBAND = (level.link for level in CLUSTER.levels)
+
+
+def test_cluster_mesh_axes_map_to_nvlink_inside_a_node_and_infiniband_across() -> None:
+    assert CLUSTER.axis_links((2, 8)) == (INFINIBAND, NVLINK)
+    assert CLUSTER.axis_links((4, 8, 8)) == (INFINIBAND, INFINIBAND, NVLINK)
+    assert CLUSTER.axis_links((2, 4)) == (NVLINK, NVLINK)  # 8 devices: one node
+    assert CLUSTER.axis_links((16,)) == (INFINIBAND,)  # one ring over two nodes waits for the slower link
+    with pytest.raises(ValueError, match="joins at most 8 devices"):
+        load_profile("gpu-h100-node").axis_links((2, 8))
+
+
+def test_the_same_collective_on_the_outer_axis_costs_the_infiniband_price() -> None:
+    """An all-gather of a 64 MiB float32 tensor over the 8 devices of one axis of Mesh(8, 8): inside a node on
+    NVLink, across nodes on InfiniBand: the bandwidth terms differ by the links' ratio."""
+    mesh, shape, model = Mesh(8, 8), (4096, 4096), AlphaBeta(CLUSTER)
+    inner = Reshard("g", "x", shape, Layout.split(shape, mesh, (None, 0)), Layout.replicated(shape, mesh))
+    outer = Reshard("g", "x", shape, Layout.split(shape, mesh, (0, None)), Layout.replicated(shape, mesh))
+    nbytes = 4 * 4096 * 4096
+    assert model.step_cost(inner, mesh) == pytest.approx(collective_time("all_gather", nbytes, 8, NVLINK))
+    assert model.step_cost(outer, mesh) == pytest.approx(collective_time("all_gather", nbytes, 8, INFINIBAND))
+    bandwidth = [model.step_cost(step, mesh) - 7 * link.alpha for step, link in ((outer, INFINIBAND), (inner, NVLINK))]
+    assert bandwidth[0] / bandwidth[1] == pytest.approx(NVLINK.beta / INFINIBAND.beta)  # 450 / 50 GB/s
+
+
+def test_an_all_reduce_over_both_axes_is_priced_as_the_hierarchical_algorithm() -> None:
+    """Mesh(2, 8) on the cluster: reduce-scatter inside the node, all-reduce the eighth across the two nodes,
+    all-gather inside again; cheaper than one flat ring over the slower link."""
+    mesh, shape, model = Mesh(2, 8), (1024, 1024), AlphaBeta(CLUSTER)
+    partial = Layout(Layout.replicated(shape, mesh).blocks, partial=True)
+    step = Reshard("r", "x", shape, partial, Layout.replicated(shape, mesh))
+    assert classify_reshard(partial, step.layout, shape, mesh) == "all_reduce"
+    n = 4 * 1024 * 1024
+    expected = (collective_time("reduce_scatter", n, 8, NVLINK) + collective_time("all_reduce", n / 8, 2, INFINIBAND)
+                + collective_time("all_gather", n, 8, NVLINK))
+    assert model.step_cost(step, mesh) == pytest.approx(expected)
+    assert model.step_cost(step, mesh) < collective_time("all_reduce", n, 16, INFINIBAND)
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter", "all_reduce"])
+def test_a_hierarchy_of_equal_links_moves_what_one_ring_moves_in_fewer_steps(kind: str) -> None:
+    link = Link(0.0, 1e9)
+    flat = collective_time(kind, 4096, 16, link)
+    assert hierarchical_time(kind, 4096, [(8, link), (2, Link(0.0, 1e9 * (1 - 1e-12)))]) == pytest.approx(flat)
+    assert phases([(2, link), (8, link)]) == [(16, link)]  # axes of one link are one ring, as before
+
+
+def test_a_profile_of_levels_round_trips_through_json(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.json"
+    CLUSTER.save(path)
+    assert load_profile(path) == CLUSTER
 
 
 # -- memory ---------------------------------------------------------------------------------------
@@ -247,11 +304,11 @@ def test_profile_json_round_trip(tmp_path: Path) -> None:
     assert load_profile(path) == cores
 
 
-@pytest.mark.parametrize("name", ["cpu-gloo", "gpu-h100-nccl"])
+@pytest.mark.parametrize("name", ["cpu-gloo", "gpu-h100-nccl", "gpu-h100-node", "gpu-h100-cluster"])
 def test_shipped_profiles_load_by_name_and_say_where_they_come_from(name: str) -> None:
     profile = load_profile(name)
     assert profile.name == name and profile.provenance
-    assert profile.device.peak_flops > 0 and profile.link(3).beta > 0
+    assert profile.device.peak_flops > 0 and all(link.beta > 0 for link in profile.axis_links((2, 4)))
 
 
 def test_one_link_serves_every_axis_several_links_one_each() -> None:

@@ -178,10 +178,15 @@ def test_what_the_graph_accepts_at_a_dtype_torch_computes_at_the_promised_dtype(
     (softmax, the norms, add_relu and matmul took bool or integers torch has no kernel for)."""
     kernel = get_kernel(name)
     shapes, params, *_ = kernel.sample(data.draw)
+    divides = name.startswith("floor_divide") and dtype != "float16"  # torch raises on an integer // 0 (a precondition)
+    if divides and params.get("value") == 0:
+        params = {**params, "value": 1.0}
     try:
         sig = kernel.bind(shapes, params, [dtype] * len(shapes))
     except KernelError:
         return
     blocks = [read_block(a, p.apply(sig.index)) for a, p in zip(arrays_for(sig, 0), sig.projections)]
+    if divides:
+        blocks = [np.where(b == 0, np.ones_like(b), b) for b in blocks]
     got = kernel.torch(*[dtypes.to_tensor(b) for b in blocks], **sig.call_kwargs(sig.index))
     assert dtypes.name_of(got) == sig.dtype, f"{name} at {dtype}: graph says {sig.dtype}, torch gives {got.dtype}"

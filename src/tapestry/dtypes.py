@@ -105,10 +105,19 @@ def to_tensor(array: np.ndarray) -> Any:
     return torch.from_numpy(array)
 
 
-def from_tensor(tensor: Any) -> np.ndarray:
-    """A CPU numpy copy of `tensor` (bfloat16 as ml_dtypes.bfloat16)."""
-    import torch
+class NoDataError(ValueError):
+    """A tensor without data (on the meta device, or a fake tensor) asked for its values."""
 
+
+def from_tensor(tensor: Any, what: str = "tensor") -> np.ndarray:
+    """A CPU numpy copy of `tensor` (bfloat16 as ml_dtypes.bfloat16). A tensor with no data (meta, fake) raises
+    NoDataError naming `what`: its values cannot be made up."""
+    import torch
+    from torch._subclasses.fake_tensor import is_fake
+
+    if tensor.is_meta or is_fake(tensor):
+        raise NoDataError(f"{what} {list(tensor.shape)} {name_of(tensor.dtype)} has no data (it is on the meta "
+                          "device or a fake tensor): load real values before asking for them")
     tensor = tensor.detach().cpu()
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.int16).numpy().view(_NUMPY["bfloat16"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -42,7 +43,7 @@ from tapestry.extract import (
 )
 from tapestry.extract import EGraph as ExtractGraph
 from tapestry.graph import Graph, GraphError
-from tapestry.plan import Plan, steady_violations
+from tapestry.plan import Compute, Place, Plan, steady_violations
 from tapestry.plan.explain import explain as explain_plan
 from tapestry.plan.validate import validate_plan
 from tapestry.sharding import Layout, Mesh
@@ -68,11 +69,32 @@ class OptimizeResult:
         device", "sampled: ...", or "NOT CHECKED: ..." (with a warning) when even one sampled cell was too big."""
         return str(self.plan.notes.get("meaning_check", "NOT CHECKED"))
 
+    @property
+    def status(self) -> str:
+        """How the plan was found (`search_status`): "optimal" only if the search space was complete and the
+        extractor proved its choice; "feasible" or "heuristic" when the space was complete but the choice not
+        proven; "stopped by <phase> (<budget>)" when a budget cut the search space."""
+        return self.selection.status
+
+    @property
+    def gap(self) -> float | None:
+        """(cost - bound) / cost of the extractor's proof, within the space searched (none for greedy
+        extractors). When the search was cut it bounds nothing outside that space."""
+        return self.selection.gap
+
+    @property
+    def replicated_share(self) -> float:
+        """The share of the plan's compute steps that every device runs whole (1.0: nothing sharded)."""
+        return replicated_share(self.plan)
+
     def explain(self) -> str:
         """The plan step by step, each compute with the graph op or rule that produced its kernel."""
+        gap = "" if self.gap is None else f", gap {self.gap:.2%}" + (" within the space searched"
+                                                                         if self.status.startswith("stopped") else "")
         head = [
             f"mesh {self.plan.mesh}: {len(self.plan.steps)} steps, predicted {self.plan.cost:.6g} s, "
-            f"peak {self.peak_memory:,} bytes per device ({self.selection.extractor}, {self.selection.status})",
+            f"peak {self.peak_memory:,} bytes per device ({self.selection.extractor}, {self.status}{gap}; "
+            f"{self.replicated_share:.0%} of compute steps replicated)",
             f"saturation: {len(self.stats.iterations)} iterations, {self.stats.enodes} e-nodes, "
             f"stopped by {self.stats.stopped_by}" + (f" ({self.stats.undone})" if self.stats.undone else ""),
             f"meaning: {self.meaning_check}",
@@ -88,6 +110,9 @@ class OptimizeResult:
 
 
 Outputs = str | Mapping[str, "str | Layout"]  # "any", "replicated", or per output name one of those or a Layout
+# A cut search whose plan replicates at least this share of its compute steps warns (SearchCutWarning): on 8x8
+# a 2-layer 7B step stopped by generation came out 83-95% replicated at 0.4% MFU (docs/benchmarks.md, "Cluster")
+REPLICATED_WARNING = 0.8
 CUT_ROUNDS = 12  # re-solves with memory cuts when the decoded plan overshoots the budget
 # The weights of "reductions hidden" tried after 1.0 when the plan's backward pass hides less than all of its
 # gradient reductions (cost.overlap): the other piece of max(sum - reductions, sum - backward), and between.
@@ -96,6 +121,46 @@ LAGRANGE_WEIGHTS = (0.0, 0.5)
 
 def default_cost_model() -> CostModel:
     return DefaultCostModel(load_profile("cpu-gloo"))
+
+
+class SearchCutWarning(UserWarning):
+    """A budget cut the search and the plan came out (nearly) replicated: the sharded options may never have been
+    made (REPLICATED_WARNING)."""
+
+
+def search_cut(stats: SaturationStats) -> str:
+    """The first phase a budget cut, as "phase (budget)"; "" when the search space was complete. Each phase's
+    stop leaves out options the later phases and extraction never see (docs/cost-models.md, "Budgets")."""
+    generation = stats.generation
+    if stats.stopped_in == "rules":
+        return f"rules ({stats.stopped_by})"
+    if stats.stopped_in == "generation":
+        return "generation (" + ("layout pairs" if generation is not None and generation.pairs_capped
+                                 else stats.stopped_by) + ")"
+    if stats.values_with_few_moves:
+        return "making reshards (seconds)"
+    if stats.reshards_unpriced:
+        return "pricing (seconds)"
+    return ""
+
+
+def search_status(stats: SaturationStats, selection: Selection) -> str:
+    """The extractor's status where the search space was complete, else which phase a budget stopped."""
+    cut = search_cut(stats)
+    return f"stopped by {cut}" if cut else selection.status
+
+
+def replicated_share(plan: Plan) -> float:
+    """The share of the plan's (per-run) compute steps that every device runs on the same block."""
+    computes = [s for s in plan.steps if isinstance(s, Compute) and s.out not in plan.prepared]
+    if plan.mesh.size == 1 or not computes:
+        return 1.0
+    return sum(all(b == s.blocks[0] for b in s.blocks) for s in computes) / len(computes)
+
+
+def _unless_unselectable(cost: float, weight: float) -> float:
+    """`cost` weighted, an unselectable node (an unpriced reshard: inf) kept so (inf * 0 is NaN)."""
+    return cost if math.isinf(cost) else cost * weight
 
 
 @dataclass(frozen=True)
@@ -152,7 +217,8 @@ class Explored:
 
         def fit(weight: float) -> tuple[Plan, Selection]:
             """Extracted with `weight` of each reduction's cost hidden and 1 - weight of each backward Run's."""
-            hidden = egraph.with_costs([c * (1 - weight) if n in reductions else c * weight if n in backward else c
+            hidden = egraph.with_costs([_unless_unselectable(c, 1 - weight) if n in reductions
+                                        else _unless_unselectable(c, weight) if n in backward else c
                                         for n, c in enumerate(egraph.node_cost)]) if reductions else egraph
             plan, selection = self._fit(hidden, extractor, time_limit, base, ties, carried, memory_budget, outputs)
             return replace(plan, cost=plan_cost(plan, model)), selection  # time per run, not objective
@@ -165,7 +231,15 @@ class Explored:
             plan = replace(plan, notes={**plan.notes, "status": "feasible",
                                         "overlap_rounds": 1 + len(LAGRANGE_WEIGHTS)})
         stats = replace(self.stats, reshards_unpriced=self.decoder.pricing.reshards_unpriced)
-        return OptimizeResult(plan, stats, selection, self.rule_files, self.data)
+        status = search_status(stats, selection)
+        plan = replace(plan, notes={**plan.notes, "status": status, "extractor_status": selection.status})
+        result = OptimizeResult(plan, stats, replace(selection, status=status), self.rule_files, self.data)
+        if status.startswith("stopped") and result.replicated_share >= REPLICATED_WARNING:
+            warnings.warn(f"{result.replicated_share:.0%} of the plan's compute steps are replicated and the search "
+                          f"was {status} "
+                          f"({stats.undone}): its sharded options were never all made; raise Budget.seconds or "
+                          f"Budget.nodes", SearchCutWarning, stacklevel=3)
+        return result
 
     def _fit(self, egraph: ExtractGraph, extractor: str, time_limit: float, base: DeviceBudget | None, ties: Ties,
              carried: Mapping[str, str], memory_budget: int | None, outputs: Outputs) -> tuple[Plan, Selection]:
@@ -234,7 +308,17 @@ class Explored:
     def _select(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget: DeviceBudget | None,
                 ties: Ties, carried: Mapping[str, str]) -> Selection:
         if not ties or extractor == "ilp":
-            return extract(egraph, extractor, time_limit, budget, ties, self.repeated)
+            try:
+                return extract(egraph, extractor, time_limit, budget, ties, self.repeated)
+            except NoFiniteChoiceError as err:
+                if not ties or extractor != "ilp" or budget is not None:  # greedy-dag takes no budget
+                    raise
+                # CP-SAT found no steady selection in time (a training step past a few layers on many devices):
+                # greedy-dag's pinned layouts are steady; the selection names its extractor, and proves nothing
+                try:
+                    return self._select(egraph, "greedy-dag", time_limit, budget, ties, carried)
+                except NoFiniteChoiceError:
+                    raise err from None
         free = extract(egraph, extractor, time_limit, budget)
         selection = extract(self._pin_layouts(egraph, free, carried), extractor, time_limit, budget)
         if not ties_hold(selection.choice, ties):

@@ -5,9 +5,13 @@ the textbook ring formula for its collective, on the devices it spans. Simplific
 
 - The devices are split into the groups of sharding.collectives.reshard_groups:
   along the fewest mesh axes in which each group holds all it needs. Every group
-  runs its collective at once, on its own; p is the product of those axes' sizes,
-  and each group's collective runs as one flat ring on the slowest of their links
-  (largest alpha, smallest beta). No hierarchical decomposition within a group.
+  runs its collective at once, on its own; p is the product of those axes' sizes.
+- Each axis communicates over its link (`Profile.axis_links`: NVLink inside a node, InfiniBand across).
+  A group over axes of one link runs one ring over all of them; over axes of different links, the
+  hierarchical algorithm (`hierarchical_time`), one phase per link, fastest first: an all-reduce
+  reduce-scatters inside the node, all-reduces the 1/p_node shard across nodes, and all-gathers inside
+  again, NCCL's tree/ring two-level scheme. With equal links it moves what one flat ring moves, in fewer
+  latency steps.
 - n, the buffer of the collective, is the largest block on either side: the
   gathered block for all-gather, the pre-scatter block for reduce-scatter, the
   reduced block for all-reduce, the per-device buffer for all-to-all.
@@ -20,8 +24,7 @@ the textbook ring formula for its collective, on the devices it spans. Simplific
 """
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
@@ -51,6 +54,39 @@ def collective_time(kind: str, nbytes: float, p: int, link: Link) -> float:
         return 0.0
     steps, fraction = RING[kind](p)
     return steps * link.alpha + fraction * nbytes / link.beta
+
+
+Phase = tuple[int, Link]  # devices and the link one phase of a hierarchical collective runs over
+
+
+def phases(axes: Sequence[Phase]) -> list[Phase]:
+    """The phases of a collective over mesh axes (size, link each): axes of one link merged into one ring, the
+    fastest link first (it carries the largest buffer)."""
+    merged: dict[Link, int] = {}
+    for size, link in axes:
+        merged[link] = merged.get(link, 1) * size
+    return sorted(((p, link) for link, p in merged.items()), key=lambda pl: (-pl[1].beta, pl[1].alpha))
+
+
+def hierarchical_time(kind: str, nbytes: float, levels: Sequence[Phase]) -> float:
+    """Time of collective `kind` with an n-byte buffer run in phases (`phases`), fastest link first. All-gather
+    and reduce-scatter shrink the buffer by each phase's devices (the fast phase moves all n bytes, the next
+    n/p_fast); an all-reduce reduce-scatters down every phase but the last, all-reduces there and gathers back;
+    an all-to-all sends the whole buffer's share once per phase. One phase is the ring formula itself."""
+    if len(levels) == 1:
+        return collective_time(kind, nbytes, *levels[0])
+    if kind == "all_to_all":
+        return sum(collective_time(kind, nbytes, p, link) for p, link in levels)
+    if kind not in ("all_gather", "reduce_scatter", "all_reduce"):
+        raise ValueError(f"no hierarchical formula for {kind!r}")
+    total, n = 0.0, float(nbytes)
+    for p, link in levels[:-1]:
+        if kind == "all_reduce":
+            total += collective_time("reduce_scatter", n, p, link) + collective_time("all_gather", n, p, link)
+        else:
+            total += collective_time(kind, n, p, link)
+        n /= p
+    return total + collective_time(kind, n, *levels[-1])
 
 
 @dataclass(frozen=True)
@@ -112,14 +148,15 @@ class AlphaBeta:
 
     profile: Profile
 
-    def group_link(self, axes: tuple[int, ...]) -> Link:
-        links = [self.profile.link(a) for a in axes]
+    def group_link(self, axes: tuple[int, ...], mesh: Mesh) -> Link:
+        """The slowest link among `axes` (largest alpha, smallest beta): what a general block move waits for."""
+        links = [self.profile.axis_links(mesh.shape)[a] for a in axes]
         return Link(max(k.alpha for k in links), min(k.beta for k in links))
 
     def reshard_time(self, step: Reshard, mesh: Mesh) -> float:
         """Priced once per orbit of the layout pair under the mesh's symmetries (`sharding.symmetry`): pricing
         a 2x2x2 mesh's stack asks for ~92,000 distinct pairs, in fewer orbits."""
-        symmetries, prices = _orbit_prices(self.profile.links, mesh)
+        symmetries, prices = _orbit_prices(self.profile.axis_links(mesh.shape), mesh)
         for src, dst in symmetries.pair_images(step.src_layout, step.layout, step.shape):
             price = prices.get((step.shape, step.dtype, src, dst))
             if price is not None:
@@ -131,13 +168,13 @@ class AlphaBeta:
         moved = moves(step.src_layout, step.layout, step.shape, mesh)
         if moved.kind == "noop":
             return 0.0
-        link = self.group_link(moved.axes)
         size = dtypes.itemsize(step.dtype)
         if moved.kind == "send_recv":
+            link = self.group_link(moved.axes, mesh)
             return max(m * link.alpha + r * size / link.beta for m, r in zip(moved.messages, moved.received))
-        p = math.prod(mesh.shape[a] for a in moved.axes)
+        links = self.profile.axis_links(mesh.shape)
         nbytes = size * max(_largest_block(step.src_layout), _largest_block(step.layout))
-        return collective_time(moved.kind, nbytes, p, link)
+        return hierarchical_time(moved.kind, nbytes, phases([(mesh.shape[a], links[a]) for a in moved.axes]))
 
     def step_cost(self, step: Step, mesh: Mesh) -> float:
         """The reshard's time, stretched like compute when the mesh outnumbers the host's cores: the ranks'

@@ -49,22 +49,64 @@ class Link:
 
 
 @dataclass(frozen=True)
+class Level:
+    """One level of a network, innermost first: its link, and how many devices it joins (0: any number, as the
+    outermost level does). An 8-GPU node on NVLink is Level("nvlink", Link(...), 8); the nodes on InfiniBand,
+    Level("infiniband", Link(...))."""
+
+    name: str
+    link: Link
+    devices: int = 0
+
+
+@dataclass(frozen=True)
 class Profile:
+    """A device and its network. The network is either `links`, one per mesh axis or a single entry used for
+    every axis, or `levels` (then `links` is empty): a hierarchy whose links the mesh's axes are mapped onto
+    by their sizes (`axis_links`)."""
+
     name: str
     device: DeviceProfile
-    links: tuple[Link, ...]  # one per mesh axis, or a single entry used for every axis
+    links: tuple[Link, ...]
     provenance: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    levels: tuple[Level, ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.links:
+        if not self.links and not self.levels:
             raise ValueError(f"profile {self.name!r} has no links")
+        if self.links and self.levels:
+            raise ValueError(f"profile {self.name!r} has both links per axis and levels; give one")
+        if any(level.devices <= 0 for level in self.levels[:-1]):
+            raise ValueError(f"profile {self.name!r}: every level but the outermost says how many devices it joins")
 
     def link(self, axis: int) -> Link:
+        """The link of mesh axis `axis` of a profile with links per axis (a hierarchy needs the mesh: axis_links)."""
+        if self.levels:
+            raise ValueError(f"profile {self.name!r} maps mesh axes to its levels by the mesh's shape: use "
+                             "axis_links(mesh.shape)")
         if len(self.links) == 1:
             return self.links[0]
         if axis >= len(self.links):
             raise ValueError(f"profile {self.name!r} describes {len(self.links)} mesh axes, not axis {axis}")
         return self.links[axis]
+
+    def axis_links(self, shape: tuple[int, ...]) -> tuple[Link, ...]:
+        """The link each axis of a mesh of `shape` communicates over. With levels, the last axis is innermost
+        (consecutive ranks share a node, as torch's DeviceMesh and launchers lay them out): an axis is on the
+        innermost level that joins as many devices as it and every axis inside it span together, so on 8-GPU
+        nodes Mesh(2, 8) has its axis 1 on NVLink and its axis 0 on InfiniBand, and all of Mesh(2, 4) is in
+        one node."""
+        if not self.levels:
+            return tuple(self.link(a) for a in range(len(shape)))
+        links, spanned = [], 1
+        for size in reversed(shape):
+            spanned *= size
+            level = next((lv for lv in self.levels if lv.devices == 0 or spanned <= lv.devices), None)
+            if level is None:
+                raise ValueError(f"profile {self.name!r} joins at most {self.levels[-1].devices} devices "
+                                 f"({self.levels[-1].name}); mesh {list(shape)} has {spanned}")
+            links.append(level.link)
+        return tuple(reversed(links))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -78,7 +120,9 @@ class Profile:
                 **({"cores": self.device.cores} if self.device.cores else {}),
                 **({"peak_flops_by_dtype": dict(self.device.peaks)} if self.device.peaks else {}),
             },
-            "links": [{"alpha": k.alpha, "beta": k.beta} for k in self.links],
+            **({"links": [{"alpha": k.alpha, "beta": k.beta} for k in self.links]} if self.links else {}),
+            **({"levels": [{"name": v.name, **({"devices": v.devices} if v.devices else {}), "alpha": v.link.alpha,
+                            "beta": v.link.beta} for v in self.levels]} if self.levels else {}),
         }
 
     @classmethod
@@ -93,8 +137,10 @@ class Profile:
                     float(device["peak_flops"]), float(device["mem_bandwidth"]), float(device["launch_overhead"]),
                     float(device.get("cores", 0.0)), _peaks(device.get("peak_flops_by_dtype", {}), source),
                 ),
-                links=tuple(Link(float(k["alpha"]), float(k["beta"])) for k in data["links"]),
+                links=tuple(Link(float(k["alpha"]), float(k["beta"])) for k in data.get("links", ())),
                 provenance=dict(data.get("provenance", {})),
+                levels=tuple(Level(str(v["name"]), Link(float(v["alpha"]), float(v["beta"])), int(v.get("devices", 0)))
+                             for v in data.get("levels", ())),
             )
         except (KeyError, TypeError) as err:
             raise ValueError(f"{source}: profile is missing or mistypes {err}") from None

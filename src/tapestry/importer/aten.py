@@ -126,7 +126,7 @@ def _where(b: Builder, cond: Any, a: Any, c: Any) -> Value:
         return b.op("masked_fill", b.tensor(a), b.op("logical_not", b.tensor(cond)), value=fill_c)
     if fill_a is not None and fill_c is None:
         return b.op("masked_fill", b.tensor(c), b.tensor(cond), value=fill_a)
-    raise Unsupported("where of two scalars")
+    return b.op("masked_fill", b.filled(fill_c, b.shape, b.dtype), b.tensor(cond), value=fill_a)  # two numbers
 
 
 @converts("aten.masked_fill.Scalar", "aten.masked_fill.Tensor")

@@ -2,7 +2,11 @@
 
 Each fx node becomes one of:
 - folded: every tensor it reads is a constant (or it reads only metadata, as `new_ones` does), so torch
-  computes it now and it becomes a constant (mask construction, position ids);
+  computes it now and it becomes a constant (mask construction, position ids). Folds are computed on the CPU
+  whatever device the module is on (a module built on the meta device has no data, but its position ids and
+  masks depend on shapes only), and only when small (FOLD_CELLS): a larger fold is emitted as the graph op it
+  is, over the small constants it reads, and a large tensor of one value (zeros, a fill) as a one-cell constant
+  expanded, so no activation-sized constant is ever made;
 - dropped: bookkeeping (`_assert_*`, `clone`, eval-mode `dropout`) that passes its input through;
 - converted: the converter registered for its ATen op (importer/aten.py) emits Tapestry kernels;
 - opaque: no converter (or one that declines), so it runs whole through torch (`opaque<n>` kernels),
@@ -16,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 
@@ -34,6 +39,14 @@ METADATA_ONLY = {  # read only their tensor argument's shape, dtype or device
     "aten.new_ones.default", "aten.new_zeros.default", "aten.new_full.default", "aten.new_empty.default",
     "aten.ones_like.default", "aten.zeros_like.default", "aten.full_like.default", "aten.empty_like.default",
     "aten.sym_size.int",
+}
+FOLD_CELLS = 1 << 16  # the largest fold made into a constant array; a larger one stays a graph op
+FILLS: dict[str, Callable[[tuple[Any, ...]], Any]] = {  # ops whose result is one value everywhere: that value
+    "aten.full.default": lambda args: args[1], "aten.new_full.default": lambda args: args[2],
+    "aten.full_like.default": lambda args: args[1], "aten.scalar_tensor.default": lambda args: args[0],
+    **{f"aten.{op}.default": lambda args: 0 for op in ("zeros", "new_zeros", "zeros_like", "new_empty", "empty_like")},
+    **{f"aten.{op}.default": lambda args: 1 for op in ("ones", "new_ones", "ones_like")},
+    "aten.empty.memory_format": lambda args: 0,  # empty's cells are any value: zero is one
 }
 
 
@@ -87,7 +100,14 @@ class Builder:
         raise Unsupported(f"expected a tensor, got {type(value).__name__}")
 
     def constant(self, tensor: torch.Tensor) -> Value:
-        return self.graph.constant(f"const_{len(self.graph.constants)}", dtypes.from_tensor(tensor.contiguous()))
+        what = f"a constant read by {op_name(self.node.target)} at {_where(self.node)}" if self.node else "a constant"
+        return self.graph.constant(f"const_{len(self.graph.constants)}",
+                                   dtypes.from_tensor(tensor.contiguous(), what))
+
+    def filled(self, value: Any, shape: tuple[int, ...], dtype: str) -> Value:
+        """A tensor of one value, as a one-cell constant expanded (a view: no array of its size is made)."""
+        cell = self.graph.constant(f"const_{len(self.graph.constants)}", np.full((), value, dtypes.to_numpy(dtype)))
+        return self.op("expand", cell, shape=shape)
 
 
 def _meta(node: Any) -> Any:
@@ -153,8 +173,9 @@ def translate(graph: torch.fx.Graph, placeholders: Mapping[str, Placeholder], ou
     kinds = collections.defaultdict(list)
     for p in placeholders.values():
         kinds[p.kind].append(p.name)
-    return Translation(builder.graph, tuple(n for n in kinds["state"] if n in builder.graph), tuple(kinds["user"]),
-                       tuple(name for name, _ in outputs), dict(coverage), dict(builder.declined))
+    state = tuple(dict.fromkeys(n for n in kinds["state"] if n in builder.graph))  # a tied weight's paths: one input
+    return Translation(builder.graph, state, tuple(kinds["user"]), tuple(name for name, _ in outputs), dict(coverage),
+                       dict(builder.declined))
 
 
 def translate_program(program: torch.export.ExportedProgram, strict: bool) -> Translation:
@@ -167,8 +188,12 @@ def translate_program(program: torch.export.ExportedProgram, strict: bool) -> Tr
         if not isinstance(spec.arg, TensorArgument):
             continue
         value = next(n for n in program.graph.nodes if n.name == spec.arg.name).meta["val"]
-        if spec.kind is InputKind.CONSTANT_TENSOR or (spec.kind is InputKind.BUFFER and not value.dtype.is_floating_point):
-            placeholders[spec.arg.name] = Placeholder("constant", spec.target, tables[spec.target])
+        table = tables.get(spec.target)
+        if table is not None and table.is_meta:  # an index table with no data (a module built on meta): an input
+            placeholders[spec.arg.name] = Placeholder("state", spec.target)
+        elif spec.kind is InputKind.CONSTANT_TENSOR or (spec.kind is InputKind.BUFFER
+                                                        and not value.dtype.is_floating_point):
+            placeholders[spec.arg.name] = Placeholder("constant", spec.target, table)
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
             name = first_name.setdefault(id(tables[spec.target]), spec.target)
             placeholders[spec.arg.name] = Placeholder("state", name)
@@ -213,13 +238,58 @@ def _resolve(value: Any, env: dict[Any, Any]) -> Any:
     return value
 
 
-def _as_dummy(value: Any) -> Any:
-    """A graph value replaced by zeros of its shape and dtype, for ops that read only metadata."""
+def _on(value: Any, device: str) -> Any:
+    """An op's resolved args with every tensor and device argument on `device`, and graph values as empty meta
+    tensors of their shape (ops that read only metadata): "meta" says a fold's shape, "cpu" computes it."""
     if isinstance(value, Value):
-        return torch.zeros(value.shape, dtype=dtypes.to_torch(value.dtype))
+        return torch.empty(value.shape, dtype=dtypes.to_torch(value.dtype), device="meta")
+    if isinstance(value, torch.Tensor):
+        return value.to(device) if value.device.type != device else value
+    if isinstance(value, torch.device):
+        return torch.device(device)
     if isinstance(value, (list, tuple)):
-        return type(value)(_as_dummy(v) for v in value)
+        return type(value)(_on(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: torch.device(device) if k == "device" and v is not None else _on(v, device)
+                for k, v in value.items()}
     return value
+
+
+def _cells(shape: Sequence[int]) -> int:
+    cells = 1
+    for s in shape:
+        cells *= int(s)
+    return cells
+
+
+def _fold(builder: Builder, node: Any, name: str, args: Any, kwargs: Any,
+          coverage: dict[str, collections.Counter]) -> Any:
+    """A constant op's result: computed on the CPU when small; a tensor of one value (FILLS) from `Builder.filled`
+    (never from the data of a tensor it reads only the shape of); any other large result as its converter's
+    kernels over the constants it reads (their folds were small). Only an op no converter takes, or one whose
+    shape depends on data, is computed whole, as before."""
+    try:
+        shaped = node.target(*_on(args, "meta"), **_on(kwargs, "meta"))
+    except Exception:  # a shape that depends on values (nonzero): computed below
+        shaped = None
+    tensor = isinstance(shaped, torch.Tensor)
+    large = tensor and _cells(shaped.shape) > FOLD_CELLS
+    if tensor and name in FILLS and (large or name in METADATA_ONLY):
+        coverage[name]["filled" if large else "folded"] += 1
+        if not large:
+            return torch.full(shaped.shape, FILLS[name](args), dtype=shaped.dtype)
+        builder.node = node
+        return builder.filled(FILLS[name](args), tuple(shaped.shape), dtypes.name_of(shaped.dtype))
+    if name in METADATA_ONLY:  # sym_size: a number
+        coverage[name]["folded"] += 1
+        return shaped
+    if large and name in CONVERTERS:
+        try:
+            return _convert(builder, node, name, args, kwargs, coverage)
+        except _Declined:
+            pass
+    coverage[name]["folded"] += 1
+    return node.target(*_on(args, "cpu"), **_on(kwargs, "cpu"))
 
 
 def _call(builder: Builder, node: Any, env: dict[Any, Any], strict: bool,
@@ -239,8 +309,7 @@ def _call(builder: Builder, node: Any, env: dict[Any, Any], strict: bool,
         coverage[name]["dropped"] += 1
         return None
     if name != "getitem" and (_is_const((args, kwargs)) or name in METADATA_ONLY):
-        coverage[name]["folded"] += 1
-        return node.target(*_as_dummy(args), **_as_dummy(kwargs))
+        return _fold(builder, node, name, args, kwargs, coverage)
     if name == "getitem":
         container, index = args
         item = container[index]
@@ -250,25 +319,37 @@ def _call(builder: Builder, node: Any, env: dict[Any, Any], strict: bool,
     if name in PASS_THROUGH:
         coverage[name]["dropped"] += 1
         return args[0]
-    builder.node = node
-    converter = CONVERTERS.get(name)
-    if converter is not None:
-        size = len(builder.graph)
+    if name in CONVERTERS:
         try:
-            result = converter(builder, *args, **kwargs)
-            if isinstance(result, Value):
-                result = _match_torch(builder, result)
-            made = {n.op for n in builder.graph.nodes[size:] if not n.is_input} or {"view of its input"}
-            coverage[name][", ".join(sorted(made))] += 1
-            return result
-        except Exception as why:  # a form the kernels do not take (or a converter's slip): roll back, run it opaque
-            builder.graph.truncate(size)
+            return _convert(builder, node, name, args, kwargs, coverage)
+        except _Declined as why:
             if strict:
                 raise TorchImportError(f"{name} at {_where(node)}: not supported ({why})") from None
             builder.declined[name][str(why)] += 1
     elif strict:
         raise TorchImportError(f"{name} at {_where(node)}: no Tapestry kernel (strict=True)")
     return _opaque(builder, node, name, args, kwargs, coverage)
+
+
+class _Declined(Exception):
+    """A converter did not take the node (the reason is the message)."""
+
+
+def _convert(builder: Builder, node: Any, name: str, args: Any, kwargs: Any,
+             coverage: dict[str, collections.Counter]) -> Any:
+    """The node through its converter; _Declined (the graph rolled back) if the converter does not take it."""
+    builder.node = node
+    size = len(builder.graph)
+    try:
+        result = CONVERTERS[name](builder, *args, **kwargs)
+        if isinstance(result, Value):
+            result = _match_torch(builder, result)
+    except Exception as why:  # a form the kernels do not take (or a converter's slip): roll back
+        builder.graph.truncate(size)
+        raise _Declined(str(why)) from None
+    made = {n.op for n in builder.graph.nodes[size:] if not n.is_input} or {"view of its input"}
+    coverage[name][", ".join(sorted(made))] += 1
+    return result
 
 
 def by_schema(target: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:

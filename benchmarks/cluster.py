@@ -1,0 +1,362 @@
+"""Cluster benchmark (issue 24): LLaMA at real widths, built on the meta device, planned for H100 clusters.
+
+Per case (model width, layers, inference or one Adam training step, mesh): import time and peak RSS, optimize
+time, the result's status and gap, predicted step time and MFU, peak memory per device, what the plan splits
+(token ids, weights; for training how each weight lives between steps), beside the hand-built plans
+(tapestry.training.plans: data parallel, ZeRO-3, Megatron tensor parallel) priced by the same cost model.
+The hand plans split over one mesh axis, so on 2x4 and 8x8 they are priced on the flat mesh of as many devices
+(Mesh(8), Mesh(64)), where the profile's levels put a 64-device ring on InfiniBand.
+
+Each case runs in a fresh process (spawned, so its peak RSS, /proc VmHWM, is its own). The whole model's import
+(32 layers) is measured alone, as the optimizer cannot plan it within its default budget yet (issue 24, item 2).
+Writes the "Cluster" section of docs/benchmarks.md.
+
+    python benchmarks/cluster.py                      # 7B: 2 layers on 8, 2x4, 8x8; import of 32 layers
+    python benchmarks/cluster.py --quick              # one small case, to check the script
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import re
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from _report import write_section
+
+PROFILE = "gpu-h100-cluster"
+WIDTHS = {  # hidden, MLP hidden, heads, KV heads: LLaMA-2 configs
+    "7B": (4096, 11008, 32, 32),
+    "13B": (5120, 13824, 40, 40),
+    "70B": (8192, 28672, 64, 8),
+}
+HAND = ("DP", "ZeRO-3", "TP")
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    layers: int
+    mode: str  # "inference" | "training"
+    mesh: str  # "8", "2x4", "8x8"
+    batch: int
+    seq: int
+    vocab: int = 32000
+    arch: str = "hf"  # "hf": transformers' LlamaForCausalLM; "block": a stack of importer.zoo.LlamaBlock (no rotary,
+    # embedding or head: a graph the hand plans of training/plans.py can split, see the section's note)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(int(s) for s in self.mesh.split("x"))
+
+
+def peak_rss() -> int:
+    """This process's peak resident set, in bytes (VmHWM: ru_maxrss would carry a forking parent's over)."""
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+
+def build(case: Case) -> Any:
+    """The case's module on the meta device (bfloat16, as such models train and serve) and its import."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import tapestry
+
+    hidden, mlp, heads, kv = WIDTHS[case.model]
+    if case.arch == "block":
+        return build_blocks(case, hidden, mlp, heads)
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=case.layers,
+                         num_attention_heads=heads, num_key_value_heads=kv, vocab_size=case.vocab,
+                         max_position_embeddings=max(4096, case.seq))
+    with torch.device("meta"):
+        module = LlamaForCausalLM(config).to(torch.bfloat16)
+    ids = torch.zeros(case.batch, case.seq, dtype=torch.int64, device="meta")
+    if case.mode == "inference":
+        return tapestry.from_torch(module.eval(), (ids,), {"use_cache": False}, verbose=False)
+
+    def loss(m: Any, ids: Any, labels: Any) -> Any:
+        return m(ids, labels=labels, use_cache=False).loss
+
+    training = tapestry.Training(loss=loss, optimizer="adam", lr=1e-4)
+    return tapestry.from_torch(module, (ids, ids), training=training, verbose=False)
+
+
+def build_blocks(case: Case, hidden: int, mlp: int, heads: int) -> Any:
+    """`case.layers` LLaMA blocks (RMSNorm, causal SDPA, SiLU-gated MLP) on meta in bfloat16; training: MSE."""
+    import torch
+
+    import tapestry
+    from tapestry.importer.zoo import LlamaBlock
+
+    class Blocks(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(LlamaBlock(hidden, heads, mlp) for _ in range(case.layers))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    with torch.device("meta"):
+        module = Blocks().to(torch.bfloat16)
+    x = torch.zeros(case.batch, case.seq, hidden, dtype=torch.bfloat16, device="meta")
+    if case.mode == "inference":
+        return tapestry.from_torch(module.eval(), (x,), verbose=False)
+
+    def loss(m: Any, x: Any, y: Any) -> Any:
+        return torch.nn.functional.mse_loss(m(x), y)
+
+    return tapestry.from_torch(module, (x, x), training=tapestry.Training(loss=loss, optimizer="adam", lr=1e-4),
+                               verbose=False)
+
+
+def graph_flops(graph: Any) -> float:
+    """FLOPs of one run of the graph as imported (every op unsharded): what MFU divides by."""
+    from tapestry.zspace import ZRange
+
+    total = 0.0
+    for node in graph.ops:
+        sig = graph.signature(node.name)
+        total += sig.cost(ZRange.from_shape(sig.spec.sizes))[0]
+    return total
+
+
+def distinct_blocks(layout: Any) -> int:
+    return len(set(layout.blocks))
+
+
+def degrees(plan: Any, arguments: tuple[str, ...]) -> dict[str, Any]:
+    """What the plan splits: the token ids' and the weights' Place layouts (distinct blocks), and for a
+    training step how many weights live replicated (R), sharded and gathered on use (G), sharded in place (S)."""
+    from collections import Counter
+
+    from tapestry.plan import Place
+    from tapestry.training.strategy import GATHERED, IN_PLACE, REPLICATED, storage
+
+    places = {s.input: s.layout for s in plan.steps if isinstance(s, Place)}
+    weights = [distinct_blocks(layout) for name, layout in places.items()
+               if name.endswith(".weight") and not name.startswith(("adam.", "new."))]
+    found: dict[str, Any] = {
+        "ids split": max((distinct_blocks(places[a]) for a in arguments if a in places), default=1),
+        "weights split (max)": max(weights, default=1),
+        "weights split": sum(w > 1 for w in weights), "weights": len(weights),
+    }
+    if plan.graph.carried:
+        short = {REPLICATED: "R", GATHERED: "G", IN_PLACE: "S"}
+        counts = Counter(short[s.strategy] for name, s in storage(plan).items() if not name.startswith("adam."))
+        found["storage"] = " ".join(f"{n}{k}" for k, n in sorted(counts.items()))
+    return found
+
+
+def hand_plans(imported: Any, case: Case, model: Any, errors: dict[str, str]) -> dict[str, tuple[float, int]]:
+    """The training/plans.py strategies on the flat mesh of the case's devices, priced by `model`; a strategy
+    that cannot be built or priced is NaN, and `errors` says why."""
+    import math
+
+    import tapestry
+    from tapestry.cost import peak_memory, plan_cost
+    from tapestry.training.plans import data_parallel, megatron, zero3
+
+    graph = imported.graph
+    mesh = tapestry.Mesh(math.prod(case.shape))
+    arguments = imported.translation.user_inputs
+    hidden = {}
+    for name in (n.name for n in graph.inputs):
+        if re.search(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj|q|k|v|gate|up)\.weight$", name) \
+                and not name.startswith("adam."):
+            hidden[name] = 0
+        elif re.search(r"\.(o_proj|down_proj|o|down)\.weight$", name) and not name.startswith("adam."):
+            hidden[name] = 1
+    builders = {"DP": lambda: data_parallel(graph, mesh, arguments), "TP": lambda: megatron(graph, mesh, hidden)}
+    if graph.carried:
+        builders["ZeRO-3"] = lambda: zero3(graph, mesh, arguments)
+    priced: dict[str, tuple[float, int]] = {}
+    for name, make in builders.items():
+        try:
+            plan = make()
+            priced[name] = (plan_cost(plan, model), max(peak_memory(plan)))
+        except Exception as err:  # a strategy that cannot split this graph: say so in the table
+            priced[name] = (math.nan, 0)
+            errors[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            print(f"  {name}: {errors[name]}", flush=True)
+    return priced
+
+
+def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any) -> None:
+    """One case in its own process: import, optimize, price; the result as a dict on `queue`."""
+    import tapestry
+    from tapestry.cost import DefaultCostModel, load_profile
+    from tapestry.optimizer import SearchCutWarning
+
+    started = time.perf_counter()
+    imported = build(case)
+    row: dict[str, Any] = {"case": asdict(case), "import_s": time.perf_counter() - started,
+                           "ops": len(imported.graph.ops)}
+    row["import_rss"] = peak_rss()
+    if case.mesh:
+        profile = load_profile(PROFILE)
+        model = DefaultCostModel(profile)
+        mesh = tapestry.Mesh(*case.shape)
+        flops, peak = graph_flops(imported.graph), profile.device.peak("bfloat16")
+        row["hand_errors"] = {}
+        row["hand"] = {name: (t, m, flops / (t * mesh.size * peak) if t == t else float("nan"))
+                       for name, (t, m) in hand_plans(imported, case, model, row["hand_errors"]).items()}
+        started = time.perf_counter()
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", SearchCutWarning)
+                result = tapestry.optimize(imported.graph, mesh, cost_model=model, time_limit=time_limit,
+                                           budget=tapestry.Budget(seconds=budget_seconds))
+        except Exception as err:  # the row says what failed, and the hand plans are still priced
+            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            row["optimize_s"] = time.perf_counter() - started
+        else:
+            row.update({
+                "optimize_s": time.perf_counter() - started, "status": result.status, "gap": result.gap,
+                "seconds": result.plan.cost, "peak_memory": result.peak_memory,
+                "mfu": flops / (result.plan.cost * mesh.size * peak), "replicated": result.replicated_share,
+                "warned": any(issubclass(w.category, SearchCutWarning) for w in caught),
+                "degrees": degrees(result.plan, imported.translation.user_inputs), "undone": result.stats.undone,
+            })
+    row["rss"] = peak_rss()
+    queue.put(row)
+
+
+def measure(case: Case, budget_seconds: float, time_limit: float) -> dict[str, Any]:
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=run_case, args=(case, budget_seconds, time_limit, queue))
+    process.start()
+    row: dict[str, Any] = {"case": asdict(case)}
+    while process.is_alive() or not queue.empty():  # a crashed child puts nothing: do not wait for it forever
+        try:
+            row = queue.get(timeout=5)
+            break
+        except Exception:
+            continue
+    process.join()
+    if process.exitcode:
+        row.setdefault("error", f"exit code {process.exitcode}")
+    return row
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def warns(row: dict[str, Any]) -> bool:
+    """Whether the row's result raises SearchCutWarning under the current threshold (runs before it recorded
+    the warning under an older one)."""
+    from tapestry.optimizer import REPLICATED_WARNING
+
+    return row["status"].startswith("stopped") and row["replicated"] >= REPLICATED_WARNING
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ("| model | layers | step | batch x seq | mesh | import s | RSS GiB | optimize s | status | gap | "
+            "predicted ms | MFU | GiB/device | replicated | ids / weights split | weights live | "
+            "DP ms (MFU) | ZeRO-3 ms (MFU) | TP ms (MFU) |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        c = r["case"]
+        model = c["model"] + (" blocks" if c.get("arch") == "block" else "")
+        first = (f"| {model} | {c['layers']} | {c['mode']} | {c['batch']}x{c['seq']} | {c['mesh'] or '—'} | "
+                 f"{r['import_s']:.1f} | {gib(r['rss'])} |" if "import_s" in r else
+                 f"| {model} | {c['layers']} | {c['mode']} | {c['batch']}x{c['seq']} | {c['mesh']} | — | — |")
+        hand = [f"{r['hand'][h][0] * 1e3:.1f} ({r['hand'][h][2]:.1%})" if h in r.get("hand", {}) and
+                r["hand"][h][0] == r["hand"][h][0] else "—" for h in HAND]
+        if "error" in r:
+            spent = f" {r['optimize_s']:.0f} |" if "optimize_s" in r else " — |"
+            lines.append(first + spent + f" **{r['error']}** |" + " |" * 7 + f" {' | '.join(hand)} |")
+            continue
+        if not c["mesh"]:
+            lines.append(first + " import only |" + " |" * (head.count("|") - 9))
+            continue
+        d = r["degrees"]
+        gap = "—" if r["gap"] is None else f"{r['gap']:.1%}"
+        lines.append(first + f" {r['optimize_s']:.0f} | {r['status']}{' (warns)' if warns(r) else ''} | {gap} | "
+                     f"{r['seconds'] * 1e3:.1f} | {r['mfu']:.1%} | {gib(r['peak_memory'])} | {r['replicated']:.0%} | "
+                     f"{d['ids split']} / {d['weights split']} of {d['weights']} (max {d['weights split (max)']}) | "
+                     f"{d.get('storage', '—')} | {' | '.join(hand)} |")
+    errors = sorted({f"{name}: {why}" for r in rows for name, why in r.get("hand_errors", {}).items()})
+    if errors:
+        lines += ["", "Hand plans that could not be priced: " + "; ".join(errors) + "."]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="7B")
+    parser.add_argument("--arch", default="hf", choices=("hf", "block"))
+    parser.add_argument("--layers", type=int, default=2, help="layers of the planned slices")
+    parser.add_argument("--meshes", default="8,2x4,8x8")
+    parser.add_argument("--modes", default="inference,training")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--budget", type=float, default=30.0, help="Budget.seconds (the default)")
+    parser.add_argument("--time-limit", type=float, default=10.0, help="extraction's (the default)")
+    parser.add_argument("--full-layers", type=int, default=32, help="layers of the import-only rows (0: none)")
+    parser.add_argument("--provenance", default="", help="with --from-json: which runs made the rows, for the doc")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--from-json", help="write the section from the rows runs saved (--json; several: a,b), "
+                        "without measuring")
+    args = parser.parse_args()
+    cases = []
+    if args.from_json:
+        pass
+    elif args.quick:
+        cases = [Case("7B", 1, "inference", "2x4", 1, 128, vocab=512)]
+    else:
+        for model in args.models.split(","):
+            for mode in args.modes.split(","):
+                cases += [Case(model, args.layers, mode, mesh, args.batch, args.seq, arch=args.arch)
+                          for mesh in args.meshes.split(",")]
+                if args.full_layers:
+                    cases.append(Case(model, args.full_layers, mode, "", args.batch, args.seq, arch=args.arch))
+    rows = []
+    for saved in filter(None, (args.from_json or "").split(",")):
+        with open(saved) as f:
+            rows += json.load(f)
+    for case in cases:
+        print(f"{case} ...", flush=True)
+        rows.append(measure(case, args.budget, args.time_limit))
+        print(json.dumps(rows[-1], default=str), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1, default=str)
+    body = "\n".join([
+        f"LLaMA-2 widths (`{', '.join(args.models.split(','))}`), built under `torch.device(\"meta\")` in bfloat16, "
+        f"batch {args.batch} x sequence {args.seq}, planned by `tapestry.optimize` with the `{PROFILE}` profile "
+        f"(NVLink inside 8-GPU nodes, InfiniBand across), its default budget ({args.budget:g} s) and extraction "
+        f"time limit ({args.time_limit:g} s). Numbers from a loaded 2-core machine shared with other jobs: "
+        "wall times can be 2x off. MFU: the imported graph's FLOPs over predicted time x devices x the "
+        "bfloat16 peak (989 TFLOP/s). Hand plans (training/plans.py) split one mesh axis, so they are priced "
+        "on the flat mesh of as many devices (a 64-ring crosses nodes: InfiniBand). `replicated`: share of "
+        "compute steps every device runs whole; `ids / weights split`: distinct blocks of the token ids' layout, "
+        "and how many weights are split; `weights live`: R replicated, G gathered on use, S sharded in place. "
+        "A status `stopped by ...` is a search a budget cut (docs/cost-models.md, \"Budgets\"); `(warns)`: "
+        "so cut a search with so replicated a plan raises SearchCutWarning (optimizer.REPLICATED_WARNING). Rows without a mesh measure the import "
+        "of the whole model alone. `7B blocks`: a stack of `importer.zoo.LlamaBlock` at the 7B width (no rotary, "
+        "embedding or head; training loss MSE), a graph the hand plans can split. At batch 8, data parallelism "
+        "cannot split 64 ways: the hand DP and ZeRO-3 rows on 8x8 run replicated.",
+        *([f"\n{args.provenance}"] if args.provenance else []),
+        "",
+        table(rows),
+    ])
+    if not args.no_write:
+        command = "python benchmarks/cluster.py" + (" --quick" if args.quick else "") + (
+            f" --models {args.models}" if args.models != "7B" else "") + (
+            f" --from-json {args.from_json}" if args.from_json else "")
+        write_section("Cluster", command, body)
+    print(body)
+
+
+if __name__ == "__main__":
+    main()
