@@ -15,7 +15,7 @@ from tapestry.plan import Place, Reshard
 from tapestry.plan.simulate import simulate
 from tapestry.plan.validate import validate_plan
 from tapestry.sharding import Layout
-from tapestry.training.plans import data_parallel, megatron, placed, zero3
+from tapestry.training.plans import data_parallel, data_tensor_parallel, megatron, placed, zero3
 from tapestry.training.strategy import (
     GATHERED,
     IN_PLACE,
@@ -33,6 +33,8 @@ def parameters(imported: tapestry.TorchImport) -> list[str]:
     (lambda g, mesh: data_parallel(g, mesh, ARGUMENTS), {"0.weight": REPLICATED, "2.bias": REPLICATED}),
     (lambda g, mesh: zero3(g, mesh, ARGUMENTS), {"0.weight": GATHERED, "adam.m.2.weight": IN_PLACE}),
     (lambda g, mesh: megatron(g, mesh, HIDDEN), {"0.weight": IN_PLACE, "2.weight": IN_PLACE, "2.bias": REPLICATED}),
+    (lambda g, mesh: data_tensor_parallel(g, tapestry.Mesh(2, 2), ARGUMENTS, HIDDEN),
+     {"0.weight": IN_PLACE, "2.weight": IN_PLACE, "2.bias": REPLICATED}),
 ])
 def test_hand_built_strategies_compute_the_step_and_keep_the_state_in_place(build, stored):
     imported, _ = adam_step(8, 16, 16)

@@ -50,6 +50,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                 description="Show what each rank runs: shard kernels and exact communication.")
     _target(low)
     low.add_argument("--rank", type=int, help="print only this rank")
+    low.add_argument("--check-collectives", action="store_true",
+                     help="trace every rank under the fake process group (no data) and check its collectives match "
+                          "across ranks instead of printing; exit 1 if they do not")
     low.set_defaults(func=_lower)
 
 
@@ -126,6 +129,14 @@ def _run(args: argparse.Namespace) -> int:
 
 def _lower(args: argparse.Namespace) -> int:
     program = lower(load_target(args.target, args.nproc))
+    if args.check_collectives:
+        from tapestry.spmd.check import CollectiveMismatch, check_collectives  # loads torch's fake process group
+        try:
+            print(check_collectives(program))
+        except CollectiveMismatch as err:
+            print(f"tapestry lower: {err}", file=sys.stderr)
+            return 1
+        return 0
     if args.rank is not None and not 0 <= args.rank < len(program.ranks):
         raise ValueError(f"--rank {args.rank}: the plan has ranks 0..{len(program.ranks) - 1}")
     print(program if args.rank is None else program.ranks[args.rank])

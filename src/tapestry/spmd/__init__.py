@@ -13,6 +13,8 @@ A layer above plan, lower, runtime.launch, importer and the optimizer; nothing b
   and broadcast as plan JSON.
 - `module`: `parallelize(module, example_args, mesh=)` -> `ParallelModule` (inference).
 - `launch`: `launch(fn, *args, nproc=N)`: local gloo ranks for scripts and notebooks, supervised.
+- `check`: `check_collectives(lowered)`: every rank's function traced on meta tensors under torch's fake process
+  group, in one process, and its collectives matched across ranks (`tapestry lower PLAN --check-collectives`).
 """
 from tapestry.spmd.trace import RankFunction, buffer_dtypes, compiled, make_groups, place
 

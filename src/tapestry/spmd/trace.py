@@ -128,6 +128,11 @@ class RankFunction:
                 env.pop(name, None)
         return {name: _waited(env[name]) for name in self.outputs}
 
+    def flat(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The function on positional tensors, `inputs` in, `outputs` out, in order: what make_fx traces."""
+        out = self(dict(zip(self.inputs, tensors)))
+        return tuple(out[name] for name in self.outputs)
+
     def _run(self, step: RankStep, env: Buffers) -> torch.Tensor:
         if isinstance(step, ShardCompute):
             args = [self._read(r, env) for r in step.reads]
@@ -181,17 +186,13 @@ def compiled(fn: RankFunction) -> Callable[[Mapping[str, torch.Tensor]], Buffers
     program hands it the same blocks every call): traced by make_fx under fake tensors into one FX graph of aten
     ops and functional collectives (so Python-side plan bookkeeping never reaches dynamo), which torch.compile
     compiles whole (fullgraph, dynamic=False): inductor may fuse across steps and reorder communication."""
-    names, compiled_graph = fn.inputs, None
-
-    def flat(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out = fn(dict(zip(names, tensors)))
-        return tuple(out[name] for name in fn.outputs)
+    compiled_graph = None
 
     def call(buffers: Mapping[str, torch.Tensor]) -> Buffers:
         nonlocal compiled_graph
-        args = [buffers[name] for name in names]
+        args = [buffers[name] for name in fn.inputs]
         if compiled_graph is None:
-            graph = make_fx(flat, tracing_mode="fake")(*args)
+            graph = make_fx(fn.flat, tracing_mode="fake")(*args)
             compiled_graph = torch.compile(graph, fullgraph=True, dynamic=False)
         return dict(zip(fn.outputs, compiled_graph(*args)))
 

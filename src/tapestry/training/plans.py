@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from tapestry.graph import Graph
+from tapestry.kernels import DimKind, Signature
 from tapestry.plan import Place, Plan, Reshard, Step, build_plan
 from tapestry.plan.build import expand_linears
 from tapestry.sharding import Layout, Mesh
@@ -30,11 +31,16 @@ def split_by_propagation(graph: Graph, mesh: Mesh, seeds: Sequence[Seeds]) -> Pl
     Inputs are placed as their first user reads them (build_plan)."""
     if mesh.ndim != 1:
         raise ValueError(f"split_by_propagation plans 1-D meshes; got {mesh.shape}")
+    return build_plan(graph, mesh, {op: (dim,) for op, dim in propagated_splits(graph, mesh.size, seeds).items()})
+
+
+def propagated_splits(graph: Graph, parts: int, seeds: Sequence[Seeds]) -> dict[str, int]:
+    """Per op, the index dim `split_by_propagation` splits `parts` ways (ops absent: not split)."""
     split: dict[str, tuple[int, int]] = {}  # value -> (priority, tensor dim)
     for priority, chosen in enumerate(seeds):
         for name, dim in chosen.items():
             split.setdefault(name, (priority, dim))
-    axes: dict[str, tuple[int]] = {}
+    axes: dict[str, int] = {}
     for node in graph.ops:
         sig = graph.signature(node.name)
         options = sorted(
@@ -42,16 +48,16 @@ def split_by_propagation(graph: Graph, mesh: Mesh, seeds: Sequence[Seeds]) -> Pl
             for k, (arg, projection) in enumerate(zip(node.args, sig.projections)) if arg in split
             for i in range(len(sig.dims))
             if projection.matrix[split[arg][1]][i] != 0 and i in sig.splittable
-            and sig.spec.sizes[i] % mesh.size == 0
+            and sig.spec.sizes[i] % parts == 0
         )
         if not options:
             continue
         priority, _, index_dim = options[0]
-        axes[node.name] = (index_dim,)
+        axes[node.name] = index_dim
         out = [t for t, row in enumerate(sig.output.matrix) if row[index_dim] != 0]
         if out:
             split[node.name] = (priority, out[0])
-    return build_plan(graph, mesh, axes)
+    return axes
 
 
 def placed(plan: Plan, layouts: Mapping[str, Layout]) -> Plan:
@@ -105,7 +111,36 @@ def megatron(graph: Graph, mesh: Mesh, hidden: Seeds) -> Plan:
     """Tensor parallel over the graph with linears expanded (so a row-parallel contraction can split):
     `hidden` names each weight's dim to split (column-parallel weights on their output dim, row-parallel ones
     on their input dim); each weight's optimizer state is split like it."""
+    return steady(split_by_propagation(expand_linears(graph), mesh, [_with_state(graph, hidden)]))
+
+
+def data_tensor_parallel(graph: Graph, mesh: Mesh, arguments: Sequence[str], hidden: Seeds) -> Plan:
+    """The usual 2-D recipe on a 2-D mesh: data parallel over mesh axis 0 and Megatron tensor parallel over axis
+    1 (an op both split on one index dim splits it over the whole mesh), linears expanded as `megatron` does."""
+    if mesh.ndim != 2:
+        raise ValueError(f"data_tensor_parallel plans 2-D meshes; got {mesh.shape}")
+    expanded = expand_linears(graph)
+    data = propagated_splits(expanded, mesh.shape[0], [batch_seeds(expanded, arguments)])
+    tensor = propagated_splits(expanded, mesh.shape[1], [_with_state(graph, hidden)])
+    axes = {op.name: _joint(expanded.signature(op.name), data.get(op.name), tensor.get(op.name), mesh.size)
+            for op in expanded.ops}
+    return steady(build_plan(expanded, mesh, axes))
+
+
+def _joint(sig: Signature, first: int | None, second: int | None, devices: int) -> tuple[int | None, int | None]:
+    """The two axes' splits of one op, where a reduction split over one axis only would leave partial sums
+    replicated over the other (counted twice): then the reduction splits over both (if it divides among all
+    devices) or over neither."""
+    reductions = sig.dims_of(DimKind.REDUCTION)
+    alone = first if second is None else second if first is None else None
+    if alone is None or alone not in reductions:
+        return first, second
+    return (alone, alone) if sig.spec.sizes[alone] % devices == 0 else (None, None)
+
+
+def _with_state(graph: Graph, hidden: Seeds) -> Seeds:
+    """`hidden`, plus each weight's optimizer state split like the weight."""
     seeds = dict(hidden)
     for weight, dim in hidden.items():
         seeds.update({state_name(slot, weight): dim for slot in ADAM_SLOTS if state_name(slot, weight) in graph})
-    return steady(split_by_propagation(expand_linears(graph), mesh, [seeds]))
+    return seeds
