@@ -162,6 +162,23 @@ def test_a_parallel_program_serves_new_inputs_every_call_from_weights_placed_onc
                 torch.testing.assert_close(got["y"], dtypes.to_tensor(want["y"]), rtol=1e-5, atol=1e-5)
 
 
+def test_ranks_launched_after_the_launcher_compiled_compile_their_own_program(tmp_path, monkeypatch) -> None:
+    """Forked ranks inherit inductor's worker pools without their threads: `make demo` compiled shard kernels in the
+    launcher (warm_cache), then every rank's first compiled call waited forever."""
+    from tapestry.lower.compile import use_persistent_cache, warm_cache
+
+    g = _served_mlp()
+    plan = build_plan(g, Mesh(2), {"linear_0": (0,), "relu_0": (0,), "matmul_0": (0,)})
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # nothing cached: every rank compiles
+    use_persistent_cache()
+    warm_cache(lower(plan))  # the launcher compiles: its worker pools now exist
+    weights = {k: dtypes.to_tensor(v) for k, v in tapestry.random_inputs(g, seed=1).items() if k != "x"}
+    (x,) = _calls(0, 1, (8, 6))
+    for outputs, _, _ in launch(serve, 2, plan, weights, [{"x": x}], True, timeout=300):
+        want = tapestry.evaluate(g, {**{k: v.numpy() for k, v in weights.items()}, "x": x.numpy()})
+        torch.testing.assert_close(outputs[0]["y"], dtypes.to_tensor(want["y"]), rtol=1e-5, atol=1e-5)
+
+
 def test_carried_state_stays_on_the_ranks_and_feeds_the_next_call() -> None:
     g = _accumulator()
     w = _calls(1, 1, (6, 4))[0]

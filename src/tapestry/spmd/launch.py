@@ -82,12 +82,22 @@ def _where(progress: Any, rank: int) -> str:
     return "start-up" if progress[rank] < 0 else f"call {progress[rank]} of its parallel program"
 
 
+def _forget_compile_workers() -> None:
+    """A forked rank inherits the launcher's inductor worker pools without their threads and processes: a compile
+    submitted to them waits forever (the launcher compiled first, e.g. `warm_cache`). Start from empty pools."""
+    from torch._inductor import async_compile
+
+    async_compile.after_fork()
+    async_compile.AsyncCompile.pool.cache_clear()
+
+
 def _rank(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], rank: int, world: int, port: int,
           backend: str, timeout: float, results: Any, progress: Any) -> None:
     global _PROGRESS
     _die_with_parent()
     _PROGRESS = (progress, rank)
     torch.set_num_threads(1)
+    _forget_compile_workers()
     try:
         init_group(backend, rank, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                    timeout=datetime.timedelta(seconds=timeout))
