@@ -91,7 +91,7 @@ class ParallelStep:
                 raise ValueError(f"batch tensor {k} ({name}): expected shape {list(expected)} (the example batch's: "
                                  f"the step is planned for it), given {list(given.shape)}")
         self.lr = self.training.lr if lr is None else float(lr)
-        inputs = {**dict(zip(names, leaves)), LR: torch.tensor(self.lr, dtype=torch.float32)}
+        inputs = {**dict(zip(names, leaves)), LR: torch.tensor(self.lr, dtype=torch.float64)}
         return self.program(**inputs)["loss"]
 
     # -- state ------------------------------------------------------------------------------------------------

@@ -23,12 +23,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 ADAM_SLOTS = ("m", "v")  # Adam's state per parameter: first and second moments
 STEP = "adam.step"
-LR = "lr"  # the learning rate: a float32 scalar input of every training step
+LR = "lr"  # the learning rate: a float64 scalar input of every training step (torch.optim's Python float)
 TORCH_OPTIMIZERS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
 # each state slot by the name torch.optim's state_dict gives it
 TORCH_STATE = {"m": "exp_avg", "v": "exp_avg_sq", "max_v": "max_exp_avg_sq", "momentum": "momentum_buffer"}
@@ -146,6 +147,7 @@ class Training:
 
     def _sgd(self, params: list[torch.Tensor], grads: list[torch.Tensor], state: Mapping[str, list[torch.Tensor]],
              step: torch.Tensor | None, lr: torch.Tensor) -> tuple[list[torch.Tensor], dict, torch.Tensor | None]:
+        lr = lr.to(torch.float32)
         if self.weight_decay:
             grads = [g + self.weight_decay * p for g, p in zip(grads, params)]
         if not self.momentum:
@@ -159,21 +161,38 @@ class Training:
 
     def _adam(self, params: list[torch.Tensor], grads: list[torch.Tensor], state: Mapping[str, list[torch.Tensor]],
               step: torch.Tensor, lr: torch.Tensor) -> tuple[list[torch.Tensor], dict, torch.Tensor]:
+        """torch.optim.Adam's per-tensor update, rounded as torch rounds it where it counts. Adam moves an element
+        by about lr whatever its gradient's size, so a parameter one float32 ulp off, made at every step, is
+        amplified by ReLU units on the edge of firing into loss differences of 1e-4 over 50 steps
+        (docs/training.md). So the scalars (1 - lr * weight_decay, lr / bias_correction1, the square root of
+        bias_correction2) are computed in float64 and rounded to float32 once, as torch computes them from its
+        Python floats, and the last operation is addcdiv_'s `p + (-step_size * m) / denom`. The moments are
+        torch's formulas in float32 (torch's CPU lerp_ and addcmul_ fuse a multiply-add, so m and v may differ in
+        the last bit): that moves the update by ~1e-7 of lr, far below a parameter's ulp, like the reassociated
+        gradient sums of any parallel plan."""
         b1, b2 = self.betas
+        lr64, step = lr.to(torch.float64), step + 1
+        step64 = step.to(torch.float64)
         if self.optimizer == "adamw":
-            params = [p * (1 - lr * self.weight_decay) for p in params]
+            params = [p * (1 - lr64 * self.weight_decay).to(torch.float32) for p in params]
         elif self.weight_decay:
-            grads = [g + self.weight_decay * p for g, p in zip(grads, params)]
-        step = step + 1
-        m = [b1 * m + (1 - b1) * g for m, g in zip(state["m"], grads)]
-        v = [b2 * v + (1 - b2) * g * g for v, g in zip(state["v"], grads)]
+            grads = [g + _float32(self.weight_decay) * p for g, p in zip(grads, params)]
+        m = [m + _float32(1 - b1) * (g - m) for m, g in zip(state["m"], grads)]  # m.lerp_(g, 1 - b1)
+        v = [v * _float32(b2) + _float32(1 - b2) * g * g for v, g in zip(state["v"], grads)]  # addcmul_
         new_state = {"m": m, "v": v}
         if self.amsgrad:
             v = new_state["max_v"] = [torch.maximum(top, v_) for top, v_ in zip(state["max_v"], v)]
-        correction1, correction2 = 1 - b1**step, 1 - b2**step
-        new = [p - (lr / correction1) * m_ / (torch.sqrt(v_) / torch.sqrt(correction2) + self.eps)
-               for p, m_, v_ in zip(params, m, v)]
+        step_size = (-lr64 / (1 - b1**step64)).to(torch.float32)
+        correction2_sqrt = torch.sqrt(1 - b2**step64).to(torch.float32)
+        eps = _float32(self.eps)
+        # p.addcdiv_(m, denom, value=-step_size): p + (value * m) / denom
+        new = [p + (step_size * m_) / (torch.sqrt(v_) / correction2_sqrt + eps) for p, m_, v_ in zip(params, m, v)]
         return new, new_state, step
+
+
+def _float32(value: float) -> float:
+    """A Python float rounded to float32 once, as torch's kernels round a Python scalar operand."""
+    return float(np.float32(value))
 
 
 def clip_grad_norm(grads: list[torch.Tensor], max_norm: float) -> list[torch.Tensor]:

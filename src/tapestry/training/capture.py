@@ -104,7 +104,7 @@ def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, 
     params = [tensors[p].detach().clone().requires_grad_() for p in layout.paths]
     flat = [*params, *(torch.zeros_like(p) for _ in training.slots for p in params),
             *([torch.zeros((), dtype=torch.float32)] if training.step_input else []),
-            torch.tensor(training.lr, dtype=torch.float32), *(tensors[h].detach() for h in layout.held), *args]
+            torch.tensor(training.lr, dtype=torch.float64), *(tensors[h].detach() for h in layout.held), *args]
     try:
         # attention's math backend: its backward is matmuls and a softmax's, where the fused CPU kernel's
         # backward is one opaque op that needs the forward's private log-sum-exp
