@@ -156,12 +156,20 @@ def spawn(job: Job) -> list[RunResult]:
     progress: Any = ctx.Array("i", [-1] * 2 * world, lock=False)
     port = free_port()
     procs = [ctx.Process(target=_spawned_rank, args=(job, r, world, port, results, progress)) for r in range(world)]
+    with reaped(procs):
+        with _main_module_hidden():
+            for p in procs:
+                p.start()
+        return _supervise(job, procs, results, progress)
+
+
+@contextlib.contextmanager
+def reaped(procs: Sequence[Any]) -> Iterator[None]:
+    """No rank outlives the block: on the way out (results, a failure, SIGTERM or SIGHUP) the ranks still running
+    are killed, and every started rank is joined."""
     with _stopped_by_signals():
         try:
-            with _main_module_hidden():
-                for p in procs:
-                    p.start()
-            return _supervise(job, procs, results, progress)
+            yield
         finally:
             for p in procs:
                 if p.is_alive():

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from tapestry.lower.compile import use_persistent_cache
 from tapestry.runtime.launch import (
-    RankFailure, _die_with_parent, _exit_now, _stopped_by_signals, free_port, init_group, supervise,
+    RankFailure, _die_with_parent, _exit_now, free_port, init_group, reaped, supervise,
 )
 
 __all__ = ["RankFailure", "launch", "note_call"]
@@ -63,19 +63,11 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int | None = None, timeout
     port = free_port()
     procs = [ctx.Process(target=_rank, args=(fn, args, kwargs, r, nproc, port, backend, timeout, results, progress))
              for r in range(nproc)]
-    with _stopped_by_signals():
-        try:
-            for p in procs:
-                p.start()
-            done = supervise(procs, results, timeout, lambda r: _where(progress, r), lambda r: (progress[r],))
-            return [pickle.loads(b) for b in done]
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-            for p in procs:
-                if p.pid is not None:
-                    p.join()
+    with reaped(procs):
+        for p in procs:
+            p.start()
+        done = supervise(procs, results, timeout, lambda r: _where(progress, r), lambda r: (progress[r],))
+    return [pickle.loads(b) for b in done]
 
 
 def _where(progress: Any, rank: int) -> str:
