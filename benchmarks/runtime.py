@@ -307,7 +307,6 @@ def main() -> None:
         *(["", *notes] if notes else []),
         "",
         "Peak memory per rank is not reported: on the CPU there is no allocator counter to read it from.",
-        "",
     ]
     if args.model == "mlp":
         lines += ["", "Before this runtime, `run_plan` spawned new ranks on every call: 14.9 s per inference call of "
