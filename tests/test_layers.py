@@ -23,7 +23,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(map(frozenset, (
     {"optimizer", "prove", "testing"},
     {"runtime"},
     {"spmd"},
-    {"cli", "demo", "program", "command", "__init__", "__main__"},
+    {"cli", "demo", "program", "command", "optimize_command", "__init__", "__main__"},
 )))
 LEVEL = {name: k for k, names in enumerate(LAYERS) for name in names}
 

@@ -1,4 +1,6 @@
-"""`tapestry optimize`: saturate, extract and save a plan, showing progress."""
+"""`tapestry optimize` and `tapestry schema`: saturate, extract and save a plan, showing progress.
+
+A CLI module at the top level, not in egraph/: it drives the optimizer, and nothing below the optimizer imports it."""
 from __future__ import annotations
 
 import argparse
