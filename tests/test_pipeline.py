@@ -187,7 +187,7 @@ def llama(params: float, activations: float, seconds: float, data_parallel: int)
     across the nodes (bf16 over 50 GB/s) once per step."""
     reduce = 2 * (data_parallel - 1) / data_parallel * 2 * params / 8 / 50e9
     return LayerCost(forward=seconds / data_parallel, backward=2 * seconds / data_parallel,
-                     update=0.01 * seconds + reduce, params=int(params / 8), state=int(2 * params / 8), slots=2,
+                     update=0.01 * seconds, reduce=reduce, params=int(params / 8), state=int(2 * params / 8), slots=2,
                      activations=int(activations / data_parallel), boundary=2 * 4096 * 8192, working=2 * 10**9,
                      flops=6 * params * 4096)
 
@@ -266,6 +266,7 @@ def test_a_layer_step_computes_its_inputs_gradient_and_prices_as_its_plan(mlp_st
     assert (layer.params, layer.state, layer.slots) == (weights, 2 * weights, 2)
     assert layer.boundary == 4 * 8 * 4  # the float32 input of one micro-batch
     assert layer.activations >= layer.boundary and layer.flops > 0
+    assert layer.reduce == 0  # one device: nothing to reduce
     assert layer.forward + layer.backward + layer.update == pytest.approx(plan_cost(result.plan, model))
 
 

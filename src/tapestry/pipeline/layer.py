@@ -107,9 +107,9 @@ def layer_cost(plan: Plan, model: CostModel) -> LayerCost:
     return LayerCost(
         forward=sum(cost[s.out] for s in per_run if s.out in forward),
         backward=sum(cost[s.out] for s in backward),
-        update=sum(cost[s.out] for s in per_run if s.out in update and s.out not in forward)
-        + max(0.0, reduce_seconds - hidden_behind),
+        update=sum(cost[s.out] for s in per_run if s.out in update and s.out not in forward),
         params=params_per_device, state=state_per_device,
         slots=len(state) // len(weights) if weights else 0,
         activations=activations, boundary=boundary, working=working,
-        flops=sum(flops_of(graph.signature(op.name)) for op in graph.ops), itemsize=itemsize)
+        flops=sum(flops_of(graph.signature(op.name)) for op in graph.ops), itemsize=itemsize,
+        reduce=max(0.0, reduce_seconds - hidden_behind))

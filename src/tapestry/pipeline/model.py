@@ -23,7 +23,7 @@ class LayerCost:
 
     forward: float  # seconds per micro-batch
     backward: float  # seconds per micro-batch: activation and weight gradients, their per-micro-batch communication
-    update: float  # seconds per step: the optimizer, and the gradient reductions the last backward does not hide
+    update: float  # seconds per step: the optimizer's update
     params: int  # parameter elements per device
     state: int  # optimizer-state elements per device (Adam: m and v)
     slots: int  # optimizer-state tensors per parameter (Adam 2, SGD without momentum 0)
@@ -32,6 +32,7 @@ class LayerCost:
     working: int  # bytes beyond the resident state and the kept activations while the layer runs
     flops: float  # model FLOPs per micro-batch (the whole layer step, unsharded, no recomputation)
     itemsize: int = 2  # bytes per parameter element as the layer was imported (bfloat16: 2)
+    reduce: float = 0.0  # seconds per step of weight-gradient reductions the last micro-batch's backward does not hide
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,8 @@ def price(layers: Sequence[LayerCost], schedule: Schedule, chunks: Sequence[Sequ
         held = [h * m / timeline.schedule.micro_batches if schedule.name == "gpipe" else h
                 for h in timeline.peak_activations]
     devices = [[i for c, chunk in enumerate(chunks) if c % s == d for i in chunk] for d in range(s)]
-    update = max(sum(layers[i].update * precision.update_scale(layers[i]) for i in mine) for mine in devices)
+    update = max(sum(layers[i].update * precision.update_scale(layers[i]) + layers[i].reduce for i in mine)
+                 for mine in devices)
     memory = tuple(sum(precision.resident(layers[i]) for i in mine) + held[d]
                    + max(layers[i].working for i in mine) for d, mine in enumerate(devices))
     return Priced(makespan + update, memory, timeline, timeline.schedule.micro_batches)
