@@ -98,13 +98,21 @@ def recipes(build: Any, args: argparse.Namespace, mesh: Any, model: Any, peak: f
         try:
             layer = layer_cost(make(build(micro)), model)
         except Exception as err:  # a recipe that cannot split this graph: say so in the table
-            found.append((name, f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"))
+            found.append((name, None, f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"))
             continue
         plan = best_configuration(layer, args.layers, mesh, 0, stages, args.global_batch // micro, MIXED, link,
                                   args.memory_budget, schedules, peak_flops=peak, micro_batch=micro)
-        print(f"{name}: {time.perf_counter() - started:.0f} s", flush=True)
-        found.append((name, plan if plan is not None else "does not fit, even with every layer recomputed"))
+        print(f"{name}: {time.perf_counter() - started:.0f} s; {layer}", flush=True)
+        found.append((name, layer, plan if plan is not None else "does not fit, even with every layer recomputed"))
     return found
+
+
+def layer_row(name: str, layer: Any, micro_batch: int) -> str:
+    """What one layer's plan costs per device: the numbers the pipeline is priced from."""
+    ms, gib = 1e3, 2**-30
+    return (f"| {name} | {micro_batch} | {layer.forward * ms:.1f} | {layer.backward * ms:.1f} | "
+            f"{layer.update * ms:.1f} | {layer.reduce * ms:.1f} | {layer.params / 1e6:.0f} | "
+            f"{layer.activations * gib:.2f} | {layer.working * gib:.2f} |")
 
 
 def row(name: str, plan: Any, seconds: str = "") -> str:
@@ -154,7 +162,14 @@ def main() -> None:
     rows = [row("**plan_pipeline (chosen)**", result.plan, f"{planned:.0f}")]
     rows += [row(f"plan_pipeline, best with S={c.stages}", c.plan if c.plan is not None else c.why)
              for c in result.candidates]
-    rows += [row(name, plan) for name, plan in hand]
+    rows += [row(name, plan) for name, _, plan in hand]
+    micro_of = {name: micro for name, micro in zip((n for n, _, _ in hand), (1, mesh.shape[0], mesh.size))}
+    layer_head = ("| layer plan | micro-batch | forward ms | backward ms | update ms (as imported) | exposed "
+                  "reductions ms | parameters/device (M) | activations GiB | working GiB |")
+    layer_rows = [layer_row(f"optimizer, S={c.stages} (on {c.plan.stage_mesh})", c.plan.layer, c.plan.micro_batch)
+                  for c in result.candidates if c.plan is not None]
+    layer_rows += [layer_row(name.split(",")[0], layer, micro_of[name]) for name, layer, _ in hand
+                   if layer is not None]
     if not args.quick:
         result.plan.draw(PICTURE)
     params = args.layers * sum(math.prod(n.shape) for n in build(sizes[0]).inputs
@@ -178,6 +193,11 @@ def main() -> None:
         "x the bfloat16 peak. Plans only: pipelined plans are not lowered to rank programs yet.",
         "",
         head, "|" + "---|" * (head.count("|") - 1), *rows,
+        "",
+        "What one layer's plan costs per device (per micro-batch; the update and the gradient reductions the "
+        "last backward leaves exposed once per step), the numbers each row above is priced from:",
+        "",
+        layer_head, "|" + "---|" * (layer_head.count("|") - 1), *layer_rows,
         "",
         "The chosen plan:",
         "",

@@ -108,7 +108,10 @@ class Priced:
     step_time: float
     memory: tuple[float, ...]
     timeline: Timeline
-    simulated: int
+
+    @property
+    def simulated(self) -> int:
+        return self.timeline.schedule.micro_batches
 
 
 def chunk_times(layers: Sequence[LayerCost], chunks: Sequence[Sequence[int]], recompute: Sequence[bool]
@@ -149,4 +152,4 @@ def price(layers: Sequence[LayerCost], schedule: Schedule, chunks: Sequence[Sequ
                  for mine in devices)
     memory = tuple(sum(precision.resident(layers[i]) for i in mine) + held[d]
                    + max(layers[i].working for i in mine) for d, mine in enumerate(devices))
-    return Priced(makespan + update, memory, timeline, timeline.schedule.micro_batches)
+    return Priced(makespan + update, memory, timeline)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tapestry.cost import CostModel, Link
@@ -23,11 +23,12 @@ from tapestry.egraph.driver import Budget
 from tapestry.graph import Graph
 from tapestry.optimizer import MemoryBudgetError, OptimizeResult, explore
 from tapestry.pipeline.layer import layer_cost
-from tapestry.pipeline.model import PRECISIONS, LayerCost, Precision, Priced, partition, price
-from tapestry.pipeline.schedule import SCHEDULES, Schedule, Timeline
+from tapestry.pipeline.model import PRECISIONS, LayerCost, Precision, Priced, chunk_times, partition, price
+from tapestry.pipeline.schedule import SCHEDULES, Schedule, simulate
 from tapestry.sharding import Mesh
 
 CHUNKS = (2, 4)  # virtual stages per device tried by the interleaved schedule
+DRAWN = 4  # micro-batches per stage a drawing shows by default
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,6 @@ class PipelinePlan:
     transfer: float  # seconds per stage-boundary hop
     cost: float  # predicted seconds per step
     memory: tuple[float, ...]  # bytes per device, by pipeline position
-    timeline: Timeline = field(repr=False)  # the simulated schedule (its first micro-batches when there are many)
     peak_flops: float = 0.0  # per device, for `mfu`
 
     @property
@@ -91,10 +91,20 @@ class PipelinePlan:
                          + f", {self.memory[d] / 2**30:.2f} GiB")
         return "\n".join(lines)
 
-    def draw(self, path: str | Path) -> Path:
+    def draw(self, path: str | Path, micro_batches: int | None = None) -> Path:
+        """The schedule as a Gantt chart, with `micro_batches` of the step's (default: up to 4 per stage, enough
+        to show warm-up, steady state and cool-down; the step's own count when fewer)."""
         from tapestry.pipeline.draw import draw_timeline
 
-        return draw_timeline(self.timeline, path, title=self.describe().splitlines()[0])
+        s = self.schedule
+        shown = min(s.micro_batches, micro_batches or DRAWN * s.stages)
+        if s.name == "interleaved":
+            shown = max(s.stages, shown - shown % s.stages)
+        forward, backward, kept = chunk_times([self.layer] * len(self.recompute), self.chunks, self.recompute)
+        timeline = simulate(Schedule(s.name, s.stages, shown, s.chunks), forward, backward, self.transfer, kept)
+        title = self.describe().splitlines()[0] + (f"\n(drawn with {shown} of its {s.micro_batches} micro-batches)"
+                                                   if shown < s.micro_batches else "")
+        return draw_timeline(timeline, path, title=title)
 
 
 @dataclass(frozen=True)
@@ -202,7 +212,7 @@ def best_configuration(layer: LayerCost, layers: int, mesh: Mesh, axis: int, sta
             continue
         priced, chunk_list, flags = found
         plan = PipelinePlan(mesh, axis, schedule, chunk_list, flags, precision, micro_batch, layer, stage_plan,
-                            transfer, priced.step_time, priced.memory, priced.timeline, peak_flops)
+                            transfer, priced.step_time, priced.memory, peak_flops)
         if best is None or (plan.cost, plan.peak_memory) < (best.cost, best.peak_memory):
             best = plan
     return best
