@@ -153,6 +153,18 @@ def test_many_micro_batches_are_extrapolated_exactly_for_equal_chunks() -> None:
                                                    + LAYER.working)
 
 
+def test_update_and_gradient_reductions_are_paid_once_per_step() -> None:
+    """Gradients accumulate over the micro-batches: the update and the reductions run once, whatever m is;
+    under mixed precision the (memory-bound) update moves 16 bytes per parameter where the import moved 8."""
+    layer = replace(LAYER, reduce=0.25)
+    chunks, flags = partition([1.0] * 4, 2), (False,) * 4
+    for m in (2, 8, 32):
+        schedule = Schedule("1f1b", 2, m)
+        priced = price([layer] * 4, schedule, chunks, flags, MIXED, 0.0)
+        makespan = simulate(schedule, [2.0, 2.0], [4.0, 4.0]).makespan
+        assert priced.step_time == pytest.approx(makespan + 2 * (0.5 * 16 / 8 + 0.25))
+
+
 def test_mixed_precision_holds_16_bytes_per_parameter_with_adam() -> None:
     assert MIXED.bytes_per_param(slots=2) == 16
     layer = replace(LAYER, params=10, state=20)  # Adam's m and v sharded like the parameters
