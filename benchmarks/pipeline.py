@@ -152,7 +152,7 @@ def main() -> None:
         build(b)
     imported = time.perf_counter() - started
     started = time.perf_counter()
-    result = tapestry.plan_pipeline(build, args.layers, mesh, args.global_batch, model, micro_batches=sizes,
+    result = tapestry.plan_pipeline(build, args.layers, mesh, args.global_batch, model, micro_batch_sizes=sizes,
                                     memory_budget=args.memory_budget,
                                     budget=tapestry.Budget(seconds=args.budget))
     planned = time.perf_counter() - started

@@ -303,3 +303,20 @@ def test_plan_pipeline_places_every_layer_and_prices_the_chosen_step(mlp_step, t
         tapestry.plan_pipeline(mlp_step, 4, tapestry.Mesh(2), global_batch=16, cost_model=h100(), stages=(1,),
                                memory_budget=one_stage.layer.working, budget=tapestry.Budget(seconds=5),
                                pareto_points=1)
+
+
+def test_plan_pipeline_says_what_is_wrong_with_its_arguments(mlp_step) -> None:  # noqa: ANN001
+    import tapestry
+
+    def plan(**kw: object) -> None:
+        args = {"layer": mlp_step, "layers": 4, "mesh": tapestry.Mesh(2), "global_batch": 16, "cost_model": h100()}
+        tapestry.plan_pipeline(**{**args, **kw})
+
+    with pytest.raises(ValueError, match="pipeline axis 1 is not an axis"):
+        plan(axis=1)
+    with pytest.raises(ValueError, match="precision 'fp8' is not one of mixed, bf16"):
+        plan(precision="fp8")
+    with pytest.raises(ValueError, match="micro-batch size 4 does not divide the global batch 10"):
+        plan(global_batch=10)
+    with pytest.raises(ValueError, match="has no `profile`"):
+        plan(cost_model=object())

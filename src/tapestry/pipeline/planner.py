@@ -219,7 +219,7 @@ def best_configuration(layer: LayerCost, layers: int, mesh: Mesh, axis: int, sta
 
 
 def plan_pipeline(layer: Graph | Callable[[int], Graph], layers: int, mesh: Mesh, global_batch: int,
-                  cost_model: CostModel, micro_batches: Sequence[int] | None = None, axis: int = 0,
+                  cost_model: CostModel, micro_batch_sizes: Sequence[int] | None = None, axis: int = 0,
                   stages: Sequence[int] | None = None, memory_budget: float | None = 80 * 10**9,
                   precision: str | Precision = "mixed", schedules: Sequence[str] = SCHEDULES,
                   chunks: Sequence[int] = CHUNKS, budget: Budget = Budget(), extractor: str = "ilp",
@@ -228,7 +228,7 @@ def plan_pipeline(layer: Graph | Callable[[int], Graph], layers: int, mesh: Mesh
     bytes per device, `global_batch` sequences per step.
 
     `layer` is one layer's training step (`pipeline.layer_step`) at one micro-batch size, or a function from
-    a micro-batch size (sequences) to it; `micro_batches` lists the sizes to try (default: the graph's
+    a micro-batch size (sequences) to it; `micro_batch_sizes` lists the sizes to try (default: the graph's
     batch, read off its first user input). `stages` lists the stage counts to try (default: every divisor of
     mesh axis `axis`). The optimizer's knobs (`budget`, `extractor`, `time_limit`) plan each layer;
     `pareto_points` bounds its time/memory front. MemoryBudgetError when no configuration fits."""
@@ -239,12 +239,14 @@ def plan_pipeline(layer: Graph | Callable[[int], Graph], layers: int, mesh: Mesh
         raise ValueError(f"plan_pipeline prices stage transfers on the profile's link of axis {axis}; "
                          f"{type(cost_model).__name__} has no `profile` (use DefaultCostModel)")
     link = profile.axis_links(mesh.shape)[axis]
+    if isinstance(precision, str) and precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)} (or a pipeline.Precision)")
     chosen_precision = PRECISIONS[precision] if isinstance(precision, str) else precision
     build = layer if callable(layer) else (lambda _: layer)
-    sizes = tuple(micro_batches) if micro_batches is not None else (_batch(layer),) if isinstance(layer, Graph) \
+    sizes = tuple(micro_batch_sizes) if micro_batch_sizes is not None else (_batch(layer),) if isinstance(layer, Graph) \
         else None
     if sizes is None:
-        raise ValueError("plan_pipeline: give micro_batches (sequences per micro-batch) with a layer builder")
+        raise ValueError("plan_pipeline: give micro_batch_sizes (sequences per micro-batch) with a layer builder")
     if isinstance(layer, Graph) and len(sizes) != 1:
         raise ValueError("plan_pipeline: one layer graph has one micro-batch size; pass a builder to try several")
     bad = [b for b in sizes if b < 1 or global_batch % b]
