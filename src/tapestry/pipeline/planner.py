@@ -243,9 +243,11 @@ def plan_pipeline(layer: Graph | Callable[[int], Graph], layers: int, mesh: Mesh
         raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)} (or a pipeline.Precision)")
     chosen_precision = PRECISIONS[precision] if isinstance(precision, str) else precision
     build = layer if callable(layer) else (lambda _: layer)
-    sizes = tuple(micro_batch_sizes) if micro_batch_sizes is not None else (_batch(layer),) if isinstance(layer, Graph) \
-        else None
-    if sizes is None:
+    if micro_batch_sizes is not None:
+        sizes = tuple(micro_batch_sizes)
+    elif isinstance(layer, Graph):
+        sizes = (_batch(layer),)
+    else:
         raise ValueError("plan_pipeline: give micro_batch_sizes (sequences per micro-batch) with a layer builder")
     if isinstance(layer, Graph) and len(sizes) != 1:
         raise ValueError("plan_pipeline: one layer graph has one micro-batch size; pass a builder to try several")
