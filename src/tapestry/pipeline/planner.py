@@ -184,7 +184,7 @@ def fit(layer: LayerCost, layers: int, schedule: Schedule, precision: Precision,
     def fits(p: Priced) -> bool:
         return memory_budget is None or max(p.memory) <= memory_budget
 
-    most = max(map(len, chunk_list))
+    most = max(map(len, chunk_list)) if layer.activations > layer.boundary else 0  # else recomputing saves nothing
     low, high = 0, most
     if not fits(priced(high)):
         return None
