@@ -13,13 +13,14 @@ calls between two barriers. Start-up, separately: import (from_torch), planning 
 warm (torch._dynamo.reset(), then inductor's on-disk cache, as a second start finds it). Every rank uses one
 thread. Training: AdamW steps under DDP, FSDP2 (fully_shard per layer), DTensor tensor parallel (column, row,
 column, where the model's layers allow it) and Tapestry's plan, one after another in the same run, with the losses
-against one device. Writes the "Persistent runtime (N gloo ranks)" section of docs/benchmarks.md from rank 0 (the
+against one device and the peak memory per rank (torch.profiler's allocation events). Writes the "Persistent runtime (N gloo ranks)" section of docs/benchmarks.md from rank 0 (the
 MLP's; another model's is "Persistent runtime, MODEL (N gloo ranks)").
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -202,8 +203,11 @@ def torch_step(model: Model, kind: str, lr: float, batch: int) -> Callable[[torc
     return step
 
 
-def training(model: Model, steps: int, lr: float) -> tuple[list[str], dict[str, float], dict[str, float]]:
-    """Step times (mean over `steps`, after 3 warm-up steps) and the largest loss difference from one device."""
+def training(model: Model, steps: int, lr: float
+             ) -> tuple[list[str], dict[str, float], dict[str, float], dict[str, int]]:
+    """Per strategy: the median step time over `steps` steps after 3 warm-up steps, the strategies interleaved step
+    by step in a rotating order (so that the shared machine's load falls on all alike), the largest loss difference
+    from one device, and the peak bytes of the third warm-up step (`peak_allocated`)."""
     gen = torch.Generator().manual_seed(2)
     batches = [model.batch(gen) for _ in range(steps + 3)]
     rows = len(batches[0][0])
@@ -218,24 +222,53 @@ def training(model: Model, steps: int, lr: float) -> tuple[list[str], dict[str, 
         return tapestry.parallelize_step(model.build(), mse, batches[0], mesh=tapestry.Mesh(dist.get_world_size()),
                                          optimizer=torch.optim.AdamW, lr=lr, weight_decay=0.01, verbose=False)
     makers["Tapestry plan"] = tapestry_step
-    times, errors = {}, {}
+    made, losses, peaks = {}, {}, {}
     for name, make in makers.items():
-        step = make()
-        losses = [float(step(x, y)) for x, y in batches[:3]]
-        dist.barrier()
-        start = time.perf_counter()
-        losses += [float(step(x, y)) for x, y in batches[3:]]
-        dist.barrier()
-        times[name] = (time.perf_counter() - start) / steps
-        errors[name] = max(abs(a - b) for a, b in zip(losses, want))
-    return notes, times, errors
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            made[name] = make()
+            losses[name] = [float(made[name](x, y)) for x, y in batches[:2]]
+            last_warmup = time.time_ns()
+            losses[name].append(float(made[name](*batches[2])))
+        peaks[name] = peak_allocated(prof, last_warmup)
+    seconds: dict[str, list[float]] = {name: [] for name in made}
+    names = list(made)
+    for i, (x, y) in enumerate(batches[3:]):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            dist.barrier()
+            start = time.perf_counter()
+            losses[name].append(float(made[name](x, y)))
+            dist.barrier()
+            seconds[name].append(time.perf_counter() - start)
+    times = {name: statistics.median(s) for name, s in seconds.items()}
+    errors = {name: max(abs(a - b) for a, b in zip(losses[name], want)) for name in made}
+    return notes, times, errors, peaks
+
+
+def peak_allocated(prof: torch.profiler.profile, since_ns: int) -> int:
+    """The most bytes live at once from `since_ns` on, of all allocated since the profile began (the model built,
+    wrapped or planned, its optimizer state, a step's activations): CPU allocations have no allocator counter, but
+    the profiler's allocation events carry the running total of what it saw allocated and not freed."""
+    def walk(events):  # noqa: ANN001, ANN202 - the profiler's private event tree
+        for event in events:
+            yield event
+            yield from walk(event.children)
+
+    from torch._C._profiler import _EventType
+
+    allocations = sorted((e.start_time_ns, e.typed[1].total_allocated, e.typed[1].alloc_size)
+                         for e in walk(prof.profiler.kineto_results.experimental_event_tree())
+                         if e.tag == _EventType.Allocation)
+    _, first_total, first_size = allocations[0]
+    base = first_total - first_size  # the running total counts what earlier profiles left: start from it
+    before = [total for at, total, _ in allocations if at < since_ns][-1:]
+    return max(before + [total for at, total, _ in allocations if at >= since_ns]) - base
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="mlp")
     parser.add_argument("--calls", type=int, default=50)
-    parser.add_argument("--steps", type=int, default=20, help="training steps per strategy")
+    parser.add_argument("--steps", type=int, default=50, help="training steps per strategy")
     parser.add_argument("--no-write", action="store_true", help="print the section instead of writing it")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -274,7 +307,9 @@ def main() -> None:
             f"Tapestry plan, {world} ranks, compiled whole": per_call(lambda x: program(x), batches, True),
             f"Tapestry plan, {world} ranks, eager": per_call(lambda x: eager(x), batches, True),
         }
-    notes, step_times, loss_errors = training(model, args.steps, 1e-3)
+    notes, step_times, loss_errors, step_peaks = training(model, args.steps, 1e-3)
+    peaks = [None] * world
+    dist.all_gather_object(peaks, step_peaks)
     starts = [None] * world
     dist.all_gather_object(starts, start)
     if rank != 0:
@@ -298,15 +333,20 @@ def main() -> None:
         *(f"| {name} | {max(s[name] for s in starts):.2f} |" for name in start),
         "",
         f"Training: one AdamW step (lr 1e-3, weight decay 0.01, MSE loss) on a fresh batch per step, "
-        f"{args.steps} steps after 3 warm-up steps; the loss of the whole batch on every rank, against one device.",
+        f"{args.steps} steps after 3 warm-up steps, the strategies interleaved step by step in a rotating order, "
+        f"each step timed between barriers (median); the loss of the whole batch on every rank, against one device.",
         "",
-        "| training step | ms per step | x best | largest loss difference from one device |",
-        "|---|---:|---:|---:|",
-        *(f"| {name} | {t * 1e3:.2f} | {t / min(step_times.values()):.2f} | {loss_errors[name]:.1e} |"
-          for name, t in step_times.items()),
+        "| training step | ms per step | x best | peak MiB per rank (largest) | largest loss difference from one "
+        "device |",
+        "|---|---:|---:|---:|---:|",
+        *(f"| {name} | {t * 1e3:.2f} | {t / min(step_times.values()):.2f} | "
+          f"{max(p[name] for p in peaks) / 2**20:.2f} | {loss_errors[name]:.1e} |" for name, t in step_times.items()),
         *(["", *notes] if notes else []),
         "",
-        "Peak memory per rank is not reported: on the CPU there is no allocator counter to read it from.",
+        "Peak memory per rank: the most bytes live at once during the third step, of all allocated since the "
+        "strategy began to be built (the module, its wrapping or plan, optimizer state, activations), read from "
+        "torch.profiler's allocation events (profile_memory; on the CPU there is no allocator counter); the largest "
+        "rank's.",
     ]
     if args.model == "mlp":
         lines += ["", "Before this runtime, `run_plan` spawned new ranks on every call: 14.9 s per inference call of "

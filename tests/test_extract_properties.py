@@ -68,7 +68,12 @@ def test_at_any_time_limit_the_ilp_bound_is_below_the_optimum_and_the_ilp_not_wo
     assert selection.bound is not None and selection.gap is not None
     assert 0 <= selection.bound <= optimum + 1e-9 * (1 + optimum)
     assert 0 <= selection.gap <= 1
-    assert selection.dag_cost <= extract(egraph, "greedy-dag").dag_cost
+    # The warm start's local search gets WARM_SHARE of the limit: at 10 s it finishes on these graphs, below that
+    # a loaded machine may cut it, and the promise left is the greedy choice itself.
+    cut = 0.0 if time_limit < 10 else math.inf
+    tree = solvable_tree(egraph)
+    greedy = finalize(egraph, greedy_dag_choice(egraph, tree, cut), tree, "greedy-dag", 0.0)
+    assert selection.dag_cost <= greedy.dag_cost
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

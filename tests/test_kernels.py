@@ -1,20 +1,26 @@
 """Every kernel, run sharded over any legal partition, equals the kernel run whole."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import sympy
-from hypothesis import given, settings
+import torch
+from hypothesis import find, given, settings
 from hypothesis import strategies as st
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from tapestry import dtypes
 from tapestry.evaluator import check_partition, read_block, run_sharded
 from tapestry.graph import GraphError
 from tapestry.kernels import KERNELS, DimKind, KernelError, get_kernel
+from tapestry.kernels.opaque import MAX_ARITY, opaque_name
 from tapestry.testing.strategies import arrays_for, partitions, signatures
 from tapestry.zspace import ZRange
 
 ALL = sorted(KERNELS)
+SPLITTABLE = [name for name in ALL if name not in {opaque_name(n) for n in range(MAX_ARITY + 1)}]  # opaque: a point
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -26,6 +32,22 @@ def test_sharded_equals_unsharded(name, data, seed):
     args = arrays_for(sig, seed)
     whole = run_sharded(sig, args, [sig.index])
     np.testing.assert_allclose(run_sharded(sig, args, parts), whole, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", SPLITTABLE)
+def test_the_sampler_draws_a_splittable_dim_of_two_or_more(name):
+    """test_sharded_equals_unsharded only means something when a partition can cut a dim."""
+    find(signatures(KERNELS[name]), lambda sig: any(sig.index.shape[d] >= 2 for d in sig.splittable),
+         settings=settings(max_examples=300, database=None))
+
+
+@pytest.mark.parametrize("name", SPLITTABLE)
+def test_the_torch_impl_traces_with_make_fx(name):
+    """The persistent runtime traces every rank's program with make_fx: each kernel's torch impl must trace."""
+    sig = find(signatures(KERNELS[name]), lambda sig: len(sig.dims) >= 1, settings=settings(database=None))
+    args = [dtypes.to_tensor(a) for a in arrays_for(sig, 0)]
+    fn = functools.partial(sig.kernel.torch, **sig.call_kwargs(sig.index))
+    torch.testing.assert_close(make_fx(fn)(*args)(*args), fn(*args), equal_nan=True)
 
 
 @pytest.mark.parametrize("name", ALL)

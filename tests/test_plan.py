@@ -114,6 +114,20 @@ def test_partial_sums_feeding_a_split_op_are_reduce_scattered():
     assert_plan_computes_graph(plan)
 
 
+def test_a_value_read_in_halves_is_resharded_from_a_copy_that_holds_each_half():
+    """Rotary embeddings read each head in halves: the copy made for the first half's reader holds only that half,
+    so the second half is moved from the whole value, not from that copy."""
+    g = Graph()
+    g.input("x", (4, 8))
+    g.relu("x", name="h")
+    first = g.op("slice", "h", axis=1, start=0, stop=4, name="first")
+    second = g.op("slice", "h", axis=1, start=4, stop=8, name="second")
+    g.output("rotated", g.op("concat", second, first, axis=1, name="rotated"))
+    plan = build_plan(g, Mesh(2), {op: (0,) for op in ("h", "first", "second", "rotated")})
+    validate_plan(plan)
+    assert_plan_computes_graph(plan)
+
+
 def test_a_partial_layout_on_one_device_is_just_the_value():
     assert_plan_computes_graph(build_plan(matmul_graph(), Mesh(1), {"mm": (2,)}))
 

@@ -11,6 +11,7 @@ from dataclasses import replace
 from tapestry.graph import Graph
 from tapestry.plan.plan import Compute, Place, Plan, Reshard, Step
 from tapestry.sharding import Layout, Mesh
+from tapestry.sharding.comm import can_move
 from tapestry.sharding.partition import AxisChoice, Partition, make_partition
 
 
@@ -58,11 +59,13 @@ class _Values:
         return f"v{len(self.steps)}"
 
     def get(self, logical: str, layout: Layout) -> str:
-        """The value `logical` in `layout`, resharding the most recent copy if needed."""
+        """The value `logical` in `layout`, resharding the most recent copy that holds what `layout` needs (a
+        copy made for a reader of a slice, like rotary's half of each head, may hold only that slice)."""
         copies = self.copies[logical]
         if layout in copies:
             return copies[layout]
-        src_layout, src = next(reversed(copies.items()))
+        src_layout, src = next(((held, name) for held, name in reversed(copies.items()) if can_move(held, layout)),
+                               next(reversed(copies.items())))  # none: the most recent, and validation says why
         return self.add(logical, Reshard(self.fresh(), src, self.shapes[logical], src_layout, layout,
                                          self.dtypes[logical]))
 

@@ -298,6 +298,11 @@ def free_port() -> int:
 
 def _spawned_rank(job: Job, rank: int, world: int, port: int, results: Any, progress: Any) -> None:
     _die_with_parent()
+    # The ranks share the machine's cores already; a pool of compile workers per rank would oversubscribe them,
+    # and its processes, left to os._exit, leave "leaked semaphore objects" behind.
+    from torch._inductor import config as inductor_config
+
+    inductor_config.compile_threads = 1
     def on_step(program: int, step: int) -> None:
         progress[2 * rank], progress[2 * rank + 1] = program, step
 
