@@ -193,6 +193,18 @@ def test_recomputation_trades_time_for_memory() -> None:
     assert everything is None  # not even with every layer recomputed
 
 
+def test_each_stage_recomputes_only_what_its_micro_batches_in_flight_need() -> None:
+    """Under 1F1B stage d holds S - d micro-batches: the first stage recomputes the most, the last the least."""
+    schedule = Schedule("1f1b", 4, 16)
+    resident = 4 * MIXED.resident(LAYER) + LAYER.working
+    found = fit(LAYER, 16, schedule, MIXED, 0.0, resident + 2 * 4 * 300)  # two micro-batches of four layers
+    assert found is not None
+    priced, chunks, flags = found
+    recomputed = [sum(flags[i] for i in chunk) for chunk in chunks]
+    assert recomputed == sorted(recomputed, reverse=True) and recomputed[0] > 0 and recomputed[-1] == 0
+    assert max(priced.memory) <= resident + 2 * 4 * 300
+
+
 def llama(params: float, activations: float, seconds: float, data_parallel: int) -> LayerCost:
     """A layer planned with tensor parallelism 8 inside a node and data parallelism over `data_parallel` nodes:
     parameters split 8 ways whatever the stage count, compute split by both, and the gradients all-reduced

@@ -125,31 +125,43 @@ def chunk_times(layers: Sequence[LayerCost], chunks: Sequence[Sequence[int]], re
     return forward, backward, kept
 
 
+def device_memory(layers: Sequence[LayerCost], schedule: Schedule, chunks: Sequence[Sequence[int]],
+           recompute: Sequence[bool], precision: Precision) -> tuple[float, ...]:
+    """Bytes per device (by pipeline position): its layers' resident state, the most activations it holds at once,
+    and its largest layer's working set. What a device holds follows its own order alone (a forward keeps its
+    chunk's activations, the backward frees them), so no timing is needed, and a device's memory depends only
+    on its own layers' recomputation."""
+    _, _, kept = chunk_times(layers, chunks, recompute)
+    found = []
+    for d in range(schedule.stages):
+        held = most = 0.0
+        for task in schedule.order(d):
+            held += kept[task.chunk] if task.kind == "F" else -kept[task.chunk]
+            most = max(most, held)
+        mine = [i for c, chunk in enumerate(chunks) if c % schedule.stages == d for i in chunk]
+        found.append(sum(precision.resident(layers[i]) for i in mine) + most + max(layers[i].working for i in mine))
+    return tuple(found)
+
+
 def price(layers: Sequence[LayerCost], schedule: Schedule, chunks: Sequence[Sequence[int]],
           recompute: Sequence[bool], precision: Precision, transfer: float) -> Priced:
-    """The step time and memory per device of `layers` cut into `chunks` (chunk c on device c % S) under
-    `schedule`, with `transfer` seconds per stage-boundary hop. Many micro-batches are simulated as few: past
-    the warm-up the schedule reaches a steady state where each micro-batch adds the same time, so the time is
-    extrapolated linearly from two simulated counts STEADY groups of S apart (exact for equal chunks; within
-    ~1% where chunks differ, whose steady state can repeat over more groups), and the activations in flight
-    (which stop growing after the warm-up, except under GPipe, where every micro-batch is in flight) from the
-    larger."""
+    """The step time and memory per device (`device_memory`) of `layers` cut into `chunks` (chunk c on device c % S)
+    under `schedule`, with `transfer` seconds per stage-boundary hop. Many micro-batches are simulated as few:
+    past the warm-up the schedule reaches a steady state where each micro-batch adds the same time, so the time
+    is extrapolated linearly from two simulated counts STEADY groups of S apart (exact for equal chunks; within
+    ~1% where chunks differ, whose steady state can repeat over more groups)."""
     forward, backward, kept = chunk_times(layers, chunks, recompute)
     s, v, m = schedule.stages, schedule.chunks, schedule.micro_batches
     small = s * (v + 2)  # past every device's warm-up: (S - d - 1) * 2 + (v - 1) * S + 1 <= (v + 1) * S
     if m <= small + STEADY * s:
         timeline = simulate(schedule, forward, backward, transfer, kept)
-        makespan, held = timeline.makespan, list(timeline.peak_activations)
+        makespan = timeline.makespan
     else:
         first = simulate(Schedule(schedule.name, s, small, v), forward, backward, transfer, kept)
         timeline = simulate(Schedule(schedule.name, s, small + STEADY * s, v), forward, backward, transfer, kept)
         per_micro_batch = (timeline.makespan - first.makespan) / (STEADY * s)
         makespan = timeline.makespan + per_micro_batch * (m - timeline.schedule.micro_batches)
-        held = [h * m / timeline.schedule.micro_batches if schedule.name == "gpipe" else h
-                for h in timeline.peak_activations]
     devices = [[i for c, chunk in enumerate(chunks) if c % s == d for i in chunk] for d in range(s)]
     update = max(sum(layers[i].update * precision.update_scale(layers[i]) + layers[i].reduce for i in mine)
                  for mine in devices)
-    memory = tuple(sum(precision.resident(layers[i]) for i in mine) + held[d]
-                   + max(layers[i].working for i in mine) for d, mine in enumerate(devices))
-    return Priced(makespan + update, memory, timeline)
+    return Priced(makespan + update, device_memory(layers, schedule, chunks, recompute, precision), timeline)

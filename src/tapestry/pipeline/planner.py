@@ -4,12 +4,12 @@ For each stage count S dividing the pipeline axis, one layer's training step is 
 sub-mesh a stage gets (the axis shrunk S times): explored once, and its time/memory Pareto front extracted, so a
 leaner layer plan is at hand where the fastest does not fit. Identical layers reuse that plan: 80 layers cost one
 optimization per sub-mesh. Every layer plan of the front is then tried under every schedule (GPipe, 1F1B,
-interleaved 1F1B with v chunks per device), with the fewest recomputed layers per chunk that fit the memory
+interleaved 1F1B with v chunks per device), with on each device the fewest recomputed layers that fit the memory
 budget; the fastest configuration that fits wins. S = 1 is no pipeline: gradient accumulation over the micro-
 batches on the whole mesh. Stage boundaries cost one point-to-point transfer of the layer's input per micro-batch
 each way, over the pipeline axis's link.
 
-Plans only: the pipelined step is priced, scheduled and drawn, not lowered to rank programs (docs/plans.md).
+Plans only: the pipelined step is priced, scheduled and drawn, not lowered to rank programs (docs/pipeline.md).
 """
 from __future__ import annotations
 
@@ -23,7 +23,16 @@ from tapestry.egraph.driver import Budget
 from tapestry.graph import Graph
 from tapestry.optimizer import MemoryBudgetError, OptimizeResult, explore
 from tapestry.pipeline.layer import layer_cost
-from tapestry.pipeline.model import PRECISIONS, LayerCost, Precision, Priced, chunk_times, partition, price
+from tapestry.pipeline.model import (
+    PRECISIONS,
+    LayerCost,
+    Precision,
+    Priced,
+    chunk_times,
+    device_memory,
+    partition,
+    price,
+)
 from tapestry.pipeline.schedule import SCHEDULES, Schedule, simulate
 from tapestry.sharding import Mesh
 
@@ -171,31 +180,36 @@ def configurations(stages: int, micro_batches: int, layers: int, schedules: Sequ
 
 def fit(layer: LayerCost, layers: int, schedule: Schedule, precision: Precision, transfer: float,
         memory_budget: float | None) -> tuple[Priced, tuple[tuple[int, ...], ...], tuple[bool, ...]] | None:
-    """`layers` copies of `layer` split evenly into the schedule's chunks, with the fewest recomputed layers
-    per chunk (the first ones of each) that fit `memory_budget` per device; None when even recomputing all
-    does not fit. Memory only falls and time only grows with each layer recomputed, so the least is the best."""
-    chunk_list = partition([layer.forward + layer.backward] * layers, schedule.stages * schedule.chunks)
+    """`layers` copies of `layer` split evenly into the schedule's chunks, with on each device the fewest
+    recomputed layers per chunk (the first ones of each) that fit `memory_budget`: a device's memory depends on
+    its own recomputation alone (`model.device_memory`), and each layer recomputed only lowers it and only adds time,
+    so the least per device is the fastest. None when even recomputing every layer does not fit."""
+    s = schedule.stages
+    chunk_list = partition([layer.forward + layer.backward] * layers, s * schedule.chunks)
     copies = [layer] * layers
 
-    def priced(r: int) -> Priced:
-        flags = tuple(k < r for chunk in chunk_list for k in range(len(chunk)))
-        return price(copies, schedule, chunk_list, flags, precision, transfer)
+    def flags(per_device: Sequence[int]) -> tuple[bool, ...]:
+        return tuple(k < per_device[c % s] for c, chunk in enumerate(chunk_list) for k in range(len(chunk)))
 
-    def fits(p: Priced) -> bool:
-        return memory_budget is None or max(p.memory) <= memory_budget
+    def held(per_device: Sequence[int]) -> tuple[float, ...]:
+        return device_memory(copies, schedule, chunk_list, flags(per_device), precision)
 
     most = max(map(len, chunk_list)) if layer.activations > layer.boundary else 0  # else recomputing saves nothing
-    low, high = 0, most
-    if not fits(priced(high)):
-        return None
-    while low < high:  # the least r that fits
-        mid = (low + high) // 2
-        if fits(priced(mid)):
-            high = mid
-        else:
-            low = mid + 1
-    flags = tuple(k < low for chunk in chunk_list for k in range(len(chunk)))
-    return priced(low), chunk_list, flags
+    recomputed = [0] * s
+    if memory_budget is not None:
+        if max(held([most] * s)) > memory_budget:
+            return None
+        for d in range(s):  # the least count that fits device d (the others' counts do not change its memory)
+            low, high = 0, most
+            while low < high:
+                mid = (low + high) // 2
+                if held([*recomputed[:d], mid, *recomputed[d + 1:]])[d] <= memory_budget:
+                    high = mid
+                else:
+                    low = mid + 1
+            recomputed[d] = low
+    chosen = flags(recomputed)
+    return price(copies, schedule, chunk_list, chosen, precision, transfer), chunk_list, chosen
 
 
 def best_configuration(layer: LayerCost, layers: int, mesh: Mesh, axis: int, stages: int, micro_batches: int,
