@@ -290,6 +290,9 @@ def test_a_layer_step_computes_its_inputs_gradient_and_prices_as_its_plan(mlp_st
     assert (layer.params, layer.state, layer.slots) == (weights, 2 * weights, 2)
     assert layer.boundary == 4 * 8 * 4  # the float32 input of one micro-batch
     assert layer.activations >= layer.boundary and layer.flops > 0
+    twice = layer_cost(tapestry.optimize(ResidualMLP.step(batch=8), 1, cost_model=model).plan, model)
+    assert twice.activations == 2 * layer.activations  # kept values scale with the micro-batch: no weights among them
+    assert twice.params == layer.params
     assert layer.reduce == 0  # one device: nothing to reduce
     assert layer.forward + layer.backward + layer.update == pytest.approx(plan_cost(result.plan, model))
 

@@ -98,8 +98,8 @@ def layer_cost(plan: Plan, model: CostModel) -> LayerCost:
     arguments = [s for name, s in places.items() if name not in carried_inputs and name != LR
                  and name not in graph.static]
     inputs = [s for s in arguments if any(r in forward for r in readers.get(s.out, ()))]  # x, not the gradient
-    kept = [s for s in plan.steps if s.out not in plan.prepared and (s.out in forward or s in inputs)
-            and any(r not in forward for r in readers.get(s.out, ()))]
+    made = [s for s in per_run if s.out in forward] + inputs  # placed weights are resident, not activations
+    kept = [s for s in made if any(r not in forward for r in readers.get(s.out, ()))]
     activations = _most(map(sum, zip(*(layout_bytes(s.layout, plan.dtypes[s.out]) for s in kept)))) if kept else 0
     boundary = _most(map(sum, zip(*(layout_bytes(s.layout, plan.dtypes[s.out]) for s in inputs)))) if inputs else 0
     working = max(0, max(peak_memory(plan)) - max(resident_bytes(plan)) - activations)
