@@ -23,7 +23,8 @@ _LAZY = {"evaluate": "tapestry.evaluator", "evaluate_sharded": "tapestry.evaluat
          "equivalent": "tapestry.prove", "Equivalence": "tapestry.prove", "parallelize": "tapestry.spmd.module",
          "ParallelModule": "tapestry.spmd.module", "ParallelProgram": "tapestry.spmd.program",
          "launch": "tapestry.spmd.launch", "run_plan": "tapestry.runtime",
-         "parallelize_step": "tapestry.spmd.step", "ParallelStep": "tapestry.spmd.step"}
+         "parallelize_step": "tapestry.spmd.step", "ParallelStep": "tapestry.spmd.step",
+         "plan_pipeline": "tapestry.pipeline"}
 
 
 def __getattr__(name: str) -> Any:
@@ -40,4 +41,4 @@ def __getattr__(name: str) -> Any:
 __all__ = ["KERNELS", "Budget", "Equivalence", "Graph", "GraphError", "Kernel", "Mesh", "OptimizeResult",
            "ParallelModule", "ParallelProgram", "ParallelStep", "Plan", "TorchImport", "TorchImportError", "Training",
            "equivalent", "evaluate", "evaluate_sharded", "explore", "from_torch", "get_kernel", "launch", "load_graph",
-           "optimize", "parallelize", "parallelize_step", "random_inputs", "run_plan", "save_graph"]
+           "optimize", "parallelize", "parallelize_step", "plan_pipeline", "random_inputs", "run_plan", "save_graph"]

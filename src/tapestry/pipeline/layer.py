@@ -1,0 +1,115 @@
+"""One layer's training step as a pipeline stage runs it, and what its plan costs (`LayerCost`).
+
+A stage runs, per micro-batch, its layers' forward and their backward down to the gradient of its input (the
+stage before needs it), and once per step the optimizer update. `layer_step` imports exactly that for one
+layer; `layer_cost` reads a plan of it step by step: forward (what the loss needs), update (what reads the
+optimizer state or the learning rate), the weight gradients' reductions (run once per step on the accumulated
+gradients) and the rest, the backward.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from tapestry import dtypes
+from tapestry.cost import CostModel, peak_memory, resident_bytes
+from tapestry.cost.memory import layout_bytes
+from tapestry.cost.overlap import forward_outputs, upstream
+from tapestry.graph import Graph
+from tapestry.importer.report import flops_of
+from tapestry.pipeline.model import LayerCost
+from tapestry.plan import Compute, Place, Plan, Reshard
+from tapestry.training import LR
+
+OPTIMIZER_STATE = ("adam.", "sgd.")  # prefixes of optimizer-state inputs (tapestry.training.state_name)
+
+
+def layer_step(layer: Any, example: Any, optimizer: str = "adam", lr: float = 1e-4) -> Graph:
+    """The training step of one `layer` (a torch module mapping a tensor to one of the same shape, as a
+    transformer block does) on input `example` (one micro-batch; the meta device is fine), with its input's
+    gradient computed: the layer reads its input through a trainable gate of ones (one elementwise product
+    and one reduction more than the layer), and the loss is the output's dot product with an incoming
+    gradient, so the backward is the stage's backward given dL/d(output)."""
+    import torch
+
+    import tapestry
+
+    class Stage(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = layer
+            self.input_gate = torch.nn.Parameter(torch.ones(example.shape[-1], dtype=example.dtype,
+                                                            device=example.device))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layer(x * self.input_gate)
+
+    def loss(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        return (module(x) * grad).sum()
+
+    training = tapestry.Training(loss=loss, optimizer=optimizer, lr=lr)
+    return tapestry.from_torch(Stage(), (example, example), training=training, verbose=False).graph
+
+
+def _most(per_device: Iterable[int]) -> int:
+    return max(per_device, default=0)
+
+
+def layer_cost(plan: Plan, model: CostModel) -> LayerCost:
+    """What one micro-batch and one step of the layer cost on the plan's mesh, per device (module docstring).
+    The weight gradients' reductions are paid once per step, hidden behind one micro-batch's backward compute
+    as far as it lasts (cost.overlap's credit, applied to the last micro-batch)."""
+    graph = plan.graph
+    if not graph.carried:
+        raise ValueError("layer_cost prices a training step (a graph with carried weights); this one has none: "
+                         "import it with training=tapestry.Training(...) (pipeline.layer_step does)")
+    by_id = plan.by_id
+
+    def args(value: str) -> tuple[str, ...]:
+        step = by_id[value]
+        return step.args if isinstance(step, Compute) else () if isinstance(step, Place) else (step.src,)
+
+    forward = upstream(forward_outputs(plan.outputs, graph.carried), args)
+    places = {s.input: s for s in plan.steps if isinstance(s, Place)}
+    optimizer = {s.out for name, s in places.items() if name.startswith(OPTIMIZER_STATE) or name == LR}
+    update: set[str] = set(optimizer)
+    readers: dict[str, list[str]] = {}
+    for step in plan.steps:
+        for a in args(step.out):
+            readers.setdefault(a, []).append(step.out)
+        if not isinstance(step, Place) and any(a in update for a in args(step.out)):
+            update.add(step.out)
+    per_run = [s for s in plan.steps if not isinstance(s, Place) and s.out not in plan.prepared]
+    cost = {s.out: model.step_cost(s, plan.mesh) for s in per_run}
+    reductions = {s.out for s in per_run if isinstance(s, Reshard) and s.src_layout.partial and s.out not in forward
+                  and all(r in update for r in readers.get(s.out, ()))}
+    backward = [s for s in per_run if s.out not in forward and s.out not in update and s.out not in reductions]
+    hidden_behind = sum(cost[s.out] for s in backward if isinstance(s, Compute))
+    reduce_seconds = sum(cost[v] for v in reductions)
+
+    carried_inputs = set(graph.carried.values())
+    weights = [s for name, s in places.items() if name in carried_inputs and not name.startswith(OPTIMIZER_STATE)]
+    state = [s for name, s in places.items() if name.startswith(OPTIMIZER_STATE) and name in carried_inputs
+             and s.shape]  # the step count is a scalar
+    elements = [sum(b.size for b in (s.layout.blocks[d] for s in group) if b is not None)
+                for group in (weights, state) for d in range(plan.mesh.size)]
+    params_per_device = _most(elements[:plan.mesh.size])
+    state_per_device = _most(elements[plan.mesh.size:])
+    arguments = [s for name, s in places.items() if name not in carried_inputs and name != LR
+                 and name not in graph.static]
+    inputs = [s for s in arguments if any(r in forward for r in readers.get(s.out, ()))]  # x, not the gradient
+    made = [s for s in per_run if s.out in forward] + inputs  # placed weights are resident, not activations
+    kept = [s for s in made if any(r not in forward for r in readers.get(s.out, ()))]
+    activations = _most(map(sum, zip(*(layout_bytes(s.layout, plan.dtypes[s.out]) for s in kept)))) if kept else 0
+    boundary = _most(map(sum, zip(*(layout_bytes(s.layout, plan.dtypes[s.out]) for s in inputs)))) if inputs else 0
+    working = max(0, max(peak_memory(plan)) - max(resident_bytes(plan)) - activations)
+    itemsize = dtypes.itemsize(plan.dtypes[weights[0].out]) if weights else 4
+    return LayerCost(
+        forward=sum(cost[s.out] for s in per_run if s.out in forward),
+        backward=sum(cost[s.out] for s in backward),
+        update=sum(cost[s.out] for s in per_run if s.out in update and s.out not in forward),
+        params=params_per_device, state=state_per_device,
+        slots=len(state) // len(weights) if weights else 0,
+        activations=activations, boundary=boundary, working=working,
+        flops=sum(flops_of(graph.signature(op.name)) for op in graph.ops), itemsize=itemsize,
+        reduce=max(0.0, reduce_seconds - hidden_behind))

@@ -1,0 +1,316 @@
+"""`plan_pipeline`: stages over one mesh axis, chosen by cost with everything else.
+
+For each stage count S dividing the pipeline axis, one layer's training step is planned by the optimizer on the
+sub-mesh a stage gets (the axis shrunk S times): explored once, and its time/memory Pareto front extracted, so a
+leaner layer plan is at hand where the fastest does not fit. Identical layers reuse that plan: 80 layers cost one
+optimization per sub-mesh. Every layer plan of the front is then tried under every schedule (GPipe, 1F1B,
+interleaved 1F1B with v chunks per device), with on each device the fewest recomputed layers that fit the memory
+budget; the fastest configuration that fits wins. S = 1 is no pipeline: gradient accumulation over the micro-
+batches on the whole mesh. Stage boundaries cost one point-to-point transfer of the layer's input per micro-batch
+each way, over the pipeline axis's link.
+
+Plans only: the pipelined step is priced, scheduled and drawn, not lowered to rank programs (docs/pipeline.md).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tapestry.cost import CostModel, Link
+from tapestry.egraph.driver import Budget
+from tapestry.graph import Graph
+from tapestry.optimizer import MemoryBudgetError, OptimizeResult, explore
+from tapestry.pipeline.layer import layer_cost
+from tapestry.pipeline.model import (
+    PRECISIONS,
+    LayerCost,
+    Precision,
+    Priced,
+    chunk_times,
+    device_memory,
+    partition,
+    price,
+)
+from tapestry.pipeline.schedule import SCHEDULES, Schedule, simulate
+from tapestry.sharding import Mesh
+
+CHUNKS = (2, 4)  # virtual stages per device tried by the interleaved schedule
+DRAWN = 4  # micro-batches per stage a drawing shows by default
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """A pipelined training step: which layers run where and when, and what that costs."""
+
+    mesh: Mesh
+    axis: int  # the mesh axis the stages are laid over
+    schedule: Schedule
+    chunks: tuple[tuple[int, ...], ...]  # layer indices per model chunk; chunk c runs on pipeline position c % S
+    recompute: tuple[bool, ...]  # per layer: its forward is run again in the backward, only its input kept
+    precision: Precision
+    micro_batch: int  # sequences per micro-batch
+    layer: LayerCost  # one layer on its stage's sub-mesh
+    stage_plan: OptimizeResult | None  # that layer's plan (every stage runs it on its own devices); None: given
+    transfer: float  # seconds per stage-boundary hop
+    cost: float  # predicted seconds per step
+    memory: tuple[float, ...]  # bytes per device, by pipeline position
+    peak_flops: float = 0.0  # per device, for `mfu`
+
+    @property
+    def stages(self) -> int:
+        return self.schedule.stages
+
+    @property
+    def stage_mesh(self) -> Mesh:
+        return stage_mesh(self.mesh, self.axis, self.stages)
+
+    @property
+    def peak_memory(self) -> int:
+        return int(max(self.memory))
+
+    @property
+    def layers_by_stage(self) -> tuple[tuple[int, ...], ...]:
+        """Per pipeline position, the layers it holds (all its chunks)."""
+        return tuple(tuple(i for c, chunk in enumerate(self.chunks) if c % self.stages == d for i in chunk)
+                     for d in range(self.stages))
+
+    @property
+    def flops(self) -> float:
+        """Model FLOPs per step: every layer's step for every micro-batch, recomputation not counted."""
+        return len(self.recompute) * self.schedule.micro_batches * self.layer.flops
+
+    @property
+    def mfu(self) -> float:
+        return self.flops / (self.cost * self.mesh.size * self.peak_flops) if self.peak_flops else math.nan
+
+    def describe(self) -> str:
+        s = self.schedule
+        name = "gradient accumulation (no pipeline)" if s.stages == 1 else \
+            f"{s.name}" + (f" with {s.chunks} chunks per device" if s.chunks > 1 else "")
+        lines = [f"{s.stages} stages over mesh axis {self.axis} of {self.mesh} (each stage on {self.stage_mesh}); "
+                 f"{name}; {s.micro_batches} micro-batches of {self.micro_batch}; bubble {s.bubble:.1%}",
+                 f"predicted {self.cost * 1e3:.1f} ms per step, MFU {self.mfu:.1%}, "
+                 f"{max(self.memory) / 2**30:.2f} GiB on the fullest device ({self.precision.name}); "
+                 f"{sum(self.recompute)} of {len(self.recompute)} layers recomputed"]
+        for d, mine in enumerate(self.layers_by_stage):
+            recomputed = sum(self.recompute[i] for i in mine)
+            lines.append(f"  stage {d}: layers {_ranges(mine)}" + (f" ({recomputed} recomputed)" if recomputed else "")
+                         + f", {self.memory[d] / 2**30:.2f} GiB")
+        return "\n".join(lines)
+
+    def draw(self, path: str | Path, micro_batches: int | None = None) -> Path:
+        """The schedule as a Gantt chart, with `micro_batches` of the step's (default: up to 4 per stage, enough
+        to show warm-up, steady state and cool-down; the step's own count when fewer)."""
+        from tapestry.pipeline.draw import draw_timeline
+
+        s = self.schedule
+        shown = min(s.micro_batches, micro_batches or DRAWN * s.stages)
+        if s.name == "interleaved":
+            shown = max(s.stages, shown - shown % s.stages)
+        forward, backward, kept = chunk_times([self.layer] * len(self.recompute), self.chunks, self.recompute)
+        timeline = simulate(Schedule(s.name, s.stages, shown, s.chunks), forward, backward, self.transfer, kept)
+        title = self.describe().splitlines()[0] + (f"\n(drawn with {shown} of its {s.micro_batches} micro-batches)"
+                                                   if shown < s.micro_batches else "")
+        return draw_timeline(timeline, path, title=title)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The best configuration found for one stage count (None: nothing fit), for the report."""
+
+    stages: int
+    plan: PipelinePlan | None
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    """The chosen pipeline plan (`plan.cost`, `peak_memory` as `tapestry.optimize`'s result has them) and the
+    best of every stage count tried."""
+
+    plan: PipelinePlan
+    candidates: tuple[Candidate, ...]
+
+    @property
+    def peak_memory(self) -> int:
+        return self.plan.peak_memory
+
+    def explain(self) -> str:
+        rows = [self.plan.describe(), "stage counts tried:"]
+        for c in self.candidates:
+            rows.append(f"  S={c.stages}: " + (c.why if c.plan is None else
+                                               f"{c.plan.schedule.name} v={c.plan.schedule.chunks}, "
+                                               f"{c.plan.cost * 1e3:.1f} ms, {max(c.plan.memory) / 2**30:.2f} GiB"))
+        return "\n".join(rows)
+
+
+def stage_mesh(mesh: Mesh, axis: int, stages: int) -> Mesh:
+    """The devices of one stage: `mesh` with axis `axis` shrunk `stages` times (dropped when it is used up)."""
+    if mesh.shape[axis] % stages:
+        raise ValueError(f"{stages} stages do not divide mesh axis {axis} of {mesh} (size {mesh.shape[axis]})")
+    shape = [n // stages if a == axis else n for a, n in enumerate(mesh.shape)]
+    kept = [n for a, n in enumerate(shape) if n > 1 or a != axis]
+    return Mesh(*kept) if kept else Mesh(1)
+
+
+def _ranges(indices: Sequence[int]) -> str:
+    parts, start = [], None
+    for k, i in enumerate(indices):
+        if start is None:
+            start = i
+        if k + 1 == len(indices) or indices[k + 1] != i + 1:
+            parts.append(f"{start}" if start == i else f"{start}-{i}")
+            start = None
+    return ", ".join(parts)
+
+
+def configurations(stages: int, micro_batches: int, layers: int, schedules: Sequence[str],
+                   chunks: Sequence[int]) -> list[Schedule]:
+    """The schedules worth pricing: with one stage, only 1F1B (gradient accumulation: one micro-batch in flight;
+    GPipe would hold all); interleaving only where every chunk gets a layer and micro-batches group by S."""
+    if stages == 1:
+        return [Schedule("1f1b", 1, micro_batches)]
+    found = [Schedule(name, stages, micro_batches) for name in schedules if name != "interleaved"]
+    if "interleaved" in schedules and micro_batches % stages == 0:
+        found += [Schedule("interleaved", stages, micro_batches, v) for v in chunks if stages * v <= layers]
+    return found
+
+
+def fit(layer: LayerCost, layers: int, schedule: Schedule, precision: Precision, transfer: float,
+        memory_budget: float | None) -> tuple[Priced, tuple[tuple[int, ...], ...], tuple[bool, ...]] | None:
+    """`layers` copies of `layer` split evenly into the schedule's chunks, with on each device the fewest
+    recomputed layers per chunk (the first ones of each) that fit `memory_budget`: a device's memory depends on
+    its own recomputation alone (`model.device_memory`), and each layer recomputed only lowers it and only adds time,
+    so the least per device is the fastest. None when even recomputing every layer does not fit."""
+    s = schedule.stages
+    chunk_list = partition([layer.forward + layer.backward] * layers, s * schedule.chunks)
+    copies = [layer] * layers
+
+    def flags(per_device: Sequence[int]) -> tuple[bool, ...]:
+        return tuple(k < per_device[c % s] for c, chunk in enumerate(chunk_list) for k in range(len(chunk)))
+
+    def held(per_device: Sequence[int]) -> tuple[float, ...]:
+        return device_memory(copies, schedule, chunk_list, flags(per_device), precision)
+
+    most = max(map(len, chunk_list)) if layer.activations > layer.boundary else 0  # else recomputing saves nothing
+    recomputed = [0] * s
+    if memory_budget is not None:
+        if max(held([most] * s)) > memory_budget:
+            return None
+        for d in range(s):  # the least count that fits device d (the others' counts do not change its memory)
+            low, high = 0, most
+            while low < high:
+                mid = (low + high) // 2
+                if held([*recomputed[:d], mid, *recomputed[d + 1:]])[d] <= memory_budget:
+                    high = mid
+                else:
+                    low = mid + 1
+            recomputed[d] = low
+    chosen = flags(recomputed)
+    return price(copies, schedule, chunk_list, chosen, precision, transfer), chunk_list, chosen
+
+
+def best_configuration(layer: LayerCost, layers: int, mesh: Mesh, axis: int, stages: int, micro_batches: int,
+                       precision: Precision, link: Link, memory_budget: float | None,
+                       schedules: Sequence[str] = SCHEDULES, chunks: Sequence[int] = CHUNKS, peak_flops: float = 0.0,
+                       stage_plan: OptimizeResult | None = None, micro_batch: int = 1) -> PipelinePlan | None:
+    """The fastest schedule (and recomputation) for `layers` copies of `layer` in `stages` stages over mesh axis
+    `axis`, `micro_batches` per step, that fits `memory_budget`; None when none does."""
+    transfer = link.alpha + layer.boundary / link.beta if stages > 1 else 0.0
+    best: PipelinePlan | None = None
+    for schedule in configurations(stages, micro_batches, layers, schedules, chunks):
+        found = fit(layer, layers, schedule, precision, transfer, memory_budget)
+        if found is None:
+            continue
+        priced, chunk_list, flags = found
+        plan = PipelinePlan(mesh, axis, schedule, chunk_list, flags, precision, micro_batch, layer, stage_plan,
+                            transfer, priced.step_time, priced.memory, peak_flops)
+        if best is None or (plan.cost, plan.peak_memory) < (best.cost, best.peak_memory):
+            best = plan
+    return best
+
+
+def plan_pipeline(layer: Graph | Callable[[int], Graph], layers: int, mesh: Mesh, global_batch: int,
+                  cost_model: CostModel, micro_batch_sizes: Sequence[int] | None = None, axis: int = 0,
+                  stages: Sequence[int] | None = None, memory_budget: float | None = 80 * 10**9,
+                  precision: str | Precision = "mixed", schedules: Sequence[str] = SCHEDULES,
+                  chunks: Sequence[int] = CHUNKS, budget: Budget = Budget(), extractor: str = "ilp",
+                  time_limit: float = 10.0, pareto_points: int = 3) -> PipelineResult:
+    """The fastest pipelined training step of `layers` identical layers on `mesh` that fits `memory_budget`
+    bytes per device, `global_batch` sequences per step.
+
+    `layer` is one layer's training step (`pipeline.layer_step`) at one micro-batch size, or a function from
+    a micro-batch size (sequences) to it; `micro_batch_sizes` lists the sizes to try (default: the graph's
+    batch, read off its first user input). `stages` lists the stage counts to try (default: every divisor of
+    mesh axis `axis`). The optimizer's knobs (`budget`, `extractor`, `time_limit`) plan each layer;
+    `pareto_points` bounds its time/memory front. MemoryBudgetError when no configuration fits."""
+    if not 0 <= axis < mesh.ndim:
+        raise ValueError(f"pipeline axis {axis} is not an axis of {mesh}")
+    profile = getattr(cost_model, "profile", None)
+    if profile is None:
+        raise ValueError(f"plan_pipeline prices stage transfers on the profile's link of axis {axis}; "
+                         f"{type(cost_model).__name__} has no `profile` (use DefaultCostModel)")
+    link = profile.axis_links(mesh.shape)[axis]
+    if isinstance(precision, str) and precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)} (or a pipeline.Precision)")
+    chosen_precision = PRECISIONS[precision] if isinstance(precision, str) else precision
+    build = layer if callable(layer) else (lambda _: layer)
+    if micro_batch_sizes is not None:
+        sizes = tuple(micro_batch_sizes)
+    elif isinstance(layer, Graph):
+        sizes = (_batch(layer),)
+    else:
+        raise ValueError("plan_pipeline: give micro_batch_sizes (sequences per micro-batch) with a layer builder")
+    if isinstance(layer, Graph) and len(sizes) != 1:
+        raise ValueError("plan_pipeline: one layer graph has one micro-batch size; pass a builder to try several")
+    bad = [b for b in sizes if b < 1 or global_batch % b]
+    if bad:
+        raise ValueError(f"micro-batch size {bad[0]} does not divide the global batch {global_batch}")
+    counts = tuple(stages) if stages is not None else tuple(
+        s for s in range(1, mesh.shape[axis] + 1) if mesh.shape[axis] % s == 0 and s <= layers)
+    graphs = {b: build(b) for b in sizes}
+    candidates = []
+    for s in counts:
+        best: PipelinePlan | None = None
+        sub = stage_mesh(mesh, axis, s)
+        why = []
+        for b, graph in graphs.items():
+            try:
+                front = explore(graph, sub, budget=budget).pareto(cost_model, extractor, time_limit,
+                                                                  points=pareto_points)
+            except (ValueError, MemoryBudgetError) as err:
+                why.append(f"micro-batch {b}: no layer plan on {sub} ({err})")
+                continue
+            for result in front:
+                found = best_configuration(layer_cost(result.plan, cost_model), layers, mesh, axis, s,
+                                           global_batch // b, chosen_precision, link, memory_budget, schedules,
+                                           chunks, profile.device.peak(_compute_dtype(graph)), result, b)
+                if found is not None and (best is None or (found.cost, found.peak_memory) < (best.cost,
+                                                                                               best.peak_memory)):
+                    best = found
+            if best is None:
+                why.append(f"micro-batch {b}: nothing fits {memory_budget:,.0f} bytes per device, even with every "
+                           f"layer recomputed")
+        candidates.append(Candidate(s, best, "; ".join(why)))
+    fitting = [c.plan for c in candidates if c.plan is not None]
+    if not fitting:
+        raise MemoryBudgetError("no pipeline configuration fits: " + "; ".join(f"S={c.stages}: {c.why}"
+                                                                              for c in candidates))
+    return PipelineResult(min(fitting, key=lambda p: (p.cost, p.peak_memory)), tuple(candidates))
+
+
+def _batch(graph: Graph) -> int:
+    """Sequences per micro-batch of a layer step: the leading dim of its first user input."""
+    users = [n for n in graph.inputs if n.name not in graph.carried.values() and n.name not in graph.static
+             and n.shape]
+    if not users:
+        raise ValueError("plan_pipeline: the layer graph has no batched input to read the micro-batch size from")
+    return users[0].shape[0]
+
+
+def _compute_dtype(graph: Graph) -> str:
+    """The dtype the layer computes in: its weights' (what MFU's peak is read for)."""
+    weights = [n for n in graph.inputs if n.name in graph.carried.values() and n.shape]
+    return weights[0].dtype if weights else "float32"

@@ -1,0 +1,337 @@
+"""Pipeline parallelism (tapestry.pipeline): schedules against a brute-force clock, stage balance, the memory of
+micro-batches in flight, recomputation and precision, and the choice of stages by cost."""
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import replace
+
+import pytest
+
+from tapestry.cost import Link
+from tapestry.pipeline import BF16, MIXED, LayerCost, Schedule, partition, price, simulate
+from tapestry.pipeline.planner import best_configuration, configurations, fit, stage_mesh
+from tapestry.sharding import Mesh
+
+SHAPES = [("gpipe", s, 1) for s in (1, 2, 3, 4)] + [("1f1b", s, 1) for s in (1, 2, 3, 4)] + \
+    [("interleaved", s, v) for s in (2, 3, 4) for v in (2, 3)]
+
+
+def brute_force(schedule: Schedule, forward: list[int], backward: list[int], transfer: int) -> int:
+    """The makespan on a clock ticking one time unit at a time: each idle device starts its next task (in the
+    schedule's order) once the task it needs is done and, across devices, `transfer` ticks have passed."""
+    orders = [schedule.order(d) for d in range(schedule.stages)]
+    last = schedule.stages * schedule.chunks - 1
+    finished: dict[tuple[str, int, int], int] = {}
+    running: dict[int, tuple[tuple[str, int, int], int]] = {}
+    at = [0] * schedule.stages
+    tick = 0
+    while len(finished) < sum(map(len, orders)):
+        for d, (task, end) in list(running.items()):
+            if end == tick:
+                finished[task] = tick
+                del running[d]
+        for d, order in enumerate(orders):
+            if d in running or at[d] == len(order):
+                continue
+            t = order[at[d]]
+            need = (("F", t.micro_batch, t.chunk - 1) if t.chunk > 0 else None) if t.kind == "F" else \
+                ("B", t.micro_batch, t.chunk + 1) if t.chunk < last else ("F", t.micro_batch, t.chunk)
+            delay = 0 if need is None or need[2] % schedule.stages == d else transfer
+            if need is None or (need in finished and finished[need] + delay <= tick):
+                seconds = forward[t.chunk] if t.kind == "F" else backward[t.chunk]
+                running[d] = ((t.kind, t.micro_batch, t.chunk), tick + seconds)
+                at[d] += 1
+        tick += 1
+        assert tick < 10**5, "the brute force found a deadlock"
+    return max(finished.values())
+
+
+@pytest.mark.parametrize("name,stages,chunks", SHAPES)
+def test_simulation_matches_a_brute_force_clock(name: str, stages: int, chunks: int) -> None:
+    rng = random.Random(f"{name}{stages}{chunks}")
+    for m in (stages, 2 * stages, 3 * stages):
+        n = stages * chunks
+        forward = [rng.randint(1, 4) for _ in range(n)]
+        backward = [rng.randint(1, 8) for _ in range(n)]
+        for transfer in (0, 2):
+            schedule = Schedule(name, stages, m, chunks)
+            assert simulate(schedule, forward, backward, transfer).makespan == \
+                brute_force(schedule, forward, backward, transfer)
+
+
+@pytest.mark.parametrize("name,stages,chunks", SHAPES)
+def test_step_time_is_the_ideal_plus_the_bubble(name: str, stages: int, chunks: int) -> None:
+    """Equal chunks, free transfers: m (F + B) (1 + (S - 1) / (v m)), as GPipe and Megatron-LM state."""
+    for m in (stages, 2 * stages, 5 * stages):
+        schedule = Schedule(name, stages, m, chunks)
+        timeline = simulate(schedule, [1.0 / chunks] * stages * chunks, [2.0 / chunks] * stages * chunks)
+        assert timeline.makespan == pytest.approx(3.0 * m * (1 + (stages - 1) / (chunks * m)))
+        assert schedule.bubble == pytest.approx((stages - 1) / (chunks * m))
+
+
+@pytest.mark.parametrize("name,stages,chunks", SHAPES)
+def test_micro_batches_in_flight_are_the_schedules(name: str, stages: int, chunks: int) -> None:
+    """GPipe holds every micro-batch; 1F1B at most S - d on device d; interleaved its warm-up plus one."""
+    for m in (stages, 4 * stages):
+        schedule = Schedule(name, stages, m, chunks)
+        timeline = simulate(schedule, [1.0] * stages * chunks, [2.0] * stages * chunks)
+        assert timeline.peak_in_flight == tuple(schedule.in_flight(d) for d in range(stages))
+        if name == "gpipe":
+            assert set(timeline.peak_in_flight) == {m}
+        if name == "1f1b":
+            assert timeline.peak_in_flight == tuple(min(stages - d, m) for d in range(stages))
+
+
+def test_every_task_runs_once_after_what_it_needs() -> None:
+    schedule = Schedule("interleaved", 4, 8, 2)
+    timeline = simulate(schedule, [1.0] * 8, [2.0] * 8, transfer=0.5)
+    ends = {s.task: s.end for s in timeline.slots}
+    assert len(ends) == len(timeline.slots) == 2 * 8 * 8
+    for slot in timeline.slots:
+        t = slot.task
+        if t.kind == "F" and t.chunk > 0:
+            assert slot.start >= ends[replace(t, chunk=t.chunk - 1)] + 0.5
+        if t.kind == "B":
+            assert slot.start >= ends[replace(t, kind="F")]
+            if t.chunk < 7:
+                assert slot.start >= ends[replace(t, chunk=t.chunk + 1)] + 0.5
+    for d in range(4):
+        mine = sorted((s.start, s.end) for s in timeline.slots if s.device == d)
+        assert all(a[1] <= b[0] for a, b in zip(mine, mine[1:])), "a device runs one task at a time"
+
+
+def test_interleaving_needs_micro_batches_in_groups_of_the_stages() -> None:
+    with pytest.raises(ValueError, match="not a multiple of 4 stages"):
+        Schedule("interleaved", 4, 6, 2)
+    with pytest.raises(ValueError, match="only 'interleaved'"):
+        Schedule("1f1b", 4, 8, 2)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_stages_balance_as_well_as_any_split(seed: int) -> None:
+    rng = random.Random(seed)
+    costs = [rng.uniform(0.1, 3.0) for _ in range(9)]
+    for parts in (1, 2, 3, 4):
+        groups = partition(costs, parts)
+        assert [i for g in groups for i in g] == list(range(9)) and all(groups)
+        best = min(max(sum(costs[a:b]) for a, b in zip((0, *cuts), (*cuts, 9)))
+                   for cuts in itertools.combinations(range(1, 9), parts - 1))
+        assert max(sum(costs[i] for i in g) for g in groups) == pytest.approx(best)
+
+
+def test_identical_layers_split_evenly() -> None:
+    assert [len(g) for g in partition([1.0] * 80, 8)] == [10] * 8
+    assert sorted(len(g) for g in partition([1.0] * 10, 4)) == [2, 2, 3, 3]
+
+
+LAYER = LayerCost(forward=1.0, backward=2.0, update=0.5, params=1000, state=2000, slots=2, activations=300,
+                  boundary=20, working=50, flops=1e9)
+
+
+def test_memory_grows_with_the_micro_batches_in_flight() -> None:
+    """1F1B: device d holds min(S - d, m) micro-batches of its layers' activations; GPipe: all m."""
+    chunks = partition([1.0] * 8, 4)
+    flags = (False,) * 8
+    resident = 2 * MIXED.resident(LAYER) + LAYER.working
+    for m in (1, 2, 4, 8, 16):
+        one_f_one_b = price([LAYER] * 8, Schedule("1f1b", 4, m), chunks, flags, MIXED, 0.0)
+        assert one_f_one_b.memory == tuple(resident + min(4 - d, m) * 2 * 300 for d in range(4))
+        gpipe = price([LAYER] * 8, Schedule("gpipe", 4, m), chunks, flags, MIXED, 0.0)
+        assert gpipe.memory == tuple(resident + m * 2 * 300 for d in range(4))
+
+
+def test_many_micro_batches_are_extrapolated_exactly_for_equal_chunks() -> None:
+    chunks, flags = partition([1.0] * 8, 8), (False,) * 8
+    for name, v in (("1f1b", 1), ("gpipe", 1)):
+        schedule = Schedule(name, 8, 200, v)
+        priced = price([LAYER] * 8, schedule, chunks, flags, BF16, 0.25)
+        assert priced.simulated < 200
+        full = simulate(schedule, [1.0] * 8, [2.0] * 8, 0.25, [300.0] * 8)
+        assert priced.step_time == pytest.approx(full.makespan + 0.5 * BF16.update_scale(LAYER))
+        assert max(priced.memory) == pytest.approx(8 * 0 + BF16.resident(LAYER) + max(full.peak_activations)
+                                                   + LAYER.working)
+
+
+def test_update_and_gradient_reductions_are_paid_once_per_step() -> None:
+    """Gradients accumulate over the micro-batches: the update and the reductions run once, whatever m is;
+    under mixed precision the (memory-bound) update moves 16 bytes per parameter where the import moved 8."""
+    layer = replace(LAYER, reduce=0.25)
+    chunks, flags = partition([1.0] * 4, 2), (False,) * 4
+    for m in (2, 8, 32):
+        schedule = Schedule("1f1b", 2, m)
+        priced = price([layer] * 4, schedule, chunks, flags, MIXED, 0.0)
+        makespan = simulate(schedule, [2.0, 2.0], [4.0, 4.0]).makespan
+        assert priced.step_time == pytest.approx(makespan + 2 * (0.5 * 16 / 8 + 0.25))
+
+
+def test_mixed_precision_holds_16_bytes_per_parameter_with_adam() -> None:
+    assert MIXED.bytes_per_param(slots=2) == 16
+    layer = replace(LAYER, params=10, state=20)  # Adam's m and v sharded like the parameters
+    assert MIXED.resident(layer) == 160
+    assert BF16.resident(layer) == 80  # as a bfloat16 import holds them: no master copy
+    sharded = replace(LAYER, params=10, state=4)  # ZeRO-1: the optimizer state (and master) split 5 ways
+    assert MIXED.resident(sharded) == 10 * 4 + 2 * 4 + 4 * 4
+
+
+def test_recomputation_trades_time_for_memory() -> None:
+    """A recomputed layer keeps only its input and runs its forward twice: the tighter the budget, the more
+    layers recompute, each costing its forward on the stage that holds it."""
+    schedule = Schedule("1f1b", 2, 8)
+    free = fit(LAYER, 8, schedule, MIXED, 0.0, None)
+    assert free is not None and sum(free[2]) == 0
+    results = []
+    for budget in sorted({max(free[0].memory) - k * 280 for k in range(0, 10, 2)}, reverse=True):
+        found = fit(LAYER, 8, schedule, MIXED, 0.0, budget)
+        assert found is not None and max(found[0].memory) <= budget
+        results.append((sum(found[2]), found[0].step_time))
+    recomputed = [r for r, _ in results]
+    times = [t for _, t in results]
+    assert recomputed == sorted(recomputed) and recomputed[-1] > 0
+    assert times == sorted(times) and times[-1] > times[0]
+    everything = fit(LAYER, 8, schedule, MIXED, 0.0, 2 * MIXED.resident(LAYER) + LAYER.working + 8 * 20 - 1)
+    assert everything is None  # not even with every layer recomputed
+
+
+def test_each_stage_recomputes_only_what_its_micro_batches_in_flight_need() -> None:
+    """Under 1F1B stage d holds S - d micro-batches: the first stage recomputes the most, the last the least."""
+    schedule = Schedule("1f1b", 4, 16)
+    resident = 4 * MIXED.resident(LAYER) + LAYER.working
+    found = fit(LAYER, 16, schedule, MIXED, 0.0, resident + 2 * 4 * 300)  # two micro-batches of four layers
+    assert found is not None
+    priced, chunks, flags = found
+    recomputed = [sum(flags[i] for i in chunk) for chunk in chunks]
+    assert recomputed == sorted(recomputed, reverse=True) and recomputed[0] > 0 and recomputed[-1] == 0
+    assert max(priced.memory) <= resident + 2 * 4 * 300
+
+
+def llama(params: float, activations: float, seconds: float, data_parallel: int) -> LayerCost:
+    """A layer planned with tensor parallelism 8 inside a node and data parallelism over `data_parallel` nodes:
+    parameters split 8 ways whatever the stage count, compute split by both, and the gradients all-reduced
+    across the nodes (bf16 over 50 GB/s) once per step."""
+    reduce = 2 * (data_parallel - 1) / data_parallel * 2 * params / 8 / 50e9
+    return LayerCost(forward=seconds / data_parallel, backward=2 * seconds / data_parallel,
+                     update=0.01 * seconds, reduce=reduce, params=int(params / 8), state=int(2 * params / 8), slots=2,
+                     activations=int(activations / data_parallel), boundary=2 * 4096 * 8192, working=2 * 10**9,
+                     flops=6 * params * 4096)
+
+
+def test_pipeline_is_chosen_where_memory_forces_it_and_not_otherwise() -> None:
+    """On 8 nodes of 8: 70B (80 layers of 0.86B parameters, 16 bytes each under mixed precision) needs 138 GB
+    per device with the parameters split only by the 8 GPUs of a node, so one stage (data parallel across
+    the nodes) does not fit in 80 GB, and 8 stages (one per node) do. A 7B-sized model fits whole, and there
+    one stage (gradient accumulation, no bubble) is the faster."""
+    mesh, link = Mesh(8, 8), Link(1e-5, 50e9)
+    budget = 80 * 10**9
+    assert best_configuration(llama(0.86e9, 1.5e9, 0.05, 8), 80, mesh, 0, 1, 64, MIXED, link, budget) is None
+    piped = best_configuration(llama(0.86e9, 1.5e9, 0.05, 1), 80, mesh, 0, 8, 64, MIXED, link, budget)
+    assert piped is not None and piped.stages == 8 and piped.peak_memory <= budget
+    assert sorted(i for stage in piped.layers_by_stage for i in stage) == list(range(80))
+    whole = best_configuration(llama(0.2e9, 0.3e9, 0.01, 8), 32, mesh, 0, 1, 64, MIXED, link, budget)
+    staged = best_configuration(llama(0.2e9, 0.3e9, 0.01, 1), 32, mesh, 0, 8, 64, MIXED, link, budget)
+    assert whole is not None and staged is not None and whole.cost < staged.cost
+
+
+def test_schedules_tried_per_stage_count() -> None:
+    assert [s.name for s in configurations(1, 8, 4, ("gpipe", "1f1b", "interleaved"), (2,))] == ["1f1b"]
+    found = configurations(4, 8, 8, ("gpipe", "1f1b", "interleaved"), (2, 4))
+    assert [(s.name, s.chunks) for s in found] == [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
+
+
+def test_a_stage_gets_the_mesh_with_the_pipeline_axis_shrunk() -> None:
+    assert stage_mesh(Mesh(8, 8), 0, 8) == Mesh(8)
+    assert stage_mesh(Mesh(8, 8), 0, 4) == Mesh(2, 8)
+    assert stage_mesh(Mesh(4), 0, 4) == Mesh(1)
+    with pytest.raises(ValueError, match="do not divide"):
+        stage_mesh(Mesh(8, 8), 0, 3)
+
+
+class ResidualMLP:
+    """A tiny layer: x + down(relu(up(x))), built lazily so the fast tests above need no torch."""
+
+    @staticmethod
+    def step(width: int = 8, batch: int = 4):  # noqa: ANN205
+        import torch
+
+        from tapestry.pipeline import layer_step
+
+        class Layer(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.up = torch.nn.Linear(width, 2 * width, bias=False)
+                self.down = torch.nn.Linear(2 * width, width, bias=False)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return x + self.down(torch.relu(self.up(x)))
+
+        return layer_step(Layer(), torch.zeros(batch, width))
+
+
+@pytest.fixture(scope="module")
+def mlp_step():  # noqa: ANN201
+    return ResidualMLP.step()
+
+
+def h100() -> object:
+    from tapestry.cost import DefaultCostModel, load_profile
+
+    return DefaultCostModel(load_profile("gpu-h100-cluster"))
+
+
+def test_a_layer_step_computes_its_inputs_gradient_and_prices_as_its_plan(mlp_step) -> None:  # noqa: ANN001
+    import tapestry
+    from tapestry.cost import plan_cost
+    from tapestry.pipeline import layer_cost
+
+    model = h100()
+    result = tapestry.optimize(mlp_step, 1, cost_model=model)
+    layer = layer_cost(result.plan, model)
+    weights = 8 * 16 + 16 * 8 + 8  # up, down and the input gate that asks for the input's gradient
+    assert (layer.params, layer.state, layer.slots) == (weights, 2 * weights, 2)
+    assert layer.boundary == 4 * 8 * 4  # the float32 input of one micro-batch
+    assert layer.activations >= layer.boundary and layer.flops > 0
+    twice = layer_cost(tapestry.optimize(ResidualMLP.step(batch=8), 1, cost_model=model).plan, model)
+    assert twice.activations == 2 * layer.activations  # kept values scale with the micro-batch: no weights among them
+    assert twice.params == layer.params
+    assert layer.reduce == 0  # one device: nothing to reduce
+    assert layer.forward + layer.backward + layer.update == pytest.approx(plan_cost(result.plan, model))
+
+
+def test_plan_pipeline_places_every_layer_and_prices_the_chosen_step(mlp_step, tmp_path) -> None:  # noqa: ANN001
+    import tapestry
+    from tapestry.optimizer import MemoryBudgetError
+
+    free = tapestry.plan_pipeline(mlp_step, 4, tapestry.Mesh(2), global_batch=16, cost_model=h100(),
+                                  memory_budget=None, budget=tapestry.Budget(seconds=30), pareto_points=1)
+    assert [c.stages for c in free.candidates] == [1, 2]
+    plan = free.plan
+    assert plan.cost == min(c.plan.cost for c in free.candidates)
+    assert free.peak_memory == int(max(plan.memory))
+    assert sorted(i for stage in plan.layers_by_stage for i in stage) == [0, 1, 2, 3]
+    assert plan.schedule.micro_batches == 4 and plan.micro_batch == 4
+    assert plan.stage_plan is not None and plan.stage_plan.plan.mesh == plan.stage_mesh
+    assert f"{plan.stages} stages over mesh axis 0" in free.explain()
+    assert plan.draw(tmp_path / "schedule.png").stat().st_size > 0
+    one_stage = next(c.plan for c in free.candidates if c.stages == 1)
+    assert one_stage is not None
+    with pytest.raises(MemoryBudgetError, match="no pipeline configuration fits"):
+        tapestry.plan_pipeline(mlp_step, 4, tapestry.Mesh(2), global_batch=16, cost_model=h100(), stages=(1,),
+                               memory_budget=one_stage.layer.working, budget=tapestry.Budget(seconds=30),
+                               pareto_points=1)
+
+
+def test_plan_pipeline_says_what_is_wrong_with_its_arguments(mlp_step) -> None:  # noqa: ANN001
+    import tapestry
+
+    def plan(**kw: object) -> None:
+        args = {"layer": mlp_step, "layers": 4, "mesh": tapestry.Mesh(2), "global_batch": 16, "cost_model": h100()}
+        tapestry.plan_pipeline(**{**args, **kw})
+
+    with pytest.raises(ValueError, match="pipeline axis 1 is not an axis"):
+        plan(axis=1)
+    with pytest.raises(ValueError, match="precision 'fp8' is not one of mixed, bf16"):
+        plan(precision="fp8")
+    with pytest.raises(ValueError, match="micro-batch size 4 does not divide the global batch 10"):
+        plan(global_batch=10)
+    with pytest.raises(ValueError, match="has no `profile`"):
+        plan(cost_model=object())
