@@ -335,3 +335,18 @@ def test_plan_pipeline_says_what_is_wrong_with_its_arguments(mlp_step) -> None: 
         plan(global_batch=10)
     with pytest.raises(ValueError, match="has no `profile`"):
         plan(cost_model=object())
+
+
+def test_stages_that_recompute_more_get_fewer_layers() -> None:
+    """1F1B's first stage holds the most micro-batches, so recomputes the most; moving layers off it is faster."""
+    from tapestry.pipeline.planner import rebalanced
+
+    light = replace(LAYER, params=1, state=2)  # activations, not resident state, fill the budget
+    schedule = Schedule("1f1b", 8, 64)
+    budget = 10 * MIXED.resident(light) + light.working + 2 * 10 * 300
+    even = fit(light, 80, schedule, MIXED, 0.0, budget)
+    assert even is not None and [len(chunk) for chunk in even[1]] == [10] * 8
+    better = rebalanced(light, 80, schedule, MIXED, 0.0, budget, even)
+    sizes = [len(chunk) for chunk in better[1]]
+    assert better[0].step_time < even[0].step_time and max(better[0].memory) <= budget
+    assert sum(sizes) == 80 and sizes[0] < 10

@@ -13,6 +13,7 @@ Plans only: the pipelined step is priced, scheduled and drawn, not lowered to ra
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from tapestry.sharding import Mesh
 
 CHUNKS = (2, 4)  # virtual stages per device tried by the interleaved schedule
 DRAWN = 4  # micro-batches per stage a drawing shows by default
+REBALANCE_TRIES = 16  # layer moves `rebalanced` prices at most
 
 
 @dataclass(frozen=True)
@@ -178,14 +180,22 @@ def configurations(stages: int, micro_batches: int, layers: int, schedules: Sequ
     return found
 
 
+Fitted = tuple[Priced, tuple[tuple[int, ...], ...], tuple[bool, ...]]  # priced, chunks, recomputed per layer
+
+
 def fit(layer: LayerCost, layers: int, schedule: Schedule, precision: Precision, transfer: float,
-        memory_budget: float | None) -> tuple[Priced, tuple[tuple[int, ...], ...], tuple[bool, ...]] | None:
-    """`layers` copies of `layer` split evenly into the schedule's chunks, with on each device the fewest
-    recomputed layers per chunk (the first ones of each) that fit `memory_budget`: a device's memory depends on
-    its own recomputation alone (`model.device_memory`), and each layer recomputed only lowers it and only adds time,
-    so the least per device is the fastest. None when even recomputing every layer does not fit."""
+        memory_budget: float | None, sizes: Sequence[int] | None = None) -> Fitted | None:
+    """`layers` copies of `layer` in the schedule's chunks (`sizes` layers each, in order; default an even
+    split), with on each device the fewest recomputed layers per chunk (the first ones of each) that fit
+    `memory_budget`: a device's memory depends on its own recomputation alone (`model.device_memory`), and each
+    layer recomputed only lowers it and only adds time, so the least per device is the fastest. None when even
+    recomputing every layer does not fit."""
     s = schedule.stages
-    chunk_list = partition([layer.forward + layer.backward] * layers, s * schedule.chunks)
+    if sizes is None:
+        chunk_list = partition([layer.forward + layer.backward] * layers, s * schedule.chunks)
+    else:
+        ends = list(itertools.accumulate(sizes))
+        chunk_list = tuple(tuple(range(end - n, end)) for n, end in zip(sizes, ends))
     copies = [layer] * layers
 
     def flags(per_device: Sequence[int]) -> tuple[bool, ...]:
@@ -212,24 +222,47 @@ def fit(layer: LayerCost, layers: int, schedule: Schedule, precision: Precision,
     return price(copies, schedule, chunk_list, chosen, precision, transfer), chunk_list, chosen
 
 
+def rebalanced(layer: LayerCost, layers: int, schedule: Schedule, precision: Precision, transfer: float,
+               memory_budget: float | None, start: Fitted) -> Fitted:
+    """`start` (a `fit`), then one layer at a time moved from the most loaded device to the least loaded (forward,
+    backward and recomputed forwards per micro-batch) while the step gets no slower (a move that ties can open
+    the next), at most REBALANCE_TRIES times: the stages that hold the most micro-batches in flight recompute
+    the most, so they are better off with fewer layers. A greedy search: not proven best."""
+    best, s = start, schedule.stages
+    for _ in range(REBALANCE_TRIES):
+        _, chunk_list, flags = best
+        per_chunk = [sum(layer.forward + layer.backward + layer.forward * flags[i] for i in chunk)
+                     for chunk in chunk_list]
+        load = [sum(per_chunk[c::s]) for c in range(s)]
+        heavy, light = load.index(max(load)), load.index(min(load))
+        a = max(range(heavy, len(chunk_list), s), key=lambda c: len(chunk_list[c]))
+        b = min(range(light, len(chunk_list), s), key=lambda c: len(chunk_list[c]))
+        if heavy == light or len(chunk_list[a]) == 1:
+            break
+        sizes = [len(chunk) - (c == a) + (c == b) for c, chunk in enumerate(chunk_list)]
+        found = fit(layer, layers, schedule, precision, transfer, memory_budget, sizes)
+        if found is None or found[0].step_time > best[0].step_time * (1 + 1e-9):
+            break
+        best = found
+    return best
+
+
 def best_configuration(layer: LayerCost, layers: int, mesh: Mesh, axis: int, stages: int, micro_batches: int,
                        precision: Precision, link: Link, memory_budget: float | None,
                        schedules: Sequence[str] = SCHEDULES, chunks: Sequence[int] = CHUNKS, peak_flops: float = 0.0,
                        stage_plan: OptimizeResult | None = None, micro_batch: int = 1) -> PipelinePlan | None:
     """The fastest schedule (and recomputation) for `layers` copies of `layer` in `stages` stages over mesh axis
-    `axis`, `micro_batches` per step, that fits `memory_budget`; None when none does."""
+    `axis`, `micro_batches` per step, that fits `memory_budget`, its layers then `rebalanced`; None when none
+    fits."""
     transfer = link.alpha + layer.boundary / link.beta if stages > 1 else 0.0
-    best: PipelinePlan | None = None
-    for schedule in configurations(stages, micro_batches, layers, schedules, chunks):
-        found = fit(layer, layers, schedule, precision, transfer, memory_budget)
-        if found is None:
-            continue
-        priced, chunk_list, flags = found
-        plan = PipelinePlan(mesh, axis, schedule, chunk_list, flags, precision, micro_batch, layer, stage_plan,
-                            transfer, priced.step_time, priced.memory, peak_flops)
-        if best is None or (plan.cost, plan.peak_memory) < (best.cost, best.peak_memory):
-            best = plan
-    return best
+    fitted = [(schedule, found) for schedule in configurations(stages, micro_batches, layers, schedules, chunks)
+              for found in [fit(layer, layers, schedule, precision, transfer, memory_budget)] if found is not None]
+    if not fitted:
+        return None
+    schedule, even = min(fitted, key=lambda f: (f[1][0].step_time, max(f[1][0].memory)))
+    priced, chunk_list, flags = rebalanced(layer, layers, schedule, precision, transfer, memory_budget, even)
+    return PipelinePlan(mesh, axis, schedule, chunk_list, flags, precision, micro_batch, layer, stage_plan,
+                        transfer, priced.step_time, priced.memory, peak_flops)
 
 
 def plan_pipeline(layer: Graph | Callable[[int], Graph], layers: int, mesh: Mesh, global_batch: int,
