@@ -56,6 +56,25 @@ def test_a_parameter_passed_positionally_says_to_pass_it_by_keyword():
         g.reshape(b, (16, 1, 1), name="r")
 
 
+def test_fresh_names_count_the_kernel_s_nodes_and_a_rollback_frees_its_names():
+    g = Graph()
+    x = g.input("x", (4, 4))
+    g.relu(x)
+    g.relu(x, name="relu_1")  # taken by hand: the next fresh relu skips it
+    assert [g.relu(x).name, g.exp(x).name] == ["relu_2", "exp_0"]
+    g.truncate(2)  # x and relu_0 are left
+    assert [g.relu(x).name, g.relu(x).name] == ["relu_1", "relu_2"]
+
+
+def test_added_after_is_what_a_builder_added_since_in_order():
+    g = Graph()
+    x = g.input("x", (4, 4))
+    size = len(g)
+    y = g.relu(g.constant("c", np.ones((4, 4), np.float32)))
+    assert [n.name for n in g.added_after(size)] == ["c", y.name]
+    assert g.added_after(len(g)) == () and g.added_after(0) == g.nodes
+
+
 def test_duplicate_names_are_rejected():
     g = Graph()
     g.input("x", (2,))

@@ -347,7 +347,7 @@ def _convert(builder: Builder, node: Any, name: str, args: Any, kwargs: Any,
     except Exception as why:  # a form the kernels do not take (or a converter's slip): roll back
         builder.graph.truncate(size)
         raise _Declined(str(why)) from None
-    made = {n.op for n in builder.graph.nodes[size:] if not n.is_input} or {"view of its input"}
+    made = {n.op for n in builder.graph.added_after(size) if not n.is_input} or {"view of its input"}
     coverage[name][", ".join(sorted(made))] += 1
     return result
 
