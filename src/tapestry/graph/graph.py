@@ -17,7 +17,7 @@ import numpy as np
 
 from tapestry import dtypes
 from tapestry.dtypes import DTYPES
-from tapestry.kernels import KERNELS, KernelError, Params, Shape, Signature, get_kernel
+from tapestry.kernels import KERNELS, Kernel, KernelError, Params, Shape, Signature, get_kernel
 from tapestry.zspace.zrange import as_point
 
 INPUT = "input"
@@ -76,6 +76,7 @@ class Graph:
         self._nodes: dict[str, Node] = {}
         self._signatures: dict[str, Signature] = {}
         self._op_counts: Counter[str] = Counter()  # nodes per kernel: fresh names in O(1), not a walk per op
+        self._bound: dict[tuple, Signature] = {}  # `_bind`'s signatures: a model's repeated layers bind once
         self.outputs: dict[str, str] = {}
         self.constants: dict[str, np.ndarray] = {}  # inputs whose value is part of the program (folded masks)
         self.carried: dict[str, str] = {}  # output -> the input it becomes at the next step (see `carry`)
@@ -137,7 +138,7 @@ class Graph:
                 raise GraphError(f"op {label!r} ({op}): input {slot!r} refers to {arg!r}, which is not defined before it")
         args = [self._nodes[a] for a in arg_names]
         try:
-            sig = kernel.bind([a.shape for a in args], params, [a.dtype for a in args])
+            sig = self._bind(kernel, tuple(a.shape for a in args), tuple(a.dtype for a in args), params)
         except (KernelError, dtypes.DtypeError) as err:
             shapes = ", ".join(f"{s}={a.name}{list(a.shape)} {a.dtype}" for s, a in zip(kernel.inputs, args))
             raise GraphError(f"op {label!r} ({op}): {err} [inputs: {shapes}]") from None
@@ -206,6 +207,17 @@ class Graph:
 
     def __dir__(self) -> list[str]:
         return [*super().__dir__(), *KERNELS]
+
+    def _bind(self, kernel: Kernel, shapes: tuple[Shape, ...], in_dtypes: tuple[str, ...],
+              params: Mapping[str, Any]) -> Signature:
+        """`kernel.bind`, once per distinct call: a Signature is a frozen value of its kernel, shapes, dtypes and
+        params, so the nodes of repeated layers share one. Params are told apart by type and repr, not by ==
+        (True == 1 == 1.0 and 0.0 == -0.0, which bind keeps apart or refuses)."""
+        key = (id(kernel), shapes, in_dtypes, tuple((k, type(v), repr(v)) for k, v in sorted(params.items())))
+        sig = self._bound.get(key)
+        if sig is None:
+            sig = self._bound[key] = kernel.bind(shapes, params, in_dtypes)
+        return sig
 
     def _fresh_name(self, op: str) -> str:
         count = self._op_counts[op]
