@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import re
 import time
 import warnings
@@ -193,10 +194,11 @@ def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any) -
     from tapestry.cost import DefaultCostModel, load_profile
     from tapestry.optimizer import SearchCutWarning
 
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     imported = build(case)
     row: dict[str, Any] = {"case": asdict(case), "import_s": time.perf_counter() - started,
-                           "ops": len(imported.graph.ops)}
+                           "import_cpu_s": time.process_time() - cpu, "ops": len(imported.graph.ops),
+                           "load": os.getloadavg()[0]}
     row["import_rss"] = peak_rss()
     if case.mesh:
         profile = load_profile(PROFILE)
@@ -294,7 +296,7 @@ def main() -> None:
     parser.add_argument("--models", default="7B")
     parser.add_argument("--arch", default="hf", choices=("hf", "block"))
     parser.add_argument("--layers", type=int, default=2, help="layers of the planned slices")
-    parser.add_argument("--meshes", default="8,2x4,8x8")
+    parser.add_argument("--meshes", default="8,2x4,8x8", help="'' for none: the import-only rows alone")
     parser.add_argument("--modes", default="inference,training")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
@@ -317,7 +319,7 @@ def main() -> None:
         for model in args.models.split(","):
             for mode in args.modes.split(","):
                 cases += [Case(model, args.layers, mode, mesh, args.batch, args.seq, arch=args.arch)
-                          for mesh in args.meshes.split(",")]
+                          for mesh in filter(None, args.meshes.split(","))]
                 if args.full_layers:
                     cases.append(Case(model, args.full_layers, mode, "", args.batch, args.seq, arch=args.arch))
     rows = []
