@@ -54,13 +54,16 @@ def _spans(ends, block_start: tuple[int, ...], rows: int, experts: int) -> list[
 
 
 def _owned_rows(sig, held, src: ZRange, dst: ZRange) -> list[int]:
-    """The rows of `src` that `dst`'s experts own: sorted rows [ends[lo-1], ends[hi-1]), a contiguous run."""
-    lo, hi = dst.start[3], dst.end[3]
-    if hi <= lo:
-        return []
+    """The rows of `src` that `dst`'s experts own, [ends[e-1], ends[e]) each: one run when ends rise, as sorted
+    rows have them; else the run spanning them all (the rows between meet none of dst's experts, so computing
+    them there adds zeros: exact for any ends)."""
     ends = [int(e) for e in held[2].tolist()]
-    first, end = max(ends[lo - 1] if lo else 0, src.start[0]), min(ends[hi - 1], src.end[0])
-    return list(range(first - src.start[0], end - src.start[0]))
+    spans = [(max(ends[e - 1] if e else 0, src.start[0]), min(ends[e], src.end[0]))
+             for e in range(dst.start[3], dst.end[3])]
+    spans = [(lo, hi) for lo, hi in spans if hi > lo]
+    if not spans:
+        return []
+    return list(range(min(lo for lo, _ in spans) - src.start[0], max(hi for _, hi in spans) - src.start[0]))
 
 
 def _grouped_mm_numpy(x, w, ends, block_start: tuple[int, ...]) -> np.ndarray:

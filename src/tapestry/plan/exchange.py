@@ -5,7 +5,9 @@ experts together over mesh axes: member j of a group along those axes holds row 
 (those that follow the rows: grouped_mm's x, take_rows' idx) and expert block j of the others (the weights, the
 table; grouped_mm's `ends` whole). Each member sends the rows of its block that member q's experts own to q
 (exactly those: `Exchange.select` reads the values), q computes them with what it holds, and sends the results
-back, where they land in the member's output rows; rows no expert owns stay zero, as the kernel leaves them.
+back, where they are added into the member's output rows (a row whose experts sit on several members, as
+grouped_mm's overlapping spans of falling `ends` make, sums their results, as the kernel does); rows no expert
+owns stay zero.
 One all-to-all of the counts, one of the rows, one of the results; the counts are the data's, never an
 even-routing guess. Simulation (plan.simulate) and the rank programs (spmd.trace) both follow `routes`.
 """

@@ -119,7 +119,7 @@ def _exchange(step: Compute, devices: list[Device], value_dtypes: Mapping[str, s
                         in zip(held, along, step.args, sig.projections, step.input_shapes)]
                 placed: list[Any] = [slice(None)] * len(sig.output_shape)
                 placed[out_rows] = list(route.positions)
-                outs[k][tuple(placed)] = sig.compute(args, route.index)  # each row meets one member's experts
+                outs[k][tuple(placed)] += sig.compute(args, route.index)  # a row may meet several members
         for k in group:
             devices[k][step.out] = Shard(step.layout.blocks[k], outs[k])
 
