@@ -86,8 +86,7 @@ def strategy(plan: Plan) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--ffn", type=int, default=3584)
+    parser.add_argument("--sizes", default="4096x14336,1024x3584", help="hidden x expert FFN, comma-separated")
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--profile", default="gpu-h100-nccl")
     parser.add_argument("--meshes", default="4,8,2x4")
@@ -95,31 +94,40 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     model = DefaultCostModel(load_profile(args.profile))
-    graph = moe_layer(args.tokens, args.hidden, args.ffn, args.experts, 2, "bfloat16")
-    rows = ["| mesh | plan | experts' grouped_mm splits | EP degree | predicted µs | peak MiB/device | optimize s |",
-            "|---|---|---|---:|---:|---:|---:|"]
-    for text in args.meshes.split(","):
-        mesh = Mesh.parse(text)
-        started = time.perf_counter()
-        explored = explore(graph, mesh)
-        tokens = Layout.split((args.tokens, args.hidden), mesh, (0,) * mesh.ndim)  # over every axis
-        for name, allowed in (("free (optimize)", anything), ("replicated experts", replicated_experts),
-                              ("tensor-parallel experts", tensor_parallel), ("expert parallel", expert_parallel)):
-            cost = Restricted(model, allowed, tokens)
-            plan = explored.extract(cost, time_limit=args.time_limit, outputs={"y": tokens}).plan
-            seconds = time.perf_counter() - started
-            line = (f"| {mesh} | {name} | {strategy(plan)} | {ep_degree(plan)} | {us(plan_cost(plan, model))} | "
-                    f"{mib(max(peak_memory(plan)))} | {seconds:.1f} |")
-            print(line, flush=True)
-            rows.append(line)
-            started = time.perf_counter()
+    rows = ["| hidden, FFN | mesh | plan | experts' grouped_mm splits | EP degree | predicted µs | peak MiB/device | "
+            "extract s |", "|---|---|---|---|---:|---:|---:|---:|"]
+    for size in args.sizes.split(","):
+        hidden, ffn = map(int, size.split("x"))
+        graph = moe_layer(args.tokens, hidden, ffn, args.experts, 2, "bfloat16")
+        for text in args.meshes.split(","):
+            mesh = Mesh.parse(text)
+            explored = explore(graph, mesh)
+            tokens = Layout.split((args.tokens, hidden), mesh, (0,) * mesh.ndim)  # split over every axis
+            for name, allowed in (("free (optimize)", anything), ("replicated experts", replicated_experts),
+                                  ("tensor-parallel experts", tensor_parallel), ("expert parallel", expert_parallel)):
+                started = time.perf_counter()
+                plan = explored.extract(Restricted(model, allowed, tokens), time_limit=args.time_limit,
+                                        outputs={"y": tokens}).plan
+                line = (f"| {hidden}, {ffn} | {mesh} | {name} | {strategy(plan)} | {ep_degree(plan)} | "
+                        f"{us(plan_cost(plan, model))} | {mib(max(peak_memory(plan)))} | "
+                        f"{time.perf_counter() - started:.1f} |")
+                print(line, flush=True)
+                rows.append(line)
     body = (f"A Mixtral-style MoE layer's experts (`tapestry.models.moe_layer`): {args.tokens} tokens, top-2 of "
-            f"{args.experts} experts ({2 * args.tokens} routed rows), hidden {args.hidden}, expert FFN {args.ffn} "
-            f"(SwiGLU), bfloat16, profile `{args.profile}`. One explored e-graph per mesh, extracted three ways "
-            "(benchmarks/experts.py's docstring). `EP degree`: devices each grouped_mm's experts are split over "
-            "(the up and down projections), 1 where none. Expert-parallel steps price their two all-to-alls "
-            "with even routing (each device's routed rows, (p-1)/p of them leaving); the runtime moves the "
-            "data's exact rows.\n\n" + "\n".join(rows))
+            f"{args.experts} experts ({2 * args.tokens} routed rows), SwiGLU experts, bfloat16, profile "
+            f"`{args.profile}`; its tokens arrive and leave split by token over the whole mesh (the layer inside "
+            "a data-parallel model). One explored e-graph per size and mesh, extracted four ways: free (what "
+            "`tapestry.optimize` picks), and the best plan whose grouped_mms keep the weights whole (replicated "
+            "experts: rows split only), split only features or the contraction (tensor-parallel experts), or "
+            "split rows and experts together (expert parallel). `EP degree`: devices each grouped_mm's experts "
+            "are split over (up and down projections), 1 where none. Expert-parallel steps price their "
+            "all-to-alls with even routing (docs/cost-models.md); the runtime moves the data's exact rows.\n\n"
+            "At Mixtral-8x7B's width the weights dominate: replicated experts read all 8 experts' weights on every "
+            "device and tensor parallelism all-reduces the [rows, hidden] output, so the search splits the "
+            "experts (with data parallelism across the 2 of 2x4). At width 1024 the all-to-alls' latency (5 µs a "
+            "ring step in this profile) outweighs reading the smaller weights: the search keeps the experts "
+            "whole on 4 and 8, and on 2x4 splits only the up projection's over the axis of 2, where a ring has "
+            "one step. `extract s` near `--time-limit` means the ILP stopped at its limit.\n\n" + "\n".join(rows))
     if not args.no_write:
         write_section("Expert parallelism", "python benchmarks/experts.py", body)
 

@@ -291,3 +291,14 @@ def test_the_tiny_mixtral_with_experts_split_simulates_to_eager_on_4_and_2x2_and
     found = plans_under_seeds(MIXTRAL, [0, 5])
     assert not any(v.startswith("failed") for v in found.values()), found
     assert len(set(found.values())) == 1, found
+
+
+def test_take_rows_on_a_block_of_table_rows_traces_with_fake_tensors_so_a_persistent_program_compiles_it():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    kernel = tapestry.kernels.get_kernel("take_rows")
+    x, idx = torch.arange(12.0).reshape(4, 3), torch.tensor([7, 2, -1, 5, 4])
+    fn = lambda x, idx: kernel.torch(x, idx, rows=8, block_start=(0, 0, 4))  # noqa: E731  rows 4..7 of 8
+    traced = make_fx(fn, tracing_mode="fake")(x, idx)
+    want = torch.stack([x[3], torch.zeros(3), x[3], x[1], x[0]])
+    torch.testing.assert_close(traced(x, idx), want)

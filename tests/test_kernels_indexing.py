@@ -19,7 +19,8 @@ from tapestry.testing.strategies import arrays_for, signatures
 from tapestry.zspace import ZRange
 
 P, R = DimKind.PARALLEL, DimKind.REDUCTION
-MINE = ["cumsum", "argmax", "argmin", "take", "gather", "scatter_add", "topk", "pad", "floor_divide", "grouped_mm"]
+MINE = ["cumsum", "argmax", "argmin", "take", "gather", "scatter_add", "topk", "pad", "floor_divide", "grouped_mm",
+        "take_rows"]
 
 
 def bind(name, shapes, params=None, in_dtypes=None):
