@@ -2,6 +2,7 @@
 expert's device and back by all-to-all, with the data's exact row counts."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,12 +13,13 @@ import torch
 import tapestry
 from tapestry.graph import Graph
 from tapestry.models import moe_layer, moe_routing
+from tapestry.cost import DefaultCostModel, load_profile
 from tapestry.optimizer import default_cost_model
 from tapestry.plan import Compute, Plan, build_plan
 from tapestry.plan.simulate import simulate
 from tapestry.plan.validate import plan_problems
 from tapestry.sharding import Layout, Mesh
-from tapestry.sharding.partition import candidate_partitions, make_partition
+from tapestry.sharding.partition import candidate_partitions, exchanged_blocks, make_partition
 
 ROWS, DIM, OUT, EXPERTS = 12, 3, 5, 4
 # Routings (each expert's end row): uneven, empty experts, rows no expert owns, every row to one expert.
@@ -257,6 +259,7 @@ MIXTRAL = '''
 import hashlib, json, numpy as np, torch, tapestry
 from tapestry.importer import from_torch
 from tapestry.importer.zoo import FAMILIES
+from tapestry.cost import DefaultCostModel, load_profile
 from tapestry.optimizer import default_cost_model
 from tapestry.plan import Compute
 from tapestry.plan.simulate import simulate
@@ -302,3 +305,42 @@ def test_take_rows_on_a_block_of_table_rows_traces_with_fake_tensors_so_a_persis
     traced = make_fx(fn, tracing_mode="fake")(x, idx)
     want = torch.stack([x[3], torch.zeros(3), x[3], x[1], x[0]])
     torch.testing.assert_close(traced(x, idx), want)
+
+
+# -- pricing and search ---------------------------------------------------------------------------------------------
+H100 = DefaultCostModel(load_profile("gpu-h100-nccl"))
+
+
+def test_an_exchanged_gather_is_priced_as_all_to_alls_of_each_devices_rows_not_a_gather_of_the_table():
+    rows, hidden, mesh = 8192, 4096, Mesh(4)
+    g = Graph()
+    table, idx = g.input("x", (rows, hidden), "bfloat16"), g.input("idx", (rows,), "int64")
+    g.output("y", g.op("take_rows", table, idx, rows=rows, name="gather"))
+    sig = g.signature("gather")
+    step = Compute.running(sig, make_partition(sig, mesh, (None,), exchange=(0,)))
+    link = H100.comm.group_link((0,), mesh)
+    alpha, beta = link.alpha, link.beta
+    mine = rows // 4
+    want = 3 * 3 * alpha + 3 / 4 * (mine * 8 + mine * hidden * 2) / beta  # counts, indices there, rows back
+    assert H100.comm.exchange_time(step, mesh) == pytest.approx(want)
+    gathered = 3 * alpha + 3 / 4 * rows * hidden * 2 / beta  # the all-gather a whole-table read needs
+    assert H100.comm.exchange_time(step, mesh) - 9 * alpha < (gathered - 3 * alpha) / 3  # a quarter of the bytes
+
+
+def test_an_expert_parallel_grouped_mm_reads_only_its_experts_weights_and_does_its_rows_work():
+    sig = moe_layer(4096, 4096, 14336, 8, 2, "bfloat16").signature("experts_up")
+    mesh = Mesh(4)
+    ep = Compute.running(sig, make_partition(sig, mesh, (None,), exchange=(0,)))
+    rows = Compute.running(sig, make_partition(sig, mesh, (0,)))
+    assert sig.cost(ep.blocks[0])[1] < sig.cost(rows.blocks[0])[1] / 2  # a quarter of the weights read
+    assert H100.roofline.compute_time(ep) < H100.roofline.compute_time(rows)
+    flops = [sig.cost(b)[0] for b in exchanged_blocks(sig, ep.blocks, ep.exchange)]
+    assert flops == [sig.cost(b)[0] for b in rows.blocks]  # the same rows' work as a row split
+    assert H100.comm.step_cost(ep, mesh) == pytest.approx(2 * 3 * H100.comm.group_link((0,), mesh).alpha)
+
+
+def test_optimize_splits_the_experts_of_a_mixtral_sized_layer_by_cost():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # too large for the meaning check
+        plan = tapestry.optimize(moe_layer(4096, 4096, 14336, 8, 2, "bfloat16"), Mesh(4), cost_model=H100).plan
+    assert [s.exchange for s in plan.steps if isinstance(s, Compute) and s.kernel == "grouped_mm"] == [(0,), (0,)]
