@@ -344,3 +344,13 @@ def test_optimize_splits_the_experts_of_a_mixtral_sized_layer_by_cost():
         warnings.simplefilter("ignore")  # too large for the meaning check
         plan = tapestry.optimize(moe_layer(4096, 4096, 14336, 8, 2, "bfloat16"), Mesh(4), cost_model=H100).plan
     assert [s.exchange for s in plan.steps if isinstance(s, Compute) and s.kernel == "grouped_mm"] == [(0,), (0,)]
+
+
+def test_compiling_an_expert_parallel_rank_program_is_refused_with_the_step_named():
+    from tapestry.lower import lower
+    from tapestry.spmd import RankFunction, compiled
+
+    program = lower(ep_plan(Mesh(2), 0))
+    fn = RankFunction.of(program, 0, {}, whole=object())  # no process group is needed to refuse
+    with pytest.raises(ValueError, match=r"plan step \d+ \(grouped_mm -> v\d+\) is expert parallel.*compile=False"):
+        compiled(fn)

@@ -4,6 +4,8 @@ Each takes the dtype of all its inputs (float32 by default; bfloat16 for the GPU
 """
 from __future__ import annotations
 
+import numpy as np
+
 from tapestry.graph import Graph, Value
 
 
@@ -95,11 +97,9 @@ def moe_layer(tokens: int = 64, hidden: int = 32, ffn: int = 48, experts: int = 
     return g
 
 
-def moe_routing(tokens: int, experts: int, top_k: int, seed: int = 0) -> dict[str, "np.ndarray"]:
+def moe_routing(tokens: int, experts: int, top_k: int, seed: int = 0) -> dict[str, np.ndarray]:
     """A router's outputs for `moe_layer`, from random logits: (order, inverse, weights, ends), uneven as real
     routing is."""
-    import numpy as np
-
     rng = np.random.default_rng(seed)
     logits = rng.standard_normal((tokens, experts))
     chosen = np.argsort(-logits, axis=1, kind="stable")[:, :top_k]

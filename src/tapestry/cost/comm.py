@@ -24,9 +24,10 @@ the textbook ring formula for its collective, on the devices it spans. Simplific
 - An expert-parallel Compute (`Compute.exchange`, plan.exchange) moves rows inside the step: all-to-alls along
   its exchange axes, each priced as the ring's p-1 latency steps (the counts, unless every member can count
   them itself; its rows' travelling inputs there; its output rows back: `exchange_time`). The bytes are an
-  even-routing estimate, the kernel's `Exchange.leaving` share of a device's rows: (p-1)/p for take_rows (each index names a row on a uniformly drawn device), none for grouped_mm (its
-  rows are sorted by expert, so a device's even row block is its experts' rows). The true counts are the
-  data's, known only when it runs; routing imbalance moves a few rows the estimate leaves out.
+  even-routing estimate, the kernel's `Exchange.leaving` share of a device's rows: (p-1)/p for take_rows
+  (each index names a row on a uniformly drawn device), none for grouped_mm (its rows are sorted by expert,
+  so a device's even row block is its experts' rows). The true counts are the data's, known only when it
+  runs; routing imbalance moves a few rows the estimate leaves out.
 """
 from __future__ import annotations
 

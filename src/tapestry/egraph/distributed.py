@@ -81,7 +81,8 @@ class Interner:
         key, parts = self._partitions(sig, sharded)
         found = self._candidates.setdefault(key, [])
         for part in parts[len(found):len(parts) if first is None else first]:
-            issues = partition_issues(sig, exchanged_blocks(sig, part.blocks, part.exchange))  # islpy: a partition of the index space, partials sound
+            # islpy: a partition of the index space (an exchange's rows with all their experts), partials sound
+            issues = partition_issues(sig, exchanged_blocks(sig, part.blocks, part.exchange))
             if issues:
                 raise AssertionError(f"generated an illegal partition of {sig}: {'; '.join(issues)}")
             step = Compute.running(sig, part)

@@ -189,6 +189,11 @@ def compiled(fn: RankFunction) -> Callable[[Mapping[str, torch.Tensor]], Buffers
     program hands it the same blocks every call): traced by make_fx under fake tensors into one FX graph of aten
     ops and functional collectives (so Python-side plan bookkeeping never reaches dynamo), which torch.compile
     compiles whole (fullgraph, dynamic=False): inductor may fuse across steps and reorder communication."""
+    experts = next((s for s in fn.steps if isinstance(s, ExpertCompute)), None)
+    if experts is not None:
+        raise ValueError(f"rank {fn.rank}: plan step {experts.step} ({experts.kernel} -> {experts.out}) is expert "
+                         f"parallel: the rows it trades are counted from the data, so the rank's program cannot be "
+                         f"traced whole; run it with compile=False")
     compiled_graph = None
 
     def call(buffers: Mapping[str, torch.Tensor]) -> Buffers:
