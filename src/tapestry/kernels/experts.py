@@ -1,13 +1,14 @@
-"""grouped_mm(x[R, D], w[E, D, F], ends[E]) -> [R, F]: the rows of each expert by its weight (MoE dispatch).
+"""MoE kernels: grouped_mm (the experts) and take_rows (the token dispatch and combine), both expert parallel.
 
-Rows are sorted by expert: expert e owns rows [ends[e-1], ends[e]) (ends[-1] read as 0), the layout
-transformers' `grouped_mm_fallback` and `torch._grouped_mm` take. Which rows an expert owns depends on the
-values of `ends`, so the signature makes the expert an index dim that is an additive reduction: a block of
-experts computes its experts' rows and leaves the others zero, and blocks over experts sum to the whole. So
-experts shard over devices (expert parallelism, with weights split by expert), as do rows, output features and
-the contraction. The combine of an expert split is priced as the reduction of a Partial output (an all-reduce
-of [R, F]), not as the all-to-all of a token dispatch: sound, and an overestimate of its bytes.
-"""
+grouped_mm(x[R, D], w[E, D, F], ends[E]) -> [R, F]: rows sorted by expert, expert e owning rows
+[ends[e-1], ends[e]) (ends[-1] read as 0), the layout transformers' `grouped_mm_fallback` and
+`torch._grouped_mm` take. Which rows an expert owns depends on the values of `ends`, so the signature makes the
+expert an index dim that is an additive reduction: a block of experts computes its experts' rows and leaves the
+others zero, and blocks over experts sum to the whole. Rows, output features, the contraction and experts split
+as any dims do (an expert split alone leaves Partial rows); its `Exchange` splits rows and experts together, each
+row moved to its expert's device and back inside the step by all-to-all (expert parallelism: plan/exchange.py).
+take_rows(x[N, D], idx[M]) -> [M, D] is x[idx] with the table's rows a dim of its own, exchanged the same way.
+""""""
 from __future__ import annotations
 
 from collections.abc import Mapping
