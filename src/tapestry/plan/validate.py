@@ -14,7 +14,7 @@ from tapestry.kernels import DimKind, KernelError, Shape, Signature
 from tapestry.plan.plan import Compute, Place, Plan, Reshard, Step
 from tapestry.sharding import Block, Layout, Mesh
 from tapestry.sharding.comm import CommError, transfers
-from tapestry.sharding.partition import Partition, output_layout, partition_issues
+from tapestry.sharding.partition import Partition, exchanged_blocks, output_layout, partition_issues
 from tapestry.zspace import ZRange
 
 
@@ -176,7 +176,11 @@ def _compute_problems(mesh: Mesh, step: Compute, defined: dict[str, Step]) -> li
         return [f"{len(step.blocks)} index blocks for {mesh.size} devices"]
     if any(b is not None and b.ndim != sig.index.ndim for b in step.blocks):
         return [f"index blocks must have {sig.index.ndim} dims like the index space {sig.index}"]
-    problems = [f"blocks do not partition the index space: {p}" for p in partition_issues(sig, step.blocks)]
+    if step.exchange and (sig.kernel.exchange is None or not all(0 <= a < mesh.ndim for a in step.exchange)):
+        return [f"exchange over mesh axes {list(step.exchange)}, but {sig.kernel.name} has no exchange dims "
+                f"or the mesh {list(mesh.shape)} lacks those axes"]
+    covered = exchanged_blocks(sig, step.blocks, step.exchange)
+    problems = [f"blocks do not partition the index space: {p}" for p in partition_issues(sig, covered)]
     problems += _layout_claim_problems(sig, step)
     for i, (arg, layout, shape) in enumerate(zip(step.args, step.arg_layouts, step.input_shapes)):
         what = f"arg {i} ({sig.kernel.inputs[i]})"
@@ -197,7 +201,7 @@ def _layout_claim_problems(sig: Signature, step: Compute) -> list[str]:
     problems = []
     if step.layout.blocks != implied.blocks:
         problems.append(f"layout {Layout(step.layout.blocks)} is not what the blocks write: {implied}")
-    split = _splits_reduction(sig, step.blocks)
+    split = _splits_reduction(sig, exchanged_blocks(sig, step.blocks, step.exchange))
     if split and not step.layout.partial:
         problems.append("a reduction dim is split, so the output is partial sums, but the layout is not partial")
     distinct = {b for b in step.blocks if b is not None}

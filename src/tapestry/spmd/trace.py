@@ -33,9 +33,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from tapestry.kernels import get_kernel
 from tapestry.lower.program import (
-    AllGather, AllReduce, AllToAll, Comm, Exchange, Gather, Local, LoweredProgram, PlaceBlock, RankStep, Read,
-    ReduceScatter, SendRecv, ShardCompute,
+    AllGather, AllReduce, AllToAll, Comm, Exchange, ExpertCompute, Gather, Local, LoweredProgram, PlaceBlock,
+    RankStep, Read, ReduceScatter, SendRecv, ShardCompute,
 )
+from tapestry.lower.exchange import run_experts
 from tapestry.sharding import Block
 from tapestry.zspace import ZRange
 
@@ -137,6 +138,8 @@ class RankFunction:
         if isinstance(step, ShardCompute):
             args = [self._read(r, env) for r in step.reads]
             return get_kernel(step.kernel).torch(*args, **dict(step.kwargs))
+        if isinstance(step, ExpertCompute):
+            return run_experts(step, [self._read(r, env) for r in step.reads], self.groups[step.group or ()])
         assert isinstance(step, Comm)
         group = self.groups[step.group or ()]
         members = step.group or tuple(range(self.world))
@@ -186,6 +189,11 @@ def compiled(fn: RankFunction) -> Callable[[Mapping[str, torch.Tensor]], Buffers
     program hands it the same blocks every call): traced by make_fx under fake tensors into one FX graph of aten
     ops and functional collectives (so Python-side plan bookkeeping never reaches dynamo), which torch.compile
     compiles whole (fullgraph, dynamic=False): inductor may fuse across steps and reorder communication."""
+    experts = next((s for s in fn.steps if isinstance(s, ExpertCompute)), None)
+    if experts is not None:
+        raise ValueError(f"rank {fn.rank}: plan step {experts.step} ({experts.kernel} -> {experts.out}) is expert "
+                         f"parallel: the rows it trades are counted from the data, so the rank's program cannot be "
+                         f"traced whole; run it with compile=False")
     compiled_graph = None
 
     def call(buffers: Mapping[str, torch.Tensor]) -> Buffers:
@@ -203,7 +211,7 @@ def compiled(fn: RankFunction) -> Callable[[Mapping[str, torch.Tensor]], Buffers
 
 
 def _reads(step: RankStep) -> tuple[str, ...]:
-    if isinstance(step, ShardCompute):
+    if isinstance(step, ShardCompute | ExpertCompute):
         return tuple(r.buffer for r in step.reads if r.box is not None)
     return (step.src,) if isinstance(step, Comm) else ()
 
