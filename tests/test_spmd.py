@@ -105,6 +105,25 @@ def test_compiled_rank_functions_compute_the_reference_on_two_and_four_gloo_rank
     check_against_reference(four, launch(run_everywhere, 4, four, True, timeout=600))
 
 
+def test_a_compiled_rank_function_goes_to_inductor_without_dynamo_and_computes_what_it_does_eager() -> None:
+    """The make_fx graph is handed to inductor as it is: dynamo would only trace the traced graph again (on the
+    training example's 2000-node graph, ~25 s of each rank's CPU in a cold start, issue 26)."""
+    from torch._dynamo.utils import counters
+
+    plan = build_plan(_chain(8, 4, 6), Mesh(1), {"linear_0": (0,)})
+    program = lower(plan)
+    fn = RankFunction.of(program, 0, {})
+    blocks = place(program, 0, {k: dtypes.to_tensor(v) for k, v in tapestry.random_inputs(plan.graph).items()})
+    counters.clear()
+    got = compiled(fn)(blocks)
+    assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])  # dynamo traced no frame
+    assert counters["inductor"], "inductor compiled (or loaded) the graph"
+    want = fn(blocks)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6)
+
+
 # -- the persistent program -----------------------------------------------------------------------------------------
 
 
