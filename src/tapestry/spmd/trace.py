@@ -1,4 +1,4 @@
-"""One rank's program as one pure torch function, collectives included, so that torch.compile sees it whole.
+"""One rank's program as one pure torch function, collectives included, so that inductor compiles it whole.
 
     groups = make_groups(program)                        # collective: every rank, same order, once
     fn = RankFunction.of(program, rank, groups)          # the rank's steps after placing
