@@ -17,10 +17,9 @@ from typing import Any
 
 from tapestry.cost import (
     CostModel,
-    DefaultCostModel,
     RankPeak,
+    default_cost_model,
     layout_bytes,
-    load_profile,
     peak_memory,
     plan_cost,
     rank_peaks,
@@ -117,10 +116,6 @@ CUT_ROUNDS = 12  # re-solves with memory cuts when the decoded plan overshoots t
 # The weights of "reductions hidden" tried after 1.0 when the plan's backward pass hides less than all of its
 # gradient reductions (cost.overlap): the other piece of max(sum - reductions, sum - backward), and between.
 LAGRANGE_WEIGHTS = (0.0, 0.5)
-
-
-def default_cost_model() -> CostModel:
-    return DefaultCostModel(load_profile("cpu-gloo"))
 
 
 class SearchCutWarning(UserWarning):

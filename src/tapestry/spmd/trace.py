@@ -1,9 +1,9 @@
-"""One rank's program as one pure torch function, collectives included, so that torch.compile sees it whole.
+"""One rank's program as one pure torch function, collectives included, so that inductor compiles it whole.
 
     groups = make_groups(program)                        # collective: every rank, same order, once
     fn = RankFunction.of(program, rank, groups)          # the rank's steps after placing
     out = fn(place(program, rank, global_inputs))        # eager: the reference
-    out = compiled(fn)(blocks)                           # one FX graph (make_fx), torch.compile(fullgraph=True)
+    out = compiled(fn)(blocks)                           # one FX graph (make_fx), compiled whole by inductor
 
 The function's inputs are this rank's blocks of the plan's placed values, keyed by the place step's buffer
 (`PlaceBlock.out`, e.g. "v0"; `place` slices them from whole tensors); it returns the buffers named in `outputs`
@@ -187,8 +187,10 @@ def buffer_dtypes(program: LoweredProgram) -> dict[str, str]:
 def compiled(fn: RankFunction) -> Callable[[Mapping[str, torch.Tensor]], Buffers]:
     """`fn` compiled whole at its first call, for that call's shapes, strides and dtypes (static: a persistent
     program hands it the same blocks every call): traced by make_fx under fake tensors into one FX graph of aten
-    ops and functional collectives (so Python-side plan bookkeeping never reaches dynamo), which torch.compile
-    compiles whole (fullgraph, dynamic=False): inductor may fuse across steps and reorder communication."""
+    ops and functional collectives (so Python-side plan bookkeeping never reaches the compiler), which inductor
+    compiles whole (`torch._inductor.standalone_compile`: AOTAutograd, then inductor, each with its on-disk cache;
+    no dynamo, which would only trace the traced graph again): it may fuse across steps and reorder
+    communication."""
     experts = next((s for s in fn.steps if isinstance(s, ExpertCompute)), None)
     if experts is not None:
         raise ValueError(f"rank {fn.rank}: plan step {experts.step} ({experts.kernel} -> {experts.out}) is expert "
@@ -200,8 +202,11 @@ def compiled(fn: RankFunction) -> Callable[[Mapping[str, torch.Tensor]], Buffers
         nonlocal compiled_graph
         args = [buffers[name] for name in fn.inputs]
         if compiled_graph is None:
+            from torch._inductor import standalone_compile  # imported at first use: eager programs never pay it
+
             graph = make_fx(fn.flat, tracing_mode="fake")(*args)
-            compiled_graph = torch.compile(graph, fullgraph=True, dynamic=False)
+            compiled_graph = standalone_compile(graph, args, dynamic_shapes="from_example_inputs",
+                                                donate_graph_module=True)
         return dict(zip(fn.outputs, compiled_graph(*args)))
 
     return call
