@@ -8,7 +8,7 @@ others zero, and blocks over experts sum to the whole. Rows, output features, th
 as any dims do (an expert split alone leaves Partial rows); its `Exchange` splits rows and experts together, each
 row moved to its expert's device and back inside the step by all-to-all (expert parallelism: plan/exchange.py).
 take_rows(x[N, D], idx[M]) -> [M, D] is x[idx] with the table's rows a dim of its own, exchanged the same way.
-""""""
+"""
 from __future__ import annotations
 
 from collections.abc import Mapping
