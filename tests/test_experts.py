@@ -12,6 +12,7 @@ import torch
 
 import tapestry
 from tapestry.graph import Graph
+from tapestry.lower.program import PlaceBlock
 from tapestry.models import moe_layer, moe_routing
 from tapestry.cost import DefaultCostModel, load_profile
 from tapestry.optimizer import default_cost_model
@@ -346,11 +347,31 @@ def test_optimize_splits_the_experts_of_a_mixtral_sized_layer_by_cost():
     assert [s.exchange for s in plan.steps if isinstance(s, Compute) and s.kernel == "grouped_mm"] == [(0,), (0,)]
 
 
-def test_compiling_an_expert_parallel_rank_program_is_refused_with_the_step_named():
+def test_an_expert_parallel_rank_program_runs_eager_with_a_warning_naming_the_step():
     from tapestry.lower import lower
     from tapestry.spmd import RankFunction, compiled
 
     program = lower(ep_plan(Mesh(2), 0))
-    fn = RankFunction.of(program, 0, {}, whole=object())  # no process group is needed to refuse
-    with pytest.raises(ValueError, match=r"plan step \d+ \(grouped_mm -> v\d+\) is expert parallel.*compile=False"):
-        compiled(fn)
+    fn = RankFunction.of(program, 0, {}, whole=object())  # no process group is needed to decide
+    with pytest.warns(UserWarning, match=r"rank 0: .* runs eager .*plan step \d+ \(grouped_mm -> v\d+\) is expert "
+                                         r"parallel"):
+        assert compiled(fn) is fn
+
+
+def test_a_rank_program_that_reads_tensor_values_falls_back_to_eager_at_its_first_call():
+    """grouped_mm reads its expert offsets as Python ints: make_fx cannot trace that on fake tensors, so the rank's
+    program runs eager (with a warning saying why) and still computes what the evaluator does."""
+    from tapestry.lower import lower
+    from tapestry.spmd import RankFunction, compiled
+
+    plan = build_plan(moe_graph(), Mesh(1))
+    program = lower(plan)
+    fn = RankFunction.of(program, 0, {}, whole=object())
+    given = inputs([3, 3, 7, 12])
+    call = compiled(fn)
+    buffers = {step.out: torch.from_numpy(given[step.input]) for step in program.ranks[0].steps
+               if isinstance(step, PlaceBlock)}
+    with pytest.warns(UserWarning, match=r"rank 0: .* runs eager .*reads tensor values"):
+        got = call(buffers)
+    np.testing.assert_allclose(got[plan.outputs["y"]].numpy(), tapestry.evaluate(plan.graph, given)["y"],
+                               rtol=1e-5, atol=1e-5)

@@ -21,6 +21,7 @@ collective is made in the value's dtype).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from tapestry.kernels import get_kernel
 from tapestry.lower.program import (
@@ -193,10 +196,9 @@ def compiled(fn: RankFunction) -> Callable[[Mapping[str, torch.Tensor]], Buffers
     communication."""
     experts = next((s for s in fn.steps if isinstance(s, ExpertCompute)), None)
     if experts is not None:
-        raise ValueError(f"rank {fn.rank}: plan step {experts.step} ({experts.kernel} -> {experts.out}) is expert "
-                         f"parallel: the rows it trades are counted from the data, so the rank's program cannot be "
-                         f"traced whole; run it with compile=False")
-    compiled_graph = None
+        return _eager(fn, f"plan step {experts.step} ({experts.kernel} -> {experts.out}) is expert parallel: the "
+                          f"rows it trades are counted from the data")
+    compiled_graph: Callable[..., Any] | None = None
 
     def call(buffers: Mapping[str, torch.Tensor]) -> Buffers:
         nonlocal compiled_graph
@@ -204,12 +206,29 @@ def compiled(fn: RankFunction) -> Callable[[Mapping[str, torch.Tensor]], Buffers
         if compiled_graph is None:
             from torch._inductor import standalone_compile  # imported at first use: eager programs never pay it
 
-            graph = make_fx(fn.flat, tracing_mode="fake")(*args)
+            try:
+                graph = make_fx(fn.flat, tracing_mode="fake")(*args)
+            except DATA_DEPENDENT as err:  # e.g. grouped_mm's expert offsets read as Python ints
+                compiled_graph = _eager(fn, f"a kernel reads tensor values as Python numbers "
+                                            f"({type(err).__name__}: {str(err).splitlines()[0][:200]})")
+                return compiled_graph(buffers)
             compiled_graph = standalone_compile(graph, args, dynamic_shapes="from_example_inputs",
                                                 donate_graph_module=True)
+        if isinstance(compiled_graph, RankFunction):
+            return compiled_graph(buffers)
         return dict(zip(fn.outputs, compiled_graph(*args)))
 
     return call
+
+
+DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
+
+
+def _eager(fn: RankFunction, why: str) -> RankFunction:
+    """The fallback where a rank's program cannot be traced whole (its shapes or steps depend on tensor values):
+    the program runs step by step, eager, and a warning says which rank and why."""
+    warnings.warn(f"rank {fn.rank}: its program is not compiled, it runs eager step by step: {why}", stacklevel=3)
+    return fn
 
 
 # -- communication: each returns this rank's destination block (a 0-d tensor where it holds none) ---------------
