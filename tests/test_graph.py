@@ -80,6 +80,18 @@ def test_repeated_ops_share_one_signature_but_params_equal_only_under_eq_bind_ap
         g.slice(x, axis=True, start=0, stop=2)
 
 
+def test_a_kernel_registered_again_binds_anew_not_from_the_graph_s_earlier_signatures(monkeypatch):
+    from dataclasses import replace
+
+    from tapestry.kernels import KERNELS
+
+    g = Graph()
+    x = g.input("x", (4, 4))
+    g.relu(x)
+    monkeypatch.setitem(KERNELS, "relu", replace(KERNELS["relu"], doc="registered again"))
+    assert g.signature(g.relu(x).name).kernel is KERNELS["relu"]
+
+
 def test_added_after_is_what_a_builder_added_since_in_order():
     g = Graph()
     x = g.input("x", (4, 4))

@@ -213,9 +213,9 @@ class Graph:
         """`kernel.bind`, once per distinct call: a Signature is a frozen value of its kernel, shapes, dtypes and
         params, so the nodes of repeated layers share one. Params are told apart by type and repr, not by ==
         (True == 1 == 1.0 and 0.0 == -0.0, which bind keeps apart or refuses)."""
-        key = (id(kernel), shapes, in_dtypes, tuple((k, type(v), repr(v)) for k, v in sorted(params.items())))
+        key = (kernel.name, shapes, in_dtypes, tuple((k, type(v), repr(v)) for k, v in sorted(params.items())))
         sig = self._bound.get(key)
-        if sig is None:
+        if sig is None or sig.kernel is not kernel:  # not bound yet, or by a kernel since registered again
             sig = self._bound[key] = kernel.bind(shapes, params, in_dtypes)
         return sig
 
