@@ -7,11 +7,12 @@ import math
 import time
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tapestry.egraph.decode import Decoder, distributed_nodes, dominated_moves, moved_cells
+from tapestry.egraph.decode import Decoder, distributed_nodes, dominated_moves, moved_cells, pricing_order
 from tapestry.egraph.driver import Budget, saturate
 from tapestry.egraph.generate import ENODES_PER_RUN, Generator
 from tapestry.egraph.rules import BUILTIN_DIR, load_rules
@@ -111,6 +112,13 @@ def test_moved_cells_counts_what_each_device_needs_and_does_not_hold():
             "P": (shape, replace(Layout.replicated(shape, mesh), partial=True))}
     pairs = [("R", "S"), ("S", "R"), ("P", "R"), ("P", "S"), ("S", "S")]
     assert moved_cells(pairs, keys).tolist() == [0, 4, 8, 4, 0]
+
+
+def test_pricing_reaches_every_values_cheapest_move_before_any_values_second():
+    # a small value's moves, all cheap, and a large one's (a weight gradient's reductions), all dear
+    moved = np.array([1, 2, 3, 1000, 2000])
+    values = ["small", "small", "small", "large", "large"]
+    assert pricing_order(moved, values) == [0, 3, 1, 4, 2]
 
 
 def test_rule_rounds_stop_by_their_share_of_the_time_and_generation_still_runs():
