@@ -114,11 +114,12 @@ def test_moved_cells_counts_what_each_device_needs_and_does_not_hold():
     assert moved_cells(pairs, keys).tolist() == [0, 4, 8, 4, 0]
 
 
-def test_pricing_reaches_every_values_cheapest_move_before_any_values_second():
-    # a small value's moves, all cheap, and a large one's (a weight gradient's reductions), all dear
+def test_pricing_reaches_every_classs_cheapest_move_in_before_any_classs_second():
+    # the moves into a small value's layout, all cheap, and into a large one's (a weight gradient reduced, a weight
+    # gathered), all dear
     moved = np.array([1, 2, 3, 1000, 2000])
-    values = ["small", "small", "small", "large", "large"]
-    assert pricing_order(moved, values) == [0, 3, 1, 4, 2]
+    into = ["small@S(0)", "small@S(0)", "small@S(0)", "large@R", "large@R"]
+    assert pricing_order(moved, into) == [0, 3, 1, 4, 2]
 
 
 def test_rule_rounds_stop_by_their_share_of_the_time_and_generation_still_runs():
