@@ -34,7 +34,7 @@ WIDTHS = {  # hidden, MLP hidden, heads, KV heads: LLaMA-2 configs
     "13B": (5120, 13824, 40, 40),
     "70B": (8192, 28672, 64, 8),
 }
-HAND = ("DP", "ZeRO-3", "TP")
+HAND = ("DP", "ZeRO-3", "TP", "DPxTP")
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ def hand_plans(imported: Any, case: Case, model: Any, errors: dict[str, str]) ->
 
     import tapestry
     from tapestry.cost import peak_memory, plan_cost
-    from tapestry.training.plans import data_parallel, megatron, zero3
+    from tapestry.training.plans import data_parallel, data_tensor_parallel, megatron, zero3
 
     graph = imported.graph
     mesh = tapestry.Mesh(math.prod(case.shape))
@@ -176,6 +176,8 @@ def hand_plans(imported: Any, case: Case, model: Any, errors: dict[str, str]) ->
     builders = {"DP": lambda: data_parallel(graph, mesh, arguments), "TP": lambda: megatron(graph, mesh, hidden)}
     if graph.carried:
         builders["ZeRO-3"] = lambda: zero3(graph, mesh, arguments)
+    if len(case.shape) == 2:  # the 2-D recipe on the case's own mesh: DP over the outer axis, TP over the inner
+        builders["DPxTP"] = lambda: data_tensor_parallel(graph, tapestry.Mesh(*case.shape), arguments, hidden)
     priced: dict[str, tuple[float, int]] = {}
     for name, make in builders.items():
         try:
@@ -262,7 +264,7 @@ def warns(row: dict[str, Any]) -> bool:
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| model | layers | step | batch x seq | mesh | import s | RSS GiB | optimize s | status | gap | "
             "predicted ms | MFU | GiB/device | replicated | ids / weights split | weights live | "
-            "DP ms (MFU) | ZeRO-3 ms (MFU) | TP ms (MFU) |")
+            "DP ms (MFU) | ZeRO-3 ms (MFU) | TP ms (MFU) | DPxTP ms (MFU) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         c = r["case"]
@@ -347,7 +349,9 @@ def main() -> None:
         "so cut a search with so replicated a plan raises SearchCutWarning (optimizer.REPLICATED_WARNING). Rows without a mesh measure the import "
         "of the whole model alone. `7B blocks`: a stack of `importer.zoo.LlamaBlock` at the 7B width (no rotary, "
         "embedding or head; training loss MSE), a graph the hand plans can split. At batch 8, data parallelism "
-        "cannot split 64 ways: the hand DP and ZeRO-3 rows on 8x8 run replicated.",
+        "cannot split 64 ways: the hand DP and ZeRO-3 rows on 8x8 run replicated. `DPxTP`: "
+        "training/plans.data_tensor_parallel on the case's 2-D mesh itself (data parallel over the outer axis, "
+        "Megatron tensor parallel over the inner, NVLink, one); rows measured before it have none.",
         *([f"\n{args.provenance}"] if args.provenance else []),
         "",
         table(rows),

@@ -6,6 +6,7 @@ inputs and blocks actually produce. Cost models and lowering rely on both.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 from tapestry import zspace
@@ -13,9 +14,9 @@ from tapestry.dtypes import DtypeError
 from tapestry.kernels import DimKind, KernelError, Shape, Signature
 from tapestry.plan.plan import Compute, Place, Plan, Reshard, Step
 from tapestry.sharding import Block, Layout, Mesh
-from tapestry.sharding.comm import CommError, transfers
+from tapestry.sharding.comm import CommError, can_move, transfers
 from tapestry.sharding.partition import Partition, exchanged_blocks, output_layout, partition_issues
-from tapestry.zspace import ZRange
+from tapestry.zspace import IndexProjection, ZRange
 
 
 class PlanError(ValueError):
@@ -157,7 +158,7 @@ def _source_problems(value: str, shape: Shape, layout: Layout, defined: dict[str
 def _reshard_problems(mesh: Mesh, step: Reshard, defined: dict[str, Step]) -> list[str]:
     problems = _source_problems(step.src, step.shape, step.src_layout, defined, "source")
     problems += layout_problems(step.layout, step.shape, mesh)
-    if not problems:
+    if not problems and not can_move(step.src_layout, step.layout):  # transfers says why (64 devices: slow)
         try:
             transfers(step.src_layout, step.layout)
         except CommError as err:
@@ -225,17 +226,25 @@ def _read_problems(sig: Signature, arg: int, step: Compute, what: str) -> list[s
     """Each device must hold every cell of the input its index block reads (cells outside the tensor are zero).
     What it reads is islpy's image of the block under the signature's projection, not plan generation's own
     `needed_layout`: a slip there (a halo a row short) must not pass both."""
-    projection, tensor = sig.projections[arg], zspace.to_isl_set(ZRange.from_shape(sig.input_shapes[arg]))
+    projection, shape = sig.projections[arg], sig.input_shapes[arg]
     problems = []
     for device, (block, held) in enumerate(zip(step.blocks, step.arg_layouts[arg].blocks)):
         if block is None:
             continue
-        reads = zspace.footprint(projection, block).intersect(tensor)
-        if reads.is_empty() or (held is not None and reads.is_subset(zspace.to_isl_set(held))):
-            continue
-        need = zspace.bounding_box(reads)
-        problems.append(f"device {device} reads {need} of {what} {step.args[arg]!r} but holds only {held}")
+        need = _unheld_read(projection, shape, block, held)
+        if need is not None:
+            problems.append(f"device {device} reads {need} of {what} {step.args[arg]!r} but holds only {held}")
     return problems
+
+
+@functools.lru_cache(maxsize=1 << 16)  # identical layers, and devices of a replicated axis, ask the same
+def _unheld_read(projection: IndexProjection, shape: Shape, block: ZRange, held: Block) -> ZRange | None:
+    """The bounding box of what `block` reads of a tensor of `shape` through `projection`, if `held` does not hold
+    all of it (islpy's image); None when it does."""
+    reads = zspace.footprint(projection, block).intersect(zspace.to_isl_set(ZRange.from_shape(shape)))
+    if reads.is_empty() or (held is not None and reads.is_subset(zspace.to_isl_set(held))):
+        return None
+    return zspace.bounding_box(reads)
 
 
 def _output_problems(plan: Plan, defined: dict[str, Step]) -> list[str]:
