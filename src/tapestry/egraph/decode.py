@@ -260,13 +260,26 @@ class Decoder:
         found = {n.eclass for n in self.nodes if n.op == "Place" and n.key in fixed_inputs}
         if not found:
             return frozenset()
-        pending = [n for n in self.nodes if n.op not in ("Place", "Deliver") and n.eclass not in found]
-        while True:
-            grown = {n.eclass for n in pending if all(c in found for c in n.children)}
-            if not grown:
-                return frozenset(found)
-            found |= grown
-            pending = [n for n in pending if n.eclass not in found]
+        # a worklist: each node waits for its distinct children, and a class found wakes the nodes reading it
+        # (sweeping every node to a fixpoint was 1.4 s of a 2-layer LLaMA's 68,760 nodes on 2x2)
+        waiting: dict[int, int] = {}
+        readers: dict[str, list[int]] = {}
+        for i, n in enumerate(self.nodes):
+            if n.op not in ("Place", "Deliver") and n.eclass not in found:
+                children = set(n.children)
+                waiting[i] = len(children)
+                for c in children:
+                    readers.setdefault(c, []).append(i)
+        ready = list(found)
+        ready.extend(self.nodes[i].eclass for i, left in waiting.items() if left == 0)
+        while ready:
+            c = ready.pop()
+            for i in readers.pop(c, ()):
+                waiting[i] -= 1
+                if waiting[i] == 0:
+                    ready.append(self.nodes[i].eclass)
+            found.add(c)
+        return frozenset(found)
 
     def prepared(self, node: DNode) -> bool:
         """Whether `node` is a Run or Reshard made from static-derived classes only: done once, free per run."""

@@ -115,7 +115,7 @@ def can_move(src: Layout, dst: Layout) -> bool:
         return True
     if all(b is None for b in src.blocks):  # as `transfers` has it: a needed block, even empty, needs a holder
         return all(b is None for b in dst.blocks)
-    box = _filled_box(src)
+    box = filled_box(src)
     if box is not None and all(b is None or b.is_empty or box.contains(b) for b in dst.blocks):
         return True
     has, needs = cells(src, dst)
@@ -160,7 +160,7 @@ def movable(layouts: Sequence[Layout]) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=1 << 14)
-def _filled_box(layout: Layout) -> ZRange | None:
+def filled_box(layout: Layout) -> ZRange | None:
     """The bounding box of the blocks of `layout` if they leave no cell of it unheld, else None."""
     has, _ = cells(layout, layout)
     if not has.any(axis=0).all():
