@@ -19,7 +19,7 @@ from functools import lru_cache
 import numpy as np
 
 from tapestry.kernels import Shape
-from tapestry.sharding.comm import CommError, transfers
+from tapestry.sharding.comm import CommError, filled_box, transfers
 from tapestry.sharding.grid import bounds, cells
 from tapestry.sharding.layout import Layout
 from tapestry.sharding.mesh import Mesh
@@ -53,10 +53,21 @@ def reshard_groups(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> tuple[
     group) in which every device finds the cells it needs, and for partial sums every partial of its cells, within
     its own group. A 1-D mesh, or a change that needs every axis, is one group: the whole mesh."""
     subsets, together = _axis_choices(mesh)
-    for axes, ok in zip(subsets, _self_sufficient(src, dst, mesh, subsets, together)):
-        if ok:
-            stays = _stays(src, dst)
-            return tuple(_group(src, dst, mesh, axes, ranks, stays) for ranks in _fibres(mesh, axes))
+    if src.partial or dst.partial:  # whether a group holds every partial of its cells depends on the others too
+        for axes, ok in zip(subsets, _self_sufficient(src, dst, mesh, subsets, together)):
+            if ok:
+                stays = _stays(src, dst)
+                return tuple(_group(*_members(src, dst, ranks), mesh, axes, ranks,
+                                    None if stays is None else tuple(stays[r] for r in ranks))
+                             for ranks in _fibres(mesh, axes))
+    else:  # plain: decided group by group, on the groups' blocks, which a tensor's many reshards share
+        bounds(src, dst)  # raises on blocks of different ranks, whichever groups hold them
+        for axes in subsets:
+            fibres = _fibres(mesh, axes)
+            members = [_members(src, dst, ranks) for ranks in fibres]
+            if all(_holds_needs(*pair) for pair in members):
+                return tuple(_group(*pair, mesh, axes, ranks, _plain_stays(*pair))
+                             for pair, ranks in zip(members, fibres))
     transfers(src, dst)  # some needed cell is held by no device: this raises CommError saying which
     raise CommError(f"no group of devices holds what {dst} needs from {src}")
 
@@ -125,21 +136,79 @@ def local_layouts(src: Layout, dst: Layout) -> tuple[Layout, Layout, Shape] | No
     return src_local, dst_local, shape
 
 
+def _members(src: Layout, dst: Layout, ranks: tuple[int, ...]) -> tuple[Layout, Layout]:
+    """The blocks of the devices `ranks`: the source's partial flag kept, the destination's dropped."""
+    return _restricted(src, ranks, src.partial), _restricted(dst, ranks, False)
+
+
+@lru_cache(maxsize=1 << 16)
+def _restricted(layout: Layout, ranks: tuple[int, ...], partial: bool) -> Layout:
+    """Made once per layout and group of devices: a tensor's many reshards share these few objects (and their
+    hashes), so the checks below are cached by them."""
+    return Layout(tuple(layout.blocks[r] for r in ranks), partial)
+
+
+@lru_cache(maxsize=1 << 16)
+def _holds_needs(src: Layout, dst: Layout) -> bool:
+    """Whether a group's plain source blocks hold every cell its devices' destination blocks need: per group,
+    what `_self_sufficient` decides for a whole grouping at once. Most needed blocks lie inside one held block or
+    inside the box the held blocks fill (`filled_box`); only where they leave holes is the cell grid needed."""
+    held = [b for b in src.blocks if b is not None]
+    box = filled_box(src) if held else None
+
+    def inside(need: ZRange | None) -> bool:
+        return (need is None or _is_empty(need) or (box is not None and _contains(box, need))
+                or any(map(_contains, held, itertools.repeat(need))))
+
+    if all(map(inside, dst.blocks)):
+        return True
+    if box is not None or len(held) < 2:  # what they hold is one box, and a needed block leaves it
+        return False
+    has, needs = cells(src, dst)
+    return bool((has.any(axis=0) | ~needs).all())
+
+
+def _is_empty(box: ZRange) -> bool:
+    return any(map(operator.ge, box.start, box.end))
+
+
+def _contains(outer: ZRange, inner: ZRange) -> bool:
+    return all(map(operator.le, outer.start, inner.start)) and all(map(operator.le, inner.end, outer.end))
+
+
+@lru_cache(maxsize=1 << 16)
+def _plain_stays(src: Layout, dst: Layout) -> tuple[int, ...]:
+    """`_stays` of plain blocks, device by device: one block each, no arrays."""
+    def stays(own: ZRange | None, need: ZRange | None) -> int:
+        if need is None:
+            return 1
+        if own is None:
+            return -1 if _is_empty(need) else 0
+        return int(_is_empty(need) or _contains(own, need))
+
+    return tuple(map(stays, src.blocks, dst.blocks))
+
+
 def _group(src: Layout, dst: Layout, mesh: Mesh, axes: tuple[int, ...], ranks: tuple[int, ...],
-           stays: list[int] | None) -> Group:
-    """Named as a collective on its own: blocks relative to the box the group's blocks span, on its own mesh.
-    Block moves are planned only where `_stays` cannot tell whether any are needed (a move transfers refuses),
-    so naming a collective never plans them."""
-    mine = Layout(tuple(src.blocks[r] for r in ranks), src.partial), Layout(tuple(dst.blocks[r] for r in ranks))
-    here = None if stays is None else [stays[r] for r in ranks]
+           here: tuple[int, ...] | None) -> Group:
+    """Named as a collective on its own (`_group_kind`): `src` and `dst` are the group's blocks (`_members`),
+    `here` their `_stays`."""
+    return Group(ranks, src, dst, axes, _group_kind(src, dst, _group_mesh(mesh, axes), here))
+
+
+@lru_cache(maxsize=1 << 16)
+def _group_kind(src: Layout, dst: Layout, mesh: Mesh, here: tuple[int, ...] | None) -> Collective:
+    """A group's collective on its own mesh, from its blocks relative to the box they span. Block moves are planned
+    only where `here` (`_stays`) cannot tell whether any are needed (a move transfers refuses), so naming a
+    collective never plans them."""
     if here is not None and min(here) >= 0:
         moving = not all(here)  # a group holding nothing needs nothing
     else:
-        local = local_layouts(*mine)
+        local = local_layouts(src, dst)
         moving = local is not None and bool(transfers(*local[:2]))  # raises CommError
     if not moving:
-        return Group(ranks, *mine, axes, Collective.NOOP)
-    return Group(ranks, *mine, axes, _classify(*local_layouts(*mine), _group_mesh(mesh, axes)))
+        return Collective.NOOP
+    return _classify(*local_layouts(src, dst), mesh)
 
 
 @lru_cache(maxsize=256)
