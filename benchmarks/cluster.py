@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import re
 import time
 import warnings
@@ -33,7 +34,7 @@ WIDTHS = {  # hidden, MLP hidden, heads, KV heads: LLaMA-2 configs
     "13B": (5120, 13824, 40, 40),
     "70B": (8192, 28672, 64, 8),
 }
-HAND = ("DP", "ZeRO-3", "TP")
+HAND = ("DP", "ZeRO-3", "TP", "DPxTP")
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,7 @@ def hand_plans(imported: Any, case: Case, model: Any, errors: dict[str, str]) ->
 
     import tapestry
     from tapestry.cost import peak_memory, plan_cost
-    from tapestry.training.plans import data_parallel, megatron, zero3
+    from tapestry.training.plans import data_parallel, data_tensor_parallel, megatron, zero3
 
     graph = imported.graph
     mesh = tapestry.Mesh(math.prod(case.shape))
@@ -175,6 +176,8 @@ def hand_plans(imported: Any, case: Case, model: Any, errors: dict[str, str]) ->
     builders = {"DP": lambda: data_parallel(graph, mesh, arguments), "TP": lambda: megatron(graph, mesh, hidden)}
     if graph.carried:
         builders["ZeRO-3"] = lambda: zero3(graph, mesh, arguments)
+    if len(case.shape) == 2:  # the 2-D recipe on the case's own mesh: DP over the outer axis, TP over the inner
+        builders["DPxTP"] = lambda: data_tensor_parallel(graph, tapestry.Mesh(*case.shape), arguments, hidden)
     priced: dict[str, tuple[float, int]] = {}
     for name, make in builders.items():
         try:
@@ -193,10 +196,11 @@ def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any) -
     from tapestry.cost import DefaultCostModel, load_profile
     from tapestry.optimizer import SearchCutWarning
 
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     imported = build(case)
     row: dict[str, Any] = {"case": asdict(case), "import_s": time.perf_counter() - started,
-                           "ops": len(imported.graph.ops)}
+                           "import_cpu_s": time.process_time() - cpu, "ops": len(imported.graph.ops),
+                           "load": os.getloadavg()[0]}
     row["import_rss"] = peak_rss()
     if case.mesh:
         profile = load_profile(PROFILE)
@@ -260,7 +264,7 @@ def warns(row: dict[str, Any]) -> bool:
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| model | layers | step | batch x seq | mesh | import s | RSS GiB | optimize s | status | gap | "
             "predicted ms | MFU | GiB/device | replicated | ids / weights split | weights live | "
-            "DP ms (MFU) | ZeRO-3 ms (MFU) | TP ms (MFU) |")
+            "DP ms (MFU) | ZeRO-3 ms (MFU) | TP ms (MFU) | DPxTP ms (MFU) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         c = r["case"]
@@ -294,7 +298,7 @@ def main() -> None:
     parser.add_argument("--models", default="7B")
     parser.add_argument("--arch", default="hf", choices=("hf", "block"))
     parser.add_argument("--layers", type=int, default=2, help="layers of the planned slices")
-    parser.add_argument("--meshes", default="8,2x4,8x8")
+    parser.add_argument("--meshes", default="8,2x4,8x8", help="'' for none: the import-only rows alone")
     parser.add_argument("--modes", default="inference,training")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
@@ -317,7 +321,7 @@ def main() -> None:
         for model in args.models.split(","):
             for mode in args.modes.split(","):
                 cases += [Case(model, args.layers, mode, mesh, args.batch, args.seq, arch=args.arch)
-                          for mesh in args.meshes.split(",")]
+                          for mesh in filter(None, args.meshes.split(","))]
                 if args.full_layers:
                     cases.append(Case(model, args.full_layers, mode, "", args.batch, args.seq, arch=args.arch))
     rows = []
@@ -345,7 +349,9 @@ def main() -> None:
         "so cut a search with so replicated a plan raises SearchCutWarning (optimizer.REPLICATED_WARNING). Rows without a mesh measure the import "
         "of the whole model alone. `7B blocks`: a stack of `importer.zoo.LlamaBlock` at the 7B width (no rotary, "
         "embedding or head; training loss MSE), a graph the hand plans can split. At batch 8, data parallelism "
-        "cannot split 64 ways: the hand DP and ZeRO-3 rows on 8x8 run replicated.",
+        "cannot split 64 ways: the hand DP and ZeRO-3 rows on 8x8 run replicated. `DPxTP`: "
+        "training/plans.data_tensor_parallel on the case's 2-D mesh itself (data parallel over the outer axis, "
+        "Megatron tensor parallel over the inner, NVLink, one); rows measured before it have none.",
         *([f"\n{args.provenance}"] if args.provenance else []),
         "",
         table(rows),

@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/phases.py --mesh 2x4 --layers 12 [--rules fusion,substitution] [--budget 30]
         [--extractor greedy-dag] [--time-limit 10] [--optimize] [--model stack|gpt2|bert|FAMILY]
 
-Prints one JSON line. With --optimize it times `tapestry.optimize` whole instead (validation and the
+Prints one JSON line: wall seconds per phase and, as `*_cpu`, this process's CPU seconds (all its threads), which a
+loaded machine inflates far less. With --optimize it times `tapestry.optimize` whole instead (validation and the
 plan's meaning check included). It uses only APIs older trees have too, so the same file can time an older
 checkout side by side (PYTHONPATH=OLD/src .venv/bin/python benchmarks/phases.py ...).
 """
@@ -69,7 +70,7 @@ def main() -> None:
     mesh = Mesh.parse(args.mesh)
     rules = [BUILTIN_DIR / f"{r}.egg" for r in args.rules.split(",")] if args.rules else None
     graph = model(args.model, args.layers)
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     if args.optimize:
         result = optimize(graph, mesh, rules, Budget(seconds=args.budget), extractor=args.extractor,
                           time_limit=args.time_limit)
@@ -77,6 +78,7 @@ def main() -> None:
         print(json.dumps({
             "model": args.model, "mesh": args.mesh, "layers": args.layers, "rules": args.rules or "all",
             "budget": args.budget, "optimize_s": round(time.perf_counter() - start, 2),
+            "optimize_cpu": round(time.process_time() - start_cpu, 2),
             "stopped_by": result.stats.stopped_by, "undone": getattr(result.stats, "undone", ""),
             "enodes": result.stats.enodes, "cost": result.plan.cost, "extractor": args.extractor, "status": result.selection.status,
             "gap": result.selection.gap, "fused_kernels": sum(n for k, n in kernels.items() if k in FUSED),
@@ -84,13 +86,13 @@ def main() -> None:
         }), flush=True)
         return
     explored = explore(graph, mesh, rules, Budget(seconds=args.budget))
-    saturated = time.perf_counter()
+    saturated, saturated_cpu = time.perf_counter(), time.process_time()
     egraph = explored.decoder.extraction_graph(list(explored.roots), default_cost_model(),
                                                *([explored.pricing_seconds] if hasattr(explored, "pricing_seconds")
                                                  else []))
-    priced = time.perf_counter()
+    priced, priced_cpu = time.perf_counter(), time.process_time()
     selection = extract(egraph, args.extractor, args.time_limit)
-    done = time.perf_counter()
+    done, done_cpu = time.perf_counter(), time.process_time()
     stats = explored.stats
     plan = explored.decoder.plan(egraph, selection, graph, explored.names)
     kernels = Counter(getattr(step, "kernel", "") for step in plan.steps)
@@ -98,6 +100,8 @@ def main() -> None:
         "model": args.model, "mesh": args.mesh, "layers": args.layers, "rules": args.rules or "all",
         "budget": args.budget, "saturate_s": round(saturated - start, 2), "price_s": round(priced - saturated, 2),
         "extract_s": round(done - priced, 2), "total_s": round(done - start, 2),
+        "saturate_cpu": round(saturated_cpu - start_cpu, 2), "price_cpu": round(priced_cpu - saturated_cpu, 2),
+        "extract_cpu": round(done_cpu - priced_cpu, 2), "total_cpu": round(done_cpu - start_cpu, 2),
         "stopped_by": stats.stopped_by, "stopped_in": getattr(stats, "stopped_in", ""),
         "undone": getattr(stats, "undone", ""), "enodes": stats.enodes,
         "extraction_nodes": len(explored.decoder.nodes), "cost": selection.dag_cost,

@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--checkpoint", type=Path, help="directory of the checkpoints (step-N/)")
     parser.add_argument("--save-every", type=int, default=5)
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-    parser.add_argument("--eager", action="store_true", help="run each rank's program eager (no torch.compile)")
+    parser.add_argument("--eager", action="store_true", help="run each rank's program eager (not compiled by inductor)")
     parser.add_argument("--nproc", type=int, help="start this many local ranks (without torchrun)")
     parser.add_argument("--extractor", default="greedy-dag", help="tapestry.optimize's extractor (ilp: the best "
                         "plan the time limit finds; greedy-dag: a steady plan fast)")

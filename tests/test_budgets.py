@@ -7,11 +7,12 @@ import math
 import time
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tapestry.egraph.decode import Decoder, distributed_nodes, dominated_moves, moved_cells
+from tapestry.egraph.decode import Decoder, distributed_nodes, dominated_moves, moved_cells, pricing_order
 from tapestry.egraph.driver import Budget, saturate
 from tapestry.egraph.generate import ENODES_PER_RUN, Generator
 from tapestry.egraph.rules import BUILTIN_DIR, load_rules
@@ -111,6 +112,14 @@ def test_moved_cells_counts_what_each_device_needs_and_does_not_hold():
             "P": (shape, replace(Layout.replicated(shape, mesh), partial=True))}
     pairs = [("R", "S"), ("S", "R"), ("P", "R"), ("P", "S"), ("S", "S")]
     assert moved_cells(pairs, keys).tolist() == [0, 4, 8, 4, 0]
+
+
+def test_pricing_reaches_every_classs_cheapest_move_in_before_any_classs_second():
+    # the moves into a small value's layout, all cheap, and into a large one's (a weight gradient reduced, a weight
+    # gathered), all dear
+    moved = np.array([1, 2, 3, 1000, 2000])
+    into = ["small@S(0)", "small@S(0)", "small@S(0)", "large@R", "large@R"]
+    assert pricing_order(moved, into) == [0, 3, 1, 4, 2]
 
 
 def test_rule_rounds_stop_by_their_share_of_the_time_and_generation_still_runs():

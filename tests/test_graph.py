@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import numpy as np
@@ -54,6 +55,50 @@ def test_a_parameter_passed_positionally_says_to_pass_it_by_keyword():
     with pytest.raises(GraphError, match=r"op 'r' \(reshape\) takes 1 tensor input\(s\) \(x\); got also "
                                          r"\(16, 1, 1\): parameters go by keyword \(shape=...\)"):
         g.reshape(b, (16, 1, 1), name="r")
+
+
+def test_fresh_names_count_the_kernel_s_nodes_and_a_rollback_frees_its_names():
+    g = Graph()
+    x = g.input("x", (4, 4))
+    g.relu(x)
+    g.relu(x, name="relu_1")  # taken by hand: the next fresh relu skips it
+    assert [g.relu(x).name, g.exp(x).name] == ["relu_2", "exp_0"]
+    g.truncate(2)  # x and relu_0 are left
+    assert [g.relu(x).name, g.relu(x).name] == ["relu_1", "relu_2"]
+
+
+def test_repeated_ops_share_one_signature_but_params_equal_only_under_eq_bind_apart():
+    g = Graph()
+    x = g.input("x", (4, 4))
+    a, b = g.relu(x), g.relu(x)
+    assert g.signature(a.name) is g.signature(b.name)  # a model's repeated layers bind once
+    zero, negative = g.mul_scalar(x, value=0.0), g.mul_scalar(x, value=-0.0)  # 0.0 == -0.0
+    assert math.copysign(1, dict(g[negative.name].params)["value"]) == -1
+    assert g.signature(zero.name) is not g.signature(negative.name)
+    g.slice(x, axis=1, start=0, stop=2)
+    with pytest.raises(GraphError, match="param 'axis' must be int, got True"):  # True == 1, and bind refuses it
+        g.slice(x, axis=True, start=0, stop=2)
+
+
+def test_a_kernel_registered_again_binds_anew_not_from_the_graph_s_earlier_signatures(monkeypatch):
+    from dataclasses import replace
+
+    from tapestry.kernels import KERNELS
+
+    g = Graph()
+    x = g.input("x", (4, 4))
+    g.relu(x)
+    monkeypatch.setitem(KERNELS, "relu", replace(KERNELS["relu"], doc="registered again"))
+    assert g.signature(g.relu(x).name).kernel is KERNELS["relu"]
+
+
+def test_added_after_is_what_a_builder_added_since_in_order():
+    g = Graph()
+    x = g.input("x", (4, 4))
+    size = len(g)
+    y = g.relu(g.constant("c", np.ones((4, 4), np.float32)))
+    assert [n.name for n in g.added_after(size)] == ["c", y.name]
+    assert g.added_after(len(g)) == () and g.added_after(0) == g.nodes
 
 
 def test_duplicate_names_are_rejected():

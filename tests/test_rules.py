@@ -85,7 +85,7 @@ def test_optimize_rejects_a_bad_rules_dir_before_any_work(monkeypatch: pytest.Mo
 def test_a_user_rules_dir_adds_its_ruleset(tmp_path: Path):
     (tmp_path / "mine.egg").write_text("; mine\n(rewrite (Exp (Relu x)) (Exp (Relu (Relu x))))\n")
     result = optimize(small_graph(), 1, rules=[BUILTIN_DIR, tmp_path], budget=Budget(iterations=3), extractor="greedy-dag")
-    assert [f.name for f in result.rule_files] == ["fusion", "substitution", "mine"]
+    assert [f.name for f in result.rule_files] == ["experts", "fusion", "substitution", "mine"]
     fired = {where for it in result.stats.iterations for where in it.matches}
     assert f"{tmp_path / 'mine.egg'}:2" in fired
 

@@ -2,6 +2,7 @@
 computes, on 2 and 4 gloo ranks, eager and compiled whole; every rank receives the outputs."""
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,25 @@ def test_compiled_rank_functions_compute_the_reference_on_two_and_four_gloo_rank
     check_against_reference(two, launch(run_everywhere, 2, two, True, timeout=600))
     four = _four_rank_plans()[:3]
     check_against_reference(four, launch(run_everywhere, 4, four, True, timeout=600))
+
+
+def test_a_compiled_rank_function_goes_to_inductor_without_dynamo_and_computes_what_it_does_eager() -> None:
+    """The make_fx graph is handed to inductor as it is: dynamo would only trace the traced graph again (on the
+    training example's 2000-node graph, ~25 s of each rank's CPU in a cold start, issue 26)."""
+    from torch._dynamo.utils import counters
+
+    plan = build_plan(_chain(8, 4, 6), Mesh(1), {"linear_0": (0,)})
+    program = lower(plan)
+    fn = RankFunction.of(program, 0, {})
+    blocks = place(program, 0, {k: dtypes.to_tensor(v) for k, v in tapestry.random_inputs(plan.graph).items()})
+    counters.clear()
+    got = compiled(fn)(blocks)
+    assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])  # dynamo traced no frame
+    assert counters["inductor"], "inductor compiled (or loaded) the graph"
+    want = fn(blocks)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6)
 
 
 # -- the persistent program -----------------------------------------------------------------------------------------
@@ -371,3 +391,26 @@ def test_the_plan_cache_key_changes_with_the_graph_mesh_rules_and_options(tmp_pa
     others = {plan_key(_chain(16, 4, 6), Mesh(2), {}), plan_key(g, Mesh(4), {}), plan_key(g, Mesh(2, 1), {}),
               plan_key(g, Mesh(2), {"time_limit": 3}), plan_key(g, Mesh(2), {"rules": [rules]})}
     assert key not in others and len(others) == 5
+
+
+def test_a_plan_cache_hit_loads_the_plan_without_importing_the_optimizer(tmp_path) -> None:
+    """A warm start reads its plan from the cache; the optimizer (and egglog under it, ~0.8 s of CPU) is imported
+    only to plan."""
+    import subprocess
+    import sys
+
+    from tapestry.spmd.planning import plan_key
+
+    graph, mesh = _chain(8, 4, 6), Mesh(2)
+    build_plan(graph, mesh, {"linear_0": (0,)}).save(tmp_path / f"{plan_key(graph, mesh, {})}.json")
+    script = ("import sys; from tapestry.graph import Graph; from tapestry.sharding import Mesh; "
+              "from tapestry.spmd.planning import shared_plan; "
+              "g = Graph(); h = g.relu(g.linear(g.input('x', (8, 4)), g.input('w0', (4, 6)), g.input('b0', (6,)))); "
+              "g.output('y', g.linear(h, g.input('w1', (6, 6)), g.input('b1', (6,)))); "
+              "plan = shared_plan(g, Mesh(2)); "
+              "print(len(plan.steps), sorted(m for m in ('tapestry.optimizer', 'egglog') if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TAPESTRY_PLAN_CACHE": str(tmp_path)}, cwd=Path(__file__).parent.parent)
+    assert run.returncode == 0, run.stderr
+    assert "plan cache hit" in run.stderr
+    assert run.stdout.split()[1:] == ["[]"], run.stdout

@@ -64,6 +64,28 @@ def test_greedy_extractors_keep_steady_state_by_pinning_the_layout_they_delivere
     assert placed(plan, "w") == Layout.replicated((128, 128), MESH)
 
 
+class WeightsPlacedWhole:
+    """The gpu model, but w cannot be placed split (as where a budget left the moves out of its split layouts
+    unpriced), while its update is cheapest computed, and delivered, split."""
+
+    def __init__(self) -> None:
+        self.base = DefaultCostModel(load_profile("gpu-h100-nccl"))
+
+    def step_cost(self, step, mesh):
+        if isinstance(step, Place) and step.input == "w" and step.layout != Layout.replicated(step.shape, mesh):
+            return math.inf
+        return self.base.step_cost(step, mesh)
+
+
+def test_greedy_extractors_pin_the_replicated_layout_where_the_delivered_one_leaves_no_plan():
+    explored = explore(stepped(), MESH)
+    free = explored.extract(WeightsPlacedWhole(), extractor="greedy-dag", steady={}).plan
+    assert steady_violations(free, {"new.w": "w"})  # the update delivered split, where w cannot be placed
+    plan = explored.extract(WeightsPlacedWhole(), extractor="greedy-dag").plan
+    assert not steady_violations(plan, {"new.w": "w"})
+    assert placed(plan, "w") == Layout.replicated((128, 128), MESH)
+
+
 def test_steady_state_can_be_asked_for_outputs_the_graph_does_not_carry():
     g = stepped()
     g.carried.clear()

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tapestry.zspace import IndexProjection, ZAffineMap, ZRange
+from tapestry.zspace.zrange import tiles
 
 zr = ZRange.parse
 R = zr("zr[0:2, 0:3]")
@@ -203,6 +204,50 @@ def test_split_even_rejects_non_positive_parts():
 @given(st.integers(0, 20), st.integers(1, 8))
 def test_split_pieces_number_ceil_n_over_chunk(n, chunk):
     assert len(ZRange.from_shape((n,)).split(0, chunk)) == max(1, math.ceil(n / chunk))
+
+
+@st.composite
+def tilings(draw):
+    """A box and boxes that may partition it: the grid of an even split over one or two dims, then perhaps a
+    piece dropped, grown, moved or doubled."""
+    whole = draw(zranges(ndim=draw(st.integers(0, 3)), max_extent=5))
+    pieces = [whole]
+    for dim in draw(st.lists(st.integers(0, max(whole.ndim - 1, 0)), max_size=2 if whole.ndim else 0)):
+        parts = draw(st.integers(1, 4))
+        pieces = [p for piece in pieces for p in piece.split_even(dim, parts)]
+    i = draw(st.integers(0, len(pieces) - 1))
+    change = draw(st.sampled_from(["none", "drop", "grow", "move", "double"]))
+    if change == "drop":
+        pieces.pop(i)
+    elif change == "double":
+        pieces.append(pieces[i])
+    elif change in ("grow", "move") and whole.ndim:
+        d = draw(st.integers(0, whole.ndim - 1))
+        step = [int(k == d) for k in range(whole.ndim)]
+        p = pieces[i]
+        pieces[i] = p.translate(step) if change == "move" else ZRange(p.start, [e + s for e, s in zip(p.end, step)])
+    return pieces, whole
+
+
+def _tiles_by_counting(parts, whole):
+    """The partition test cell by cell: every cell of whole held once, no cell of a part outside it."""
+    held = {}
+    for p in parts:
+        for cell in p.points():
+            held[cell] = held.get(cell, 0) + 1
+    return all(whole.contains(cell) for cell in held) and all(held.get(c) == 1 for c in whole.points())
+
+
+@PROPERTY
+@given(tilings())
+def test_tiles_agrees_with_counting_cells(case):
+    parts, whole = case
+    assert tiles(parts, whole) == _tiles_by_counting(parts, whole)
+
+
+def test_tiles_finds_an_overlap_whose_sizes_add_up():
+    assert not tiles([zr("zr[0:2]"), zr("zr[1:3]")], zr("zr[0:4]"))  # 2 + 2 cells, but cell 3 left and 1 twice
+    assert tiles([zr("zr[0:2]"), zr("zr[2:4]"), zr("zr[4:4]")], zr("zr[0:4]"))
 
 
 @PROPERTY

@@ -4,6 +4,8 @@ Each takes the dtype of all its inputs (float32 by default; bfloat16 for the GPU
 """
 from __future__ import annotations
 
+import numpy as np
+
 from tapestry.graph import Graph, Value
 
 
@@ -67,3 +69,44 @@ def _pre_ln_block(g: Graph, x: Value, prefix: str, heads: int) -> Value:
     h2 = g.layer_norm(x1, param("ln2_w", (dim,)), param("ln2_b", (dim,)))
     up = g.gelu(g.linear(h2, param("w1", (dim, 4 * dim)), param("b1", (4 * dim,))))
     return g.add(x1, g.linear(up, param("w2", (4 * dim, dim)), param("b2", (dim,))))
+
+
+def moe_layer(tokens: int = 64, hidden: int = 32, ffn: int = 48, experts: int = 8, top_k: int = 2,
+              dtype: str = "float32") -> Graph:
+    """A Mixtral-style MoE layer's experts, as transformers' grouped-mm path runs them: the routed rows gathered
+    in expert order (`order`: each sorted slot's token), two grouped_mms with SwiGLU between, each row scaled by
+    its routing weight (`weights`, in sorted order), put back in token order (`inverse`) and summed over the
+    top-k. The router's outputs (order, inverse, weights, `ends`: each expert's end row) are inputs: tiny ops
+    whose values only the data decides."""
+    g = Graph()
+    rows = tokens * top_k
+    h = g.input("h", (tokens, hidden), dtype)
+    order, inverse = g.input("order", (rows,), "int64"), g.input("inverse", (rows,), "int64")
+    weights, ends = g.input("weights", (rows, 1), dtype), g.input("ends", (experts,), "int64")
+    gate_up = g.input("w_gate_up", (experts, hidden, 2 * ffn), dtype, static=True)
+    down = g.input("w_down", (experts, ffn, hidden), dtype, static=True)
+    x = g.op("take", h, order, axis=0, name="dispatch")
+    up = g.op("grouped_mm", x, gate_up, ends, name="experts_up")
+    gate = g.op("slice", up, axis=1, start=0, stop=ffn, name="gate")
+    lin = g.op("slice", up, axis=1, start=ffn, stop=2 * ffn, name="lin")
+    act = g.op("mul", g.op("silu", gate, name="silu"), lin, name="swiglu")
+    out = g.op("mul", g.op("grouped_mm", act, down, ends, name="experts_down"), weights, name="scaled")
+    back = g.op("take", out, inverse, axis=0, name="combine")
+    per_token = g.op("reshape", back, shape=(tokens, top_k, hidden), name="per_token")
+    g.output("y", g.op("sum", per_token, axis=1, name="moe"))
+    return g
+
+
+def moe_routing(tokens: int, experts: int, top_k: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """A router's outputs for `moe_layer`, from random logits: (order, inverse, weights, ends), uneven as real
+    routing is."""
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((tokens, experts))
+    chosen = np.argsort(-logits, axis=1, kind="stable")[:, :top_k]
+    probs = np.exp(np.take_along_axis(logits, chosen, axis=1))
+    probs /= probs.sum(axis=1, keepdims=True)
+    flat = chosen.reshape(-1)
+    perm = np.argsort(flat, kind="stable")
+    return {"order": (perm // top_k).astype(np.int64), "inverse": np.argsort(perm).astype(np.int64),
+            "weights": probs.reshape(-1)[perm].reshape(-1, 1).astype(np.float32),
+            "ends": np.cumsum(np.bincount(flat, minlength=experts)).astype(np.int64)}

@@ -17,10 +17,9 @@ from typing import Any
 
 from tapestry.cost import (
     CostModel,
-    DefaultCostModel,
     RankPeak,
+    default_cost_model,
     layout_bytes,
-    load_profile,
     peak_memory,
     plan_cost,
     rank_peaks,
@@ -119,10 +118,6 @@ CUT_ROUNDS = 12  # re-solves with memory cuts when the decoded plan overshoots t
 LAGRANGE_WEIGHTS = (0.0, 0.5)
 
 
-def default_cost_model() -> CostModel:
-    return DefaultCostModel(load_profile("cpu-gloo"))
-
-
 class SearchCutWarning(UserWarning):
     """A budget cut the search and the plan came out (nearly) replicated: the sharded options may never have been
     made (REPLICATED_WARNING)."""
@@ -191,7 +186,8 @@ class Explored:
         Steady state: each output in `steady` (output -> input; default the graph's `carried`, {} for none) is
         delivered in the layout its input is placed in, so the step repeats without moving weights or optimizer
         state; the ILP keeps it exactly (`_steady_ties`), the greedy extractors by fixing each input's layout to
-        the one their unconstrained choice delivered its output in (`_pin_layouts`).
+        the one their unconstrained choice delivered its output in (`_pin_layouts`), or where that leaves no plan
+        (moves the pricing budget left out), to the replicated one.
 
         The budget enters the ILP as per-device linear constraints that every fitting plan meets
         (`_device_budget`), so a decoded plan that fits is the optimum. If it does not fit, what held its peak
@@ -215,12 +211,17 @@ class Explored:
         base = None if memory_budget is None else self._device_budget(memory_budget)
         reductions, backward = self._overlap_split()
 
+        extractors = [extractor]  # the ILP found no steady selection in time once: greedy-dag for the rest
+
         def fit(weight: float) -> tuple[Plan, Selection]:
             """Extracted with `weight` of each reduction's cost hidden and 1 - weight of each backward Run's."""
             hidden = egraph.with_costs([_unless_unselectable(c, 1 - weight) if n in reductions
                                         else _unless_unselectable(c, weight) if n in backward else c
                                         for n, c in enumerate(egraph.node_cost)]) if reductions else egraph
-            plan, selection = self._fit(hidden, extractor, time_limit, base, ties, carried, memory_budget, outputs)
+            plan, selection = self._fit(hidden, extractors[-1], time_limit, base, ties, carried, memory_budget,
+                                        outputs)
+            if selection.extractor != extractors[-1] and ties and base is None:
+                extractors.append(selection.extractor)
             return replace(plan, cost=plan_cost(plan, model)), selection  # time per run, not objective
 
         plan, selection = fit(1.0)
@@ -230,6 +231,7 @@ class Explored:
             selection = replace(selection, status="feasible")  # no objective was the plan's time: nothing proven
             plan = replace(plan, notes={**plan.notes, "status": "feasible",
                                         "overlap_rounds": 1 + len(LAGRANGE_WEIGHTS)})
+        plan = self._verified(plan, extractor, carried)
         stats = replace(self.stats, reshards_unpriced=self.decoder.pricing.reshards_unpriced)
         status = search_status(stats, selection)
         plan = replace(plan, notes={**plan.notes, "status": status, "extractor_status": selection.status})
@@ -274,13 +276,18 @@ class Explored:
         if rounds:
             selection = replace(selection, status="feasible")
             plan = replace(plan, notes={**plan.notes, "status": "feasible", "memory_cut_rounds": rounds})
-        validate_plan(plan)  # exact: partitions, covered reads, possible moves (islpy)
+        return plan, selection
+
+    @staticmethod
+    def _verified(plan: Plan, extractor: str, carried: Mapping[str, str]) -> Plan:
+        """The plan, validated (exact: partitions, covered reads, possible moves, by islpy), steady, and with its
+        meaning checked; done to the plan kept only (validating 64 devices' blocks is seconds per plan)."""
+        validate_plan(plan)
         unsteady = steady_violations(plan, carried)
         if unsteady:
             raise AssertionError(f"extractor {extractor} broke steady state: {unsteady[0]}")
         # a rule that passed check-rules can still be wrong where it was not drawn
-        plan = replace(plan, notes={**plan.notes, "meaning_check": meaning_check(plan)})
-        return plan, selection
+        return replace(plan, notes={**plan.notes, "meaning_check": meaning_check(plan)})
 
     def _overlap_split(self) -> tuple[frozenset[int], frozenset[int]]:
         """cost.overlap's reductions and backward compute as far as the e-graph tells (a class some forward node
@@ -320,10 +327,14 @@ class Explored:
                 except NoFiniteChoiceError:
                     raise err from None
         free = extract(egraph, extractor, time_limit, budget)
-        selection = extract(self._pin_layouts(egraph, free, carried), extractor, time_limit, budget)
-        if not ties_hold(selection.choice, ties):
-            raise NoFiniteChoiceError(f"extractor {extractor!r} found no steady-state plan; use 'ilp'")
-        return selection
+        for pins in (self._delivered_layouts(free, carried), self._replicated_layouts(carried)):
+            try:
+                selection = extract(self._pin_layouts(egraph, pins, carried), extractor, time_limit, budget)
+            except NoFiniteChoiceError:
+                continue  # a pinned layout's moves were left unpriced (budget): the next pins
+            if ties_hold(selection.choice, ties):
+                return selection
+        raise NoFiniteChoiceError(f"extractor {extractor!r} found no steady-state plan; use 'ilp'")
 
     def _steady_ties(self, egraph: ExtractGraph, carried: Mapping[str, str]) -> tuple[ExtractGraph, Ties]:
         """Pairs (Place of input X in layout L, Deliver of its carried output in L); a Place or Deliver with no
@@ -342,14 +353,29 @@ class Explored:
             costs[places.get(k, delivers.get(k))] = math.inf  # type: ignore[index]
         return (egraph.with_costs(costs) if ties or places or delivers else egraph), sorted(ties)
 
-    def _pin_layouts(self, egraph: ExtractGraph, free: Selection, carried: Mapping[str, str]) -> ExtractGraph:
-        """Each carried output allowed only the layout `free` delivered it in, and its input only that one (a
-        selectable Deliver has a Place partner: `_steady_ties`)."""
-        pinned: dict[str, str] = {}  # input -> layout key
+    def _delivered_layouts(self, free: Selection, carried: Mapping[str, str]) -> dict[str, str]:
+        """Carried input -> the layout (key) `free` delivered its output in (a selectable Deliver has a Place
+        partner: `_steady_ties`)."""
+        pinned: dict[str, str] = {}
         for n in free.choice.values():
             node = self.decoder.nodes[n]
             if node.op == "Deliver" and node.key in carried:
                 pinned[carried[node.key]] = self.decoder.class_layout[node.children[0]]
+        return pinned
+
+    def _replicated_layouts(self, carried: Mapping[str, str]) -> dict[str, str]:
+        """Carried input -> its replicated layout (key): pins that always leave a plan, as every value has its
+        replicated run and the moves out of a replicated layout are always priced (docs/cost-models.md,
+        "Budgets"), where the pins `free` chose can need moves the pricing budget left out."""
+        inputs = set(carried.values())
+        layouts = self.decoder.interner.layouts
+        return {node.key: node.layout for node in self.decoder.nodes
+                if node.op == "Place" and node.key in inputs
+                and layouts[node.layout][1] == Layout.replicated(layouts[node.layout][0], self.mesh)}
+
+    def _pin_layouts(self, egraph: ExtractGraph, pinned: Mapping[str, str],
+                     carried: Mapping[str, str]) -> ExtractGraph:
+        """Each carried input allowed only its `pinned` layout (key), and its output only that one."""
         costs = list(egraph.node_cost)
         for n, node in enumerate(self.decoder.nodes):
             if node.op == "Place" and node.key in pinned and node.layout != pinned[node.key]:

@@ -34,6 +34,12 @@ class DefaultCostModel:
         return self.roofline.step_cost(step, mesh) + self.comm.step_cost(step, mesh)
 
 
+def default_cost_model() -> DefaultCostModel:
+    """The model tapestry.optimize prices plans with unless given one (here, not in the optimizer, so that a plan
+    cache key is made without importing the optimizer and egglog)."""
+    return DefaultCostModel(load_profile("cpu-gloo"))
+
+
 __all__ = [
     "AlphaBeta",
     "CostModel",
@@ -43,6 +49,7 @@ __all__ = [
     "Profile",
     "RankPeak",
     "Roofline",
+    "default_cost_model",
     "builtin_profiles",
     "collective_time",
     "layout_bytes",

@@ -21,9 +21,17 @@ the textbook ring formula for its collective, on the devices it spans. Simplific
 - Bytes are elements times the size of the value's dtype (`Reshard.dtype`).
 - A mesh with more devices than the profile's `cores` stretches every reshard by
   devices / cores, as it does compute (see DeviceProfile.oversubscription).
+- An expert-parallel Compute (`Compute.exchange`, plan.exchange) moves rows inside the step: all-to-alls along
+  its exchange axes, each priced as the ring's p-1 latency steps (the counts, unless every member can count
+  them itself; its rows' travelling inputs there; its output rows back: `exchange_time`). The bytes are an
+  even-routing estimate, the kernel's `Exchange.leaving` share of a device's rows: (p-1)/p for take_rows
+  (each index names a row on a uniformly drawn device), none for grouped_mm (its rows are sorted by expert,
+  so a device's even row block is its experts' rows). The true counts are the data's, known only when it
+  runs; routing imbalance moves a few rows the estimate leaves out.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -31,7 +39,8 @@ from functools import cached_property, lru_cache
 from tapestry import dtypes
 from tapestry.cost.profile import Link, Profile
 from tapestry.kernels import Shape
-from tapestry.plan.plan import Reshard, Step
+from tapestry.plan.exchange import travels
+from tapestry.plan.plan import Compute, Reshard, Step
 from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.collectives import Group, classify_reshard, local_layouts, reshard_groups
 from tapestry.sharding.comm import received_counts
@@ -176,9 +185,25 @@ class AlphaBeta:
         nbytes = size * max(_largest_block(step.src_layout), _largest_block(step.layout))
         return hierarchical_time(moved.kind, nbytes, phases([(mesh.shape[a], links[a]) for a in moved.axes]))
 
+    def exchange_time(self, step: Compute, mesh: Mesh) -> float:
+        """An expert-parallel step's all-to-alls (see the module doc) along its exchange axes: the counts, the
+        largest block of each travelling input there and the largest output block back, of which the kernel's
+        `Exchange.leaving` share crosses links (the slowest link of the axes)."""
+        sig = step.signature
+        there = sum(dtypes.itemsize(d) * _largest_block(layout)
+                    for layout, d, dim in zip(step.arg_layouts, sig.input_dtypes, travels(sig)) if dim is not None)
+        back = dtypes.itemsize(sig.dtype) * _largest_block(step.layout)
+        p = math.prod(mesh.shape[a] for a in step.exchange)
+        link = self.group_link(step.exchange, mesh)
+        calls = 2 if sig.kernel.exchange.counted else 3
+        return calls * (p - 1) * link.alpha + sig.kernel.exchange.leaving(p) * (there + back) / link.beta
+
     def step_cost(self, step: Step, mesh: Mesh) -> float:
-        """The reshard's time, stretched like compute when the mesh outnumbers the host's cores: the ranks'
-        halves of every message are copied, packed and polled by processes that share them."""
+        """The reshard's (or an expert-parallel step's all-to-alls') time, stretched like compute when the mesh
+        outnumbers the host's cores: the ranks' halves of every message are copied, packed and polled by
+        processes that share them."""
+        if isinstance(step, Compute) and step.exchange:
+            return self.exchange_time(step, mesh) * self.profile.device.oversubscription(mesh.size)
         if not isinstance(step, Reshard):
             return 0.0
         return self.reshard_time(step, mesh) * self.profile.device.oversubscription(mesh.size)

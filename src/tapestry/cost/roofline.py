@@ -16,6 +16,7 @@ from tapestry.cost.profile import DeviceProfile
 from tapestry.kernels import Signature
 from tapestry.plan.plan import Compute, Step
 from tapestry.sharding import Block, Mesh
+from tapestry.sharding.partition import exchanged_blocks
 
 
 # What a view step costs: far below any launch, so it never outweighs a real saving, but not zero, so among
@@ -36,23 +37,32 @@ class Roofline:
 
     device: DeviceProfile
 
-    def shard_time(self, sig: Signature, block: Block) -> float:
+    def shard_time(self, sig: Signature, block: Block, work: Block = None) -> float:
         """max(flops/peak, bytes/bandwidth) + launch overhead; an idle device costs nothing, a view VIEW_SECONDS.
 
         Views are all but free: on a local block they are metadata (or fold into the
         consumer's load), and charging them a launch would bias extraction
         towards rewrites that merely remove transposes.
+
+        `work`: the block whose FLOPs the device does, where it differs from the block it reads (an expert-parallel
+        step reads its experts' weights and computes the rows of the whole axis that meet them: as many, under
+        even routing, as its own rows with every expert, `exchanged_blocks`).
         """
         if block is None or block.is_empty:
             return 0.0
         if sig.kernel.is_view:
             return VIEW_SECONDS
         flops, nbytes = sig.cost(block)
+        if work is not None:
+            flops = sig.cost(work)[0]
         peak = self.device.peak(compute_dtype(sig))
         return max(flops / peak, nbytes / self.device.mem_bandwidth) + self.device.launch_overhead
 
     def compute_time(self, step: Compute) -> float:
         sig = step.signature
+        if step.exchange:
+            work = exchanged_blocks(sig, step.blocks, step.exchange)
+            return max((self.shard_time(sig, b, w) for b, w in zip(step.blocks, work)), default=0.0)
         return max((self.shard_time(sig, b) for b in step.blocks), default=0.0)
 
     def step_cost(self, step: Step, mesh: Mesh) -> float:

@@ -22,7 +22,7 @@ from tapestry.plan import Compute
 from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.comm import movable
 from tapestry.sharding.partition import (
-    Partition, candidate_partitions, generation_order, make_partition, partition_issues,
+    Partition, candidate_partitions, exchanged_blocks, generation_order, make_partition, partition_issues,
 )
 from tapestry.zspace import ZRange
 
@@ -81,7 +81,8 @@ class Interner:
         key, parts = self._partitions(sig, sharded)
         found = self._candidates.setdefault(key, [])
         for part in parts[len(found):len(parts) if first is None else first]:
-            issues = partition_issues(sig, part.blocks)  # islpy: a partition of the index space, partials sound
+            # islpy: a partition of the index space (an exchange's rows with all their experts), partials sound
+            issues = partition_issues(sig, exchanged_blocks(sig, part.blocks, part.exchange))
             if issues:
                 raise AssertionError(f"generated an illegal partition of {sig}: {'; '.join(issues)}")
             step = Compute.running(sig, part)

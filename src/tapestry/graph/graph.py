@@ -5,7 +5,9 @@ execution order, so every walk over `graph.nodes` is already topological.
 """
 from __future__ import annotations
 
+import itertools
 import re
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -15,7 +17,7 @@ import numpy as np
 
 from tapestry import dtypes
 from tapestry.dtypes import DTYPES
-from tapestry.kernels import KERNELS, KernelError, Params, Shape, Signature, get_kernel
+from tapestry.kernels import KERNELS, Kernel, KernelError, Params, Shape, Signature, get_kernel
 from tapestry.zspace.zrange import as_point
 
 INPUT = "input"
@@ -73,6 +75,8 @@ class Graph:
     def __init__(self) -> None:
         self._nodes: dict[str, Node] = {}
         self._signatures: dict[str, Signature] = {}
+        self._op_counts: Counter[str] = Counter()  # nodes per kernel: fresh names in O(1), not a walk per op
+        self._bound: dict[tuple, Signature] = {}  # `_bind`'s signatures: a model's repeated layers bind once
         self.outputs: dict[str, str] = {}
         self.constants: dict[str, np.ndarray] = {}  # inputs whose value is part of the program (folded masks)
         self.carried: dict[str, str] = {}  # output -> the input it becomes at the next step (see `carry`)
@@ -134,12 +138,13 @@ class Graph:
                 raise GraphError(f"op {label!r} ({op}): input {slot!r} refers to {arg!r}, which is not defined before it")
         args = [self._nodes[a] for a in arg_names]
         try:
-            sig = kernel.bind([a.shape for a in args], params, [a.dtype for a in args])
+            sig = self._bind(kernel, tuple(a.shape for a in args), tuple(a.dtype for a in args), params)
         except (KernelError, dtypes.DtypeError) as err:
             shapes = ", ".join(f"{s}={a.name}{list(a.shape)} {a.dtype}" for s, a in zip(kernel.inputs, args))
             raise GraphError(f"op {label!r} ({op}): {err} [inputs: {shapes}]") from None
         self._nodes[label] = Node(label, op, arg_names, sig.params, sig.output_shape, sig.dtype)
         self._signatures[label] = sig
+        self._op_counts[op] += 1
         return Value(label, sig.output_shape, sig.dtype)
 
     def output(self, name: str, value: Value | str) -> None:
@@ -185,8 +190,11 @@ class Graph:
 
     def truncate(self, length: int) -> None:
         """Drop every node added after the first `length`: a builder's rollback of a half-built subgraph."""
-        for name in list(self._nodes)[length:]:
+        for node in self.added_after(length):
+            name = node.name
             del self._nodes[name]
+            if not node.is_input:
+                self._op_counts[node.op] -= 1
             self._signatures.pop(name, None)
             self.constants.pop(name, None)
             self.examples.pop(name, None)
@@ -200,8 +208,19 @@ class Graph:
     def __dir__(self) -> list[str]:
         return [*super().__dir__(), *KERNELS]
 
+    def _bind(self, kernel: Kernel, shapes: tuple[Shape, ...], in_dtypes: tuple[str, ...],
+              params: Mapping[str, Any]) -> Signature:
+        """`kernel.bind`, once per distinct call: a Signature is a frozen value of its kernel, shapes, dtypes and
+        params, so the nodes of repeated layers share one. Params are told apart by type and repr, not by ==
+        (True == 1 == 1.0 and 0.0 == -0.0, which bind keeps apart or refuses)."""
+        key = (kernel.name, shapes, in_dtypes, tuple((k, type(v), repr(v)) for k, v in sorted(params.items())))
+        sig = self._bound.get(key)
+        if sig is None or sig.kernel is not kernel:  # not bound yet, or by a kernel since registered again
+            sig = self._bound[key] = kernel.bind(shapes, params, in_dtypes)
+        return sig
+
     def _fresh_name(self, op: str) -> str:
-        count = sum(1 for n in self._nodes.values() if n.op == op)
+        count = self._op_counts[op]
         while f"{op}_{count}" in self._nodes:
             count += 1
         return f"{op}_{count}"
@@ -215,6 +234,12 @@ class Graph:
     @property
     def nodes(self) -> tuple[Node, ...]:
         return tuple(self._nodes.values())
+
+    def added_after(self, length: int) -> tuple[Node, ...]:
+        """The nodes after the first `length`, in order: what a builder added since (read from the end, so a
+        converter's few nodes cost as many steps, not the whole graph's)."""
+        added = list(itertools.islice(reversed(self._nodes.values()), max(len(self._nodes) - length, 0)))
+        return tuple(reversed(added))
 
     @property
     def inputs(self) -> tuple[Node, ...]:

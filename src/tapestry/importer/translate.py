@@ -15,6 +15,7 @@ Each fx node becomes one of:
 from __future__ import annotations
 
 import collections
+import functools
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -347,7 +348,7 @@ def _convert(builder: Builder, node: Any, name: str, args: Any, kwargs: Any,
     except Exception as why:  # a form the kernels do not take (or a converter's slip): roll back
         builder.graph.truncate(size)
         raise _Declined(str(why)) from None
-    made = {n.op for n in builder.graph.nodes[size:] if not n.is_input} or {"view of its input"}
+    made = {n.op for n in builder.graph.added_after(size) if not n.is_input} or {"view of its input"}
     coverage[name][", ".join(sorted(made))] += 1
     return result
 
@@ -359,8 +360,7 @@ def by_schema(target: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tu
     if not isinstance(target, torch._ops.OpOverload):
         return tuple(args), dict(kwargs)
     schema = target._schema
-    positional = [a for a in schema.arguments if not a.kwarg_only]
-    keywords = {a.name for a in schema.arguments if a.kwarg_only}
+    positional, keywords = _schema_arguments(target)
     if len(args) > len(positional):
         raise TorchImportError(f"{schema.name}: {len(args)} positional arguments, the schema takes {len(positional)}")
     rest, out = dict(kwargs), list(args)
@@ -379,6 +379,14 @@ def by_schema(target: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tu
     return tuple(out), rest
 
 
+@functools.cache
+def _schema_arguments(target: torch._ops.OpOverload) -> tuple[tuple[Any, ...], frozenset[str]]:
+    """An op's positional arguments and keyword-only names, read from its schema once per op, not per node."""
+    arguments = target._schema.arguments
+    return tuple(a for a in arguments if not a.kwarg_only), frozenset(a.name for a in arguments if a.kwarg_only)
+
+
+@functools.cache
 def _functional_twin(target: Any) -> Any:
     """aten.add_.Scalar -> aten.add.Scalar; None for ops that mutate nothing."""
     if not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:

@@ -1,12 +1,13 @@
-"""grouped_mm(x[R, D], w[E, D, F], ends[E]) -> [R, F]: the rows of each expert by its weight (MoE dispatch).
+"""MoE kernels: grouped_mm (the experts) and take_rows (the token dispatch and combine), both expert parallel.
 
-Rows are sorted by expert: expert e owns rows [ends[e-1], ends[e]) (ends[-1] read as 0), the layout
-transformers' `grouped_mm_fallback` and `torch._grouped_mm` take. Which rows an expert owns depends on the
-values of `ends`, so the signature makes the expert an index dim that is an additive reduction: a block of
-experts computes its experts' rows and leaves the others zero, and blocks over experts sum to the whole. So
-experts shard over devices (expert parallelism, with weights split by expert), as do rows, output features and
-the contraction. The combine of an expert split is priced as the reduction of a Partial output (an all-reduce
-of [R, F]), not as the all-to-all of a token dispatch: sound, and an overestimate of its bytes.
+grouped_mm(x[R, D], w[E, D, F], ends[E]) -> [R, F]: rows sorted by expert, expert e owning rows
+[ends[e-1], ends[e]) (ends[-1] read as 0), the layout transformers' `grouped_mm_fallback` and
+`torch._grouped_mm` take. Which rows an expert owns depends on the values of `ends`, so the signature makes the
+expert an index dim that is an additive reduction: a block of experts computes its experts' rows and leaves the
+others zero, and blocks over experts sum to the whole. Rows, output features, the contraction and experts split
+as any dims do (an expert split alone leaves Partial rows); its `Exchange` splits rows and experts together, each
+row moved to its expert's device and back inside the step by all-to-all (expert parallelism: plan/exchange.py).
+take_rows(x[N, D], idx[M]) -> [M, D] is x[idx] with the table's rows a dim of its own, exchanged the same way.
 """
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ import torch
 from hypothesis import strategies as st
 
 from tapestry import dtypes
-from tapestry.kernels.kernel import Kernel, KernelError, ParamValue, Shape, SignatureSpec, follow, matching
+from tapestry.zspace import ZRange
+from tapestry.kernels.kernel import (
+    Exchange, Kernel, KernelError, ParamValue, Shape, SignatureSpec, follow, matching,
+)
 from tapestry.kernels.registry import register
 
 
@@ -48,6 +52,19 @@ def _spans(ends, block_start: tuple[int, ...], rows: int, experts: int) -> list[
         if hi > lo:
             spans.append((j, lo, hi))
     return spans
+
+
+def _owned_rows(sig, held, src: ZRange, dst: ZRange) -> list[int]:
+    """The rows of `src` that `dst`'s experts own, [ends[e-1], ends[e]) each: one run when ends rise, as sorted
+    rows have them; else the run spanning them all (the rows between meet none of dst's experts, so computing
+    them there adds zeros: exact for any ends)."""
+    ends = [int(e) for e in held[2].tolist()]
+    spans = [(max(ends[e - 1] if e else 0, src.start[0]), min(ends[e], src.end[0]))
+             for e in range(dst.start[3], dst.end[3])]
+    spans = [(lo, hi) for lo, hi in spans if hi > lo]
+    if not spans:
+        return []
+    return list(range(min(lo for lo, _ in spans) - src.start[0], max(hi for _, hi in spans) - src.start[0]))
 
 
 def _grouped_mm_numpy(x, w, ends, block_start: tuple[int, ...]) -> np.ndarray:
@@ -86,6 +103,8 @@ register(
         torch=_grouped_mm_torch,
         sample=_sample,
         additive=frozenset({"k", "expert"}),
+        # rows sorted by expert: under even routing a device's row block is its experts' rows, so none leave
+        exchange=Exchange("row", "expert", select=_owned_rows, leaving=lambda p: 0.0, counted=True),
         needs_block_start=True,
         dtype_rule=_rule,
         index_bound=lambda shapes, slot, params: shapes[0][0] + 1 if slot == 2 else None,
@@ -93,3 +112,89 @@ register(
         doc="rows [ends[e-1], ends[e]) of x by w[e], for every expert e (a MoE's expert dispatch)",
     )
 )
+
+
+# -- take_rows: MoE dispatch and combine -------------------------------------------------------------------------
+def take_rows_signature(x: Shape, idx: Shape, rows: int) -> SignatureSpec:
+    """x[idx] with the table's rows an index dim ("source") of their own: an additive reduction (a block of table
+    rows fills the output rows whose index falls in it, zeros elsewhere), so the table may stay split by rows
+    while the output rows gather from it, and rows and source split together exchange rows by all-to-all
+    (MoE's token dispatch and combine)."""
+    if len(x) != 2 or len(idx) != 1 or rows != x[0]:
+        raise KernelError(f"take_rows needs x[N, D], idx[M] and rows=N; got x{list(x)}, idx{list(idx)}, "
+                          f"rows={rows}")
+    return SignatureSpec(
+        dims=("row", "col", "source"),
+        sizes=(idx[0], x[1], x[0]),
+        inputs=(follow(3, [2, 1]), follow(3, [0])),
+        output=follow(3, [0, 1]),
+        flops_per_point=0,
+    )
+
+
+def _normalized(idx, rows: int, block_rows: int, start: int):
+    """Each index as a row of the block (negatives count from the end of the table), and whether the block holds
+    it; an index outside the table raises, as torch's indexing does."""
+    bad = (idx < -rows) | (idx >= rows)
+    if bool(bad.any()):
+        raise IndexError(f"take_rows: index {int(idx[bad][0])} is out of bounds for a table of {rows} rows")
+    local = (idx % rows) - start
+    return local, (local >= 0) & (local < block_rows)
+
+
+def _take_rows_numpy(x, idx, rows: int, block_start: tuple[int, ...]) -> np.ndarray:
+    local, inside = _normalized(np.asarray(idx), rows, x.shape[0], block_start[2])
+    out = np.zeros((len(idx), x.shape[1]), dtype=x.dtype)
+    out[inside] = x[local[inside]]
+    return out
+
+
+def _take_rows_torch(x, idx, rows: int, block_start: tuple[int, ...]):
+    """Whole tables index directly (torch raises on a bad index); a block of rows masks the rows it lacks, with
+    shapes that do not depend on the values (it traces with make_fx)."""
+    if block_start[2] == 0 and x.shape[0] == rows:
+        return x[idx.long()]
+    local = (idx.long() % rows) - block_start[2]
+    inside = (local >= 0) & (local < x.shape[0])
+    picked = x[local.clamp(0, max(x.shape[0] - 1, 0))]
+    return torch.where(inside.unsqueeze(1), picked, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _routed_rows(sig, held, src: ZRange, dst: ZRange) -> list[int]:
+    """The rows of `src` whose index falls in `dst`'s table rows."""
+    rows = sig.input_shapes[0][0]
+    lo, hi = dst.start[2], dst.end[2]
+    return [k for k, v in enumerate(held[1].tolist()) if lo <= int(v) % rows < hi]
+
+
+def _sample_take_rows(draw):
+    rows, cols, count = (draw(st.integers(1, 5)) for _ in range(3))
+    return ((rows, cols), (count,)), {"rows": rows}, ("float", "int64")
+
+
+register(
+    Kernel(
+        name="take_rows",
+        inputs=("x", "idx"),
+        signature=take_rows_signature,
+        numpy=_take_rows_numpy,
+        torch=_take_rows_torch,
+        sample=_sample_take_rows,
+        params={"rows": 1},
+        additive=frozenset({"source"}),
+        needs_block_start=True,
+        # each index names a table row on a uniformly drawn device: (p-1)/p of a device's rows leave
+        exchange=Exchange("row", "source", select=_routed_rows, leaving=lambda p: (p - 1) / p),
+        dtype_rule=lambda in_dtypes, params: _index_rule(in_dtypes),
+        index_bound=lambda shapes, slot, params: shapes[0][0] if slot == 1 else None,
+        takes_zero_size=False,
+        doc="x[idx] of a 2-D table by a 1-D index, the table's rows an additive dim: a split table gathers by "
+            "all-to-all (MoE dispatch and combine); rules/experts.egg makes it from take",
+    )
+)
+
+
+def _index_rule(in_dtypes: tuple[str, ...]) -> str:
+    if in_dtypes[1] not in ("int32", "int64"):
+        raise KernelError(f"take_rows: idx must be int32 or int64, got {in_dtypes[1]}")
+    return in_dtypes[0]

@@ -104,6 +104,27 @@ def numeric(name: str, kernel_inputs: tuple[str, ...], floats_only: bool = False
 
 
 @dataclass(frozen=True)
+class Exchange:
+    """A kernel whose every row meets one block of a data-named dim (grouped_mm: one expert, by its sorted rows
+    and `ends`; take_rows: one table row, by its index): rows and that dim (`experts`, which must be additive)
+    may split together over one mesh axis, each row sent to the device holding its block and its result sent
+    back inside the step, by all-to-all (sharding.partition, plan.exchange).
+
+    `select(sig, held, src, dst)`: which rows of index block `src` meet `dst`'s experts, as positions from the
+    start of src's rows, ascending; `held` is src's blocks of the inputs (numpy or torch). A kernel computes a
+    route's rows as one block starting at the first of them, so one whose rows need not be contiguous must not
+    depend on where its rows start. `leaving(p)`: the share of a device's rows that go to other devices under
+    even routing, over p devices: what the cost model prices. `counted`: select reads only inputs every member
+    holds whole (grouped_mm's ends), so a receiver counts its rows itself; else the counts are exchanged first."""
+
+    rows: str
+    experts: str
+    select: Callable[[Any, Sequence[Any], ZRange, ZRange], list[int]]
+    leaving: Callable[[int], float]
+    counted: bool = False
+
+
+@dataclass(frozen=True)
 class Kernel:
     """One registry entry. See docs/kernels.md for how to add one."""
 
@@ -115,6 +136,7 @@ class Kernel:
     sample: Callable[[Callable[[Any], Any]], tuple[tuple[Shape, ...], dict[str, ParamValue]]]
     params: Mapping[str, ParamValue] = field(default_factory=dict)
     additive: frozenset[str] = frozenset()
+    exchange: Exchange | None = None  # MoE: rows and experts may split together (expert parallel)
     is_view: bool = False
     # False: its numpy or torch impl cannot run on a tensor with a zero-size dim (or gives another shape), so
     # bind refuses one rather than let a run fail inside a rank.

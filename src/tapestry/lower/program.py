@@ -82,6 +82,33 @@ class ShardCompute:
 
 
 @dataclass(frozen=True)
+class ExpertCompute:
+    """An expert-parallel step (plan.exchange) on this rank: `reads` are its blocks of every input for its own
+    index block `index`; it trades rows with the ranks of `group` (every member's index block in `blocks`, in
+    group order) by all-to-all and computes the rows its experts own (lower.exchange). `group` None: the whole
+    mesh."""
+
+    step: int
+    out: str
+    kernel: str
+    params: Params
+    input_shapes: tuple[Shape, ...]
+    input_dtypes: tuple[str, ...]
+    index: ZRange
+    reads: tuple[Read, ...]
+    out_block: ZRange
+    group: tuple[int, ...] | None
+    blocks: tuple[ZRange, ...]
+    member: int  # this rank's place in the group
+
+    def __str__(self) -> str:
+        among = "" if self.group is None else f"  among ranks {','.join(map(str, self.group))}"
+        reads = ", ".join(_show(r) for r in self.reads)
+        return (f"{self.out}{_box(self.out_block)} = {self.kernel}({reads}) expert parallel, index "
+                f"{_box(self.index)}{among}")
+
+
+@dataclass(frozen=True)
 class Comm:
     """Common to every communication step: this rank's source and destination blocks, and the ranks it moves them
     among (sharding.collectives.reshard_groups), None for the whole mesh. Lists of blocks are in group order.
@@ -183,7 +210,7 @@ _KIND_NAMES: dict[type, str] = {
     AllToAll: "all_to_all", SendRecv: "send_recv", Gather: "gather",
 }
 
-RankStep = PlaceBlock | ShardCompute | Comm
+RankStep = PlaceBlock | ShardCompute | ExpertCompute | Comm
 
 
 @dataclass(frozen=True)
@@ -225,7 +252,8 @@ class LoweredProgram:
     @property
     def groups(self) -> list[tuple[int, ...]]:
         """Every group of ranks some collective runs among, short of the whole mesh, in one order for all ranks."""
-        return sorted({s.group for r in self.ranks for s in r.steps if isinstance(s, Comm) and s.group is not None})
+        return sorted({s.group for r in self.ranks for s in r.steps
+                       if isinstance(s, Comm | ExpertCompute) and s.group is not None})
 
     def describe(self, step: int) -> str:
         """One line naming plan step `step`, for error messages."""
@@ -275,6 +303,8 @@ def _lower_step(index: int, step: Place | Compute | Reshard, plan: Plan, layouts
                 ) -> list[RankStep | None]:
     if isinstance(step, Place):
         return [None if b is None else PlaceBlock(index, step.out, step.input, b) for b in step.layout.blocks]
+    if isinstance(step, Compute) and step.exchange:
+        return _experts(index, step, layouts, plan.dtypes, plan.mesh)
     if isinstance(step, Compute):
         return [_shard(index, step, rank, layouts, plan.dtypes) for rank in plan.mesh.devices]
     return _reshard(index, step, layouts, plan.mesh, plan.dtypes)
@@ -294,6 +324,24 @@ def _shard(index: int, step: Compute, rank: int, layouts: Mapping[str, Layout], 
         reads.append(_read(arg, held, dtypes[arg], projection.apply(block), shape, f"step {index} ({step.out})"))
     kwargs = tuple(sorted(sig.call_kwargs(block).items()))
     return ShardCompute(index, step.out, step.kernel, kwargs, block, tuple(reads), sig.output.apply(block))
+
+
+def _experts(index: int, step: Compute, layouts: Mapping[str, Layout], dtypes: Mapping[str, str], mesh: Mesh
+             ) -> list[RankStep | None]:
+    """Each rank's expert-parallel step: its reads for its own block, and its group along the exchange axes."""
+    steps: list[RankStep | None] = [None] * mesh.size
+    for group in mesh.fibres(step.exchange):
+        blocks = tuple(step.blocks[r] for r in group)
+        if any(b is None for b in blocks):
+            raise LoweringError(f"step {index} ({step.out}): a member of expert-parallel group {group} idles")
+        members = None if len(group) == mesh.size else group
+        for member, rank in enumerate(group):
+            shard = _shard(index, step, rank, layouts, dtypes)
+            assert shard is not None
+            steps[rank] = ExpertCompute(index, step.out, step.kernel, step.params, step.input_shapes,
+                                        step.input_dtypes, shard.index, shard.reads, shard.out_block, members,
+                                        blocks, member)  # type: ignore[arg-type]
+    return steps
 
 
 def _read(buffer: str, held: Block, dtype: str, want: ZRange, shape: Shape, where: str) -> Read:
@@ -379,7 +427,7 @@ def _one_region(src: Layout, dst: Layout) -> bool:
 
 
 def _reads(step: RankStep) -> tuple[str, ...]:
-    if isinstance(step, ShardCompute):
+    if isinstance(step, ShardCompute | ExpertCompute):
         return tuple(r.buffer for r in step.reads if r.box is not None)
     return (step.src,) if isinstance(step, Comm) else ()
 

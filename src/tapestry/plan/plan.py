@@ -55,6 +55,9 @@ class Compute:
     layout: Layout
     origin: str = ""  # the logical node (and the rules that made it), for explanations
     input_dtypes: tuple[str, ...] = ()  # () means float32 throughout (plans saved before dtypes)
+    # Mesh axes splitting the kernel's rows and experts together (expert parallel, `Kernel.exchange`): along them
+    # each device computes its experts for the rows of the whole axis, rows moved by all-to-all (plan.exchange).
+    exchange: tuple[int, ...] = ()
 
     @classmethod
     def running(cls, sig: Signature, part: Partition, origin: str = "") -> Compute:
@@ -65,7 +68,7 @@ class Compute:
         n = len(sig.input_shapes)
         needs = tuple(needed_layout(sig, i, part) for i in range(n))
         return cls("?", sig.kernel.name, sig.params, ("?",) * n, sig.input_shapes, needs, part.blocks,
-                   output_layout(sig, part), origin, sig.input_dtypes)
+                   output_layout(sig, part), origin, sig.input_dtypes, part.exchange)
 
     @cached_property
     def signature(self) -> Signature:
@@ -256,6 +259,7 @@ def _step_to_json(step: Step) -> dict[str, Any]:
         "args": list(step.args), "input_shapes": [list(s) for s in step.input_shapes],
         "arg_layouts": [a.to_json() for a in step.arg_layouts], "blocks": _blocks_json(step.blocks),
         "layout": step.layout.to_json(), "origin": step.origin, "input_dtypes": list(step.input_dtypes),
+        **({"exchange": list(step.exchange)} if step.exchange else {}),
     }
 
 
@@ -272,5 +276,6 @@ def _step_from_json(data: Mapping[str, Any]) -> Step:
             data["out"], data["kernel"], params, tuple(data["args"]), tuple(as_point(s) for s in data["input_shapes"]),
             tuple(Layout.from_json(a) for a in data["arg_layouts"]), _blocks_parse(data["blocks"]),
             Layout.from_json(data["layout"]), data.get("origin", ""), tuple(data.get("input_dtypes", ())),
+            tuple(data.get("exchange", ())),
         )
     raise ValueError(f"unknown plan step kind {kind!r}")

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from tapestry import dtypes
 
 from tapestry.evaluator import read_block
+from tapestry.plan import exchange
 from tapestry.plan.plan import Compute, Place, Plan, Reshard
 from tapestry.plan.validate import PlanError
-from tapestry.sharding import Layout
+from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.comm import transfers
 from tapestry.zspace import ZRange
 
@@ -42,6 +44,8 @@ def simulate(plan: Plan, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarr
             _place(plan, step, inputs, devices)
         elif isinstance(step, Reshard):
             _reshard(step, devices, plan.dtypes[step.src])
+        elif step.exchange:
+            _exchange(step, devices, plan.dtypes, plan.mesh)
         else:
             _compute(step, devices, plan.dtypes)
     return {name: assemble(plan.by_id[value].layout, plan.by_id[value].shape, devices, value, plan.dtypes[value])
@@ -88,6 +92,36 @@ def _compute(step: Compute, devices: list[Device], value_dtypes: Mapping[str, st
             raise PlanError(f"{where}: {step.kernel} returned shape {value.shape} for block {region}")
         if out_block is not None:
             devices[k][step.out] = Shard(out_block, value[out_block.relative_to(region)])
+
+
+def _exchange(step: Compute, devices: list[Device], value_dtypes: Mapping[str, str], mesh: Mesh) -> None:
+    """An expert-parallel step (plan.exchange): in each group, every member picks its routes from what it holds,
+    sends each route's rows of its travelling inputs, the experts' member computes them with what it holds, and
+    the results land in the rows' output block; the rows no expert owns stay zero, as the kernel leaves them."""
+    sig = step.signature
+    along = exchange.travels(sig)
+    out_rows = next(r for r, row in enumerate(sig.output.matrix) if row[exchange.row_dim(sig)])
+    for group in exchange.members(step, mesh):
+        blocks = [step.blocks[k] for k in group]
+        if any(b is None for b in blocks):
+            raise PlanError(f"step {step.out} ({step.kernel}): an exchange member idles: {blocks}")
+        outs = {k: np.zeros(step.layout.blocks[k].shape, dtype=dtypes.to_numpy(sig.dtype)) for k in group}
+        for src, k in enumerate(group):
+            where = f"step {step.out} ({step.kernel}) on device {k}"
+            held = [_read(devices, k, arg, projection.apply(blocks[src]), shape, value_dtypes[arg], where)
+                    for arg, projection, shape in zip(step.args, sig.projections, step.input_shapes)]
+            for route in exchange.routes_from(sig, src, blocks, held):
+                dst = group[route.dst]
+                there = f"step {step.out} ({step.kernel}), rows from device {k} to {dst}"
+                args = [np.take(block, route.positions, axis=dim) if dim is not None else
+                        _read(devices, dst, arg, projection.apply(route.index), shape, value_dtypes[arg], there)
+                        for block, dim, arg, projection, shape
+                        in zip(held, along, step.args, sig.projections, step.input_shapes)]
+                placed: list[Any] = [slice(None)] * len(sig.output_shape)
+                placed[out_rows] = list(route.positions)
+                outs[k][tuple(placed)] += sig.compute(args, route.index)  # a row may meet several members
+        for k in group:
+            devices[k][step.out] = Shard(step.layout.blocks[k], outs[k])
 
 
 def _reshard(step: Reshard, devices: list[Device], dtype: str) -> None:

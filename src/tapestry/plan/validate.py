@@ -6,6 +6,7 @@ inputs and blocks actually produce. Cost models and lowering rely on both.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 from tapestry import zspace
@@ -13,9 +14,9 @@ from tapestry.dtypes import DtypeError
 from tapestry.kernels import DimKind, KernelError, Shape, Signature
 from tapestry.plan.plan import Compute, Place, Plan, Reshard, Step
 from tapestry.sharding import Block, Layout, Mesh
-from tapestry.sharding.comm import CommError, transfers
-from tapestry.sharding.partition import Partition, output_layout, partition_issues
-from tapestry.zspace import ZRange
+from tapestry.sharding.comm import CommError, can_move, transfers
+from tapestry.sharding.partition import Partition, exchanged_blocks, output_layout, partition_issues
+from tapestry.zspace import IndexProjection, ZRange
 
 
 class PlanError(ValueError):
@@ -157,7 +158,7 @@ def _source_problems(value: str, shape: Shape, layout: Layout, defined: dict[str
 def _reshard_problems(mesh: Mesh, step: Reshard, defined: dict[str, Step]) -> list[str]:
     problems = _source_problems(step.src, step.shape, step.src_layout, defined, "source")
     problems += layout_problems(step.layout, step.shape, mesh)
-    if not problems:
+    if not problems and not can_move(step.src_layout, step.layout):  # transfers says why (64 devices: slow)
         try:
             transfers(step.src_layout, step.layout)
         except CommError as err:
@@ -176,7 +177,11 @@ def _compute_problems(mesh: Mesh, step: Compute, defined: dict[str, Step]) -> li
         return [f"{len(step.blocks)} index blocks for {mesh.size} devices"]
     if any(b is not None and b.ndim != sig.index.ndim for b in step.blocks):
         return [f"index blocks must have {sig.index.ndim} dims like the index space {sig.index}"]
-    problems = [f"blocks do not partition the index space: {p}" for p in partition_issues(sig, step.blocks)]
+    if step.exchange and (sig.kernel.exchange is None or not all(0 <= a < mesh.ndim for a in step.exchange)):
+        return [f"exchange over mesh axes {list(step.exchange)}, but {sig.kernel.name} has no exchange dims "
+                f"or the mesh {list(mesh.shape)} lacks those axes"]
+    covered = exchanged_blocks(sig, step.blocks, step.exchange)
+    problems = [f"blocks do not partition the index space: {p}" for p in partition_issues(sig, covered)]
     problems += _layout_claim_problems(sig, step)
     for i, (arg, layout, shape) in enumerate(zip(step.args, step.arg_layouts, step.input_shapes)):
         what = f"arg {i} ({sig.kernel.inputs[i]})"
@@ -197,7 +202,7 @@ def _layout_claim_problems(sig: Signature, step: Compute) -> list[str]:
     problems = []
     if step.layout.blocks != implied.blocks:
         problems.append(f"layout {Layout(step.layout.blocks)} is not what the blocks write: {implied}")
-    split = _splits_reduction(sig, step.blocks)
+    split = _splits_reduction(sig, exchanged_blocks(sig, step.blocks, step.exchange))
     if split and not step.layout.partial:
         problems.append("a reduction dim is split, so the output is partial sums, but the layout is not partial")
     distinct = {b for b in step.blocks if b is not None}
@@ -221,17 +226,25 @@ def _read_problems(sig: Signature, arg: int, step: Compute, what: str) -> list[s
     """Each device must hold every cell of the input its index block reads (cells outside the tensor are zero).
     What it reads is islpy's image of the block under the signature's projection, not plan generation's own
     `needed_layout`: a slip there (a halo a row short) must not pass both."""
-    projection, tensor = sig.projections[arg], zspace.to_isl_set(ZRange.from_shape(sig.input_shapes[arg]))
+    projection, shape = sig.projections[arg], sig.input_shapes[arg]
     problems = []
     for device, (block, held) in enumerate(zip(step.blocks, step.arg_layouts[arg].blocks)):
         if block is None:
             continue
-        reads = zspace.footprint(projection, block).intersect(tensor)
-        if reads.is_empty() or (held is not None and reads.is_subset(zspace.to_isl_set(held))):
-            continue
-        need = zspace.bounding_box(reads)
-        problems.append(f"device {device} reads {need} of {what} {step.args[arg]!r} but holds only {held}")
+        need = _unheld_read(projection, shape, block, held)
+        if need is not None:
+            problems.append(f"device {device} reads {need} of {what} {step.args[arg]!r} but holds only {held}")
     return problems
+
+
+@functools.lru_cache(maxsize=1 << 16)  # identical layers, and devices of a replicated axis, ask the same
+def _unheld_read(projection: IndexProjection, shape: Shape, block: ZRange, held: Block) -> ZRange | None:
+    """The bounding box of what `block` reads of a tensor of `shape` through `projection`, if `held` does not hold
+    all of it (islpy's image); None when it does."""
+    reads = zspace.footprint(projection, block).intersect(zspace.to_isl_set(ZRange.from_shape(shape)))
+    if reads.is_empty() or (held is not None and reads.is_subset(zspace.to_isl_set(held))):
+        return None
+    return zspace.bounding_box(reads)
 
 
 def _output_problems(plan: Plan, defined: dict[str, Step]) -> list[str]:

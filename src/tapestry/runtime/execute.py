@@ -26,9 +26,10 @@ from tapestry.graph import Graph
 from tapestry.lower.compile import shard_function
 from tapestry.plan import Place
 from tapestry.lower.program import (
-    AllGather, AllReduce, AllToAll, Comm, Exchange, Gather, Local, LoweredProgram, PlaceBlock, RankStep, Read, ReduceScatter,
-    SendRecv, ShardCompute,
+    AllGather, AllReduce, AllToAll, Comm, Exchange, ExpertCompute, Gather, Local, LoweredProgram, PlaceBlock, RankStep,
+    Read, ReduceScatter, SendRecv, ShardCompute,
 )
+from tapestry.lower.exchange import run_experts
 from tapestry.sharding import Block
 from tapestry.zspace import ZRange
 
@@ -300,6 +301,10 @@ class RankRunner:
             fn = shard_function(step.kernel, step.kwargs, self.compile)
             readers = [_reader(r, device) for r in step.reads]
             return lambda buffers: fn(*(read(buffers) for read in readers))
+        if isinstance(step, ExpertCompute):  # eager: its row counts are the data's
+            readers = [_reader(r, device) for r in step.reads]
+            among = dist.group.WORLD if step.group is None else self._groups[step.group]
+            return lambda buffers: run_experts(step, [read(buffers) for read in readers], among)
         comm, src = _COMMS[type(step)], step.src
         group = None if step.group is None else self._groups[step.group]
         return lambda buffers: comm(step, buffers.get(src), device, group)
@@ -342,13 +347,15 @@ class RankRunner:
 
 
 def _kind(step: RankStep) -> str:
-    return "place" if isinstance(step, PlaceBlock) else "compute" if isinstance(step, ShardCompute) else "comm"
+    if isinstance(step, PlaceBlock):
+        return "place"
+    return "compute" if isinstance(step, ShardCompute | ExpertCompute) else "comm"
 
 
 def _label(step: RankStep) -> str:
     if isinstance(step, PlaceBlock):
         return f"place {step.input} -> {step.out}"
-    if isinstance(step, ShardCompute):
+    if isinstance(step, ShardCompute | ExpertCompute):
         return f"{step.kernel} -> {step.out}"
     return f"{step.kind} {step.src} -> {step.out}"
 

@@ -54,9 +54,9 @@ class Layout:
         blocks = []
         for device in mesh.devices:
             block = ZRange.from_shape(shape)
-            for axis, dim in enumerate(dims):
+            for axis, (dim, coord) in enumerate(zip(dims, mesh.coords(device))):
                 if dim is not None:
-                    block = block.split_even(dim, mesh.shape[axis])[mesh.coords(device)[axis]]
+                    block = _even(block, dim, mesh.shape[axis])[coord]
             blocks.append(block)
         return cls(tuple(blocks))
 
@@ -79,6 +79,11 @@ class Layout:
 
     def __str__(self) -> str:
         return ("partial " if self.partial else "") + "[" + ", ".join(str(b) for b in self.blocks) + "]"
+
+
+@functools.lru_cache(maxsize=1 << 14)  # a 64-device split cuts the same few blocks 64 times over
+def _even(block: ZRange, dim: int, parts: int) -> tuple[ZRange, ...]:
+    return tuple(block.split_even(dim, parts))
 
 
 @functools.lru_cache(maxsize=1024)

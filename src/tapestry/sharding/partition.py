@@ -7,6 +7,11 @@ the work. Candidates factor an axis over two dims only where the parts divide
 both dims, which keeps the e-graph's growth in check. Splitting
 a reduction dim makes the output Partial; doing that while another axis
 replicates would count partials twice, so that combination is not generated.
+
+A kernel with an exchange (`Kernel.exchange`: MoE's grouped_mm, rows and experts) also gets expert-parallel
+candidates: one mesh axis splits its rows and its experts together, device j of the axis taking row block j and
+expert block j, and the kernel moves each row to the device of its expert and back (an all-to-all inside the
+step). Its output is then whole, not partial: every row meets all the experts of the axis.
 """
 from __future__ import annotations
 
@@ -33,15 +38,22 @@ class Partition:
 
     blocks: tuple[Block, ...]
     axes: tuple[Split, ...]  # per mesh axis: the index dims it splits, and into how many parts each
+    exchange: tuple[int, ...] = ()  # mesh axes splitting the kernel's exchange dims together (expert parallel)
 
     def name(self, sig: Signature) -> str:
         if not any(self.axes):
             return "replicate"
-        return "split(" + ",".join(_split_name(sig, split) for split in self.axes) + ")"
+        return "split(" + ",".join("ep:" + "=".join(sig.dims[d] for d, _ in split) if axis in self.exchange
+                                   else _split_name(sig, split) for axis, split in enumerate(self.axes)) + ")"
 
     def dims(self) -> set[int]:
         """The index dims split over some mesh axis."""
         return {dim for split in self.axes for dim, _ in split}
+
+    def summed_dims(self) -> set[int]:
+        """The split dims whose blocks leave partial sums: all but an exchange's experts, which every row meets."""
+        return {dim for axis, split in enumerate(self.axes) for k, (dim, _) in enumerate(split)
+                if axis not in self.exchange or k == 0}
 
 
 def _split_name(sig: Signature, split: Split) -> str:
@@ -68,24 +80,46 @@ def _normal(choice: AxisChoice, size: int) -> Split:
     return split
 
 
-def make_partition(sig: Signature, mesh: Mesh, axes: tuple[AxisChoice, ...]) -> Partition:
+def make_partition(sig: Signature, mesh: Mesh, axes: tuple[AxisChoice, ...], exchange: tuple[int, ...] = ()
+                   ) -> Partition:
     """Split index dim `axes[i]` evenly over mesh axis i (None: not split over it), or several dims at once:
-    `axes[i]` = ((dim, parts), ...) with the parts multiplying to the axis size, the first dim major."""
+    `axes[i]` = ((dim, parts), ...) with the parts multiplying to the axis size, the first dim major. A mesh axis in
+    `exchange` splits the kernel's exchange dims (rows, experts) together, whatever `axes` says for it."""
     if len(axes) != mesh.ndim:
         raise ValueError(f"axes {axes} name {len(axes)} mesh axes; the mesh {mesh.shape} has {mesh.ndim}")
-    splits = tuple(_normal(choice, size) for choice, size in zip(axes, mesh.shape))
+    if exchange and sig.kernel.exchange is None:
+        raise ValueError(f"{sig.kernel.name} has no exchange: its experts cannot split with its rows")
+    ex = sig.kernel.exchange
+    together = (sig.dims.index(ex.rows), sig.dims.index(ex.experts)) if ex is not None else ()
+    splits = tuple(tuple((d, size) for d in together) if axis in exchange else _normal(choice, size)
+                   for axis, (choice, size) in enumerate(zip(axes, mesh.shape)))
     rank = len(sig.index.shape)
     if any(not 0 <= dim < rank for split in splits for dim, _ in split):
         raise ValueError(f"axes {axes}: the index space {list(sig.index.shape)} has dims 0..{rank - 1}")
     blocks = []
     for device in mesh.devices:
         block = sig.index
-        for split, coord in zip(splits, mesh.coords(device)):
+        for axis, (split, coord) in enumerate(zip(splits, mesh.coords(device))):
+            if axis in exchange:  # device j of the axis: row block j and expert block j
+                for dim, parts in split:
+                    block = _pieces(block, dim, parts)[coord]
+                continue
             for dim, parts in reversed(split):  # mixed radix: the last dim varies fastest
                 coord, index = divmod(coord, parts)
                 block = _pieces(block, dim, parts)[index]
         blocks.append(_non_empty(block))
-    return Partition(tuple(blocks), splits)
+    return Partition(tuple(blocks), splits, tuple(sorted(exchange)))
+
+
+def exchanged_blocks(sig: Signature, blocks: tuple[Block, ...], exchange: tuple[int, ...]) -> tuple[Block, ...]:
+    """The index blocks an exchange step's rows cover: each device's rows with every expert (its own computed
+    here, the others' on their devices): a partition of the index space, as a plain step's blocks are."""
+    if not exchange:
+        return blocks
+    experts = sig.dims.index(sig.kernel.exchange.experts)
+    extent = sig.index.shape[experts]
+    return tuple(None if b is None else ZRange(b.start[:experts] + (0,) + b.start[experts + 1:],
+                                               b.end[:experts] + (extent,) + b.end[experts + 1:]) for b in blocks)
 
 
 @functools.lru_cache(maxsize=1 << 16)  # every partition of a signature cuts the same index space
@@ -122,7 +156,28 @@ def candidate_partitions(sig: Signature, mesh: Mesh) -> list[Partition]:
             continue
         part = make_partition(sig, mesh, axes)
         found.setdefault(part.blocks, part)
-    return list(found.values())
+    return list(found.values()) + _exchange_partitions(sig, mesh)
+
+
+def _exchange_partitions(sig: Signature, mesh: Mesh) -> list[Partition]:
+    """Expert parallel: one mesh axis (at least as long as the rows and the experts) splits rows and experts
+    together; every other axis replicates or splits a dim that is neither the experts nor a reduction (rows: data
+    times expert parallel, each group of the axis trading its own rows; output features: tensor times expert
+    parallel)."""
+    if sig.kernel.exchange is None:
+        return []
+    together = {sig.dims.index(sig.kernel.exchange.rows), sig.dims.index(sig.kernel.exchange.experts)}
+    reductions = set(sig.dims_of(DimKind.REDUCTION)) | {sig.dims.index(sig.kernel.exchange.experts)}
+    found = []
+    for axis, size in enumerate(mesh.shape):
+        if size < 2 or any(sig.index.shape[d] < size for d in together):
+            continue
+        options = [[None] if a == axis else
+                   [c for c in _axis_choices(sig, n) if not {d for d, _ in c} & reductions]
+                   for a, n in enumerate(mesh.shape)]
+        for axes in itertools.product(*options):
+            found.append(make_partition(sig, mesh, axes, exchange=(axis,)))
+    return found
 
 
 def generation_order(parts: Iterable[Partition]) -> list[Partition]:
@@ -134,7 +189,7 @@ def generation_order(parts: Iterable[Partition]) -> list[Partition]:
 
 
 def is_partial(sig: Signature, part: Partition) -> bool:
-    return bool(part.dims() & set(sig.dims_of(DimKind.REDUCTION)))
+    return bool(part.summed_dims() & set(sig.dims_of(DimKind.REDUCTION)))
 
 
 @functools.lru_cache(maxsize=1 << 16)  # blocks recur across a signature's partitions and devices

@@ -4,7 +4,7 @@ A layer above plan, lower, runtime.launch, importer and the optimizer; nothing b
 
 - `trace`: the engine. `RankFunction.of(lowered, rank, make_groups(lowered))` is one rank's steps as a pure
   `fn({buffer: block}) -> {buffer: block}`, shard kernels through their torch lowering and every communication
-  step a functional collective; `compiled(fn)` makes it one FX graph compiled whole by torch.compile; `place`
+  step a functional collective; `compiled(fn)` makes it one FX graph compiled whole by inductor (no dynamo); `place`
   slices a rank's blocks from whole tensors.
 - `program`: `ParallelProgram(plan, state, deliver=, carry=, compile=)`, made once per rank: state placed once,
   prepared steps run once, called with new whole inputs, the delivered outputs whole on every rank, carried

@@ -41,8 +41,8 @@ def plan_cache() -> Path:
 
 def plan_key(graph: Graph, mesh: Mesh, options: dict[str, Any]) -> str:
     """A digest of the graph, mesh, cost model, rules and options: equal keys plan alike."""
+    from tapestry.cost import default_cost_model
     from tapestry.egraph.rules import builtin_rule_paths, rule_paths
-    from tapestry.optimizer import default_cost_model
 
     rules: Sequence[str | Path] | None = options.get("rules")
     paths = rule_paths(rules) if rules is not None else builtin_rule_paths()
@@ -75,8 +75,6 @@ def shared_plan(graph: Graph, mesh: Mesh, cache: bool = True, verbose: bool = Tr
 
 
 def _plan_on_rank0(graph: Graph, mesh: Mesh, cache: bool, verbose: bool, options: dict[str, Any]) -> Plan:
-    from tapestry.optimizer import optimize
-
     path = plan_cache() / f"{plan_key(graph, mesh, options)}.json" if cache else None
     if path is not None and path.exists():
         plan = Plan.load(path)
@@ -87,6 +85,8 @@ def _plan_on_rank0(graph: Graph, mesh: Mesh, cache: bool, verbose: bool, options
         with concurrent.futures.ProcessPoolExecutor(1, mp.get_context("spawn")) as pool, _main_module_hidden():
             plan = Plan.from_json(pool.submit(_optimized_json, graph_to_json(graph), mesh.to_json(), options).result())
     else:
+        from tapestry.optimizer import optimize  # imported only to plan: a cache hit never loads egglog
+
         plan = optimize(graph, mesh, **options).plan
     _say(verbose, f"tapestry: planned {len(graph.ops)} ops on mesh {mesh} in {time.perf_counter() - start:.1f} s"
                   + (f", cached as {path}" if path is not None else ""))

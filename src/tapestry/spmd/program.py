@@ -72,8 +72,8 @@ class ParallelProgram:
     `state`: whole tensors of the inputs that stay between calls (weights; optimizer state), placed once; the
     graph's constants are placed too. Every other graph input is a call input. `deliver`: the outputs each call
     returns, whole on every rank (default: every output not carried). `carry`: output -> input, the outputs that
-    become state for the next call, left where the plan puts them. `compile`: torch.compile the rank's function
-    whole (False: eager, the reference)."""
+    become state for the next call, left where the plan puts them. `compile`: compile the rank's function
+    whole with inductor (False: eager, the reference)."""
 
     def __init__(self, plan: Plan, state: Mapping[str, torch.Tensor] | None = None, *,
                  deliver: Collection[str] | None = None, carry: Mapping[str, str] | None = None,

@@ -1,9 +1,9 @@
-"""One rank's program as one pure torch function, collectives included, so that torch.compile sees it whole.
+"""One rank's program as one pure torch function, collectives included, so that inductor compiles it whole.
 
     groups = make_groups(program)                        # collective: every rank, same order, once
     fn = RankFunction.of(program, rank, groups)          # the rank's steps after placing
     out = fn(place(program, rank, global_inputs))        # eager: the reference
-    out = compiled(fn)(blocks)                           # one FX graph (make_fx), torch.compile(fullgraph=True)
+    out = compiled(fn)(blocks)                           # one FX graph (make_fx), compiled whole by inductor
 
 The function's inputs are this rank's blocks of the plan's placed values, keyed by the place step's buffer
 (`PlaceBlock.out`, e.g. "v0"; `place` slices them from whole tensors); it returns the buffers named in `outputs`
@@ -21,6 +21,7 @@ collective is made in the value's dtype).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,13 +30,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from tapestry.kernels import get_kernel
 from tapestry.lower.program import (
-    AllGather, AllReduce, AllToAll, Comm, Exchange, Gather, Local, LoweredProgram, PlaceBlock, RankStep, Read,
-    ReduceScatter, SendRecv, ShardCompute,
+    AllGather, AllReduce, AllToAll, Comm, Exchange, ExpertCompute, Gather, Local, LoweredProgram, PlaceBlock,
+    RankStep, Read, ReduceScatter, SendRecv, ShardCompute,
 )
+from tapestry.lower.exchange import run_experts
 from tapestry.sharding import Block
 from tapestry.zspace import ZRange
 
@@ -137,6 +141,8 @@ class RankFunction:
         if isinstance(step, ShardCompute):
             args = [self._read(r, env) for r in step.reads]
             return get_kernel(step.kernel).torch(*args, **dict(step.kwargs))
+        if isinstance(step, ExpertCompute):
+            return run_experts(step, [self._read(r, env) for r in step.reads], self.groups[step.group or ()])
         assert isinstance(step, Comm)
         group = self.groups[step.group or ()]
         members = step.group or tuple(range(self.world))
@@ -184,26 +190,52 @@ def buffer_dtypes(program: LoweredProgram) -> dict[str, str]:
 def compiled(fn: RankFunction) -> Callable[[Mapping[str, torch.Tensor]], Buffers]:
     """`fn` compiled whole at its first call, for that call's shapes, strides and dtypes (static: a persistent
     program hands it the same blocks every call): traced by make_fx under fake tensors into one FX graph of aten
-    ops and functional collectives (so Python-side plan bookkeeping never reaches dynamo), which torch.compile
-    compiles whole (fullgraph, dynamic=False): inductor may fuse across steps and reorder communication."""
-    compiled_graph = None
+    ops and functional collectives (so Python-side plan bookkeeping never reaches the compiler), which inductor
+    compiles whole (`torch._inductor.standalone_compile`: AOTAutograd, then inductor, each with its on-disk cache;
+    no dynamo, which would only trace the traced graph again): it may fuse across steps and reorder
+    communication."""
+    experts = next((s for s in fn.steps if isinstance(s, ExpertCompute)), None)
+    if experts is not None:
+        return _eager(fn, f"plan step {experts.step} ({experts.kernel} -> {experts.out}) is expert parallel: the "
+                          f"rows it trades are counted from the data")
+    compiled_graph: Callable[..., Any] | None = None
 
     def call(buffers: Mapping[str, torch.Tensor]) -> Buffers:
         nonlocal compiled_graph
         args = [buffers[name] for name in fn.inputs]
         if compiled_graph is None:
-            graph = make_fx(fn.flat, tracing_mode="fake")(*args)
-            compiled_graph = torch.compile(graph, fullgraph=True, dynamic=False)
+            from torch._inductor import standalone_compile  # imported at first use: eager programs never pay it
+
+            try:
+                graph = make_fx(fn.flat, tracing_mode="fake")(*args)
+            except DATA_DEPENDENT as err:  # e.g. grouped_mm's expert offsets read as Python ints
+                compiled_graph = _eager(fn, f"a kernel reads tensor values as Python numbers "
+                                            f"({type(err).__name__}: {str(err).splitlines()[0][:200]})")
+                return compiled_graph(buffers)
+            compiled_graph = standalone_compile(graph, args, dynamic_shapes="from_example_inputs",
+                                                donate_graph_module=True)
+        if isinstance(compiled_graph, RankFunction):
+            return compiled_graph(buffers)
         return dict(zip(fn.outputs, compiled_graph(*args)))
 
     return call
+
+
+DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
+
+
+def _eager(fn: RankFunction, why: str) -> RankFunction:
+    """The fallback where a rank's program cannot be traced whole (its shapes or steps depend on tensor values):
+    the program runs step by step, eager, and a warning says which rank and why."""
+    warnings.warn(f"rank {fn.rank}: its program is not compiled, it runs eager step by step: {why}", stacklevel=3)
+    return fn
 
 
 # -- communication: each returns this rank's destination block (a 0-d tensor where it holds none) ---------------
 
 
 def _reads(step: RankStep) -> tuple[str, ...]:
-    if isinstance(step, ShardCompute):
+    if isinstance(step, ShardCompute | ExpertCompute):
         return tuple(r.buffer for r in step.reads if r.box is not None)
     return (step.src,) if isinstance(step, Comm) else ()
 

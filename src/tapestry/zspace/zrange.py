@@ -10,6 +10,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 Point = tuple[int, ...]
 
 _RANGE_RE = re.compile(r"\s*zr\[(.*)\]\s*")
@@ -187,6 +189,22 @@ class ZRange:
 
     def _slices_from(self, origin: Point) -> tuple[slice, ...]:
         return tuple(slice(s - o, e - o) for s, e, o in zip(self.start, self.end, origin))
+
+
+def tiles(parts: Sequence[ZRange], whole: ZRange) -> bool:
+    """Whether the non-empty `parts` partition `whole` (inside it, pairwise disjoint, volumes adding up): the
+    closed form of islpy's partition check for boxes, which a 64-device split would pay ~2,000 set intersections
+    for. Empty parts are nothing, as in islpy."""
+    boxes = [p for p in parts if not p.is_empty]
+    for p in parts:
+        check_ndim(p, p.ndim, whole.ndim)
+    if any(not whole.contains(p) for p in boxes) or sum(p.size for p in boxes) != whole.size:
+        return False
+    starts = np.array([p.start for p in boxes], dtype=np.int64).reshape(len(boxes), whole.ndim)
+    ends = np.array([p.end for p in boxes], dtype=np.int64).reshape(len(boxes), whole.ndim)
+    meet = (np.maximum(starts[:, None], starts[None]) < np.minimum(ends[:, None], ends[None])).all(axis=2)
+    np.fill_diagonal(meet, False)
+    return not meet.any()
 
 
 def _replace(p: Point, d: int, value: int) -> Point:
