@@ -4,6 +4,9 @@ Every import counts, a function-level one too: a lazy import still ties the laye
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "tapestry"
@@ -73,3 +76,24 @@ def test_the_check_finds_an_import_of_a_higher_layer(tmp_path) -> None:
     (tmp_path / "tapestry" / "plan" / "plan.py").write_text("def run():\n    from tapestry.runtime import run_plan\n")
     assert layering_violations(tmp_path / "tapestry") == [
         "tapestry/plan/plan.py:2: plan (layer 4) imports tapestry.runtime (layer 11)"]
+
+
+def test_every_module_imports_on_its_own():
+    """No import cycle hides behind the order the package happens to load in (tapestry.training.capture, imported
+    first, once found tapestry.importer half made). One process; tapestry's modules forgotten before each."""
+    modules = sorted(".".join(("tapestry", *p.relative_to(SRC).with_suffix("").parts)).removesuffix(".__init__")
+                     for p in SRC.rglob("*.py") if p.name != "__main__.py")
+    script = """
+import importlib, sys
+for name in sys.argv[1:]:
+    for loaded in [m for m in sys.modules if m == "tapestry" or m.startswith("tapestry.")]:
+        del sys.modules[loaded]
+    try:
+        importlib.import_module(name)
+    except Exception as err:
+        print(f"{name}: {type(err).__name__}: {err}")
+"""
+    done = subprocess.run([sys.executable, "-c", script, *modules], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(SRC.parent)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "", done.stdout

@@ -23,7 +23,6 @@ from tapestry.graph import Graph
 from tapestry.importer.capture import TorchImportError, export
 from tapestry.importer.translate import Translation, translate_program
 from tapestry.training import LR, Training, state_name, updated
-from tapestry.training.capture import capture
 
 __all__ = ["TorchImport", "TorchImportError", "from_torch"]
 
@@ -154,6 +153,8 @@ def from_torch(module: torch.nn.Module, args: tuple[Any, ...] | Any = (), kwargs
     if training is not None:
         if kwargs:
             raise TorchImportError("a training step takes positional arguments only: loss(module, *args)")
+        from tapestry.training.capture import capture  # it builds on this package: imported here, not above
+
         translation = capture(module, args, training, strict)
     else:
         translation = translate_program(export(module, args, dict(kwargs or {})), strict)
