@@ -86,6 +86,26 @@ def test_greedy_extractors_pin_the_replicated_layout_where_the_delivered_one_lea
     assert placed(plan, "w") == Layout.replicated((128, 128), MESH)
 
 
+class WeightsDearSplit(WeightsPlacedWhole):
+    """w can be placed split, at a second's cost, while its update is cheapest delivered split."""
+
+    def step_cost(self, step, mesh):
+        cost = super().step_cost(step, mesh)
+        return 1.0 if math.isinf(cost) else cost
+
+
+def test_greedy_extractors_keep_the_cheaper_of_the_delivered_and_the_replicated_pins():
+    """Pinned where the free choice delivered the update (split), w must be placed split every step, dearer than
+    keeping it whole and gathering the update: the replicated pins win."""
+    explored = explore(stepped(), MESH)
+    free = explored.extract(WeightsDearSplit(), extractor="greedy-dag", steady={}).plan
+    assert placed(free, "w") == Layout.replicated((128, 128), MESH) and steady_violations(free, {"new.w": "w"})
+    plan = explored.extract(WeightsDearSplit(), extractor="greedy-dag").plan
+    assert not steady_violations(plan, {"new.w": "w"})
+    assert placed(plan, "w") == Layout.replicated((128, 128), MESH)
+    assert plan.cost < 1.0
+
+
 def test_steady_state_can_be_asked_for_outputs_the_graph_does_not_carry():
     g = stepped()
     g.carried.clear()
