@@ -186,8 +186,8 @@ class Explored:
         Steady state: each output in `steady` (output -> input; default the graph's `carried`, {} for none) is
         delivered in the layout its input is placed in, so the step repeats without moving weights or optimizer
         state; the ILP keeps it exactly (`_steady_ties`), the greedy extractors by fixing each input's layout to
-        the one their unconstrained choice delivered its output in (`_pin_layouts`), or where that leaves no plan
-        (moves the pricing budget left out), to the replicated one.
+        the one their unconstrained choice delivered its output in (`_pin_layouts`) or to the replicated one,
+        whichever is cheaper (the first may leave no plan where the pricing budget left moves out).
 
         The budget enters the ILP as per-device linear constraints that every fitting plan meets
         (`_device_budget`), so a decoded plan that fits is the optimum. If it does not fit, what held its peak
