@@ -198,30 +198,30 @@ def compiled(fn: RankFunction) -> Callable[[Mapping[str, torch.Tensor]], Buffers
     if experts is not None:
         return _eager(fn, f"plan step {experts.step} ({experts.kernel} -> {experts.out}) is expert parallel: the "
                           f"rows it trades are counted from the data")
-    compiled_graph: Callable[..., Any] | None = None
+    run: Callable[[Mapping[str, torch.Tensor]], Buffers] | None = None  # made at the first call, for its blocks
 
     def call(buffers: Mapping[str, torch.Tensor]) -> Buffers:
-        nonlocal compiled_graph
-        args = [buffers[name] for name in fn.inputs]
-        if compiled_graph is None:
-            from torch._inductor import standalone_compile  # imported at first use: eager programs never pay it
-
-            try:
-                graph = make_fx(fn.flat, tracing_mode="fake")(*args)
-            except DATA_DEPENDENT as err:  # e.g. grouped_mm's expert offsets read as Python ints
-                compiled_graph = _eager(fn, f"a kernel reads tensor values as Python numbers "
-                                            f"({type(err).__name__}: {str(err).splitlines()[0][:200]})")
-                return compiled_graph(buffers)
-            compiled_graph = standalone_compile(graph, args, dynamic_shapes="from_example_inputs",
-                                                donate_graph_module=True)
-        if isinstance(compiled_graph, RankFunction):
-            return compiled_graph(buffers)
-        return dict(zip(fn.outputs, compiled_graph(*args)))
+        nonlocal run
+        if run is None:
+            run = _compile(fn, [buffers[name] for name in fn.inputs])
+        return run(buffers)
 
     return call
 
 
 DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
+
+
+def _compile(fn: RankFunction, args: list[torch.Tensor]) -> Callable[[Mapping[str, torch.Tensor]], Buffers]:
+    from torch._inductor import standalone_compile  # imported at first use: eager programs never pay it
+
+    try:
+        graph = make_fx(fn.flat, tracing_mode="fake")(*args)
+    except DATA_DEPENDENT as err:  # e.g. grouped_mm's expert offsets read as Python ints
+        return _eager(fn, f"a kernel reads tensor values as Python numbers "
+                          f"({type(err).__name__}: {str(err).splitlines()[0][:200]})")
+    compiled_graph = standalone_compile(graph, args, dynamic_shapes="from_example_inputs", donate_graph_module=True)
+    return lambda buffers: dict(zip(fn.outputs, compiled_graph(*[buffers[name] for name in fn.inputs])))
 
 
 def _eager(fn: RankFunction, why: str) -> RankFunction:
