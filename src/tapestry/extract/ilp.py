@@ -1,4 +1,4 @@
-"""Exact extraction with OR-tools CP-SAT, warm-started from the greedy DAG result.
+"""Exact extraction with OR-tools CP-SAT, warm-started from the greedy DAG result (`warm.py`).
 
 Variables: x_n (node n chosen) and a_c (class c active; a_c is x_n itself when the
 class has one candidate). Constraints: a_root = 1; sum of x_n over c = a_c; x_n implies
@@ -53,13 +53,14 @@ from dataclasses import dataclass, field, replace
 
 from ortools.sat.python import cp_model
 
-from tapestry.extract.egraph import EGraph, EGraphError, NoFiniteChoiceError
-from tapestry.extract.greedy_dag import greedy_dag_choice, improve
-from tapestry.extract.periodic import Repeated, periodic_choice
+from tapestry.extract.egraph import EGraph, NoFiniteChoiceError
+from tapestry.extract.greedy_dag import improve
+from tapestry.extract.periodic import Repeated
 from tapestry.extract.relax import PROVEN, PathCut, relax
 from tapestry.extract.selection import Selection, children_first, finalize
 from tapestry.extract.structure import strongly_connected_components
 from tapestry.extract.tree import TreeChoice, solvable_tree
+from tapestry.extract.warm import undominate, warm_start
 
 SCALE = 10**9  # the warm-start cost maps to this many integer units
 # CP-SAT's workers, time-sliced on the 2 cores: the full LP relaxation (with the source constraints it is what
@@ -77,18 +78,6 @@ MIN_COST = 1e-12  # floor for the scale denominator: subnormal costs must not ma
 # bound needs no CP-SAT, and `relax.STALL` ends a pass whose rounds stop closing the gap: on 12 layers on 16
 # devices the LP proves in 8 s the optimum CP-SAT alone proves in 67 s (at 0.6 it stopped 1 round short).
 RELAX_SHARE = 0.9
-# Of the time limit, the most the greedy warm start's local search may take (the greedy search itself always
-# finishes: greedy_dag.py): on a 2x2x2 mesh's 12-layer stack (2 million nodes) greedy-dag with its local search
-# took longer than a 10 s limit.
-WARM_SHARE = 0.3
-# Of the time limit, the most the periodic warm start (periodic.py) may take. The LP pass's window moves on by
-# the time it took (up to the deadline), so CP-SAT gives it up first. A 24- or 48-layer stack on 8 devices
-# folds to 7,600-10,000 nodes, whose best periodic plan took 0.8-0.9 s unloaded (1 s was too little loaded).
-PERIODIC_SHARE = 0.2
-# The most of the whole graph a fold may keep to be tried. A fold keeps two copies and what is around them, a
-# quarter of a 12-layer stack, which the LP pass proves on its own on 8 and 16 devices (the fold's second only
-# delayed it); from about 15 layers on a fold keeps less, and its plan pays (24 and 48 layers on 8 devices).
-FOLD_SHARE = 0.2
 # Nodes the ILP can reduce and model per second of its time limit: past it, only the warm start comes back. On
 # 2x4 (162,000 nodes) and 2x2x2 meshes (285,000 and more) a 10 s limit never let CP-SAT better or bound the
 # warm start (docs/benchmarks.md, Saturation: gap 1.0), and reducing a 2x2x2 12-layer graph (820,000 nodes)
@@ -265,16 +254,6 @@ def _first_subset(children: frozenset[int], first: Mapping[frozenset[int], int])
     return min(found, default=None)
 
 
-def undominate(egraph: EGraph, choice: Sequence[int], reduced: Reduced) -> list[int]:
-    """Map a choice onto surviving nodes: a dominator has fewer children and no higher cost."""
-    result = list(choice)
-    for c, n in enumerate(result):
-        while n in reduced.replacement:
-            n = reduced.replacement[n]
-        result[c] = n
-    return result
-
-
 def extract_ilp(egraph: EGraph, time_limit: float = 60.0, budget: DeviceBudget | None = None, ties: Ties = (),
                 repeated: Repeated | None = None, stop_gap: float = STOP_GAP) -> Selection:
     """Best selection CP-SAT finds within `time_limit` seconds; never worse than the greedy warm start. A
@@ -286,11 +265,9 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0, budget: DeviceBudget |
     started = time.perf_counter()
     deadline = started + (1 - RESERVE) * time_limit
     tree = solvable_tree(egraph)
-    greedy = greedy_dag_choice(egraph, tree, started + WARM_SHARE * time_limit)
-    folding = time.perf_counter()
-    if repeated is not None and budget is None and not ties:
-        greedy = _cheaper(egraph, tree, greedy, _periodic(egraph, repeated, PERIODIC_SHARE * time_limit))
-    folded = time.perf_counter() - folding  # the LP pass's window moves on by it
+    greedy, folded = warm_start(  # the LP pass's window moves on by the seconds the fold took
+        egraph, tree, started, time_limit, repeated if budget is None and not ties else None,
+        lambda graph, seconds, fold_ties: extract_ilp(graph, seconds, ties=fold_ties), MODEL_NODES_PER_SECOND)
 
     def admissible(selection: Selection) -> bool:
         return (budget is None or budget.fits(selection.choice)) and ties_hold(selection.choice, ties)
@@ -304,14 +281,14 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0, budget: DeviceBudget |
         if admissible(unsolved):
             return _result(unsolved, False, 0.0, started)
     reduced = reduce(egraph, tree, tied_nodes(ties))
-    warm = finalize(egraph, undominate(egraph, greedy, reduced), tree, "ilp", started)
+    warm = finalize(egraph, undominate(egraph, greedy, reduced.replacement), tree, "ilp", started)
     best = warm if admissible(warm) else None
     proven, bound, lp_bound, cuts = best is not None and best.dag_cost == 0, 0.0, 0.0, ()
 
     def offer(choice: list[int]) -> float:
         """An LP solution rounded: made a selection, kept if it is the best admissible one yet."""
         nonlocal best, warm
-        rounded = finalize(egraph, undominate(egraph, choice, reduced), tree, "ilp", started)
+        rounded = finalize(egraph, undominate(egraph, choice, reduced.replacement), tree, "ilp", started)
         if admissible(rounded) and (best is None or rounded.dag_cost < best.dag_cost):
             best = warm = rounded
         return math.inf if best is None else best.dag_cost
@@ -336,32 +313,6 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0, budget: DeviceBudget |
         raise NoFiniteChoiceError(f"no selection keeps {asked}" if bound == math.inf
                                   else f"the solver found no selection that keeps {asked} in time")
     return _result(best, proven, max(bound, lp_bound), started)
-
-
-def _periodic(egraph: EGraph, repeated: Repeated, seconds: float) -> list[int] | None:
-    """The periodic warm start solved in `seconds`, or None when there is no period to fold, no periodic
-    selection, or a folded problem too big: more than it can model in half that time (a 2x4 stack's
-    40,000-node fold never bettered greedy-dag in 2.5 s), or over FOLD_SHARE of the whole graph."""
-    def solve(graph: EGraph, seconds: float, ties: Ties) -> Selection:
-        return extract_ilp(graph, seconds, ties=ties)
-
-    if seconds <= 0:
-        return None
-    try:
-        return periodic_choice(egraph, repeated, solve, seconds,
-                               min(MODEL_NODES_PER_SECOND * seconds / 2, egraph.num_nodes * FOLD_SHARE))
-    except EGraphError:  # no periodic selection found in time, or a class whose every node the fold left out
-        return None
-
-
-def _cheaper(egraph: EGraph, tree: TreeChoice, choice: list[int], other: list[int] | None) -> list[int]:
-    """Of two choices per class, the one whose finalized selection costs less (`choice` on a tie)."""
-    if other is None:
-        return choice
-    a, b = (finalize(egraph, c, tree, "ilp", 0.0) for c in (choice, other))
-    if b.dag_cost >= a.dag_cost:
-        return choice
-    return [b.choice.get(c, t) for c, t in enumerate(tree.node)]  # a node for every class, as `improve` needs
 
 
 def _result(best: Selection, proven: bool, bound: float, started: float) -> Selection:
