@@ -25,7 +25,9 @@ uses block D. Without them the LP splits a value between alternative derivations
 meet again below and pays for what they share by halves (the bound was 67% of the
 optimum on a transformer block; with them 99%). An LP pass before CP-SAT (`relax.py`:
 HiGHS with path cuts; a selection meeting its bound is optimal at once) adds its cuts to
-the CP-SAT model and its bound to CP-SAT's.
+the CP-SAT model and its bound to CP-SAT's. On a graph of more than CONTRACT_FROM candidates and with a stop gap
+(the default there), a cheaper bound comes first, the LP of a contracted problem (`contract.py`), and a warm
+start within the stop gap of it ends the search.
 
 The bound is honest: each part's CP-SAT bound is clamped at 0, lowered by the most
 that rounding costs to integers can add, and summed with the costs of classes
@@ -94,11 +96,11 @@ LP_NODES_PER_SECOND = 15_000
 # within 0.046% of the bound after the first LP, and CP-SAT then took 27 s to prove that same plan optimal
 # (docs/benchmarks.md). A plan reported "optimal" is one the solver proved, and tests and users read it so.
 STOP_GAP = 0.0
-# Candidates from which the first bound is the contracted LP's (contract.py), and the default stop gap is
-# LARGE_STOP_GAP. Below it the full LP takes about a second on the loaded 2-core machine (7,600 candidates a
-# second for LLaMA's 41,850) and proves the 1-D meshes' zoo models (about 5,000 candidates) optimal. Above it,
-# on 2x2, the full LP took 5-11 s, and the contracted one 0.4 s (LLaMA: bound 0.25% below greedy-dag's plan)
-# and 2.2 s (GPT-NeoX, 87,731 candidates: 0.36%).
+# Candidates from which the default stop gap is LARGE_STOP_GAP, and the first bound, with a stop gap, the
+# contracted LP's (contract.py). Below it the full LP takes about a second on the loaded 2-core machine (7,600
+# candidates a second for LLaMA's 41,850) and proves the 1-D meshes' zoo models (about 5,000 candidates)
+# optimal. Above it, on 2x2, the full LP took 5-11 s, and the contracted one 0.4 s (LLaMA: bound 0.25% below
+# greedy-dag's plan) and 2.2 s (GPT-NeoX, 87,731 candidates: 0.36%).
 CONTRACT_FROM = 10_000
 # The default stop gap past CONTRACT_FROM: the cost model's own error is larger than a percent (predicted and
 # measured step times in docs/benchmarks.md differ by more), and a plan within it of a proven bound is reported
@@ -314,7 +316,7 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0, budget: DeviceBudget |
     def close(share: float) -> bool:
         return best is not None and best.dag_cost <= lp_bound + share * best.dag_cost
 
-    if not proven and size > CONTRACT_FROM:
+    if not proven and size > CONTRACT_FROM and stop_gap > 0:  # else the full LP's bound is the one asked for
         lp_bound = contracted_bound(egraph, reduced.candidates, block, reduced.needs, relax_deadline)
         proven = close(PROVEN)
     if not proven and not close(stop_gap) and size <= LP_NODES_PER_SECOND * (relax_deadline - time.perf_counter()):
