@@ -9,8 +9,9 @@ e-graph maps to a selection of the contracted problem that costs no more and kee
 each chosen inner node becomes its class's contracted node; entries, hence sources, readers and needs, are the
 same nodes reading the same classes. So the contracted LP's optimum is at most the e-graph's LP optimum, and a
 lower bound on every selection's cost. Path cuts are left out: they follow chains of reshards, which the
-contraction cuts. It keeps a quarter of LLaMA's candidates, half of GPT-NeoX's (whose reshards out of partial
-layouts are entries, kept), and its LP takes 0.4 and 2.2 s on the loaded machine.
+contraction cuts. It keeps a quarter of LLaMA's candidates and 42% of GPT-NeoX's (whose reshards from one strongly
+connected component of a value's layouts into another are entries, kept); its LP took 0.45 and 1.23 CPU s where
+the full one took 6.43 and 16.79 (`benchmarks/contract.py`, docs/extraction.md).
 """
 from __future__ import annotations
 

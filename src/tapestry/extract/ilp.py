@@ -99,8 +99,8 @@ STOP_GAP = 0.0
 # Candidates from which the default stop gap is LARGE_STOP_GAP, and the first bound, with a stop gap, the
 # contracted LP's (contract.py). Below it the full LP takes about a second on the loaded 2-core machine (7,600
 # candidates a second for LLaMA's 41,850) and proves the 1-D meshes' zoo models (about 5,000 candidates)
-# optimal. Above it, on 2x2, the full LP took 5-11 s, and the contracted one 0.4 s (LLaMA: bound 0.25% below
-# greedy-dag's plan) and 2.2 s (GPT-NeoX, 87,731 candidates: 0.36%).
+# optimal. Above it, on 2x2, the full LP took 6.4 CPU s (LLaMA) and 16.8 (GPT-NeoX), the contracted one 0.45
+# (bound 0.25% below greedy-dag's plan) and 1.23 (0.36%) (benchmarks/contract.py).
 CONTRACT_FROM = 10_000
 # The default stop gap past CONTRACT_FROM: the cost model's own error is larger than a percent (predicted and
 # measured step times in docs/benchmarks.md differ by more), and a plan within it of a proven bound is reported
