@@ -97,10 +97,10 @@ LP_NODES_PER_SECOND = 15_000
 # (docs/benchmarks.md). A plan reported "optimal" is one the solver proved, and tests and users read it so.
 STOP_GAP = 0.0
 # Candidates from which the default stop gap is LARGE_STOP_GAP, and the first bound, with a stop gap, the
-# contracted LP's (contract.py). Below it the full LP takes about a second on the loaded 2-core machine (7,600
-# candidates a second for LLaMA's 41,850) and proves the 1-D meshes' zoo models (about 5,000 candidates)
-# optimal. Above it, on 2x2, the full LP took 6.4 CPU s (LLaMA) and 16.8 (GPT-NeoX), the contracted one 0.45
-# (bound 0.25% below greedy-dag's plan) and 1.23 (0.36%) (benchmarks/contract.py).
+# contracted LP's (contract.py). Below it the full LP is quick (at LLaMA's rate, 41,850 candidates in 6.4 CPU s
+# on the loaded 2-core machine, about 1.5 s) and proves the 1-D meshes' zoo models optimal. Above it, on 2x2, the
+# full LP took 6.4 CPU s (LLaMA) and 16.8 (GPT-NeoX), the contracted one 0.45 (bound 0.25% below greedy-dag's
+# plan) and 1.23 (0.36%) (benchmarks/contract.py).
 CONTRACT_FROM = 10_000
 # The default stop gap past CONTRACT_FROM: the cost model's own error is larger than a percent (predicted and
 # measured step times in docs/benchmarks.md differ by more), and a plan within it of a proven bound is reported
@@ -274,7 +274,7 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0, budget: DeviceBudget |
     `stop_gap` is STOP_GAP, or LARGE_STOP_GAP on a graph of more than CONTRACT_FROM candidates.
     Under `budget` and `ties`, the best that satisfies them; NoFiniteChoiceError if none does.
     CP-SAT runs the `PORTFOLIO` workers. With `repeated` (and no budget or ties), the best periodic selection
-    (`periodic.py`, solved in PERIODIC_SHARE of the limit) is a second warm start, kept if it is cheaper.
+    (`periodic.py`, solved in `warm.PERIODIC_SHARE` of the limit) is a second warm start, kept if it is cheaper.
     """
     started = time.perf_counter()
     deadline = started + (1 - RESERVE) * time_limit
