@@ -106,6 +106,14 @@ def test_a_loss_that_is_not_a_scalar_is_a_clear_error():
         tapestry.from_torch(mlp(), (X,), training=tapestry.Training(loss=lambda m, x: m(x)), verbose=False)
 
 
+def test_a_step_that_draws_random_numbers_is_refused_not_frozen_into_one_draw():
+    """Dropout in training mode: traced once, its mask would be a constant, the same at every step."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Dropout(0.1), torch.nn.Linear(8, 4))
+    with pytest.raises(TorchImportError, match=r"draws random numbers \(aten\.\w+.*dropout"):
+        tapestry.from_torch(model, (X, Y), training=tapestry.Training(loss=mse), verbose=False)
+    tapestry.from_torch(model.eval(), (X, Y), training=tapestry.Training(loss=mse), verbose=False)  # no draws
+
+
 def test_unknown_optimizer_is_refused():
     with pytest.raises(ValueError, match="optimizer 'lamb' is not one of sgd, adam, adamw"):
         tapestry.Training(loss=mse, optimizer="lamb")

@@ -117,6 +117,7 @@ def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, 
         first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
         raise TorchImportError(f"could not trace a training step of {type(module).__name__}: "
                                f"{type(err).__name__}: {first}") from None
+    _refuse_random_draws(traced.graph, module)
     holders = [node for node in traced.graph.nodes if node.op == "placeholder"]
     roles = {h.name: _role(name, flat[i], user=i >= len(layout.names))
              for i, (h, name) in enumerate(zip(holders, [*layout.names, *(f"arg{i}" for i in range(len(args)))]))}
@@ -127,6 +128,24 @@ def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, 
         translation.graph.carry(updated(name), name)
     translation.graph.static.update(name for name in layout.held if name in translation.graph)
     return translation
+
+
+def _refuse_random_draws(graph: torch.fx.Graph, module: torch.nn.Module) -> None:
+    """A random op (dropout's mask in training mode) reads no tensor, so the import would fold its one traced draw
+    into a constant and every step would reuse that mask: refused, naming the op and the module's dropouts."""
+    drawn = next((node for node in graph.nodes if isinstance(node.target, torch._ops.OpOverload)
+                  and torch.Tag.nondeterministic_seeded in node.target.tags), None)
+    if drawn is None:
+        return
+    dropouts = [name for name, m in module.named_modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)
+                and m.training and m.p > 0]
+    trace = (drawn.meta.get("stack_trace") or "").strip().splitlines()
+    line = next((t.strip() for t in reversed(trace) if t.strip().startswith("File ")), "")
+    raise TorchImportError(
+        f"the training step of {type(module).__name__} draws random numbers ({drawn.target}"
+        + (f", {line}" if line else "") + "), e.g. dropout in training mode: traced once, the draw would be the "
+        "same at every step. Set the dropout probabilities to 0 or put the dropout modules in eval mode"
+        + (f" ({', '.join(dropouts[:4])}{', ...' if len(dropouts) > 4 else ''})" if dropouts else ""))
 
 
 def _role(name: str, value: Any, user: bool) -> Placeholder:
