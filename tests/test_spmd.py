@@ -286,7 +286,8 @@ def fail_in_call(plan: Plan, bad_rank: int, bad_call: int, how: str) -> None:
 
 
 @pytest.mark.parametrize("how, message", [
-    ("raise", r"rank 1 failed in call 2 of its parallel program: ValueError: input 'x': expected shape \[8, 4\]"),
+    ("raise", r"rank 1 failed in call 2 of its parallel program: ValueError: rank 1, call 2: input 'x': "
+              r"expected shape \[8, 4\]"),
     ("die", r"rank 0 exited with code 3 in call 1 of its parallel program"),
 ])
 def test_a_rank_that_fails_stops_every_rank_naming_the_rank_and_the_call(how: str, message: str) -> None:
