@@ -58,6 +58,16 @@ class StepLayout:
         return (*self.paths, *slots, *([step] if step else []))
 
     @property
+    def nonnegative(self) -> tuple[str, ...]:
+        """State never negative: Adam's second moments (mean squares) and the step count. Random check inputs
+        must be so too: a negative moment makes `beta2 * v + (1 - beta2) * g**2` cancel to near zero, and the
+        update divides by its root, so a gradient summed in another order moves the check's result by 1e-2."""
+        family = self.training.family
+        moments = (state_name(slot, p, family) for slot in ("v", "max_v") if slot in self.training.slots
+                   for p in self.paths)
+        return (*moments, *([self.training.step_input] if self.training.step_input else []))
+
+    @property
     def names(self) -> tuple[str, ...]:
         return (*self.state, LR, *self.held)
 
@@ -127,6 +137,7 @@ def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, 
     for name in layout.state:  # the step repeats: plans keep each weight and state tensor where it was placed
         translation.graph.carry(updated(name), name)
     translation.graph.static.update(name for name in layout.held if name in translation.graph)
+    translation.graph.nonnegative.update(name for name in layout.nonnegative if name in translation.graph)
     return translation
 
 
