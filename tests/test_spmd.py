@@ -125,6 +125,48 @@ def test_a_compiled_rank_function_goes_to_inductor_without_dynamo_and_computes_w
         torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6)
 
 
+def test_a_compiled_rank_program_is_saved_and_a_later_compile_loads_it_without_tracing(monkeypatch) -> None:
+    """Warm starts skip make_fx (2-3 s a rank for the training example): inductor's compiled artifact is kept by
+    a key of the rank's steps, groups, blocks and sources."""
+    import tapestry.spmd.trace as trace
+
+    plan = build_plan(_chain(8, 4, 6), Mesh(1), {"linear_0": (0,)})
+    program = lower(plan)
+    fn = RankFunction.of(program, 0, {})
+    blocks = place(program, 0, {k: dtypes.to_tensor(v) for k, v in tapestry.random_inputs(plan.graph).items()})
+    args = [blocks[name] for name in fn.inputs]
+    path = trace.artifact_path(trace.program_key(fn, args, {}))
+    path.unlink(missing_ok=True)
+    first = compiled(fn)(blocks)
+    assert path.exists()
+
+    def no_trace(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("traced again")
+
+    monkeypatch.setattr(trace, "make_fx", no_trace)
+    again = compiled(fn)(blocks)
+    for name, value in fn(blocks).items():
+        torch.testing.assert_close(first[name], value, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(again[name], value, rtol=1e-6, atol=1e-6)
+    strided = [args[0].t().contiguous().t(), *args[1:]]  # the same values laid out otherwise: another program
+    assert trace.program_key(fn, strided, {}) != trace.program_key(fn, args, {})
+    assert trace.program_key(fn, args, {"triton.cudagraphs": True}) != trace.program_key(fn, args, {})
+
+
+def test_cuda_graphs_are_asked_of_inductor_only_for_blocks_on_a_gpu() -> None:
+    """Not run on a GPU (none here): only the choice is tested; the CPU path keeps inductor's defaults."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tapestry.spmd.trace import inductor_options
+
+    assert inductor_options([torch.zeros(2), torch.zeros(3)]) == {}
+    with FakeTensorMode():
+        on_gpu = [torch.empty(2, device="cuda"), torch.empty(3, device="cuda")]
+        mixed = [torch.empty(2, device="cuda"), torch.empty(3, device="cpu")]
+    assert inductor_options(on_gpu) == {"triton.cudagraphs": True}
+    assert inductor_options(mixed) == {}
+
+
 # -- the persistent program -----------------------------------------------------------------------------------------
 
 
