@@ -106,12 +106,47 @@ def test_a_loss_that_is_not_a_scalar_is_a_clear_error():
         tapestry.from_torch(mlp(), (X,), training=tapestry.Training(loss=lambda m, x: m(x)), verbose=False)
 
 
-def test_a_step_that_draws_random_numbers_is_refused_not_frozen_into_one_draw():
-    """Dropout in training mode: traced once, its mask would be a constant, the same at every step."""
-    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Dropout(0.1), torch.nn.Linear(8, 4))
-    with pytest.raises(TorchImportError, match=r"draws random numbers \(aten\.\w+.*dropout"):
-        tapestry.from_torch(model, (X, Y), training=tapestry.Training(loss=mse), verbose=False)
-    tapestry.from_torch(model.eval(), (X, Y), training=tapestry.Training(loss=mse), verbose=False)  # no draws
+def dropout_mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.1), torch.nn.GELU(), torch.nn.Linear(32, 4))
+
+
+def test_dropout_masks_are_drawn_afresh_each_step_as_eager_torch_draws_them():
+    """Each random draw is an input of the step, made every call from torch's default generator: after the same
+    torch.manual_seed, four Adam steps equal torch's, and the masks differ between steps (a traced draw folded
+    into a constant would repeat the first)."""
+    model = dropout_mlp()
+    imported = tapestry.from_torch(model, (X, Y), training=TRAINING["adam"], verbose=False)
+    (name,) = imported.translation.draws
+    assert str(imported.translation.draws[name]) == "aten.bernoulli_.float(0.9) of shape [8, 32] float32"
+    torch.manual_seed(7)
+    want = torch_steps(model, "adam", 4)
+    torch.manual_seed(7)
+    state, masks = None, []
+    for loss, params in want:
+        inputs = imported.inputs(X, Y, state=state)
+        masks.append(inputs[name])
+        state = imported.outputs(evaluate(imported.graph, inputs))
+        assert_step_matches(state, loss, params)
+    assert all(not np.array_equal(masks[0], m) for m in masks[1:])
+    assert set(np.unique(masks[0])) == {0.0, 1.0}
+
+
+def test_a_random_draw_it_cannot_repeat_is_refused_not_frozen_into_one_draw():
+    """A random permutation is no fill of a tensor Tapestry repeats: refused, naming the op and the dropouts."""
+    class Stochastic(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear, self.dropout = torch.nn.Linear(16, 4), torch.nn.Dropout(0.1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.dropout(self.linear(x[torch.randperm(x.shape[0])]))
+
+    with pytest.raises(TorchImportError, match=r"draws random numbers with aten\.randperm\.default.*"
+                                               r"cannot draw afresh each step.*\(dropout\)"):
+        tapestry.from_torch(Stochastic(), (X, Y), training=tapestry.Training(loss=mse), verbose=False)
+    eval_step = tapestry.from_torch(dropout_mlp().eval(), (X, Y), training=tapestry.Training(loss=mse), verbose=False)
+    assert not eval_step.translation.draws
 
 
 def test_unknown_optimizer_is_refused():

@@ -23,6 +23,7 @@ from tapestry.graph import Graph
 from tapestry.importer.capture import TorchImportError, export
 from tapestry.importer.translate import Translation, translate_program
 from tapestry.training import LR, Training, state_name, updated
+from tapestry.training.draws import draw_all
 
 __all__ = ["TorchImport", "TorchImportError", "from_torch"]
 
@@ -52,8 +53,9 @@ class TorchImport:
                **kwargs: Any) -> dict[str, np.ndarray]:
         """Every graph input by name: the module's current parameters and buffers (or, for a training step,
         `state`: the `outputs()` of the step before), the optimizer state (zeros at the first step), the learning
-        rate (`lr`, training only; the Training's own by default), the constants folded at import, and the
-        tensors among `args`/`kwargs` (flattened as torch.export does)."""
+        rate (`lr`, training only; the Training's own by default), the constants folded at import, the tensors
+        among `args`/`kwargs` (flattened as torch.export does), and a training step's random draws (dropout's
+        masks), drawn afresh from torch's default generator as eager torch draws them (training/draws.py)."""
         if lr is not None and self.training is None:
             raise TorchImportError("lr= is an input of a training step; this import is a forward")
         module_state = {**dict(self.module.named_parameters(remove_duplicate=False)),
@@ -81,6 +83,7 @@ class TorchImport:
         if len(leaves) != len(names):
             raise TorchImportError(f"expected {len(names)} tensor argument(s) ({', '.join(names)}), got {len(leaves)}")
         values.update({name: dtypes.from_tensor(t) for name, t in zip(names, leaves)})
+        values.update({name: dtypes.from_tensor(t) for name, t in draw_all(self.translation.draws).items()})
         return values
 
     def _optimizer_state(self) -> set[str]:

@@ -137,13 +137,14 @@ class Translation:
     outputs: tuple[str, ...]  # graph output names, in the module's flattened output order
     coverage: dict[str, collections.Counter]  # ATen op -> what it became ("linear", "folded", "opaque", ...)
     declined: dict[str, collections.Counter] = field(default_factory=dict)  # ATen op -> {why it runs opaque: count}
+    draws: dict[str, Any] = field(default_factory=dict)  # graph input -> its training.draws.Draw, drawn every call
 
 
 @dataclass(frozen=True)
 class Placeholder:
     """What an fx placeholder is: module state or a user argument (graph inputs), a constant, or nothing."""
 
-    kind: str  # "state" | "user" | "constant" | "none"
+    kind: str  # "state" | "user" | "random" (a training step's draw, training/draws.py) | "constant" | "none"
     name: str = ""
     value: Any = None  # a constant's tensor
 
@@ -161,7 +162,7 @@ def translate(graph: torch.fx.Graph, placeholders: Mapping[str, Placeholder], ou
     for node in graph.nodes:
         if node.op == "placeholder":
             role = placeholders[node.name]
-            if role.kind in ("state", "user"):
+            if role.kind in ("state", "user", "random"):
                 if role.name not in inputs:
                     inputs[role.name] = _placeholder(builder.graph, node, role)
                 env[node] = inputs[role.name]

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, NoReturn
 
 import torch
 from torch._decomp import core_aten_decompositions
@@ -21,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tapestry.importer.capture import TorchImportError
 from tapestry.importer.translate import Placeholder, Translation, translate
 from tapestry.training import LR, Training, state_name, updated
+from tapestry.training.draws import FACTORIES, FILLS, Draw, random_input
 
 
 class _LossOf(torch.nn.Module):
@@ -127,13 +128,15 @@ def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, 
         first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
         raise TorchImportError(f"could not trace a training step of {type(module).__name__}: "
                                f"{type(err).__name__}: {first}") from None
-    _refuse_random_draws(traced.graph, module)
     holders = [node for node in traced.graph.nodes if node.op == "placeholder"]
     roles = {h.name: _role(name, flat[i], user=i >= len(layout.names))
              for i, (h, name) in enumerate(zip(holders, [*layout.names, *(f"arg{i}" for i in range(len(args)))]))}
+    cut = _cut_random_draws(traced.graph, module)
+    roles.update({holder: Placeholder("random", name) for name, (holder, _) in cut.items()})
     (returned,) = [node.args[0] for node in traced.graph.nodes if node.op == "output"]
     outputs = [("loss", returned[0]), *((updated(name), node) for name, node in zip(layout.state, returned[1:]))]
-    translation = translate(traced.graph, roles, outputs, strict)
+    translation = replace(translate(traced.graph, roles, outputs, strict),
+                          draws={name: draw for name, (_, draw) in cut.items()})
     for name in layout.state:  # the step repeats: plans keep each weight and state tensor where it was placed
         translation.graph.carry(updated(name), name)
     translation.graph.static.update(name for name in layout.held if name in translation.graph)
@@ -141,21 +144,42 @@ def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, 
     return translation
 
 
-def _refuse_random_draws(graph: torch.fx.Graph, module: torch.nn.Module) -> None:
-    """A random op (dropout's mask in training mode) reads no tensor, so the import would fold its one traced draw
-    into a constant and every step would reuse that mask: refused, naming the op and the module's dropouts."""
-    drawn = next((node for node in graph.nodes if isinstance(node.target, torch._ops.OpOverload)
-                  and torch.Tag.nondeterministic_seeded in node.target.tags), None)
-    if drawn is None:
-        return
+def _cut_random_draws(graph: torch.fx.Graph, module: torch.nn.Module) -> dict[str, tuple[str, Draw]]:
+    """Each random op (dropout's mask in training mode) becomes a new placeholder, its draw recorded to be made
+    afresh every call (training/draws.py): graph input name -> (placeholder, Draw), in the order the step draws.
+    A random op whose draw cannot be repeated is refused, naming it and the module's dropouts: imported as it
+    stands, its one traced draw would be folded into a constant that every step reuses."""
+    cut: dict[str, tuple[str, Draw]] = {}
+    first = next(node for node in graph.nodes if node.op != "placeholder")
+    for node in list(graph.nodes):
+        if not (isinstance(node.target, torch._ops.OpOverload)
+                and torch.Tag.nondeterministic_seeded in node.target.tags):
+            continue
+        draw = Draw.of(node)
+        if draw is None:
+            _refuse(node, module)
+        name = random_input(len(cut))
+        with graph.inserting_before(first):
+            holder = graph.placeholder(name.replace(".", "_"))
+        holder.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(holder)
+        graph.erase_node(node)
+        cut[name] = (holder.name, draw)
+    if cut:
+        graph.eliminate_dead_code()  # the tensors the fills wrote into
+    return cut
+
+
+def _refuse(drawn: torch.fx.Node, module: torch.nn.Module) -> NoReturn:
     dropouts = [name for name, m in module.named_modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)
                 and m.training and m.p > 0]
     trace = (drawn.meta.get("stack_trace") or "").strip().splitlines()
     line = next((t.strip() for t in reversed(trace) if t.strip().startswith("File ")), "")
     raise TorchImportError(
-        f"the training step of {type(module).__name__} draws random numbers ({drawn.target}"
-        + (f", {line}" if line else "") + "), e.g. dropout in training mode: traced once, the draw would be the "
-        "same at every step. Set the dropout probabilities to 0 or put the dropout modules in eval mode"
+        f"the training step of {type(module).__name__} draws random numbers with {drawn.target}"
+        + (f" ({line})" if line else "") + ", which Tapestry cannot draw afresh each step (it repeats "
+        f"{', '.join(sorted(FILLS | FACTORIES))}): traced once, the draw would be the same at every step. Draw "
+        "otherwise, or set the dropout probabilities to 0 or put the dropout modules in eval mode"
         + (f" ({', '.join(dropouts[:4])}{', ...' if len(dropouts) > 4 else ''})" if dropouts else ""))
 
 
