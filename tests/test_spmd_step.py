@@ -212,3 +212,60 @@ def test_the_compiled_step_equals_torch():
     want, _ = torch_run(3)
     for got in launch(train_compiled, nproc=2, timeout=900):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+# -- dropout: masks drawn every call, as eager torch draws them ----------------------------------------------------
+def dropout_mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.1), torch.nn.GELU(), torch.nn.Linear(32, 4))
+
+
+def torch_dropout_run(model: torch.nn.Module, loss_fn, data: list, seed: int) -> list[float]:
+    """The reference: torch.optim.AdamW on one device, its dropout drawn after torch.manual_seed(seed)."""
+    opt = torch.optim.AdamW(model.parameters(), **OPTIONS)
+    torch.manual_seed(seed)
+    losses = []
+    for batch in data:
+        opt.zero_grad()
+        loss = loss_fn(model(batch[0]), *batch[1:])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def train_dropout() -> dict:
+    step = tapestry.parallelize_step(dropout_mlp(), mse, batches(1)[0], mesh=tapestry.Mesh(2), compile=False,
+                                     cache=False, plan=PLANS["data_parallel"], **OPTIONS)
+    torch.manual_seed(3)
+    losses = [float(step(x, y)) for x, y in batches(4)]
+    if torch.distributed.get_rank() == 1:
+        torch.rand(1)  # this rank's generator moves on alone
+    try:
+        step(*batches(1)[0])
+    except RuntimeError as err:
+        refused = str(err)
+    return {"losses": losses, "module": step.module_state_dict(), "refused": refused}
+
+
+def test_dropout_trains_on_two_ranks_as_torch_draws_it_and_ranks_whose_generators_differ_are_refused():
+    """Each call draws the dropout mask afresh on every rank from torch's default generator, as eager torch draws
+    it after the same torch.manual_seed: four AdamW steps equal torch's on one device. A rank whose generator
+    moved on alone would use other masks than the rest: refused, every rank, before the step runs."""
+    model = dropout_mlp()
+    want = torch_dropout_run(model, mse, batches(4), seed=3)
+    no_dropout = torch_dropout_run(mlp_without_dropout(), mse, batches(4), seed=3)
+    assert not np.allclose(want, no_dropout, rtol=1e-3)  # the masks matter
+    for rank, got in enumerate(launch(train_dropout, 2)):
+        np.testing.assert_allclose(got["losses"], want, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank}")
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(got["module"][name], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+        assert got["refused"] == (f"rank {rank}, call 4: the ranks' torch random generators differ (the step draws "
+                                  "its dropout masks from them, identically on every rank): call torch.manual_seed "
+                                  "with the same seed on every rank, and draw no other random numbers on one rank")
+
+
+def mlp_without_dropout() -> torch.nn.Module:
+    model = dropout_mlp()
+    model[1].p = 0.0
+    return model

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -34,6 +35,7 @@ from tapestry.spmd.planning import shared_plan
 from tapestry.spmd.program import ParallelProgram, join_group
 from tapestry.spmd.state import device_mesh, placements
 from tapestry.training import LR, TORCH_STATE, Training, state_name
+from tapestry.training.draws import draw_all
 from tapestry.zspace import ZRange
 
 Planner = Callable[[Graph, Mesh], Plan]  # a graph and mesh -> the plan to run (e.g. training.plans.zero3)
@@ -71,10 +73,11 @@ class ParallelStep:
         graph = self.imported.graph
         if plan is not None and planning:
             raise TypeError(f"{', '.join(sorted(planning))}: options of tapestry.optimize, but plan= is given")
-        self.plan = plan(graph, mesh) if plan is not None else \
-            shared_plan(graph, mesh, cache, verbose and dist.get_rank() == 0, **planning)
-        self.program = ParallelProgram(self.plan, self._initial_state(), deliver=["loss"], carry=graph.carried,
-                                       compile=compile)
+        with torch.random.fork_rng(devices=[]):  # planning (on rank 0 alone) leaves the step's draws as they were
+            self.plan = plan(graph, mesh) if plan is not None else \
+                shared_plan(graph, mesh, cache, verbose and dist.get_rank() == 0, **planning)
+            self.program = ParallelProgram(self.plan, self._initial_state(), deliver=["loss"], carry=graph.carried,
+                                           compile=compile)
         self.lr = self.training.lr  # the learning rate of the last call
         self._mesh: DeviceMesh | None = None
 
@@ -93,7 +96,24 @@ class ParallelStep:
                                  f"(the example batch's: the step is planned for it), given {list(given.shape)}")
         self.lr = self.training.lr if lr is None else float(lr)
         inputs = {**dict(zip(names, leaves)), LR: torch.tensor(self.lr, dtype=torch.float64)}
-        return self.program(**inputs)["loss"]
+        return self.program(**inputs, **self._draws())["loss"]
+
+    def _draws(self) -> dict[str, torch.Tensor]:
+        """This call's random draws (dropout's masks), whole, from torch's default CPU generator as eager torch
+        draws them (training/draws.py); each rank uses its block. The ranks' generators must agree, or the
+        ranks would disagree about the masks and the step would be wrong silently: checked every call."""
+        draws = self.imported.translation.draws
+        if not draws:
+            return {}
+        state = torch.tensor([zlib.crc32(torch.get_rng_state().numpy().tobytes())], dtype=torch.int64,
+                             device=self.program.device)
+        every = [torch.empty_like(state) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, state)
+        if len({int(s) for s in every}) > 1:
+            raise RuntimeError(f"{self.program.where}: the ranks' torch random generators differ (the step draws "
+                               f"its dropout masks from them, identically on every rank): call torch.manual_seed "
+                               f"with the same seed on every rank, and draw no other random numbers on one rank")
+        return draw_all(draws)
 
     # -- state ------------------------------------------------------------------------------------------------
     @property
