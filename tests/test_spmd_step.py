@@ -269,3 +269,34 @@ def mlp_without_dropout() -> torch.nn.Module:
     model = dropout_mlp()
     model[1].p = 0.0
     return model
+
+
+def tiny_gpt2() -> torch.nn.Module:
+    """GPT-2 with its default dropouts (0.1 on embeddings, attention weights and residuals): 7 masks a step."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, use_cache=False,
+                                     attn_implementation="eager")  # sdpa's fused CPU kernel draws otherwise
+    return transformers.GPT2LMHeadModel(config).train()
+
+
+def next_token_loss(out, labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+
+TOKENS = [(ids, ids) for ids in (torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(k))
+                                 for k in range(3))]
+
+
+def train_gpt2() -> list[float]:
+    step = tapestry.parallelize_step(tiny_gpt2(), next_token_loss, TOKENS[0], mesh=tapestry.Mesh(2), compile=False,
+                                     cache=False, **OPTIONS)  # the optimizer's plan
+    torch.manual_seed(3)
+    return [float(step(*batch)) for batch in TOKENS]
+
+
+@pytest.mark.slow
+def test_gpt2_with_its_default_dropout_trains_on_two_ranks_as_torch():
+    want = torch_dropout_run(tiny_gpt2(), next_token_loss, TOKENS, seed=3)
+    for rank, got in enumerate(launch(train_gpt2, 2, timeout=900)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank}")
