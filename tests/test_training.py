@@ -132,6 +132,36 @@ def test_dropout_masks_are_drawn_afresh_each_step_as_eager_torch_draws_them():
     assert set(np.unique(masks[0])) == {0.0, 1.0}
 
 
+class Noisy(torch.nn.Module):
+    """Noise from each random op the capture repeats, and functional dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(16, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h = h + 0.1 * torch.randn_like(h) + torch.empty_like(h).uniform_(-0.1, 0.1) + 0.1 * torch.rand(h.shape)
+        h = h * torch.bernoulli(torch.full_like(h, 0.8)) + torch.empty_like(h).normal_(0.0, 0.1)
+        return self.b(torch.nn.functional.dropout(h, 0.2))
+
+
+def test_noise_from_rand_randn_uniform_normal_and_bernoulli_is_drawn_as_eager_torch_draws_it():
+    model = Noisy()
+    imported = tapestry.from_torch(model, (X, Y), training=TRAINING["sgd"], verbose=False)
+    assert [d.op for d in imported.translation.draws.values()] == [
+        "aten.randn_like.default", "aten.uniform_.default", "aten.rand.default", "aten.rand.default",
+        "aten.normal_.default", "aten.bernoulli_.float"]  # torch.bernoulli(probs) is rand(...) < probs
+    torch.manual_seed(4)
+    want = torch_steps(model, "sgd", 2)
+    torch.manual_seed(4)
+    state = None
+    for loss, params in want:
+        state = imported.outputs(evaluate(imported.graph, imported.inputs(X, Y, state=state)))
+        assert_step_matches(state, loss, params)
+
+
 def test_a_random_draw_it_cannot_repeat_is_refused_not_frozen_into_one_draw():
     """A random permutation is no fill of a tensor Tapestry repeats: refused, naming the op and the dropouts."""
     class Stochastic(torch.nn.Module):
