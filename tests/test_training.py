@@ -179,6 +179,16 @@ def test_a_random_draw_it_cannot_repeat_is_refused_not_frozen_into_one_draw():
     assert not eval_step.translation.draws
 
 
+def test_a_step_that_updates_buffers_in_place_is_refused_not_silently_dropped():
+    """Batch norm in training mode: the losses equal torch's, but its running statistics would never move."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 4))
+    with pytest.raises(TorchImportError, match=r"updates buffers in place \(1, 1.num_batches_tracked; batch norm"):
+        tapestry.from_torch(model, (X, Y), training=tapestry.Training(loss=mse), verbose=False)
+    tapestry.from_torch(model.eval(), (X, Y), training=tapestry.Training(loss=mse), verbose=False)
+    model[1].track_running_stats, model[1].running_mean, model[1].running_var = False, None, None
+    tapestry.from_torch(model.train(), (X, Y), training=tapestry.Training(loss=mse), verbose=False)
+
+
 def test_unknown_optimizer_is_refused():
     with pytest.raises(ValueError, match="optimizer 'lamb' is not one of sgd, adam, adamw"):
         tapestry.Training(loss=mse, optimizer="lamb")

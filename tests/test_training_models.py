@@ -118,3 +118,24 @@ def test_a_parameter_the_loss_never_reads_is_a_clear_error():
     training = tapestry.Training(loss=lambda m, x: m["used"](x).sum(), optimizer="sgd")
     with pytest.raises(tapestry.TorchImportError, match=r"parameter\(s\) unused.weight, unused.bias do not reach"):
         tapestry.from_torch(model, (torch.randn(2, 4),), training=training, verbose=False)
+
+
+def test_a_cnn_whose_first_conv_needs_no_input_gradient_trains_as_torch():
+    """convolution_backward leaves out (None) the gradient of an input that needs none: the import skips it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(144, 5))
+    x, y = torch.randn(2, 3, 8, 8), torch.randn(2, 5)
+
+    def loss(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(module(x), y)
+
+    training = tapestry.Training.from_torch_optimizer(torch.optim.SGD, loss, lr=0.1, momentum=0.9)
+    imported = tapestry.from_torch(model, (x, y), training=training, verbose=False)
+    ours = imported.outputs(evaluate(imported.graph, imported.inputs(x, y)))
+    reference = copy.deepcopy(model)
+    expected = loss(reference, x, y)
+    expected.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9).step()
+    assert abs(float(ours["loss"]) - expected.item()) <= 1e-5 * abs(expected.item())
+    for path, value in reference.named_parameters():
+        np.testing.assert_allclose(ours["parameters"][path], value.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=path)

@@ -442,7 +442,8 @@ def _opaque(builder: Builder, node: Any, name: str, args: Any, kwargs: Any,
             coverage: dict[str, collections.Counter]) -> Any:
     value = node.meta.get("val")
     if isinstance(value, (tuple, list)):
-        return [_Lazy(node, name, args, kwargs, i) for i in range(len(value))]
+        # an output the trace left out (None: convolution_backward's input gradient when the input needs none)
+        return [None if part is None else _Lazy(node, name, args, kwargs, i) for i, part in enumerate(value)]
     if not isinstance(value, torch.Tensor):
         raise TorchImportError(f"{name} at {_where(node)}: returns {type(value).__name__}, not a tensor")
     return _emit_opaque(builder, node, name, args, kwargs, 0, value, coverage)

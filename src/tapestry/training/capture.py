@@ -129,6 +129,8 @@ def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, 
         raise TorchImportError(f"could not trace a training step of {type(module).__name__}: "
                                f"{type(err).__name__}: {first}") from None
     holders = [node for node in traced.graph.nodes if node.op == "placeholder"]
+    _refuse_updated_buffers(traced.graph, {h: name for h, name in zip(holders, layout.names) if name in layout.held},
+                            module)
     roles = {h.name: _role(name, flat[i], user=i >= len(layout.names))
              for i, (h, name) in enumerate(zip(holders, [*layout.names, *(f"arg{i}" for i in range(len(args)))]))}
     cut = _cut_random_draws(traced.graph, module)
@@ -181,6 +183,25 @@ def _refuse(drawn: torch.fx.Node, module: torch.nn.Module) -> NoReturn:
         f"{', '.join(sorted(FILLS | FACTORIES))}): traced once, the draw would be the same at every step. Draw "
         "otherwise, or set the dropout probabilities to 0 or put the dropout modules in eval mode"
         + (f" ({', '.join(dropouts[:4])}{', ...' if len(dropouts) > 4 else ''})" if dropouts else ""))
+
+
+def _refuse_updated_buffers(graph: torch.fx.Graph, held: dict[Any, str], module: torch.nn.Module) -> None:
+    """A buffer the step writes in place (batch norm's running statistics in training mode) is an input the
+    step does not carry: its update would be dropped, and the module's statistics would stay as they were while the
+    losses still equal torch's. Refused, naming the buffers."""
+    written = [name for name, m in module.named_modules()  # their running means leave no write in the trace
+               if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats]
+    for node in graph.nodes:
+        if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
+            schema = node.target._schema.arguments
+            written += [held[a] for a, s in zip(node.args, schema) if s.alias_info is not None
+                        and s.alias_info.is_write and a in held and held[a] not in written]
+    if written:
+        raise TorchImportError(
+            f"the training step of {type(module).__name__} updates buffers in place ({', '.join(written[:4])}"
+            f"{', ...' if len(written) > 4 else ''}; batch norm's running statistics in training mode): the step "
+            "does not carry buffers, so the update would be lost. Put those modules in eval mode or set "
+            "track_running_stats=False")
 
 
 def _role(name: str, value: Any, user: bool) -> Placeholder:
