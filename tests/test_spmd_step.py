@@ -271,32 +271,38 @@ def mlp_without_dropout() -> torch.nn.Module:
     return model
 
 
-def tiny_gpt2() -> torch.nn.Module:
-    """GPT-2 with its default dropouts (0.1 on embeddings, attention weights and residuals): 7 masks a step."""
+def tiny_lm(name: str) -> torch.nn.Module:
+    """GPT-2 (0.1 on embeddings, attention weights and residuals) and BERT for masked LM (0.1 on embeddings,
+    attention weights, hidden states) with their default dropouts: 7 masks a step each."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, use_cache=False,
-                                     attn_implementation="eager")  # sdpa's fused CPU kernel draws otherwise
-    return transformers.GPT2LMHeadModel(config).train()
+    if name == "gpt2":  # attn_implementation="eager": sdpa's fused CPU kernel draws its own mask
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, use_cache=False,
+            attn_implementation="eager")).train()
+    return transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=16, attn_implementation="eager")).train()
 
 
-def next_token_loss(out, labels: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+def token_loss_of(out, labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
 
 
 TOKENS = [(ids, ids) for ids in (torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(k))
                                  for k in range(3))]
 
 
-def train_gpt2() -> list[float]:
-    step = tapestry.parallelize_step(tiny_gpt2(), next_token_loss, TOKENS[0], mesh=tapestry.Mesh(2), compile=False,
+def train_lm(name: str) -> list[float]:
+    step = tapestry.parallelize_step(tiny_lm(name), token_loss_of, TOKENS[0], mesh=tapestry.Mesh(2), compile=False,
                                      cache=False, **OPTIONS)  # the optimizer's plan
     torch.manual_seed(3)
     return [float(step(*batch)) for batch in TOKENS]
 
 
 @pytest.mark.slow
-def test_gpt2_with_its_default_dropout_trains_on_two_ranks_as_torch():
-    want = torch_dropout_run(tiny_gpt2(), next_token_loss, TOKENS, seed=3)
-    for rank, got in enumerate(launch(train_gpt2, 2, timeout=900)):
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_a_transformer_with_its_default_dropout_trains_on_two_ranks_as_torch(name):
+    want = torch_dropout_run(tiny_lm(name), token_loss_of, TOKENS, seed=3)
+    for rank, got in enumerate(launch(train_lm, 2, name, timeout=900)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank}")
