@@ -33,7 +33,7 @@ def build_model() -> torch.nn.Module:
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
                                       use_cache=False)
-    return transformers.LlamaForCausalLM(config).eval()  # eval: dropout off (training steps trace no random ops)
+    return transformers.LlamaForCausalLM(config).eval()  # eval: no dropout (it would train: docs/training.md)
 
 
 class Sequences(torch.utils.data.Dataset):

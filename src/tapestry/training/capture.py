@@ -5,6 +5,7 @@ optimizer state, the step count and learning rate, and the buffers (rotary `inv_
 parameters. Closed-over real tensors meet fake ones inside the trace and tracing refuses them; as arguments they
 become graph inputs (floating point, `static`: the same every step) or constants (integer buffers, folded).
 Tied parameters (an embedding shared with the output head) are one tensor: one input, read by both uses.
+Random draws (dropout's masks) become inputs drawn afresh every call (training/draws.py).
 """
 from __future__ import annotations
 
