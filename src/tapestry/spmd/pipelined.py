@@ -1,0 +1,166 @@
+"""A training step run as a pipeline over the ranks: `tapestry.parallelize_step(..., pipeline=...)`.
+
+    plan = tapestry.plan_pipeline(...).plan                  # or pipeline.Schedule("1f1b", stages=4, micro_batches=8)
+    step = tapestry.parallelize_step(model, loss_fn, (ids, labels), mesh=tapestry.Mesh(4), pipeline=plan)
+    loss = step(ids, labels, lr=lr)                           # the mean micro-batch loss, on every rank
+
+The module is cut before the layers where the plan's chunks begin (`layers` names its ModuleList of repeated
+layers) by torch.distributed.pipelining's tracer (`pipeline` with `SplitPoint.BEGINNING`), so whatever the
+module's forward runs before its first layer (the embedding) goes to the first chunk and whatever it runs after
+its last (the final norm, the head) to the last chunk. Chunk c runs on rank c % S; torch's schedules
+(`ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`) run the micro-batches, sending activations and
+gradients between ranks point to point, and the loss (`loss_fn(output, target)`, per micro-batch) on the last
+chunk. Each rank's optimizer then updates its own chunks' parameters: a step equals one step of the module on
+one device over the whole batch when `loss_fn` is a mean over the batch (torch's schedule averages the
+micro-batches' gradients). Each stage's layers run eagerly on its one rank: a stage plan over several devices
+(tensor or data parallel inside a stage) is not run here yet.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import pipelining
+
+from tapestry.pipeline.model import partition
+from tapestry.pipeline.schedule import Schedule
+from tapestry.sharding import Mesh
+from tapestry.spmd.program import join_group
+
+if TYPE_CHECKING:  # the planner imports the optimizer; a rank running a step needs neither
+    from tapestry.pipeline.planner import PipelinePlan
+
+SCHEDULE_CLASSES = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,
+                    "interleaved": pipelining.ScheduleInterleaved1F1B}
+
+
+def chunk_layers(pipeline: PipelinePlan | Schedule, layers: int) -> tuple[tuple[int, ...], ...]:
+    """The layer indices of each chunk: the plan's, or for a bare schedule an even split in order."""
+    if isinstance(pipeline, Schedule):
+        return partition([1.0] * layers, pipeline.stages * pipeline.chunks)
+    chunks = pipeline.chunks
+    if sum(map(len, chunks)) != layers:
+        raise ValueError(f"the pipeline plan places {sum(map(len, chunks))} layers; the module has {layers}")
+    return chunks
+
+
+def split_points(chunks: Sequence[Sequence[int]], layers: str) -> dict[str, pipelining.SplitPoint]:
+    """Where torch's tracer cuts: before the first layer of every chunk but the first."""
+    if [i for chunk in chunks for i in chunk] != list(range(sum(map(len, chunks)))):
+        raise ValueError(f"pipeline chunks must hold the layers in order, each once; got {list(map(list, chunks))}")
+    return {f"{layers}.{chunk[0]}": pipelining.SplitPoint.BEGINNING for chunk in chunks[1:]}
+
+
+class PipelinedStep:
+    """One training step of `module` pipelined over the ranks of a one-axis mesh (module docstring). Every rank
+    constructs it and calls it alike; each holds only its own chunks' parameters and optimizer state."""
+
+    def __init__(self, module: nn.Module, loss_fn: Callable[..., torch.Tensor], example_batch: Sequence[Any],
+                 mesh: Mesh | int | None, optimizer: type[torch.optim.Optimizer],
+                 pipeline: PipelinePlan | Schedule, *, layers: str = "layers", max_norm: float | None = None,
+                 **optimizer_options: Any) -> None:
+        schedule = pipeline if isinstance(pipeline, Schedule) else getattr(pipeline, "schedule", None)
+        if not isinstance(schedule, Schedule):
+            raise TypeError(f"pipeline= takes a PipelinePlan (tapestry.plan_pipeline(...).plan) or a "
+                            f"tapestry.pipeline.Schedule; got {type(pipeline).__name__}")
+        world = dist.get_world_size() if dist.is_initialized() else None
+        mesh = Mesh(mesh) if isinstance(mesh, int) else mesh if mesh is not None else Mesh(world or schedule.stages)
+        if mesh.ndim != 1 or mesh.size != schedule.stages:
+            raise ValueError(f"a pipelined step runs one stage per rank on a one-axis mesh of {schedule.stages} "
+                             f"devices (the schedule's stages); got mesh {mesh}. A stage planned over several "
+                             f"devices (plan.stage_mesh) is not run yet")
+        if not isinstance(pipeline, Schedule) and pipeline.stage_mesh.size != 1:
+            raise ValueError(f"the pipeline plan runs each stage on {pipeline.stage_mesh} ({pipeline.stage_mesh.size}"
+                             f" devices); running a stage's own plan over several devices is not done yet: plan "
+                             f"with a mesh of one device per stage")
+        join_group(mesh.size)
+        self.module, self.mesh, self.schedule, self.max_norm = module, mesh, schedule, max_norm
+        self.rank = dist.get_rank()
+        batch = tuple(example_batch)
+        if len(batch) != 2:
+            raise TypeError(f"a pipelined step takes (input, target) batches, loss_fn(module(input), target); the "
+                            f"example batch has {len(batch)} tensor(s)")
+        self.shapes = tuple(tuple(t.shape) for t in batch)
+        if batch[0].shape[0] % schedule.micro_batches:
+            raise ValueError(f"the batch of {batch[0].shape[0]} does not split into {schedule.micro_batches} "
+                             "micro-batches of one size")
+        stack = _layer_list(module, layers)
+        self.chunks = chunk_layers(pipeline, len(stack))
+        micro = batch[0].tensor_split(schedule.micro_batches)[0]
+        try:
+            pipe = pipelining.pipeline(module, mb_args=(micro,), split_spec=split_points(self.chunks, layers))
+        except Exception as err:  # torch.export's errors name the op it could not trace
+            raise RuntimeError(f"torch.distributed.pipelining could not trace {type(module).__name__} to cut it "
+                               f"into {len(self.chunks)} chunks: {err}") from err
+        if pipe.num_stages != len(self.chunks):
+            raise RuntimeError(f"the tracer cut {type(module).__name__} into {pipe.num_stages} pieces, not "
+                               f"{len(self.chunks)}: are the layers of '{layers}' called in order in forward?")
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+            else torch.device("cpu")
+        self.stages = [pipe.build_stage(c, device) for c in range(self.rank, len(self.chunks), schedule.stages)]
+        runner = SCHEDULE_CLASSES[schedule.name]
+        self.runner = runner(self.stages if schedule.chunks > 1 else self.stages[0],
+                             n_microbatches=schedule.micro_batches, loss_fn=loss_fn)
+        self.parameters = {name: p for stage in self.stages for name, p in stage.submod.named_parameters()}
+        self.optimizer = optimizer(list(self.parameters.values()), **optimizer_options)
+        self.holds_first = 0 in range(self.rank, len(self.chunks), schedule.stages)
+        self.last_rank = (len(self.chunks) - 1) % schedule.stages
+
+    def __call__(self, inputs: torch.Tensor, target: torch.Tensor, lr: float | None = None) -> torch.Tensor:
+        """One step on the whole global batch (the same on every rank); the mean micro-batch loss, on every rank."""
+        for k, (given, expected) in enumerate(zip((inputs, target), self.shapes)):
+            if tuple(given.shape) != expected:
+                raise ValueError(f"batch tensor {k}: expected shape {list(expected)} (the example batch's: the step "
+                                 f"is traced for it), given {list(given.shape)}")
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = float(lr)
+        self.optimizer.zero_grad()
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.holds_first else ()
+        self.runner.step(*args, target=target, losses=losses)
+        if self.max_norm is not None:
+            self._clip()
+        self.optimizer.step()
+        loss = torch.stack([x.detach() for x in losses]).mean() if losses else torch.zeros((), dtype=torch.float32)
+        dist.broadcast(loss, self.last_rank)
+        return loss
+
+    def _clip(self) -> None:
+        """Clip by the norm of every stage's gradients together (torch.nn.utils.clip_grad_norm_ over the model)."""
+        grads = [p.grad for p in self.parameters.values() if p.grad is not None]
+        squares = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+        dist.all_reduce(squares)
+        scale = (self.max_norm / (squares.sqrt() + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(scale)
+
+    def module_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the module, in its own names, gathered from the ranks that hold it. Collective."""
+        held = {name: p.detach().clone() for name, p in self.parameters.items()}
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, held)
+        return {name: value for part in everyone for name, value in part.items()}
+
+    def __repr__(self) -> str:
+        s = self.schedule
+        return (f"PipelinedStep({type(self.module).__name__}, {s.name}, {s.stages} stages, {s.micro_batches} "
+                f"micro-batches, rank {self.rank} holds chunks {[st.stage_index for st in self.stages]})")
+
+
+def _layer_list(module: nn.Module, path: str) -> nn.ModuleList:
+    try:
+        found = module.get_submodule(path)
+    except AttributeError:
+        found = None
+    if not path or not isinstance(found, nn.ModuleList):
+        lists = [name for name, m in module.named_modules() if isinstance(m, nn.ModuleList)]
+        raise ValueError(f"layers={path!r}: {type(module).__name__} has no ModuleList there to cut into stages "
+                         f"(its ModuleLists: {lists or 'none'})")
+    return found
+
+
+__all__ = ["PipelinedStep", "chunk_layers", "split_points"]

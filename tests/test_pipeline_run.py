@@ -1,0 +1,101 @@
+"""Pipelined training steps (tapestry.parallelize_step with pipeline=, spmd/pipelined.py) on gloo ranks: the
+stages, micro-batches and schedules of a plan run with torch.distributed.pipelining, and a step equals torch on
+one device (the losses and the updated weights)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tapestry
+from tapestry.models import llama_decoder
+from tapestry.pipeline import Schedule
+from tapestry.spmd.launch import launch
+from tapestry.spmd.pipelined import chunk_layers, split_points
+
+VOCAB, BATCH, SEQ = 64, 8, 16
+SGD = (torch.optim.SGD, {"lr": 0.1})  # gradients scaled wrongly show in the weights (Adam would normalise them away)
+# Adam's first update is lr * g / (|g| + eps): with torch's eps of 1e-8 a gradient near zero turns a rounding
+# difference (summed micro-batches against one batch) into up to lr; eps 1e-4 bounds that at lr / eps times it
+ADAMW = (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.01, "eps": 1e-4})
+Optimizer = tuple[type[torch.optim.Optimizer], dict[str, float]]
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),
+             torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)) for _ in range(steps)]
+
+
+def on_one_device(layers: int, steps: int, optimizer: Optimizer) -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = llama_decoder(VOCAB, layers=layers)
+    make, options = optimizer
+    optimizer = make(model.parameters(), **options)
+    losses = []
+    for ids, labels in batches(steps):
+        optimizer.zero_grad()
+        loss = cross_entropy(model(ids), labels)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def pipelined(schedule: Schedule, layers: int, steps: int, optimizer: Optimizer
+              ) -> tuple[list[float], dict[str, torch.Tensor], str]:
+    """On each rank: `steps` pipelined steps from the same initial weights; the losses and the gathered weights."""
+    torch.manual_seed(0)
+    model = llama_decoder(VOCAB, layers=layers)
+    data = batches(steps)
+    step = tapestry.parallelize_step(model, cross_entropy, data[0], optimizer=optimizer[0], **optimizer[1],
+                                     pipeline=schedule)
+    losses = [float(step(ids, labels)) for ids, labels in data]
+    return losses, step.module_state_dict(), repr(step)
+
+
+def check_against_torch(schedule: Schedule, layers: int, optimizer: Optimizer, steps: int = 2) -> None:
+    want_losses, want = on_one_device(layers, steps, optimizer)
+    ranks = launch(pipelined, schedule, layers, steps, optimizer, nproc=schedule.stages, timeout=300)
+    for losses, weights, _ in ranks:
+        assert losses == pytest.approx(want_losses, abs=1e-5)
+        assert set(weights) == set(want)
+        for name, value in weights.items():
+            torch.testing.assert_close(value, want[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_a_1f1b_step_on_two_ranks_equals_torch_on_one_device() -> None:
+    check_against_torch(Schedule("1f1b", 2, 4), layers=4, optimizer=SGD)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", [Schedule("gpipe", 2, 4), Schedule("gpipe", 4, 8), Schedule("1f1b", 4, 8),
+                                      Schedule("interleaved", 2, 4, 2), Schedule("interleaved", 4, 4, 2)],
+                         ids=lambda s: f"{s.name}-{s.stages}x{s.chunks}-m{s.micro_batches}")
+def test_pipelined_steps_equal_torch_on_one_device(schedule: Schedule) -> None:
+    check_against_torch(schedule, layers=8, optimizer=SGD)
+    if schedule.name != "gpipe":
+        check_against_torch(schedule, layers=8, optimizer=ADAMW)
+
+
+def test_chunks_come_from_the_plan_or_split_the_layers_evenly() -> None:
+    assert chunk_layers(Schedule("1f1b", 2, 4), 5) == ((0, 1), (2, 3, 4))
+    assert chunk_layers(Schedule("interleaved", 2, 4, 2), 8) == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert list(split_points(((0, 1), (2, 3, 4)), "layers")) == ["layers.2"]
+    with pytest.raises(ValueError, match="in order, each once"):
+        split_points(((0, 2), (1,)), "layers")
+
+
+def test_a_pipelined_step_refuses_a_mesh_that_is_not_one_stage_per_rank() -> None:
+    model = llama_decoder(VOCAB, layers=2)
+    with pytest.raises(ValueError, match="one stage per rank on a one-axis mesh of 2 devices"):
+        tapestry.parallelize_step(model, cross_entropy, batches(1)[0], mesh=tapestry.Mesh(4),
+                                  pipeline=Schedule("1f1b", 2, 4))
+    with pytest.raises(TypeError, match="options of a planned step"):
+        tapestry.parallelize_step(model, cross_entropy, batches(1)[0], pipeline=Schedule("1f1b", 2, 4),
+                                  time_limit=5)
