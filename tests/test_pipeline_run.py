@@ -10,7 +10,7 @@ import torch
 
 import tapestry
 from tapestry.models import llama_decoder
-from tapestry.pipeline import Schedule
+from tapestry.pipeline import PipelinePlan, Schedule
 from tapestry.spmd.launch import launch
 from tapestry.spmd.pipelined import chunk_layers, split_points
 
@@ -32,9 +32,10 @@ def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
              torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)) for _ in range(steps)]
 
 
-def on_one_device(layers: int, steps: int, optimizer: Optimizer) -> tuple[list[float], dict[str, torch.Tensor]]:
+def on_one_device(layers: int, steps: int, optimizer: Optimizer, dim: int = 32
+                  ) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    model = llama_decoder(VOCAB, layers=layers)
+    model = llama_decoder(VOCAB, dim=dim, layers=layers)
     make, options = optimizer
     optimizer = make(model.parameters(), **options)
     losses = []
@@ -47,11 +48,11 @@ def on_one_device(layers: int, steps: int, optimizer: Optimizer) -> tuple[list[f
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def pipelined(schedule: Schedule, layers: int, steps: int, optimizer: Optimizer
+def pipelined(schedule: Schedule | PipelinePlan, layers: int, steps: int, optimizer: Optimizer, dim: int = 32
               ) -> tuple[list[float], dict[str, torch.Tensor], str]:
     """On each rank: `steps` pipelined steps from the same initial weights; the losses and the gathered weights."""
     torch.manual_seed(0)
-    model = llama_decoder(VOCAB, layers=layers)
+    model = llama_decoder(VOCAB, dim=dim, layers=layers)
     data = batches(steps)
     step = tapestry.parallelize_step(model, cross_entropy, data[0], optimizer=optimizer[0], **optimizer[1],
                                      pipeline=schedule)
@@ -59,14 +60,18 @@ def pipelined(schedule: Schedule, layers: int, steps: int, optimizer: Optimizer
     return losses, step.module_state_dict(), repr(step)
 
 
-def check_against_torch(schedule: Schedule, layers: int, optimizer: Optimizer, steps: int = 2) -> None:
-    want_losses, want = on_one_device(layers, steps, optimizer)
-    ranks = launch(pipelined, schedule, layers, steps, optimizer, nproc=schedule.stages, timeout=300)
+def check_against_torch(schedule: Schedule | PipelinePlan, layers: int, optimizer: Optimizer, steps: int = 2,
+                        dim: int = 32) -> list[str]:
+    """The ranks' losses and weights against torch's on one device; each rank's repr of its step."""
+    want_losses, want = on_one_device(layers, steps, optimizer, dim)
+    stages = schedule.stages
+    ranks = launch(pipelined, schedule, layers, steps, optimizer, dim, nproc=stages, timeout=300)
     for losses, weights, _ in ranks:
         assert losses == pytest.approx(want_losses, abs=1e-5)
         assert set(weights) == set(want)
         for name, value in weights.items():
             torch.testing.assert_close(value, want[name], rtol=0, atol=1e-5, msg=name)
+    return [described for _, _, described in ranks]
 
 
 def test_a_1f1b_step_on_two_ranks_equals_torch_on_one_device() -> None:
@@ -81,6 +86,34 @@ def test_pipelined_steps_equal_torch_on_one_device(schedule: Schedule) -> None:
     check_against_torch(schedule, layers=8, optimizer=SGD)
     if schedule.name != "gpipe":
         check_against_torch(schedule, layers=8, optimizer=ADAMW)
+
+
+@pytest.mark.slow
+def test_stages_of_unequal_layer_counts_equal_torch() -> None:
+    check_against_torch(Schedule("1f1b", 2, 4), layers=5, optimizer=SGD)
+
+
+@pytest.mark.slow
+def test_a_plan_from_plan_pipeline_runs_with_the_embedding_first_and_the_head_last() -> None:
+    """plan_pipeline prices the embedding and the head with the layers; its plan's chunks run as planned."""
+    from tapestry.cost import DefaultCostModel, load_profile
+    from tapestry.pipeline import first_step, last_step, layer_step
+
+    dim, micro_batch = 64, BATCH // 4
+    model = llama_decoder(VOCAB, dim=dim, layers=4)
+    x, ids = torch.zeros(micro_batch, SEQ, dim), torch.zeros(micro_batch, SEQ, dtype=torch.long)
+    result = tapestry.plan_pipeline(layer_step(model.layers[0], x), 4, tapestry.Mesh(2), global_batch=BATCH,
+                                    cost_model=DefaultCostModel(load_profile("gpu-h100-cluster")), stages=(2,),
+                                    schedules=("1f1b", "gpipe"), memory_budget=None, pareto_points=1,
+                                    budget=tapestry.Budget(seconds=20), first=first_step(model.embed, ids),
+                                    last=last_step(torch.nn.Sequential(model.norm, model.head), x, ids,
+                                                   cross_entropy))
+    plan = result.plan
+    assert plan.ends.first is not None and plan.ends.last is not None
+    assert plan.ends.last.params == dim * VOCAB + 2 * dim  # the head, the final norm and the input gate
+    assert "+ last (head, loss)" in plan.describe()
+    described = check_against_torch(plan, layers=4, optimizer=SGD, dim=dim)
+    assert f"{plan.schedule.name}, 2 stages, {plan.schedule.micro_batches} micro-batches" in described[0]
 
 
 def test_chunks_come_from_the_plan_or_split_the_layers_evenly() -> None:

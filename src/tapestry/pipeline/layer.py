@@ -51,6 +51,52 @@ def layer_step(layer: Any, example: Any, optimizer: str = "adam", lr: float = 1e
     return tapestry.from_torch(Stage(), (example, example), training=training, verbose=False).graph
 
 
+def first_step(first: Any, example: Any, optimizer: str = "adam", lr: float = 1e-4) -> Graph:
+    """The training step of what a model runs before its first layer (`first`, e.g. its token embedding) on one
+    micro-batch `example` (token ids), given the gradient of its output: the loss is the output's dot product with
+    an incoming gradient, as in `layer_step`. Its input has no gradient (ids), so it has no gate."""
+    import torch
+
+    import tapestry
+
+    with torch.no_grad():
+        out = first(example)
+
+    def loss(module: torch.nn.Module, ids: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        return (module(ids) * grad).sum()
+
+    grad = torch.zeros(out.shape, dtype=out.dtype, device=out.device)
+    training = tapestry.Training(loss=loss, optimizer=optimizer, lr=lr)
+    return tapestry.from_torch(first, (example, grad), training=training, verbose=False).graph
+
+
+def last_step(last: Any, example: Any, target: Any, loss_fn: Any, optimizer: str = "adam",
+              lr: float = 1e-4) -> Graph:
+    """The training step of what a model runs after its last layer (`last`: the final norm and the LM head) and
+    the loss, `loss_fn(last(x), target)`, on one micro-batch `example` of the last layer's output, with its
+    input's gradient computed (through a trainable gate of ones, as in `layer_step`): the stage's backward
+    starts here."""
+    import torch
+
+    import tapestry
+
+    class Last(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.last = last
+            self.input_gate = torch.nn.Parameter(torch.ones(example.shape[-1], dtype=example.dtype,
+                                                            device=example.device))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.last(x * self.input_gate)
+
+    def loss(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return loss_fn(module(x), y)
+
+    training = tapestry.Training(loss=loss, optimizer=optimizer, lr=lr)
+    return tapestry.from_torch(Last(), (example, target), training=training, verbose=False).graph
+
+
 def _most(per_device: Iterable[int]) -> int:
     return max(per_device, default=0)
 
