@@ -132,3 +132,40 @@ def test_a_pipelined_step_refuses_a_mesh_that_is_not_one_stage_per_rank() -> Non
     with pytest.raises(TypeError, match="options of a planned step"):
         tapestry.parallelize_step(model, cross_entropy, batches(1)[0], pipeline=Schedule("1f1b", 2, 4),
                                   time_limit=5)
+
+
+def save_after_one_step(schedule: Schedule, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    data = batches(1)
+    step = tapestry.parallelize_step(llama_decoder(VOCAB, layers=4), cross_entropy, data[0],
+                                     optimizer=ADAMW[0], **ADAMW[1], pipeline=schedule)
+    step(*data[0])
+    dcp.save(step.state_dict(), checkpoint_id=path)
+
+
+def resume_for_one_step(schedule: Schedule, path: str) -> tuple[float, dict[str, torch.Tensor]]:
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(5)  # other initial weights: the checkpoint must replace them
+    data = batches(2)
+    step = tapestry.parallelize_step(llama_decoder(VOCAB, layers=4), cross_entropy, data[0],
+                                     optimizer=ADAMW[0], **ADAMW[1], pipeline=schedule)
+    state = copy.deepcopy(step.state_dict())  # dcp.load fills it in place: a copy leaves the step to load_state_dict
+    dcp.load(state, checkpoint_id=path)
+    step.load_state_dict(state)
+    return step(*data[1]).item(), step.module_state_dict()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_by_one_cut_resumes_under_another(tmp_path) -> None:  # noqa: ANN001
+    """Saved with torch.distributed.checkpoint from 1F1B on 2 ranks (2 layers each), loaded into interleaved on 2
+    ranks (4 chunks of 1: each rank holds other layers than it saved): the next step equals torch's second."""
+    want_losses, want = on_one_device(4, 2, ADAMW)
+    launch(save_after_one_step, Schedule("1f1b", 2, 4), str(tmp_path / "ckpt"), nproc=2, timeout=300)
+    for loss, weights in launch(resume_for_one_step, Schedule("interleaved", 2, 4, 2), str(tmp_path / "ckpt"),
+                                nproc=2, timeout=300):
+        assert loss == pytest.approx(want_losses[1], abs=1e-5)
+        for name, value in weights.items():
+            torch.testing.assert_close(value, want[name], rtol=0, atol=1e-5, msg=name)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import pipelining
+from torch.distributed.checkpoint.state_dict import _init_optim_state
 
 from tapestry.pipeline.model import partition
 from tapestry.pipeline.schedule import Schedule
@@ -77,7 +78,8 @@ class PipelinedStep:
                              f" devices); running a stage's own plan over several devices is not done yet: plan "
                              f"with a mesh of one device per stage")
         join_group(mesh.size)
-        self.module, self.mesh, self.schedule, self.max_norm = module, mesh, schedule, max_norm
+        # the module itself is not kept: a rank holds only its own chunks' parameters once the caller lets it go
+        self.model_name, self.mesh, self.schedule, self.max_norm = type(module).__name__, mesh, schedule, max_norm
         self.rank = dist.get_rank()
         batch = tuple(example_batch)
         if len(batch) != 2:
@@ -138,6 +140,45 @@ class PipelinedStep:
         for g in grads:
             g.mul_(scale)
 
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's part of the step's state in the module's names: {"model": {path: tensor}, "optim": {"state":
+        {path: {"exp_avg", ..., "step"}}, "param_groups": [...]}} (ParallelStep's form, DCP's convention). The ranks'
+        parts have no key in common, so torch.distributed.checkpoint saves them side by side, and loads into a step
+        cut otherwise (another schedule, chunks or stage count) by name. Before the first step the optimizer's state
+        is made as torch's get_state_dict makes it (a step at lr 0 with zero gradients) with its count set back to
+        0, so a fresh step's state_dict() is a template to load a checkpoint into."""
+        if not self.optimizer.state:
+            _init_optim_state(self.optimizer)
+            for entry in self.optimizer.state.values():
+                if isinstance(entry.get("step"), torch.Tensor):
+                    entry["step"].zero_()
+        names = list(self.parameters)
+        saved = self.optimizer.state_dict()
+        state = {names[index]: dict(entry) for index, entry in saved["state"].items()}
+        groups = [{**{k: v for k, v in group.items() if k != "params"},
+                   "params": [names[index] for index in group["params"]]} for group in saved["param_groups"]]
+        return {"model": {name: p.detach() for name, p in self.parameters.items()},
+                "optim": {"state": state, "param_groups": groups}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take a `state_dict()` (this rank's keys of one, as torch.distributed.checkpoint loads it in place)."""
+        model, optim = state_dict["model"], state_dict["optim"]
+        missing = sorted(set(self.parameters) - set(model))
+        if missing:
+            raise KeyError(f"rank {self.rank}: the state has no {missing[:4]}{'...' if len(missing) > 4 else ''}")
+        with torch.no_grad():
+            for name, p in self.parameters.items():
+                if tuple(model[name].shape) != tuple(p.shape):
+                    raise ValueError(f"state {name!r}: expected shape {list(p.shape)}, given {list(model[name].shape)}")
+                p.copy_(model[name])
+        index = {name: k for k, name in enumerate(self.parameters)}
+        # one group of every parameter (as the step makes it): its options from the state, which DCP loads from
+        # whichever rank saved them, so its parameter names may be another rank's
+        options = {k: v for k, v in optim["param_groups"][0].items() if k != "params"}
+        self.optimizer.load_state_dict({"state": {index[name]: entry for name, entry in optim["state"].items()
+                                                  if name in index},
+                                        "param_groups": [{**options, "params": list(index.values())}]})
+
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter of the module, in its own names, gathered from the ranks that hold it. Collective."""
         held = {name: p.detach().clone() for name, p in self.parameters.items()}
@@ -147,7 +188,7 @@ class PipelinedStep:
 
     def __repr__(self) -> str:
         s = self.schedule
-        return (f"PipelinedStep({type(self.module).__name__}, {s.name}, {s.stages} stages, {s.micro_batches} "
+        return (f"PipelinedStep({self.model_name}, {s.name}, {s.stages} stages, {s.micro_batches} "
                 f"micro-batches, rank {self.rank} holds chunks {[st.stage_index for st in self.stages]})")
 
 
