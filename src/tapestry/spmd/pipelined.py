@@ -12,8 +12,13 @@ its last (the final norm, the head) to the last chunk. Chunk c runs on rank c % 
 gradients between ranks point to point, and the loss (`loss_fn(output, target)`, per micro-batch) on the last
 chunk. Each rank's optimizer then updates its own chunks' parameters: a step equals one step of the module on
 one device over the whole batch when `loss_fn` is a mean over the batch (torch's schedule averages the
-micro-batches' gradients). Each stage's layers run eagerly on its one rank: a stage plan over several devices
-(tensor or data parallel inside a stage) is not run here yet.
+micro-batches' gradients).
+
+Each stage's layers run eagerly. A bare schedule on a mesh of D times its stages runs D data-parallel replicas of
+the pipeline: rank r is pipeline position r // D of replica r % D (the pipeline over the outer index, as
+plan_pipeline lays stages over mesh axis 0), each replica takes its D-th of the batch, and each stage's replicas
+average their gradients (one all-reduce per step among them) before the update. A plan whose stages span several
+devices is refused: its stage plan (tensor parallel, say) is not run here yet.
 """
 from __future__ import annotations
 
@@ -69,15 +74,16 @@ class PipelinedStep:
                             f"tapestry.pipeline.Schedule; got {type(pipeline).__name__}")
         world = dist.get_world_size() if dist.is_initialized() else None
         mesh = Mesh(mesh) if isinstance(mesh, int) else mesh if mesh is not None else Mesh(world or schedule.stages)
-        if mesh.ndim != 1 or mesh.size != schedule.stages:
-            raise ValueError(f"a pipelined step runs one stage per rank on a one-axis mesh of {schedule.stages} "
-                             f"devices (the schedule's stages); got mesh {mesh}. A stage planned over several "
-                             f"devices (plan.stage_mesh) is not run yet")
         if not isinstance(pipeline, Schedule) and pipeline.stage_mesh.size != 1:
             raise ValueError(f"the pipeline plan runs each stage on {pipeline.stage_mesh} ({pipeline.stage_mesh.size}"
                              f" devices); running a stage's own plan over several devices is not done yet: plan "
                              f"with a mesh of one device per stage")
+        if mesh.size % schedule.stages or (not isinstance(pipeline, Schedule) and mesh.size != schedule.stages):
+            raise ValueError(f"a pipelined step runs {schedule.stages} stages on a mesh of {schedule.stages} devices "
+                             f"(one stage per rank), or for a bare schedule of a multiple of that (data-parallel "
+                             f"replicas of the pipeline); got mesh {mesh}")
         join_group(mesh.size)
+        self.replicas = mesh.size // schedule.stages
         # the module itself is not kept: a rank holds only its own chunks' parameters once the caller lets it go
         self.model_name, self.mesh, self.schedule, self.max_norm = type(module).__name__, mesh, schedule, max_norm
         self.rank = dist.get_rank()
@@ -86,12 +92,13 @@ class PipelinedStep:
             raise TypeError(f"a pipelined step takes (input, target) batches, loss_fn(module(input), target); the "
                             f"example batch has {len(batch)} tensor(s)")
         self.shapes = tuple(tuple(t.shape) for t in batch)
-        if batch[0].shape[0] % schedule.micro_batches:
-            raise ValueError(f"the batch of {batch[0].shape[0]} does not split into {schedule.micro_batches} "
-                             "micro-batches of one size")
+        pieces = self.replicas * schedule.micro_batches
+        if batch[0].shape[0] % pieces:
+            raise ValueError(f"the batch of {batch[0].shape[0]} does not split into {self.replicas} replica(s) x "
+                             f"{schedule.micro_batches} micro-batches of one size")
         stack = _layer_list(module, layers)
         self.chunks = chunk_layers(pipeline, len(stack))
-        micro = batch[0].tensor_split(schedule.micro_batches)[0]
+        micro = batch[0].tensor_split(pieces)[0]
         try:
             pipe = pipelining.pipeline(module, mb_args=(micro,), split_spec=split_points(self.chunks, layers))
         except Exception as err:  # torch.export's errors name the op it could not trace
@@ -102,14 +109,23 @@ class PipelinedStep:
                                f"{len(self.chunks)}: are the layers of '{layers}' called in order in forward?")
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
             else torch.device("cpu")
-        self.stages = [pipe.build_stage(c, device) for c in range(self.rank, len(self.chunks), schedule.stages)]
+        # every rank makes every group, in one order: ranks of one replica (the pipeline's sends), of one stage
+        d, s = self.replicas, schedule.stages
+        self.position, self.replica = divmod(self.rank, d)
+        self.pipe_group = self.stage_group = None  # one replica: the whole group is the pipeline
+        if d > 1:
+            pipes = [dist.new_group([p * d + j for p in range(s)]) for j in range(d)]
+            stage_groups = [dist.new_group([p * d + j for j in range(d)]) for p in range(s)]
+            self.pipe_group, self.stage_group = pipes[self.replica], stage_groups[self.position]
+        self.stages = [pipe.build_stage(c, device, self.pipe_group)
+                       for c in range(self.position, len(self.chunks), s)]
         runner = SCHEDULE_CLASSES[schedule.name]
         self.runner = runner(self.stages if schedule.chunks > 1 else self.stages[0],
                              n_microbatches=schedule.micro_batches, loss_fn=loss_fn)
         self.parameters = {name: p for stage in self.stages for name, p in stage.submod.named_parameters()}
         self.optimizer = optimizer(list(self.parameters.values()), **optimizer_options)
-        self.holds_first = 0 in range(self.rank, len(self.chunks), schedule.stages)
-        self.last_rank = (len(self.chunks) - 1) % schedule.stages
+        self.holds_first = self.position == 0
+        self.holds_last = self.position == (len(self.chunks) - 1) % s
 
     def __call__(self, inputs: torch.Tensor, target: torch.Tensor, lr: float | None = None) -> torch.Tensor:
         """One step on the whole global batch (the same on every rank); the mean micro-batch loss, on every rank."""
@@ -122,20 +138,37 @@ class PipelinedStep:
                 group["lr"] = float(lr)
         self.optimizer.zero_grad()
         losses: list[torch.Tensor] = []
+        if self.replicas > 1:  # this replica's share of the batch
+            inputs, target = inputs.tensor_split(self.replicas)[self.replica], target.tensor_split(self.replicas)[
+                self.replica]
         args = (inputs,) if self.holds_first else ()
         self.runner.step(*args, target=target, losses=losses)
+        if self.replicas > 1:
+            self._average_replicas()
         if self.max_norm is not None:
             self._clip()
         self.optimizer.step()
-        loss = torch.stack([x.detach() for x in losses]).mean() if losses else torch.zeros((), dtype=torch.float32)
-        dist.broadcast(loss, self.last_rank)
-        return loss
+        # the mean over every micro-batch of every replica: their last stages' losses, summed everywhere
+        loss = torch.stack([x.detach() for x in losses]).sum() if self.holds_last else torch.zeros(())
+        dist.all_reduce(loss)
+        return loss / (self.replicas * self.schedule.micro_batches)
+
+    def _average_replicas(self) -> None:
+        """Each stage's gradients averaged over its replicas (what DDP's all-reduce does), one all-reduce."""
+        grads = [p.grad for p in self.parameters.values() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.stage_group)
+        flat /= self.replicas
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     def _clip(self) -> None:
         """Clip by the norm of every stage's gradients together (torch.nn.utils.clip_grad_norm_ over the model)."""
         grads = [p.grad for p in self.parameters.values() if p.grad is not None]
         squares = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
-        dist.all_reduce(squares)
+        dist.all_reduce(squares, group=self.pipe_group)  # every replica's gradients are alike by now
         scale = (self.max_norm / (squares.sqrt() + 1e-6)).clamp(max=1.0)
         for g in grads:
             g.mul_(scale)
