@@ -179,3 +179,37 @@ def test_a_checkpoint_saved_by_one_cut_resumes_under_another(tmp_path) -> None: 
         assert loss == pytest.approx(want_losses[1], abs=1e-5)
         for name, value in weights.items():
             torch.testing.assert_close(value, want[name], rtol=0, atol=1e-5, msg=name)
+
+
+def forwards_per_layer(plan: PipelinePlan) -> tuple[dict[str, int], list[float], dict[str, torch.Tensor]]:
+    """One step of `plan`: how often each of this rank's layers ran its forward, the loss, the weights."""
+    torch.manual_seed(0)
+    data = batches(1)
+    step = tapestry.parallelize_step(llama_decoder(VOCAB, layers=4), cross_entropy, data[0], optimizer=SGD[0],
+                                     **SGD[1], pipeline=plan)
+    calls: dict[str, int] = {}
+    for stage in step.stages:
+        for i in step.chunks[stage.stage_index]:
+            name = f"layers.{i}"
+            calls[name] = 0
+            stage.submod.get_submodule(f"{name}.q").register_forward_hook(
+                lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+    losses = [step(*data[0]).item()]
+    return calls, losses, step.module_state_dict()
+
+
+@pytest.mark.slow
+def test_the_layers_a_plan_recomputes_run_their_forward_again_in_the_backward() -> None:
+    from tapestry.pipeline import MIXED, LayerCost
+
+    cost = LayerCost(forward=1.0, backward=2.0, update=0.0, params=1, state=2, slots=2, activations=2, boundary=1,
+                     working=0, flops=1.0)
+    plan = PipelinePlan(tapestry.Mesh(2), 0, Schedule("1f1b", 2, 4), ((0, 1), (2, 3)), (True, False, False, True),
+                        MIXED, BATCH // 4, cost, None, 0.0, 0.0, (0.0, 0.0))
+    want_losses, want = on_one_device(4, 1, SGD)
+    ranks = launch(forwards_per_layer, plan, nproc=2, timeout=300)
+    assert {**ranks[0][0], **ranks[1][0]} == {"layers.0": 8, "layers.1": 4, "layers.2": 4, "layers.3": 8}
+    for _, losses, weights in ranks:
+        assert losses == pytest.approx(want_losses, abs=1e-5)
+        for name, value in weights.items():
+            torch.testing.assert_close(value, want[name], rtol=0, atol=1e-5, msg=name)

@@ -18,7 +18,8 @@ Each stage's layers run eagerly. A bare schedule on a mesh of D times its stages
 the pipeline: rank r is pipeline position r // D of replica r % D (the pipeline over the outer index, as
 plan_pipeline lays stages over mesh axis 0), each replica takes its D-th of the batch, and each stage's replicas
 average their gradients (one all-reduce per step among them) before the update. A plan whose stages span several
-devices is refused: its stage plan (tensor parallel, say) is not run here yet.
+devices is refused: its stage plan (tensor parallel, say) is not run here yet. The layers a plan recomputes
+(`plan.recompute`) run under activation checkpointing.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import pipelining
 from torch.distributed.checkpoint.state_dict import _init_optim_state
+from torch.utils.checkpoint import checkpoint
 
 from tapestry.pipeline.model import partition
 from tapestry.pipeline.schedule import Schedule
@@ -122,6 +124,11 @@ class PipelinedStep:
         runner = SCHEDULE_CLASSES[schedule.name]
         self.runner = runner(self.stages if schedule.chunks > 1 else self.stages[0],
                              n_microbatches=schedule.micro_batches, loss_fn=loss_fn)
+        flags = (False,) * len(stack) if isinstance(pipeline, Schedule) else pipeline.recompute
+        for stage in self.stages:
+            for i in self.chunks[stage.stage_index]:
+                if flags[i]:
+                    _recomputed(stage.submod.get_submodule(f"{layers}.{i}"))
         self.parameters = {name: p for stage in self.stages for name, p in stage.submod.named_parameters()}
         self.optimizer = optimizer(list(self.parameters.values()), **optimizer_options)
         self.holds_first = self.position == 0
@@ -223,6 +230,17 @@ class PipelinedStep:
         s = self.schedule
         return (f"PipelinedStep({self.model_name}, {s.name}, {s.stages} stages, {s.micro_batches} "
                 f"micro-batches, rank {self.rank} holds chunks {[st.stage_index for st in self.stages]})")
+
+
+def _recomputed(layer: nn.Module) -> None:
+    """Make `layer` keep only its inputs for the backward and run its forward again there (activation
+    checkpointing, torch.utils.checkpoint without reentrancy); its parameters and their names are unchanged."""
+    forward = layer.forward
+
+    def again(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    layer.forward = again
 
 
 def _layer_list(module: nn.Module, path: str) -> nn.ModuleList:
