@@ -105,25 +105,32 @@ def test_stages_of_unequal_layer_counts_equal_torch() -> None:
 
 @pytest.mark.slow
 def test_a_plan_from_plan_pipeline_runs_with_the_embedding_first_and_the_head_last() -> None:
-    """plan_pipeline prices the embedding and the head with the layers; its plan's chunks run as planned."""
+    """plan_pipeline prices the embedding and the head with the layers (the model cut by pipeline.model_steps as
+    the runtime cuts it); its plan's chunks run as planned."""
     from tapestry.cost import DefaultCostModel, load_profile
-    from tapestry.pipeline import first_step, last_step, layer_step
+    from tapestry.pipeline import model_steps
 
-    dim, micro_batch = 64, BATCH // 4
-    model = llama_decoder(VOCAB, dim=dim, layers=4)
-    x, ids = torch.zeros(micro_batch, SEQ, dim), torch.zeros(micro_batch, SEQ, dtype=torch.long)
-    result = tapestry.plan_pipeline(layer_step(model.layers[0], x), 4, tapestry.Mesh(2), global_batch=BATCH,
+    dim = 64
+    steps = model_steps(llama_decoder(VOCAB, dim=dim, layers=4), batches(1)[0], cross_entropy)
+    assert steps.layers == 4
+    result = tapestry.plan_pipeline(steps.layer, steps.layers, tapestry.Mesh(2), global_batch=BATCH,
                                     cost_model=DefaultCostModel(load_profile("gpu-h100-cluster")), stages=(2,),
-                                    schedules=("1f1b", "gpipe"), memory_budget=None, pareto_points=1,
-                                    budget=tapestry.Budget(seconds=20), first=first_step(model.embed, ids),
-                                    last=last_step(torch.nn.Sequential(model.norm, model.head), x, ids,
-                                                   cross_entropy))
+                                    micro_batch_sizes=(BATCH // 4,), schedules=("1f1b", "gpipe"),
+                                    memory_budget=None, pareto_points=1, budget=tapestry.Budget(seconds=20),
+                                    first=steps.first, last=steps.last)
     plan = result.plan
     assert plan.ends.first is not None and plan.ends.last is not None
     assert plan.ends.last.params == dim * VOCAB + 2 * dim  # the head, the final norm and the input gate
     assert "+ last (head, loss)" in plan.describe()
     described = check_against_torch(plan, layers=4, optimizer=SGD, dim=dim)
     assert f"{plan.schedule.name}, 2 stages, {plan.schedule.micro_batches} micro-batches" in described[0]
+
+
+def test_model_steps_needs_the_models_list_of_layers() -> None:
+    from tapestry.pipeline import model_steps
+
+    with pytest.raises(ValueError, match="LlamaDecoder.head is not a ModuleList of layers"):
+        model_steps(llama_decoder(VOCAB, layers=2), batches(1)[0], cross_entropy, layers="head")
 
 
 def test_chunks_come_from_the_plan_or_split_the_layers_evenly() -> None:

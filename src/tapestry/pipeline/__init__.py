@@ -15,6 +15,7 @@ from typing import Any
 # Names load on first use: a rank that runs a pipelined step (spmd.pipelined) needs the schedule, not the planner
 # and the optimizer it imports.
 _LAZY = {"first_step": "layer", "last_step": "layer", "layer_cost": "layer", "layer_step": "layer",
+         "ModelSteps": "layer", "model_steps": "layer",
          "BF16": "model", "MIXED": "model", "Ends": "model", "LayerCost": "model", "Precision": "model",
          "partition": "model", "price": "model", "PipelinePlan": "planner", "PipelineResult": "planner",
          "plan_pipeline": "planner", "stage_mesh": "planner", "SCHEDULES": "schedule", "Schedule": "schedule",
@@ -27,6 +28,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["BF16", "MIXED", "SCHEDULES", "Ends", "LayerCost", "PipelinePlan", "PipelineResult", "Precision",
-           "Schedule", "Timeline", "first_step", "last_step", "layer_cost", "layer_step", "partition", "plan_pipeline",
-           "price", "simulate", "stage_mesh"]
+__all__ = ["BF16", "MIXED", "SCHEDULES", "Ends", "LayerCost", "ModelSteps", "PipelinePlan", "PipelineResult",
+           "Precision", "Schedule", "Timeline", "first_step", "last_step", "layer_cost", "layer_step", "model_steps",
+           "partition", "plan_pipeline", "price", "simulate", "stage_mesh"]

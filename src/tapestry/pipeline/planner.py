@@ -199,9 +199,9 @@ def fit(layer: LayerCost, layers: int, schedule: Schedule, precision: Precision,
         memory_budget: float | None, sizes: Sequence[int] | None = None, ends: Ends = Ends()) -> Fitted | None:
     """`layers` copies of `layer`, the model's `ends` joined to the first and last, in the schedule's chunks
     (`sizes` layers each, in order; default the split whose costliest chunk costs least), with on each device the
-    fewest recomputed layers per chunk (the first ones of each) that fit `memory_budget`: a device's memory depends on its own recomputation alone (`model.device_memory`), and each
-    layer recomputed only lowers it and only adds time, so the least per device is the fastest. None when even
-    recomputing every layer does not fit."""
+    fewest recomputed layers per chunk (the first ones of each) that fit `memory_budget`: a device's memory
+    depends on its own recomputation alone (`model.device_memory`), and each layer recomputed only lowers it and
+    only adds time, so the least per device is the fastest. None when even recomputing every layer does not fit."""
     s = schedule.stages
     copies = ends.stack(layer, layers)
     if sizes is None:
