@@ -220,3 +220,54 @@ def test_the_layers_a_plan_recomputes_run_their_forward_again_in_the_backward() 
         assert losses == pytest.approx(want_losses, abs=1e-5)
         for name, value in weights.items():
             torch.testing.assert_close(value, want[name], rtol=0, atol=1e-5, msg=name)
+
+
+class Logits(torch.nn.Module):
+    """transformers' causal LM with its logits as the output (the pipeline's last stage hands them to the loss)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids).logits
+
+
+def hf_llama() -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                                      use_cache=False)
+    return Logits(transformers.LlamaForCausalLM(config).eval())
+
+
+def train_hf(schedule: Schedule | None, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """`steps` AdamW steps of transformers' LLaMA, pipelined (or, with no schedule, in torch on this process)."""
+    model, data = hf_llama(), batches(steps)
+    if schedule is None:
+        optimizer = ADAMW[0](model.parameters(), **ADAMW[1])
+        losses = []
+        for ids, labels in data:
+            optimizer.zero_grad()
+            loss = cross_entropy(model(ids), labels)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+    step = tapestry.parallelize_step(model, cross_entropy, data[0], optimizer=ADAMW[0], **ADAMW[1],
+                                     pipeline=schedule, layers="model.model.layers")
+    return [step(ids, labels).item() for ids, labels in data], step.module_state_dict()
+
+
+@pytest.mark.slow
+def test_transformers_llama_pipelined_equals_torch() -> None:
+    """Rotary tables and the causal mask, made before the first layer, travel to the second stage with the
+    hidden states (the tracer sends every tensor a stage reads)."""
+    want_losses, want = train_hf(None, 2)
+    for losses, weights in launch(train_hf, Schedule("1f1b", 2, 4), 2, nproc=2, timeout=300):
+        assert losses == pytest.approx(want_losses, abs=1e-5)
+        assert set(weights) == set(want)
+        for name, value in weights.items():
+            torch.testing.assert_close(value, want[name], rtol=0, atol=1e-5, msg=name)
