@@ -271,3 +271,22 @@ def test_transformers_llama_pipelined_equals_torch() -> None:
         assert set(weights) == set(want)
         for name, value in weights.items():
             torch.testing.assert_close(value, want[name], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_the_pipeline_example_plans_and_trains() -> None:
+    """examples/pipeline_torchrun.py --plan on 2 ranks: plan_pipeline's plan, with the embedding and the head
+    placed, runs; the losses are finite and printed by rank 0."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, str(root / "examples" / "pipeline_torchrun.py"), "--nproc", "2",
+                           "--steps", "2", "--plan"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(root / "src")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "+ last (head, loss)" in done.stdout
+    losses = [float(line.split()[-1]) for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 2 and all(0 < loss < 10 for loss in losses)

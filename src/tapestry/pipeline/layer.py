@@ -120,7 +120,10 @@ def model_steps(module: Any, example_batch: Sequence[Any], loss_fn: Callable[...
                                micro_batch_sizes=(1, 2), first=steps.first, last=steps.last)
 
     The layers must be alike (the first is imported for all). `example_batch` is (input, target) of any batch
-    size; each step is imported on zeros of the micro-batch's size, once per size."""
+    size; each step is imported on zeros of the micro-batch's size, once per size. The module is copied first
+    (cheap under the meta device), so it can still be pipelined."""
+    import copy
+
     import torch
     from torch.distributed import pipelining
 
@@ -133,7 +136,8 @@ def model_steps(module: Any, example_batch: Sequence[Any], loss_fn: Callable[...
         return torch.zeros((b, *t.shape[1:]), dtype=t.dtype, device=t.device)
 
     cuts = {f"{layers}.0": pipelining.SplitPoint.BEGINNING, f"{layers}.{len(stack) - 1}": pipelining.SplitPoint.END}
-    pipe = pipelining.pipeline(module, mb_args=(inputs[:1],), split_spec=cuts)
+    # torch's tracer leaves the module it cuts unfit to be traced again (as the pipelined step will): cut a copy
+    pipe = pipelining.pipeline(copy.deepcopy(module), mb_args=(inputs[:1],), split_spec=cuts)
     if pipe.num_stages != 3:
         raise ValueError(f"model_steps: cutting {type(module).__name__} before {layers}.0 and after its last layer "
                          f"gave {pipe.num_stages} pieces, not 3 (nothing runs before or after the layers?)")

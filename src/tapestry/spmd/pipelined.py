@@ -12,7 +12,7 @@ its last (the final norm, the head) to the last chunk. Chunk c runs on rank c % 
 gradients between ranks point to point, and the loss (`loss_fn(output, target)`, per micro-batch) on the last
 chunk. Each rank's optimizer then updates its own chunks' parameters: a step equals one step of the module on
 one device over the whole batch when `loss_fn` is a mean over the batch (torch's schedule averages the
-micro-batches' gradients).
+micro-batches' gradients). The tracer leaves the module unfit to be traced again: a module makes one step.
 
 Each stage's layers run eagerly. A bare schedule on a mesh of D times its stages runs D data-parallel replicas of
 the pipeline: rank r is pipeline position r // D of replica r % D (the pipeline over the outer index, as
