@@ -151,13 +151,13 @@ def test_a_pipelined_step_refuses_a_mesh_that_is_not_a_multiple_of_its_stages() 
                                   time_limit=5)
 
 
-def save_after_one_step(schedule: Schedule, path: str) -> None:
+def save_after_one_step(schedule: Schedule, path: str, ranks: int | None = None) -> None:
     import torch.distributed.checkpoint as dcp
 
     torch.manual_seed(0)
     data = batches(1)
     step = tapestry.parallelize_step(llama_decoder(VOCAB, layers=4), cross_entropy, data[0],
-                                     optimizer=ADAMW[0], **ADAMW[1], pipeline=schedule)
+                                     optimizer=ADAMW[0], **ADAMW[1], pipeline=schedule, mesh=ranks)
     step(*data[0])
     dcp.save(step.state_dict(), checkpoint_id=path)
 
@@ -176,11 +176,14 @@ def resume_for_one_step(schedule: Schedule, path: str) -> tuple[float, dict[str,
 
 
 @pytest.mark.slow
-def test_a_checkpoint_saved_by_one_cut_resumes_under_another(tmp_path) -> None:  # noqa: ANN001
-    """Saved with torch.distributed.checkpoint from 1F1B on 2 ranks (2 layers each), loaded into interleaved on 2
-    ranks (4 chunks of 1: each rank holds other layers than it saved): the next step equals torch's second."""
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_checkpoint_saved_by_one_cut_resumes_under_another(tmp_path, replicas: int) -> None:  # noqa: ANN001
+    """Saved with torch.distributed.checkpoint from 1F1B on 2 ranks (2 layers each; or 2 replicas of that on 4),
+    loaded into interleaved on 2 ranks (4 chunks of 1: each rank holds other layers than it saved): the next step
+    equals torch's second."""
     want_losses, want = on_one_device(4, 2, ADAMW)
-    launch(save_after_one_step, Schedule("1f1b", 2, 4), str(tmp_path / "ckpt"), nproc=2, timeout=300)
+    launch(save_after_one_step, Schedule("1f1b", 2, 2 if replicas > 1 else 4), str(tmp_path / "ckpt"),
+           2 * replicas, nproc=2 * replicas, timeout=300)
     for loss, weights in launch(resume_for_one_step, Schedule("interleaved", 2, 4, 2), str(tmp_path / "ckpt"),
                                 nproc=2, timeout=300):
         assert loss == pytest.approx(want_losses[1], abs=1e-5)
