@@ -19,6 +19,7 @@ import numpy as np
 import sympy
 
 from tapestry import dtypes
+from tapestry.kernels.ring import Ring
 from tapestry.zspace import IndexProjection, ZAffineMap, ZRange
 
 Shape = tuple[int, ...]
@@ -137,6 +138,7 @@ class Kernel:
     params: Mapping[str, ParamValue] = field(default_factory=dict)
     additive: frozenset[str] = frozenset()
     exchange: Exchange | None = None  # MoE: rows and experts may split together (expert parallel)
+    ring: Ring | None = None  # attention: queries and keys may split together, merged by log-sum-exp (kernels.ring)
     is_view: bool = False
     # False: its numpy or torch impl cannot run on a tensor with a zero-size dim (or gives another shape), so
     # bind refuses one rather than let a run fail inside a rank.

@@ -1,0 +1,88 @@
+"""Ring attention: attention's keys split across devices and merged by log-sum-exp equal the kernel run whole."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tapestry import dtypes
+from tapestry.evaluator import read_block
+from tapestry.kernels import get_kernel
+from tapestry.kernels.ring import key_extent, key_region, merge_torch, ring_numpy
+from tapestry.testing.strategies import arrays_for, cuts, partitions, signatures
+from tapestry.zspace import ZRange
+
+
+def ring_run(sig, args, parts, pieces, torch_impl=False):
+    """Each index block against every key piece, in a rotated order per block (as a ring visits them)."""
+    out = np.zeros(sig.output_shape)
+    for n, block in enumerate(p for p in parts if not p.is_empty):
+        order = [pieces[(n + t) % len(pieces)] for t in range(len(pieces))]
+        reads = [[read_block(a, key_region(sig, i, proj.apply(block), keys))
+                  for i, (a, proj) in enumerate(zip(args, sig.projections))] for keys in order]
+        kwargs = sig.call_kwargs(block)
+        if torch_impl:
+            acc = None
+            for blocks, (start, _) in zip(reads, order):
+                o, s = sig.kernel.ring.torch(*map(dtypes.to_tensor, blocks), key_start=start, **kwargs)
+                acc = (o, s) if acc is None else merge_torch(*acc, o, s)
+            value = acc[0].numpy()
+        else:
+            value = ring_numpy(sig, reads, [start for start, _ in order], kwargs)
+        out[sig.output.apply(block).slices()] = value
+    return out
+
+
+@pytest.mark.parametrize("name", ["sdpa", "sdpa_masked"])
+@pytest.mark.parametrize("impl", ["numpy", "torch"])
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), seed=st.integers(0, 2**16))
+def test_keys_split_anywhere_and_merged_by_log_sum_exp_equal_the_whole_kernel(name, impl, data, seed):
+    sig = data.draw(signatures(get_kernel(name)))
+    parts = data.draw(partitions(sig.index, sig.splittable))
+    pieces = data.draw(cuts(key_extent(sig)))
+    args = arrays_for(sig, seed)
+    whole = sig.compute([read_block(a, p.apply(sig.index)) for a, p in zip(args, sig.projections)], sig.index)
+    got = ring_run(sig, args, parts, pieces, torch_impl=impl == "torch")
+    np.testing.assert_allclose(got, whole, rtol=1e-9, atol=1e-9)
+
+
+def causal_inputs(L, S, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s) for s in [(2, 3, L, 4), (2, 1, S, 4), (2, 1, S, 5)]]
+
+
+@pytest.mark.parametrize("L, S, cut", [(8, 8, [0, 2, 4, 6, 8]), (6, 10, [0, 3, 10]), (9, 4, [0, 1, 2, 4])])
+def test_causal_ring_with_query_and_key_offsets_equals_torch_grouped_query_attention(L, S, cut):
+    args = causal_inputs(L, S)
+    sig = get_kernel("sdpa").bind([a.shape for a in args], {"causal": True}, ["float64"] * 3)
+    queries = [ZRange((0, 0, lo, 0), (2, 3, hi, 5)) for lo, hi in [(0, L // 2), (L // 2, L)]]
+    pieces = list(zip(cut, cut[1:]))
+    q, k, v = map(torch.from_numpy, args)
+    reference = F.scaled_dot_product_attention(q, k.expand(2, 3, S, 4), v.expand(2, 3, S, 5), is_causal=True)
+    for impl in (False, True):
+        np.testing.assert_allclose(ring_run(sig, args, queries, pieces, impl), reference.numpy(), rtol=1e-10,
+                                   atol=1e-12)
+
+
+def test_a_causal_key_block_after_every_query_is_skipped_with_no_weight():
+    q, k, v = (torch.ones(1, 2, 4), torch.ones(1, 3, 4), torch.ones(1, 3, 4))
+    out, lse = get_kernel("sdpa").ring.torch(q, k, v, causal=True, scale=0.0, block_start=(0, 0, 0), key_start=2)
+    assert out.shape == (1, 2, 4) and torch.all(out == 0) and torch.all(lse == -torch.inf)
+    merged, _ = merge_torch(torch.full((1, 2, 4), 3.0), torch.zeros(1, 2), out, lse)
+    assert torch.all(merged == 3.0)
+
+
+def test_rows_that_see_no_key_in_any_block_stay_zero():
+    rng = np.random.default_rng(1)
+    q, k, v = rng.standard_normal((3, 4)), rng.standard_normal((6, 4)), rng.standard_normal((6, 2))
+    mask = np.ones((3, 6), dtype=bool)
+    mask[1] = False
+    sig = get_kernel("sdpa_masked").bind([q.shape, k.shape, v.shape, mask.shape], {}, ["float64"] * 3 + ["bool"])
+    got = ring_run(sig, [q, k, v, mask], [sig.index], [(0, 2), (2, 6)])
+    reference = F.scaled_dot_product_attention(*map(torch.from_numpy, (q, k, v, mask))).nan_to_num(0.0)
+    np.testing.assert_allclose(got, reference.numpy(), rtol=1e-10, atol=1e-12)
+    assert np.all(got[1] == 0)
