@@ -1,6 +1,8 @@
 """Ring attention: attention's keys split across devices and merged by log-sum-exp equal the kernel run whole."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -8,8 +10,15 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import tapestry
 from tapestry import dtypes
 from tapestry.evaluator import read_block
+from tapestry.graph import Graph
+from tapestry.plan import Compute, Plan, build_plan
+from tapestry.plan.simulate import simulate
+from tapestry.plan.validate import plan_problems
+from tapestry.sharding import Mesh
+from tapestry.sharding.partition import candidate_partitions, make_partition
 from tapestry.kernels import get_kernel
 from tapestry.kernels.ring import key_extent, key_region, merge_torch, ring_numpy
 from tapestry.testing.strategies import arrays_for, cuts, partitions, signatures
@@ -86,3 +95,72 @@ def test_rows_that_see_no_key_in_any_block_stay_zero():
     reference = F.scaled_dot_product_attention(*map(torch.from_numpy, (q, k, v, mask))).nan_to_num(0.0)
     np.testing.assert_allclose(got, reference.numpy(), rtol=1e-10, atol=1e-12)
     assert np.all(got[1] == 0)
+
+
+# -- ring steps in plans: partitions, layouts, validation, simulation ---------------------------------------------
+B, H, L, E = 2, 2, 8, 4
+
+
+def attention_graph(causal: bool = True, masked: bool = False, kv_heads: int = H, seq: int = L) -> Graph:
+    g = Graph()
+    q = g.input("q", (B, H, seq, E))
+    k, v = g.input("k", (B, kv_heads, seq, E)), g.input("v", (B, kv_heads, seq, E + 1))
+    if masked:
+        g.output("y", g.op("sdpa_masked", q, k, v, g.input("mask", (seq, seq), "bool"), name="attn"))
+    else:
+        g.output("y", g.op("sdpa", q, k, v, causal=causal, name="attn"))
+    return g
+
+
+def attention_inputs(g: Graph, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    given = {n.name: rng.standard_normal(n.shape).astype(np.float32) for n in g.inputs if n.name != "mask"}
+    if "mask" in g:
+        given["mask"] = rng.random(g["mask"].shape) < 0.6
+    return given
+
+
+def ring_plan(g: Graph, mesh: Mesh, axes: tuple, ring: tuple[int, ...]) -> Plan:
+    sig = g.signature("attn")
+    choice = tuple(a if a is None else sig.dims.index(a) for a in axes)
+    return build_plan(g, mesh, partitions={"attn": make_partition(sig, mesh, choice, ring=ring)})
+
+
+CASES = [(Mesh(4), ("query",), (0,)), (Mesh(2, 2), ("query", "query"), (0, 1)),
+         (Mesh(2, 2), ("batch1", "query"), (1,)), (Mesh(2, 2), ("query", "query"), (1,)), (Mesh(3), ("query",), (0,))]
+
+
+@pytest.mark.parametrize("mesh, axes, ring", CASES)
+@pytest.mark.parametrize("kind", ["causal", "full", "masked", "gqa"])
+def test_a_ring_step_holds_only_its_key_block_and_simulates_to_the_graphs_meaning(mesh, axes, ring, kind):
+    g = attention_graph(causal=kind in ("causal", "gqa"), masked=kind == "masked", kv_heads=1 if kind == "gqa" else H)
+    plan = ring_plan(g, mesh, axes, ring)
+    assert not plan_problems(plan)
+    step = next(s for s in plan.steps if isinstance(s, Compute))
+    assert step.ring == ring and not step.layout.partial
+    p = int(np.prod([mesh.shape[a] for a in ring]))
+    k_blocks = {b for b in step.arg_layouts[1].blocks}
+    assert all(b.shape[2] <= -(-L // p) for b in k_blocks)  # key blocks, never the whole keys
+    given = attention_inputs(g)
+    np.testing.assert_allclose(simulate(plan, given)["y"], tapestry.evaluate(g, given)["y"], rtol=1e-5, atol=1e-6)
+
+
+def test_ring_candidates_are_generated_only_for_axes_that_split_queries_alone():
+    sig = attention_graph().signature("attn")
+    names = {p.name(sig) for p in candidate_partitions(sig, Mesh(2, 2)) if p.ring}
+    assert names == {"split(ring:query,ring:query)", "split(ring:query,query)", "split(query,ring:query)",
+                     "split(ring:query,batch0)", "split(batch0,ring:query)", "split(ring:query,batch1)",
+                     "split(batch1,ring:query)", "split(ring:query,feature)", "split(feature,ring:query)",
+                     "split(ring:query,·)", "split(·,ring:query)"}
+    assert not [p for p in candidate_partitions(attention_graph(seq=3).signature("attn"), Mesh(4)) if p.ring]
+    with pytest.raises(ValueError, match="must split 'query' alone"):
+        make_partition(sig, Mesh(2), (sig.dims.index("batch0"),), ring=(0,))
+
+
+def test_a_plan_keeps_its_ring_through_json_and_a_forged_one_is_refused():
+    plan = ring_plan(attention_graph(), Mesh(4), ("query",), (0,))
+    again = Plan.from_json(plan.to_json())
+    assert [s.ring for s in again.steps if isinstance(s, Compute)] == [(0,)]
+    step = next(s for s in plan.steps if isinstance(s, Compute))
+    bad = replace(plan, steps=tuple(replace(s, ring=()) if s is step else s for s in plan.steps))
+    assert any("reads" in p and "holds only" in p for p in plan_problems(bad))

@@ -95,3 +95,11 @@ def key_extent(sig: Any) -> int:
     """How many keys the kernel's keyed inputs hold."""
     dims = sig.kernel.ring.keyed(sig.input_shapes)
     return next(sig.input_shapes[a][d] for a, d in enumerate(dims) if d is not None)
+
+
+def travels(sig: Any) -> tuple[bool, ...]:
+    """Per input: does it pass round the ring: keyed and not read by query (k, v; a mask's rows follow the
+    queries, so each device holds its rows' mask for every key and reads a key block of it per round)."""
+    rows = sig.dims.index(sig.kernel.ring.rows)
+    return tuple(d is not None and not any(row[rows] for row in p.matrix)
+                 for d, p in zip(sig.kernel.ring.keyed(sig.input_shapes), sig.projections))
