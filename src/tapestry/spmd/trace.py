@@ -37,9 +37,10 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from tapestry.kernels import get_kernel
 from tapestry.lower.program import (
     AllGather, AllReduce, AllToAll, Comm, Exchange, ExpertCompute, Gather, Local, LoweredProgram, PlaceBlock,
-    RankStep, Read, ReduceScatter, SendRecv, ShardCompute,
+    RankStep, Read, ReduceScatter, RingCompute, SendRecv, ShardCompute,
 )
 from tapestry.lower.exchange import run_experts
+from tapestry.lower.ring import run_ring
 from tapestry.sharding import Block
 from tapestry.zspace import ZRange
 
@@ -143,6 +144,8 @@ class RankFunction:
             return get_kernel(step.kernel).torch(*args, **dict(step.kwargs))
         if isinstance(step, ExpertCompute):
             return run_experts(step, [self._read(r, env) for r in step.reads], self.groups[step.group or ()])
+        if isinstance(step, RingCompute):
+            return run_ring(step, [self._read(r, env) for r in step.reads], self.groups[step.group or ()])
         assert isinstance(step, Comm)
         group = self.groups[step.group or ()]
         members = step.group or tuple(range(self.world))
@@ -235,7 +238,7 @@ def _eager(fn: RankFunction, why: str) -> RankFunction:
 
 
 def _reads(step: RankStep) -> tuple[str, ...]:
-    if isinstance(step, ShardCompute | ExpertCompute):
+    if isinstance(step, ShardCompute | ExpertCompute | RingCompute):
         return tuple(r.buffer for r in step.reads if r.box is not None)
     return (step.src,) if isinstance(step, Comm) else ()
 
