@@ -223,3 +223,46 @@ def test_ring_rank_programs_pass_key_blocks_round_the_ring_and_match_the_evaluat
     plan, given = cases[0]
     ran = run_plan(plan, given, compile=False)  # the launcher's runtime (runtime.execute)
     np.testing.assert_allclose(ran.outputs["y"], wants[0], rtol=1e-5, atol=1e-6)
+
+
+# -- pricing and search ----------------------------------------------------------------------------------------------
+def long_attention_plan(seq: int, mesh: Mesh = Mesh(8)) -> Plan:
+    g = Graph()
+    q = g.input("q", (1, 32, seq, 128), "bfloat16")
+    k, v = g.input("k", (1, 32, seq, 128), "bfloat16"), g.input("v", (1, 32, seq, 128), "bfloat16")
+    g.output("y", g.op("sdpa", q, k, v, causal=True, name="attn"))
+    return ring_plan(g, mesh, ("query",), (0,))
+
+
+def test_ring_sends_hide_behind_the_rounds_compute_at_long_sequences_and_are_priced_where_they_do_not():
+    from tapestry.cost import DefaultCostModel, load_profile
+
+    model = DefaultCostModel(load_profile("gpu-h100-nccl"))
+    mesh = Mesh(8)
+    for seq, hidden in [(32768, True), (1024, False)]:
+        step = next(s for s in long_attention_plan(seq).steps if isinstance(s, Compute))
+        link = model.comm.group_link((0,), mesh)
+        send = link.alpha + 2 * 2 * (seq // 8) * 32 * 128 / link.beta  # k's and v's key blocks, bfloat16
+        exposed = 7 * max(0.0, send - model.roofline.compute_time(step) / 8)
+        assert model.comm.step_cost(step, mesh) == pytest.approx(exposed)
+        assert (exposed == 0) == hidden
+
+
+@pytest.mark.slow
+def test_search_chooses_ring_attention_for_a_long_sequence_and_not_for_a_short_one():
+    """A LLaMA-7B-width block on 8 H100s: at 32K tokens every device keeps its slice of the sequence and
+    attention runs as a ring; at 2K the ring's sends would not hide, and attention splits its heads."""
+    from tapestry.cost import DefaultCostModel, load_profile
+    from tapestry.importer.zoo import LlamaBlock
+
+    model = DefaultCostModel(load_profile("gpu-h100-nccl"))
+    rings = {}
+    for seq in (32768, 2048):
+        with torch.device("meta"):
+            module = LlamaBlock(4096, 32, 11008).to(torch.bfloat16).eval()
+        x = torch.zeros(1, seq, 4096, dtype=torch.bfloat16, device="meta")
+        graph = tapestry.from_torch(module, (x,), verbose=False).graph
+        with pytest.warns(UserWarning, match="NOT CHECKED"):  # too large for the evaluator's sampled check
+            plan = tapestry.optimize(graph, mesh=Mesh(8), cost_model=model).plan
+        rings[seq] = next(s.ring for s in plan.steps if isinstance(s, Compute) and s.kernel == "sdpa")
+    assert rings == {32768: (0,), 2048: ()}
