@@ -18,7 +18,7 @@ from tapestry.plan import Compute, Plan, build_plan
 from tapestry.plan.simulate import simulate
 from tapestry.plan.validate import plan_problems
 from tapestry.sharding import Mesh
-from tapestry.sharding.partition import candidate_partitions, make_partition
+from tapestry.sharding.partition import balance_ring, candidate_partitions, make_partition
 from tapestry.kernels import get_kernel
 from tapestry.kernels.ring import key_extent, key_region, merge_torch, ring_numpy
 from tapestry.testing.strategies import arrays_for, cuts, partitions, signatures
@@ -120,10 +120,11 @@ def attention_inputs(g: Graph, seed: int = 0) -> dict[str, np.ndarray]:
     return given
 
 
-def ring_plan(g: Graph, mesh: Mesh, axes: tuple, ring: tuple[int, ...]) -> Plan:
+def ring_plan(g: Graph, mesh: Mesh, axes: tuple, ring: tuple[int, ...], balanced: bool = False) -> Plan:
     sig = g.signature("attn")
     choice = tuple(a if a is None else sig.dims.index(a) for a in axes)
-    return build_plan(g, mesh, partitions={"attn": make_partition(sig, mesh, choice, ring=ring)})
+    part = make_partition(sig, mesh, choice, ring=ring)
+    return build_plan(g, mesh, partitions={"attn": balance_ring(sig, mesh, part) if balanced else part})
 
 
 CASES = [(Mesh(4), ("query",), (0,)), (Mesh(2, 2), ("query", "query"), (0, 1)),
@@ -145,13 +146,31 @@ def test_a_ring_step_holds_only_its_key_block_and_simulates_to_the_graphs_meanin
     np.testing.assert_allclose(simulate(plan, given)["y"], tapestry.evaluate(g, given)["y"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("mesh, axes", [(Mesh(4), ("query",)), (Mesh(2, 2), ("batch1", "query")), (Mesh(3), ("query",))])
+def test_a_causal_ring_cut_for_equal_work_evens_its_members_cost_and_simulates_to_the_graphs_meaning(mesh, axes):
+    g = attention_graph(seq=24)
+    even, balanced = (ring_plan(g, mesh, axes, (mesh.ndim - 1,), b) for b in (False, True))
+    assert not plan_problems(balanced)
+    sig = g.signature("attn")
+    costs = {}
+    for name, plan in (("even", even), ("balanced", balanced)):
+        step = next(s for s in plan.steps if isinstance(s, Compute))
+        costs[name] = [sig.cost(b)[0] for b in step.blocks]
+    assert max(costs["balanced"]) < 0.75 * max(costs["even"])
+    assert max(costs["balanced"]) < 1.25 * min(costs["balanced"])
+    given = attention_inputs(g)
+    np.testing.assert_allclose(simulate(balanced, given)["y"], tapestry.evaluate(g, given)["y"], rtol=1e-5, atol=1e-6)
+
+
 def test_ring_candidates_are_generated_only_for_axes_that_split_queries_alone():
     sig = attention_graph().signature("attn")
     names = {p.name(sig) for p in candidate_partitions(sig, Mesh(2, 2)) if p.ring}
+    one = {"split(ring:query,batch0)", "split(batch0,ring:query)", "split(ring:query,batch1)",
+           "split(batch1,ring:query)", "split(ring:query,feature)", "split(feature,ring:query)",
+           "split(ring:query,·)", "split(·,ring:query)"}
+    balanced = {name.replace("ring:query", "ring:query~work") for name in one}  # causal: cut for equal work too
     assert names == {"split(ring:query,ring:query)", "split(ring:query,query)", "split(query,ring:query)",
-                     "split(ring:query,batch0)", "split(batch0,ring:query)", "split(ring:query,batch1)",
-                     "split(batch1,ring:query)", "split(ring:query,feature)", "split(feature,ring:query)",
-                     "split(ring:query,·)", "split(·,ring:query)"}
+                     *one, *balanced}
     assert not [p for p in candidate_partitions(attention_graph(seq=3).signature("attn"), Mesh(4)) if p.ring]
     with pytest.raises(ValueError, match="must split 'query' alone"):
         make_partition(sig, Mesh(2), (sig.dims.index("batch0"),), ring=(0,))
@@ -185,13 +204,16 @@ def run_ranks(cases: list[tuple[Plan, dict[str, np.ndarray]]]) -> list[torch.Ten
 
 
 def ring_cases() -> list[tuple[Plan, dict[str, np.ndarray]]]:
-    """Causal, masked, grouped-query and uneven (10 keys on 4: blocks of 3, 3, 2, 2) rings on 4 and 2x2."""
+    """Causal, masked, grouped-query and uneven (10 keys on 4: blocks of 3, 3, 2, 2) rings on 4 and 2x2, and a causal
+    ring cut for equal work (query blocks of falling length)."""
     made = []
     for g, mesh, axes, ring in [(attention_graph(), Mesh(4), ("query",), (0,)),
                                 (attention_graph(masked=True), Mesh(2, 2), ("query", "query"), (0, 1)),
                                 (attention_graph(kv_heads=1), Mesh(2, 2), ("batch1", "query"), (1,)),
                                 (attention_graph(seq=10), Mesh(4), ("query",), (0,))]:
         made.append((ring_plan(g, mesh, axes, ring), attention_inputs(g)))
+    g = attention_graph(seq=12)
+    made.append((ring_plan(g, Mesh(4), ("query",), (0,), balanced=True), attention_inputs(g)))
     return made
 
 
@@ -266,3 +288,14 @@ def test_search_chooses_ring_attention_for_a_long_sequence_and_not_for_a_short_o
             plan = tapestry.optimize(graph, mesh=Mesh(8), cost_model=model).plan
         rings[seq] = next(s.ring for s in plan.steps if isinstance(s, Compute) and s.kernel == "sdpa")
     assert rings == {32768: (0,), 2048: ()}
+
+
+@pytest.mark.parametrize("L, S", [(8, 8), (5, 9), (9, 4), (1, 1)])
+def test_a_causal_block_costs_the_query_key_pairs_its_mask_keeps(L, S):
+    sig = get_kernel("sdpa").bind([(2, L, 4), (2, S, 4), (2, S, 3)], {"causal": True})
+    whole = get_kernel("sdpa").bind([(2, L, 4), (2, S, 4), (2, S, 3)], {"causal": False})
+    for lo, hi in [(0, L), (0, 1), (L // 2, L), (L - 1, L)]:
+        block = ZRange((0, lo, 0), (2, hi, 3))
+        kept = sum(min(S, i + 1) for i in range(lo, hi)) / ((hi - lo) * S)
+        assert sig.cost(block)[0] == pytest.approx(whole.cost(block)[0] * kept)
+        assert sig.cost(block)[1] == whole.cost(block)[1]

@@ -172,6 +172,25 @@ SDPA_MASKED_RING = Ring(
 )
 
 
+def causal_share(queries: tuple[int, int], keys: int) -> float:
+    """The share of query-key pairs a causal mask keeps for queries [start, end) against `keys` keys (query i sees
+    keys j <= i): what a causal block computes, and so what it costs."""
+    start, end = queries
+    if end <= start or keys <= 0:
+        return 0.0
+    seen = min(end, keys)
+    kept = max(0, seen * (seen + 1) // 2 - start * (start + 1) // 2) if start < seen else 0
+    kept += (end - max(start, seen)) * keys
+    return kept / ((end - start) * keys)
+
+
+def _sdpa_work(sig: Any, block: Any) -> float:
+    if not dict(sig.params).get("causal"):
+        return 1.0
+    query = sig.dims.index("query")
+    return causal_share((block.start[query], block.end[query]), sig.input_shapes[1][-2])
+
+
 def _attention_rule(inputs: tuple[str, ...]):
     """q, k and v share one float dtype (a float mask too, as torch requires); a mask may also be bool."""
     agree = matching(inputs)
@@ -218,6 +237,7 @@ register(
         params={"causal": False, "scale": 0.0},
         needs_block_start=True,
         ring=SDPA_RING,
+        work=_sdpa_work,
         dtype_rule=_attention_rule(("q", "k", "v")),
         doc="softmax(q·kᵀ·scale)·v; causal: query i sees keys j <= i; scale 0 means 1/√E",
     )

@@ -19,7 +19,7 @@ import functools
 import itertools
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tapestry import zspace
 from tapestry.kernels import DimKind, Signature
@@ -42,12 +42,14 @@ class Partition:
     exchange: tuple[int, ...] = ()  # mesh axes splitting the kernel's exchange dims together (expert parallel)
     ring: tuple[int, ...] = ()  # mesh axes splitting queries and keys together (ring attention, `Kernel.ring`)
     keys: tuple[tuple[int, int], ...] = ()  # under a ring: each device's key block [start, end)
+    balanced: bool = False  # a ring whose query blocks are cut for equal work, not equal size (causal attention)
 
     def name(self, sig: Signature) -> str:
         if not any(self.axes):
             return "replicate"
         return "split(" + ",".join("ep:" + "=".join(sig.dims[d] for d, _ in split) if axis in self.exchange
-                                   else "ring:" + _split_name(sig, split) if axis in self.ring
+                                   else "ring:" + _split_name(sig, split) + ("~work" if self.balanced else "")
+                                   if axis in self.ring
                                    else _split_name(sig, split) for axis, split in enumerate(self.axes)) + ")"
 
     def dims(self) -> set[int]:
@@ -206,7 +208,44 @@ def _ring_partitions(sig: Signature, mesh: Mesh, parts: Iterable[Partition]) -> 
             for ring in itertools.combinations(alone, n):
                 if key_extent(sig) >= math.prod(mesh.shape[a] for a in ring):
                     found.append(make_partition(sig, mesh, part.axes, ring=ring))
+        if len(alone) == 1 and key_extent(sig) >= mesh.shape[alone[0]] and sig.kernel.work is not None:
+            even = make_partition(sig, mesh, part.axes, ring=(alone[0],))
+            balanced = balance_ring(sig, mesh, even)
+            if balanced.blocks != even.blocks:
+                found.append(balanced)
     return found
+
+
+def balance_ring(sig: Signature, mesh: Mesh, part: Partition) -> Partition:
+    """`part` (a ring over one mesh axis, the only one splitting the queries) with its query blocks cut for equal
+    work rather than equal size: under a causal mask query i meets i + 1 keys, so even blocks leave the last
+    member most of the work (real context parallelism balances it; this is the contiguous way, blocks of
+    decreasing length). The keys stay evenly split. Cuts are where the kernel's work over queries [0, cut) reaches
+    j/p of the whole (`Signature.cost`, which counts only the work a block does); every block keeps a query."""
+    (axis,) = part.ring
+    rows, parts = sig.dims.index(sig.kernel.ring.rows), mesh.shape[axis]
+    extent = sig.index.shape[rows]
+
+    def done(end: int) -> float:
+        start, stop = list(sig.index.start), list(sig.index.end)
+        stop[rows] = end
+        return sig.cost(ZRange(tuple(start), tuple(stop)))[0]
+
+    total, cuts = done(extent), [0]
+    for j in range(1, parts):
+        lo, hi = cuts[-1] + 1, extent - (parts - j)
+        while lo < hi:  # the first cut whose work reaches j/p of the whole
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if done(mid) < total * j / parts else (lo, mid)
+        cuts.append(lo)
+    cuts.append(extent)
+    blocks = []
+    for device, block in enumerate(part.blocks):
+        c = mesh.coords(device)[axis]
+        start, end = list(block.start), list(block.end)
+        start[rows], end[rows] = cuts[c], cuts[c + 1]
+        blocks.append(ZRange(tuple(start), tuple(end)))
+    return replace(part, blocks=tuple(blocks), balanced=True)
 
 
 def _exchange_partitions(sig: Signature, mesh: Mesh) -> list[Partition]:
