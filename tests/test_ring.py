@@ -134,7 +134,8 @@ CASES = [(Mesh(4), ("query",), (0,)), (Mesh(2, 2), ("query", "query"), (0, 1)),
 @pytest.mark.parametrize("mesh, axes, ring", CASES)
 @pytest.mark.parametrize("kind", ["causal", "full", "masked", "gqa"])
 def test_a_ring_step_holds_only_its_key_block_and_simulates_to_the_graphs_meaning(mesh, axes, ring, kind):
-    g = attention_graph(causal=kind in ("causal", "gqa"), masked=kind == "masked", kv_heads=1 if kind == "gqa" else H)
+    g = attention_graph(causal=kind in ("causal", "gqa"), masked=kind == "masked",
+                        kv_heads=1 if kind == "gqa" else H)
     plan = ring_plan(g, mesh, axes, ring)
     assert not plan_problems(plan)
     step = next(s for s in plan.steps if isinstance(s, Compute))
@@ -270,24 +271,35 @@ def test_ring_sends_hide_behind_the_rounds_compute_at_long_sequences_and_are_pri
         assert (exposed == 0) == hidden
 
 
-@pytest.mark.slow
-def test_search_chooses_ring_attention_for_a_long_sequence_and_not_for_a_short_one():
-    """A LLaMA-7B-width block on 8 H100s: at 32K tokens every device keeps its slice of the sequence and
-    attention runs as a ring; at 2K the ring's sends would not hide, and attention splits its heads."""
+def planned_attention(width: int, heads: int, mlp: int, seq: int, mesh: Mesh) -> Compute:
+    """The attention step of the plan the search makes for a LLaMA block, built on meta, on H100s."""
     from tapestry.cost import DefaultCostModel, load_profile
     from tapestry.importer.zoo import LlamaBlock
 
-    model = DefaultCostModel(load_profile("gpu-h100-nccl"))
-    rings = {}
-    for seq in (32768, 2048):
-        with torch.device("meta"):
-            module = LlamaBlock(4096, 32, 11008).to(torch.bfloat16).eval()
-        x = torch.zeros(1, seq, 4096, dtype=torch.bfloat16, device="meta")
-        graph = tapestry.from_torch(module, (x,), verbose=False).graph
-        with pytest.warns(UserWarning, match="NOT CHECKED"):  # too large for the evaluator's sampled check
-            plan = tapestry.optimize(graph, mesh=Mesh(8), cost_model=model).plan
-        rings[seq] = next(s.ring for s in plan.steps if isinstance(s, Compute) and s.kernel == "sdpa")
-    assert rings == {32768: (0,), 2048: ()}
+    with torch.device("meta"):
+        module = LlamaBlock(width, heads, mlp).to(torch.bfloat16).eval()
+    x = torch.zeros(1, seq, width, dtype=torch.bfloat16, device="meta")
+    graph = tapestry.from_torch(module, (x,), verbose=False).graph
+    with pytest.warns(UserWarning, match="NOT CHECKED"):  # too large for the evaluator's sampled check
+        plan = tapestry.optimize(graph, mesh=mesh, cost_model=DefaultCostModel(load_profile("gpu-h100-nccl"))).plan
+    return next(s for s in plan.steps if isinstance(s, Compute) and s.kernel == "sdpa")
+
+
+def test_search_chooses_a_ring_for_a_long_sequence_whose_heads_cannot_fill_the_mesh_and_not_for_a_short_one():
+    """Two heads on 4 devices: at 64K tokens the keys go round a ring cut for equal causal work; at 1K its sends
+    would not hide behind the rounds, and the keys are all-gathered instead (a query split, keys whole)."""
+    long = planned_attention(256, 2, 512, 65536, Mesh(4))
+    assert long.ring == (0,)
+    short = planned_attention(256, 2, 512, 1024, Mesh(4))
+    assert short.ring == ()
+
+
+@pytest.mark.slow
+def test_search_rings_a_7b_block_at_32k_tokens_over_the_outer_axis_of_8x8_with_heads_split_inside():
+    """32 heads cannot fill 64 devices: the work-balanced ring takes the outer axis (context parallel 8) and the
+    heads the inner one."""
+    step = planned_attention(4096, 32, 11008, 32768, Mesh(8, 8))
+    assert step.ring == (0,) and "ring:query~work" in step.origin
 
 
 @pytest.mark.parametrize("L, S", [(8, 8), (5, 9), (9, 4), (1, 1)])
