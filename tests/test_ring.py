@@ -147,7 +147,8 @@ def test_a_ring_step_holds_only_its_key_block_and_simulates_to_the_graphs_meanin
     np.testing.assert_allclose(simulate(plan, given)["y"], tapestry.evaluate(g, given)["y"], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("mesh, axes", [(Mesh(4), ("query",)), (Mesh(2, 2), ("batch1", "query")), (Mesh(3), ("query",))])
+@pytest.mark.parametrize("mesh, axes", [(Mesh(4), ("query",)), (Mesh(2, 2), ("batch1", "query")),
+                                        (Mesh(3), ("query",))])
 def test_a_causal_ring_cut_for_equal_work_evens_its_members_cost_and_simulates_to_the_graphs_meaning(mesh, axes):
     g = attention_graph(seq=24)
     even, balanced = (ring_plan(g, mesh, axes, (mesh.ndim - 1,), b) for b in (False, True))
