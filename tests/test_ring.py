@@ -188,10 +188,11 @@ def test_a_plan_keeps_its_ring_through_json_and_a_forged_one_is_refused():
 
 
 # -- ring steps run: rank programs on gloo ranks ---------------------------------------------------------------------
-def run_ranks(cases: list[tuple[Plan, dict[str, np.ndarray]]]) -> list[torch.Tensor]:
+def run_ranks(cases: list[tuple[Plan, dict[str, np.ndarray]]], traced: bool = False) -> list[torch.Tensor]:
     """On each launched rank: every plan's output, whole on every rank, from the persistent runtime's rank
-    function (eager)."""
+    function, eager, or `traced` under fake tensors by make_fx into one graph (what `spmd.compiled` compiles)."""
     import torch.distributed as dist
+    from torch.fx.experimental.proxy_tensor import make_fx
 
     from tapestry.lower import lower
     from tapestry.spmd import RankFunction, make_groups, place
@@ -200,7 +201,12 @@ def run_ranks(cases: list[tuple[Plan, dict[str, np.ndarray]]]) -> list[torch.Ten
     for plan, given in cases:
         program = lower(plan, everywhere=True)
         fn = RankFunction.of(program, dist.get_rank(), make_groups(program))
-        got = fn(place(program, dist.get_rank(), {k: torch.from_numpy(v) for k, v in given.items()}))
+        blocks = place(program, dist.get_rank(), {k: torch.from_numpy(v) for k, v in given.items()})
+        if traced:
+            args = [blocks[name] for name in fn.inputs]
+            got = dict(zip(fn.outputs, make_fx(fn.flat, tracing_mode="fake")(*args)(*args)))
+        else:
+            got = fn(blocks)
         results.append(got[program.outputs["y"]].clone())
     return results
 
@@ -219,13 +225,15 @@ def ring_cases() -> list[tuple[Plan, dict[str, np.ndarray]]]:
     return made
 
 
-def test_a_causal_ring_runs_on_two_gloo_ranks_with_uneven_key_blocks_as_the_evaluator_computes():
+def test_a_causal_ring_traced_whole_runs_on_two_gloo_ranks_with_uneven_key_blocks_as_the_evaluator_computes():
+    """Traced by make_fx under fake tensors, as a persistent program is before inductor compiles it: the ring's
+    sizes are the plan's, so the step traces whole."""
     from tapestry.spmd.launch import launch
 
     g = attention_graph(seq=7)
     cases = [(ring_plan(g, Mesh(2), ("query",), (0,)), attention_inputs(g))]
     want = tapestry.evaluate(g, cases[0][1])["y"]
-    for per_rank in launch(run_ranks, 2, cases, timeout=120):
+    for per_rank in launch(run_ranks, 2, cases, True, timeout=120):
         np.testing.assert_allclose(per_rank[0].numpy(), want, rtol=1e-5, atol=1e-6)
 
 
