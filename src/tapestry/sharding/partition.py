@@ -208,7 +208,8 @@ def _ring_partitions(sig: Signature, mesh: Mesh, parts: Iterable[Partition]) -> 
             for ring in itertools.combinations(alone, n):
                 if key_extent(sig) >= math.prod(mesh.shape[a] for a in ring):
                     found.append(make_partition(sig, mesh, part.axes, ring=ring))
-        if len(alone) == 1 and key_extent(sig) >= mesh.shape[alone[0]] and sig.kernel.work is not None:
+        busy = all(b is not None for b in part.blocks)
+        if len(alone) == 1 and key_extent(sig) >= mesh.shape[alone[0]] and sig.kernel.work is not None and busy:
             even = make_partition(sig, mesh, part.axes, ring=(alone[0],))
             balanced = balance_ring(sig, mesh, even)
             if balanced.blocks != even.blocks:
@@ -222,6 +223,9 @@ def balance_ring(sig: Signature, mesh: Mesh, part: Partition) -> Partition:
     member most of the work (real context parallelism balances it; this is the contiguous way, blocks of
     decreasing length). The keys stay evenly split. Cuts are where the kernel's work over queries [0, cut) reaches
     j/p of the whole (`Signature.cost`, which counts only the work a block does); every block keeps a query."""
+    if len(part.ring) != 1 or any(b is None for b in part.blocks):
+        raise ValueError(f"balance_ring needs a ring over one mesh axis with every device busy; got ring axes "
+                         f"{list(part.ring)} and blocks {part.blocks}")
     (axis,) = part.ring
     rows, parts = sig.dims.index(sig.kernel.ring.rows), mesh.shape[axis]
     extent = sig.index.shape[rows]
