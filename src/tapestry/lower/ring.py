@@ -35,7 +35,7 @@ def run_ring(step: RingCompute, args: Sequence[torch.Tensor], group: Any) -> tor
         coming = None
         if t < size - 1:  # pass this round's block on while computing it
             arrives = (me - t - 1) % size
-            coming = [_pass(have[a], keyed[a], step.keys[src], step.keys[arrives], after, before, size, group)
+            coming = [_pass(have[a], keyed[a], step.keys[arrives], after, before, size, group)
                       if moving[a] else None for a in range(len(args))]
         start, end = step.keys[src]
         call = [have[a] if moving[a] or keyed[a] is None else have[a].narrow(keyed[a], start, end - start)
@@ -43,7 +43,7 @@ def run_ring(step: RingCompute, args: Sequence[torch.Tensor], group: Any) -> tor
         o, s = sig.kernel.ring.torch(*call, key_start=start, **kwargs)
         out, lse = (o, s) if out is None else merge_torch(out, lse, o, s)
         if coming is not None:
-            have = [fc.wait_tensor(c).reshape(_shaped(have[a], keyed[a], step.keys[(me - t - 1) % size]))
+            have = [fc.wait_tensor(c).reshape(_shaped(have[a], keyed[a], step.keys[arrives]))
                     if c is not None else have[a] for a, c in enumerate(coming)]
     assert out is not None
     return out.to(getattr(torch, sig.dtype))
@@ -55,10 +55,11 @@ def _shaped(held: torch.Tensor, dim: int, keys: tuple[int, int]) -> tuple[int, .
     return tuple(shape)
 
 
-def _pass(held: torch.Tensor, dim: int, mine: tuple[int, int], theirs: tuple[int, int], after: int, before: int,
-          size: int, group: Any) -> torch.Tensor:
-    """Send `held` (key block `mine`) to member `after` and receive member `before`'s (key block `theirs`), flat."""
+def _pass(held: torch.Tensor, dim: int, coming_keys: tuple[int, int], after: int, before: int, size: int,
+          group: Any) -> torch.Tensor:
+    """Send `held` (a key block along tensor dim `dim`) to member `after` and receive from member `before` the block
+    of keys `coming_keys`, flat."""
     sent, received = [0] * size, [0] * size
     sent[after] = held.numel()
-    received[before] = held.numel() // max(mine[1] - mine[0], 1) * (theirs[1] - theirs[0])
+    received[before] = held.numel() // max(held.shape[dim], 1) * (coming_keys[1] - coming_keys[0])
     return fc.all_to_all_single(held.contiguous().reshape(-1), received, sent, group)
