@@ -25,6 +25,9 @@ from _report import write_section
 
 PROFILE = "gpu-h100-nccl"
 HIDDEN, HEADS, MLP = 4096, 32, 11008  # LLaMA-2 7B
+HAND_NOTE = ("On 8x8 the hand plan is Megatron over all 64 devices (hand plans are priced on the flat mesh, as in "
+             "benchmarks/cluster.py): 32 heads cannot split 64 ways, so its attention runs whole on every device; "
+             "the hand recipe for that mesh, TP 8 in a node times CP 8 across (torchtitan's), is not built here.")
 
 
 def block_graph(seq: int) -> Any:
@@ -131,7 +134,7 @@ def main() -> None:
         "where it is a ring step (its keys and values passed round the devices that split its queries), "
         "`ring~work(...)` a ring whose query blocks are cut for equal causal work; CP is the number of devices "
         "splitting attention's queries. Predicted times; peak is the largest device's; optimize s is wall time on "
-        "a shared 2-core machine.", "", *lines, "", *(f"- {e}" for e in errors)])
+        "a shared 2-core machine.", "", *lines, "", *(f"- {e}" for e in errors), "", HAND_NOTE])
     if not args.quick:
         write_section("Context parallelism", "python benchmarks/context.py", body)
     print(body)
