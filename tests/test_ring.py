@@ -361,22 +361,30 @@ def test_optimize_plans_a_llama_block_with_a_ring_that_passes_the_meaning_check_
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def serve_tiny_llama(mesh: Mesh) -> tuple[list[tuple[int, ...]], torch.Tensor]:
-    """On each launched rank: the tiny LLaMA block parallelized (eager) with a ring attention, and its output."""
+def serve_tiny_llama(mesh: Mesh, compile: bool) -> tuple[list[tuple[int, ...]], torch.Tensor, list[str]]:
+    """On each launched rank: the tiny LLaMA block parallelized with a ring attention (eager, or compiled whole by
+    inductor), its output, and any warning that the rank's program fell back to eager."""
+    import warnings
+
     module, x = tiny_llama()
-    model = tapestry.parallelize(module, (x,), mesh=mesh, compile=False, cache=False, verbose=False,
-                                 cost_model=FavourRings())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = tapestry.parallelize(module, (x,), mesh=mesh, compile=compile, cache=False, verbose=False,
+                                     cost_model=FavourRings())
+        out = model(x)
     rings = [s.ring for s in model.plan.steps if isinstance(s, Compute) and s.kernel == "sdpa"]
-    return rings, model(x)
+    return rings, out, [str(w.message) for w in caught if "not compiled" in str(w.message)]
 
 
 @pytest.mark.slow
-def test_parallelize_serves_a_llama_block_with_ring_attention_on_four_gloo_ranks_as_eager_does():
+@pytest.mark.parametrize("compile", [False, True])
+def test_parallelize_serves_a_llama_block_with_ring_attention_on_four_gloo_ranks_as_eager_does(compile):
     from tapestry.spmd.launch import launch
 
     module, x = tiny_llama()
     with torch.no_grad():
         want = module(x)
-    for rings, got in launch(serve_tiny_llama, 4, Mesh(4), timeout=600):
+    for rings, got, fell_back in launch(serve_tiny_llama, 4, Mesh(4), compile, timeout=600):
+        assert not fell_back  # compiled: the ring traced whole
         assert rings == [(0,)]
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
