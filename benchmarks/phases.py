@@ -5,12 +5,14 @@
 
 Prints one JSON line: wall seconds per phase and, as `*_cpu`, this process's CPU seconds (all its threads), which a
 loaded machine inflates far less. With --optimize it times `tapestry.optimize` whole instead (validation and the
-plan's meaning check included). It uses only APIs older trees have too, so the same file can time an older
-checkout side by side (PYTHONPATH=OLD/src .venv/bin/python benchmarks/phases.py ...).
+plan's meaning check included) and prints a hash of the plan (`plan_sha`), to compare plans across hash seeds
+and trees. It uses only APIs older trees have too, so the same file can time an older checkout side by side
+(PYTHONPATH=OLD/src .venv/bin/python benchmarks/phases.py ...).
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import resource
 import time
@@ -54,6 +56,12 @@ def model(name: str, layers: int):
     return from_torch(module.eval(), (ids,), verbose=False).graph
 
 
+def plan_sha(plan) -> str:
+    """The plan's steps, outputs and cost, hashed: equal across runs (hash seeds, trees) when the plans are."""
+    data = plan.to_json()
+    return hashlib.sha256(json.dumps({k: data[k] for k in ("steps", "outputs", "cost")}).encode()).hexdigest()[:16]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mesh", default="2x4")
@@ -82,6 +90,7 @@ def main() -> None:
             "stopped_by": result.stats.stopped_by, "undone": getattr(result.stats, "undone", ""),
             "enodes": result.stats.enodes, "cost": result.plan.cost, "extractor": args.extractor, "status": result.selection.status,
             "gap": result.selection.gap, "fused_kernels": sum(n for k, n in kernels.items() if k in FUSED),
+            "plan_sha": plan_sha(result.plan),
             "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         }), flush=True)
         return

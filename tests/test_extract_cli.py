@@ -77,3 +77,25 @@ def test_works_on_a_real_gym_file(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(["extract", str(GYM / "diospyros" / "simple_vec_add_root_7.json"), "--time-limit", "10"], capsys)
     summary = json.loads(out.strip().splitlines()[-1])
     assert code == 0 and summary["acyclic"] and summary["valid"]
+
+
+@pytest.mark.parametrize(("argv", "asked"), [([], 0.0), (["--stop-gap", "0.01"], 0.01)])
+def test_the_ilp_proves_its_selection_unless_a_stop_gap_is_given(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        argv: list[str], asked: float) -> None:
+    """The API's default stop gap grows past ilp.CONTRACT_FROM candidates; the command keeps proving by default."""
+    import tapestry.extract.command as command
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps(SMALL))
+    seen = []
+    extract = command.extract
+    monkeypatch.setattr(command, "extract", lambda *args, **kwargs: seen.append(kwargs) or extract(*args, **kwargs))
+    code, _, _ = run(["extract", str(path), *argv], capsys)
+    assert code == 0 and seen == [{"stop_gap": asked}]
+
+
+def test_a_stop_gap_outside_zero_to_one_is_a_user_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps(SMALL))
+    code, _, err = run(["extract", str(path), "--stop-gap", "1.5"], capsys)
+    assert code == 2 and "--stop-gap must be a share in [0, 1), got 1.5" in err

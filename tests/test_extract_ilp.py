@@ -9,7 +9,8 @@ import pytest
 from extract_helpers import layered
 from tapestry.extract import EGraph, extract, validate
 from tapestry.extract import ilp
-from tapestry.extract.ilp import WARM_SHARE, extract_ilp
+from tapestry.extract.ilp import extract_ilp
+from tapestry.extract.warm import WARM_SHARE
 from tapestry.models import mlp
 from tapestry.optimizer import default_cost_model, explore
 from tapestry.sharding import Mesh

@@ -1,6 +1,7 @@
 """tapestry.optimize: the seeds' example end to end, budgets, stats, provenance and the CLI."""
 from __future__ import annotations
 
+import gc
 import json
 import math
 import shutil
@@ -67,6 +68,25 @@ def test_saturation_reaches_a_fixpoint_and_reports_per_iteration_stats():
     assert [it.iteration for it in stats.iterations] == list(range(len(stats.iterations)))
     assert stats.iterations[0].matches, "the first round fires the fusion rules"
     assert json.loads(stats.dumps())["stopped_by"] == "fixpoint"
+
+
+def test_planning_collects_garbage_rarely_and_restores_the_callers_thresholds(monkeypatch):
+    seen = []
+    extract = tapestry.optimizer.extract
+
+    def watched(*args, **kwargs):
+        seen.append(gc.get_threshold())
+        return extract(*args, **kwargs)
+
+    monkeypatch.setattr(tapestry.optimizer, "extract", watched)
+    old = gc.get_threshold()
+    gc.set_threshold(500, 5, 5)
+    try:
+        optimize(mlp(2, 16, 8), Mesh(2), progress=lambda _: seen.append(gc.get_threshold()))
+        assert gc.get_threshold() == (500, 5, 5)
+    finally:
+        gc.set_threshold(*old)
+    assert len(seen) >= 2 and set(seen) == {tapestry.optimizer.GC_THRESHOLDS}  # in saturation and in extraction
 
 
 @pytest.mark.parametrize(

@@ -125,6 +125,48 @@ def test_a_compiled_rank_function_goes_to_inductor_without_dynamo_and_computes_w
         torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6)
 
 
+def test_a_compiled_rank_program_is_saved_and_a_later_compile_loads_it_without_tracing(monkeypatch) -> None:
+    """Warm starts skip make_fx (2-3 s a rank for the training example): inductor's compiled artifact is kept by
+    a key of the rank's steps, groups, blocks and sources."""
+    import tapestry.spmd.trace as trace
+
+    plan = build_plan(_chain(8, 4, 6), Mesh(1), {"linear_0": (0,)})
+    program = lower(plan)
+    fn = RankFunction.of(program, 0, {})
+    blocks = place(program, 0, {k: dtypes.to_tensor(v) for k, v in tapestry.random_inputs(plan.graph).items()})
+    args = [blocks[name] for name in fn.inputs]
+    path = trace.artifact_path(trace.program_key(fn, args, {}))
+    path.unlink(missing_ok=True)
+    first = compiled(fn)(blocks)
+    assert path.exists()
+
+    def no_trace(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("traced again")
+
+    monkeypatch.setattr(trace, "make_fx", no_trace)
+    again = compiled(fn)(blocks)
+    for name, value in fn(blocks).items():
+        torch.testing.assert_close(first[name], value, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(again[name], value, rtol=1e-6, atol=1e-6)
+    strided = [args[0].t().contiguous().t(), *args[1:]]  # the same values laid out otherwise: another program
+    assert trace.program_key(fn, strided, {}) != trace.program_key(fn, args, {})
+    assert trace.program_key(fn, args, {"triton.cudagraphs": True}) != trace.program_key(fn, args, {})
+
+
+def test_cuda_graphs_are_asked_of_inductor_only_for_blocks_on_a_gpu() -> None:
+    """Not run on a GPU (none here): only the choice is tested; the CPU path keeps inductor's defaults."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tapestry.spmd.trace import inductor_options
+
+    assert inductor_options([torch.zeros(2), torch.zeros(3)]) == {}
+    with FakeTensorMode():
+        on_gpu = [torch.empty(2, device="cuda"), torch.empty(3, device="cuda")]
+        mixed = [torch.empty(2, device="cuda"), torch.empty(3, device="cpu")]
+    assert inductor_options(on_gpu) == {"triton.cudagraphs": True}
+    assert inductor_options(mixed) == {}
+
+
 # -- the persistent program -----------------------------------------------------------------------------------------
 
 
@@ -286,7 +328,8 @@ def fail_in_call(plan: Plan, bad_rank: int, bad_call: int, how: str) -> None:
 
 
 @pytest.mark.parametrize("how, message", [
-    ("raise", r"rank 1 failed in call 2 of its parallel program: ValueError: input 'x': expected shape \[8, 4\]"),
+    ("raise", r"rank 1 failed in call 2 of its parallel program: ValueError: rank 1, call 2: input 'x': "
+              r"expected shape \[8, 4\]"),
     ("die", r"rank 0 exited with code 3 in call 1 of its parallel program"),
 ])
 def test_a_rank_that_fails_stops_every_rank_naming_the_rank_and_the_call(how: str, message: str) -> None:
@@ -391,6 +434,30 @@ def test_the_plan_cache_key_changes_with_the_graph_mesh_rules_and_options(tmp_pa
     others = {plan_key(_chain(16, 4, 6), Mesh(2), {}), plan_key(g, Mesh(4), {}), plan_key(g, Mesh(2, 1), {}),
               plan_key(g, Mesh(2), {"time_limit": 3}), plan_key(g, Mesh(2), {"rules": [rules]})}
     assert key not in others and len(others) == 5
+
+
+def test_a_plan_cache_hit_checks_the_plans_steps_but_not_again_its_meaning(tmp_path, monkeypatch) -> None:
+    """optimize() checked the plan's meaning before it was cached: a warm start skips that (0.5 s on rank 0 for
+    the training example) but still refuses a cache entry whose steps are broken."""
+    import json
+
+    import tapestry.verify
+    from tapestry.spmd.planning import PlanningError, plan_key, shared_plan
+
+    def meaning_check(plan: Plan, seed: int = 0) -> str:
+        raise AssertionError("the meaning check ran on a plan cache hit")
+
+    monkeypatch.setattr(tapestry.verify, "meaning_check", meaning_check)
+    monkeypatch.setenv("TAPESTRY_PLAN_CACHE", str(tmp_path))
+    graph, mesh = _chain(8, 4, 6), Mesh(2)
+    path = tmp_path / f"{plan_key(graph, mesh, {})}.json"
+    build_plan(graph, mesh, {"linear_0": (0,)}).save(path)
+    assert shared_plan(graph, mesh, verbose=False).to_json() == Plan.load(path, check=False).to_json()
+    data = json.loads(path.read_text())
+    data["steps"] = [s for s in data["steps"] if s.get("out") != data["steps"][0].get("out")]  # a place removed
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanningError, match=r"invalid plan (?s:.)* refers to 'v0', which no earlier step defines"):
+        shared_plan(graph, mesh, verbose=False)
 
 
 def test_a_plan_cache_hit_loads_the_plan_without_importing_the_optimizer(tmp_path) -> None:

@@ -179,12 +179,25 @@ def test_a_tied_model_trains_on_two_ranks_and_its_module_state_loads_into_the_mo
         loss.backward()
         opt.step()
         want.append(loss.item())
-    for got in launch(train_tied, 2):
+    for rank, got in enumerate(launch(train_tied, 2)):
         np.testing.assert_allclose(got["losses"], want, rtol=1e-5, atol=1e-6)
         assert got["still_tied"]
         torch.testing.assert_close(got["module"]["embed.weight"], model.embed.weight.detach(), rtol=1e-5, atol=1e-6)
-        assert got["refused"] == ("batch tensor 0 (arg0): expected shape [4, 6] (the example batch's: the step is "
-                                  "planned for it), given [2, 6]")
+        assert got["refused"] == (f"rank {rank}, call 4: batch tensor 0 (arg0): expected shape [4, 6] (the example "
+                                  "batch's: the step is planned for it), given [2, 6]")
+
+
+def refuse_on_rank_one(call: int) -> None:
+    step = tapestry.parallelize_step(TiedLM(), token_loss, (IDS[0], IDS[0]), optimizer=torch.optim.SGD, lr=0.5,
+                                     compile=False, plan=PLANS["data_parallel"])
+    for k, ids in enumerate(IDS):
+        step(*(ids[:2], ids[:2]) if (k, torch.distributed.get_rank()) == (call, 1) else (ids, ids))
+
+
+def test_a_batch_refused_on_one_rank_stops_every_rank_naming_the_rank_and_the_call():
+    with pytest.raises(tapestry.spmd.launch.RankFailure, match=r"rank 1 failed in call 2 of its parallel program: "
+                       r"ValueError: rank 1, call 2: batch tensor 0 \(arg0\): expected shape \[4, 6\]"):
+        launch(refuse_on_rank_one, 2, nproc=2, timeout=120)
 
 
 def train_compiled() -> list[float]:

@@ -72,10 +72,13 @@ def promote(*names: str) -> str:
     return kinds.pop()
 
 
-def random_array(rng: np.random.Generator, shape: tuple[int, ...], name: str, bound: int | None = None) -> np.ndarray:
-    """Random values of dtype `name`: standard normals, fair booleans, or integers in [0, bound) (default 4)."""
+def random_array(rng: np.random.Generator, shape: tuple[int, ...], name: str, bound: int | None = None,
+                 nonnegative: bool = False) -> np.ndarray:
+    """Random values of dtype `name`: standard normals (their magnitudes if `nonnegative`), fair booleans, or
+    integers in [0, bound) (default 4)."""
     if is_float(name):
-        return cast(rng.standard_normal(shape), name)
+        normals = rng.standard_normal(shape)
+        return cast(np.abs(normals) if nonnegative else normals, name)
     if name == "bool":
         return rng.random(shape) < 0.5
     return rng.integers(0, max(1, bound or 4), shape).astype(to_numpy(name))

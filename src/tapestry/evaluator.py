@@ -99,7 +99,7 @@ def evaluate(graph: Graph, inputs: Mapping[str, np.ndarray]) -> dict[str, np.nda
 
 def random_inputs(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
     """Inputs reproducible from `seed`: the graph's constants and example values (`Graph.example`) as they are,
-    standard-normal floats, random booleans, and integers that index every table they are used to index (an
+    standard-normal floats (their magnitudes for `Graph.nonnegative` inputs), random booleans, and integers that index every table they are used to index (an
     embedding's rows), else in [0, 4)."""
     rng = np.random.default_rng(seed)
     values = {}
@@ -108,7 +108,8 @@ def random_inputs(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
         if node.name in given:
             values[node.name] = given[node.name]
         else:
-            values[node.name] = dtypes.random_array(rng, node.shape, node.dtype, index_bound(graph, node.name))
+            values[node.name] = dtypes.random_array(rng, node.shape, node.dtype, index_bound(graph, node.name),
+                                                    node.name in graph.nonnegative)
     return values
 
 

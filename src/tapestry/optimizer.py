@@ -5,11 +5,13 @@ e-graph, and its `extract` and `pareto` price it under different objectives.
 """
 from __future__ import annotations
 
+import gc
 import math
 import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -158,6 +160,23 @@ def _unless_unselectable(cost: float, weight: float) -> float:
     return cost if math.isinf(cost) else cost * weight
 
 
+# Planning makes millions of small objects that live until it ends (e-nodes, layouts, priced steps), and Python's
+# collector at its default thresholds (700, 10, 10) sweeps them again and again: 17-26% of the CPU seconds of the
+# 2-layer LLaMA's saturation and pricing on Mesh(2, 2) (docs/benchmarks.md, "Planning time of tiny zoo models").
+# `explore` and `Explored.extract` collect this rarely, and restore the caller's thresholds when they return.
+GC_THRESHOLDS = (100_000, 50, 100)
+
+
+@contextmanager
+def _rare_collections() -> Iterator[None]:
+    old = gc.get_threshold()
+    gc.set_threshold(*GC_THRESHOLDS)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
+
+
 @dataclass(frozen=True)
 class Explored:
     """A saturated e-graph, ready to extract under any cost model."""
@@ -177,6 +196,7 @@ class Explored:
         """The stack of identical layers, if any, for the ILP's periodic warm start (egraph.repeat)."""
         return find_repetition(self.decoder, list(self.roots))
 
+    @_rare_collections()
     def extract(self, cost_model: CostModel | None = None, extractor: str = "ilp", time_limit: float = 10.0,
                 memory_budget: int | None = None, outputs: Outputs = "any",
                 steady: Mapping[str, str] | None = None) -> OptimizeResult:
@@ -495,6 +515,7 @@ class MemoryBudgetError(ValueError):
     """No plan found fits the per-device memory budget."""
 
 
+@_rare_collections()
 def explore(graph: Graph, mesh: Mesh | int = 1, rules: Sequence[str | Path] | None = None,
             budget: Budget = Budget(), progress: Callable[[IterationStats], None] | None = None) -> Explored:
     """Saturate: every sharding, fusion and substitution the rules and signatures allow, in one e-graph."""

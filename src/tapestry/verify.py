@@ -342,7 +342,8 @@ def _sample_inputs(graph: Graph, boxes: Mapping[str, ZRange], seed: int) -> dict
             array = dtypes.cast(np.asarray(given[node.name])[box.slices()], node.dtype)
         else:
             rng = np.random.default_rng([seed, k])
-            array = dtypes.random_array(rng, box.shape, node.dtype, index_bound(graph, node.name))
+            array = dtypes.random_array(rng, box.shape, node.dtype, index_bound(graph, node.name),
+                                        node.name in graph.nonnegative)
         found[node.name] = (box, array)
     return found
 

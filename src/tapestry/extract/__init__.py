@@ -26,17 +26,18 @@ EXTRACTORS: dict[str, Callable[[EGraph, float], Selection]] = {
 
 
 def extract(egraph: EGraph, extractor: str = "ilp", time_limit: float = 60.0,
-            budget: DeviceBudget | None = None, ties: Ties = (), repeated: Repeated | None = None) -> Selection:
+            budget: DeviceBudget | None = None, ties: Ties = (), repeated: Repeated | None = None,
+            stop_gap: float | None = None) -> Selection:
     """One entry point so callers pick an extractor by name; `time_limit` only bounds the ILP, and only the ILP
     takes a `budget` or `ties` (the others choose node by node, blind to a constraint over the whole selection)
-    or uses `repeated` (a periodic warm start)."""
+    or uses `repeated` (a periodic warm start) and `stop_gap` (`extract_ilp`'s; None: its default)."""
     if budget is not None or ties:
         if extractor != "ilp":
             what = "a memory budget" if budget is not None else "tied nodes"
             raise ValueError(f"extractor {extractor!r} cannot keep {what}; use 'ilp'")
-        return extract_ilp(egraph, time_limit, budget=budget, ties=ties)
+        return extract_ilp(egraph, time_limit, budget=budget, ties=ties, stop_gap=stop_gap)
     if extractor == "ilp":
-        return extract_ilp(egraph, time_limit, repeated=repeated)
+        return extract_ilp(egraph, time_limit, repeated=repeated, stop_gap=stop_gap)
     try:
         run = EXTRACTORS[extractor]
     except KeyError:

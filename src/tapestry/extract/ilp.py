@@ -1,4 +1,4 @@
-"""Exact extraction with OR-tools CP-SAT, warm-started from the greedy DAG result.
+"""Exact extraction with OR-tools CP-SAT, warm-started from the greedy DAG result (`warm.py`).
 
 Variables: x_n (node n chosen) and a_c (class c active; a_c is x_n itself when the
 class has one candidate). Constraints: a_root = 1; sum of x_n over c = a_c; x_n implies
@@ -25,7 +25,9 @@ uses block D. Without them the LP splits a value between alternative derivations
 meet again below and pays for what they share by halves (the bound was 67% of the
 optimum on a transformer block; with them 99%). An LP pass before CP-SAT (`relax.py`:
 HiGHS with path cuts; a selection meeting its bound is optimal at once) adds its cuts to
-the CP-SAT model and its bound to CP-SAT's.
+the CP-SAT model and its bound to CP-SAT's. On a graph of more than CONTRACT_FROM candidates and with a stop gap
+(the default there), a cheaper bound comes first, the LP of a contracted problem (`contract.py`), and a warm
+start within the stop gap of it ends the search.
 
 The bound is honest: each part's CP-SAT bound is clamped at 0, lowered by the most
 that rounding costs to integers can add, and summed with the costs of classes
@@ -53,13 +55,15 @@ from dataclasses import dataclass, field, replace
 
 from ortools.sat.python import cp_model
 
-from tapestry.extract.egraph import EGraph, EGraphError, NoFiniteChoiceError
-from tapestry.extract.greedy_dag import greedy_dag_choice, improve
-from tapestry.extract.periodic import Repeated, periodic_choice
+from tapestry.extract.contract import contracted_bound
+from tapestry.extract.egraph import EGraph, NoFiniteChoiceError
+from tapestry.extract.greedy_dag import improve
+from tapestry.extract.periodic import Repeated
 from tapestry.extract.relax import PROVEN, PathCut, relax
 from tapestry.extract.selection import Selection, children_first, finalize
 from tapestry.extract.structure import strongly_connected_components
 from tapestry.extract.tree import TreeChoice, solvable_tree
+from tapestry.extract.warm import undominate, warm_start
 
 SCALE = 10**9  # the warm-start cost maps to this many integer units
 # CP-SAT's workers, time-sliced on the 2 cores: the full LP relaxation (with the source constraints it is what
@@ -77,18 +81,6 @@ MIN_COST = 1e-12  # floor for the scale denominator: subnormal costs must not ma
 # bound needs no CP-SAT, and `relax.STALL` ends a pass whose rounds stop closing the gap: on 12 layers on 16
 # devices the LP proves in 8 s the optimum CP-SAT alone proves in 67 s (at 0.6 it stopped 1 round short).
 RELAX_SHARE = 0.9
-# Of the time limit, the most the greedy warm start's local search may take (the greedy search itself always
-# finishes: greedy_dag.py): on a 2x2x2 mesh's 12-layer stack (2 million nodes) greedy-dag with its local search
-# took longer than a 10 s limit.
-WARM_SHARE = 0.3
-# Of the time limit, the most the periodic warm start (periodic.py) may take. The LP pass's window moves on by
-# the time it took (up to the deadline), so CP-SAT gives it up first. A 24- or 48-layer stack on 8 devices
-# folds to 7,600-10,000 nodes, whose best periodic plan took 0.8-0.9 s unloaded (1 s was too little loaded).
-PERIODIC_SHARE = 0.2
-# The most of the whole graph a fold may keep to be tried. A fold keeps two copies and what is around them, a
-# quarter of a 12-layer stack, which the LP pass proves on its own on 8 and 16 devices (the fold's second only
-# delayed it); from about 15 layers on a fold keeps less, and its plan pays (24 and 48 layers on 8 devices).
-FOLD_SHARE = 0.2
 # Nodes the ILP can reduce and model per second of its time limit: past it, only the warm start comes back. On
 # 2x4 (162,000 nodes) and 2x2x2 meshes (285,000 and more) a 10 s limit never let CP-SAT better or bound the
 # warm start (docs/benchmarks.md, Saturation: gap 1.0), and reducing a 2x2x2 12-layer graph (820,000 nodes)
@@ -99,11 +91,21 @@ SUBSETS_LOOKED_UP = 6  # most child classes whose subsets `reduce` looks up one 
 # second on a 12-layer stack on 8 devices, 13,000-20,000 on 4 layers on 2x4; on a 2x2x2 mesh's 1.1 million nodes
 # building it ran 5 s past a 10 s limit.
 LP_NODES_PER_SECOND = 15_000
-# By default the ILP proves its plan. A caller may accept a selection within `stop_gap` (a share) of the LP bound,
-# unproven ("feasible", its gap reported): tiny LLaMA on 2x2 came within 0.046% of the bound after the first LP,
-# and CP-SAT then took 27 s to prove that same plan optimal (docs/benchmarks.md). Not the default: a plan reported
-# "optimal" is one the solver proved, and tests and users read it so.
+# By default the ILP proves its plan on graphs of up to CONTRACT_FROM candidates. A caller may accept a selection
+# within `stop_gap` (a share) of the LP bound, unproven ("feasible", its gap reported): tiny LLaMA on 2x2 came
+# within 0.046% of the bound after the first LP, and CP-SAT then took 27 s to prove that same plan optimal
+# (docs/benchmarks.md). A plan reported "optimal" is one the solver proved, and tests and users read it so.
 STOP_GAP = 0.0
+# Candidates from which the default stop gap is LARGE_STOP_GAP, and the first bound, with a stop gap, the
+# contracted LP's (contract.py). Below it the full LP is quick (at LLaMA's rate, 41,850 candidates in 6.4 CPU s
+# on the loaded 2-core machine, about 1.5 s) and proves the 1-D meshes' zoo models optimal. Above it, on 2x2, the
+# full LP took 6.4 CPU s (LLaMA) and 16.8 (GPT-NeoX), the contracted one 0.45 (bound 0.25% below greedy-dag's
+# plan) and 1.23 (0.36%) (benchmarks/contract.py).
+CONTRACT_FROM = 10_000
+# The default stop gap past CONTRACT_FROM: the cost model's own error is larger than a percent (predicted and
+# measured step times in docs/benchmarks.md differ by more), and a plan within it of a proven bound is reported
+# "feasible" with its gap, never "optimal".
+LARGE_STOP_GAP = 0.01
 
 
 @dataclass(frozen=True)
@@ -265,32 +267,21 @@ def _first_subset(children: frozenset[int], first: Mapping[frozenset[int], int])
     return min(found, default=None)
 
 
-def undominate(egraph: EGraph, choice: Sequence[int], reduced: Reduced) -> list[int]:
-    """Map a choice onto surviving nodes: a dominator has fewer children and no higher cost."""
-    result = list(choice)
-    for c, n in enumerate(result):
-        while n in reduced.replacement:
-            n = reduced.replacement[n]
-        result[c] = n
-    return result
-
-
 def extract_ilp(egraph: EGraph, time_limit: float = 60.0, budget: DeviceBudget | None = None, ties: Ties = (),
-                repeated: Repeated | None = None, stop_gap: float = STOP_GAP) -> Selection:
+                repeated: Repeated | None = None, stop_gap: float | None = None) -> Selection:
     """Best selection CP-SAT finds within `time_limit` seconds; never worse than the greedy warm start. A
-    selection within `stop_gap` of the LP bound is returned as it is ("feasible" with that gap).
+    selection within `stop_gap` of the LP bound is returned as it is ("feasible" with that gap); by default
+    `stop_gap` is STOP_GAP, or LARGE_STOP_GAP on a graph of more than CONTRACT_FROM candidates.
     Under `budget` and `ties`, the best that satisfies them; NoFiniteChoiceError if none does.
     CP-SAT runs the `PORTFOLIO` workers. With `repeated` (and no budget or ties), the best periodic selection
-    (`periodic.py`, solved in PERIODIC_SHARE of the limit) is a second warm start, kept if it is cheaper.
+    (`periodic.py`, solved in `warm.PERIODIC_SHARE` of the limit) is a second warm start, kept if it is cheaper.
     """
     started = time.perf_counter()
     deadline = started + (1 - RESERVE) * time_limit
     tree = solvable_tree(egraph)
-    greedy = greedy_dag_choice(egraph, tree, started + WARM_SHARE * time_limit)
-    folding = time.perf_counter()
-    if repeated is not None and budget is None and not ties:
-        greedy = _cheaper(egraph, tree, greedy, _periodic(egraph, repeated, PERIODIC_SHARE * time_limit))
-    folded = time.perf_counter() - folding  # the LP pass's window moves on by it
+    greedy, folded = warm_start(  # the LP pass's window moves on by the seconds the fold took
+        egraph, tree, started, time_limit, repeated if budget is None and not ties else None,
+        lambda graph, seconds, fold_ties: extract_ilp(graph, seconds, ties=fold_ties), MODEL_NODES_PER_SECOND)
 
     def admissible(selection: Selection) -> bool:
         return (budget is None or budget.fits(selection.choice)) and ties_hold(selection.choice, ties)
@@ -304,27 +295,36 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0, budget: DeviceBudget |
         if admissible(unsolved):
             return _result(unsolved, False, 0.0, started)
     reduced = reduce(egraph, tree, tied_nodes(ties))
-    warm = finalize(egraph, undominate(egraph, greedy, reduced), tree, "ilp", started)
+    warm = finalize(egraph, undominate(egraph, greedy, reduced.replacement), tree, "ilp", started)
     best = warm if admissible(warm) else None
     proven, bound, lp_bound, cuts = best is not None and best.dag_cost == 0, 0.0, 0.0, ()
 
     def offer(choice: list[int]) -> float:
         """An LP solution rounded: made a selection, kept if it is the best admissible one yet."""
         nonlocal best, warm
-        rounded = finalize(egraph, undominate(egraph, choice, reduced), tree, "ilp", started)
+        rounded = finalize(egraph, undominate(egraph, choice, reduced.replacement), tree, "ilp", started)
         if admissible(rounded) and (best is None or rounded.dag_cost < best.dag_cost):
             best = warm = rounded
         return math.inf if best is None else best.dag_cost
 
     relax_deadline = min(started + RELAX_SHARE * time_limit + folded, deadline)
     size = sum(map(len, reduced.candidates.values()))
-    if not proven and size <= LP_NODES_PER_SECOND * (relax_deadline - time.perf_counter()):
-        relaxation = relax(egraph, reduced.candidates, {c: _block(reduced, c) for c in reduced.candidates},
-                           reduced.needs, relax_deadline, ties, offer, max(stop_gap, PROVEN))
-        lp_bound, cuts = relaxation.bound, relaxation.cuts
-        proven = best is not None and best.dag_cost <= lp_bound + PROVEN * best.dag_cost
-    close = best is not None and best.dag_cost <= lp_bound + stop_gap * best.dag_cost
-    if not proven and not close and (time.perf_counter() < deadline or best is None):
+    if stop_gap is None:
+        stop_gap = LARGE_STOP_GAP if size > CONTRACT_FROM else STOP_GAP
+    block = {c: _block(reduced, c) for c in reduced.candidates}
+
+    def close(share: float) -> bool:
+        return best is not None and best.dag_cost <= lp_bound + share * best.dag_cost
+
+    if not proven and size > CONTRACT_FROM and stop_gap > 0:  # else the full LP's bound is the one asked for
+        lp_bound = contracted_bound(egraph, reduced.candidates, block, reduced.needs, relax_deadline)
+        proven = close(PROVEN)
+    if not proven and not close(stop_gap) and size <= LP_NODES_PER_SECOND * (relax_deadline - time.perf_counter()):
+        relaxation = relax(egraph, reduced.candidates, block, reduced.needs, relax_deadline, ties, offer,
+                           max(stop_gap, PROVEN))
+        lp_bound, cuts = max(lp_bound, relaxation.bound), relaxation.cuts
+        proven = close(PROVEN)
+    if not proven and not close(stop_gap) and (time.perf_counter() < deadline or best is None):
         solved, bound, optimal = _solve(egraph, reduced, warm, best is not None, deadline, budget, ties, cuts)
         if solved is not None:
             candidate = finalize(egraph, solved, tree, "ilp", started)
@@ -336,32 +336,6 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0, budget: DeviceBudget |
         raise NoFiniteChoiceError(f"no selection keeps {asked}" if bound == math.inf
                                   else f"the solver found no selection that keeps {asked} in time")
     return _result(best, proven, max(bound, lp_bound), started)
-
-
-def _periodic(egraph: EGraph, repeated: Repeated, seconds: float) -> list[int] | None:
-    """The periodic warm start solved in `seconds`, or None when there is no period to fold, no periodic
-    selection, or a folded problem too big: more than it can model in half that time (a 2x4 stack's
-    40,000-node fold never bettered greedy-dag in 2.5 s), or over FOLD_SHARE of the whole graph."""
-    def solve(graph: EGraph, seconds: float, ties: Ties) -> Selection:
-        return extract_ilp(graph, seconds, ties=ties)
-
-    if seconds <= 0:
-        return None
-    try:
-        return periodic_choice(egraph, repeated, solve, seconds,
-                               min(MODEL_NODES_PER_SECOND * seconds / 2, egraph.num_nodes * FOLD_SHARE))
-    except EGraphError:  # no periodic selection found in time, or a class whose every node the fold left out
-        return None
-
-
-def _cheaper(egraph: EGraph, tree: TreeChoice, choice: list[int], other: list[int] | None) -> list[int]:
-    """Of two choices per class, the one whose finalized selection costs less (`choice` on a tie)."""
-    if other is None:
-        return choice
-    a, b = (finalize(egraph, c, tree, "ilp", 0.0) for c in (choice, other))
-    if b.dag_cost >= a.dag_cost:
-        return choice
-    return [b.choice.get(c, t) for c, t in enumerate(tree.node)]  # a node for every class, as `improve` needs
 
 
 def _result(best: Selection, proven: bool, bound: float, started: float) -> Selection:

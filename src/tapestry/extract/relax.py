@@ -224,6 +224,17 @@ def relax(
     return Relaxation(tuple(cuts), 0.0 if values is None else _shaved(bound), rounds)
 
 
+def lp_bound(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
+             needs: Mapping[int, Sequence[int]], deadline: float) -> float:
+    """The bound of the LP alone, without cuts or rounding (0 when it is not solved by `deadline`): what
+    `contract.py` asks of a relaxed problem, whose LP solutions are no selections of the e-graph it bounds."""
+    try:
+        bound, values = _Lp(egraph, candidates, block, needs, (), deadline).solve(deadline)
+    except _OutOfTime:
+        return 0.0
+    return 0.0 if values is None else _shaved(bound)
+
+
 def _shaved(bound: float) -> float:
     """The Lagrangian bound lowered by `SLACK`: a bound despite float rounding."""
     return max(0.0, bound - SLACK * abs(bound))

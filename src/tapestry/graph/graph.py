@@ -82,6 +82,7 @@ class Graph:
         self.carried: dict[str, str] = {}  # output -> the input it becomes at the next step (see `carry`)
         self.static: set[str] = set()  # inputs whose value stays fixed across runs (inference weights)
         self.examples: dict[str, np.ndarray] = {}  # example values of inputs (see `example`)
+        self.nonnegative: set[str] = set()  # inputs never negative (Adam's second moments): checks draw magnitudes
 
     # -- building ------------------------------------------------------------------------------
     def input(self, name: str, shape: Shape, dtype: str = "float32", static: bool = False) -> Value:
@@ -199,6 +200,7 @@ class Graph:
             self.constants.pop(name, None)
             self.examples.pop(name, None)
             self.static.discard(name)
+            self.nonnegative.discard(name)
 
     def __getattr__(self, op: str) -> Any:
         if op.startswith("_") or op not in KERNELS:
@@ -286,7 +288,7 @@ class Graph:
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, Graph) and self.nodes == other.nodes and self.outputs == other.outputs
-                and self.static == other.static
+                and self.static == other.static and self.nonnegative == other.nonnegative
                 and self.constants.keys() == other.constants.keys()
                 and all(np.array_equal(v, other.constants[k]) for k, v in self.constants.items())
                 and self.examples.keys() == other.examples.keys()

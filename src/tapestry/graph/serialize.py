@@ -25,6 +25,7 @@ def graph_to_json(graph: Graph) -> dict[str, Any]:
         "outputs": dict(graph.outputs),
         **({"carried": dict(graph.carried)} if graph.carried else {}),
         **({"static": sorted(graph.static)} if graph.static else {}),
+        **({"nonnegative": sorted(graph.nonnegative)} if graph.nonnegative else {}),
         "constants": {name: _array_json(v) for name, v in graph.constants.items()},
         **({"examples": {name: _array_json(v) for name, v in graph.examples.items()}} if graph.examples else {}),
     }
@@ -71,6 +72,10 @@ def graph_from_json(data: dict[str, Any], source: str = "<json>") -> Graph:
             if name not in graph or not graph[name].is_input:
                 raise GraphError(f"static {name!r} is not an input of the graph")
             graph.static.add(name)
+        for name in data.get("nonnegative", []):
+            if name not in graph or not graph[name].is_input:
+                raise GraphError(f"nonnegative {name!r} is not an input of the graph")
+            graph.nonnegative.add(name)
         for name, spec in data.get("constants", {}).items():
             if name not in graph or not graph[name].is_input:
                 raise GraphError(f"constant {name!r} is not an input of the graph")

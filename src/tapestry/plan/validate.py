@@ -30,12 +30,13 @@ def validate_plan(plan: Plan) -> None:
         raise PlanError(f"invalid plan ({len(problems)} problem(s)):\n  " + "\n  ".join(problems))
 
 
-def validate_loaded(plan: Plan, source: str) -> None:
+def validate_loaded(plan: Plan, source: str, meaning: bool = True) -> None:
     """Check a plan read from a file before explaining or running it: an edited plan fails here, naming each
-    step at fault, instead of with a KeyError deep inside; then its meaning against its graph (verify.meaning_check:
-    simulated whole when small, sampled output lines when large), so a step edited to compute something else is
-    refused too. The checks need islpy; where it is missing (a node that only runs plans) they are skipped and
-    lowering's own checks remain."""
+    step at fault, instead of with a KeyError deep inside; then, with `meaning`, its meaning against its graph
+    (verify.meaning_check: simulated whole when small, sampled output lines when large), so a step edited to compute
+    something else is refused too (a plan cache entry skips it: optimize checked it before saving it). The checks
+    need islpy; where it is missing (a node that only runs plans) they are skipped and lowering's own checks
+    remain."""
     try:
         if importlib.util.find_spec("islpy") is None:
             return
@@ -44,6 +45,8 @@ def validate_loaded(plan: Plan, source: str) -> None:
     problems = plan_problems(plan)
     if problems:
         raise PlanError(f"{source}: invalid plan ({len(problems)} problem(s)):\n  " + "\n  ".join(problems))
+    if not meaning:
+        return
     from tapestry.verify import PlanMeaningError, meaning_check  # verify builds on this module
 
     try:  # a valid plan may still compute something else: a kernel edited into another (linear_relu -> linear_gelu)

@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 
 from tapestry.graph import Graph, graph_to_json
 from tapestry.plan.plan import Plan
+from tapestry.plan.validate import validate_loaded
 from tapestry.runtime.launch import _main_module_hidden
 from tapestry.sharding import Mesh
 from tapestry.spmd.launch import forked
@@ -77,7 +78,8 @@ def shared_plan(graph: Graph, mesh: Mesh, cache: bool = True, verbose: bool = Tr
 def _plan_on_rank0(graph: Graph, mesh: Mesh, cache: bool, verbose: bool, options: dict[str, Any]) -> Plan:
     path = plan_cache() / f"{plan_key(graph, mesh, options)}.json" if cache else None
     if path is not None and path.exists():
-        plan = Plan.load(path)
+        plan = Plan.load(path, check=False)
+        validate_loaded(plan, str(path), meaning=False)  # its steps; its meaning was checked before it was saved
         _say(verbose, f"tapestry: plan cache hit, planning skipped ({path})")
         return plan
     start = time.perf_counter()

@@ -127,13 +127,16 @@ class ParallelProgram:
             if len(args) > len(self.call_inputs):
                 raise TypeError(f"{len(args)} positional inputs given; the call inputs are {list(self.call_inputs)}")
             inputs = {**dict(zip(self.call_inputs, args)), **inputs}
+        self.begin_call()
         missing = [n for n in self.call_inputs if n not in inputs]
         extra = sorted(set(inputs) - set(self.call_inputs))
         if missing or extra:
-            raise KeyError(f"call inputs are {list(self.call_inputs)}: " + "; ".join(
+            raise KeyError(f"{self.where}: call inputs are {list(self.call_inputs)}: " + "; ".join(
                 ([f"missing {missing}"] if missing else []) + ([f"not inputs of a call {extra}"] if extra else [])))
-        launch.note_call(self.calls)
-        blocks = place(self.program, self.rank, inputs, self.device, only=inputs)
+        try:
+            blocks = place(self.program, self.rank, inputs, self.device, only=inputs)
+        except (TypeError, ValueError) as err:  # a refused input: say where, keep the type callers catch
+            raise type(err)(f"{self.where}: {err}") from None
         try:
             got = self._call({**self._state, **blocks})
         except Exception as err:
@@ -144,6 +147,15 @@ class ParallelProgram:
                 self._state[held.buffer] = got[self.plan.outputs[out]]
         self.calls += 1
         return {name: got[buffer] for name, buffer in self.program.outputs.items()}
+
+    def begin_call(self) -> None:
+        """Call `self.calls` starts on this rank: what a launcher names if the rank fails from here on."""
+        launch.note_call(self.calls)
+
+    @property
+    def where(self) -> str:
+        """This rank and its call, for errors: "rank 1, call 3"."""
+        return f"rank {self.rank}, call {self.calls}"
 
     def state(self) -> dict[str, tuple[ZRange, torch.Tensor]]:
         """This rank's blocks of the state inputs it holds, by graph input name: (block, tensor)."""

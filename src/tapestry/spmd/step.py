@@ -80,16 +80,17 @@ class ParallelStep:
 
     def __call__(self, *batch: Any, lr: float | None = None) -> torch.Tensor:
         """One step on `batch` (the whole global batch, the same on every rank); the loss, on every rank."""
+        self.program.begin_call()
         leaves = [t for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
         names = self.imported.translation.user_inputs
         if len(leaves) != len(names):
-            raise TypeError(f"the step takes {len(names)} tensor(s) in its batch, as its example did; "
-                            f"got {len(leaves)}")
+            raise TypeError(f"{self.program.where}: the step takes {len(names)} tensor(s) in its batch, as its "
+                            f"example did; got {len(leaves)}")
         for k, (name, given) in enumerate(zip(names, leaves)):
             expected = self.imported.graph[name].shape
             if tuple(given.shape) != expected:
-                raise ValueError(f"batch tensor {k} ({name}): expected shape {list(expected)} (the example batch's: "
-                                 f"the step is planned for it), given {list(given.shape)}")
+                raise ValueError(f"{self.program.where}: batch tensor {k} ({name}): expected shape {list(expected)} "
+                                 f"(the example batch's: the step is planned for it), given {list(given.shape)}")
         self.lr = self.training.lr if lr is None else float(lr)
         inputs = {**dict(zip(names, leaves)), LR: torch.tensor(self.lr, dtype=torch.float64)}
         return self.program(**inputs)["loss"]

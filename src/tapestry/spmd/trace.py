@@ -20,10 +20,15 @@ collective is made in the value's dtype).
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import math
+import os
 import warnings
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +40,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from tapestry.kernels import get_kernel
+from tapestry.lower.compile import use_persistent_cache
 from tapestry.lower.program import (
     AllGather, AllReduce, AllToAll, Comm, Exchange, ExpertCompute, Gather, Local, LoweredProgram, PlaceBlock,
     RankStep, Read, ReduceScatter, RingCompute, SendRecv, ShardCompute,
@@ -196,7 +202,8 @@ def compiled(fn: RankFunction) -> Callable[[Mapping[str, torch.Tensor]], Buffers
     ops and functional collectives (so Python-side plan bookkeeping never reaches the compiler), which inductor
     compiles whole (`torch._inductor.standalone_compile`: AOTAutograd, then inductor, each with its on-disk cache;
     no dynamo, which would only trace the traced graph again): it may fuse across steps and reorder
-    communication."""
+    communication. The compiled artifact is saved by `program_key`, so a later start with the same program loads
+    it without tracing again."""
     experts = next((s for s in fn.steps if isinstance(s, ExpertCompute)), None)
     if experts is not None:
         return _eager(fn, f"plan step {experts.step} ({experts.kernel} -> {experts.out}) is expert parallel: the "
@@ -218,13 +225,92 @@ DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, Gua
 def _compile(fn: RankFunction, args: list[torch.Tensor]) -> Callable[[Mapping[str, torch.Tensor]], Buffers]:
     from torch._inductor import standalone_compile  # imported at first use: eager programs never pay it
 
+    options = inductor_options(args)
+    path = artifact_path(program_key(fn, args, options))
+    artifact = _load_artifact(path)
+    if artifact is None:
+        try:
+            graph = make_fx(fn.flat, tracing_mode="fake")(*args)
+        except DATA_DEPENDENT as err:  # e.g. grouped_mm's expert offsets read as Python ints
+            return _eager(fn, f"a kernel reads tensor values as Python numbers "
+                              f"({type(err).__name__}: {str(err).splitlines()[0][:200]})")
+        artifact = standalone_compile(graph, args, dynamic_shapes="from_example_inputs", options=options, aot=True,
+                                      donate_graph_module=True)
+        _save_artifact(artifact, path)
+    if not options.get("triton.cudagraphs"):
+        return lambda buffers: dict(zip(fn.outputs, artifact(*[buffers[name] for name in fn.inputs])))
+
+    def replayed(buffers: Mapping[str, torch.Tensor]) -> Buffers:
+        # a CUDA graph's outputs live in its memory pool and the next replay overwrites them: each call is marked
+        # as a new step and its outputs (the loss a caller keeps, the state the next call reads) are copied out
+        torch.compiler.cudagraph_mark_step_begin()
+        return {name: t.clone() for name, t in zip(fn.outputs, artifact(*[buffers[name] for name in fn.inputs]))}
+
+    return replayed
+
+
+def inductor_options(args: Collection[torch.Tensor]) -> dict[str, Any]:
+    """Inductor's options for a rank's program on these blocks: CUDA graphs where they are on a GPU (the shapes
+    are static: a persistent program hands the compiled function the same blocks every call, so one capture
+    replays for every call); on the CPU inductor's defaults."""
+    return {"triton.cudagraphs": True} if args and all(t.is_cuda for t in args) else {}
+
+
+def program_key(fn: RankFunction, args: Collection[torch.Tensor], options: Mapping[str, Any]) -> str:
+    """A digest of everything the compiled program depends on: the rank's steps, inputs and outputs, the names of
+    the process groups its collectives run on (made in one order, but after whatever groups the user made), the
+    blocks' shapes, strides, dtypes and devices, inductor's options, and the torch and tapestry sources."""
+    parts = {
+        "steps": repr(fn.steps), "inputs": fn.inputs, "outputs": fn.outputs, "rank": fn.rank, "world": fn.world,
+        "dtypes": sorted(fn.dtypes.items()),
+        "groups": sorted((list(ranks), getattr(group, "group_name", None)) for ranks, group in fn.groups.items()),
+        "args": [(list(t.shape), list(t.stride()), str(t.dtype), str(t.device)) for t in args],
+        "options": sorted((k, repr(v)) for k, v in options.items()),
+        "torch": torch.__version__, "tapestry": _source_digest(),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def artifact_path(key: str) -> Path:
+    """Where the compiled program of `key` is kept: beside inductor's own cache, which holds its kernels."""
+    return use_persistent_cache() / "tapestry-programs" / f"{key}.bin"
+
+
+@functools.cache
+def _source_digest() -> str:
+    """tapestry's own Python sources (kernels' torch lowerings, this tracer): a change to any makes new keys."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _load_artifact(path: Path) -> Any:
+    """The saved compiled program at `path`, or None (absent, or unreadable: then it is compiled again)."""
+    from torch._inductor import CompiledArtifact
+
+    if not path.exists():
+        return None
     try:
-        graph = make_fx(fn.flat, tracing_mode="fake")(*args)
-    except DATA_DEPENDENT as err:  # e.g. grouped_mm's expert offsets read as Python ints
-        return _eager(fn, f"a kernel reads tensor values as Python numbers "
-                          f"({type(err).__name__}: {str(err).splitlines()[0][:200]})")
-    compiled_graph = standalone_compile(graph, args, dynamic_shapes="from_example_inputs", donate_graph_module=True)
-    return lambda buffers: dict(zip(fn.outputs, compiled_graph(*[buffers[name] for name in fn.inputs])))
+        return CompiledArtifact.load(path=str(path), format="binary")
+    except Exception as err:  # a file from another torch build, or cut short: compile afresh, and say so
+        warnings.warn(f"{path}: the saved compiled program did not load ({type(err).__name__}: {err}); "
+                      "compiling it again", stacklevel=3)
+        return None
+
+
+def _save_artifact(artifact: Any, path: Path) -> None:
+    """Save atomically (ranks of one machine and concurrent starts share the folder); a failure only warns."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_suffix(f".tmp{os.getpid()}")
+    try:
+        artifact.save(path=str(scratch), format="binary")
+        scratch.replace(path)
+    except Exception as err:
+        warnings.warn(f"{path}: the compiled program was not saved ({type(err).__name__}: {err}); a later start "
+                      "traces it again", stacklevel=3)
+        scratch.unlink(missing_ok=True)
 
 
 def _eager(fn: RankFunction, why: str) -> RankFunction:

@@ -58,6 +58,16 @@ class StepLayout:
         return (*self.paths, *slots, *([step] if step else []))
 
     @property
+    def nonnegative(self) -> tuple[str, ...]:
+        """State never negative: Adam's second moments (mean squares) and the step count. Random check inputs
+        must be so too: a negative moment makes `beta2 * v + (1 - beta2) * g**2` cancel to near zero, and the
+        update divides by its root, so a gradient summed in another order moves the check's result by 1e-2."""
+        family = self.training.family
+        moments = (state_name(slot, p, family) for slot in ("v", "max_v") if slot in self.training.slots
+                   for p in self.paths)
+        return (*moments, *([self.training.step_input] if self.training.step_input else []))
+
+    @property
     def names(self) -> tuple[str, ...]:
         return (*self.state, LR, *self.held)
 
@@ -117,7 +127,10 @@ def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, 
         first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
         raise TorchImportError(f"could not trace a training step of {type(module).__name__}: "
                                f"{type(err).__name__}: {first}") from None
+    _refuse_random_draws(traced.graph, module)
     holders = [node for node in traced.graph.nodes if node.op == "placeholder"]
+    _refuse_updated_buffers(traced.graph, {h: name for h, name in zip(holders, layout.names) if name in layout.held},
+                            module)
     roles = {h.name: _role(name, flat[i], user=i >= len(layout.names))
              for i, (h, name) in enumerate(zip(holders, [*layout.names, *(f"arg{i}" for i in range(len(args)))]))}
     (returned,) = [node.args[0] for node in traced.graph.nodes if node.op == "output"]
@@ -126,7 +139,45 @@ def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, 
     for name in layout.state:  # the step repeats: plans keep each weight and state tensor where it was placed
         translation.graph.carry(updated(name), name)
     translation.graph.static.update(name for name in layout.held if name in translation.graph)
+    translation.graph.nonnegative.update(name for name in layout.nonnegative if name in translation.graph)
     return translation
+
+
+def _refuse_random_draws(graph: torch.fx.Graph, module: torch.nn.Module) -> None:
+    """A random op (dropout's mask in training mode) reads no tensor, so the import would fold its one traced draw
+    into a constant and every step would reuse that mask: refused, naming the op and the module's dropouts."""
+    drawn = next((node for node in graph.nodes if isinstance(node.target, torch._ops.OpOverload)
+                  and torch.Tag.nondeterministic_seeded in node.target.tags), None)
+    if drawn is None:
+        return
+    dropouts = [name for name, m in module.named_modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)
+                and m.training and m.p > 0]
+    trace = (drawn.meta.get("stack_trace") or "").strip().splitlines()
+    line = next((t.strip() for t in reversed(trace) if t.strip().startswith("File ")), "")
+    raise TorchImportError(
+        f"the training step of {type(module).__name__} draws random numbers ({drawn.target}"
+        + (f", {line}" if line else "") + "), e.g. dropout in training mode: traced once, the draw would be the "
+        "same at every step. Set the dropout probabilities to 0 or put the dropout modules in eval mode"
+        + (f" ({', '.join(dropouts[:4])}{', ...' if len(dropouts) > 4 else ''})" if dropouts else ""))
+
+
+def _refuse_updated_buffers(graph: torch.fx.Graph, held: dict[Any, str], module: torch.nn.Module) -> None:
+    """A buffer the step writes in place (batch norm's running statistics in training mode) is an input the
+    step does not carry: its update would be dropped, and the module's statistics would stay as they were while the
+    losses still equal torch's. Refused, naming the buffers."""
+    written = [name for name, m in module.named_modules()  # their running means leave no write in the trace
+               if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats]
+    for node in graph.nodes:
+        if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
+            schema = node.target._schema.arguments
+            written += [held[a] for a, s in zip(node.args, schema) if s.alias_info is not None
+                        and s.alias_info.is_write and a in held and held[a] not in written]
+    if written:
+        raise TorchImportError(
+            f"the training step of {type(module).__name__} updates buffers in place ({', '.join(written[:4])}"
+            f"{', ...' if len(written) > 4 else ''}; batch norm's running statistics in training mode): the step "
+            "does not carry buffers, so the update would be lost. Put those modules in eval mode or set "
+            "track_running_stats=False")
 
 
 def _role(name: str, value: Any, user: bool) -> Placeholder:

@@ -1,0 +1,91 @@
+"""The contracted LP is a relaxation: on e-graphs shaped like Tapestry's (values in several layouts joined by
+reshards), its bound is below the full LP's and below the brute-force optimum, with one node per class in place
+of the reshards; past CONTRACT_FROM candidates the ILP starts from it, ends within its stop gap of it, and still
+proves the optimum when asked to."""
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from extract_helpers import brute_force, layered
+from tapestry.extract import EGraph, validate
+from tapestry.extract import ilp
+from tapestry.extract.contract import contracted, contracted_bound
+from tapestry.extract.ilp import _block, extract_ilp, reduce
+from tapestry.extract.relax import lp_bound
+from tapestry.extract.tree import solvable_tree
+
+
+def problem(egraph: EGraph) -> tuple[dict[int, tuple[int, ...]], dict[int, int], dict[int, tuple[int, ...]]]:
+    reduced = reduce(egraph, solvable_tree(egraph))
+    return dict(reduced.candidates), {c: _block(reduced, c) for c in reduced.candidates}, dict(reduced.needs)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=st.sampled_from([(3, 2), (2, 3), (4, 2)]), seed=st.integers(0, 10**6))
+def test_the_contracted_bound_is_below_the_full_lp_and_the_optimum(shape: tuple[int, int], seed: int) -> None:
+    egraph = layered(*shape, seed=seed)
+    candidates, block, needs = problem(egraph)
+    bound = contracted_bound(egraph, candidates, block, needs, math.inf)
+    full = lp_bound(egraph, candidates, block, needs, math.inf)
+    assert 0 < bound <= full + 1e-9 * full
+    assert full <= brute_force(egraph) * (1 + 1e-9)
+
+
+def test_each_class_keeps_its_entries_and_one_node_for_its_reshards() -> None:
+    egraph = layered(4, 3, seed=1)
+    candidates, block, _ = problem(egraph)
+    graph, kept = contracted(egraph, candidates, block)
+    for c, nodes in candidates.items():
+        inner = [n for n in nodes if any(block[d] == block[c] for d in egraph.child_sets[n])]
+        entries = [n for n in nodes if n not in inner]
+        assert list(kept[c][:len(entries)]) == entries
+        if inner:
+            (added,) = kept[c][len(entries):]
+            assert graph.node_cost[added] == min(egraph.node_cost[n] for n in inner)
+            assert graph.child_sets[added] == (c,) and graph.node_class[added] == c
+            assert added in graph.class_nodes[c]
+    assert sum(map(len, kept.values())) < sum(map(len, candidates.values()))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_past_contract_from_the_ilp_ends_within_its_stop_gap_of_the_contracted_bound(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every plan within the default stop gap, the contracted bound ends the search: neither the full LP
+    nor CP-SAT runs, and the plan is greedy's, "feasible" with an honest gap unless the bound proves it."""
+    egraph = layered(4, 2, seed=seed)
+    monkeypatch.setattr(ilp, "CONTRACT_FROM", 0)
+    monkeypatch.setattr(ilp, "LARGE_STOP_GAP", 1.0)
+
+    def never(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("the full LP or CP-SAT ran")
+
+    monkeypatch.setattr(ilp, "relax", never)
+    monkeypatch.setattr(ilp, "_solve", never)
+    selection = extract_ilp(egraph, 10.0)
+    optimum = brute_force(egraph)
+    assert validate(egraph, selection) == []
+    assert 0 < selection.bound <= optimum * (1 + 1e-9)
+    assert selection.gap == pytest.approx((selection.dag_cost - selection.bound) / selection.dag_cost)
+    assert selection.status == ("optimal" if selection.gap == 0 else "feasible")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_past_contract_from_a_stop_gap_of_zero_still_proves_the_optimum(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    egraph = layered(4, 2, seed=seed)
+    monkeypatch.setattr(ilp, "CONTRACT_FROM", 0)
+    selection = extract_ilp(egraph, 10.0, stop_gap=0.0)
+    assert selection.status == "optimal"
+    assert selection.dag_cost == pytest.approx(brute_force(egraph))
+
+
+def test_the_default_stop_gap_is_zero_up_to_contract_from_candidates() -> None:
+    """Small graphs are proven as before: the contracted stage and its stop gap are for large ones only."""
+    egraph = layered(4, 2, seed=0)
+    assert sum(map(len, problem(egraph)[0].values())) <= ilp.CONTRACT_FROM
+    selection = extract_ilp(egraph, 10.0)
+    assert selection.status == "optimal" and selection.gap == 0
