@@ -388,3 +388,12 @@ def test_parallelize_serves_a_llama_block_with_ring_attention_on_four_gloo_ranks
         assert not fell_back  # compiled: the ring traced whole
         assert rings == [(0,)]
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_no_ring_is_generated_where_a_device_would_idle():
+    """Two queries on 2x2 split by both axes leave two devices idle: a ring there would have members without a
+    key block to pass (found by tests/test_plan.py's any-candidate property)."""
+    sig = get_kernel("sdpa").bind([(2, 1), (2, 1), (2, 1)], {})
+    for part in candidate_partitions(sig, Mesh(2, 2)):
+        if part.ring:
+            assert all(b is not None for b in part.blocks), part.name(sig)

@@ -193,9 +193,9 @@ def candidate_partitions(sig: Signature, mesh: Mesh) -> list[Partition]:
 
 
 def _ring_partitions(sig: Signature, mesh: Mesh, parts: Iterable[Partition]) -> list[Partition]:
-    """Context parallel: each partition whose queries only some mesh axes split, each alone, again with a ring over
-    every non-empty set of those axes, when there are at least as many keys as ring members (so no member's key
-    block is empty)."""
+    """Context parallel: each partition whose queries only some mesh axes split, each alone, and where no device
+    idles, again with a ring over every non-empty set of those axes, when there are at least as many keys as ring
+    members (so no member's key block is empty)."""
     if sig.kernel.ring is None:
         return []
     rows = sig.dims.index(sig.kernel.ring.rows)
@@ -204,12 +204,13 @@ def _ring_partitions(sig: Signature, mesh: Mesh, parts: Iterable[Partition]) -> 
         alone = [a for a, split in enumerate(part.axes) if split == ((rows, mesh.shape[a]),) and mesh.shape[a] > 1]
         if not alone or any(d == rows for a, split in enumerate(part.axes) if a not in alone for d, _ in split):
             continue
+        if any(b is None for b in part.blocks):  # every ring member holds and passes a key block
+            continue
         for n in range(1, len(alone) + 1):
             for ring in itertools.combinations(alone, n):
                 if key_extent(sig) >= math.prod(mesh.shape[a] for a in ring):
                     found.append(make_partition(sig, mesh, part.axes, ring=ring))
-        busy = all(b is not None for b in part.blocks)
-        if len(alone) == 1 and key_extent(sig) >= mesh.shape[alone[0]] and sig.kernel.work is not None and busy:
+        if len(alone) == 1 and key_extent(sig) >= mesh.shape[alone[0]] and sig.kernel.work is not None:
             even = make_partition(sig, mesh, part.axes, ring=(alone[0],))
             balanced = balance_ring(sig, mesh, even)
             if balanced.blocks != even.blocks:
