@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import tapestry
@@ -397,3 +397,24 @@ def test_no_ring_is_generated_where_a_device_would_idle():
     for part in candidate_partitions(sig, Mesh(2, 2)):
         if part.ring:
             assert all(b is not None for b in part.blocks), part.name(sig)
+
+
+@pytest.mark.parametrize("name", ["sdpa", "sdpa_masked"])
+@pytest.mark.parametrize("mesh", [Mesh(2), Mesh(3), Mesh(2, 2)])
+@settings(max_examples=15, deadline=None)
+@given(data=st.data(), seed=st.integers(0, 2**16))
+def test_every_ring_candidate_of_any_attention_makes_a_valid_plan_that_computes_the_graph(name, mesh, data, seed):
+    from tapestry.evaluator import random_inputs
+
+    sig = data.draw(signatures(get_kernel(name)))
+    rings = [p for p in candidate_partitions(sig, mesh) if p.ring]
+    assume(rings)
+    part = data.draw(st.sampled_from(rings))
+    g = Graph()
+    ins = [g.input(f"in{i}", shape, dtype)
+           for i, (shape, dtype) in enumerate(zip(sig.input_shapes, sig.input_dtypes))]
+    g.output("y", g.op(name, *ins, name="attn", **dict(sig.params)))
+    plan = build_plan(g, mesh, partitions={"attn": part})
+    assert not plan_problems(plan)
+    given = random_inputs(g, seed)
+    np.testing.assert_allclose(simulate(plan, given)["y"], tapestry.evaluate(g, given)["y"], rtol=1e-9, atol=1e-9)
