@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from tapestry.cost import Link
-from tapestry.pipeline import BF16, MIXED, LayerCost, Schedule, partition, price, simulate
+from tapestry.pipeline import BF16, MIXED, Ends, LayerCost, Schedule, partition, price, simulate
 from tapestry.pipeline.planner import best_configuration, configurations, fit, stage_mesh
 from tapestry.sharding import Mesh
 
@@ -230,6 +230,27 @@ def test_pipeline_is_chosen_where_memory_forces_it_and_not_otherwise() -> None:
     whole = best_configuration(llama(0.2e9, 0.3e9, 0.01, 8), 32, mesh, 0, 1, 64, MIXED, link, budget)
     staged = best_configuration(llama(0.2e9, 0.3e9, 0.01, 1), 32, mesh, 0, 8, 64, MIXED, link, budget)
     assert whole is not None and staged is not None and whole.cost < staged.cost
+
+
+def test_the_stage_holding_the_head_gets_fewer_layers_and_holds_its_weights() -> None:
+    """An LM head (and its loss) as costly as two layers rides with the last layer: 8 layers on 2 stages split 5/3,
+    not 4/4, and the last device holds the head's parameters and optimizer state."""
+    head = replace(LAYER, forward=2.0, backward=4.0, params=50_000, state=100_000, activations=5000, working=9000)
+    embedding = replace(LAYER, forward=0.0, backward=0.0, update=0.0, params=50_000, state=100_000, activations=0,
+                        working=0, flops=0.0)
+    link = Link(0.0, 1e12)
+    plain = best_configuration(LAYER, 8, Mesh(2), 0, 2, 4, MIXED, link, None, schedules=("1f1b",))
+    both = best_configuration(LAYER, 8, Mesh(2), 0, 2, 4, MIXED, link, None, schedules=("1f1b",),
+                              ends=Ends(first=embedding, last=head))
+    assert plain is not None and both is not None
+    assert [len(c) for c in plain.chunks] == [4, 4] and [len(c) for c in both.chunks] == [5, 3]
+    assert both.cost > plain.cost and both.flops == plain.flops + 4 * head.flops
+    # stage 0 holds one layer more, and its activations for the 2 micro-batches 1F1B keeps in flight there
+    first_extra = both.memory[0] - plain.memory[0] - MIXED.resident(LAYER) - 2 * LAYER.activations
+    assert first_extra == pytest.approx(MIXED.resident(embedding))
+    assert both.memory[1] > plain.memory[1] - MIXED.resident(LAYER) + MIXED.resident(head)
+    assert "stage 1: layers 5-7 + last (head, loss)" in both.describe()
+    assert "stage 0: first (embedding) + layers 0-4" in both.describe()
 
 
 def test_schedules_tried_per_stage_count() -> None:

@@ -4,6 +4,8 @@ Each takes the dtype of all its inputs (float32 by default; bfloat16 for the GPU
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from tapestry.graph import Graph, Value
@@ -110,3 +112,28 @@ def moe_routing(tokens: int, experts: int, top_k: int, seed: int = 0) -> dict[st
     return {"order": (perm // top_k).astype(np.int64), "inverse": np.argsort(perm).astype(np.int64),
             "weights": probs.reshape(-1)[perm].reshape(-1, 1).astype(np.float32),
             "ends": np.cumsum(np.bincount(flat, minlength=experts)).astype(np.int64)}
+
+
+def llama_decoder(vocab: int = 64, dim: int = 32, layers: int = 4, heads: int = 4, hidden: int = 64) -> Any:
+    """A small LLaMA-style decoder as a torch module: embedding, `layers` LlamaBlocks (its `layers` ModuleList,
+    what a pipeline cuts into stages), RMSNorm and an LM head; token ids in, logits out."""
+    import torch
+    from torch import nn
+
+    from tapestry.importer.zoo import LlamaBlock
+
+    class LlamaDecoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(vocab, dim)
+            self.layers = nn.ModuleList(LlamaBlock(dim, heads, hidden) for _ in range(layers))
+            self.norm = nn.RMSNorm(dim, eps=1e-6)
+            self.head = nn.Linear(dim, vocab, bias=False)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            x = self.embed(ids)
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(self.norm(x))
+
+    return LlamaDecoder()

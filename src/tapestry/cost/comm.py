@@ -28,6 +28,8 @@ the textbook ring formula for its collective, on the devices it spans. Simplific
   (each index names a row on a uniformly drawn device), none for grouped_mm (its rows are sorted by expert,
   so a device's even row block is its experts' rows). The true counts are the data's, known only when it
   runs; routing imbalance moves a few rows the estimate leaves out.
+- A ring-attention Compute (`Compute.ring`, plan.ring) passes key blocks round the ring inside the step: what its
+  compute does not hide is priced by cost.ring.
 """
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ from functools import cached_property, lru_cache
 
 from tapestry import dtypes
 from tapestry.cost.profile import Link, Profile
+from tapestry.cost.ring import ring_exposed_time
+from tapestry.cost.roofline import Roofline
 from tapestry.kernels import Shape
 from tapestry.plan.exchange import travels
 from tapestry.plan.plan import Compute, Reshard, Step
@@ -204,6 +208,9 @@ class AlphaBeta:
         processes that share them."""
         if isinstance(step, Compute) and step.exchange:
             return self.exchange_time(step, mesh) * self.profile.device.oversubscription(mesh.size)
+        if isinstance(step, Compute) and step.ring:  # its sends, less what its compute hides (cost.ring)
+            exposed = ring_exposed_time(step, mesh, self.group_link(step.ring, mesh), Roofline(self.profile.device))
+            return exposed * self.profile.device.oversubscription(mesh.size)
         if not isinstance(step, Reshard):
             return 0.0
         return self.reshard_time(step, mesh) * self.profile.device.oversubscription(mesh.size)

@@ -8,6 +8,10 @@ softmax over keys is not additive. A causal mask (torch's top-left: query i sees
 query's absolute position, which a block alone does not give: the impls take the block's start
 (`needs_block_start`). A query that sees no key (a mask row all false or all -inf) gives zeros, as
 torch's math backend does.
+
+The keys may also split, over the same mesh axes as the queries (ring attention, kernels.ring): each device
+computes its queries against one key block at a time (`SDPA_RING`: the block's output and log-sum-exp; a causal
+block compares absolute query and key positions), and the blocks merge by log-sum-exp.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from hypothesis import strategies as st
 from tapestry import dtypes
 from tapestry.kernels.kernel import Kernel, KernelError, ParamValue, Shape, SignatureSpec, follow, matching
 from tapestry.kernels.registry import register
+from tapestry.kernels.ring import Ring
 from tapestry.zspace import IndexProjection
 
 
@@ -78,18 +83,42 @@ def sdpa_signature(q: Shape, k: Shape, v: Shape, mask: Shape | None = None, **pa
     )
 
 
-def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, scale: float) -> np.ndarray:
+def _attention_lse(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, scale: float
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """(out, lse): the attention over these keys and each row's log-sum-exp (-inf where it sees none)."""
     scores = q @ np.swapaxes(k, -1, -2) * (scale or 1.0 / math.sqrt(q.shape[-1]))
     if mask is not None:
         scores = np.where(mask, scores, -np.inf) if mask.dtype == bool else scores + mask
-    top = scores.max(axis=-1, keepdims=True)
-    e = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
+    top = scores.max(axis=-1, keepdims=True, initial=-np.inf)  # no keys (an empty key block): no weight
+    safe = np.where(np.isfinite(top), top, 0.0)
+    e = np.exp(scores - safe)
     total = e.sum(axis=-1, keepdims=True)
-    return np.divide(e, total, out=np.zeros_like(e), where=total > 0) @ v
+    out = np.divide(e, total, out=np.zeros_like(e), where=total > 0) @ v
+    with np.errstate(divide="ignore"):
+        lse = np.where(total > 0, np.log(np.where(total > 0, total, 1.0)) + safe, -np.inf)[..., 0]
+    return out, lse
 
 
-def _causal(queries: int, keys: int, start: int) -> np.ndarray:
-    return (start + np.arange(queries))[:, None] >= np.arange(keys)[None, :]
+def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, scale: float) -> np.ndarray:
+    return _attention_lse(q, k, v, mask, scale)[0]
+
+
+def _wide(t: Any) -> Any:
+    return t.float() if t.is_floating_point() and t.element_size() < 4 else t
+
+
+def _attention_lse_torch(q: Any, k: Any, v: Any, mask: Any, scale: float) -> tuple[Any, Any]:
+    """`_attention_lse` in torch; half-precision inputs in float32 (the merge of many blocks accumulates there)."""
+    q, k, v = (_wide(t) for t in (q, k, v))
+    scores = q @ k.transpose(-1, -2) * (scale or 1.0 / math.sqrt(q.shape[-1]))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -torch.inf) if mask.dtype == torch.bool else scores + mask.to(scores.dtype)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None]) @ v, lse
+
+
+def _causal(queries: int, keys: int, start: int, key_start: int = 0) -> np.ndarray:
+    return (start + np.arange(queries))[:, None] >= (key_start + np.arange(keys))[None, :]
 
 
 def _sdpa_numpy(q, k, v, causal: bool, scale: float, block_start: tuple[int, ...]) -> np.ndarray:
@@ -104,12 +133,62 @@ def _sdpa(q, k, v, mask, scale: float) -> Any:
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale or None)
 
 
+def _causal_torch(q: Any, keys: int, start: int, key_start: int = 0) -> Any:
+    rows = torch.arange(q.shape[-2], device=q.device) + start
+    return rows[:, None] >= torch.arange(key_start, key_start + keys, device=q.device)[None, :]
+
+
 def _sdpa_torch(q, k, v, causal: bool, scale: float, block_start: tuple[int, ...]) -> Any:
-    mask = None
-    if causal:
-        rows = torch.arange(q.shape[-2], device=q.device) + block_start[-2]
-        mask = rows[:, None] >= torch.arange(k.shape[-2], device=q.device)[None, :]
-    return _sdpa(q, k, v, mask, scale)
+    return _sdpa(q, k, v, _causal_torch(q, k.shape[-2], block_start[-2]) if causal else None, scale)
+
+
+# -- ring attention: one key block's (out, lse); kernels.ring merges them ------------------------------------------
+def _ring_sdpa_numpy(q, k, v, causal: bool, scale: float, block_start: tuple[int, ...], key_start: int):
+    mask = _causal(q.shape[-2], k.shape[-2], block_start[-2], key_start) if causal else None
+    return _attention_lse(q, k, v, mask, scale)
+
+
+def _ring_sdpa_torch(q, k, v, causal: bool, scale: float, block_start: tuple[int, ...], key_start: int):
+    """A causal block wholly after the queries is skipped: it adds nothing (lse -inf), and costs nothing."""
+    if causal and key_start > block_start[-2] + q.shape[-2] - 1:
+        shape = (*torch.broadcast_shapes(q.shape[:-2], v.shape[:-2]), q.shape[-2])
+        wide = _wide(q).dtype
+        return q.new_zeros((*shape, v.shape[-1]), dtype=wide), q.new_full(shape, -torch.inf, dtype=wide)
+    mask = _causal_torch(q, k.shape[-2], block_start[-2], key_start) if causal else None
+    return _attention_lse_torch(q, k, v, mask, scale)
+
+
+def _sdpa_keyed(shapes: tuple[Shape, ...]) -> tuple[int | None, ...]:
+    """k's and v's key dims; a mask's last dim where it is not broadcast over the keys."""
+    q, k, v, *mask = shapes
+    return (None, len(k) - 2, len(v) - 2, *(len(m) - 1 if m[-1] != 1 else None for m in mask))
+
+
+SDPA_RING = Ring("query", _sdpa_keyed, _ring_sdpa_numpy, _ring_sdpa_torch)
+SDPA_MASKED_RING = Ring(
+    "query", _sdpa_keyed,
+    lambda q, k, v, mask, scale, key_start: _attention_lse(q, k, v, mask, scale),
+    lambda q, k, v, mask, scale, key_start: _attention_lse_torch(q, k, v, mask, scale),
+)
+
+
+def causal_share(queries: tuple[int, int], keys: int) -> float:
+    """The share of query-key pairs a causal mask keeps for queries [start, end) against `keys` keys (query i sees
+    keys j <= i): what a causal block computes, and so what it costs."""
+    start, end = queries
+    if end <= start or keys <= 0:
+        return 0.0
+    seen = min(end, keys)
+    kept = max(0, seen * (seen + 1) // 2 - start * (start + 1) // 2) if start < seen else 0
+    kept += (end - max(start, seen)) * keys
+    return kept / ((end - start) * keys)
+
+
+def _sdpa_work(sig: Any, block: Any) -> float:
+    if not dict(sig.params).get("causal"):
+        return 1.0
+    query = sig.dims.index("query")
+    return causal_share((block.start[query], block.end[query]), sig.input_shapes[1][-2])
 
 
 def _attention_rule(inputs: tuple[str, ...]):
@@ -157,6 +236,8 @@ register(
         sample=_sample_sdpa,
         params={"causal": False, "scale": 0.0},
         needs_block_start=True,
+        ring=SDPA_RING,
+        work=_sdpa_work,
         dtype_rule=_attention_rule(("q", "k", "v")),
         doc="softmax(q·kᵀ·scale)·v; causal: query i sees keys j <= i; scale 0 means 1/√E",
     )
@@ -171,6 +252,7 @@ register(
         torch=_sdpa,
         sample=_sample_sdpa_masked,
         params={"scale": 0.0},
+        ring=SDPA_MASKED_RING,
         dtype_rule=_attention_rule(("q", "k", "v", "mask")),
         doc="softmax(q·kᵀ·scale + mask)·v; a bool mask is True where a query may attend, a float one is added",
     )

@@ -19,6 +19,7 @@ import numpy as np
 import sympy
 
 from tapestry import dtypes
+from tapestry.kernels.ring import Ring
 from tapestry.zspace import IndexProjection, ZAffineMap, ZRange
 
 Shape = tuple[int, ...]
@@ -137,6 +138,10 @@ class Kernel:
     params: Mapping[str, ParamValue] = field(default_factory=dict)
     additive: frozenset[str] = frozenset()
     exchange: Exchange | None = None  # MoE: rows and experts may split together (expert parallel)
+    ring: Ring | None = None  # attention: queries and keys may split together, merged by log-sum-exp (kernels.ring)
+    # (signature, index block) -> the share of the block's FLOPs that are done (a causal attention skips the
+    # query-key pairs it masks, as flash kernels skip masked tiles); None: all of them.
+    work: Callable[[Signature, ZRange], float] | None = None
     is_view: bool = False
     # False: its numpy or torch impl cannot run on a tensor with a zero-size dim (or gives another shape), so
     # bind refuses one rather than let a run fail inside a rank.
@@ -333,7 +338,8 @@ class Signature:
         if block.is_empty:
             return (0.0, 0.0)
         flops, nbytes = self._cost_fn(*block.shape)
-        return float(flops), float(nbytes)
+        done = 1.0 if self.kernel.work is None else self.kernel.work(self, block)
+        return float(flops) * done, float(nbytes)
 
     def __str__(self) -> str:
         args = ", ".join(f"{n}{list(s)}" for n, s in zip(self.kernel.inputs, self.input_shapes))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tapestry.kernels import Params, Shape
+from tapestry.plan import ring
 from tapestry.plan.plan import Compute, Place, Plan, Reshard, delivered, output_gathers
 from tapestry.sharding import Block, Layout, Mesh
 from tapestry.sharding.collectives import Collective, Group, reshard_groups
@@ -105,6 +106,33 @@ class ExpertCompute:
         among = "" if self.group is None else f"  among ranks {','.join(map(str, self.group))}"
         reads = ", ".join(_show(r) for r in self.reads)
         return (f"{self.out}{_box(self.out_block)} = {self.kernel}({reads}) expert parallel, index "
+                f"{_box(self.index)}{among}")
+
+
+@dataclass(frozen=True)
+class RingCompute:
+    """A ring-attention step (plan.ring) on this rank: `reads` are its blocks of every input for its index block
+    `index`, a travelling input's (k's, v's) only its own key block; round by round it meets the key block of each
+    member of `group` (global ranks in ring order, None: the whole mesh; `keys` each member's [start, end)),
+    passing what it has on to the next member while it computes (lower.ring)."""
+
+    step: int
+    out: str
+    kernel: str
+    params: Params
+    input_shapes: tuple[Shape, ...]
+    input_dtypes: tuple[str, ...]
+    index: ZRange
+    reads: tuple[Read, ...]
+    out_block: ZRange
+    group: tuple[int, ...] | None
+    keys: tuple[tuple[int, int], ...]
+    member: int  # this rank's place in the ring
+
+    def __str__(self) -> str:
+        among = "" if self.group is None else f"  among ranks {','.join(map(str, self.group))}"
+        reads = ", ".join(_show(r) for r in self.reads)
+        return (f"{self.out}{_box(self.out_block)} = {self.kernel}({reads}) ring attention, index "
                 f"{_box(self.index)}{among}")
 
 
@@ -210,7 +238,7 @@ _KIND_NAMES: dict[type, str] = {
     AllToAll: "all_to_all", SendRecv: "send_recv", Gather: "gather",
 }
 
-RankStep = PlaceBlock | ShardCompute | ExpertCompute | Comm
+RankStep = PlaceBlock | ShardCompute | ExpertCompute | RingCompute | Comm
 
 
 @dataclass(frozen=True)
@@ -253,7 +281,7 @@ class LoweredProgram:
     def groups(self) -> list[tuple[int, ...]]:
         """Every group of ranks some collective runs among, short of the whole mesh, in one order for all ranks."""
         return sorted({s.group for r in self.ranks for s in r.steps
-                       if isinstance(s, Comm | ExpertCompute) and s.group is not None})
+                       if isinstance(s, Comm | ExpertCompute | RingCompute) and s.group is not None})
 
     def describe(self, step: int) -> str:
         """One line naming plan step `step`, for error messages."""
@@ -305,6 +333,8 @@ def _lower_step(index: int, step: Place | Compute | Reshard, plan: Plan, layouts
         return [None if b is None else PlaceBlock(index, step.out, step.input, b) for b in step.layout.blocks]
     if isinstance(step, Compute) and step.exchange:
         return _experts(index, step, layouts, plan.dtypes, plan.mesh)
+    if isinstance(step, Compute) and step.ring:
+        return _ringed(index, step, layouts, plan.dtypes, plan.mesh)
     if isinstance(step, Compute):
         return [_shard(index, step, rank, layouts, plan.dtypes) for rank in plan.mesh.devices]
     return _reshard(index, step, layouts, plan.mesh, plan.dtypes)
@@ -341,6 +371,32 @@ def _experts(index: int, step: Compute, layouts: Mapping[str, Layout], dtypes: M
             steps[rank] = ExpertCompute(index, step.out, step.kernel, step.params, step.input_shapes,
                                         step.input_dtypes, shard.index, shard.reads, shard.out_block, members,
                                         blocks, member)  # type: ignore[arg-type]
+    return steps
+
+
+def _ringed(index: int, step: Compute, layouts: Mapping[str, Layout], dtypes: Mapping[str, str], mesh: Mesh
+            ) -> list[RankStep | None]:
+    """Each rank's ring step: its reads (its own key block of a travelling input), and its ring."""
+    steps: list[RankStep | None] = [None] * mesh.size
+    keys, moving, sig = ring.keys(step, mesh), ring.travelling(step), step.signature
+    for group in ring.members(step, mesh):
+        if any(step.blocks[r] is None for r in group):
+            raise LoweringError(f"step {index} ({step.out}): a member of ring {group} idles")
+        members = None if len(group) == mesh.size else group
+        for member, rank in enumerate(group):
+            reads = []
+            for arg, shape, want, moves, projection in zip(step.args, step.input_shapes,
+                                                           ring.reads(step, rank, keys[rank]), moving,
+                                                           sig.projections):
+                if arg not in layouts:
+                    raise LoweringError(f"step {index} ({step.out}) reads {arg!r}, which no earlier step makes")
+                region = want if moves else projection.apply(step.blocks[rank])
+                reads.append(_read(arg, layouts[arg].blocks[rank], dtypes[arg], region, shape,
+                                   f"step {index} ({step.out})"))
+            block = step.blocks[rank]
+            steps[rank] = RingCompute(index, step.out, step.kernel, step.params, step.input_shapes, step.input_dtypes,
+                                      block, tuple(reads), sig.output.apply(block), members,
+                                      tuple(keys[r] for r in group), member)
     return steps
 
 
@@ -427,7 +483,7 @@ def _one_region(src: Layout, dst: Layout) -> bool:
 
 
 def _reads(step: RankStep) -> tuple[str, ...]:
-    if isinstance(step, ShardCompute | ExpertCompute):
+    if isinstance(step, ShardCompute | ExpertCompute | RingCompute):
         return tuple(r.buffer for r in step.reads if r.box is not None)
     return (step.src,) if isinstance(step, Comm) else ()
 

@@ -9,10 +9,25 @@ Layers: schedule and model are pure; layer prices a plan; planner runs the optim
 """
 from __future__ import annotations
 
-from tapestry.pipeline.layer import layer_cost, layer_step
-from tapestry.pipeline.model import BF16, MIXED, LayerCost, Precision, partition, price
-from tapestry.pipeline.planner import PipelinePlan, PipelineResult, plan_pipeline, stage_mesh
-from tapestry.pipeline.schedule import SCHEDULES, Schedule, Timeline, simulate
+import importlib
+from typing import Any
 
-__all__ = ["BF16", "MIXED", "SCHEDULES", "LayerCost", "PipelinePlan", "PipelineResult", "Precision", "Schedule",
-           "Timeline", "layer_cost", "layer_step", "partition", "plan_pipeline", "price", "simulate", "stage_mesh"]
+# Names load on first use: a rank that runs a pipelined step (spmd.pipelined) needs the schedule, not the planner
+# and the optimizer it imports.
+_LAZY = {"first_step": "layer", "last_step": "layer", "layer_cost": "layer", "layer_step": "layer",
+         "ModelSteps": "layer", "model_steps": "layer",
+         "BF16": "model", "MIXED": "model", "Ends": "model", "LayerCost": "model", "Precision": "model",
+         "partition": "model", "price": "model", "PipelinePlan": "planner", "PipelineResult": "planner",
+         "plan_pipeline": "planner", "stage_mesh": "planner", "SCHEDULES": "schedule", "Schedule": "schedule",
+         "Timeline": "schedule", "simulate": "schedule"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["BF16", "MIXED", "SCHEDULES", "Ends", "LayerCost", "ModelSteps", "PipelinePlan", "PipelineResult",
+           "Precision", "Schedule", "Timeline", "first_step", "last_step", "layer_cost", "layer_step", "model_steps",
+           "partition", "plan_pipeline", "price", "simulate", "stage_mesh"]

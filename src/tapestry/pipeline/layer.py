@@ -8,7 +8,8 @@ gradients) and the rest, the backward.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tapestry import dtypes
@@ -49,6 +50,112 @@ def layer_step(layer: Any, example: Any, optimizer: str = "adam", lr: float = 1e
 
     training = tapestry.Training(loss=loss, optimizer=optimizer, lr=lr)
     return tapestry.from_torch(Stage(), (example, example), training=training, verbose=False).graph
+
+
+def first_step(first: Any, example: Any, optimizer: str = "adam", lr: float = 1e-4) -> Graph:
+    """The training step of what a model runs before its first layer (`first`, e.g. its token embedding) on one
+    micro-batch `example` (token ids), given the gradient of its output: the loss is the output's dot product with
+    an incoming gradient, as in `layer_step`. Its input has no gradient (ids), so it has no gate."""
+    import torch
+
+    import tapestry
+
+    with torch.no_grad():
+        out = first(example)
+
+    def loss(module: torch.nn.Module, ids: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        return (module(ids) * grad).sum()
+
+    grad = torch.zeros(out.shape, dtype=out.dtype, device=out.device)
+    training = tapestry.Training(loss=loss, optimizer=optimizer, lr=lr)
+    return tapestry.from_torch(first, (example, grad), training=training, verbose=False).graph
+
+
+def last_step(last: Any, example: Any, target: Any, loss_fn: Any, optimizer: str = "adam",
+              lr: float = 1e-4) -> Graph:
+    """The training step of what a model runs after its last layer (`last`: the final norm and the LM head) and
+    the loss, `loss_fn(last(x), target)`, on one micro-batch `example` of the last layer's output, with its
+    input's gradient computed (through a trainable gate of ones, as in `layer_step`): the stage's backward
+    starts here."""
+    import torch
+
+    import tapestry
+
+    class Last(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.last = last
+            self.input_gate = torch.nn.Parameter(torch.ones(example.shape[-1], dtype=example.dtype,
+                                                            device=example.device))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.last(x * self.input_gate)
+
+    def loss(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return loss_fn(module(x), y)
+
+    training = tapestry.Training(loss=loss, optimizer=optimizer, lr=lr)
+    return tapestry.from_torch(Last(), (example, target), training=training, verbose=False).graph
+
+
+@dataclass(frozen=True)
+class ModelSteps:
+    """A model's pieces as `plan_pipeline` takes them: builders from a micro-batch size (sequences) to the
+    training step of one of its `layers` repeated layers, of what runs before the first (`first`) and of what
+    runs after the last with the loss (`last`)."""
+
+    layer: Callable[[int], Graph]
+    first: Callable[[int], Graph]
+    last: Callable[[int], Graph]
+    layers: int
+
+
+def model_steps(module: Any, example_batch: Sequence[Any], loss_fn: Callable[..., Any], layers: str = "layers",
+                optimizer: str = "adam", lr: float = 1e-4) -> ModelSteps:
+    """Cut `module` where a pipelined step cuts it (torch.distributed.pipelining's tracer, before its first
+    layer and after its last; `layers` names its ModuleList) into the steps `plan_pipeline` prices:
+
+        steps = pipeline.model_steps(model, (ids, labels), loss_fn)
+        tapestry.plan_pipeline(steps.layer, steps.layers, mesh, global_batch, cost_model,
+                               micro_batch_sizes=(1, 2), first=steps.first, last=steps.last)
+
+    The layers must be alike (the first is imported for all). `example_batch` is (input, target) of any batch
+    size; each step is imported on zeros of the micro-batch's size, once per size. The module is copied first
+    (cheap under the meta device), so it can still be pipelined."""
+    import copy
+
+    import torch
+    from torch.distributed import pipelining
+
+    stack = module.get_submodule(layers)
+    if not isinstance(stack, torch.nn.ModuleList) or not len(stack):
+        raise ValueError(f"model_steps: {type(module).__name__}.{layers} is not a ModuleList of layers")
+    inputs, target = example_batch
+
+    def sized(t: Any, b: int) -> Any:
+        return torch.zeros((b, *t.shape[1:]), dtype=t.dtype, device=t.device)
+
+    cuts = {f"{layers}.0": pipelining.SplitPoint.BEGINNING, f"{layers}.{len(stack) - 1}": pipelining.SplitPoint.END}
+    # torch's tracer leaves the module it cuts unfit to be traced again (as the pipelined step will): cut a copy
+    pipe = pipelining.pipeline(copy.deepcopy(module), mb_args=(inputs[:1],), split_spec=cuts)
+    if pipe.num_stages != 3:
+        raise ValueError(f"model_steps: cutting {type(module).__name__} before {layers}.0 and after its last layer "
+                         f"gave {pipe.num_stages} pieces, not 3 (nothing runs before or after the layers?)")
+    before, after = pipe.get_stage_module(0), pipe.get_stage_module(2)
+
+    def activations(b: int) -> Any:
+        with torch.no_grad():
+            return torch.zeros_like(before(sized(inputs, b)))
+
+    def cached(build: Callable[[int], Graph]) -> Callable[[int], Graph]:
+        made: dict[int, Graph] = {}
+        return lambda b: made[b] if b in made else made.setdefault(b, build(b))
+
+    return ModelSteps(
+        layer=cached(lambda b: layer_step(stack[0], activations(b), optimizer, lr)),
+        first=cached(lambda b: first_step(before, sized(inputs, b), optimizer, lr)),
+        last=cached(lambda b: last_step(after, activations(b), sized(target, b), loss_fn, optimizer, lr)),
+        layers=len(stack))
 
 
 def _most(per_device: Iterable[int]) -> int:

@@ -35,6 +35,35 @@ class LayerCost:
     reduce: float = 0.0  # seconds per step of weight-gradient reductions the last micro-batch's backward does not hide
 
 
+def joined(a: LayerCost, b: LayerCost) -> LayerCost:
+    """`a` then `b` as one piece of a stage (an embedding and the first layer; the last layer and the head): times,
+    state and activations add; its input, so what recomputing it keeps and what a stage sends it, is `a`'s."""
+    return LayerCost(forward=a.forward + b.forward, backward=a.backward + b.backward, update=a.update + b.update,
+                     params=a.params + b.params, state=a.state + b.state, slots=a.slots or b.slots,
+                     activations=a.activations + b.activations, boundary=a.boundary,
+                     working=max(a.working, b.working), flops=a.flops + b.flops, itemsize=a.itemsize,
+                     reduce=a.reduce + b.reduce)
+
+
+@dataclass(frozen=True)
+class Ends:
+    """What a model runs before its first layer (`first`: the embedding) and after its last (`last`: the final
+    norm, the head and the loss), each priced on a stage's sub-mesh; None where it is left out. They ride with the
+    first and the last layer, so the stages holding them run and hold more, and get fewer layers."""
+
+    first: LayerCost | None = None
+    last: LayerCost | None = None
+
+    def stack(self, layer: LayerCost, layers: int) -> list[LayerCost]:
+        """The per-layer costs of `layers` copies of `layer` with the ends joined to the first and the last."""
+        copies = [layer] * layers
+        if self.first is not None:
+            copies[0] = joined(self.first, copies[0])
+        if self.last is not None:
+            copies[-1] = joined(copies[-1], self.last)
+        return copies
+
+
 @dataclass(frozen=True)
 class Precision:
     """Bytes per parameter held between steps. `param`: the copy the compute reads; `grad`: the accumulated

@@ -7,9 +7,10 @@ optimization per sub-mesh. Every layer plan of the front is then tried under eve
 interleaved 1F1B with v chunks per device), with on each device the fewest recomputed layers that fit the memory
 budget; the fastest configuration that fits wins. S = 1 is no pipeline: gradient accumulation over the micro-
 batches on the whole mesh. Stage boundaries cost one point-to-point transfer of the layer's input per micro-batch
-each way, over the pipeline axis's link.
+each way, over the pipeline axis's link. The model's ends (its embedding; its final norm, head and loss), when
+given, are planned once per sub-mesh too and ride with the first and the last layer (`model.Ends`).
 
-Plans only: the pipelined step is priced, scheduled and drawn, not lowered to rank programs (docs/pipeline.md).
+A plan runs with `tapestry.parallelize_step(..., pipeline=plan)` (spmd/pipelined.py), one stage per rank.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from tapestry.optimizer import MemoryBudgetError, OptimizeResult, explore
 from tapestry.pipeline.layer import layer_cost
 from tapestry.pipeline.model import (
     PRECISIONS,
+    Ends,
     LayerCost,
     Precision,
     Priced,
@@ -37,6 +39,7 @@ from tapestry.pipeline.model import (
 from tapestry.pipeline.schedule import SCHEDULES, Schedule, simulate
 from tapestry.sharding import Mesh
 
+Step = Graph | Callable[[int], Graph]  # a training step, or a function from the micro-batch size to it
 CHUNKS = (2, 4)  # virtual stages per device tried by the interleaved schedule
 DRAWN = 4  # micro-batches per stage a drawing shows by default
 REBALANCE_TRIES = 16  # layer moves `rebalanced` prices at most
@@ -59,6 +62,7 @@ class PipelinePlan:
     cost: float  # predicted seconds per step
     memory: tuple[float, ...]  # bytes per device, by pipeline position
     peak_flops: float = 0.0  # per device, for `mfu`
+    ends: Ends = Ends()  # the embedding before the first layer and the head and loss after the last, as priced
 
     @property
     def stages(self) -> int:
@@ -81,7 +85,12 @@ class PipelinePlan:
     @property
     def flops(self) -> float:
         """Model FLOPs per step: every layer's step for every micro-batch, recomputation not counted."""
-        return len(self.recompute) * self.schedule.micro_batches * self.layer.flops
+        return self.schedule.micro_batches * sum(c.flops for c in self.costs)
+
+    @property
+    def costs(self) -> list[LayerCost]:
+        """Per layer, what it costs: the layer's, with the first and last joined to the model's ends."""
+        return self.ends.stack(self.layer, len(self.recompute))
 
     @property
     def mfu(self) -> float:
@@ -96,9 +105,12 @@ class PipelinePlan:
                  f"predicted {self.cost * 1e3:.1f} ms per step, MFU {self.mfu:.1%}, "
                  f"{max(self.memory) / 2**30:.2f} GiB on the fullest device ({self.precision.name}); "
                  f"{sum(self.recompute)} of {len(self.recompute)} layers recomputed"]
+        last = (len(self.chunks) - 1) % s.stages
         for d, mine in enumerate(self.layers_by_stage):
             recomputed = sum(self.recompute[i] for i in mine)
-            lines.append(f"  stage {d}: layers {_ranges(mine)}" + (f" ({recomputed} recomputed)" if recomputed else "")
+            held = (["first (embedding)"] if d == 0 and self.ends.first else []) + [f"layers {_ranges(mine)}"] + \
+                (["last (head, loss)"] if d == last and self.ends.last else [])
+            lines.append(f"  stage {d}: {' + '.join(held)}" + (f" ({recomputed} recomputed)" if recomputed else "")
                          + f", {self.memory[d] / 2**30:.2f} GiB")
         return "\n".join(lines)
 
@@ -111,7 +123,7 @@ class PipelinePlan:
         shown = min(s.micro_batches, micro_batches or DRAWN * s.stages)
         if s.name == "interleaved":
             shown = max(s.stages, shown - shown % s.stages)
-        forward, backward, kept = chunk_times([self.layer] * len(self.recompute), self.chunks, self.recompute)
+        forward, backward, kept = chunk_times(self.costs, self.chunks, self.recompute)
         timeline = simulate(Schedule(s.name, s.stages, shown, s.chunks), forward, backward, self.transfer, kept)
         title = self.describe().splitlines()[0] + (f"\n(drawn with {shown} of its {s.micro_batches} micro-batches)"
                                                    if shown < s.micro_batches else "")
@@ -184,19 +196,19 @@ Fitted = tuple[Priced, tuple[tuple[int, ...], ...], tuple[bool, ...]]  # priced,
 
 
 def fit(layer: LayerCost, layers: int, schedule: Schedule, precision: Precision, transfer: float,
-        memory_budget: float | None, sizes: Sequence[int] | None = None) -> Fitted | None:
-    """`layers` copies of `layer` in the schedule's chunks (`sizes` layers each, in order; default an even
-    split), with on each device the fewest recomputed layers per chunk (the first ones of each) that fit
-    `memory_budget`: a device's memory depends on its own recomputation alone (`model.device_memory`), and each
-    layer recomputed only lowers it and only adds time, so the least per device is the fastest. None when even
-    recomputing every layer does not fit."""
+        memory_budget: float | None, sizes: Sequence[int] | None = None, ends: Ends = Ends()) -> Fitted | None:
+    """`layers` copies of `layer`, the model's `ends` joined to the first and last, in the schedule's chunks
+    (`sizes` layers each, in order; default the split whose costliest chunk costs least), with on each device the
+    fewest recomputed layers per chunk (the first ones of each) that fit `memory_budget`: a device's memory
+    depends on its own recomputation alone (`model.device_memory`), and each layer recomputed only lowers it and
+    only adds time, so the least per device is the fastest. None when even recomputing every layer does not fit."""
     s = schedule.stages
+    copies = ends.stack(layer, layers)
     if sizes is None:
-        chunk_list = partition([layer.forward + layer.backward] * layers, s * schedule.chunks)
+        chunk_list = partition([c.forward + c.backward for c in copies], s * schedule.chunks)
     else:
-        ends = list(itertools.accumulate(sizes))
-        chunk_list = tuple(tuple(range(end - n, end)) for n, end in zip(sizes, ends))
-    copies = [layer] * layers
+        stops = list(itertools.accumulate(sizes))
+        chunk_list = tuple(tuple(range(stop - n, stop)) for n, stop in zip(sizes, stops))
 
     def flags(per_device: Sequence[int]) -> tuple[bool, ...]:
         return tuple(k < per_device[c % s] for c, chunk in enumerate(chunk_list) for k in range(len(chunk)))
@@ -223,15 +235,16 @@ def fit(layer: LayerCost, layers: int, schedule: Schedule, precision: Precision,
 
 
 def rebalanced(layer: LayerCost, layers: int, schedule: Schedule, precision: Precision, transfer: float,
-               memory_budget: float | None, start: Fitted) -> Fitted:
+               memory_budget: float | None, start: Fitted, ends: Ends = Ends()) -> Fitted:
     """`start` (a `fit`), then one layer at a time moved from the most loaded device to the least loaded (forward,
     backward and recomputed forwards per micro-batch) while the step gets no slower (a move that ties can open
     the next), at most REBALANCE_TRIES times: the stages that hold the most micro-batches in flight recompute
     the most, so they are better off with fewer layers. A greedy search: not proven best."""
     best, s = start, schedule.stages
+    copies = ends.stack(layer, layers)
     for _ in range(REBALANCE_TRIES):
         _, chunk_list, flags = best
-        per_chunk = [sum(layer.forward + layer.backward + layer.forward * flags[i] for i in chunk)
+        per_chunk = [sum(copies[i].forward + copies[i].backward + copies[i].forward * flags[i] for i in chunk)
                      for chunk in chunk_list]
         load = [sum(per_chunk[c::s]) for c in range(s)]
         heavy, light = load.index(max(load)), load.index(min(load))
@@ -240,7 +253,7 @@ def rebalanced(layer: LayerCost, layers: int, schedule: Schedule, precision: Pre
         if heavy == light or len(chunk_list[a]) == 1:
             break
         sizes = [len(chunk) - (c == a) + (c == b) for c, chunk in enumerate(chunk_list)]
-        found = fit(layer, layers, schedule, precision, transfer, memory_budget, sizes)
+        found = fit(layer, layers, schedule, precision, transfer, memory_budget, sizes, ends)
         if found is None or found[0].step_time > best[0].step_time * (1 + 1e-9):
             break
         best = found
@@ -250,27 +263,30 @@ def rebalanced(layer: LayerCost, layers: int, schedule: Schedule, precision: Pre
 def best_configuration(layer: LayerCost, layers: int, mesh: Mesh, axis: int, stages: int, micro_batches: int,
                        precision: Precision, link: Link, memory_budget: float | None,
                        schedules: Sequence[str] = SCHEDULES, chunks: Sequence[int] = CHUNKS, peak_flops: float = 0.0,
-                       stage_plan: OptimizeResult | None = None, micro_batch: int = 1) -> PipelinePlan | None:
-    """The fastest schedule (and recomputation) for `layers` copies of `layer` in `stages` stages over mesh axis
-    `axis`, `micro_batches` per step, that fits `memory_budget`, its layers then `rebalanced`; None when none
-    fits."""
+                       stage_plan: OptimizeResult | None = None, micro_batch: int = 1, ends: Ends = Ends()
+                       ) -> PipelinePlan | None:
+    """The fastest schedule (and recomputation) for `layers` copies of `layer` (the model's `ends` joined to the
+    first and the last) in `stages` stages over mesh axis `axis`, `micro_batches` per step, that fits
+    `memory_budget`, its layers then `rebalanced`; None when none fits."""
     transfer = link.alpha + layer.boundary / link.beta if stages > 1 else 0.0
     fitted = [(schedule, found) for schedule in configurations(stages, micro_batches, layers, schedules, chunks)
-              for found in [fit(layer, layers, schedule, precision, transfer, memory_budget)] if found is not None]
+              for found in [fit(layer, layers, schedule, precision, transfer, memory_budget, ends=ends)]
+              if found is not None]
     if not fitted:
         return None
     schedule, even = min(fitted, key=lambda f: (f[1][0].step_time, max(f[1][0].memory)))
-    priced, chunk_list, flags = rebalanced(layer, layers, schedule, precision, transfer, memory_budget, even)
+    priced, chunk_list, flags = rebalanced(layer, layers, schedule, precision, transfer, memory_budget, even, ends)
     return PipelinePlan(mesh, axis, schedule, chunk_list, flags, precision, micro_batch, layer, stage_plan,
-                        transfer, priced.step_time, priced.memory, peak_flops)
+                        transfer, priced.step_time, priced.memory, peak_flops, ends)
 
 
-def plan_pipeline(layer: Graph | Callable[[int], Graph], layers: int, mesh: Mesh, global_batch: int,
+def plan_pipeline(layer: Step, layers: int, mesh: Mesh, global_batch: int,
                   cost_model: CostModel, micro_batch_sizes: Sequence[int] | None = None, axis: int = 0,
                   stages: Sequence[int] | None = None, memory_budget: float | None = 80 * 10**9,
                   precision: str | Precision = "mixed", schedules: Sequence[str] = SCHEDULES,
                   chunks: Sequence[int] = CHUNKS, budget: Budget = Budget(), extractor: str = "ilp",
-                  time_limit: float = 10.0, pareto_points: int = 3) -> PipelineResult:
+                  time_limit: float = 10.0, pareto_points: int = 3, first: Step | None = None,
+                  last: Step | None = None) -> PipelineResult:
     """The fastest pipelined training step of `layers` identical layers on `mesh` that fits `memory_budget`
     bytes per device, `global_batch` sequences per step.
 
@@ -278,7 +294,10 @@ def plan_pipeline(layer: Graph | Callable[[int], Graph], layers: int, mesh: Mesh
     a micro-batch size (sequences) to it; `micro_batch_sizes` lists the sizes to try (default: the graph's
     batch, read off its first user input). `stages` lists the stage counts to try (default: every divisor of
     mesh axis `axis`). The optimizer's knobs (`budget`, `extractor`, `time_limit`) plan each layer;
-    `pareto_points` bounds its time/memory front. MemoryBudgetError when no configuration fits."""
+    `pareto_points` bounds its time/memory front. `first` and `last` are the training steps of what runs before
+    the first layer and after the last (`pipeline.first_step`, `pipeline.last_step`: the embedding; the final norm,
+    head and loss), graphs or functions of the micro-batch size like `layer`; each is planned (its fastest plan) on
+    every stage sub-mesh and rides with the first or last layer. MemoryBudgetError when no configuration fits."""
     if not 0 <= axis < mesh.ndim:
         raise ValueError(f"pipeline axis {axis} is not an axis of {mesh}")
     profile = getattr(cost_model, "profile", None)
@@ -304,6 +323,8 @@ def plan_pipeline(layer: Graph | Callable[[int], Graph], layers: int, mesh: Mesh
     counts = tuple(stages) if stages is not None else tuple(
         s for s in range(1, mesh.shape[axis] + 1) if mesh.shape[axis] % s == 0 and s <= layers)
     graphs = {b: build(b) for b in sizes}
+    end_graphs = {b: tuple(None if end is None else end(b) if callable(end) else end for end in (first, last))
+                  for b in sizes}
     candidates = []
     for s in counts:
         best: PipelinePlan | None = None
@@ -313,13 +334,15 @@ def plan_pipeline(layer: Graph | Callable[[int], Graph], layers: int, mesh: Mesh
             try:
                 front = explore(graph, sub, budget=budget).pareto(cost_model, extractor, time_limit,
                                                                   points=pareto_points)
+                ends = Ends(*(None if end is None else layer_cost(explore(end, sub, budget=budget).extract(
+                    cost_model, extractor, time_limit).plan, cost_model) for end in end_graphs[b]))
             except (ValueError, MemoryBudgetError) as err:
                 why.append(f"micro-batch {b}: no layer plan on {sub} ({err})")
                 continue
             for result in front:
                 found = best_configuration(layer_cost(result.plan, cost_model), layers, mesh, axis, s,
                                            global_batch // b, chosen_precision, link, memory_budget, schedules,
-                                           chunks, profile.device.peak(_compute_dtype(graph)), result, b)
+                                           chunks, profile.device.peak(_compute_dtype(graph)), result, b, ends)
                 if found is not None and (best is None or (found.cost, found.peak_memory) < (best.cost,
                                                                                                best.peak_memory)):
                     best = found

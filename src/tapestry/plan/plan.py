@@ -58,6 +58,9 @@ class Compute:
     # Mesh axes splitting the kernel's rows and experts together (expert parallel, `Kernel.exchange`): along them
     # each device computes its experts for the rows of the whole axis, rows moved by all-to-all (plan.exchange).
     exchange: tuple[int, ...] = ()
+    # Mesh axes splitting the kernel's queries and keys together (ring attention, `Kernel.ring`): along them each
+    # device holds its key block and meets the others' as they pass round the ring (plan.ring).
+    ring: tuple[int, ...] = ()
 
     @classmethod
     def running(cls, sig: Signature, part: Partition, origin: str = "") -> Compute:
@@ -68,7 +71,7 @@ class Compute:
         n = len(sig.input_shapes)
         needs = tuple(needed_layout(sig, i, part) for i in range(n))
         return cls("?", sig.kernel.name, sig.params, ("?",) * n, sig.input_shapes, needs, part.blocks,
-                   output_layout(sig, part), origin, sig.input_dtypes, part.exchange)
+                   output_layout(sig, part), origin, sig.input_dtypes, part.exchange, part.ring)
 
     @cached_property
     def signature(self) -> Signature:
@@ -260,6 +263,7 @@ def _step_to_json(step: Step) -> dict[str, Any]:
         "arg_layouts": [a.to_json() for a in step.arg_layouts], "blocks": _blocks_json(step.blocks),
         "layout": step.layout.to_json(), "origin": step.origin, "input_dtypes": list(step.input_dtypes),
         **({"exchange": list(step.exchange)} if step.exchange else {}),
+        **({"ring": list(step.ring)} if step.ring else {}),
     }
 
 
@@ -276,6 +280,6 @@ def _step_from_json(data: Mapping[str, Any]) -> Step:
             data["out"], data["kernel"], params, tuple(data["args"]), tuple(as_point(s) for s in data["input_shapes"]),
             tuple(Layout.from_json(a) for a in data["arg_layouts"]), _blocks_parse(data["blocks"]),
             Layout.from_json(data["layout"]), data.get("origin", ""), tuple(data.get("input_dtypes", ())),
-            tuple(data.get("exchange", ())),
+            tuple(data.get("exchange", ())), tuple(data.get("ring", ())),
         )
     raise ValueError(f"unknown plan step kind {kind!r}")

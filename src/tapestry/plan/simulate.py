@@ -17,7 +17,8 @@ import numpy as np
 from tapestry import dtypes
 
 from tapestry.evaluator import read_block
-from tapestry.plan import exchange
+from tapestry.kernels.ring import ring_numpy
+from tapestry.plan import exchange, ring
 from tapestry.plan.plan import Compute, Place, Plan, Reshard
 from tapestry.plan.validate import PlanError
 from tapestry.sharding import Layout, Mesh
@@ -46,6 +47,8 @@ def simulate(plan: Plan, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarr
             _reshard(step, devices, plan.dtypes[step.src])
         elif step.exchange:
             _exchange(step, devices, plan.dtypes, plan.mesh)
+        elif step.ring:
+            _ring(step, devices, plan.dtypes, plan.mesh)
         else:
             _compute(step, devices, plan.dtypes)
     return {name: assemble(plan.by_id[value].layout, plan.by_id[value].shape, devices, value, plan.dtypes[value])
@@ -122,6 +125,31 @@ def _exchange(step: Compute, devices: list[Device], value_dtypes: Mapping[str, s
                 outs[k][tuple(placed)] += sig.compute(args, route.index)  # a row may meet several members
         for k in group:
             devices[k][step.out] = Shard(step.layout.blocks[k], outs[k])
+
+
+def _ring(step: Compute, devices: list[Device], value_dtypes: Mapping[str, str], mesh: Mesh) -> None:
+    """A ring-attention step (plan.ring): each member meets every member's key blocks in ring order, read from the
+    device that holds them (its own queries and unkeyed inputs from itself), merged by log-sum-exp."""
+    sig = step.signature
+    keys, passing = ring.keys(step, mesh), ring.travelling(step)
+    outs = {}
+    for group in ring.members(step, mesh):
+        for member, k in enumerate(group):
+            block = step.blocks[k]
+            if block is None:
+                raise PlanError(f"step {step.out} ({step.kernel}): ring member {k} of {group} idles")
+            sources = [group[src] for src in ring.rounds(len(group), member)]
+            blocks = []
+            for src in sources:
+                where = f"step {step.out} ({step.kernel}) on device {k}, keys of device {src}"
+                blocks.append([_read(devices, src if moves else k, arg, region, shape, value_dtypes[arg], where)
+                               for arg, region, shape, moves
+                               in zip(step.args, ring.reads(step, k, keys[src]), step.input_shapes, passing)])
+            value = ring_numpy(sig, blocks, [keys[src][0] for src in sources], sig.call_kwargs(block))
+            out = step.layout.blocks[k]
+            outs[k] = Shard(out, value[out.relative_to(sig.output.apply(block))])
+    for k, shard in outs.items():  # after every member has read: a step's output may not overwrite its inputs
+        devices[k][step.out] = shard
 
 
 def _reshard(step: Reshard, devices: list[Device], dtype: str) -> None:

@@ -12,6 +12,7 @@ import importlib.util
 from tapestry import zspace
 from tapestry.dtypes import DtypeError
 from tapestry.kernels import DimKind, KernelError, Shape, Signature
+from tapestry.plan import ring
 from tapestry.plan.plan import Compute, Place, Plan, Reshard, Step
 from tapestry.sharding import Block, Layout, Mesh
 from tapestry.sharding.comm import CommError, can_move, transfers
@@ -183,6 +184,9 @@ def _compute_problems(mesh: Mesh, step: Compute, defined: dict[str, Step]) -> li
     if step.exchange and (sig.kernel.exchange is None or not all(0 <= a < mesh.ndim for a in step.exchange)):
         return [f"exchange over mesh axes {list(step.exchange)}, but {sig.kernel.name} has no exchange dims "
                 f"or the mesh {list(mesh.shape)} lacks those axes"]
+    if step.ring and (sig.kernel.ring is None or not all(0 <= a < mesh.ndim for a in step.ring)):
+        return [f"ring over mesh axes {list(step.ring)}, but {sig.kernel.name} has no ring (its keys cannot split) "
+                f"or the mesh {list(mesh.shape)} lacks those axes"]
     covered = exchanged_blocks(sig, step.blocks, step.exchange)
     problems = [f"blocks do not partition the index space: {p}" for p in partition_issues(sig, covered)]
     problems += _layout_claim_problems(sig, step)
@@ -193,8 +197,29 @@ def _compute_problems(mesh: Mesh, step: Compute, defined: dict[str, Step]) -> li
         problems += malformed
         if layout.partial:
             problems.append(f"{what} {arg!r} is partial: kernels read true values")
+        elif not malformed and step.ring and ring.travelling(step)[i]:
+            problems += _ring_read_problems(mesh, step, i, what)
         elif not malformed:
             problems += _read_problems(sig, i, step, what)
+    return problems
+
+
+def _ring_read_problems(mesh: Mesh, step: Compute, arg: int, what: str) -> list[str]:
+    """A travelling input of a ring step: every member's read of each member's key block must be held by that
+    member, to be passed round the ring (plan.ring)."""
+    keys, shape = ring.keys(step, mesh), ZRange.from_shape(step.input_shapes[arg])
+    problems = []
+    for group in ring.members(step, mesh):
+        if any(step.blocks[k] is None for k in group):
+            problems.append(f"a member of ring {list(group)} idles: every member must hold and pass its key block")
+            continue
+        for k in group:
+            for src in group:
+                need = shape.intersection(ring.reads(step, k, keys[src])[arg])
+                held = step.arg_layouts[arg].blocks[src]
+                if need is not None and not need.is_empty and (held is None or not held.contains(need)):
+                    problems.append(f"device {k} meets {need} of {what} {step.args[arg]!r} on ring member {src}, "
+                                    f"which holds only {held}")
     return problems
 
 

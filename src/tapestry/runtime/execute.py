@@ -27,9 +27,10 @@ from tapestry.lower.compile import shard_function
 from tapestry.plan import Place
 from tapestry.lower.program import (
     AllGather, AllReduce, AllToAll, Comm, Exchange, ExpertCompute, Gather, Local, LoweredProgram, PlaceBlock, RankStep,
-    Read, ReduceScatter, SendRecv, ShardCompute,
+    Read, ReduceScatter, RingCompute, SendRecv, ShardCompute,
 )
 from tapestry.lower.exchange import run_experts
+from tapestry.lower.ring import run_ring
 from tapestry.sharding import Block
 from tapestry.zspace import ZRange
 
@@ -305,6 +306,10 @@ class RankRunner:
             readers = [_reader(r, device) for r in step.reads]
             among = dist.group.WORLD if step.group is None else self._groups[step.group]
             return lambda buffers: run_experts(step, [read(buffers) for read in readers], among)
+        if isinstance(step, RingCompute):
+            readers = [_reader(r, device) for r in step.reads]
+            among = dist.group.WORLD if step.group is None else self._groups[step.group]
+            return lambda buffers: run_ring(step, [read(buffers) for read in readers], among)
         comm, src = _COMMS[type(step)], step.src
         group = None if step.group is None else self._groups[step.group]
         return lambda buffers: comm(step, buffers.get(src), device, group)
@@ -349,13 +354,13 @@ class RankRunner:
 def _kind(step: RankStep) -> str:
     if isinstance(step, PlaceBlock):
         return "place"
-    return "compute" if isinstance(step, ShardCompute | ExpertCompute) else "comm"
+    return "compute" if isinstance(step, ShardCompute | ExpertCompute | RingCompute) else "comm"
 
 
 def _label(step: RankStep) -> str:
     if isinstance(step, PlaceBlock):
         return f"place {step.input} -> {step.out}"
-    if isinstance(step, ShardCompute | ExpertCompute):
+    if isinstance(step, ShardCompute | ExpertCompute | RingCompute):
         return f"{step.kernel} -> {step.out}"
     return f"{step.kind} {step.src} -> {step.out}"
 

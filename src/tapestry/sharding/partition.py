@@ -19,10 +19,11 @@ import functools
 import itertools
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tapestry import zspace
 from tapestry.kernels import DimKind, Signature
+from tapestry.kernels.ring import key_extent, key_region, travels
 from tapestry.sharding.layout import Block, Layout
 from tapestry.sharding.mesh import Mesh
 from tapestry.zspace import IndexProjection, ZRange
@@ -39,11 +40,16 @@ class Partition:
     blocks: tuple[Block, ...]
     axes: tuple[Split, ...]  # per mesh axis: the index dims it splits, and into how many parts each
     exchange: tuple[int, ...] = ()  # mesh axes splitting the kernel's exchange dims together (expert parallel)
+    ring: tuple[int, ...] = ()  # mesh axes splitting queries and keys together (ring attention, `Kernel.ring`)
+    keys: tuple[tuple[int, int], ...] = ()  # under a ring: each device's key block [start, end)
+    balanced: bool = False  # a ring whose query blocks are cut for equal work, not equal size (causal attention)
 
     def name(self, sig: Signature) -> str:
         if not any(self.axes):
             return "replicate"
         return "split(" + ",".join("ep:" + "=".join(sig.dims[d] for d, _ in split) if axis in self.exchange
+                                   else "ring:" + _split_name(sig, split) + ("~work" if self.balanced else "")
+                                   if axis in self.ring
                                    else _split_name(sig, split) for axis, split in enumerate(self.axes)) + ")"
 
     def dims(self) -> set[int]:
@@ -80,11 +86,13 @@ def _normal(choice: AxisChoice, size: int) -> Split:
     return split
 
 
-def make_partition(sig: Signature, mesh: Mesh, axes: tuple[AxisChoice, ...], exchange: tuple[int, ...] = ()
-                   ) -> Partition:
+def make_partition(sig: Signature, mesh: Mesh, axes: tuple[AxisChoice, ...], exchange: tuple[int, ...] = (),
+                   ring: tuple[int, ...] = ()) -> Partition:
     """Split index dim `axes[i]` evenly over mesh axis i (None: not split over it), or several dims at once:
     `axes[i]` = ((dim, parts), ...) with the parts multiplying to the axis size, the first dim major. A mesh axis in
-    `exchange` splits the kernel's exchange dims (rows, experts) together, whatever `axes` says for it."""
+    `exchange` splits the kernel's exchange dims (rows, experts) together, whatever `axes` says for it. The mesh
+    axes in `ring` must split the kernel's queries alone: they split its keys too (another axis splitting the
+    queries leaves the keys whole along it)."""
     if len(axes) != mesh.ndim:
         raise ValueError(f"axes {axes} name {len(axes)} mesh axes; the mesh {mesh.shape} has {mesh.ndim}")
     if exchange and sig.kernel.exchange is None:
@@ -108,7 +116,32 @@ def make_partition(sig: Signature, mesh: Mesh, axes: tuple[AxisChoice, ...], exc
                 coord, index = divmod(coord, parts)
                 block = _pieces(block, dim, parts)[index]
         blocks.append(_non_empty(block))
-    return Partition(tuple(blocks), splits, tuple(sorted(exchange)))
+    ring = tuple(sorted(ring))
+    keys = _ring_check(sig, mesh, splits, ring) if ring else ()
+    return Partition(tuple(blocks), splits, tuple(sorted(exchange)), ring, keys)
+
+
+def ring_keys(extent: int, mesh: Mesh, axes: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """Each device's key block [start, end) when mesh `axes` split `extent` keys, in axis order as they split the
+    queries: device j of a ring holds key block j, beside query block j."""
+    found = []
+    for device in mesh.devices:
+        block = ZRange((0,), (extent,))
+        for axis in axes:
+            block = _pieces(block, 0, mesh.shape[axis])[mesh.coords(device)[axis]]
+        found.append((block.start[0], block.end[0]))
+    return tuple(found)
+
+
+def _ring_check(sig: Signature, mesh: Mesh, splits: tuple[Split, ...], ring: tuple[int, ...]
+                ) -> tuple[tuple[int, int], ...]:
+    if sig.kernel.ring is None:
+        raise ValueError(f"{sig.kernel.name} has no ring: its keys cannot split")
+    rows = sig.dims.index(sig.kernel.ring.rows)
+    for axis, split in enumerate(splits):
+        if axis in ring and split != ((rows, mesh.shape[axis]),):
+            raise ValueError(f"ring axis {axis} must split {sig.kernel.ring.rows!r} alone, not {list(split)}")
+    return ring_keys(key_extent(sig), mesh, ring)
 
 
 def exchanged_blocks(sig: Signature, blocks: tuple[Block, ...], exchange: tuple[int, ...]) -> tuple[Block, ...]:
@@ -156,7 +189,68 @@ def candidate_partitions(sig: Signature, mesh: Mesh) -> list[Partition]:
             continue
         part = make_partition(sig, mesh, axes)
         found.setdefault(part.blocks, part)
-    return list(found.values()) + _exchange_partitions(sig, mesh)
+    return list(found.values()) + _exchange_partitions(sig, mesh) + _ring_partitions(sig, mesh, found.values())
+
+
+def _ring_partitions(sig: Signature, mesh: Mesh, parts: Iterable[Partition]) -> list[Partition]:
+    """Context parallel: each partition whose queries only some mesh axes split, each alone, and where no device
+    idles, again with a ring over every non-empty set of those axes, when there are at least as many keys as ring
+    members (so no member's key block is empty)."""
+    if sig.kernel.ring is None:
+        return []
+    rows = sig.dims.index(sig.kernel.ring.rows)
+    found = []
+    for part in parts:
+        alone = [a for a, split in enumerate(part.axes) if split == ((rows, mesh.shape[a]),) and mesh.shape[a] > 1]
+        if not alone or any(d == rows for a, split in enumerate(part.axes) if a not in alone for d, _ in split):
+            continue
+        if any(b is None for b in part.blocks):  # every ring member holds and passes a key block
+            continue
+        for n in range(1, len(alone) + 1):
+            for ring in itertools.combinations(alone, n):
+                if key_extent(sig) >= math.prod(mesh.shape[a] for a in ring):
+                    found.append(make_partition(sig, mesh, part.axes, ring=ring))
+        if len(alone) == 1 and key_extent(sig) >= mesh.shape[alone[0]] and sig.kernel.work is not None:
+            even = make_partition(sig, mesh, part.axes, ring=(alone[0],))
+            balanced = balance_ring(sig, mesh, even)
+            if balanced.blocks != even.blocks:
+                found.append(balanced)
+    return found
+
+
+def balance_ring(sig: Signature, mesh: Mesh, part: Partition) -> Partition:
+    """`part` (a ring over one mesh axis, the only one splitting the queries) with its query blocks cut for equal
+    work rather than equal size: under a causal mask query i meets i + 1 keys, so even blocks leave the last
+    member most of the work (real context parallelism balances it; this is the contiguous way, blocks of
+    decreasing length). The keys stay evenly split. Cuts are where the kernel's work over queries [0, cut) reaches
+    j/p of the whole (`Signature.cost`, which counts only the work a block does); every block keeps a query."""
+    if len(part.ring) != 1 or any(b is None for b in part.blocks):
+        raise ValueError(f"balance_ring needs a ring over one mesh axis with every device busy; got ring axes "
+                         f"{list(part.ring)} and blocks {part.blocks}")
+    (axis,) = part.ring
+    rows, parts = sig.dims.index(sig.kernel.ring.rows), mesh.shape[axis]
+    extent = sig.index.shape[rows]
+
+    def done(end: int) -> float:
+        start, stop = list(sig.index.start), list(sig.index.end)
+        stop[rows] = end
+        return sig.cost(ZRange(tuple(start), tuple(stop)))[0]
+
+    total, cuts = done(extent), [0]
+    for j in range(1, parts):
+        lo, hi = cuts[-1] + 1, extent - (parts - j)
+        while lo < hi:  # the first cut whose work reaches j/p of the whole
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if done(mid) < total * j / parts else (lo, mid)
+        cuts.append(lo)
+    cuts.append(extent)
+    blocks = []
+    for device, block in enumerate(part.blocks):
+        c = mesh.coords(device)[axis]
+        start, end = list(block.start), list(block.end)
+        start[rows], end[rows] = cuts[c], cuts[c + 1]
+        blocks.append(ZRange(tuple(start), tuple(end)))
+    return replace(part, blocks=tuple(blocks), balanced=True)
 
 
 def _exchange_partitions(sig: Signature, mesh: Mesh) -> list[Partition]:
@@ -205,8 +299,12 @@ def output_layout(sig: Signature, part: Partition) -> Layout:
 
 
 def needed_layout(sig: Signature, arg: int, part: Partition) -> Layout:
-    """The layout giving each device exactly the cells of input `arg` its block reads."""
-    return Layout(tuple(_clipped(sig.projections[arg], b, sig.input_shapes[arg]) for b in part.blocks))
+    """The layout giving each device exactly the cells of input `arg` its block reads (under a ring, its own key
+    block of an input that travels: the others come round the ring)."""
+    blocks = tuple(_clipped(sig.projections[arg], b, sig.input_shapes[arg]) for b in part.blocks)
+    if part.ring and travels(sig)[arg]:
+        blocks = tuple(None if b is None else key_region(sig, arg, b, keys) for b, keys in zip(blocks, part.keys))
+    return Layout(blocks)
 
 
 def split_reductions(sig: Signature, blocks: Iterable[ZRange]) -> list[str]:

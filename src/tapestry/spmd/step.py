@@ -18,7 +18,7 @@ import math
 import os
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -29,14 +29,19 @@ from tapestry import dtypes
 from tapestry.graph import Graph
 from tapestry.importer import TorchImport, from_torch
 from tapestry.lower.program import PlaceBlock
+from tapestry.pipeline.schedule import Schedule
 from tapestry.plan import Plan
 from tapestry.sharding import Mesh
+from tapestry.spmd.pipelined import PipelinedStep
 from tapestry.spmd.planning import shared_plan
 from tapestry.spmd.program import ParallelProgram, join_group
 from tapestry.spmd.state import device_mesh, placements
 from tapestry.training import LR, TORCH_STATE, Training, state_name
 from tapestry.training.draws import draw_all
 from tapestry.zspace import ZRange
+
+if TYPE_CHECKING:  # the planner imports the optimizer; a rank running a step needs neither
+    from tapestry.pipeline.planner import PipelinePlan
 
 Planner = Callable[[Graph, Mesh], Plan]  # a graph and mesh -> the plan to run (e.g. training.plans.zero3)
 # the options of tapestry.optimize a step passes on (the rest are torch.optim's)
@@ -229,13 +234,23 @@ class ParallelStep:
 
 def parallelize_step(module: torch.nn.Module, loss_fn: Callable[..., torch.Tensor], example_batch: Sequence[Any],
                      mesh: Mesh | int | None = None, optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW,
-                     **options: Any) -> ParallelStep:
+                     pipeline: PipelinePlan | Schedule | None = None, **options: Any) -> ParallelStep | PipelinedStep:
     """A ParallelStep: `step(*batch, lr=...)` trains `module` on the ranks of `mesh` (default: every rank of the
     process group). Collective: every rank calls it alike. `options`: torch.optim's keyword arguments (lr,
     weight_decay, betas, momentum, ...); tapestry.optimize's (time_limit, memory_budget, rules, budget,
     cost_model, extractor); max_norm (gradient clipping); plan (a Planner instead of the optimizer's plan);
-    cache=False (plan afresh); compile=False (run eager)."""
-    return ParallelStep(module, loss_fn, example_batch, mesh, optimizer, **options)
+    cache=False (plan afresh); compile=False (run eager).
+
+    `pipeline` (a `plan_pipeline(...).plan` or a `pipeline.Schedule`): a PipelinedStep instead, the module cut
+    into stages before its layers (`layers=`, the path of its ModuleList, default "layers"), one per rank
+    (spmd/pipelined.py); it takes torch.optim's options and max_norm, not the planner's."""
+    if pipeline is None:
+        return ParallelStep(module, loss_fn, example_batch, mesh, optimizer, **options)
+    refused = sorted(set(options) & (PLANNING_OPTIONS | {"plan", "cache", "compile", "verbose"}))
+    if refused:
+        raise TypeError(f"{', '.join(refused)}: options of a planned step; a pipelined step (pipeline=) runs its "
+                        "stages eagerly under torch's pipeline schedules")
+    return PipelinedStep(module, loss_fn, example_batch, mesh, optimizer, pipeline, **options)
 
 
 def _world_size() -> int:

@@ -43,9 +43,10 @@ from tapestry.kernels import get_kernel
 from tapestry.lower.compile import use_persistent_cache
 from tapestry.lower.program import (
     AllGather, AllReduce, AllToAll, Comm, Exchange, ExpertCompute, Gather, Local, LoweredProgram, PlaceBlock,
-    RankStep, Read, ReduceScatter, SendRecv, ShardCompute,
+    RankStep, Read, ReduceScatter, RingCompute, SendRecv, ShardCompute,
 )
 from tapestry.lower.exchange import run_experts
+from tapestry.lower.ring import run_ring
 from tapestry.sharding import Block
 from tapestry.zspace import ZRange
 
@@ -149,6 +150,8 @@ class RankFunction:
             return get_kernel(step.kernel).torch(*args, **dict(step.kwargs))
         if isinstance(step, ExpertCompute):
             return run_experts(step, [self._read(r, env) for r in step.reads], self.groups[step.group or ()])
+        if isinstance(step, RingCompute):
+            return run_ring(step, [self._read(r, env) for r in step.reads], self.groups[step.group or ()])
         assert isinstance(step, Comm)
         group = self.groups[step.group or ()]
         members = step.group or tuple(range(self.world))
@@ -321,7 +324,7 @@ def _eager(fn: RankFunction, why: str) -> RankFunction:
 
 
 def _reads(step: RankStep) -> tuple[str, ...]:
-    if isinstance(step, ShardCompute | ExpertCompute):
+    if isinstance(step, ShardCompute | ExpertCompute | RingCompute):
         return tuple(r.buffer for r in step.reads if r.box is not None)
     return (step.src,) if isinstance(step, Comm) else ()
 

@@ -1,0 +1,105 @@
+"""Ring attention's pieces: a kernel whose key dim may be split across devices, and the log-sum-exp merge.
+
+Attention's keys are a softmax reduction, not a sum: a block of keys gives its rows' output and their log-sum-exp
+(lse, the log of the softmax's denominator over those keys), and two blocks' results merge as
+    lse = log(exp(lse_a) + exp(lse_b)),  out = exp(lse_a - lse)·out_a + exp(lse_b - lse)·out_b
+(flash attention's online softmax; ring attention's combine). A row that sees no key in a block has lse -inf and
+adds nothing; a row that sees no key at all gives zeros, as the whole kernel does.
+
+A kernel with a `Ring` (sdpa, sdpa_masked) may run as a ring step (sharding.partition, plan.ring): mesh axes split
+its queries (`rows`) and, in the same order, the key dim of its keyed inputs (k, v, a mask's key columns); each
+device computes its queries against every member's key block in turn, merging as it goes.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tapestry import dtypes
+from tapestry.zspace import ZRange
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Ring:
+    """How a kernel's keys split: `rows` the index dim of its queries; `keyed(input shapes)` per input the tensor
+    dim holding keys (None: not keyed); `numpy`/`torch` the block impls, taking the kernel's inputs (keyed ones
+    narrowed to a key block), its call kwargs and `key_start` (the block's first key), returning (out, lse)."""
+
+    rows: str
+    keyed: Callable[[tuple[Shape, ...]], tuple[int | None, ...]]
+    numpy: Callable[..., tuple[np.ndarray, np.ndarray]]
+    torch: Callable[..., tuple[Any, Any]]
+
+
+def merge_numpy(out_a: np.ndarray, lse_a: np.ndarray, out_b: np.ndarray, lse_b: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Two key blocks' (out, lse) as one: lse [..., L], out [..., L, Ev]."""
+    top = np.maximum(lse_a, lse_b)
+    safe = np.where(np.isfinite(top), top, 0.0)
+    wa, wb = np.exp(lse_a - safe), np.exp(lse_b - safe)
+    total = wa + wb
+    out = (wa[..., None] * out_a + wb[..., None] * out_b) / np.where(total > 0, total, 1.0)[..., None]
+    with np.errstate(divide="ignore"):
+        lse = np.where(total > 0, safe + np.log(np.where(total > 0, total, 1.0)), -np.inf)
+    return out, lse
+
+
+def merge_torch(out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]:
+    """`merge_numpy` in torch (differentiable: no in-place writes)."""
+    import torch
+
+    top = torch.maximum(lse_a, lse_b)
+    safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    wa, wb = torch.exp(lse_a - safe), torch.exp(lse_b - safe)
+    total = wa + wb
+    seen = total > 0
+    out = (wa[..., None] * out_a + wb[..., None] * out_b) / torch.where(seen, total, torch.ones_like(total))[..., None]
+    lse = torch.where(seen, safe + torch.log(torch.where(seen, total, torch.ones_like(total))),
+                      torch.full_like(total, -torch.inf))
+    return out, lse
+
+
+def ring_numpy(sig: Any, blocks: Sequence[Sequence[np.ndarray]], key_starts: Sequence[int],
+               kwargs: dict[str, Any]) -> np.ndarray:
+    """One device's ring step in numpy: `blocks[t]` the kernel's inputs with keyed ones narrowed to key block t
+    (starting at key `key_starts[t]`), merged in order; the result in the signature's dtype. Half-precision
+    inputs are computed in float32, as `Signature.compute` does."""
+    ring = sig.kernel.ring
+    out = lse = None
+    for args, start in zip(blocks, key_starts):
+        cast = [b.astype(dtypes.compute_dtype(d), copy=False) if dtypes.is_float(d) else b
+                for b, d in zip(args, sig.input_dtypes)]
+        o, s = ring.numpy(*cast, key_start=start, **kwargs)
+        out, lse = (o, s) if out is None else merge_numpy(out, lse, o, s)
+    if out is None:
+        raise ValueError(f"{sig.kernel.name}: a ring step needs at least one key block")
+    return dtypes.cast(out, sig.dtype)
+
+
+def key_region(sig: Any, arg: int, region: ZRange, keys: tuple[int, int]) -> ZRange:
+    """`region` of input `arg` with its key dim (where the input is keyed) narrowed to keys [start, end)."""
+    dim = sig.kernel.ring.keyed(sig.input_shapes)[arg]
+    if dim is None:
+        return region
+    start, end = list(region.start), list(region.end)
+    start[dim], end[dim] = keys
+    return ZRange(tuple(start), tuple(end))
+
+
+def key_extent(sig: Any) -> int:
+    """How many keys the kernel's keyed inputs hold."""
+    dims = sig.kernel.ring.keyed(sig.input_shapes)
+    return next(sig.input_shapes[a][d] for a, d in enumerate(dims) if d is not None)
+
+
+def travels(sig: Any) -> tuple[bool, ...]:
+    """Per input: does it pass round the ring: keyed and not read by query (k, v; a mask's rows follow the
+    queries, so each device holds its rows' mask for every key and reads a key block of it per round)."""
+    rows = sig.dims.index(sig.kernel.ring.rows)
+    return tuple(d is not None and not any(row[rows] for row in p.matrix)
+                 for d, p in zip(sig.kernel.ring.keyed(sig.input_shapes), sig.projections))

@@ -1,0 +1,258 @@
+"""A training step run as a pipeline over the ranks: `tapestry.parallelize_step(..., pipeline=...)`.
+
+    plan = tapestry.plan_pipeline(...).plan                  # or pipeline.Schedule("1f1b", stages=4, micro_batches=8)
+    step = tapestry.parallelize_step(model, loss_fn, (ids, labels), mesh=tapestry.Mesh(4), pipeline=plan)
+    loss = step(ids, labels, lr=lr)                           # the mean micro-batch loss, on every rank
+
+The module is cut before the layers where the plan's chunks begin (`layers` names its ModuleList of repeated
+layers) by torch.distributed.pipelining's tracer (`pipeline` with `SplitPoint.BEGINNING`), so whatever the
+module's forward runs before its first layer (the embedding) goes to the first chunk and whatever it runs after
+its last (the final norm, the head) to the last chunk. Chunk c runs on rank c % S; torch's schedules
+(`ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`) run the micro-batches, sending activations and
+gradients between ranks point to point, and the loss (`loss_fn(output, target)`, per micro-batch) on the last
+chunk. Each rank's optimizer then updates its own chunks' parameters: a step equals one step of the module on
+one device over the whole batch when `loss_fn` is a mean over the batch (torch's schedule averages the
+micro-batches' gradients). The tracer leaves the module unfit to be traced again: a module makes one step.
+
+Each stage's layers run eagerly. A bare schedule on a mesh of D times its stages runs D data-parallel replicas of
+the pipeline: rank r is pipeline position r // D of replica r % D (the pipeline over the outer index, as
+plan_pipeline lays stages over mesh axis 0), each replica takes its D-th of the batch, and each stage's replicas
+average their gradients (one all-reduce per step among them) before the update. A plan whose stages span several
+devices is refused: its stage plan (tensor parallel, say) is not run here yet. The layers a plan recomputes
+(`plan.recompute`) run under activation checkpointing.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import pipelining
+from torch.distributed.checkpoint.state_dict import _init_optim_state
+from torch.utils.checkpoint import checkpoint
+
+from tapestry.pipeline.model import partition
+from tapestry.pipeline.schedule import Schedule
+from tapestry.sharding import Mesh
+from tapestry.spmd.program import join_group
+
+if TYPE_CHECKING:  # the planner imports the optimizer; a rank running a step needs neither
+    from tapestry.pipeline.planner import PipelinePlan
+
+SCHEDULE_CLASSES = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,
+                    "interleaved": pipelining.ScheduleInterleaved1F1B}
+
+
+def chunk_layers(pipeline: PipelinePlan | Schedule, layers: int) -> tuple[tuple[int, ...], ...]:
+    """The layer indices of each chunk: the plan's, or for a bare schedule an even split in order."""
+    if isinstance(pipeline, Schedule):
+        return partition([1.0] * layers, pipeline.stages * pipeline.chunks)
+    chunks = pipeline.chunks
+    if sum(map(len, chunks)) != layers:
+        raise ValueError(f"the pipeline plan places {sum(map(len, chunks))} layers; the module has {layers}")
+    return chunks
+
+
+def split_points(chunks: Sequence[Sequence[int]], layers: str) -> dict[str, pipelining.SplitPoint]:
+    """Where torch's tracer cuts: before the first layer of every chunk but the first."""
+    if [i for chunk in chunks for i in chunk] != list(range(sum(map(len, chunks)))):
+        raise ValueError(f"pipeline chunks must hold the layers in order, each once; got {list(map(list, chunks))}")
+    return {f"{layers}.{chunk[0]}": pipelining.SplitPoint.BEGINNING for chunk in chunks[1:]}
+
+
+class PipelinedStep:
+    """One training step of `module` pipelined over the ranks of a one-axis mesh (module docstring). Every rank
+    constructs it and calls it alike; each holds only its own chunks' parameters and optimizer state."""
+
+    def __init__(self, module: nn.Module, loss_fn: Callable[..., torch.Tensor], example_batch: Sequence[Any],
+                 mesh: Mesh | int | None, optimizer: type[torch.optim.Optimizer],
+                 pipeline: PipelinePlan | Schedule, *, layers: str = "layers", max_norm: float | None = None,
+                 **optimizer_options: Any) -> None:
+        schedule = pipeline if isinstance(pipeline, Schedule) else getattr(pipeline, "schedule", None)
+        if not isinstance(schedule, Schedule):
+            raise TypeError(f"pipeline= takes a PipelinePlan (tapestry.plan_pipeline(...).plan) or a "
+                            f"tapestry.pipeline.Schedule; got {type(pipeline).__name__}")
+        world = dist.get_world_size() if dist.is_initialized() else None
+        mesh = Mesh(mesh) if isinstance(mesh, int) else mesh if mesh is not None else Mesh(world or schedule.stages)
+        if not isinstance(pipeline, Schedule) and pipeline.stage_mesh.size != 1:
+            raise ValueError(f"the pipeline plan runs each stage on {pipeline.stage_mesh} ({pipeline.stage_mesh.size}"
+                             f" devices); running a stage's own plan over several devices is not done yet: plan "
+                             f"with a mesh of one device per stage")
+        if mesh.size % schedule.stages or (not isinstance(pipeline, Schedule) and mesh.size != schedule.stages):
+            raise ValueError(f"a pipelined step runs {schedule.stages} stages on a mesh of {schedule.stages} devices "
+                             f"(one stage per rank), or for a bare schedule of a multiple of that (data-parallel "
+                             f"replicas of the pipeline); got mesh {mesh}")
+        join_group(mesh.size)
+        self.replicas = mesh.size // schedule.stages
+        # the module itself is not kept: a rank holds only its own chunks' parameters once the caller lets it go
+        self.model_name, self.mesh, self.schedule, self.max_norm = type(module).__name__, mesh, schedule, max_norm
+        self.rank = dist.get_rank()
+        batch = tuple(example_batch)
+        if len(batch) != 2:
+            raise TypeError(f"a pipelined step takes (input, target) batches, loss_fn(module(input), target); the "
+                            f"example batch has {len(batch)} tensor(s)")
+        self.shapes = tuple(tuple(t.shape) for t in batch)
+        pieces = self.replicas * schedule.micro_batches
+        if batch[0].shape[0] % pieces:
+            raise ValueError(f"the batch of {batch[0].shape[0]} does not split into {self.replicas} replica(s) x "
+                             f"{schedule.micro_batches} micro-batches of one size")
+        stack = _layer_list(module, layers)
+        self.chunks = chunk_layers(pipeline, len(stack))
+        micro = batch[0].tensor_split(pieces)[0]
+        try:
+            pipe = pipelining.pipeline(module, mb_args=(micro,), split_spec=split_points(self.chunks, layers))
+        except Exception as err:  # torch.export's errors name the op it could not trace
+            raise RuntimeError(f"torch.distributed.pipelining could not trace {type(module).__name__} to cut it "
+                               f"into {len(self.chunks)} chunks: {err}") from err
+        if pipe.num_stages != len(self.chunks):
+            raise RuntimeError(f"the tracer cut {type(module).__name__} into {pipe.num_stages} pieces, not "
+                               f"{len(self.chunks)}: are the layers of '{layers}' called in order in forward?")
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+            else torch.device("cpu")
+        # every rank makes every group, in one order: ranks of one replica (the pipeline's sends), of one stage
+        d, s = self.replicas, schedule.stages
+        self.position, self.replica = divmod(self.rank, d)
+        self.pipe_group = self.stage_group = None  # one replica: the whole group is the pipeline
+        if d > 1:
+            pipes = [dist.new_group([p * d + j for p in range(s)]) for j in range(d)]
+            stage_groups = [dist.new_group([p * d + j for j in range(d)]) for p in range(s)]
+            self.pipe_group, self.stage_group = pipes[self.replica], stage_groups[self.position]
+        self.stages = [pipe.build_stage(c, device, self.pipe_group)
+                       for c in range(self.position, len(self.chunks), s)]
+        runner = SCHEDULE_CLASSES[schedule.name]
+        self.runner = runner(self.stages if schedule.chunks > 1 else self.stages[0],
+                             n_microbatches=schedule.micro_batches, loss_fn=loss_fn)
+        flags = (False,) * len(stack) if isinstance(pipeline, Schedule) else pipeline.recompute
+        for stage in self.stages:
+            for i in self.chunks[stage.stage_index]:
+                if flags[i]:
+                    _recomputed(stage.submod.get_submodule(f"{layers}.{i}"))
+        self.parameters = {name: p for stage in self.stages for name, p in stage.submod.named_parameters()}
+        self.optimizer = optimizer(list(self.parameters.values()), **optimizer_options)
+        self.holds_first = self.position == 0
+        self.holds_last = self.position == (len(self.chunks) - 1) % s
+
+    def __call__(self, inputs: torch.Tensor, target: torch.Tensor, lr: float | None = None) -> torch.Tensor:
+        """One step on the whole global batch (the same on every rank); the mean micro-batch loss, on every rank."""
+        for k, (given, expected) in enumerate(zip((inputs, target), self.shapes)):
+            if tuple(given.shape) != expected:
+                raise ValueError(f"batch tensor {k}: expected shape {list(expected)} (the example batch's: the step "
+                                 f"is traced for it), given {list(given.shape)}")
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = float(lr)
+        self.optimizer.zero_grad()
+        losses: list[torch.Tensor] = []
+        if self.replicas > 1:  # this replica's share of the batch
+            inputs, target = inputs.tensor_split(self.replicas)[self.replica], target.tensor_split(self.replicas)[
+                self.replica]
+        args = (inputs,) if self.holds_first else ()
+        self.runner.step(*args, target=target, losses=losses)
+        if self.replicas > 1:
+            self._average_replicas()
+        if self.max_norm is not None:
+            self._clip()
+        self.optimizer.step()
+        # the mean over every micro-batch of every replica: their last stages' losses, summed everywhere
+        loss = torch.stack([x.detach() for x in losses]).sum() if self.holds_last else torch.zeros(())
+        dist.all_reduce(loss)
+        return loss / (self.replicas * self.schedule.micro_batches)
+
+    def _average_replicas(self) -> None:
+        """Each stage's gradients averaged over its replicas (what DDP's all-reduce does), one all-reduce."""
+        grads = [p.grad for p in self.parameters.values() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.stage_group)
+        flat /= self.replicas
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _clip(self) -> None:
+        """Clip by the norm of every stage's gradients together (torch.nn.utils.clip_grad_norm_ over the model)."""
+        grads = [p.grad for p in self.parameters.values() if p.grad is not None]
+        squares = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+        dist.all_reduce(squares, group=self.pipe_group)  # every replica's gradients are alike by now
+        scale = (self.max_norm / (squares.sqrt() + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(scale)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's part of the step's state in the module's names: {"model": {path: tensor}, "optim": {"state":
+        {path: {"exp_avg", ..., "step"}}, "param_groups": [...]}} (ParallelStep's form, DCP's convention). The ranks'
+        parts have no key in common, so torch.distributed.checkpoint saves them side by side, and loads into a step
+        cut otherwise (another schedule, chunks or stage count) by name. Before the first step the optimizer's state
+        is made as torch's get_state_dict makes it (a step at lr 0 with zero gradients) with its count set back to
+        0, so a fresh step's state_dict() is a template to load a checkpoint into."""
+        if not self.optimizer.state:
+            _init_optim_state(self.optimizer)
+            for entry in self.optimizer.state.values():
+                if isinstance(entry.get("step"), torch.Tensor):
+                    entry["step"].zero_()
+        names = list(self.parameters)
+        saved = self.optimizer.state_dict()
+        state = {names[index]: dict(entry) for index, entry in saved["state"].items()}
+        groups = [{**{k: v for k, v in group.items() if k != "params"},
+                   "params": [names[index] for index in group["params"]]} for group in saved["param_groups"]]
+        return {"model": {name: p.detach() for name, p in self.parameters.items()},
+                "optim": {"state": state, "param_groups": groups}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take a `state_dict()` (this rank's keys of one, as torch.distributed.checkpoint loads it in place)."""
+        model, optim = state_dict["model"], state_dict["optim"]
+        missing = sorted(set(self.parameters) - set(model))
+        if missing:
+            raise KeyError(f"rank {self.rank}: the state has no {missing[:4]}{'...' if len(missing) > 4 else ''}")
+        with torch.no_grad():
+            for name, p in self.parameters.items():
+                if tuple(model[name].shape) != tuple(p.shape):
+                    raise ValueError(f"state {name!r}: expected shape {list(p.shape)}, given {list(model[name].shape)}")
+                p.copy_(model[name])
+        index = {name: k for k, name in enumerate(self.parameters)}
+        # one group of every parameter (as the step makes it): its options from the state, which DCP loads from
+        # whichever rank saved them, so its parameter names may be another rank's
+        options = {k: v for k, v in optim["param_groups"][0].items() if k != "params"}
+        self.optimizer.load_state_dict({"state": {index[name]: entry for name, entry in optim["state"].items()
+                                                  if name in index},
+                                        "param_groups": [{**options, "params": list(index.values())}]})
+
+    def module_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the module, in its own names, gathered from the ranks that hold it. Collective."""
+        held = {name: p.detach().clone() for name, p in self.parameters.items()}
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, held)
+        return {name: value for part in everyone for name, value in part.items()}
+
+    def __repr__(self) -> str:
+        s = self.schedule
+        return (f"PipelinedStep({self.model_name}, {s.name}, {s.stages} stages, {s.micro_batches} "
+                f"micro-batches, rank {self.rank} holds chunks {[st.stage_index for st in self.stages]})")
+
+
+def _recomputed(layer: nn.Module) -> None:
+    """Make `layer` keep only its inputs for the backward and run its forward again there (activation
+    checkpointing, torch.utils.checkpoint without reentrancy); its parameters and their names are unchanged."""
+    forward = layer.forward
+
+    def again(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    layer.forward = again
+
+
+def _layer_list(module: nn.Module, path: str) -> nn.ModuleList:
+    try:
+        found = module.get_submodule(path)
+    except AttributeError:
+        found = None
+    if not path or not isinstance(found, nn.ModuleList):
+        lists = [name for name, m in module.named_modules() if isinstance(m, nn.ModuleList)]
+        raise ValueError(f"layers={path!r}: {type(module).__name__} has no ModuleList there to cut into stages "
+                         f"(its ModuleLists: {lists or 'none'})")
+    return found
+
+
+__all__ = ["PipelinedStep", "chunk_layers", "split_points"]

@@ -1,0 +1,295 @@
+"""Pipelined training steps (tapestry.parallelize_step with pipeline=, spmd/pipelined.py) on gloo ranks: the
+stages, micro-batches and schedules of a plan run with torch.distributed.pipelining, and a step equals torch on
+one device (the losses and the updated weights)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tapestry
+from tapestry.models import llama_decoder
+from tapestry.pipeline import PipelinePlan, Schedule
+from tapestry.spmd.launch import launch
+from tapestry.spmd.pipelined import chunk_layers, split_points
+
+VOCAB, BATCH, SEQ = 64, 8, 16
+SGD = (torch.optim.SGD, {"lr": 0.1})  # gradients scaled wrongly show in the weights (Adam would normalise them away)
+# Adam's first update is lr * g / (|g| + eps): with torch's eps of 1e-8 a gradient near zero turns a rounding
+# difference (summed micro-batches against one batch) into up to lr; eps 1e-4 bounds that at lr / eps times it
+ADAMW = (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.01, "eps": 1e-4})
+Optimizer = tuple[type[torch.optim.Optimizer], dict[str, float]]
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),
+             torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)) for _ in range(steps)]
+
+
+def on_one_device(layers: int, steps: int, optimizer: Optimizer, dim: int = 32, max_norm: float | None = None
+                  ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = llama_decoder(VOCAB, dim=dim, layers=layers)
+    make, options = optimizer
+    optimizer = make(model.parameters(), **options)
+    losses = []
+    for ids, labels in batches(steps):
+        optimizer.zero_grad()
+        loss = cross_entropy(model(ids), labels)
+        loss.backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def pipelined(schedule: Schedule | PipelinePlan, layers: int, steps: int, optimizer: Optimizer, dim: int = 32,
+              ranks: int | None = None, max_norm: float | None = None
+              ) -> tuple[list[float], dict[str, torch.Tensor], str]:
+    """On each rank: `steps` pipelined steps from the same initial weights; the losses and the gathered weights."""
+    torch.manual_seed(0)
+    model = llama_decoder(VOCAB, dim=dim, layers=layers)
+    data = batches(steps)
+    step = tapestry.parallelize_step(model, cross_entropy, data[0], optimizer=optimizer[0], **optimizer[1],
+                                     pipeline=schedule, mesh=ranks, max_norm=max_norm)
+    losses = [float(step(ids, labels)) for ids, labels in data]
+    return losses, step.module_state_dict(), repr(step)
+
+
+def check_against_torch(schedule: Schedule | PipelinePlan, layers: int, optimizer: Optimizer, steps: int = 2,
+                        dim: int = 32, replicas: int = 1, max_norm: float | None = None) -> list[str]:
+    """The ranks' losses and weights against torch's on one device; each rank's repr of its step."""
+    want_losses, want = on_one_device(layers, steps, optimizer, dim, max_norm)
+    world = schedule.stages * replicas
+    ranks = launch(pipelined, schedule, layers, steps, optimizer, dim, world, max_norm, nproc=world, timeout=300)
+    for losses, weights, _ in ranks:
+        assert losses == pytest.approx(want_losses, abs=1e-5)
+        assert set(weights) == set(want)
+        for name, value in weights.items():
+            torch.testing.assert_close(value, want[name], rtol=0, atol=1e-5, msg=name)
+    return [described for _, _, described in ranks]
+
+
+def test_a_1f1b_step_on_two_ranks_equals_torch_on_one_device() -> None:
+    check_against_torch(Schedule("1f1b", 2, 4), layers=4, optimizer=SGD)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", [Schedule("gpipe", 2, 4), Schedule("gpipe", 4, 8), Schedule("1f1b", 4, 8),
+                                      Schedule("interleaved", 2, 4, 2), Schedule("interleaved", 4, 4, 2)],
+                         ids=lambda s: f"{s.name}-{s.stages}x{s.chunks}-m{s.micro_batches}")
+def test_pipelined_steps_equal_torch_on_one_device(schedule: Schedule) -> None:
+    check_against_torch(schedule, layers=8, optimizer=SGD)
+    if schedule.name != "gpipe":
+        check_against_torch(schedule, layers=8, optimizer=ADAMW)
+
+
+@pytest.mark.slow
+def test_data_parallel_replicas_of_a_pipeline_with_clipping_equal_torch() -> None:
+    """4 ranks: 2 stages x 2 replicas, each replica half the batch; gradients clipped by the whole model's norm
+    (max_norm 0.5 binds: the first step's gradient norm is 0.58)."""
+    check_against_torch(Schedule("1f1b", 2, 2), layers=4, optimizer=SGD, replicas=2, max_norm=0.5)
+
+
+@pytest.mark.slow
+def test_stages_of_unequal_layer_counts_equal_torch() -> None:
+    check_against_torch(Schedule("1f1b", 2, 4), layers=5, optimizer=SGD)
+
+
+@pytest.mark.slow
+def test_a_plan_from_plan_pipeline_runs_with_the_embedding_first_and_the_head_last() -> None:
+    """plan_pipeline prices the embedding and the head with the layers (the model cut by pipeline.model_steps as
+    the runtime cuts it); its plan's chunks run as planned."""
+    from tapestry.cost import DefaultCostModel, load_profile
+    from tapestry.pipeline import model_steps
+
+    dim = 64
+    steps = model_steps(llama_decoder(VOCAB, dim=dim, layers=4), batches(1)[0], cross_entropy)
+    assert steps.layers == 4
+    result = tapestry.plan_pipeline(steps.layer, steps.layers, tapestry.Mesh(2), global_batch=BATCH,
+                                    cost_model=DefaultCostModel(load_profile("gpu-h100-cluster")), stages=(2,),
+                                    micro_batch_sizes=(BATCH // 4,), schedules=("1f1b", "gpipe"),
+                                    memory_budget=None, pareto_points=1, budget=tapestry.Budget(seconds=20),
+                                    first=steps.first, last=steps.last)
+    plan = result.plan
+    assert plan.ends.first is not None and plan.ends.last is not None
+    assert plan.ends.last.params == dim * VOCAB + 2 * dim  # the head, the final norm and the input gate
+    assert "+ last (head, loss)" in plan.describe()
+    described = check_against_torch(plan, layers=4, optimizer=SGD, dim=dim)
+    assert f"{plan.schedule.name}, 2 stages, {plan.schedule.micro_batches} micro-batches" in described[0]
+
+
+def test_model_steps_needs_the_models_list_of_layers() -> None:
+    from tapestry.pipeline import model_steps
+
+    with pytest.raises(ValueError, match="LlamaDecoder.head is not a ModuleList of layers"):
+        model_steps(llama_decoder(VOCAB, layers=2), batches(1)[0], cross_entropy, layers="head")
+
+
+def test_chunks_come_from_the_plan_or_split_the_layers_evenly() -> None:
+    assert chunk_layers(Schedule("1f1b", 2, 4), 5) == ((0, 1), (2, 3, 4))
+    assert chunk_layers(Schedule("interleaved", 2, 4, 2), 8) == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert list(split_points(((0, 1), (2, 3, 4)), "layers")) == ["layers.2"]
+    with pytest.raises(ValueError, match="in order, each once"):
+        split_points(((0, 2), (1,)), "layers")
+
+
+def test_a_pipelined_step_refuses_a_mesh_that_is_not_a_multiple_of_its_stages() -> None:
+    model = llama_decoder(VOCAB, layers=2)
+    with pytest.raises(ValueError, match="runs 2 stages on a mesh of 2 devices .* got mesh 3"):
+        tapestry.parallelize_step(model, cross_entropy, batches(1)[0], mesh=tapestry.Mesh(3),
+                                  pipeline=Schedule("1f1b", 2, 4))
+    with pytest.raises(TypeError, match="options of a planned step"):
+        tapestry.parallelize_step(model, cross_entropy, batches(1)[0], pipeline=Schedule("1f1b", 2, 4),
+                                  time_limit=5)
+
+
+def save_after_one_step(schedule: Schedule, path: str, ranks: int | None = None) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    data = batches(1)
+    step = tapestry.parallelize_step(llama_decoder(VOCAB, layers=4), cross_entropy, data[0],
+                                     optimizer=ADAMW[0], **ADAMW[1], pipeline=schedule, mesh=ranks)
+    step(*data[0])
+    dcp.save(step.state_dict(), checkpoint_id=path)
+
+
+def resume_for_one_step(schedule: Schedule, path: str) -> tuple[float, dict[str, torch.Tensor]]:
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(5)  # other initial weights: the checkpoint must replace them
+    data = batches(2)
+    step = tapestry.parallelize_step(llama_decoder(VOCAB, layers=4), cross_entropy, data[0],
+                                     optimizer=ADAMW[0], **ADAMW[1], pipeline=schedule)
+    state = copy.deepcopy(step.state_dict())  # dcp.load fills it in place: a copy leaves the step to load_state_dict
+    dcp.load(state, checkpoint_id=path)
+    step.load_state_dict(state)
+    return step(*data[1]).item(), step.module_state_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_checkpoint_saved_by_one_cut_resumes_under_another(tmp_path, replicas: int) -> None:  # noqa: ANN001
+    """Saved with torch.distributed.checkpoint from 1F1B on 2 ranks (2 layers each; or 2 replicas of that on 4),
+    loaded into interleaved on 2 ranks (4 chunks of 1: each rank holds other layers than it saved): the next step
+    equals torch's second."""
+    want_losses, want = on_one_device(4, 2, ADAMW)
+    launch(save_after_one_step, Schedule("1f1b", 2, 2 if replicas > 1 else 4), str(tmp_path / "ckpt"),
+           2 * replicas, nproc=2 * replicas, timeout=300)
+    for loss, weights in launch(resume_for_one_step, Schedule("interleaved", 2, 4, 2), str(tmp_path / "ckpt"),
+                                nproc=2, timeout=300):
+        assert loss == pytest.approx(want_losses[1], abs=1e-5)
+        for name, value in weights.items():
+            torch.testing.assert_close(value, want[name], rtol=0, atol=1e-5, msg=name)
+
+
+def forwards_per_layer(plan: PipelinePlan) -> tuple[dict[str, int], list[float], dict[str, torch.Tensor]]:
+    """One step of `plan`: how often each of this rank's layers ran its forward, the loss, the weights."""
+    torch.manual_seed(0)
+    data = batches(1)
+    step = tapestry.parallelize_step(llama_decoder(VOCAB, layers=4), cross_entropy, data[0], optimizer=SGD[0],
+                                     **SGD[1], pipeline=plan)
+    calls: dict[str, int] = {}
+    for stage in step.stages:
+        for i in step.chunks[stage.stage_index]:
+            name = f"layers.{i}"
+            calls[name] = 0
+            stage.submod.get_submodule(f"{name}.q").register_forward_hook(
+                lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+    losses = [step(*data[0]).item()]
+    return calls, losses, step.module_state_dict()
+
+
+@pytest.mark.slow
+def test_the_layers_a_plan_recomputes_run_their_forward_again_in_the_backward() -> None:
+    from tapestry.pipeline import MIXED, LayerCost
+
+    cost = LayerCost(forward=1.0, backward=2.0, update=0.0, params=1, state=2, slots=2, activations=2, boundary=1,
+                     working=0, flops=1.0)
+    plan = PipelinePlan(tapestry.Mesh(2), 0, Schedule("1f1b", 2, 4), ((0, 1), (2, 3)), (True, False, False, True),
+                        MIXED, BATCH // 4, cost, None, 0.0, 0.0, (0.0, 0.0))
+    want_losses, want = on_one_device(4, 1, SGD)
+    ranks = launch(forwards_per_layer, plan, nproc=2, timeout=300)
+    assert {**ranks[0][0], **ranks[1][0]} == {"layers.0": 8, "layers.1": 4, "layers.2": 4, "layers.3": 8}
+    for _, losses, weights in ranks:
+        assert losses == pytest.approx(want_losses, abs=1e-5)
+        for name, value in weights.items():
+            torch.testing.assert_close(value, want[name], rtol=0, atol=1e-5, msg=name)
+
+
+class Logits(torch.nn.Module):
+    """transformers' causal LM with its logits as the output (the pipeline's last stage hands them to the loss)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids).logits
+
+
+def hf_llama() -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                                      use_cache=False)
+    return Logits(transformers.LlamaForCausalLM(config).eval())
+
+
+def train_hf(schedule: Schedule | None, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """`steps` AdamW steps of transformers' LLaMA, pipelined (or, with no schedule, in torch on this process)."""
+    model, data = hf_llama(), batches(steps)
+    if schedule is None:
+        optimizer = ADAMW[0](model.parameters(), **ADAMW[1])
+        losses = []
+        for ids, labels in data:
+            optimizer.zero_grad()
+            loss = cross_entropy(model(ids), labels)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+    step = tapestry.parallelize_step(model, cross_entropy, data[0], optimizer=ADAMW[0], **ADAMW[1],
+                                     pipeline=schedule, layers="model.model.layers")
+    return [step(ids, labels).item() for ids, labels in data], step.module_state_dict()
+
+
+@pytest.mark.slow
+def test_transformers_llama_pipelined_equals_torch() -> None:
+    """Rotary tables and the causal mask, made before the first layer, travel to the second stage with the
+    hidden states (the tracer sends every tensor a stage reads)."""
+    want_losses, want = train_hf(None, 2)
+    for losses, weights in launch(train_hf, Schedule("1f1b", 2, 4), 2, nproc=2, timeout=300):
+        assert losses == pytest.approx(want_losses, abs=1e-5)
+        assert set(weights) == set(want)
+        for name, value in weights.items():
+            torch.testing.assert_close(value, want[name], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_the_pipeline_example_plans_and_trains() -> None:
+    """examples/pipeline_torchrun.py --plan on 2 ranks: plan_pipeline's plan, with the embedding and the head
+    placed, runs; the losses are finite and printed by rank 0."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, str(root / "examples" / "pipeline_torchrun.py"), "--nproc", "2",
+                           "--steps", "2", "--plan"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(root / "src")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "+ last (head, loss)" in done.stdout
+    losses = [float(line.split()[-1]) for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 2 and all(0 < loss < 10 for loss in losses)
