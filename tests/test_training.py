@@ -158,8 +158,9 @@ def test_batch_norm_in_training_mode_carries_its_running_statistics_as_torch_upd
     assert int(ours["buffers"]["1.num_batches_tracked"]) == 3
 
 
-def test_a_buffer_written_through_a_view_is_refused_not_silently_dropped():
-    """Only whole-buffer in-place writes map to a carried output; a write into part of a buffer is refused."""
+def test_a_buffer_written_through_a_view_or_a_frozen_parameter_written_is_refused_not_silently_dropped():
+    """Only whole-buffer in-place writes map to a carried output; a write into part of a buffer, or into a
+    frozen parameter, is refused."""
     class Counter(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -172,6 +173,18 @@ def test_a_buffer_written_through_a_view_is_refused_not_silently_dropped():
 
     with pytest.raises(TorchImportError, match=r"updates buffers in place in a way the import cannot carry \(seen by"):
         tapestry.from_torch(Counter(), (X, Y), training=tapestry.Training(loss=mse), verbose=False)
+
+    class Decaying(torch.nn.Module):  # a frozen parameter is not a buffer: its write is not carried either
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear, self.scale = torch.nn.Linear(16, 4), torch.nn.Parameter(torch.ones(4), requires_grad=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.scale.mul_(0.5)
+            return self.linear(x) * self.scale
+
+    with pytest.raises(TorchImportError, match=r"cannot carry \(scale by aten.mul_.Tensor\)"):
+        tapestry.from_torch(Decaying(), (X, Y), training=tapestry.Training(loss=mse), verbose=False)
 
 
 def test_unknown_optimizer_is_refused():
