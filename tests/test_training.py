@@ -158,6 +158,14 @@ def test_batch_norm_in_training_mode_carries_its_running_statistics_as_torch_upd
     assert int(ours["buffers"]["1.num_batches_tracked"]) == 3
 
 
+def test_batch_norm_with_a_cumulative_average_is_a_clear_error():
+    model = small_cnn()
+    model[1].momentum = None
+    with pytest.raises(TorchImportError, match=r"batch norm with momentum=None \(1\) averages .* give it a momentum"):
+        tapestry.from_torch(model, (IMAGES[0], CLASSES[0]), training=tapestry.Training(loss=cross_entropy),
+                            verbose=False)
+
+
 def test_a_buffer_written_through_a_view_or_a_frozen_parameter_written_is_refused_not_silently_dropped():
     """Only whole-buffer in-place writes map to a carried output; a write into part of a buffer, or into a
     frozen parameter, is refused."""

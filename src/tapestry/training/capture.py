@@ -123,6 +123,7 @@ class StepLayout:
 
 
 def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, strict: bool) -> Translation:
+    _refuse_cumulative_batch_norm(module)
     layout = StepLayout.of(module, training)
     wrapper = _LossOf(module, training.loss)
 
@@ -195,6 +196,18 @@ def _refuse_random_draws(graph: torch.fx.Graph, module: torch.nn.Module) -> None
         + (f", {line}" if line else "") + "), e.g. dropout in training mode: traced once, the draw would be the "
         "same at every step. Set the dropout probabilities to 0 or put the dropout modules in eval mode"
         + (f" ({', '.join(dropouts[:4])}{', ...' if len(dropouts) > 4 else ''})" if dropouts else ""))
+
+
+def _refuse_cumulative_batch_norm(module: torch.nn.Module) -> None:
+    """Batch norm with momentum=None keeps a cumulative average: its forward reads `num_batches_tracked` as a
+    Python float, which a traced step cannot (every step would reuse the traced count). Refused, naming them."""
+    cumulative = [name for name, m in module.named_modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)
+                  and m.training and m.track_running_stats and m.momentum is None]
+    if cumulative:
+        raise TorchImportError(
+            f"batch norm with momentum=None ({', '.join(cumulative[:4])}{', ...' if len(cumulative) > 4 else ''}) "
+            "averages its running statistics over all steps, reading num_batches_tracked as a Python number, "
+            "which a traced step cannot; give it a momentum (0.1 is torch's default) or put it in eval mode")
 
 
 def _updated_buffers(graph: torch.fx.Graph, held: dict[Any, str], module: torch.nn.Module) -> tuple[str, ...]:
