@@ -234,7 +234,7 @@ def train_cnn(plan: str) -> dict:
     return {"losses": losses, "module": step.module_state_dict(), "model": step.state_dict(full=True)["model"]}
 
 
-@pytest.mark.parametrize("plan", ["data_parallel", pytest.param("zero3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("plan", ["data_parallel", "zero3"])
 def test_batch_norm_statistics_over_a_batch_split_on_two_ranks_equal_one_device_torch(plan):
     """Each rank holds half the batch; the running statistics are those of the whole global batch (what
     SyncBatchNorm and a single-device run compute), and both state dicts carry them."""
