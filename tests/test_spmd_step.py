@@ -321,3 +321,45 @@ def test_dropout_trains_compiled_as_torch():
     want = torch_dropout_run(dropout_mlp(), mse, batches(4), seed=3)
     for got in launch(train_dropout_compiled, nproc=2, timeout=900):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def small_cnn() -> torch.nn.Module:
+    """ResNet-style: a bias-free convolution, batch norm in training mode, a linear head."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1, bias=False), torch.nn.BatchNorm2d(4),
+                               torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 5))
+
+
+def image_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(6)
+    return [(torch.randn(8, 3, 6, 6, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(n)]
+
+
+def train_cnn(plan: str) -> dict:
+    step = tapestry.parallelize_step(small_cnn(), torch.nn.functional.cross_entropy, image_batches(1)[0],
+                                     optimizer=torch.optim.SGD, lr=0.1, momentum=0.9, compile=False,
+                                     plan=PLANS[plan])
+    losses = [float(step(x, y)) for x, y in image_batches(3)]
+    return {"losses": losses, "module": step.module_state_dict(), "model": step.state_dict(full=True)["model"]}
+
+
+@pytest.mark.parametrize("plan", ["data_parallel", "zero3"])
+def test_batch_norm_statistics_over_a_batch_split_on_two_ranks_equal_one_device_torch(plan):
+    """Each rank holds half the batch; the running statistics are those of the whole global batch (what
+    SyncBatchNorm and a single-device run compute), and both state dicts carry them."""
+    model = small_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    want = []
+    for x, y in image_batches(3):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    for got in launch(train_cnn, 2, plan):
+        np.testing.assert_allclose(got["losses"], want, rtol=1e-5, atol=1e-6)
+        assert got["module"].keys() == model.state_dict().keys()
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(got["module"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(got["model"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+        assert int(got["module"]["1.num_batches_tracked"]) == 3

@@ -179,14 +179,85 @@ def test_a_random_draw_it_cannot_repeat_is_refused_not_frozen_into_one_draw():
     assert not eval_step.translation.draws
 
 
-def test_a_step_that_updates_buffers_in_place_is_refused_not_silently_dropped():
-    """Batch norm in training mode: the losses equal torch's, but its running statistics would never move."""
-    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 4))
-    with pytest.raises(TorchImportError, match=r"updates buffers in place \(1, 1.num_batches_tracked; batch norm"):
-        tapestry.from_torch(model, (X, Y), training=tapestry.Training(loss=mse), verbose=False)
-    tapestry.from_torch(model.eval(), (X, Y), training=tapestry.Training(loss=mse), verbose=False)
-    model[1].track_running_stats, model[1].running_mean, model[1].running_var = False, None, None
-    tapestry.from_torch(model.train(), (X, Y), training=tapestry.Training(loss=mse), verbose=False)
+def small_cnn() -> torch.nn.Module:
+    """ResNet-style: the convolution before batch norm has no bias (its gradient would be zero up to rounding,
+    which Adam scales up to a step of lr)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1, bias=False), torch.nn.BatchNorm2d(4),
+                               torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 5))
+
+
+IMAGES = torch.randn(3, 8, 3, 6, 6, generator=torch.Generator().manual_seed(4))  # one batch per step
+CLASSES = torch.randint(0, 5, (3, 8), generator=torch.Generator().manual_seed(5))
+
+
+def test_batch_norm_in_training_mode_carries_its_running_statistics_as_torch_updates_them():
+    """Three Adam steps of a CNN with BatchNorm2d in training mode, each on a new batch: the losses, weights and
+    the running mean, variance and num_batches_tracked equal torch's."""
+    model = small_cnn()
+    imported = tapestry.from_torch(model, (IMAGES[0], CLASSES[0]),
+                                   training=tapestry.Training(loss=cross_entropy, optimizer="adam", lr=1e-2),
+                                   verbose=False)
+    stats = ("1.running_mean", "1.running_var", "1.num_batches_tracked")
+    assert imported.updated_buffers == stats
+    assert all(imported.graph.carried[f"new.{name}"] == name and name not in imported.graph.static for name in stats)
+    assert "1.num_batches_tracked" not in imported.graph.constants, "a counter the step writes is not folded"
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    state = None
+    for step in range(3):
+        ours = imported.outputs(evaluate(imported.graph, imported.inputs(IMAGES[step], CLASSES[step], state=state)))
+        optimizer.zero_grad()
+        loss = cross_entropy(reference, IMAGES[step], CLASSES[step])
+        loss.backward()
+        optimizer.step()
+        assert abs(float(ours["loss"]) - loss.item()) <= 1e-5 * abs(loss.item()), step
+        for path, value in reference.named_parameters():
+            np.testing.assert_allclose(ours["parameters"][path], value.detach().numpy(), rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{path} after step {step}")
+        assert ours["buffers"].keys() == set(stats)
+        for path in stats:
+            np.testing.assert_allclose(ours["buffers"][path], reference.get_buffer(path).numpy(), rtol=1e-5,
+                                       atol=1e-6, err_msg=f"{path} after step {step}")
+        state = ours
+    assert int(ours["buffers"]["1.num_batches_tracked"]) == 3
+
+
+def test_batch_norm_with_a_cumulative_average_is_a_clear_error():
+    model = small_cnn()
+    model[1].momentum = None
+    with pytest.raises(TorchImportError, match=r"batch norm with momentum=None \(1\) averages .* give it a momentum"):
+        tapestry.from_torch(model, (IMAGES[0], CLASSES[0]), training=tapestry.Training(loss=cross_entropy),
+                            verbose=False)
+
+
+def test_a_buffer_written_through_a_view_or_a_frozen_parameter_written_is_refused_not_silently_dropped():
+    """Only whole-buffer in-place writes map to a carried output; a write into part of a buffer, or into a
+    frozen parameter, is refused."""
+    class Counter(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(16, 4)
+            self.register_buffer("seen", torch.zeros(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.seen[0].add_(1.0)
+            return self.linear(x)
+
+    with pytest.raises(TorchImportError, match=r"updates buffers in place in a way the import cannot carry \(seen by"):
+        tapestry.from_torch(Counter(), (X, Y), training=tapestry.Training(loss=mse), verbose=False)
+
+    class Decaying(torch.nn.Module):  # a frozen parameter is not a buffer: its write is not carried either
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear, self.scale = torch.nn.Linear(16, 4), torch.nn.Parameter(torch.ones(4), requires_grad=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.scale.mul_(0.5)
+            return self.linear(x) * self.scale
+
+    with pytest.raises(TorchImportError, match=r"cannot carry \(scale by aten.mul_.Tensor\)"):
+        tapestry.from_torch(Decaying(), (X, Y), training=tapestry.Training(loss=mse), verbose=False)
 
 
 def test_unknown_optimizer_is_refused():

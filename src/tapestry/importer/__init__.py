@@ -96,7 +96,8 @@ class TorchImport:
 
     def outputs(self, values: Mapping[str, np.ndarray]) -> Any:
         """The module's outputs, flattened in order, from a plan's or the evaluator's output dict. For a training
-        step: {"loss", "parameters": {path: new value}, "optimizer_state": {slot: {path: value}, "step": n}}."""
+        step: {"loss", "parameters": {path: new value}, "optimizer_state": {slot: {path: value}, "step": n},
+        "buffers": {path: new value}} (the buffers the step writes: batch norm's running statistics)."""
         if self.training is None:
             return [values[name] for name in self.translation.outputs]
         training, paths = self.training, self.trained
@@ -104,18 +105,25 @@ class TorchImport:
                                  for slot in training.slots}
         if training.step_input:
             state["step"] = values[updated(training.step_input)]
-        return {"loss": values["loss"], "parameters": {p: values[updated(p)] for p in paths}, "optimizer_state": state}
+        return {"loss": values["loss"], "parameters": {p: values[updated(p)] for p in paths}, "optimizer_state": state,
+                "buffers": {b: values[updated(b)] for b in self.updated_buffers}}
 
     @property
     def trained(self) -> tuple[str, ...]:
         """The trainable parameters' paths, one per distinct tensor (a tied weight by its first name)."""
         return tuple(name for name, p in self.module.named_parameters() if p.requires_grad)
 
+    @property
+    def updated_buffers(self) -> tuple[str, ...]:
+        """The buffers a training step writes (batch norm's running statistics), by path: carried like weights."""
+        carried = self.graph.carried.values()
+        return tuple(name for name, _ in self.module.named_buffers() if name in carried)
+
     def _carried(self, previous: Mapping[str, Any]) -> dict[str, Any]:
         """A training step's outputs() as the next step's inputs, by graph input name."""
         if self.training is None:
             raise TorchImportError("state= is the outputs() of a training step; this import is a forward")
-        carried = dict(previous["parameters"])
+        carried = {**previous["parameters"], **(previous["buffers"] if self.updated_buffers else {})}
         for slot, values in previous["optimizer_state"].items():
             if slot == "step":
                 carried[self.training.step_input] = values

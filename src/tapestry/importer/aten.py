@@ -143,6 +143,14 @@ def _to(b: Builder, x: Any, *rest: Any, **kwargs: Any) -> Value:
     return value if value.dtype == b.dtype else b.op("cast", value, dtype=b.dtype)
 
 
+@converts("aten.copy.default")
+def _copy(b: Builder, into: Any, src: Any, non_blocking: bool = False) -> Value:
+    """`into.copy_(src)`'s functional twin: `src` in `into`'s dtype and shape (a training step's buffer update)."""
+    value = b.tensor(src)
+    value = value if value.dtype == b.dtype else b.op("cast", value, dtype=b.dtype)
+    return value if value.shape == b.shape else b.op("expand", value, shape=b.shape)
+
+
 # -- views -------------------------------------------------------------------------------------------
 VIEWS = ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.flatten.using_ints",
          "aten.unflatten.int", "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default",

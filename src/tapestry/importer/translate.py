@@ -299,7 +299,7 @@ def _call(builder: Builder, node: Any, env: dict[Any, Any], strict: bool,
     """What `node` becomes. An in-place op (`add_`) is converted as its functional twin, and its first argument
     is rebound to the result, so later readers of the mutated tensor read the new value (a traced training
     step is not functionalized; an exported forward is)."""
-    functional = _functional_twin(node.target)
+    functional = functional_twin(node.target)
     if functional is not None:
         result = _call(builder, _retarget(node, functional), env, strict, coverage)
         if isinstance(node.args[0], torch.fx.Node):
@@ -388,7 +388,7 @@ def _schema_arguments(target: torch._ops.OpOverload) -> tuple[tuple[Any, ...], f
 
 
 @functools.cache
-def _functional_twin(target: Any) -> Any:
+def functional_twin(target: Any) -> Any:
     """aten.add_.Scalar -> aten.add.Scalar; None for ops that mutate nothing."""
     if not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
         return None

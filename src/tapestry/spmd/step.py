@@ -8,9 +8,9 @@
     module.load_state_dict(step.module_state_dict())         # full tensors in the module's own names
 
 The step is imported once (one traced graph: forward, backward and torch.optim's update, training/capture.py),
-planned once (on rank 0, shared with the rest) and run as a ParallelProgram: the weights, optimizer state and
-step count are placed once and each call's carried outputs replace them where they lie; per call only the batch
-and the learning rate go in and only the loss comes out.
+planned once (on rank 0, shared with the rest) and run as a ParallelProgram: the weights, optimizer state, step
+count and the buffers the step writes (batch norm's running statistics) are placed once and each call's carried
+outputs replace them where they lie; per call only the batch and the learning rate go in and only the loss comes out.
 """
 from __future__ import annotations
 
@@ -126,6 +126,11 @@ class ParallelStep:
         """The trainable parameters, one path per distinct tensor (a tied weight by its first name)."""
         return self.imported.trained
 
+    def _carried_module_state(self) -> tuple[str, ...]:
+        """The module tensors the ranks keep and update: the trainable parameters and the buffers the step writes
+        (batch norm's running statistics), by path."""
+        return (*self.trained, *self.imported.updated_buffers)
+
     def _state_inputs(self) -> dict[str, tuple[str, str]]:
         """Graph input -> (parameter path, torch.optim state key) for every carried input but the parameters."""
         family, found = self.training.family, {}
@@ -151,10 +156,10 @@ class ParallelStep:
         in the module's names and torch.optim's keys (DCP's convention, as `get_state_dict` gives it). A tensor the
         plan keeps in a DTensor layout (Shard/Replicate over the plan's mesh axes) is a DTensor of this rank's
         block; others, and all with `full`, are whole tensors. Collective: every rank calls it."""
-        model: dict[str, Any] = {p: self._value(p, full) for p in self.trained}
+        model: dict[str, Any] = {p: self._value(p, full) for p in self._carried_module_state()}
         aliases = _aliases(self.module)  # a tied weight's other names are left out: one entry per tensor
         model.update({name: value.detach() for name, value in self.module.state_dict(keep_vars=True).items()
-                      if name not in aliases})
+                      if name not in aliases and name not in model})
         by_path: dict[str, dict[str, Any]] = {p: {} for p in self.trained} if self.training.slots else {}
         for name, (path, key) in self._state_inputs().items():
             by_path[path][key] = self._value(name, full)
@@ -170,7 +175,7 @@ class ParallelStep:
         """Take a `state_dict()` (this step's, or another step's loaded by torch.distributed.checkpoint into this
         step's `state_dict()`: DCP reshards on load) into the blocks this rank holds. Collective."""
         model, optim = state_dict["model"], state_dict["optim"]
-        values: dict[str, Any] = {p: _given(model, p, "model") for p in self.trained}
+        values: dict[str, Any] = {p: _given(model, p, "model") for p in self._carried_module_state()}
         per_param = optim.get("state", {})
         for name, (path, key) in self._state_inputs().items():
             values[name] = _given(_given(per_param, path, "optim state"), key, f"optim state of {path!r}")
@@ -196,9 +201,9 @@ class ParallelStep:
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors in the module's own names, every name of a tied weight included: what
         `module.load_state_dict` takes. Collective."""
-        trained = {p: self._value(p, full=True) for p in self.trained}
-        canonical = _aliases(self.module)
-        return {name: (trained[canonical[name]] if canonical.get(name) in trained else value.detach().clone())
+        held = {p: self._value(p, full=True) for p in self._carried_module_state()}
+        canonical = {**{b: b for b in self.imported.updated_buffers}, **_aliases(self.module)}
+        return {name: (held[canonical[name]] if canonical.get(name) in held else value.detach().clone())
                 for name, value in self.module.state_dict(keep_vars=True).items()}
 
     def _value(self, name: str, full: bool) -> torch.Tensor:

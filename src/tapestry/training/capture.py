@@ -6,6 +6,12 @@ parameters. Closed-over real tensors meet fake ones inside the trace and tracing
 become graph inputs (floating point, `static`: the same every step) or constants (integer buffers, folded).
 Tied parameters (an embedding shared with the output head) are one tensor: one input, read by both uses.
 Random draws (dropout's masks) become inputs drawn afresh every call (training/draws.py).
+
+A buffer the step writes in place (batch norm's running statistics and `num_batches_tracked` in training mode) is
+training state like Adam's moments: an input, never static or folded, whose value after the step is the output
+`new.<buffer>`, carried to it. Batch norm is decomposed into its reductions (mean and variance over the batch) and a
+`copy_` into each running statistic, so a plan that splits the batch reduces the statistics over the whole global
+batch (SyncBatchNorm's semantics, and a single-device torch run's).
 """
 from __future__ import annotations
 
@@ -15,14 +21,33 @@ from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
 import torch
-from torch._decomp import core_aten_decompositions
+from torch._decomp import core_aten_decompositions, get_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tapestry.importer.capture import TorchImportError
-from tapestry.importer.translate import Placeholder, Translation, translate
+from tapestry.importer.translate import Placeholder, Translation, functional_twin, translate
 from tapestry.training import LR, Training, state_name, updated
 from tapestry.training.draws import FACTORIES, FILLS, Draw, random_input
+
+
+def _var_mean(x: torch.Tensor, dim: list[int] | None = None, *, correction: float | None = None,
+              keepdim: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """aten.var_mean as two passes of sums (kernels a plan splits by batch; torch's own decomposition is prims)."""
+    dims = list(range(x.dim())) if dim is None else [d % x.dim() for d in dim]
+    count = 1
+    for d in dims:
+        count *= x.shape[d]
+    mean = torch.mean(x, dims, keepdim=True)
+    deviation = x - mean
+    var = torch.sum(deviation * deviation, dims, keepdim=keepdim) / (count - (1 if correction is None else correction))
+    return var, mean if keepdim else torch.squeeze(mean, dims)
+
+
+# batch norm in training mode as its reductions (sums: kernels a plan splits by batch) and a `copy_` into each
+# running statistic: native_batch_norm itself writes them as a side effect the import cannot carry
+DECOMPOSITIONS = {**core_aten_decompositions(), **get_decompositions([torch.ops.aten.native_batch_norm]),
+                  torch.ops.aten.var_mean.correction: _var_mean}
 
 
 class _LossOf(torch.nn.Module):
@@ -45,6 +70,7 @@ class StepLayout:
     paths: tuple[str, ...]
     training: Training
     held: tuple[str, ...]  # buffers and frozen parameters, by module path
+    mutated: tuple[str, ...] = ()  # the held buffers the step writes in place, known once traced
 
     @classmethod
     def of(cls, module: torch.nn.Module, training: Training) -> StepLayout:
@@ -53,11 +79,16 @@ class StepLayout:
         return cls(trainable, training, (*frozen, *(name for name, _ in module.named_buffers())))
 
     @property
-    def state(self) -> tuple[str, ...]:
-        """Inputs the step updates: each has an output `new.<name>` carried to it."""
+    def optimized(self) -> tuple[str, ...]:
+        """The parameters, their optimizer state and the step count: the arguments before the learning rate."""
         family, step = self.training.family, self.training.step_input
         slots = (state_name(slot, p, family) for slot in self.training.slots for p in self.paths)
         return (*self.paths, *slots, *([step] if step else []))
+
+    @property
+    def state(self) -> tuple[str, ...]:
+        """Inputs the step updates: each has an output `new.<name>` carried to it."""
+        return (*self.optimized, *self.mutated)
 
     @property
     def nonnegative(self) -> tuple[str, ...]:
@@ -71,7 +102,7 @@ class StepLayout:
 
     @property
     def names(self) -> tuple[str, ...]:
-        return (*self.state, LR, *self.held)
+        return (*self.optimized, LR, *self.held)
 
     def split(self, flat: tuple[torch.Tensor, ...]) -> Iterator[Any]:
         """The traced step's arguments as (params, state by slot, step, lr, held, user args)."""
@@ -93,6 +124,7 @@ class StepLayout:
 
 
 def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, strict: bool) -> Translation:
+    _refuse_cumulative_batch_norm(module)
     layout = StepLayout.of(module, training)
     wrapper = _LossOf(module, training.loss)
 
@@ -122,7 +154,7 @@ def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, 
         # backward is one opaque op that needs the forward's private log-sum-exp
         with warnings.catch_warnings(), sdpa_kernel([SDPBackend.MATH]):
             warnings.simplefilter("ignore", FutureWarning)
-            traced = make_fx(step, decomposition_table=core_aten_decompositions(), tracing_mode="fake")(*flat)
+            traced = make_fx(step, decomposition_table=DECOMPOSITIONS, tracing_mode="fake")(*flat)
     except TorchImportError:
         raise
     except Exception as err:  # tracing raises many types; the user needs the first line
@@ -130,19 +162,23 @@ def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, 
         raise TorchImportError(f"could not trace a training step of {type(module).__name__}: "
                                f"{type(err).__name__}: {first}") from None
     holders = [node for node in traced.graph.nodes if node.op == "placeholder"]
-    _refuse_updated_buffers(traced.graph, {h: name for h, name in zip(holders, layout.names) if name in layout.held},
-                            module)
-    roles = {h.name: _role(name, flat[i], user=i >= len(layout.names))
+    held = {h: name for h, name in zip(holders, layout.names) if name in layout.held}
+    layout = replace(layout, mutated=_updated_buffers(traced.graph, held, module))
+    roles = {h.name: _role(name, flat[i], user=i >= len(layout.names), mutated=name in layout.mutated)
              for i, (h, name) in enumerate(zip(holders, [*layout.names, *(f"arg{i}" for i in range(len(args)))]))}
     cut = _cut_random_draws(traced.graph, module)
     roles.update({holder: Placeholder("random", name) for name, (holder, _) in cut.items()})
     (returned,) = [node.args[0] for node in traced.graph.nodes if node.op == "output"]
-    outputs = [("loss", returned[0]), *((updated(name), node) for name, node in zip(layout.state, returned[1:]))]
+    by_name = {name: h for h, name in held.items()}
+    # a mutated buffer's placeholder resolves, once translated, to the last value written into it
+    finals = [*returned[1:], *(by_name[name] for name in layout.mutated)]
+    outputs = [("loss", returned[0]), *((updated(name), node) for name, node in zip(layout.state, finals))]
     translation = replace(translate(traced.graph, roles, outputs, strict),
                           draws={name: draw for name, (_, draw) in cut.items()})
     for name in layout.state:  # the step repeats: plans keep each weight and state tensor where it was placed
         translation.graph.carry(updated(name), name)
-    translation.graph.static.update(name for name in layout.held if name in translation.graph)
+    translation.graph.static.update(name for name in layout.held
+                                    if name in translation.graph and name not in layout.mutated)
     translation.graph.nonnegative.update(name for name in layout.nonnegative if name in translation.graph)
     return translation
 
@@ -186,30 +222,67 @@ def _refuse(drawn: torch.fx.Node, module: torch.nn.Module) -> NoReturn:
         + (f" ({', '.join(dropouts[:4])}{', ...' if len(dropouts) > 4 else ''})" if dropouts else ""))
 
 
-def _refuse_updated_buffers(graph: torch.fx.Graph, held: dict[Any, str], module: torch.nn.Module) -> None:
-    """A buffer the step writes in place (batch norm's running statistics in training mode) is an input the
-    step does not carry: its update would be dropped, and the module's statistics would stay as they were while the
-    losses still equal torch's. Refused, naming the buffers."""
-    written = [name for name, m in module.named_modules()  # their running means leave no write in the trace
-               if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats]
-    for node in graph.nodes:
-        if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
-            schema = node.target._schema.arguments
-            written += [held[a] for a, s in zip(node.args, schema) if s.alias_info is not None
-                        and s.alias_info.is_write and a in held and held[a] not in written]
-    if written:
+def _refuse_cumulative_batch_norm(module: torch.nn.Module) -> None:
+    """Batch norm with momentum=None keeps a cumulative average: its forward reads `num_batches_tracked` as a
+    Python float, which a traced step cannot (every step would reuse the traced count). Refused, naming them."""
+    cumulative = [name for name, m in module.named_modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)
+                  and m.training and m.track_running_stats and m.momentum is None]
+    if cumulative:
         raise TorchImportError(
-            f"the training step of {type(module).__name__} updates buffers in place ({', '.join(written[:4])}"
-            f"{', ...' if len(written) > 4 else ''}; batch norm's running statistics in training mode): the step "
-            "does not carry buffers, so the update would be lost. Put those modules in eval mode or set "
-            "track_running_stats=False")
+            f"batch norm with momentum=None ({', '.join(cumulative[:4])}{', ...' if len(cumulative) > 4 else ''}) "
+            "averages its running statistics over all steps, reading num_batches_tracked as a Python number, "
+            "which a traced step cannot; give it a momentum (0.1 is torch's default) or put it in eval mode")
 
 
-def _role(name: str, value: Any, user: bool) -> Placeholder:
-    """Module tensors are inputs ("state"; the learning rate too) except integer buffers, which are constants
-    (position ids, folded at import as in inference); the user's arguments are "user" inputs."""
+def _updated_buffers(graph: torch.fx.Graph, held: dict[Any, str], module: torch.nn.Module) -> tuple[str, ...]:
+    """The buffers the step writes in place, in the module's order. Each must be written whole, by an
+    in-place op with a functional twin (`add_`, `copy_`: translated as the twin, the result rebound to the
+    buffer); a write into a view of a buffer, or by an op the import cannot map, would be lost: refused."""
+    buffers = {name for name, _ in module.named_buffers()}  # a frozen parameter written in place: refused
+    written: dict[str, None] = {}
+    refused: dict[str, str] = {}
+    for node in graph.nodes:
+        if not (isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable):
+            continue
+        for arg, spec in zip(node.args, node.target._schema.arguments):
+            if spec.alias_info is None or not spec.alias_info.is_write:
+                continue
+            base = _viewed(arg)
+            if base not in held:
+                continue
+            if (base is arg and held[base] in buffers and spec is node.target._schema.arguments[0]
+                    and functional_twin(node.target)):
+                written[held[base]] = None
+            else:
+                refused.setdefault(held[base], str(node.target))
+    norms = [f"{name}.{stat}" for name, m in module.named_modules()  # lost if batch norm ran undecomposed
+             if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats
+             for stat in ("running_mean", "running_var") if f"{name}.{stat}" not in written]
+    refused.update({name: "batch norm in training mode" for name in norms})
+    if refused:
+        listed = ", ".join(f"{name} by {op}" for name, op in list(refused.items())[:4])
+        raise TorchImportError(
+            f"the training step of {type(module).__name__} updates buffers in place in a way the import cannot "
+            f"carry ({listed}{', ...' if len(refused) > 4 else ''}): only whole-buffer in-place ops (add_, copy_, "
+            "mul_, ...) are carried to the next step. Write the buffer whole, or put those modules in eval mode")
+    return tuple(name for name in held.values() if name in written)
+
+
+def _viewed(node: Any) -> Any:
+    """The tensor `node` is a view of (through view, alias, slice, ...), or `node` itself."""
+    while (isinstance(node, torch.fx.Node) and isinstance(node.target, torch._ops.OpOverload) and node.args
+           and node.target._schema.returns and node.target._schema.returns[0].alias_info is not None
+           and not node.target._schema.returns[0].alias_info.is_write):
+        node = node.args[0]
+    return node
+
+
+def _role(name: str, value: Any, user: bool, mutated: bool) -> Placeholder:
+    """Module tensors are inputs ("state"; the learning rate too) except integer buffers the step only reads,
+    which are constants (position ids, folded at import as in inference); the user's arguments are "user" inputs."""
     if user:
         return Placeholder("user", name)
-    if isinstance(value, torch.Tensor) and not (value.dtype.is_floating_point or value.dtype.is_complex):
+    if not mutated and isinstance(value, torch.Tensor) and not (value.dtype.is_floating_point
+                                                                or value.dtype.is_complex):
         return Placeholder("constant", name, value)
     return Placeholder("state", name)
