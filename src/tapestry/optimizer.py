@@ -6,7 +6,6 @@ e-graph, and its `extract` and `pareto` price it under different objectives.
 from __future__ import annotations
 
 import math
-import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -26,6 +25,7 @@ from tapestry.cost import (
 )
 from tapestry.cost.memory import lean_order
 from tapestry.cost.overlap import forward_outputs, overlap, upstream
+from tapestry.egraph.clock import clock
 from tapestry.egraph.decode import Decoder, DNode, distributed_nodes
 from tapestry.egraph.driver import MOVES_SHARE, Budget, IterationStats, SaturationStats, saturate
 from tapestry.egraph.repeat import find_repetition
@@ -500,14 +500,14 @@ def explore(graph: Graph, mesh: Mesh | int = 1, rules: Sequence[str | Path] | No
     """Saturate: every sharding, fusion and substitution the rules and signatures allow, in one e-graph."""
     mesh = Mesh(mesh) if isinstance(mesh, int) else mesh
     rule_files = load_rules(rules)
-    started = time.perf_counter()
+    started = clock()
     gen, _, stats = saturate(graph, mesh, rule_files, budget, progress)
     data = gen.session.serialize()
     nodes, roots, names, cut = distributed_nodes(data, gen.interner, started + budget.seconds * MOVES_SHARE)
     stats = replace(stats, values_with_few_moves=cut)
     return Explored(graph, mesh, Decoder(nodes, gen.interner, mesh, {n.name: n.dtype for n in graph.inputs},
                                              graph.fixed), tuple(roots), names, stats,
-                    tuple(rule_files), data, max(budget.seconds - (time.perf_counter() - started), 0.0))
+                    tuple(rule_files), data, max(budget.seconds - (clock() - started), 0.0))
 
 
 def optimize(
