@@ -311,11 +311,14 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def breakdown_tables(rows: list[dict[str, Any]]) -> str:
-    """Per training row that has them, where its plans' time goes (cost.breakdown): ms per phase and kind, the
-    search's plan beside the hand plans'."""
+    """Per training case on 64 devices or more (its last row), where its plans' time goes (cost.breakdown): ms per
+    phase and kind, the search's plan beside the hand plans'."""
+    import math
+
     out = []
-    for r in rows:
-        if "breakdown" not in r or r["case"]["mode"] != "training":
+    last = {json.dumps(r["case"], sort_keys=True): r for r in rows if "breakdown" in r}
+    for r in last.values():
+        if r["case"]["mode"] != "training" or math.prod(Case(**r["case"]).shape) < 64:
             continue
         c = r["case"]
         plans = {"search": r["breakdown"], **{h: b for h, b in r.get("hand_breakdown", {}).items()}}
@@ -378,9 +381,10 @@ def main() -> None:
     body = "\n".join([
         f"LLaMA-2 widths (`{', '.join(args.models.split(','))}`), built under `torch.device(\"meta\")` in bfloat16, "
         f"batch {args.batch} x sequence {args.seq}, planned by `tapestry.optimize` with the `{PROFILE}` profile "
-        f"(NVLink inside 8-GPU nodes, InfiniBand across), its default budget ({args.budget:g} s) and extraction "
-        f"time limit ({args.time_limit:g} s). Numbers from a loaded 2-core machine shared with other jobs: "
-        "wall times can be 2x off. MFU: the imported graph's FLOPs over predicted time x devices x the "
+        f"(NVLink inside 8-GPU nodes, InfiniBand across), its default budget ({args.budget:g} s: CPU seconds since "
+        f"ef44645, wall before) and extraction time limit ({args.time_limit:g} s, wall). Numbers from a loaded "
+        "2-core machine shared with other jobs: wall times follow the load (`optimize s (CPU)`: wall, and the "
+        "process's CPU seconds in brackets). MFU: the imported graph's FLOPs over predicted time x devices x the "
         "bfloat16 peak (989 TFLOP/s). Hand plans (training/plans.py) split one mesh axis, so they are priced "
         "on the flat mesh of as many devices (a 64-ring crosses nodes: InfiniBand). `replicated`: share of "
         "compute steps every device runs whole; `ids / weights split`: distinct blocks of the token ids' layout, "
