@@ -256,6 +256,9 @@ class Explored:
                 if budget is None:
                     asked = f"outputs as asked ({outputs!r})" + (" in steady state" if ties else "")
                     raise ValueError(f"no plan delivers the {asked}: {err}") from None
+                fallback = self._unbudgeted(egraph, extractor, time_limit, ties, carried, memory_budget)
+                if fallback is not None:
+                    return fallback
                 raise MemoryBudgetError(f"no plan fits {memory_budget:,} bytes per device: {err}"
                                         + (f" (after {rounds} rounds of memory cuts)" if rounds else "")) from None
             problems = validate(egraph, selection)
@@ -277,6 +280,26 @@ class Explored:
             selection = replace(selection, status="feasible")
             plan = replace(plan, notes={**plan.notes, "status": "feasible", "memory_cut_rounds": rounds})
         return plan, selection
+
+    def _unbudgeted(self, egraph: ExtractGraph, extractor: str, time_limit: float, ties: Ties,
+                    carried: Mapping[str, str], memory_budget: int) -> tuple[Plan, Selection] | None:
+        """When the extractor found no selection within the memory budget in time (CP-SAT on a 64-device training
+        step under load: the budget's constraints and the steady-state ties together), the plan chosen without
+        the budget (greedy-dag where ties need it), if its exact peak fits after all: a small model's plan
+        fits 80 GB whatever it splits. Marked "heuristic": nothing is proven of it."""
+        try:
+            selection = self._select(egraph, extractor, time_limit, None, ties, carried)
+        except NoFiniteChoiceError:
+            return None
+        problems = validate(egraph, selection)
+        if problems:
+            raise AssertionError(f"extractor {selection.extractor} returned an invalid selection: {problems[0]}")
+        plan, _, peaks = self._leaner(self.decoder.plan(egraph, selection, self.graph, self.names),
+                                      self.decoder.step_nodes(egraph, selection))
+        if max(p.bytes for p in peaks) > memory_budget:
+            return None
+        selection = replace(selection, status="heuristic")
+        return replace(plan, notes={**plan.notes, "status": "heuristic", "memory_budget": "checked after"}), selection
 
     @staticmethod
     def _verified(plan: Plan, extractor: str, carried: Mapping[str, str]) -> Plan:
