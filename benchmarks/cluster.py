@@ -154,9 +154,20 @@ def degrees(plan: Any, arguments: tuple[str, ...]) -> dict[str, Any]:
     return found
 
 
-def hand_plans(imported: Any, case: Case, model: Any, errors: dict[str, str]) -> dict[str, tuple[float, int]]:
+def time_by_kind(plan: Any, model: Any) -> dict[str, float]:
+    """Seconds of `plan` per phase and kind (cost.breakdown), keyed "phase/kind", and "model" for its FLOPs at
+    the bfloat16 peak."""
+    from tapestry.cost.breakdown import breakdown
+
+    found = breakdown(plan, model, model.profile.device)
+    return {**{f"{phase}/{kind}": s for (phase, kind), s in found.seconds.items()}, "model": found.model_seconds}
+
+
+def hand_plans(imported: Any, case: Case, model: Any, errors: dict[str, str],
+               breakdowns: dict[str, Any] | None = None) -> dict[str, tuple[float, int]]:
     """The training/plans.py strategies on the flat mesh of the case's devices, priced by `model`; a strategy
-    that cannot be built or priced is NaN, and `errors` says why."""
+    that cannot be built or priced is NaN, and `errors` says why; `breakdowns` gets each priced plan's
+    time_by_kind."""
     import math
 
     import tapestry
@@ -183,6 +194,8 @@ def hand_plans(imported: Any, case: Case, model: Any, errors: dict[str, str]) ->
         try:
             plan = make()
             priced[name] = (plan_cost(plan, model), max(peak_memory(plan)))
+            if breakdowns is not None:
+                breakdowns[name] = time_by_kind(plan, model)
         except Exception as err:  # a strategy that cannot split this graph: say so in the table
             priced[name] = (math.nan, 0)
             errors[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
@@ -207,10 +220,11 @@ def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any) -
         model = DefaultCostModel(profile)
         mesh = tapestry.Mesh(*case.shape)
         flops, peak = graph_flops(imported.graph), profile.device.peak("bfloat16")
-        row["hand_errors"] = {}
+        row["hand_errors"], row["hand_breakdown"] = {}, {}
         row["hand"] = {name: (t, m, flops / (t * mesh.size * peak) if t == t else float("nan"))
-                       for name, (t, m) in hand_plans(imported, case, model, row["hand_errors"]).items()}
-        started = time.perf_counter()
+                       for name, (t, m) in hand_plans(imported, case, model, row["hand_errors"],
+                                                      row["hand_breakdown"]).items()}
+        started, cpu = time.perf_counter(), time.process_time()
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", SearchCutWarning)
@@ -221,11 +235,13 @@ def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any) -
             row["optimize_s"] = time.perf_counter() - started
         else:
             row.update({
-                "optimize_s": time.perf_counter() - started, "status": result.status, "gap": result.gap,
+                "optimize_s": time.perf_counter() - started, "optimize_cpu_s": time.process_time() - cpu,
+                "status": result.status, "gap": result.gap,
                 "seconds": result.plan.cost, "peak_memory": result.peak_memory,
                 "mfu": flops / (result.plan.cost * mesh.size * peak), "replicated": result.replicated_share,
                 "warned": any(issubclass(w.category, SearchCutWarning) for w in caught),
                 "degrees": degrees(result.plan, imported.translation.user_inputs), "undone": result.stats.undone,
+                "breakdown": time_by_kind(result.plan, model),
             })
     row["rss"] = peak_rss()
     queue.put(row)
@@ -262,7 +278,7 @@ def warns(row: dict[str, Any]) -> bool:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| model | layers | step | batch x seq | mesh | import s | RSS GiB | optimize s | status | gap | "
+    head = ("| model | layers | step | batch x seq | mesh | import s | RSS GiB | optimize s (CPU) | status | gap | "
             "predicted ms | MFU | GiB/device | replicated | ids / weights split | weights live | "
             "DP ms (MFU) | ZeRO-3 ms (MFU) | TP ms (MFU) | DPxTP ms (MFU) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -283,7 +299,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             continue
         d = r["degrees"]
         gap = "—" if r["gap"] is None else f"{r['gap']:.1%}"
-        lines.append(first + f" {r['optimize_s']:.0f} | {r['status']}{' (warns)' if warns(r) else ''} | {gap} | "
+        spent = f"{r['optimize_s']:.0f}" + (f" ({r['optimize_cpu_s']:.0f})" if "optimize_cpu_s" in r else "")
+        lines.append(first + f" {spent} | {r['status']}{' (warns)' if warns(r) else ''} | {gap} | "
                      f"{r['seconds'] * 1e3:.1f} | {r['mfu']:.1%} | {gib(r['peak_memory'])} | {r['replicated']:.0%} | "
                      f"{d['ids split']} / {d['weights split']} of {d['weights']} (max {d['weights split (max)']}) | "
                      f"{d.get('storage', '—')} | {' | '.join(hand)} |")
@@ -291,6 +308,32 @@ def table(rows: list[dict[str, Any]]) -> str:
     if errors:
         lines += ["", "Hand plans that could not be priced: " + "; ".join(errors) + "."]
     return "\n".join(lines)
+
+
+def breakdown_tables(rows: list[dict[str, Any]]) -> str:
+    """Per training case on 64 devices or more (its last row), where its plans' time goes (cost.breakdown): ms per
+    phase and kind, the search's plan beside the hand plans'."""
+    import math
+
+    out = []
+    last = {json.dumps(r["case"], sort_keys=True): r for r in rows if "breakdown" in r}
+    for r in last.values():
+        if r["case"]["mode"] != "training" or math.prod(Case(**r["case"]).shape) < 64:
+            continue
+        c = r["case"]
+        plans = {"search": r["breakdown"], **{h: b for h, b in r.get("hand_breakdown", {}).items()}}
+        keys = sorted({k for b in plans.values() for k in b if k != "model"},
+                      key=lambda k: (["forward", "backward", "update", "step"].index(k.split("/")[0]), k))
+        keys = [k for k in keys if any(abs(b.get(k, 0.0)) >= 5e-6 for b in plans.values())]
+        model = c["model"] + (" blocks" if c.get("arch") == "block" else "")
+        out += [f"\n{model}, {c['layers']} layers, {c['mode']}, {c['batch']}x{c['seq']} on {c['mesh']} (ms):\n",
+                "| phase / kind | " + " | ".join(plans) + " |", "|---|" + "---:|" * len(plans)]
+        out += [f"| {k} | " + " | ".join(f"{b.get(k, 0.0) * 1e3:.2f}" for b in plans.values()) + " |" for k in keys]
+        out.append("| **total** | " + " | ".join(f"{sum(v for k, v in b.items() if k != 'model') * 1e3:.2f}"
+                                                for b in plans.values()) + " |")
+        out.append("| FLOPs at the bf16 peak | " + " | ".join(f"{b['model'] * 1e3:.2f}" for b in plans.values())
+                   + " |")
+    return "\n".join(out)
 
 
 def main() -> None:
@@ -338,9 +381,10 @@ def main() -> None:
     body = "\n".join([
         f"LLaMA-2 widths (`{', '.join(args.models.split(','))}`), built under `torch.device(\"meta\")` in bfloat16, "
         f"batch {args.batch} x sequence {args.seq}, planned by `tapestry.optimize` with the `{PROFILE}` profile "
-        f"(NVLink inside 8-GPU nodes, InfiniBand across), its default budget ({args.budget:g} s) and extraction "
-        f"time limit ({args.time_limit:g} s). Numbers from a loaded 2-core machine shared with other jobs: "
-        "wall times can be 2x off. MFU: the imported graph's FLOPs over predicted time x devices x the "
+        f"(NVLink inside 8-GPU nodes, InfiniBand across), its default budget ({args.budget:g} s: CPU seconds since "
+        f"ef44645, wall before) and extraction time limit ({args.time_limit:g} s, wall). Numbers from a loaded "
+        "2-core machine shared with other jobs: wall times follow the load (`optimize s (CPU)`: wall, and the "
+        "process's CPU seconds in brackets). MFU: the imported graph's FLOPs over predicted time x devices x the "
         "bfloat16 peak (989 TFLOP/s). Hand plans (training/plans.py) split one mesh axis, so they are priced "
         "on the flat mesh of as many devices (a 64-ring crosses nodes: InfiniBand). `replicated`: share of "
         "compute steps every device runs whole; `ids / weights split`: distinct blocks of the token ids' layout, "
@@ -355,6 +399,7 @@ def main() -> None:
         *([f"\n{args.provenance}"] if args.provenance else []),
         "",
         table(rows),
+        breakdown_tables(rows),
     ])
     if not args.no_write:
         command = "python benchmarks/cluster.py" + (" --quick" if args.quick else "") + (

@@ -61,3 +61,14 @@ def test_a_training_step_fits_the_leanest_hand_plans_budget_and_is_no_slower_tha
     assert found.peak_memory <= budget
     assert found.plan.cost <= min(t for t, peak in hand.values() if peak <= budget)
     assert not steady_violations(found.plan, imported.graph.carried)
+
+
+def test_a_budget_the_ilp_cannot_meet_in_time_falls_back_to_the_unbudgeted_plan_that_fits():
+    """CP-SAT with steady-state ties and a memory budget can find no selection in its time (a 64-device training
+    step under load; here a 1 ms limit): the plan chosen without the budget is returned when its exact peak fits,
+    not a MemoryBudgetError for a budget every plan meets."""
+    graph = adam_step(64, 256, 512)[0].graph
+    result = tapestry.optimize(graph, tapestry.Mesh(2, 2), cost_model=GPU, memory_budget=10**9, time_limit=1e-3)
+    assert result.peak_memory <= 10**9
+    assert not steady_violations(result.plan, graph.carried)
+    validate_plan(result.plan)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import math
-import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -28,6 +27,7 @@ from tapestry.cost import (
 )
 from tapestry.cost.memory import lean_order
 from tapestry.cost.overlap import forward_outputs, overlap, upstream
+from tapestry.egraph.clock import clock
 from tapestry.egraph.decode import Decoder, DNode, distributed_nodes
 from tapestry.egraph.driver import MOVES_SHARE, Budget, IterationStats, SaturationStats, saturate
 from tapestry.egraph.repeat import find_repetition
@@ -276,6 +276,9 @@ class Explored:
                 if budget is None:
                     asked = f"outputs as asked ({outputs!r})" + (" in steady state" if ties else "")
                     raise ValueError(f"no plan delivers the {asked}: {err}") from None
+                fallback = self._unbudgeted(egraph, extractor, time_limit, ties, carried, memory_budget)
+                if fallback is not None:
+                    return fallback
                 raise MemoryBudgetError(f"no plan fits {memory_budget:,} bytes per device: {err}"
                                         + (f" (after {rounds} rounds of memory cuts)" if rounds else "")) from None
             problems = validate(egraph, selection)
@@ -297,6 +300,26 @@ class Explored:
             selection = replace(selection, status="feasible")
             plan = replace(plan, notes={**plan.notes, "status": "feasible", "memory_cut_rounds": rounds})
         return plan, selection
+
+    def _unbudgeted(self, egraph: ExtractGraph, extractor: str, time_limit: float, ties: Ties,
+                    carried: Mapping[str, str], memory_budget: int) -> tuple[Plan, Selection] | None:
+        """When the extractor found no selection within the memory budget in time (CP-SAT on a 64-device training
+        step under load: the budget's constraints and the steady-state ties together), the plan chosen without
+        the budget (greedy-dag where ties need it), if its exact peak fits after all: a small model's plan
+        fits 80 GB whatever it splits. Marked "heuristic": nothing is proven of it."""
+        try:
+            selection = self._select(egraph, extractor, time_limit, None, ties, carried)
+        except NoFiniteChoiceError:
+            return None
+        problems = validate(egraph, selection)
+        if problems:
+            raise AssertionError(f"extractor {selection.extractor} returned an invalid selection: {problems[0]}")
+        plan, _, peaks = self._leaner(self.decoder.plan(egraph, selection, self.graph, self.names),
+                                      self.decoder.step_nodes(egraph, selection))
+        if max(p.bytes for p in peaks) > memory_budget:
+            return None
+        selection = replace(selection, status="heuristic")
+        return replace(plan, notes={**plan.notes, "status": "heuristic", "memory_budget": "checked after"}), selection
 
     @staticmethod
     def _verified(plan: Plan, extractor: str, carried: Mapping[str, str]) -> Plan:
@@ -521,14 +544,14 @@ def explore(graph: Graph, mesh: Mesh | int = 1, rules: Sequence[str | Path] | No
     """Saturate: every sharding, fusion and substitution the rules and signatures allow, in one e-graph."""
     mesh = Mesh(mesh) if isinstance(mesh, int) else mesh
     rule_files = load_rules(rules)
-    started = time.perf_counter()
+    started = clock()
     gen, _, stats = saturate(graph, mesh, rule_files, budget, progress)
     data = gen.session.serialize()
     nodes, roots, names, cut = distributed_nodes(data, gen.interner, started + budget.seconds * MOVES_SHARE)
     stats = replace(stats, values_with_few_moves=cut)
     return Explored(graph, mesh, Decoder(nodes, gen.interner, mesh, {n.name: n.dtype for n in graph.inputs},
                                              graph.fixed), tuple(roots), names, stats,
-                    tuple(rule_files), data, max(budget.seconds - (time.perf_counter() - started), 0.0))
+                    tuple(rule_files), data, max(budget.seconds - (clock() - started), 0.0))
 
 
 def optimize(

@@ -21,13 +21,13 @@ a merged GEMM's weight concat is then free (`Plan.prepared` names such steps).
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
+from tapestry.egraph.clock import clock
 from tapestry.egraph.distributed import Interner, reshard_pairs
 from tapestry.egraph.schema import run_constructors
 from tapestry.extract import EGraph as ExtractGraph
@@ -193,7 +193,7 @@ def distributed_nodes(data: Mapping[str, Any], interner: Interner, deadline: flo
     """(nodes, root classes in output order, output name per root class, values whose moves the deadline cut).
 
     Reshards out of a replicated layout (local slices: what the replicated plan needs) are made for every value;
-    the other moves value by value until `deadline` (a perf_counter time)."""
+    the other moves value by value until `deadline` (a `clock()` time: CPU seconds)."""
     raw = data["nodes"]
     runs = run_constructors()
     at: dict[str, str] = {}
@@ -232,7 +232,7 @@ def distributed_nodes(data: Mapping[str, Any], interner: Interner, deadline: flo
                         move(value, classes, src, dst)
     cut = 0
     for value, classes in value_layouts.items():
-        if time.perf_counter() > deadline:
+        if clock() > deadline:
             cut += 1
             continue
         for src, dst in reshard_pairs(classes, interner):
@@ -335,7 +335,7 @@ class Decoder:
         Run of the same op and the moves left cost no more than (`dominated_runs`): sound when plan time is
         the sum of node costs, not under a memory budget (the routes hold more layouts), steady-state ties or
         a training step's overlap credit. `self.pricing` says what was priced."""
-        started = time.perf_counter()
+        started = clock()
         prices: dict[Any, float] = {}
         costs = [math.inf] * len(self.nodes)
         optional: dict[Any, list[int]] = {}  # the other reshards by price key, priced last
@@ -356,7 +356,7 @@ class Decoder:
             keys = [keys[j] for j in pricing_order(moved, [self.nodes[optional[key][0]].eclass for key in keys])]
         unpriced = 0
         for key in keys:
-            if time.perf_counter() - started > seconds:
+            if clock() - started > seconds:
                 unpriced += len(optional[key])
                 continue
             prices[key] = price = float(cost.step_cost(self._priced_step(self.nodes[optional[key][0]]), self.mesh))
@@ -371,7 +371,7 @@ class Decoder:
             runs = dominated_runs(self._ops(costs), {pair: costs[i] for pair, i in moves.items()})  # less `dropped`
             for i in runs:
                 costs[i] = math.inf
-        self.pricing = PricingStats(time.perf_counter() - started, len(prices), unpriced, len(dropped), len(runs))
+        self.pricing = PricingStats(clock() - started, len(prices), unpriced, len(dropped), len(runs))
         return costs
 
     def extraction_graph(self, roots: list[str], cost: Any, seconds: float = math.inf,

@@ -4,8 +4,8 @@ Rules rewrite only logical terms, so they run first, to a fixpoint, alternating
 with passes that name and type new classes (Rank/Dim guards need them). Then the
 distributed layer is generated once for the whole logical e-graph. Splitting
 the phases keeps rule rounds cheap (no distributed layer to rebuild) and means
-fusion and substitution never starve. Budget.seconds runs from the start of
-saturation to the end of pricing: rule rounds stop by RULES_SHARE of it,
+fusion and substitution never starve. Budget.seconds are seconds of this process's CPU (`egraph.clock`: a
+loaded machine does not starve the search), from the start of saturation to the end of pricing: rule rounds stop by RULES_SHARE of it,
 generation by GENERATION_SHARE (or once its layouts make more reshards than
 the last share can price), making reshards by MOVES_SHARE, and pricing
 (egraph.decode) has the rest: runs nobody moves between and moves nobody
@@ -16,10 +16,10 @@ plan always exists (docs/cost-models.md, "Budgets").
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
+from tapestry.egraph.clock import clock
 from tapestry.egraph.generate import GenerationStats, Generator, View
 from tapestry.egraph.rules import Rule, RuleFile
 from tapestry.egraph.session import Session
@@ -36,7 +36,7 @@ PAIRS_PER_SECOND = 100_000  # layout pairs whose reshards decode makes and price
 @dataclass(frozen=True)
 class Budget:
     """Saturation stops at the first budget reached; the result says which, and in which phase. `iterations`
-    bounds rule rounds; `seconds` and `nodes` bound rule rounds and generation alike."""
+    bounds rule rounds; `seconds` (of CPU, `egraph.clock`) and `nodes` bound rule rounds and generation alike."""
 
     nodes: int = 200_000
     seconds: float = 30.0
@@ -114,7 +114,7 @@ def saturate(
     progress: Callable[[IterationStats], None] | None = None,
 ) -> tuple[Generator, View, SaturationStats]:
     graph.check_plannable()
-    started = time.perf_counter()
+    started = clock()
     session = Session(rule_files)
     gen = Generator(session, graph, mesh)
     gen.encode()
@@ -124,7 +124,7 @@ def saturate(
     stopped_by, changed = "iterations", True
     rules_budget = replace(budget, seconds=budget.seconds * RULES_SHARE)
     for iteration in range(budget.iterations + 1):
-        tick = time.perf_counter()
+        tick = clock()
         view, new_nodes = gen.refresh(fired, iteration)
         size = session.size()
         matches: dict[str, int] = {}
@@ -140,7 +140,7 @@ def saturate(
             fired = list(dict.fromkeys(rules[k] for k, n in matches.items() if n and k in rules))
         stats = IterationStats(
             iteration, size, len(view.handles) + len(view.at_classes), new_nodes,
-            {rules[k].where: n for k, n in matches.items() if k in rules and n}, time.perf_counter() - tick,
+            {rules[k].where: n for k, n in matches.items() if k in rules and n}, clock() - tick,
         )
         history.append(stats)
         if progress:
@@ -153,7 +153,7 @@ def saturate(
     stopped_in = "rules" if stopped_by != "fixpoint" else "generation" if generation.stopped_by else ""
     if stopped_in == "generation":
         stopped_by = generation.stopped_by
-    return gen, view, SaturationStats(tuple(history), stopped_by, time.perf_counter() - started,
+    return gen, view, SaturationStats(tuple(history), stopped_by, clock() - started,
                                       dict(gen.ill_typed), stopped_in, generation)
 
 
@@ -162,7 +162,7 @@ def _stop_reason(budget: Budget, started: float, size: int, iteration: int, grow
         return "fixpoint"
     if size >= budget.nodes:
         return "nodes"
-    if time.perf_counter() - started >= budget.seconds:
+    if clock() - started >= budget.seconds:
         return "seconds"
     if iteration >= budget.iterations:
         return "iterations"

@@ -11,12 +11,12 @@ replicated run (so a plan always exists), then the sharded ones in rounds over a
 from __future__ import annotations
 
 import math
-import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tapestry.egraph.clock import clock
 from tapestry.egraph.distributed import Interner, runs_for
 from tapestry.egraph.rules import Rule
 from tapestry.egraph.schema import constructors, decode_param, encode_param, run_name
@@ -249,11 +249,11 @@ class Generator:
 
         Every node's replicated run goes in first, whatever the budget, so a plan always exists. Then the sharded
         runs, in rounds: round k adds every node's k-th candidate (`generation_order`: round 0 splits one dim,
-        mostly the batch, over every mesh axis), until `deadline` (a perf_counter time), `max_nodes` e-nodes, or
+        mostly the batch, over every mesh axis), until `deadline` (a `clock()` time: CPU seconds), `max_nodes` e-nodes, or
         the values' layouts making `max_pairs` ordered pairs (reshards to make and price; docs/cost-models.md,
         "Budgets", has the case). A stop thus leaves every node similar choices, which fit together, rather
         than some nodes all of theirs and the rest none."""
-        started = time.perf_counter()
+        started = clock()
         todo = self._dequeue()
         self.layout_pairs = sum(len(held) * (len(held) - 1) for held in self.layouts.values())
         mandatory = [command for item in todo for command in self._runs(item, sharded=False)]
@@ -272,7 +272,7 @@ class Generator:
                     batch = []
                     size = self.session.size()
                 capped = self.layout_pairs >= max_pairs
-                if time.perf_counter() >= deadline or capped:
+                if clock() >= deadline or capped:
                     stopped_by = "seconds"
                 elif size >= limit:
                     stopped_by = "nodes"
@@ -283,7 +283,7 @@ class Generator:
             if stopped_by:
                 break
         self.session.insert(batch + self._links())
-        return GenerationStats(time.perf_counter() - started, len(todo), runs + sharded_runs,
+        return GenerationStats(clock() - started, len(todo), runs + sharded_runs,
                                sum(counts) - sharded_runs, stopped_by,
                                self.session.size(), len(self.layouts) + sum(map(len, self.layouts.values())),
                                self.layout_pairs, capped)

@@ -120,11 +120,10 @@ def layout_problems(layout: Layout, shape: Shape, mesh: Mesh, what: str = "layou
     if len(layout.blocks) != mesh.size:
         return [f"{what} has {len(layout.blocks)} blocks for {mesh.size} devices"]
     whole = ZRange.from_shape(shape)
-    return [
-        f"{what}: device {k} holds {b}, outside the tensor {whole}"
-        for k, b in enumerate(layout.blocks)
-        if b is not None and (b.ndim != whole.ndim or not whole.contains(b))
-    ]
+    outside = {b for b in set(layout.blocks)  # each distinct block once: 64 devices hold a few
+               if b is not None and (b.ndim != whole.ndim or not whole.contains(b))}
+    return [f"{what}: device {k} holds {b}, outside the tensor {whole}"
+            for k, b in enumerate(layout.blocks) if b in outside] if outside else []
 
 
 def _place_problems(plan: Plan, step: Place) -> list[str]:
@@ -179,7 +178,7 @@ def _compute_problems(mesh: Mesh, step: Compute, defined: dict[str, Step]) -> li
         return [f"{len(step.args)} args and {len(step.arg_layouts)} arg layouts for {len(sig.projections)} inputs"]
     if len(step.blocks) != mesh.size:
         return [f"{len(step.blocks)} index blocks for {mesh.size} devices"]
-    if any(b is not None and b.ndim != sig.index.ndim for b in step.blocks):
+    if any(b is not None and b.ndim != sig.index.ndim for b in set(step.blocks)):
         return [f"index blocks must have {sig.index.ndim} dims like the index space {sig.index}"]
     if step.exchange and (sig.kernel.exchange is None or not all(0 <= a < mesh.ndim for a in step.exchange)):
         return [f"exchange over mesh axes {list(step.exchange)}, but {sig.kernel.name} has no exchange dims "
@@ -245,9 +244,8 @@ def _partition(blocks: tuple[Block, ...]) -> Partition:
 
 
 def _splits_reduction(sig: Signature, blocks: tuple[Block, ...]) -> bool:
-    return any(
-        b is not None and b.shape[d] != sig.index.shape[d] for b in blocks for d in sig.dims_of(DimKind.REDUCTION)
-    )
+    reductions = sig.dims_of(DimKind.REDUCTION)
+    return any(b is not None and b.shape[d] != sig.index.shape[d] for b in set(blocks) for d in reductions)
 
 
 def _read_problems(sig: Signature, arg: int, step: Compute, what: str) -> list[str]:
@@ -255,14 +253,10 @@ def _read_problems(sig: Signature, arg: int, step: Compute, what: str) -> list[s
     What it reads is islpy's image of the block under the signature's projection, not plan generation's own
     `needed_layout`: a slip there (a halo a row short) must not pass both."""
     projection, shape = sig.projections[arg], sig.input_shapes[arg]
-    problems = []
-    for device, (block, held) in enumerate(zip(step.blocks, step.arg_layouts[arg].blocks)):
-        if block is None:
-            continue
-        need = _unheld_read(projection, shape, block, held)
-        if need is not None:
-            problems.append(f"device {device} reads {need} of {what} {step.args[arg]!r} but holds only {held}")
-    return problems
+    pairs = list(zip(step.blocks, step.arg_layouts[arg].blocks))
+    unheld = {pair: _unheld_read(projection, shape, *pair) for pair in set(pairs) if pair[0] is not None}
+    return [f"device {device} reads {unheld[pair]} of {what} {step.args[arg]!r} but holds only {pair[1]}"
+            for device, pair in enumerate(pairs) if unheld.get(pair) is not None]
 
 
 @functools.lru_cache(maxsize=1 << 16)  # identical layers, and devices of a replicated axis, ask the same

@@ -295,7 +295,8 @@ def _clipped(projection: IndexProjection, block: Block, shape: tuple[int, ...]) 
 
 
 def output_layout(sig: Signature, part: Partition) -> Layout:
-    return Layout(tuple(_clipped(sig.output, b, sig.output_shape) for b in part.blocks), is_partial(sig, part))
+    clipped = {b: _clipped(sig.output, b, sig.output_shape) for b in set(part.blocks)}  # 512 devices: a few blocks
+    return Layout(tuple(clipped[b] for b in part.blocks), is_partial(sig, part))
 
 
 def needed_layout(sig: Signature, arg: int, part: Partition) -> Layout:

@@ -1,0 +1,133 @@
+"""Where a plan's predicted time goes: seconds per phase and kind of work, beside what its FLOPs need.
+
+`plan_cost` is one number; to see why a training step's MFU is low, its steps are sorted by phase (forward: what
+the loss needs; update: what reads optimizer state the forward never reads, Adam's moments and step count;
+backward: the rest) and by what bounds them on the roofline: compute at the peak of their dtype (bfloat16 on
+tensor cores, float32 far slower), memory bandwidth (elementwise kernels, softmax, casts), the launch each kernel
+pays, and collectives by kind, the part the backward hides of the gradient reductions (`cost.overlap`) apart.
+`model_seconds` is what the plan's compute needs at the bfloat16 peak with no launch and no byte: the time
+an MFU of 100% would take.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from tapestry.cost.model import CostModel
+from tapestry.cost.overlap import forward_outputs, overlap, upstream
+from tapestry.cost.profile import DeviceProfile
+from tapestry.cost.roofline import compute_dtype
+from tapestry.plan.plan import Compute, Place, Plan, Reshard
+from tapestry.sharding.collectives import classify_reshard
+
+HIDDEN = "hidden reductions"  # the kind under which the overlap credit is listed (negative seconds)
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Seconds per (phase, kind); they sum to `plan_cost` (the hidden reductions enter negative)."""
+
+    seconds: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    count: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    model_seconds: float = 0.0  # the slowest device's FLOPs at the bfloat16 peak, summed over compute steps
+
+    @property
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+    def by_kind(self) -> dict[str, float]:
+        found: dict[str, float] = defaultdict(float)
+        for (_, kind), s in self.seconds.items():
+            found[kind] += s
+        return dict(found)
+
+    def table(self) -> str:
+        """A markdown table: phase, kind, steps, ms, share of the total."""
+        lines = ["| phase | kind | steps | ms | share |", "|---|---|---:|---:|---:|"]
+        total = self.total
+        for key in sorted(self.seconds, key=lambda k: (PHASES.index(k[0]), -self.seconds[k])):
+            lines.append(f"| {key[0]} | {key[1]} | {self.count.get(key, 0)} | {self.seconds[key] * 1e3:.2f} | "
+                         f"{self.seconds[key] / total:.1%} |")
+        lines.append(f"| all | total (FLOPs at the bfloat16 peak: {self.model_seconds * 1e3:.2f} ms) | "
+                     f"{sum(self.count.values())} | {total * 1e3:.2f} | 100% |")
+        return "\n".join(lines)
+
+
+PHASES = ("forward", "backward", "update", "step")
+
+
+def phases(plan: Plan) -> dict[str, str]:
+    """Phase of each step's value: forward, update (downstream of carried inputs the forward never reads), or
+    backward; a plan without carried state is all forward."""
+    by_id = plan.by_id
+
+    def args(value: str) -> tuple[str, ...]:
+        step = by_id[value]
+        return step.args if isinstance(step, Compute) else () if isinstance(step, Place) else (step.src,)
+
+    if not plan.graph.carried:
+        return {s.out: "forward" for s in plan.steps}
+    forward = upstream(forward_outputs(plan.outputs, plan.graph.carried), args)
+    state = {s.out for s in plan.steps if isinstance(s, Place) and s.input in set(plan.graph.carried.values())
+             and s.out not in forward}
+    read_by_forward = {a for v in forward for a in args(v)}
+    update = {v for v in state if v not in read_by_forward}
+    found = {}
+    for step in plan.steps:  # steps come in a valid order: arguments first
+        if step.out in forward:
+            found[step.out] = "forward"
+        elif step.out in update or any(a in update for a in args(step.out)):
+            update.add(step.out)
+            found[step.out] = "update"
+        else:
+            found[step.out] = "backward"
+    return found
+
+
+def compute_kind(step: Compute, device: DeviceProfile) -> str:
+    """What bounds a compute step on the roofline of its slowest device: its dtype's peak or memory bandwidth."""
+    sig = step.signature
+    if sig.kernel.is_view:
+        return "views"
+    block = max((b for b in step.blocks if b is not None and not b.is_empty), key=lambda b: sig.cost(b)[0],
+                default=None)
+    if block is None:
+        return "idle"
+    flops, nbytes = sig.cost(block)
+    dtype = compute_dtype(sig)
+    if flops / device.peak(dtype) >= nbytes / device.mem_bandwidth:
+        return f"compute-bound {dtype}"
+    return "memory-bound"
+
+
+def breakdown(plan: Plan, model: CostModel, device: DeviceProfile) -> Breakdown:
+    """`plan`'s time per phase and kind (module docstring), priced by `model`; `device` says the roofline's
+    peaks and launch overhead (the model's profile device), which the launches are split off by."""
+    phase = phases(plan)
+    seconds: dict[tuple[str, str], float] = defaultdict(float)
+    count: dict[tuple[str, str], int] = defaultdict(int)
+    model_seconds = 0.0
+    for step in plan.steps:
+        if isinstance(step, Place) or step.out in plan.prepared:
+            continue
+        cost = model.step_cost(step, plan.mesh)
+        if isinstance(step, Compute):
+            kind = compute_kind(step, device)
+            if kind not in ("views", "idle"):
+                launch = device.launch_overhead * device.oversubscription(plan.mesh.size)
+                seconds[phase[step.out], "launch"] += min(launch, cost)
+                count[phase[step.out], "launch"] += 1
+                cost -= min(launch, cost)
+            sig = step.signature
+            model_seconds += max((sig.cost(b)[0] for b in step.blocks if b is not None and not b.is_empty),
+                                 default=0.0) / device.peak("bfloat16")
+        else:
+            assert isinstance(step, Reshard)
+            kind = str(classify_reshard(step.src_layout, step.layout, step.shape, plan.mesh))
+        seconds[phase[step.out], kind] += cost
+        count[phase[step.out], kind] += 1
+    hidden = overlap(plan, model.step_cost).hidden
+    if hidden:
+        seconds["step", HIDDEN] -= hidden
+    return Breakdown(dict(seconds), dict(count), model_seconds)
