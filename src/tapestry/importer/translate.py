@@ -320,6 +320,10 @@ def _call(builder: Builder, node: Any, env: dict[Any, Any], strict: bool,
     if name in PASS_THROUGH:
         coverage[name]["dropped"] += 1
         return args[0]
+    shaped = node.meta.get("val")
+    if isinstance(shaped, torch.Tensor) and shaped.numel() == 0:  # Phi-3's rotary pass-through `q[..., d:]`
+        coverage[name]["folded"] += 1  # no elements, so nothing it reads matters: a constant (`cat` drops it)
+        return torch.empty(shaped.shape, dtype=shaped.dtype)
     if name in CONVERTERS:
         try:
             return _convert(builder, node, name, args, kwargs, coverage)
