@@ -40,6 +40,7 @@ BINARY = {
     "minimum": "minimum", "eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge",
     "logical_and": "logical_and", "logical_or": "logical_or", "__and__": "logical_and", "__or__": "logical_or",
     "bitwise_and": "logical_and", "bitwise_or": "logical_or", "floor_divide": "floor_divide",
+    "multiply": "mul", "divide": "div", "true_divide": "div", "subtract": "sub",  # ConvBERT's x.multiply(y)
 }
 
 
@@ -73,6 +74,12 @@ converts(*(f"aten.{packet}.{overload}" for packet in BINARY
            for overload in ("Tensor", "Scalar", "Tensor_Tensor", "Tensor_Scalar", "Scalar_Tensor", "default",
                             "Tensor_mode")
            if overload in getattr(torch.ops.aten, packet).overloads()))(_binary)
+
+
+@converts("aten.max.other", "aten.min.other")
+def _extremum(b: Builder, x: Any, other: Any) -> Value:
+    """torch.max(x, y) elementwise (XGLM clamps its attention scores this way)."""
+    return binary(b, "maximum" if str(b.node.target) == "aten.max.other" else "minimum", x, other)
 
 
 @converts("aten.rsub.Scalar", "aten.rsub.Tensor")

@@ -34,6 +34,16 @@ def _addmm(b: Builder, bias: Any, m1: Any, m2: Any, beta: Any = 1, alpha: Any = 
     return binary(b, "add", product, bias_v if beta == 1 else binary(b, "mul", bias_v, beta))
 
 
+@converts("aten.baddbmm.default")
+def _baddbmm(b: Builder, bias: Any, b1: Any, b2: Any, beta: Any = 1, alpha: Any = 1) -> Value:
+    """beta·bias + alpha·(b1 @ b2), the bias broadcast (BLOOM's ALiBi scores); beta 0 ignores the bias, as torch."""
+    product = b.op("matmul", b.tensor(b1), b.tensor(b2))
+    product = binary(b, "mul", product, alpha) if alpha != 1 else product
+    if beta == 0:
+        return product
+    return binary(b, "add", product, bias if beta == 1 else binary(b, "mul", bias, beta))
+
+
 @converts("aten.mm.default", "aten.bmm.default", "aten.matmul.default")
 def _matmul(b: Builder, x: Any, y: Any) -> Value:
     a, c = b.tensor(x), b.tensor(y)

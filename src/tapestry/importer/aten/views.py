@@ -1,4 +1,4 @@
-"""Views and shapes: reshapes, transposes, expands, slices, selects, splits, concatenation and stacking."""
+"""Views and shapes: reshapes, transposes, expands, slices, selects, splits, repeats, concatenation and stacking."""
 from __future__ import annotations
 
 import itertools
@@ -120,3 +120,30 @@ def _stack(b: Builder, tensors: list[Any], dim: int = 0) -> Value:
     for v in lifted[1:]:
         out = b.op("concat", out, v, axis=axis)
     return out
+
+
+@converts("aten.repeat.default")
+def _repeat(b: Builder, x: Any, repeats: list[int]) -> Value:
+    """x tiled `repeats` times per dim (DeBERTa's relative positions): each dim s as [1, s] expanded to [r, s],
+    then merged to r·s; views only."""
+    value = b.tensor(x)
+    shape = (*(1,) * (len(repeats) - value.ndim), *value.shape)
+    spread = tuple(n for s in shape for n in (1, s))
+    tiled = b.op("expand", b.op("reshape", value, shape=spread),
+                 shape=tuple(n for r, s in zip(repeats, shape) for n in (int(r), s)))
+    return b.op("reshape", tiled, shape=b.shape)
+
+
+@converts("aten.repeat_interleave.self_int")
+def _repeat_interleave(b: Builder, x: Any, repeats: int, dim: int | None = None, output_size: int | None = None
+                       ) -> Value:
+    """Each element along `dim` `repeats` times in a row (GPT-J's rotary sin/cos): dim s as [s, 1] expanded
+    to [s, r], then merged; over the flattened tensor when `dim` is None."""
+    value = b.tensor(x)
+    if dim is None:
+        value, axis = b.op("reshape", value, shape=(math.prod(value.shape),)), 0
+    else:
+        axis = _axis(dim, value.ndim)
+    split = (*value.shape[: axis + 1], 1, *value.shape[axis + 1 :])
+    spread = (*value.shape[: axis + 1], int(repeats), *value.shape[axis + 1 :])
+    return b.op("reshape", b.op("expand", b.op("reshape", value, shape=split), shape=spread), shape=b.shape)
