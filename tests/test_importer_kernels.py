@@ -457,3 +457,22 @@ def test_repeats_baddbmm_and_the_named_arithmetic_aliases_import_as_kernels_and_
     plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
     assert_same(imp.outputs(simulate(plan, imp.inputs(*args))), eager(module, args))
     assert any(isinstance(s, Compute) and len(set(s.blocks)) > 1 for s in plan.steps)
+
+
+class Shifted(torch.nn.Module):
+    """Swin's ops: `roll` of a feature map (both spatial dims, negative and wrapping shifts, and flattened) and
+    the pooler's `adaptive_avg_pool1d`."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (torch.roll(x, (-2, 1), (1, 2)), torch.roll(x, 9, 2), torch.roll(x, 3), torch.roll(x, 0, 1),
+                torch.nn.functional.adaptive_avg_pool1d(x.flatten(2), 3),
+                torch.nn.functional.adaptive_avg_pool1d(x.flatten(2), 1))
+
+
+def test_roll_and_adaptive_avg_pool1d_import_as_kernels_and_shard():
+    module, args = Shifted(), (torch.randn(4, 6, 6, 2),)
+    imp = from_torch(module, args, verbose=False)
+    assert imp.opaque == {}
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(module, args))
+    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
+    assert_same(imp.outputs(simulate(plan, imp.inputs(*args))), eager(module, args))

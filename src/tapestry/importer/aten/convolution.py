@@ -69,6 +69,17 @@ def _adaptive_avg_pool(b: Builder, x: Any, size: Any) -> Value:
     return b.op("avg_pool2d", value, kernel=k, stride=k, padding=0, count_include_pad=True)
 
 
+@converts("aten.adaptive_avg_pool1d.default")
+def _adaptive_avg_pool1d(b: Builder, x: Any, size: Any) -> Value:
+    """Swin's pooler: L cells in `size` equal runs, each averaged (a `reshape` and a `mean` of the runs)."""
+    value = b.tensor(x)
+    (out,), length = _per_dim("output_size", size, 1), value.shape[-1]
+    if length % out:
+        raise Unsupported(f"output {out} does not tile the input {length} evenly")
+    runs = b.op("reshape", value, shape=(*value.shape[:-1], out, length // out))
+    return b.op("mean", runs, axis=runs.ndim - 1, keepdim=False)
+
+
 @converts("aten.constant_pad_nd.default", "aten.pad.default")
 def _pad(b: Builder, x: Any, pad: list[int], mode: str = "constant", value: float | None = None) -> Value:
     if mode != "constant":

@@ -147,3 +147,21 @@ def _repeat_interleave(b: Builder, x: Any, repeats: int, dim: int | None = None,
     split = (*value.shape[: axis + 1], 1, *value.shape[axis + 1 :])
     spread = (*value.shape[: axis + 1], int(repeats), *value.shape[axis + 1 :])
     return b.op("reshape", b.op("expand", b.op("reshape", value, shape=split), shape=spread), shape=b.shape)
+
+
+@converts("aten.roll.default")
+def _roll(b: Builder, x: Any, shifts: list[int], dims: list[int] = ()) -> Value:
+    """Swin's shifted windows: per dim, the last `shift` cells moved to the front, a concat of two slices (over
+    the flattened tensor when no dim is given)."""
+    value = b.tensor(x)
+    if not dims:
+        flat = b.op("reshape", value, shape=(math.prod(value.shape),))
+        return b.op("reshape", _roll(b, flat, shifts, [0]), shape=value.shape)
+    for shift, dim in zip(shifts, dims, strict=True):
+        axis = _axis(dim, value.ndim)
+        size = value.shape[axis]
+        cut = size - int(shift) % size
+        if cut != size:
+            head, tail = _pieces(b, value, [cut, size - cut], axis)
+            value = b.op("concat", tail, head, axis=axis)
+    return value
