@@ -144,18 +144,22 @@ def main() -> None:
             rows.append(row(name, {seed: swept[seed][name] for seed in args.seeds}, args))
             print(rows[-1], flush=True)
             passed += rows[-1].endswith("| passes |")
+        if args.write:  # after each chunk: a cut run leaves what it swept
+            write(rows, passed, args)
     print(f"{passed} of {len(rows) - 2} pass", flush=True)
-    if args.write:
-        body = "\n".join(rows) + (
-            f"\n\n{passed} of {len(rows) - 2} families pass: imported with `from_torch`, optimized on "
-            f"{' and '.join(args.meshes)} with the {args.extractor} extractor under PYTHONHASHSEED "
-            f"{', '.join(map(str, args.seeds))}, simulated, and compared with eager PyTorch (1e-4 of the largest "
-            "output), the plan's cost the same under every seed. `plan shards` is `tapestry import-report`'s share "
-            "of FLOPs the plan splits over devices (seed " f"{args.seeds[0]}).")
-        command = (f"python benchmarks/zoo_sweep.py --seeds {' '.join(map(str, args.seeds))} --meshes "
-                   f"{' '.join(args.meshes)} --extractor {args.extractor} --write")
-        write_section("Zoo sweep", command, body, IMPORTING)
 
+
+def write(rows: list[str], passed: int, args: argparse.Namespace) -> None:
+    """The "Zoo sweep" section of docs/importing.md."""
+    body = "\n".join(rows) + (
+        f"\n\n{passed} of {len(rows) - 2} families pass: imported with `from_torch`, optimized on "
+        f"{' and '.join(args.meshes)} with the {args.extractor} extractor under PYTHONHASHSEED "
+        f"{', '.join(map(str, args.seeds))}, simulated, and compared with eager PyTorch (1e-4 of the largest "
+        "output), the plan's cost the same under every seed. `plan shards` is `tapestry import-report`'s share "
+        f"of FLOPs the plan splits over devices (seed {args.seeds[0]}); `opaque ops` run whole through torch.")
+    command = (f"python benchmarks/zoo_sweep.py {' '.join(args.names)} --seeds {' '.join(map(str, args.seeds))} "
+               f"--meshes {' '.join(args.meshes)} --extractor {args.extractor} --write").replace("  ", " ")
+    write_section("Zoo sweep", command, body, IMPORTING)
 
 if __name__ == "__main__":
     main()

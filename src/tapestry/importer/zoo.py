@@ -308,31 +308,6 @@ class Family:
     fails: str | None = None
 
 
-FAMILIES: dict[str, Family] = {
-    "t5": Family(_seeded(_t5), "encoder-decoder, tied embedding and LM head"),
-    "bart": Family(_seeded(_bart), "encoder-decoder"),
-    "llama": Family(_seeded(_decoder("LlamaConfig", "LlamaModel")), "decoder, grouped-query attention, RoPE"),
-    "qwen2": Family(_seeded(_decoder("Qwen2Config", "Qwen2Model")), "decoder, grouped-query attention, QKV bias"),
-    "mistral": Family(_seeded(_decoder("MistralConfig", "MistralModel")), "decoder, grouped-query attention"),
-    "mixtral": Family(_seeded(_decoder("MixtralConfig", "MixtralModel", num_local_experts=4, num_experts_per_tok=2)),
-                      "mixture-of-experts decoder"),
-    "gpt2": Family(MODELS["gpt2"], "decoder, fused QKV"),
-    "gpt_neox": Family(_seeded(_gpt_neox), "decoder, parallel attention and MLP, partial RoPE"),
-    "bert": Family(_seeded(_encoder("BertConfig", "BertModel")), "encoder with pooler and token types"),
-    "roberta": Family(_seeded(_encoder("RobertaConfig", "RobertaModel", pad_token_id=1)), "encoder with pooler"),
-    "vit": Family(_seeded(_vit), "vision transformer"),
-    "cnn": Family(MODELS["cnn"], "convolutional network"),
-    "unet": Family(_seeded(lambda s: (TinyUNet(), (torch.randn(s.batch, 3, s.image, s.image),), {})),
-                   "U-Net: skips, pooling, upsampling"),
-    "whisper_encoder": Family(_seeded(_whisper_encoder), "audio encoder (conv1d front end)"),
-    "wav2vec2": Family(_seeded(_wav2vec2), "audio encoder (conv feature extractor)"),
-    "gru": Family(_seeded(lambda s: (GRUClassifier(), (_ids(s, 64),), {})), "recurrent classifier (GRU)"),
-    "lstm": Family(_seeded(lambda s: (LSTMTagger(), (_ids(s, 64),), {})), "recurrent tagger (2-layer LSTM)"),
-    "dlrm": Family(_seeded(_dlrm), "recommendation: embedding bags, dot interactions"),
-    "llama_block": Family(MODELS["llama_block"], "hand-written decoder block"),
-}
-
-
 # -- More families, at one tiny size: benchmarks/zoo_sweep.py sweeps them under several hash seeds -------------
 
 B, T, H, HEADS, IMAGE = 4, 8, 32, 4, 32  # the sweep's families: batch, tokens, hidden, heads, image side
@@ -646,3 +621,29 @@ _EXTRA: dict[str, tuple[str, Callable[[], Case]]] = {
 
 EXTRA: dict[str, Family] = {name: Family(_seeded(lambda _size, make=make: make()), kind)
                              for name, (kind, make) in _EXTRA.items()}
+
+
+FAMILIES: dict[str, Family] = {
+    "t5": Family(_seeded(_t5), "encoder-decoder, tied embedding and LM head"),
+    "bart": Family(_seeded(_bart), "encoder-decoder"),
+    "llama": Family(_seeded(_decoder("LlamaConfig", "LlamaModel")), "decoder, grouped-query attention, RoPE"),
+    "qwen2": Family(_seeded(_decoder("Qwen2Config", "Qwen2Model")), "decoder, grouped-query attention, QKV bias"),
+    "mistral": Family(_seeded(_decoder("MistralConfig", "MistralModel")), "decoder, grouped-query attention"),
+    "mixtral": Family(_seeded(_decoder("MixtralConfig", "MixtralModel", num_local_experts=4, num_experts_per_tok=2)),
+                      "mixture-of-experts decoder"),
+    "gpt2": Family(MODELS["gpt2"], "decoder, fused QKV"),
+    "gpt_neox": Family(_seeded(_gpt_neox), "decoder, parallel attention and MLP, partial RoPE"),
+    "bert": Family(_seeded(_encoder("BertConfig", "BertModel")), "encoder with pooler and token types"),
+    "roberta": Family(_seeded(_encoder("RobertaConfig", "RobertaModel", pad_token_id=1)), "encoder with pooler"),
+    "vit": Family(_seeded(_vit), "vision transformer"),
+    "cnn": Family(MODELS["cnn"], "convolutional network"),
+    "unet": Family(_seeded(lambda s: (TinyUNet(), (torch.randn(s.batch, 3, s.image, s.image),), {})),
+                   "U-Net: skips, pooling, upsampling"),
+    "whisper_encoder": Family(_seeded(_whisper_encoder), "audio encoder (conv1d front end)"),
+    "wav2vec2": Family(_seeded(_wav2vec2), "audio encoder (conv feature extractor)"),
+    "gru": Family(_seeded(lambda s: (GRUClassifier(), (_ids(s, 64),), {})), "recurrent classifier (GRU)"),
+    "lstm": Family(_seeded(lambda s: (LSTMTagger(), (_ids(s, 64),), {})), "recurrent tagger (2-layer LSTM)"),
+    "dlrm": Family(_seeded(_dlrm), "recommendation: embedding bags, dot interactions"),
+    "llama_block": Family(MODELS["llama_block"], "hand-written decoder block"),
+    **EXTRA,
+}
