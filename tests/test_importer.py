@@ -250,3 +250,25 @@ def test_arguments_are_normalised_by_the_ops_schema():
     assert by_schema(torch.ops.aten.topk.default, (x, 2), {"largest": False}) == ((x, 2, -1, False), {})
     with pytest.raises(TorchImportError, match="unknown keyword argument.*'axis'"):
         by_schema(torch.ops.aten.cumprod.default, (x, 1), {"axis": 1})
+
+
+class FullRotary(torch.nn.Module):
+    """Phi-3's rotary split when the rotary dim is the whole head: `h[..., d:]` is empty, then concatenated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        rotated, passed = h[..., :8], h[..., 8:]
+        return torch.cat((torch.tanh(rotated), passed), dim=-1)
+
+
+def test_an_empty_slice_becomes_a_constant_so_the_graph_plans_and_matches():
+    module, x = FullRotary().eval(), torch.randn(4, 6, 8)
+    imp = from_torch(module, (x,), verbose=False)
+    assert imp.coverage["aten.slice.Tensor"]["folded"] == 1 and not imp.opaque
+    plan = tapestry.optimize(imp.graph, tapestry.Mesh(4)).plan
+    (got,) = imp.outputs(simulate(plan, imp.inputs(x)))
+    np.testing.assert_allclose(got, module(x).detach().numpy(), rtol=1e-6, atol=1e-7)

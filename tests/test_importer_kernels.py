@@ -430,3 +430,49 @@ def test_plans_with_the_new_kernels_run_on_four_gloo_ranks_and_match_eager(case)
     imp = from_torch(module, args, verbose=False)
     plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
     assert_same(imp.outputs(plan.run(imp.inputs(*args), compile=False).outputs), eager(module, args))
+
+
+class Repeats(torch.nn.Module):
+    """DeBERTa's `repeat`, GPT-J's `repeat_interleave`, BLOOM's `baddbmm` (ALiBi bias, scaled scores) and
+    ConvBERT's `multiply`, with `divide` and `subtract` beside it, and XGLM's elementwise `max`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = self.proj(x)  # [4, 6, 8]
+        return (h.repeat(2, 1, 3), h[0].repeat(2, 1, 1), torch.repeat_interleave(h, 2, dim=-1),
+                torch.repeat_interleave(h[0, 0], 3), torch.baddbmm(bias, h, h.transpose(1, 2), beta=1.0, alpha=0.5),
+                torch.baddbmm(bias, h, h.transpose(1, 2), beta=0.0), h.multiply(x).divide(2.0).subtract(x),
+                torch.max(h, x), torch.min(h, x))
+
+
+def test_repeats_baddbmm_and_the_named_arithmetic_aliases_import_as_kernels_and_shard():
+    torch.manual_seed(0)
+    module, args = Repeats().eval(), (torch.randn(4, 6, 8), torch.randn(4, 1, 6))
+    imp = from_torch(module, args, verbose=False)
+    assert imp.opaque == {}
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(module, args))
+    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
+    assert_same(imp.outputs(simulate(plan, imp.inputs(*args))), eager(module, args))
+    assert any(isinstance(s, Compute) and len(set(s.blocks)) > 1 for s in plan.steps)
+
+
+class Shifted(torch.nn.Module):
+    """Swin's ops: `roll` of a feature map (both spatial dims, negative and wrapping shifts, and flattened) and
+    the pooler's `adaptive_avg_pool1d`."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (torch.roll(x, (-2, 1), (1, 2)), torch.roll(x, 9, 2), torch.roll(x, 3), torch.roll(x, 0, 1),
+                torch.nn.functional.adaptive_avg_pool1d(x.flatten(2), 3),
+                torch.nn.functional.adaptive_avg_pool1d(x.flatten(2), 1))
+
+
+def test_roll_and_adaptive_avg_pool1d_import_as_kernels_and_shard():
+    module, args = Shifted(), (torch.randn(4, 6, 6, 2),)
+    imp = from_torch(module, args, verbose=False)
+    assert imp.opaque == {}
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(module, args))
+    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
+    assert_same(imp.outputs(simulate(plan, imp.inputs(*args))), eager(module, args))

@@ -16,7 +16,8 @@ from tapestry.importer.zoo import FAMILIES
 from tapestry.plan.simulate import simulate
 
 MESHES = {"4": tapestry.Mesh(4), "2x2": tapestry.Mesh(2, 2)}
-FAST = {("unet", "4"), ("gru", "2x2"), ("dlrm", "4")}  # the default suite's share (GQA: test_importer)
+FAST = {("unet", "4"), ("gru", "2x2"), ("dlrm", "4"),  # the default suite's share (GQA: test_importer)
+        ("conv_autoencoder", "4"), ("topk_moe", "4")}  # ~5 s each at load 10 on 2 cores
 
 
 def eager(module, args, kwargs) -> list[np.ndarray]:

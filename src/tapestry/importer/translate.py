@@ -8,7 +8,7 @@ Each fx node becomes one of:
   is, over the small constants it reads, and a large tensor of one value (zeros, a fill) as a one-cell constant
   expanded, so no activation-sized constant is ever made;
 - dropped: bookkeeping (`_assert_*`, `clone`, eval-mode `dropout`) that passes its input through;
-- converted: the converter registered for its ATen op (importer/aten.py) emits Tapestry kernels;
+- converted: the converter registered for its ATen op (importer/aten/) emits Tapestry kernels;
 - opaque: no converter (or one that declines), so it runs whole through torch (`opaque<n>` kernels),
   or, with strict=True, an error naming the op, its source line and module path.
 """
@@ -321,6 +321,10 @@ def _call(builder: Builder, node: Any, env: dict[Any, Any], strict: bool,
     if name in PASS_THROUGH:
         coverage[name]["dropped"] += 1
         return args[0]
+    shaped = node.meta.get("val")
+    if isinstance(shaped, torch.Tensor) and shaped.numel() == 0:  # Phi-3's rotary pass-through `q[..., d:]`
+        coverage[name]["folded"] += 1  # no elements, so nothing it reads matters: a constant (`cat` drops it)
+        return torch.empty(shaped.shape, dtype=shaped.dtype)
     if name in CONVERTERS:
         try:
             return _convert(builder, node, name, args, kwargs, coverage)

@@ -1,0 +1,135 @@
+"""Indexing and orderings: take, gather, scatter_add, index_add, index_put, topk, sort and argsort."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from tapestry.graph import Value
+from tapestry.importer.aten.common import _axis
+from tapestry.importer.aten.elementwise import _scaled
+from tapestry.importer.translate import Builder, Unsupported, converts
+
+
+@converts("aten.index.Tensor")
+def _index(b: Builder, x: Any, indices: list[Any]) -> Value:
+    """x[idx], x[:, idx] (one integer index tensor) and x[i, j] (CLIP's pooling, `h[arange(B), ids.argmax(-1)]`):
+    the indexed dims (moved first when not adjacent, as torch does) merged into one (`reshape`) and read at the
+    flat position Σ i_k · stride_k (negatives wrapped, the indices broadcast), a `take`."""
+    value = b.tensor(x)
+    given = [(axis, b.tensor(i)) for axis, i in enumerate(indices) if i is not None]
+    axes = [axis for axis, _ in given]
+    if axes != list(range(axes[0], axes[0] + len(axes))):  # not adjacent: torch puts the index dims first
+        value = b.op("transpose", value, perm=(*axes, *(d for d in range(value.ndim) if d not in axes)))
+        given = [(k, i) for k, (_, i) in enumerate(given)]
+        axes = list(range(len(given)))
+    if any(i.dtype not in ("int32", "int64") for _, i in given):
+        raise Unsupported("a bool mask index (its result's shape depends on the values)")
+    first = axes[0]
+    if len(given) == 1:
+        return b.op("take", value, given[0][1], axis=first)
+    shape = tuple(torch.broadcast_shapes(*(i.shape for _, i in given)))
+    sizes = [value.shape[a] for a in axes]
+    flat = None
+    for k, (axis, idx) in enumerate(given):
+        idx = idx if idx.dtype == "int64" else b.op("cast", idx, dtype="int64")
+        negative = b.op("cast", b.op("lt_scalar", idx, value=0.0), dtype="int64")
+        idx = b.op("add", idx, b.op("mul_scalar", negative, value=float(sizes[k])))  # wrapped
+        stride = math.prod(sizes[k + 1 :])
+        term = idx if stride == 1 else b.op("mul_scalar", idx, value=float(stride))
+        term = term if term.shape == shape else b.op("expand", term, shape=shape)
+        flat = term if flat is None else b.op("add", flat, term)
+    merged = b.op("reshape", value, shape=(*value.shape[:first], math.prod(sizes), *value.shape[axes[-1] + 1 :]))
+    return b.op("take", merged, flat, axis=first)
+
+
+@converts("aten.index_select.default")
+def _index_select(b: Builder, x: Any, dim: int, idx: Any) -> Value:
+    value = b.tensor(x)
+    return b.op("take", value, b.tensor(idx), axis=_axis(dim, value.ndim))
+
+
+@converts("aten.gather.default")
+def _gather(b: Builder, x: Any, dim: int, index: Any, sparse_grad: bool = False) -> Value:
+    value = b.tensor(x)
+    return b.op("gather", value, b.tensor(index), axis=_axis(dim, value.ndim))
+
+
+@converts("aten.scatter_add.default")
+def _scatter_add(b: Builder, x: Any, dim: int, index: Any, src: Any) -> Value:
+    value, idx, source = b.tensor(x), b.tensor(index), b.tensor(src)
+    if idx.shape != source.shape:
+        raise Unsupported(f"src{list(source.shape)} larger than index{list(idx.shape)} (torch reads a box of it)")
+    return b.op("scatter_add", value, idx, source, axis=_axis(dim, value.ndim))
+
+
+def _index_add(b: Builder, x: Value, axis: int, idx: Value, src: Value) -> Value:
+    """x with src[..., k, ...] added at row idx[k] of `axis` (1-D idx): a scatter_add of idx broadcast to src."""
+    if idx.ndim != 1:
+        raise Unsupported(f"a {idx.ndim}-D index (1-D is taken)")
+    full = (*x.shape[:axis], idx.shape[0], *x.shape[axis + 1 :])
+    src = src if src.shape == full else b.op("expand", src, shape=full)
+    column = b.op("reshape", idx, shape=tuple(s if d == axis else 1 for d, s in enumerate(full)))
+    return b.op("scatter_add", x, b.op("expand", column, shape=full), src, axis=axis)
+
+
+@converts("aten.index_add.default")
+def _index_add_op(b: Builder, x: Any, dim: int, index: Any, source: Any, alpha: Any = 1) -> Value:
+    value = b.tensor(x)
+    return _index_add(b, value, _axis(dim, value.ndim), b.tensor(index), _scaled(b, b.tensor(source), alpha))
+
+
+@converts("aten.index_put.default")
+def _index_put(b: Builder, x: Any, indices: list[Any], values: Any, accumulate: bool = False) -> Value:
+    """x[idx] += v (accumulate) is a scatter_add. Without accumulate, repeated indices write in an unspecified
+    order, so only a permutation is taken: the indices of a full sort of the axis (MoE's inverse permutation,
+    `inv[perm] = arange`) write every row once, which is a scatter_add into zeros."""
+    given = [(axis, i) for axis, i in enumerate(indices) if i is not None]
+    if len(given) != 1:
+        raise Unsupported(f"{len(given)} index tensors (one is taken: x[idx] += v, x[:, idx] += v)")
+    (axis, idx), = given
+    idx, value = b.tensor(idx), b.tensor(x)
+    if idx.dtype == "bool":
+        raise Unsupported("a bool mask index")
+    if accumulate:
+        return _index_add(b, value, axis, idx, b.tensor(values))
+    if not (_is_permutation(b, idx) and idx.shape[0] == value.shape[axis]):
+        raise Unsupported("index_put without accumulate of indices not known to be a permutation (repeated "
+                          "indices write in an unspecified order)")
+    zeros = b.constant(torch.zeros(value.shape, dtype=getattr(torch, value.dtype)))
+    return _index_add(b, zeros, axis, idx, b.tensor(values))
+
+
+def _is_permutation(b: Builder, idx: Value) -> bool:
+    """idx is the positions of a full 1-D sort (a `topk` with indices and k the whole axis)."""
+    if idx.ndim != 1 or idx.name not in b.graph:
+        return False
+    node = b.graph[idx.name]
+    return node.op == "topk" and dict(node.params)["indices"] and b.graph[node.args[0]].shape == idx.shape
+
+
+def _ordered(b: Builder, x: Value, axis: int, k: int, largest: bool) -> tuple[Value, Value]:
+    return tuple(b.op("topk", x, axis=axis, k=k, largest=largest, indices=i) for i in (False, True))
+
+
+@converts("aten.topk.default")
+def _topk(b: Builder, x: Any, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> tuple[Value, Value]:
+    if not sorted:
+        raise Unsupported("sorted=False (torch leaves the order unspecified)")
+    value = b.tensor(x)
+    return _ordered(b, value, _axis(dim, value.ndim), int(k), bool(largest))
+
+
+@converts("aten.sort.default", "aten.sort.stable")
+def _sort(b: Builder, x: Any, dim: int = -1, descending: bool = False, *, stable: bool | None = None
+          ) -> tuple[Value, Value]:
+    """A stable sort is one valid answer of an unstable one."""
+    value = b.tensor(x)
+    axis = _axis(dim, value.ndim)
+    return _ordered(b, value, axis, value.shape[axis], bool(descending))
+
+
+@converts("aten.argsort.default", "aten.argsort.stable")
+def _argsort(b: Builder, x: Any, dim: int = -1, descending: bool = False, *, stable: bool | None = None) -> Value:
+    return _sort(b, x, dim, descending)[1]

@@ -1,0 +1,167 @@
+"""Views and shapes: reshapes, transposes, expands, slices, selects, splits, repeats, concatenation and stacking."""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import torch
+
+from tapestry.graph import Value
+from tapestry.importer.aten.common import _axis
+from tapestry.importer.translate import Builder, converts
+
+
+VIEWS = ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.flatten.using_ints",
+         "aten.unflatten.int", "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default",
+         "aten.unsqueeze.default", "aten.view_as.default", "aten.reshape_as.default")
+
+
+@converts(*VIEWS)
+def _view(b: Builder, x: Any, *rest: Any) -> Value:
+    value = b.tensor(x)
+    return value if value.shape == b.shape else b.op("reshape", value, shape=b.shape)
+
+
+@converts("aten.permute.default")
+def _permute(b: Builder, x: Any, dims: list[int]) -> Value:
+    value = b.tensor(x)
+    perm = tuple(_axis(d, value.ndim) for d in dims)
+    return value if perm == tuple(range(value.ndim)) else b.op("transpose", value, perm=perm)
+
+
+@converts("aten.transpose.int", "aten.t.default", "aten.numpy_T.default")
+def _transpose(b: Builder, x: Any, d0: int = 0, d1: int = 1) -> Value:
+    value = b.tensor(x)
+    if value.ndim < 2:
+        return value
+    perm = list(range(value.ndim))
+    a, c = _axis(d0, value.ndim), _axis(d1, value.ndim)
+    perm[a], perm[c] = perm[c], perm[a]
+    return value if a == c else b.op("transpose", value, perm=tuple(perm))
+
+
+@converts("aten.expand.default", "aten.expand_as.default", "aten.broadcast_to.default")
+def _expand(b: Builder, x: Any, *rest: Any) -> Value:
+    value = b.tensor(x)
+    return value if value.shape == b.shape else b.op("expand", value, shape=b.shape)
+
+
+@converts("aten.slice.Tensor")
+def _slice(b: Builder, x: Any, dim: int = 0, start: int | None = None, end: int | None = None, step: int = 1) -> Value:
+    value = b.tensor(x)
+    axis = _axis(dim, value.ndim)
+    lo, hi, stride = slice(start, end, step).indices(value.shape[axis])
+    if (lo, stride) == (0, 1) and hi >= value.shape[axis]:
+        return value
+    return b.op("slice", value, axis=axis, start=lo, stop=max(hi, lo), step=stride)
+
+
+@converts("aten.narrow.default")
+def _narrow(b: Builder, x: Any, dim: int, start: int, length: int) -> Value:
+    value = b.tensor(x)
+    axis = _axis(dim, value.ndim)
+    start = start % value.shape[axis] if start < 0 else start
+    return b.op("slice", value, axis=axis, start=start, stop=start + length, step=1)
+
+
+@converts("aten.select.int")
+def _select(b: Builder, x: Any, dim: int, index: int) -> Value:
+    value = b.tensor(x)
+    axis = _axis(dim, value.ndim)
+    return b.op("select", value, axis=axis, index=index % value.shape[axis])
+
+
+def _pieces(b: Builder, x: Any, sizes: list[int], dim: int) -> tuple[Value, ...]:
+    value = b.tensor(x)
+    axis = _axis(dim, value.ndim)
+    bounds = [0, *itertools.accumulate(sizes)]
+    return tuple(value if (lo, hi) == (0, value.shape[axis]) else
+                 b.op("slice", value, axis=axis, start=lo, stop=hi, step=1) for lo, hi in zip(bounds, bounds[1:]))
+
+
+@converts("aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default", "aten.unsafe_split.Tensor")
+def _split(b: Builder, x: Any, size: Any, dim: int = 0) -> tuple[Value, ...]:
+    value = b.tensor(x)
+    n = value.shape[_axis(dim, value.ndim)]
+    if isinstance(size, (list, tuple)):
+        sizes = list(size)
+    elif str(b.node.target) == "aten.chunk.default":
+        step = math.ceil(n / size)
+        sizes = [min(step, n - i) for i in range(0, n, step)]
+    else:
+        sizes = [min(size, n - i) for i in range(0, n, size)]
+    return _pieces(b, value, sizes, dim)
+
+
+@converts("aten.unbind.int")
+def _unbind(b: Builder, x: Any, dim: int = 0) -> tuple[Value, ...]:
+    value = b.tensor(x)
+    axis = _axis(dim, value.ndim)
+    return tuple(b.op("select", value, axis=axis, index=i) for i in range(value.shape[axis]))
+
+
+@converts("aten.cat.default", "aten.concat.default")
+def _cat(b: Builder, tensors: list[Any], dim: int = 0) -> Value:
+    values = [b.tensor(t) for t in tensors if not (isinstance(t, torch.Tensor) and t.numel() == 0)]
+    axis = _axis(dim, max(v.ndim for v in values))
+    out = values[0]
+    for v in values[1:]:  # binary concat: a chain is what the kernel shards
+        out = b.op("concat", out, v, axis=axis)
+    return out
+
+
+@converts("aten.stack.default")
+def _stack(b: Builder, tensors: list[Any], dim: int = 0) -> Value:
+    values = [b.tensor(t) for t in tensors]
+    axis = dim % (values[0].ndim + 1)
+    lifted = [b.op("reshape", v, shape=(*v.shape[:axis], 1, *v.shape[axis:])) for v in values]
+    out = lifted[0]
+    for v in lifted[1:]:
+        out = b.op("concat", out, v, axis=axis)
+    return out
+
+
+@converts("aten.repeat.default")
+def _repeat(b: Builder, x: Any, repeats: list[int]) -> Value:
+    """x tiled `repeats` times per dim (DeBERTa's relative positions): each dim s as [1, s] expanded to [r, s],
+    then merged to r·s; views only."""
+    value = b.tensor(x)
+    shape = (*(1,) * (len(repeats) - value.ndim), *value.shape)
+    spread = tuple(n for s in shape for n in (1, s))
+    tiled = b.op("expand", b.op("reshape", value, shape=spread),
+                 shape=tuple(n for r, s in zip(repeats, shape) for n in (int(r), s)))
+    return b.op("reshape", tiled, shape=b.shape)
+
+
+@converts("aten.repeat_interleave.self_int")
+def _repeat_interleave(b: Builder, x: Any, repeats: int, dim: int | None = None, output_size: int | None = None
+                       ) -> Value:
+    """Each element along `dim` `repeats` times in a row (GPT-J's rotary sin/cos): dim s as [s, 1] expanded
+    to [s, r], then merged; over the flattened tensor when `dim` is None."""
+    value = b.tensor(x)
+    if dim is None:
+        value, axis = b.op("reshape", value, shape=(math.prod(value.shape),)), 0
+    else:
+        axis = _axis(dim, value.ndim)
+    split = (*value.shape[: axis + 1], 1, *value.shape[axis + 1 :])
+    spread = (*value.shape[: axis + 1], int(repeats), *value.shape[axis + 1 :])
+    return b.op("reshape", b.op("expand", b.op("reshape", value, shape=split), shape=spread), shape=b.shape)
+
+
+@converts("aten.roll.default")
+def _roll(b: Builder, x: Any, shifts: list[int], dims: list[int] = ()) -> Value:
+    """Swin's shifted windows: per dim, the last `shift` cells moved to the front, a concat of two slices (over
+    the flattened tensor when no dim is given)."""
+    value = b.tensor(x)
+    if not dims:
+        flat = b.op("reshape", value, shape=(math.prod(value.shape),))
+        return b.op("reshape", _roll(b, flat, shifts, [0]), shape=value.shape)
+    for shift, dim in zip(shifts, dims, strict=True):
+        axis = _axis(dim, value.ndim)
+        size = value.shape[axis]
+        cut = size - int(shift) % size
+        if cut != size:
+            head, tail = _pieces(b, value, [cut, size - cut], axis)
+            value = b.op("concat", tail, head, axis=axis)
+    return value
