@@ -127,6 +127,14 @@ def _to(b: Builder, x: Any, *rest: Any, **kwargs: Any) -> Value:
     return value if value.dtype == b.dtype else b.op("cast", value, dtype=b.dtype)
 
 
+@converts("aten.copy.default")
+def _copy(b: Builder, into: Any, src: Any, non_blocking: bool = False) -> Value:
+    """`into.copy_(src)`'s functional twin: `src` in `into`'s dtype and shape (a training step's buffer update)."""
+    value = b.tensor(src)
+    value = value if value.dtype == b.dtype else b.op("cast", value, dtype=b.dtype)
+    return value if value.shape == b.shape else b.op("expand", value, shape=b.shape)
+
+
 @converts("aten.reciprocal.default")
 def _reciprocal(b: Builder, x: Any) -> Value:
     return b.op("div_scalar", b.tensor(x), value=1.0, reverse=True)
