@@ -155,3 +155,17 @@ def test_a_7b_wide_llama_layer_on_meta_imports_in_bounded_memory():
     found = json.loads(run.stdout.strip().splitlines()[-1])
     assert found["rss"] < 1.0e9, found
     assert found["constant_bytes"] < translate.FOLD_CELLS * 8 * 10, found
+
+
+def test_a_model_on_meta_imports_with_its_batch_made_on_the_cpu():
+    """A user builds the model under torch.device("meta") and the batch as usual: the import traces both on meta
+    (before: FakeTensorDeviceMismatchError, cpu and meta), for a forward and a training step."""
+    ids = torch.randint(0, 128, (2, 12))
+    forward = tapestry.from_torch(_llama("meta"), (ids,), {"use_cache": False}, verbose=False)
+    assert _structure(forward.graph) == _structure(tapestry.from_torch(
+        _llama("meta"), (ids.to("meta"),), {"use_cache": False}, verbose=False).graph)
+    with torch.device("meta"):
+        block = LlamaBlock(16, 2, 32)
+    x = torch.randn(2, 4, 16)
+    step = tapestry.from_torch(block, (x, x), training=tapestry.Training(loss=_mse, lr=1e-1), verbose=False)
+    assert step.graph["arg0"].shape == (2, 4, 16)

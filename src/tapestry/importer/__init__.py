@@ -10,6 +10,7 @@ See docs/importing.md for how import works, what maps to which kernel, and what 
 from __future__ import annotations
 
 import collections
+import itertools
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -155,20 +156,30 @@ def _record_examples(imported: TorchImport, args: tuple[Any, ...], kwargs: Mappi
             graph.example(name, dtypes.from_tensor(value))
 
 
+def _beside_weights(module: torch.nn.Module, call: Any) -> Any:
+    """The call's tensors moved to the meta device when the module's are there (built weightless, its batch made
+    on the CPU): tracing needs one device, and reads only shapes. The examples keep the call's own values."""
+    state = itertools.chain(module.parameters(), module.buffers())
+    if not any(t.device.type == "meta" for t in state):
+        return call
+    return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), call)
+
+
 def from_torch(module: torch.nn.Module, args: tuple[Any, ...] | Any = (), kwargs: dict[str, Any] | None = None,
                *, training: Training | None = None, strict: bool = False, verbose: bool = True) -> TorchImport:
     """Import `module` as called with `args`/`kwargs`: its forward (as it is: call .eval() for inference), or with
     `training`, one whole training step (docs/training.md). strict=True raises on the first ATen op with no
     Tapestry kernel instead of running it opaque. Prints the op-coverage line unless verbose=False."""
     args = args if isinstance(args, tuple) else (args,)
+    traced_args, traced_kwargs = _beside_weights(module, (args, dict(kwargs or {})))
     if training is not None:
         if kwargs:
             raise TorchImportError("a training step takes positional arguments only: loss(module, *args)")
         from tapestry.training.capture import capture  # it builds on this package: imported here, not above
 
-        translation = capture(module, args, training, strict)
+        translation = capture(module, traced_args, training, strict)
     else:
-        translation = translate_program(export(module, args, dict(kwargs or {})), strict)
+        translation = translate_program(export(module, traced_args, traced_kwargs), strict)
     imported = TorchImport(module, translation, training)
     _record_examples(imported, args, kwargs or {})
     if verbose:
