@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from tapestry.kernels import Params, Shape
 from tapestry.plan import ring
@@ -83,11 +83,10 @@ class ShardCompute:
 
 
 @dataclass(frozen=True)
-class ExpertCompute:
-    """An expert-parallel step (plan.exchange) on this rank: `reads` are its blocks of every input for its own
-    index block `index`; it trades rows with the ranks of `group` (every member's index block in `blocks`, in
-    group order) by all-to-all and computes the rows its experts own (lower.exchange). `group` None: the whole
-    mesh."""
+class GroupCompute:
+    """A compute step its rank runs together with the ranks of `group` (global ranks in the group's order, None:
+    the whole mesh; `member` this rank's place in it): `reads` are its blocks of every input for its own index
+    block `index`."""
 
     step: int
     out: str
@@ -99,41 +98,36 @@ class ExpertCompute:
     reads: tuple[Read, ...]
     out_block: ZRange
     group: tuple[int, ...] | None
-    blocks: tuple[ZRange, ...]
-    member: int  # this rank's place in the group
+    member: int
+
+    KIND: ClassVar[str] = ""  # what the step is, in its printed line
 
     def __str__(self) -> str:
         among = "" if self.group is None else f"  among ranks {','.join(map(str, self.group))}"
         reads = ", ".join(_show(r) for r in self.reads)
-        return (f"{self.out}{_box(self.out_block)} = {self.kernel}({reads}) expert parallel, index "
+        return (f"{self.out}{_box(self.out_block)} = {self.kernel}({reads}) {self.KIND}, index "
                 f"{_box(self.index)}{among}")
 
 
 @dataclass(frozen=True)
-class RingCompute:
-    """A ring-attention step (plan.ring) on this rank: `reads` are its blocks of every input for its index block
-    `index`, a travelling input's (k's, v's) only its own key block; round by round it meets the key block of each
-    member of `group` (global ranks in ring order, None: the whole mesh; `keys` each member's [start, end)),
-    passing what it has on to the next member while it computes (lower.ring)."""
+class ExpertCompute(GroupCompute):
+    """An expert-parallel step (plan.exchange): it trades rows with the ranks of `group` (every member's index
+    block in `blocks`, in group order) by all-to-all and computes the rows its experts own (lower.exchange)."""
 
-    step: int
-    out: str
-    kernel: str
-    params: Params
-    input_shapes: tuple[Shape, ...]
-    input_dtypes: tuple[str, ...]
-    index: ZRange
-    reads: tuple[Read, ...]
-    out_block: ZRange
-    group: tuple[int, ...] | None
-    keys: tuple[tuple[int, int], ...]
-    member: int  # this rank's place in the ring
+    blocks: tuple[ZRange, ...] = ()
 
-    def __str__(self) -> str:
-        among = "" if self.group is None else f"  among ranks {','.join(map(str, self.group))}"
-        reads = ", ".join(_show(r) for r in self.reads)
-        return (f"{self.out}{_box(self.out_block)} = {self.kernel}({reads}) ring attention, index "
-                f"{_box(self.index)}{among}")
+    KIND: ClassVar[str] = "expert parallel"
+
+
+@dataclass(frozen=True)
+class RingCompute(GroupCompute):
+    """A ring-attention step (plan.ring): a travelling input's (k's, v's) read is only its own key block; round by
+    round it meets the key block of each member of `group` (`keys` each member's [start, end)), passing what it
+    has on to the next member while it computes (lower.ring)."""
+
+    keys: tuple[tuple[int, int], ...] = ()
+
+    KIND: ClassVar[str] = "ring attention"
 
 
 @dataclass(frozen=True)
@@ -238,7 +232,7 @@ _KIND_NAMES: dict[type, str] = {
     AllToAll: "all_to_all", SendRecv: "send_recv", Gather: "gather",
 }
 
-RankStep = PlaceBlock | ShardCompute | ExpertCompute | RingCompute | Comm
+RankStep = PlaceBlock | ShardCompute | GroupCompute | Comm
 
 
 @dataclass(frozen=True)
@@ -281,7 +275,7 @@ class LoweredProgram:
     def groups(self) -> list[tuple[int, ...]]:
         """Every group of ranks some collective runs among, short of the whole mesh, in one order for all ranks."""
         return sorted({s.group for r in self.ranks for s in r.steps
-                       if isinstance(s, Comm | ExpertCompute | RingCompute) and s.group is not None})
+                       if isinstance(s, Comm | GroupCompute) and s.group is not None})
 
     def describe(self, step: int) -> str:
         """One line naming plan step `step`, for error messages."""
@@ -370,7 +364,7 @@ def _experts(index: int, step: Compute, layouts: Mapping[str, Layout], dtypes: M
             assert shard is not None
             steps[rank] = ExpertCompute(index, step.out, step.kernel, step.params, step.input_shapes,
                                         step.input_dtypes, shard.index, shard.reads, shard.out_block, members,
-                                        blocks, member)  # type: ignore[arg-type]
+                                        member, blocks=blocks)  # type: ignore[arg-type]
     return steps
 
 
@@ -395,8 +389,8 @@ def _ringed(index: int, step: Compute, layouts: Mapping[str, Layout], dtypes: Ma
                                    f"step {index} ({step.out})"))
             block = step.blocks[rank]
             steps[rank] = RingCompute(index, step.out, step.kernel, step.params, step.input_shapes, step.input_dtypes,
-                                      block, tuple(reads), sig.output.apply(block), members,
-                                      tuple(keys[r] for r in group), member)
+                                      block, tuple(reads), sig.output.apply(block), members, member,
+                                      keys=tuple(keys[r] for r in group))
     return steps
 
 
@@ -483,7 +477,7 @@ def _one_region(src: Layout, dst: Layout) -> bool:
 
 
 def _reads(step: RankStep) -> tuple[str, ...]:
-    if isinstance(step, ShardCompute | ExpertCompute | RingCompute):
+    if isinstance(step, ShardCompute | GroupCompute):
         return tuple(r.buffer for r in step.reads if r.box is not None)
     return (step.src,) if isinstance(step, Comm) else ()
 

@@ -26,8 +26,8 @@ from tapestry.graph import Graph
 from tapestry.lower.compile import shard_function
 from tapestry.plan import Place
 from tapestry.lower.program import (
-    AllGather, AllReduce, AllToAll, Comm, Exchange, ExpertCompute, Gather, Local, LoweredProgram, PlaceBlock, RankStep,
-    Read, ReduceScatter, RingCompute, SendRecv, ShardCompute,
+    AllGather, AllReduce, AllToAll, Comm, Exchange, ExpertCompute, Gather, GroupCompute, Local, LoweredProgram,
+    PlaceBlock, RankStep, Read, ReduceScatter, RingCompute, SendRecv, ShardCompute,
 )
 from tapestry.lower.exchange import run_experts
 from tapestry.lower.ring import run_ring
@@ -354,13 +354,13 @@ class RankRunner:
 def _kind(step: RankStep) -> str:
     if isinstance(step, PlaceBlock):
         return "place"
-    return "compute" if isinstance(step, ShardCompute | ExpertCompute | RingCompute) else "comm"
+    return "compute" if isinstance(step, ShardCompute | GroupCompute) else "comm"
 
 
 def _label(step: RankStep) -> str:
     if isinstance(step, PlaceBlock):
         return f"place {step.input} -> {step.out}"
-    if isinstance(step, ShardCompute | ExpertCompute | RingCompute):
+    if isinstance(step, ShardCompute | GroupCompute):
         return f"{step.kernel} -> {step.out}"
     return f"{step.kind} {step.src} -> {step.out}"
 

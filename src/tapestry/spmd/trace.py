@@ -42,8 +42,8 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from tapestry.kernels import get_kernel
 from tapestry.lower.compile import use_persistent_cache
 from tapestry.lower.program import (
-    AllGather, AllReduce, AllToAll, Comm, Exchange, ExpertCompute, Gather, Local, LoweredProgram, PlaceBlock,
-    RankStep, Read, ReduceScatter, RingCompute, SendRecv, ShardCompute,
+    AllGather, AllReduce, AllToAll, Comm, Exchange, ExpertCompute, Gather, GroupCompute, Local, LoweredProgram,
+    PlaceBlock, RankStep, Read, ReduceScatter, RingCompute, SendRecv, ShardCompute,
 )
 from tapestry.lower.exchange import run_experts
 from tapestry.lower.ring import run_ring
@@ -324,7 +324,7 @@ def _eager(fn: RankFunction, why: str) -> RankFunction:
 
 
 def _reads(step: RankStep) -> tuple[str, ...]:
-    if isinstance(step, ShardCompute | ExpertCompute | RingCompute):
+    if isinstance(step, ShardCompute | GroupCompute):
         return tuple(r.buffer for r in step.reads if r.box is not None)
     return (step.src,) if isinstance(step, Comm) else ()
 
