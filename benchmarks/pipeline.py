@@ -170,11 +170,11 @@ def main() -> None:
                   for c in result.candidates if c.plan is not None]
     layer_rows += [layer_row(name.split(",")[0], layer, micro_of[name]) for name, layer, _ in hand
                    if layer is not None]
-    if not args.quick:
+    if not args.quick and not args.no_write:
         result.plan.draw(PICTURE)
-    params = args.layers * sum(math.prod(n.shape) for n in build(sizes[0]).inputs
-                               if n.name in build(sizes[0]).carried.values() and not n.name.startswith("adam.")
-                               and n.shape)
+    one_layer = build(sizes[0])
+    params = args.layers * sum(math.prod(n.shape) for n in one_layer.inputs
+                               if n.name in one_layer.carried.values() and not n.name.startswith("adam.") and n.shape)
     head = ("| configuration | stages x stage mesh | schedule | micro-batches x size | recomputed layers | "
             "predicted s/step | MFU | GiB/device | plan s |")
     body = "\n".join([
