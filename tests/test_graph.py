@@ -150,6 +150,15 @@ def test_example_values_of_inputs_round_trip_through_json_and_feed_random_inputs
         g.example("offsets", np.array([0, 1]))
 
 
+def test_json_round_trip_keeps_the_order_of_the_ops():
+    g = Graph()
+    x = g.input("x", (4,))
+    g.output("b", g.relu(g.relu(x, name="a"), name="b"))
+    g.output("c", g.relu(x, name="c"))
+    again = graph_from_json(json.loads(json.dumps(graph_to_json(g))))
+    assert [n.name for n in again.ops] == [n.name for n in g.ops] == ["a", "b", "c"]
+
+
 def test_json_ops_may_come_in_any_order():
     data = graph_to_json(seeds_example())
     data["ops"].reverse()

@@ -52,11 +52,11 @@ def graph_from_json(data: dict[str, Any], source: str = "<json>") -> Graph:
         for spec in data.get("inputs", []):
             graph.input(spec["name"], spec["shape"], spec.get("dtype", "float32"))
         pending = _ops_by_name(data.get("ops", []), graph)
-        while pending:
-            ready = [s for s in pending.values() if all(a in graph for a in s.get("args", []))]
-            if not ready:
-                raise GraphError(_stuck_reason(pending, graph))
-            for spec in ready:
+        while pending:  # one pass in the recorded order adds a topologically ordered file as it stands
+            before = len(pending)
+            for spec in list(pending.values()):
+                if not all(a in graph for a in spec.get("args", [])):
+                    continue
                 params = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.get("params", {}).items()}
                 value = graph.op(spec["op"], *spec.get("args", []), name=spec["name"], **params)
                 if "shape" in spec and tuple(spec["shape"]) != value.shape:
@@ -64,6 +64,8 @@ def graph_from_json(data: dict[str, Any], source: str = "<json>") -> Graph:
                         f"op {spec['name']!r} ({spec['op']}): recorded shape {spec['shape']} but inputs give {list(value.shape)}"
                     )
                 del pending[spec["name"]]
+            if len(pending) == before:
+                raise GraphError(_stuck_reason(pending, graph))
         for name, target in data.get("outputs", {}).items():
             graph.output(name, target)
         for name, input_name in data.get("carried", {}).items():
