@@ -40,10 +40,11 @@ from hypothesis import strategies as st
 from tapestry import dtypes
 from tapestry.kernels.attention import (
     _attention_lse, _attention_lse_torch, _batch_rows, _broadcasts, _causal, _causal_torch, _mask_projection,
-    causal_share,
+    _ring_sdpa_numpy, _ring_sdpa_torch, _sdpa_keyed, causal_share,
 )
 from tapestry.kernels.kernel import Kernel, KernelError, ParamValue, Shape, SignatureSpec, follow
 from tapestry.kernels.registry import register
+from tapestry.kernels.ring import Ring
 
 _ATEN = torch.ops.aten
 
@@ -189,6 +190,28 @@ def _backward_torch(dout, q, k, v, out, lse, mask, causal: bool, scale: float) -
     return torch.cat([g.reshape(*batch, -1) for g in grads], dim=-1)
 
 
+# -- ring attention (context parallelism): one key block's (out, lse); kernels.ring merges and packs them --------
+def _sdpa_start(block_start: tuple[int, ...]) -> tuple[int, int]:
+    """The query block's start where sdpa's ring impls read it (sdpa's queries are its second-to-last index dim)."""
+    return (block_start[-1], 0)
+
+
+FLASH_RING = Ring(
+    "query", _sdpa_keyed,
+    lambda q, k, v, causal, scale, block_start, key_start:
+        _ring_sdpa_numpy(q, k, v, causal, scale, _sdpa_start(block_start), key_start),
+    lambda q, k, v, causal, scale, block_start, key_start:
+        _ring_sdpa_torch(q, k, v, causal, scale, _sdpa_start(block_start), key_start),
+    with_lse=True,
+)
+FLASH_MASKED_RING = Ring(
+    "query", _sdpa_keyed,
+    lambda q, k, v, mask, scale, block_start, key_start: _attention_lse(q, k, v, mask, scale),
+    lambda q, k, v, mask, scale, block_start, key_start: _attention_lse_torch(q, k, v, mask, scale),
+    with_lse=True,
+)
+
+
 # -- pricing, dtypes, samples --------------------------------------------------------------------------------------
 def _forward_work(sig: Any, block: Any) -> float:
     """A causal block computes only the query-key pairs its mask keeps."""
@@ -274,6 +297,7 @@ for masked in (False, True):
         params={"scale": 0.0} if masked else {"causal": False, "scale": 0.0},
         needs_block_start=True,
         takes_zero_size=False,
+        ring=FLASH_MASKED_RING if masked else FLASH_RING,
         work=None if masked else _forward_work,
         dtype_rule=_rule((*QKV, *mask_slot), packed=True),
         doc="attention's output and log-sum-exp packed per query row as [out | lse], in the compute dtype"
