@@ -97,6 +97,28 @@ def test_the_fused_torch_impls_equal_the_reference_on_a_later_causal_query_block
     np.testing.assert_allclose(got.numpy(), whole[..., 3:, :], atol=1e-12)
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_off_cpu_math_path_equals_torchs_fused_cpu_kernels(masked):
+    """Off the CPU the impls run the arithmetic in torch's ops: checked here against the fused CPU kernels, rows
+    that see no key included (zeros, lse 0)."""
+    from tapestry.kernels.flash import backward_math, forward_math
+
+    q, k, v, dout = _grouped()
+    k, v = (t.repeat_interleave(2, dim=1) for t in (k, v))
+    mask = torch.rand(6, 7, generator=torch.Generator().manual_seed(2)) > 0.4 if masked else None
+    if masked:
+        mask[1] = False
+    causal = torch.ones(6, 7, dtype=torch.bool).tril()
+    name, params = ("flash_attention_masked", {"scale": 0.0}) if masked else ("flash_attention", {"causal": True,
+                                                                                           "scale": 0.0})
+    fused = get_kernel(name).torch(q, k, v, *([mask] if masked else []), block_start=(0, 0, 0), **params)
+    math = forward_math(q, k, v, mask if masked else causal, 0.0)
+    torch.testing.assert_close(math, fused)
+    out, lse = fused[..., :-1], fused[..., -1]
+    grads = get_kernel(f"{name}_backward").torch(dout, q, k, v, out, lse, *([mask] if masked else []), **params)
+    torch.testing.assert_close(backward_math(dout, q, k, v, out, lse, mask if masked else causal, 0.0), grads)
+
+
 def test_pricing_is_a_flash_kernels_no_score_traffic_and_the_backward_about_two_and_a_half_forwards():
     b, h, s, e = 1, 32, 4096, 128
     q = (b, h, s, e)

@@ -24,7 +24,8 @@ dS, dQ and dK: about 2.5x the forward), both scaled by the causal share of kept 
 and bytes only of their inputs and outputs: a flash kernel keeps scores in on-chip tiles.
 
 On the CPU the impls call torch's fused kernels (`aten._scaled_dot_product_flash_attention_for_cpu` and its
-backward); elsewhere the forward runs the math in torch and the backward differentiates torch's attention again.
+backward); elsewhere they run the same arithmetic in torch's own ops (`forward_math`, `backward_math`: correct, with
+the scores materialized; torch's CUDA flash kernels take other arguments, not wired here).
 A row that sees no key gives zeros and lse 0, as torch's CPU kernel does. Torch's flash kernels need E = Ev.
 """
 from __future__ import annotations
@@ -40,7 +41,7 @@ from hypothesis import strategies as st
 from tapestry import dtypes
 from tapestry.kernels.attention import (
     _attention_lse, _attention_lse_torch, _batch_rows, _broadcasts, _causal, _causal_torch, _mask_projection,
-    _ring_sdpa_numpy, _ring_sdpa_torch, _sdpa_keyed, causal_share,
+    _ring_sdpa_numpy, _ring_sdpa_torch, _sdpa_keyed, _wide, causal_share,
 )
 from tapestry.kernels.kernel import Kernel, KernelError, ParamValue, Shape, SignatureSpec, follow
 from tapestry.kernels.registry import register
@@ -164,30 +165,47 @@ def _forward_torch(q, k, v, mask, causal: bool, scale: float, block_start: tuple
     if causal and block_start[-1]:  # torch's causal mask starts at query 0: a later block's is explicit
         mask, causal = _causal_torch(q, keys, block_start[-1]), False
     if q.device.type != "cpu":
-        out, lse = _attention_lse_torch(q, k, v, _causal_torch(q, keys, 0) if causal else mask, scale)
-        out = out.expand(*batch, length, q.shape[-1])
-        lse = torch.where(torch.isfinite(lse), lse, 0.0).expand(*batch, length)
-    else:
-        out, lse = _ATEN._scaled_dot_product_flash_attention_for_cpu(
-            _rows(q, batch), _rows(k, batch), _rows(v, batch), 0.0, causal,
-            attn_mask=_additive(mask, q, batch, length, keys), scale=scale or None)
-    wide = lse.dtype
-    return torch.cat([out.to(wide).reshape(*batch, length, -1), lse.reshape(*batch, length, 1)], dim=-1)
+        return forward_math(q, k, v, _causal_torch(q, keys, 0) if causal else mask, scale)
+    out, lse = _ATEN._scaled_dot_product_flash_attention_for_cpu(
+        _rows(q, batch), _rows(k, batch), _rows(v, batch), 0.0, causal,
+        attn_mask=_additive(mask, q, batch, length, keys), scale=scale or None)
+    return torch.cat([out.to(lse.dtype).reshape(*batch, length, -1), lse.reshape(*batch, length, 1)], dim=-1)
 
 
 def _backward_torch(dout, q, k, v, out, lse, mask, causal: bool, scale: float) -> Any:
     batch, length, keys = tuple(q.shape[:-2]), q.shape[-2], k.shape[-2]
-    if q.device.type != "cpu":  # no fused backward here that takes (out, lse): differentiate attention again
-        def attend(q, k, v):
-            m = _causal_torch(q, keys, 0) if causal else mask
-            return _attention_lse_torch(q, k, v, m, scale)[0].to(q.dtype)
-        grads = torch.func.vjp(attend, q, k.expand(*batch, keys, -1), v.expand(*batch, keys, -1))[1](dout)
-    else:
-        grads = _ATEN._scaled_dot_product_flash_attention_for_cpu_backward(
-            _rows(dout, batch), _rows(q, batch), _rows(k, batch), _rows(v, batch), _rows(out, batch),
-            lse.reshape(-1, 1, length), 0.0, causal, attn_mask=_additive(mask, q, batch, length, keys),
-            scale=scale or None)
+    if q.device.type != "cpu":
+        return backward_math(dout, q, k, v, out, lse, _causal_torch(q, keys, 0) if causal else mask, scale)
+    grads = _ATEN._scaled_dot_product_flash_attention_for_cpu_backward(
+        _rows(dout, batch), _rows(q, batch), _rows(k, batch), _rows(v, batch), _rows(out, batch),
+        lse.reshape(-1, 1, length), 0.0, causal, attn_mask=_additive(mask, q, batch, length, keys),
+        scale=scale or None)
     return torch.cat([g.reshape(*batch, -1) for g in grads], dim=-1)
+
+
+def forward_math(q, k, v, mask, scale: float) -> Any:
+    """The packed forward in torch's own ops, where torch has no fused kernel returning the lse (off the CPU):
+    the scores are materialized, in float32 for half-precision inputs."""
+    out, lse = _attention_lse_torch(q, k, v, mask, scale)
+    batch, length = tuple(q.shape[:-2]), q.shape[-2]
+    lse = torch.where(torch.isfinite(lse), lse, 0.0).expand(*batch, length)
+    return torch.cat([out.expand(*batch, length, -1), lse[..., None]], dim=-1)
+
+
+def backward_math(dout, q, k, v, out, lse, mask, scale: float) -> Any:
+    """`_backward_numpy` in torch's own ops (off the CPU), in float32 for half-precision inputs."""
+    dtype = q.dtype
+    dout, q, k, v, out = (_wide(t) for t in (dout, q, k, v, out))
+    s = _scale(q, scale)
+    scores = q @ k.transpose(-1, -2) * s
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -torch.inf) if mask.dtype == torch.bool else scores + mask.to(scores.dtype)
+    p = torch.exp(scores - lse.to(scores.dtype)[..., None])
+    dv = p.transpose(-1, -2) @ dout
+    ds = p * (dout @ v.transpose(-1, -2) - (dout * out).sum(dim=-1, keepdim=True))
+    dq, dk = ds @ k * s, ds.transpose(-1, -2) @ q * s
+    batch = tuple(dq.shape[:-2])
+    return torch.cat([g.expand(*batch, *g.shape[-2:]).reshape(*batch, -1) for g in (dq, dk, dv)], dim=-1).to(dtype)
 
 
 # -- ring attention (context parallelism): one key block's (out, lse); kernels.ring merges and packs them --------
