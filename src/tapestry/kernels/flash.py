@@ -27,6 +27,9 @@ On the CPU the impls call torch's fused kernels (`aten._scaled_dot_product_flash
 backward); elsewhere they run the same arithmetic in torch's own ops (`forward_math`, `backward_math`: correct, with
 the scores materialized; torch's CUDA flash kernels take other arguments, not wired here).
 A row that sees no key gives zeros and lse 0, as torch's CPU kernel does. Torch's flash kernels need E = Ev.
+
+The forward has a ring (context parallelism, kernels.ring: its merged lse kept, `Ring.with_lse`); the backward has
+none yet. In the runtime the lse view keeps the whole packed forward output (float32) alive until the backward.
 """
 from __future__ import annotations
 
