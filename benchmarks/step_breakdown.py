@@ -4,9 +4,10 @@ One `importer.zoo.LlamaBlock` at a LLaMA-2 width, built on the meta device in bf
 of `--batch` sequences x `--seq` tokens, planned whole on one device (`build_plan` on Mesh(1): no communication,
 so what is left is what the kernels cost) and by the hand 2-D recipe (training/plans.data_tensor_parallel: data
 parallel over the nodes, Megatron tensor parallel in the node) on `--mesh`. Each plan's time is split by
-`cost.breakdown` (phase x what bounds each step), and the memory-bound and float32 steps further by whether they
-make an attention-sized value (its last two dims the sequence x the sequence: the scores and probabilities the
-math attention materializes, which a fused flash kernel never writes). Writes the "Step breakdown" section.
+`cost.breakdown` (phase x what bounds each step), and each kind further by how much of it is attention: the
+fused flash kernels the training import keeps (kernels/flash.py), and any step making an attention-sized value (its
+last two dims the sequence x the sequence: the scores and probabilities a math attention materializes, which a
+flash kernel never writes). Writes the "Step breakdown" section.
 
     python benchmarks/step_breakdown.py                 # 7B width, 8 x 2048, 8x8
     python benchmarks/step_breakdown.py --quick         # a small width, to check the script
@@ -43,7 +44,8 @@ def import_block(width: str, batch: int, seq: int) -> Any:
 
 
 def attention_sized(plan: Any, seq: int, model: Any) -> dict[str, float]:
-    """Seconds (launches apart) of the plan's compute steps that make an attention-sized value, by phase/kind."""
+    """Seconds (launches apart) of the plan's attention steps, by phase/kind: fused flash kernels, and steps that
+    make an attention-sized value (math attention)."""
     from tapestry.cost.breakdown import compute_kind, phases
     from tapestry.plan import Compute
 
@@ -53,7 +55,8 @@ def attention_sized(plan: Any, seq: int, model: Any) -> dict[str, float]:
         if not isinstance(step, Compute) or step.signature.kernel.is_view:
             continue
         shape = step.signature.output_shape
-        if len(shape) >= 2 and shape[-1] == seq and shape[-2] == seq:
+        fused = step.signature.kernel.name.startswith("flash_attention")
+        if fused or (len(shape) >= 2 and shape[-1] == seq and shape[-2] == seq):
             kind = compute_kind(step, device)
             launch = device.launch_overhead * device.oversubscription(plan.mesh.size)  # filed apart, as breakdown
             found[f"{phase[step.out]}/{kind}"] += max(model.step_cost(step, plan.mesh) - launch, 0.0)
@@ -68,7 +71,7 @@ def report(name: str, plan: Any, seq: int, model: Any) -> str:
     attention = attention_sized(plan, seq, model)
     lines = [f"{name}: predicted {plan_cost(plan, model) * 1e3:.2f} ms, its compute's FLOPs at the bf16 peak "
              f"{found.model_seconds * 1e3:.2f} ms", "",
-             "| phase | kind | steps | ms | of it attention-sized ms | share |", "|---|---|---:|---:|---:|---:|"]
+             "| phase | kind | steps | ms | of it attention ms | share |", "|---|---|---:|---:|---:|---:|"]
     total = found.total
     for key in sorted(found.seconds, key=lambda k: (["forward", "backward", "update", "step"].index(k[0]),
                                                     -found.seconds[k])):
@@ -121,9 +124,9 @@ def main() -> None:
         "Kinds (`cost.breakdown`): `compute-bound <dtype>` (FLOPs at that dtype's peak outweigh bytes: bfloat16 "
         "989 TFLOP/s on tensor cores, float32 66.9 on CUDA cores), `memory-bound` (bytes at 3.35 TB/s), "
         "`launch` (5 µs a kernel), collectives by kind, and the gradient reductions the backward hides "
-        "(negative). `attention-sized`: steps making a value whose last two dims are the sequence x the "
-        "sequence: the scores and probabilities the math attention materializes in float32 (torch's math "
-        "SDPA computes bfloat16 attention in float32, and the training import traces attention through it).",
+        "(negative). `attention`: the fused flash attention kernels the training import keeps "
+        "(`flash_attention`, `flash_attention_backward`: no score matrix in memory, causal pairs only), plus any "
+        "step making a value whose last two dims are the sequence x the sequence (a math attention's scores).",
         "", one, "", hand, "",
     ])
     print(body)

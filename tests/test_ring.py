@@ -22,7 +22,7 @@ from tapestry.plan.validate import plan_problems
 from tapestry.sharding import Mesh
 from tapestry.sharding.partition import balance_ring, candidate_partitions, make_partition
 from tapestry.kernels import get_kernel
-from tapestry.kernels.ring import key_extent, key_region, merge_torch, ring_numpy
+from tapestry.kernels.ring import finish_torch, key_extent, key_region, merge_torch, ring_numpy
 from tapestry.testing.strategies import arrays_for, cuts, partitions, signatures
 from tapestry.zspace import ZRange
 
@@ -40,14 +40,14 @@ def ring_run(sig, args, parts, pieces, torch_impl=False):
             for blocks, (start, _) in zip(reads, order):
                 o, s = sig.kernel.ring.torch(*map(dtypes.to_tensor, blocks), key_start=start, **kwargs)
                 acc = (o, s) if acc is None else merge_torch(*acc, o, s)
-            value = acc[0].numpy()
+            value = finish_torch(sig.kernel.ring, *acc).numpy()
         else:
             value = ring_numpy(sig, reads, [start for start, _ in order], kwargs)
         out[sig.output.apply(block).slices()] = value
     return out
 
 
-@pytest.mark.parametrize("name", ["sdpa", "sdpa_masked"])
+@pytest.mark.parametrize("name", ["sdpa", "sdpa_masked", "flash_attention", "flash_attention_masked"])
 @pytest.mark.parametrize("impl", ["numpy", "torch"])
 @settings(max_examples=30, deadline=None)
 @given(data=st.data(), seed=st.integers(0, 2**16))
@@ -211,6 +211,37 @@ def run_ranks(cases: list[tuple[Plan, dict[str, np.ndarray]]], traced: bool = Fa
             got = fn(blocks)
         results.append(got[program.outputs["y"]].clone())
     return results
+
+
+def flash_graph(masked: bool = False, kv_heads: int = H, seq: int = L) -> Graph:
+    """A training step's fused forward (kernels/flash.py): [out | lse] per query row."""
+    g = Graph()
+    q, k, v = g.input("q", (B, H, seq, E)), g.input("k", (B, kv_heads, seq, E)), g.input("v", (B, kv_heads, seq, E))
+    mask = [g.input("mask", (seq, seq), "bool")] if masked else []
+    g.output("y", g.op("flash_attention_masked" if masked else "flash_attention", q, k, v, *mask,
+                       **({} if masked else {"causal": True}), name="attn"))
+    return g
+
+
+@pytest.mark.parametrize("mesh, axes, ring", CASES)
+@pytest.mark.parametrize("kind", ["causal", "masked", "gqa"])
+def test_a_training_steps_fused_forward_rings_keeping_the_merged_lse_and_simulates_to_the_graphs_meaning(
+        mesh, axes, ring, kind):
+    g = flash_graph(masked=kind == "masked", kv_heads=1 if kind == "gqa" else H)
+    plan = ring_plan(g, mesh, axes, ring)
+    assert not plan_problems(plan)
+    given = attention_inputs(g)
+    np.testing.assert_allclose(simulate(plan, given)["y"], tapestry.evaluate(g, given)["y"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_fused_forward_ring_runs_on_two_gloo_ranks_as_the_evaluator_computes():
+    from tapestry.spmd.launch import launch
+
+    g = flash_graph(seq=7)
+    cases = [(ring_plan(g, Mesh(2), ("query",), (0,)), attention_inputs(g))]
+    want = tapestry.evaluate(g, cases[0][1])["y"]
+    for per_rank in launch(run_ranks, 2, cases, timeout=120):
+        np.testing.assert_allclose(per_rank[0].numpy(), want, rtol=1e-5, atol=1e-6)
 
 
 def ring_cases() -> list[tuple[Plan, dict[str, np.ndarray]]]:

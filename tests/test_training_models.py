@@ -58,6 +58,8 @@ def test_a_rotary_decoder_step_imports_and_equals_torch(name):
     imported = one_step(model, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}, atol=1e-6)
     (inv_freq,) = [path for path, _ in model.named_buffers() if path.endswith("rotary_emb.inv_freq")]
     assert inv_freq in imported.graph.static, "the rotary table's buffer is a static input, not a closure"
+    fused = [n.op for n in imported.graph.ops if n.op.startswith("flash_attention")]  # grouped heads too
+    assert len(fused) == 2 * COMMON["num_hidden_layers"] and sum(op.endswith("_backward") for op in fused) == 2
 
 
 def test_a_tied_embedding_is_one_input_that_both_uses_read():

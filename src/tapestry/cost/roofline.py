@@ -26,8 +26,10 @@ VIEW_SECONDS = 1e-9
 
 
 def compute_dtype(sig: Signature) -> str:
-    """The dtype a kernel's arithmetic runs in: its floating inputs' (promoted), else its result's."""
-    floats = [d for d in sig.input_dtypes if dtypes.is_float(d)]
+    """The dtype a kernel's arithmetic runs in: its floating inputs' (promoted; not its accumulators'), else its
+    result's."""
+    held = sig.kernel.accumulators
+    floats = [d for slot, d in zip(sig.kernel.inputs, sig.input_dtypes) if dtypes.is_float(d) and slot not in held]
     return dtypes.promote(*floats) if floats else sig.dtype
 
 

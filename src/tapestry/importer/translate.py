@@ -168,6 +168,8 @@ def translate(graph: torch.fx.Graph, placeholders: Mapping[str, Placeholder], ou
                 env[node] = inputs[role.name]
             else:
                 env[node] = _placeholder(builder.graph, node, role)
+        elif node.op == "get_attr":  # a tensor the traced code made itself (GPT-2's `torch.full([], -inf)`)
+            env[node] = _attribute(graph, node)
         elif node.op == "call_function":
             env[node] = _call(builder, node, env, strict, coverage)
     for name, value in outputs:
@@ -210,6 +212,16 @@ def translate_program(program: torch.export.ExportedProgram, strict: bool) -> Tr
     mutated = set(program.graph_signature.buffers_to_mutate.values())  # a train-mode batch norm's running stats
     translation.graph.static.update(n for n in translation.state if n not in mutated)  # inference: weights fixed
     return translation
+
+
+def _attribute(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.Tensor:
+    """A get_attr node's tensor, held by the traced module: a constant (folded where ops read it)."""
+    value: Any = graph.owning_module
+    for part in str(node.target).split("."):
+        value = getattr(value, part, None)
+    if not isinstance(value, torch.Tensor):
+        raise TorchImportError(f"get_attr {node.target!r}: the traced module holds no tensor there")
+    return value
 
 
 def _placeholder(graph: Graph, node: torch.fx.Node, role: Placeholder) -> Any:

@@ -30,9 +30,11 @@ from tapestry.kernels.ring import Ring
 from tapestry.zspace import IndexProjection
 
 
-def _mask_projection(mask: Shape, full: Shape) -> IndexProjection:
+def _mask_projection(mask: Shape, full: Shape, index_ndim: int | None = None, rows_whole: bool = False
+                     ) -> IndexProjection:
     """mask, broadcast to [*B, L, S]: its batch and query dims follow the index dims (or read one cell where
-    they are 1), its key dim is read whole."""
+    they are 1), its key dim is read whole. `index_ndim`: the kernel's index dims (default: batch, query and
+    feature); `rows_whole`: the queries are not an index dim, so the mask's rows are read whole too."""
     try:
         fits = tuple(np.broadcast_shapes(mask, full)) == full
     except ValueError:
@@ -40,9 +42,11 @@ def _mask_projection(mask: Shape, full: Shape) -> IndexProjection:
     if not fits:
         raise KernelError(f"mask{list(mask)} does not broadcast to [*B, L, S] = {list(full)}")
     keys = len(full) - 1
+    whole = range(keys - 1 if rows_whole else keys, keys + 1)
     lead = len(full) - len(mask)
-    rows = [None if t == keys or (size == 1 and full[t] != 1) else t for t, size in enumerate(mask, start=lead)]
-    return follow(keys + 1, rows, shape=[size if t == keys else 1 for t, size in enumerate(mask, start=lead)])
+    rows = [None if t in whole or (size == 1 and full[t] != 1) else t for t, size in enumerate(mask, start=lead)]
+    return follow(keys + 1 if index_ndim is None else index_ndim, rows,
+                  shape=[size if t in whole else 1 for t, size in enumerate(mask, start=lead)])
 
 
 def _broadcasts(kv: Shape, q: Shape) -> bool:

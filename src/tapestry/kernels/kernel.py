@@ -152,6 +152,9 @@ class Kernel:
     # outside the tensor (zeros). Pools need it: their padding is not a zero (max) or not counted (mean).
     needs_read_pad: bool = False
     dtype_rule: DtypeRule | None = None  # None: floating inputs must agree (`matching`)
+    # Inputs held wide for accuracy (a flash backward's float32 log-sum-exp beside bfloat16 q, k, v) that do not
+    # set the dtype the arithmetic runs in, and so the peak it is priced at (cost.roofline.compute_dtype).
+    accumulators: frozenset[str] = frozenset()
     # For integer inputs that index a table (an embedding's ids, a gather's index): (input shapes, slot, params)
     # -> one past the largest valid value, or None. Random inputs are drawn below it.
     index_bound: Callable[[tuple[Shape, ...], int, Mapping[str, ParamValue]], int | None] | None = None

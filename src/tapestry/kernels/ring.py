@@ -6,7 +6,8 @@ Attention's keys are a softmax reduction, not a sum: a block of keys gives its r
 (flash attention's online softmax; ring attention's combine). A row that sees no key in a block has lse -inf and
 adds nothing; a row that sees no key at all gives zeros, as the whole kernel does.
 
-A kernel with a `Ring` (sdpa, sdpa_masked) may run as a ring step (sharding.partition, plan.ring): mesh axes split
+A kernel with a `Ring` (sdpa, sdpa_masked, and training's flash_attention[_masked], whose output keeps the merged
+lse: `Ring.with_lse`) may run as a ring step (sharding.partition, plan.ring): mesh axes split
 its queries (`rows`) and, in the same order, the key dim of its keyed inputs (k, v, a mask's key columns); each
 device computes its queries against every member's key block in turn, merging as it goes.
 """
@@ -34,6 +35,24 @@ class Ring:
     keyed: Callable[[tuple[Shape, ...]], tuple[int | None, ...]]
     numpy: Callable[..., tuple[np.ndarray, np.ndarray]]
     torch: Callable[..., tuple[Any, Any]]
+    with_lse: bool = False  # the kernel's output packs each row's lse after its out (flash_attention: [out | lse])
+
+
+def finish_numpy(ring: Ring, out: np.ndarray, lse: np.ndarray) -> np.ndarray:
+    """The merged (out, lse) as the kernel's output: out, or [out | lse] per row with `with_lse` (a row that saw
+    no key: lse 0, as torch's fused kernel gives)."""
+    if not ring.with_lse:
+        return out
+    return np.concatenate([out, np.where(np.isfinite(lse), lse, 0.0)[..., None]], axis=-1)
+
+
+def finish_torch(ring: Ring, out: Any, lse: Any) -> Any:
+    """`finish_numpy` in torch."""
+    import torch
+
+    if not ring.with_lse:
+        return out
+    return torch.cat([out, torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None]], dim=-1)
 
 
 def merge_numpy(out_a: np.ndarray, lse_a: np.ndarray, out_b: np.ndarray, lse_b: np.ndarray
@@ -78,7 +97,7 @@ def ring_numpy(sig: Any, blocks: Sequence[Sequence[np.ndarray]], key_starts: Seq
         out, lse = (o, s) if out is None else merge_numpy(out, lse, o, s)
     if out is None:
         raise ValueError(f"{sig.kernel.name}: a ring step needs at least one key block")
-    return dtypes.cast(out, sig.dtype)
+    return dtypes.cast(finish_numpy(ring, out, lse), sig.dtype)
 
 
 def key_region(sig: Any, arg: int, region: ZRange, keys: tuple[int, int]) -> ZRange:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed._functional_collectives as fc
 
 from tapestry.kernels import get_kernel
-from tapestry.kernels.ring import merge_torch, travels
+from tapestry.kernels.ring import finish_torch, merge_torch, travels
 from tapestry.lower.program import RingCompute
 from tapestry.plan.ring import rounds
 
@@ -46,7 +46,7 @@ def run_ring(step: RingCompute, args: Sequence[torch.Tensor], group: Any) -> tor
             have = [fc.wait_tensor(c).reshape(_shaped(have[a], keyed[a], step.keys[arrives]))
                     if c is not None else have[a] for a, c in enumerate(coming)]
     assert out is not None
-    return out.to(getattr(torch, sig.dtype))
+    return finish_torch(sig.kernel.ring, out, lse).to(getattr(torch, sig.dtype))
 
 
 def _shaped(held: torch.Tensor, dim: int, keys: tuple[int, int]) -> tuple[int, ...]:

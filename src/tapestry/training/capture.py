@@ -22,11 +22,12 @@ from typing import Any, NoReturn
 
 import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tapestry.importer.capture import TorchImportError
-from tapestry.importer.translate import Placeholder, Translation, functional_twin, translate
+from tapestry.importer.translate import Placeholder, Translation, by_schema, functional_twin, translate
 from tapestry.training import LR, Training, state_name, updated
 from tapestry.training.draws import FACTORIES, FILLS, Draw, random_input
 
@@ -45,8 +46,12 @@ def _var_mean(x: torch.Tensor, dim: list[int] | None = None, *, correction: floa
 
 
 # batch norm in training mode as its reductions (sums: kernels a plan splits by batch) and a `copy_` into each
-# running statistic: native_batch_norm itself writes them as a side effect the import cannot carry
-DECOMPOSITIONS = {**core_aten_decompositions(), **get_decompositions([torch.ops.aten.native_batch_norm]),
+# running statistic: native_batch_norm itself writes them as a side effect the import cannot carry. Attention's
+# fused CPU kernel stays whole (kernels/flash.py), not decomposed into matmuls and a softmax.
+FUSED_ATTENTION_OPS = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                       torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+DECOMPOSITIONS = {**{op: fn for op, fn in core_aten_decompositions().items() if op not in FUSED_ATTENTION_OPS},
+                  **get_decompositions([torch.ops.aten.native_batch_norm]),
                   torch.ops.aten.var_mean.correction: _var_mean}
 
 
@@ -150,11 +155,12 @@ def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, 
             *([torch.zeros((), dtype=torch.float32)] if training.step_input else []),
             torch.tensor(training.lr, dtype=torch.float64), *(tensors[h].detach() for h in layout.held), *args]
     try:
-        # attention's math backend: its backward is matmuls and a softmax's, where the fused CPU kernel's
-        # backward is one opaque op that needs the forward's private log-sum-exp
-        with warnings.catch_warnings(), sdpa_kernel([SDPBackend.MATH]):
+        # attention as torch's fused CPU kernel and its backward (kernels/flash.py), where torch can fuse it; the
+        # math backend (matmuls and a softmax) where it cannot: dropout (its draws are cut out as inputs, below),
+        # value features other than the query's
+        with warnings.catch_warnings(), sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
             warnings.simplefilter("ignore", FutureWarning)
-            traced = make_fx(step, decomposition_table=DECOMPOSITIONS, tracing_mode="fake")(*flat)
+            traced = make_fx(step, decomposition_table=DECOMPOSITIONS, tracing_mode="fake")(*_fakes(flat))
     except TorchImportError:
         raise
     except Exception as err:  # tracing raises many types; the user needs the first line
@@ -183,6 +189,22 @@ def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, 
     return translation
 
 
+def _fakes(flat: list[Any]) -> list[Any]:
+    """The step's arguments as fake tensors to trace with, those on the meta device as fake CPU tensors: torch
+    picks attention's fused kernel by device, so a module built on meta traces as its real twin does."""
+    mode = FakeTensorMode()
+
+    def fake(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if t.device.type != "meta":
+            return mode.from_tensor(t)
+        made = FakeTensor(mode, t.detach(), torch.device("cpu"))
+        return made.requires_grad_() if t.requires_grad else made
+
+    return [fake(t) for t in flat]
+
+
 def _cut_random_draws(graph: torch.fx.Graph, module: torch.nn.Module) -> dict[str, tuple[str, Draw]]:
     """Each random op (dropout's mask in training mode) becomes a new placeholder, its draw recorded to be made
     afresh every call (training/draws.py): graph input name -> (placeholder, Draw), in the order the step draws.
@@ -191,8 +213,7 @@ def _cut_random_draws(graph: torch.fx.Graph, module: torch.nn.Module) -> dict[st
     cut: dict[str, tuple[str, Draw]] = {}
     first = next(node for node in graph.nodes if node.op != "placeholder")
     for node in list(graph.nodes):
-        if not (isinstance(node.target, torch._ops.OpOverload)
-                and torch.Tag.nondeterministic_seeded in node.target.tags):
+        if not _draws(node):
             continue
         draw = Draw.of(node)
         if draw is None:
@@ -207,6 +228,18 @@ def _cut_random_draws(graph: torch.fx.Graph, module: torch.nn.Module) -> dict[st
     if cut:
         graph.eliminate_dead_code()  # the tensors the fills wrote into
     return cut
+
+
+def _draws(node: torch.fx.Node) -> bool:
+    """Does the op draw random numbers: a seeded op, except attention's fused kernels without dropout (tagged
+    seeded for their dropout, which the capture never lets them run: see `capture`)."""
+    if not (isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags):
+        return False
+    if node.target not in FUSED_ATTENTION_OPS:
+        return True
+    args, kwargs = by_schema(node.target, node.args, node.kwargs)
+    named = {**dict(zip((a.name for a in node.target._schema.arguments), args)), **kwargs}
+    return bool(named.get("dropout_p", 0.0))
 
 
 def _refuse(drawn: torch.fx.Node, module: torch.nn.Module) -> NoReturn:
