@@ -36,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from tapestry.pipeline.model import partition
 from tapestry.pipeline.schedule import Schedule
 from tapestry.sharding import Mesh
+from tapestry.spmd import faults
 from tapestry.spmd.program import join_group
 
 if TYPE_CHECKING:  # the planner imports the optimizer; a rank running a step needs neither
@@ -85,6 +86,7 @@ class PipelinedStep:
                              f"(one stage per rank), or for a bare schedule of a multiple of that (data-parallel "
                              f"replicas of the pipeline); got mesh {mesh}")
         join_group(mesh.size)
+        faults.watch_sigterm(dist.get_rank())
         self.replicas = mesh.size // schedule.stages
         # the module itself is not kept: a rank holds only its own chunks' parameters once the caller lets it go
         self.model_name, self.mesh, self.schedule, self.max_norm = type(module).__name__, mesh, schedule, max_norm
@@ -133,9 +135,11 @@ class PipelinedStep:
         self.optimizer = optimizer(list(self.parameters.values()), **optimizer_options)
         self.holds_first = self.position == 0
         self.holds_last = self.position == (len(self.chunks) - 1) % s
+        self.calls = 0
 
     def __call__(self, inputs: torch.Tensor, target: torch.Tensor, lr: float | None = None) -> torch.Tensor:
         """One step on the whole global batch (the same on every rank); the mean micro-batch loss, on every rank."""
+        faults.note_call(self.calls)
         for k, (given, expected) in enumerate(zip((inputs, target), self.shapes)):
             if tuple(given.shape) != expected:
                 raise ValueError(f"batch tensor {k}: expected shape {list(expected)} (the example batch's: the step "
@@ -158,6 +162,8 @@ class PipelinedStep:
         # the mean over every micro-batch of every replica: their last stages' losses, summed everywhere
         loss = torch.stack([x.detach() for x in losses]).sum() if self.holds_last else torch.zeros(())
         dist.all_reduce(loss)
+        self.calls += 1
+        faults.note_done()
         return loss / (self.replicas * self.schedule.micro_batches)
 
     def _average_replicas(self) -> None:

@@ -26,7 +26,7 @@ from tapestry.lower.compile import use_persistent_cache
 from tapestry.lower.program import LoweredProgram, PlaceBlock, lower
 from tapestry.plan.plan import Plan, steady_violations
 from tapestry.runtime.launch import default_backend, free_port, init_group
-from tapestry.spmd import launch
+from tapestry.spmd import faults
 from tapestry.spmd.trace import Buffers, RankFunction, compiled, make_groups, place
 from tapestry.zspace import ZRange
 
@@ -81,6 +81,7 @@ class ParallelProgram:
         join_group(plan.mesh.size, backend, timeout)
         use_persistent_cache()
         self.plan, self.rank = plan, dist.get_rank()
+        faults.watch_sigterm(self.rank)
         self.carry = dict(carry or {})
         moved = steady_violations(plan, self.carry)
         if moved:
@@ -139,18 +140,21 @@ class ParallelProgram:
             raise type(err)(f"{self.where}: {err}") from None
         try:
             got = self._call({**self._state, **blocks})
-        except Exception as err:
-            raise RankError(f"rank {self.rank} failed in call {self.calls}: {type(err).__name__}: {err}") from err
+        except Exception as err:  # a peer's death shows here as a collective's error: name the rank that died
+            gone = faults.exited_peers()
+            raise RankError(f"rank {self.rank} failed in call {self.calls}: {type(err).__name__}: {err}"
+                            + (f" ({gone})" if gone else "")) from err
         for out, name in self.carry.items():
             held = self.held.get(name)
             if held is not None:
                 self._state[held.buffer] = got[self.plan.outputs[out]]
         self.calls += 1
+        faults.note_done()
         return {name: got[buffer] for name, buffer in self.program.outputs.items()}
 
     def begin_call(self) -> None:
         """Call `self.calls` starts on this rank: what a launcher names if the rank fails from here on."""
-        launch.note_call(self.calls)
+        faults.note_call(self.calls)
 
     @property
     def where(self) -> str:
