@@ -13,6 +13,10 @@ The rank that failed is found from each rank's host and pid, put once in the pro
 rank whose process is gone (or a zombie) is named. faulthandler could dump the stacks but not name the call; a
 short gloo timeout would also cut long compiles and steps, and still come after torchrun's SIGTERM.
 
+An exception that ends the process outside a call (a collective of `dcp.save` failing because a peer died)
+gets the same line, `tapestry: rank 0 stopped by RuntimeError after call 5 ...`, before its traceback
+(`sys.excepthook`, chained to the one torch installed).
+
 The watchdog is installed only where SIGTERM has its default action and no wakeup fd is set (a user's own
 handler, or an asyncio loop's, is left alone) and never in a rank `tapestry.launch` forked (its supervisor
 names the rank and the call).
@@ -22,8 +26,10 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import torch.distributed as dist
@@ -76,6 +82,14 @@ def watch_sigterm(rank: int) -> None:
     dist.distributed_c10d._get_default_store().set(_pid_key(rank), f"{socket.gethostname()} {os.getpid()}")
     signal.signal(signal.SIGTERM, lambda signum, frame: _stop())
     threading.Thread(target=_watch, args=(read,), name="tapestry-sigterm", daemon=True).start()
+    previous_hook = sys.excepthook
+
+    def uncaught(kind: type[BaseException], error: BaseException, trace: types.TracebackType | None) -> None:
+        """An error outside a call (dcp.save's collective failing when a peer died, say) names the call too."""
+        _say(f"stopped by {kind.__name__}", wait=0.5)
+        previous_hook(kind, error, trace)
+
+    sys.excepthook = uncaught
 
 
 def _watch(read: int) -> None:
@@ -91,10 +105,15 @@ def _stop() -> None:
     """Say where this rank stopped, then end the process as SIGTERM would; the first caller (the watchdog, or the
     Python handler where the main thread was in Python) does it, a second waits for the end."""
     _stopping.acquire()
-    line = f"tapestry: rank {_rank} stopped by SIGTERM {where()} of its parallel program"
-    gone = exited_peers(wait=0.0)
-    os.write(2, f"{line}{'; ' + gone if gone else ''}\n".encode())  # not sys.stderr: the main thread may hold it
+    _say("stopped by SIGTERM", wait=0.0)
     os._exit(128 + signal.SIGTERM)
+
+
+def _say(what: str, wait: float) -> None:
+    """One line on stderr: this rank, `what` stopped it, its call, and the ranks of this host already gone."""
+    gone = exited_peers(wait)
+    line = f"tapestry: rank {_rank} {what} {where()} of its parallel program{'; ' + gone if gone else ''}\n"
+    os.write(2, line.encode())  # not sys.stderr: the main thread may hold its lock
 
 
 def exited_peers(wait: float = 1.0) -> str:
