@@ -80,14 +80,19 @@ def watch_sigterm(rank: int) -> None:
         return
     _rank = rank
     dist.distributed_c10d._get_default_store().set(_pid_key(rank), f"{socket.gethostname()} {os.getpid()}")
-    signal.signal(signal.SIGTERM, lambda signum, frame: _stop())
+    # the C-level handler wakes the watchdog wherever the main thread is; the Python-level one has nothing to do
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     threading.Thread(target=_watch, args=(read,), name="tapestry-sigterm", daemon=True).start()
+    if sys.flags.interactive or hasattr(sys, "ps1"):
+        return  # at a prompt an uncaught exception stops nothing
     previous_hook = sys.excepthook
 
     def uncaught(kind: type[BaseException], error: BaseException, trace: types.TracebackType | None) -> None:
-        """An error outside a call (dcp.save's collective failing when a peer died, say) names the call too."""
-        _say(f"stopped by {kind.__name__}", wait=0.5)
-        previous_hook(kind, error, trace)
+        """An error outside a call (dcp.save's collective failing when a peer died, say) names the call too; a
+        SIGTERM meanwhile (torchrun stopping this rank) waits until the traceback is out."""
+        with _stopping:
+            _say(f"stopped by {kind.__name__}", wait=0.5)
+            previous_hook(kind, error, trace)
 
     sys.excepthook = uncaught
 
@@ -102,8 +107,8 @@ def _watch(read: int) -> None:
 
 
 def _stop() -> None:
-    """Say where this rank stopped, then end the process as SIGTERM would; the first caller (the watchdog, or the
-    Python handler where the main thread was in Python) does it, a second waits for the end."""
+    """Say where this rank stopped, then end the process as SIGTERM would (after an uncaught exception's
+    traceback, if one is being printed)."""
     _stopping.acquire()
     _say("stopped by SIGTERM", wait=0.0)
     os._exit(128 + signal.SIGTERM)
