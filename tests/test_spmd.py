@@ -504,6 +504,36 @@ def test_under_torchrun_sigterm_names_each_rank_and_its_call_even_while_blocked_
     assert gone(pids)
 
 
+WATCHED = """
+import os, signal, time
+from tapestry.spmd import faults
+from tapestry.spmd.program import join_group
+
+join_group(1)
+faults.watch_sigterm(0)
+child = os.fork()
+if child == 0:  # a DataLoader worker, say: no watchdog thread here
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+    os._exit(0)
+_, status = os.waitpid(child, 0)
+print("child ended by SIGTERM:", os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, flush=True)
+faults.note_call(0)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(30)
+"""
+
+
+def test_a_watched_rank_names_its_call_on_sigterm_and_a_child_it_forks_keeps_sigterms_default_action() -> None:
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", WATCHED], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-3000:]
+    assert "child ended by SIGTERM: True" in done.stdout
+    assert "tapestry: rank 0 stopped by SIGTERM in call 0 of its parallel program" in done.stderr
+
+
 def serve_on_grid(x: torch.Tensor) -> torch.Tensor:
     model = tapestry.parallelize(_MLP().eval(), (x,), mesh=tapestry.Mesh(2, 2), verbose=False)
     return (model(x * 2)[0] - _MLP().eval()(x * 2)[0]).abs().max()

@@ -23,6 +23,7 @@ names the rank and the call).
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -30,7 +31,9 @@ import sys
 import threading
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -83,18 +86,30 @@ def watch_sigterm(rank: int) -> None:
     # the C-level handler wakes the watchdog wherever the main thread is; the Python-level one has nothing to do
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     threading.Thread(target=_watch, args=(read,), name="tapestry-sigterm", daemon=True).start()
-    if sys.flags.interactive or hasattr(sys, "ps1"):
-        return  # at a prompt an uncaught exception stops nothing
-    previous_hook = sys.excepthook
+    os.register_at_fork(after_in_child=functools.partial(_forget, sys.excepthook))
+    if not (sys.flags.interactive or hasattr(sys, "ps1")):  # at a prompt an uncaught exception stops nothing
+        sys.excepthook = functools.partial(_uncaught, sys.excepthook)
 
-    def uncaught(kind: type[BaseException], error: BaseException, trace: types.TracebackType | None) -> None:
-        """An error outside a call (dcp.save's collective failing when a peer died, say) names the call too; a
-        SIGTERM meanwhile (torchrun stopping this rank) waits until the traceback is out."""
-        with _stopping:
-            _say(f"stopped by {kind.__name__}", wait=0.5)
-            previous_hook(kind, error, trace)
 
-    sys.excepthook = uncaught
+def _uncaught(previous: Callable[..., Any], kind: type[BaseException], error: BaseException,
+              trace: types.TracebackType | None) -> None:
+    """An error outside a call (dcp.save's collective failing when a peer died, say) names the call too; a
+    SIGTERM meanwhile (torchrun stopping this rank) waits until the traceback is out."""
+    with _stopping:
+        _say(f"stopped by {kind.__name__}", wait=0.5)
+        previous(kind, error, trace)
+
+
+def _forget(excepthook: Callable[..., Any]) -> None:
+    """In a child forked from this rank (a DataLoader worker, say) there is no watchdog thread: SIGTERM gets its
+    default action back, and the excepthook its previous one."""
+    global _rank
+    if _rank is None:
+        return
+    _rank = None
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    sys.excepthook = excepthook
 
 
 def _watch(read: int) -> None:
