@@ -39,15 +39,16 @@ def test_train_mlp_example_runs_steps_on_two_ranks_and_matches_torch(monkeypatch
     assert "0.weight: " in out  # how the steady plan keeps each parameter between steps
 
 
-def torchrun_example(folder: Path, *args: str, killed_after: int | None = None) -> tuple[dict[int, float], str]:
-    """examples/train_torchrun.py on 2 torchrun ranks, 8 steps, a checkpoint every 3, in `folder`: rank 0's loss
-    by step, and torchrun's stderr. `killed_after`: SIGKILL rank 1 once rank 0 has printed that step (the run then
-    fails); otherwise the run must succeed."""
+def torchrun_example(folder: Path, *args: str, killed_after: int | None = None, nproc: int = 2
+                     ) -> tuple[dict[int, float], str]:
+    """examples/train_torchrun.py on `nproc` torchrun ranks, 8 steps, a checkpoint every 3, in `folder`: rank 0's
+    loss by step, and torchrun's stderr. `killed_after`: SIGKILL rank 1 once rank 0 has printed that step (the run
+    then fails); otherwise the run must succeed."""
     import signal
 
     source = os.pathsep.join(filter(None, [str(EXAMPLES.parent / "src"), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "TAPESTRY_PLAN_CACHE": str(folder / "plans"), "PYTHONPATH": source}
-    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                             str(EXAMPLES / "train_torchrun.py"), "--steps", "8", "--save-every", "3", "--eager",
                             "--checkpoint", str(folder / "ckpt"), *args], stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
@@ -107,14 +108,14 @@ def test_train_torchrun_example_resumes_from_its_checkpoint_as_if_uninterrupted(
 
 @pytest.mark.slow
 def test_train_torchrun_example_with_a_rank_killed_resumes_from_its_last_whole_checkpoint(tmp_path):
-    """Issue 26's kill-and-resume: rank 1 is SIGKILLed after step 4 (during step 5 or the save after it, which
-    then leaves a folder without .metadata); rank 0 says where it stopped; a second run resumes from the last
-    whole checkpoint, and every loss equals torch on one device."""
+    """Issue 26's kill-and-resume: rank 1 of 2 is SIGKILLed after step 4 (during step 5 or the save after it,
+    which then leaves a folder without .metadata); rank 0 says where it stopped; a second run, on 4 ranks (another
+    plan: DCP reshards), resumes from the last whole checkpoint, and every loss equals torch on one device."""
     first, err = torchrun_example(tmp_path, killed_after=4)
     assert re.search(r"tapestry: rank 0 stopped by \w+ (in|after) call \d of its parallel program; rank 1 \(pid "
                      r"\d+ on this host\) had already exited", err), err[-3000:]
     whole = max(int(p.parent.name.split("-")[1]) for p in (tmp_path / "ckpt").glob("step-*/.metadata"))
-    resumed, _ = torchrun_example(tmp_path, "--resume")
+    resumed, _ = torchrun_example(tmp_path, "--resume", nproc=4)
     assert whole in (3, 6) and sorted(resumed) == list(range(whole, 8)) and set(first) >= set(range(5))
     assert_example_losses_equal_torch(first, resumed)
 
