@@ -423,9 +423,9 @@ from tapestry import dtypes
 from tapestry.plan import Plan
 from tapestry.spmd.program import ParallelProgram
 
-folder, how = Path(sys.argv[1]), sys.argv[2]
+folder, how, compile = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "compiled"
 plan = Plan.load(folder / "plan.json")
-program = ParallelProgram(plan, compile=False)
+program = ParallelProgram(plan, compile=compile)
 (folder / f"pid{program.rank}").write_text(str(os.getpid()))
 for call in range(6):
     inputs = {k: dtypes.to_tensor(v) for k, v in tapestry.random_inputs(plan.graph, seed=call).items()}
@@ -438,17 +438,19 @@ for call in range(6):
 """
 
 
-def torchrun_stopped(folder: Path, how: str) -> tuple[subprocess.Popen, list[int]]:
-    """torchrun on 2 gloo ranks serving a plan; rank 1 is SIGKILLed at the start of call 3 (`kill`) or hangs there
-    (`hang`) while rank 0 waits in call 3's collectives. The torchrun process and the ranks' pids."""
+def torchrun_stopped(folder: Path, how: str, compile: bool = False) -> tuple[subprocess.Popen, list[int]]:
+    """torchrun on 2 gloo ranks serving a plan (eager, or compiled whole by inductor); rank 1 is SIGKILLed at the
+    start of call 3 (`kill`) or hangs there (`hang`) while rank 0 waits in call 3's collectives. The torchrun
+    process and the ranks' pids."""
     import sys
 
     CASES["seeds split on out"]().save(folder / "plan.json")
     (folder / "stopped.py").write_text(STOPPED)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                            str(folder / "stopped.py"), str(folder), how], env=env, cwd=folder,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            str(folder / "stopped.py"), str(folder), how, "compiled" if compile else "eager"],
+                           env=env, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
     deadline = time.monotonic() + 120
     while not all((folder / f"pid{r}").exists() for r in (0, 1)) and run.poll() is None \
             and time.monotonic() < deadline:
@@ -482,11 +484,14 @@ def test_under_torchrun_a_rank_killed_in_a_call_is_named_by_the_others_with_thei
     assert gone(pids)
 
 
-def test_under_torchrun_sigterm_names_each_rank_and_its_call_even_while_blocked_in_a_collective(tmp_path) -> None:
-    """Rank 1 hangs before call 3; rank 0 is blocked in call 3's collective, in C++, where a Python signal
-    handler would not run. A SIGTERM to torchrun stops both within seconds, each naming itself and its call."""
-    run, pids = torchrun_stopped(tmp_path, "hang")
-    deadline = time.monotonic() + 60
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_under_torchrun_sigterm_names_each_rank_and_its_call_even_while_blocked_in_a_collective(
+        tmp_path, compile: bool) -> None:
+    """Rank 1 hangs before call 3; rank 0 is blocked in call 3's collective (eager, or in inductor's compiled
+    code), in C++, where a Python signal handler would not run. A SIGTERM to torchrun stops both within seconds,
+    each naming itself and its call."""
+    run, pids = torchrun_stopped(tmp_path, "hang", compile)
+    deadline = time.monotonic() + 600
     while not (tmp_path / "hung").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     time.sleep(1.0)  # rank 0 is in call 3 by now, waiting for rank 1
