@@ -79,7 +79,8 @@ def watch_sigterm(rank: int) -> None:
     previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     if previous != -1:  # someone else's (an event loop's): theirs to handle
         signal.set_wakeup_fd(previous)
-        os.close(read), os.close(write)
+        os.close(read)
+        os.close(write)
         return
     _rank = rank
     dist.distributed_c10d._get_default_store().set(_pid_key(rank), f"{socket.gethostname()} {os.getpid()}")

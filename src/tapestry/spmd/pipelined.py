@@ -89,7 +89,6 @@ class PipelinedStep:
                              f"(one stage per rank), or for a bare schedule of a multiple of that (data-parallel "
                              f"replicas of the pipeline); got mesh {mesh}")
         join_group(mesh.size)
-        faults.watch_sigterm(dist.get_rank())
         self.replicas = mesh.size // schedule.stages
         # the module itself is not kept: a rank holds only its own chunks' parameters once the caller lets it go
         self.model_name, self.mesh, self.schedule, self.max_norm = type(module).__name__, mesh, schedule, max_norm

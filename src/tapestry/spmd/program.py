@@ -37,7 +37,13 @@ class RankError(RuntimeError):
 
 def join_group(size: int, backend: str | None = None, timeout: float = 600.0) -> None:
     """Make sure a default process group of `size` ranks exists: the user's own, or one opened from torchrun's
-    environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT), or, for a mesh of one device, a group of this process."""
+    environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT), or, for a mesh of one device, a group of this process.
+    From here on a SIGTERM names this rank and its call (spmd.faults), planning included."""
+    _open_group(size, backend, timeout)
+    faults.watch_sigterm(dist.get_rank())
+
+
+def _open_group(size: int, backend: str | None, timeout: float) -> None:
     if dist.is_initialized():
         if dist.get_world_size() != size:
             raise ValueError(f"the plan's mesh has {size} devices but the process group has {dist.get_world_size()} "
@@ -81,7 +87,6 @@ class ParallelProgram:
         join_group(plan.mesh.size, backend, timeout)
         use_persistent_cache()
         self.plan, self.rank = plan, dist.get_rank()
-        faults.watch_sigterm(self.rank)
         self.carry = dict(carry or {})
         moved = steady_violations(plan, self.carry)
         if moved:
