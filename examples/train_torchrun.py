@@ -68,7 +68,10 @@ def lr_at(step: int, total: int) -> float:
 
 
 def latest(checkpoints: Path) -> Path | None:
-    saved = sorted(checkpoints.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    """The latest whole checkpoint: a rank killed during dcp.save leaves a folder without the `.metadata` that
+    dcp.save writes last, after every rank's shards."""
+    saved = sorted((p for p in checkpoints.glob("step-*") if (p / ".metadata").exists()),
+                   key=lambda p: int(p.name.split("-")[1]))
     return saved[-1] if saved else None
 
 

@@ -264,12 +264,100 @@ def train_hf(schedule: Schedule | None, steps: int) -> tuple[list[float], dict[s
     return [step(ids, labels).item() for ids, labels in data], step.module_state_dict()
 
 
+class Shared(torch.nn.Module):
+    """Layers (those of `readers`) that read a tensor made before the first of them, as transformers' rotary
+    tables are."""
+
+    def __init__(self, readers: tuple[int, ...] = (0, 1, 2, 3)) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(4, 8)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+        self.readers = readers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        table = h.sin()
+        for i, layer in enumerate(self.layers):
+            h = layer(h) * table if i in self.readers else layer(h)
+        return h
+
+
+@pytest.mark.parametrize("readers", [(0, 1, 2, 3), (3,)])
+def test_a_tensor_made_before_the_layers_is_handed_on_by_each_stage_between(readers: tuple[int, ...]) -> None:
+    """After neighbours_only every stage reads only the stage before it (or the model's input), as torch's
+    schedules require, whether the stages between read the tensor or not, and the stages still compute the
+    module."""
+    import operator
+
+    from torch.distributed import pipelining
+
+    from tapestry.spmd.pipelined import neighbours_only
+
+    torch.manual_seed(0)
+    model, x = Shared(readers), torch.randn(2, 4)
+    pipe = pipelining.pipeline(model, mb_args=(x,), split_spec=split_points(((0,), (1,), (2,), (3,)), "layers"))
+
+    def makers() -> list[set[int]]:
+        stages = [n for n in pipe.split_gm.graph.nodes if n.op == "call_module"]
+        found = []
+        for stage in stages:
+            made = set()
+            for arg in stage.args:
+                while arg.op == "call_function" and arg.target is operator.getitem:
+                    arg = arg.args[0]
+                if arg in stages:
+                    made.add(stages.index(arg))
+            found.append(made)
+        return found
+
+    assert makers()[3] == {0, 2}  # the tracer's cut: the last stage reads the table from stage 0
+    neighbours_only(pipe.split_gm)
+    assert makers() == [set(), {0}, {1}, {2}]
+    torch.testing.assert_close(pipe(x)[0], model(x), rtol=0, atol=0)
+
+
+
+def train_shared(schedule: Schedule | None, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """`steps` SGD steps of Shared, pipelined (or, with no schedule, in torch on this process)."""
+    torch.manual_seed(0)
+    model, generator = Shared(), torch.Generator().manual_seed(2)
+    data = [(torch.randn(8, 4, generator=generator), torch.randn(8, 8, generator=generator)) for _ in range(steps)]
+    mse = torch.nn.functional.mse_loss
+    if schedule is None:
+        optimizer = SGD[0](model.parameters(), **SGD[1])
+        losses = []
+        for x, y in data:
+            optimizer.zero_grad()
+            loss = mse(model(x), y)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+    step = tapestry.parallelize_step(model, mse, data[0], optimizer=SGD[0], **SGD[1], pipeline=schedule)
+    return [step(x, y).item() for x, y in data], step.module_state_dict()
+
+
+def test_the_gradient_of_a_tensor_handed_on_between_stages_reaches_the_stage_that_made_it() -> None:
+    """Shared's table depends on the embedding's weights: its gradient from every later layer flows back through
+    the stages that hand it on (interleaved, 4 chunks on 2 ranks) and the step equals torch's."""
+    want_losses, want = train_shared(None, 2)
+    for losses, weights in launch(train_shared, Schedule("interleaved", 2, 2, chunks=2), 2, nproc=2, timeout=120):
+        assert losses == pytest.approx(want_losses, abs=1e-6)
+        for name, value in weights.items():
+            torch.testing.assert_close(value, want[name], rtol=0, atol=1e-6, msg=name)
+
 @pytest.mark.slow
-def test_transformers_llama_pipelined_equals_torch() -> None:
-    """Rotary tables and the causal mask, made before the first layer, travel to the second stage with the
-    hidden states (the tracer sends every tensor a stage reads)."""
-    want_losses, want = train_hf(None, 2)
-    for losses, weights in launch(train_hf, Schedule("1f1b", 2, 4), 2, nproc=2, timeout=300):
+@pytest.mark.parametrize("schedule, ranks", [
+    (Schedule("1f1b", 2, 4), 2),
+    (Schedule("1f1b", 4, 4), 4),
+    (Schedule("interleaved", 2, 4, chunks=2), 2),
+])
+def test_transformers_llama_pipelined_equals_torch(schedule: Schedule, ranks: int) -> None:
+    """Rotary tables and the causal mask, made before the first layer, reach every stage: on 2 stages the tracer
+    sends them with the hidden states; on more, each stage hands them on to the next (torch's schedules send
+    only between neighbours)."""
+    want_losses, want = train_hf(None, 3)
+    for losses, weights in launch(train_hf, schedule, 3, nproc=ranks, timeout=600):
         assert losses == pytest.approx(want_losses, abs=1e-5)
         assert set(weights) == set(want)
         for name, value in weights.items():

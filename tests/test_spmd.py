@@ -3,6 +3,10 @@ computes, on 2 and 4 gloo ranks, eager and compiled whole; every rank receives t
 from __future__ import annotations
 
 import os
+import re
+import signal
+import subprocess
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -409,6 +413,130 @@ def test_sigterm_ends_the_launcher_and_its_ranks(tmp_path) -> None:
     for pid in ranks:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+STOPPED = """
+import os, signal, sys, time
+from pathlib import Path
+import tapestry
+from tapestry import dtypes
+from tapestry.plan import Plan
+from tapestry.spmd.program import ParallelProgram
+
+folder, how, compile = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "compiled"
+plan = Plan.load(folder / "plan.json")
+program = ParallelProgram(plan, compile=compile)
+(folder / f"pid{program.rank}").write_text(str(os.getpid()))
+for call in range(6):
+    inputs = {k: dtypes.to_tensor(v) for k, v in tapestry.random_inputs(plan.graph, seed=call).items()}
+    if program.rank == 1 and call == 3:
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        (folder / "hung").write_text("")
+        time.sleep(120)
+    program(**inputs)
+"""
+
+
+def torchrun_stopped(folder: Path, how: str, compile: bool = False) -> tuple[subprocess.Popen, list[int]]:
+    """torchrun on 2 gloo ranks serving a plan (eager, or compiled whole by inductor); rank 1 is SIGKILLed at the
+    start of call 3 (`kill`) or hangs there (`hang`) while rank 0 waits in call 3's collectives. The torchrun
+    process and the ranks' pids."""
+    import sys
+
+    CASES["seeds split on out"]().save(folder / "plan.json")
+    (folder / "stopped.py").write_text(STOPPED)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                            str(folder / "stopped.py"), str(folder), how, "compiled" if compile else "eager"],
+                           env=env, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not all((folder / f"pid{r}").exists() for r in (0, 1)) and run.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return run, [int((folder / f"pid{r}").read_text()) for r in (0, 1) if (folder / f"pid{r}").exists()]
+
+
+def gone(pids: list[int]) -> bool:
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        return False
+    return True
+
+
+def test_under_torchrun_a_rank_killed_in_a_call_is_named_by_the_others_with_their_call(tmp_path) -> None:
+    """Rank 1 is SIGKILLed in call 3: rank 0 ends (its collective fails, or torchrun's SIGTERM stops it while it
+    waits there) saying on stderr that it is rank 0, in call 3, and that rank 1 had exited; nothing is left."""
+    run, pids = torchrun_stopped(tmp_path, "kill")
+    try:
+        _, err = run.communicate(timeout=90)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert run.returncode != 0 and len(pids) == 2
+    assert re.search(r"rank 0 (failed|stopped by SIGTERM) in call 3\b.*rank 1 \(pid \d+ on this host\) had "
+                     r"already exited", err), err[-3000:]
+    time.sleep(0.5)
+    assert gone(pids)
+
+
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_under_torchrun_sigterm_names_each_rank_and_its_call_even_while_blocked_in_a_collective(
+        tmp_path, compile: bool) -> None:
+    """Rank 1 hangs before call 3; rank 0 is blocked in call 3's collective (eager, or in inductor's compiled
+    code), in C++, where a Python signal handler would not run. A SIGTERM to torchrun stops both within seconds,
+    each naming itself and its call."""
+    run, pids = torchrun_stopped(tmp_path, "hang", compile)
+    deadline = time.monotonic() + 600
+    while not (tmp_path / "hung").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)  # rank 0 is in call 3 by now, waiting for rank 1
+    start = time.monotonic()
+    run.send_signal(signal.SIGTERM)
+    try:
+        _, err = run.communicate(timeout=30)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert time.monotonic() - start < 15
+    assert "tapestry: rank 0 stopped by SIGTERM in call 3 of its parallel program" in err, err[-3000:]
+    assert "tapestry: rank 1 stopped by SIGTERM after call 2 of its parallel program" in err, err[-3000:]
+    time.sleep(0.5)
+    assert gone(pids)
+
+
+WATCHED = """
+import os, signal, time
+from tapestry.spmd import faults
+from tapestry.spmd.program import join_group
+
+join_group(1)
+faults.watch_sigterm(0)
+child = os.fork()
+if child == 0:  # a DataLoader worker, say: no watchdog thread here
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+    os._exit(0)
+_, status = os.waitpid(child, 0)
+print("child ended by SIGTERM:", os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, flush=True)
+faults.note_call(0)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(30)
+"""
+
+
+def test_a_watched_rank_names_its_call_on_sigterm_and_a_child_it_forks_keeps_sigterms_default_action() -> None:
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", WATCHED], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-3000:]
+    assert "child ended by SIGTERM: True" in done.stdout
+    assert "tapestry: rank 0 stopped by SIGTERM in call 0 of its parallel program" in done.stderr
 
 
 def serve_on_grid(x: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,8 @@ A layer above plan, lower, runtime.launch, importer and the optimizer; nothing b
   and broadcast as plan JSON.
 - `module`: `parallelize(module, example_args, mesh=)` -> `ParallelModule` (inference).
 - `launch`: `launch(fn, *args, nproc=N)`: local gloo ranks for scripts and notebooks, supervised.
+- `faults`: outside `launch` (torchrun), a rank's stop names the rank, its call and the local ranks already gone,
+  even when torchrun's SIGTERM finds it blocked in a collective.
 - `check`: `check_collectives(lowered)`: every rank's function traced on meta tensors under torch's fake process
   group, in one process, and its collectives matched across ranks (`tapestry lower PLAN --check-collectives`).
 """

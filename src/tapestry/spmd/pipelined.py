@@ -7,7 +7,9 @@
 The module is cut before the layers where the plan's chunks begin (`layers` names its ModuleList of repeated
 layers) by torch.distributed.pipelining's tracer (`pipeline` with `SplitPoint.BEGINNING`), so whatever the
 module's forward runs before its first layer (the embedding) goes to the first chunk and whatever it runs after
-its last (the final norm, the head) to the last chunk. Chunk c runs on rank c % S; torch's schedules
+its last (the final norm, the head) to the last chunk; a tensor made before the first layer and read by later
+chunks (transformers' rotary tables and mask) is handed on by each chunk between (`neighbours_only`), since
+torch's schedules send only between neighbours. Chunk c runs on rank c % S; torch's schedules
 (`ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`) run the micro-batches, sending activations and
 gradients between ranks point to point, and the loss (`loss_fn(output, target)`, per micro-batch) on the last
 chunk. Each rank's optimizer then updates its own chunks' parameters: a step equals one step of the module on
@@ -23,12 +25,13 @@ devices is refused: its stage plan (tensor parallel, say) is not run here yet. T
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import fx, nn
 from torch.distributed import pipelining
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 from torch.utils.checkpoint import checkpoint
@@ -36,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from tapestry.pipeline.model import partition
 from tapestry.pipeline.schedule import Schedule
 from tapestry.sharding import Mesh
+from tapestry.spmd import faults
 from tapestry.spmd.program import join_group
 
 if TYPE_CHECKING:  # the planner imports the optimizer; a rank running a step needs neither
@@ -109,6 +113,7 @@ class PipelinedStep:
         if pipe.num_stages != len(self.chunks):
             raise RuntimeError(f"the tracer cut {type(module).__name__} into {pipe.num_stages} pieces, not "
                                f"{len(self.chunks)}: are the layers of '{layers}' called in order in forward?")
+        neighbours_only(pipe.split_gm)
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
             else torch.device("cpu")
         # every rank makes every group, in one order: ranks of one replica (the pipeline's sends), of one stage
@@ -133,9 +138,11 @@ class PipelinedStep:
         self.optimizer = optimizer(list(self.parameters.values()), **optimizer_options)
         self.holds_first = self.position == 0
         self.holds_last = self.position == (len(self.chunks) - 1) % s
+        self.calls = 0
 
     def __call__(self, inputs: torch.Tensor, target: torch.Tensor, lr: float | None = None) -> torch.Tensor:
         """One step on the whole global batch (the same on every rank); the mean micro-batch loss, on every rank."""
+        faults.note_call(self.calls)
         for k, (given, expected) in enumerate(zip((inputs, target), self.shapes)):
             if tuple(given.shape) != expected:
                 raise ValueError(f"batch tensor {k}: expected shape {list(expected)} (the example batch's: the step "
@@ -158,6 +165,8 @@ class PipelinedStep:
         # the mean over every micro-batch of every replica: their last stages' losses, summed everywhere
         loss = torch.stack([x.detach() for x in losses]).sum() if self.holds_last else torch.zeros(())
         dist.all_reduce(loss)
+        self.calls += 1
+        faults.note_done()
         return loss / (self.replicas * self.schedule.micro_batches)
 
     def _average_replicas(self) -> None:
@@ -232,6 +241,70 @@ class PipelinedStep:
                 f"micro-batches, rank {self.rank} holds chunks {[st.stage_index for st in self.stages]})")
 
 
+def neighbours_only(split: fx.GraphModule) -> None:
+    """Make every tensor a stage reads come from the stage just before it: torch's schedules send only between
+    neighbours ("Backward of skip connections not supported yet"). A tensor made by stage j (or passed on by it)
+    and read by stage k > j + 1, as transformers' rotary tables and causal mask are by every layer, becomes an
+    input and an output of each stage between, which hands it on unchanged (its gradient flows back the same
+    way). `split` is the tracer's graph of stage calls (`Pipe.split_gm`), changed in place."""
+    stages = [node for node in split.graph.nodes if node.op == "call_module"]
+    position = {node: k for k, node in enumerate(stages)}
+    latest: dict[fx.Node, tuple[int, fx.Node]] = {}  # value -> the last stage that outputs it, and that output
+    for k, stage in enumerate(stages):
+        for i, arg in enumerate(stage.args):
+            made = _maker(arg, position)
+            if made is None or made >= k - 1:
+                continue
+            held, carried = latest.get(arg, (made, arg))
+            example = _inputs(split, stage)[i].meta  # its example value ("val"), which each stage between takes
+            while held < k - 1:
+                held += 1
+                carried = _hand_on(split, stages[held], carried, example)
+            latest[arg] = (held, carried)
+            stage.update_arg(i, carried)  # stage.args is read again: handing on may have replaced earlier ones
+    split.graph.lint()
+    split.recompile()
+
+
+def _maker(value: fx.Node, position: dict[fx.Node, int]) -> int | None:
+    """The stage whose output `value` is (through getitem), or None for an input of the whole model."""
+    while value.op == "call_function" and value.target is operator.getitem:
+        value = value.args[0]
+    return position.get(value)
+
+
+def _inputs(split: fx.GraphModule, stage: fx.Node) -> list[fx.Node]:
+    """The placeholders of `stage`'s module, one for each of its arguments in `split`'s graph."""
+    return [node for node in split.get_submodule(stage.target).graph.nodes if node.op == "placeholder"]
+
+
+def _hand_on(split: fx.GraphModule, stage: fx.Node, value: fx.Node, example: dict[str, Any]) -> fx.Node:
+    """Make `stage` take `value` (an output of the stage before it) as one more input and return it unchanged as
+    one more output; the node of that output in `split`'s graph. `example`: the new input's metadata."""
+    module: fx.GraphModule = split.get_submodule(stage.target)
+    graph = module.graph
+    inputs = _inputs(split, stage)
+    if value in stage.args:  # the stage reads it already
+        taken = inputs[stage.args.index(value)]
+    else:
+        with graph.inserting_after(inputs[-1]):
+            taken = graph.placeholder(f"handed_on_{len(inputs)}")
+        taken.meta = dict(example)
+        stage.args = (*stage.args, value)
+    output = graph.output_node()
+    returned = output.args[0]
+    single = not isinstance(returned, (tuple, list))
+    output.args = ((*([returned] if single else returned), taken),)
+    module.recompile()
+    if single:  # its one output was used whole: now its first item
+        with split.graph.inserting_after(stage):
+            first = split.graph.call_function(operator.getitem, (stage, 0))
+        stage.replace_all_uses_with(first, delete_user_cb=lambda user: user is not first)
+    last = max((user for user in stage.users), key=lambda user: user.args[1])
+    with split.graph.inserting_after(last):
+        return split.graph.call_function(operator.getitem, (stage, len(output.args[0]) - 1))
+
+
 def _recomputed(layer: nn.Module) -> None:
     """Make `layer` keep only its inputs for the backward and run its forward again there (activation
     checkpointing, torch.utils.checkpoint without reentrancy); its parameters and their names are unchanged."""
@@ -255,4 +328,4 @@ def _layer_list(module: nn.Module, path: str) -> nn.ModuleList:
     return found
 
 
-__all__ = ["PipelinedStep", "chunk_layers", "split_points"]
+__all__ = ["PipelinedStep", "chunk_layers", "neighbours_only", "split_points"]

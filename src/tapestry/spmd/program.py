@@ -26,7 +26,7 @@ from tapestry.lower.compile import use_persistent_cache
 from tapestry.lower.program import LoweredProgram, PlaceBlock, lower
 from tapestry.plan.plan import Plan, steady_violations
 from tapestry.runtime.launch import default_backend, free_port, init_group
-from tapestry.spmd import launch
+from tapestry.spmd import faults
 from tapestry.spmd.trace import Buffers, RankFunction, compiled, make_groups, place
 from tapestry.zspace import ZRange
 
@@ -37,7 +37,13 @@ class RankError(RuntimeError):
 
 def join_group(size: int, backend: str | None = None, timeout: float = 600.0) -> None:
     """Make sure a default process group of `size` ranks exists: the user's own, or one opened from torchrun's
-    environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT), or, for a mesh of one device, a group of this process."""
+    environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT), or, for a mesh of one device, a group of this process.
+    From here on a SIGTERM names this rank and its call (spmd.faults), planning included."""
+    _open_group(size, backend, timeout)
+    faults.watch_sigterm(dist.get_rank())
+
+
+def _open_group(size: int, backend: str | None, timeout: float) -> None:
     if dist.is_initialized():
         if dist.get_world_size() != size:
             raise ValueError(f"the plan's mesh has {size} devices but the process group has {dist.get_world_size()} "
@@ -139,18 +145,21 @@ class ParallelProgram:
             raise type(err)(f"{self.where}: {err}") from None
         try:
             got = self._call({**self._state, **blocks})
-        except Exception as err:
-            raise RankError(f"rank {self.rank} failed in call {self.calls}: {type(err).__name__}: {err}") from err
+        except Exception as err:  # a peer's death shows here as a collective's error: name the rank that died
+            gone = faults.exited_peers()
+            raise RankError(f"rank {self.rank} failed in call {self.calls}: {type(err).__name__}: {err}"
+                            + (f" ({gone})" if gone else "")) from err
         for out, name in self.carry.items():
             held = self.held.get(name)
             if held is not None:
                 self._state[held.buffer] = got[self.plan.outputs[out]]
         self.calls += 1
+        faults.note_done()
         return {name: got[buffer] for name, buffer in self.program.outputs.items()}
 
     def begin_call(self) -> None:
         """Call `self.calls` starts on this rank: what a launcher names if the rank fails from here on."""
-        launch.note_call(self.calls)
+        faults.note_call(self.calls)
 
     @property
     def where(self) -> str:
