@@ -21,13 +21,14 @@ from collections import Counter
 from tapestry.egraph.driver import Budget
 from tapestry.egraph.rules import BUILTIN_DIR
 from tapestry.extract import extract
-from tapestry.importer.zoo import FAMILIES
+from tapestry.importer.zoo import EXTRA, FAMILIES
 from tapestry.models import transformer_stack
 from tapestry.optimizer import default_cost_model, explore, optimize
 from tapestry.sharding import Mesh
 
 
 FUSED = {"linear_relu", "linear_gelu", "add_relu"}
+ZOO = {**EXTRA, **FAMILIES}  # the importer zoo's tiny models, as benchmarks/zoo_sweep.py names them
 
 
 def model(name: str, layers: int):
@@ -35,10 +36,10 @@ def model(name: str, layers: int):
     weights, no download) at the stack's sizes."""
     if name == "stack":
         return transformer_stack(layers, 4, 256, 1024, 16)
-    if name in FAMILIES:  # the importer zoo's tiny model (its own layer count: 2 for the decoders)
+    if name in ZOO:  # the importer zoo's tiny model (its own layer count: 2 for the decoders)
         from tapestry.importer import from_torch
 
-        module, args, kwargs = FAMILIES[name].build()
+        module, args, kwargs = ZOO[name].build()
         return from_torch(module, args, kwargs, verbose=False).graph
     import torch
     from transformers import BertConfig, BertModel, GPT2Config, GPT2Model
@@ -71,9 +72,10 @@ def main() -> None:
     parser.add_argument("--extractor", default="greedy-dag")
     parser.add_argument("--time-limit", type=float, default=10.0)
     parser.add_argument("--optimize", action="store_true", help="time tapestry.optimize end to end")
-    zoo = [f for f in FAMILIES if f not in ("gpt2", "bert")]
+    zoo = [f for f in ZOO if f not in ("gpt2", "bert")]
     parser.add_argument("--model", choices=("stack", "gpt2", "bert", *zoo),
-                        default="stack", help="stack, gpt2, bert at the stack's sizes, or a tiny importer zoo family")
+                        default="stack",
+                        help="stack, gpt2, bert at the stack's sizes, or a tiny importer zoo family (FAMILIES, EXTRA)")
     args = parser.parse_args()
     mesh = Mesh.parse(args.mesh)
     rules = [BUILTIN_DIR / f"{r}.egg" for r in args.rules.split(",")] if args.rules else None

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tapestry.egraph import decode
 from tapestry.egraph.clock import clock
 from tapestry.egraph.decode import Decoder, distributed_nodes, dominated_moves, moved_cells, pricing_order
 from tapestry.egraph.driver import Budget, saturate
@@ -156,6 +157,20 @@ def test_pricing_out_of_time_prices_what_the_replicated_plan_needs_and_leaves_th
     assert all(c == f for c, f in zip(cut.node_cost, full.node_cost) if not math.isinf(c)), "same prices"
     plan = decoder.plan(cut, extract(cut, "greedy-dag"), graph, names)
     validate_plan(plan)
+
+
+def test_pricing_reads_the_cpu_clock_once_per_clock_every_reshards(monkeypatch):
+    """A read of the CPU clock is a system call, a quarter of what pricing one reshard by its orbit costs."""
+    graph = mlp(2, 16, 8)
+    gen, _, _ = saturate(graph, Mesh(2, 2), load_rules())
+    nodes, roots, _, _ = distributed_nodes(gen.session.serialize(), gen.interner)
+    decoder = Decoder(nodes, gen.interner, gen.mesh, {n.name: n.dtype for n in graph.inputs})
+    reads = []
+    monkeypatch.setattr(decode, "clock", lambda: reads.append(1) or clock())
+    decoder.extraction_graph(roots, default_cost_model(), seconds=1e9)
+    reshards = sum(n.op == "Reshard" for n in nodes)
+    assert decoder.pricing.reshards_unpriced == 0
+    assert len(reads) <= 2 + math.ceil(reshards / decode.CLOCK_EVERY)
 
 
 def test_a_pricing_out_of_time_is_reported_with_the_result():

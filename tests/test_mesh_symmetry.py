@@ -4,6 +4,7 @@ cost exactly the same, and the memo that answers the image from the original nev
 from __future__ import annotations
 
 import itertools
+import operator
 import math
 
 import pytest
@@ -18,6 +19,7 @@ from tapestry.plan.plan import Reshard
 from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.comm import CommError
 from tapestry.sharding.symmetry import permuted, relabellings
+from tapestry.zspace import ZRange
 
 MESHES = [Mesh(4), Mesh(2, 2), Mesh(2, 4), Mesh(3, 3), Mesh(2, 2, 2), Mesh(1, 2, 2), Mesh(2, 2, 4)]
 PROFILES = [load_profile(name) for name in ("cpu-gloo", "gpu-h100-nccl")]
@@ -107,3 +109,29 @@ def _raw(model: AlphaBeta, step: Reshard, mesh: Mesh) -> float | type[CommError]
 def _images(step: Reshard, mesh: Mesh) -> list[Reshard]:
     return [Reshard("y", "x", step.shape, permuted(step.src_layout, r.devices), permuted(step.layout, r.devices),
                     step.dtype) for r in relabellings(mesh, always)]
+
+
+def _shifted(layout: Layout, offset: tuple[int, ...]) -> Layout:
+    def moved(b):  # noqa: ANN001, ANN202
+        return None if b is None else ZRange(tuple(map(operator.add, b.start, offset)),
+                                             tuple(map(operator.add, b.end, offset)))
+
+    return Layout(tuple(map(moved, layout.blocks)), layout.partial)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pair=priced_pairs(), offset=st.lists(st.integers(0, 5), min_size=3, max_size=3),
+       profile=st.sampled_from(PROFILES))
+def test_a_reshard_elsewhere_in_a_larger_tensor_costs_the_same_and_is_priced_once(pair, offset, profile) -> None:
+    """A layout that holds only what a reader reads (a third of a fused q/k/v output) moves its blocks as the
+    same layout at the tensor's origin would: one price for both."""
+    step, mesh = pair
+    offset = tuple(offset[:len(step.shape)])
+    far = Reshard("y", "x", tuple(n + o + 2 for n, o in zip(step.shape, offset)),
+                  _shifted(step.src_layout, offset), _shifted(step.layout, offset), step.dtype)
+    model = AlphaBeta(profile)
+    assert _raw(model, far, mesh) == _raw(model, step, mesh)
+    comm._orbit_prices.cache_clear()
+    assert _price(model, step, mesh) == _price(model, far, mesh)
+    held = any(b is not None for layout in (step.src_layout, step.layout) for b in layout.blocks)
+    assert len(comm._orbit_prices(profile.axis_links(mesh.shape), mesh)[1]) <= (1 if held else 2)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
 
 from tapestry import dtypes
@@ -151,6 +151,17 @@ def _orbit_prices(links: tuple[Link, ...], mesh: Mesh) -> tuple[Symmetries, dict
     return Symmetries(mesh, relabellings(mesh, alike)), {}
 
 
+def translated(step: Reshard) -> Reshard:
+    """The reshard moved to the box its blocks span (`collectives.local_layouts`), that box its shape. It costs
+    what `step` costs: groups, collectives, transfers and block sizes depend only on where blocks lie relative
+    to one another (tests/test_mesh_symmetry.py prices both); a pair holding nothing stays as it is."""
+    local = local_layouts(step.src_layout, step.layout)
+    if local is None or (local[0] is step.src_layout and local[2] == step.shape):
+        return step
+    src, dst, shape = local
+    return replace(step, src_layout=src, layout=dst, shape=shape)
+
+
 def _largest_block(layout: Layout) -> int:
     return max((b.size for b in layout.blocks if b is not None), default=0)
 
@@ -168,7 +179,11 @@ class AlphaBeta:
 
     def reshard_time(self, step: Reshard, mesh: Mesh) -> float:
         """Priced once per orbit of the layout pair under the mesh's symmetries (`sharding.symmetry`): pricing
-        a 2x2x2 mesh's stack asks for ~92,000 distinct pairs, in fewer orbits."""
+        a 2x2x2 mesh's stack asks for ~92,000 distinct pairs, in fewer orbits. The pair is first moved to the box
+        its blocks span (`translated`): a price reads only blocks relative to one another, so the pairs of
+        layouts that hold only what a reader reads (the q, k and v thirds of a fused projection's output, a
+        rotary half) are priced once, not once per place in the tensor."""
+        step = translated(step)
         symmetries, prices = _orbit_prices(self.profile.axis_links(mesh.shape), mesh)
         for src, dst in symmetries.pair_images(step.src_layout, step.layout, step.shape):
             price = prices.get((step.shape, step.dtype, src, dst))

@@ -49,6 +49,9 @@ class PricingStats:
     runs_dominated: int = 0  # left out because a kept run of the same op plus moves costs no more
 
 
+# Pricing reads the CPU clock once per this many reshards: a read is a system call (8 us here, no vDSO for CPU
+# clocks), a quarter of what a reshard priced by its orbit costs; 64 reshards are ~20 ms past a budget at most.
+CLOCK_EVERY = 64
 MIN_PLUS_ROWS = 64  # rows of a value's move matrix per min-plus step (rows x layouts x layouts floats)
 
 
@@ -354,9 +357,11 @@ class Decoder:
         if seconds < math.inf:  # what a stop leaves out: each class's dearest moves in
             moved = moved_cells([(src, dst) for src, dst, _ in keys], self.interner.layouts)
             keys = [keys[j] for j in pricing_order(moved, [self.nodes[optional[key][0]].eclass for key in keys])]
-        unpriced = 0
-        for key in keys:
-            if clock() - started > seconds:
+        unpriced, over = 0, False
+        for n, key in enumerate(keys):
+            if not over and seconds < math.inf and n % CLOCK_EVERY == 0:
+                over = clock() - started > seconds
+            if over:
                 unpriced += len(optional[key])
                 continue
             prices[key] = price = float(cost.step_cost(self._priced_step(self.nodes[optional[key][0]]), self.mesh))

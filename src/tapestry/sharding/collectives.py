@@ -116,7 +116,7 @@ def _fibres(mesh: Mesh, axes: tuple[int, ...]) -> list[tuple[int, ...]]:
     return mesh.fibres(axes)
 
 
-@lru_cache(maxsize=1 << 14)
+@lru_cache(maxsize=1 << 17)  # asked per reshard priced (cost.comm.translated) and per group
 def local_layouts(src: Layout, dst: Layout) -> tuple[Layout, Layout, Shape] | None:
     """A group's layouts relative to the box their blocks span, and that box's shape (None if it holds nothing):
     groups that are translations of one another are one collective, and one entry in transfers' cache."""

@@ -67,13 +67,14 @@ def transfers(src: Layout, dst: Layout) -> tuple[Transfer, ...]:
         if need is None:
             continue
         own = src.blocks[k]
-        holders = _meeting(src, need, k)  # in ring order from k + 1: the only devices that can send
         if src.partial:
-            for j in sorted(holders):
+            for j in sorted(_meeting(src, need, k)):
                 moves.append(Transfer(j, k, src.blocks[j].intersection(need)))
             continue
         missing = box_difference(need, own) if own is not None else [need]
-        for j in holders:
+        if not missing:  # its own block holds what it needs: no sender to look for
+            continue
+        for j in _meeting(src, need, k):  # in ring order from k + 1: the only devices that can send
             have = src.blocks[j]
             if not missing:
                 break
