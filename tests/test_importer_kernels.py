@@ -301,7 +301,30 @@ def test_convolutions_upsampling_norms_and_bags_import_as_kernels_and_match_eage
     assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(module, args))
 
 
-def test_histc_runs_opaque_and_says_why():
+class Router(torch.nn.Module):
+    """A MoE router's tokens per expert, as transformers' grouped_mm dispatch counts them (histc of the chosen
+    experts' ids, as floats, over [0, experts - 1]), and a histogram of activations over a fixed range."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        experts = torch.topk(self.gate(x), 2, dim=-1).indices
+        return torch.histc(experts.float(), bins=4, min=0, max=3), torch.histc(x, bins=5, min=-1.0, max=1.5)
+
+
+def test_histc_over_a_fixed_range_imports_as_a_kernel_and_its_plan_matches_eager():
+    torch.manual_seed(0)
+    module, x = Router().eval(), torch.randn(64, 8)
+    imp = from_torch(module, (x,), verbose=False)
+    assert not imp.opaque and imp.coverage["aten.histc.default"] == {"histc, reshape": 2}
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(x))), eager(module, (x,)))
+    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
+    assert_same(imp.outputs(simulate(plan, imp.inputs(x))), eager(module, (x,)))
+
+
+def test_histc_over_the_datas_own_range_runs_opaque_and_says_why():
     class Histogram(torch.nn.Module):
         def forward(self, x):
             return torch.histc(x, 4)
@@ -401,15 +424,14 @@ def hugging_face(name: str):
 
 
 @pytest.mark.parametrize("name, opaque, kernel", [
-    ("mixtral", {"aten.histc.default"}, ("transformers.grouped_mm_fallback.default",
-                                                                   "grouped_mm")),
+    ("mixtral", set(), ("transformers.grouped_mm_fallback.default", "grouped_mm")),
     ("falcon", set(), ("aten.scaled_dot_product_attention.default", "sdpa_masked")),
     ("falcon-multi-query", set(), ("aten.scaled_dot_product_attention.default", "sdpa_masked")),
     ("clip", set(), ("aten.index.Tensor", "take")),
 ])
 def test_hugging_face_moe_gqa_and_pooled_models_import_their_ops_as_kernels(name, opaque, kernel):
     """Mixtral's expert dispatch (grouped_mm) and cumsum(dtype=), Falcon's grouped-query attention, CLIP's argmax
-    pooling: kernels now; Mixtral keeps histc opaque."""
+    pooling and Mixtral's tokens per expert (histc): kernels now."""
     module, ids = hugging_face(name), torch.randint(0, 100, (2, 8))
     imp = from_torch(module, (ids,), {"use_cache": False} if name != "clip" else {}, verbose=False)
     assert set(imp.opaque) == opaque
