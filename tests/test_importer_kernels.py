@@ -9,6 +9,8 @@ import torch
 import tapestry
 from tapestry.evaluator import evaluate
 from tapestry.importer import from_torch
+from tapestry.importer.report import import_report
+from tapestry.importer.zoo import FAMILIES
 from tapestry.plan.plan import Compute
 from tapestry.plan.simulate import simulate
 
@@ -131,6 +133,42 @@ def test_several_index_tensors_take_at_the_flat_position_like_torch():
     imp = from_torch(Indexed(), args, verbose=False)
     assert not imp.opaque
     assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(Indexed(), args))
+
+
+class LastToken(torch.nn.Module):
+    """A sequence classifier's pooling: each row's hidden state at its own position (negatives from the end)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        return h[torch.arange(h.shape[0]), position]
+
+
+def test_a_position_per_row_is_a_gather_whose_rows_split_with_x():
+    """x[arange(n), j] reads row r at j[r]: a gather along the next dim, so a device holding rows of x picks its
+    own rows' positions, where a take at flat positions needs all of x on every device."""
+    module, args = LastToken().eval(), (torch.randn(8, 6, 16), torch.tensor([5, -1, 0, 3, -6, 2, 1, 4]))
+    imp = from_torch(module, args, verbose=False)
+    assert not imp.opaque and "gather" in next(iter(imp.coverage["aten.index.Tensor"])).split(", ")
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(module, args))
+    (pick,) = [imp.graph.signature(node.name) for node in imp.graph if node.op == "gather"]
+    rows = pick.index.split_even(0, 2)[0]  # half the rows
+    assert 0 in pick.splittable and pick.projections[0].apply(rows).shape[0] == 4  # reads only its rows of x
+
+
+def test_clip_texts_argmax_pooling_no_longer_keeps_its_plan_whole():
+    """Issue 25 (cause 5): the tiny CLIP text model's plans sharded 0% of FLOPs, the flat take of its pooling
+    needing the whole last hidden state on every device; as a gather its plan on Mesh(4) shards."""
+    module, args, kwargs = FAMILIES["clip_text"].build()
+    imp = from_torch(module, args, kwargs, verbose=False)
+    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
+    assert import_report("clip_text", imp, tapestry.Mesh(4), plan).plan_sharded > 0.9
+    with torch.no_grad():
+        want = [t.numpy() for t in module(*args, **kwargs).values()]
+    assert_same(imp.outputs(simulate(plan, imp.inputs(*args, **kwargs))), want)
 
 
 # -- einsum ------------------------------------------------------------------------------------------------------
@@ -427,7 +465,7 @@ def hugging_face(name: str):
     ("mixtral", set(), ("transformers.grouped_mm_fallback.default", "grouped_mm")),
     ("falcon", set(), ("aten.scaled_dot_product_attention.default", "sdpa_masked")),
     ("falcon-multi-query", set(), ("aten.scaled_dot_product_attention.default", "sdpa_masked")),
-    ("clip", set(), ("aten.index.Tensor", "take")),
+    ("clip", set(), ("aten.index.Tensor", "gather")),
 ])
 def test_hugging_face_moe_gqa_and_pooled_models_import_their_ops_as_kernels(name, opaque, kernel):
     """Mixtral's expert dispatch (grouped_mm) and cumsum(dtype=), Falcon's grouped-query attention, CLIP's argmax
