@@ -171,6 +171,35 @@ def test_clip_texts_argmax_pooling_no_longer_keeps_its_plan_whole():
     assert_same(imp.outputs(simulate(plan, imp.inputs(*args, **kwargs))), want)
 
 
+class Overwrite(torch.nn.Module):
+    """In-place writes into slices and selects (BART's shift_tokens_right, a masked update), which torch.export
+    makes functional: slice_scatter, select_scatter, fill."""
+
+    def forward(self, ids: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        shifted = ids.new_zeros(ids.shape)
+        shifted[:, 1:] = ids[:, :-1].clone()
+        shifted[:, 0] = 2
+        y = x.clone()
+        y[:, 2] = x[:, 0] * 3
+        y[1:3] = 0.5
+        y[:, :, -2:] = x[:, :, :2]
+        z = torch.relu(x)
+        z.fill_(x[0, 0, 0])
+        return shifted.masked_fill(shifted == -100, 1), y, z, torch.relu(x).fill_(1.5)
+
+
+def test_writes_into_slices_and_selects_are_concats_of_slices_and_match_eager():
+    args = (torch.randint(0, 9, (4, 6)), torch.randn(4, 5, 6))
+    imp = from_torch(Overwrite(), args, verbose=False)
+    assert not imp.opaque
+    made = {op: {k for m in imp.coverage[op] for k in m.split(", ")} for op in
+            ("aten.slice_scatter.default", "aten.select_scatter.default", "aten.fill.Tensor", "aten.fill.Scalar")}
+    assert made == {"aten.slice_scatter.default": {"concat", "slice"},
+                    "aten.select_scatter.default": {"concat", "reshape", "slice"},
+                    "aten.fill.Tensor": {"expand"}, "aten.fill.Scalar": {"expand"}}
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(Overwrite(), args))
+
+
 # -- einsum ------------------------------------------------------------------------------------------------------
 class Einsum(torch.nn.Module):
     def __init__(self, equation: str) -> None:
