@@ -200,6 +200,21 @@ def test_writes_into_slices_and_selects_are_concats_of_slices_and_match_eager():
     assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(Overwrite(), args))
 
 
+class Unfold(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        unfold = torch.nn.functional.unfold
+        return (unfold(x, (3, 1), padding=(1, 0)), unfold(x, 2, stride=2),
+                unfold(x, (2, 3), dilation=(2, 1), padding=(1, 2), stride=(2, 3)))
+
+
+def test_unfold_is_strided_window_slices_concatenated_and_matches_eager():
+    """ConvBERT's span convolution (nn.Unfold, aten.im2col), with padding, strides and dilations."""
+    x = torch.randn(2, 3, 7, 8)
+    imp = from_torch(Unfold(), (x,), verbose=False)
+    assert not imp.opaque
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(x))), eager(Unfold(), (x,)))
+
+
 # -- einsum ------------------------------------------------------------------------------------------------------
 class Einsum(torch.nn.Module):
     def __init__(self, equation: str) -> None:
