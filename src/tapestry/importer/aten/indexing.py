@@ -24,6 +24,7 @@ def _index(b: Builder, x: Any, indices: list[Any]) -> Value:
         idx = b.tensor(indices[axes[1]])
         if idx.dtype in ("int32", "int64") and idx.shape == (value.shape[axes[0]],):
             return _select_per_row(b, value, axes[0], _wrapped(b, idx, value.shape[axes[1]]))
+        indices = [idx if axis == axes[1] else i for axis, i in enumerate(indices)]  # one constant, not two
     given = [(axis, b.tensor(i)) for axis, i in enumerate(indices) if i is not None]
     if axes != list(range(axes[0], axes[0] + len(axes))):  # not adjacent: torch puts the index dims first
         value = b.op("transpose", value, perm=(*axes, *(d for d in range(value.ndim) if d not in axes)))
