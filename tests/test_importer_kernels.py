@@ -2,6 +2,9 @@
 torch computes, whole and in a plan sharded over four devices."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +14,7 @@ from tapestry.evaluator import evaluate
 from tapestry.importer import from_torch
 from tapestry.importer.report import import_report
 from tapestry.importer.zoo import FAMILIES
+from tapestry.optimizer import default_cost_model
 from tapestry.plan.plan import Compute
 from tapestry.plan.simulate import simulate
 
@@ -406,6 +410,28 @@ def test_histc_over_a_fixed_range_imports_as_a_kernel_and_its_plan_matches_eager
     assert_same(imp.outputs(simulate(plan, imp.inputs(x))), eager(module, (x,)))
 
 
+@dataclass(frozen=True)
+class SplitHistc:
+    """The default cost model with a histc step that runs whole priced out: at test sizes the honest price keeps
+    the tiny count whole, and the plan under test is the one whose devices count their own elements."""
+
+    base: Any = field(default_factory=default_cost_model)
+
+    def step_cost(self, step, mesh) -> float:
+        if isinstance(step, Compute) and step.kernel == "histc" and len(set(step.blocks)) == 1:
+            return 1.0
+        return self.base.step_cost(step, mesh)
+
+
+def test_histc_split_over_four_devices_sums_their_counts_and_matches_eager():
+    torch.manual_seed(0)
+    module, x = Router().eval(), torch.randn(64, 8)
+    imp = from_torch(module, (x,), verbose=False)
+    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4), cost_model=SplitHistc()).plan
+    assert [len(set(s.blocks)) for s in plan.steps if isinstance(s, Compute) and s.kernel == "histc"] == [4, 4]
+    assert_same(imp.outputs(simulate(plan, imp.inputs(x))), eager(module, (x,)))
+
+
 def test_histc_over_the_datas_own_range_runs_opaque_and_says_why():
     class Histogram(torch.nn.Module):
         def forward(self, x):
@@ -533,7 +559,8 @@ def test_plans_with_the_new_kernels_run_on_four_gloo_ranks_and_match_eager(case)
                     "recurrent": lambda: (Tagger("LSTM").eval(), (torch.randn(4, 4, 8),))}[case]()
     imp = from_torch(module, args, verbose=False)
     plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
-    assert_same(imp.outputs(plan.run(imp.inputs(*args), compile=False).outputs), eager(module, args))
+    ran = tapestry.run_plan(plan, imp.inputs(*args), compile=False)
+    assert_same(imp.outputs(ran.outputs), eager(module, args))
 
 
 class Repeats(torch.nn.Module):
