@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,53 +36,79 @@ from tapestry.plan.plan import Compute  # noqa: E402
 from tapestry.plan.simulate import simulate  # noqa: E402
 
 IMPORTING = Path(__file__).resolve().parent.parent / "docs" / "importing.md"
+ZOO_TESTS = Path(__file__).resolve().parent.parent / "tests" / "test_zoo.py"
+
+
+def default_suite() -> set[tuple[str, str]]:
+    """(family, mesh) cases tests/test_zoo.py runs in the default suite (`make test`, not marked slow), read from
+    pytest's own collection, so the table cannot claim a test CI does not run."""
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", str(ZOO_TESTS)],
+                               capture_output=True, text=True, cwd=ZOO_TESTS.parent.parent, check=True).stdout
+    return {tuple(case.rsplit("-", 1)) for case in re.findall(r"plan_matches_eager\[(.+?)\]", collected)}
+
+
+def family_row(name: str, meshes: list[Mesh], suite: set[tuple[str, str]]) -> str:
+    """One family imported, optimized on each mesh, its plans simulated and compared with eager PyTorch."""
+    family = FAMILIES[name]
+    module, args, kwargs = family.build()
+    with torch.no_grad():
+        want = [t.numpy() for t in torch.utils._pytree.tree_leaves(module(*args, **kwargs))
+                if isinstance(t, torch.Tensor)]
+    imported = from_torch(module, args, kwargs, verbose=False)
+    cells, failure = [], None
+    for mesh in meshes:
+        start = time.perf_counter()
+        try:
+            plan = optimize(imported.graph, mesh).plan
+        except Exception as err:  # noqa: BLE001  the table says what failed
+            failure = failure or f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+            cells.append("—")
+            continue
+        seconds = time.perf_counter() - start
+        got = imported.outputs(simulate(plan, imported.inputs(*args, **kwargs)))
+        if len(got) != len(want) or not all(
+                g.shape == w.shape and np.abs(g.astype(np.float64) - w).max() <= 1e-4 * max(np.abs(w).max(), 1.0)
+                for g, w in zip(got, want)):
+            failure = failure or f"the plan on {mesh} differs from eager"
+        report = import_report(name, imported, mesh, plan)
+        cells.append(f"{report.plan_sharded:.1%}, {seconds:.1f}")
+    report = import_report(name, imported, meshes[0])
+    opaque = ", ".join(f"`{op.aten.removeprefix('aten.')}` x{op.count}" for op in report.opaque) or "none"
+    verdict = "passes" if failure is None else f"fails: {failure}"
+    tested = ", ".join(str(m) for m in meshes if (name, str(m)) in suite) or "`slow`"
+    return (f"| {name} | {family.kind} | {report.aten_ops} | {report.made.get('kernels', 0)} | {opaque} | "
+            f"{report.shardable:.1%} | " + " | ".join(cells) + f" | {verdict} | {tested} |")
 
 
 def families(names: list[str], meshes: list[Mesh]) -> None:
-    """The "Model families" section of docs/importing.md: does each family pass end to end, and what shards."""
-    rows = ["| family | kind | ATen ops | kernels | opaque ops | FLOPs that can shard | "
-            + " | ".join(f"{m}: plan shards, optimize s" for m in meshes) + " | end to end |",
-            "|---|---|---:|---:|---|---:|" + "---:|" * len(meshes) + "---|"]
+    """The "Model families" section of docs/importing.md: does each family pass end to end, what shards, and
+    which of its cases the default suite tests. Rows of families not named are kept from the table as it was
+    (when its columns are these meshes'), so one family can be rerun alone; the section is written after each
+    row, so a cut run keeps what it measured."""
+    header = ["| family | kind | ATen ops | kernels | opaque ops | FLOPs that can shard | "
+              + " | ".join(f"{m}: plan shards, optimize s" for m in meshes) + " | end to end | in `make test` |",
+              "|---|---|---:|---:|---|---:|" + "---:|" * len(meshes) + "---|---|"]
+    text = IMPORTING.read_text()
+    kept = {line.split(" | ")[0].removeprefix("| "): line for line in text.splitlines()
+            if line.startswith("| ") and line.count(" | ") == header[0].count(" | ")} if header[0] in text else {}
+    rows = {name: row for name, row in kept.items() if name in FAMILIES and name not in names}
+    suite = default_suite()
     for name in names:
-        family = FAMILIES[name]
-        module, args, kwargs = family.build()
-        with torch.no_grad():
-            want = [t.numpy() for t in torch.utils._pytree.tree_leaves(module(*args, **kwargs))
-                    if isinstance(t, torch.Tensor)]
-        imported = from_torch(module, args, kwargs, verbose=False)
-        cells, failure = [], None
-        for mesh in meshes:
-            start = time.perf_counter()
-            try:
-                plan = optimize(imported.graph, mesh).plan
-            except Exception as err:  # noqa: BLE001  the table says what failed
-                failure = failure or f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
-                cells.append("—")
-                continue
-            seconds = time.perf_counter() - start
-            got = imported.outputs(simulate(plan, imported.inputs(*args, **kwargs)))
-            if not all(np.abs(g.astype(np.float64) - w).max() <= 1e-4 * max(np.abs(w).max(), 1.0)
-                       for g, w in zip(got, want)):
-                failure = failure or f"the plan on {mesh} differs from eager"
-            report = import_report(name, imported, mesh, plan)
-            cells.append(f"{report.plan_sharded:.1%}, {seconds:.1f}")
-        report = import_report(name, imported, meshes[0])
-        opaque = ", ".join(f"`{op.aten.removeprefix('aten.')}` x{op.count}" for op in report.opaque) or "none"
-        verdict = "passes" if failure is None else f"fails: {failure}"
-        row = (f"| {name} | {family.kind} | {report.aten_ops} | {report.made.get('kernels', 0)} | {opaque} | "
-               f"{report.shardable:.1%} | " + " | ".join(cells) + f" | {verdict} |")
-        print(row, flush=True)
-        rows.append(row)
-    body = "\n".join(rows) + (
-        "\n\nEach family is the tiny model `tapestry.importer.zoo.FAMILIES` builds from a config with random weights"
-        " (nothing downloaded), imported with `from_torch`, optimized on each mesh under the default cost model,"
-        " its plan simulated and compared with eager PyTorch (1e-4 of the largest output). `FLOPs that can shard`"
-        f" (on {meshes[0]}) and `plan shards` are `tapestry import-report`'s (importer/report.py): the FLOPs of ops"
-        " with a candidate partition that splits them, and of the plan's compute steps split over devices. At"
-        " these sizes the cost model keeps much of the work whole (communication costs more than it saves), so"
-        " `plan shards` is low for some families; it is what the plan does, not a limit. `optimize s` depends on"
-        f" the machine's load (here {os.getloadavg()[1]:.1f} on {os.cpu_count()} cores).")
-    write_section("Model families", "python benchmarks/importing.py --families", body, IMPORTING)
+        rows[name] = family_row(name, meshes, suite)
+        print(rows[name], flush=True)
+        body = "\n".join(header + [rows[n] for n in FAMILIES if n in rows]) + (
+            "\n\nEach family is the tiny model `tapestry.importer.zoo.FAMILIES` builds from a config with random"
+            " weights (nothing downloaded), imported with `from_torch`, optimized on each mesh under the default cost"
+            " model, its plan simulated and compared with eager PyTorch (1e-4 of the largest output), as"
+            " tests/test_zoo.py does. `in `make test`` names the meshes on which the default suite runs that test"
+            " (read from pytest's collection); `slow` means only `make test-all` (`-m ''`) runs it. `FLOPs that can"
+            f" shard` (on {meshes[0]}) and `plan shards` are `tapestry import-report`'s (importer/report.py): the"
+            " FLOPs of ops with a candidate partition that splits them, and of the plan's compute steps split over"
+            " devices. At these sizes the cost model keeps much of the work whole (communication costs more than it"
+            " saves), so `plan shards` is low for some families; it is what the plan does, not a limit. `optimize s`"
+            f" depends on the machine's load (here {os.getloadavg()[1]:.1f} on {os.cpu_count()} cores at the last"
+            " row written).")
+        write_section("Model families", "python benchmarks/importing.py --families", body, IMPORTING)
 
 
 def main() -> None:

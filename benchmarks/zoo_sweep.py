@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -162,23 +163,33 @@ def main() -> None:
             print(rows[-1], flush=True)
             passed += "| passes" in rows[-1]
         if args.write:  # after each chunk: a cut run leaves what it swept
-            write(rows, passed, args)
+            write(rows, args)
     print(f"{passed} of {len(rows) - 2} pass", flush=True)
 
 
-def write(rows: list[str], passed: int, args: argparse.Namespace) -> None:
-    """The "Zoo sweep" section of docs/importing.md."""
-    body = "\n".join(rows) + (
-        f"\n\n{passed} of {len(rows) - 2} families pass: imported with `from_torch`, optimized on "
+def write(rows: list[str], args: argparse.Namespace) -> None:
+    """The "Zoo sweep" section of docs/importing.md. Rows of families this run did not sweep are kept from the
+    section as it was when it was swept with the same seeds, meshes and extractor (so a sweep can go in batches);
+    the command then names every family in the table."""
+    options = f"--seeds {' '.join(map(str, args.seeds))} --meshes {' '.join(args.meshes)} --extractor {args.extractor}"
+    swept = {line.split(" | ")[0].removeprefix("| "): line for line in rows[2:]}
+    section = re.search(r"<!-- BEGIN Zoo sweep -->(.*?)<!-- END Zoo sweep -->", IMPORTING.read_text(), re.S)
+    kept = {}
+    if section and f" {options} --write`" in section.group(1) and rows[0] in section.group(1):
+        kept = {line.split(" | ")[0].removeprefix("| "): line for line in section.group(1).splitlines()
+                if line.startswith("| ") and line.count(" | ") == rows[0].count(" | ") and line != rows[0]}
+    table = {name: swept.get(name) or kept[name] for name in ZOO if name in swept or name in kept}
+    passed = sum("| passes" in line for line in table.values())
+    body = "\n".join(rows[:2] + list(table.values())) + (
+        f"\n\n{passed} of {len(table)} families pass: imported with `from_torch`, optimized on "
         f"{' and '.join(args.meshes)} with the {args.extractor} extractor under PYTHONHASHSEED "
         f"{', '.join(map(str, args.seeds))}, simulated, and compared with eager PyTorch (1e-4 of the largest "
         "output), the plan's cost the same under every seed (where it differs and a run's search was stopped by a "
         "clock, a budget of seconds or the ILP's time limit, the row says so: the load, not the seed, cut it). "
         "`plan shards` is `tapestry import-report`'s share "
         f"of FLOPs the plan splits over devices (seed {args.seeds[0]}); `opaque ops` run whole through torch.")
-    command = (f"python benchmarks/zoo_sweep.py {' '.join(args.names)} --seeds {' '.join(map(str, args.seeds))} "
-               f"--meshes {' '.join(args.meshes)} --extractor {args.extractor} --write").replace("  ", " ")
-    write_section("Zoo sweep", command, body, IMPORTING)
+    write_section("Zoo sweep", f"python benchmarks/zoo_sweep.py {' '.join(table)} {options} --write", body, IMPORTING)
+
 
 if __name__ == "__main__":
     main()

@@ -190,3 +190,24 @@ def test_grouped_mm_split_over_experts_rows_features_or_k_equals_the_per_expert_
     sig = bind("grouped_mm", [x.shape, w.shape, ends.shape], {}, ["float64", "float64", "int64"])
     want = _fallback(*(torch.from_numpy(a) for a in (x, w, ends))).numpy()
     np.testing.assert_allclose(run_sharded(sig, [x, w, ends], pieces(sig, dim, bounds)), want, rtol=1e-12)
+
+
+# -- histc: MoE routers count tokens per expert ----------------------------------------------------------------------
+@pytest.mark.parametrize("bounds", [[0, 9], [0, 4, 9], [0, 1, 2, 6, 9]])
+def test_histc_counts_are_an_additive_reduction_over_the_elements_so_split_counts_sum_to_torchs(bounds):
+    x = np.array([np.nan, -1.0, 0.0, 3.0, 3.5, np.inf, 1.0, 2.9999, 0.75], np.float32)  # edges, outside, NaN
+    sig = bind("histc", [x.shape], {"bins": 4, "min": 0.0, "max": 3.0}, ["float32"])
+    assert kinds(sig) == {"elements": R} and sig.splittable == (0,) and sig.output_shape == (4,)
+    want = torch.histc(torch.from_numpy(x), 4, 0, 3).numpy()
+    np.testing.assert_array_equal(run_sharded(sig, [x], pieces(sig, 0, bounds)), want)
+
+
+@pytest.mark.parametrize("shapes, params, dtype, message", [
+    ([(2, 3)], {"bins": 4, "min": 0.0, "max": 3.0}, "float32", "counts a flat x"),
+    ([(6,)], {"bins": 4, "min": 1.0, "max": 1.0}, "float32", "max > min"),
+    ([(6,)], {"bins": 0, "min": 0.0, "max": 1.0}, "float32", "bins >= 1"),
+    ([(6,)], {"bins": 4, "min": 0.0, "max": 3.0}, "bfloat16", "float32 or float64 x"),
+])
+def test_bad_histc_inputs_say_what_was_expected(shapes, params, dtype, message):
+    with pytest.raises(KernelError, match=message):
+        bind("histc", shapes, params, [dtype])

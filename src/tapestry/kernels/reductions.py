@@ -215,3 +215,56 @@ _reduce_whole("argmax", np.argmax, torch.argmax, _index_rule("argmax"), ("float"
               "position of the first largest value along one axis (int64; dropped unless keepdim)")
 _reduce_whole("argmin", np.argmin, torch.argmin, _index_rule("argmin"), ("float", "int64"),
               "position of the first smallest value along one axis (int64; dropped unless keepdim)")
+
+
+# -- histc -----------------------------------------------------------------------------------------------------------
+HISTC_DTYPES = ("float32", "float64")  # torch bins half precision in its own arithmetic, which the reference does not
+
+
+def histc_signature(x: Shape, bins: int, min: float, max: float) -> SignatureSpec:
+    """Counts of a flat x in `bins` equal bins over [min, max]: each element adds one to one bin, so x's dim is
+    an additive reduction (a device counts its elements; the counts sum) and every block writes all the bins."""
+    if len(x) != 1:
+        raise KernelError(f"histc counts a flat x; got x{list(x)} (reshape it to one dim first)")
+    if bins < 1 or not max > min:
+        raise KernelError(f"histc needs bins >= 1 and max > min (fixed bins); got bins={bins}, [{min}, {max}]")
+    return SignatureSpec(dims=("elements",), sizes=x, inputs=(follow(1, [0]),),
+                         output=follow(1, [None], shape=[bins]), flops_per_point=2)
+
+
+def _histc_numpy(x: np.ndarray, bins: int, min: float, max: float) -> np.ndarray:
+    """torch's CPU histc: bin ⌊(x − min) · bins / (max − min)⌋ in x's dtype, x = max in the last bin, values
+    outside [min, max] (and NaN) not counted."""
+    lo, hi = x.dtype.type(min), x.dtype.type(max)
+    inside = x[(x >= lo) & (x <= hi)]
+    position = ((inside - lo) * x.dtype.type(bins) / (hi - lo)).astype(np.int64)
+    return np.bincount(np.minimum(position, bins - 1), minlength=bins).astype(x.dtype)
+
+
+def _histc_rule(in_dtypes: tuple[str, ...], params: Mapping[str, ParamValue]) -> str:
+    if in_dtypes[0] not in HISTC_DTYPES:
+        raise KernelError(f"histc takes a float32 or float64 x, got {in_dtypes[0]}; cast it first")
+    return in_dtypes[0]
+
+
+def _sample_histc(draw):
+    low = draw(st.sampled_from((-1.0, 0.0, 0.5)))
+    params = {"bins": draw(st.integers(1, 6)), "min": low, "max": low + draw(st.sampled_from((0.5, 1.0, 3.0)))}
+    return ((draw(st.integers(1, 40)),),), params
+
+
+register(
+    Kernel(
+        name="histc",
+        inputs=("x",),
+        signature=histc_signature,
+        numpy=_histc_numpy,
+        torch=lambda x, bins, min, max: torch.histc(x, bins, min, max),
+        sample=_sample_histc,
+        params={"bins": 100, "min": 0.0, "max": 1.0},
+        additive=frozenset({"elements"}),
+        dtype_rule=_histc_rule,
+        doc="counts of a flat x in bins equal bins over [min, max] (fixed: torch's default min = max reads the"
+            " data's range, which the importer leaves opaque)",
+    )
+)

@@ -205,3 +205,27 @@ def _interpolation(b: Builder, rest: tuple[Any, ...], size: int, axis: int) -> t
     units = units.expand(size, 1, *shape)
     out = b.node.target(units, *rest)  # [size, 1, OH, OW]
     return out[:, 0, :, 0] if axis == 2 else out[:, 0, 0, :]
+
+
+@converts("aten.im2col.default")
+def _im2col(b: Builder, x: Any, kernel_size: Any, dilation: Any, padding: Any, stride: Any) -> Value:
+    """nn.Unfold (ConvBERT's span convolution): x[N, C, H, W] padded, one strided window offset (i, j) at a time
+    read as a `slice` of every output position, the kh·kw offsets `concat`ed beside the channels and `reshape`d to
+    [N, C·kh·kw, L] (channel c, offset i·kw + j, as torch orders them)."""
+    value = b.tensor(x)
+    if value.ndim != 4:
+        raise Unsupported(f"an unbatched im2col (x{list(value.shape)}; [N, C, H, W] is taken)")
+    (kh, kw), (dh, dw), (ph, pw), (sh, sw) = ((int(a), int(b_)) for a, b_ in (kernel_size, dilation, padding, stride))
+    n, c = value.shape[:2]
+    padded = b.op("pad", value, pad=(pw, pw, ph, ph), value=0.0) if ph or pw else value
+    height, width = padded.shape[2:]
+    oh, ow = (height - dh * (kh - 1) - 1) // sh + 1, (width - dw * (kw - 1) - 1) // sw + 1
+    out = None
+    for i, j in ((i, j) for i in range(kh) for j in range(kw)):
+        window = padded
+        for axis, start, size, step, full in ((2, i * dh, oh, sh, height), (3, j * dw, ow, sw, width)):
+            if (start, size, step) != (0, full, 1):
+                window = b.op("slice", window, axis=axis, start=start, stop=start + (size - 1) * step + 1, step=step)
+        window = b.op("reshape", window, shape=(n, c, 1, oh * ow))
+        out = window if out is None else b.op("concat", out, window, axis=2)
+    return b.op("reshape", out, shape=(n, c * kh * kw, oh * ow))

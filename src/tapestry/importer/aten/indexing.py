@@ -14,12 +14,18 @@ from tapestry.importer.translate import Builder, Unsupported, converts
 
 @converts("aten.index.Tensor")
 def _index(b: Builder, x: Any, indices: list[Any]) -> Value:
-    """x[idx], x[:, idx] (one integer index tensor) and x[i, j] (CLIP's pooling, `h[arange(B), ids.argmax(-1)]`):
-    the indexed dims (moved first when not adjacent, as torch does) merged into one (`reshape`) and read at the
-    flat position Σ i_k · stride_k (negatives wrapped, the indices broadcast), a `take`."""
+    """x[idx], x[:, idx] (one integer index tensor) and x[i, j]: the indexed dims (moved first when not adjacent,
+    as torch does) merged into one (`reshape`) and read at the flat position Σ i_k · stride_k (negatives wrapped,
+    the indices broadcast), a `take`. x[arange(n), j] (pooling at a position per row: CLIP's
+    `h[arange(B), ids.argmax(-1)]`, sequence classifiers' last token) is a `gather` instead, so rows split."""
     value = b.tensor(x)
+    axes = [axis for axis, i in enumerate(indices) if i is not None]
+    if len(axes) == 2 and axes[1] == axes[0] + 1 and _is_arange(indices[axes[0]], value.shape[axes[0]]):
+        idx = b.tensor(indices[axes[1]])
+        if idx.dtype in ("int32", "int64") and idx.shape == (value.shape[axes[0]],):
+            return _select_per_row(b, value, axes[0], _wrapped(b, idx, value.shape[axes[1]]))
+        indices = [idx if axis == axes[1] else i for axis, i in enumerate(indices)]  # one constant, not two
     given = [(axis, b.tensor(i)) for axis, i in enumerate(indices) if i is not None]
-    axes = [axis for axis, _ in given]
     if axes != list(range(axes[0], axes[0] + len(axes))):  # not adjacent: torch puts the index dims first
         value = b.op("transpose", value, perm=(*axes, *(d for d in range(value.ndim) if d not in axes)))
         given = [(k, i) for k, (_, i) in enumerate(given)]
@@ -33,15 +39,34 @@ def _index(b: Builder, x: Any, indices: list[Any]) -> Value:
     sizes = [value.shape[a] for a in axes]
     flat = None
     for k, (axis, idx) in enumerate(given):
-        idx = idx if idx.dtype == "int64" else b.op("cast", idx, dtype="int64")
-        negative = b.op("cast", b.op("lt_scalar", idx, value=0.0), dtype="int64")
-        idx = b.op("add", idx, b.op("mul_scalar", negative, value=float(sizes[k])))  # wrapped
+        idx = _wrapped(b, idx, sizes[k])
         stride = math.prod(sizes[k + 1 :])
         term = idx if stride == 1 else b.op("mul_scalar", idx, value=float(stride))
         term = term if term.shape == shape else b.op("expand", term, shape=shape)
         flat = term if flat is None else b.op("add", flat, term)
     merged = b.op("reshape", value, shape=(*value.shape[:first], math.prod(sizes), *value.shape[axes[-1] + 1 :]))
     return b.op("take", merged, flat, axis=first)
+
+
+def _wrapped(b: Builder, idx: Value, size: int) -> Value:
+    """An int64 index with negatives counted from the end (`size` added), as torch reads them."""
+    idx = idx if idx.dtype == "int64" else b.op("cast", idx, dtype="int64")
+    negative = b.op("cast", b.op("lt_scalar", idx, value=0.0), dtype="int64")
+    return b.op("add", idx, b.op("mul_scalar", negative, value=float(size)))
+
+
+def _is_arange(index: Any, n: int) -> bool:
+    """A constant index tensor [0, 1, ..., n-1]: it picks each row of its dim once, in order."""
+    return isinstance(index, torch.Tensor) and index.shape == (n,) and bool((index == torch.arange(n)).all())
+
+
+def _select_per_row(b: Builder, x: Value, axis: int, idx: Value) -> Value:
+    """x[..., arange(n), idx, ...]: row r of `axis` reads its own position idx[r] of the next dim, a `gather` along
+    that dim (x's other dims follow the index's, so rows split with x and nothing is exchanged), the dim dropped."""
+    n, after = x.shape[axis], x.shape[axis + 2 :]
+    column = b.op("reshape", idx, shape=(*(1,) * axis, n, 1, *(1,) * len(after)))
+    picked = b.op("gather", x, b.op("expand", column, shape=(*x.shape[:axis], n, 1, *after)), axis=axis + 1)
+    return b.op("reshape", picked, shape=(*x.shape[:axis], n, *after))
 
 
 @converts("aten.index_select.default")

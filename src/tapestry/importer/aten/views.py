@@ -9,7 +9,7 @@ import torch
 
 from tapestry.graph import Value
 from tapestry.importer.aten.common import _axis
-from tapestry.importer.translate import Builder, converts
+from tapestry.importer.translate import Builder, Unsupported, converts
 
 
 VIEWS = ("aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.flatten.using_ints",
@@ -109,6 +109,52 @@ def _cat(b: Builder, tensors: list[Any], dim: int = 0) -> Value:
     for v in values[1:]:  # binary concat: a chain is what the kernel shards
         out = b.op("concat", out, v, axis=axis)
     return out
+
+
+@converts("aten.slice_scatter.default")
+def _slice_scatter(b: Builder, x: Any, src: Any, dim: int = 0, start: int | None = None, end: int | None = None,
+                   step: int = 1) -> Value:
+    """x with src written over x[start:end] along dim: torch's functional form of `x[:, 1:] = y` (BART's
+    shift_tokens_right)."""
+    value = b.tensor(x)
+    axis = _axis(dim, value.ndim)
+    lo, hi, stride = slice(start, end, step).indices(value.shape[axis])
+    if stride != 1:
+        raise Unsupported(f"a slice_scatter with step {stride} (step 1 is taken: one contiguous run)")
+    return _overwrite(b, value, b.tensor(src), axis, lo, max(hi, lo))
+
+
+@converts("aten.select_scatter.default")
+def _select_scatter(b: Builder, x: Any, src: Any, dim: int, index: int) -> Value:
+    """x with src written over x.select(dim, index): `x[:, 0] = y`."""
+    value = b.tensor(x)
+    axis = _axis(dim, value.ndim)
+    row = b.op("reshape", b.tensor(src), shape=(*value.shape[:axis], 1, *value.shape[axis + 1 :]))
+    at = index % value.shape[axis]
+    return _overwrite(b, value, row, axis, at, at + 1)
+
+
+def _overwrite(b: Builder, x: Value, src: Value, axis: int, lo: int, hi: int) -> Value:
+    """x with rows [lo, hi) of `axis` replaced by src: x's rows before, src, x's rows after, `concat`ed."""
+    src = src if src.dtype == x.dtype else b.op("cast", src, dtype=x.dtype)
+    size = x.shape[axis]
+    before = [b.op("slice", x, axis=axis, start=0, stop=lo, step=1)] if lo > 0 else []
+    after = [b.op("slice", x, axis=axis, start=hi, stop=size, step=1)] if hi < size else []
+    out, *rest = [*before, src, *after]
+    for piece in rest:
+        out = b.op("concat", out, piece, axis=axis)
+    return out
+
+
+@converts("aten.fill.Scalar", "aten.fill.Tensor")
+def _fill(b: Builder, x: Any, value: Any) -> Value:
+    """A tensor of x's shape and dtype holding one value: a number is a one-cell constant, a 0-dim tensor a
+    `cast` if needed; either `expand`ed (a view)."""
+    if not isinstance(value, (torch.Tensor, Value)):
+        return b.filled(value, b.shape, b.dtype)
+    cell = b.tensor(value)
+    cell = cell if cell.dtype == b.dtype else b.op("cast", cell, dtype=b.dtype)
+    return b.op("expand", cell, shape=b.shape)
 
 
 @converts("aten.stack.default")
