@@ -3,14 +3,17 @@ else is hidden, and a plan without carried state is a plain sum of its steps."""
 from __future__ import annotations
 
 import pytest
-from training_helpers import ARGUMENTS, GPU, HIDDEN, adam_step
+from training_helpers import ARGUMENTS, HIDDEN, adam_step
+from training_helpers import GPU as FUSING
 
 import tapestry
-from tapestry.cost import plan_cost
+from tapestry.cost import DefaultCostModel, plan_cost
 from tapestry.cost.overlap import overlap
 from tapestry.graph import Graph
 from tapestry.plan import Compute, Reshard
 from tapestry.training.plans import data_parallel, megatron, split_by_propagation
+
+GPU = DefaultCostModel(FUSING.profile, fuse=False)  # each step its own kernel: the overlap alone (cost.fusion apart)
 
 
 def total(plan: tapestry.Plan) -> float:
