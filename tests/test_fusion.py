@@ -59,6 +59,18 @@ def test_a_reshard_between_two_elementwise_kernels_breaks_the_fusion():
     assert plan_cost(across, GPU) - plan_cost(along, GPU) > 1.5 * sum(GPU.step_cost(s, mesh) for s in moves)
 
 
+def test_a_chain_never_spans_a_matmul_that_one_member_waits_for_and_another_feeds():
+    """u = sigmoid(x) feeds the matmul t, and y = u * t waits for it: u and y cannot be one kernel (u is written
+    before the matmul, y made after it), as a forward value a backward op reads is written."""
+    g = Graph()
+    x, m = g.input("x", (ROWS, COLS)), g.input("m", (COLS, COLS))
+    u = g.op("sigmoid", x, name="u")
+    g.output("y", g.op("mul", u, g.op("matmul", u, m, name="t"), name="y"))
+    plan = build_plan(g, tapestry.Mesh(1))
+    assert fusion_groups(plan) == []
+    assert plan_cost(plan, GPU) == plan_cost(plan, UNFUSED)
+
+
 def test_fused_step_costs_sum_to_the_plan_cost_and_never_exceed_the_steps_alone():
     from training_helpers import adam_step
 
