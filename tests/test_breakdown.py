@@ -6,8 +6,9 @@ import pytest
 from training_helpers import ARGUMENTS, GPU, adam_step
 
 import tapestry
-from tapestry.cost import plan_cost
-from tapestry.cost.breakdown import HIDDEN, breakdown, phases
+from tapestry.cost import plan_cost, step_costs
+from tapestry.cost.breakdown import FUSED, HIDDEN, breakdown, phases
+from tapestry.cost.model import from_costs
 from tapestry.cost.overlap import overlap
 from tapestry.graph import Graph
 from tapestry.plan import Compute, Place, build_plan
@@ -20,7 +21,11 @@ def test_the_parts_of_a_data_parallel_adam_step_add_up_to_its_plan_cost():
     plan = data_parallel(adam_step(64, 256, 4096)[0].graph, tapestry.Mesh(4), ARGUMENTS)
     found = breakdown(plan, GPU, DEVICE)
     assert found.total == pytest.approx(plan_cost(plan, GPU))
-    assert found.seconds["step", HIDDEN] == pytest.approx(-overlap(plan, GPU.step_cost).hidden)
+    costs = step_costs(plan, GPU)
+    assert found.seconds["step", HIDDEN] == pytest.approx(-overlap(plan, from_costs(costs)).hidden)
+    saved = sum(costs.values()) - sum(GPU.step_cost(plan.by_id[v], plan.mesh) for v in costs)
+    assert sum(s for (_, kind), s in found.seconds.items() if kind == FUSED) == pytest.approx(saved)
+    assert saved < 0  # the backward's and the update's elementwise chains
     assert found.seconds["step", HIDDEN] < 0
     assert found.seconds["backward", "all_reduce"] > 0  # the gradients' reductions
     launches = sum(n for (_, kind), n in found.count.items() if kind == "launch")

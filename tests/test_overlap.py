@@ -3,14 +3,17 @@ else is hidden, and a plan without carried state is a plain sum of its steps."""
 from __future__ import annotations
 
 import pytest
-from training_helpers import ARGUMENTS, GPU, HIDDEN, adam_step
+from training_helpers import ARGUMENTS, HIDDEN, adam_step
+from training_helpers import GPU as FUSING
 
 import tapestry
-from tapestry.cost import plan_cost
+from tapestry.cost import DefaultCostModel, plan_cost
 from tapestry.cost.overlap import overlap
 from tapestry.graph import Graph
-from tapestry.plan import Compute, Reshard
-from tapestry.training.plans import data_parallel, megatron, split_by_propagation
+from tapestry.plan import Compute, Place, Reshard
+from tapestry.training.plans import data_parallel, megatron, split_by_propagation, zero3
+
+GPU = DefaultCostModel(FUSING.profile, fuse=False)  # each step its own kernel: the overlap alone (cost.fusion apart)
 
 
 def total(plan: tapestry.Plan) -> float:
@@ -47,6 +50,25 @@ def test_a_forward_all_reduce_is_never_hidden():
     plan = megatron(imported.graph, tapestry.Mesh(4), HIDDEN)
     assert [s.shape for s in partial_sums(plan)] == [(4096, 64)]
     assert overlap(plan, GPU.step_cost).reductions == 0
+
+
+def test_zero3_weight_all_gathers_are_not_hidden_having_no_compute_between_issue_and_first_use():
+    """The rank programs issue each collective at its plan step and wait at its first reader (spmd.trace; inductor's
+    compute/communication reordering is off), and a weight's all-gather comes right before the kernel that reads
+    it: nothing runs beside it, so no FSDP-style prefetch is credited."""
+    plan = zero3(adam_step(64, 256, 1024)[0].graph, tapestry.Mesh(4), ARGUMENTS)
+    position = {s.out: k for k, s in enumerate(plan.steps)}
+    weights = {s.out for s in plan.steps if isinstance(s, Place) and s.input in plan.graph.carried.values()}
+    gathers = [s for s in plan.steps if isinstance(s, Reshard) and s.src in weights and not s.src_layout.partial]
+    assert gathers
+    for gather in gathers:
+        first = min(k for k, s in enumerate(plan.steps) if isinstance(s, Compute) and gather.out in s.args)
+        between = plan.steps[position[gather.out] + 1:first]
+        assert all(not isinstance(s, Compute) or s.signature.kernel.is_view for s in between)
+    found = overlap(plan, GPU.step_cost)
+    assert found.reductions == pytest.approx(sum(GPU.step_cost(s, plan.mesh) for s in partial_sums(plan)
+                                                 if s.out not in plan.prepared))
+    assert plan_cost(plan, GPU) == pytest.approx(total(plan) - found.hidden)
 
 
 def test_without_carried_state_a_plan_costs_the_sum_of_its_steps():

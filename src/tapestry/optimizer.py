@@ -26,6 +26,7 @@ from tapestry.cost import (
     rank_peaks,
 )
 from tapestry.cost.memory import lean_order
+from tapestry.cost.model import from_costs, step_costs
 from tapestry.cost.overlap import forward_outputs, overlap, upstream
 from tapestry.egraph.clock import clock
 from tapestry.egraph.decode import Decoder, DNode, distributed_nodes
@@ -245,7 +246,7 @@ class Explored:
             return replace(plan, cost=plan_cost(plan, model)), selection  # time per run, not objective
 
         plan, selection = fit(1.0)
-        found = overlap(plan, model.step_cost)
+        found = overlap(plan, from_costs(step_costs(plan, model)))
         if found.reductions > found.backward * (1 + 1e-9):  # the first piece was not the plan's time
             plan, selection = min([(plan, selection), *map(fit, LAGRANGE_WEIGHTS)], key=lambda p: p[0].cost)
             selection = replace(selection, status="feasible")  # no objective was the plan's time: nothing proven

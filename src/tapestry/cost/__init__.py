@@ -9,18 +9,22 @@ from dataclasses import dataclass
 
 from tapestry.cost.comm import AlphaBeta, collective_time
 from tapestry.cost.memory import RankPeak, layout_bytes, peak_memory, rank_peaks, resident_bytes
-from tapestry.cost.model import CostModel, plan_cost, run_costs
+from tapestry.cost.fusion import fused_costs
+from tapestry.cost.model import CostModel, plan_cost, run_costs, step_costs
 from tapestry.cost.profile import DeviceProfile, Link, Profile, builtin_profiles, load_profile
 from tapestry.cost.roofline import Roofline
-from tapestry.plan.plan import Step
+from tapestry.plan.plan import Plan, Step
 from tapestry.sharding import Mesh
 
 
 @dataclass(frozen=True)
 class DefaultCostModel:
-    """Roofline for Compute, alpha-beta for Reshard, and Place free: inputs arrive already laid out."""
+    """Roofline for Compute, alpha-beta for Reshard, and Place free: inputs arrive already laid out. With `fuse`,
+    a plan's chains of elementwise kernels are priced as the one kernel inductor compiles them into
+    (`cost.fusion`; the rank programs of spmd are compiled whole)."""
 
     profile: Profile
+    fuse: bool = True
 
     @property
     def roofline(self) -> Roofline:
@@ -32,6 +36,11 @@ class DefaultCostModel:
 
     def step_cost(self, step: Step, mesh: Mesh) -> float:
         return self.roofline.step_cost(step, mesh) + self.comm.step_cost(step, mesh)
+
+    def plan_step_costs(self, plan: Plan) -> dict[str, float]:
+        """Seconds per per-run step of `plan`, fusion groups charged as one kernel (`cost.fusion`) with `fuse`."""
+        costs = {s.out: self.step_cost(s, plan.mesh) for s in plan.steps if s.out not in plan.prepared}
+        return fused_costs(plan, costs, self.profile.device) if self.fuse else costs
 
 
 def default_cost_model() -> DefaultCostModel:
@@ -59,4 +68,5 @@ __all__ = [
     "resident_bytes",
     "plan_cost",
     "run_costs",
+    "step_costs",
 ]

@@ -4,7 +4,9 @@
 the loss needs; update: what reads optimizer state the forward never reads, Adam's moments and step count;
 backward: the rest) and by what bounds them on the roofline: compute at the peak of their dtype (bfloat16 on
 tensor cores, float32 far slower), memory bandwidth (elementwise kernels, softmax, casts), the launch each kernel
-pays, and collectives by kind, the part the backward hides of the gradient reductions (`cost.overlap`) apart.
+pays, and collectives by kind, each step priced alone; what fusing elementwise chains saves (`cost.fusion`: the
+model's `step_costs` below the steps' own) and the part the backward hides of the gradient reductions
+(`cost.overlap`) are listed apart, negative.
 `model_seconds` is what the plan's compute needs at the bfloat16 peak with no launch and no byte: the time
 an MFU of 100% would take.
 """
@@ -14,7 +16,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from tapestry.cost.model import CostModel
+from tapestry.cost.model import CostModel, from_costs, step_costs
 from tapestry.cost.overlap import forward_outputs, overlap, upstream
 from tapestry.cost.profile import DeviceProfile
 from tapestry.cost.roofline import compute_dtype
@@ -22,11 +24,12 @@ from tapestry.plan.plan import Compute, Place, Plan, Reshard
 from tapestry.sharding.collectives import classify_reshard
 
 HIDDEN = "hidden reductions"  # the kind under which the overlap credit is listed (negative seconds)
+FUSED = "fused away"  # the kind under which a phase's fusion saving is listed (negative seconds)
 
 
 @dataclass(frozen=True)
 class Breakdown:
-    """Seconds per (phase, kind); they sum to `plan_cost` (the hidden reductions enter negative)."""
+    """Seconds per (phase, kind); they sum to `plan_cost` (fusion savings and hidden reductions enter negative)."""
 
     seconds: Mapping[tuple[str, str], float] = field(default_factory=dict)
     count: Mapping[tuple[str, str], int] = field(default_factory=dict)
@@ -108,10 +111,13 @@ def breakdown(plan: Plan, model: CostModel, device: DeviceProfile) -> Breakdown:
     seconds: dict[tuple[str, str], float] = defaultdict(float)
     count: dict[tuple[str, str], int] = defaultdict(int)
     model_seconds = 0.0
+    costs = step_costs(plan, model)
     for step in plan.steps:
         if isinstance(step, Place) or step.out in plan.prepared:
             continue
         cost = model.step_cost(step, plan.mesh)
+        if costs[step.out] < cost:
+            seconds[phase[step.out], FUSED] += costs[step.out] - cost
         if isinstance(step, Compute):
             kind = compute_kind(step, device)
             if kind not in ("views", "idle"):
@@ -127,7 +133,7 @@ def breakdown(plan: Plan, model: CostModel, device: DeviceProfile) -> Breakdown:
             kind = str(classify_reshard(step.src_layout, step.layout, step.shape, plan.mesh))
         seconds[phase[step.out], kind] += cost
         count[phase[step.out], kind] += 1
-    hidden = overlap(plan, model.step_cost).hidden
+    hidden = overlap(plan, from_costs(costs)).hidden
     if hidden:
         seconds["step", HIDDEN] -= hidden
     return Breakdown(dict(seconds), dict(count), model_seconds)

@@ -2,15 +2,19 @@
 
 Each plan step (and each distributed e-node, which decodes 1:1 into a step)
 carries everything needed to price it, so a model never sees the whole plan:
-that keeps node costs local, which exact DAG extraction relies on. The one
-plan-wide term, a training step's gradient reductions hidden behind its backward
-pass, is the model-independent `cost.overlap`, applied by `plan_cost`.
+that keeps node costs local, which exact DAG extraction relies on. Two terms are
+plan-wide: a model may price a plan's steps together (`plan_step_costs`:
+DefaultCostModel prices fused elementwise chains as one kernel, `cost.fusion`), and a
+training step's gradient reductions hide behind its backward pass (the
+model-independent `cost.overlap`), both applied by `plan_cost`.
 """
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from tapestry.cost.overlap import overlap
+from collections.abc import Mapping
+
+from tapestry.cost.overlap import StepCost, overlap
 from tapestry.plan.plan import Plan, Step, output_gathers
 from tapestry.sharding import Mesh
 
@@ -25,12 +29,27 @@ class CostModel(Protocol):
         ...
 
 
+def step_costs(plan: Plan, model: CostModel) -> dict[str, float]:
+    """Seconds per per-run step (by value; prepared steps left out): the model's `plan_step_costs(plan)` where it
+    has one (pricing steps together: fusion), else each step's `step_cost`."""
+    together = getattr(model, "plan_step_costs", None)
+    if together is not None:
+        return together(plan)
+    return {step.out: model.step_cost(step, plan.mesh) for step in plan.steps if step.out not in plan.prepared}
+
+
+def from_costs(costs: Mapping[str, float]) -> StepCost:
+    """`costs` (from step_costs) as the StepCost `cost.overlap` takes."""
+    return lambda step, mesh: costs[step.out]
+
+
 def plan_cost(plan: Plan, model: CostModel) -> float:
-    """The sequential SPMD time per run: steps run one after another, each as slow as its slowest device; prepared
-    steps (`Plan.prepared`: computed from static inputs alone) run once ahead of time, so they cost nothing; a
-    training step's gradient reductions hide behind its backward pass as far as it lasts (`cost.overlap`)."""
-    total = sum(model.step_cost(step, plan.mesh) for step in plan.steps if step.out not in plan.prepared)
-    return total - overlap(plan, model.step_cost).hidden
+    """The sequential SPMD time per run: steps run one after another, each as slow as its slowest device, priced by
+    `step_costs` (fused chains as one kernel under DefaultCostModel); prepared steps (`Plan.prepared`: computed
+    from static inputs alone) run once ahead of time, so they cost nothing; a training step's gradient reductions
+    hide behind its backward pass as far as it lasts (`cost.overlap`)."""
+    costs = step_costs(plan, model)
+    return sum(costs.values()) - overlap(plan, from_costs(costs)).hidden
 
 
 def run_costs(plan: Plan, model: CostModel) -> dict[int, float]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tapestry import dtypes
-from tapestry.cost import CostModel, peak_memory, resident_bytes
+from tapestry.cost import CostModel, peak_memory, resident_bytes, step_costs
 from tapestry.cost.memory import layout_bytes
 from tapestry.cost.overlap import forward_outputs, upstream
 from tapestry.graph import Graph
@@ -187,7 +187,7 @@ def layer_cost(plan: Plan, model: CostModel) -> LayerCost:
         if not isinstance(step, Place) and any(a in update for a in args(step.out)):
             update.add(step.out)
     per_run = [s for s in plan.steps if not isinstance(s, Place) and s.out not in plan.prepared]
-    cost = {s.out: model.step_cost(s, plan.mesh) for s in per_run}
+    cost = step_costs(plan, model)  # fused elementwise chains priced as one kernel (cost.fusion)
     reductions = {s.out for s in per_run if isinstance(s, Reshard) and s.src_layout.partial and s.out not in forward
                   and all(r in update for r in readers.get(s.out, ()))}
     backward = [s for s in per_run if s.out not in forward and s.out not in update and s.out not in reductions]

@@ -1,0 +1,150 @@
+"""Chains of memory-bound elementwise kernels priced as the one kernel inductor makes of them.
+
+The roofline prices every plan step as its own kernel: an elementwise op reads its inputs from memory and
+writes its result back. But a rank's program is compiled whole by inductor (spmd.trace), which fuses pointwise,
+broadcast and reduction loops that meet on one device into one generated kernel: an intermediate read only by
+such neighbours stays in registers. RMSNorm, SiLU times up, the residual adds and the dtype casts of a LLaMA
+block, and their gradients, are such chains; priced op by op they took 35% of one 7B block's training step.
+
+A fusion group: the per-run Compute steps of FUSIBLE kernels joined wherever one reads another's value directly
+and both lie after as many unfusible steps (its epoch: the most matmuls, attention kernels or Reshards on a path
+from the inputs), so a group is one kernel in program order: no member waits, through a step outside the group,
+for another (a forward value a backward elementwise op reads is written in between, as a kernel must). A
+Reshard between two steps breaks the group (the value must be in memory to be moved), as does any other kernel
+(a matmul or an attention kernel is a library call inductor does not fuse into). A group moves, per device:
+- each value it reads from outside, once (the largest block any member reads of it);
+- each value it makes that anything outside the group reads, or that the plan delivers, once;
+and pays one launch; its FLOPs are its members' at each one's dtype peak. The group's time, like a step's, is
+its slowest device's max(FLOPs / peak, bytes / bandwidth) + launch, stretched by oversubscription; it never
+exceeds the members' summed step costs, and each member is charged its share of it in proportion to its own
+step cost, so per-step costs still sum to the plan's time exactly.
+
+What is not modelled: inductor splitting a group into several kernels (a reduction feeding a pointwise op of
+another shape: two loops, an input read twice), and the backward recomputing a forward intermediate instead of
+saving it (AOTAutograd's min-cut): both are cheap next to the bytes a group saves. The per-step runtime
+(`run_plan`, one compiled kernel per step) fuses nothing: `run_costs` prices its steps unfused.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from tapestry import dtypes
+from tapestry.cost.profile import DeviceProfile
+from tapestry.cost.roofline import compute_dtype
+from tapestry.plan.plan import Compute, Place, Plan
+from tapestry.zspace import ZRange
+from tapestry.zspace.affine import IndexProjection
+
+# Kernels inductor lowers to pointwise or reduction loops (elementwise ops, reductions and row-wise maps such as
+# softmax and the norms) or folds into a loop's indexing (views, slices, expands, pads), by their defining module.
+FUSIBLE = frozenset({"tapestry.kernels.elementwise", "tapestry.kernels.reductions", "tapestry.kernels.shape",
+                     "tapestry.kernels.views"})
+
+
+def fusible(step: Compute) -> bool:
+    kernel = step.signature.kernel
+    return kernel.signature.__module__ in FUSIBLE and not step.exchange and not step.ring
+
+
+@dataclass(frozen=True)
+class Group:
+    """Steps (by value, in plan order) inductor would compile into one kernel, and the values it writes."""
+
+    members: tuple[str, ...]
+    written: tuple[str, ...]  # in plan order
+
+
+def _footprint(projection: IndexProjection, block: ZRange) -> int:
+    """Elements of the box an index block reads through `projection` (Signature.footprint_expr, numerically)."""
+    extents = block.shape
+    return math.prod(sum(abs(a) * (e - 1) for a, e in zip(row, extents)) + size
+                     for row, size in zip(projection.matrix, projection.shape))
+
+
+def fusion_groups(plan: Plan) -> list[Group]:
+    """The plan's fusion groups of two or more steps (module docstring), in plan order of their first member."""
+    by_id = plan.by_id
+    per_run = {s.out: s for s in plan.steps if isinstance(s, Compute) and s.out not in plan.prepared and fusible(s)}
+    parent = {v: v for v in per_run}
+
+    def root(v: str) -> str:
+        while parent[v] != v:
+            parent[v] = parent[parent[v]]
+            v = parent[v]
+        return v
+
+    readers: dict[str, list[str]] = {}
+    epoch: dict[str, int] = {}  # the most unfusible steps (matmuls, attention, reshards) on a path to the value
+    for step in plan.steps:
+        args = step.args if isinstance(step, Compute) else () if isinstance(step, Place) else (step.src,)
+        for a in args:
+            readers.setdefault(a, []).append(step.out)
+        if step.out in plan.prepared:
+            epoch[step.out] = 0  # made ahead of time: an input to every run
+            continue
+        epoch[step.out] = max((epoch[a] + (a not in per_run and not isinstance(by_id[a], Place)
+                                           and a not in plan.prepared) for a in args), default=0)
+        if step.out in per_run:
+            for a in step.args:
+                if a in per_run and epoch[a] == epoch[step.out]:
+                    parent[root(step.out)] = root(a)
+    members: dict[str, list[str]] = {}
+    for v in per_run:
+        members.setdefault(root(v), []).append(v)
+    delivered = set(plan.outputs.values())
+    groups = []
+    for chain in members.values():
+        if len(chain) < 2:
+            continue
+        inside = set(chain)
+        escaping = [v for v in chain if v in delivered or any(r not in inside for r in readers.get(v, ()))]
+        written: set[str] = set()
+        for v in escaping:  # a view's value is its source's memory: the source is what is written
+            while by_id[v].signature.kernel.is_view and by_id[v].args[0] in inside:
+                v = by_id[v].args[0]
+            if not by_id[v].signature.kernel.is_view:
+                written.add(v)
+        groups.append(Group(tuple(chain), tuple(v for v in chain if v in written)))
+    return groups
+
+
+def group_time(plan: Plan, group: Group, device: DeviceProfile) -> float:
+    """Seconds of `group` as one kernel: its slowest device's roofline time plus one launch, stretched."""
+    by_id = plan.by_id
+    inside, written = set(group.members), set(group.written)
+    slowest = 0.0
+    for d in range(plan.mesh.size):
+        seconds, nbytes, reads = 0.0, 0, {}
+        for v in group.members:
+            step = by_id[v]
+            block = step.blocks[d]
+            if block is None or block.is_empty:
+                continue
+            sig = step.signature
+            if not sig.kernel.is_view:
+                seconds += sig.cost(block)[0] / device.peak(compute_dtype(sig))
+            for a, projection, dtype in zip(step.args, sig.projections, sig.input_dtypes):
+                if a not in inside:
+                    reads[a] = max(reads.get(a, 0), _footprint(projection, block) * dtypes.itemsize(dtype))
+            if v in written:
+                nbytes += _footprint(sig.output, block) * dtypes.itemsize(sig.dtype)
+        nbytes += sum(reads.values())
+        if seconds or nbytes:
+            slowest = max(slowest, max(seconds, nbytes / device.mem_bandwidth) + device.launch_overhead)
+    return slowest * device.oversubscription(plan.mesh.size)
+
+
+def fused_costs(plan: Plan, costs: Mapping[str, float], device: DeviceProfile) -> dict[str, float]:
+    """`costs` (seconds per per-run step, unfused) with each fusion group's members charged their share of the
+    group's time (module docstring); steps outside groups keep their cost."""
+    fused = dict(costs)
+    for group in fusion_groups(plan):
+        unfused = sum(costs[v] for v in group.members)
+        if unfused <= 0.0:
+            continue
+        scale = min(group_time(plan, group, device), unfused) / unfused
+        for v in group.members:
+            fused[v] = costs[v] * scale
+    return fused

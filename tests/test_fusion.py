@@ -1,0 +1,98 @@
+"""Chains of elementwise kernels on one device are priced as the one kernel inductor compiles them into
+(cost.fusion): their external inputs read once, the values anything else reads written once, one launch."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tapestry
+from tapestry.cost import DefaultCostModel, load_profile, plan_cost, step_costs
+from tapestry.cost.breakdown import breakdown
+from tapestry.cost.fusion import fusion_groups
+from tapestry.graph import Graph
+from tapestry.plan import Compute, Reshard, build_plan
+
+GPU = DefaultCostModel(load_profile("gpu-h100-nccl"))
+UNFUSED = DefaultCostModel(GPU.profile, fuse=False)
+ROWS, COLS = 4096, 1024  # 16 MiB per float32 value: memory-bound by far
+
+
+def chain() -> Graph:
+    """y = sigmoid((x + r) * w), w broadcast over the rows; and z = (x + r) @ m, a matmul reading the sum."""
+    g = Graph()
+    x, r, w = g.input("x", (ROWS, COLS)), g.input("r", (ROWS, COLS)), g.input("w", (COLS,))
+    h = g.op("add", x, r, name="h")
+    g.output("y", g.op("sigmoid", g.op("mul", h, w, name="n"), name="s"))
+    g.output("z", g.op("matmul", h, g.input("m", (COLS, 8)), name="mm"))
+    return g
+
+
+def test_a_chain_reads_its_inputs_and_writes_what_leaves_it_once_with_one_launch():
+    plan = build_plan(chain(), tapestry.Mesh(1))
+    [group] = fusion_groups(plan)
+    assert [plan.by_id[v].kernel for v in group.members] == ["add", "mul", "sigmoid"]
+    assert {plan.by_id[v].kernel for v in group.written} == {"add", "sigmoid"}  # h: the matmul reads it
+    device = GPU.profile.device
+    moved = 4 * (3 * ROWS * COLS + COLS + ROWS * COLS)  # x, r, w in; h, y out
+    matmul = next(s for s in plan.steps if isinstance(s, Compute) and s.kernel == "matmul")
+    expected = moved / device.mem_bandwidth + device.launch_overhead + GPU.step_cost(matmul, plan.mesh)
+    assert plan_cost(plan, GPU) == pytest.approx(expected)
+    assert plan_cost(plan, GPU) < plan_cost(plan, UNFUSED)
+
+
+def test_a_reshard_between_two_elementwise_kernels_breaks_the_fusion():
+    """Rows split all along fuse add, mul and sigmoid; the mul split by columns instead puts a reshard on each
+    side of it: three groups of one, and the plan prices higher by more than the reshards alone."""
+    mesh = tapestry.Mesh(2)
+    along = build_plan(chain(), mesh, {"h": (0,), "n": (0,), "s": (0,), "mm": (0,)})
+    across = build_plan(chain(), mesh, {"h": (0,), "n": (1,), "s": (0,), "mm": (0,)})
+    assert not any(isinstance(s, Reshard) for s in along.steps if s.out not in along.prepared)
+    moves = [s for s in across.steps if isinstance(s, Reshard)]
+    assert moves
+    assert len(fusion_groups(along)) == 1 and fusion_groups(across) == []
+    assert plan_cost(across, UNFUSED) - plan_cost(along, UNFUSED) == pytest.approx(
+        sum(GPU.step_cost(s, mesh) for s in moves), rel=1e-3)  # unfused, splitting the mul by columns is free
+    assert plan_cost(across, GPU) - plan_cost(along, GPU) > 1.5 * sum(GPU.step_cost(s, mesh) for s in moves)
+
+
+def test_a_chain_never_spans_a_matmul_that_one_member_waits_for_and_another_feeds():
+    """u = sigmoid(x) feeds the matmul t, and y = u * t waits for it: u and y cannot be one kernel (u is written
+    before the matmul, y made after it), as a forward value a backward op reads is written."""
+    g = Graph()
+    x, m = g.input("x", (ROWS, COLS)), g.input("m", (COLS, COLS))
+    u = g.op("sigmoid", x, name="u")
+    g.output("y", g.op("mul", u, g.op("matmul", u, m, name="t"), name="y"))
+    plan = build_plan(g, tapestry.Mesh(1))
+    assert fusion_groups(plan) == []
+    assert plan_cost(plan, GPU) == plan_cost(plan, UNFUSED)
+
+
+def test_fused_step_costs_sum_to_the_plan_cost_and_never_exceed_the_steps_alone():
+    from training_helpers import adam_step
+
+    plan = build_plan(adam_step(64, 256, 1024)[0].graph, tapestry.Mesh(1))
+    fused, alone = step_costs(plan, GPU), step_costs(plan, UNFUSED)
+    assert fused.keys() == alone.keys()
+    assert all(fused[v] <= alone[v] for v in fused)
+    assert sum(fused.values()) < sum(alone.values())
+    assert breakdown(plan, GPU, GPU.profile.device).total == pytest.approx(plan_cost(plan, GPU))
+
+
+def priced_adam_step() -> str:
+    from training_helpers import adam_step
+
+    plan = build_plan(adam_step(64, 256, 1024)[0].graph, tapestry.Mesh(1))
+    return f"{step_costs(plan, GPU)!r} {fusion_groups(plan)!r}"
+
+
+def test_fusion_pricing_does_not_depend_on_the_hash_seed():
+    """This process (its hash seed random unless PYTHONHASHSEED is set) against one with hashing unseeded."""
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent / "src"), str(here)]), "PYTHONHASHSEED": "0"}
+    script = "import test_fusion; print(test_fusion.priced_adam_step())"
+    other = subprocess.run([sys.executable, "-c", script], env=env, check=True, capture_output=True, text=True).stdout
+    assert other.strip() == priced_adam_step()
