@@ -186,6 +186,10 @@ def _compute_problems(mesh: Mesh, step: Compute, defined: dict[str, Step]) -> li
     if step.ring and (sig.kernel.ring is None or not all(0 <= a < mesh.ndim for a in step.ring)):
         return [f"ring over mesh axes {list(step.ring)}, but {sig.kernel.name} has no ring (its keys cannot split) "
                 f"or the mesh {list(mesh.shape)} lacks those axes"]
+    if sig.kernel.ring is not None and sig.kernel.ring.gradients:
+        problems = _gradient_ring_problems(mesh, step)
+        if problems:
+            return problems
     covered = exchanged_blocks(sig, step.blocks, step.exchange)
     problems = [f"blocks do not partition the index space: {p}" for p in partition_issues(sig, covered)]
     problems += _layout_claim_problems(sig, step)
@@ -201,6 +205,25 @@ def _compute_problems(mesh: Mesh, step: Compute, defined: dict[str, Step]) -> li
         elif not malformed:
             problems += _read_problems(sig, i, step, what)
     return problems
+
+
+def _gradient_ring_problems(mesh: Mesh, step: Compute) -> list[str]:
+    """The fused backward's rows split only in a ring (a row block's dk and dv need every query), and there each
+    device's query rows are its key block (its output rows pack both: kernels.ring)."""
+    sig, ring_of = step.signature, step.signature.kernel.ring
+    if ring_of.rows not in sig.dims:
+        return [f"ring over mesh axes {list(step.ring)}, but {sig.kernel.name} has no {ring_of.rows!r} dim"] \
+            if step.ring else []
+    rows = sig.dims.index(ring_of.rows)
+    spans = [None if b is None else (b.start[rows], b.end[rows]) for b in step.blocks]
+    if not step.ring:
+        if any(s is not None and s != (0, sig.index.shape[rows]) for s in spans):
+            return [f"splits the {ring_of.rows!r} rows of {sig.kernel.name} without a ring: a row block's dk and "
+                    f"dv need every query"]
+        return []
+    keys = ring.keys(step, mesh)
+    return [f"device {k}'s rows {s} are not its key block {keys[k]}: a gradient ring packs both in its output rows"
+            for k, s in enumerate(spans) if s is not None and s != keys[k]][:3]
 
 
 def _ring_read_problems(mesh: Mesh, step: Compute, arg: int, what: str) -> list[str]:

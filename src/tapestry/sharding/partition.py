@@ -137,6 +137,9 @@ def _ring_check(sig: Signature, mesh: Mesh, splits: tuple[Split, ...], ring: tup
                 ) -> tuple[tuple[int, int], ...]:
     if sig.kernel.ring is None:
         raise ValueError(f"{sig.kernel.name} has no ring: its keys cannot split")
+    if sig.kernel.ring.rows not in sig.dims:
+        raise ValueError(f"{sig.kernel.name} on {[list(s) for s in sig.input_shapes]} has no {sig.kernel.ring.rows!r} "
+                         f"index dim (its queries and keys differ in number): its keys cannot split")
     rows = sig.dims.index(sig.kernel.ring.rows)
     for axis, split in enumerate(splits):
         if axis in ring and split != ((rows, mesh.shape[axis]),):
@@ -189,14 +192,20 @@ def candidate_partitions(sig: Signature, mesh: Mesh) -> list[Partition]:
             continue
         part = make_partition(sig, mesh, axes)
         found.setdefault(part.blocks, part)
-    return list(found.values()) + _exchange_partitions(sig, mesh) + _ring_partitions(sig, mesh, found.values())
+    rings = _ring_partitions(sig, mesh, found.values())
+    if sig.kernel.ring is not None and sig.kernel.ring.gradients and sig.kernel.ring.rows in sig.dims:
+        rows = sig.dims.index(sig.kernel.ring.rows)  # the backward's rows split only in a ring, and wholly
+        found = {k: p for k, p in found.items() if rows not in p.dims()}
+        rings = [p for p in rings
+                 if all(a in p.ring for a, split in enumerate(p.axes) if (rows, mesh.shape[a]) in split)]
+    return list(found.values()) + _exchange_partitions(sig, mesh) + rings
 
 
 def _ring_partitions(sig: Signature, mesh: Mesh, parts: Iterable[Partition]) -> list[Partition]:
     """Context parallel: each partition whose queries only some mesh axes split, each alone, and where no device
     idles, again with a ring over every non-empty set of those axes, when there are at least as many keys as ring
     members (so no member's key block is empty)."""
-    if sig.kernel.ring is None:
+    if sig.kernel.ring is None or sig.kernel.ring.rows not in sig.dims:  # a backward with L != S has no rows dim
         return []
     rows = sig.dims.index(sig.kernel.ring.rows)
     found = []
@@ -210,7 +219,8 @@ def _ring_partitions(sig: Signature, mesh: Mesh, parts: Iterable[Partition]) -> 
             for ring in itertools.combinations(alone, n):
                 if key_extent(sig) >= math.prod(mesh.shape[a] for a in ring):
                     found.append(make_partition(sig, mesh, part.axes, ring=ring))
-        if len(alone) == 1 and key_extent(sig) >= mesh.shape[alone[0]] and sig.kernel.work is not None:
+        if (len(alone) == 1 and key_extent(sig) >= mesh.shape[alone[0]] and sig.kernel.work is not None
+                and not sig.kernel.ring.gradients):  # the backward's key block j is its query block j
             even = make_partition(sig, mesh, part.axes, ring=(alone[0],))
             balanced = balance_ring(sig, mesh, even)
             if balanced.blocks != even.blocks:
@@ -227,6 +237,9 @@ def balance_ring(sig: Signature, mesh: Mesh, part: Partition) -> Partition:
     if len(part.ring) != 1 or any(b is None for b in part.blocks):
         raise ValueError(f"balance_ring needs a ring over one mesh axis with every device busy; got ring axes "
                          f"{list(part.ring)} and blocks {part.blocks}")
+    if sig.kernel.ring.gradients:
+        raise ValueError(f"{sig.kernel.name}: a gradient ring's query block j is its key block j, so its rows split "
+                         f"evenly with the keys; they cannot be cut for equal work")
     (axis,) = part.ring
     rows, parts = sig.dims.index(sig.kernel.ring.rows), mesh.shape[axis]
     extent = sig.index.shape[rows]
