@@ -313,6 +313,31 @@ def test_ring_sends_hide_behind_the_rounds_compute_at_long_sequences_and_are_pri
         assert (exposed == 0) == hidden
 
 
+def long_backward_plan(seq: int, mesh: Mesh = Mesh(8)) -> Plan:
+    g = Graph()
+    dout, q, out = (g.input(n, (1, 32, seq, 128), "bfloat16") for n in ("dout", "q", "out"))
+    k, v = g.input("k", (1, 32, seq, 128), "bfloat16"), g.input("v", (1, 32, seq, 128), "bfloat16")
+    g.output("y", g.op("flash_attention_backward", dout, q, k, v, out, g.input("lse", (1, 32, seq)), causal=True,
+                       name="attn"))
+    return ring_plan(g, mesh, ("query",), (0,))
+
+
+def test_the_backward_rings_sends_and_its_float32_sums_hide_behind_compute_but_the_last_pass_home_is_exposed():
+    from tapestry.cost import DefaultCostModel, load_profile
+
+    model = DefaultCostModel(load_profile("gpu-h100-nccl"))
+    mesh = Mesh(8)
+    link = model.comm.group_link((0,), mesh)
+    for seq, hidden in [(32768, True), (1024, False)]:
+        step = next(s for s in long_backward_plan(seq).steps if isinstance(s, Compute))
+        block = (seq // 8) * 32 * 128
+        sums = 2 * 4 * block  # dk's and dv's sums of the key block held, float32
+        send = link.alpha + (2 * 2 * block + sums) / link.beta  # with k's and v's key blocks, bfloat16
+        rounds = 7 * max(0.0, send - model.roofline.compute_time(step) / 8)
+        assert model.comm.step_cost(step, mesh) == pytest.approx(rounds + link.alpha + sums / link.beta)
+        assert (rounds == 0) == hidden
+
+
 def planned_attention(width: int, heads: int, mlp: int, seq: int, mesh: Mesh) -> Compute:
     """The attention step of the plan the search makes for a LLaMA block, built on meta, on H100s."""
     from tapestry.cost import DefaultCostModel, load_profile
