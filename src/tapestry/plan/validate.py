@@ -209,7 +209,8 @@ def _compute_problems(mesh: Mesh, step: Compute, defined: dict[str, Step]) -> li
 
 def _gradient_ring_problems(mesh: Mesh, step: Compute) -> list[str]:
     """The fused backward's rows split only in a ring (a row block's dk and dv need every query), and there each
-    device's query rows are its key block (its output rows pack both: kernels.ring)."""
+    device's query rows are its key block (its output rows pack both: kernels.ring), so a ring's members' rows
+    must cover every key."""
     sig, ring_of = step.signature, step.signature.kernel.ring
     if ring_of.rows not in sig.dims:
         return [f"ring over mesh axes {list(step.ring)}, but {sig.kernel.name} has no {ring_of.rows!r} dim"] \
@@ -221,9 +222,14 @@ def _gradient_ring_problems(mesh: Mesh, step: Compute) -> list[str]:
             return [f"splits the {ring_of.rows!r} rows of {sig.kernel.name} without a ring: a row block's dk and "
                     f"dv need every query"]
         return []
-    keys = ring.keys(step, mesh)
-    return [f"device {k}'s rows {s} are not its key block {keys[k]}: a gradient ring packs both in its output rows"
-            for k, s in enumerate(spans) if s is not None and s != keys[k]][:3]
+    problems = []
+    for group in ring.members(step, mesh):
+        held = sorted(spans[k] for k in group if spans[k] is not None)
+        if len(held) < len(group) or [a for a, _ in held] != [0, *(b for _, b in held[:-1])] \
+                or held[-1][1] != sig.index.shape[rows]:
+            problems.append(f"ring {list(group)} holds rows {held}, not every one of the {sig.index.shape[rows]} "
+                            f"keys: a gradient ring's members' rows are its key blocks")
+    return problems[:3]
 
 
 def _ring_read_problems(mesh: Mesh, step: Compute, arg: int, what: str) -> list[str]:

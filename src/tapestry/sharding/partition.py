@@ -219,8 +219,7 @@ def _ring_partitions(sig: Signature, mesh: Mesh, parts: Iterable[Partition]) -> 
             for ring in itertools.combinations(alone, n):
                 if key_extent(sig) >= math.prod(mesh.shape[a] for a in ring):
                     found.append(make_partition(sig, mesh, part.axes, ring=ring))
-        if (len(alone) == 1 and key_extent(sig) >= mesh.shape[alone[0]] and sig.kernel.work is not None
-                and not sig.kernel.ring.gradients):  # the backward's key block j is its query block j
+        if len(alone) == 1 and key_extent(sig) >= mesh.shape[alone[0]] and sig.kernel.work is not None:
             even = make_partition(sig, mesh, part.axes, ring=(alone[0],))
             balanced = balance_ring(sig, mesh, even)
             if balanced.blocks != even.blocks:
@@ -232,14 +231,11 @@ def balance_ring(sig: Signature, mesh: Mesh, part: Partition) -> Partition:
     """`part` (a ring over one mesh axis, the only one splitting the queries) with its query blocks cut for equal
     work rather than equal size: under a causal mask query i meets i + 1 keys, so even blocks leave the last
     member most of the work (real context parallelism balances it; this is the contiguous way, blocks of
-    decreasing length). The keys stay evenly split. Cuts are where the kernel's work over queries [0, cut) reaches
+    decreasing length). The keys stay evenly split (a gradient ring's are cut as its queries). Cuts are where the kernel's work over queries [0, cut) reaches
     j/p of the whole (`Signature.cost`, which counts only the work a block does); every block keeps a query."""
     if len(part.ring) != 1 or any(b is None for b in part.blocks):
         raise ValueError(f"balance_ring needs a ring over one mesh axis with every device busy; got ring axes "
                          f"{list(part.ring)} and blocks {part.blocks}")
-    if sig.kernel.ring.gradients:
-        raise ValueError(f"{sig.kernel.name}: a gradient ring's query block j is its key block j, so its rows split "
-                         f"evenly with the keys; they cannot be cut for equal work")
     (axis,) = part.ring
     rows, parts = sig.dims.index(sig.kernel.ring.rows), mesh.shape[axis]
     extent = sig.index.shape[rows]
@@ -263,7 +259,10 @@ def balance_ring(sig: Signature, mesh: Mesh, part: Partition) -> Partition:
         start, end = list(block.start), list(block.end)
         start[rows], end[rows] = cuts[c], cuts[c + 1]
         blocks.append(ZRange(tuple(start), tuple(end)))
-    return replace(part, blocks=tuple(blocks), balanced=True)
+    keys = part.keys
+    if sig.kernel.ring.gradients:  # the backward's key block j is its query block j (its output rows pack both)
+        keys = tuple((cuts[mesh.coords(d)[axis]], cuts[mesh.coords(d)[axis] + 1]) for d in mesh.devices)
+    return replace(part, blocks=tuple(blocks), keys=keys, balanced=True)
 
 
 def _exchange_partitions(sig: Signature, mesh: Mesh) -> list[Partition]:
