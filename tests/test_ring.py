@@ -455,7 +455,7 @@ def test_no_ring_is_generated_where_a_device_would_idle():
             assert all(b is not None for b in part.blocks), part.name(sig)
 
 
-@pytest.mark.parametrize("name", ["sdpa", "sdpa_masked"])
+@pytest.mark.parametrize("name", ["sdpa", "sdpa_masked", "flash_attention_backward", "flash_attention_masked_backward"])
 @pytest.mark.parametrize("mesh", [Mesh(2), Mesh(3), Mesh(2, 2)])
 @settings(max_examples=15, deadline=None)
 @given(data=st.data(), seed=st.integers(0, 2**16))

@@ -380,6 +380,8 @@ def _sample_forward(draw, masked: bool):
 
 def _sample_backward(draw, masked: bool):
     q, k, v = _sample_qkv(draw)
+    if draw(st.booleans()):  # self-attention (L = S): gradients packed per row, the rows an index dim
+        k, v = (*k[:-2], q[-2], k[-1]), (*v[:-2], q[-2], v[-1])
     shapes = (q, q, k, v, q, q[:-1])
     if not masked:
         return shapes, _params(draw, False)

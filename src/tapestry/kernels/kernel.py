@@ -271,11 +271,14 @@ class Signature:
 
     @property
     def splittable(self) -> tuple[int, ...]:
-        """Dims a partition may split: all but reductions the kernel is not additive in."""
+        """Dims a partition may split: all but reductions the kernel is not additive in, and a gradient ring's rows
+        (the fused attention backward's: a row block's dk and dv need every query, so they split only in a ring)."""
+        ring = self.kernel.ring
         return tuple(
             d
             for d, k in enumerate(self.dim_kinds)
-            if k is not DimKind.REDUCTION or self.dims[d] in self.kernel.additive
+            if (k is not DimKind.REDUCTION or self.dims[d] in self.kernel.additive)
+            and not (ring is not None and ring.gradients and self.dims[d] == ring.rows)
         )
 
     def index_bound(self, slot: int) -> int | None:

@@ -192,30 +192,36 @@ def candidate_partitions(sig: Signature, mesh: Mesh) -> list[Partition]:
             continue
         part = make_partition(sig, mesh, axes)
         found.setdefault(part.blocks, part)
-    rings = _ring_partitions(sig, mesh, found.values())
-    if sig.kernel.ring is not None and sig.kernel.ring.gradients and sig.kernel.ring.rows in sig.dims:
-        rows = sig.dims.index(sig.kernel.ring.rows)  # the backward's rows split only in a ring, and wholly
-        found = {k: p for k, p in found.items() if rows not in p.dims()}
-        rings = [p for p in rings
-                 if all(a in p.ring for a, split in enumerate(p.axes) if (rows, mesh.shape[a]) in split)]
-    return list(found.values()) + _exchange_partitions(sig, mesh) + rings
+    return list(found.values()) + _exchange_partitions(sig, mesh) + _ring_partitions(sig, mesh, found.values())
+
+
+def _gradient_ring_bases(sig: Signature, mesh: Mesh) -> list[Partition]:
+    """A gradient ring's rows are not splittable (`Signature.splittable`): the partitions its rings start from are
+    the splittable ones with some mesh axes splitting the rows instead."""
+    rows = sig.dims.index(sig.kernel.ring.rows)
+    options = [[*_axis_choices(sig, size), *([((rows, size),)] if sig.index.shape[rows] >= size > 1 else [])]
+               for size in mesh.shape]
+    return [make_partition(sig, mesh, axes) for axes in itertools.product(*options)
+            if any(split == ((rows, size),) for split, size in zip(axes, mesh.shape))]
 
 
 def _ring_partitions(sig: Signature, mesh: Mesh, parts: Iterable[Partition]) -> list[Partition]:
     """Context parallel: each partition whose queries only some mesh axes split, each alone, and where no device
     idles, again with a ring over every non-empty set of those axes, when there are at least as many keys as ring
-    members (so no member's key block is empty)."""
+    members (so no member's key block is empty). A gradient ring (the fused backward) rings every axis splitting
+    its rows: its query block j must be its key block j."""
     if sig.kernel.ring is None or sig.kernel.ring.rows not in sig.dims:  # a backward with L != S has no rows dim
         return []
     rows = sig.dims.index(sig.kernel.ring.rows)
     found = []
-    for part in parts:
+    gradients = sig.kernel.ring.gradients  # its rows split only in a ring, over every axis splitting them
+    for part in _gradient_ring_bases(sig, mesh) if gradients else parts:
         alone = [a for a, split in enumerate(part.axes) if split == ((rows, mesh.shape[a]),) and mesh.shape[a] > 1]
         if not alone or any(d == rows for a, split in enumerate(part.axes) if a not in alone for d, _ in split):
             continue
         if any(b is None for b in part.blocks):  # every ring member holds and passes a key block
             continue
-        for n in range(1, len(alone) + 1):
+        for n in range(len(alone) if gradients else 1, len(alone) + 1):
             for ring in itertools.combinations(alone, n):
                 if key_extent(sig) >= math.prod(mesh.shape[a] for a in ring):
                     found.append(make_partition(sig, mesh, part.axes, ring=ring))
