@@ -75,8 +75,7 @@ def test_declared_additivity_is_only_on_reduction_dims(name, data):
     for d, (dim, kind) in enumerate(zip(sig.dims, sig.dim_kinds)):
         if dim in sig.kernel.additive:
             assert kind is DimKind.REDUCTION, f"{name}: {dim} is declared additive but is {kind.value}"
-        ringed = sig.kernel.ring is not None and sig.kernel.ring.gradients and dim == sig.kernel.ring.rows
-        splits = (kind is not DimKind.REDUCTION or dim in sig.kernel.additive) and not ringed  # ringed: in a ring
+        splits = (kind is not DimKind.REDUCTION or dim in sig.kernel.additive) and dim not in sig.kernel.ring_only
         assert (d in sig.splittable) == splits, dim
         if d in sig.splittable and sig.index.shape[d] >= 2:
             halves = run_sharded(sig, args, sig.index.split_even(d, 2))

@@ -11,19 +11,21 @@ is one kernel whose output packs its results along the last dim, and the importe
   columns back, exactly). Index dims: the batch dims and the queries, all parallel.
 - `flash_attention_backward` dout, q, k, v, out, lse -> [*B, L, 3·E] for self-attention (L = S, `by_rows`): row
   i packs [dq_i | dk_i | dv_i], query i's gradient beside key i's. Index dims: the batch dims and the rows, which
-  split only in a ring (kernels.ring, `Ring.gradients`: a row block's dk and dv need every query; a plan splitting
-  them otherwise is refused). Where L != S: [*B, L·E + S·E + S·E], per batch point dq, dk and dv flattened, index
-  dims the batch dims only (`unpacked` says where each lies). With grouped-query attention (k's and v's batch dims
-  1 where q's are not) dk and dv are each query head's share; the importer sums the group.
+  split only in a ring (`Kernel.ring_only`; kernels.ring, `Ring.gradients`: a row block's dk and dv need every
+  query; a plan splitting them otherwise is refused). Where L != S: [*B, L·E + S·E + S·E], per batch point dq,
+  dk and dv flattened, index dims the batch dims only (`unpacked` says where each lies). With grouped-query
+  attention (k's and v's batch dims 1 where q's are not) dk and dv are each query head's share; the importer sums
+  the group.
 - `flash_attention_masked`, `flash_attention_masked_backward`: the same with an additive float (or bool) mask
   broadcastable to [*B, L, S] as the last input.
 
 Why packed rather than one kernel per result: separate kernels would each compute (and be priced for) the whole
 attention, and fusing them back would need a multi-output step in lowering and in every runtime; one kernel per
 fused op keeps the plan, its price and its lowering one call. What they cost: the forward 2·S·(E + Ev) + 5·S
-FLOPs per query row, the backward L·S·(6·E + 4·Ev + 4) per batch point (S·(...) per row; recomputing the scores, then dV, dP,
-dS, dQ and dK: about 2.5x the forward), both scaled by the causal share of kept query-key pairs (`Kernel.work`),
-and bytes only of their inputs and outputs: a flash kernel keeps scores in on-chip tiles.
+FLOPs per query row, the backward L·S·(6·E + 4·Ev + 4) per batch point (S·(...) per row, by rows; recomputing
+the scores, then dV, dP, dS, dQ and dK: about 2.5x the forward), both scaled by the causal share of kept
+query-key pairs (`Kernel.work`), and bytes only of their inputs and outputs: a flash kernel keeps scores in
+on-chip tiles.
 
 On the CPU the impls call torch's fused kernels (`aten._scaled_dot_product_flash_attention_for_cpu` and its
 backward); elsewhere they run the same arithmetic in torch's own ops (`forward_math`, `backward_math`: correct, with
@@ -426,6 +428,7 @@ for masked in (False, True):
         needs_block_start=True,
         takes_zero_size=False,
         ring=FLASH_BACKWARD_RING,
+        ring_only=frozenset({"query"}),
         work=None if masked else _backward_work,
         dtype_rule=_rule((*GRAD, *mask_slot), packed=False),
         accumulators=frozenset({"lse"}),
