@@ -15,7 +15,7 @@ ring edits that process's registry only). Writes the "Context parallelism" secti
 
 With --training: one Adam step of the same block (MSE loss), attention fused (kernels/flash.py: the forward and the
 backward each one kernel, each with its ring), 8K-128K tokens on 8x8, the search beside the search with both fused
-kernels' rings removed. Writes the "Context parallelism in training" section.
+kernels' ring candidates removed. Writes the "Context parallelism in training" section.
 
     python benchmarks/context.py --training           # 8K, 32K and 128K tokens on 8x8
     python benchmarks/context.py --training --quick   # 8K tokens on 2x4, to check the script
@@ -87,19 +87,19 @@ def attention_split(plan: Any, kernel: str = "sdpa") -> tuple[str, int]:
 def run_training_variant(seq: int, mesh: tuple[int, ...], variant: str, queue: Any) -> None:
     """The search's training plan, with the fused attention kernels' rings or ("no ring") without."""
     import warnings
-    from dataclasses import replace
 
     import tapestry
     from tapestry.cost import DefaultCostModel, load_profile, peak_memory, plan_cost
-    from tapestry.kernels import KERNELS
 
     warnings.simplefilter("ignore")
     model = DefaultCostModel(load_profile(PROFILE))
     graph = training_graph(seq)
     start = time.perf_counter()
-    if variant == "no ring":
-        for name in ("flash_attention", "flash_attention_backward"):
-            KERNELS[name] = replace(KERNELS[name], ring=None)
+    if variant == "no ring":  # no ring candidates; the kernels keep their meaning (the backward's rows split only
+        # in a ring, so without one they stay whole)
+        from tapestry.sharding import partition
+
+        partition._ring_partitions = lambda sig, mesh, parts: []
     result = tapestry.optimize(graph, mesh=tapestry.Mesh(*mesh), cost_model=model, memory_budget=80 * 10**9)
     forward, backward = (attention_split(result.plan, k) for k in ("flash_attention", "flash_attention_backward"))
     queue.put({"seconds": plan_cost(result.plan, model), "peak": max(peak_memory(result.plan)), "split": forward[0],
@@ -210,8 +210,9 @@ def training(quick: bool) -> None:
         f"causal attention), batch 1, bfloat16, attention fused as the training import keeps it (flash_attention "
         f"and flash_attention_backward), priced with the `{PROFILE}` profile under an 80 GB budget. *search*: "
         "`tapestry.optimize` with both fused kernels' rings available (context parallelism in the forward and "
-        "the backward); *no ring*: the same search with both rings removed from the registry (the forward can "
-        "still split its queries with the keys whole; the backward then splits only batch and heads). Splits as "
+        "the backward); *no ring*: the same search with no ring candidates generated (the forward can still "
+        "split its queries with the keys whole; the backward, whose rows split only in a ring, then splits only "
+        "batch and heads). Splits as "
         "in the inference table; `ring(...)` on the backward is its gradient ring (dk, dv sums passed home with "
         "their keys). Predicted times; peak is the largest device's; optimize s is wall time on a shared 2-core "
         "machine.", "", *lines])
