@@ -44,6 +44,16 @@ def test_the_backward_splits_batch_and_heads_and_packs_dq_dk_dv_per_point():
         bind("flash_attention_backward", [q, q, k, k, q, q])
 
 
+def test_self_attentions_backward_packs_dq_dk_dv_per_row_and_splits_its_rows_only_in_a_ring():
+    q, k = (2, 4, 8, 6), (2, 1, 8, 6)
+    sig = bind("flash_attention_backward", [q, q, k, k, q, q[:-1]], {"causal": True})
+    assert sig.dims == ("batch0", "batch1", "query") and sig.output_shape == (2, 4, 8, 3 * 6)
+    block = ZRange((1, 2, 3), (2, 3, 5))
+    assert sig.projections[1].apply(block) == ZRange((1, 2, 3, 0), (2, 3, 5, 6))  # its query rows
+    assert sig.projections[2].apply(block) == ZRange((1, 0, 0, 0), (2, 1, 8, 6))  # its kv head, every key
+    assert sig.kernel.ring.gradients
+
+
 def _grouped(seed=0):
     """q with 4 heads over k, v with 2 (grouped-query), as torch takes them and as the kernels do."""
     g = torch.Generator().manual_seed(seed)
@@ -115,7 +125,8 @@ def test_the_off_cpu_math_path_equals_torchs_fused_cpu_kernels(masked):
     math = forward_math(q, k, v, mask if masked else causal, 0.0)
     torch.testing.assert_close(math, fused)
     out, lse = fused[..., :-1], fused[..., -1]
-    grads = get_kernel(f"{name}_backward").torch(dout, q, k, v, out, lse, *([mask] if masked else []), **params)
+    grads = get_kernel(f"{name}_backward").torch(dout, q, k, v, out, lse, *([mask] if masked else []),
+                                                  block_start=(0, 0, 0), **params)
     torch.testing.assert_close(backward_math(dout, q, k, v, out, lse, mask if masked else causal, 0.0), grads)
 
 

@@ -75,7 +75,8 @@ def test_declared_additivity_is_only_on_reduction_dims(name, data):
     for d, (dim, kind) in enumerate(zip(sig.dims, sig.dim_kinds)):
         if dim in sig.kernel.additive:
             assert kind is DimKind.REDUCTION, f"{name}: {dim} is declared additive but is {kind.value}"
-        assert (d in sig.splittable) == (kind is not DimKind.REDUCTION or dim in sig.kernel.additive), dim
+        splits = (kind is not DimKind.REDUCTION or dim in sig.kernel.additive) and dim not in sig.kernel.ring_only
+        assert (d in sig.splittable) == splits, dim
         if d in sig.splittable and sig.index.shape[d] >= 2:
             halves = run_sharded(sig, args, sig.index.split_even(d, 2))
             np.testing.assert_allclose(halves, whole, rtol=1e-9, atol=1e-9, err_msg=f"{name} split on {dim}")

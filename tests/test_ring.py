@@ -313,6 +313,31 @@ def test_ring_sends_hide_behind_the_rounds_compute_at_long_sequences_and_are_pri
         assert (exposed == 0) == hidden
 
 
+def long_backward_plan(seq: int, mesh: Mesh = Mesh(8)) -> Plan:
+    g = Graph()
+    dout, q, out = (g.input(n, (1, 32, seq, 128), "bfloat16") for n in ("dout", "q", "out"))
+    k, v = g.input("k", (1, 32, seq, 128), "bfloat16"), g.input("v", (1, 32, seq, 128), "bfloat16")
+    g.output("y", g.op("flash_attention_backward", dout, q, k, v, out, g.input("lse", (1, 32, seq)), causal=True,
+                       name="attn"))
+    return ring_plan(g, mesh, ("query",), (0,))
+
+
+def test_the_backward_rings_sends_and_its_float32_sums_hide_behind_compute_but_the_last_pass_home_is_exposed():
+    from tapestry.cost import DefaultCostModel, load_profile
+
+    model = DefaultCostModel(load_profile("gpu-h100-nccl"))
+    mesh = Mesh(8)
+    link = model.comm.group_link((0,), mesh)
+    for seq, hidden in [(32768, True), (1024, False)]:
+        step = next(s for s in long_backward_plan(seq).steps if isinstance(s, Compute))
+        block = (seq // 8) * 32 * 128
+        sums = 2 * 4 * block  # dk's and dv's sums of the key block held, float32
+        send = link.alpha + (2 * 2 * block + sums) / link.beta  # with k's and v's key blocks, bfloat16
+        rounds = 7 * max(0.0, send - model.roofline.compute_time(step) / 8)
+        assert model.comm.step_cost(step, mesh) == pytest.approx(rounds + link.alpha + sums / link.beta)
+        assert (rounds == 0) == hidden
+
+
 def planned_attention(width: int, heads: int, mlp: int, seq: int, mesh: Mesh) -> Compute:
     """The attention step of the plan the search makes for a LLaMA block, built on meta, on H100s."""
     from tapestry.cost import DefaultCostModel, load_profile
@@ -430,7 +455,7 @@ def test_no_ring_is_generated_where_a_device_would_idle():
             assert all(b is not None for b in part.blocks), part.name(sig)
 
 
-@pytest.mark.parametrize("name", ["sdpa", "sdpa_masked"])
+@pytest.mark.parametrize("name", ["sdpa", "sdpa_masked", "flash_attention_backward", "flash_attention_masked_backward"])
 @pytest.mark.parametrize("mesh", [Mesh(2), Mesh(3), Mesh(2, 2)])
 @settings(max_examples=15, deadline=None)
 @given(data=st.data(), seed=st.integers(0, 2**16))
@@ -449,3 +474,183 @@ def test_every_ring_candidate_of_any_attention_makes_a_valid_plan_that_computes_
     assert not plan_problems(plan)
     given = random_inputs(g, seed)
     np.testing.assert_allclose(simulate(plan, given)["y"], tapestry.evaluate(g, given)["y"], rtol=1e-9, atol=1e-9)
+
+
+# -- the fused backward's ring: dq summed at the queries, dk and dv travelling back to the keys' owner ------------
+def backward_operands(draw, seed: int) -> tuple[str, list[np.ndarray], dict[str, Any]]:
+    """A self-attention backward's operands (L = S), out and lse from the forward, causal or not, masked or not,
+    grouped heads or not."""
+    batch = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=2)))
+    shared = tuple(1 if draw(st.booleans()) else b for b in batch)
+    length, features = draw(st.integers(1, 7)), draw(st.integers(1, 4))
+    masked = draw(st.booleans())
+    rng = np.random.default_rng(seed)
+    q, dout = (rng.standard_normal((*batch, length, features)) for _ in range(2))
+    k, v = (rng.standard_normal((*shared, length, features)) for _ in range(2))
+    mask = [rng.random((length, length)) < 0.7] if masked else []
+    if masked and draw(st.booleans()):
+        mask = [np.where(mask[0], rng.standard_normal((length, length)), -np.inf)]
+    params = {"scale": draw(st.sampled_from([0.0, 0.5]))} | ({} if masked else {"causal": draw(st.booleans())})
+    name = "flash_attention_masked" if masked else "flash_attention"
+    packed = get_kernel(name).numpy(q, k, v, *mask, block_start=(0,) * (len(batch) + 1), **params)
+    return f"{name}_backward", [dout, q, k, v, packed[..., :-1], packed[..., -1], *mask], params
+
+
+def backward_by_blocks(name: str, args: list[np.ndarray], params: dict[str, Any], row_cuts, key_cuts,
+                       torch_impl: bool) -> np.ndarray:
+    """Every query block against every key block through the backward's ring impl, dq summed at the query rows and
+    dk, dv at the key rows, packed [dq | dk | dv] per row as the kernel's output."""
+    dout, q, k, v, out, lse, *mask = args
+    ring, features = get_kernel(name).ring, q.shape[-1]
+    packed = np.zeros((*np.broadcast_shapes(q.shape[:-2], k.shape[:-2]), q.shape[-2], 3 * features))
+    for a, b in (c for c in row_cuts if c[0] < c[1]):
+        for c, d in (c for c in key_cuts if c[0] < c[1]):
+            call = [dout[..., a:b, :], q[..., a:b, :], k[..., c:d, :], v[..., c:d, :], out[..., a:b, :],
+                    lse[..., a:b], *(m[a:b, c:d] for m in mask)]
+            impl = ring.torch if torch_impl else ring.numpy
+            parts = impl(*(map(torch.from_numpy, call) if torch_impl else call), key_start=c,
+                         block_start=(0,) * (q.ndim - 2) + (a,), **params)
+            dq, dk, dv = (np.asarray(p) for p in parts)
+            packed[..., a:b, :features] += dq
+            packed[..., c:d, features:2 * features] += dk
+            packed[..., c:d, 2 * features:] += dv
+    return packed
+
+
+@pytest.mark.parametrize("impl", ["numpy", "torch"])
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), seed=st.integers(0, 2**16))
+def test_the_backwards_query_and_key_blocks_summed_where_they_belong_equal_the_unsharded_backward(impl, data, seed):
+    name, args, params = backward_operands(data.draw, seed)
+    length = args[1].shape[-2]
+    row_cuts, key_cuts = data.draw(cuts(length)), data.draw(cuts(length))
+    kernel = get_kernel(name)
+    whole = (kernel.torch(*map(torch.from_numpy, args), block_start=(0,) * (args[1].ndim - 1), **params).numpy()
+             if impl == "torch" else kernel.numpy(*args, block_start=(0,) * (args[1].ndim - 1), **params))
+    got = backward_by_blocks(name, args, params, row_cuts, key_cuts, torch_impl=impl == "torch")
+    np.testing.assert_allclose(got, whole, rtol=1e-7, atol=1e-9)
+
+
+def backward_graph(masked: bool = False, kv_heads: int = H, seq: int = L, causal: bool = True) -> Graph:
+    """A training step's fused backward (kernels/flash.py): [dq | dk | dv] per row."""
+    g = Graph()
+    dout, q, out = (g.input(n, (B, H, seq, E)) for n in ("dout", "q", "out"))
+    k, v = g.input("k", (B, kv_heads, seq, E)), g.input("v", (B, kv_heads, seq, E))
+    mask = [g.input("mask", (seq, seq), "bool")] if masked else []
+    g.output("y", g.op("flash_attention_masked_backward" if masked else "flash_attention_backward", dout, q, k, v,
+                       out, g.input("lse", (B, H, seq)), *mask, **({} if masked else {"causal": causal}),
+                       name="attn"))
+    return g
+
+
+GRADIENT_CASES = [c for c in CASES if c[2] == tuple(a for a, d in enumerate(c[1]) if d == "query")]
+
+
+@pytest.mark.parametrize("mesh, axes, ring", GRADIENT_CASES)
+@pytest.mark.parametrize("kind", ["causal", "full", "masked", "gqa"])
+def test_a_training_steps_fused_backward_rings_and_simulates_to_the_graphs_meaning(mesh, axes, ring, kind):
+    g = backward_graph(masked=kind == "masked", kv_heads=1 if kind == "gqa" else H, causal=kind != "full")
+    plan = ring_plan(g, mesh, axes, ring)
+    assert not plan_problems(plan)
+    step = next(s for s in plan.steps if isinstance(s, Compute))
+    p = int(np.prod([mesh.shape[a] for a in ring]))
+    assert step.ring == ring and all(b.shape[2] <= -(-L // p) for b in step.arg_layouts[2].blocks)
+    given = attention_inputs(g)
+    np.testing.assert_allclose(simulate(plan, given)["y"], tapestry.evaluate(g, given)["y"], rtol=1e-5, atol=1e-5)
+
+
+def test_the_backwards_rows_split_only_in_a_ring_that_splits_them_whole():
+    sig = backward_graph().signature("attn")
+    rows = sig.dims.index("query")
+    parts = candidate_partitions(sig, Mesh(2, 2))
+    assert all(p.ring for p in parts if rows in p.dims())
+    one = {"split(ring:query,batch0)", "split(ring:query,batch1)", "split(ring:query,·)", "split(batch0,ring:query)",
+           "split(batch1,ring:query)", "split(·,ring:query)"}
+    assert {p.name(sig) for p in parts if p.ring} == {
+        "split(ring:query,ring:query)", *one, *(name.replace("ring:query", "ring:query~work") for name in one)}
+    g = backward_graph()
+    plain = build_plan(g, Mesh(2), partitions={"attn": make_partition(sig, Mesh(2), (rows,))})
+    assert any("'query' of flash_attention_backward without a ring" in p for p in plan_problems(plain))
+    ringless = replace(sig.kernel, ring=None).bind(sig.input_shapes, dict(sig.params), sig.input_dtypes)
+    assert rows not in ringless.splittable  # a kernel's ring removed (benchmarks): its rows still never split alone
+    assert not any(rows in p.dims() for p in candidate_partitions(ringless, Mesh(2)))
+    half = build_plan(g, Mesh(2, 2), partitions={"attn": make_partition(sig, Mesh(2, 2), (rows, rows), ring=(1,))})
+    assert any("not every one of the 8 keys" in p for p in plan_problems(half))
+
+
+@pytest.mark.parametrize("mesh, axes", [(Mesh(4), ("query",)), (Mesh(2, 2), ("batch1", "query")),
+                                        (Mesh(3), ("query",))])
+def test_a_causal_backward_ring_cut_for_equal_work_cuts_its_keys_as_its_queries_and_simulates_to_the_graphs_meaning(
+        mesh, axes):
+    g = backward_graph(seq=24)
+    plan = ring_plan(g, mesh, axes, (mesh.ndim - 1,), balanced=True)
+    assert not plan_problems(plan)
+    step = next(s for s in plan.steps if isinstance(s, Compute))
+    rows = [(b.start[2], b.end[2]) for b in step.blocks]
+    assert len({b - a for a, b in rows}) > 1  # falling lengths
+    assert [(b.start[2], b.end[2]) for b in step.arg_layouts[2].blocks] == rows  # k's key blocks are those rows
+    given = attention_inputs(g)
+    np.testing.assert_allclose(simulate(plan, given)["y"], tapestry.evaluate(g, given)["y"], rtol=1e-5, atol=1e-5)
+
+
+def test_a_fused_backward_ring_runs_on_two_gloo_ranks_as_the_evaluator_computes():
+    from tapestry.spmd.launch import launch
+
+    cases = []
+    for g in (backward_graph(seq=7), backward_graph(masked=True, kv_heads=1, seq=6)):
+        cases.append((ring_plan(g, Mesh(2), ("query",), (0,)), attention_inputs(g)))
+    g = backward_graph(seq=12)  # cut for equal work: rows and key blocks of 8 and 4
+    cases.append((ring_plan(g, Mesh(2), ("query",), (0,), balanced=True), attention_inputs(g)))
+    wants = [tapestry.evaluate(plan.graph, given)["y"] for plan, given in cases]
+    for per_rank in launch(run_ranks, 2, cases, True, timeout=120):
+        for got, want in zip(per_rank, wants):  # float32 sums in another order
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5)
+
+
+LONG_BATCHES = [tuple(torch.randn(1, 48, 32, generator=torch.Generator().manual_seed(k)) for _ in range(2))
+                for k in range(2)]
+
+
+def llama_block() -> torch.nn.Module:
+    from tapestry.importer.zoo import LlamaBlock
+
+    torch.manual_seed(0)
+    return LlamaBlock(32, 4, 64)
+
+
+def rings_attention(graph: Graph, mesh: Mesh) -> Plan:
+    """Context parallel attention forced, forward and backward (the cost model would not ring 48 tokens): both
+    fused kernels ring their queries and keys over the mesh; every other op runs replicated."""
+    parts = {}
+    for node in graph.ops:
+        if node.op.startswith("flash_attention"):
+            sig = graph.signature(node.name)
+            parts[node.name] = make_partition(sig, mesh, (sig.dims.index("query"),), ring=(0,))
+    return build_plan(graph, mesh, partitions=parts)
+
+
+def train_with_rings() -> tuple[list[float], dict[str, torch.Tensor]]:
+    step = tapestry.parallelize_step(llama_block(), lambda out, y: F.mse_loss(out, y), LONG_BATCHES[0],
+                                     mesh=tapestry.Mesh(2), plan=rings_attention, optimizer=torch.optim.SGD, lr=0.1,
+                                     compile=False, cache=False)
+    rings = sorted(s.kernel for s in step.plan.steps if isinstance(s, Compute) and s.ring)
+    assert rings == ["flash_attention", "flash_attention_backward"]
+    return [float(step(*batch)) for batch in LONG_BATCHES], step.module_state_dict()
+
+
+def test_a_llama_block_trains_on_two_gloo_ranks_with_its_fused_attention_ringed_forward_and_backward_as_torch():
+    from tapestry.spmd.launch import launch
+
+    model = llama_block()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    want = []
+    for x, y in LONG_BATCHES:
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    for rank, (got, weights) in enumerate(launch(train_with_rings, 2, timeout=300)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"rank {rank}")
+        for name, p in model.state_dict().items():  # q, k and v's weights take dq, dk and dv
+            np.testing.assert_allclose(weights[name].numpy(), p.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)

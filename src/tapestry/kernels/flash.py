@@ -9,9 +9,12 @@ is one kernel whose output packs its results along the last dim, and the importe
   last column, its log-sum-exp (lse, what the backward needs to rebuild the softmax). The output is in the
   compute dtype (float32 for half-precision inputs: lse must not round to bfloat16; the importer casts the output
   columns back, exactly). Index dims: the batch dims and the queries, all parallel.
-- `flash_attention_backward` dout, q, k, v, out, lse -> [*B, L·E + S·E + S·E]: per batch point dq, dk and dv
-  flattened. Index dims: the batch dims only (every row and key is read whole). With grouped-query attention
-  (k's and v's batch dims 1 where q's are not) a point's dk and dv are its query head's share; the importer sums
+- `flash_attention_backward` dout, q, k, v, out, lse -> [*B, L, 3·E] for self-attention (L = S, `by_rows`): row
+  i packs [dq_i | dk_i | dv_i], query i's gradient beside key i's. Index dims: the batch dims and the rows, which
+  split only in a ring (`Kernel.ring_only`; kernels.ring, `Ring.gradients`: a row block's dk and dv need every
+  query; a plan splitting them otherwise is refused). Where L != S: [*B, L·E + S·E + S·E], per batch point dq,
+  dk and dv flattened, index dims the batch dims only (`unpacked` says where each lies). With grouped-query
+  attention (k's and v's batch dims 1 where q's are not) dk and dv are each query head's share; the importer sums
   the group.
 - `flash_attention_masked`, `flash_attention_masked_backward`: the same with an additive float (or bool) mask
   broadcastable to [*B, L, S] as the last input.
@@ -19,17 +22,20 @@ is one kernel whose output packs its results along the last dim, and the importe
 Why packed rather than one kernel per result: separate kernels would each compute (and be priced for) the whole
 attention, and fusing them back would need a multi-output step in lowering and in every runtime; one kernel per
 fused op keeps the plan, its price and its lowering one call. What they cost: the forward 2·S·(E + Ev) + 5·S
-FLOPs per query row, the backward L·S·(6·E + 4·Ev + 4) per batch point (recomputing the scores, then dV, dP,
-dS, dQ and dK: about 2.5x the forward), both scaled by the causal share of kept query-key pairs (`Kernel.work`),
-and bytes only of their inputs and outputs: a flash kernel keeps scores in on-chip tiles.
+FLOPs per query row, the backward L·S·(6·E + 4·Ev + 4) per batch point (S·(...) per row, by rows; recomputing
+the scores, then dV, dP, dS, dQ and dK: about 2.5x the forward), both scaled by the causal share of kept
+query-key pairs (`Kernel.work`), and bytes only of their inputs and outputs: a flash kernel keeps scores in
+on-chip tiles.
 
 On the CPU the impls call torch's fused kernels (`aten._scaled_dot_product_flash_attention_for_cpu` and its
 backward); elsewhere they run the same arithmetic in torch's own ops (`forward_math`, `backward_math`: correct, with
 the scores materialized; torch's CUDA flash kernels take other arguments, not wired here).
 A row that sees no key gives zeros and lse 0, as torch's CPU kernel does. Torch's flash kernels need E = Ev.
 
-The forward has a ring (context parallelism, kernels.ring: its merged lse kept, `Ring.with_lse`); the backward has
-none yet. In the runtime the lse view keeps the whole packed forward output (float32) alive until the backward.
+Both have rings (context parallelism, kernels.ring): the forward keeps its merged lse (`Ring.with_lse`); the
+backward, from the forward's lse, sums dq at the queries and sends dk and dv round with their keys back to the key
+block's owner (`Ring.gradients`). In the runtime the lse view keeps the whole packed forward output (float32)
+alive until the backward.
 """
 from __future__ import annotations
 
@@ -92,28 +98,57 @@ def backward_signature(dout: Shape, q: Shape, k: Shape, v: Shape, out: Shape, ls
                           f"got dout{list(dout)}, out{list(out)}, lse{list(lse)}")
     nb = len(batch)
     ones = (1,) * nb
-    rows = follow(nb, [*range(nb), None, None], shape=(*ones, length, features))
+    if not by_rows(q, k):
+        rows = follow(nb, [*range(nb), None, None], shape=(*ones, length, features))
+        inputs = [
+            rows, rows,
+            follow(nb, [*_batch_rows(k, q), None, None], shape=(*ones, keys, features)),
+            follow(nb, [*_batch_rows(v, q), None, None], shape=(*ones, keys, features)),
+            rows,
+            follow(nb, [*range(nb), None], shape=(*ones, length)),
+        ]
+        if mask is not None:
+            inputs.append(_mask_projection(mask, (*batch, length, keys), index_ndim=nb, rows_whole=True))
+        return SignatureSpec(
+            dims=tuple(f"batch{i}" for i in range(nb)),
+            sizes=batch,
+            inputs=tuple(inputs),
+            output=follow(nb, [*range(nb), None], shape=(*ones, (length + 2 * keys) * features)),
+            flops_per_point=length * keys * (10 * features + 4),
+        )
+    n = nb + 1
+    row = follow(n, [*range(nb), nb, None], shape=(*ones, 1, features))
     inputs = [
-        rows, rows,
-        follow(nb, [*_batch_rows(k, q), None, None], shape=(*ones, keys, features)),
-        follow(nb, [*_batch_rows(v, q), None, None], shape=(*ones, keys, features)),
-        rows,
-        follow(nb, [*range(nb), None], shape=(*ones, length)),
+        row, row,
+        follow(n, [*_batch_rows(k, q), None, None], shape=(*ones, keys, features)),
+        follow(n, [*_batch_rows(v, q), None, None], shape=(*ones, keys, features)),
+        row,
+        follow(n, [*range(nb), nb], shape=(*ones, 1)),
     ]
     if mask is not None:
-        inputs.append(_mask_projection(mask, (*batch, length, keys), index_ndim=nb, rows_whole=True))
+        inputs.append(_mask_projection(mask, (*batch, length, keys), index_ndim=n))
     return SignatureSpec(
-        dims=tuple(f"batch{i}" for i in range(nb)),
-        sizes=batch,
+        dims=(*(f"batch{i}" for i in range(nb)), "query"),
+        sizes=(*batch, length),
         inputs=tuple(inputs),
-        output=follow(nb, [*range(nb), None], shape=(*ones, (length + 2 * keys) * features)),
-        flops_per_point=length * keys * (10 * features + 4),
+        output=follow(n, [*range(nb), nb, None], shape=(*ones, 1, 3 * features)),
+        flops_per_point=keys * (10 * features + 4),
     )
 
 
-def packed_sizes(q: Shape, k: Shape) -> tuple[int, int, int]:
-    """The lengths of dq, dk and dv in a backward point's packed output."""
-    return q[-2] * q[-1], k[-2] * k[-1], k[-2] * k[-1]
+def by_rows(q: Shape, k: Shape) -> bool:
+    """Does the backward pack its gradients per row ([dq_i | dk_i | dv_i] for query and key i, self-attention's
+    L = S), which a ring splits with its queries, rather than per batch point (L != S)?"""
+    return q[-2] == k[-2]
+
+
+def unpacked(q: Shape, k: Shape) -> tuple[tuple[int, int], ...]:
+    """Where dq, dk and dv lie along the last dim of the backward's packed output: [start, stop) each."""
+    e = q[-1]
+    if by_rows(q, k):
+        return (0, e), (e, 2 * e), (2 * e, 3 * e)
+    dq, dkv = q[-2] * e, k[-2] * e
+    return (0, dq), (dq, dq + dkv), (dq + dkv, dq + 2 * dkv)
 
 
 def _scale(q: Any, scale: float) -> float:
@@ -130,12 +165,12 @@ def _forward_numpy(q, k, v, mask, causal: bool, scale: float, block_start: tuple
     return np.concatenate([np.broadcast_to(out, (*batch, *out.shape[-2:])), lse[..., None]], axis=-1)
 
 
-def _backward_numpy(dout, q, k, v, out, lse, mask, causal: bool, scale: float) -> np.ndarray:
-    """dS = P∘(dP − rowsum(dO∘O)) with P = exp(scores − lse) rebuilt from the given lse, as flash kernels do."""
+def gradients_numpy(dout, q, k, v, out, lse, mask, scale: float) -> tuple[np.ndarray, ...]:
+    """(dq, dk, dv) over these queries and keys, each with the batch dims of all operands.
+    dS = P∘(dP − rowsum(dO∘O)) with P = exp(scores − lse) rebuilt from the given lse (the whole row's, in a ring),
+    as flash kernels do."""
     s = _scale(q, scale)
     scores = q @ np.swapaxes(k, -1, -2) * s
-    if causal:
-        mask = _causal(q.shape[-2], k.shape[-2], 0)
     if mask is not None:
         scores = np.where(mask, scores, -np.inf) if mask.dtype == bool else scores + mask
     p = np.exp(scores - lse[..., None])
@@ -143,8 +178,20 @@ def _backward_numpy(dout, q, k, v, out, lse, mask, causal: bool, scale: float) -
     ds = p * (dout @ np.swapaxes(v, -1, -2) - (dout * out).sum(axis=-1, keepdims=True))
     dq, dk = ds @ k * s, np.swapaxes(ds, -1, -2) @ q * s
     batch = dq.shape[:-2]
-    return np.concatenate([np.broadcast_to(g, (*batch, *g.shape[-2:])).reshape(*batch, -1) for g in (dq, dk, dv)],
-                          axis=-1)
+    return tuple(np.broadcast_to(g, (*batch, *g.shape[-2:])) for g in (dq, dk, dv))
+
+
+def pack_numpy(dq: np.ndarray, dk: np.ndarray, dv: np.ndarray) -> np.ndarray:
+    """The backward's packed output: per row where dq and dk have as many rows (`by_rows`), else per batch point."""
+    if dq.shape[-2] == dk.shape[-2]:
+        return np.concatenate([dq, dk, dv], axis=-1)
+    return np.concatenate([g.reshape(*g.shape[:-2], -1) for g in (dq, dk, dv)], axis=-1)
+
+
+def _backward_numpy(dout, q, k, v, out, lse, mask, causal: bool, scale: float) -> np.ndarray:
+    if causal:
+        mask = _causal(q.shape[-2], k.shape[-2], 0)
+    return pack_numpy(*gradients_numpy(dout, q, k, v, out, lse, mask, scale))
 
 
 # -- torch: torch's fused CPU kernels ------------------------------------------------------------------------------
@@ -183,7 +230,14 @@ def _backward_torch(dout, q, k, v, out, lse, mask, causal: bool, scale: float) -
         _rows(dout, batch), _rows(q, batch), _rows(k, batch), _rows(v, batch), _rows(out, batch),
         lse.reshape(-1, 1, length), 0.0, causal, attn_mask=_additive(mask, q, batch, length, keys),
         scale=scale or None)
-    return torch.cat([g.reshape(*batch, -1) for g in grads], dim=-1)
+    return pack_torch(*(g.reshape(*batch, *g.shape[-2:]) for g in grads))
+
+
+def pack_torch(dq: Any, dk: Any, dv: Any) -> Any:
+    """`pack_numpy` in torch."""
+    if dq.shape[-2] == dk.shape[-2]:
+        return torch.cat([dq, dk, dv], dim=-1)
+    return torch.cat([g.reshape(*g.shape[:-2], -1) for g in (dq, dk, dv)], dim=-1)
 
 
 def forward_math(q, k, v, mask, scale: float) -> Any:
@@ -196,8 +250,12 @@ def forward_math(q, k, v, mask, scale: float) -> Any:
 
 
 def backward_math(dout, q, k, v, out, lse, mask, scale: float) -> Any:
-    """`_backward_numpy` in torch's own ops (off the CPU), in float32 for half-precision inputs."""
-    dtype = q.dtype
+    """The packed backward in torch's own ops (off the CPU), in float32 for half-precision inputs."""
+    return pack_torch(*gradients_math(dout, q, k, v, out, lse, mask, scale)).to(q.dtype)
+
+
+def gradients_math(dout, q, k, v, out, lse, mask, scale: float) -> tuple[Any, ...]:
+    """`gradients_numpy` in torch's own ops, in float32 for half-precision inputs (and left so)."""
     dout, q, k, v, out = (_wide(t) for t in (dout, q, k, v, out))
     s = _scale(q, scale)
     scores = q @ k.transpose(-1, -2) * s
@@ -208,7 +266,7 @@ def backward_math(dout, q, k, v, out, lse, mask, scale: float) -> Any:
     ds = p * (dout @ v.transpose(-1, -2) - (dout * out).sum(dim=-1, keepdim=True))
     dq, dk = ds @ k * s, ds.transpose(-1, -2) @ q * s
     batch = tuple(dq.shape[:-2])
-    return torch.cat([g.expand(*batch, *g.shape[-2:]).reshape(*batch, -1) for g in (dq, dk, dv)], dim=-1).to(dtype)
+    return tuple(g.expand(*batch, *g.shape[-2:]) for g in (dq, dk, dv))
 
 
 # -- ring attention (context parallelism): one key block's (out, lse); kernels.ring merges and packs them --------
@@ -233,6 +291,36 @@ FLASH_MASKED_RING = Ring(
 )
 
 
+# The backward's ring: one query block against one key block gives (dq, dk, dv) parts; kernels.ring sums dq where the
+# queries are and sends dk and dv back to the key block's owner. A causal key block wholly after the queries adds
+# nothing and is skipped (the torch impl: zeros, no arithmetic).
+def _ring_backward_numpy(dout, q, k, v, out, lse, *mask, scale, block_start, key_start, causal=False):
+    if causal:
+        mask = (_causal(q.shape[-2], k.shape[-2], block_start[-1], key_start),)
+    return gradients_numpy(dout, q, k, v, out, lse, mask[0] if mask else None, scale)
+
+
+def _ring_backward_torch(dout, q, k, v, out, lse, *mask, scale, block_start, key_start, causal=False):
+    if causal and key_start > block_start[-1] + q.shape[-2] - 1:
+        batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+        wide = _wide(q).dtype
+        return (q.new_zeros((*batch, *q.shape[-2:]), dtype=wide), q.new_zeros((*batch, *k.shape[-2:]), dtype=wide),
+                q.new_zeros((*batch, *v.shape[-2:]), dtype=wide))
+    if causal:
+        mask = (_causal_torch(q, k.shape[-2], block_start[-1], key_start),)
+    return gradients_math(dout, q, k, v, out, lse, mask[0] if mask else None, scale)
+
+
+def _backward_keyed(shapes: tuple[Shape, ...]) -> tuple[int | None, ...]:
+    """k's and v's key dims, and a mask's (where not broadcast over the keys)."""
+    dout, q, k, v, out, lse, *mask = shapes
+    _, keys, values, *masked = _sdpa_keyed((q, k, v, *mask))
+    return (None, None, keys, values, None, None, *masked)
+
+
+FLASH_BACKWARD_RING = Ring("query", _backward_keyed, _ring_backward_numpy, _ring_backward_torch, gradients=True)
+
+
 # -- pricing, dtypes, samples --------------------------------------------------------------------------------------
 def _forward_work(sig: Any, block: Any) -> float:
     """A causal block computes only the query-key pairs its mask keeps."""
@@ -244,7 +332,8 @@ def _forward_work(sig: Any, block: Any) -> float:
 def _backward_work(sig: Any, block: Any) -> float:
     if not dict(sig.params).get("causal"):
         return 1.0
-    return causal_share((0, sig.input_shapes[1][-2]), sig.input_shapes[2][-2])
+    rows = (block.start[-1], block.end[-1]) if "query" in sig.dims else (0, sig.input_shapes[1][-2])
+    return causal_share(rows, sig.input_shapes[2][-2])
 
 
 def _rule(inputs: tuple[str, ...], packed: bool):
@@ -293,6 +382,8 @@ def _sample_forward(draw, masked: bool):
 
 def _sample_backward(draw, masked: bool):
     q, k, v = _sample_qkv(draw)
+    if draw(st.booleans()):  # self-attention (L = S): gradients packed per row, the rows an index dim
+        k, v = (*k[:-2], q[-2], k[-1]), (*v[:-2], q[-2], v[-1])
     shapes = (q, q, k, v, q, q[:-1])
     if not masked:
         return shapes, _params(draw, False)
@@ -328,13 +419,16 @@ for masked in (False, True):
         name=f"flash_attention{suffix}_backward",
         inputs=(*GRAD, *mask_slot),
         signature=backward_signature,
-        numpy=(lambda *a, scale: _backward_numpy(*a, False, scale)) if masked
-        else (lambda *a, causal, scale: _backward_numpy(*a, None, causal, scale)),
-        torch=(lambda *a, scale: _backward_torch(*a, False, scale)) if masked
-        else (lambda *a, causal, scale: _backward_torch(*a, None, causal, scale)),
+        numpy=(lambda *a, scale, block_start: _backward_numpy(*a, False, scale)) if masked
+        else (lambda *a, causal, scale, block_start: _backward_numpy(*a, None, causal, scale)),
+        torch=(lambda *a, scale, block_start: _backward_torch(*a, False, scale)) if masked
+        else (lambda *a, causal, scale, block_start: _backward_torch(*a, None, causal, scale)),
         sample=lambda draw, masked=masked: _sample_backward(draw, masked),
         params={"scale": 0.0} if masked else {"causal": False, "scale": 0.0},
+        needs_block_start=True,
         takes_zero_size=False,
+        ring=FLASH_BACKWARD_RING,
+        ring_only=frozenset({"query"}),
         work=None if masked else _backward_work,
         dtype_rule=_rule((*GRAD, *mask_slot), packed=False),
         accumulators=frozenset({"lse"}),

@@ -139,6 +139,9 @@ class Kernel:
     additive: frozenset[str] = frozenset()
     exchange: Exchange | None = None  # MoE: rows and experts may split together (expert parallel)
     ring: Ring | None = None  # attention: queries and keys may split together, merged by log-sum-exp (kernels.ring)
+    # Index dims that split only in a ring, never alone: the fused attention backward's rows (a row block's dk and
+    # dv need every query). Not in `Signature.splittable`; a plan splitting one outside a ring is refused.
+    ring_only: frozenset[str] = frozenset()
     # (signature, index block) -> the share of the block's FLOPs that are done (a causal attention skips the
     # query-key pairs it masks, as flash kernels skip masked tiles); None: all of them.
     work: Callable[[Signature, ZRange], float] | None = None
@@ -271,11 +274,13 @@ class Signature:
 
     @property
     def splittable(self) -> tuple[int, ...]:
-        """Dims a partition may split: all but reductions the kernel is not additive in."""
+        """Dims a partition may split: all but reductions the kernel is not additive in, and those that split only
+        in a ring (`Kernel.ring_only`)."""
         return tuple(
             d
             for d, k in enumerate(self.dim_kinds)
-            if k is not DimKind.REDUCTION or self.dims[d] in self.kernel.additive
+            if (k is not DimKind.REDUCTION or self.dims[d] in self.kernel.additive)
+            and self.dims[d] not in self.kernel.ring_only
         )
 
     def index_bound(self, slot: int) -> int | None:

@@ -10,6 +10,11 @@ A kernel with a `Ring` (sdpa, sdpa_masked, and training's flash_attention[_maske
 lse: `Ring.with_lse`) may run as a ring step (sharding.partition, plan.ring): mesh axes split
 its queries (`rows`) and, in the same order, the key dim of its keyed inputs (k, v, a mask's key columns); each
 device computes its queries against every member's key block in turn, merging as it goes.
+
+The fused backward's ring (`Ring.gradients`, flash_attention[_masked]_backward) splits the same way, with the forward's
+saved lse: each block gives dq, dk and dv parts; dq sums where the queries are, and each key block's dk and dv sum as
+they travel round the ring with it, back to the key block's owner, whose output row i packs [dq_i | dk_i | dv_i]
+(query block j and key block j are the same rows: self-attention, keys split evenly as the queries are).
 """
 from __future__ import annotations
 
@@ -36,6 +41,9 @@ class Ring:
     numpy: Callable[..., tuple[np.ndarray, np.ndarray]]
     torch: Callable[..., tuple[Any, Any]]
     with_lse: bool = False  # the kernel's output packs each row's lse after its out (flash_attention: [out | lse])
+    # The backward's ring: the impls return (dq, dk, dv) parts, summed (dq at the queries, dk and dv at the keys'
+    # owner) and packed per row; its rows split only in a ring (a row block's dk and dv need every query).
+    gradients: bool = False
 
 
 def finish_numpy(ring: Ring, out: np.ndarray, lse: np.ndarray) -> np.ndarray:
@@ -83,6 +91,12 @@ def merge_torch(out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, An
     return out, lse
 
 
+def _computed(sig: Any, args: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Half-precision inputs in float32, as `Signature.compute` runs them."""
+    return [b.astype(dtypes.compute_dtype(d), copy=False) if dtypes.is_float(d) else b
+            for b, d in zip(args, sig.input_dtypes)]
+
+
 def ring_numpy(sig: Any, blocks: Sequence[Sequence[np.ndarray]], key_starts: Sequence[int],
                kwargs: dict[str, Any]) -> np.ndarray:
     """One device's ring step in numpy: `blocks[t]` the kernel's inputs with keyed ones narrowed to key block t
@@ -91,13 +105,29 @@ def ring_numpy(sig: Any, blocks: Sequence[Sequence[np.ndarray]], key_starts: Seq
     ring = sig.kernel.ring
     out = lse = None
     for args, start in zip(blocks, key_starts):
-        cast = [b.astype(dtypes.compute_dtype(d), copy=False) if dtypes.is_float(d) else b
-                for b, d in zip(args, sig.input_dtypes)]
-        o, s = ring.numpy(*cast, key_start=start, **kwargs)
+        o, s = ring.numpy(*_computed(sig, args), key_start=start, **kwargs)
         out, lse = (o, s) if out is None else merge_numpy(out, lse, o, s)
     if out is None:
         raise ValueError(f"{sig.kernel.name}: a ring step needs at least one key block")
     return dtypes.cast(finish_numpy(ring, out, lse), sig.dtype)
+
+
+def gradient_parts_numpy(sig: Any, args: Sequence[np.ndarray], key_start: int, kwargs: dict[str, Any]
+                         ) -> tuple[np.ndarray, ...]:
+    """A gradient ring's one round in numpy: (dq, dk, dv) of a query block against the key block in `args`."""
+    return tuple(sig.kernel.ring.numpy(*_computed(sig, args), key_start=key_start, **kwargs))
+
+
+def pack_gradients(sig: Any, dq: Any, dk: Any, dv: Any) -> Any:
+    """A gradient ring member's summed parts as its output rows [dq_i | dk_i | dv_i] (numpy or torch)."""
+    if dq.shape[-2] != dk.shape[-2]:
+        raise ValueError(f"{sig.kernel.name}: a gradient ring member's query block ({dq.shape[-2]} rows) and key "
+                         f"block ({dk.shape[-2]} keys) must be the same rows")
+    if isinstance(dq, np.ndarray):
+        return dtypes.cast(np.concatenate([dq, dk, dv], axis=-1), sig.dtype)
+    import torch
+
+    return torch.cat([dq, dk, dv], dim=-1).to(getattr(torch, sig.dtype))
 
 
 def key_region(sig: Any, arg: int, region: ZRange, keys: tuple[int, int]) -> ZRange:

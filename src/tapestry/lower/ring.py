@@ -7,6 +7,10 @@ j - 1: one functional all-to-all per travelling input per round, issued before t
 after it, so the transfer overlaps the compute. A stationary keyed input (a mask, which follows the queries) is
 held for every key and sliced to the round's key block. The rounds' (out, lse) merge by log-sum-exp
 (kernels.ring). Every size is the plan's, so the step traces (make_fx) and compiles like any other.
+
+The backward's ring (`Ring.gradients`) moves k and v the same way; dq sums on the rank, and the dk and dv sums of
+the key block it holds go on to member j + 1 with one more all-to-all per round, each round adding its part: after
+p rounds each key block's sums come home to its owner (the last pass is the one that no compute hides).
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import torch
 import torch.distributed._functional_collectives as fc
 
 from tapestry.kernels import get_kernel
-from tapestry.kernels.ring import finish_torch, merge_torch, travels
+from tapestry.kernels.ring import finish_torch, merge_torch, pack_gradients, travels
 from tapestry.lower.program import RingCompute
 from tapestry.plan.ring import rounds
 
@@ -29,8 +33,9 @@ def run_ring(step: RingCompute, args: Sequence[torch.Tensor], group: Any) -> tor
     size, me = len(step.keys), step.member
     after, before = (me + 1) % size, (me - 1) % size
     kwargs = sig.call_kwargs(step.index)
+    gradients = sig.kernel.ring.gradients
     have = list(args)  # the travelling inputs as of this round: member src's key block
-    out = lse = None
+    out = lse = dq = sums = None  # sums: the dk, dv of the key block held, arriving from member j - 1
     for t, src in enumerate(rounds(size, me)):
         coming = None
         if t < size - 1:  # pass this round's block on while computing it
@@ -40,11 +45,22 @@ def run_ring(step: RingCompute, args: Sequence[torch.Tensor], group: Any) -> tor
         start, end = step.keys[src]
         call = [have[a] if moving[a] or keyed[a] is None else have[a].narrow(keyed[a], start, end - start)
                 for a in range(len(args))]
-        o, s = sig.kernel.ring.torch(*call, key_start=start, **kwargs)
-        out, lse = (o, s) if out is None else merge_torch(out, lse, o, s)
+        if gradients:
+            part_q, *part_kv = sig.kernel.ring.torch(*call, key_start=start, **kwargs)
+            dq = part_q if dq is None else dq + part_q
+            if sums is not None:  # member j - 1's sums for this key block, sent last round
+                part_kv = [fc.wait_tensor(c).reshape(p.shape) + p for c, p in zip(sums, part_kv)]
+            sums = [_pass(p, p.dim() - 2, step.keys[(src - 1) % size], after, before, size, group) for p in part_kv]
+        else:
+            o, s = sig.kernel.ring.torch(*call, key_start=start, **kwargs)
+            out, lse = (o, s) if out is None else merge_torch(out, lse, o, s)
         if coming is not None:
             have = [fc.wait_tensor(c).reshape(_shaped(have[a], keyed[a], step.keys[arrives]))
                     if c is not None else have[a] for a, c in enumerate(coming)]
+    if gradients:  # after p rounds the sums that arrive are this rank's own key block's
+        assert dq is not None and sums is not None
+        shape = _shaped(dq, dq.dim() - 2, step.keys[me])
+        return pack_gradients(sig, dq, *(fc.wait_tensor(c).reshape(shape) for c in sums))
     assert out is not None
     return finish_torch(sig.kernel.ring, out, lse).to(getattr(torch, sig.dtype))
 

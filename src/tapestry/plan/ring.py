@@ -24,8 +24,15 @@ def members(step: Compute, mesh: Mesh) -> list[tuple[int, ...]]:
 
 
 def keys(step: Compute, mesh: Mesh) -> tuple[tuple[int, int], ...]:
-    """Each device's key block [start, end)."""
-    return ring_keys(key_extent(step.signature), mesh, step.ring)
+    """Each device's key block [start, end): the even split of the keys, or for a gradient ring (the backward,
+    whose output rows pack query i's and key i's gradients) its query rows, even or cut for equal work."""
+    sig = step.signature
+    if not sig.kernel.ring.gradients:
+        return ring_keys(key_extent(sig), mesh, step.ring)
+    rows = sig.dims.index(sig.kernel.ring.rows)
+    if any(b is None for b in step.blocks):
+        raise ValueError(f"step {step.out} ({step.kernel}): a gradient ring's members all hold rows")
+    return tuple((b.start[rows], b.end[rows]) for b in step.blocks)
 
 
 def rounds(size: int, member: int) -> list[int]:

@@ -17,7 +17,7 @@ import numpy as np
 from tapestry import dtypes
 
 from tapestry.evaluator import read_block
-from tapestry.kernels.ring import ring_numpy
+from tapestry.kernels.ring import gradient_parts_numpy, pack_gradients, ring_numpy
 from tapestry.plan import exchange, ring
 from tapestry.plan.plan import Compute, Place, Plan, Reshard
 from tapestry.plan.validate import PlanError
@@ -134,6 +134,9 @@ def _ring(step: Compute, devices: list[Device], value_dtypes: Mapping[str, str],
     keys, passing = ring.keys(step, mesh), ring.travelling(step)
     outs = {}
     for group in ring.members(step, mesh):
+        dq: dict[int, Any] = {}  # a gradient ring's (the backward's) sums: dq at the queries, dk and dv at the keys
+        dkv: dict[int, tuple[Any, ...]] = {}
+        values = {}
         for member, k in enumerate(group):
             block = step.blocks[k]
             if block is None:
@@ -145,9 +148,17 @@ def _ring(step: Compute, devices: list[Device], value_dtypes: Mapping[str, str],
                 blocks.append([_read(devices, src if moves else k, arg, region, shape, value_dtypes[arg], where)
                                for arg, region, shape, moves
                                in zip(step.args, ring.reads(step, k, keys[src]), step.input_shapes, passing)])
-            value = ring_numpy(sig, blocks, [keys[src][0] for src in sources], sig.call_kwargs(block))
+            if not sig.kernel.ring.gradients:
+                values[k] = ring_numpy(sig, blocks, [keys[src][0] for src in sources], sig.call_kwargs(block))
+                continue
+            for src, args in zip(sources, blocks):  # this member's part of key block src's dk, dv goes to src
+                part_q, *part_kv = gradient_parts_numpy(sig, args, keys[src][0], sig.call_kwargs(block))
+                dq[k] = part_q if k not in dq else dq[k] + part_q
+                dkv[src] = tuple(part_kv) if src not in dkv else tuple(a + b for a, b in zip(dkv[src], part_kv))
+        for k in group:
+            value = values[k] if k in values else pack_gradients(sig, dq[k], *dkv[k])
             out = step.layout.blocks[k]
-            outs[k] = Shard(out, value[out.relative_to(sig.output.apply(block))])
+            outs[k] = Shard(out, value[out.relative_to(sig.output.apply(step.blocks[k]))])
     for k, shard in outs.items():  # after every member has read: a step's output may not overwrite its inputs
         devices[k][step.out] = shard
 

@@ -186,6 +186,11 @@ def _compute_problems(mesh: Mesh, step: Compute, defined: dict[str, Step]) -> li
     if step.ring and (sig.kernel.ring is None or not all(0 <= a < mesh.ndim for a in step.ring)):
         return [f"ring over mesh axes {list(step.ring)}, but {sig.kernel.name} has no ring (its keys cannot split) "
                 f"or the mesh {list(mesh.shape)} lacks those axes"]
+    problems = _ring_only_problems(sig, step)
+    if not problems and step.ring and sig.kernel.ring.gradients:
+        problems = _gradient_ring_problems(mesh, step)
+    if problems:
+        return problems
     covered = exchanged_blocks(sig, step.blocks, step.exchange)
     problems = [f"blocks do not partition the index space: {p}" for p in partition_issues(sig, covered)]
     problems += _layout_claim_problems(sig, step)
@@ -201,6 +206,34 @@ def _compute_problems(mesh: Mesh, step: Compute, defined: dict[str, Step]) -> li
         elif not malformed:
             problems += _read_problems(sig, i, step, what)
     return problems
+
+
+def _ring_only_problems(sig: Signature, step: Compute) -> list[str]:
+    """A dim that splits only in a ring (`Kernel.ring_only`: the fused backward's rows, whose row block's dk and dv
+    need every query) split by a step that is no ring."""
+    if step.ring:
+        return []
+    return [f"splits {name!r} of {sig.kernel.name} without a ring; it splits only in one"
+            for d, name in enumerate(sig.dims) if name in sig.kernel.ring_only
+            and any(b is not None and b.shape[d] != sig.index.shape[d] for b in step.blocks)]
+
+
+def _gradient_ring_problems(mesh: Mesh, step: Compute) -> list[str]:
+    """A gradient ring (the fused backward's): each device's query rows are its key block (its output rows pack
+    both: kernels.ring), so a ring's members' rows must cover every key."""
+    sig, ring_of = step.signature, step.signature.kernel.ring
+    if ring_of.rows not in sig.dims:
+        return [f"ring over mesh axes {list(step.ring)}, but {sig.kernel.name} has no {ring_of.rows!r} dim"]
+    rows = sig.dims.index(ring_of.rows)
+    spans = [None if b is None else (b.start[rows], b.end[rows]) for b in step.blocks]
+    problems = []
+    for group in ring.members(step, mesh):
+        held = sorted(spans[k] for k in group if spans[k] is not None)
+        if len(held) < len(group) or [a for a, _ in held] != [0, *(b for _, b in held[:-1])] \
+                or held[-1][1] != sig.index.shape[rows]:
+            problems.append(f"ring {list(group)} holds rows {held}, not every one of the {sig.index.shape[rows]} "
+                            f"keys: a gradient ring's members' rows are its key blocks")
+    return problems[:3]
 
 
 def _ring_read_problems(mesh: Mesh, step: Compute, arg: int, what: str) -> list[str]:

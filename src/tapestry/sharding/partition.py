@@ -137,6 +137,9 @@ def _ring_check(sig: Signature, mesh: Mesh, splits: tuple[Split, ...], ring: tup
                 ) -> tuple[tuple[int, int], ...]:
     if sig.kernel.ring is None:
         raise ValueError(f"{sig.kernel.name} has no ring: its keys cannot split")
+    if sig.kernel.ring.rows not in sig.dims:
+        raise ValueError(f"{sig.kernel.name} on {[list(s) for s in sig.input_shapes]} has no {sig.kernel.ring.rows!r} "
+                         f"index dim (its queries and keys differ in number): its keys cannot split")
     rows = sig.dims.index(sig.kernel.ring.rows)
     for axis, split in enumerate(splits):
         if axis in ring and split != ((rows, mesh.shape[axis]),):
@@ -192,21 +195,33 @@ def candidate_partitions(sig: Signature, mesh: Mesh) -> list[Partition]:
     return list(found.values()) + _exchange_partitions(sig, mesh) + _ring_partitions(sig, mesh, found.values())
 
 
+def _gradient_ring_bases(sig: Signature, mesh: Mesh) -> list[Partition]:
+    """A gradient ring's rows are not splittable (`Signature.splittable`): the partitions its rings start from are
+    the splittable ones with some mesh axes splitting the rows instead."""
+    rows = sig.dims.index(sig.kernel.ring.rows)
+    options = [[*_axis_choices(sig, size), *([((rows, size),)] if sig.index.shape[rows] >= size > 1 else [])]
+               for size in mesh.shape]
+    return [make_partition(sig, mesh, axes) for axes in itertools.product(*options)
+            if any(split == ((rows, size),) for split, size in zip(axes, mesh.shape))]
+
+
 def _ring_partitions(sig: Signature, mesh: Mesh, parts: Iterable[Partition]) -> list[Partition]:
     """Context parallel: each partition whose queries only some mesh axes split, each alone, and where no device
     idles, again with a ring over every non-empty set of those axes, when there are at least as many keys as ring
-    members (so no member's key block is empty)."""
-    if sig.kernel.ring is None:
+    members (so no member's key block is empty). A gradient ring (the fused backward) rings every axis splitting
+    its rows: its query block j must be its key block j."""
+    if sig.kernel.ring is None or sig.kernel.ring.rows not in sig.dims:  # a backward with L != S has no rows dim
         return []
     rows = sig.dims.index(sig.kernel.ring.rows)
     found = []
-    for part in parts:
+    gradients = sig.kernel.ring.gradients  # its rows split only in a ring, over every axis splitting them
+    for part in _gradient_ring_bases(sig, mesh) if gradients else parts:
         alone = [a for a, split in enumerate(part.axes) if split == ((rows, mesh.shape[a]),) and mesh.shape[a] > 1]
         if not alone or any(d == rows for a, split in enumerate(part.axes) if a not in alone for d, _ in split):
             continue
         if any(b is None for b in part.blocks):  # every ring member holds and passes a key block
             continue
-        for n in range(1, len(alone) + 1):
+        for n in range(len(alone) if gradients else 1, len(alone) + 1):
             for ring in itertools.combinations(alone, n):
                 if key_extent(sig) >= math.prod(mesh.shape[a] for a in ring):
                     found.append(make_partition(sig, mesh, part.axes, ring=ring))
@@ -222,7 +237,7 @@ def balance_ring(sig: Signature, mesh: Mesh, part: Partition) -> Partition:
     """`part` (a ring over one mesh axis, the only one splitting the queries) with its query blocks cut for equal
     work rather than equal size: under a causal mask query i meets i + 1 keys, so even blocks leave the last
     member most of the work (real context parallelism balances it; this is the contiguous way, blocks of
-    decreasing length). The keys stay evenly split. Cuts are where the kernel's work over queries [0, cut) reaches
+    decreasing length). The keys stay evenly split (a gradient ring's are cut as its queries). Cuts are where the kernel's work over queries [0, cut) reaches
     j/p of the whole (`Signature.cost`, which counts only the work a block does); every block keeps a query."""
     if len(part.ring) != 1 or any(b is None for b in part.blocks):
         raise ValueError(f"balance_ring needs a ring over one mesh axis with every device busy; got ring axes "
@@ -250,7 +265,10 @@ def balance_ring(sig: Signature, mesh: Mesh, part: Partition) -> Partition:
         start, end = list(block.start), list(block.end)
         start[rows], end[rows] = cuts[c], cuts[c + 1]
         blocks.append(ZRange(tuple(start), tuple(end)))
-    return replace(part, blocks=tuple(blocks), balanced=True)
+    keys = part.keys
+    if sig.kernel.ring.gradients:  # the backward's key block j is its query block j (its output rows pack both)
+        keys = tuple((cuts[mesh.coords(d)[axis]], cuts[mesh.coords(d)[axis] + 1]) for d in mesh.devices)
+    return replace(part, blocks=tuple(blocks), keys=keys, balanced=True)
 
 
 def _exchange_partitions(sig: Signature, mesh: Mesh) -> list[Partition]:

@@ -7,7 +7,7 @@ from typing import Any
 from tapestry import dtypes
 from tapestry.graph import Value
 from tapestry.importer.translate import Builder, Unsupported, converts
-from tapestry.kernels.flash import packed_sizes
+from tapestry.kernels.flash import by_rows, unpacked
 
 
 @converts("aten.scaled_dot_product_attention.default")
@@ -69,8 +69,8 @@ def _flash(b: Builder, q: Any, k: Any, v: Any, dropout_p: float = 0.0, is_causal
 @converts("aten._scaled_dot_product_flash_attention_for_cpu_backward.default")
 def _flash_backward(b: Builder, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dropout_p: float,
                     is_causal: bool, attn_mask: Any = None, scale: float | None = None) -> tuple[Value, ...]:
-    """(dq, dk, dv): one `flash_attention_backward` kernel, its packed [dq | dk | dv] points taken apart by views;
-    with grouped heads each query head's dk and dv share, summed over its group."""
+    """(dq, dk, dv): one `flash_attention_backward` kernel, its packed [dq | dk | dv] rows (or points, where L != S)
+    taken apart by views; with grouped heads each query head's dk and dv share, summed over its group."""
     qv, kv, vv, mask, params = _fused_operands(b, q, k, v, dropout_p, is_causal, attn_mask, scale)
     dv_, ov, lv = b.tensor(dout), b.tensor(out), b.tensor(lse)
     grouped, shapes = qv.shape[-3] != kv.shape[-3], tuple(b.node.meta["val"])
@@ -81,12 +81,12 @@ def _flash_backward(b: Builder, dout: Any, q: Any, k: Any, v: Any, out: Any, lse
         qv, kv, vv, mask = _grouped(b, qv, kv, vv, mask)
     name = "flash_attention_backward" if mask is None else "flash_attention_masked_backward"
     packed = b.op(name, dv_, qv, kv, vv, ov, lv, *([] if mask is None else [mask]), **params)
-    grads, start, last = [], 0, packed.ndim - 1
-    for size, torch_value in zip(packed_sizes(qv.shape, kv.shape), shapes):
-        piece = b.op("slice", packed, axis=last, start=start, stop=start + size, step=1)
-        start += size
+    grads, last = [], packed.ndim - 1
+    group = last - (2 if by_rows(qv.shape, kv.shape) else 1)  # the query heads' group dim in the packed output
+    for (start, stop), torch_value in zip(unpacked(qv.shape, kv.shape), shapes):
+        piece = b.op("slice", packed, axis=last, start=start, stop=stop, step=1)
         if grouped and len(grads):  # a query head's share of its kv head's gradient: summed over the group
-            piece = b.op("sum", piece, axis=last - 1, keepdim=False)
+            piece = b.op("sum", piece, axis=group, keepdim=False)
         grads.append(_as(b, piece, tuple(torch_value.shape), torch_value.dtype))
     return tuple(grads)
 
