@@ -66,7 +66,7 @@ KERNELS = {"aten.topk.default": "topk", "aten.cumsum.default": "cast, cumsum", "
            "aten.argsort.default": "topk", "aten.argmax.default": "argmax", "aten.argmin.default": "argmin",
            "aten.index.Tensor": "take", "aten.index_select.default": "take", "aten.gather.default": "gather",
            "aten.scatter_add.default": "scatter_add", "aten.index_add.default": "expand, reshape, scatter_add",
-           "aten.index_put.default": "expand, reshape, scatter_add"}
+           "aten.index_put.default": "add, cast, expand, lt_scalar, mul_scalar, reshape, scatter_add"}
 
 
 def test_scans_indexing_and_orderings_import_as_kernels_and_match_eager():
@@ -123,6 +123,43 @@ def test_index_put_of_a_sorts_positions_writes_each_row_once_so_it_is_a_scatter(
     imp = from_torch(InversePermutation(), (x,), verbose=False)
     assert not imp.opaque and "scatter_add" in ", ".join(imp.coverage["aten.index_put.default"])
     assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(x))), eager(InversePermutation(), (x,)))
+
+
+class LossBackwardOps(torch.nn.Module):
+    """The ops a language model's training step leaves to index writes: the embedding's backward (token gradient
+    rows added at their ids, an N-D index with negatives), the NLL loss backward's one-hot (a value scattered at
+    the labels, one or several per row, along either dim) and the shift of the labels (an int64 constant pad)."""
+
+    def forward(self, grad: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor, picks: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
+        return (torch.ops.aten.index_put(torch.zeros(6, 3), [ids], grad, True),
+                torch.ops.aten.index_put(torch.ones(3, 6), [None, ids], grad.permute(2, 0, 1), True),
+                torch.zeros(4, 6).scatter(1, labels, -1.0), torch.zeros(4, 6).scatter(1, picks, 2.5),
+                torch.zeros(6, 4).scatter(0, picks.T.contiguous(), 1.0),
+                torch.constant_pad_nd(labels.T, (0, 1), -100), torch.constant_pad_nd(grad, (1, 0, 0, 2)))
+
+
+def loss_backward_case():
+    ids = torch.tensor([[0, 5, -1, 2], [5, 5, 0, -6]])
+    labels, picks = torch.tensor([[1], [0], [5], [1]]), torch.tensor([[0, 1, 1], [5, 5, 5], [2, 3, 0], [4, 1, 2]])
+    return LossBackwardOps(), (torch.randn(2, 4, 3, generator=torch.Generator().manual_seed(0)), ids, labels, picks)
+
+
+def test_embedding_backward_one_hot_and_label_shift_import_as_kernels_and_match_eager():
+    module, args = loss_backward_case()
+    imp = from_torch(module, args, verbose=False)
+    assert not imp.opaque
+    made = {op: ", ".join(imp.coverage[op]) for op in
+            ("aten.index_put.default", "aten.scatter.value", "aten.constant_pad_nd.default")}
+    assert "scatter_add" in made["aten.index_put.default"] and "masked_fill" in made["aten.scatter.value"]
+    assert made["aten.constant_pad_nd.default"] == "pad"
+    # the gradient rows split by vocabulary (ids whole) and by hidden; the one-hot by rows and by vocabulary
+    written = [node for node in imp.graph if node.op in ("scatter_add", "eq", "masked_fill", "pad")]
+    assert written and all(imp.graph.signature(node.name).splittable == tuple(range(len(node.shape)))
+                           for node in written)
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(module, args))
+    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
+    assert_same(imp.outputs(simulate(plan, imp.inputs(*args))), eager(module, args))
 
 
 class Indexed(torch.nn.Module):

@@ -80,12 +80,18 @@ def _adaptive_avg_pool1d(b: Builder, x: Any, size: Any) -> Value:
     return b.op("mean", runs, axis=runs.ndim - 1, keepdim=False)
 
 
-@converts("aten.constant_pad_nd.default", "aten.pad.default")
+@converts("aten.pad.default")
 def _pad(b: Builder, x: Any, pad: list[int], mode: str = "constant", value: float | None = None) -> Value:
     if mode != "constant":
         raise Unsupported(f"mode={mode!r} (constant padding is taken)")
+    return _constant_pad(b, x, pad, 0.0 if value is None else value)
+
+
+@converts("aten.constant_pad_nd.default")
+def _constant_pad(b: Builder, x: Any, pad: list[int], value: float = 0.0) -> Value:
+    """The value is the third argument here (the loss's shift of int64 labels pads with -100), not a mode."""
     tensor = b.tensor(x)
-    return tensor if not any(pad) else b.op("pad", tensor, pad=tuple(int(p) for p in pad), value=float(value or 0.0))
+    return tensor if not any(pad) else b.op("pad", tensor, pad=tuple(int(p) for p in pad), value=float(value))
 
 
 def _per_dim(name: str, value: Any, n: int) -> list[int]:

@@ -1,4 +1,5 @@
-"""Indexing and orderings: take, gather, scatter_add, index_add, index_put, topk, sort and argsort."""
+"""Indexing and orderings: take, gather, scatter (of a value), scatter_add, index_add, index_put, topk, sort and
+argsort."""
 from __future__ import annotations
 
 import math
@@ -89,6 +90,30 @@ def _scatter_add(b: Builder, x: Any, dim: int, index: Any, src: Any) -> Value:
     return b.op("scatter_add", value, idx, source, axis=_axis(dim, value.ndim))
 
 
+@converts("aten.scatter.value")
+def _scatter_value(b: Builder, x: Any, dim: int, index: Any, value: Any) -> Value:
+    """x with `value` written at index along `dim` (the NLL loss backward's one-hot of the labels): every write
+    is the same value, so their order does not matter and the written cells are a mask, index == an iota along
+    `dim` (any of index's positions along it), filled in: elementwise, it splits by rows and along `dim`."""
+    target, idx = b.tensor(x), b.tensor(index)
+    axis = _axis(dim, target.ndim)
+    if idx.ndim != target.ndim or any(i != s for d, (i, s) in enumerate(zip(idx.shape, target.shape)) if d != axis):
+        raise Unsupported(f"index{list(idx.shape)} smaller than x{list(target.shape)} off dim {axis} (x's shape is "
+                          "taken)")
+    if idx.dtype not in ("int32", "int64") or isinstance(value, torch.Tensor):
+        raise Unsupported(f"a {idx.dtype} index or a tensor value (an integer index and a number are taken)")
+    size, count = target.shape[axis], idx.shape[axis]
+    iota = torch.arange(size, dtype=getattr(torch, idx.dtype))
+    if count == 1:  # one position per row: index broadcast against the iota is the mask
+        mask = b.op("eq", idx, b.constant(iota.reshape(tuple(size if d == axis else 1 for d in range(idx.ndim)))))
+    else:  # a new axis after `dim` holds the iota; a cell is written when any of the `count` positions names it
+        column = b.op("reshape", idx, shape=(*idx.shape[: axis + 1], 1, *idx.shape[axis + 1 :]))
+        hits = b.op("eq", column, b.constant(iota.reshape((1,) * (axis + 1) + (size,) + (1,) * (idx.ndim - axis - 1))))
+        found = b.op("sum", b.op("cast", hits, dtype="int64"), axis=axis, keepdim=False)
+        mask = b.op("ne_scalar", found, value=0.0)
+    return b.op("masked_fill", target, mask, value=float(value))
+
+
 def _index_add(b: Builder, x: Value, axis: int, idx: Value, src: Value) -> Value:
     """x with src[..., k, ...] added at row idx[k] of `axis` (1-D idx): a scatter_add of idx broadcast to src."""
     if idx.ndim != 1:
@@ -107,9 +132,11 @@ def _index_add_op(b: Builder, x: Any, dim: int, index: Any, source: Any, alpha: 
 
 @converts("aten.index_put.default")
 def _index_put(b: Builder, x: Any, indices: list[Any], values: Any, accumulate: bool = False) -> Value:
-    """x[idx] += v (accumulate) is a scatter_add. Without accumulate, repeated indices write in an unspecified
-    order, so only a permutation is taken: the indices of a full sort of the axis (MoE's inverse permutation,
-    `inv[perm] = arange`) write every row once, which is a scatter_add into zeros."""
+    """x[idx] += v (accumulate) is a scatter_add: an N-D idx (the embedding's backward: the gradient rows of
+    every token added at its id) flattened with v's matching dims, negatives counted from the end as torch does.
+    Without accumulate, repeated indices write in an unspecified order, so only a permutation is taken: the
+    indices of a full sort of the axis (MoE's inverse permutation, `inv[perm] = arange`) write every row once,
+    which is a scatter_add into zeros."""
     given = [(axis, i) for axis, i in enumerate(indices) if i is not None]
     if len(given) != 1:
         raise Unsupported(f"{len(given)} index tensors (one is taken: x[idx] += v, x[:, idx] += v)")
@@ -118,7 +145,16 @@ def _index_put(b: Builder, x: Any, indices: list[Any], values: Any, accumulate: 
     if idx.dtype == "bool":
         raise Unsupported("a bool mask index")
     if accumulate:
-        return _index_add(b, value, axis, idx, b.tensor(values))
+        source = b.tensor(values)
+        if idx.ndim != 1:
+            full = (*value.shape[:axis], *idx.shape, *value.shape[axis + 1 :])
+            if tuple(torch.broadcast_shapes(source.shape, full)) != full:
+                raise Unsupported(f"values{list(source.shape)} do not broadcast to x[idx]{list(full)}")
+            source = source if source.shape == full else b.op("expand", source, shape=full)
+            count = math.prod(idx.shape)
+            source = b.op("reshape", source, shape=(*value.shape[:axis], count, *value.shape[axis + 1 :]))
+            idx = b.op("reshape", idx, shape=(count,))
+        return _index_add(b, value, axis, _wrapped(b, idx, value.shape[axis]), source)
     if not (_is_permutation(b, idx) and idx.shape[0] == value.shape[axis]):
         raise Unsupported("index_put without accumulate of indices not known to be a permutation (repeated "
                           "indices write in an unspecified order)")
