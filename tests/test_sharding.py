@@ -8,7 +8,9 @@ from hypothesis import strategies as st
 from tapestry.kernels import get_kernel
 from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.comm import CommError, box_difference, received_elements, transfers
-from tapestry.sharding.partition import candidate_partitions, needed_layout, output_layout, partition_issues
+from tapestry.sharding.partition import (
+    candidate_partitions, candidates, device_blocks, generation_order, needed_layout, output_layout, partition_issues,
+)
 from tapestry.zspace import ZRange, difference, is_partition, set_size, to_isl_set
 
 
@@ -111,3 +113,56 @@ def test_layout_names_are_derived_from_blocks():
     uneven = Layout((ZRange((0, 0), (5, 6)), ZRange((5, 0), (8, 6)), None, None))
     assert uneven.name(shape, mesh) == "blocks"
     assert is_partition([b for b in uneven.blocks if b], ZRange.from_shape(shape))
+
+
+def _blocks_one_device_at_a_time(index, mesh, splits, exchange=()):
+    """The definition: each mesh axis cuts its dims evenly in turn (mixed radix, the last dim fastest)."""
+    found = []
+    for device in mesh.devices:
+        block = index
+        for axis, (split, coord) in enumerate(zip(splits, mesh.coords(device))):
+            for dim, parts in (split if axis in exchange else reversed(split)):
+                piece = coord if axis in exchange else coord % parts
+                coord = coord if axis in exchange else coord // parts
+                block = block.split_even(dim, parts)[piece]
+        found.append(None if block.is_empty else block)
+    return tuple(found)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_device_blocks_are_each_devices_even_cuts_also_ragged_and_empty(data):
+    shape = data.draw(st.sampled_from([(2, 4), (8, 8), (2, 2, 2), (4, 2, 3), (3, 5), (8,)]))
+    mesh = Mesh(*shape)
+    ndim = data.draw(st.integers(1, 4))
+    start = tuple(data.draw(st.integers(0, 3)) for _ in range(ndim))
+    index = ZRange(start, tuple(s + data.draw(st.integers(0, 20)) for s in start))
+    splits, exchange = [], []
+    for axis, size in enumerate(shape):
+        factors = [f for f in range(1, size + 1) if size % f == 0]
+        kind = data.draw(st.sampled_from(["none", "one", "two", "exchange"]))
+        dims = st.integers(0, ndim - 1)
+        if kind == "one":
+            splits.append(((data.draw(dims), size),))
+        elif kind == "two":
+            f = data.draw(st.sampled_from(factors))
+            splits.append(((data.draw(dims), f), (data.draw(dims), size // f)))
+        elif kind == "exchange":
+            splits.append(((data.draw(dims), size), (data.draw(dims), size)))
+            exchange.append(axis)
+        else:
+            splits.append(())
+    assert device_blocks(index, mesh, tuple(splits), exchange) == \
+        _blocks_one_device_at_a_time(index, mesh, splits, exchange)
+
+
+def test_candidates_are_the_distinct_block_assignments_most_devices_busy_first():
+    sig = get_kernel("matmul").bind([(6, 2), (2, 16)])  # m = 6 over both axes: 3 rows cut 4 ways leave one empty
+    mesh = Mesh(2, 4)
+    made = candidate_partitions(sig, mesh)
+    assert len({p.blocks for p in made}) == len(made)
+    assert [len({b for b in p.blocks if b is not None}) for p in made] == [c.busy for c in candidates(sig, mesh)]
+    assert [c.idles for c in candidates(sig, mesh)] == [any(b is None for b in p.blocks) for p in made]
+    assert any(c.idles for c in candidates(sig, mesh))
+    busy = [c.busy for c in generation_order(candidates(sig, mesh))]
+    assert busy == sorted(busy, reverse=True) and busy[0] == 8
