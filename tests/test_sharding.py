@@ -1,6 +1,8 @@
 """Candidate partitions, the layouts they imply, and communication sets (checked against islpy)."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -113,6 +115,26 @@ def test_layout_names_are_derived_from_blocks():
     uneven = Layout((ZRange((0, 0), (5, 6)), ZRange((5, 0), (8, 6)), None, None))
     assert uneven.name(shape, mesh) == "blocks"
     assert is_partition([b for b in uneven.blocks if b], ZRange.from_shape(shape))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from([(2, 2), (1, 4), (2, 1, 2), (2, 4), (3,), (2, 2, 2)]),
+       st.lists(st.integers(0, 9), min_size=1, max_size=3), st.data())
+def test_a_layouts_name_is_the_first_split_making_it(mesh_shape, shape, data):
+    """The named layouts by enumeration (every split, the first in order winning), against `Layout.name`, which
+    reads the dims off device 0's neighbours; also on layouts no split makes (devices' blocks swapped)."""
+    mesh, shape = Mesh(*mesh_shape), tuple(shape)
+    named = {}
+    for dims in reversed(list(itertools.product([None, *range(len(shape))], repeat=mesh.ndim))[1:]):
+        named[Layout.split(shape, mesh, dims)] = "S(" + ",".join("·" if d is None else str(d) for d in dims) + ")"
+    named[Layout.replicated(shape, mesh)] = "R"
+    dims = tuple(data.draw(st.sampled_from([None, *range(len(shape))])) for _ in mesh.shape)
+    layout = Layout.split(shape, mesh, dims)
+    blocks = list(layout.blocks)
+    i, j = data.draw(st.integers(0, mesh.size - 1)), data.draw(st.integers(0, mesh.size - 1))
+    blocks[i], blocks[j] = blocks[j], blocks[i]
+    for candidate in (layout, Layout(tuple(blocks))):
+        assert candidate.name(shape, mesh) == named.get(candidate, "blocks")
 
 
 def _blocks_one_device_at_a_time(index, mesh, splits, exchange=()):
