@@ -11,9 +11,17 @@ from tapestry.kernels import get_kernel
 from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.comm import CommError, box_difference, received_elements, transfers
 from tapestry.sharding.partition import (
-    candidate_partitions, candidates, device_blocks, generation_order, needed_layout, output_layout, partition_issues,
+    _clipped,
+    _clipped_all,
+    candidate_partitions,
+    candidates,
+    device_blocks,
+    generation_order,
+    needed_layout,
+    output_layout,
+    partition_issues,
 )
-from tapestry.zspace import ZRange, difference, is_partition, set_size, to_isl_set
+from tapestry.zspace import IndexProjection, ZAffineMap, ZRange, difference, is_partition, set_size, to_isl_set
 
 
 def names(sig, mesh):
@@ -188,3 +196,23 @@ def test_candidates_are_the_distinct_block_assignments_most_devices_busy_first()
     assert any(c.idles for c in candidates(sig, mesh))
     busy = [c.busy for c in generation_order(candidates(sig, mesh))]
     assert busy == sorted(busy, reverse=True) and busy[0] == 8
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_the_boxes_blocks_read_are_worked_out_together_as_one_at_a_time(data):
+    """`_clipped_all` (numpy, distinct blocks at once) against `_clipped` (IndexProjection.apply, one block)."""
+    in_dim, out_dim = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3))
+    entries = st.integers(-2, 2)
+    matrix = [[data.draw(entries) for _ in range(in_dim)] for _ in range(out_dim)]
+    projection = IndexProjection(ZAffineMap(matrix, [data.draw(st.integers(-3, 3)) for _ in range(out_dim)],
+                                            in_dim=in_dim), [data.draw(st.integers(0, 3)) for _ in range(out_dim)])
+    shape = tuple(data.draw(st.integers(0, 9)) for _ in range(out_dim))
+    corner = st.lists(st.integers(0, 6), min_size=in_dim, max_size=in_dim)
+    blocks = []
+    for _ in range(data.draw(st.integers(1, 6))):
+        start = data.draw(corner)
+        blocks.append(data.draw(st.sampled_from([None, ZRange(start, [s + data.draw(st.integers(0, 3))
+                                                                        for s in start])])))
+    blocks.append(blocks[0])
+    assert _clipped_all(projection, tuple(blocks), shape) == tuple(_clipped(projection, b, shape) for b in blocks)

@@ -375,15 +375,41 @@ def _clipped(projection: IndexProjection, block: Block, shape: tuple[int, ...]) 
     return None if inside is None else _non_empty(inside)
 
 
+def _clipped_all(projection: IndexProjection, blocks: tuple[Block, ...], shape: tuple[int, ...]
+                 ) -> tuple[Block, ...]:
+    """`_clipped` of each block, the distinct non-empty ones' boxes worked out together (numpy: per tensor dim
+    the per-column extremes `IndexProjection.apply` sums), each distinct result made once: 512 devices' blocks
+    one at a time were a third of generation's time on 8x8x8."""
+    distinct = set(blocks)
+    boxes = [b for b in distinct if b is not None and not b.is_empty]
+    found = {b: _clipped(projection, b, shape) for b in distinct if b is None or b.is_empty}
+    if boxes and 0 in projection.shape:  # nothing selected
+        found.update(dict.fromkeys(boxes))
+    elif boxes:
+        matrix = np.array(projection.matrix, np.int64).reshape(projection.out_dim, projection.in_dim)
+        starts = np.array([b.start for b in boxes], np.int64).reshape(len(boxes), 1, projection.in_dim)
+        lasts = np.array([b.end for b in boxes], np.int64).reshape(len(boxes), 1, projection.in_dim) - 1
+        low, high = starts * matrix, lasts * matrix  # (boxes, tensor dims, index dims)
+        offset = np.array(projection.offset, np.int64)
+        lo = np.maximum(np.minimum(low, high).sum(axis=2) + offset, 0)
+        hi = np.minimum(np.maximum(low, high).sum(axis=2) + offset + np.array(projection.shape, np.int64),
+                        np.array(shape, np.int64))
+        made: dict[tuple[tuple[int, ...], tuple[int, ...]], Block] = {}
+        for box, start, end in zip(boxes, map(tuple, lo.tolist()), map(tuple, hi.tolist())):
+            if (start, end) not in made:
+                made[start, end] = None if any(map(operator.ge, start, end)) else ZRange._checked(start, end)
+            found[box] = made[start, end]
+    return tuple(found[b] for b in blocks)
+
+
 def output_layout(sig: Signature, part: Partition) -> Layout:
-    clipped = {b: _clipped(sig.output, b, sig.output_shape) for b in set(part.blocks)}  # 512 devices: a few blocks
-    return Layout(tuple(clipped[b] for b in part.blocks), is_partial(sig, part))
+    return Layout(_clipped_all(sig.output, part.blocks, sig.output_shape), is_partial(sig, part))
 
 
 def needed_layout(sig: Signature, arg: int, part: Partition) -> Layout:
     """The layout giving each device exactly the cells of input `arg` its block reads (under a ring, its own key
     block of an input that travels: the others come round the ring)."""
-    blocks = tuple(_clipped(sig.projections[arg], b, sig.input_shapes[arg]) for b in part.blocks)
+    blocks = _clipped_all(sig.projections[arg], part.blocks, sig.input_shapes[arg])
     if part.ring and travels(sig)[arg]:
         blocks = tuple(None if b is None else key_region(sig, arg, b, keys) for b, keys in zip(blocks, part.keys))
     return Layout(blocks)
