@@ -27,7 +27,13 @@ from tapestry.plan import Compute
 from tapestry.plan.validate import validate_plan
 from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.comm import CommError, can_move, transfers
-from tapestry.sharding.partition import candidate_partitions, generation_order, needed_layout, output_layout
+from tapestry.sharding.partition import (
+    candidate_partitions,
+    candidates,
+    generation_order,
+    needed_layout,
+    output_layout,
+)
 
 
 def _plan(gen: Generator, graph):
@@ -85,12 +91,12 @@ def test_a_generation_stopped_after_its_first_round_already_splits_every_node_ov
 
 
 def test_candidates_busy_the_most_devices_first_and_split_the_fewest_dims_among_those():
-    sig = get_kernel("matmul").bind([(8, 16), (16, 32)])
-    order = generation_order(candidate_partitions(sig, Mesh.parse("2x2x2")))
+    sig, mesh = get_kernel("matmul").bind([(8, 16), (16, 32)]), Mesh.parse("2x2x2")
+    order = [c.partition(sig, mesh) for c in generation_order(candidates(sig, mesh))]
     busy = [len({b for b in p.blocks if b is not None}) for p in order]
     assert busy == sorted(busy, reverse=True) and busy[0] == 8
     assert len(order[0].dims()) == 1, "one dim split over every axis (data parallel) comes first"
-    assert sorted(map(repr, order)) == sorted(map(repr, candidate_partitions(sig, Mesh.parse("2x2x2"))))
+    assert sorted(map(repr, order)) == sorted(map(repr, candidate_partitions(sig, mesh)))
 
 
 def test_generation_stops_before_its_layouts_make_more_reshards_than_pricing_has_time_for():
