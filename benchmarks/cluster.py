@@ -203,8 +203,9 @@ def hand_plans(imported: Any, case: Case, model: Any, errors: dict[str, str],
     return priced
 
 
-def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any) -> None:
-    """One case in its own process: import, optimize, price; the result as a dict on `queue`."""
+def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any, hand: bool = True) -> None:
+    """One case in its own process: import, optimize, price (and the hand plans, unless not `hand`: on 512
+    devices their peak memory is most of a case's time); the result as a dict on `queue`."""
     import tapestry
     from tapestry.cost import DefaultCostModel, load_profile
     from tapestry.optimizer import SearchCutWarning
@@ -222,8 +223,8 @@ def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any) -
         flops, peak = graph_flops(imported.graph), profile.device.peak("bfloat16")
         row["hand_errors"], row["hand_breakdown"] = {}, {}
         row["hand"] = {name: (t, m, flops / (t * mesh.size * peak) if t == t else float("nan"))
-                       for name, (t, m) in hand_plans(imported, case, model, row["hand_errors"],
-                                                      row["hand_breakdown"]).items()}
+                       for name, (t, m) in (hand_plans(imported, case, model, row["hand_errors"],
+                                                       row["hand_breakdown"]) if hand else {}).items()}
         started, cpu = time.perf_counter(), time.process_time()
         try:
             with warnings.catch_warnings(record=True) as caught:
@@ -247,10 +248,10 @@ def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any) -
     queue.put(row)
 
 
-def measure(case: Case, budget_seconds: float, time_limit: float) -> dict[str, Any]:
+def measure(case: Case, budget_seconds: float, time_limit: float, hand: bool = True) -> dict[str, Any]:
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    process = context.Process(target=run_case, args=(case, budget_seconds, time_limit, queue))
+    process = context.Process(target=run_case, args=(case, budget_seconds, time_limit, queue, hand))
     process.start()
     row: dict[str, Any] = {"case": asdict(case)}
     while process.is_alive() or not queue.empty():  # a crashed child puts nothing: do not wait for it forever
@@ -351,6 +352,7 @@ def main() -> None:
     parser.add_argument("--provenance", default="", help="with --from-json: which runs made the rows, for the doc")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--no-hand", action="store_true", help="leave the hand plans out (their columns empty)")
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--from-json", help="write the section from the rows runs saved (--json; several: a,b), "
                         "without measuring")
@@ -373,7 +375,7 @@ def main() -> None:
             rows += json.load(f)
     for case in cases:
         print(f"{case} ...", flush=True)
-        rows.append(measure(case, args.budget, args.time_limit))
+        rows.append(measure(case, args.budget, args.time_limit, not args.no_hand))
         print(json.dumps(rows[-1], default=str), flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from tapestry.egraph import decode
 from tapestry.egraph.clock import clock
 from tapestry.egraph.decode import Decoder, distributed_nodes, dominated_moves, moved_cells, pricing_order
+from tapestry.egraph import driver
 from tapestry.egraph.driver import Budget, saturate
 from tapestry.egraph.generate import ENODES_PER_RUN, Generator
 from tapestry.egraph.rules import BUILTIN_DIR, load_rules
@@ -28,7 +29,13 @@ from tapestry.plan import Compute
 from tapestry.plan.validate import validate_plan
 from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.comm import CommError, can_move, transfers
-from tapestry.sharding.partition import candidate_partitions, generation_order, needed_layout, output_layout
+from tapestry.sharding.partition import (
+    candidate_partitions,
+    candidates,
+    generation_order,
+    needed_layout,
+    output_layout,
+)
 
 
 def _plan(gen: Generator, graph):
@@ -86,12 +93,28 @@ def test_a_generation_stopped_after_its_first_round_already_splits_every_node_ov
 
 
 def test_candidates_busy_the_most_devices_first_and_split_the_fewest_dims_among_those():
-    sig = get_kernel("matmul").bind([(8, 16), (16, 32)])
-    order = generation_order(candidate_partitions(sig, Mesh.parse("2x2x2")))
+    sig, mesh = get_kernel("matmul").bind([(8, 16), (16, 32)]), Mesh.parse("2x2x2")
+    order = [c.partition(sig, mesh) for c in generation_order(candidates(sig, mesh))]
     busy = [len({b for b in p.blocks if b is not None}) for p in order]
     assert busy == sorted(busy, reverse=True) and busy[0] == 8
     assert len(order[0].dims()) == 1, "one dim split over every axis (data parallel) comes first"
-    assert sorted(map(repr, order)) == sorted(map(repr, candidate_partitions(sig, Mesh.parse("2x2x2"))))
+    assert sorted(map(repr, order)) == sorted(map(repr, candidate_partitions(sig, mesh)))
+
+
+@pytest.mark.parametrize("shape, share", [("8x8", 1.0), ("4x8x8", 1 / 16), ("8x8x8", 1 / 64)])
+def test_past_64_devices_generation_caps_layout_pairs_by_the_square_of_the_devices(monkeypatch, shape, share):
+    """Pricing a pair works through every device's block: on 256 and 512 devices generation filled its share
+    of the budget and pricing then left the sharded runs' reshards unpriced (plans 99-100% replicated)."""
+    asked = []
+
+    def stop(self, deadline, nodes, max_pairs):
+        asked.append(max_pairs)
+        raise RuntimeError("asked")
+
+    monkeypatch.setattr(Generator, "distribute", stop)
+    with pytest.raises(RuntimeError, match="asked"):
+        saturate(mlp(1, 8, 8), Mesh.parse(shape), load_rules(), Budget(seconds=30))
+    assert asked == [pytest.approx(driver.PAIRS_PER_SECOND * 30 * (1 - driver.MOVES_SHARE) * share)]
 
 
 def test_generation_stops_before_its_layouts_make_more_reshards_than_pricing_has_time_for():

@@ -107,6 +107,24 @@ def test_finds_the_layers_of_a_transformer_stack():
     assert repeated.entry and all(a not in inside and b in repeated.copies[0] for a, b in repeated.entry.items())
 
 
+def test_finds_the_layers_of_transformers_llama_which_share_rotary_tables_made_before_the_first():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tapestry.importer import from_torch
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=64, max_position_embeddings=64)
+    graph = from_torch(LlamaForCausalLM(config).eval(), (torch.randint(0, 64, (2, 8)),), {"use_cache": False},
+                       verbose=False).graph
+    explored = explore(graph, 2)
+    repeated = explored.repeated
+    assert repeated is not None and len(repeated.copies) == 3  # the first layer also reads the rotary tables' making
+    value = explored.decoder.class_value
+    assert all(len({value[c] for c in column}) == 3 for column in zip(*repeated.copies))
+
+
 @pytest.mark.parametrize("layers", [1, 3])
 def test_too_few_layers_to_fold(layers):
     assert explore(transformer_stack(layers, 2, 16, 32, 2), 2).repeated is None

@@ -20,13 +20,13 @@ from tapestry.plan import Compute, Plan, Reshard, build_plan
 from tapestry.plan.explain import explain
 from tapestry.plan.render import plan_to_dot
 from tapestry.plan.simulate import simulate
-from tapestry.plan.validate import PlanError, plan_problems, validate_plan
+from tapestry.plan.validate import PlanError, _surely_held, _unheld_read, plan_problems, validate_plan
 from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.collectives import Collective, classify_reshard, reshard_groups
 from tapestry.sharding.comm import CommError
 from tapestry.sharding.partition import candidate_partitions
 from tapestry.testing.strategies import signatures
-from tapestry.zspace import ZRange
+from tapestry.zspace import IndexProjection, ZAffineMap, ZRange
 
 MESHES = [Mesh(1), Mesh(2), Mesh(3), Mesh(4), Mesh(2, 2)]
 
@@ -235,6 +235,30 @@ def test_an_arg_layout_that_does_not_hold_a_devices_reads_is_rejected():
     assert problems and all(p.startswith("step v3 (compute linear): device") for p in problems)
     with pytest.raises(PlanError, match="step v3"):
         simulate(plan, random_inputs(plan.graph))  # the simulator never invents cells either
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_reads_passed_without_islpy_are_held_by_islpys_judgement(data):
+    """`_surely_held` (the box of the map at the block's corners) never passes a read islpy finds unheld, and
+    passes the reads of plain row and halo splits."""
+    in_dim, out_dim = data.draw(st.integers(0, 3)), data.draw(st.integers(1, 3))
+    matrix = [[data.draw(st.integers(-2, 2)) for _ in range(in_dim)] for _ in range(out_dim)]
+    projection = IndexProjection(ZAffineMap(matrix, [data.draw(st.integers(-3, 3)) for _ in range(out_dim)],
+                                            in_dim=in_dim), [data.draw(st.integers(0, 3)) for _ in range(out_dim)])
+    shape = tuple(data.draw(st.integers(1, 9)) for _ in range(out_dim))
+    pairs = []
+    for _ in range(data.draw(st.integers(1, 6))):
+        start = [data.draw(st.integers(0, 6)) for _ in range(in_dim)]
+        held_start = [data.draw(st.integers(0, n)) for n in shape]
+        pairs.append((ZRange(start, [s + data.draw(st.integers(0, 3)) for s in start]),
+                      ZRange(held_start, [data.draw(st.integers(h, n)) for h, n in zip(held_start, shape)])))
+    for block, held in _surely_held(projection, shape, pairs):
+        assert _unheld_read(projection, shape, block, held) is None
+    halo = IndexProjection(ZAffineMap([[1]], [-1]), [3])  # a 3-wide window centred on each row
+    rows = ZRange((4,), (8,))
+    assert _surely_held(halo, (16,), [(rows, ZRange((3,), (9,)))]) == {(rows, ZRange((3,), (9,)))}
+    assert not _surely_held(halo, (16,), [(rows, ZRange((4,), (9,)))])
 
 
 def test_arg_layouts_must_be_the_layouts_their_values_have():

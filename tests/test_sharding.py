@@ -1,6 +1,8 @@
 """Candidate partitions, the layouts they imply, and communication sets (checked against islpy)."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -8,8 +10,18 @@ from hypothesis import strategies as st
 from tapestry.kernels import get_kernel
 from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.comm import CommError, box_difference, received_elements, transfers
-from tapestry.sharding.partition import candidate_partitions, needed_layout, output_layout, partition_issues
-from tapestry.zspace import ZRange, difference, is_partition, set_size, to_isl_set
+from tapestry.sharding.partition import (
+    _clipped,
+    _clipped_all,
+    candidate_partitions,
+    candidates,
+    device_blocks,
+    generation_order,
+    needed_layout,
+    output_layout,
+    partition_issues,
+)
+from tapestry.zspace import IndexProjection, ZAffineMap, ZRange, difference, is_partition, set_size, to_isl_set
 
 
 def names(sig, mesh):
@@ -111,3 +123,96 @@ def test_layout_names_are_derived_from_blocks():
     uneven = Layout((ZRange((0, 0), (5, 6)), ZRange((5, 0), (8, 6)), None, None))
     assert uneven.name(shape, mesh) == "blocks"
     assert is_partition([b for b in uneven.blocks if b], ZRange.from_shape(shape))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from([(2, 2), (1, 4), (2, 1, 2), (2, 4), (3,), (2, 2, 2)]),
+       st.lists(st.integers(0, 9), min_size=1, max_size=3), st.data())
+def test_a_layouts_name_is_the_first_split_making_it(mesh_shape, shape, data):
+    """The named layouts by enumeration (every split, the first in order winning), against `Layout.name`, which
+    reads the dims off device 0's neighbours; also on layouts no split makes (devices' blocks swapped)."""
+    mesh, shape = Mesh(*mesh_shape), tuple(shape)
+    named = {}
+    for dims in reversed(list(itertools.product([None, *range(len(shape))], repeat=mesh.ndim))[1:]):
+        named[Layout.split(shape, mesh, dims)] = "S(" + ",".join("·" if d is None else str(d) for d in dims) + ")"
+    named[Layout.replicated(shape, mesh)] = "R"
+    dims = tuple(data.draw(st.sampled_from([None, *range(len(shape))])) for _ in mesh.shape)
+    layout = Layout.split(shape, mesh, dims)
+    blocks = list(layout.blocks)
+    i, j = data.draw(st.integers(0, mesh.size - 1)), data.draw(st.integers(0, mesh.size - 1))
+    blocks[i], blocks[j] = blocks[j], blocks[i]
+    for candidate in (layout, Layout(tuple(blocks))):
+        assert candidate.name(shape, mesh) == named.get(candidate, "blocks")
+
+
+def _blocks_one_device_at_a_time(index, mesh, splits, exchange=()):
+    """The definition: each mesh axis cuts its dims evenly in turn (mixed radix, the last dim fastest)."""
+    found = []
+    for device in mesh.devices:
+        block = index
+        for axis, (split, coord) in enumerate(zip(splits, mesh.coords(device))):
+            for dim, parts in (split if axis in exchange else reversed(split)):
+                piece = coord if axis in exchange else coord % parts
+                coord = coord if axis in exchange else coord // parts
+                block = block.split_even(dim, parts)[piece]
+        found.append(None if block.is_empty else block)
+    return tuple(found)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_device_blocks_are_each_devices_even_cuts_also_ragged_and_empty(data):
+    shape = data.draw(st.sampled_from([(2, 4), (8, 8), (2, 2, 2), (4, 2, 3), (3, 5), (8,)]))
+    mesh = Mesh(*shape)
+    ndim = data.draw(st.integers(1, 4))
+    start = tuple(data.draw(st.integers(0, 3)) for _ in range(ndim))
+    index = ZRange(start, tuple(s + data.draw(st.integers(0, 20)) for s in start))
+    splits, exchange = [], []
+    for axis, size in enumerate(shape):
+        factors = [f for f in range(1, size + 1) if size % f == 0]
+        kind = data.draw(st.sampled_from(["none", "one", "two", "exchange"]))
+        dims = st.integers(0, ndim - 1)
+        if kind == "one":
+            splits.append(((data.draw(dims), size),))
+        elif kind == "two":
+            f = data.draw(st.sampled_from(factors))
+            splits.append(((data.draw(dims), f), (data.draw(dims), size // f)))
+        elif kind == "exchange":
+            splits.append(((data.draw(dims), size), (data.draw(dims), size)))
+            exchange.append(axis)
+        else:
+            splits.append(())
+    assert device_blocks(index, mesh, tuple(splits), exchange) == \
+        _blocks_one_device_at_a_time(index, mesh, splits, exchange)
+
+
+def test_candidates_are_the_distinct_block_assignments_most_devices_busy_first():
+    sig = get_kernel("matmul").bind([(6, 2), (2, 16)])  # m = 6 over both axes: 3 rows cut 4 ways leave one empty
+    mesh = Mesh(2, 4)
+    made = candidate_partitions(sig, mesh)
+    assert len({p.blocks for p in made}) == len(made)
+    assert [len({b for b in p.blocks if b is not None}) for p in made] == [c.busy for c in candidates(sig, mesh)]
+    assert [c.idles for c in candidates(sig, mesh)] == [any(b is None for b in p.blocks) for p in made]
+    assert any(c.idles for c in candidates(sig, mesh))
+    busy = [c.busy for c in generation_order(candidates(sig, mesh))]
+    assert busy == sorted(busy, reverse=True) and busy[0] == 8
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_the_boxes_blocks_read_are_worked_out_together_as_one_at_a_time(data):
+    """`_clipped_all` (numpy, distinct blocks at once) against `_clipped` (IndexProjection.apply, one block)."""
+    in_dim, out_dim = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3))
+    entries = st.integers(-2, 2)
+    matrix = [[data.draw(entries) for _ in range(in_dim)] for _ in range(out_dim)]
+    projection = IndexProjection(ZAffineMap(matrix, [data.draw(st.integers(-3, 3)) for _ in range(out_dim)],
+                                            in_dim=in_dim), [data.draw(st.integers(0, 3)) for _ in range(out_dim)])
+    shape = tuple(data.draw(st.integers(0, 9)) for _ in range(out_dim))
+    corner = st.lists(st.integers(0, 6), min_size=in_dim, max_size=in_dim)
+    blocks = []
+    for _ in range(data.draw(st.integers(1, 6))):
+        start = data.draw(corner)
+        blocks.append(data.draw(st.sampled_from([None, ZRange(start, [s + data.draw(st.integers(0, 3))
+                                                                        for s in start])])))
+    blocks.append(blocks[0])
+    assert _clipped_all(projection, tuple(blocks), shape) == tuple(_clipped(projection, b, shape) for b in blocks)

@@ -2,14 +2,15 @@
 
 import json
 import math
+from unittest import mock
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tapestry.zspace import IndexProjection, ZAffineMap, ZRange
-from tapestry.zspace.zrange import tiles
+from tapestry.zspace import IndexProjection, ZAffineMap, ZRange, zrange
+from tapestry.zspace.zrange import covered, tiles
 
 zr = ZRange.parse
 R = zr("zr[0:2, 0:3]")
@@ -243,6 +244,27 @@ def _tiles_by_counting(parts, whole):
 def test_tiles_agrees_with_counting_cells(case):
     parts, whole = case
     assert tiles(parts, whole) == _tiles_by_counting(parts, whole)
+
+
+@PROPERTY
+@given(tilings())
+def test_tiles_by_box_pairs_where_the_grid_is_too_fine_agrees_with_counting_cells(case):
+    parts, whole = case
+    with mock.patch.object(zrange, "GRID_CELLS_PER_BOX", 0):
+        assert tiles(parts, whole) == _tiles_by_counting(parts, whole)
+
+
+@PROPERTY
+@given(tilings())
+def test_covered_agrees_with_counting_cells_or_declines(case):
+    parts, whole = case
+    found = covered(parts, whole)
+    assert found is None or found == all(any(p.contains(c) for p in parts) for c in whole.points())
+
+
+def test_covered_counts_overlapping_and_stray_parts():
+    assert covered([zr("zr[0:2, 0:3]"), zr("zr[1:4, 0:3]"), zr("zr[5:9, 0:1]")], zr("zr[0:4, 0:3]")) is True
+    assert covered([zr("zr[0:2, 0:3]"), zr("zr[2:4, 0:2]"), zr("zr[2:4, 3:9]")], zr("zr[0:4, 0:3]")) is False
 
 
 def test_tiles_finds_an_overlap_whose_sizes_add_up():

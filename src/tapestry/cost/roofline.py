@@ -61,11 +61,17 @@ class Roofline:
         return max(flops / peak, nbytes / self.device.mem_bandwidth) + self.device.launch_overhead
 
     def compute_time(self, step: Compute) -> float:
+        """The slowest device's shard time, priced once per distinct block, and where the kernel has no `work`
+        (what a block costs is then its shape's, `Signature.cost`) once per block shape: 512 devices' even
+        blocks have one or two shapes."""
         sig = step.signature
         if step.exchange:
             work = exchanged_blocks(sig, step.blocks, step.exchange)
-            return max((self.shard_time(sig, b, w) for b, w in zip(step.blocks, work)), default=0.0)
-        return max((self.shard_time(sig, b) for b in step.blocks), default=0.0)
+            return max((self.shard_time(sig, b, w) for b, w in set(zip(step.blocks, work))), default=0.0)
+        blocks = set(step.blocks)
+        if sig.kernel.work is None:
+            blocks = set({None if b is None else b.shape: b for b in blocks}.values())
+        return max((self.shard_time(sig, b) for b in blocks), default=0.0)
 
     def step_cost(self, step: Step, mesh: Mesh) -> float:
         """The step's time with every device running at once, stretched when the mesh outnumbers the cores."""

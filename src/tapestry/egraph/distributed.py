@@ -22,7 +22,7 @@ from tapestry.plan import Compute
 from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.comm import movable
 from tapestry.sharding.partition import (
-    Partition, candidate_partitions, exchanged_blocks, generation_order, make_partition, partition_issues,
+    Candidate, Partition, candidates, exchanged_blocks, generation_order, partition_issues, replicated_candidate,
 )
 from tapestry.zspace import ZRange
 
@@ -40,7 +40,7 @@ class Interner:
         self.priced_as: dict[str, str] = {}  # run key -> its candidate's name: runs that differ only in origin
         self.replicated_keys: dict[str, bool] = {}  # layout key -> is it the replicated layout (egraph.decode)
         self._whole: dict[str, bool] = {}
-        self._parts: dict[tuple[Any, ...], list[Partition]] = {}
+        self._parts: dict[tuple[Any, ...], list[Candidate]] = {}
         self.pairs: dict[tuple[str, ...], list[tuple[str, str]]] = {}  # a set of layout keys -> `reshard_pairs`
         self._candidates: dict[tuple[Any, ...], list[tuple[str, Partition, Compute, str, tuple[str, ...]]]] = {}
         self._candidate_count = 0
@@ -80,7 +80,8 @@ class Interner:
         budget-stopped generation pays for the candidates it inserts."""
         key, parts = self._partitions(sig, sharded)
         found = self._candidates.setdefault(key, [])
-        for part in parts[len(found):len(parts) if first is None else first]:
+        for candidate in parts[len(found):len(parts) if first is None else first]:
+            part = candidate.partition(sig, self.mesh)
             # islpy: a partition of the index space (an exchange's rows with all their experts), partials sound
             issues = partition_issues(sig, exchanged_blocks(sig, part.blocks, part.exchange))
             if issues:
@@ -92,11 +93,11 @@ class Interner:
             self._candidate_count += 1
         return found if first is None else found[:first]
 
-    def _partitions(self, sig: Signature, sharded: bool) -> tuple[tuple[Any, ...], list[Partition]]:
+    def _partitions(self, sig: Signature, sharded: bool) -> tuple[tuple[Any, ...], list[Candidate]]:
         key = (sig.kernel.name, sig.input_shapes, sig.params, sig.input_dtypes, sharded)
         if key not in self._parts:
-            self._parts[key] = (generation_order(p for p in candidate_partitions(sig, self.mesh) if any(p.axes))
-                                if sharded else [make_partition(sig, self.mesh, (None,) * self.mesh.ndim)])
+            self._parts[key] = (generation_order(p for p in candidates(sig, self.mesh) if any(p.axes))
+                                if sharded else [replicated_candidate(sig, self.mesh)])
         return key, self._parts[key]
 
 

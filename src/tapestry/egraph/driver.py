@@ -31,6 +31,7 @@ RULES_SHARE = 0.25  # of Budget.seconds, when rule rounds stop at the latest
 GENERATION_SHARE = 0.5  # when generation stops at the latest
 MOVES_SHARE = 0.75  # when making reshards stops at the latest (optimizer.explore); pricing has the rest
 PAIRS_PER_SECOND = 100_000  # layout pairs whose reshards decode makes and prices per second (a 2x2x2 stack)
+PAIRS_DEVICES = 64  # past this many devices a second prices fewer pairs: (PAIRS_DEVICES / devices) ** 2 as many
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,8 @@ def saturate(
             stopped_by = stop
             break
     generation = gen.distribute(started + budget.seconds * GENERATION_SHARE, budget.nodes,
-                                PAIRS_PER_SECOND * budget.seconds * (1 - MOVES_SHARE))
+                                PAIRS_PER_SECOND * budget.seconds * (1 - MOVES_SHARE)
+                                * min(1.0, PAIRS_DEVICES / mesh.size) ** 2)
     stopped_in = "rules" if stopped_by != "fixpoint" else "generation" if generation.stopped_by else ""
     if stopped_in == "generation":
         stopped_by = generation.stopped_by

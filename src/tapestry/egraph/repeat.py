@@ -35,7 +35,9 @@ def find_repetition(decoder: Decoder, roots: Sequence[str]) -> Repeated | None:
     order = _post_order([value[delivered[r]] for r in roots if r in delivered], producers, value)
     position = {v: i for i, v in enumerate(order)}
     leaves = {v for v in order if all(n.op == "Place" for n in producers[v])}
-    tokens = np.array([hash(_token(v, producers, value, position, leaves, decoder)) for v in order], dtype=np.int64)
+    static = {value[c] for c in decoder.static_classes if c in value} - leaves
+    shape = _Shapes(producers, value, leaves, static, decoder)
+    tokens = np.array([hash(_token(v, producers, value, position, shape, decoder)) for v in order], dtype=np.int64)
     found = _period(tokens)
     if found is None:
         return None
@@ -86,12 +88,38 @@ def _post_order(tops: Sequence[str], producers: dict[str, list[DNode]], value: d
     return order
 
 
+class _Shapes:
+    """What a placed input or a value made from static inputs alone (`Decoder.static_classes`: a rotary table,
+    a prepared weight) is, wherever it sits: its layouts, or its producers with their arguments' shapes in turn.
+    Such values are read by every layer (transformers' LLaMA computes its rotary tables once, before the first
+    layer): as distances back, each layer's reads differed and no period was found."""
+
+    def __init__(self, producers: dict[str, list[DNode]], value: dict[str, str], leaves: set[str],
+                 static: set[str], decoder: Decoder) -> None:
+        self.producers, self.value, self.leaves, self.static, self.decoder = producers, value, leaves, static, decoder
+        self.known: dict[str, object] = {}
+
+    def __contains__(self, v: str) -> bool:
+        return v in self.leaves or v in self.static
+
+    def __call__(self, v: str) -> object:
+        if v not in self.known:
+            if v in self.leaves:
+                self.known[v] = ("placed", tuple(n.layout for n in self.producers[v]))
+            else:
+                self.known[v] = ("static", hash(tuple(sorted(
+                    {(n.op, _identity(self.decoder, n), tuple(self(a) if a in self else "made"
+                                                             for a in _args(n, self.value)))
+                     for n in self.producers[v]}, key=repr))))
+        return self.known[v]
+
+
 def _token(v: str, producers: dict[str, list[DNode]], value: dict[str, str], position: dict[str, int],
-           leaves: set[str], decoder: Decoder) -> tuple:
-    """What makes `v` and not where it is: its producers, each argument a distance back (a placed input: its
-    layouts, so a per-layer weight and a shared constant read alike)."""
+           shape: _Shapes, decoder: Decoder) -> tuple:
+    """What makes `v` and not where it is: its producers, each argument a distance back (a placed input or a
+    static value: what it is, so a per-layer weight and a shared constant read alike)."""
     def arg(a: str) -> object:
-        return ("placed", tuple(n.layout for n in producers[a])) if a in leaves else position[v] - position[a]
+        return shape(a) if a in shape else position[v] - position[a]
     return tuple(sorted({(n.op, _identity(decoder, n), tuple(arg(a) for a in _args(n, value)))
                          for n in producers[v]}, key=repr))
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import itertools
+
+import numpy as np
 
 from tapestry import zspace
 from tapestry.dtypes import DtypeError
@@ -287,9 +290,37 @@ def _read_problems(sig: Signature, arg: int, step: Compute, what: str) -> list[s
     `needed_layout`: a slip there (a halo a row short) must not pass both."""
     projection, shape = sig.projections[arg], sig.input_shapes[arg]
     pairs = list(zip(step.blocks, step.arg_layouts[arg].blocks))
-    unheld = {pair: _unheld_read(projection, shape, *pair) for pair in set(pairs) if pair[0] is not None}
+    distinct = [pair for pair in set(pairs) if pair[0] is not None]
+    held = _surely_held(projection, shape, distinct)
+    unheld = {pair: None if pair in held else _unheld_read(projection, shape, *pair) for pair in distinct}
     return [f"device {device} reads {unheld[pair]} of {what} {step.args[arg]!r} but holds only {pair[1]}"
             for device, pair in enumerate(pairs) if unheld.get(pair) is not None]
+
+
+def _surely_held(projection: IndexProjection, shape: Shape, pairs: list[tuple[ZRange, Block]]
+                 ) -> set[tuple[ZRange, Block]]:
+    """The (block, held) pairs whose reads `held` holds for sure: the box between the least and the most cell
+    the projection's map selects from the block's corners (a linear map's extremes over a box are at its
+    corners), within the tensor, lies in `held`; it holds every cell the block reads. Found for all pairs at
+    once, without islpy, which stays the judge of the rest: 512 devices' reads one at a time were a fifth of
+    validating a plan on 8x8x8."""
+    boxes = [(block, held) for block, held in pairs if held is not None and not block.is_empty]
+    if not boxes:
+        return set()
+    matrix = np.array(projection.matrix, np.int64).reshape(projection.out_dim, projection.in_dim)
+    starts = np.array([b.start for b, _ in boxes], np.int64).reshape(len(boxes), 1, projection.in_dim)
+    lasts = np.array([b.end for b, _ in boxes], np.int64).reshape(len(boxes), 1, projection.in_dim) - 1
+    corners = np.array(list(itertools.product((False, True), repeat=projection.in_dim)), bool)
+    corners = corners.reshape(1, 2 ** projection.in_dim, projection.in_dim)
+    points = np.where(corners, lasts, starts)  # (boxes, corners, index dims)
+    cells = points @ matrix.T + np.array(projection.offset, np.int64)  # each corner's first selected cell
+    low = np.maximum(cells.min(axis=1), 0)
+    high = np.minimum(cells.max(axis=1) + np.array(projection.shape, np.int64), np.array(shape, np.int64))
+    held_starts = np.array([h.start for _, h in boxes], np.int64).reshape(len(boxes), projection.out_dim)
+    held_ends = np.array([h.end for _, h in boxes], np.int64).reshape(len(boxes), projection.out_dim)
+    nothing = (low >= high).any(axis=1)
+    inside = ((held_starts <= low) & (high <= held_ends)).all(axis=1)
+    return {pair for pair, ok in zip(boxes, (nothing | inside).tolist()) if ok}
 
 
 @functools.lru_cache(maxsize=1 << 16)  # identical layers, and devices of a replicated axis, ask the same

@@ -8,7 +8,7 @@ from functools import lru_cache
 import islpy as isl
 
 from tapestry.zspace.affine import IndexProjection
-from tapestry.zspace.zrange import ZRange, check_ndim, tiles
+from tapestry.zspace.zrange import ZRange, check_ndim, covered, tiles
 
 _CTX = isl.DEFAULT_CONTEXT
 _SET, _IN, _OUT = isl.dim_type.set, isl.dim_type.in_, isl.dim_type.out
@@ -115,8 +115,11 @@ def is_partition(parts: Sequence[ZRange], whole: ZRange) -> bool:
 
 
 def covers(blocks: Sequence[ZRange], target: ZRange) -> bool:
-    """Whether target lies inside the union of blocks."""
-    return to_isl_set(target).is_subset(_union(blocks, target.ndim))
+    """Whether target lies inside the union of blocks (by `covered`'s grid where it is not too fine)."""
+    for b in blocks:
+        check_ndim(b, b.ndim, target.ndim)
+    found = covered(blocks, target)
+    return to_isl_set(target).is_subset(_union(blocks, target.ndim)) if found is None else found
 
 
 def difference(a: isl.Set | ZRange, b: isl.Set | ZRange) -> isl.Set:
