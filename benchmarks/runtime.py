@@ -44,6 +44,7 @@ from tapestry.importer.zoo import LlamaBlock  # noqa: E402
 from tapestry.lower import Comm  # noqa: E402
 from tapestry.spmd.planning import shared_plan  # noqa: E402
 from tapestry.spmd.program import ParallelProgram, join_group  # noqa: E402
+from tapestry.testing.reference import torch_losses  # noqa: E402
 
 T = TypeVar("T")
 DIMS = (256, 1024, 1024, 256)
@@ -152,15 +153,7 @@ def reference_losses(model: Model, batches: list[tuple[torch.Tensor, torch.Tenso
     """One device: the module, AdamW, every whole batch."""
     torch.manual_seed(0)
     module = model.build()
-    opt = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=0.01)
-    losses = []
-    for x, y in batches:
-        opt.zero_grad()
-        loss = mse(module(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return torch_losses(module, torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=0.01), mse, batches)
 
 
 def torch_step(model: Model, kind: str, lr: float, batch: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

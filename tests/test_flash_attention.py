@@ -15,6 +15,7 @@ from tapestry.evaluator import evaluate, run_sharded
 from tapestry.importer.zoo import LlamaBlock
 from tapestry.kernels import DimKind, get_kernel
 from tapestry.spmd.launch import launch
+from tapestry.testing.reference import torch_losses
 from tapestry.training.plans import megatron
 from tapestry.zspace import ZRange
 
@@ -272,13 +273,6 @@ def _train_two_ranks() -> list[float]:
 
 def test_a_llama_block_trains_on_two_gloo_ranks_with_its_fused_attention_split_by_heads_as_torch():
     model = _block()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    want = []
-    for x, y in BATCHES:
-        opt.zero_grad()
-        loss = _step_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        want.append(loss.item())
+    want = torch_losses(model, torch.optim.SGD(model.parameters(), lr=0.1), _step_loss, BATCHES)
     for rank, got in enumerate(launch(_train_two_ranks, 2, timeout=300)):
         np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"rank {rank}")

@@ -12,6 +12,7 @@ import tapestry
 from tapestry.models import llama_decoder
 from tapestry.pipeline import PipelinePlan, Schedule
 from tapestry.spmd.launch import launch
+from tapestry.testing.reference import torch_losses
 from tapestry.spmd.pipelined import chunk_layers, split_points
 
 VOCAB, BATCH, SEQ = 64, 8, 16
@@ -250,14 +251,7 @@ def train_hf(schedule: Schedule | None, steps: int) -> tuple[list[float], dict[s
     """`steps` AdamW steps of transformers' LLaMA, pipelined (or, with no schedule, in torch on this process)."""
     model, data = hf_llama(), batches(steps)
     if schedule is None:
-        optimizer = ADAMW[0](model.parameters(), **ADAMW[1])
-        losses = []
-        for ids, labels in data:
-            optimizer.zero_grad()
-            loss = cross_entropy(model(ids), labels)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
+        losses = torch_losses(model, ADAMW[0](model.parameters(), **ADAMW[1]), cross_entropy, data)
         return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
     step = tapestry.parallelize_step(model, cross_entropy, data[0], optimizer=ADAMW[0], **ADAMW[1],
                                      pipeline=schedule, layers="model.model.layers")
@@ -324,14 +318,7 @@ def train_shared(schedule: Schedule | None, steps: int) -> tuple[list[float], di
     data = [(torch.randn(8, 4, generator=generator), torch.randn(8, 8, generator=generator)) for _ in range(steps)]
     mse = torch.nn.functional.mse_loss
     if schedule is None:
-        optimizer = SGD[0](model.parameters(), **SGD[1])
-        losses = []
-        for x, y in data:
-            optimizer.zero_grad()
-            loss = mse(model(x), y)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
+        losses = torch_losses(model, SGD[0](model.parameters(), **SGD[1]), mse, data)
         return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
     step = tapestry.parallelize_step(model, mse, data[0], optimizer=SGD[0], **SGD[1], pipeline=schedule)
     return [step(x, y).item() for x, y in data], step.module_state_dict()
