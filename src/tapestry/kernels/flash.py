@@ -228,7 +228,8 @@ def _backward_torch(dout, q, k, v, out, lse, mask, causal: bool, scale: float) -
         return backward_math(dout, q, k, v, out, lse, _causal_torch(q, keys, 0) if causal else mask, scale)
     grads = _ATEN._scaled_dot_product_flash_attention_for_cpu_backward(
         _rows(dout, batch), _rows(q, batch), _rows(k, batch), _rows(v, batch), _rows(out, batch),
-        lse.reshape(-1, 1, length), 0.0, causal, attn_mask=_additive(mask, q, batch, length, keys),
+        lse.to(torch.promote_types(q.dtype, torch.float32)).reshape(-1, 1, length),  # the lse dtype it makes
+        0.0, causal, attn_mask=_additive(mask, q, batch, length, keys),
         scale=scale or None)
     return pack_torch(*(g.reshape(*batch, *g.shape[-2:]) for g in grads))
 
