@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tapestry import dtypes
+from tapestry.components import connected_groups
 from tapestry.cost.profile import DeviceProfile
 from tapestry.cost.roofline import compute_dtype
 from tapestry.plan.plan import Compute, Place, Plan
@@ -67,14 +68,7 @@ def fusion_groups(plan: Plan) -> list[Group]:
     """The plan's fusion groups of two or more steps (module docstring), in plan order of their first member."""
     by_id = plan.by_id
     per_run = {s.out: s for s in plan.steps if isinstance(s, Compute) and s.out not in plan.prepared and fusible(s)}
-    parent = {v: v for v in per_run}
-
-    def root(v: str) -> str:
-        while parent[v] != v:
-            parent[v] = parent[parent[v]]
-            v = parent[v]
-        return v
-
+    links: list[tuple[str, str]] = []
     readers: dict[str, list[str]] = {}
     epoch: dict[str, int] = {}  # the most unfusible steps (matmuls, attention, reshards) on a path to the value
     for step in plan.steps:
@@ -89,13 +83,10 @@ def fusion_groups(plan: Plan) -> list[Group]:
         if step.out in per_run:
             for a in step.args:
                 if a in per_run and epoch[a] == epoch[step.out]:
-                    parent[root(step.out)] = root(a)
-    members: dict[str, list[str]] = {}
-    for v in per_run:
-        members.setdefault(root(v), []).append(v)
+                    links.append((step.out, a))
     delivered = set(plan.outputs.values())
     groups = []
-    for chain in members.values():
+    for chain in connected_groups(per_run, links):
         if len(chain) < 2:
             continue
         inside = set(chain)

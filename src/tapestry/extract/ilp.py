@@ -55,6 +55,7 @@ from dataclasses import dataclass, field, replace
 
 from ortools.sat.python import cp_model
 
+from tapestry.components import connected_groups
 from tapestry.extract.contract import contracted_bound
 from tapestry.extract.egraph import EGraph, NoFiniteChoiceError
 from tapestry.extract.greedy_dag import improve
@@ -411,33 +412,24 @@ def _parts(egraph: EGraph, reduced: Reduced, ties: Ties = ()) -> tuple[set[int],
             required.add(c)
             if len(candidates[c]) == 1:
                 stack.extend(child_sets[candidates[c][0]])
-    parent = {c: c for c in candidates}
-
-    def find(c: int) -> int:
-        while parent[c] != c:
-            parent[c] = parent[parent[c]]
-            c = parent[c]
-        return c
-
+    links: list[tuple[int, int]] = []
     for c, nodes in candidates.items():
         for n in nodes:
             for d in child_sets[n]:
                 same_cycle = c in reduced.component and reduced.component.get(d) == reduced.component[c]
                 if d not in required or same_cycle:
-                    parent[find(c)] = find(d)
+                    links.append((c, d))
     tied_classes = set()
     for a, b in ties:
         ca, cb = egraph.node_class[a], egraph.node_class[b]
         if ca in candidates and cb in candidates:
-            parent[find(ca)] = find(cb)
+            links.append((ca, cb))
         tied_classes.update(c for c in (ca, cb) if c in candidates)
-    groups: dict[int, list[int]] = {}
-    for c in candidates:
-        groups.setdefault(find(c), []).append(c)
+    groups = connected_groups(candidates, links)
     def free(c: int) -> bool:
         return c not in required or len(candidates[c]) > 1 or c in reduced.component or c in tied_classes
 
-    parts = [group for group in groups.values() if any(map(free, group))]
+    parts = [group for group in groups if any(map(free, group))]
     return required, sorted(parts, key=len)
 
 
