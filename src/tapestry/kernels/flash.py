@@ -71,22 +71,34 @@ def _check(q: Shape, k: Shape, v: Shape) -> tuple[Shape, int, int, int]:
 
 def forward_signature(q: Shape, k: Shape, v: Shape, mask: Shape | None = None, **params: ParamValue
                       ) -> SignatureSpec:
+    features = _check(q, k, v)[3]
+    return _per_query_row(q, k, v, mask, ("row", "k", "v"), width=features + 1,
+                          flops_per_point=(4 * features + 5) * k[-2])
+
+
+def _per_query_row(q: Shape, k: Shape, v: Shape, mask: Shape | None, args: tuple[str, ...], width: int,
+                   flops_per_point: int) -> SignatureSpec:
+    """A signature over batch and query rows whose output is `width` elements per row; `args` name each input's
+    projection: "row" (a query row of q's shape), "k" and "v" (all keys, their batch broadcast), "lse" (a number
+    per row); a mask is read last."""
     batch, length, keys, features = _check(q, k, v)
     nb = len(batch)
     n, ones = nb + 1, (1,) * nb
-    inputs = [
-        follow(n, [*range(nb), nb, None], shape=(*ones, 1, features)),
-        follow(n, [*_batch_rows(k, q), None, None], shape=(*ones, keys, features)),
-        follow(n, [*_batch_rows(v, q), None, None], shape=(*ones, keys, features)),
-    ]
+    projections = {
+        "row": follow(n, [*range(nb), nb, None], shape=(*ones, 1, features)),
+        "k": follow(n, [*_batch_rows(k, q), None, None], shape=(*ones, keys, features)),
+        "v": follow(n, [*_batch_rows(v, q), None, None], shape=(*ones, keys, features)),
+        "lse": follow(n, [*range(nb), nb], shape=(*ones, 1)),
+    }
+    inputs = [projections[arg] for arg in args]
     if mask is not None:
         inputs.append(_mask_projection(mask, (*batch, length, keys), index_ndim=n))
     return SignatureSpec(
         dims=(*(f"batch{i}" for i in range(nb)), "query"),
         sizes=(*batch, length),
         inputs=tuple(inputs),
-        output=follow(n, [*range(nb), nb, None], shape=(*ones, 1, features + 1)),
-        flops_per_point=(4 * features + 5) * keys,
+        output=follow(n, [*range(nb), nb, None], shape=(*ones, 1, width)),
+        flops_per_point=flops_per_point,
     )
 
 
@@ -116,24 +128,8 @@ def backward_signature(dout: Shape, q: Shape, k: Shape, v: Shape, out: Shape, ls
             output=follow(nb, [*range(nb), None], shape=(*ones, (length + 2 * keys) * features)),
             flops_per_point=length * keys * (10 * features + 4),
         )
-    n = nb + 1
-    row = follow(n, [*range(nb), nb, None], shape=(*ones, 1, features))
-    inputs = [
-        row, row,
-        follow(n, [*_batch_rows(k, q), None, None], shape=(*ones, keys, features)),
-        follow(n, [*_batch_rows(v, q), None, None], shape=(*ones, keys, features)),
-        row,
-        follow(n, [*range(nb), nb], shape=(*ones, 1)),
-    ]
-    if mask is not None:
-        inputs.append(_mask_projection(mask, (*batch, length, keys), index_ndim=n))
-    return SignatureSpec(
-        dims=(*(f"batch{i}" for i in range(nb)), "query"),
-        sizes=(*batch, length),
-        inputs=tuple(inputs),
-        output=follow(n, [*range(nb), nb, None], shape=(*ones, 1, 3 * features)),
-        flops_per_point=keys * (10 * features + 4),
-    )
+    return _per_query_row(q, k, v, mask, ("row", "row", "k", "v", "row", "lse"), width=3 * features,
+                          flops_per_point=keys * (10 * features + 4))
 
 
 def by_rows(q: Shape, k: Shape) -> bool:
