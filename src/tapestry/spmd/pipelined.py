@@ -163,7 +163,7 @@ class PipelinedStep:
         self.stages = [pipe.build_stage(c, device, self.pipe_group)
                        for c in range(self.position, len(self.chunks), s)]
         if self.stage_plan is not None:
-            self._shard_layers(layers)
+            self._shard_layers(stack, layers)
         runner = SCHEDULE_CLASSES[schedule.name]
         self.runner = runner(self.stages if schedule.chunks > 1 else self.stages[0],
                              n_microbatches=schedule.micro_batches, loss_fn=loss_fn)
@@ -208,19 +208,19 @@ class PipelinedStep:
         faults.note_done()
         return loss / (self.per_position * self.schedule.micro_batches)
 
-    def _shard_layers(self, layers: str) -> None:
+    def _shard_layers(self, stack: nn.ModuleList, layers: str) -> None:
         """Lay every layer this rank holds out on its stage's mesh as the stage plan says (spmd/stage_plan.py)."""
         assert self.stage_plan is not None and self.stage_mesh is not None
         for stage in self.stages:
-            paths = [f"{layers}.{i}" for i in self.chunks[stage.stage_index]]
+            paths = {f"{layers}.{i}": i for i in self.chunks[stage.stage_index]}
             handing = layers_feeding_layers(stage.submod, paths)
-            for path in paths:
+            for path, i in paths.items():
                 layer = stage.submod.get_submodule(path)
                 try:
                     placed = layer_placements(self.stage_plan, layer)
                 except ValueError as err:
                     raise ValueError(f"rank {self.rank}, {path}: {err}") from err
-                shard_layer(layer, placed, self.stage_mesh, path in handing)
+                shard_layer(layer, stack[i], placed, self.stage_mesh, path in handing)
                 self.layouts[path] = placed
 
     def _average_replicas(self) -> None:
@@ -294,7 +294,7 @@ class PipelinedStep:
 
     def __repr__(self) -> str:
         s = self.schedule
-        devices = "" if self.stage_mesh is None else f", each stage on {self.stage_mesh.size} devices by its plan"
+        devices = "" if self.stage_mesh is None else f", each stage on {self.stage_mesh.size()} devices by its plan"
         return (f"PipelinedStep({self.model_name}, {s.name}, {s.stages} stages{devices}, {s.micro_batches} "
                 f"micro-batches, rank {self.rank} holds chunks {[st.stage_index for st in self.stages]})")
 

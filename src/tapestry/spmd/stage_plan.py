@@ -8,7 +8,9 @@ not what runs; its layouts are, mapped onto `torch.distributed.tensor` placement
 (`spmd.state.placements`: a block per device that is a Shard/Replicate cut of the tensor):
 
 - each weight of each layer is a DTensor laid out as the plan places that weight (`layer.<path>` in the plan's
-  graph); torch.optim keeps its state beside it in the same placements;
+  graph); torch.optim keeps its state beside it in the same placements. Where the plan's first reader of the
+  weight (its forward) takes it in another layout (ZeRO-3: stored split, gathered whole for the compute), the
+  forward reads it redistributed so, and the backward reduces its gradient back to the stored layout;
 - each layer takes its input in the layout the plan places the layer's input in (the step's first argument) and
   hands its output on in that layout (the next layer's input); between two layers of one chunk it stays a
   DTensor, and a chunk's ends take and give whole tensors, which torch's schedules send point to point between
@@ -26,31 +28,34 @@ layouts with no DTensor form (uneven blocks, partial sums, devices left out) are
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tapestry.plan import Place, Plan
-from tapestry.sharding import Mesh
+from tapestry.plan import Compute, Place, Plan, Reshard
+from tapestry.sharding import Layout, Mesh
 from tapestry.spmd.state import placements
 from tapestry.training import LR
+from tapestry.zspace import ZRange
 
 LAYER = "layer."  # the prefix of the layer's weights in a `pipeline.layer_step` graph
 
 
 @dataclass(frozen=True)
 class LayerPlacements:
-    """Where a stage plan puts one layer: each weight's placements (by its path in the layer) and the layer's
-    input's (its output's too: the next layer's input)."""
+    """Where a stage plan puts one layer: each weight's placements between steps (`weights`, by its path in the
+    layer) and as the forward reads it (`computed`: where they differ, gathered or re-cut for each use, as
+    ZeRO-3 gathers), and the layer's input's (its output's too: the next layer's input)."""
 
     weights: Mapping[str, tuple[Placement, ...]]
+    computed: Mapping[str, tuple[Placement, ...]]
     activation: tuple[Placement, ...]
 
 
@@ -59,6 +64,7 @@ def layer_placements(plan: Plan, layer: nn.Module) -> LayerPlacements:
     naming the tensor where the plan has no weight of that name and shape, or lays it out in no DTensor form."""
     placed = {s.input: s for s in plan.steps if isinstance(s, Place)}
     weights: dict[str, tuple[Placement, ...]] = {}
+    computed: dict[str, tuple[Placement, ...]] = {}
     for path, weight in layer.named_parameters():
         step = placed.get(LAYER + path)
         if step is None:
@@ -67,36 +73,69 @@ def layer_placements(plan: Plan, layer: nn.Module) -> LayerPlacements:
         if tuple(step.shape) != tuple(weight.shape):
             raise ValueError(f"the stage plan's '{LAYER}{path}' has shape {list(step.shape)}; the layer's {path} "
                              f"has {list(weight.shape)}: it was planned for another layer")
-        weights[path] = _placements(step, plan.mesh, f"weight '{LAYER}{path}'")
+        weights[path] = _placements(step.shape, step.layout, plan.mesh, f"weight '{LAYER}{path}'")
+        computed[path] = _placements(step.shape, first_read(plan, step.out), plan.mesh,
+                                     f"weight '{LAYER}{path}' (as its first reader takes it)")
     graph = plan.graph
     arguments = [n.name for n in graph.inputs if n.name in placed and n.name not in graph.carried.values()
                  and n.name not in graph.static and n.name not in graph.constants and n.name != LR and n.shape]
     if not arguments:
         raise ValueError("the stage plan places no argument of the layer step (its input activation)")
-    return LayerPlacements(weights, _placements(placed[arguments[0]], plan.mesh,
-                                                f"the layer's input '{arguments[0]}'"))
+    first = placed[arguments[0]]
+    return LayerPlacements(weights, computed, _placements(first.shape, first.layout, plan.mesh,
+                                                          f"the layer's input '{arguments[0]}'"))
 
 
-def _placements(step: Place, mesh: Mesh, what: str) -> tuple[Placement, ...]:
-    found = None if step.layout.partial else placements(step.shape, step.layout.blocks, mesh)
+def first_read(plan: Plan, value: str) -> Layout:
+    """The layout the plan's first step reading `value` takes it in (a move's destination, or a kernel's
+    argument layout), through transposes (a linear's weight is transposed before its matmul reads it): for a
+    weight, the forward's. The value's own where nothing reads it."""
+    dims = list(range(len(plan.by_id[value].shape)))  # the value's dim of each dim of `current`
+    current = value
+    while True:
+        step = next((s for s in plan.steps if isinstance(s, Reshard) and s.src == current
+                     or isinstance(s, Compute) and current in s.args), None)
+        if step is None:
+            return plan.layout_of(value)
+        if isinstance(step, Compute) and step.kernel == "transpose" and len(step.args) == 1:
+            perm = dict(step.params).get("perm") or tuple(reversed(range(len(dims))))
+            dims, current = [dims[p] for p in perm], step.out
+            continue
+        read = step.layout if isinstance(step, Reshard) else step.arg_layouts[step.args.index(current)]
+        return Layout(tuple(None if b is None else _in_dims(b, dims) for b in read.blocks), read.partial)
+
+
+def _in_dims(block: ZRange, dims: list[int]) -> ZRange:
+    """`block` of a transposed value as a block of the value itself (`dims`: the value's dim of each of its)."""
+    start, end = [0] * len(dims), [0] * len(dims)
+    for mine, theirs in enumerate(dims):
+        start[theirs], end[theirs] = block.start[mine], block.end[mine]
+    return ZRange(start, end)
+
+
+def _placements(shape: tuple[int, ...], layout: Layout, mesh: Mesh, what: str) -> tuple[Placement, ...]:
+    found = None if layout.partial else placements(shape, layout.blocks, mesh)
     if found is None:
-        raise ValueError(f"the stage plan lays {what} out as {list(step.layout.blocks)}"
-                         f"{' (partial sums)' if step.layout.partial else ''} on {mesh}: a layout with no DTensor "
+        raise ValueError(f"the stage plan lays {what} out as {list(layout.blocks)}"
+                         f"{' (partial sums)' if layout.partial else ''} on {mesh}: a layout with no DTensor "
                          f"form (each mesh axis replicating it or cutting one dim in even pieces) does not run in a "
                          f"pipeline stage yet")
     return found
 
 
-def shard_layer(layer: nn.Module, placed: LayerPlacements, mesh: DeviceMesh, hands_on_dtensor: bool) -> None:
-    """Make `layer` (a stage's copy, the same weights on every rank of `mesh`) run as `placed` says: its
-    weights become DTensors on `mesh` (each rank keeps its block), and its forward takes its input (a whole
-    tensor, or a DTensor from the layer before) in the plan's input layout and returns its output in it, as a
-    DTensor for a next layer (`hands_on_dtensor`) or whole. Other tensor arguments are replicated."""
+def shard_layer(layer: nn.Module, original: nn.Module, placed: LayerPlacements, mesh: DeviceMesh,
+                hands_on_dtensor: bool) -> None:
+    """Make `layer` (a stage's copy of `original`, traced: the same weights on every rank of `mesh`) run as
+    `placed` says: its weights become DTensors on `mesh` (each rank keeps its block), each linear and norm reads
+    its input laid out to meet its weight (`_meeting_weights`), and its forward takes its input (a whole tensor,
+    or a DTensor from the layer before) in the plan's input layout and returns its output in it, as a DTensor
+    for a next layer (`hands_on_dtensor`) or whole. Other tensor arguments are replicated."""
     for path, param in list(layer.named_parameters()):
         owner, _, name = path.rpartition(".")
         module = layer.get_submodule(owner) if owner else layer
         shard = distribute_tensor(param.detach(), mesh, placed.weights[path], src_data_rank=None)
         setattr(module, name, nn.Parameter(shard, requires_grad=param.requires_grad))
+    _meeting_weights(layer, original, placed.computed, mesh)
     forward = layer.forward
     replicated = (Replicate(),) * mesh.ndim
 
@@ -108,7 +147,7 @@ def shard_layer(layer: nn.Module, placed: LayerPlacements, mesh: DeviceMesh, han
         return value
 
     def sharded(x: Any, *args: Any, **kwargs: Any) -> Any:
-        with _attention_dtensor_runs(mesh):
+        with _attention_dtensor_runs(mesh), _weights_as_computed(layer, placed.computed, mesh):
             out = forward(laid_out(x, placed.activation), *(laid_out(a, replicated) for a in args),
                           **{k: laid_out(v, replicated) for k, v in kwargs.items()})
         if not isinstance(out, DTensor):
@@ -118,6 +157,64 @@ def shard_layer(layer: nn.Module, placed: LayerPlacements, mesh: DeviceMesh, han
         return out if hands_on_dtensor else out.full_tensor()
 
     layer.forward = sharded
+
+
+def _meeting_weights(layer: nn.Module, original: nn.Module, computed: Mapping[str, tuple[Placement, ...]],
+                     mesh: DeviceMesh) -> None:
+    """Before each linear and norm of `layer` (by `original`'s module types) its input is laid out to meet its
+    weight as the plan reads it: the input dims the weight's dims meet (a linear's last, contracted with the
+    weight's dim 1; a norm's normalized dims) cut where the weight's dim is cut and whole where it is not; the
+    other dims (the batch's, the sequence's) stay as they are. DTensor's propagation would otherwise meet a
+    replicated norm weight with a hidden-split input by a split reduction it cannot finish in place (torch
+    2.13: "in-place operations that require placement changes are not supported")."""
+    for path, kind in original.named_modules():
+        if isinstance(kind, nn.Linear):
+            meets = {1: -1}
+        elif isinstance(kind, nn.RMSNorm | nn.LayerNorm) and kind.weight is not None:
+            meets = {d: d - kind.weight.ndim for d in range(kind.weight.ndim)}
+        else:
+            continue
+        try:
+            traced = layer.get_submodule(path)
+        except AttributeError:  # the forward never calls it: the trace left it out
+            continue
+        wanted = computed[f"{path}.weight" if path else "weight"]
+        traced.register_forward_pre_hook(
+            lambda _, args, meets=meets, wanted=wanted: (_meet(args[0], meets, wanted, mesh), *args[1:]))
+
+
+def _meet(x: Any, meets: Mapping[int, int], weight: tuple[Placement, ...], mesh: DeviceMesh) -> Any:
+    if not isinstance(x, DTensor):
+        return x
+    met = {d % x.ndim for d in meets.values()}
+    wanted = list(x.placements)
+    for axis, (mine, theirs) in enumerate(zip(x.placements, weight)):
+        if isinstance(theirs, Shard) and theirs.dim in meets:
+            wanted[axis] = Shard(meets[theirs.dim] % x.ndim)
+        elif isinstance(mine, Shard) and mine.dim % x.ndim in met:
+            wanted[axis] = Replicate()
+    return x if wanted == list(x.placements) else x.redistribute(mesh, wanted)
+
+
+@contextlib.contextmanager
+def _weights_as_computed(layer: nn.Module, computed: Mapping[str, tuple[Placement, ...]], mesh: DeviceMesh
+                         ) -> Iterator[None]:
+    """While the layer's forward runs, each weight the plan reads in another layout than it keeps it in is that
+    redistribution of it (an all-gather, say: its backward reduce-scatters the gradient back), swapped in where
+    the module reads the weight and swapped out after (as FSDP's unshard and reshard do)."""
+    swapped = []
+    for path, wanted in computed.items():
+        owner, _, name = path.rpartition(".")
+        module = layer.get_submodule(owner) if owner else layer
+        kept = module._parameters[name]
+        if isinstance(kept, DTensor) and tuple(kept.placements) != wanted:
+            module._parameters[name] = kept.redistribute(mesh, wanted)  # type: ignore[assignment]
+            swapped.append((module, name, kept))
+    try:
+        yield
+    finally:
+        for module, name, kept in swapped:
+            module._parameters[name] = kept
 
 
 def _attention_dtensor_runs(mesh: DeviceMesh) -> contextlib.AbstractContextManager[None]:
