@@ -19,9 +19,17 @@ micro-batches' gradients). The tracer leaves the module unfit to be traced again
 Each stage's layers run eagerly. A bare schedule on a mesh of D times its stages runs D data-parallel replicas of
 the pipeline: rank r is pipeline position r // D of replica r % D (the pipeline over the outer index, as
 plan_pipeline lays stages over mesh axis 0), each replica takes its D-th of the batch, and each stage's replicas
-average their gradients (one all-reduce per step among them) before the update. A plan whose stages span several
-devices is refused: its stage plan (tensor parallel, say) is not run here yet. The layers a plan recomputes
-(`plan.recompute`) run under activation checkpointing.
+average their gradients (one all-reduce per step among them) before the update.
+
+A plan whose stages span several devices (`plan.stage_mesh`, e.g. 8 stages of 8 GPUs on 8x8) runs each stage on
+its own devices under the plan's stage plan: rank r is pipeline position r // D on the stage's mesh at index
+r % D (a DeviceMesh of shape (stages, *stage_mesh) over the ranks, row-major, so the stages are contiguous
+blocks of mesh axis 0), and each layer's weights are DTensors on the stage's mesh in the stage plan's layouts,
+its input and output in the plan's input layout (spmd/stage_plan.py says what follows the plan and what not).
+Torch's schedules send whole activations between the ranks of one index on neighbouring stages. Refused, with
+the missing piece named: stages over another axis than 0, a plan with no stage plan, a mesh other than the
+plan's, layouts with no DTensor form. The layers a plan recomputes (`plan.recompute`) run under activation
+checkpointing.
 """
 from __future__ import annotations
 
@@ -154,8 +162,8 @@ class PipelinedStep:
         if self.stage_plan is not None:  # pipeline positions over the outer dim, each stage's mesh the inner ones
             inner = pipeline.stage_mesh.shape
             names = tuple(f"stage{k}" for k in range(len(inner)))
-            whole = init_device_mesh(device.type, (s, *inner), mesh_dim_names=("pipeline", *names))
-            self.pipe_group, self.stage_mesh = whole["pipeline"].get_group(), whole[names]
+            grid = init_device_mesh(device.type, (s, *inner), mesh_dim_names=("pipeline", *names))
+            self.pipe_group, self.stage_mesh = grid["pipeline"].get_group(), grid[names]
         elif d > 1:
             pipes = [dist.new_group([p * d + j for p in range(s)]) for j in range(d)]
             stage_groups = [dist.new_group([p * d + j for j in range(d)]) for p in range(s)]

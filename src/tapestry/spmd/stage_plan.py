@@ -14,16 +14,18 @@ not what runs; its layouts are, mapped onto `torch.distributed.tensor` placement
 - each layer takes its input in the layout the plan places the layer's input in (the step's first argument) and
   hands its output on in that layout (the next layer's input); between two layers of one chunk it stays a
   DTensor, and a chunk's ends take and give whole tensors, which torch's schedules send point to point between
-  the ranks of one position on neighbouring stages' meshes;
+  the ranks of one index on neighbouring stages' meshes;
 - the ops between run on DTensors: torch's sharding propagation chooses their layouts and collectives from the
-  weights' and the input's, not the plan's per-op choice (for a tensor-parallel plan they coincide: column then
-  row-parallel linears, one all-reduce each);
+  weights' and the input's, not the plan's per-op choice; each linear's and norm's input is laid out to meet its
+  weight as the plan reads it (`_meeting_weights`). For a tensor-parallel plan the two coincide: column- then
+  row-parallel linears, one all-reduce after each row-parallel one;
 - gradients leave the backward in the placement DTensor's propagation gives them (a replicated weight read by
   batch-split activations: partial sums) and are reduced to the weight's own placement before the update
   (`settle_gradients`).
 
-Not followed: the plan's layouts of the optimizer state (it follows the weight's) and of values inside the layer;
-layouts with no DTensor form (uneven blocks, partial sums, devices left out) are refused, naming the tensor.
+Not followed: the plan's layouts of the optimizer state (it follows the weight's) and of values inside the layer
+but the above. On the CPU attention runs as its math decomposition (`_attention_dtensor_runs`). Layouts with no
+DTensor form (uneven blocks, partial sums, devices left out) are refused, naming the tensor.
 """
 from __future__ import annotations
 
