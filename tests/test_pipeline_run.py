@@ -4,6 +4,7 @@ one device (the losses and the updated weights)."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -178,7 +179,7 @@ def test_a_pipelined_step_refuses_a_mesh_that_is_not_a_multiple_of_its_stages() 
                                   time_limit=5)
 
 
-def save_after_one_step(schedule: Schedule, path: str, ranks: int | None = None) -> None:
+def save_after_one_step(schedule: Schedule | PipelinePlan, path: str, ranks: int | None = None) -> None:
     import torch.distributed.checkpoint as dcp
 
     torch.manual_seed(0)
@@ -189,7 +190,7 @@ def save_after_one_step(schedule: Schedule, path: str, ranks: int | None = None)
     dcp.save(step.state_dict(), checkpoint_id=path)
 
 
-def resume_for_one_step(schedule: Schedule, path: str) -> tuple[float, dict[str, torch.Tensor]]:
+def resume_for_one_step(schedule: Schedule | PipelinePlan, path: str) -> tuple[float, dict[str, torch.Tensor]]:
     import torch.distributed.checkpoint as dcp
 
     torch.manual_seed(5)  # other initial weights: the checkpoint must replace them
@@ -495,3 +496,24 @@ def test_a_stage_plan_that_cannot_run_in_a_stage_is_refused_naming_what_is_missi
     with pytest.raises(ValueError, match=r"'layer.attn_norm.weight' has shape \[32\]; the layer's attn_norm.weight "
                                          r"has \[64\]: it was planned for another layer"):
         layer_placements(megatron, LlamaBlock(64, 4, 64))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_stages_under_a_stage_plan_resumes_one_rank_per_stage_and_back(tmp_path: Path) -> None:
+    """Saved (torch.distributed.checkpoint) from 2 stages x 2 devices under the Megatron stage plan (weights and
+    AdamW moments as DTensors, split) and loaded into 1F1B on 2 ranks (whole tensors); and the other way round:
+    the next step equals torch's second either way."""
+    want_losses, want = on_one_device(4, 2, ADAMW)
+    planned = on_stages_of_two(layer_plan("megatron"), Schedule("1f1b", 2, 4), 4)
+    plain = Schedule("1f1b", 2, 4)
+
+    def ranks(pipeline: Schedule | PipelinePlan) -> int:
+        return pipeline.mesh.size if isinstance(pipeline, PipelinePlan) else pipeline.stages
+
+    for k, (saved, loaded) in enumerate(((planned, plain), (plain, planned))):
+        path = str(tmp_path / f"checkpoint{k}")
+        launch(save_after_one_step, saved, path, ranks(saved), nproc=ranks(saved), timeout=300)
+        for loss, weights in launch(resume_for_one_step, loaded, path, nproc=ranks(loaded), timeout=300):
+            assert loss == pytest.approx(want_losses[1], abs=1e-5)
+            for name, value in weights.items():
+                torch.testing.assert_close(value, want[name], rtol=0, atol=1e-5, msg=name)

@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._pytree import tree_map
 
 from tapestry.plan import Compute, Place, Plan, Reshard
 from tapestry.sharding import Layout, Mesh
@@ -149,9 +150,9 @@ def shard_layer(layer: nn.Module, original: nn.Module, placed: LayerPlacements, 
         return value
 
     def sharded(x: Any, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = tree_map(lambda a: laid_out(a, replicated), (args, kwargs))  # rotary tables, say
         with _attention_dtensor_runs(mesh), _weights_as_computed(layer, placed.computed, mesh):
-            out = forward(laid_out(x, placed.activation), *(laid_out(a, replicated) for a in args),
-                          **{k: laid_out(v, replicated) for k, v in kwargs.items()})
+            out = forward(laid_out(x, placed.activation), *args, **kwargs)
         if not isinstance(out, DTensor):
             raise TypeError(f"a layer run under a stage plan returns one tensor; {type(layer).__name__} returned "
                             f"{type(out).__name__}")
