@@ -431,11 +431,15 @@ def test_stages_of_two_devices_run_their_stage_plan_and_equal_torch(strategy: st
     """4 gloo ranks, 2 stages x 2 devices: each layer's weights are DTensors in the stage plan's layouts (each
     rank holds the block the plan gives its device), read as the plan's forward reads them (ZeRO-3: gathered),
     its input in the plan's (tensor parallel: whole; data parallel and ZeRO-3: the micro-batch split), and the
-    step equals torch on one device: SGD, AdamW (its moments sharded with the weights) and clipping by the whole
-    model's norm."""
+    step equals torch on one device: SGD, AdamW (its moments sharded with the weights), clipping by the whole
+    model's norm and recomputed layers."""
+    from dataclasses import replace
+
     from tapestry.spmd.stage_plan import layer_placements
 
     plan = on_stages_of_two(layer_plan(strategy), schedule, layers)
+    if strategy == "zero3":  # the first and last layers recompute their forward, gathering their weights again
+        plan = replace(plan, recompute=(True, False, False, True))
     layouts = layer_placements(plan.layer_plan, llama_decoder(VOCAB, layers=1).layers[0])
     read = {f"read {path}": computed for path, computed in layouts.computed.items()}
     assert {**layouts.weights, **read, "input": layouts.activation}.items() >= placed.items()
