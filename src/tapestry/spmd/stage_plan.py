@@ -181,7 +181,9 @@ def _meeting_weights(layer: nn.Module, original: nn.Module, computed: Mapping[st
             traced = layer.get_submodule(path)
         except AttributeError:  # the forward never calls it: the trace left it out
             continue
-        wanted = computed[f"{path}.weight" if path else "weight"]
+        wanted = computed.get(f"{path}.weight" if path else "weight")
+        if wanted is None:  # a weight tied to one met before: laid out under that name, left to DTensor here
+            continue
         traced.register_forward_pre_hook(
             lambda _, args, meets=meets, wanted=wanted: (_meet(args[0], meets, wanted, mesh), *args[1:]))
 
