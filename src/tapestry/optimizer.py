@@ -31,6 +31,7 @@ from tapestry.cost.overlap import forward_outputs, overlap, upstream
 from tapestry.egraph.clock import clock
 from tapestry.egraph.decode import Decoder, DNode, distributed_nodes
 from tapestry.egraph.driver import MOVES_SHARE, Budget, IterationStats, SaturationStats, saturate
+from tapestry.egraph.fused_prices import fused_node_costs
 from tapestry.egraph.repeat import find_repetition
 from tapestry.egraph.rules import RuleFile, load_rules
 from tapestry.extract import (
@@ -220,7 +221,12 @@ class Explored:
         as hidden whole (`_overlap_split`: weight 1 on the first piece); if the plan's backward pass is shorter
         than its reductions, it extracts again with the backward compute hidden instead (weight 0), and with
         both half hidden; the cheapest plan by plan_cost is kept, marked "feasible" (the objectives were not its
-        time). docs/cost-models.md says what is exact."""
+        time).
+
+        Fusion: where the model prices fusion groups as one kernel (its `fused_device`), the plan is extracted a
+        second time with each fusible node priced as the group member its neighbourhood promises (`_fused`),
+        and that plan is kept if plan_cost finds it cheaper, marked "feasible" (its node costs were estimates);
+        the overlap sweep then extracts under the costs that won. docs/cost-models.md says what is exact."""
         model = cost_model or default_cost_model()
         carried = dict(self.graph.carried if steady is None else steady)
         _check_carried(self.graph, carried)
@@ -234,21 +240,33 @@ class Explored:
 
         extractors = [extractor]  # the ILP found no steady selection in time once: greedy-dag for the rest
 
-        def fit(weight: float) -> tuple[Plan, Selection]:
-            """Extracted with `weight` of each reduction's cost hidden and 1 - weight of each backward Run's."""
-            hidden = egraph.with_costs([_unless_unselectable(c, 1 - weight) if n in reductions
-                                        else _unless_unselectable(c, weight) if n in backward else c
-                                        for n, c in enumerate(egraph.node_cost)]) if reductions else egraph
+        def fit(base: ExtractGraph, weight: float) -> tuple[Plan, Selection]:
+            """Extracted from `base` with `weight` of each reduction's cost hidden and 1 - weight of each backward
+            Run's."""
+            hidden = base.with_costs([_unless_unselectable(c, 1 - weight) if n in reductions
+                                      else _unless_unselectable(c, weight) if n in backward else c
+                                      for n, c in enumerate(base.node_cost)]) if reductions else base
             plan, selection = self._fit(hidden, extractors[-1], time_limit, budget_of, ties, carried, memory_budget,
                                         outputs)
             if selection.extractor != extractors[-1] and ties and memory_budget is None:
                 extractors.append(selection.extractor)
             return replace(plan, cost=plan_cost(plan, model)), selection  # time per run, not objective
 
-        plan, selection = fit(1.0)
+        plan, selection = fit(egraph, 1.0)
+        fused = self._fused(egraph, model)
+        if fused is not None:  # the plan extracted under fusion-aware node costs, where plan_cost finds it cheaper
+            try:
+                seen = fit(fused, 1.0)
+            except MemoryBudgetError:  # memory cuts ended elsewhere under these costs: the first plan stands
+                seen = (plan, selection)
+            if seen[0].cost < plan.cost:
+                egraph, (plan, selection) = fused, seen
+                selection = replace(selection, status="feasible")  # its objective was an estimate of its time
+                plan = replace(plan, notes={**plan.notes, "status": "feasible", "node_costs": "fused"})
         found = overlap(plan, from_costs(step_costs(plan, model)))
         if found.reductions > found.backward * (1 + 1e-9):  # the first piece was not the plan's time
-            plan, selection = min([(plan, selection), *map(fit, LAGRANGE_WEIGHTS)], key=lambda p: p[0].cost)
+            swept = [fit(egraph, weight) for weight in LAGRANGE_WEIGHTS]
+            plan, selection = min([(plan, selection), *swept], key=lambda p: p[0].cost)
             selection = replace(selection, status="feasible")  # no objective was the plan's time: nothing proven
             plan = replace(plan, notes={**plan.notes, "status": "feasible",
                                         "overlap_rounds": 1 + len(LAGRANGE_WEIGHTS)})
@@ -263,6 +281,15 @@ class Explored:
                           f"({stats.undone}): its sharded options were never all made; raise Budget.seconds or "
                           f"Budget.nodes", SearchCutWarning, stacklevel=3)
         return result
+
+    def _fused(self, egraph: ExtractGraph, model: CostModel) -> ExtractGraph | None:
+        """`egraph` with each node priced as the fusion group member its neighbourhood promises
+        (egraph.fused_prices), where `model` fuses (its `fused_device`) and that changes a price; else None."""
+        device = getattr(model, "fused_device", None)
+        if device is None:
+            return None
+        costs = fused_node_costs(self.decoder, egraph.node_cost, device)
+        return None if costs == list(egraph.node_cost) else egraph.with_costs(costs)
 
     def _fit(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget_of: Callable[[], DeviceBudget],
              ties: Ties, carried: Mapping[str, str], memory_budget: int | None,
