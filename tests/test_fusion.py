@@ -122,6 +122,10 @@ def test_extraction_chooses_by_the_fused_price_of_the_plan():
     assert fused.plan.cost == pytest.approx(alone)
     assert fused.plan.cost < plan_cost(unfused, GPU)
     assert fused.status == "feasible" and fused.plan.notes["node_costs"] == "fused"
+    # its fused node costs (x read and the launch by the first kernel, y's write by the Deliver) are its price
+    # but for the other kernels' FLOPs, which the group's time hides behind its bytes and the node costs add
+    flops = sum(s.signature.cost(s.blocks[0])[0] / device.peak("float32") for s in fused.plan.steps[2:])
+    assert fused.plan.cost < fused.selection.dag_cost == pytest.approx(fused.plan.cost + flops)
 
 
 def test_extraction_keeps_the_unfused_choice_where_fused_node_costs_find_nothing_cheaper():
