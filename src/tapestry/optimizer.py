@@ -261,8 +261,6 @@ class Explored:
                 seen = (plan, selection)
             if seen[0].cost < plan.cost:
                 egraph, (plan, selection) = fused, seen
-                selection = replace(selection, status="feasible")  # its objective was an estimate of its time
-                plan = replace(plan, notes={**plan.notes, "status": "feasible", "node_costs": "fused"})
         found = overlap(plan, from_costs(step_costs(plan, model)))
         if found.reductions > found.backward * (1 + 1e-9):  # the first piece was not the plan's time
             swept = [fit(egraph, weight) for weight in LAGRANGE_WEIGHTS]
@@ -270,6 +268,9 @@ class Explored:
             selection = replace(selection, status="feasible")  # no objective was the plan's time: nothing proven
             plan = replace(plan, notes={**plan.notes, "status": "feasible",
                                         "overlap_rounds": 1 + len(LAGRANGE_WEIGHTS)})
+        if egraph is fused:  # its node costs were an estimate of its time: nothing proven
+            selection = replace(selection, status="feasible")
+            plan = replace(plan, notes={**plan.notes, "status": "feasible", "node_costs": "fused"})
         plan = self._verified(plan, extractor, carried)
         stats = replace(self.stats, reshards_unpriced=self.decoder.pricing.reshards_unpriced)
         status = search_status(stats, selection)
