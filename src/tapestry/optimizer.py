@@ -120,6 +120,10 @@ CUT_ROUNDS = 12  # re-solves with memory cuts when the decoded plan overshoots t
 # The weights of "reductions hidden" tried after 1.0 when the plan's backward pass hides less than all of its
 # gradient reductions (cost.overlap): the other piece of max(sum - reductions, sum - backward), and between.
 LAGRANGE_WEIGHTS = (0.0, 0.5)
+# The ILP's stop gap under fused node costs (egraph.fused_prices): they estimate a plan's time, so proving their
+# optimum buys nothing; at 1% the ILP took 0.21 CPU s on gpt_neox's Mesh(4) e-graph, proving it 0.75 (the path cuts
+# of an objective whose LP is not tight), and found the same plan.
+FUSED_STOP_GAP = 0.01
 
 
 class SearchCutWarning(UserWarning):
@@ -247,13 +251,13 @@ class Explored:
                                       else _unless_unselectable(c, weight) if n in backward else c
                                       for n, c in enumerate(base.node_cost)]) if reductions else base
             plan, selection = self._fit(hidden, extractors[-1], time_limit, budget_of, ties, carried, memory_budget,
-                                        outputs)
+                                        outputs, FUSED_STOP_GAP if base is fused else None)
             if selection.extractor != extractors[-1] and ties and memory_budget is None:
                 extractors.append(selection.extractor)
             return replace(plan, cost=plan_cost(plan, model)), selection  # time per run, not objective
 
-        plan, selection = fit(egraph, 1.0)
         fused = self._fused(egraph, model)
+        plan, selection = fit(egraph, 1.0)
         if fused is not None:  # the plan extracted under fusion-aware node costs, where plan_cost finds it cheaper
             try:
                 seen = fit(fused, 1.0)
@@ -294,13 +298,13 @@ class Explored:
 
     def _fit(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget_of: Callable[[], DeviceBudget],
              ties: Ties, carried: Mapping[str, str], memory_budget: int | None,
-             outputs: Outputs) -> tuple[Plan, Selection]:
+             outputs: Outputs, stop_gap: float | None = None) -> tuple[Plan, Selection]:
         """The extracted plan, checked. Under a memory budget: the plan chosen without it where that fits (the
         budget does not bind), else re-solved with the budget's constraints (`budget_of`) and memory cuts until
         it fits."""
         base = None
         if memory_budget is not None:
-            unbound = self._unbound(egraph, extractor, time_limit, ties, carried, memory_budget)
+            unbound = self._unbound(egraph, extractor, time_limit, ties, carried, memory_budget, stop_gap)
             if unbound is not None:
                 return unbound
             base = budget_of()
@@ -309,7 +313,7 @@ class Explored:
         while True:
             budget = None if base is None else replace(base, groups=tuple(cuts))
             try:
-                selection = self._select(egraph, extractor, time_limit, budget, ties, carried)
+                selection = self._select(egraph, extractor, time_limit, budget, ties, carried, stop_gap)
             except NoFiniteChoiceError as err:
                 if budget is None:
                     asked = f"outputs as asked ({outputs!r})" + (" in steady state" if ties else "")
@@ -337,13 +341,14 @@ class Explored:
         return plan, selection
 
     def _unbound(self, egraph: ExtractGraph, extractor: str, time_limit: float, ties: Ties,
-                 carried: Mapping[str, str], memory_budget: int) -> tuple[Plan, Selection] | None:
+                 carried: Mapping[str, str], memory_budget: int,
+                 stop_gap: float | None = None) -> tuple[Plan, Selection] | None:
         """The plan chosen without the memory budget, if its exact peak fits: the budget does not bind, so what
         was proven of it holds under the budget too (a small model's plan fits 80 GB whatever it splits). Tried
         first: the budget's constraints made CP-SAT slow (190 CPU s of constraints for a 2-layer LLaMA training
         step on 8x8 at 80 GB) or find nothing in time, for a budget every plan met."""
         try:
-            selection = self._select(egraph, extractor, time_limit, None, ties, carried)
+            selection = self._select(egraph, extractor, time_limit, None, ties, carried, stop_gap)
         except NoFiniteChoiceError:
             return None
         problems = validate(egraph, selection)
@@ -390,24 +395,25 @@ class Explored:
         return reductions, backward
 
     def _select(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget: DeviceBudget | None,
-                ties: Ties, carried: Mapping[str, str]) -> Selection:
+                ties: Ties, carried: Mapping[str, str], stop_gap: float | None = None) -> Selection:
         if not ties or extractor == "ilp":
             try:
-                return extract(egraph, extractor, time_limit, budget, ties, self.repeated)
+                return extract(egraph, extractor, time_limit, budget, ties, self.repeated, stop_gap)
             except NoFiniteChoiceError as err:
                 if not ties or extractor != "ilp" or budget is not None:  # greedy-dag takes no budget
                     raise
                 # CP-SAT found no steady selection in time (a training step past a few layers on many devices):
                 # greedy-dag's pinned layouts are steady; the selection names its extractor, and proves nothing
                 try:
-                    return self._select(egraph, "greedy-dag", time_limit, budget, ties, carried)
+                    return self._select(egraph, "greedy-dag", time_limit, budget, ties, carried, stop_gap)
                 except NoFiniteChoiceError:
                     raise err from None
-        free = extract(egraph, extractor, time_limit, budget)
+        free = extract(egraph, extractor, time_limit, budget, stop_gap=stop_gap)
         steady: list[Selection] = []
         for pins in (self._delivered_layouts(free, carried), self._replicated_layouts(carried)):
             try:
-                selection = extract(self._pin_layouts(egraph, pins, carried), extractor, time_limit, budget)
+                selection = extract(self._pin_layouts(egraph, pins, carried), extractor, time_limit, budget,
+                                    stop_gap=stop_gap)
             except NoFiniteChoiceError:
                 continue  # a pinned layout's moves were left unpriced (budget): the other pins
             if ties_hold(selection.choice, ties):
