@@ -96,3 +96,42 @@ def test_fusion_pricing_does_not_depend_on_the_hash_seed():
     script = "import test_fusion; print(test_fusion.priced_adam_step())"
     other = subprocess.run([sys.executable, "-c", script], env=env, check=True, capture_output=True, text=True).stdout
     assert other.strip() == priced_adam_step()
+
+
+def exp_sigmoid_chain(length: int) -> Graph:
+    """y = sigmoid(exp(...sigmoid(exp(x)))), `length` elementwise kernels of ROWS x COLS."""
+    g = Graph()
+    h = g.input("x", (ROWS, COLS))
+    for i in range(length):
+        h = g.op("sigmoid" if i % 2 else "exp", h, name=f"h{i}")
+    g.output("y", h)
+    return g
+
+
+def test_extraction_chooses_by_the_fused_price_of_the_plan():
+    """Eight elementwise kernels on 2 devices, the output wanted replicated. Priced step by step, halving each
+    kernel's bytes outweighs gathering y at the end; fused, the chain is one kernel whatever its split, and the
+    gather is the dearer part: extraction under fusion-aware node costs computes it whole on each device."""
+    explored = tapestry.explore(exp_sigmoid_chain(8), tapestry.Mesh(2))
+    unfused = explored.extract(UNFUSED, outputs="replicated").plan
+    fused = explored.extract(GPU, outputs="replicated")
+    assert any(isinstance(s, Reshard) for s in unfused.steps)  # split, then gathered
+    assert not any(isinstance(s, Reshard) for s in fused.plan.steps)
+    device = GPU.profile.device
+    alone = 2 * 4 * ROWS * COLS / device.mem_bandwidth + device.launch_overhead  # x read, y written, one launch
+    assert fused.plan.cost == pytest.approx(alone)
+    assert fused.plan.cost < plan_cost(unfused, GPU)
+    assert fused.status == "feasible" and fused.plan.notes["node_costs"] == "fused"
+    # its fused node costs (x read and the launch by the first kernel, y's write by the Deliver) are its price
+    # but for the other kernels' FLOPs, which the group's time hides behind its bytes and the node costs add
+    flops = sum(s.signature.cost(s.blocks[0])[0] / device.peak("float32") for s in fused.plan.steps[2:])
+    assert fused.plan.cost < fused.selection.dag_cost == pytest.approx(fused.plan.cost + flops)
+
+
+def test_extraction_keeps_the_unfused_choice_where_fused_node_costs_find_nothing_cheaper():
+    """Four kernels: splitting them does not pay for the gather either way; the plan is the one the unfused
+    costs chose, proven as before."""
+    explored = tapestry.explore(exp_sigmoid_chain(4), tapestry.Mesh(2))
+    fused = explored.extract(GPU, outputs="replicated")
+    assert fused.plan.steps == explored.extract(UNFUSED, outputs="replicated").plan.steps
+    assert fused.status == "optimal" and "node_costs" not in fused.plan.notes
