@@ -196,7 +196,12 @@ def distributed_nodes(data: Mapping[str, Any], interner: Interner, deadline: flo
     """(nodes, root classes in output order, output name per root class, values whose moves the deadline cut).
 
     Reshards out of a replicated layout (local slices: what the replicated plan needs) are made for every value;
-    the other moves value by value until `deadline` (a `clock()` time: CPU seconds)."""
+    the other moves value by value until `deadline` (a `clock()` time: CPU seconds), and only out of a layout
+    that a Run or Place computes: a layout only a reader's footprint asks for (one of the 25 of each of the eleven
+    slices of GPT-NeoX's fused QKV value) is reached by a move from a computed layout that holds all it holds,
+    and a move on from it is left for that computed layout to make straight (`reshard_pairs` pairs only layouts
+    whose source holds all the destination does; docs/benchmarks.md, issue 25: no plan of the six tested families
+    used such a second move)."""
     raw = data["nodes"]
     runs = run_constructors()
     at: dict[str, str] = {}
@@ -221,6 +226,7 @@ def distributed_nodes(data: Mapping[str, Any], interner: Interner, deadline: flo
         elif op == "Result":
             roots[eclass] = lit(0)
     made: set[tuple[str, str]] = set()
+    computed = {n.eclass for n in nodes if n.op != "Deliver"}  # the classes a Run or Place computes
 
     def move(value: str, classes: dict[str, str], src: str, dst: str) -> None:
         if (classes[src], classes[dst]) not in made:
@@ -239,7 +245,8 @@ def distributed_nodes(data: Mapping[str, Any], interner: Interner, deadline: flo
             cut += 1
             continue
         for src, dst in reshard_pairs(classes, interner):
-            move(value, classes, src, dst)
+            if classes[src] in computed:
+                move(value, classes, src, dst)
     return nodes, list(roots), roots, cut
 
 
