@@ -8,10 +8,10 @@ reads only its own class (so it needs no other layout active, and is still no en
 e-graph maps to a selection of the contracted problem that costs no more and keeps every constraint of the LP:
 each chosen inner node becomes its class's contracted node; entries, hence sources, readers and needs, are the
 same nodes reading the same classes. So the contracted LP's optimum is at most the e-graph's LP optimum (with
-the same blocks), and a lower bound on every selection's cost. Path cuts are left out: they follow chains of reshards, which the
-contraction cuts. It keeps a quarter of LLaMA's candidates and 42% of GPT-NeoX's (whose reshards from one strongly
-connected component of a value's layouts into another are entries, kept); its LP took 0.45 and 1.23 CPU s where
-the full one took 6.43 and 16.79 (`benchmarks/contract.py`, docs/extraction.md).
+the same blocks), and a lower bound on every selection's cost. Path cuts are left out: they follow chains of
+reshards, which the contraction cuts. It keeps a quarter of LLaMA's candidates and 42% of GPT-NeoX's (whose
+reshards from one strongly connected component of a value's layouts into another are entries, kept); its LP took
+0.45 and 1.23 CPU s where the full one took 6.43 and 16.79 (`benchmarks/contract.py`, docs/extraction.md).
 
 Its LP's source constraints group classes by value (`value_blocks`), not by cycle: a layout that nothing moves
 out of (a footprint: what one reader reads of a fused value, `egraph.decode`) is a block of its own among the
@@ -60,20 +60,22 @@ def contracted(egraph: EGraph, candidates: Mapping[int, Sequence[int]],
     return graph, kept
 
 
-MOVE = "Reshard"  # the op of a node that moves a value between layouts (egraph.decode): both classes are one value's
+MOVE = "Reshard"  # the op of a node that moves a value between layouts (egraph.decode): one value's two classes
 
 
 def value_blocks(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
                  needs: Mapping[int, Sequence[int]]) -> tuple[dict[int, int], dict[int, tuple[int, ...]]]:
     """Blocks grown to whole values, and the needs that still hold between them: (block per class, needs).
 
-    Every class joined to another by a MOVE node is one value's layout, and the blocks they touch become one (the
-    largest id of them names it). The source constraints hold for any grouping of classes into blocks (the
-    classes of a used block that an acyclic selection activates have one whose chosen node reads none of them:
-    an entry), and the contracted nodes, which read their own class, stay no entries. A need of block B for D
-    becomes B's for D's value block if B is a value block on its own; a grown block's needs are left out."""
-    links = [(c, d) for c, nodes in candidates.items() for n in nodes if egraph.node_ops[n] == MOVE
-             for d in egraph.child_sets[n]]
+    Classes joined by a MOVE node are layouts of one value, and the blocks they touch become one (the largest id
+    of them names it). The source constraints hold for any grouping of classes into blocks (the classes of a used
+    block that an acyclic selection activates have one whose chosen node reads none of them: an entry), and the
+    contracted nodes, which read their own class, stay no entries. A need of block B for D becomes B's for D's
+    value block if B is a value block on its own; a grown block's needs are left out."""
+    first: dict[int, int] = {}
+    links = [(c, first.setdefault(block[c], c)) for c in candidates]  # a block stays whole
+    links += [(c, d) for c, nodes in candidates.items() for n in nodes if egraph.node_ops[n] == MOVE
+              for d in egraph.child_sets[n]]
     grown = dict(block)
     for group in connected_groups(candidates, links):
         named = max(block[c] for c in group)
