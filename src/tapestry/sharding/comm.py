@@ -92,8 +92,8 @@ def transfers(src: Layout, dst: Layout) -> tuple[Transfer, ...]:
     return tuple(moves)
 
 
-# Devices up to which `_meeting` tries each block in turn: numpy's per-call overhead made its vectorized test
-# 14% of pricing a 2-layer Mixtral on Mesh(2, 2) (14,000 calls on 4 devices).
+# Devices up to which `_meeting` tries each block in turn: on a few devices numpy's per-call set-up costs more
+# than the test (pricing a 2-layer Mixtral on Mesh(2, 2) asks 14,000 times, on 4 devices).
 LOOPED_DEVICES = 8
 
 
