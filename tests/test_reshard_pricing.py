@@ -7,13 +7,14 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tapestry.cost.comm import moves
-from tapestry.sharding import Layout, Mesh
+from tapestry.sharding import Layout, Mesh, comm
 from tapestry.sharding.collectives import Collective, Group, reshard_groups
 from tapestry.sharding.collectives import _classify as collective_of
 from tapestry.sharding.comm import CommError, box_difference, can_move, overlap, received_counts, transfers
@@ -158,6 +159,18 @@ def test_groups_kinds_and_counts_match_the_box_by_box_oracle(pair):
     moved = moves(src, dst, shape, mesh)
     assert (moved.received, moved.messages) == oracle_counts(src, dst, mesh)
     assert moved.axes == expected[0].axes
+
+
+@settings(max_examples=500, deadline=None)
+@given(pair=layout_pairs())
+def test_senders_found_block_by_block_on_few_devices_are_the_vectorized_tests(pair):
+    """`_meeting` tries each block in turn on up to LOOPED_DEVICES devices (every mesh above), with numpy past
+    them: the same devices in the same ring order either way."""
+    src, dst, _, _ = pair
+    needs = [(k, need) for k, need in enumerate(dst.blocks) if need is not None]
+    looped = [comm._meeting(src, need, k) for k, need in needs]
+    with mock.patch.object(comm, "LOOPED_DEVICES", 0):
+        assert [comm._meeting(src, need, k) for k, need in needs] == looped
 
 
 @settings(max_examples=1000, deadline=None)

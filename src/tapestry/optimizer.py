@@ -166,21 +166,22 @@ def _unless_unselectable(cost: float, weight: float) -> float:
     return cost if math.isinf(cost) else cost * weight
 
 
-# Planning makes millions of small objects that live until it ends (e-nodes, layouts, priced steps), and Python's
-# collector at its default thresholds (700, 10, 10) sweeps them again and again: 17-26% of the CPU seconds of the
-# 2-layer LLaMA's saturation and pricing on Mesh(2, 2) (docs/benchmarks.md, "Planning time of tiny zoo models").
-# `explore` and `Explored.extract` collect this rarely, and restore the caller's thresholds when they return.
-GC_THRESHOLDS = (100_000, 50, 100)
-
-
+# Planning makes millions of small objects that live until it ends (e-nodes, layouts, priced steps), and almost
+# none of them are garbage cycles: Python's collector at its default thresholds (700, 10, 10) swept them again and
+# again (17-26% of the CPU seconds of the 2-layer LLaMA's saturation and pricing on Mesh(2, 2)), and at the
+# thresholds (100_000, 50, 100) its young-generation sweeps still took 5% of Qwen2-MoE's optimize on Mesh(2, 2)
+# and freed 2,058 objects (docs/benchmarks.md, "Planning time of tiny zoo models"). `explore` and
+# `Explored.extract` collect nothing while they run; the caller's collector is back on when they return, and its
+# next sweep takes what cycles they left.
 @contextmanager
-def _rare_collections() -> Iterator[None]:
-    old = gc.get_threshold()
-    gc.set_threshold(*GC_THRESHOLDS)
+def _no_collections() -> Iterator[None]:
+    enabled = gc.isenabled()
+    gc.disable()
     try:
         yield
     finally:
-        gc.set_threshold(*old)
+        if enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,7 @@ class Explored:
         """The stack of identical layers, if any, for the ILP's periodic warm start (egraph.repeat)."""
         return find_repetition(self.decoder, list(self.roots))
 
-    @_rare_collections()
+    @_no_collections()
     def extract(self, cost_model: CostModel | None = None, extractor: str = "ilp", time_limit: float = 10.0,
                 memory_budget: int | None = None, outputs: Outputs = "any",
                 steady: Mapping[str, str] | None = None) -> OptimizeResult:
@@ -578,7 +579,7 @@ class MemoryBudgetError(ValueError):
     """No plan found fits the per-device memory budget."""
 
 
-@_rare_collections()
+@_no_collections()
 def explore(graph: Graph, mesh: Mesh | int = 1, rules: Sequence[str | Path] | None = None,
             budget: Budget = Budget(), progress: Callable[[IterationStats], None] | None = None) -> Explored:
     """Saturate: every sharding, fusion and substitution the rules and signatures allow, in one e-graph."""
