@@ -1,4 +1,4 @@
-"""Cluster benchmark (issue 24): LLaMA at real widths, built on the meta device, planned for H100 clusters.
+"""Cluster benchmark (issue 24): LLaMA and Mixtral at real widths, built on meta, planned for H100 clusters.
 
 Per case (model width, layers, inference or one Adam training step, mesh): import time and peak RSS, optimize
 time, the result's status and gap, predicted step time and MFU, peak memory per device, what the plan splits
@@ -29,11 +29,13 @@ from typing import Any
 from _report import write_section
 
 PROFILE = "gpu-h100-cluster"
-WIDTHS = {  # hidden, MLP hidden, heads, KV heads: LLaMA-2 configs
+WIDTHS = {  # hidden, MLP hidden (per expert), heads, KV heads: LLaMA-2 configs, and Mixtral 8x7B's
     "7B": (4096, 11008, 32, 32),
     "13B": (5120, 13824, 40, 40),
     "70B": (8192, 28672, 64, 8),
+    "Mixtral": (4096, 14336, 32, 8),
 }
+EXPERTS = {"Mixtral": (8, 2)}  # experts, and how many each token is routed to
 HAND = ("DP", "ZeRO-3", "TP", "DPxTP")
 
 
@@ -63,18 +65,26 @@ def peak_rss() -> int:
 def build(case: Case) -> Any:
     """The case's module on the meta device (bfloat16, as such models train and serve) and its import."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     import tapestry
 
     hidden, mlp, heads, kv = WIDTHS[case.model]
     if case.arch == "block":
+        if case.model in EXPERTS:
+            raise ValueError(f"{case.model}: no block arch for a mixture of experts; use --arch hf")
         return build_blocks(case, hidden, mlp, heads)
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=case.layers,
-                         num_attention_heads=heads, num_key_value_heads=kv, vocab_size=case.vocab,
-                         max_position_embeddings=max(4096, case.seq))
+    widths = dict(hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=case.layers,
+                  num_attention_heads=heads, num_key_value_heads=kv, vocab_size=case.vocab,
+                  max_position_embeddings=max(4096, case.seq))
+    if case.model in EXPERTS:
+        experts, top = EXPERTS[case.model]
+        config = transformers.MixtralConfig(**widths, num_local_experts=experts, num_experts_per_tok=top)
+        architecture = transformers.MixtralForCausalLM
+    else:
+        config, architecture = transformers.LlamaConfig(**widths), transformers.LlamaForCausalLM
     with torch.device("meta"):
-        module = LlamaForCausalLM(config).to(torch.bfloat16)
+        module = architecture(config).to(torch.bfloat16)
     ids = torch.zeros(case.batch, case.seq, dtype=torch.int64, device="meta")
     if case.mode == "inference":
         return tapestry.from_torch(module.eval(), (ids,), {"use_cache": False}, verbose=False)
@@ -132,12 +142,18 @@ def distinct_blocks(layout: Any) -> int:
 
 
 def degrees(plan: Any, arguments: tuple[str, ...]) -> dict[str, Any]:
-    """What the plan splits: the token ids' and the weights' Place layouts (distinct blocks), and for a
-    training step how many weights live replicated (R), sharded and gathered on use (G), sharded in place (S)."""
+    """What the plan splits: the token ids' and the weights' Place layouts (distinct blocks), the devices a step's
+    experts are split over (EP: expert parallel, `Compute.exchange`) and a ring attention's (CP, `Compute.ring`),
+    and for a training step how many weights live replicated (R), sharded and gathered on use (G), sharded in
+    place (S)."""
     from collections import Counter
 
     from tapestry.plan import Place
     from tapestry.training.strategy import GATHERED, IN_PLACE, REPLICATED, storage
+
+    import math
+
+    from tapestry.plan import Compute
 
     places = {s.input: s.layout for s in plan.steps if isinstance(s, Place)}
     weights = [distinct_blocks(layout) for name, layout in places.items()
@@ -146,6 +162,10 @@ def degrees(plan: Any, arguments: tuple[str, ...]) -> dict[str, Any]:
         "ids split": max((distinct_blocks(places[a]) for a in arguments if a in places), default=1),
         "weights split (max)": max(weights, default=1),
         "weights split": sum(w > 1 for w in weights), "weights": len(weights),
+        "EP": max((math.prod(plan.mesh.shape[a] for a in s.exchange) for s in plan.steps
+                   if isinstance(s, Compute) and s.exchange), default=1),
+        "CP": max((math.prod(plan.mesh.shape[a] for a in s.ring) for s in plan.steps
+                   if isinstance(s, Compute) and s.ring), default=1),
     }
     if plan.graph.carried:
         short = {REPLICATED: "R", GATHERED: "G", IN_PLACE: "S"}
@@ -177,13 +197,7 @@ def hand_plans(imported: Any, case: Case, model: Any, errors: dict[str, str],
     graph = imported.graph
     mesh = tapestry.Mesh(math.prod(case.shape))
     arguments = imported.translation.user_inputs
-    hidden = {}
-    for name in (n.name for n in graph.inputs):
-        if re.search(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj|q|k|v|gate|up)\.weight$", name) \
-                and not name.startswith("adam."):
-            hidden[name] = 0
-        elif re.search(r"\.(o_proj|down_proj|o|down)\.weight$", name) and not name.startswith("adam."):
-            hidden[name] = 1
+    hidden = tensor_parallel_dims([n.name for n in graph.inputs])
     builders = {"DP": lambda: data_parallel(graph, mesh, arguments), "TP": lambda: megatron(graph, mesh, hidden)}
     if graph.carried:
         builders["ZeRO-3"] = lambda: zero3(graph, mesh, arguments)
@@ -201,6 +215,24 @@ def hand_plans(imported: Any, case: Case, model: Any, errors: dict[str, str],
             errors[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
             print(f"  {name}: {errors[name]}", flush=True)
     return priced
+
+
+def tensor_parallel_dims(names: list[str]) -> dict[str, int]:
+    """Megatron's split per weight: column-parallel (q, k, v, gate, up: output features, dim 0) and row-parallel
+    (o, down: input features, dim 1) linears; a MoE's experts likewise (gate_up_proj [E, 2F, D] on its 2F,
+    down_proj [E, D, F] on its F; the router, mlp.gate, whole)."""
+    found = {}
+    for name in names:
+        if name.startswith("adam."):
+            continue
+        if re.search(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj|q|k|v|gate|up)\.weight$", name) \
+                and name.removesuffix("gate.weight") + "experts.gate_up_proj" not in names:
+            found[name] = 0
+        elif re.search(r"\.(o_proj|down_proj|o|down)\.weight$", name) or name.endswith(".experts.gate_up_proj"):
+            found[name] = 1
+        elif name.endswith(".experts.down_proj"):
+            found[name] = 2
+    return found
 
 
 def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any, hand: bool = True) -> None:
@@ -280,7 +312,7 @@ def warns(row: dict[str, Any]) -> bool:
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| model | layers | step | batch x seq | mesh | import s | RSS GiB | optimize s (CPU) | status | gap | "
-            "predicted ms | MFU | GiB/device | replicated | ids / weights split | weights live | "
+            "predicted ms | MFU | GiB/device | replicated | ids / weights split | EP / CP | weights live | "
             "DP ms (MFU) | ZeRO-3 ms (MFU) | TP ms (MFU) | DPxTP ms (MFU) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -293,7 +325,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                 r["hand"][h][0] == r["hand"][h][0] else "—" for h in HAND]
         if "error" in r:
             spent = f" {r['optimize_s']:.0f} |" if "optimize_s" in r else " — |"
-            lines.append(first + spent + f" **{r['error']}** |" + " |" * 7 + f" {' | '.join(hand)} |")
+            lines.append(first + spent + f" **{r['error']}** |" + " |" * 8 + f" {' | '.join(hand)} |")
             continue
         if not c["mesh"]:
             lines.append(first + " import only |" + " |" * (head.count("|") - 9))
@@ -304,6 +336,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(first + f" {spent} | {r['status']}{' (warns)' if warns(r) else ''} | {gap} | "
                      f"{r['seconds'] * 1e3:.1f} | {r['mfu']:.1%} | {gib(r['peak_memory'])} | {r['replicated']:.0%} | "
                      f"{d['ids split']} / {d['weights split']} of {d['weights']} (max {d['weights split (max)']}) | "
+                     f"{d.get('EP', '—')} / {d.get('CP', '—')} | "
                      f"{d.get('storage', '—')} | {' | '.join(hand)} |")
     errors = sorted({f"{name}: {why}" for r in rows for name, why in r.get("hand_errors", {}).items()})
     if errors:
