@@ -254,9 +254,11 @@ def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any, h
         mesh = tapestry.Mesh(*case.shape)
         flops, peak = graph_flops(imported.graph), profile.device.peak("bfloat16")
         row["hand_errors"], row["hand_breakdown"] = {}, {}
+        cpu = time.process_time()
         row["hand"] = {name: (t, m, flops / (t * mesh.size * peak) if t == t else float("nan"))
                        for name, (t, m) in (hand_plans(imported, case, model, row["hand_errors"],
                                                        row["hand_breakdown"]) if hand else {}).items()}
+        row["hand_cpu_s"] = time.process_time() - cpu  # building, pricing and the peak memory of every hand plan
         started, cpu = time.perf_counter(), time.process_time()
         try:
             with warnings.catch_warnings(record=True) as caught:
