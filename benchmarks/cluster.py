@@ -157,7 +157,8 @@ def degrees(plan: Any, arguments: tuple[str, ...]) -> dict[str, Any]:
 
     places = {s.input: s.layout for s in plan.steps if isinstance(s, Place)}
     weights = [distinct_blocks(layout) for name, layout in places.items()
-               if name.endswith(".weight") and not name.startswith(("adam.", "new."))]
+               if name.endswith((".weight", ".experts.gate_up_proj", ".experts.down_proj"))
+               and not name.startswith(("adam.", "new."))]
     found: dict[str, Any] = {
         "ids split": max((distinct_blocks(places[a]) for a in arguments if a in places), default=1),
         "weights split (max)": max(weights, default=1),
