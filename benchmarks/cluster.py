@@ -202,8 +202,9 @@ def hand_plans(imported: Any, case: Case, model: Any, errors: dict[str, str],
     builders = {"DP": lambda: data_parallel(graph, mesh, arguments), "TP": lambda: megatron(graph, mesh, hidden)}
     if graph.carried:
         builders["ZeRO-3"] = lambda: zero3(graph, mesh, arguments)
-    if len(case.shape) == 2:  # the 2-D recipe on the case's own mesh: DP over the outer axis, TP over the inner
-        builders["DPxTP"] = lambda: data_tensor_parallel(graph, tapestry.Mesh(*case.shape), arguments, hidden)
+    if len(case.shape) >= 2:  # the 2-D recipe: TP over the inner axis (a node), DP over the outer ones flattened
+        outer = tapestry.Mesh(math.prod(case.shape[:-1]), case.shape[-1])
+        builders["DPxTP"] = lambda: data_tensor_parallel(graph, outer, arguments, hidden)
     priced: dict[str, tuple[float, int]] = {}
     for name, make in builders.items():
         try:
