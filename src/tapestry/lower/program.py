@@ -340,12 +340,12 @@ def _lower_step(index: int, step: Place | Compute | Reshard, plan: Plan, layouts
 
 
 def _shards(index: int, step: Compute, layouts: Mapping[str, Layout], dtypes: Mapping[str, str], mesh: Mesh
-            ) -> list[ShardCompute | None]:
+            ) -> list[RankStep | None]:
     """Every rank's run of `step`: made once per distinct (index block, argument blocks held), which is all a
     rank's run depends on (a replicated step on 512 ranks is one run, not 512)."""
     boxes: dict[tuple[int, ZRange], ZRange] = {}
     made: dict[tuple[Block, ...], ShardCompute | None] = {}
-    runs = []
+    runs: list[RankStep | None] = []
     for rank in mesh.devices:
         key = (step.blocks[rank], *(layouts[a].blocks[rank] if a in layouts else None for a in step.args))
         if key not in made:
