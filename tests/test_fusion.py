@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import tapestry
+from tapestry import optimizer
 from tapestry.cost import DefaultCostModel, load_profile, plan_cost, step_costs
 from tapestry.cost.breakdown import breakdown
 from tapestry.cost.fusion import fusion_groups
@@ -108,10 +109,12 @@ def exp_sigmoid_chain(length: int) -> Graph:
     return g
 
 
-def test_extraction_chooses_by_the_fused_price_of_the_plan():
-    """Eight elementwise kernels on 2 devices, the output wanted replicated. Priced step by step, halving each
-    kernel's bytes outweighs gathering y at the end; fused, the chain is one kernel whatever its split, and the
-    gather is the dearer part: extraction under fusion-aware node costs computes it whole on each device."""
+def test_extraction_chooses_by_the_fused_price_of_the_plan(monkeypatch):
+    """Eight elementwise kernels on 2 devices (fused extraction let down to 2), the output wanted replicated.
+    Priced step by step, halving each kernel's bytes outweighs gathering y at the end; fused, the chain is one
+    kernel whatever its split, and the gather is the dearer part: extraction under fusion-aware node costs
+    computes it whole on each device."""
+    monkeypatch.setattr(optimizer, "FUSED_EXTRACTION_DEVICES", 2)
     explored = tapestry.explore(exp_sigmoid_chain(8), tapestry.Mesh(2))
     unfused = explored.extract(UNFUSED, outputs="replicated").plan
     fused = explored.extract(GPU, outputs="replicated")
@@ -128,9 +131,19 @@ def test_extraction_chooses_by_the_fused_price_of_the_plan():
     assert fused.plan.cost < fused.selection.dag_cost == pytest.approx(fused.plan.cost + flops)
 
 
-def test_extraction_keeps_the_unfused_choice_where_fused_node_costs_find_nothing_cheaper():
+def test_meshes_below_fused_extraction_devices_extract_once_under_unfused_node_costs():
+    """The same chain on 2 devices with the default gate: no second extraction, the unfused costs' plan."""
+    assert optimizer.FUSED_EXTRACTION_DEVICES > 2
+    explored = tapestry.explore(exp_sigmoid_chain(8), tapestry.Mesh(2))
+    once = explored.extract(GPU, outputs="replicated")
+    assert once.plan.steps == explored.extract(UNFUSED, outputs="replicated").plan.steps
+    assert "node_costs" not in once.plan.notes
+
+
+def test_extraction_keeps_the_unfused_choice_where_fused_node_costs_find_nothing_cheaper(monkeypatch):
     """Four kernels: splitting them does not pay for the gather either way; the plan is the one the unfused
     costs chose, proven as before."""
+    monkeypatch.setattr(optimizer, "FUSED_EXTRACTION_DEVICES", 2)
     explored = tapestry.explore(exp_sigmoid_chain(4), tapestry.Mesh(2))
     fused = explored.extract(GPU, outputs="replicated")
     assert fused.plan.steps == explored.extract(UNFUSED, outputs="replicated").plan.steps

@@ -124,6 +124,10 @@ LAGRANGE_WEIGHTS = (0.0, 0.5)
 # optimum buys nothing; at 1% the ILP took 0.21 CPU s on gpt_neox's Mesh(4) e-graph, proving it 0.75 (the path cuts
 # of an objective whose LP is not tight), and found the same plan.
 FUSED_STOP_GAP = 0.01
+# Meshes below this many devices get no second, fusion-priced extraction. Measured: on 2x2 and Mesh(4) it returned
+# the same plans for all twelve zoo cases while doubling planning time (GPT-NeoX 2x2: 5.5 -> 10.3 CPU s); on 8x8
+# it found the 7B-width block's step 2.2% faster (docs/benchmarks.md, "Extraction under fused prices").
+FUSED_EXTRACTION_DEVICES = 8
 
 
 class SearchCutWarning(UserWarning):
@@ -257,7 +261,7 @@ class Explored:
                 extractors.append(selection.extractor)
             return replace(plan, cost=plan_cost(plan, model)), selection  # time per run, not objective
 
-        fused = self._fused(egraph, model)
+        fused = self._fused(egraph, model) if self.mesh.size >= FUSED_EXTRACTION_DEVICES else None
         plan, selection = fit(egraph, 1.0)
         if fused is not None:  # the plan extracted under fusion-aware node costs, where plan_cost finds it cheaper
             try:
