@@ -22,20 +22,28 @@ def cells(src: Layout, dst: Layout) -> tuple[np.ndarray, np.ndarray]:
 
 
 def covers(src: Layout, dst: Layout) -> bool:
-    """Whether every cell a block of `dst` covers lies in a block of `src`: `cells` over each layout's distinct
-    boxes only. On 4x8x8 a layout repeats each box on every device that replicates it, and the fused attention
-    backward's per-row packing cuts its value's grid fine: pair by pair (`can_move`), `cells` took 41 of a 7B
-    block training step's 68 CPU s of exploration (benchmarks/cluster.py --arch block --meshes 4x8x8)."""
+    """Whether every cell a block of `dst` covers lies in a block of `src`, decided per distinct box of `dst` on the
+    grid that the `src` boxes clipped to it cut it into, not on one grid every bound of both layouts cuts the whole
+    tensor into: on 4x8x8 the fused attention backward's value has layouts whose bounds made that grid so fine that
+    `cells`, pair by pair (`can_move`), took 41 of a 7B block training step's 68 CPU s of exploration (issue 24)."""
     (src_start, src_end, src_held), (dst_start, dst_end, dst_held) = bounds(src, dst)
+    ndim = src_start.shape[1]
     src_boxes = np.unique(np.concatenate([src_start, src_end], axis=1)[src_held], axis=0)
     dst_boxes = np.unique(np.concatenate([dst_start, dst_end], axis=1)[dst_held], axis=0)
-    if not len(dst_boxes):
-        return True
-    boxes = np.concatenate([src_boxes, dst_boxes])
-    ndim = boxes.shape[1] // 2
-    inside = _inside(boxes[:, :ndim], boxes[:, ndim:], np.ones(len(boxes), bool))
-    n = len(src_boxes)
-    return not (inside[n:].any(axis=0) & ~inside[:n].any(axis=0)).any()
+    dst_boxes = dst_boxes[(dst_boxes[:, :ndim] < dst_boxes[:, ndim:]).all(axis=1)]  # an empty block needs nothing
+    for box in dst_boxes:
+        start, end = box[:ndim], box[ndim:]
+        lo, hi = np.maximum(src_boxes[:, :ndim], start), np.minimum(src_boxes[:, ndim:], end)
+        meets = (lo < hi).all(axis=1)
+        lo, hi = lo[meets], hi[meets]
+        if not len(lo):
+            return False
+        if ((lo == start) & (hi == end)).all(axis=1).any():
+            continue
+        inside = _inside(np.vstack([lo, start]), np.vstack([hi, end]), np.ones(len(lo) + 1, bool))
+        if (inside[-1] & ~inside[:-1].any(axis=0)).any():
+            return False
+    return True
 
 
 def _inside(starts: np.ndarray, ends: np.ndarray, held: np.ndarray) -> np.ndarray:
