@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tapestry.sharding.grid import cells
+from tapestry.sharding.grid import cells, covers
 from tapestry.sharding.layout import Layout
 from tapestry.zspace import ZRange
 
@@ -129,8 +129,7 @@ def can_move(src: Layout, dst: Layout) -> bool:
     box = filled_box(src)
     if box is not None and all(b is None or b.is_empty or box.contains(b) for b in dst.blocks):
         return True
-    has, needs = cells(src, dst)
-    return not (needs.any(axis=0) & ~has.any(axis=0)).any()
+    return covers(src, dst)
 
 
 MOVABLE_CELLS = 1 << 22  # blocks x grid cells above which `movable` asks `can_move` pair by pair instead
