@@ -209,12 +209,8 @@ def _at_origin(dst: Layout) -> tuple[Layout, ZRange] | None:
     if not needed or dst.partial:
         return None
     box = ZRange.bounding(needed)
-
-    def moved(b: ZRange | None) -> ZRange | None:
-        return None if b is None else ZRange._checked(tuple(map(operator.sub, b.start, box.start)),
-                                                      tuple(map(operator.sub, b.end, box.start)))
-
-    return Layout(tuple(map(moved, dst.blocks)), False), box
+    back = tuple(-x for x in box.start)
+    return Layout(tuple(None if b is None else b.translate(back) for b in dst.blocks), False), box
 
 
 @functools.lru_cache(maxsize=1 << 16)
