@@ -124,15 +124,22 @@ def group_time(plan: Plan, group: Group, device: DeviceProfile) -> float:
             sig = step.signature
             if not sig.kernel.is_view:
                 seconds += sig.cost(block)[0] / device.peak(compute_dtype(sig))
-            for a, projection, dtype in zip(step.args, sig.projections, sig.input_dtypes):
-                if a not in inside:
-                    reads[a] = max(reads.get(a, 0), _footprint(projection, block) * dtypes.itemsize(dtype))
+            _add_reads(step, block, [a not in inside for a in step.args], reads)
             if v in written:
                 nbytes += _footprint(sig.output, block) * dtypes.itemsize(sig.dtype)
         nbytes += sum(reads.values())
         if seconds or nbytes:
             slowest = max(slowest, max(seconds, nbytes / device.mem_bandwidth) + device.launch_overhead)
     return slowest * device.oversubscription(plan.mesh.size)
+
+
+def _add_reads(step: Compute, block: ZRange, outside: Sequence[bool], reads: dict[str, int]) -> None:
+    """Into `reads` (argument -> bytes), what `block` of `step` reads of each argument flagged `outside` the group:
+    a value read once, at its largest footprint."""
+    sig = step.signature
+    for a, projection, dtype, read in zip(step.args, sig.projections, sig.input_dtypes, outside):
+        if read:
+            reads[a] = max(reads.get(a, 0), _footprint(projection, block) * dtypes.itemsize(dtype))
 
 
 def fused_costs(plan: Plan, costs: Mapping[str, float], device: DeviceProfile) -> dict[str, float]:
@@ -161,9 +168,7 @@ def member_time(step: Compute, device: DeviceProfile, devices: int, internal: Se
     slowest = 0.0
     for block in blocks:
         reads: dict[str, int] = {}
-        for a, projection, dtype, inside in zip(step.args, sig.projections, sig.input_dtypes, internal):
-            if not inside:
-                reads[a] = max(reads.get(a, 0), _footprint(projection, block) * dtypes.itemsize(dtype))
+        _add_reads(step, block, [not inside for inside in internal], reads)
         seconds = sig.cost(block)[0] / device.peak(compute_dtype(sig))
         slowest = max(slowest, max(seconds, sum(reads.values()) / device.mem_bandwidth)
                       + (device.launch_overhead if head else 0.0))
