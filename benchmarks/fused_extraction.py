@@ -3,7 +3,8 @@
 Each case is explored once; then `Explored.extract` runs twice with the default model: once through a wrapper that
 prices plans the same (fused, `plan_step_costs`) but offers extraction no `fused_device`, which is what extraction
 did before it saw fused prices, and once as is. Both plans are priced by `plan_cost` (fused), so the columns differ
-only by what extraction saw, never by what a budget cut from the search. Prints one JSON line per case.
+only by what extraction saw, never by what a budget cut from the search. The optimizer's mesh-size gate
+(`optimizer.FUSED_EXTRACTION_DEVICES`) is lifted, so small meshes are compared too. Prints one JSON line per case.
 
     python benchmarks/fused_extraction.py --case llama --mesh 2x2          # an importer zoo family, cpu-gloo
     python benchmarks/fused_extraction.py --case block --mesh 8x8          # 2 LLaMA-7B blocks' training step,
@@ -57,8 +58,10 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=30.0, help="Budget.seconds (the default)")
     parser.add_argument("--time-limit", type=float, default=10.0)
     args = parser.parse_args()
+    from tapestry import optimizer
     from tapestry.optimizer import Budget, explore
 
+    optimizer.FUSED_EXTRACTION_DEVICES = 1  # compare on every mesh, the gate's own small ones included
     graph, model = case_graph(args.case)
     explored = explore(graph, Mesh.parse(args.mesh), budget=Budget(seconds=args.budget))
     row: dict[str, Any] = {"case": args.case, "mesh": args.mesh, "status": ""}

@@ -124,9 +124,10 @@ LAGRANGE_WEIGHTS = (0.0, 0.5)
 # optimum buys nothing; at 1% the ILP took 0.21 CPU s on gpt_neox's Mesh(4) e-graph, proving it 0.75 (the path cuts
 # of an objective whose LP is not tight), and found the same plan.
 FUSED_STOP_GAP = 0.01
-# Meshes below this many devices get no second, fusion-priced extraction. Measured: on 2x2 and Mesh(4) it returned
-# the same plans for all twelve zoo cases while doubling planning time (GPT-NeoX 2x2: 5.5 -> 10.3 CPU s); on 8x8
-# it found the 7B-width block's step 2.2% faster (docs/benchmarks.md, "Extraction under fused prices").
+# Meshes below this many devices get no second, fusion-priced extraction. On 2x2 and Mesh(4) it returned the same
+# plans for all twelve zoo cases at two to three times the extraction time (GPT-NeoX 2x2: 17.8 against 6.1 CPU s,
+# `python benchmarks/fused_extraction.py --case gpt_neox --mesh 2x2`); on 8x8 it found the 7B-width block's step
+# 2.2% faster (docs/benchmarks.md, "Extraction under fused prices").
 FUSED_EXTRACTION_DEVICES = 8
 
 
