@@ -100,6 +100,34 @@ def test_scatter_add_split_along_its_axis_adds_each_source_to_the_block_holding_
     np.testing.assert_allclose(run_sharded(sig, [x, index, src], pieces(sig, 0, bounds)), want, rtol=1e-12)
 
 
+@pytest.mark.parametrize("dim, bounds", [(1, [0, 4]), (1, [0, 1, 3, 4]), (0, [0, 2, 3])])
+def test_scatter_split_on_any_dim_writes_topks_gradients_back_as_torch_does(dim, bounds):
+    """A router's topk backward: each row's k values written at their columns of zeros. Split along the written
+    axis, a block writes the columns it holds; split by rows, its rows."""
+    sig = bind("scatter", [(3, 4), (3, 2), (3, 2)], {"axis": 1}, ["float32", "int64", "float32"])
+    assert set(sig.dim_kinds) == {P} and sig.splittable == (0, 1)
+    x, src, index = np.zeros((3, 4), np.float32), np.arange(1, 7, dtype=np.float32).reshape(3, 2), np.array(
+        [[3, 0], [1, 2], [0, 3]])
+    want = torch.from_numpy(x).scatter(1, torch.from_numpy(index), torch.from_numpy(src)).numpy()
+    np.testing.assert_array_equal(run_sharded(sig, [x, index, src], pieces(sig, dim, bounds)), want)
+
+
+@pytest.mark.parametrize("bounds", [[0, 6], [0, 1, 4, 6], [0, 3, 3, 6]])
+def test_scatter_writes_a_repeated_cell_once_with_the_last_value_on_every_split(bounds):
+    """torch leaves repeated writes unspecified (its CPU kernel writes in order: the last stays); every block
+    takes the last too, so a split equals the whole run."""
+    sig = bind("scatter", [(6, 2), (5, 2), (5, 2)], {"axis": 0}, ["float64", "int64", "float64"])
+    rng = np.random.default_rng(3)
+    x, src, index = rng.standard_normal((6, 2)), rng.standard_normal((5, 2)), np.array([[0, 5], [3, 3]] * 2 + [[0, 0]])
+    want = x.copy()
+    for i in range(5):
+        for j in range(2):
+            want[index[i, j], j] = src[i, j]
+    np.testing.assert_array_equal(run_sharded(sig, [x, index, src], pieces(sig, 0, bounds)), want)
+    np.testing.assert_array_equal(sig.kernel.torch(*map(torch.from_numpy, (x, index, src)), axis=0,
+                                                   block_start=(0, 0)).numpy(), want)
+
+
 @pytest.mark.parametrize("name, shapes, dtype_list, message", [
     ("take", [(3,), (2,)], ["float32", "float32"], "idx must be int32 or int64"),
     ("gather", [(3, 4), (2, 5)], ["float32", "int64"], "index no larger than x"),
@@ -190,6 +218,25 @@ def test_grouped_mm_split_over_experts_rows_features_or_k_equals_the_per_expert_
     sig = bind("grouped_mm", [x.shape, w.shape, ends.shape], {}, ["float64", "float64", "int64"])
     want = _fallback(*(torch.from_numpy(a) for a in (x, w, ends))).numpy()
     np.testing.assert_allclose(run_sharded(sig, [x, w, ends], pieces(sig, dim, bounds)), want, rtol=1e-12)
+
+
+def test_grouped_mm_k_sums_each_experts_rows_with_rows_an_additive_reduction_and_experts_an_output_dim():
+    sig = bind("grouped_mm_k", [(4, 6), (6, 5), (3,)], {}, ["float32", "float32", "int64"])
+    assert kinds(sig) == {"expert": P, "m": P, "n": P, "row": R} and sig.splittable == (0, 1, 2, 3)
+    assert sig.output_shape == (3, 4, 5) and sig.cost(sig.index)[0] == 2 * 6 * 4 * 5  # each row meets one expert
+
+
+@pytest.mark.parametrize("dim, bounds", [(0, [0, 1, 4]), (0, [0, 2, 3, 4]), (3, [0, 3, 5, 7]), (1, [0, 2, 3]),
+                                         (2, [0, 1, 5])])
+def test_grouped_mm_k_split_over_experts_rows_or_features_equals_torchs_weight_gradient(dim, bounds):
+    """grouped_mm's weight gradient as torch's backward computes it: x[rows of e].T @ g[rows of e] per expert."""
+    rng = np.random.default_rng(7)
+    x, g, ends = rng.standard_normal((7, 3)), rng.standard_normal((7, 5)), np.array([2, 2, 6, 7])  # one empty
+    sig = bind("grouped_mm_k", [(3, 7), g.shape, ends.shape], {}, ["float64", "float64", "int64"])
+    w = torch.zeros(4, 3, 5, dtype=torch.float64, requires_grad=True)
+    _fallback(torch.from_numpy(x), w, torch.from_numpy(ends)).backward(torch.from_numpy(g))
+    np.testing.assert_allclose(run_sharded(sig, [x.T.copy(), g, ends], pieces(sig, dim, bounds)), w.grad.numpy(),
+                               rtol=1e-12)
 
 
 # -- histc: MoE routers count tokens per expert ----------------------------------------------------------------------

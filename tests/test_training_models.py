@@ -64,6 +64,47 @@ def test_a_rotary_decoder_step_imports_and_equals_torch(name):
     assert not imported.opaque, imported.translation.declined
 
 
+def mixtral(dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **COMMON)
+    return transformers.AutoModelForCausalLM.from_config(config).eval().to(dtype)
+
+
+def test_a_mixtral_step_through_transformers_fallback_grouped_mm_has_no_opaque_op_and_equals_torch(monkeypatch):
+    """transformers runs its own grouped mm and backward where torch's cannot (non-bfloat16 weights under
+    compile; here forced, as torch's fake grouped mm takes bfloat16 only): the experts' weight gradients are
+    grouped_mm_k kernels and the router's topk backward a scatter, so nothing in the step runs opaque."""
+    moe = pytest.importorskip("transformers.integrations.moe")
+    monkeypatch.setattr(moe, "_can_use_grouped_mm", lambda *args: False)
+    imported = one_step(mixtral(torch.float32), torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, atol=1e-6)
+    ops = {n.op for n in imported.graph.ops}
+    assert {"grouped_mm", "grouped_mm_k", "scatter"} <= ops and not imported.opaque, imported.translation.declined
+
+
+def test_a_bfloat16_mixtral_step_through_torchs_grouped_mm_has_no_opaque_op_and_equals_torch():
+    """torch's `_grouped_mm` backward: the input's gradient a 2-D by 3-D grouped mm, the weights' a 2-D by 2-D one
+    (grouped_mm_k). In bfloat16, with a learning rate so large that every update is many roundings of the weight:
+    each weight within one rounding of torch's plus a tenth of its largest update (the gradients' own bfloat16
+    roundings; a wrong gradient is off by its whole size)."""
+    model = mixtral(torch.bfloat16)
+    training = tapestry.Training.from_torch_optimizer(torch.optim.SGD, lm_loss, lr=10.0)
+    imported = tapestry.from_torch(model, (IDS, IDS), training=training, verbose=False)
+    assert {"grouped_mm", "grouped_mm_k", "scatter"} <= {n.op for n in imported.graph.ops} and not imported.opaque
+    ours = imported.outputs(evaluate(imported.graph, imported.inputs(IDS, IDS)))
+    reference = copy.deepcopy(model)
+    loss = lm_loss(reference, IDS, IDS)
+    loss.backward()
+    torch.optim.SGD(reference.parameters(), lr=10.0).step()
+    assert abs(float(ours["loss"]) - loss.item()) <= 1e-3 * loss.item()
+    before = dict(model.named_parameters())
+    for path, value in reference.named_parameters():
+        want, old = value.detach().float().numpy(), before[path].detach().float().numpy()
+        update = np.abs(want - old).max()
+        assert update > 0, path
+        np.testing.assert_allclose(np.asarray(ours["parameters"][path], np.float32), want, rtol=2**-7,
+                                   atol=0.1 * update, err_msg=path)
+
+
 def test_a_tied_embedding_is_one_input_that_both_uses_read():
     model = causal_lm("llama_tied")
     assert model.lm_head.weight is model.model.embed_tokens.weight

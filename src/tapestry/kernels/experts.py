@@ -1,4 +1,5 @@
-"""MoE kernels: grouped_mm (the experts) and take_rows (the token dispatch and combine), both expert parallel.
+"""MoE kernels: grouped_mm (the experts), grouped_mm_k (their weight gradients) and take_rows (the token dispatch
+and combine), all expert parallel.
 
 grouped_mm(x[R, D], w[E, D, F], ends[E]) -> [R, F]: rows sorted by expert, expert e owning rows
 [ends[e-1], ends[e]) (ends[-1] read as 0), the layout transformers' `grouped_mm_fallback` and
@@ -7,6 +8,9 @@ expert an index dim that is an additive reduction: a block of experts computes i
 others zero, and blocks over experts sum to the whole. Rows, output features, the contraction and experts split
 as any dims do (an expert split alone leaves Partial rows); its `Exchange` splits rows and experts together, each
 row moved to its expert's device and back inside the step by all-to-all (expert parallelism: plan/exchange.py).
+grouped_mm_k(a[M, R], b[R, N], ends[E]) -> [E, M, N] sums each expert's rows (the weight gradient, a = x.T): the
+rows are the additive reduction there and the experts an output dim; exchanged, each row goes to its expert's
+device and the sums stay there.
 take_rows(x[N, D], idx[M]) -> [M, D] is x[idx] with the table's rows a dim of its own, exchanged the same way.
 """
 from __future__ import annotations
@@ -40,10 +44,10 @@ def grouped_mm_signature(x: Shape, w: Shape, ends: Shape) -> SignatureSpec:
     )
 
 
-def _spans(ends, block_start: tuple[int, ...], rows: int, experts: int) -> list[tuple[int, int, int]]:
-    """(expert in the block, first row, end row) of the block's rows each expert owns, in block coordinates."""
+def _spans(ends, row0: int, expert0: int, rows: int, experts: int) -> list[tuple[int, int, int]]:
+    """(expert in the block, first row, end row) of the block's rows each expert owns, in block coordinates: the
+    block starts at row `row0` and expert `expert0` and has `rows` rows and `experts` experts."""
     ends = [int(e) for e in ends]
-    row0, expert0 = block_start[0], block_start[3]
     spans = []
     for j in range(experts):
         e = expert0 + j
@@ -57,36 +61,38 @@ def _spans(ends, block_start: tuple[int, ...], rows: int, experts: int) -> list[
 def _owned_rows(sig, held, src: ZRange, dst: ZRange) -> list[int]:
     """The rows of `src` that `dst`'s experts own, [ends[e-1], ends[e]) each: one run when ends rise, as sorted
     rows have them; else the run spanning them all (the rows between meet none of dst's experts, so computing
-    them there adds zeros: exact for any ends)."""
-    ends = [int(e) for e in held[2].tolist()]
-    spans = [(max(ends[e - 1] if e else 0, src.start[0]), min(ends[e], src.end[0]))
-             for e in range(dst.start[3], dst.end[3])]
+    them there adds zeros: exact for any ends). `ends` is the last input (grouped_mm's and grouped_mm_k's)."""
+    rows, experts = sig.dims.index(sig.kernel.exchange.rows), sig.dims.index(sig.kernel.exchange.experts)
+    ends = [int(e) for e in held[-1].tolist()]
+    spans = [(max(ends[e - 1] if e else 0, src.start[rows]), min(ends[e], src.end[rows]))
+             for e in range(dst.start[experts], dst.end[experts])]
     spans = [(lo, hi) for lo, hi in spans if hi > lo]
     if not spans:
         return []
-    return list(range(min(lo for lo, _ in spans) - src.start[0], max(hi for _, hi in spans) - src.start[0]))
+    return list(range(min(lo for lo, _ in spans) - src.start[rows], max(hi for _, hi in spans) - src.start[rows]))
 
 
 def _grouped_mm_numpy(x, w, ends, block_start: tuple[int, ...]) -> np.ndarray:
     out = np.zeros((x.shape[0], w.shape[2]), dtype=np.result_type(x, w))
-    for j, lo, hi in _spans(ends.tolist(), block_start, x.shape[0], w.shape[0]):
+    for j, lo, hi in _spans(ends.tolist(), block_start[0], block_start[3], x.shape[0], w.shape[0]):
         out[lo:hi] += x[lo:hi] @ w[j]
     return out
 
 
 def _grouped_mm_torch(x, w, ends, block_start: tuple[int, ...]):
     out = x.new_zeros((x.shape[0], w.shape[2]))
-    for j, lo, hi in _spans(ends.tolist(), block_start, x.shape[0], w.shape[0]):
+    for j, lo, hi in _spans(ends.tolist(), block_start[0], block_start[3], x.shape[0], w.shape[0]):
         out[lo:hi] += x[lo:hi] @ w[j]
     return out
 
 
-def _rule(in_dtypes: tuple[str, ...], params: Mapping[str, ParamValue]) -> str:
+def _rule(in_dtypes: tuple[str, ...], params: Mapping[str, ParamValue], name: str = "grouped_mm",
+          floats: tuple[str, str] = ("x", "w")) -> str:
     if in_dtypes[2] not in ("int32", "int64"):
-        raise KernelError(f"grouped_mm: ends must be int32 or int64, got {in_dtypes[2]}")
+        raise KernelError(f"{name}: ends must be int32 or int64, got {in_dtypes[2]}")
     if not all(dtypes.is_float(d) for d in in_dtypes[:2]):
-        raise KernelError(f"grouped_mm needs float x and w; got {in_dtypes[0]}, {in_dtypes[1]}")
-    return matching(("x", "w"))(in_dtypes[:2], params)
+        raise KernelError(f"{name} needs float {floats[0]} and {floats[1]}; got {in_dtypes[0]}, {in_dtypes[1]}")
+    return matching(floats)(in_dtypes[:2], params)
 
 
 def _sample(draw):
@@ -110,6 +116,68 @@ register(
         index_bound=lambda shapes, slot, params: shapes[0][0] + 1 if slot == 2 else None,
         takes_zero_size=False,
         doc="rows [ends[e-1], ends[e]) of x by w[e], for every expert e (a MoE's expert dispatch)",
+    )
+)
+
+
+# -- grouped_mm_k: the experts' weight gradients ------------------------------------------------------------------
+def grouped_mm_k_signature(a: Shape, b: Shape, ends: Shape) -> SignatureSpec:
+    """out[e] = a[:, rows of e] @ b[rows of e] for rows [ends[e-1], ends[e]): torch's 2-D by 2-D `_grouped_mm`,
+    groups along the contraction, which is grouped_mm's weight gradient (a = x.T, b = the output's gradient).
+    The rows are an additive reduction and the experts an output dim; a block of experts reads every row of its
+    row range and computes its experts' (`flops_per_point` 2/E, as grouped_mm's). Its `Exchange` splits rows and
+    experts together: each row moved to its expert's device, where the sums are whole (nothing comes back)."""
+    if len(a) != 2 or len(b) != 2 or len(ends) != 1 or a[1] != b[0]:
+        raise KernelError(f"grouped_mm_k needs a[M, R], b[R, N], ends[E]; got a{list(a)}, b{list(b)}, "
+                          f"ends{list(ends)}")
+    (inner, rows), (_, out), (experts,) = a, b, ends
+    return SignatureSpec(
+        dims=("expert", "m", "n", "row"),
+        sizes=(experts, inner, out, rows),
+        inputs=(follow(4, [1, 3]), follow(4, [3, 2]), follow(4, [None], shape=(experts,))),
+        output=follow(4, [0, 1, 2]),
+        flops_per_point=Fraction(2, max(1, experts)),  # each row meets one expert: 2·R·M·N in all
+    )
+
+
+def _grouped_mm_k_numpy(a, b, ends, out_shape: tuple[int, ...], block_start: tuple[int, ...]) -> np.ndarray:
+    """The block's experts (`out_shape`: `ends` is read whole, so the block's expert count is not in its reads)."""
+    out = np.zeros(out_shape, dtype=np.result_type(a, b))
+    for j, lo, hi in _spans(ends.tolist(), block_start[3], block_start[0], a.shape[1], out_shape[0]):
+        out[j] += a[:, lo:hi] @ b[lo:hi]
+    return out
+
+
+def _grouped_mm_k_torch(a, b, ends, out_shape: tuple[int, ...], block_start: tuple[int, ...]):
+    out = a.new_zeros(out_shape)
+    for j, lo, hi in _spans(ends.tolist(), block_start[3], block_start[0], a.shape[1], out_shape[0]):
+        out[j] += a[:, lo:hi] @ b[lo:hi]
+    return out
+
+
+def _sample_k(draw):
+    rows, inner, out, experts = (draw(st.integers(1, 5)) for _ in range(4))
+    return ((inner, rows), (rows, out), (experts,)), {}, ("float", "float", "int64")
+
+
+register(
+    Kernel(
+        name="grouped_mm_k",
+        inputs=("a", "b", "ends"),
+        signature=grouped_mm_k_signature,
+        numpy=_grouped_mm_k_numpy,
+        torch=_grouped_mm_k_torch,
+        sample=_sample_k,
+        additive=frozenset({"row"}),
+        # rows sorted by expert: under even routing a device's row block is its experts' rows, so none leave
+        exchange=Exchange("row", "expert", select=_owned_rows, leaving=lambda p: 0.0, counted=True),
+        needs_out_shape=True,
+        needs_block_start=True,
+        dtype_rule=lambda in_dtypes, params: _rule(in_dtypes, params, "grouped_mm_k", ("a", "b")),
+        index_bound=lambda shapes, slot, params: shapes[0][1] + 1 if slot == 2 else None,
+        takes_zero_size=False,
+        doc="a[:, rows of e] @ b[rows of e] for every expert e, rows [ends[e-1], ends[e]): grouped_mm's weight "
+            "gradient (torch's 2-D by 2-D _grouped_mm)",
     )
 )
 

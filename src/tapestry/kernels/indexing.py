@@ -1,4 +1,4 @@
-"""Kernels that read or write at positions held in an integer tensor: take, gather, scatter_add.
+"""Kernels that read or write at positions held in an integer tensor: take, gather, scatter_add, scatter.
 
 Which cells an index names depends on its values, not on where a block lies, so the indexed axis of the
 tensor read (or the whole index and source, for a scatter) is read whole by every block; every other dim
@@ -123,10 +123,10 @@ register(
 
 
 # -- scatter_add: out = x; out[..., index[..., i, ...], ...] += src[..., i, ...] ----------------------------------
-def scatter_add_signature(x: Shape, index: Shape, src: Shape, axis: int) -> SignatureSpec:
+def scatter_add_signature(x: Shape, index: Shape, src: Shape, axis: int, name: str = "scatter_add") -> SignatureSpec:
     ax = _axis(x, axis)
     if index != src or len(x) != len(index) or any(i > s for d, (i, s) in enumerate(zip(index, x)) if d != ax):
-        raise KernelError(f"scatter_add along axis {axis} needs index and src of one shape, with x's rank and no "
+        raise KernelError(f"{name} along axis {axis} needs index and src of one shape, with x's rank and no "
                           f"larger than x off that axis; got x{list(x)}, index{list(index)}, src{list(src)}")
     n = len(x)
     rows = [None if d == ax else d for d in range(n)]
@@ -186,5 +186,84 @@ register(
         takes_zero_size=False,
         doc="x with src added at index along `axis` (torch.scatter_add; index_add and index_put(accumulate=True) "
             "import as it)",
+    )
+)
+
+
+# -- scatter: out = x; out[..., index[..., i, ...], ...] = src[..., i, ...] ---------------------------------------------
+def _last_writes_numpy(index, ax: int):
+    """Per position of `index`, whether it is the last along `ax` to name its cell: where positions repeat a cell
+    the last one's value is written (torch's CPU kernel writes in order; torch leaves it unspecified), and every
+    block decides it alike, as each reads index whole along `ax`."""
+    order = np.argsort(index, axis=ax, kind="stable")
+    ordered = np.take_along_axis(index, order, axis=ax)
+    n = index.shape[ax]
+    last = np.concatenate([np.take(ordered, range(n - 1), axis=ax) != np.take(ordered, range(1, n), axis=ax),
+                           np.ones_like(np.take(ordered, [n - 1], axis=ax), dtype=bool)], axis=ax)
+    found = np.empty_like(last)
+    np.put_along_axis(found, order, last, axis=ax)
+    return found
+
+
+def _last_writes_torch(index, ax: int):
+    ordered, order = torch.sort(index, dim=ax, stable=True)
+    n = index.shape[ax]
+    last = torch.cat([ordered.narrow(ax, 0, n - 1) != ordered.narrow(ax, 1, n - 1),
+                      torch.ones_like(ordered.narrow(ax, 0, 1), dtype=torch.bool)], dim=ax)
+    return torch.zeros_like(last).scatter(ax, order, last)
+
+
+def _scatter_numpy(x, index, src, axis: int, block_start: tuple[int, ...]) -> np.ndarray:
+    """The block's rows of x with the src cells whose index lands in them written over (reads past index's end
+    are zeros, and so are their src cells)."""
+    ax = axis % x.ndim
+    out = x.copy()
+    grid = list(np.indices(index.shape))
+    grid[ax] = index - block_start[ax]
+    keep = (grid[ax] >= 0) & (grid[ax] < x.shape[ax]) & _last_writes_numpy(index, ax)
+    out[tuple(g[keep] for g in grid)] = src[keep]
+    return out
+
+
+def _scatter_torch(x, index, src, axis: int, block_start: tuple[int, ...]):
+    """torch.scatter into x with one row more along the axis, where the writes other blocks make (and those a
+    later position overwrites) land, cut off after."""
+    ax = axis % x.dim()
+    rows = index.long() - block_start[ax]
+    keep = (rows >= 0) & (rows < x.shape[ax]) & _last_writes_torch(index.long(), ax)
+    spare = torch.cat([x, torch.zeros_like(x.narrow(ax, 0, 1))], dim=ax)
+    return spare.scatter(ax, torch.where(keep, rows, x.shape[ax]), src).narrow(ax, 0, x.shape[ax])
+
+
+def _scatter_value_rule(in_dtypes: tuple[str, ...], params: Mapping[str, ParamValue]) -> str:
+    x, index, src = in_dtypes
+    if index not in _INTS:
+        raise KernelError(f"scatter: index must be int32 or int64, got {index}")
+    if x != src:
+        raise KernelError(f"scatter needs x and src of one dtype (as torch does); got x: {x}, src: {src}")
+    return x
+
+
+def _sample_scatter(draw):
+    shapes, params, (value, index, _) = _sample_scatter_add(draw)
+    value = draw(st.sampled_from(("float", "int64", "bool")))
+    return shapes, params, (value, index, value)
+
+
+register(
+    Kernel(
+        name="scatter",
+        inputs=("x", "index", "src"),
+        signature=lambda x, index, src, axis: scatter_add_signature(x, index, src, axis, "scatter"),
+        numpy=_scatter_numpy,
+        torch=_scatter_torch,
+        sample=_sample_scatter,
+        params={"axis": 0},
+        needs_block_start=True,
+        dtype_rule=_scatter_value_rule,
+        index_bound=lambda shapes, slot, params: shapes[0][params["axis"] % len(shapes[0])] if slot == 1 else None,
+        takes_zero_size=False,
+        doc="x with src written at index along `axis` (torch.scatter; a topk's backward); where positions repeat a "
+            "cell the last one's value is written",
     )
 )

@@ -90,6 +90,16 @@ def _scatter_add(b: Builder, x: Any, dim: int, index: Any, src: Any) -> Value:
     return b.op("scatter_add", value, idx, source, axis=_axis(dim, value.ndim))
 
 
+@converts("aten.scatter.src")
+def _scatter_src(b: Builder, x: Any, dim: int, index: Any, src: Any) -> Value:
+    """x with src written at index along `dim` (a topk's backward: the values' gradients put back in their
+    columns): `scatter`."""
+    value, idx, source = b.tensor(x), b.tensor(index), b.tensor(src)
+    if idx.shape != source.shape:
+        raise Unsupported(f"src{list(source.shape)} larger than index{list(idx.shape)} (torch reads a box of it)")
+    return b.op("scatter", value, idx, source, axis=_axis(dim, value.ndim))
+
+
 @converts("aten.scatter.value")
 def _scatter_value(b: Builder, x: Any, dim: int, index: Any, value: Any) -> Value:
     """x with `value` written at index along `dim` (the NLL loss backward's one-hot of the labels): every write

@@ -25,9 +25,26 @@ def _histc(b: Builder, x: Any, bins: int = 100, min: float = 0, max: float = 0) 
 
 @converts("transformers.grouped_mm_fallback.default", "aten._grouped_mm.default")
 def _grouped_mm(b: Builder, x: Any, w: Any, offs: Any = None, bias: Any = None, out_dtype: Any = None) -> Value:
-    """Rows sorted by expert, `offs` each expert's end row: `grouped_mm`, whose expert dim shards (expert
-    parallelism)."""
+    """Rows sorted by expert, `offs` each expert's end row: x[R, D] by w[E, D, F] is `grouped_mm`, whose expert
+    dim shards (expert parallelism); a[M, R] by b[R, N] (groups along the contraction: grouped_mm's weight
+    gradient, as its backward makes it) is `grouped_mm_k`, whose experts shard likewise."""
     value, weight = b.tensor(x), b.tensor(w)
-    if offs is None or bias is not None or out_dtype is not None or value.ndim != 2 or weight.ndim != 3:
-        raise Unsupported("a grouped mm other than x[R, D] by w[E, D, F] with offsets (no bias, no out_dtype)")
-    return b.op("grouped_mm", value, weight, b.tensor(offs))
+    if offs is None or bias is not None or out_dtype is not None:
+        raise Unsupported("a grouped mm with a bias, an out_dtype or no offsets")
+    if (value.ndim, weight.ndim) == (2, 3):
+        return b.op("grouped_mm", value, weight, b.tensor(offs))
+    if (value.ndim, weight.ndim) == (2, 2):
+        return b.op("grouped_mm_k", value, weight, b.tensor(offs))
+    raise Unsupported(f"a grouped mm of a {value.ndim}-D by a {weight.ndim}-D operand (2-D by 3-D and 2-D by 2-D, "
+                      "with offsets, are taken)")
+
+
+@converts("transformers.grouped_mm_fallback_backward.default")
+def _grouped_mm_backward(b: Builder, x: Any, w: Any, offs: Any, grad: Any) -> tuple[Value, Value]:
+    """transformers' fallback grouped mm's backward (non-bfloat16 weights): the input's gradient, a grouped_mm of
+    the output's by the experts transposed, and the weights', a grouped_mm_k of x.T by it."""
+    value, weight, ends, out = b.tensor(x), b.tensor(w), b.tensor(offs), b.tensor(grad)
+    if value.ndim != 2 or weight.ndim != 3:
+        raise Unsupported("a grouped mm other than x[R, D] by w[E, D, F]")
+    grad_x = b.op("grouped_mm", out, b.op("transpose", weight, perm=(0, 2, 1)), ends)
+    return grad_x, b.op("grouped_mm_k", b.op("transpose", value, perm=(1, 0)), out, ends)
