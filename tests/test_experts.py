@@ -98,6 +98,63 @@ def test_a_plan_keeps_its_exchange_through_json_and_a_forged_one_is_refused():
     assert any("partial" in p or "partition" in p for p in plan_problems(bad))
 
 
+# -- grouped_mm_k: the experts' weight gradients, summed where the experts are -------------------------------------
+def grad_graph(rows: int = ROWS, experts: int = EXPERTS) -> Graph:
+    g = Graph()
+    x, dy = g.input("x", (rows, DIM)), g.input("dy", (rows, OUT))
+    ends = g.input("ends", (experts,), "int64")
+    g.output("dw", g.op("grouped_mm_k", g.op("transpose", x, perm=(1, 0), name="xt"), dy, ends, name="mm"))
+    return g
+
+
+def grad_plan(mesh: Mesh, axis: int, others: tuple = ()) -> Plan:
+    g = grad_graph()
+    sig = g.signature("mm")
+    axes = tuple(None if a == axis else (others[a] if a < len(others) else None) for a in range(mesh.ndim))
+    return build_plan(g, mesh, partitions={"mm": make_partition(sig, mesh, axes, exchange=(axis,))})
+
+
+def grad_inputs(ends: list[int]) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(len(ends) + sum(ends))
+    return {"x": rng.standard_normal((ROWS, DIM)).astype(np.float32),
+            "dy": rng.standard_normal((ROWS, OUT)).astype(np.float32), "ends": np.array(ends, np.int64)}
+
+
+@pytest.mark.parametrize("ends", ENDS)
+@pytest.mark.parametrize("mesh, axis, others", [(Mesh(4), 0, ()), (Mesh(3), 0, ()), (Mesh(2, 2), 1, (1,)),
+                                                (Mesh(2, 2), 0, (None, 2)), (Mesh(2, 2), 1, (None,))])
+def test_an_expert_parallel_weight_gradient_equals_the_unsharded_one_for_any_routing(ends, mesh, axis, others):
+    """Each row goes to its experts' device, which sums it there: the output is each device's experts, whole."""
+    plan = grad_plan(mesh, axis, others)
+    assert not plan_problems(plan)
+    (step,) = [s for s in plan.steps if isinstance(s, Compute) and s.kernel == "grouped_mm_k"]
+    assert not step.layout.partial and step.layout.blocks[0].shape[0] < EXPERTS  # whole sums of its experts
+    given = grad_inputs(ends)
+    want = tapestry.evaluate(plan.graph, given)["dw"]
+    np.testing.assert_allclose(simulate(plan, given)["dw"], want, rtol=1e-5, atol=1e-5)
+
+
+def test_weight_gradient_candidates_split_rows_and_experts_together_and_features_on_other_axes_never_rows():
+    sig = grad_graph().signature("mm")
+    parts = [p for p in candidate_partitions(sig, Mesh(2, 2)) if p.exchange]
+    assert {p.name(sig) for p in parts} == {"split(ep:row=expert,·)", "split(ep:row=expert,m)",
+                                            "split(ep:row=expert,n)", "split(·,ep:row=expert)",
+                                            "split(m,ep:row=expert)", "split(n,ep:row=expert)"}
+    ep = make_partition(sig, Mesh(4), (None,), exchange=(0,))
+    assert exchanged_blocks(sig, ep.blocks, ep.exchange) == tuple(
+        b.__class__((b.start[0], 0, 0, 0), (b.end[0], DIM, OUT, ROWS)) for b in ep.blocks)  # all rows, its experts
+
+
+def test_an_exchanged_weight_gradient_sends_its_rows_once_and_nothing_back():
+    """Priced as one all-to-all per travelling input (a = x.T and b = dy) and no results back; its rows sorted by
+    expert, under even routing none leave."""
+    plan = grad_plan(Mesh(4), 0)
+    (step,) = [s for s in plan.steps if isinstance(s, Compute) and s.kernel == "grouped_mm_k"]
+    comm = DefaultCostModel(load_profile("gpu-h100-nccl")).comm
+    link = comm.group_link(step.exchange, plan.mesh)
+    assert comm.exchange_time(step, plan.mesh) == pytest.approx(2 * 3 * link.alpha)
+
+
 # -- take_rows: the dispatch and combine ---------------------------------------------------------------------------
 def gather_graph(rows: int = 10, count: int = 12) -> Graph:
     g = Graph()
@@ -204,11 +261,13 @@ def test_an_exchanged_grouped_mm_and_take_rows_run_on_two_gloo_ranks_as_the_eval
     gather = build_plan(gather_graph(), mesh, partitions={"gather": make_partition(sig, mesh, (None,), (0,))})
     cases = [(grouped, inputs([9, 2, 12, 4])), (grouped, inputs([0, 1, 11, 11])),
              (gather, {"x": np.arange(30, dtype=np.float32).reshape(10, 3),
-                       "idx": np.array([9, 0, -1, 3, 5, 5, 2, 7, 1, 8, 6, 4])})]
+                       "idx": np.array([9, 0, -1, 3, 5, 5, 2, 7, 1, 8, 6, 4])}),
+             (grad_plan(mesh, 0), grad_inputs([9, 2, 12, 4])), (grad_plan(mesh, 0), grad_inputs([0, 1, 11, 11]))]
     for per_case in launch(run_ranks, 2, cases, timeout=120):
         for (plan, given), got in zip(cases, per_case):
-            want = tapestry.evaluate(plan.graph, given)["y"]
-            np.testing.assert_allclose(got["y"].numpy(), want, rtol=1e-5, atol=1e-5)
+            (out,) = plan.graph.outputs
+            want = tapestry.evaluate(plan.graph, given)[out]
+            np.testing.assert_allclose(got[out].numpy(), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow

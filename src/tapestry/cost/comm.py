@@ -23,10 +23,11 @@ the textbook ring formula for its collective, on the devices it spans. Simplific
   devices / cores, as it does compute (see DeviceProfile.oversubscription).
 - An expert-parallel Compute (`Compute.exchange`, plan.exchange) moves rows inside the step: all-to-alls along
   its exchange axes, each priced as the ring's p-1 latency steps (the counts, unless every member can count
-  them itself; its rows' travelling inputs there; its output rows back: `exchange_time`). The bytes are an
-  even-routing estimate, the kernel's `Exchange.leaving` share of a device's rows: (p-1)/p for take_rows
-  (each index names a row on a uniformly drawn device), none for grouped_mm (its rows are sorted by expert,
-  so a device's even row block is its experts' rows). The true counts are the data's, known only when it
+  them itself; each of its rows' travelling inputs there; its output rows back, unless the rows are summed
+  where the experts are, as grouped_mm_k's: `exchange_time`). The bytes are an even-routing estimate, the
+  kernel's `Exchange.leaving` share of a device's rows: (p-1)/p for take_rows (each index names a row on a
+  uniformly drawn device), none for grouped_mm and grouped_mm_k (their rows are sorted by expert, so a
+  device's even row block is its experts' rows). The true counts are the data's, known only when it
   runs; routing imbalance moves a few rows the estimate leaves out.
 - A ring-attention Compute (`Compute.ring`, plan.ring) passes key blocks round the ring inside the step: what its
   compute does not hide is priced by cost.ring.
@@ -43,7 +44,7 @@ from tapestry.cost.profile import Link, Profile
 from tapestry.cost.ring import ring_exposed_time
 from tapestry.cost.roofline import Roofline
 from tapestry.kernels import Shape
-from tapestry.plan.exchange import travels
+from tapestry.plan.exchange import out_rows, travels
 from tapestry.plan.plan import Compute, Reshard, Step
 from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.collectives import Group, classify_reshard, local_layouts, reshard_groups
@@ -206,12 +207,14 @@ class AlphaBeta:
         largest block of each travelling input there and the largest output block back, of which the kernel's
         `Exchange.leaving` share crosses links (the slowest link of the axes)."""
         sig = step.signature
-        there = sum(dtypes.itemsize(d) * _largest_block(layout)
-                    for layout, d, dim in zip(step.arg_layouts, sig.input_dtypes, travels(sig)) if dim is not None)
-        back = dtypes.itemsize(sig.dtype) * _largest_block(step.layout)
+        moving = [(layout, d) for layout, d, dim in zip(step.arg_layouts, sig.input_dtypes, travels(sig))
+                  if dim is not None]
+        there = sum(dtypes.itemsize(d) * _largest_block(layout) for layout, d in moving)
+        returning = out_rows(sig) is not None  # grouped_mm_k's sums stay with the experts
+        back = dtypes.itemsize(sig.dtype) * _largest_block(step.layout) if returning else 0
         p = math.prod(mesh.shape[a] for a in step.exchange)
         link = self.group_link(step.exchange, mesh)
-        calls = 2 if sig.kernel.exchange.counted else 3
+        calls = (0 if sig.kernel.exchange.counted else 1) + len(moving) + returning
         return calls * (p - 1) * link.alpha + sig.kernel.exchange.leaving(p) * (there + back) / link.beta
 
     def step_cost(self, step: Step, mesh: Mesh) -> float:

@@ -106,10 +106,12 @@ def numeric(name: str, kernel_inputs: tuple[str, ...], floats_only: bool = False
 
 @dataclass(frozen=True)
 class Exchange:
-    """A kernel whose every row meets one block of a data-named dim (grouped_mm: one expert, by its sorted rows
-    and `ends`; take_rows: one table row, by its index): rows and that dim (`experts`, which must be additive)
-    may split together over one mesh axis, each row sent to the device holding its block and its result sent
-    back inside the step, by all-to-all (sharding.partition, plan.exchange).
+    """A kernel whose every row meets one block of a data-named dim (grouped_mm, grouped_mm_k: one expert, by
+    its sorted rows and `ends`; take_rows: one table row, by its index): rows and that dim (`experts`) may split
+    together over one mesh axis, each row sent to the device holding its block and its result sent back inside
+    the step, by all-to-all (sharding.partition, plan.exchange). One of the two is an additive reduction: the
+    experts where the output follows the rows (grouped_mm, take_rows), else the rows, whose sums then stay on
+    the experts' device (grouped_mm_k).
 
     `select(sig, held, src, dst)`: which rows of index block `src` meet `dst`'s experts, as positions from the
     start of src's rows, ascending; `held` is src's blocks of the inputs (numpy or torch). A kernel computes a

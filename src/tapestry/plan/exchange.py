@@ -7,7 +7,8 @@ table; grouped_mm's `ends` whole). Each member sends the rows of its block that 
 (exactly those: `Exchange.select` reads the values), q computes them with what it holds, and sends the results
 back, where they are added into the member's output rows (a row whose experts sit on several members, as
 grouped_mm's overlapping spans of falling `ends` make, sums their results, as the kernel does); rows no expert
-owns stay zero.
+owns stay zero. A kernel whose output does not follow its rows (grouped_mm_k: the rows summed per expert) keeps
+the results where they were computed: q's output block is the sum over the rows every member sent it.
 One all-to-all of the counts, one of the rows, one of the results; the counts are the data's, never an
 even-routing guess. Simulation (plan.simulate) and the rank programs (spmd.trace) both follow `routes`.
 """
@@ -41,6 +42,12 @@ def members(step: Compute, mesh: Mesh) -> list[tuple[int, ...]]:
 
 def row_dim(sig: Signature) -> int:
     return sig.dims.index(sig.kernel.exchange.rows)
+
+
+def out_rows(sig: Signature) -> int | None:
+    """The output dim that follows the rows (results go back to the rows' members), or None (they stay)."""
+    rows = row_dim(sig)
+    return next((r for r, row in enumerate(sig.output.matrix) if row[rows]), None)
 
 
 def travels(sig: Signature) -> tuple[int | None, ...]:

@@ -100,10 +100,10 @@ def _compute(step: Compute, devices: list[Device], value_dtypes: Mapping[str, st
 def _exchange(step: Compute, devices: list[Device], value_dtypes: Mapping[str, str], mesh: Mesh) -> None:
     """An expert-parallel step (plan.exchange): in each group, every member picks its routes from what it holds,
     sends each route's rows of its travelling inputs, the experts' member computes them with what it holds, and
-    the results land in the rows' output block; the rows no expert owns stay zero, as the kernel leaves them."""
+    the results land in the rows' output block (or, where the output does not follow the rows, are summed in
+    the experts' member's); the rows no expert owns stay zero, as the kernel leaves them."""
     sig = step.signature
-    along = exchange.travels(sig)
-    out_rows = next(r for r, row in enumerate(sig.output.matrix) if row[exchange.row_dim(sig)])
+    along, out_rows = exchange.travels(sig), exchange.out_rows(sig)
     for group in exchange.members(step, mesh):
         blocks = [step.blocks[k] for k in group]
         if any(b is None for b in blocks):
@@ -120,6 +120,9 @@ def _exchange(step: Compute, devices: list[Device], value_dtypes: Mapping[str, s
                         _read(devices, dst, arg, projection.apply(route.index), shape, value_dtypes[arg], there)
                         for block, dim, arg, projection, shape
                         in zip(held, along, step.args, sig.projections, step.input_shapes)]
+                if out_rows is None:  # the rows' sums stay with the experts
+                    outs[dst] += sig.compute(args, route.index)
+                    continue
                 placed: list[Any] = [slice(None)] * len(sig.output_shape)
                 placed[out_rows] = list(route.positions)
                 outs[k][tuple(placed)] += sig.compute(args, route.index)  # a row may meet several members

@@ -11,7 +11,8 @@ replicates would count partials twice, so that combination is not generated.
 A kernel with an exchange (`Kernel.exchange`: MoE's grouped_mm, rows and experts) also gets expert-parallel
 candidates: one mesh axis splits its rows and its experts together, device j of the axis taking row block j and
 expert block j, and the kernel moves each row to the device of its expert and back (an all-to-all inside the
-step). Its output is then whole, not partial: every row meets all the experts of the axis.
+step). Its output is then whole, not partial: every row meets all the experts of the axis (grouped_mm_k, the
+weight gradient: every expert's sum meets all its rows, and nothing moves back).
 """
 from __future__ import annotations
 
@@ -60,9 +61,9 @@ class Partition:
         return {dim for split in self.axes for dim, _ in split}
 
     def summed_dims(self) -> set[int]:
-        """The split dims whose blocks leave partial sums: all but an exchange's experts, which every row meets."""
-        return {dim for axis, split in enumerate(self.axes) for k, (dim, _) in enumerate(split)
-                if axis not in self.exchange or k == 0}
+        """The split dims whose blocks leave partial sums: all but an exchange's, whose rows meet every expert
+        (grouped_mm's experts, grouped_mm_k's rows: the exchange makes each sum whole on one member)."""
+        return {dim for axis, split in enumerate(self.axes) if axis not in self.exchange for dim, _ in split}
 
 
 def _split_name(sig: Signature, split: Split) -> str:
@@ -184,14 +185,23 @@ def _ring_check(sig: Signature, mesh: Mesh, splits: tuple[Split, ...], ring: tup
 
 
 def exchanged_blocks(sig: Signature, blocks: tuple[Block, ...], exchange: tuple[int, ...]) -> tuple[Block, ...]:
-    """The index blocks an exchange step's rows cover: each device's rows with every expert (its own computed
-    here, the others' on their devices): a partition of the index space, as a plain step's blocks are."""
+    """The index blocks an exchange step covers, a partition of the index space as a plain step's blocks are:
+    each device's rows with every expert (its own computed here, the others' on their devices) where the output
+    follows the rows (grouped_mm, take_rows); each device's experts with every row (sent to it) where the rows
+    are summed (grouped_mm_k). Only the exchange axis splits that dim (`_exchange_partitions`)."""
     if not exchange:
         return blocks
-    experts = sig.dims.index(sig.kernel.exchange.experts)
-    extent = sig.index.shape[experts]
-    return tuple(None if b is None else ZRange(b.start[:experts] + (0,) + b.start[experts + 1:],
-                                               b.end[:experts] + (extent,) + b.end[experts + 1:]) for b in blocks)
+    widened = sig.dims.index(sig.kernel.exchange.experts if returns(sig) else sig.kernel.exchange.rows)
+    extent = sig.index.shape[widened]
+    return tuple(None if b is None else ZRange(b.start[:widened] + (0,) + b.start[widened + 1:],
+                                               b.end[:widened] + (extent,) + b.end[widened + 1:]) for b in blocks)
+
+
+def returns(sig: Signature) -> bool:
+    """Whether an exchange kernel's output follows its rows, so results go back to the rows' devices (grouped_mm,
+    take_rows); else the rows are summed where their experts are, and nothing returns (grouped_mm_k)."""
+    rows = sig.dims.index(sig.kernel.exchange.rows)
+    return any(row[rows] for row in sig.output.matrix)
 
 
 @functools.lru_cache(maxsize=1 << 16)  # every partition of a signature cuts the same index space
@@ -359,9 +369,9 @@ def balance_ring(sig: Signature, mesh: Mesh, part: Partition) -> Partition:
 
 def _exchange_partitions(sig: Signature, mesh: Mesh) -> list[Candidate]:
     """Expert parallel: one mesh axis (at least as long as the rows and the experts) splits rows and experts
-    together; every other axis replicates or splits a dim that is neither the experts nor a reduction (rows: data
-    times expert parallel, each group of the axis trading its own rows; output features: tensor times expert
-    parallel)."""
+    together; every other axis replicates or splits a dim that is neither the experts nor a reduction (rows
+    where they are not one (grouped_mm's): data times expert parallel, each group of the axis trading its own
+    rows; output features: tensor times expert parallel)."""
     if sig.kernel.exchange is None:
         return []
     together = {sig.dims.index(sig.kernel.exchange.rows), sig.dims.index(sig.kernel.exchange.experts)}
