@@ -315,6 +315,33 @@ def test_parallelize_runs_the_tiny_mixtral_with_its_experts_split_over_four_gloo
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [Mesh(4), Mesh(2, 2)], ids=str)
+def test_a_mixtral_training_step_with_experts_and_their_gradients_expert_parallel_simulates_to_the_evaluator(
+        mesh, monkeypatch):
+    """The whole step (forward, backward, update) with every grouped mm exchanged, the weight gradients' too:
+    each device sums its experts' gradients from the rows sent to it, and updates them where they live."""
+    moe = pytest.importorskip("transformers.integrations.moe")
+    monkeypatch.setattr(moe, "_can_use_grouped_mm", lambda *args: False)  # float32: transformers' own grouped mm
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    training = tapestry.Training.from_torch_optimizer(
+        torch.optim.SGD, lambda m, x, y: m(input_ids=x, labels=y, use_cache=False).loss, lr=0.1)
+    imported = tapestry.from_torch(model, (ids, ids), training=training, verbose=False)
+    plan = tapestry.optimize(imported.graph, mesh, cost_model=Favour(kernels=("grouped_mm", "grouped_mm_k"))).plan
+    exchanged = [s.kernel for s in plan.steps if isinstance(s, Compute) and s.exchange]
+    assert sorted(k for k in exchanged if k.startswith("grouped")) == ["grouped_mm"] * 4 + ["grouped_mm_k"] * 2
+    given = imported.inputs(ids, ids)
+    got, want = simulate(plan, given), tapestry.evaluate(imported.graph, given)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 MIXTRAL = '''
 import hashlib, json, numpy as np, torch, tapestry
 from tapestry.importer import from_torch
