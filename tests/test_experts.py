@@ -20,7 +20,7 @@ from tapestry.plan import Compute, Plan, build_plan
 from tapestry.plan.simulate import simulate
 from tapestry.plan.validate import plan_problems
 from tapestry.sharding import Layout, Mesh
-from tapestry.sharding.partition import candidate_partitions, exchanged_blocks, make_partition
+from tapestry.sharding.partition import candidate_partitions, exchanged_blocks, is_partial, make_partition
 
 ROWS, DIM, OUT, EXPERTS = 12, 3, 5, 4
 # Routings (each expert's end row): uneven, empty experts, rows no expert owns, every row to one expert.
@@ -122,27 +122,35 @@ def grad_inputs(ends: list[int]) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("ends", ENDS)
 @pytest.mark.parametrize("mesh, axis, others", [(Mesh(4), 0, ()), (Mesh(3), 0, ()), (Mesh(2, 2), 1, (1,)),
-                                                (Mesh(2, 2), 0, (None, 2)), (Mesh(2, 2), 1, (None,))])
+                                                (Mesh(2, 2), 0, (None, 2)), (Mesh(2, 2), 1, (None,)),
+                                                (Mesh(2, 2), 1, (3,))])
 def test_an_expert_parallel_weight_gradient_equals_the_unsharded_one_for_any_routing(ends, mesh, axis, others):
-    """Each row goes to its experts' device, which sums it there: the output is each device's experts, whole."""
+    """Each row goes to its experts' device, which sums it there: the output is each device's experts, whole, or
+    partial over another axis that splits the rows (data parallel), summed after the step."""
     plan = grad_plan(mesh, axis, others)
     assert not plan_problems(plan)
     (step,) = [s for s in plan.steps if isinstance(s, Compute) and s.kernel == "grouped_mm_k"]
-    assert not step.layout.partial and step.layout.blocks[0].shape[0] < EXPERTS  # whole sums of its experts
+    assert step.layout.partial == (3 in others) and step.layout.blocks[0].shape[0] < EXPERTS
     given = grad_inputs(ends)
     want = tapestry.evaluate(plan.graph, given)["dw"]
     np.testing.assert_allclose(simulate(plan, given)["dw"], want, rtol=1e-5, atol=1e-5)
 
 
-def test_weight_gradient_candidates_split_rows_and_experts_together_and_features_on_other_axes_never_rows():
+def test_weight_gradient_candidates_split_rows_and_experts_together_and_rows_or_features_on_other_axes():
     sig = grad_graph().signature("mm")
     parts = [p for p in candidate_partitions(sig, Mesh(2, 2)) if p.exchange]
-    assert {p.name(sig) for p in parts} == {"split(ep:row=expert,·)", "split(ep:row=expert,m)",
-                                            "split(ep:row=expert,n)", "split(·,ep:row=expert)",
-                                            "split(m,ep:row=expert)", "split(n,ep:row=expert)"}
+    assert {p.name(sig) for p in parts} == {
+        "split(ep:row=expert,·)", "split(ep:row=expert,m)", "split(ep:row=expert,n)", "split(·,ep:row=expert)", "split(m,ep:row=expert)", "split(n,ep:row=expert)", "split(row,ep:row=expert)"}
+    assert [p.name(sig) for p in parts if is_partial(sig, p)] == ["split(row,ep:row=expert)"]  # data parallel
     ep = make_partition(sig, Mesh(4), (None,), exchange=(0,))
-    assert exchanged_blocks(sig, ep.blocks, ep.exchange) == tuple(
+    assert exchanged_blocks(sig, ep.blocks, ep.exchange, Mesh(4)) == tuple(
         b.__class__((b.start[0], 0, 0, 0), (b.end[0], DIM, OUT, ROWS)) for b in ep.blocks)  # all rows, its experts
+    dp = make_partition(sig, Mesh(2, 2), (3, None), exchange=(1,))  # each row half traded within its group
+    assert exchanged_blocks(sig, dp.blocks, dp.exchange, Mesh(2, 2)) == tuple(
+        b.__class__((b.start[0], 0, 0, h), (b.end[0], DIM, OUT, h + ROWS // 2))
+        for b, h in zip(dp.blocks, (0, 0, ROWS // 2, ROWS // 2)))
+    after = grad_plan(Mesh(2, 2), 0, (None, 3))  # rows split after the exchange axis: a group's rows are not a run
+    assert any("do not partition" in p for p in plan_problems(after))
 
 
 def test_an_exchanged_weight_gradient_sends_its_rows_once_and_nothing_back():
@@ -420,8 +428,8 @@ def test_an_expert_parallel_grouped_mm_reads_only_its_experts_weights_and_does_i
     ep = Compute.running(sig, make_partition(sig, mesh, (None,), exchange=(0,)))
     rows = Compute.running(sig, make_partition(sig, mesh, (0,)))
     assert sig.cost(ep.blocks[0])[1] < sig.cost(rows.blocks[0])[1] / 2  # a quarter of the weights read
-    assert H100.roofline.compute_time(ep) < H100.roofline.compute_time(rows)
-    flops = [sig.cost(b)[0] for b in exchanged_blocks(sig, ep.blocks, ep.exchange)]
+    assert H100.roofline.compute_time(ep, mesh) < H100.roofline.compute_time(rows, mesh)
+    flops = [sig.cost(b)[0] for b in exchanged_blocks(sig, ep.blocks, ep.exchange, mesh)]
     assert flops == [sig.cost(b)[0] for b in rows.blocks]  # the same rows' work as a row split
     assert H100.comm.step_cost(ep, mesh) == pytest.approx(2 * 3 * H100.comm.group_link((0,), mesh).alpha)
 

@@ -308,7 +308,7 @@ def test_ring_sends_hide_behind_the_rounds_compute_at_long_sequences_and_are_pri
         step = next(s for s in long_attention_plan(seq).steps if isinstance(s, Compute))
         link = model.comm.group_link((0,), mesh)
         send = link.alpha + 2 * 2 * (seq // 8) * 32 * 128 / link.beta  # k's and v's key blocks, bfloat16
-        exposed = 7 * max(0.0, send - model.roofline.compute_time(step) / 8)
+        exposed = 7 * max(0.0, send - model.roofline.compute_time(step, mesh) / 8)
         assert model.comm.step_cost(step, mesh) == pytest.approx(exposed)
         assert (exposed == 0) == hidden
 
@@ -333,7 +333,7 @@ def test_the_backward_rings_sends_and_its_float32_sums_hide_behind_compute_but_t
         block = (seq // 8) * 32 * 128
         sums = 2 * 4 * block  # dk's and dv's sums of the key block held, float32
         send = link.alpha + (2 * 2 * block + sums) / link.beta  # with k's and v's key blocks, bfloat16
-        rounds = 7 * max(0.0, send - model.roofline.compute_time(step) / 8)
+        rounds = 7 * max(0.0, send - model.roofline.compute_time(step, mesh) / 8)
         assert model.comm.step_cost(step, mesh) == pytest.approx(rounds + link.alpha + sums / link.beta)
         assert (rounds == 0) == hidden
 

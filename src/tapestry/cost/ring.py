@@ -51,4 +51,4 @@ def ring_exposed_time(step: Compute, mesh: Mesh, link: Link, roofline: Roofline)
     send = link.alpha + ring_send_bytes(step) / link.beta
     home = ring_sum_bytes(step)  # a gradient ring's last pass of the sums, to their owners: nothing left to hide it
     last = link.alpha + home / link.beta if home else 0.0
-    return (p - 1) * max(0.0, send - roofline.compute_time(step) / p) + last
+    return (p - 1) * max(0.0, send - roofline.compute_time(step, mesh) / p) + last

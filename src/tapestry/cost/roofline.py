@@ -60,13 +60,13 @@ class Roofline:
         peak = self.device.peak(compute_dtype(sig))
         return max(flops / peak, nbytes / self.device.mem_bandwidth) + self.device.launch_overhead
 
-    def compute_time(self, step: Compute) -> float:
+    def compute_time(self, step: Compute, mesh: Mesh) -> float:
         """The slowest device's shard time, priced once per distinct block, and where the kernel has no `work`
         (what a block costs is then its shape's, `Signature.cost`) once per block shape: 512 devices' even
         blocks have one or two shapes."""
         sig = step.signature
         if step.exchange:
-            work = exchanged_blocks(sig, step.blocks, step.exchange)
+            work = exchanged_blocks(sig, step.blocks, step.exchange, mesh)
             return max((self.shard_time(sig, b, w) for b, w in set(zip(step.blocks, work))), default=0.0)
         blocks = set(step.blocks)
         if sig.kernel.work is None:
@@ -77,4 +77,4 @@ class Roofline:
         """The step's time with every device running at once, stretched when the mesh outnumbers the cores."""
         if not isinstance(step, Compute):
             return 0.0
-        return self.compute_time(step) * self.device.oversubscription(mesh.size)
+        return self.compute_time(step, mesh) * self.device.oversubscription(mesh.size)

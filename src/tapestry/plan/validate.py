@@ -194,9 +194,9 @@ def _compute_problems(mesh: Mesh, step: Compute, defined: dict[str, Step]) -> li
         problems = _gradient_ring_problems(mesh, step)
     if problems:
         return problems
-    covered = exchanged_blocks(sig, step.blocks, step.exchange)
+    covered = exchanged_blocks(sig, step.blocks, step.exchange, mesh)
     problems = [f"blocks do not partition the index space: {p}" for p in partition_issues(sig, covered)]
-    problems += _layout_claim_problems(sig, step)
+    problems += _layout_claim_problems(sig, step, covered)
     for i, (arg, layout, shape) in enumerate(zip(step.args, step.arg_layouts, step.input_shapes)):
         what = f"arg {i} ({sig.kernel.inputs[i]})"
         problems += _source_problems(arg, shape, layout, defined, what)
@@ -258,14 +258,15 @@ def _ring_read_problems(mesh: Mesh, step: Compute, arg: int, what: str) -> list[
     return problems
 
 
-def _layout_claim_problems(sig: Signature, step: Compute) -> list[str]:
+def _layout_claim_problems(sig: Signature, step: Compute, covered: tuple[Block, ...]) -> list[str]:
     """The output layout must be what the blocks write: their output boxes, partial where a reduction
-    is split, and never partial where replicated blocks would be summed twice."""
+    is split (in the blocks an exchange covers, `covered`), and never partial where replicated blocks would be
+    summed twice."""
     implied = output_layout(sig, _partition(step.blocks))
     problems = []
     if step.layout.blocks != implied.blocks:
         problems.append(f"layout {Layout(step.layout.blocks)} is not what the blocks write: {implied}")
-    split = _splits_reduction(sig, exchanged_blocks(sig, step.blocks, step.exchange))
+    split = _splits_reduction(sig, covered)
     if split and not step.layout.partial:
         problems.append("a reduction dim is split, so the output is partial sums, but the layout is not partial")
     distinct = {b for b in step.blocks if b is not None}

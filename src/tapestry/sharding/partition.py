@@ -184,17 +184,28 @@ def _ring_check(sig: Signature, mesh: Mesh, splits: tuple[Split, ...], ring: tup
     return ring_keys(key_extent(sig), mesh, ring)
 
 
-def exchanged_blocks(sig: Signature, blocks: tuple[Block, ...], exchange: tuple[int, ...]) -> tuple[Block, ...]:
+def exchanged_blocks(sig: Signature, blocks: tuple[Block, ...], exchange: tuple[int, ...], mesh: Mesh
+                     ) -> tuple[Block, ...]:
     """The index blocks an exchange step covers, a partition of the index space as a plain step's blocks are:
-    each device's rows with every expert (its own computed here, the others' on their devices) where the output
-    follows the rows (grouped_mm, take_rows); each device's experts with every row (sent to it) where the rows
-    are summed (grouped_mm_k). Only the exchange axis splits that dim (`_exchange_partitions`)."""
+    each device's rows with every expert of its group along the exchange axes (its own computed here, the
+    others' on their devices) where the output follows the rows (grouped_mm, take_rows); each device's experts
+    with every row of its group (sent to it) where the rows are summed (grouped_mm_k, whose rows another axis
+    may split: data parallel, the sums partial over it)."""
     if not exchange:
         return blocks
     widened = sig.dims.index(sig.kernel.exchange.experts if returns(sig) else sig.kernel.exchange.rows)
-    extent = sig.index.shape[widened]
-    return tuple(None if b is None else ZRange(b.start[:widened] + (0,) + b.start[widened + 1:],
-                                               b.end[:widened] + (extent,) + b.end[widened + 1:]) for b in blocks)
+    found = list(blocks)
+    for group in mesh.fibres(exchange):
+        members = [blocks[k] for k in group if blocks[k] is not None]
+        if not members:
+            continue
+        lo, hi = min(b.start[widened] for b in members), max(b.end[widened] for b in members)
+        for k in group:
+            b = blocks[k]
+            if b is not None:
+                found[k] = ZRange(b.start[:widened] + (lo,) + b.start[widened + 1:],
+                                  b.end[:widened] + (hi,) + b.end[widened + 1:])
+    return tuple(found)
 
 
 def returns(sig: Signature) -> bool:
@@ -369,19 +380,22 @@ def balance_ring(sig: Signature, mesh: Mesh, part: Partition) -> Partition:
 
 def _exchange_partitions(sig: Signature, mesh: Mesh) -> list[Candidate]:
     """Expert parallel: one mesh axis (at least as long as the rows and the experts) splits rows and experts
-    together; every other axis replicates or splits a dim that is neither the experts nor a reduction (rows
-    where they are not one (grouped_mm's): data times expert parallel, each group of the axis trading its own
-    rows; output features: tensor times expert parallel)."""
+    together; every other axis replicates or splits a dim that is neither the experts nor a reduction (rows:
+    data times expert parallel, each group of the axis trading its own rows; output features: tensor times expert
+    parallel). Rows that are a reduction (grouped_mm_k's) split on an axis before the exchange axis too, so a
+    group's rows are one run (`exchanged_blocks`), its sums partial over that axis (data parallel)."""
     if sig.kernel.exchange is None:
         return []
-    together = {sig.dims.index(sig.kernel.exchange.rows), sig.dims.index(sig.kernel.exchange.experts)}
-    reductions = set(sig.dims_of(DimKind.REDUCTION)) | {sig.dims.index(sig.kernel.exchange.experts)}
+    rows, experts = sig.dims.index(sig.kernel.exchange.rows), sig.dims.index(sig.kernel.exchange.experts)
+    together = {rows, experts}
+    reductions = set(sig.dims_of(DimKind.REDUCTION)) | {experts}
     found = []
     for axis, size in enumerate(mesh.shape):
         if size < 2 or any(sig.index.shape[d] < size for d in together):
             continue
+        refused = [reductions - {rows} if a < axis else reductions for a in range(mesh.ndim)]
         options = [[None] if a == axis else
-                   [c for c in _axis_choices(sig, n) if not {d for d, _ in c} & reductions]
+                   [c for c in _axis_choices(sig, n) if not {d for d, _ in c} & refused[a]]
                    for a, n in enumerate(mesh.shape)]
         for axes in itertools.product(*options):
             found.append(_candidate(sig, mesh, axes, exchange=(axis,))[1])
