@@ -36,7 +36,8 @@ WIDTHS = {  # hidden, MLP hidden (per expert), heads, KV heads: LLaMA-2 configs,
     "Mixtral": (4096, 14336, 32, 8),
 }
 EXPERTS = {"Mixtral": (8, 2)}  # experts, and how many each token is routed to
-HAND = ("DP", "ZeRO-3", "TP", "DPxTP")
+HAND = ("DP", "ZeRO-3", "TP", "DPxTP", "EP", "DPxEP")
+EXPERT_WEIGHTS = (".experts.gate_up_proj", ".experts.down_proj")  # [E, ...]: split by expert in EP
 
 
 @dataclass(frozen=True)
@@ -193,18 +194,26 @@ def hand_plans(imported: Any, case: Case, model: Any, errors: dict[str, str],
 
     import tapestry
     from tapestry.cost import peak_memory, plan_cost
-    from tapestry.training.plans import data_parallel, data_tensor_parallel, megatron, zero3
+    from tapestry.training.plans import (
+        data_expert_parallel, data_parallel, data_tensor_parallel, expert_parallel, megatron, zero3,
+    )
 
     graph = imported.graph
     mesh = tapestry.Mesh(math.prod(case.shape))
     arguments = imported.translation.user_inputs
     hidden = tensor_parallel_dims([n.name for n in graph.inputs])
+    experts = {n.name: 0 for n in graph.inputs if n.name.endswith(EXPERT_WEIGHTS) and not n.name.startswith("adam.")}
+    attention = {name: dim for name, dim in hidden.items() if name not in experts}
+    outer = tapestry.Mesh(math.prod(case.shape[:-1]), case.shape[-1])  # 2-D recipes: a node inner, DP outer
     builders = {"DP": lambda: data_parallel(graph, mesh, arguments), "TP": lambda: megatron(graph, mesh, hidden)}
     if graph.carried:
         builders["ZeRO-3"] = lambda: zero3(graph, mesh, arguments)
     if len(case.shape) >= 2:  # the 2-D recipe: TP over the inner axis (a node), DP over the outer ones flattened
-        outer = tapestry.Mesh(math.prod(case.shape[:-1]), case.shape[-1])
         builders["DPxTP"] = lambda: data_tensor_parallel(graph, outer, arguments, hidden)
+    if experts:  # a MoE: its experts split by expert over the devices (EP), or over a node with TP (DPxEP)
+        builders["EP"] = lambda: expert_parallel(graph, mesh, arguments, experts)
+        if len(case.shape) >= 2:
+            builders["DPxEP"] = lambda: data_expert_parallel(graph, outer, arguments, attention, experts)
     priced: dict[str, tuple[float, int]] = {}
     for name, make in builders.items():
         try:
@@ -335,7 +344,8 @@ def order(row: dict[str, Any]) -> tuple[Any, ...]:
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| model | layers | step | batch x seq | mesh | import s | RSS GiB | optimize s (CPU) | status | gap | "
             "predicted ms | MFU | GiB/device | replicated | ids / weights split | EP / CP | weights live | "
-            "DP ms (MFU) | ZeRO-3 ms (MFU) | TP ms (MFU) | DPxTP ms (MFU) | vs best hand |")
+            "DP ms (MFU) | ZeRO-3 ms (MFU) | TP ms (MFU) | DPxTP ms (MFU) | EP ms (MFU) | DPxEP ms (MFU) | "
+            "vs best hand |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         c = r["case"]
@@ -460,8 +470,12 @@ def main() -> None:
         "devices (past 8 its ring crosses nodes: InfiniBand); `DPxTP`: TP over the inner axis of 8 (a node, "
         "NVLink) and DP over the outer axes flattened (2x4 itself, 8x8, 4x8x8 as 32x8, 8x8x8 as 64x8). At batch "
         "8 data parallelism splits at most 8 ways: on more devices the hand plans' data-parallel part runs "
-        "replicated. No hand plan is expert parallel: the plans of training/plans.py follow split dims by "
-        "propagation, which makes no `Compute.exchange` step. `replicated`: share of compute steps every device "
+        "replicated. A MoE's expert-parallel hand plans (`Compute.exchange` steps: rows moved to their experts' "
+        "devices by all-to-all): `EP` splits the batch and the experts over the same flat mesh (DeepSpeed-MoE; "
+        "the tokens' dispatch and combine, the experts' grouped mms and their weight gradients exchange rows; "
+        "it needs the experts to divide among the devices), `DPxEP` is DPxTP with the experts split by expert "
+        "over the inner axis instead of TP (their grouped mms and weight gradients exchanging rows in the node, "
+        "the dispatch and combine across the outer axis). `replicated`: share of compute steps every device "
         "runs whole; `ids / weights split`: distinct blocks of the token ids' layout (the DP degree), and how many "
         "weights are split (max: into how many blocks); `EP / CP`: devices a step's experts are split over "
         "(`Compute.exchange`), and a ring attention's (`Compute.ring`); PP is 1 on every row (`tapestry.optimize` "

@@ -16,7 +16,7 @@ from tapestry.lower.program import PlaceBlock
 from tapestry.models import moe_layer, moe_routing
 from tapestry.cost import DefaultCostModel, load_profile
 from tapestry.optimizer import default_cost_model
-from tapestry.plan import Compute, Plan, build_plan
+from tapestry.plan import Compute, Place, Plan, build_plan
 from tapestry.plan.simulate import simulate
 from tapestry.plan.validate import plan_problems
 from tapestry.sharding import Layout, Mesh
@@ -323,31 +323,78 @@ def test_parallelize_runs_the_tiny_mixtral_with_its_experts_split_over_four_gloo
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mesh", [Mesh(4), Mesh(2, 2)], ids=str)
-def test_a_mixtral_training_step_with_experts_and_their_gradients_expert_parallel_simulates_to_the_evaluator(
-        mesh, monkeypatch):
-    """The whole step (forward, backward, update) with every grouped mm exchanged, the weight gradients' too:
-    each device sums its experts' gradients from the rows sent to it, and updates them where they live."""
+def tiny_mixtral_step(monkeypatch: pytest.MonkeyPatch, batch: int = 2) -> tuple[tapestry.TorchImport, tuple]:
+    """One SGD step of a 1-layer Mixtral (4 experts, top 2) in float32, through transformers' own grouped mm
+    (torch's fake grouped mm takes bfloat16 only), and its arguments."""
     moe = pytest.importorskip("transformers.integrations.moe")
-    monkeypatch.setattr(moe, "_can_use_grouped_mm", lambda *args: False)  # float32: transformers' own grouped mm
+    monkeypatch.setattr(moe, "_can_use_grouped_mm", lambda *args: False)
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                         num_experts_per_tok=2)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 64, (batch, 8), generator=torch.Generator().manual_seed(1))
     training = tapestry.Training.from_torch_optimizer(
         torch.optim.SGD, lambda m, x, y: m(input_ids=x, labels=y, use_cache=False).loss, lr=0.1)
-    imported = tapestry.from_torch(model, (ids, ids), training=training, verbose=False)
-    plan = tapestry.optimize(imported.graph, mesh, cost_model=Favour(kernels=("grouped_mm", "grouped_mm_k"))).plan
-    exchanged = [s.kernel for s in plan.steps if isinstance(s, Compute) and s.exchange]
-    assert sorted(k for k in exchanged if k.startswith("grouped")) == ["grouped_mm"] * 4 + ["grouped_mm_k"] * 2
-    given = imported.inputs(ids, ids)
+    return tapestry.from_torch(model, (ids, ids), training=training, verbose=False), (ids, ids)
+
+
+def assert_simulates_to_the_evaluator(plan: Plan, imported: tapestry.TorchImport, args: tuple) -> None:
+    assert not plan_problems(plan)
+    given = imported.inputs(*args)
     got, want = simulate(plan, given), tapestry.evaluate(imported.graph, given)
     for name, value in want.items():
         np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [Mesh(4), Mesh(2, 2)], ids=str)
+def test_a_mixtral_training_step_with_experts_and_their_gradients_expert_parallel_simulates_to_the_evaluator(
+        mesh, monkeypatch):
+    """The whole step (forward, backward, update) with every grouped mm exchanged, the weight gradients' too:
+    each device sums its experts' gradients from the rows sent to it, and updates them where they live."""
+    imported, args = tiny_mixtral_step(monkeypatch)
+    plan = tapestry.optimize(imported.graph, mesh, cost_model=Favour(kernels=("grouped_mm", "grouped_mm_k"))).plan
+    exchanged = [s.kernel for s in plan.steps if isinstance(s, Compute) and s.exchange]
+    assert sorted(k for k in exchanged if k.startswith("grouped")) == ["grouped_mm"] * 4 + ["grouped_mm_k"] * 2
+    assert_simulates_to_the_evaluator(plan, imported, args)
+
+
+EXPERT_WEIGHTS = {"model.layers.0.mlp.experts.gate_up_proj": 0, "model.layers.0.mlp.experts.down_proj": 0}
+
+
+@pytest.mark.parametrize("mesh", [Mesh(4), Mesh(2, 2)], ids=str)
+def test_the_expert_parallel_hand_plans_exchange_tokens_and_experts_rows_and_simulate_to_the_evaluator(
+        mesh, monkeypatch):
+    """EP (batch and experts over one axis) and DPxEP (data over axis 0; attention tensor parallel and experts
+    expert parallel over axis 1): the dispatch and combine, the experts and their weight gradients all exchange
+    rows, and each expert weight lives split by expert."""
+    from collections import Counter
+
+    from tapestry.training.plans import data_expert_parallel, expert_parallel
+
+    imported, args = tiny_mixtral_step(monkeypatch, batch=4)
+    arguments = imported.translation.user_inputs
+    if mesh.ndim == 1:
+        plan, ep = expert_parallel(imported.graph, mesh, arguments, EXPERT_WEIGHTS), 0
+    else:
+        attention = {f"model.layers.0.self_attn.{p}_proj.weight": int(p == "o") for p in "qkvo"}
+        plan, ep = data_expert_parallel(imported.graph, mesh, arguments, attention, EXPERT_WEIGHTS), 1
+    exchanged = Counter((s.kernel, s.exchange) for s in plan.steps if isinstance(s, Compute) and s.exchange)
+    assert exchanged == {("grouped_mm", (ep,)): 4, ("grouped_mm_k", (ep,)): 2, ("take_rows", (0,)): 2}
+    experts = {s.input: s.layout for s in plan.steps if isinstance(s, Place) and s.input in EXPERT_WEIGHTS}
+    assert experts == {name: Layout.split(imported.graph[name].shape, mesh, (None,) * ep + (0,))
+                       for name in EXPERT_WEIGHTS}
+    assert_simulates_to_the_evaluator(plan, imported, args)
+
+
+def test_an_expert_parallel_hand_plan_refuses_experts_that_do_not_split_over_the_devices(monkeypatch):
+    from tapestry.training.plans import expert_parallel
+
+    imported, _ = tiny_mixtral_step(monkeypatch)
+    with pytest.raises(ValueError, match=r"has 4 experts \(dim 0\), which do not split evenly over 8 devices"):
+        expert_parallel(imported.graph, Mesh(8), imported.translation.user_inputs, EXPERT_WEIGHTS)
 
 
 MIXTRAL = '''

@@ -5,10 +5,10 @@ plan from explicit choices, for baselines (one device, data parallel, ...) and t
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
-from tapestry.graph import Graph
+from tapestry.graph import Graph, Node
 from tapestry.plan.plan import Compute, Place, Plan, Reshard, Step
 from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.comm import can_move
@@ -111,14 +111,42 @@ def expand_linears(graph: Graph) -> Graph:
     """The same program with every linear as matmul then add (named as the linear): what a row-parallel
     hand plan needs, since linear's contraction dim is no index dim (the e-graph makes the same rewrite).
     Constants and carried outputs are kept."""
+
+    def expand(g: Graph, node: Node) -> bool:
+        if node.op != "linear":
+            return False
+        x, w, b = node.args
+        g.op("add", g.op("matmul", x, w, name=f"{node.name}_mm"), b, name=node.name)
+        return True
+
+    return _rebuilt(graph, expand)
+
+
+def take_rows_of(graph: Graph) -> Graph:
+    """The same program with every take of a 2-D table's rows by a 1-D index as take_rows (named as the take):
+    what an expert-parallel hand plan needs to move a MoE's tokens by all-to-all (rules/experts.egg makes the
+    same rewrite)."""
+
+    def rows(g: Graph, node: Node) -> bool:
+        if node.op != "take" or len(node.args) != 2:
+            return False
+        table, idx = (graph[a].shape for a in node.args)
+        if len(table) != 2 or len(idx) != 1 or dict(node.params).get("axis", 0) % 2 != 0:
+            return False
+        g.op("take_rows", *node.args, rows=table[0], name=node.name)
+        return True
+
+    return _rebuilt(graph, rows)
+
+
+def _rebuilt(graph: Graph, rewrite: Callable[[Graph, Node], bool]) -> Graph:
+    """A copy of `graph`, each op given to `rewrite` first (True: it added the op's replacement to the copy, under
+    the op's name). Constants and carried outputs are kept."""
     g = Graph()
     for node in graph.nodes:
         if node.is_input:
             g.input(node.name, node.shape, node.dtype)
-        elif node.op == "linear":
-            x, w, b = node.args
-            g.op("add", g.op("matmul", x, w, name=f"{node.name}_mm"), b, name=node.name)
-        else:
+        elif not rewrite(g, node):
             g.op(node.op, *node.args, name=node.name, **dict(node.params))
     for name, value in graph.outputs.items():
         g.output(name, value)

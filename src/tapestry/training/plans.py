@@ -1,13 +1,16 @@
-"""Hand-written training strategies as plans: data parallel, ZeRO-3 and Megatron tensor parallel, the baselines
-the optimizer's plans are priced against (benchmarks/training.py, tests).
+"""Hand-written training strategies as plans: data parallel, ZeRO-3, Megatron tensor parallel and expert
+parallel, the baselines the optimizer's plans are priced against (benchmarks/training.py, benchmarks/cluster.py,
+tests).
 
 Each is one rule for splitting every op of a training step, found by following a split tensor dim through the
 ops' index maps (`split_by_propagation`): data parallel follows the batch dim of the step's arguments through
 forward and backward; ZeRO-3 does too, and splits every weight and optimizer state on its first dim between
 steps (gathered whole before the forward and backward use them, gradients reduce-scattered, the update run on
-shards); Megatron follows the hidden dim of an MLP's weights (column-parallel then row-parallel). Every plan is
-made steady: each carried output is moved back into the layout its input was placed in, where the rule left it
-elsewhere.
+shards); Megatron follows the hidden dim of an MLP's weights (column-parallel then row-parallel); expert
+parallel follows a MoE's expert weights split by expert, and where a split meets an exchange kernel's rows or
+experts the kernel exchanges (`Compute.exchange`: rows moved to their experts' devices by all-to-all). Every
+plan is made steady: each carried output is moved back into the layout its input was placed in, where the rule
+left it elsewhere.
 """
 from __future__ import annotations
 
@@ -17,11 +20,15 @@ from dataclasses import replace
 from tapestry.graph import Graph
 from tapestry.kernels import DimKind, Signature
 from tapestry.plan import Place, Plan, Reshard, Step, build_plan
-from tapestry.plan.build import expand_linears
+from tapestry.plan.build import expand_linears, take_rows_of
 from tapestry.sharding import Layout, Mesh
+from tapestry.sharding.partition import make_partition, returns
 from tapestry.training import ADAM_SLOTS, state_name
 
 Seeds = Mapping[str, int]  # input name -> the tensor dim to split
+EXCHANGE = "exchange"  # an op's choice in `propagated_splits`: its exchange dims (rows and experts) split together
+EXPERTS = frozenset({"grouped_mm", "grouped_mm_k"})  # a MoE's experts and their weight gradients
+ROUTES = frozenset({"take_rows"})  # its tokens' dispatch to rows sorted by expert, and their combine
 
 
 def split_by_propagation(graph: Graph, mesh: Mesh, seeds: Sequence[Seeds]) -> Plan:
@@ -34,13 +41,16 @@ def split_by_propagation(graph: Graph, mesh: Mesh, seeds: Sequence[Seeds]) -> Pl
     return build_plan(graph, mesh, {op: (dim,) for op, dim in propagated_splits(graph, mesh.size, seeds).items()})
 
 
-def propagated_splits(graph: Graph, parts: int, seeds: Sequence[Seeds]) -> dict[str, int]:
-    """Per op, the index dim `split_by_propagation` splits `parts` ways (ops absent: not split)."""
+def propagated_splits(graph: Graph, parts: int, seeds: Sequence[Seeds], exchanged: frozenset[str] = frozenset()
+                      ) -> dict[str, int | str]:
+    """Per op, the index dim `split_by_propagation` splits `parts` ways (ops absent: not split), or EXCHANGE for
+    an op of a kernel in `exchanged` whose chosen dim is its exchange's rows or experts (both dividing evenly):
+    it splits them together, its output on the dim the rows map to (else the experts')."""
     split: dict[str, tuple[int, int]] = {}  # value -> (priority, tensor dim)
     for priority, chosen in enumerate(seeds):
         for name, dim in chosen.items():
             split.setdefault(name, (priority, dim))
-    axes: dict[str, int] = {}
+    axes: dict[str, int | str] = {}
     for node in graph.ops:
         sig = graph.signature(node.name)
         options = sorted(
@@ -54,6 +64,11 @@ def propagated_splits(graph: Graph, parts: int, seeds: Sequence[Seeds]) -> dict[
             continue
         priority, _, index_dim = options[0]
         axes[node.name] = index_dim
+        ex = sig.kernel.exchange
+        if node.op in exchanged and ex is not None and sig.dims[index_dim] in (ex.rows, ex.experts) \
+                and all(sig.spec.sizes[sig.dims.index(d)] % parts == 0 for d in (ex.rows, ex.experts)):
+            axes[node.name] = EXCHANGE
+            index_dim = sig.dims.index(ex.rows if returns(sig) else ex.experts)
         out = [t for t, row in enumerate(sig.output.matrix) if row[index_dim] != 0]
         if out:
             split[node.name] = (priority, out[0])
@@ -125,6 +140,64 @@ def data_tensor_parallel(graph: Graph, mesh: Mesh, arguments: Sequence[str], hid
     axes = {op.name: _joint(expanded.signature(op.name), data.get(op.name), tensor.get(op.name), mesh.size)
             for op in expanded.ops}
     return steady(build_plan(expanded, mesh, axes))
+
+
+def expert_parallel(graph: Graph, mesh: Mesh, arguments: Sequence[str], experts: Seeds) -> Plan:
+    """Data and expert parallel over one axis (Switch, DeepSpeed-MoE): the batch split over every device, each
+    MoE's experts (`experts` names each expert weight's expert dim) and their optimizer state split by expert;
+    the tokens' dispatch and combine (take_rows) and the experts' grouped mms and weight gradients exchange rows
+    by all-to-all (takes of a table's rows made take_rows), everything else data parallel."""
+    if mesh.ndim != 1:
+        raise ValueError(f"expert_parallel plans 1-D meshes; got {mesh.shape}")
+    _check_experts(graph, experts, mesh.size)
+    graph = take_rows_of(graph)
+    splits = propagated_splits(graph, mesh.size, [batch_seeds(graph, arguments), _with_state(graph, experts)],
+                               EXPERTS | ROUTES)
+    partitions = {op: make_partition(graph.signature(op), mesh, (None,), exchange=(0,))
+                  for op, dim in splits.items() if dim == EXCHANGE}
+    axes = {op: (dim,) for op, dim in splits.items() if dim != EXCHANGE}
+    return steady(build_plan(graph, mesh, axes, partitions))
+
+
+def data_expert_parallel(graph: Graph, mesh: Mesh, arguments: Sequence[str], hidden: Seeds, experts: Seeds) -> Plan:
+    """The MoE recipe on a 2-D mesh: data parallel over axis 0, and over axis 1 (a node) Megatron tensor
+    parallel for attention and dense linears (`hidden`, as `data_tensor_parallel`) and expert parallel for the
+    experts (`experts`: each expert weight's expert dim), their grouped mms and weight gradients exchanging rows
+    within the node. The tokens' dispatch and combine (take_rows) exchange across axis 0, between the data
+    groups' tokens and the rows sorted by expert, which the experts' steps split over axis 0 as data (the weight
+    gradients partial there, summed across the data groups as data parallel's are)."""
+    if mesh.ndim != 2:
+        raise ValueError(f"data_expert_parallel plans 2-D meshes; got {mesh.shape}")
+    _check_experts(graph, experts, mesh.shape[1])
+    expanded = take_rows_of(expand_linears(graph))
+    data = propagated_splits(expanded, mesh.shape[0], [batch_seeds(expanded, arguments)], ROUTES)
+    model = propagated_splits(expanded, mesh.shape[1], [_with_state(graph, {**hidden, **experts})], EXPERTS)
+    axes, partitions = {}, {}
+    for op in expanded.ops:
+        sig, first, second = expanded.signature(op.name), data.get(op.name), model.get(op.name)
+        if EXCHANGE in (first, second):
+            axis = 0 if first == EXCHANGE else 1
+            other = second if axis == 0 else first
+            refused = {sig.dims.index(sig.kernel.exchange.experts), *sig.dims_of(DimKind.REDUCTION)}
+            if axis == 1 and not returns(sig):  # rows summed: they may split as data on the axis before
+                refused.discard(sig.dims.index(sig.kernel.exchange.rows))
+            choice = other if other not in refused and other != EXCHANGE else None
+            partitions[op.name] = make_partition(sig, mesh, (None, choice) if axis == 0 else (choice, None),
+                                                 exchange=(axis,))
+        else:
+            axes[op.name] = _joint(sig, first, second, mesh.size)
+    return steady(build_plan(expanded, mesh, axes, partitions))
+
+
+def _check_experts(graph: Graph, experts: Seeds, parts: int) -> None:
+    """Expert parallel over `parts` devices needs experts to split: some expert weight, each of whose experts
+    divide among them."""
+    if not experts:
+        raise ValueError("expert parallel needs the expert weights (and their expert dims); none were given")
+    for name, dim in experts.items():
+        if graph[name].shape[dim] % parts:
+            raise ValueError(f"expert weight {name!r} has {graph[name].shape[dim]} experts (dim {dim}), which do "
+                             f"not split evenly over {parts} devices")
 
 
 def _joint(sig: Signature, first: int | None, second: int | None, devices: int) -> tuple[int | None, int | None]:
