@@ -100,6 +100,16 @@ def test_scatter_add_split_along_its_axis_adds_each_source_to_the_block_holding_
     np.testing.assert_allclose(run_sharded(sig, [x, index, src], pieces(sig, 0, bounds)), want, rtol=1e-12)
 
 
+@pytest.mark.parametrize("name", ["scatter_add", "scatter"])
+def test_a_scatter_costs_one_op_per_source_cell_not_per_output_cell_and_source_cell(name):
+    """The embedding's backward: 16384 token rows added into a 32000-row table costs 16384 adds per column (it
+    was priced 16384 per table cell, 32000 times too many)."""
+    sig = bind(name, [(32000, 8), (16384, 8), (16384, 8)], {"axis": 0}, ["float32", "int64", "float32"])
+    assert sig.cost(sig.index)[0] == pytest.approx(16384 * 8)
+    columns = ZRange((0, 0), (32000, 4))
+    assert sig.cost(columns)[0] == pytest.approx(16384 * 4)
+
+
 @pytest.mark.parametrize("dim, bounds", [(1, [0, 4]), (1, [0, 1, 3, 4]), (0, [0, 2, 3])])
 def test_scatter_split_on_any_dim_writes_topks_gradients_back_as_torch_does(dim, bounds):
     """A router's topk backward: each row's k values written at their columns of zeros. Split along the written

@@ -8,6 +8,7 @@ costs: the plan gathers that axis to the devices that need it.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from fractions import Fraction
 
 import numpy as np
 import torch
@@ -131,8 +132,10 @@ def scatter_add_signature(x: Shape, index: Shape, src: Shape, axis: int, name: s
     n = len(x)
     rows = [None if d == ax else d for d in range(n)]
     whole = follow(n, rows, shape=[index[ax] if d == ax else 1 for d in range(n)])
+    # one add per src cell: index[ax] of them per x[ax] output cells along the axis (a block split along it still
+    # reads every src cell of its columns: its bytes, as index and src are read whole along the axis)
     return SignatureSpec(tuple(f"d{d}" for d in range(n)), x, (follow(n, range(n)), whole, whole),
-                         follow(n, range(n)), max(1, index[ax]) if x[ax] else 1)
+                         follow(n, range(n)), Fraction(index[ax], max(1, x[ax])))
 
 
 def _scatter_add_numpy(x, index, src, axis: int, block_start: tuple[int, ...]) -> np.ndarray:
