@@ -425,8 +425,8 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--no-hand", action="store_true", help="leave the hand plans out (their columns empty)")
     parser.add_argument("--json", help="also write the rows here")
-    parser.add_argument("--from-json", help="write the section from the rows runs saved (--json; several: a,b), "
-                        "without measuring")
+    parser.add_argument("--from-json", help="write the section from the rows runs saved (--json; several: a,b, "
+                        "a later file's row replacing an earlier one of the same case), without measuring")
     args = parser.parse_args()
     cases = []
     if args.from_json:
@@ -441,9 +441,11 @@ def main() -> None:
                 if args.full_layers:
                     cases.append(Case(model, args.full_layers, mode, "", args.batch, args.seq, arch=args.arch))
     rows = []
-    for saved in filter(None, (args.from_json or "").split(",")):
+    for saved in filter(None, (args.from_json or "").split(",")):  # a later file's row replaces one of its case
         with open(saved) as f:
-            rows += json.load(f)
+            again = json.load(f)
+        cases = {json.dumps(r["case"], sort_keys=True) for r in again}
+        rows = [r for r in rows if json.dumps(r["case"], sort_keys=True) not in cases] + again
     for case in cases:
         print(f"{case} ...", flush=True)
         rows.append(measure(case, args.budget, args.time_limit, not args.no_hand))

@@ -57,3 +57,18 @@ def test_a_large_bfloat16_matmul_is_compute_bound_and_an_add_memory_bound():
                                   ("forward", "launch")}
     assert found.model_seconds == pytest.approx(2 * 4096**3 / DEVICE.peak("bfloat16"), rel=1e-3)
     assert found.seconds["forward", "compute-bound bfloat16"] == pytest.approx(found.model_seconds, rel=1e-3)
+
+
+def test_an_expert_parallel_steps_flops_are_its_rows_with_every_expert_as_a_row_split_steps_are():
+    """An exchanged grouped_mm computes its rows against every expert of its group (on their devices): the FLOPs
+    an MFU of 100% would take are the row split's, not its own block's (its rows with its experts only)."""
+    from tapestry.models import moe_layer
+    from tapestry.sharding import Mesh
+    from tapestry.sharding.partition import make_partition
+
+    graph = moe_layer(64, 32, 64, 4, 2, "bfloat16")
+    sig, mesh = graph.signature("experts_up"), Mesh(4)
+    ep = build_plan(graph, mesh, partitions={"experts_up": make_partition(sig, mesh, (None,), exchange=(0,))})
+    rows = build_plan(graph, mesh, {"experts_up": ("row",)})
+    assert breakdown(ep, GPU, GPU.profile.device).model_seconds == pytest.approx(
+        breakdown(rows, GPU, GPU.profile.device).model_seconds)

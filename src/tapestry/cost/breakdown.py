@@ -22,6 +22,7 @@ from tapestry.cost.profile import DeviceProfile
 from tapestry.cost.roofline import compute_dtype
 from tapestry.plan.plan import Compute, Place, Plan, Reshard
 from tapestry.sharding.collectives import classify_reshard
+from tapestry.sharding.partition import exchanged_blocks
 
 HIDDEN = "hidden reductions"  # the kind under which the overlap credit is listed (negative seconds)
 FUSED = "fused away"  # the kind under which a phase's fusion saving is listed (negative seconds)
@@ -125,8 +126,9 @@ def breakdown(plan: Plan, model: CostModel, device: DeviceProfile) -> Breakdown:
                 seconds[phase[step.out], "launch"] += min(launch, cost)
                 count[phase[step.out], "launch"] += 1
                 cost -= min(launch, cost)
-            sig = step.signature
-            model_seconds += max((sig.cost(b)[0] for b in step.blocks if b is not None and not b.is_empty),
+            sig = step.signature  # an exchange step's work: its rows with every expert (exchanged_blocks)
+            work = exchanged_blocks(sig, step.blocks, step.exchange, plan.mesh)
+            model_seconds += max((sig.cost(b)[0] for b in work if b is not None and not b.is_empty),
                                  default=0.0) / device.peak("bfloat16")
         else:
             assert isinstance(step, Reshard)
