@@ -16,7 +16,7 @@ from tapestry.cost import DefaultCostModel, load_profile, plan_cost
 from tapestry.egraph.embed import NotInEGraph, plan_selection
 from tapestry.extract import validate
 from tapestry.importer.zoo import LlamaBlock
-from tapestry.optimizer import explore
+from tapestry.optimizer import Explored, explore
 from tapestry.plan import Compute
 from tapestry.plan.validate import validate_plan
 from tapestry.training.plans import baselines, data_parallel, step_arguments
@@ -29,10 +29,16 @@ def computes(plan: tapestry.Plan) -> Counter:
     return Counter(replace(s, out="?", args=(), origin="") for s in plan.steps if isinstance(s, Compute))
 
 
-def test_a_hand_plan_found_in_the_egraph_decodes_to_its_own_steps():
+@pytest.fixture(scope="module")
+def step() -> tuple[tapestry.TorchImport, Explored]:
+    """A small Adam step, explored on Mesh(4)."""
     imported, _ = adam_step(8, 16, 16)
-    mesh = tapestry.Mesh(4)
-    explored = explore(imported.graph, mesh)
+    return imported, explore(imported.graph, tapestry.Mesh(4))
+
+
+def test_a_hand_plan_found_in_the_egraph_decodes_to_its_own_steps(step):
+    imported, explored = step
+    mesh = explored.mesh
     egraph = explored.decoder.extraction_graph(list(explored.roots), GPU)
     hand = data_parallel(imported.graph, mesh, ARGUMENTS)
     selection = plan_selection(explored.decoder, egraph, hand, "data parallel")
@@ -43,10 +49,9 @@ def test_a_hand_plan_found_in_the_egraph_decodes_to_its_own_steps():
     validate_plan(decoded)
 
 
-def test_a_hand_plan_step_with_no_selectable_enode_is_named():
-    imported, _ = adam_step(8, 16, 16)
-    mesh = tapestry.Mesh(4)
-    explored = explore(imported.graph, mesh)
+def test_a_hand_plan_step_with_no_selectable_enode_is_named(step):
+    imported, explored = step
+    mesh = explored.mesh
     egraph = explored.decoder.extraction_graph(list(explored.roots), GPU)
     unplaced = egraph.with_costs([math.inf if node.op == "Place" and node.key == "arg0" else c
                                   for node, c in zip(explored.decoder.nodes, egraph.node_cost)])

@@ -210,6 +210,12 @@ class Explored:
         """The stack of identical layers, if any, for the ILP's periodic warm start (egraph.repeat)."""
         return find_repetition(self.decoder, list(self.roots))
 
+    @cached_property
+    def baselines(self) -> dict[str, Plan]:
+        """The hand plans a training step's extracted plan is priced against (`_against_baselines`), made once
+        for every extraction (pareto's several)."""
+        return baselines(self.graph, self.mesh)
+
     @_no_collections()
     def extract(self, cost_model: CostModel | None = None, extractor: str = "ilp", time_limit: float = 10.0,
                 memory_budget: int | None = None, outputs: Outputs = "any",
@@ -305,7 +311,7 @@ class Explored:
         values (casts, sigmoids) in the backward pass, fused there and hidden behind the gradient reductions
         (cost.overlap); and a cut ILP hands over to greedy-dag. The selection returned for a hand plan is its
         steps in the e-graph, a value it makes twice chosen once (marked "feasible": nothing proven)."""
-        for name, hand in sorted(baselines(self.graph, self.mesh).items()):
+        for name, hand in sorted(self.baselines.items()):
             cost = plan_cost(hand, model)
             if cost >= plan.cost or memory_budget is not None and max(peak_memory(hand)) > memory_budget:
                 continue
