@@ -39,7 +39,8 @@ def plan_selection(decoder: Decoder, egraph: ExtractGraph, plan: Plan, extractor
             by_children.setdefault(node.children, []).append(n)
     layouts = decoder.interner.layouts
     selectable = egraph.selectable
-    def match(step: object, args: tuple[str, ...]) -> int | None:
+
+    def match(step: Compute | Reshard, args: tuple[str, ...]) -> int | None:
         for n in by_children.get(args, ()):
             node = decoder.nodes[n]
             if not selectable(n):

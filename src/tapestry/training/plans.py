@@ -115,11 +115,18 @@ def step_arguments(graph: Graph) -> tuple[str, ...]:
 def baselines(graph: Graph, mesh: Mesh) -> dict[str, Plan]:
     """Data parallel and ZeRO-3 over all of `mesh`'s devices, for a training step (`graph.carried`) whose batch
     arguments all split on their first dim over every device; else none (a batch that does not split leaves
-    both mostly replicated: no baseline worth pricing)."""
+    both mostly replicated: no baseline worth pricing). A strategy build_plan cannot make of this graph (a
+    ValueError naming the op) is no baseline either: the optimizer's plan stands without it."""
     arguments = step_arguments(graph)
     if not graph.carried or not arguments or any(graph[a].shape[0] % mesh.size for a in arguments):
         return {}
-    return {"data parallel": data_parallel(graph, mesh, arguments), "ZeRO-3": zero3(graph, mesh, arguments)}
+    found = {}
+    for name, make in (("data parallel", data_parallel), ("ZeRO-3", zero3)):
+        try:
+            found[name] = make(graph, mesh, arguments)
+        except ValueError:
+            continue
+    return found
 
 
 def megatron(graph: Graph, mesh: Mesh, hidden: Seeds) -> Plan:
