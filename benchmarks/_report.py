@@ -48,6 +48,22 @@ def worse_than_hand(found: Measured | None, hand: dict[str, Measured], budget: i
     return best is not None and (found is None or found[0] > best[1] * (1 + 1e-9))
 
 
+class AgainstHand:
+    """A result row's comparison with the hand plans; the row (a dataclass) has `hand`, `budget` and `found`."""
+
+    hand: dict[str, Measured]
+    budget: int | None
+    found: Measured | None
+
+    @property
+    def best_hand(self) -> tuple[str, float] | None:
+        return best_hand(self.hand, self.budget)
+
+    @property
+    def worse(self) -> bool:
+        return worse_than_hand(self.found, self.hand, self.budget)
+
+
 def grid_rows(cases: Iterable[Any], rows_for: Callable[[Any, float], list[Any]],
               time_limit: float) -> tuple[list[Any], float]:
     """Every case's rows, each case's progress printed as it ends; and when the grid started (perf_counter)."""

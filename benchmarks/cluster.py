@@ -282,7 +282,7 @@ def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any, h
         else:
             row.update({
                 "optimize_s": time.perf_counter() - started, "optimize_cpu_s": time.process_time() - cpu,
-                "status": result.status, "gap": result.gap,
+                "status": result.status, "gap": result.gap, "extractor": result.selection.extractor,
                 "seconds": result.plan.cost, "peak_memory": result.peak_memory,
                 "mfu": flops / (result.plan.cost * mesh.size * peak), "replicated": result.replicated_share,
                 "warned": any(issubclass(w.category, SearchCutWarning) for w in caught),

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from _report import best_hand, grid_rows, mib, us, worse_summary, worse_than_hand, write_section
+from _report import AgainstHand, grid_rows, mib, us, worse_summary, write_section
 from tapestry.cost import DefaultCostModel, load_profile, peak_memory, plan_cost
 from tapestry.graph import Graph
 from tapestry.models import transformer_block
@@ -114,21 +114,13 @@ class Case:
 
 
 @dataclass(frozen=True)
-class Row:
+class Row(AgainstHand):
     case: Case
     profile: str
     budget: int | None
     hand: dict[str, tuple[float, int]]  # strategy -> (seconds, peak bytes)
     found: tuple[float, int] | None  # the optimizer's (seconds, peak bytes); None: nothing fits
     status: str
-
-    @property
-    def best_hand(self) -> tuple[str, float] | None:
-        return best_hand(self.hand, self.budget)
-
-    @property
-    def worse(self) -> bool:
-        return worse_than_hand(self.found, self.hand, self.budget)
 
 
 def rows_for(case: Case, time_limit: float) -> list[Row]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from _report import best_hand, grid_rows, mib, us, worse_summary, worse_than_hand, write_section
+from _report import AgainstHand, grid_rows, mib, us, worse_summary, write_section
 
 import tapestry
 from tapestry.cost import DefaultCostModel, load_profile, peak_memory, plan_cost
@@ -57,21 +57,13 @@ class Case:
 
 
 @dataclass(frozen=True)
-class Row:
+class Row(AgainstHand):
     case: Case
     budget: int | None
     hand: dict[str, tuple[float, int]]  # strategy -> (seconds, peak bytes)
     found: tuple[float, int] | None  # the optimizer's (seconds, peak bytes); None: nothing fits
     strategy: str  # what the optimizer did with each weight and its state
     status: str
-
-    @property
-    def best_hand(self) -> tuple[str, float] | None:
-        return best_hand(self.hand, self.budget)
-
-    @property
-    def worse(self) -> bool:
-        return worse_than_hand(self.found, self.hand, self.budget)
 
 
 def described(plan: Plan) -> str:

@@ -35,6 +35,8 @@ def parameters(imported: tapestry.TorchImport) -> list[str]:
     (lambda g, mesh: data_parallel(g, mesh, ARGUMENTS), {"0.weight": REPLICATED, "2.bias": REPLICATED}),
     (lambda g, mesh: zero3(g, mesh, ARGUMENTS), {"0.weight": GATHERED, "adam.m.2.weight": IN_PLACE}),
     (lambda g, mesh: megatron(g, mesh, HIDDEN), {"0.weight": IN_PLACE, "2.weight": IN_PLACE, "2.bias": REPLICATED}),
+    (lambda g, mesh: data_parallel(g, tapestry.Mesh(2, 2), ARGUMENTS), {"0.weight": REPLICATED}),  # the 4 devices
+    (lambda g, mesh: zero3(g, tapestry.Mesh(2, 2), ARGUMENTS), {"0.weight": GATHERED, "adam.m.2.weight": IN_PLACE}),
     (lambda g, mesh: data_tensor_parallel(g, tapestry.Mesh(2, 2), ARGUMENTS, HIDDEN),
      {"0.weight": IN_PLACE, "2.weight": IN_PLACE, "2.bias": REPLICATED}),
 ])

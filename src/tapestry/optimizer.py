@@ -31,6 +31,7 @@ from tapestry.cost.overlap import forward_outputs, overlap, upstream
 from tapestry.egraph.clock import clock
 from tapestry.egraph.decode import Decoder, DNode, distributed_nodes
 from tapestry.egraph.driver import MOVES_SHARE, Budget, IterationStats, SaturationStats, saturate
+from tapestry.egraph.embed import NotInEGraph, plan_selection
 from tapestry.egraph.fused_prices import fused_node_costs
 from tapestry.egraph.repeat import find_repetition
 from tapestry.egraph.rules import RuleFile, load_rules
@@ -50,6 +51,7 @@ from tapestry.plan import Compute, Place, Plan, steady_violations
 from tapestry.plan.explain import explain as explain_plan
 from tapestry.plan.validate import validate_plan
 from tapestry.sharding import Layout, Mesh
+from tapestry.training.plans import baselines
 from tapestry.verify import meaning_check
 
 
@@ -208,6 +210,12 @@ class Explored:
         """The stack of identical layers, if any, for the ILP's periodic warm start (egraph.repeat)."""
         return find_repetition(self.decoder, list(self.roots))
 
+    @cached_property
+    def baselines(self) -> dict[str, Plan]:
+        """The hand plans a training step's extracted plan is priced against (`_against_baselines`), made once
+        for every extraction (pareto's several)."""
+        return baselines(self.graph, self.mesh)
+
     @_no_collections()
     def extract(self, cost_model: CostModel | None = None, extractor: str = "ilp", time_limit: float = 10.0,
                 memory_budget: int | None = None, outputs: Outputs = "any",
@@ -281,6 +289,7 @@ class Explored:
         if egraph is fused:  # its node costs were an estimate of its time: nothing proven
             selection = replace(selection, status="feasible")
             plan = replace(plan, notes={**plan.notes, "status": "feasible", "node_costs": "fused"})
+        plan, selection = self._against_baselines(plan, selection, egraph, model, ties, memory_budget)
         plan = self._verified(plan, extractor, carried)
         stats = replace(self.stats, reshards_unpriced=self.decoder.pricing.reshards_unpriced)
         status = search_status(stats, selection)
@@ -292,6 +301,29 @@ class Explored:
                           f"({stats.undone}): its sharded options were never all made; raise Budget.seconds or "
                           f"Budget.nodes", SearchCutWarning, stacklevel=3)
         return result
+
+    def _against_baselines(self, plan: Plan, selection: Selection, egraph: ExtractGraph, model: CostModel,
+                           ties: Ties, memory_budget: int | None) -> tuple[Plan, Selection]:
+        """`plan`, or the cheapest hand plan (training.plans.baselines: data parallel, ZeRO-3) that `plan_cost`
+        finds cheaper, lies in the e-graph (`egraph.embed`: every step a selectable e-node, so within the outputs
+        and steady ties asked for) and fits `memory_budget`. Extraction can miss such a plan: an e-class is made
+        once, so a selection never recomputes a value, where the training capture recomputes cheap forward
+        values (casts, sigmoids) in the backward pass, fused there and hidden behind the gradient reductions
+        (cost.overlap); and a cut ILP hands over to greedy-dag. The selection returned for a hand plan is its
+        steps in the e-graph, a value it makes twice chosen once (marked "feasible": nothing proven)."""
+        for name, hand in sorted(self.baselines.items()):
+            cost = plan_cost(hand, model)
+            if cost >= plan.cost or memory_budget is not None and max(peak_memory(hand)) > memory_budget:
+                continue
+            try:
+                embedded = plan_selection(self.decoder, egraph, hand, f"hand plan ({name})")
+            except NotInEGraph:
+                continue
+            if ties_hold(embedded.choice, ties):
+                selection = embedded
+                plan = replace(hand, cost=cost, notes={**hand.notes, "extractor": embedded.extractor,
+                                                       "status": "feasible", "extracted_cost": plan.cost})
+        return plan, selection
 
     def _fused(self, egraph: ExtractGraph, model: CostModel) -> ExtractGraph | None:
         """`egraph` with each node priced as the fusion group member its neighbourhood promises

@@ -32,13 +32,12 @@ ROUTES = frozenset({"take_rows"})  # its tokens' dispatch to rows sorted by expe
 
 
 def split_by_propagation(graph: Graph, mesh: Mesh, seeds: Sequence[Seeds]) -> Plan:
-    """Every op splits, over a 1-D mesh, the index dim that maps to a split dim of one of its arguments (seed
-    maps earlier in `seeds` win; within one, the first argument), if that dim divides evenly and the kernel can
-    be split there; its result is split on the dim that index dim maps to. Ops with none run replicated.
-    Inputs are placed as their first user reads them (build_plan)."""
-    if mesh.ndim != 1:
-        raise ValueError(f"split_by_propagation plans 1-D meshes; got {mesh.shape}")
-    return build_plan(graph, mesh, {op: (dim,) for op, dim in propagated_splits(graph, mesh.size, seeds).items()})
+    """Every op splits, over all of the mesh's devices (every axis splits the same dim), the index dim that maps
+    to a split dim of one of its arguments (seed maps earlier in `seeds` win; within one, the first argument), if
+    that dim divides evenly and the kernel can be split there; its result is split on the dim that index dim maps
+    to. Ops with none run replicated. Inputs are placed as their first user reads them (build_plan)."""
+    splits = propagated_splits(graph, mesh.size, seeds)
+    return build_plan(graph, mesh, {op: (dim,) * mesh.ndim for op, dim in splits.items()})
 
 
 def propagated_splits(graph: Graph, parts: int, seeds: Sequence[Seeds], exchanged: frozenset[str] = frozenset()
@@ -119,7 +118,30 @@ def zero3(graph: Graph, mesh: Mesh, arguments: Sequence[str]) -> Plan:
     state = {name: 0 for name in graph.carried.values()
              if graph[name].shape and graph[name].shape[0] % mesh.size == 0}
     plan = split_by_propagation(graph, mesh, [batch_seeds(graph, arguments), state])
-    return steady(placed(plan, {name: Layout.split(graph[name].shape, mesh, (0,)) for name in state}))
+    return steady(placed(plan, {name: Layout.split(graph[name].shape, mesh, (0,) * mesh.ndim) for name in state}))
+
+
+def step_arguments(graph: Graph) -> tuple[str, ...]:
+    """A training step's batch arguments: the inputs with a shape that are neither carried state nor fixed."""
+    return tuple(node.name for node in graph.inputs if node.shape and node.name not in graph.carried.values()
+                 and node.name not in graph.fixed)
+
+
+def baselines(graph: Graph, mesh: Mesh) -> dict[str, Plan]:
+    """Data parallel and ZeRO-3 over all of `mesh`'s devices, for a training step (`graph.carried`) whose batch
+    arguments all split on their first dim over every device; else none (a batch that does not split leaves
+    both mostly replicated: no baseline worth pricing). A strategy build_plan cannot make of this graph (a
+    ValueError naming the op) is no baseline either: the optimizer's plan stands without it."""
+    arguments = step_arguments(graph)
+    if not graph.carried or not arguments or any(graph[a].shape[0] % mesh.size for a in arguments):
+        return {}
+    found = {}
+    for name, make in (("data parallel", data_parallel), ("ZeRO-3", zero3)):
+        try:
+            found[name] = make(graph, mesh, arguments)
+        except ValueError:
+            continue
+    return found
 
 
 def megatron(graph: Graph, mesh: Mesh, hidden: Seeds) -> Plan:

@@ -1,0 +1,89 @@
+"""The search's plan is never dearer, by plan_cost, than the hand plans (data parallel, ZeRO-3) the e-graph holds:
+they are found in it as selections (egraph.embed) and kept where they are cheaper (issue 24: "never worse than the
+best hand configuration under the same model")."""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+import torch
+from training_helpers import ARGUMENTS, GPU, adam_step, mse
+
+import tapestry
+from tapestry.cost import DefaultCostModel, load_profile, plan_cost
+from tapestry.egraph.embed import NotInEGraph, plan_selection
+from tapestry.extract import validate
+from tapestry.importer.zoo import LlamaBlock
+from tapestry.optimizer import Explored, explore
+from tapestry.plan import Compute
+from tapestry.plan.validate import validate_plan
+from tapestry.training.plans import baselines, data_parallel, step_arguments
+
+CLUSTER = DefaultCostModel(load_profile("gpu-h100-cluster"))
+
+
+def computes(plan: tapestry.Plan) -> Counter:
+    """The plan's compute steps without names, each with how many times the plan runs it."""
+    return Counter(replace(s, out="?", args=(), origin="") for s in plan.steps if isinstance(s, Compute))
+
+
+@pytest.fixture(scope="module")
+def step() -> tuple[tapestry.TorchImport, Explored]:
+    """A small Adam step, explored on Mesh(4)."""
+    imported, _ = adam_step(8, 16, 16)
+    return imported, explore(imported.graph, tapestry.Mesh(4))
+
+
+def test_a_hand_plan_found_in_the_egraph_decodes_to_its_own_steps(step):
+    imported, explored = step
+    mesh = explored.mesh
+    egraph = explored.decoder.extraction_graph(list(explored.roots), GPU)
+    hand = data_parallel(imported.graph, mesh, ARGUMENTS)
+    selection = plan_selection(explored.decoder, egraph, hand, "data parallel")
+    assert not validate(egraph, selection)
+    decoded = explored.decoder.plan(egraph, selection, imported.graph, explored.names)
+    assert set(computes(decoded)) == set(computes(hand))
+    assert len(decoded.steps) < len(hand.steps)  # a value the hand plan makes twice (the capture's copies): once
+    validate_plan(decoded)
+
+
+def test_a_hand_plan_step_with_no_selectable_enode_is_named(step):
+    imported, explored = step
+    mesh = explored.mesh
+    egraph = explored.decoder.extraction_graph(list(explored.roots), GPU)
+    unplaced = egraph.with_costs([math.inf if node.op == "Place" and node.key == "arg0" else c
+                                  for node, c in zip(explored.decoder.nodes, egraph.node_cost)])
+    with pytest.raises(NotInEGraph, match="Place"):
+        plan_selection(explored.decoder, unplaced, data_parallel(imported.graph, mesh, ARGUMENTS), "data parallel")
+
+
+def test_the_baselines_are_a_training_steps_data_parallel_and_zero3_where_its_batch_splits():
+    imported, _ = adam_step(8, 16, 16)
+    assert step_arguments(imported.graph) == ARGUMENTS
+    assert set(baselines(imported.graph, tapestry.Mesh(2, 2))) == {"data parallel", "ZeRO-3"}
+    assert baselines(imported.graph, tapestry.Mesh(32)) == {}  # 16 rows do not split 32 ways
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = LlamaBlock(64, 4, 128)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)
+
+
+def test_a_llama_block_training_step_is_no_dearer_than_data_parallel():
+    """On Mesh(2) the ILP's optimum under unfused node costs (extraction under fused prices runs on 8 devices and
+    more) came out 1.04x data parallel by plan_cost, which credits fusion: 266.4 against 256.2 us."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, 64)
+    imported = tapestry.from_torch(Block(), (x, x), training=tapestry.Training(loss=mse, optimizer="adam"),
+                                   verbose=False)
+    mesh = tapestry.Mesh(2)
+    result = tapestry.optimize(imported.graph, mesh, cost_model=CLUSTER)
+    hand = min(plan_cost(plan, CLUSTER) for plan in baselines(imported.graph, mesh).values())
+    assert result.plan.cost <= hand * (1 + 1e-9)
+    assert result.plan.cost == pytest.approx(plan_cost(result.plan, CLUSTER), rel=1e-12)
