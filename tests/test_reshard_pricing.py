@@ -11,7 +11,7 @@ from dataclasses import replace
 from unittest import mock
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tapestry.cost.comm import moves
@@ -188,6 +188,20 @@ def test_moves_within_the_destinations_box_are_the_moves_moved_there(pair):
         return
     origin = ZRange.bounding([b for b in dst.blocks if b is not None]).start
     assert got == tuple(replace(t, region=t.region.translate(tuple(-x for x in origin))) for t in expected)
+
+
+@settings(max_examples=500, deadline=None)
+@given(data=st.data())
+def test_blocks_inside_a_box_tested_as_arrays_past_few_devices_are_the_block_by_block_test(data):
+    """`can_move` tests a destination's blocks against the source's filled box block by block on up to
+    LOOPED_DEVICES devices (every mesh above), as one array test past them: the same answer either way."""
+    _, dst, shape, _ = data.draw(layout_pairs())
+    box = data.draw(boxes(shape))
+    assume(box is not None)
+    looped = comm._within(dst, box)
+    assert looped == all(b is None or b.is_empty or box.contains(b) for b in dst.blocks)
+    with mock.patch.object(comm, "LOOPED_DEVICES", 0):
+        assert comm._within(dst, box) == looped
 
 
 @settings(max_examples=1000, deadline=None)

