@@ -425,8 +425,8 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--no-hand", action="store_true", help="leave the hand plans out (their columns empty)")
     parser.add_argument("--json", help="also write the rows here")
-    parser.add_argument("--from-json", help="write the section from the rows runs saved (--json; several: a,b, "
-                        "a later file's row replacing an earlier one of the same case), without measuring")
+    parser.add_argument("--from-json", help="write the section from the rows runs saved (--json; several: a,b), "
+                        "the last row of each case (by file, then run order), without measuring")
     args = parser.parse_args()
     cases = []
     if args.from_json:
@@ -440,12 +440,14 @@ def main() -> None:
                           for mesh in filter(None, args.meshes.split(","))]
                 if args.full_layers:
                     cases.append(Case(model, args.full_layers, mode, "", args.batch, args.seq, arch=args.arch))
-    rows = []
-    for saved in filter(None, (args.from_json or "").split(",")):  # a later file's row replaces one of its case
+    saved_rows: dict[str, dict[str, Any]] = {}  # by case: a later row (file, or run in a file) replaces an earlier
+    for saved in filter(None, (args.from_json or "").split(",")):
         with open(saved) as f:
-            again = json.load(f)
-        cases = {json.dumps(r["case"], sort_keys=True) for r in again}
-        rows = [r for r in rows if json.dumps(r["case"], sort_keys=True) not in cases] + again
+            for row in json.load(f):
+                key = json.dumps(row["case"], sort_keys=True)
+                saved_rows.pop(key, None)
+                saved_rows[key] = row
+    rows = list(saved_rows.values())
     for case in cases:
         print(f"{case} ...", flush=True)
         rows.append(measure(case, args.budget, args.time_limit, not args.no_hand))
