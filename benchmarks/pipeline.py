@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import time
 from pathlib import Path
@@ -151,15 +152,16 @@ def main() -> None:
     for b in sizes:
         build(b)
     imported = time.perf_counter() - started
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     result = tapestry.plan_pipeline(build, args.layers, mesh, args.global_batch, model, micro_batch_sizes=sizes,
                                     memory_budget=args.memory_budget,
                                     budget=tapestry.Budget(seconds=args.budget))
-    planned = time.perf_counter() - started
+    planned, planned_cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    load = os.getloadavg()[0]
     print(result.explain(), flush=True)
     peak = model.profile.device.peak("bfloat16")
     hand = recipes(build, args, mesh, model, peak)
-    rows = [row("**plan_pipeline (chosen)**", result.plan, f"{planned:.0f}")]
+    rows = [row("**plan_pipeline (chosen)**", result.plan, f"{planned:.0f} ({planned_cpu:.0f} CPU)")]
     rows += [row(f"plan_pipeline, best with S={c.stages}", c.plan if c.plan is not None else c.why)
              for c in result.candidates]
     rows += [row(name, plan) for name, _, plan in hand]
@@ -176,7 +178,7 @@ def main() -> None:
     params = args.layers * sum(math.prod(n.shape) for n in one_layer.inputs
                                if n.name in one_layer.carried.values() and not n.name.startswith("adam.") and n.shape)
     head = ("| configuration | stages x stage mesh | schedule | micro-batches x size | recomputed layers | "
-            "predicted s/step | MFU | GiB/device | plan s |")
+            "predicted s/step | MFU | GiB/device | plan s (CPU s) |")
     body = "\n".join([
         f"{args.layers} LLaMA blocks at the {args.width} width ({params / 1e9:.1f}B parameters: multi-head "
         f"attention, where LLaMA-2 70B has 8 KV heads), one Adam step of {args.global_batch} sequences x "
@@ -185,9 +187,11 @@ def main() -> None:
         "precision (bf16 compute, fp32 master weights and Adam moments: 16 bytes per parameter). One layer's "
         "step is imported under the meta device once per micro-batch size "
         f"({imported:.0f} s) and planned by `tapestry.optimize` once per stage sub-mesh "
-        f"(`Budget(seconds={args.budget:g})`, a Pareto front of up to 3 plans each); `plan_pipeline` chose among "
-        f"stage counts, schedules and recomputation in {planned:.0f} s in all (peak RSS "
-        f"{peak_rss() / 2**30:.1f} GiB), on a loaded 2-core machine. The recipes' layer plans are "
+        f"(`Budget(seconds={args.budget:g})`; its leaner plans, a Pareto front of up to 3, only where its "
+        f"ideal time beat the best step found); `plan_pipeline` chose among stage counts, schedules and "
+        f"recomputation in {planned:.0f} s wall, {planned_cpu:.0f} CPU s in all (peak RSS "
+        f"{peak_rss() / 2**30:.1f} GiB), on a loaded 2-core machine (load average {load:.1f} at the end). The "
+        "recipes' layer plans are "
         "training/plans.py's, priced and scheduled by the same model (their best schedule and the least "
         "recomputation that fits). MFU: model FLOPs (recomputation not counted) over predicted time x devices "
         "x the bfloat16 peak. Plans only: pipelined plans are not lowered to rank programs yet.",

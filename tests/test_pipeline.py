@@ -377,3 +377,51 @@ def test_stages_that_recompute_more_get_fewer_layers() -> None:
     sizes = [len(chunk) for chunk in better[1]]
     assert better[0].step_time < even[0].step_time and max(better[0].memory) <= budget
     assert sum(sizes) == 80 and sizes[0] < 10
+
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_ideal_time_floors_every_configuration(seed: int) -> None:
+    """No schedule, split or recomputation runs the layers faster than their forwards and backwards shared evenly."""
+    from tapestry.pipeline.planner import ideal_time
+
+    rng = random.Random(seed)
+    layer = replace(LAYER, forward=rng.uniform(1, 5), backward=rng.uniform(1, 9), update=rng.uniform(0, 3))
+    ends = Ends(replace(layer, forward=rng.uniform(0, 2)), replace(layer, backward=rng.uniform(0, 20)))
+    for stages, micro_batches in [(1, 8), (2, 8), (4, 16), (4, 6)]:
+        budget = rng.choice([None, 40 * MIXED.resident(layer) + 16 * layer.activations])
+        plan = best_configuration(layer, 16, Mesh(4), 0, stages, micro_batches, MIXED, Link(1e-6, 1e9), budget,
+                                  ends=ends)
+        floor = ideal_time(layer, 16, stages, micro_batches, ends)
+        assert plan is None or plan.cost >= floor > 0
+
+
+def test_leaner_layer_plans_are_extracted_only_where_their_floor_beats_the_best_step(mlp_step,  # noqa: ANN001
+                                                                                     monkeypatch) -> None:
+    """A stage count's leaner layer plans (each an extraction under a memory budget, the dearest calls of a plan)
+    are skipped where even the ideal time of its fastest plan is slower than a step already found: the chosen plan
+    is the one every front gives, for fewer extractions."""
+    import tapestry
+    from tapestry.optimizer import Explored
+    from tapestry.pipeline import planner
+
+    budgets: list[int | None] = []
+    extract = Explored.extract
+
+    def counted(self: Explored, *args: object, **kw: object) -> object:
+        budgets.append(kw.get("memory_budget"))
+        return extract(self, *args, **kw)
+
+    monkeypatch.setattr(Explored, "extract", counted)
+
+    def plan() -> tuple[tuple[object, ...], int]:
+        budgets.clear()
+        p = tapestry.plan_pipeline(mlp_step, 4, tapestry.Mesh(2), global_batch=16, cost_model=h100(),
+                                   memory_budget=None, budget=tapestry.Budget(seconds=30), pareto_points=3).plan
+        return (p.cost, p.schedule, p.chunks, p.recompute, p.micro_batch, p.layer), sum(b is not None for b in budgets)
+
+    pruned, leaner = plan()
+    monkeypatch.setattr(planner, "ideal_time", lambda *args, **kw: 0.0)  # no floor: every stage count's front
+    every, all_leaner = plan()
+    assert pruned == every
+    assert 0 < leaner < all_leaner

@@ -562,12 +562,12 @@ class Explored:
         return plan, step_nodes, peaks
 
     def pareto(self, cost_model: CostModel | None = None, extractor: str = "ilp", time_limit: float = 10.0,
-               points: int = 6) -> list[OptimizeResult]:
-        """Plans not beaten on both predicted time and peak memory, fastest first: the fastest plan, then
-        repeatedly the fastest that needs less memory than the last (an epsilon-constraint sweep, so points in
-        the front's dents are found too), up to `points` tries; a plan the ILP did not prove best can be beaten
-        by a leaner one, and is dropped."""
-        front = [self.extract(cost_model, extractor, time_limit)]
+               points: int = 6, fastest: OptimizeResult | None = None) -> list[OptimizeResult]:
+        """Plans not beaten on both predicted time and peak memory, fastest first: the fastest plan (`fastest`
+        where the caller extracted it already), then repeatedly the fastest that needs less memory than the last
+        (an epsilon-constraint sweep, so points in the front's dents are found too), up to `points` tries; a plan
+        the ILP did not prove best can be beaten by a leaner one, and is dropped."""
+        front = [fastest or self.extract(cost_model, extractor, time_limit)]
         while len(front) < points:
             try:
                 leaner = self.extract(cost_model, extractor, time_limit, memory_budget=front[-1].peak_memory - 1)

@@ -1,14 +1,18 @@
 """`plan_pipeline`: stages over one mesh axis, chosen by cost with everything else.
 
 For each stage count S dividing the pipeline axis, one layer's training step is planned by the optimizer on the
-sub-mesh a stage gets (the axis shrunk S times): explored once, and its time/memory Pareto front extracted, so a
-leaner layer plan is at hand where the fastest does not fit. Identical layers reuse that plan: 80 layers cost one
-optimization per sub-mesh. Every layer plan of the front is then tried under every schedule (GPipe, 1F1B,
-interleaved 1F1B with v chunks per device), with on each device the fewest recomputed layers that fit the memory
-budget; the fastest configuration that fits wins. S = 1 is no pipeline: gradient accumulation over the micro-
-batches on the whole mesh. Stage boundaries cost one point-to-point transfer of the layer's input per micro-batch
-each way, over the pipeline axis's link. The model's ends (its embedding; its final norm, head and loss), when
-given, are planned once per sub-mesh too and ride with the first and the last layer (`model.Ends`).
+sub-mesh a stage gets (the axis shrunk S times): explored once, and its fastest plan extracted, then its
+time/memory Pareto front (a leaner layer plan, where the fastest does not fit or shards less than it could) unless
+even the fastest plan's ideal time (`ideal_time`) is slower than a step already found: each leaner plan is an
+extraction under a memory budget, the dearest calls of the search. Stage counts go largest first (the smallest
+sub-meshes: cheapest to plan, and most often the fastest), so the best step is known early. Identical layers reuse
+the layer plan: 80 layers cost one optimization per sub-mesh. Every layer plan of the front is then tried under
+every schedule (GPipe, 1F1B, interleaved 1F1B with v chunks per device), with on each device the fewest recomputed
+layers that fit the memory budget; the fastest configuration that fits wins. S = 1 is no pipeline: gradient
+accumulation over the micro-batches on the whole mesh. Stage boundaries cost one point-to-point transfer of the
+layer's input per micro-batch each way, over the pipeline axis's link. The model's ends (its embedding; its final
+norm, head and loss), when given, are planned once per sub-mesh too and ride with the first and the last layer
+(`model.Ends`).
 
 A plan runs with `tapestry.parallelize_step(..., pipeline=plan)` (spmd/pipelined.py): each stage on its own
 devices, its layers laid out as the stage plan lays the layer out (spmd/stage_plan.py).
@@ -141,7 +145,8 @@ class PipelinePlan:
 
 @dataclass(frozen=True)
 class Candidate:
-    """The best configuration found for one stage count (None: nothing fit), for the report."""
+    """The best configuration found for one stage count (None: nothing fit), for the report: of its fastest layer
+    plan only where the leaner ones could not have won (`ideal_time`)."""
 
     stages: int
     plan: PipelinePlan | None
@@ -269,6 +274,15 @@ def rebalanced(layer: LayerCost, layers: int, schedule: Schedule, precision: Pre
     return best
 
 
+def ideal_time(layer: LayerCost, layers: int, stages: int, micro_batches: int, ends: Ends = Ends()) -> float:
+    """A floor under the step time of `layers` copies of `layer` (the model's `ends` joined) in `stages` stages,
+    whatever the schedule, split or recomputation: every micro-batch's forward and backward of every layer, shared
+    evenly by the devices, with no bubble, transfer, update or reduction. It floors a leaner plan of the layer
+    too, as far as that plan is no faster per micro-batch (what a plan trades for memory is time: `plan_pipeline`
+    extracts a layer's leaner plans only where this floor, priced with the fastest, beats the best step so far)."""
+    return micro_batches * sum(c.forward + c.backward for c in ends.stack(layer, layers)) / stages
+
+
 def best_configuration(layer: LayerCost, layers: int, mesh: Mesh, axis: int, stages: int, micro_batches: int,
                        precision: Precision, link: Link, memory_budget: float | None,
                        schedules: Sequence[str] = SCHEDULES, chunks: Sequence[int] = CHUNKS, peak_flops: float = 0.0,
@@ -303,10 +317,11 @@ def plan_pipeline(layer: Step, layers: int, mesh: Mesh, global_batch: int,
     a micro-batch size (sequences) to it; `micro_batch_sizes` lists the sizes to try (default: the graph's
     batch, read off its first user input). `stages` lists the stage counts to try (default: every divisor of
     mesh axis `axis`). The optimizer's knobs (`budget`, `extractor`, `time_limit`) plan each layer;
-    `pareto_points` bounds its time/memory front. `first` and `last` are the training steps of what runs before
-    the first layer and after the last (`pipeline.first_step`, `pipeline.last_step`: the embedding; the final norm,
-    head and loss), graphs or functions of the micro-batch size like `layer`; each is planned (its fastest plan) on
-    every stage sub-mesh and rides with the first or last layer. MemoryBudgetError when no configuration fits."""
+    `pareto_points` bounds its time/memory front, extracted where the layer's ideal time beats the best step so
+    far. `first` and `last` are the training steps of what runs before the first layer and after the last
+    (`pipeline.first_step`, `pipeline.last_step`: the embedding; the final norm, head and loss), graphs or functions
+    of the micro-batch size like `layer`; each is planned (its fastest plan) on every stage sub-mesh and rides with
+    the first or last layer. MemoryBudgetError when no configuration fits."""
     if not 0 <= axis < mesh.ndim:
         raise ValueError(f"pipeline axis {axis} is not an axis of {mesh}")
     profile = getattr(cost_model, "profile", None)
@@ -335,30 +350,42 @@ def plan_pipeline(layer: Step, layers: int, mesh: Mesh, global_batch: int,
     end_graphs = {b: tuple(None if end is None else end(b) if callable(end) else end for end in (first, last))
                   for b in sizes}
     candidates = []
-    for s in counts:
+    leading = math.inf  # the fastest step so far, of any stage count
+    for s in sorted(counts, reverse=True):  # the smallest sub-meshes first: cheapest to plan, often fastest
         best: PipelinePlan | None = None
         sub = stage_mesh(mesh, axis, s)
         why = []
         for b, graph in graphs.items():
             try:
-                front = explore(graph, sub, budget=budget).pareto(cost_model, extractor, time_limit,
-                                                                  points=pareto_points)
+                explored = explore(graph, sub, budget=budget)
+                fastest = explored.extract(cost_model, extractor, time_limit)
                 ends = Ends(*(None if end is None else layer_cost(explore(end, sub, budget=budget).extract(
                     cost_model, extractor, time_limit).plan, cost_model) for end in end_graphs[b]))
             except (ValueError, MemoryBudgetError) as err:
                 why.append(f"micro-batch {b}: no layer plan on {sub} ({err})")
                 continue
+
+            def configured(result: OptimizeResult, layer: LayerCost) -> PipelinePlan | None:
+                return best_configuration(layer, layers, mesh, axis, s, global_batch // b, chosen_precision, link,
+                                          memory_budget, schedules, chunks,
+                                          profile.device.peak(_compute_dtype(graph)), result, b, ends)
+
+            fastest_layer = layer_cost(fastest.plan, cost_model)
+            quickest = configured(fastest, fastest_layer)
+            front = [fastest] if ideal_time(fastest_layer, layers, s, global_batch // b, ends) > leading else \
+                explored.pareto(cost_model, extractor, time_limit, points=pareto_points, fastest=fastest)
             for result in front:
-                found = best_configuration(layer_cost(result.plan, cost_model), layers, mesh, axis, s,
-                                           global_batch // b, chosen_precision, link, memory_budget, schedules,
-                                           chunks, profile.device.peak(_compute_dtype(graph)), result, b, ends)
+                found = quickest if result is fastest else configured(result, layer_cost(result.plan, cost_model))
                 if found is not None and (best is None or (found.cost, found.peak_memory) < (best.cost,
                                                                                                best.peak_memory)):
                     best = found
-            if best is None:
+            if best is not None:
+                leading = min(leading, best.cost)
+            else:
                 why.append(f"micro-batch {b}: nothing fits {memory_budget:,.0f} bytes per device, even with every "
                            f"layer recomputed")
         candidates.append(Candidate(s, best, "; ".join(why)))
+    candidates.sort(key=lambda c: c.stages)
     fitting = [c.plan for c in candidates if c.plan is not None]
     if not fitting:
         raise MemoryBudgetError("no pipeline configuration fits: " + "; ".join(f"S={c.stages}: {c.why}"
