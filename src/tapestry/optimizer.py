@@ -304,13 +304,14 @@ class Explored:
 
     def _against_baselines(self, plan: Plan, selection: Selection, egraph: ExtractGraph, model: CostModel,
                            ties: Ties, memory_budget: int | None) -> tuple[Plan, Selection]:
-        """`plan`, or the cheapest hand plan (training.plans.baselines: data parallel, ZeRO-3) that `plan_cost`
-        finds cheaper, lies in the e-graph (`egraph.embed`: every step a selectable e-node, so within the outputs
-        and steady ties asked for) and fits `memory_budget`. Extraction can miss such a plan: an e-class is made
-        once, so a selection never recomputes a value, where the training capture recomputes cheap forward
-        values (casts, sigmoids) in the backward pass, fused there and hidden behind the gradient reductions
-        (cost.overlap); and a cut ILP hands over to greedy-dag. The selection returned for a hand plan is its
-        steps in the e-graph, a value it makes twice chosen once (marked "feasible": nothing proven)."""
+        """`plan`, or the cheapest hand plan (training.plans.baselines: data parallel, ZeRO-3, a MoE's expert
+        parallel) that `plan_cost` finds cheaper, lies in the e-graph (`egraph.embed`: every step a selectable
+        e-node, so within the outputs and steady ties asked for) and fits `memory_budget`. Extraction can miss
+        such a plan: an e-class is made once, so a selection never recomputes a value, where the training capture
+        recomputes cheap forward values (casts, sigmoids) in the backward pass, fused there and hidden behind the
+        gradient reductions (cost.overlap); and a cut ILP hands over to greedy-dag. The selection returned for a
+        hand plan is its steps in the e-graph, a value it makes twice chosen once (marked "feasible": nothing
+        proven)."""
         for name, hand in sorted(self.baselines.items()):
             cost = plan_cost(hand, model)
             if cost >= plan.cost or memory_budget is not None and max(peak_memory(hand)) > memory_budget:

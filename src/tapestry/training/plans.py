@@ -127,18 +127,57 @@ def step_arguments(graph: Graph) -> tuple[str, ...]:
                  and node.name not in graph.fixed)
 
 
+def expert_weights(graph: Graph) -> Seeds:
+    """Each carried tensor some grouped_mm reads as its experts' weights, and its expert dim: followed back from
+    the grouped_mm's weight argument through ops that read that dim from one argument dim only (a transpose, a
+    cast) to the input it comes from."""
+    producers = {node.name: node for node in graph.ops}
+    found: dict[str, int] = {}
+    for node in graph.ops:
+        if node.op != "grouped_mm":
+            continue
+        sig = graph.signature(node.name)
+        source = _reader(sig, node.args, {sig.dims.index(sig.kernel.exchange.experts)}, among=(1,))  # the weights
+        while source is not None and source[0] in producers:
+            value, dim = source
+            sig = graph.signature(value)
+            source = _reader(sig, producers[value].args, {i for i, c in enumerate(sig.output.matrix[dim]) if c})
+        if source is not None and source[0] in graph.carried.values():
+            found[source[0]] = source[1]
+    return found
+
+
+def _reader(sig: Signature, args: Sequence[str], index_dims: set[int], among: Sequence[int] | None = None
+            ) -> tuple[str, int] | None:
+    """The argument (of those at positions `among`, default all) and its dim that `sig`'s `index_dims` read,
+    if just one dim of one argument does."""
+    reads = [(args[k], t) for k in (range(len(args)) if among is None else among)
+             for t, row in enumerate(sig.projections[k].matrix) if any(row[i] for i in index_dims)]
+    return reads[0] if len(reads) == 1 else None
+
+
 def baselines(graph: Graph, mesh: Mesh) -> dict[str, Plan]:
     """Data parallel and ZeRO-3 over all of `mesh`'s devices, for a training step (`graph.carried`) whose batch
-    arguments all split on their first dim over every device; else none (a batch that does not split leaves
-    both mostly replicated: no baseline worth pricing). A strategy build_plan cannot make of this graph (a
-    ValueError naming the op) is no baseline either: the optimizer's plan stands without it."""
+    arguments all split on their first dim over every device, and for a MoE (`expert_weights`) expert parallel
+    (a 1-D mesh) or data and expert parallel (a 2-D one: attention and dense layers data parallel over axis 0
+    only, whole over axis 1, for want of tensor-parallel dims a graph does not name); else none (a batch that does
+    not split leaves them mostly replicated: no baseline worth pricing). A strategy build_plan cannot make of
+    this graph (a ValueError naming the op, or experts that do not split over the devices) is no baseline
+    either: the optimizer's plan stands without it."""
     arguments = step_arguments(graph)
     if not graph.carried or not arguments or any(graph[a].shape[0] % mesh.size for a in arguments):
         return {}
+    makers = {"data parallel": lambda: data_parallel(graph, mesh, arguments),
+              "ZeRO-3": lambda: zero3(graph, mesh, arguments)}
+    experts = expert_weights(graph)
+    if experts and mesh.ndim == 1:
+        makers["expert parallel"] = lambda: expert_parallel(graph, mesh, arguments, experts)
+    elif experts and mesh.ndim == 2:
+        makers["data and expert parallel"] = lambda: data_expert_parallel(graph, mesh, arguments, {}, experts)
     found = {}
-    for name, make in (("data parallel", data_parallel), ("ZeRO-3", zero3)):
+    for name, make in makers.items():
         try:
-            found[name] = make(graph, mesh, arguments)
+            found[name] = make()
         except ValueError:
             continue
     return found
