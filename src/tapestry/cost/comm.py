@@ -46,8 +46,8 @@ from tapestry.kernels import Shape
 from tapestry.plan.exchange import travels
 from tapestry.plan.plan import Compute, Reshard, Step
 from tapestry.sharding import Layout, Mesh
-from tapestry.sharding.collectives import Group, classify_reshard, local_layouts, reshard_groups
-from tapestry.sharding.comm import received_counts
+from tapestry.sharding.collectives import Collective, Group, classify_reshard, local_layouts, reshard_groups
+from tapestry.sharding.comm import clipped_pair, received_counts
 from tapestry.sharding.symmetry import Symmetries, relabellings
 
 # collective: p -> (alpha terms, fraction of the n-byte buffer crossing each device's link)
@@ -133,9 +133,31 @@ class Moves:
 
 @lru_cache(maxsize=4096)
 def moves(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> Moves:
-    """Cached: extraction prices the same layout pair for many e-nodes."""
-    groups = reshard_groups(src, dst, shape, mesh)
-    return Moves(str(classify_reshard(src, dst, shape, mesh)), groups[0].axes, groups)
+    """Cached: extraction prices the same layout pair for many e-nodes. Found on the pair clipped to the box the
+    destination's blocks span (`sharding.comm.clipped_pair`), where the moves from a fused value's many layouts into
+    one of its footprints (a third, a half of it) are one pair: the groups, their axes and counts are the clipped
+    pair's, and a group is a collective only where it was one before clipping (`_clipped_moves`)."""
+    clipped = clipped_pair(src, dst)
+    if clipped is None:
+        groups = reshard_groups(src, dst, shape, mesh)
+        return Moves(str(classify_reshard(src, dst, shape, mesh)), groups[0].axes, groups)
+    return _clipped_moves(*clipped, mesh)
+
+
+@lru_cache(maxsize=1 << 14)
+def _clipped_moves(src: Layout, dst: Layout, shape: Shape, clipped: frozenset[int], mesh: Mesh) -> Moves:
+    """The moves of a pair from the clipped pair (`src`, `dst`; `clipped`: the devices whose source block was
+    clipped). Clipping keeps which cells each block holds inside the box, so which groups hold their needs, their
+    axes, whether a group moves anything and what each device receives are the same. What it can change is the
+    collective a group is named: one whose blocks, before clipping, spanned more than its destination blocks do
+    has a destination that is no named layout of that span (neither R nor a split), so it moves as send_recv; a
+    group none of whose source blocks was clipped is the same pair moved, named as before."""
+    groups = tuple(replace(g, kind=Collective.SEND_RECV)
+                   if g.kind != Collective.NOOP and not clipped.isdisjoint(g.ranks) else g
+                   for g in reshard_groups(src, dst, shape, mesh))
+    kinds = {g.kind for g in groups} - {Collective.NOOP}
+    kind = kinds.pop() if len(kinds) == 1 else Collective.SEND_RECV if kinds else Collective.NOOP
+    return Moves(str(kind), groups[0].axes, groups)
 
 
 @lru_cache(maxsize=8)

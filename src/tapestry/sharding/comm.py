@@ -196,9 +196,16 @@ def within(src: Layout, dst: Layout) -> tuple[Layout, Layout]:
     own block is not a missing one) meets each needed box in the same cells and cuts it the same way in
     `box_difference`. Returned as it is where it cannot be clipped (no block needed, a partial destination, or
     blocks of another rank)."""
+    clipped = clipped_pair(src, dst)
+    return (src, dst) if clipped is None else clipped[:2]
+
+
+def clipped_pair(src: Layout, dst: Layout) -> tuple[Layout, Layout, tuple[int, ...], frozenset[int]] | None:
+    """`within`'s pair, the shape of the box B, and the devices whose source block clipping changed (those not
+    inside B); None where `within` leaves the pair as it is."""
     placed = _at_origin(dst)
     clipped = None if placed is None else _clipped(src, placed[1])
-    return (src, dst) if clipped is None else (clipped, placed[0])
+    return None if clipped is None else (clipped[0], placed[0], placed[1].shape, clipped[1])
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -214,8 +221,9 @@ def _at_origin(dst: Layout) -> tuple[Layout, ZRange] | None:
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _clipped(src: Layout, box: ZRange) -> Layout | None:
-    """`src`'s blocks clamped into `box` and moved to its origin (None if a block's rank is not the box's)."""
+def _clipped(src: Layout, box: ZRange) -> tuple[Layout, frozenset[int]] | None:
+    """`src`'s blocks clamped into `box` and moved to its origin, and the devices whose block that changed (None if
+    a block's rank is not the box's)."""
     lo, hi = box.start, box.end
     if any(b is not None and len(b.start) != len(lo) for b in src.blocks):
         return None
@@ -226,7 +234,8 @@ def _clipped(src: Layout, box: ZRange) -> Layout | None:
         return ZRange._checked(tuple(min(max(x, l), h) - l for x, l, h in zip(b.start, lo, hi)),
                                tuple(min(max(x, l), h) - l for x, l, h in zip(b.end, lo, hi)))
 
-    return Layout(tuple(map(clipped, src.blocks)), src.partial)
+    changed = frozenset(k for k, b in enumerate(src.blocks) if b is not None and not box.contains(b))
+    return Layout(tuple(map(clipped, src.blocks)), src.partial), changed
 
 
 def received_elements(src: Layout, dst: Layout) -> tuple[int, ...]:
