@@ -21,7 +21,7 @@ import numpy as np
 from tapestry.kernels import Shape
 from tapestry.sharding.comm import CommError, filled_box, transfers
 from tapestry.sharding.grid import bounds, cells
-from tapestry.sharding.layout import Layout
+from tapestry.sharding.layout import Layout, canonical, canonical_box
 from tapestry.sharding.mesh import Mesh
 from tapestry.zspace import ZRange
 
@@ -131,10 +131,11 @@ def local_layouts(src: Layout, dst: Layout) -> tuple[Layout, Layout, Shape] | No
         return src, dst, shape
 
     def shifted(b: ZRange | None) -> ZRange | None:
-        return None if b is None else ZRange._checked(tuple(map(operator.sub, b.start, origin)),
-                                                      tuple(map(operator.sub, b.end, origin)))
+        return None if b is None else canonical_box(tuple(map(operator.sub, b.start, origin)),
+                                                    tuple(map(operator.sub, b.end, origin)))
 
-    src_local, dst_local = (Layout(tuple(map(shifted, layout.blocks)), layout.partial) for layout in (src, dst))
+    src_local, dst_local = (canonical(Layout(tuple(map(shifted, layout.blocks)), layout.partial))
+                            for layout in (src, dst))
     return src_local, dst_local, shape
 
 
@@ -147,7 +148,7 @@ def _members(src: Layout, dst: Layout, ranks: tuple[int, ...]) -> tuple[Layout, 
 def _restricted(layout: Layout, ranks: tuple[int, ...], partial: bool) -> Layout:
     """Made once per layout and group of devices: a tensor's many reshards share these few objects (and their
     hashes), so the checks below are cached by them."""
-    return Layout(tuple(layout.blocks[r] for r in ranks), partial)
+    return canonical(Layout(tuple(layout.blocks[r] for r in ranks), partial))
 
 
 @lru_cache(maxsize=1 << 16)

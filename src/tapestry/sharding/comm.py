@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tapestry.sharding.grid import cells, covers
-from tapestry.sharding.layout import Layout
+from tapestry.sharding.layout import Layout, canonical, canonical_box
 from tapestry.zspace import ZRange
 
 
@@ -217,7 +217,7 @@ def _at_origin(dst: Layout) -> tuple[Layout, ZRange] | None:
         return None
     box = ZRange.bounding(needed)
     back = tuple(-x for x in box.start)
-    return Layout(tuple(None if b is None else b.translate(back) for b in dst.blocks), False), box
+    return canonical(Layout(tuple(None if b is None else b.translate(back) for b in dst.blocks), False)), box
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -231,11 +231,11 @@ def _clipped(src: Layout, box: ZRange) -> tuple[Layout, frozenset[int]] | None:
     def clipped(b: ZRange | None) -> ZRange | None:
         if b is None:
             return None
-        return ZRange._checked(tuple(min(max(x, l), h) - l for x, l, h in zip(b.start, lo, hi)),
-                               tuple(min(max(x, l), h) - l for x, l, h in zip(b.end, lo, hi)))
+        return canonical_box(tuple(min(max(x, l), h) - l for x, l, h in zip(b.start, lo, hi)),
+                             tuple(min(max(x, l), h) - l for x, l, h in zip(b.end, lo, hi)))
 
     changed = frozenset(k for k, b in enumerate(src.blocks) if b is not None and not box.contains(b))
-    return Layout(tuple(map(clipped, src.blocks)), src.partial), changed
+    return canonical(Layout(tuple(map(clipped, src.blocks)), src.partial)), changed
 
 
 def received_elements(src: Layout, dst: Layout) -> tuple[int, ...]:
