@@ -66,10 +66,9 @@ def reshard_groups(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> tuple[
             if not axes and 0 in _plain_stays(src, dst):  # a device alone lacks cells: no need to ask each
                 continue
             fibres = _fibres(mesh, axes)
-            members = [_members(src, dst, ranks) for ranks in fibres]
-            if all(_holds_needs(*pair) for pair in members):
+            if all(_holds_needs(*_members(src, dst, ranks)) for ranks in fibres):  # the first fibre lacking ends it
                 return tuple(_group(*pair, mesh, axes, ranks, _plain_stays(*pair))
-                             for pair, ranks in zip(members, fibres))
+                             for pair, ranks in zip((_members(src, dst, ranks) for ranks in fibres), fibres))
     transfers(src, dst)  # some needed cell is held by no device: this raises CommError saying which
     raise CommError(f"no group of devices holds what {dst} needs from {src}")
 
@@ -234,6 +233,7 @@ def _classify(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> Collective:
     return Collective.SEND_RECV
 
 
+@lru_cache(maxsize=1 << 14)  # asked of the same local layouts by many groups' `_classify`
 def _family(layout: Layout, shape: Shape, mesh: Mesh) -> str:
     """'R', 'S' or 'blocks' for the plain blocks of `layout`."""
     name = Layout(layout.blocks).name(shape, mesh)
