@@ -131,9 +131,8 @@ class Moves:
         return self._counts[1]
 
 
-@lru_cache(maxsize=4096)
 def moves(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> Moves:
-    """Cached: extraction prices the same layout pair for many e-nodes. Found on the pair clipped to the box the
+    """Not cached itself (`AlphaBeta.reshard_time` prices each pair once); found on the pair clipped to the box the
     destination's blocks span (`sharding.comm.clipped_pair`), where the moves from a fused value's many layouts into
     one of its footprints (a third, a half of it) are one pair: the groups, their axes and counts are the clipped
     pair's, and a group is a collective only where it was one before clipping (`_clipped_moves`)."""
@@ -181,6 +180,11 @@ def translated(step: Reshard) -> Reshard:
     return replace(step, src_layout=src, layout=dst, shape=shape)
 
 
+def _slowest(links: tuple[Link, ...], axes: tuple[int, ...]) -> Link:
+    """The slowest of the links of `axes` (largest alpha, smallest beta)."""
+    return Link(max(links[a].alpha for a in axes), min(links[a].beta for a in axes))
+
+
 def _largest_block(layout: Layout) -> int:
     return max((b.size for b in layout.blocks if b is not None), default=0)
 
@@ -193,8 +197,7 @@ class AlphaBeta:
 
     def group_link(self, axes: tuple[int, ...], mesh: Mesh) -> Link:
         """The slowest link among `axes` (largest alpha, smallest beta): what a general block move waits for."""
-        links = [self.profile.axis_links(mesh.shape)[a] for a in axes]
-        return Link(max(k.alpha for k in links), min(k.beta for k in links))
+        return _slowest(self.profile.axis_links(mesh.shape), axes)
 
     def reshard_time(self, step: Reshard, mesh: Mesh) -> float:
         """Priced once per orbit of the layout pair under the mesh's symmetries (`sharding.symmetry`): pricing
@@ -203,23 +206,25 @@ class AlphaBeta:
         layouts that hold only what a reader reads (the q, k and v thirds of a fused projection's output, a
         rotary half) are priced once, not once per place in the tensor."""
         step = translated(step)
-        symmetries, prices = _orbit_prices(self.profile.axis_links(mesh.shape), mesh)
+        links = self.profile.axis_links(mesh.shape)
+        symmetries, prices = _orbit_prices(links, mesh)
         for src, dst in symmetries.pair_images(step.src_layout, step.layout, step.shape):
             price = prices.get((step.shape, step.dtype, src, dst))
             if price is not None:
                 return price
-        price = prices[(step.shape, step.dtype, step.src_layout, step.layout)] = self._priced(step, mesh)
+        price = prices[(step.shape, step.dtype, step.src_layout, step.layout)] = self._priced(step, mesh, links)
         return price
 
-    def _priced(self, step: Reshard, mesh: Mesh) -> float:
+    def _priced(self, step: Reshard, mesh: Mesh, links: tuple[Link, ...] | None = None) -> float:
+        """The reshard's time, its mesh's axes over `links` (default: the profile's for `mesh`)."""
+        links = self.profile.axis_links(mesh.shape) if links is None else links
         moved = moves(step.src_layout, step.layout, step.shape, mesh)
         if moved.kind == "noop":
             return 0.0
         size = dtypes.itemsize(step.dtype)
         if moved.kind == "send_recv":
-            link = self.group_link(moved.axes, mesh)
+            link = _slowest(links, moved.axes)
             return max(m * link.alpha + r * size / link.beta for m, r in zip(moved.messages, moved.received))
-        links = self.profile.axis_links(mesh.shape)
         nbytes = size * max(_largest_block(step.src_layout), _largest_block(step.layout))
         return hierarchical_time(moved.kind, nbytes, phases([(mesh.shape[a], links[a]) for a in moved.axes]))
 
