@@ -415,8 +415,8 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--no-hand", action="store_true", help="leave the hand plans out (their columns empty)")
     parser.add_argument("--json", help="also write the rows here")
-    parser.add_argument("--from-json", help="write the section from the rows runs saved (--json; several: a,b), "
-                        "without measuring")
+    parser.add_argument("--from-json", help="write the section from the rows runs saved (--json; several: a,b, "
+                        "a case's row in b replacing its row in a), without measuring")
     args = parser.parse_args()
     cases = []
     if args.from_json:
@@ -430,10 +430,11 @@ def main() -> None:
                           for mesh in filter(None, args.meshes.split(","))]
                 if args.full_layers:
                     cases.append(Case(model, args.full_layers, mode, "", args.batch, args.seq, arch=args.arch))
-    rows = []
+    saved_rows: dict[str, dict[str, Any]] = {}  # a case's row from a later file replaces an earlier one's
     for saved in filter(None, (args.from_json or "").split(",")):
         with open(saved) as f:
-            rows += json.load(f)
+            saved_rows.update((json.dumps(row["case"], sort_keys=True), row) for row in json.load(f))
+    rows = list(saved_rows.values())
     for case in cases:
         print(f"{case} ...", flush=True)
         rows.append(measure(case, args.budget, args.time_limit, not args.no_hand))

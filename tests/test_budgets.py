@@ -102,6 +102,29 @@ def test_candidates_busy_the_most_devices_first_and_split_the_fewest_dims_among_
     assert sorted(map(repr, order)) == sorted(map(repr, candidate_partitions(sig, mesh)))
 
 
+@pytest.mark.parametrize("shape", ["4x8x8", "8x8x8", "16x8"])
+def test_past_64_devices_generation_starts_with_one_dim_over_the_nodes_and_another_inside_them(shape):
+    """DP over the outer axes and TP over the last (a node's): the first round of a capped generation holds the
+    recipe of such clusters, where it held the rows split over all 256-512 devices (issue 24)."""
+    from tapestry.egraph.distributed import Interner
+
+    sig, mesh = get_kernel("matmul").bind([(16384, 4096), (4096, 4096)]), Mesh.parse(shape)
+    first, second = (part for _, part, _, _, _ in Interner(mesh).candidates(sig, sharded=True, first=2))
+    for part in (first, second):
+        outer = {d for split in part.axes[:-1] for d, _ in split}
+        inner = {d for d, _ in part.axes[-1]}
+        assert len(outer) == 1 and inner and not inner & outer, part.axes
+    assert {d for d, _ in first.axes[-1]} != {d for d, _ in second.axes[-1]}, "columns and rows of a node's TP"
+
+
+def test_up_to_64_devices_generation_starts_with_one_dim_over_every_axis():
+    from tapestry.egraph.distributed import Interner
+
+    sig, mesh = get_kernel("matmul").bind([(16384, 4096), (4096, 4096)]), Mesh.parse("8x8")
+    first = Interner(mesh).candidates(sig, sharded=True, first=1)[0][1]
+    assert len(first.dims()) == 1 and all(first.axes)
+
+
 @pytest.mark.parametrize("shape, share", [("8x8", 1.0), ("4x8x8", 1 / 16), ("8x8x8", 1 / 64)])
 def test_past_64_devices_generation_caps_layout_pairs_by_the_square_of_the_devices(monkeypatch, shape, share):
     """Pricing a pair works through every device's block: on 256 and 512 devices generation filled its share

@@ -96,7 +96,7 @@ class Interner:
     def _partitions(self, sig: Signature, sharded: bool) -> tuple[tuple[Any, ...], list[Candidate]]:
         key = (sig.kernel.name, sig.input_shapes, sig.params, sig.input_dtypes, sharded)
         if key not in self._parts:
-            self._parts[key] = (generation_order(p for p in candidates(sig, self.mesh) if any(p.axes))
+            self._parts[key] = (generation_order((p for p in candidates(sig, self.mesh) if any(p.axes)), self.mesh)
                                 if sharded else [replicated_candidate(sig, self.mesh)])
         return key, self._parts[key]
 
