@@ -301,11 +301,18 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0, budget: DeviceBudget |
     proven, bound, lp_bound, cuts = best is not None and best.dag_cost == 0, 0.0, 0.0, ()
 
     def offer(choice: list[int]) -> float:
-        """An LP solution rounded: made a selection, kept if it is the best admissible one yet."""
+        """An LP solution rounded: made a selection, and that improved by greedy-dag's local search; the
+        cheapest admissible of them is kept if it is the best yet."""
         nonlocal best, warm
-        rounded = finalize(egraph, undominate(egraph, choice, reduced.replacement), tree, "ilp", started)
-        if admissible(rounded) and (best is None or rounded.dag_cost < best.dag_cost):
-            best = warm = rounded
+        choice = undominate(egraph, choice, reduced.replacement)
+        rounded = finalize(egraph, choice, tree, "ilp", started)
+        # classes the selection leaves out keep the LP's choice, so a move that brings them in is priced by it
+        full = [rounded.choice.get(c, n if n >= 0 else t) for c, (n, t) in enumerate(zip(choice, tree.node))]
+        improved = finalize(egraph, undominate(egraph, improve(egraph, full, tree, relax_deadline),
+                                               reduced.replacement), tree, "ilp", started)
+        for candidate in (rounded, improved):
+            if admissible(candidate) and (best is None or candidate.dag_cost < best.dag_cost):
+                best = warm = candidate
         return math.inf if best is None else best.dag_cost
 
     relax_deadline = min(started + RELAX_SHARE * time_limit + folded, deadline)
