@@ -102,7 +102,7 @@ def test_an_lp_rounding_is_offered_after_greedy_dags_local_search(monkeypatch: p
     dear = [egraph.class_nodes[egraph.class_ids.index(c)][1 if c == "a" else 0] for c in egraph.class_ids]
 
     def rounded(_egraph: EGraph, _candidates: object, _block: object, _needs: object, _deadline: float,
-                _ties: object, offer: Callable[[list[int]], float], _enough: float) -> Relaxation:
+                _ties: object, offer: Callable[[list[int]], float], _enough: float, reads: bool) -> Relaxation:
         assert offer(list(dear)) == 1.0
         return Relaxation((), 1.0, 0)
 

@@ -220,18 +220,23 @@ def test_the_lp_pass_is_skipped_when_its_path_graphs_would_take_too_long_to_buil
     assert validate(egraph, selection) == [] and selection.status == "optimal"
 
 
-def test_a_layout_nothing_reads_is_no_cheap_source_once_the_lp_has_its_read_rows() -> None:
-    # v in layouts a, b (free reshards both ways) and p (a partial sum: cheap to compute, dear to reduce into a).
-    # Without read rows the LP computes p, which nothing reads, as the block's source and keeps a and b active
-    # through each other for free (2); a class must be read as far as it is active, so p costs its reduction
-    # too, and the bound is the optimum: a computed and read (issue 25: Mixtral's experts, 7.5% -> 1.0%).
-    egraph = build({
+def unread_partial() -> EGraph:
+    """v in layouts a, b (free reshards both ways) and p (a partial sum: cheap to compute, dear to reduce into a),
+    read as a; the optimum computes a (10) and reads it (1)."""
+    return build({
         "x": [(0.0, [])],
         "v.a": [(10.0, ["x"]), (0.0, ["v.b"]), (20.0, ["v.p"])],
         "v.b": [(10.0, ["x"]), (0.0, ["v.a"])],
         "v.p": [(1.0, ["x"]), (0.0, ["v.a"])],
         "out": [(1.0, ["v.a"])],
     }, roots=["out"])
+
+
+def test_a_layout_nothing_reads_is_no_cheap_source_once_the_lp_has_its_read_rows() -> None:
+    # Without read rows the LP computes p, which nothing reads, as the block's source and keeps a and b active
+    # through each other for free (2); a class must be read as far as it is active, so p costs its reduction
+    # too, and the bound is the optimum (issue 25: Mixtral's experts, 7.5% -> 1.0% under the plan on 2x2).
+    egraph = unread_partial()
     reduced = reduce(egraph, solvable_tree(egraph))
     block = {c: _block(reduced, c) for c in reduced.candidates}
     lp = _Lp(egraph, reduced.candidates, block, reduced.needs, (), math.inf)
@@ -252,3 +257,15 @@ def test_with_read_rows_the_lp_bound_stays_below_the_optimum(seed: int, shape: t
     lp.add_reads(egraph, reduced.candidates)
     bound, _ = lp.solve(math.inf)
     assert without - 1e-9 * optimum <= bound <= optimum * (1 + 1e-9)
+
+
+def test_without_path_cuts_to_afford_the_lp_pass_still_gives_its_bound_with_read_rows(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    egraph = unread_partial()
+    reduced = reduce(egraph, solvable_tree(egraph))
+    block = {c: _block(reduced, c) for c in reduced.candidates}
+    monkeypatch.setattr(relax_module, "PATH_NODES_PER_SECOND", 0.0)
+    soon = time.perf_counter() + 10
+    assert _pairs(egraph, reduced.candidates, block, reduced.needs, soon) is None
+    assert relax(egraph, reduced.candidates, block, reduced.needs, soon) == Relaxation((), 0.0, 0)
+    assert relax(egraph, reduced.candidates, block, reduced.needs, soon, reads=True).bound == pytest.approx(11.0)

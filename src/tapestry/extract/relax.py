@@ -173,28 +173,29 @@ class _Batch:
 def relax(
     egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
     needs: Mapping[int, Sequence[int]], deadline: float, ties: Sequence[tuple[int, int]] = (),
-    offer: Callable[[list[int]], float] = lambda _: math.inf, enough: float = PROVEN,
+    offer: Callable[[list[int]], float] = lambda _: math.inf, enough: float = PROVEN, reads: bool = False,
 ) -> Relaxation:
-    """Solve the LP of `candidates` (class -> nodes), then with read rows (`_Lp.add_reads`; not under ties or a
-    negative cost), adding violated path cuts until none is left, the bound
+    """Solve the LP of `candidates` (class -> nodes), then, with `reads`, with read rows (`_Lp.add_reads`; not
+    under ties or a negative cost), adding violated path cuts until none is left, the bound
     comes within `enough` of the incumbent (at `PROVEN` that proves it optimal), a round closes too little of the
     gap to it (`STALL`), or `deadline` passes. Each LP solution, rounded to a choice per class (its candidate of
     largest x, -1 for classes without one), is passed to `offer`, which returns the incumbent's cost (inf for
     none yet).
     `block` maps each class to its block (cyclic component id, or -1 - class), `needs` is `Reduced.needs`.
-    Nothing is solved (bound 0, no cuts) when the path graphs would take too long to build (`PATH_SHARE`)."""
+    When the path graphs would take too long to build (`PATH_SHARE`), nothing is solved (bound 0, no cuts), or with
+    `reads` the LP and its read rows alone."""
     cuts: list[PathCut] = []
     rounds, stalled, productive = 0, False, False
     bound, values = 0.0, None  # the last LP solved; out of time, it and the cuts found so far still hold
     try:
+        reads = reads and not ties and all(egraph.node_cost[n] >= 0 for nodes in candidates.values() for n in nodes)
         pairs = _pairs(egraph, candidates, block, needs, deadline)
-        if pairs is None:  # no cuts to afford: the LP alone is CP-SAT's own root LP
+        if pairs is None and not reads:  # no cuts to afford: the LP alone is CP-SAT's own root LP
             return Relaxation((), 0.0, 0)
         lp = _Lp(egraph, candidates, block, needs, ties, deadline)
         bound, values = lp.solve(deadline)
         batches: list[_Batch] | None = None  # built once the LP without cuts has proven nothing
         previous = None  # the bound before the last round of cuts
-        reads = not ties and all(egraph.node_cost[n] >= 0 for nodes in candidates.values() for n in nodes)
         while values is not None:
             incumbent = offer(_rounded(egraph, candidates, lp, values))
             if math.isfinite(incumbent) and incumbent <= _shaved(bound) + enough * incumbent:
@@ -207,6 +208,8 @@ def relax(
                     break
                 bound, values = solved
                 continue
+            if pairs is None:  # no path cuts to afford
+                break
             if previous is not None:
                 small = math.isfinite(incumbent) and bound - previous < STALL * (incumbent - previous)
                 if small and (stalled or not productive):
