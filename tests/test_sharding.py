@@ -222,10 +222,10 @@ def test_the_boxes_blocks_read_are_worked_out_together_as_one_at_a_time(data):
 def test_a_canonical_layout_is_the_first_equal_one_asked_for():
     """Pricing makes equal translated and clipped layouts as new objects; `canonical` hands back one of them, so the
     caches keyed by layouts find it by identity. Equal layouts only: a different one is its own."""
-    first = Layout((ZRange((0,), (2,)), ZRange((2,), (4,))))
-    again = Layout((ZRange((0,), (2,)), ZRange((2,), (4,))))
-    other = Layout(first.blocks, partial=True)
-    assert canonical(first) is first
-    assert canonical(again) is first
-    assert canonical(other) is other
+    made = [Layout((ZRange((0,), (2,)), ZRange((2,), (4,)))) for _ in range(2)]
+    assert made[0] is not made[1]
+    first, again = map(canonical, made)
+    assert again is first and first == made[0]
+    other = canonical(Layout(made[0].blocks, partial=True))
+    assert other is not first and other == Layout(made[0].blocks, partial=True)
     assert canonical_box((0,), (2,)) is canonical_box((0,), (2,)) == ZRange((0,), (2,))
