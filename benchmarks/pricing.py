@@ -9,11 +9,14 @@ same reshards and their prices checked bit for bit.
 the default cost model and pickles every Reshard step that `AlphaBeta.reshard_time` was asked for, in order.
 `replay` prices them again in a fresh process (cold caches, as extraction does), prints one JSON line with the CPU
 seconds (time.process_time: a loaded machine inflates it far less than wall time) and, with --compare, how many
-prices differ from a saved run's (they must not: plans depend on them).
+prices differ from a saved run's (they must not: plans depend on them). `--repeat N` prices them N times in one
+process, each pass from cold caches (pricing's functools caches cleared) with the collector off as in `optimize`,
+and prints the least CPU: on a shared machine the least of a few passes moves less with the load than one run.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import pickle
 import time
@@ -44,12 +47,21 @@ def record(model: str, mesh_text: str, out: str) -> None:
     print(json.dumps({"model": model, "mesh": mesh_text, "reshards": len(steps), "out": out}))
 
 
-def replay(path: str, save: str | None, compare: str | None) -> None:
+def replay(path: str, save: str | None, compare: str | None, repeat: int = 1) -> None:
     with open(path, "rb") as f:
         steps, mesh, model = pickle.load(f)
-    start = time.process_time()
-    prices = [model.step_cost(step, mesh) for step in steps]
-    result = {"reshards": len(steps), "cpu_s": round(time.process_time() - start, 3)}
+    if repeat > 1:  # as `optimize` prices: the collector off; each pass from cold caches, the least CPU kept
+        gc.disable()
+    seconds = []
+    for _ in range(repeat):
+        for cached in _caches():
+            cached.cache_clear()
+        start = time.process_time()
+        prices = [model.step_cost(step, mesh) for step in steps]
+        seconds.append(time.process_time() - start)
+    result = {"reshards": len(steps), "cpu_s": round(min(seconds), 3)}
+    if repeat > 1:
+        result["cpu_s_each"] = [round(s, 3) for s in seconds]
     if save:
         with open(save, "wb") as f:
             pickle.dump(prices, f)
@@ -58,6 +70,24 @@ def replay(path: str, save: str | None, compare: str | None) -> None:
             expected = pickle.load(f)
         result["differing_prices"] = sum(a != b for a, b in zip(expected, prices, strict=True))
     print(json.dumps(result))
+
+
+def _caches() -> list:
+    """The functools caches of pricing's modules (tapestry.sharding, .cost, .zspace), each once."""
+    import importlib
+    import pkgutil
+
+    import tapestry.cost
+    import tapestry.sharding
+    import tapestry.zspace
+
+    found = {}
+    for package in (tapestry.sharding, tapestry.cost, tapestry.zspace):
+        for info in pkgutil.iter_modules(package.__path__):
+            for value in vars(importlib.import_module(f"{package.__name__}.{info.name}")).values():
+                if hasattr(value, "cache_clear") and getattr(value, "__module__", "").startswith("tapestry"):
+                    found[id(value)] = value
+    return list(found.values())
 
 
 def main() -> None:
@@ -71,11 +101,12 @@ def main() -> None:
     rep.add_argument("path")
     rep.add_argument("--save")
     rep.add_argument("--compare")
+    rep.add_argument("--repeat", type=int, default=1, help="passes from cold caches, collector off; the least CPU")
     args = parser.parse_args()
     if args.command == "record":
         record(args.model, args.mesh, args.out)
     else:
-        replay(args.path, args.save, args.compare)
+        replay(args.path, args.save, args.compare, args.repeat)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from tapestry.kernels import get_kernel
 from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.comm import CommError, box_difference, received_elements, transfers
+from tapestry.sharding.layout import canonical, canonical_box
 from tapestry.sharding.partition import (
     _clipped,
     _clipped_all,
@@ -216,3 +217,15 @@ def test_the_boxes_blocks_read_are_worked_out_together_as_one_at_a_time(data):
                                                                         for s in start])])))
     blocks.append(blocks[0])
     assert _clipped_all(projection, tuple(blocks), shape) == tuple(_clipped(projection, b, shape) for b in blocks)
+
+
+def test_a_canonical_layout_is_the_first_equal_one_asked_for():
+    """Pricing makes equal translated and clipped layouts as new objects; `canonical` hands back one of them, so the
+    caches keyed by layouts find it by identity. Equal layouts only: a different one is its own."""
+    made = [Layout((ZRange((0,), (2,)), ZRange((2,), (4,)))) for _ in range(2)]
+    assert made[0] is not made[1]
+    first, again = map(canonical, made)
+    assert again is first and first == made[0]
+    other = canonical(Layout(made[0].blocks, partial=True))
+    assert other is not first and other == Layout(made[0].blocks, partial=True)
+    assert canonical_box((0,), (2,)) is canonical_box((0,), (2,)) == ZRange((0,), (2,))

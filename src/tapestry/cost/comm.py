@@ -47,8 +47,8 @@ from tapestry.kernels import Shape
 from tapestry.plan.exchange import out_rows, travels
 from tapestry.plan.plan import Compute, Reshard, Step
 from tapestry.sharding import Layout, Mesh
-from tapestry.sharding.collectives import Group, classify_reshard, local_layouts, reshard_groups
-from tapestry.sharding.comm import received_counts
+from tapestry.sharding.collectives import Collective, Group, classify_reshard, local_layouts, reshard_groups
+from tapestry.sharding.comm import clipped_pair, received_counts
 from tapestry.sharding.symmetry import Symmetries, relabellings
 
 # collective: p -> (alpha terms, fraction of the n-byte buffer crossing each device's link)
@@ -132,11 +132,32 @@ class Moves:
         return self._counts[1]
 
 
-@lru_cache(maxsize=4096)
 def moves(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> Moves:
-    """Cached: extraction prices the same layout pair for many e-nodes."""
-    groups = reshard_groups(src, dst, shape, mesh)
-    return Moves(str(classify_reshard(src, dst, shape, mesh)), groups[0].axes, groups)
+    """Not cached itself (`AlphaBeta.reshard_time` prices each pair once); found on the pair clipped to the box the
+    destination's blocks span (`sharding.comm.clipped_pair`), where the moves from a fused value's many layouts into
+    one of its footprints (a third, a half of it) are one pair: the groups, their axes and counts are the clipped
+    pair's, and a group is a collective only where it was one before clipping (`_clipped_moves`)."""
+    clipped = clipped_pair(src, dst)
+    if clipped is None:
+        groups = reshard_groups(src, dst, shape, mesh)
+        return Moves(str(classify_reshard(src, dst, shape, mesh)), groups[0].axes, groups)
+    return _clipped_moves(*clipped, mesh)
+
+
+@lru_cache(maxsize=1 << 14)
+def _clipped_moves(src: Layout, dst: Layout, shape: Shape, clipped: frozenset[int], mesh: Mesh) -> Moves:
+    """The moves of a pair from the clipped pair (`src`, `dst`; `clipped`: the devices whose source block was
+    clipped). Clipping keeps which cells each block holds inside the box, so which groups hold their needs, their
+    axes, whether a group moves anything and what each device receives are the same. What it can change is the
+    collective a group is named: one whose blocks, before clipping, spanned more than its destination blocks do
+    has a destination that is no named layout of that span (neither R nor a split), so it moves as send_recv; a
+    group none of whose source blocks was clipped is the same pair moved, named as before."""
+    groups = tuple(replace(g, kind=Collective.SEND_RECV)
+                   if g.kind != Collective.NOOP and not clipped.isdisjoint(g.ranks) else g
+                   for g in reshard_groups(src, dst, shape, mesh))
+    kinds = {g.kind for g in groups} - {Collective.NOOP}
+    kind = kinds.pop() if len(kinds) == 1 else Collective.SEND_RECV if kinds else Collective.NOOP
+    return Moves(str(kind), groups[0].axes, groups)
 
 
 @lru_cache(maxsize=8)
@@ -160,6 +181,11 @@ def translated(step: Reshard) -> Reshard:
     return replace(step, src_layout=src, layout=dst, shape=shape)
 
 
+def _slowest(links: tuple[Link, ...], axes: tuple[int, ...]) -> Link:
+    """The slowest of the links of `axes` (largest alpha, smallest beta)."""
+    return Link(max(links[a].alpha for a in axes), min(links[a].beta for a in axes))
+
+
 def _largest_block(layout: Layout) -> int:
     return max((b.size for b in layout.blocks if b is not None), default=0)
 
@@ -172,8 +198,7 @@ class AlphaBeta:
 
     def group_link(self, axes: tuple[int, ...], mesh: Mesh) -> Link:
         """The slowest link among `axes` (largest alpha, smallest beta): what a general block move waits for."""
-        links = [self.profile.axis_links(mesh.shape)[a] for a in axes]
-        return Link(max(k.alpha for k in links), min(k.beta for k in links))
+        return _slowest(self.profile.axis_links(mesh.shape), axes)
 
     def reshard_time(self, step: Reshard, mesh: Mesh) -> float:
         """Priced once per orbit of the layout pair under the mesh's symmetries (`sharding.symmetry`): pricing
@@ -182,23 +207,25 @@ class AlphaBeta:
         layouts that hold only what a reader reads (the q, k and v thirds of a fused projection's output, a
         rotary half) are priced once, not once per place in the tensor."""
         step = translated(step)
-        symmetries, prices = _orbit_prices(self.profile.axis_links(mesh.shape), mesh)
+        links = self.profile.axis_links(mesh.shape)
+        symmetries, prices = _orbit_prices(links, mesh)
         for src, dst in symmetries.pair_images(step.src_layout, step.layout, step.shape):
             price = prices.get((step.shape, step.dtype, src, dst))
             if price is not None:
                 return price
-        price = prices[(step.shape, step.dtype, step.src_layout, step.layout)] = self._priced(step, mesh)
+        price = prices[(step.shape, step.dtype, step.src_layout, step.layout)] = self._priced(step, mesh, links)
         return price
 
-    def _priced(self, step: Reshard, mesh: Mesh) -> float:
+    def _priced(self, step: Reshard, mesh: Mesh, links: tuple[Link, ...] | None = None) -> float:
+        """The reshard's time, its mesh's axes over `links` (default: the profile's for `mesh`)."""
+        links = self.profile.axis_links(mesh.shape) if links is None else links
         moved = moves(step.src_layout, step.layout, step.shape, mesh)
         if moved.kind == "noop":
             return 0.0
         size = dtypes.itemsize(step.dtype)
         if moved.kind == "send_recv":
-            link = self.group_link(moved.axes, mesh)
+            link = _slowest(links, moved.axes)
             return max(m * link.alpha + r * size / link.beta for m, r in zip(moved.messages, moved.received))
-        links = self.profile.axis_links(mesh.shape)
         nbytes = size * max(_largest_block(step.src_layout), _largest_block(step.layout))
         return hierarchical_time(moved.kind, nbytes, phases([(mesh.shape[a], links[a]) for a in moved.axes]))
 

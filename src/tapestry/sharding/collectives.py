@@ -21,7 +21,7 @@ import numpy as np
 from tapestry.kernels import Shape
 from tapestry.sharding.comm import CommError, filled_box, transfers
 from tapestry.sharding.grid import bounds, cells
-from tapestry.sharding.layout import Layout
+from tapestry.sharding.layout import Layout, canonical, canonical_box
 from tapestry.sharding.mesh import Mesh
 from tapestry.zspace import ZRange
 
@@ -66,10 +66,9 @@ def reshard_groups(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> tuple[
             if not axes and 0 in _plain_stays(src, dst):  # a device alone lacks cells: no need to ask each
                 continue
             fibres = _fibres(mesh, axes)
-            members = [_members(src, dst, ranks) for ranks in fibres]
-            if all(_holds_needs(*pair) for pair in members):
+            if all(_holds_needs(*_members(src, dst, ranks)) for ranks in fibres):  # the first fibre lacking ends it
                 return tuple(_group(*pair, mesh, axes, ranks, _plain_stays(*pair))
-                             for pair, ranks in zip(members, fibres))
+                             for pair, ranks in zip((_members(src, dst, ranks) for ranks in fibres), fibres))
     transfers(src, dst)  # some needed cell is held by no device: this raises CommError saying which
     raise CommError(f"no group of devices holds what {dst} needs from {src}")
 
@@ -131,10 +130,11 @@ def local_layouts(src: Layout, dst: Layout) -> tuple[Layout, Layout, Shape] | No
         return src, dst, shape
 
     def shifted(b: ZRange | None) -> ZRange | None:
-        return None if b is None else ZRange._checked(tuple(map(operator.sub, b.start, origin)),
-                                                      tuple(map(operator.sub, b.end, origin)))
+        return None if b is None else canonical_box(tuple(map(operator.sub, b.start, origin)),
+                                                    tuple(map(operator.sub, b.end, origin)))
 
-    src_local, dst_local = (Layout(tuple(map(shifted, layout.blocks)), layout.partial) for layout in (src, dst))
+    src_local, dst_local = (canonical(Layout(tuple(map(shifted, layout.blocks)), layout.partial))
+                            for layout in (src, dst))
     return src_local, dst_local, shape
 
 
@@ -147,7 +147,7 @@ def _members(src: Layout, dst: Layout, ranks: tuple[int, ...]) -> tuple[Layout, 
 def _restricted(layout: Layout, ranks: tuple[int, ...], partial: bool) -> Layout:
     """Made once per layout and group of devices: a tensor's many reshards share these few objects (and their
     hashes), so the checks below are cached by them."""
-    return Layout(tuple(layout.blocks[r] for r in ranks), partial)
+    return canonical(Layout(tuple(layout.blocks[r] for r in ranks), partial))
 
 
 @lru_cache(maxsize=1 << 16)
@@ -233,6 +233,7 @@ def _classify(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> Collective:
     return Collective.SEND_RECV
 
 
+@lru_cache(maxsize=1 << 14)  # asked of the same local layouts by many groups' `_classify`
 def _family(layout: Layout, shape: Shape, mesh: Mesh) -> str:
     """'R', 'S' or 'blocks' for the plain blocks of `layout`."""
     name = Layout(layout.blocks).name(shape, mesh)

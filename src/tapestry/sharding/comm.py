@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tapestry.sharding.grid import cells, covers
-from tapestry.sharding.layout import Layout
+from tapestry.sharding.layout import Layout, canonical, canonical_box
 from tapestry.zspace import ZRange
 
 
@@ -192,9 +192,11 @@ def filled_box(layout: Layout) -> ZRange | None:
 def received_counts(src: Layout, dst: Layout) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per device, the cells and the messages it receives: what a reshard costs each device. Counted on the pair
     seen from the destination's box (`within`), so the moves from a fused value's many layouts into each of its
-    footprints share `transfers`' cache entries: 3,905 pairs planned where there were 11,860 (2-layer GPT-NeoX, 2x2)."""
+    footprints share `transfers`' cache entries: 3,905 pairs planned where there were 11,860 (2-layer GPT-NeoX, 2x2).
+    Past LOOPED_DEVICES devices a grid is counted without planning (`_grid_counts`); on fewer, its numpy set-up made
+    pricing Phi's reshards on 2x2 2.5 times slower than planning them."""
     src, dst = within(src, dst)
-    counted = _grid_counts(src, dst)
+    counted = _grid_counts(src, dst) if len(dst.blocks) > LOOPED_DEVICES else None  # numpy's set-up, on a few
     if counted is not None:
         return counted
     cells, messages = [0] * len(dst.blocks), [0] * len(dst.blocks)
@@ -262,9 +264,16 @@ def within(src: Layout, dst: Layout) -> tuple[Layout, Layout]:
     own block is not a missing one) meets each needed box in the same cells and cuts it the same way in
     `box_difference`. Returned as it is where it cannot be clipped (no block needed, a partial destination, or
     blocks of another rank)."""
+    clipped = clipped_pair(src, dst)
+    return (src, dst) if clipped is None else clipped[:2]
+
+
+def clipped_pair(src: Layout, dst: Layout) -> tuple[Layout, Layout, tuple[int, ...], frozenset[int]] | None:
+    """`within`'s pair, the shape of the box B, and the devices whose source block clipping changed (those not
+    inside B); None where `within` leaves the pair as it is."""
     placed = _at_origin(dst)
     clipped = None if placed is None else _clipped(src, placed[1])
-    return (src, dst) if clipped is None else (clipped, placed[0])
+    return None if clipped is None else (clipped[0], placed[0], placed[1].shape, clipped[1])
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -276,12 +285,13 @@ def _at_origin(dst: Layout) -> tuple[Layout, ZRange] | None:
         return None
     box = ZRange.bounding(needed)
     back = tuple(-x for x in box.start)
-    return Layout(tuple(None if b is None else b.translate(back) for b in dst.blocks), False), box
+    return canonical(Layout(tuple(None if b is None else b.translate(back) for b in dst.blocks), False)), box
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _clipped(src: Layout, box: ZRange) -> Layout | None:
-    """`src`'s blocks clamped into `box` and moved to its origin (None if a block's rank is not the box's)."""
+def _clipped(src: Layout, box: ZRange) -> tuple[Layout, frozenset[int]] | None:
+    """`src`'s blocks clamped into `box` and moved to its origin, and the devices whose block that changed (None if
+    a block's rank is not the box's)."""
     lo, hi = box.start, box.end
     if any(b is not None and len(b.start) != len(lo) for b in src.blocks):
         return None
@@ -289,10 +299,11 @@ def _clipped(src: Layout, box: ZRange) -> Layout | None:
     def clipped(b: ZRange | None) -> ZRange | None:
         if b is None:
             return None
-        return ZRange._checked(tuple(min(max(x, l), h) - l for x, l, h in zip(b.start, lo, hi)),
-                               tuple(min(max(x, l), h) - l for x, l, h in zip(b.end, lo, hi)))
+        return canonical_box(tuple(min(max(x, l), h) - l for x, l, h in zip(b.start, lo, hi)),
+                             tuple(min(max(x, l), h) - l for x, l, h in zip(b.end, lo, hi)))
 
-    return Layout(tuple(map(clipped, src.blocks)), src.partial)
+    changed = frozenset(k for k, b in enumerate(src.blocks) if b is not None and not box.contains(b))
+    return canonical(Layout(tuple(map(clipped, src.blocks)), src.partial)), changed
 
 
 def received_elements(src: Layout, dst: Layout) -> tuple[int, ...]:
