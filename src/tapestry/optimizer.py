@@ -31,6 +31,7 @@ from tapestry.cost.overlap import forward_outputs, overlap, upstream
 from tapestry.egraph.clock import clock
 from tapestry.egraph.decode import Decoder, DNode, distributed_nodes
 from tapestry.egraph.driver import MOVES_SHARE, Budget, IterationStats, SaturationStats, saturate
+from tapestry.egraph.layered import Layered, value_classes
 from tapestry.egraph.repeat import find_repetition
 from tapestry.egraph.rules import RuleFile, load_rules
 from tapestry.extract import (
@@ -45,6 +46,7 @@ from tapestry.extract import (
 )
 from tapestry.extract import EGraph as ExtractGraph
 from tapestry.graph import Graph, GraphError
+from tapestry.graph.layers import find_layers, fold
 from tapestry.plan import Compute, Place, Plan, steady_violations
 from tapestry.plan.explain import explain as explain_plan
 from tapestry.plan.validate import validate_plan
@@ -191,6 +193,12 @@ class Explored:
     rule_files: tuple[RuleFile, ...]
     data: dict[str, Any] = field(repr=False)
     pricing_seconds: float = math.inf  # what the saturation budget left for pricing (Decoder.serialized)
+    layered: Layered | None = None  # `graph` is the whole graph's fold: plans are expanded onto every layer
+
+    @property
+    def whole(self) -> Graph:
+        """The graph plans are of: the explored one, or the one it folds."""
+        return self.graph if self.layered is None else self.layered.full
 
     @cached_property
     def repeated(self) -> Repeated | None:
@@ -222,13 +230,16 @@ class Explored:
         both half hidden; the cheapest plan by plan_cost is kept, marked "feasible" (the objectives were not its
         time). docs/cost-models.md says what is exact."""
         model = cost_model or default_cost_model()
-        carried = dict(self.graph.carried if steady is None else steady)
-        _check_carried(self.graph, carried)
+        whole_carried = dict(self.whole.carried if steady is None else steady)
+        _check_carried(self.whole, whole_carried)
+        carried = {out: into for out, into in whole_carried.items() if out in self.graph.outputs}  # of the fold
         priced = self.decoder.extraction_graph(  # pruning is sound for a plain sum of node costs only
             list(self.roots), model, self.pricing_seconds,
-            drop_dominated=memory_budget is None and not (carried or self.graph.carried))
+            drop_dominated=memory_budget is None and not (carried or self.graph.carried or self.layered))
         egraph = self._restrict_outputs(priced, outputs)
         egraph, ties = self._steady_ties(egraph, carried)
+        if self.layered is not None:  # copy 1 counted once per later copy, tied to copy 0
+            egraph, ties = self.layered.costs(egraph), sorted([*ties, *self.layered.ties()])
         budget_of = cache(lambda: self._device_budget(memory_budget))  # made only where it binds
         reductions, backward = self._overlap_split()
 
@@ -252,8 +263,13 @@ class Explored:
             selection = replace(selection, status="feasible")  # no objective was the plan's time: nothing proven
             plan = replace(plan, notes={**plan.notes, "status": "feasible",
                                         "overlap_rounds": 1 + len(LAGRANGE_WEIGHTS)})
-        plan = self._verified(plan, extractor, carried)
+        plan = self._verified(plan, extractor, whole_carried)
         stats = replace(self.stats, reshards_unpriced=self.decoder.pricing.reshards_unpriced)
+        if self.layered is not None:  # the best periodic plan found: nothing proven over plans whose layers differ
+            plan = replace(plan, notes={**plan.notes, "periodic": {
+                "copies": self.layered.copies, "nodes_per_copy": len(self.layered.folded.layers.chains),
+                "extractor_status": selection.status, "gap_among_periodic": selection.gap}})
+            selection = replace(selection, status="periodic", gap=None)
         status = search_status(stats, selection)
         plan = replace(plan, notes={**plan.notes, "status": status, "extractor_status": selection.status})
         result = OptimizeResult(plan, stats, replace(selection, status=status), self.rule_files, self.data)
@@ -291,10 +307,10 @@ class Explored:
             problems = validate(egraph, selection)
             if problems:
                 raise AssertionError(f"extractor {extractor} returned an invalid selection: {problems[0]}")
-            plan = self.decoder.plan(egraph, selection, self.graph, self.names)
+            plan, step_nodes = self._decode(egraph, selection)
             if memory_budget is None:
                 break
-            plan, step_nodes, peaks = self._leaner(plan, self.decoder.step_nodes(egraph, selection))
+            plan, step_nodes, peaks = self._leaner(plan, step_nodes)
             if max(p.bytes for p in peaks) <= memory_budget:
                 break
             rounds += 1
@@ -321,11 +337,18 @@ class Explored:
         problems = validate(egraph, selection)
         if problems:
             raise AssertionError(f"extractor {selection.extractor} returned an invalid selection: {problems[0]}")
-        plan, _, peaks = self._leaner(self.decoder.plan(egraph, selection, self.graph, self.names),
-                                      self.decoder.step_nodes(egraph, selection))
+        plan, _, peaks = self._leaner(*self._decode(egraph, selection))
         if max(p.bytes for p in peaks) > memory_budget:
             return None
         return replace(plan, notes={**plan.notes, "memory_budget": "not binding"}), selection
+
+    def _decode(self, egraph: ExtractGraph, selection: Selection) -> tuple[Plan, list[int]]:
+        """The selection's plan of the whole graph (expanded onto every layer where the graph was folded), and
+        the node each step comes from."""
+        plan = self.decoder.plan(egraph, selection, self.graph, self.names)
+        if self.layered is None:
+            return plan, self.decoder.step_nodes(egraph, selection)
+        return self.layered.expand(egraph, selection, self.names, plan.notes)
 
     @staticmethod
     def _verified(plan: Plan, extractor: str, carried: Mapping[str, str]) -> Plan:
@@ -475,6 +498,8 @@ class Explored:
             elif node.op != "Deliver":
                 args = [held[c] for c in dict.fromkeys(node.children) if c not in placed]
                 transient[n] = tuple(map(sum, zip(held[node.eclass], *args)))
+        if self.layered is not None:
+            resident = self.layered.resident(resident)
         return DeviceBudget(limit, resident, transient)
 
     @staticmethod
@@ -546,18 +571,26 @@ class MemoryBudgetError(ValueError):
 
 @_rare_collections()
 def explore(graph: Graph, mesh: Mesh | int = 1, rules: Sequence[str | Path] | None = None,
-            budget: Budget = Budget(), progress: Callable[[IterationStats], None] | None = None) -> Explored:
-    """Saturate: every sharding, fusion and substitution the rules and signatures allow, in one e-graph."""
+            budget: Budget = Budget(), progress: Callable[[IterationStats], None] | None = None,
+            layers: bool = True) -> Explored:
+    """Saturate: every sharding, fusion and substitution the rules and signatures allow, in one e-graph.
+
+    With `layers` (the default), a graph of three or more repeated layers (graph.layers) is saturated folded to
+    two of them, and its plans are periodic: one layer planned, run by every copy (egraph.layered)."""
     mesh = Mesh(mesh) if isinstance(mesh, int) else mesh
     rule_files = load_rules(rules)
     started = clock()
-    gen, _, stats = saturate(graph, mesh, rule_files, budget, progress)
+    found = find_layers(graph) if layers else None
+    folded = fold(graph, found) if found is not None else None
+    explored = folded.graph if folded is not None else graph
+    gen, _, stats = saturate(explored, mesh, rule_files, budget, progress)
     data = gen.session.serialize()
     nodes, roots, names, cut = distributed_nodes(data, gen.interner, started + budget.seconds * MOVES_SHARE)
     stats = replace(stats, values_with_few_moves=cut)
-    return Explored(graph, mesh, Decoder(nodes, gen.interner, mesh, {n.name: n.dtype for n in graph.inputs},
-                                             graph.fixed), tuple(roots), names, stats,
-                    tuple(rule_files), data, max(budget.seconds - (clock() - started), 0.0))
+    decoder = Decoder(nodes, gen.interner, mesh, {n.name: n.dtype for n in explored.inputs}, explored.fixed)
+    layered = None if folded is None else Layered(graph, folded, decoder, value_classes(data, explored))
+    return Explored(explored, mesh, decoder, tuple(roots), names, stats, tuple(rule_files), data,
+                    max(budget.seconds - (clock() - started), 0.0), layered)
 
 
 def optimize(
@@ -572,6 +605,7 @@ def optimize(
     memory_budget: int | None = None,
     outputs: Outputs = "any",
     steady: Mapping[str, str] | None = None,
+    layers: bool = True,
 ) -> OptimizeResult:
     """Find the cheapest plan for `graph` on `mesh` among everything the rules and sharding allow.
 
@@ -579,7 +613,8 @@ def optimize(
     device) is a hard limit on peak memory; `outputs` picks the outputs' layouts: "any" plain layout,
     "replicated", or per output name a Layout (or "any"/"replicated"). `steady` maps outputs to the inputs they
     replace at the next step (default `graph.carried`, which training imports fill; {} turns it off): each is
-    delivered in its input's placed layout. See `Explored.extract`.
+    delivered in its input's placed layout. `layers=False` plans a model's repeated layers one by one rather
+    than one for all (`explore`). See `Explored.extract`.
     """
-    return explore(graph, mesh, rules, budget, progress).extract(cost_model, extractor, time_limit, memory_budget,
-                                                                 outputs, steady)
+    return explore(graph, mesh, rules, budget, progress, layers).extract(cost_model, extractor, time_limit,
+                                                                         memory_budget, outputs, steady)
