@@ -74,11 +74,14 @@ def find_layers(graph: Graph) -> Layers | None:
         seed = next((j for j, name in enumerate(chain) if name in seeds), None)
         if len(chain) == count + 1 and seed is not None:
             copy.update((name, k) for k, name in enumerate(chain[seed - seeds[chain[seed]]:][:count]))
-    nearest = _nearest_seed(graph, seeds)
+    nearest = _nearest_seed(graph, seeds, upstream=True), _nearest_seed(graph, seeds, upstream=False)
     for chain in chains:  # the others by the copy of the nearest seed (a layer's norm reads the layer before it,
         if len(chain) == count + 1 and chain[0] not in copy and chain[-1] not in copy:  # but its own weight)
-            votes = [sum(nearest.get(name) == k for k, name in enumerate(option))
-                     for option in (chain[1:], chain[:-1])]
+            for near in nearest:  # a value is of the layer whose weights made it, else of the nearest layer
+                votes = [sum(near.get(name) == k for k, name in enumerate(option))
+                         for option in (chain[1:], chain[:-1])]
+                if votes[0] != votes[1]:
+                    break
             if _kind(graph[chain[0]]) != _kind(graph[chain[1]]):  # the first layer's input: not of a copy
                 votes = [1, 0]
             elif _kind(graph[chain[-1]]) != _kind(graph[chain[-2]]):
@@ -238,15 +241,16 @@ def _kind(node: Node) -> tuple:
     return node.op, node.params, node.shape, node.dtype, len(node.args)
 
 
-def _nearest_seed(graph: Graph, seeds: Mapping[str, int]) -> dict[str, int]:
-    """Each node's nearest seed's copy, over arguments and readers alike (breadth first, in graph order)."""
+def _nearest_seed(graph: Graph, seeds: Mapping[str, int], upstream: bool) -> dict[str, int]:
+    """Each node's nearest seed's copy (breadth first, in graph order), among what it is computed from
+    (`upstream`), or over arguments and readers alike."""
     users = graph.users()
     found = dict(seeds)
     frontier = list(seeds)
     while frontier:
         reached = []
         for name in frontier:
-            for other in (*graph[name].args, *users[name]):
+            for other in (users[name] if upstream else (*graph[name].args, *users[name])):
                 if other not in found:
                     found[other] = found[name]
                     reached.append(other)
