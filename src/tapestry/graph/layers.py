@@ -21,12 +21,13 @@ where it read the last copy; copy 1 reads, where it read copy 2, what the last c
 """
 from __future__ import annotations
 
+import heapq
 import re
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tapestry.graph.graph import Graph, GraphError, Node
+from tapestry.graph.graph import Graph, Node
 
 MIN_COPIES = 3  # the fold models two copies, so fewer save nothing
 
@@ -102,34 +103,38 @@ def fold(graph: Graph, layers: Layers) -> Folded | None:
     a middle copy, or the reads cannot be redirected."""
     copy_of, m = layers.copy_of(), layers.copies
     position = {chain[k]: (i, k) for i, chain in enumerate(layers.chains) for k in range(m)}
-    folded, exits = Graph(), {}
+    exits: dict[str, str] = {}
     dropped = {o for chain in layers.outputs for o in chain[2:]}
-    try:
-        for node in graph:
-            k = copy_of.get(node.name)
-            if k is not None and k >= 2:
-                continue
-            if node.is_input:
-                folded.input(node.name, node.shape, node.dtype, static=node.name in graph.static)
-                continue
-            args = []
-            for p, a in enumerate(node.args):
-                j = copy_of.get(a)
-                if j is None or j == 0 or j == 1 and k is not None:
-                    args.append(a)
-                elif k is None and j == m - 1:  # the suffix reads copy 1 where it read the last copy
-                    args.append(layers.chains[position[a][0]][1])
-                elif k == 1 and j == 2:  # copy 1 reads what the last copy reads where copy 1 read copy 2
-                    last = graph[layers.chains[position[node.name][0]][m - 1]].args[p]
-                    if last in copy_of:
-                        return None
-                    exits[layers.chains[position[a][0]][1]] = last
-                    args.append(last)
-                else:
+    reads: dict[str, list[str]] = {}  # kept node -> what it reads in the fold
+    for node in graph:
+        k = copy_of.get(node.name)
+        if k is not None and k >= 2:
+            continue
+        args = reads[node.name] = []
+        for p, a in enumerate(node.args):
+            j = copy_of.get(a)
+            if j is None or j == 0 or j == 1 and k is not None:
+                args.append(a)
+            elif k is None and j == m - 1:  # the suffix reads copy 1 where it read the last copy
+                args.append(layers.chains[position[a][0]][1])
+            elif k == 1 and j == 2:  # copy 1 reads what the last copy reads where copy 1 read copy 2
+                last = graph[layers.chains[position[node.name][0]][m - 1]].args[p]
+                if last in copy_of:
                     return None
-            folded.op(node.op, *args, name=node.name, **dict(node.params))
-    except GraphError:  # a redirected read made after its reader: not a stack this fold understands
+                exits[layers.chains[position[a][0]][1]] = last
+                args.append(last)
+            else:
+                return None
+    order = _graph_order(graph, reads)
+    if len(order) < len(reads):  # the redirected reads made a cycle
         return None
+    folded = Graph()
+    for name in order:  # a redirected read can be made after its reader in the whole graph
+        node = graph[name]
+        if node.is_input:
+            folded.input(name, node.shape, node.dtype, static=name in graph.static)
+        else:
+            folded.op(node.op, *reads[name], name=name, **dict(node.params))
     copy_outputs = {o for chain in layers.outputs for o in chain}
     for name, target in graph.outputs.items():
         if name in dropped:
@@ -145,6 +150,27 @@ def fold(graph: Graph, layers: Layers) -> Folded | None:
     folded.examples.update((k, v) for k, v in graph.examples.items() if k in kept)
     folded.nonnegative.update(n for n in graph.nonnegative if n in kept)
     return Folded(folded, layers, exits)
+
+
+def _graph_order(graph: Graph, reads: Mapping[str, list[str]]) -> list[str]:
+    """The nodes of `reads`, each after what it reads, else in the graph's order."""
+    index = {node.name: i for i, node in enumerate(graph)}
+    waiting = {name: len(set(args)) for name, args in reads.items()}
+    readers: dict[str, list[str]] = {}
+    for name, args in reads.items():
+        for a in set(args):
+            readers.setdefault(a, []).append(name)
+    ready = [(index[name], name) for name, left in waiting.items() if left == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, name = heapq.heappop(ready)
+        order.append(name)
+        for reader in readers.get(name, ()):
+            waiting[reader] -= 1
+            if waiting[reader] == 0:
+                heapq.heappush(ready, (index[reader], reader))
+    return order
 
 
 def _seeds(graph: Graph) -> tuple[dict[str, int], dict[str, str]] | None:
