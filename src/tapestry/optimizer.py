@@ -394,7 +394,7 @@ class Explored:
                     raise
                 # CP-SAT found no steady selection in time (a training step past a few layers on many devices):
                 # greedy-dag's pinned layouts are steady; the selection names its extractor, and proves nothing
-                try:
+                try:  # (where the graph was folded, copy 1 then mirrors copy 0's choice: Layered.mirror)
                     return self._select(egraph, "greedy-dag", time_limit, budget, ties, carried)
                 except NoFiniteChoiceError:
                     raise err from None
@@ -405,6 +405,8 @@ class Explored:
                 selection = extract(self._pin_layouts(egraph, pins, carried), extractor, time_limit, budget)
             except NoFiniteChoiceError:
                 continue  # a pinned layout's moves were left unpriced (budget): the other pins
+            if self.layered is not None:
+                selection = self.layered.mirror(egraph, selection)
             if ties_hold(selection.choice, ties):
                 steady.append(selection)
         if not steady:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -23,6 +24,8 @@ from typing import Any
 
 from tapestry.egraph.decode import Decoder, DNode
 from tapestry.extract import EGraph, Selection
+from tapestry.extract.selection import finalize
+from tapestry.extract.tree import solvable_tree
 from tapestry.graph import Graph
 from tapestry.graph.layers import Folded
 from tapestry.plan import Place, Plan, Reshard, Step
@@ -117,15 +120,33 @@ class Layered:
         for n, node in enumerate(nodes):
             if node.value and self.copy_of.get(node.value) == 1:
                 index.setdefault((node.eclass, self._identity(node), node.children), n)
+        outputs = {chain[0]: chain[1] for chain in self.folded.layers.outputs}
+        delivers = {(node.key, node.children): n for n, node in enumerate(nodes) if node.op == "Deliver"}
         found: dict[int, int] = {}
         for n, node in enumerate(nodes):
-            if node.value and self.copy_of.get(node.value) == 0:
+            if node.op == "Deliver" and node.key in outputs:  # copy 1's output delivered as copy 0's
+                twin = delivers.get((outputs[node.key], (self._class_image(node.children[0]),)))
+                if twin is not None:
+                    found[n] = twin
+            elif node.value and self.copy_of.get(node.value) == 0:
                 c = self._class_image(node.eclass)
                 children = tuple(self._class_image(d) for d in node.children)
                 twin = index.get((c, self._identity(node), children))
                 if twin is not None and None not in children and twin not in found.values():
                     found[n] = twin
         return found
+
+    def mirror(self, egraph: EGraph, selection: Selection) -> Selection:
+        """`selection` with copy 1 choosing the twins of copy 0's choices: periodic, whatever chose copy 0 (the
+        fallback where the ILP found no selection keeping the ties in time)."""
+        choice = [-1] * egraph.num_classes
+        for c, n in selection.choice.items():
+            choice[c] = n
+        for n, twin in self.twins.items():
+            if choice[egraph.node_class[n]] == n:
+                choice[egraph.node_class[twin]] = twin
+        return finalize(egraph, choice, solvable_tree(egraph), selection.extractor,
+                        time.perf_counter() - selection.seconds)
 
     def ties(self) -> list[tuple[int, int]]:
         return sorted(self.twins.items())
