@@ -405,9 +405,12 @@ class Explored:
                 selection = extract(self._pin_layouts(egraph, pins, carried), extractor, time_limit, budget)
             except NoFiniteChoiceError:
                 continue  # a pinned layout's moves were left unpriced (budget): the other pins
-            if self.layered is not None:
+            if self.layered is not None:  # copy 1 mirrors copy 0; the steady ties must hold, the twins' one way
                 selection = self.layered.mirror(egraph, selection)
-            if ties_hold(selection.choice, ties):
+                twins = set(self.layered.ties())
+                if self.layered.holds(selection) and ties_hold(selection.choice, [t for t in ties if t not in twins]):
+                    steady.append(selection)
+            elif ties_hold(selection.choice, ties):
                 steady.append(selection)
         if not steady:
             raise NoFiniteChoiceError(f"extractor {extractor!r} found no steady-state plan; use 'ilp'")

@@ -148,6 +148,12 @@ class Layered:
         return finalize(egraph, choice, solvable_tree(egraph), selection.extractor,
                         time.perf_counter() - selection.seconds)
 
+    def holds(self, selection: Selection) -> bool:
+        """Whether copy 1 runs the twin of every node copy 0 runs (it may run more: what only the suffix reads
+        of the last copy)."""
+        chosen = set(selection.choice.values())
+        return all(twin in chosen for n, twin in self.twins.items() if n in chosen)
+
     def ties(self) -> list[tuple[int, int]]:
         return sorted(self.twins.items())
 
@@ -190,7 +196,8 @@ class Layered:
         reads = [[made[d] for d in nodes[n].children] for n in picked]
         region = [self.copy_of.get(nodes[n].value) if nodes[n].value else None for n in picked]
         back = {t: n for n, t in self.twins.items()}
-        twin_step = {i: made[nodes[back[n]].eclass] for i, n in enumerate(picked) if region[i] == 1}
+        twin_step = {i: made[nodes[back[n]].eclass] for i, n in enumerate(picked)
+                     if region[i] == 1 and n in back and nodes[back[n]].eclass in made}
         one_on = {j: i for i, j in twin_step.items()}  # copy 0's step -> the copy 1 step repeating it
 
         def source(i: int, k: int | None, j: int, p: int) -> tuple[int, int | None]:
@@ -200,6 +207,8 @@ class Layered:
             if region[j] == 0:
                 return (one_on[j], k - 1) if region[i] == 1 and k is not None and k > 1 else (j, 0)
             if region[i] == 1 and k is not None and k < m - 1:
+                if i not in twin_step:  # only the last copy's reader makes it: the plan's checks judge the rest
+                    return j, None
                 twin_read = reads[twin_step[i]][p]
                 if region[twin_read] == 1:  # copy 0 reads copy 1 here: copy k reads copy k+1
                     return twin_read, k + 1
@@ -238,7 +247,7 @@ class Layered:
         """decoder.emitted, and the twins of what it emits in the other copy (a twin nothing reachable reads, as
         the last copy's output in a layout only the copies read, is still run by every copy but the last)."""
         nodes = self.decoder.nodes
-        other = {**self.twins, **{t: n for n, t in self.twins.items()}}
+        other = self.twins
         class_index = {c: i for i, c in enumerate(egraph.class_ids)}
         roots = list(egraph.roots)
         while True:
