@@ -145,8 +145,20 @@ class Layered:
         for n, twin in self.twins.items():
             if choice[egraph.node_class[n]] == n:
                 choice[egraph.node_class[twin]] = twin
-        return finalize(egraph, choice, solvable_tree(egraph), selection.extractor,
-                        time.perf_counter() - selection.seconds)
+        found = finalize(egraph, choice, solvable_tree(egraph), selection.extractor,
+                         time.perf_counter() - selection.seconds)
+        # copy 0's output in a layout copy 1 reads has a twin only copy 2 would read, unreachable in the fold: kept
+        # in the choice (children first, so no cycle) for the expansion's later copies
+        kept = dict(found.choice)
+        grown = True
+        while grown:
+            grown = False
+            for n, twin in self.twins.items():
+                c = egraph.node_class[twin]
+                if kept.get(egraph.node_class[n]) == n and c not in kept \
+                        and all(d in kept for d in egraph.node_children[twin]):
+                    kept[c], grown = twin, True
+        return replace(found, choice=kept)
 
     def holds(self, selection: Selection) -> bool:
         """Whether copy 1 runs the twin of every node copy 0 runs (it may run more: what only the suffix reads
