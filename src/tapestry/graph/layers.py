@@ -13,8 +13,8 @@ first layer's input, what the last layer's backward reads from the suffix). The 
 one chain per node of the block; a chain one longer has an entry or exit at one end, left out by kind (the first
 layer's input is not made like a layer's output) or else by the copy of the nearest seed (the final norm reads
 the last layer as each layer's norm reads the one before). The chains are then checked to be a shift
-(`_check`): every node of copy k has an image in copy k+1 that reads the images of what it reads. Whatever the names say, only a checked shift
-is used, so a wrong guess costs a missed fold, never a wrong plan.
+(`_check`): every node of copy k has an image in copy k+1 that reads the images of what it reads. Whatever the
+names say, only a checked shift is used, so a wrong guess costs a missed fold, never a wrong plan.
 
 `fold` keeps the prefix, copies 0 and 1 and the suffix: copy 1 stands for copies 1..m-1 (the suffix reads it
 where it read the last copy; copy 1 reads, where it read copy 2, what the last copy reads there).
