@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import re
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 HEADER = "# Benchmarks\n\nEach section is written by the script it names; rerun the command to reproduce it.\n"
@@ -43,3 +46,22 @@ def worse_than_hand(found: Measured | None, hand: dict[str, Measured], budget: i
     """Whether the optimizer's plan (None: it found none) is slower than the best hand plan within `budget`."""
     best = best_hand(hand, budget)
     return best is not None and (found is None or found[0] > best[1] * (1 + 1e-9))
+
+
+def grid_rows(cases: Iterable[Any], rows_for: Callable[[Any, float], list[Any]],
+              time_limit: float) -> tuple[list[Any], float]:
+    """Every case's rows, each case's progress printed as it ends; and when the grid started (perf_counter)."""
+    started = time.perf_counter()
+    rows: list[Any] = []
+    for case in cases:
+        rows += rows_for(case, time_limit)
+        print(f"{case}: {time.perf_counter() - started:.0f} s", flush=True)
+    return rows, started
+
+
+def worse_summary(rows: list[Any], started: float) -> str:
+    """How many rows (each with `.worse`) lose to the best hand plan within their budget, and the seconds taken."""
+    worse = [r for r in rows if r.worse]
+    return (f"{len(rows)} rows, {len(worse)} where the optimizer is slower than the best hand plan that fits "
+            f"the same budget{' (flagged **WORSE**)' if worse else ''}; "
+            f"{time.perf_counter() - started:.0f} s on this machine.")

@@ -1,4 +1,4 @@
-"""Cluster benchmark (issue 24): LLaMA at real widths, built on the meta device, planned for H100 clusters.
+"""Cluster benchmark (issue 24): LLaMA and Mixtral at real widths, built on meta, planned for H100 clusters.
 
 Per case (model width, layers, inference or one Adam training step, mesh): import time and peak RSS, optimize
 time, the result's status and gap, predicted step time and MFU, peak memory per device, what the plan splits
@@ -29,11 +29,13 @@ from typing import Any
 from _report import write_section
 
 PROFILE = "gpu-h100-cluster"
-WIDTHS = {  # hidden, MLP hidden, heads, KV heads: LLaMA-2 configs
+WIDTHS = {  # hidden, MLP hidden (per expert), heads, KV heads: LLaMA-2 configs, and Mixtral 8x7B's
     "7B": (4096, 11008, 32, 32),
     "13B": (5120, 13824, 40, 40),
     "70B": (8192, 28672, 64, 8),
+    "Mixtral": (4096, 14336, 32, 8),
 }
+EXPERTS = {"Mixtral": (8, 2)}  # experts, and how many each token is routed to
 HAND = ("DP", "ZeRO-3", "TP", "DPxTP")
 
 
@@ -63,18 +65,26 @@ def peak_rss() -> int:
 def build(case: Case) -> Any:
     """The case's module on the meta device (bfloat16, as such models train and serve) and its import."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     import tapestry
 
     hidden, mlp, heads, kv = WIDTHS[case.model]
     if case.arch == "block":
+        if case.model in EXPERTS:
+            raise ValueError(f"{case.model}: no block arch for a mixture of experts; use --arch hf")
         return build_blocks(case, hidden, mlp, heads)
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=case.layers,
-                         num_attention_heads=heads, num_key_value_heads=kv, vocab_size=case.vocab,
-                         max_position_embeddings=max(4096, case.seq))
+    widths = dict(hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=case.layers,
+                  num_attention_heads=heads, num_key_value_heads=kv, vocab_size=case.vocab,
+                  max_position_embeddings=max(4096, case.seq))
+    if case.model in EXPERTS:
+        experts, top = EXPERTS[case.model]
+        config = transformers.MixtralConfig(**widths, num_local_experts=experts, num_experts_per_tok=top)
+        architecture = transformers.MixtralForCausalLM
+    else:
+        config, architecture = transformers.LlamaConfig(**widths), transformers.LlamaForCausalLM
     with torch.device("meta"):
-        module = LlamaForCausalLM(config).to(torch.bfloat16)
+        module = architecture(config).to(torch.bfloat16)
     ids = torch.zeros(case.batch, case.seq, dtype=torch.int64, device="meta")
     if case.mode == "inference":
         return tapestry.from_torch(module.eval(), (ids,), {"use_cache": False}, verbose=False)
@@ -132,20 +142,31 @@ def distinct_blocks(layout: Any) -> int:
 
 
 def degrees(plan: Any, arguments: tuple[str, ...]) -> dict[str, Any]:
-    """What the plan splits: the token ids' and the weights' Place layouts (distinct blocks), and for a
-    training step how many weights live replicated (R), sharded and gathered on use (G), sharded in place (S)."""
+    """What the plan splits: the token ids' and the weights' Place layouts (distinct blocks), the devices a step's
+    experts are split over (EP: expert parallel, `Compute.exchange`) and a ring attention's (CP, `Compute.ring`),
+    and for a training step how many weights live replicated (R), sharded and gathered on use (G), sharded in
+    place (S)."""
     from collections import Counter
 
     from tapestry.plan import Place
     from tapestry.training.strategy import GATHERED, IN_PLACE, REPLICATED, storage
 
+    import math
+
+    from tapestry.plan import Compute
+
     places = {s.input: s.layout for s in plan.steps if isinstance(s, Place)}
     weights = [distinct_blocks(layout) for name, layout in places.items()
-               if name.endswith(".weight") and not name.startswith(("adam.", "new."))]
+               if name.endswith((".weight", ".experts.gate_up_proj", ".experts.down_proj"))
+               and not name.startswith(("adam.", "new."))]
     found: dict[str, Any] = {
         "ids split": max((distinct_blocks(places[a]) for a in arguments if a in places), default=1),
         "weights split (max)": max(weights, default=1),
         "weights split": sum(w > 1 for w in weights), "weights": len(weights),
+        "EP": max((math.prod(plan.mesh.shape[a] for a in s.exchange) for s in plan.steps
+                   if isinstance(s, Compute) and s.exchange), default=1),
+        "CP": max((math.prod(plan.mesh.shape[a] for a in s.ring) for s in plan.steps
+                   if isinstance(s, Compute) and s.ring), default=1),
     }
     if plan.graph.carried:
         short = {REPLICATED: "R", GATHERED: "G", IN_PLACE: "S"}
@@ -177,18 +198,13 @@ def hand_plans(imported: Any, case: Case, model: Any, errors: dict[str, str],
     graph = imported.graph
     mesh = tapestry.Mesh(math.prod(case.shape))
     arguments = imported.translation.user_inputs
-    hidden = {}
-    for name in (n.name for n in graph.inputs):
-        if re.search(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj|q|k|v|gate|up)\.weight$", name) \
-                and not name.startswith("adam."):
-            hidden[name] = 0
-        elif re.search(r"\.(o_proj|down_proj|o|down)\.weight$", name) and not name.startswith("adam."):
-            hidden[name] = 1
+    hidden = tensor_parallel_dims([n.name for n in graph.inputs])
     builders = {"DP": lambda: data_parallel(graph, mesh, arguments), "TP": lambda: megatron(graph, mesh, hidden)}
     if graph.carried:
         builders["ZeRO-3"] = lambda: zero3(graph, mesh, arguments)
-    if len(case.shape) == 2:  # the 2-D recipe on the case's own mesh: DP over the outer axis, TP over the inner
-        builders["DPxTP"] = lambda: data_tensor_parallel(graph, tapestry.Mesh(*case.shape), arguments, hidden)
+    if len(case.shape) >= 2:  # the 2-D recipe: TP over the inner axis (a node), DP over the outer ones flattened
+        outer = tapestry.Mesh(math.prod(case.shape[:-1]), case.shape[-1])
+        builders["DPxTP"] = lambda: data_tensor_parallel(graph, outer, arguments, hidden)
     priced: dict[str, tuple[float, int]] = {}
     for name, make in builders.items():
         try:
@@ -201,6 +217,24 @@ def hand_plans(imported: Any, case: Case, model: Any, errors: dict[str, str],
             errors[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
             print(f"  {name}: {errors[name]}", flush=True)
     return priced
+
+
+def tensor_parallel_dims(names: list[str]) -> dict[str, int]:
+    """Megatron's split per weight: column-parallel (q, k, v, gate, up: output features, dim 0) and row-parallel
+    (o, down: input features, dim 1) linears; a MoE's experts likewise (gate_up_proj [E, 2F, D] on its 2F,
+    down_proj [E, D, F] on its F; the router, mlp.gate, whole)."""
+    found = {}
+    for name in names:
+        if name.startswith("adam."):
+            continue
+        if re.search(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj|q|k|v|gate|up)\.weight$", name) \
+                and name.removesuffix("gate.weight") + "experts.gate_up_proj" not in names:
+            found[name] = 0
+        elif re.search(r"\.(o_proj|down_proj|o|down)\.weight$", name) or name.endswith(".experts.gate_up_proj"):
+            found[name] = 1
+        elif name.endswith(".experts.down_proj"):
+            found[name] = 2
+    return found
 
 
 def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any, hand: bool = True) -> None:
@@ -222,9 +256,11 @@ def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any, h
         mesh = tapestry.Mesh(*case.shape)
         flops, peak = graph_flops(imported.graph), profile.device.peak("bfloat16")
         row["hand_errors"], row["hand_breakdown"] = {}, {}
+        cpu = time.process_time()
         row["hand"] = {name: (t, m, flops / (t * mesh.size * peak) if t == t else float("nan"))
                        for name, (t, m) in (hand_plans(imported, case, model, row["hand_errors"],
                                                        row["hand_breakdown"]) if hand else {}).items()}
+        row["hand_cpu_s"] = time.process_time() - cpu  # building, pricing and the peak memory of every hand plan
         started, cpu = time.perf_counter(), time.process_time()
         try:
             with warnings.catch_warnings(record=True) as caught:
@@ -278,10 +314,28 @@ def warns(row: dict[str, Any]) -> bool:
     return row["status"].startswith("stopped") and row["replicated"] >= REPLICATED_WARNING
 
 
+def against_best_hand(row: dict[str, Any]) -> str:
+    """The search's predicted time over the fastest hand plan's, and which that is ("—" without hand plans)."""
+    priced = [(t, name) for name, (t, _, _) in row.get("hand", {}).items() if t == t]
+    if not priced:
+        return "—"
+    best, name = min(priced)
+    return f"{row['seconds'] / best:.2f} ({name})"
+
+
+def order(row: dict[str, Any]) -> tuple[Any, ...]:
+    """Rows by model, architecture, step and mesh size."""
+    import math
+
+    c = row["case"]
+    return (list(WIDTHS).index(c["model"]), c.get("arch", "hf"), c["mode"] != "training",
+            math.prod(Case(**c).shape) if c["mesh"] else 0, c["mesh"])
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| model | layers | step | batch x seq | mesh | import s | RSS GiB | optimize s (CPU) | status | gap | "
-            "predicted ms | MFU | GiB/device | replicated | ids / weights split | weights live | "
-            "DP ms (MFU) | ZeRO-3 ms (MFU) | TP ms (MFU) | DPxTP ms (MFU) |")
+            "predicted ms | MFU | GiB/device | replicated | ids / weights split | EP / CP | weights live | "
+            "DP ms (MFU) | ZeRO-3 ms (MFU) | TP ms (MFU) | DPxTP ms (MFU) | vs best hand |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         c = r["case"]
@@ -293,7 +347,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                 r["hand"][h][0] == r["hand"][h][0] else "—" for h in HAND]
         if "error" in r:
             spent = f" {r['optimize_s']:.0f} |" if "optimize_s" in r else " — |"
-            lines.append(first + spent + f" **{r['error']}** |" + " |" * 7 + f" {' | '.join(hand)} |")
+            lines.append(first + spent + f" **{r['error']}** |" + " |" * 8 + f" {' | '.join(hand)} | — |")
             continue
         if not c["mesh"]:
             lines.append(first + " import only |" + " |" * (head.count("|") - 9))
@@ -304,22 +358,27 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(first + f" {spent} | {r['status']}{' (warns)' if warns(r) else ''} | {gap} | "
                      f"{r['seconds'] * 1e3:.1f} | {r['mfu']:.1%} | {gib(r['peak_memory'])} | {r['replicated']:.0%} | "
                      f"{d['ids split']} / {d['weights split']} of {d['weights']} (max {d['weights split (max)']}) | "
-                     f"{d.get('storage', '—')} | {' | '.join(hand)} |")
+                     f"{d.get('EP', '—')} / {d.get('CP', '—')} | "
+                     f"{d.get('storage', '—')} | {' | '.join(hand)} | {against_best_hand(r)} |")
     errors = sorted({f"{name}: {why}" for r in rows for name, why in r.get("hand_errors", {}).items()})
     if errors:
         lines += ["", "Hand plans that could not be priced: " + "; ".join(errors) + "."]
     return "\n".join(lines)
 
 
-def breakdown_tables(rows: list[dict[str, Any]]) -> str:
+def breakdown_tables(rows: list[dict[str, Any]], only: str = "") -> str:
     """Per training case on 64 devices or more (its last row), where its plans' time goes (cost.breakdown): ms per
-    phase and kind, the search's plan beside the hand plans'."""
+    phase and kind, the search's plan beside the hand plans'. `only`: the cases to show, as model/arch/mesh
+    (`7B/block/8x8,70B/block/8x8x8`); empty: all."""
     import math
 
     out = []
     last = {json.dumps(r["case"], sort_keys=True): r for r in rows if "breakdown" in r}
+    chosen = set(filter(None, only.split(",")))
     for r in last.values():
         if r["case"]["mode"] != "training" or math.prod(Case(**r["case"]).shape) < 64:
+            continue
+        if chosen and f"{r['case']['model']}/{r['case'].get('arch', 'hf')}/{r['case']['mesh']}" not in chosen:
             continue
         c = r["case"]
         plans = {"search": r["breakdown"], **{h: b for h, b in r.get("hand_breakdown", {}).items()}}
@@ -350,6 +409,8 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=10.0, help="extraction's (the default)")
     parser.add_argument("--full-layers", type=int, default=32, help="layers of the import-only rows (0: none)")
     parser.add_argument("--provenance", default="", help="with --from-json: which runs made the rows, for the doc")
+    parser.add_argument("--breakdowns", default="", help="the training cases whose breakdown tables to write, as "
+                        "model/arch/mesh (7B/block/8x8,...); default: every one on 64 devices or more")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--no-hand", action="store_true", help="leave the hand plans out (their columns empty)")
@@ -380,33 +441,44 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1, default=str)
+    rows.sort(key=order)
+    models = sorted({r["case"]["model"] for r in rows}, key=list(WIDTHS).index)
     body = "\n".join([
-        f"LLaMA-2 widths (`{', '.join(args.models.split(','))}`), built under `torch.device(\"meta\")` in bfloat16, "
-        f"batch {args.batch} x sequence {args.seq}, planned by `tapestry.optimize` with the `{PROFILE}` profile "
-        f"(NVLink inside 8-GPU nodes, InfiniBand across), its default budget ({args.budget:g} s: CPU seconds since "
-        f"ef44645, wall before) and extraction time limit ({args.time_limit:g} s, wall). Numbers from a loaded "
-        "2-core machine shared with other jobs: wall times follow the load (`optimize s (CPU)`: wall, and the "
-        "process's CPU seconds in brackets). MFU: the imported graph's FLOPs over predicted time x devices x the "
-        "bfloat16 peak (989 TFLOP/s). Hand plans (training/plans.py) split one mesh axis, so they are priced "
-        "on the flat mesh of as many devices (a 64-ring crosses nodes: InfiniBand). `replicated`: share of "
-        "compute steps every device runs whole; `ids / weights split`: distinct blocks of the token ids' layout, "
-        "and how many weights are split; `weights live`: R replicated, G gathered on use, S sharded in place. "
-        "A status `stopped by ...` is a search a budget cut (docs/cost-models.md, \"Budgets\"); `(warns)`: "
-        "so cut a search with so replicated a plan raises SearchCutWarning (optimizer.REPLICATED_WARNING). Rows without a mesh measure the import "
-        "of the whole model alone. `7B blocks`: a stack of `importer.zoo.LlamaBlock` at the 7B width (no rotary, "
-        "embedding or head; training loss MSE), a graph the hand plans can split. At batch 8, data parallelism "
-        "cannot split 64 ways: the hand DP and ZeRO-3 rows on 8x8 run replicated. `DPxTP`: "
-        "training/plans.data_tensor_parallel on the case's 2-D mesh itself (data parallel over the outer axis, "
-        "Megatron tensor parallel over the inner, NVLink, one); rows measured before it have none.",
+        f"Models: `{', '.join(models)}` (LLaMA-2 widths; `Mixtral`: Mixtral 8x7B's, hidden 4096, each expert's "
+        "MLP 14336, 32 heads, 8 KV heads, 8 experts, top-2), a slice of `layers` layers of each, built under "
+        f"`torch.device(\"meta\")` in bfloat16, planned by `tapestry.optimize` with the `{PROFILE}` profile "
+        f"(NVLink inside 8-GPU nodes, InfiniBand across), its default budget ({args.budget:g} CPU s) and extraction "
+        f"time limit ({args.time_limit:g} s, wall). Plain names: transformers' `LlamaForCausalLM` / "
+        "`MixtralForCausalLM` (embedding, rotary, head; training: its cross-entropy loss); `blocks`: a stack of "
+        "`importer.zoo.LlamaBlock` at that width (no rotary, embedding or head; training loss MSE; full "
+        "multi-head attention, so `70B blocks` has 64 KV heads where LLaMA-2 70B has 8). Training: one Adam step. "
+        "Numbers from a loaded 2-core machine shared with other jobs: wall times follow the load (`optimize s "
+        "(CPU)`: wall, and the process's CPU seconds in brackets). MFU: the imported graph's FLOPs over predicted "
+        "time x devices x the bfloat16 peak (989 TFLOP/s). Hand plans (training/plans.py) are priced by the same "
+        "cost model: DP, ZeRO-3 and TP (Megatron: q, k, v, gate, up column-parallel, o, down row-parallel; a MoE's "
+        "experts likewise, the router whole) split one axis, so they are priced on the flat mesh of as many "
+        "devices (past 8 its ring crosses nodes: InfiniBand); `DPxTP`: TP over the inner axis of 8 (a node, "
+        "NVLink) and DP over the outer axes flattened (2x4 itself, 8x8, 4x8x8 as 32x8, 8x8x8 as 64x8). At batch "
+        "8 data parallelism splits at most 8 ways: on more devices the hand plans' data-parallel part runs "
+        "replicated. No hand plan is expert parallel: the plans of training/plans.py follow split dims by "
+        "propagation, which makes no `Compute.exchange` step. `replicated`: share of compute steps every device "
+        "runs whole; `ids / weights split`: distinct blocks of the token ids' layout (the DP degree), and how many "
+        "weights are split (max: into how many blocks); `EP / CP`: devices a step's experts are split over "
+        "(`Compute.exchange`), and a ring attention's (`Compute.ring`); PP is 1 on every row (`tapestry.optimize` "
+        "plans one SPMD program; pipeline stages are `tapestry.pipeline`'s, section \"Pipeline\"); `weights "
+        "live`: R replicated, G gathered on use, S sharded in place; `vs best hand`: predicted time over the "
+        "fastest hand plan's. A status `stopped by ...` is a search a budget cut (docs/cost-models.md, "
+        "\"Budgets\"); `(warns)`: so cut a search with so replicated a plan raises SearchCutWarning.",
         *([f"\n{args.provenance}"] if args.provenance else []),
         "",
         table(rows),
-        breakdown_tables(rows),
+        breakdown_tables(rows, args.breakdowns),
     ])
     if not args.no_write:
         command = "python benchmarks/cluster.py" + (" --quick" if args.quick else "") + (
             f" --models {args.models}" if args.models != "7B" else "") + (
-            f" --from-json {args.from_json}" if args.from_json else "")
+            f" --from-json {args.from_json}" if args.from_json else "") + (
+            f" --breakdowns {args.breakdowns}" if args.breakdowns else "")
         write_section("Cluster", command, body)
     print(body)
 

@@ -14,23 +14,23 @@ import math
 import time
 
 from tapestry.extract import extract_greedy_dag
-from tapestry.extract.contract import contracted
+from tapestry.extract.contract import contracted, value_blocks
 from tapestry.extract.ilp import _block, reduce
 from tapestry.extract.relax import lp_bound
 from tapestry.extract.tree import solvable_tree
 from tapestry.importer import from_torch
-from tapestry.importer.zoo import FAMILIES
+from tapestry.importer.zoo import EXTRA, FAMILIES
 from tapestry.optimizer import default_cost_model, explore
 from tapestry.sharding import Mesh
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", choices=tuple(FAMILIES), default="llama")
+    parser.add_argument("--model", choices=tuple({**EXTRA, **FAMILIES}), default="llama")
     parser.add_argument("--mesh", default="2x2")
     parser.add_argument("--no-full", action="store_true", help="skip the full LP (5-11 s on 2x2)")
     args = parser.parse_args()
-    module, inputs, kwargs = FAMILIES[args.model].build()
+    module, inputs, kwargs = {**EXTRA, **FAMILIES}[args.model].build()
     explored = explore(from_torch(module, inputs, kwargs, verbose=False).graph, Mesh.parse(args.mesh))
     egraph = explored.decoder.extraction_graph(list(explored.roots), default_cost_model(), explored.pricing_seconds,
                                                drop_dominated=True)
@@ -41,7 +41,7 @@ def main() -> None:
                               "candidates": sum(map(len, reduced.candidates.values()))}
     started = time.process_time()
     graph, kept = contracted(egraph, reduced.candidates, block)
-    bound = lp_bound(graph, kept, block, reduced.needs, math.inf)
+    bound = lp_bound(graph, kept, *value_blocks(egraph, reduced.candidates, block, reduced.needs), math.inf)
     row.update(contracted_candidates=sum(map(len, kept.values())),
                contracted_cpu=round(time.process_time() - started, 2), contracted_gap=(greedy - bound) / greedy)
     if not args.no_full:

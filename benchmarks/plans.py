@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from _report import best_hand, mib, us, worse_than_hand, write_section
+from _report import best_hand, grid_rows, mib, us, worse_summary, worse_than_hand, write_section
 from tapestry.cost import DefaultCostModel, load_profile, peak_memory, plan_cost
 from tapestry.graph import Graph
 from tapestry.models import transformer_block
@@ -244,17 +243,10 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="the whole grid (hours on 2 cores)")
     parser.add_argument("--time-limit", type=float, default=10.0, help="ILP seconds per extraction")
     args = parser.parse_args()
-    started = time.perf_counter()
-    rows: list[Row] = []
-    for case in grid(args.full):
-        rows += rows_for(case, args.time_limit)
-        print(f"{case}: {time.perf_counter() - started:.0f} s", flush=True)
+    rows, started = grid_rows(grid(args.full), rows_for, args.time_limit)
     plot(rows, IMG)
     order = measured_order(args.time_limit)
-    worse = [r for r in rows if r.worse]
-    summary = (f"{len(rows)} rows, {len(worse)} where the optimizer is slower than the best hand plan that fits "
-               f"the same budget{' (flagged **WORSE**)' if worse else ''}; "
-               f"{time.perf_counter() - started:.0f} s on this machine.")
+    summary = worse_summary(rows, started)
     body = "\n\n".join([
         "Predicted time (µs) and exact peak memory per device (MiB, cost.peak_memory: weights resident, "
         "activations to their last reader) of hand-built strategies and of the optimizer's plan, float32. "

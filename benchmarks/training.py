@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from _report import best_hand, mib, us, worse_than_hand, write_section
+from _report import best_hand, grid_rows, mib, us, worse_summary, worse_than_hand, write_section
 
 import tapestry
 from tapestry.cost import DefaultCostModel, load_profile, peak_memory, plan_cost
@@ -158,16 +157,9 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="a finer grid (about half an hour on 2 cores)")
     parser.add_argument("--time-limit", type=float, default=10.0, help="ILP seconds per extraction")
     args = parser.parse_args()
-    started = time.perf_counter()
-    rows: list[Row] = []
-    for case in grid(args.full):
-        rows += rows_for(case, args.time_limit)
-        print(f"{case}: {time.perf_counter() - started:.0f} s", flush=True)
+    rows, started = grid_rows(grid(args.full), rows_for, args.time_limit)
     plot(rows, IMG)
-    worse = [r for r in rows if r.worse]
-    summary = (f"{len(rows)} rows, {len(worse)} where the optimizer is slower than the best hand plan that fits "
-               f"the same budget{' (flagged **WORSE**)' if worse else ''}; "
-               f"{time.perf_counter() - started:.0f} s on this machine.")
+    summary = worse_summary(rows, started)
     body = "\n\n".join([
         ("One Adam step (forward, backward, update; float32) of linear(dim, 4 dim) -> relu -> linear(4 dim, dim) "
         f"on {rows[0].case.devices} devices of the {PROFILE} profile. Predicted time (µs) and exact peak memory "

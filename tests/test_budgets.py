@@ -22,6 +22,7 @@ from tapestry.egraph.rules import BUILTIN_DIR, load_rules
 from tapestry.egraph.session import Session
 from tapestry.extract import EGraph as ExtractGraph
 from tapestry.extract import extract
+from tapestry.graph import Graph
 from tapestry.kernels import get_kernel
 from tapestry.models import mlp
 from tapestry.optimizer import default_cost_model, explore, optimize
@@ -326,3 +327,29 @@ def test_the_extraction_graph_is_what_tapestry_extract_reads_from_the_json(drop_
         decoder.serialized(roots, default_cost_model(), drop_dominated=drop_dominated))))
     assert direct == read and direct.node_cost == read.node_cost
     assert (math.inf in direct.node_cost) == drop_dominated  # what pruning left out is there, unselectable
+
+
+def test_no_move_leaves_a_footprint_and_every_footprint_is_still_moved_into():
+    """A footprint (a layout no Run or Place computes, holding only the part of the value a reader reads) is a
+    move's destination, never its source: the computed layout it came from moves straight to what it could feed
+    (issue 25: GPT-NeoX's fused QKV value held 275 footprints of eleven slices, and no plan moved out of one)."""
+    graph = Graph()
+    graph.input("x", (8, 8))
+    graph.relu("x", name="h")
+    half = graph.op("slice", "h", axis=1, start=0, stop=4, name="half")
+    quarter = graph.op("slice", half, axis=1, start=0, stop=2, name="quarter")
+    graph.output("a", graph.relu(half, name="a"))
+    graph.output("b", graph.relu(quarter, name="b"))
+    gen, _, _ = saturate(graph, Mesh(2, 2), load_rules())
+    nodes, roots, names, _ = distributed_nodes(gen.session.serialize(), gen.interner)
+    computed = {n.eclass for n in nodes if n.op not in ("Reshard", "Deliver")}
+    layout_of = {n.eclass: n.layout for n in nodes if n.layout}
+    footprints = {c for n in nodes if n.op not in ("Reshard", "Deliver") for c in n.children
+                  if c not in computed and not gen.interner.whole(layout_of[c])}
+    moves = [n for n in nodes if n.op == "Reshard"]
+    assert footprints, "the case has footprints"
+    assert not [m for m in moves if m.children[0] in footprints]
+    assert footprints <= {m.eclass for m in moves}
+    decoder = Decoder(nodes, gen.interner, gen.mesh, {n.name: n.dtype for n in graph.inputs})
+    egraph = decoder.extraction_graph(roots, default_cost_model())
+    validate_plan(decoder.plan(egraph, extract(egraph, "greedy-dag"), graph, names))

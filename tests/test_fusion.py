@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import tapestry
+from tapestry import optimizer
 from tapestry.cost import DefaultCostModel, load_profile, plan_cost, step_costs
 from tapestry.cost.breakdown import breakdown
 from tapestry.cost.fusion import fusion_groups
@@ -96,3 +97,54 @@ def test_fusion_pricing_does_not_depend_on_the_hash_seed():
     script = "import test_fusion; print(test_fusion.priced_adam_step())"
     other = subprocess.run([sys.executable, "-c", script], env=env, check=True, capture_output=True, text=True).stdout
     assert other.strip() == priced_adam_step()
+
+
+def exp_sigmoid_chain(length: int) -> Graph:
+    """y = sigmoid(exp(...sigmoid(exp(x)))), `length` elementwise kernels of ROWS x COLS."""
+    g = Graph()
+    h = g.input("x", (ROWS, COLS))
+    for i in range(length):
+        h = g.op("sigmoid" if i % 2 else "exp", h, name=f"h{i}")
+    g.output("y", h)
+    return g
+
+
+def test_extraction_chooses_by_the_fused_price_of_the_plan(monkeypatch):
+    """Eight elementwise kernels on 2 devices (fused extraction let down to 2), the output wanted replicated.
+    Priced step by step, halving each kernel's bytes outweighs gathering y at the end; fused, the chain is one
+    kernel whatever its split, and the gather is the dearer part: extraction under fusion-aware node costs
+    computes it whole on each device."""
+    monkeypatch.setattr(optimizer, "FUSED_EXTRACTION_DEVICES", 2)
+    explored = tapestry.explore(exp_sigmoid_chain(8), tapestry.Mesh(2))
+    unfused = explored.extract(UNFUSED, outputs="replicated").plan
+    fused = explored.extract(GPU, outputs="replicated")
+    assert any(isinstance(s, Reshard) for s in unfused.steps)  # split, then gathered
+    assert not any(isinstance(s, Reshard) for s in fused.plan.steps)
+    device = GPU.profile.device
+    alone = 2 * 4 * ROWS * COLS / device.mem_bandwidth + device.launch_overhead  # x read, y written, one launch
+    assert fused.plan.cost == pytest.approx(alone)
+    assert fused.plan.cost < plan_cost(unfused, GPU)
+    assert fused.status == "feasible" and fused.plan.notes["node_costs"] == "fused"
+    # its fused node costs (x read and the launch by the first kernel, y's write by the Deliver) are its price
+    # but for the other kernels' FLOPs, which the group's time hides behind its bytes and the node costs add
+    flops = sum(s.signature.cost(s.blocks[0])[0] / device.peak("float32") for s in fused.plan.steps[2:])
+    assert fused.plan.cost < fused.selection.dag_cost == pytest.approx(fused.plan.cost + flops)
+
+
+def test_meshes_below_fused_extraction_devices_extract_once_under_unfused_node_costs():
+    """The same chain on 2 devices with the default gate: no second extraction, the unfused costs' plan."""
+    assert optimizer.FUSED_EXTRACTION_DEVICES > 2
+    explored = tapestry.explore(exp_sigmoid_chain(8), tapestry.Mesh(2))
+    once = explored.extract(GPU, outputs="replicated")
+    assert once.plan.steps == explored.extract(UNFUSED, outputs="replicated").plan.steps
+    assert "node_costs" not in once.plan.notes
+
+
+def test_extraction_keeps_the_unfused_choice_where_fused_node_costs_find_nothing_cheaper(monkeypatch):
+    """Four kernels: splitting them does not pay for the gather either way; the plan is the one the unfused
+    costs chose, proven as before."""
+    monkeypatch.setattr(optimizer, "FUSED_EXTRACTION_DEVICES", 2)
+    explored = tapestry.explore(exp_sigmoid_chain(4), tapestry.Mesh(2))
+    fused = explored.extract(GPU, outputs="replicated")
+    assert fused.plan.steps == explored.extract(UNFUSED, outputs="replicated").plan.steps
+    assert fused.status == "optimal" and "node_costs" not in fused.plan.notes

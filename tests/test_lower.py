@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
@@ -9,7 +10,8 @@ from tapestry.cli import main
 from tapestry.demo import seeds_example
 from tapestry.graph import Graph
 from tapestry.lower import (
-    AllGather, AllReduce, AllToAll, Comm, Gather, Local, Piece, PlaceBlock, ReduceScatter, SendRecv, ShardCompute, lower,
+    AllGather, AllReduce, AllToAll, Comm, Gather, Local, Piece, PlaceBlock, RankStep, ReduceScatter, SendRecv,
+    ShardCompute, lower,
 )
 from tapestry.plan import Plan, build_plan
 from tapestry.sharding import Mesh
@@ -197,3 +199,20 @@ def test_the_lower_command_prints_one_rank(tmp_path, capsys) -> None:
     assert main(["lower", str(tmp_path / "plan.json"), "--rank", "1"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("rank 1 of 2") and "rank 0" not in out
+
+
+def _without_pieces(step: RankStep | None) -> RankStep | None:
+    if isinstance(step, AllGather):
+        return replace(step, take=())
+    if isinstance(step, AllToAll):
+        return replace(step, send=(), recv=())
+    return step
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_without_pieces_every_rank_has_the_same_steps_less_all_gathers_takes_and_all_to_alls_moves(name: str):
+    """What cost.memory lowers: every step and block as `lower` makes them, send_recv's moves included (who joins
+    one depends on them), without the pieces that grow as a group's size squared."""
+    plan = CASES[name]()
+    for full, bare in zip(lower(plan).ranks, lower(plan, pieces=False).ranks):
+        assert bare.steps == tuple(map(_without_pieces, full.steps))

@@ -70,23 +70,28 @@ def test_saturation_reaches_a_fixpoint_and_reports_per_iteration_stats():
     assert json.loads(stats.dumps())["stopped_by"] == "fixpoint"
 
 
-def test_planning_collects_garbage_rarely_and_restores_the_callers_thresholds(monkeypatch):
+def test_planning_collects_no_garbage_while_it_runs_and_turns_the_callers_collector_back_on(monkeypatch):
     seen = []
     extract = tapestry.optimizer.extract
 
     def watched(*args, **kwargs):
-        seen.append(gc.get_threshold())
+        seen.append(gc.isenabled())
         return extract(*args, **kwargs)
 
     monkeypatch.setattr(tapestry.optimizer, "extract", watched)
-    old = gc.get_threshold()
-    gc.set_threshold(500, 5, 5)
+    assert gc.isenabled()
+    optimize(mlp(2, 16, 8), Mesh(2), progress=lambda _: seen.append(gc.isenabled()))
+    assert gc.isenabled()
+    assert len(seen) >= 2 and set(seen) == {False}  # in saturation and in extraction
+
+
+def test_planning_leaves_a_disabled_collector_disabled():
+    gc.disable()
     try:
-        optimize(mlp(2, 16, 8), Mesh(2), progress=lambda _: seen.append(gc.get_threshold()))
-        assert gc.get_threshold() == (500, 5, 5)
+        optimize(mlp(2, 16, 8), Mesh(2))
+        assert not gc.isenabled()
     finally:
-        gc.set_threshold(*old)
-    assert len(seen) >= 2 and set(seen) == {tapestry.optimizer.GC_THRESHOLDS}  # in saturation and in extraction
+        gc.enable()
 
 
 @pytest.mark.parametrize(

@@ -318,6 +318,12 @@ def test_a_layer_step_computes_its_inputs_gradient_and_prices_as_its_plan(mlp_st
     assert layer.forward + layer.backward + layer.update == pytest.approx(plan_cost(result.plan, model))
 
 
+def test_a_layer_step_reads_its_input_and_the_incoming_gradient_as_two_inputs(mlp_step) -> None:  # noqa: ANN001
+    activations = [n.name for n in mlp_step.inputs if n.shape == (4, 8) and n.name not in mlp_step.constants]
+    readers = {name: [n for n in mlp_step.nodes if name in n.args] for name in activations}
+    assert len(activations) == 2 and all(readers.values()), readers  # neither the layer's input nor dL/dy unused
+
+
 def test_plan_pipeline_places_every_layer_and_prices_the_chosen_step(mlp_step, tmp_path) -> None:  # noqa: ANN001
     import tapestry
     from tapestry.optimizer import MemoryBudgetError

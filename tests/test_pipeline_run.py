@@ -4,13 +4,18 @@ one device (the losses and the updated weights)."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import tapestry
 from tapestry.models import llama_decoder
-from tapestry.pipeline import PipelinePlan, Schedule
+from tapestry.pipeline import MIXED, LayerCost, PipelinePlan, Schedule
+from tapestry.plan import Place, Plan
 from tapestry.spmd.launch import launch
 from tapestry.testing.reference import torch_losses
 from tapestry.spmd.pipelined import chunk_layers, split_points
@@ -21,6 +26,9 @@ SGD = (torch.optim.SGD, {"lr": 0.1})  # gradients scaled wrongly show in the wei
 # difference (summed micro-batches against one batch) into up to lr; eps 1e-4 bounds that at lr / eps times it
 ADAMW = (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.01, "eps": 1e-4})
 Optimizer = tuple[type[torch.optim.Optimizer], dict[str, float]]
+# a layer's cost, for plans made by hand (the runtime reads a plan's schedule, chunks and stage plan, not its price)
+COST = LayerCost(forward=1.0, backward=2.0, update=0.0, params=1, state=2, slots=2, activations=2, boundary=1,
+                 working=0, flops=1.0)
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -60,22 +68,41 @@ def pipelined(schedule: Schedule | PipelinePlan, layers: int, steps: int, optimi
     data = batches(steps)
     step = tapestry.parallelize_step(model, cross_entropy, data[0], optimizer=optimizer[0], **optimizer[1],
                                      pipeline=schedule, mesh=ranks, max_norm=max_norm)
+    held = held_blocks(step, schedule, model)
     losses = [float(step(ids, labels)) for ids, labels in data]
-    return losses, step.module_state_dict(), repr(step)
+    return losses, step.module_state_dict(), repr(step), held
+
+
+def held_blocks(step: Any, plan: Schedule | PipelinePlan, model: torch.nn.Module) -> dict[str, bool]:
+    """Under a stage plan, before the first step: per weight of this rank's layers, whether it holds exactly
+    the block of `model`'s weight that the stage plan gives its device (the rank's index on the stage's mesh)."""
+    if not isinstance(plan, PipelinePlan) or plan.layer_plan is None:
+        return {}
+    device = dist.get_rank() % plan.stage_mesh.size
+    planned = {s.input: s.layout.blocks[device] for s in plan.layer_plan.steps if isinstance(s, Place)}
+    held = {}
+    for name, p in step.parameters.items():
+        path = name.split(".", 2)
+        if path[0] == "layers":
+            local = p.to_local() if isinstance(p, DTensor) else p
+            held[name] = torch.equal(local, model.get_parameter(name)[planned[f"layer.{path[2]}"].slices()])
+    return held
 
 
 def check_against_torch(schedule: Schedule | PipelinePlan, layers: int, optimizer: Optimizer, steps: int = 2,
                         dim: int = 32, replicas: int = 1, max_norm: float | None = None) -> list[str]:
-    """The ranks' losses and weights against torch's on one device; each rank's repr of its step."""
+    """The ranks' losses and weights against torch's on one device, and under a stage plan the weights' blocks
+    held against the plan's; each rank's repr of its step."""
     want_losses, want = on_one_device(layers, steps, optimizer, dim, max_norm)
-    world = schedule.stages * replicas
+    world = schedule.mesh.size if isinstance(schedule, PipelinePlan) else schedule.stages * replicas
     ranks = launch(pipelined, schedule, layers, steps, optimizer, dim, world, max_norm, nproc=world, timeout=300)
-    for losses, weights, _ in ranks:
+    for losses, weights, _, held in ranks:
         assert losses == pytest.approx(want_losses, abs=1e-5)
         assert set(weights) == set(want)
         for name, value in weights.items():
             torch.testing.assert_close(value, want[name], rtol=0, atol=1e-5, msg=name)
-    return [described for _, _, described in ranks]
+        assert all(held.values()), [name for name, kept in held.items() if not kept]
+    return [described for _, _, described, _ in ranks]
 
 
 def test_a_1f1b_step_on_two_ranks_equals_torch_on_one_device() -> None:
@@ -152,7 +179,7 @@ def test_a_pipelined_step_refuses_a_mesh_that_is_not_a_multiple_of_its_stages() 
                                   time_limit=5)
 
 
-def save_after_one_step(schedule: Schedule, path: str, ranks: int | None = None) -> None:
+def save_after_one_step(schedule: Schedule | PipelinePlan, path: str, ranks: int | None = None) -> None:
     import torch.distributed.checkpoint as dcp
 
     torch.manual_seed(0)
@@ -163,7 +190,7 @@ def save_after_one_step(schedule: Schedule, path: str, ranks: int | None = None)
     dcp.save(step.state_dict(), checkpoint_id=path)
 
 
-def resume_for_one_step(schedule: Schedule, path: str) -> tuple[float, dict[str, torch.Tensor]]:
+def resume_for_one_step(schedule: Schedule | PipelinePlan, path: str) -> tuple[float, dict[str, torch.Tensor]]:
     import torch.distributed.checkpoint as dcp
 
     torch.manual_seed(5)  # other initial weights: the checkpoint must replace them
@@ -211,12 +238,8 @@ def forwards_per_layer(plan: PipelinePlan) -> tuple[dict[str, int], list[float],
 
 @pytest.mark.slow
 def test_the_layers_a_plan_recomputes_run_their_forward_again_in_the_backward() -> None:
-    from tapestry.pipeline import MIXED, LayerCost
-
-    cost = LayerCost(forward=1.0, backward=2.0, update=0.0, params=1, state=2, slots=2, activations=2, boundary=1,
-                     working=0, flops=1.0)
     plan = PipelinePlan(tapestry.Mesh(2), 0, Schedule("1f1b", 2, 4), ((0, 1), (2, 3)), (True, False, False, True),
-                        MIXED, BATCH // 4, cost, None, 0.0, 0.0, (0.0, 0.0))
+                        MIXED, BATCH // 4, COST, None, 0.0, 0.0, (0.0, 0.0))
     want_losses, want = on_one_device(4, 1, SGD)
     ranks = launch(forwards_per_layer, plan, nproc=2, timeout=300)
     assert {**ranks[0][0], **ranks[1][0]} == {"layers.0": 8, "layers.1": 4, "layers.2": 4, "layers.3": 8}
@@ -368,3 +391,133 @@ def test_the_pipeline_example_plans_and_trains() -> None:
     assert "+ last (head, loss)" in done.stdout
     losses = [float(line.split()[-1]) for line in done.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 2 and all(0 < loss < 10 for loss in losses)
+
+
+# -- stages of several devices, each laid out by its stage plan (spmd/stage_plan.py) -----------------------------
+
+
+def layer_plan(strategy: str, dim: int = 32) -> Plan:
+    """training.plans' `strategy` for one llama_decoder block's step (pipeline.layer_step) on a stage of 2."""
+    from tapestry.importer.zoo import LlamaBlock
+    from tapestry.pipeline import layer_step
+    from tapestry.training import plans
+
+    graph = layer_step(LlamaBlock(dim, 4, 64), torch.zeros(BATCH // 4, SEQ, dim))
+    if strategy == "megatron":  # column-parallel q, k, v, gate, up; row-parallel o, down
+        cut = {"q": 0, "k": 0, "v": 0, "o": 1, "gate": 0, "up": 0, "down": 1}
+        return plans.megatron(graph, tapestry.Mesh(2), {f"layer.{name}.weight": d for name, d in cut.items()})
+    arguments = [n.name for n in graph.inputs if n.name not in graph.carried.values() and n.name != "lr"
+                 and n.name not in graph.constants]
+    return getattr(plans, strategy)(graph, tapestry.Mesh(2), arguments)
+
+
+def on_stages_of_two(stage_plan: Plan, schedule: Schedule, layers: int) -> PipelinePlan:
+    """`schedule` over mesh axis 0 of 2x2: 2 stages of 2 devices each, every layer laid out by `stage_plan`."""
+    return PipelinePlan(tapestry.Mesh(2, 2), 0, schedule, chunk_layers(schedule, layers), (False,) * layers, MIXED,
+                        BATCH // schedule.micro_batches, COST, stage_plan, 0.0, 0.0, (0.0, 0.0))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, schedule, layers, placed", [
+    ("megatron", Schedule("1f1b", 2, 4), 4, {"q.weight": (Shard(0),), "o.weight": (Shard(1),),
+                                             "down.weight": (Shard(1),), "read q.weight": (Shard(0),),
+                                             "input": (Replicate(),)}),
+    ("data_parallel", Schedule("interleaved", 2, 4, 2), 8, {"q.weight": (Replicate(),), "input": (Shard(0),)}),
+    ("zero3", Schedule("interleaved", 2, 4, 2), 4, {"q.weight": (Shard(0),), "read q.weight": (Replicate(),),
+                                                    "input": (Shard(0),)}),
+], ids=["megatron-1f1b", "data-parallel-interleaved", "zero3-interleaved"])
+def test_stages_of_two_devices_run_their_stage_plan_and_equal_torch(strategy: str, schedule: Schedule, layers: int,
+                                                                     placed: dict[str, Any]) -> None:
+    """4 gloo ranks, 2 stages x 2 devices: each layer's weights are DTensors in the stage plan's layouts (each
+    rank holds the block the plan gives its device), read as the plan's forward reads them (ZeRO-3: gathered),
+    its input in the plan's (tensor parallel: whole; data parallel and ZeRO-3: the micro-batch split), and the
+    step equals torch on one device: SGD, AdamW (its moments sharded with the weights), clipping by the whole
+    model's norm and recomputed layers."""
+    from dataclasses import replace
+
+    from tapestry.spmd.stage_plan import layer_placements
+
+    plan = on_stages_of_two(layer_plan(strategy), schedule, layers)
+    if strategy == "zero3":  # the first and last layers recompute their forward, gathering their weights again
+        plan = replace(plan, recompute=(True, False, False, True))
+    layouts = layer_placements(plan.layer_plan, llama_decoder(VOCAB, layers=1).layers[0])
+    read = {f"read {path}": computed for path, computed in layouts.computed.items()}
+    assert {**layouts.weights, **read, "input": layouts.activation}.items() >= placed.items()
+    described = check_against_torch(plan, layers, SGD, max_norm=0.5 if strategy == "zero3" else None)
+    assert "2 stages, each stage on 2 devices by its plan" in described[0]
+    if strategy == "megatron":
+        check_against_torch(plan, layers, ADAMW)
+
+
+@pytest.mark.slow
+def test_a_plan_pipeline_plan_on_2x2_runs_each_stage_under_the_stage_plan_it_chose() -> None:
+    """plan_pipeline over axis 0 of 2x2 plans the layer on a stage's 2 devices (at width 512 the optimizer shards
+    the weights); the plan runs as chosen, each rank holding the blocks the stage plan gives its device."""
+    from tapestry.cost import DefaultCostModel, load_profile
+    from tapestry.pipeline import model_steps
+
+    dim = 512
+    steps = model_steps(llama_decoder(VOCAB, dim=dim, layers=4), batches(1)[0], cross_entropy)
+    result = tapestry.plan_pipeline(steps.layer, steps.layers, tapestry.Mesh(2, 2), global_batch=BATCH,
+                                    cost_model=DefaultCostModel(load_profile("gpu-h100-cluster")), stages=(2,),
+                                    micro_batch_sizes=(BATCH // 4,), schedules=("1f1b", "interleaved"),
+                                    memory_budget=None, pareto_points=1, budget=tapestry.Budget(seconds=20),
+                                    first=steps.first, last=steps.last)
+    plan = result.plan
+    assert plan.stage_mesh == tapestry.Mesh(2) and plan.layer_plan is not None
+    described = check_against_torch(plan, layers=4, optimizer=SGD, dim=dim)
+    assert "each stage on 2 devices by its plan" in described[0]
+
+
+def test_a_stage_plan_that_cannot_run_in_a_stage_is_refused_naming_what_is_missing() -> None:
+    """What a stage of several devices does not run is refused before any rank starts: stages over an inner
+    mesh axis, a plan with no stage plan, another mesh, a weight laid out with no DTensor form, a stage plan for
+    another layer."""
+    from dataclasses import replace
+
+    from tapestry.importer.zoo import LlamaBlock
+    from tapestry.sharding import Layout
+    from tapestry.spmd.stage_plan import layer_placements
+    from tapestry.training.plans import placed
+    from tapestry.zspace import ZRange
+
+    megatron = layer_plan("megatron")
+    plan = on_stages_of_two(megatron, Schedule("1f1b", 2, 4), 4)
+
+    def run(pipeline: PipelinePlan, mesh: tapestry.Mesh = tapestry.Mesh(2, 2)) -> None:
+        tapestry.parallelize_step(llama_decoder(VOCAB, layers=4), cross_entropy, batches(1)[0], mesh=mesh,
+                                  pipeline=pipeline)
+
+    with pytest.raises(ValueError, match="stages over mesh axis 1 of 2x2: stages over an inner axis .* do not run"):
+        run(replace(plan, axis=1))
+    with pytest.raises(ValueError, match="each stage on 2 .* has no stage plan"):
+        run(replace(plan, stage_plan=None))
+    with pytest.raises(ValueError, match="planned for mesh 2x2 .* given mesh 2$"):
+        run(plan, tapestry.Mesh(2))
+    uneven = Layout((ZRange([0, 0], [10, 32]), ZRange([10, 0], [32, 32])))
+    with pytest.raises(ValueError, match=r"lays weight 'layer.q.weight' out as .* no DTensor form"):
+        layer_placements(placed(megatron, {"layer.q.weight": uneven}), LlamaBlock(32, 4, 64))
+    with pytest.raises(ValueError, match=r"'layer.attn_norm.weight' has shape \[32\]; the layer's attn_norm.weight "
+                                         r"has \[64\]: it was planned for another layer"):
+        layer_placements(megatron, LlamaBlock(64, 4, 64))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_stages_under_a_stage_plan_resumes_one_rank_per_stage_and_back(tmp_path: Path) -> None:
+    """Saved (torch.distributed.checkpoint) from 2 stages x 2 devices under the Megatron stage plan (weights and
+    AdamW moments as DTensors, split) and loaded into 1F1B on 2 ranks (whole tensors); and the other way round:
+    the next step equals torch's second either way."""
+    want_losses, want = on_one_device(4, 2, ADAMW)
+    planned = on_stages_of_two(layer_plan("megatron"), Schedule("1f1b", 2, 4), 4)
+    plain = Schedule("1f1b", 2, 4)
+
+    def ranks(pipeline: Schedule | PipelinePlan) -> int:
+        return pipeline.mesh.size if isinstance(pipeline, PipelinePlan) else pipeline.stages
+
+    for k, (saved, loaded) in enumerate(((planned, plain), (plain, planned))):
+        path = str(tmp_path / f"checkpoint{k}")
+        launch(save_after_one_step, saved, path, ranks(saved), nproc=ranks(saved), timeout=300)
+        for loss, weights in launch(resume_for_one_step, loaded, path, nproc=ranks(loaded), timeout=300):
+            assert loss == pytest.approx(want_losses[1], abs=1e-5)
+            for name, value in weights.items():
+                torch.testing.assert_close(value, want[name], rtol=0, atol=1e-5, msg=name)

@@ -7,16 +7,18 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+from dataclasses import replace
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tapestry.cost.comm import moves
-from tapestry.sharding import Layout, Mesh
+from tapestry.sharding import Layout, Mesh, comm
 from tapestry.sharding.collectives import Collective, Group, reshard_groups
 from tapestry.sharding.collectives import _classify as collective_of
-from tapestry.sharding.comm import CommError, box_difference, can_move, overlap, received_counts, transfers
+from tapestry.sharding.comm import CommError, box_difference, can_move, overlap, received_counts, transfers, within
 from tapestry.zspace import ZRange
 
 # -- the oracle: box arithmetic one block at a time ------------------------------------------------------------
@@ -158,6 +160,34 @@ def test_groups_kinds_and_counts_match_the_box_by_box_oracle(pair):
     moved = moves(src, dst, shape, mesh)
     assert (moved.received, moved.messages) == oracle_counts(src, dst, mesh)
     assert moved.axes == expected[0].axes
+
+
+@settings(max_examples=500, deadline=None)
+@given(pair=layout_pairs())
+def test_senders_found_block_by_block_on_few_devices_are_the_vectorized_tests(pair):
+    """`_meeting` tries each block in turn on up to LOOPED_DEVICES devices (every mesh above), with numpy past
+    them: the same devices in the same ring order either way."""
+    src, dst, _, _ = pair
+    needs = [(k, need) for k, need in enumerate(dst.blocks) if need is not None]
+    looped = [comm._meeting(src, need, k) for k, need in needs]
+    with mock.patch.object(comm, "LOOPED_DEVICES", 0):
+        assert [comm._meeting(src, need, k) for k, need in needs] == looped
+
+
+@settings(max_examples=1000, deadline=None)
+@given(pair=layout_pairs())
+def test_moves_within_the_destinations_box_are_the_moves_moved_there(pair):
+    """`received_counts` plans the pair clipped to the box the destination's blocks span and moved to its origin:
+    the same moves, each region moved by that origin, and the same refusals."""
+    src, dst, _, _ = pair
+    expected = _outcome(transfers, src, dst)
+    clipped_src, moved_dst = within(src, dst)
+    got = _outcome(transfers, clipped_src, moved_dst)
+    if expected is CommError or moved_dst is dst:
+        assert got == expected
+        return
+    origin = ZRange.bounding([b for b in dst.blocks if b is not None]).start
+    assert got == tuple(replace(t, region=t.region.translate(tuple(-x for x in origin))) for t in expected)
 
 
 @settings(max_examples=1000, deadline=None)

@@ -250,7 +250,16 @@ def test_tiles_agrees_with_counting_cells(case):
 @given(tilings())
 def test_tiles_by_box_pairs_where_the_grid_is_too_fine_agrees_with_counting_cells(case):
     parts, whole = case
-    with mock.patch.object(zrange, "GRID_CELLS_PER_BOX", 0):
+    with mock.patch.object(zrange, "GRID_CELLS_PER_BOX", 0), mock.patch.object(zrange, "PAIRED_BOXES", 0):
+        assert tiles(parts, whole) == _tiles_by_counting(parts, whole)
+
+
+@PROPERTY
+@given(tilings())
+def test_tiles_by_the_grid_past_a_few_boxes_agrees_with_counting_cells(case):
+    """Up to PAIRED_BOXES boxes `tiles` tests each pair in turn; past them it counts on the grid (forced here)."""
+    parts, whole = case
+    with mock.patch.object(zrange, "PAIRED_BOXES", 0):
         assert tiles(parts, whole) == _tiles_by_counting(parts, whole)
 
 

@@ -31,6 +31,7 @@ from tapestry.cost.overlap import forward_outputs, overlap, upstream
 from tapestry.egraph.clock import clock
 from tapestry.egraph.decode import Decoder, DNode, distributed_nodes
 from tapestry.egraph.driver import MOVES_SHARE, Budget, IterationStats, SaturationStats, saturate
+from tapestry.egraph.fused_prices import fused_node_costs
 from tapestry.egraph.layered import Layered, value_classes
 from tapestry.egraph.repeat import find_repetition
 from tapestry.egraph.rules import RuleFile, load_rules
@@ -121,6 +122,15 @@ CUT_ROUNDS = 12  # re-solves with memory cuts when the decoded plan overshoots t
 # The weights of "reductions hidden" tried after 1.0 when the plan's backward pass hides less than all of its
 # gradient reductions (cost.overlap): the other piece of max(sum - reductions, sum - backward), and between.
 LAGRANGE_WEIGHTS = (0.0, 0.5)
+# The ILP's stop gap under fused node costs (egraph.fused_prices): they estimate a plan's time, so proving their
+# optimum buys nothing; at 1% the ILP took 0.21 CPU s on gpt_neox's Mesh(4) e-graph, proving it 0.75 (the path cuts
+# of an objective whose LP is not tight), and found the same plan.
+FUSED_STOP_GAP = 0.01
+# Meshes below this many devices get no second, fusion-priced extraction. On 2x2 and Mesh(4) it returned the same
+# plans for all twelve zoo cases at two to three times the extraction time (GPT-NeoX 2x2: 17.8 against 6.1 CPU s,
+# `python benchmarks/fused_extraction.py --case gpt_neox --mesh 2x2`); on 8x8 it found the 7B-width block's step
+# 2.2% faster (docs/benchmarks.md, "Extraction under fused prices").
+FUSED_EXTRACTION_DEVICES = 8
 
 
 class SearchCutWarning(UserWarning):
@@ -163,21 +173,22 @@ def _unless_unselectable(cost: float, weight: float) -> float:
     return cost if math.isinf(cost) else cost * weight
 
 
-# Planning makes millions of small objects that live until it ends (e-nodes, layouts, priced steps), and Python's
-# collector at its default thresholds (700, 10, 10) sweeps them again and again: 17-26% of the CPU seconds of the
-# 2-layer LLaMA's saturation and pricing on Mesh(2, 2) (docs/benchmarks.md, "Planning time of tiny zoo models").
-# `explore` and `Explored.extract` collect this rarely, and restore the caller's thresholds when they return.
-GC_THRESHOLDS = (100_000, 50, 100)
-
-
+# Planning makes millions of small objects that live until it ends (e-nodes, layouts, priced steps), and almost
+# none of them are garbage cycles: Python's collector at its default thresholds (700, 10, 10) swept them again and
+# again (17-26% of the CPU seconds of the 2-layer LLaMA's saturation and pricing on Mesh(2, 2)), and at the
+# thresholds (100_000, 50, 100) its young-generation sweeps still took 5% of Qwen2-MoE's optimize on Mesh(2, 2)
+# and freed 2,058 objects (docs/benchmarks.md, "Planning time of tiny zoo models"). `explore` and
+# `Explored.extract` collect nothing while they run; the caller's collector is back on when they return, and its
+# next sweep takes what cycles they left.
 @contextmanager
-def _rare_collections() -> Iterator[None]:
-    old = gc.get_threshold()
-    gc.set_threshold(*GC_THRESHOLDS)
+def _no_collections() -> Iterator[None]:
+    enabled = gc.isenabled()
+    gc.disable()
     try:
         yield
     finally:
-        gc.set_threshold(*old)
+        if enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -205,7 +216,7 @@ class Explored:
         """The stack of identical layers, if any, for the ILP's periodic warm start (egraph.repeat)."""
         return find_repetition(self.decoder, list(self.roots))
 
-    @_rare_collections()
+    @_no_collections()
     def extract(self, cost_model: CostModel | None = None, extractor: str = "ilp", time_limit: float = 10.0,
                 memory_budget: int | None = None, outputs: Outputs = "any",
                 steady: Mapping[str, str] | None = None) -> OptimizeResult:
@@ -228,7 +239,12 @@ class Explored:
         as hidden whole (`_overlap_split`: weight 1 on the first piece); if the plan's backward pass is shorter
         than its reductions, it extracts again with the backward compute hidden instead (weight 0), and with
         both half hidden; the cheapest plan by plan_cost is kept, marked "feasible" (the objectives were not its
-        time). docs/cost-models.md says what is exact."""
+        time).
+
+        Fusion: where the model prices fusion groups as one kernel (its `fused_device`), the plan is extracted a
+        second time with each fusible node priced as the group member its neighbourhood promises (`_fused`),
+        and that plan is kept if plan_cost finds it cheaper, marked "feasible" (its node costs were estimates);
+        the overlap sweep then extracts under the costs that won. docs/cost-models.md says what is exact."""
         model = cost_model or default_cost_model()
         whole_carried = dict(self.whole.carried if steady is None else steady)
         _check_carried(self.whole, whole_carried)
@@ -238,31 +254,45 @@ class Explored:
             drop_dominated=memory_budget is None and not (carried or self.graph.carried or self.layered))
         egraph = self._restrict_outputs(priced, outputs)
         egraph, ties = self._steady_ties(egraph, carried)
-        if self.layered is not None:  # copy 1 counted once per later copy, tied to copy 0
+        fused = self._fused(egraph, model) if self.mesh.size >= FUSED_EXTRACTION_DEVICES else None
+        if self.layered is not None:  # copy 1 counted once per later copy (fused prices too), tied to copy 0
             egraph, ties = self.layered.costs(egraph), sorted([*ties, *self.layered.ties()])
+            fused = None if fused is None else self.layered.costs(fused)
         budget_of = cache(lambda: self._device_budget(memory_budget))  # made only where it binds
         reductions, backward = self._overlap_split()
 
         extractors = [extractor]  # the ILP found no steady selection in time once: greedy-dag for the rest
 
-        def fit(weight: float) -> tuple[Plan, Selection]:
-            """Extracted with `weight` of each reduction's cost hidden and 1 - weight of each backward Run's."""
-            hidden = egraph.with_costs([_unless_unselectable(c, 1 - weight) if n in reductions
-                                        else _unless_unselectable(c, weight) if n in backward else c
-                                        for n, c in enumerate(egraph.node_cost)]) if reductions else egraph
+        def fit(base: ExtractGraph, weight: float) -> tuple[Plan, Selection]:
+            """Extracted from `base` with `weight` of each reduction's cost hidden and 1 - weight of each backward
+            Run's."""
+            hidden = base.with_costs([_unless_unselectable(c, 1 - weight) if n in reductions
+                                      else _unless_unselectable(c, weight) if n in backward else c
+                                      for n, c in enumerate(base.node_cost)]) if reductions else base
             plan, selection = self._fit(hidden, extractors[-1], time_limit, budget_of, ties, carried, memory_budget,
-                                        outputs)
+                                        outputs, FUSED_STOP_GAP if base is fused else None)
             if selection.extractor != extractors[-1] and ties and memory_budget is None:
                 extractors.append(selection.extractor)
             return replace(plan, cost=plan_cost(plan, model)), selection  # time per run, not objective
 
-        plan, selection = fit(1.0)
+        plan, selection = fit(egraph, 1.0)
+        if fused is not None:  # the plan extracted under fusion-aware node costs, where plan_cost finds it cheaper
+            try:
+                seen = fit(fused, 1.0)
+            except MemoryBudgetError:  # memory cuts ended elsewhere under these costs: the first plan stands
+                seen = (plan, selection)
+            if seen[0].cost < plan.cost:
+                egraph, (plan, selection) = fused, seen
         found = overlap(plan, from_costs(step_costs(plan, model)))
         if found.reductions > found.backward * (1 + 1e-9):  # the first piece was not the plan's time
-            plan, selection = min([(plan, selection), *map(fit, LAGRANGE_WEIGHTS)], key=lambda p: p[0].cost)
+            swept = [fit(egraph, weight) for weight in LAGRANGE_WEIGHTS]
+            plan, selection = min([(plan, selection), *swept], key=lambda p: p[0].cost)
             selection = replace(selection, status="feasible")  # no objective was the plan's time: nothing proven
             plan = replace(plan, notes={**plan.notes, "status": "feasible",
                                         "overlap_rounds": 1 + len(LAGRANGE_WEIGHTS)})
+        if egraph is fused:  # its node costs were an estimate of its time: nothing proven
+            selection = replace(selection, status="feasible")
+            plan = replace(plan, notes={**plan.notes, "status": "feasible", "node_costs": "fused"})
         plan = self._verified(plan, extractor, whole_carried)
         stats = replace(self.stats, reshards_unpriced=self.decoder.pricing.reshards_unpriced)
         if self.layered is not None:  # the best periodic plan found: nothing proven over plans whose layers differ
@@ -280,15 +310,24 @@ class Explored:
                           f"Budget.nodes", SearchCutWarning, stacklevel=3)
         return result
 
+    def _fused(self, egraph: ExtractGraph, model: CostModel) -> ExtractGraph | None:
+        """`egraph` with each node priced as the fusion group member its neighbourhood promises
+        (egraph.fused_prices), where `model` fuses (its `fused_device`) and that changes a price; else None."""
+        device = getattr(model, "fused_device", None)
+        if device is None:
+            return None
+        costs = fused_node_costs(self.decoder, egraph.node_cost, device)
+        return None if costs == list(egraph.node_cost) else egraph.with_costs(costs)
+
     def _fit(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget_of: Callable[[], DeviceBudget],
              ties: Ties, carried: Mapping[str, str], memory_budget: int | None,
-             outputs: Outputs) -> tuple[Plan, Selection]:
+             outputs: Outputs, stop_gap: float | None = None) -> tuple[Plan, Selection]:
         """The extracted plan, checked. Under a memory budget: the plan chosen without it where that fits (the
         budget does not bind), else re-solved with the budget's constraints (`budget_of`) and memory cuts until
         it fits."""
         base = None
         if memory_budget is not None:
-            unbound = self._unbound(egraph, extractor, time_limit, ties, carried, memory_budget)
+            unbound = self._unbound(egraph, extractor, time_limit, ties, carried, memory_budget, stop_gap)
             if unbound is not None:
                 return unbound
             base = budget_of()
@@ -297,7 +336,7 @@ class Explored:
         while True:
             budget = None if base is None else replace(base, groups=tuple(cuts))
             try:
-                selection = self._select(egraph, extractor, time_limit, budget, ties, carried)
+                selection = self._select(egraph, extractor, time_limit, budget, ties, carried, stop_gap)
             except NoFiniteChoiceError as err:
                 if budget is None:
                     asked = f"outputs as asked ({outputs!r})" + (" in steady state" if ties else "")
@@ -325,13 +364,14 @@ class Explored:
         return plan, selection
 
     def _unbound(self, egraph: ExtractGraph, extractor: str, time_limit: float, ties: Ties,
-                 carried: Mapping[str, str], memory_budget: int) -> tuple[Plan, Selection] | None:
+                 carried: Mapping[str, str], memory_budget: int,
+                 stop_gap: float | None = None) -> tuple[Plan, Selection] | None:
         """The plan chosen without the memory budget, if its exact peak fits: the budget does not bind, so what
         was proven of it holds under the budget too (a small model's plan fits 80 GB whatever it splits). Tried
         first: the budget's constraints made CP-SAT slow (190 CPU s of constraints for a 2-layer LLaMA training
         step on 8x8 at 80 GB) or find nothing in time, for a budget every plan met."""
         try:
-            selection = self._select(egraph, extractor, time_limit, None, ties, carried)
+            selection = self._select(egraph, extractor, time_limit, None, ties, carried, stop_gap)
         except NoFiniteChoiceError:
             return None
         problems = validate(egraph, selection)
@@ -385,24 +425,25 @@ class Explored:
         return reductions, backward
 
     def _select(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget: DeviceBudget | None,
-                ties: Ties, carried: Mapping[str, str]) -> Selection:
+                ties: Ties, carried: Mapping[str, str], stop_gap: float | None = None) -> Selection:
         if not ties or extractor == "ilp":
             try:
-                return extract(egraph, extractor, time_limit, budget, ties, self.repeated)
+                return extract(egraph, extractor, time_limit, budget, ties, self.repeated, stop_gap)
             except NoFiniteChoiceError as err:
                 if not ties or extractor != "ilp" or budget is not None:  # greedy-dag takes no budget
                     raise
                 # CP-SAT found no steady selection in time (a training step past a few layers on many devices):
                 # greedy-dag's pinned layouts are steady; the selection names its extractor, and proves nothing
                 try:  # (where the graph was folded, copy 1 then mirrors copy 0's choice: Layered.mirror)
-                    return self._select(egraph, "greedy-dag", time_limit, budget, ties, carried)
+                    return self._select(egraph, "greedy-dag", time_limit, budget, ties, carried, stop_gap)
                 except NoFiniteChoiceError:
                     raise err from None
-        free = extract(egraph, extractor, time_limit, budget)
+        free = extract(egraph, extractor, time_limit, budget, stop_gap=stop_gap)
         steady: list[Selection] = []
         for pins in (self._delivered_layouts(free, carried), self._replicated_layouts(carried)):
             try:
-                selection = extract(self._pin_layouts(egraph, pins, carried), extractor, time_limit, budget)
+                selection = extract(self._pin_layouts(egraph, pins, carried), extractor, time_limit, budget,
+                                    stop_gap=stop_gap)
             except NoFiniteChoiceError:
                 continue  # a pinned layout's moves were left unpriced (budget): the other pins
             if self.layered is not None:  # copy 1 mirrors copy 0; the steady ties must hold, the twins' one way
@@ -574,7 +615,7 @@ class MemoryBudgetError(ValueError):
     """No plan found fits the per-device memory budget."""
 
 
-@_rare_collections()
+@_no_collections()
 def explore(graph: Graph, mesh: Mesh | int = 1, rules: Sequence[str | Path] | None = None,
             budget: Budget = Budget(), progress: Callable[[IterationStats], None] | None = None,
             layers: bool = True) -> Explored:

@@ -37,6 +37,12 @@ class DefaultCostModel:
     def step_cost(self, step: Step, mesh: Mesh) -> float:
         return self.roofline.step_cost(step, mesh) + self.comm.step_cost(step, mesh)
 
+    @property
+    def fused_device(self) -> DeviceProfile | None:
+        """With `fuse`, the device extraction prices fusible e-nodes as fusion group members on
+        (egraph.fused_prices), so that it chooses by the price `plan_step_costs` gives the plan; else None."""
+        return self.profile.device if self.fuse else None
+
     def plan_step_costs(self, plan: Plan) -> dict[str, float]:
         """Seconds per per-run step of `plan`, fusion groups charged as one kernel (`cost.fusion`) with `fuse`."""
         costs = {s.out: self.step_cost(s, plan.mesh) for s in plan.steps if s.out not in plan.prepared}

@@ -115,11 +115,8 @@ class Moves:
     def _counts(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         devices = sum(len(g.ranks) for g in self.groups)
         received, messages = [0] * devices, [0] * devices
-        for group in self.groups:
-            local = local_layouts(group.src, group.dst)  # translations of one group share one count
-            if local is None:
-                continue
-            for rank, cells, count in zip(group.ranks, *received_counts(*local[:2])):
+        for group in self.groups:  # counted within the group's destination box: translations share one count
+            for rank, cells, count in zip(group.ranks, *received_counts(group.src, group.dst)):
                 received[rank], messages[rank] = cells, count
         return tuple(received), tuple(messages)
 

@@ -19,6 +19,12 @@ its slowest device's max(FLOPs / peak, bytes / bandwidth) + launch, stretched by
 exceeds the members' summed step costs, and each member is charged its share of it in proportion to its own
 step cost, so per-step costs still sum to the plan's time exactly.
 
+Extraction cannot see groups (a node's neighbours are chosen with it), so it prices a fusible e-node as a group
+member by what its own e-graph neighbourhood promises (`member_time`, `write_time`; egraph/fused_prices.py):
+its reads of values some fusible kernel makes in the same layout are free, its own write goes to whatever reads
+its value from outside (a reshard, a matmul, the output), and only a member none of whose inputs is so made
+pays the launch. An estimate, not a bound; the plan kept is priced by `fused_costs` (docs/cost-models.md).
+
 What is not modelled: inductor splitting a group into several kernels (a reduction feeding a pointwise op of
 another shape: two loops, an input read twice), and the backward recomputing a forward intermediate instead of
 saving it (AOTAutograd's min-cut): both are cheap next to the bytes a group saves. The per-step runtime
@@ -27,14 +33,16 @@ saving it (AOTAutograd's min-cut): both are cheap next to the bytes a group save
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tapestry import dtypes
 from tapestry.components import connected_groups
 from tapestry.cost.profile import DeviceProfile
 from tapestry.cost.roofline import compute_dtype
+from tapestry.cost.memory import layout_bytes
 from tapestry.plan.plan import Compute, Place, Plan
+from tapestry.sharding import Layout
 from tapestry.zspace import ZRange
 from tapestry.zspace.affine import IndexProjection
 
@@ -116,15 +124,22 @@ def group_time(plan: Plan, group: Group, device: DeviceProfile) -> float:
             sig = step.signature
             if not sig.kernel.is_view:
                 seconds += sig.cost(block)[0] / device.peak(compute_dtype(sig))
-            for a, projection, dtype in zip(step.args, sig.projections, sig.input_dtypes):
-                if a not in inside:
-                    reads[a] = max(reads.get(a, 0), _footprint(projection, block) * dtypes.itemsize(dtype))
+            _add_reads(step, block, [a not in inside for a in step.args], reads)
             if v in written:
                 nbytes += _footprint(sig.output, block) * dtypes.itemsize(sig.dtype)
         nbytes += sum(reads.values())
         if seconds or nbytes:
             slowest = max(slowest, max(seconds, nbytes / device.mem_bandwidth) + device.launch_overhead)
     return slowest * device.oversubscription(plan.mesh.size)
+
+
+def _add_reads(step: Compute, block: ZRange, outside: Sequence[bool], reads: dict[str, int]) -> None:
+    """Into `reads` (argument -> bytes), what `block` of `step` reads of each argument flagged `outside` the group:
+    a value read once, at its largest footprint."""
+    sig = step.signature
+    for a, projection, dtype, read in zip(step.args, sig.projections, sig.input_dtypes, outside):
+        if read:
+            reads[a] = max(reads.get(a, 0), _footprint(projection, block) * dtypes.itemsize(dtype))
 
 
 def fused_costs(plan: Plan, costs: Mapping[str, float], device: DeviceProfile) -> dict[str, float]:
@@ -139,3 +154,27 @@ def fused_costs(plan: Plan, costs: Mapping[str, float], device: DeviceProfile) -
         for v in group.members:
             fused[v] = costs[v] * scale
     return fused
+
+
+def member_time(step: Compute, device: DeviceProfile, devices: int, internal: Sequence[bool], head: bool) -> float:
+    """Seconds of fusible `step` as one member of a fusion group on `devices` devices: its FLOPs, its reads of the
+    arguments not `internal` (made inside the group) once each, no write (what reads the value from outside
+    pays it, `write_time`), and the launch only if it is a `head` (one launch a group). Never more than the
+    step alone (Roofline.step_cost)."""
+    sig = step.signature
+    blocks = {b for b in step.blocks if b is not None and not b.is_empty}
+    if sig.kernel.work is None:  # then a block costs what its shape does: once per shape (Roofline.compute_time)
+        blocks = set({b.shape: b for b in blocks}.values())
+    slowest = 0.0
+    for block in blocks:
+        reads: dict[str, int] = {}
+        _add_reads(step, block, [not inside for inside in internal], reads)
+        seconds = sig.cost(block)[0] / device.peak(compute_dtype(sig))
+        slowest = max(slowest, max(seconds, sum(reads.values()) / device.mem_bandwidth)
+                      + (device.launch_overhead if head else 0.0))
+    return slowest * device.oversubscription(devices)
+
+
+def write_time(layout: Layout, dtype: str, device: DeviceProfile, devices: int) -> float:
+    """Seconds the slowest device takes to write its block of a value in `layout` to memory."""
+    return max(layout_bytes(layout, dtype)) / device.mem_bandwidth * device.oversubscription(devices)

@@ -107,7 +107,7 @@ def rank_peaks(plan: Plan) -> list[RankPeak]:
     """Per device, its peak when the plan runs as lowered, and the plan steps whose buffers make it up."""
     from tapestry.lower.program import lower
 
-    return [_rank_peak(plan, program) for program in lower(plan).ranks]
+    return [_rank_peak(plan, program) for program in lower(plan, pieces=False).ranks]
 
 
 def peak_memory(plan: Plan) -> list[int]:

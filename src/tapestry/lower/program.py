@@ -294,10 +294,15 @@ class LoweredProgram:
         return _lower_json, (self.plan.to_json(), delivering, self.everywhere)
 
 
-def lower(plan: Plan, deliver: Collection[str] | None = None, everywhere: bool = False) -> LoweredProgram:
+def lower(plan: Plan, deliver: Collection[str] | None = None, everywhere: bool = False, pieces: bool = True
+          ) -> LoweredProgram:
     """One program per device of the plan's mesh, then a gather of the outputs `deliver` (default: every output)
     to rank 0, or with `everywhere` to every rank (an all-gather: each rank gets the whole value). A training step
-    delivers only its loss; its new state stays where the plan put it."""
+    delivers only its loss; its new state stays where the plan put it.
+
+    Without `pieces`, all-gathers have no `take` and all-to-alls no `send` or `recv`: every rank's blocks and
+    buffers as lowered, which is all cost.memory reads, without the pieces that grow as a group's size squared
+    (262,144 for one all-gather among 512 ranks). Such a program cannot run."""
     unknown = sorted(set(deliver or ()) - set(plan.outputs))
     if unknown:
         raise LoweringError(f"deliver: {', '.join(map(repr, unknown))} is no output of the plan; its outputs are "
@@ -306,7 +311,7 @@ def lower(plan: Plan, deliver: Collection[str] | None = None, everywhere: bool =
     per_rank: list[list[RankStep]] = [[] for _ in mesh.devices]
     layouts: dict[str, Layout] = {}
     for index, step in enumerate((*plan.steps, *output_gathers(plan, deliver, everywhere))):
-        for rank, rank_step in enumerate(_lower_step(index, step, plan, layouts)):
+        for rank, rank_step in enumerate(_lower_step(index, step, plan, layouts, pieces)):
             if rank_step is not None:
                 per_rank[rank].append(rank_step)
         layouts[step.out] = step.layout
@@ -321,8 +326,8 @@ def _lower_json(data: Mapping[str, Any], deliver: tuple[str, ...] | None = None,
     return lower(Plan.from_json(data), deliver, everywhere)
 
 
-def _lower_step(index: int, step: Place | Compute | Reshard, plan: Plan, layouts: Mapping[str, Layout]
-                ) -> list[RankStep | None]:
+def _lower_step(index: int, step: Place | Compute | Reshard, plan: Plan, layouts: Mapping[str, Layout],
+                pieces: bool = True) -> list[RankStep | None]:
     if isinstance(step, Place):
         return [None if b is None else PlaceBlock(index, step.out, step.input, b) for b in step.layout.blocks]
     if isinstance(step, Compute) and step.exchange:
@@ -330,9 +335,23 @@ def _lower_step(index: int, step: Place | Compute | Reshard, plan: Plan, layouts
     if isinstance(step, Compute) and step.ring:
         return _ringed(index, step, layouts, plan.dtypes, plan.mesh)
     if isinstance(step, Compute):
-        boxes: dict[tuple[int, ZRange], ZRange] = {}
-        return [_shard(index, step, rank, layouts, plan.dtypes, boxes) for rank in plan.mesh.devices]
-    return _reshard(index, step, layouts, plan.mesh, plan.dtypes)
+        return _shards(index, step, layouts, plan.dtypes, plan.mesh)
+    return _reshard(index, step, layouts, plan.mesh, plan.dtypes, pieces)
+
+
+def _shards(index: int, step: Compute, layouts: Mapping[str, Layout], dtypes: Mapping[str, str], mesh: Mesh
+            ) -> list[RankStep | None]:
+    """Every rank's run of `step`: made once per distinct (index block, argument blocks held), which is all a
+    rank's run depends on (a replicated step on 512 ranks is one run, not 512)."""
+    boxes: dict[tuple[int, ZRange], ZRange] = {}
+    made: dict[tuple[Block, ...], ShardCompute | None] = {}
+    runs: list[RankStep | None] = []
+    for rank in mesh.devices:
+        key = (step.blocks[rank], *(layouts[a].blocks[rank] if a in layouts else None for a in step.args))
+        if key not in made:
+            made[key] = _shard(index, step, rank, layouts, dtypes, boxes)
+        runs.append(made[key])
+    return runs
 
 
 def _shard(index: int, step: Compute, rank: int, layouts: Mapping[str, Layout], dtypes: Mapping[str, str],
@@ -410,24 +429,28 @@ def _read(buffer: str, held: Block, dtype: str, want: ZRange, shape: Shape, wher
     return Read(buffer, inside.translate([-s for s in held.start]), pad, want.shape, dtype, inside == held)
 
 
-def _reshard(index: int, step: Reshard, layouts: Mapping[str, Layout], mesh: Mesh, dtypes: Mapping[str, str]
-             ) -> list[RankStep | None]:
+def _reshard(index: int, step: Reshard, layouts: Mapping[str, Layout], mesh: Mesh, dtypes: Mapping[str, str],
+             pieces: bool = True) -> list[RankStep | None]:
     if step.src not in layouts:
         raise LoweringError(f"step {index} ({step.out}) reshards {step.src!r}, which no earlier step makes")
     steps: list[RankStep | None] = [None] * mesh.size
     dtype = dtypes[step.src]
     for group in reshard_groups(step.src_layout, step.layout, step.shape, mesh):
-        for rank, rank_step in zip(group.ranks, _group_steps(index, step, group, mesh, dtype)):
+        for rank, rank_step in zip(group.ranks, _group_steps(index, step, group, mesh, dtype, pieces)):
             steps[rank] = rank_step
     return steps
 
 
-def _group_steps(index: int, step: Reshard, group: Group, mesh: Mesh, dtype: str) -> list[RankStep | None]:
-    """One group's steps, in its rank order: blocks listed in group order, peers named by global rank."""
+def _group_steps(index: int, step: Reshard, group: Group, mesh: Mesh, dtype: str, pieces: bool = True
+                 ) -> list[RankStep | None]:
+    """One group's steps, in its rank order: blocks listed in group order, peers named by global rank. The moves
+    are found only for the steps that list them (`lower`'s `pieces`; a send_recv always: who joins it and its
+    root follow from them)."""
     src, dst, ranks = group.src, group.dst, group.ranks
-    moves = [Transfer(ranks[t.src], ranks[t.dst], t.region) for t in transfers(src, dst)]
     kind = step_type(group)
     members = None if len(ranks) == mesh.size or kind is Local else ranks  # Local moves nothing: no group
+    listed = kind is SendRecv or pieces and kind in (AllGather, AllToAll)
+    moves = [Transfer(ranks[t.src], ranks[t.dst], t.region) for t in transfers(src, dst)] if listed else []
     roots = {t.dst for t in moves}
     sent, received = _pieces(moves)
     if kind is SendRecv and len(roots) == 1:
@@ -446,7 +469,7 @@ def _group_steps(index: int, step: Reshard, group: Group, mesh: Mesh, dtype: str
         elif kind is ReduceScatter:
             steps.append(ReduceScatter(*common, out_blocks=dst.blocks))
         elif kind is AllGather:
-            take = ((Piece(rank, own),) if own is not None else ()) + received.get(rank, ())
+            take = ((Piece(rank, own),) if own is not None and listed else ()) + received.get(rank, ())
             steps.append(AllGather(*common, blocks=src.blocks, take=take))
         else:
             send, recv = sent.get(rank, ()), received.get(rank, ())

