@@ -50,6 +50,7 @@ class Case:
     vocab: int = 32000
     arch: str = "hf"  # "hf": transformers' LlamaForCausalLM; "block": a stack of importer.zoo.LlamaBlock (no rotary,
     # embedding or head: a graph the hand plans of training/plans.py can split, see the section's note)
+    fold: bool = True  # tapestry.optimize's `layers`: repeated layers planned once (graph.layers)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -266,7 +267,7 @@ def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any, h
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", SearchCutWarning)
                 result = tapestry.optimize(imported.graph, mesh, cost_model=model, time_limit=time_limit,
-                                           budget=tapestry.Budget(seconds=budget_seconds))
+                                           budget=tapestry.Budget(seconds=budget_seconds), layers=case.fold)
         except Exception as err:  # the row says what failed, and the hand plans are still priced
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
             row["optimize_s"] = time.perf_counter() - started
@@ -278,7 +279,7 @@ def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any, h
                 "mfu": flops / (result.plan.cost * mesh.size * peak), "replicated": result.replicated_share,
                 "warned": any(issubclass(w.category, SearchCutWarning) for w in caught),
                 "degrees": degrees(result.plan, imported.translation.user_inputs), "undone": result.stats.undone,
-                "breakdown": time_by_kind(result.plan, model),
+                "breakdown": time_by_kind(result.plan, model), "periodic": result.plan.notes.get("periodic"),
             })
     row["rss"] = peak_rss()
     queue.put(row)
@@ -413,6 +414,8 @@ def main() -> None:
                         "model/arch/mesh (7B/block/8x8,...); default: every one on 64 devices or more")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--no-fold", action="store_true", help="plan repeated layers one by one (optimize's "
+                        "layers=False)")
     parser.add_argument("--no-hand", action="store_true", help="leave the hand plans out (their columns empty)")
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--from-json", help="write the section from the rows runs saved (--json; several: a,b), "
@@ -426,7 +429,8 @@ def main() -> None:
     else:
         for model in args.models.split(","):
             for mode in args.modes.split(","):
-                cases += [Case(model, args.layers, mode, mesh, args.batch, args.seq, arch=args.arch)
+                cases += [Case(model, args.layers, mode, mesh, args.batch, args.seq, arch=args.arch,
+                               fold=not args.no_fold)
                           for mesh in filter(None, args.meshes.split(","))]
                 if args.full_layers:
                     cases.append(Case(model, args.full_layers, mode, "", args.batch, args.seq, arch=args.arch))

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 import tapestry
+import tapestry.optimizer
 from tapestry import verify
+from tapestry.cost import peak_memory
 from tapestry.graph import Graph
 from tapestry.graph.layers import find_layers, fold
 from tapestry.plan import Place, steady_violations
@@ -103,6 +105,21 @@ def test_a_stack_is_planned_once_periodic_and_matches_the_reference():
     assert {n.name for n in g.inputs} <= placed  # every layer's weights, not two layers'
     inputs = tapestry.random_inputs(g)
     errors = verify.compare(simulate(result.plan, inputs), tapestry.evaluate(g, inputs), g, result.plan)
+    assert all(e.ok for e in errors.values()), errors
+
+
+def test_a_folded_plan_under_a_memory_budget_fits_it_on_every_layer():
+    """The budget binds the expanded plan: copy 1's weights held once per later copy, each layer's peak counted."""
+    g = residual_mlps(4)
+    explored = tapestry.optimizer.explore(g, Mesh(4))
+    assert explored.layered is not None
+    fastest = explored.extract(time_limit=5)
+    budget = max(peak_memory(fastest.plan)) - 1
+    lean = explored.extract(time_limit=5, memory_budget=budget)
+    assert lean.status == "periodic" and lean.plan.graph is g
+    assert max(peak_memory(lean.plan)) <= budget < max(peak_memory(fastest.plan))
+    inputs = tapestry.random_inputs(g)
+    errors = verify.compare(simulate(lean.plan, inputs), tapestry.evaluate(g, inputs), g, lean.plan)
     assert all(e.ok for e in errors.values()), errors
 
 

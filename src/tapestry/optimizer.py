@@ -10,7 +10,7 @@ import math
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from functools import cache, cached_property
 from pathlib import Path
@@ -131,6 +131,10 @@ FUSED_STOP_GAP = 0.01
 # `python benchmarks/fused_extraction.py --case gpt_neox --mesh 2x2`); on 8x8 it found the 7B-width block's step
 # 2.2% faster (docs/benchmarks.md, "Extraction under fused prices").
 FUSED_EXTRACTION_DEVICES = 8
+
+
+class NoPlanError(ValueError):
+    """No plan delivers the outputs as asked (in steady state, where the step carries state)."""
 
 
 class SearchCutWarning(UserWarning):
@@ -279,13 +283,16 @@ class Explored:
         if fused is not None:  # the plan extracted under fusion-aware node costs, where plan_cost finds it cheaper
             try:
                 seen = fit(fused, 1.0)
-            except MemoryBudgetError:  # memory cuts ended elsewhere under these costs: the first plan stands
+            except (MemoryBudgetError, NoPlanError):  # none found under these costs: the first plan stands
                 seen = (plan, selection)
             if seen[0].cost < plan.cost:
                 egraph, (plan, selection) = fused, seen
         found = overlap(plan, from_costs(step_costs(plan, model)))
         if found.reductions > found.backward * (1 + 1e-9):  # the first piece was not the plan's time
-            swept = [fit(egraph, weight) for weight in LAGRANGE_WEIGHTS]
+            swept = []
+            for weight in LAGRANGE_WEIGHTS:
+                with suppress(NoPlanError):  # a fallback's steady pins can fail under one weighting alone
+                    swept.append(fit(egraph, weight))
             plan, selection = min([(plan, selection), *swept], key=lambda p: p[0].cost)
             selection = replace(selection, status="feasible")  # no objective was the plan's time: nothing proven
             plan = replace(plan, notes={**plan.notes, "status": "feasible",
@@ -298,7 +305,8 @@ class Explored:
         if self.layered is not None:  # the best periodic plan found: nothing proven over plans whose layers differ
             plan = replace(plan, notes={**plan.notes, "periodic": {
                 "copies": self.layered.copies, "nodes_per_copy": len(self.layered.folded.layers.chains),
-                "extractor_status": selection.status, "gap_among_periodic": selection.gap}})
+                "extractor": selection.extractor, "extractor_status": selection.status,
+                "gap_among_periodic": selection.gap}})
             selection = replace(selection, status="periodic", gap=None)
         status = search_status(stats, selection)
         plan = replace(plan, notes={**plan.notes, "status": status, "extractor_status": selection.status})
@@ -340,7 +348,7 @@ class Explored:
             except NoFiniteChoiceError as err:
                 if budget is None:
                     asked = f"outputs as asked ({outputs!r})" + (" in steady state" if ties else "")
-                    raise ValueError(f"no plan delivers the {asked}: {err}") from None
+                    raise NoPlanError(f"no plan delivers the {asked}: {err}") from None
                 raise MemoryBudgetError(f"no plan fits {memory_budget:,} bytes per device: {err}"
                                         + (f" (after {rounds} rounds of memory cuts)" if rounds else "")) from None
             problems = validate(egraph, selection)
@@ -427,9 +435,16 @@ class Explored:
     def _select(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget: DeviceBudget | None,
                 ties: Ties, carried: Mapping[str, str], stop_gap: float | None = None) -> Selection:
         if not ties or extractor == "ilp":
+            start = None  # a folded graph's ILP starts from greedy-dag's periodic selection, and keeps the cheaper
+            if self.layered is not None and extractor == "ilp" and ties and budget is None:
+                with suppress(NoFiniteChoiceError):
+                    start = self._select(egraph, "greedy-dag", time_limit, budget, ties, carried, stop_gap)
             try:
-                return extract(egraph, extractor, time_limit, budget, ties, self.repeated, stop_gap)
+                found = extract(egraph, extractor, time_limit, budget, ties, self.repeated, stop_gap, start)
+                return found if start is None or found.dag_cost <= start.dag_cost else start
             except NoFiniteChoiceError as err:
+                if start is not None:
+                    return start
                 if not ties or extractor != "ilp" or budget is not None:  # greedy-dag takes no budget
                     raise
                 # CP-SAT found no steady selection in time (a training step past a few layers on many devices):
@@ -446,11 +461,8 @@ class Explored:
                                     stop_gap=stop_gap)
             except NoFiniteChoiceError:
                 continue  # a pinned layout's moves were left unpriced (budget): the other pins
-            if self.layered is not None:  # copy 1 mirrors copy 0; the steady ties must hold, the twins' one way
-                selection = self.layered.mirror(egraph, selection)
-                twins = set(self.layered.ties())
-                if self.layered.holds(selection) and ties_hold(selection.choice, [t for t in ties if t not in twins]):
-                    steady.append(selection)
+            if self.layered is not None:  # one copy mirrors the other; the steady ties must hold, the twins' one way
+                steady += self._periodic(egraph, selection, ties)
             elif ties_hold(selection.choice, ties):
                 steady.append(selection)
         if not steady:
@@ -458,6 +470,16 @@ class Explored:
         # the cheaper: the layouts the free choice delivered can cost more every step than state kept whole
         # (a small model on 4 ranks sharing 2 cores: 0.0426 s against 0.0171 s replicated)
         return min(steady, key=lambda selection: selection.dag_cost)
+
+    def _periodic(self, egraph: ExtractGraph, selection: Selection, ties: Ties) -> list[Selection]:
+        """`selection` made periodic each way (Layered.mirror: copy 1 as copy 0, copy 0 as copy 1), where copy 1
+        then runs the twin of all copy 0 runs and the steady ties hold."""
+        layered = self.layered
+        assert layered is not None
+        twins = set(layered.ties())
+        steady = [t for t in ties if t not in twins]
+        return [mirrored for mirrored in (layered.mirror(egraph, selection, source) for source in (0, 1))
+                if layered.holds(mirrored) and ties_hold(mirrored.choice, steady)]
 
     def _steady_ties(self, egraph: ExtractGraph, carried: Mapping[str, str]) -> tuple[ExtractGraph, Ties]:
         """Pairs (Place of input X in layout L, Deliver of its carried output in L); a Place or Deliver with no

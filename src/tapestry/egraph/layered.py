@@ -136,24 +136,30 @@ class Layered:
                     found[n] = twin
         return found
 
-    def mirror(self, egraph: EGraph, selection: Selection) -> Selection:
-        """`selection` with copy 1 choosing the twins of copy 0's choices: periodic, whatever chose copy 0 (the
-        fallback where the ILP found no selection keeping the ties in time)."""
+    def mirror(self, egraph: EGraph, selection: Selection, source: int = 0) -> Selection:
+        """`selection` with copy 1 choosing the twins of copy 0's choices (`source` 1: copy 0 the twins of copy
+        1's, which were chosen at m-1 times their cost): periodic, whatever chose the source copy (the warm start
+        of the tied ILP, and the fallback where it found no selection keeping the ties in time)."""
         choice = [-1] * egraph.num_classes
         for c, n in selection.choice.items():
             choice[c] = n
         for n, twin in self.twins.items():
-            if choice[egraph.node_class[n]] == n:
+            if source == 0 and choice[egraph.node_class[n]] == n:
                 choice[egraph.node_class[twin]] = twin
+            elif source == 1 and choice[egraph.node_class[twin]] == twin:
+                choice[egraph.node_class[n]] = n
         found = finalize(egraph, choice, solvable_tree(egraph), selection.extractor,
                          time.perf_counter() - selection.seconds)
         # copy 0's output in a layout copy 1 reads has a twin only copy 2 would read, unreachable in the fold: kept
-        # in the choice (children first, so no cycle) for the expansion's later copies
+        # in the choice (children first, so no cycle) for the expansion's later copies; likewise copy 0 keeps the
+        # twin of what copy 1 alone runs (its output in a layout only the suffix reads), so every tie holds both
+        # ways where the classes allow, as the ILP's ties ask of its warm start
         kept = dict(found.choice)
+        pairs = [*self.twins.items(), *((t, n) for n, t in self.twins.items())]
         grown = True
         while grown:
             grown = False
-            for n, twin in self.twins.items():
+            for n, twin in pairs:
                 c = egraph.node_class[twin]
                 if kept.get(egraph.node_class[n]) == n and c not in kept \
                         and all(d in kept for d in egraph.node_children[twin]):
