@@ -274,7 +274,7 @@ class Explored:
                                       else _unless_unselectable(c, weight) if n in backward else c
                                       for n, c in enumerate(base.node_cost)]) if reductions else base
             plan, selection = self._fit(hidden, extractors[-1], time_limit, budget_of, ties, carried, memory_budget,
-                                        outputs, FUSED_STOP_GAP if base is fused else None)
+                                        outputs, FUSED_STOP_GAP if base is fused else None, model)
             if selection.extractor != extractors[-1] and ties and memory_budget is None:
                 extractors.append(selection.extractor)
             return replace(plan, cost=plan_cost(plan, model)), selection  # time per run, not objective
@@ -329,13 +329,14 @@ class Explored:
 
     def _fit(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget_of: Callable[[], DeviceBudget],
              ties: Ties, carried: Mapping[str, str], memory_budget: int | None,
-             outputs: Outputs, stop_gap: float | None = None) -> tuple[Plan, Selection]:
+             outputs: Outputs, stop_gap: float | None = None,
+             model: CostModel | None = None) -> tuple[Plan, Selection]:
         """The extracted plan, checked. Under a memory budget: the plan chosen without it where that fits (the
         budget does not bind), else re-solved with the budget's constraints (`budget_of`) and memory cuts until
         it fits."""
         base = None
         if memory_budget is not None:
-            unbound = self._unbound(egraph, extractor, time_limit, ties, carried, memory_budget, stop_gap)
+            unbound = self._unbound(egraph, extractor, time_limit, ties, carried, memory_budget, stop_gap, model)
             if unbound is not None:
                 return unbound
             base = budget_of()
@@ -344,7 +345,7 @@ class Explored:
         while True:
             budget = None if base is None else replace(base, groups=tuple(cuts))
             try:
-                selection = self._select(egraph, extractor, time_limit, budget, ties, carried, stop_gap)
+                selection = self._select(egraph, extractor, time_limit, budget, ties, carried, stop_gap, model)
             except NoFiniteChoiceError as err:
                 if budget is None:
                     asked = f"outputs as asked ({outputs!r})" + (" in steady state" if ties else "")
@@ -373,13 +374,13 @@ class Explored:
 
     def _unbound(self, egraph: ExtractGraph, extractor: str, time_limit: float, ties: Ties,
                  carried: Mapping[str, str], memory_budget: int,
-                 stop_gap: float | None = None) -> tuple[Plan, Selection] | None:
+                 stop_gap: float | None = None, model: CostModel | None = None) -> tuple[Plan, Selection] | None:
         """The plan chosen without the memory budget, if its exact peak fits: the budget does not bind, so what
         was proven of it holds under the budget too (a small model's plan fits 80 GB whatever it splits). Tried
         first: the budget's constraints made CP-SAT slow (190 CPU s of constraints for a 2-layer LLaMA training
         step on 8x8 at 80 GB) or find nothing in time, for a budget every plan met."""
         try:
-            selection = self._select(egraph, extractor, time_limit, None, ties, carried, stop_gap)
+            selection = self._select(egraph, extractor, time_limit, None, ties, carried, stop_gap, model)
         except NoFiniteChoiceError:
             return None
         problems = validate(egraph, selection)
@@ -433,12 +434,16 @@ class Explored:
         return reductions, backward
 
     def _select(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget: DeviceBudget | None,
-                ties: Ties, carried: Mapping[str, str], stop_gap: float | None = None) -> Selection:
+                ties: Ties, carried: Mapping[str, str], stop_gap: float | None = None,
+                model: CostModel | None = None) -> Selection:
+        """The selection `extractor` makes, steady where `ties` ask (module docstring of `extract`); a folded graph's
+        periodic candidates are ranked by their expanded plan's time under `model` where given (the objective
+        hides reductions or prices fusion as estimates, and mirroring moves costs between copies)."""
         if not ties or extractor == "ilp":
             start = None  # a folded graph's ILP starts from greedy-dag's periodic selection, and keeps the cheaper
             if self.layered is not None and extractor == "ilp" and ties and budget is None:
                 with suppress(NoFiniteChoiceError):
-                    start = self._select(egraph, "greedy-dag", time_limit, budget, ties, carried, stop_gap)
+                    start = self._select(egraph, "greedy-dag", time_limit, budget, ties, carried, stop_gap, model)
             try:
                 found = extract(egraph, extractor, time_limit, budget, ties, self.repeated, stop_gap, start)
                 return found if start is None or found.dag_cost <= start.dag_cost else start
@@ -450,12 +455,14 @@ class Explored:
                 # CP-SAT found no steady selection in time (a training step past a few layers on many devices):
                 # greedy-dag's pinned layouts are steady; the selection names its extractor, and proves nothing
                 try:  # (where the graph was folded, copy 1 then mirrors copy 0's choice: Layered.mirror)
-                    return self._select(egraph, "greedy-dag", time_limit, budget, ties, carried, stop_gap)
+                    return self._select(egraph, "greedy-dag", time_limit, budget, ties, carried, stop_gap, model)
                 except NoFiniteChoiceError:
                     raise err from None
         free = extract(egraph, extractor, time_limit, budget, stop_gap=stop_gap)
         steady: list[Selection] = []
-        for pins in (self._delivered_layouts(free, carried), self._replicated_layouts(carried)):
+        delivered = self._delivered_layouts(free, carried)
+        aligned = [] if self.layered is None else [self.layered.aligned(delivered, source) for source in (1, 0)]
+        for pins in (delivered, *aligned, self._replicated_layouts(carried)):
             try:
                 selection = extract(self._pin_layouts(egraph, pins, carried), extractor, time_limit, budget,
                                     stop_gap=stop_gap)
@@ -469,6 +476,8 @@ class Explored:
             raise NoFiniteChoiceError(f"extractor {extractor!r} found no steady-state plan; use 'ilp'")
         # the cheaper: the layouts the free choice delivered can cost more every step than state kept whole
         # (a small model on 4 ranks sharing 2 cores: 0.0426 s against 0.0171 s replicated)
+        if self.layered is not None and model is not None:
+            return min(steady, key=lambda selection: plan_cost(self._decode(egraph, selection)[0], model))
         return min(steady, key=lambda selection: selection.dag_cost)
 
     def _periodic(self, egraph: ExtractGraph, selection: Selection, ties: Ties) -> list[Selection]:

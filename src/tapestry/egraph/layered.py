@@ -166,6 +166,16 @@ class Layered:
                     kept[c], grown = twin, True
         return replace(found, choice=kept)
 
+    def aligned(self, pins: Mapping[str, str], source: int) -> dict[str, str]:
+        """`pins` (input -> layout key) with each input of the other copy pinned where its twin in copy `source`
+        is: pins a periodic plan can keep (the fallback's, where the free choice placed the copies' weights
+        apart)."""
+        found = dict(pins)
+        for chain in self.folded.layers.chains:
+            if chain[source] in pins and chain[1 - source] in pins:
+                found[chain[1 - source]] = pins[chain[source]]
+        return found
+
     def holds(self, selection: Selection) -> bool:
         """Whether copy 1 runs the twin of every node copy 0 runs (it may run more: what only the suffix reads
         of the last copy)."""
