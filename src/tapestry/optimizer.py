@@ -267,12 +267,13 @@ class Explored:
 
         extractors = [extractor]  # the ILP found no steady selection in time once: greedy-dag for the rest
 
-        def fit(base: ExtractGraph, weight: float) -> tuple[Plan, Selection]:
+        def fit(base: ExtractGraph, weight: float | None) -> tuple[Plan, Selection]:
             """Extracted from `base` with `weight` of each reduction's cost hidden and 1 - weight of each backward
-            Run's."""
+            Run's (None: nothing hidden)."""
             hidden = base.with_costs([_unless_unselectable(c, 1 - weight) if n in reductions
                                       else _unless_unselectable(c, weight) if n in backward else c
-                                      for n, c in enumerate(base.node_cost)]) if reductions else base
+                                      for n, c in enumerate(base.node_cost)]) if reductions and weight is not None \
+                else base
             plan, selection = self._fit(hidden, extractors[-1], time_limit, budget_of, ties, carried, memory_budget,
                                         outputs, FUSED_STOP_GAP if base is fused else None, model)
             if selection.extractor != extractors[-1] and ties and memory_budget is None:
@@ -287,6 +288,13 @@ class Explored:
                 seen = (plan, selection)
             if seen[0].cost < plan.cost:
                 egraph, (plan, selection) = fused, seen
+        if self.layered is not None and reductions and memory_budget is None:
+            # the plain sum too: on the folded 7B step on 8x8 the greedy fallback's sharded periodic candidate
+            # (19.27 ms) came out of it, where every weighted fit kept the replicated pins (29.98 ms)
+            with suppress(NoPlanError):
+                seen = fit(egraph, None)
+                if seen[0].cost < plan.cost:
+                    plan, selection = seen
         found = overlap(plan, from_costs(step_costs(plan, model)))
         if found.reductions > found.backward * (1 + 1e-9):  # the first piece was not the plan's time
             swept = []
