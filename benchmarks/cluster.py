@@ -51,6 +51,7 @@ class Case:
     vocab: int = 32000
     arch: str = "hf"  # "hf": transformers' LlamaForCausalLM; "block": a stack of importer.zoo.LlamaBlock (no rotary,
     # embedding or head: a graph the hand plans of training/plans.py can split, see the section's note)
+    fold: bool | None = None  # tapestry.optimize's `layers`: repeated layers planned once (graph.layers)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -275,7 +276,7 @@ def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any, h
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", SearchCutWarning)
                 result = tapestry.optimize(imported.graph, mesh, cost_model=model, time_limit=time_limit,
-                                           budget=tapestry.Budget(seconds=budget_seconds))
+                                           budget=tapestry.Budget(seconds=budget_seconds), layers=case.fold)
         except Exception as err:  # the row says what failed, and the hand plans are still priced
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
             row["optimize_s"] = time.perf_counter() - started
@@ -287,7 +288,7 @@ def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any, h
                 "mfu": flops / (result.plan.cost * mesh.size * peak), "replicated": result.replicated_share,
                 "warned": any(issubclass(w.category, SearchCutWarning) for w in caught),
                 "degrees": degrees(result.plan, imported.translation.user_inputs), "undone": result.stats.undone,
-                "breakdown": time_by_kind(result.plan, model),
+                "breakdown": time_by_kind(result.plan, model), "periodic": result.plan.notes.get("periodic"),
             })
     row["rss"] = peak_rss()
     queue.put(row)
@@ -423,6 +424,10 @@ def main() -> None:
                         "model/arch/mesh (7B/block/8x8,...); default: every one on 64 devices or more")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-write", action="store_true")
+    fold = parser.add_mutually_exclusive_group()
+    fold.add_argument("--fold", action="store_true", help="plan three or more repeated layers once (optimize's "
+                      "layers=True; by default only from optimizer.FOLD_FROM_COPIES)")
+    fold.add_argument("--no-fold", action="store_true", help="plan repeated layers one by one (layers=False)")
     parser.add_argument("--no-hand", action="store_true", help="leave the hand plans out (their columns empty)")
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--from-json", help="write the section from the rows runs saved (--json; several: a,b), "
@@ -436,7 +441,8 @@ def main() -> None:
     else:
         for model in args.models.split(","):
             for mode in args.modes.split(","):
-                cases += [Case(model, args.layers, mode, mesh, args.batch, args.seq, arch=args.arch)
+                cases += [Case(model, args.layers, mode, mesh, args.batch, args.seq, arch=args.arch,
+                               fold=True if args.fold else False if args.no_fold else None)
                           for mesh in filter(None, args.meshes.split(","))]
                 if args.full_layers:
                     cases.append(Case(model, args.full_layers, mode, "", args.batch, args.seq, arch=args.arch))

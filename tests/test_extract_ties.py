@@ -64,3 +64,18 @@ def test_greedy_extractors_refuse_ties(extractor):
     egraph = build(STEP, ["out"])
     with pytest.raises(ValueError, match=f"extractor '{extractor}' cannot keep tied nodes; use 'ilp'"):
         extract(egraph, extractor, ties=steady_ties(egraph))
+
+
+def test_a_tied_graph_too_big_to_model_in_time_returns_a_start_that_keeps_the_ties_or_raises(monkeypatch):
+    """CP-SAT would get what modelling left, too little to find a tied selection on a folded 7B step (8x8): the
+    caller's fallback takes over at once, or its start comes back as it is."""
+    from tapestry.extract import ilp
+
+    egraph = build(STEP, ["out"])
+    ties = steady_ties(egraph)
+    start = extract(egraph, "ilp", time_limit=5, ties=ties)
+    monkeypatch.setattr(ilp, "MODEL_NODES_PER_SECOND", 1e-6)
+    with pytest.raises(NoFiniteChoiceError, match="no time to model"):
+        extract(egraph, "ilp", time_limit=5, ties=ties)
+    given = extract(egraph, "ilp", time_limit=5, ties=ties, start=start)
+    assert given.choice == start.choice and given.status == "feasible"

@@ -118,7 +118,7 @@ def test_finds_the_layers_of_transformers_llama_which_share_rotary_tables_made_b
                          num_key_value_heads=4, vocab_size=64, max_position_embeddings=64)
     graph = from_torch(LlamaForCausalLM(config).eval(), (torch.randint(0, 64, (2, 8)),), {"use_cache": False},
                        verbose=False).graph
-    explored = explore(graph, 2)
+    explored = explore(graph, 2, layers=False)  # the e-graph finder, on the unfolded graph
     repeated = explored.repeated
     assert repeated is not None and len(repeated.copies) == 3  # the first layer also reads the rotary tables' making
     value = explored.decoder.class_value

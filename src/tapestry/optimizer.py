@@ -10,7 +10,7 @@ import math
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from functools import cache, cached_property
 from pathlib import Path
@@ -33,6 +33,7 @@ from tapestry.egraph.decode import Decoder, DNode, distributed_nodes
 from tapestry.egraph.driver import MOVES_SHARE, Budget, IterationStats, SaturationStats, saturate
 from tapestry.egraph.embed import NotInEGraph, plan_selection
 from tapestry.egraph.fused_prices import fused_node_costs
+from tapestry.egraph.layered import Layered, value_classes
 from tapestry.egraph.repeat import find_repetition
 from tapestry.egraph.rules import RuleFile, load_rules
 from tapestry.extract import (
@@ -47,6 +48,7 @@ from tapestry.extract import (
 )
 from tapestry.extract import EGraph as ExtractGraph
 from tapestry.graph import Graph, GraphError
+from tapestry.graph.layers import find_layers, fold
 from tapestry.plan import Compute, Place, Plan, steady_violations
 from tapestry.plan.explain import explain as explain_plan
 from tapestry.plan.validate import validate_plan
@@ -131,6 +133,14 @@ FUSED_STOP_GAP = 0.01
 # `python benchmarks/fused_extraction.py --case gpt_neox --mesh 2x2`); on 8x8 it found the 7B-width block's step
 # 2.2% faster (docs/benchmarks.md, "Extraction under fused prices").
 FUSED_EXTRACTION_DEVICES = 8
+# The least depth `explore` folds by default: at 4 layers the folded 7B step on 8x8 planned 9% dearer and twice as
+# slow (20.13 against 18.43 ms, 158 against 72 CPU s); at 32 only the fold plans (docs/benchmarks.md, "Extracting
+# the folded step"). Between them it is not measured.
+FOLD_FROM_COPIES = 8
+
+
+class NoPlanError(ValueError):
+    """No plan delivers the outputs as asked (in steady state, where the step carries state)."""
 
 
 class SearchCutWarning(UserWarning):
@@ -204,6 +214,12 @@ class Explored:
     rule_files: tuple[RuleFile, ...]
     data: dict[str, Any] = field(repr=False)
     pricing_seconds: float = math.inf  # what the saturation budget left for pricing (Decoder.serialized)
+    layered: Layered | None = None  # `graph` is the whole graph's fold: plans are expanded onto every layer
+
+    @property
+    def whole(self) -> Graph:
+        """The graph plans are of: the explored one, or the one it folds."""
+        return self.graph if self.layered is None else self.layered.full
 
     @cached_property
     def repeated(self) -> Repeated | None:
@@ -246,42 +262,57 @@ class Explored:
         and that plan is kept if plan_cost finds it cheaper, marked "feasible" (its node costs were estimates);
         the overlap sweep then extracts under the costs that won. docs/cost-models.md says what is exact."""
         model = cost_model or default_cost_model()
-        carried = dict(self.graph.carried if steady is None else steady)
-        _check_carried(self.graph, carried)
+        whole_carried = dict(self.whole.carried if steady is None else steady)
+        _check_carried(self.whole, whole_carried)
+        carried = {out: into for out, into in whole_carried.items() if out in self.graph.outputs}  # of the fold
         priced = self.decoder.extraction_graph(  # pruning is sound for a plain sum of node costs only
             list(self.roots), model, self.pricing_seconds,
-            drop_dominated=memory_budget is None and not (carried or self.graph.carried))
+            drop_dominated=memory_budget is None and not (carried or self.graph.carried or self.layered))
         egraph = self._restrict_outputs(priced, outputs)
         egraph, ties = self._steady_ties(egraph, carried)
+        fused = self._fused(egraph, model) if self.mesh.size >= FUSED_EXTRACTION_DEVICES else None
+        if self.layered is not None:  # copy 1 counted once per later copy (fused prices too), tied to copy 0
+            egraph, ties = self.layered.costs(egraph), sorted([*ties, *self.layered.ties()])
+            fused = None if fused is None else self.layered.costs(fused)
         budget_of = cache(lambda: self._device_budget(memory_budget))  # made only where it binds
         reductions, backward = self._overlap_split()
 
         extractors = [extractor]  # the ILP found no steady selection in time once: greedy-dag for the rest
 
-        def fit(base: ExtractGraph, weight: float) -> tuple[Plan, Selection]:
+        def fit(base: ExtractGraph, weight: float | None) -> tuple[Plan, Selection]:
             """Extracted from `base` with `weight` of each reduction's cost hidden and 1 - weight of each backward
-            Run's."""
+            Run's (None: nothing hidden)."""
             hidden = base.with_costs([_unless_unselectable(c, 1 - weight) if n in reductions
                                       else _unless_unselectable(c, weight) if n in backward else c
-                                      for n, c in enumerate(base.node_cost)]) if reductions else base
+                                      for n, c in enumerate(base.node_cost)]) if reductions and weight is not None \
+                else base
             plan, selection = self._fit(hidden, extractors[-1], time_limit, budget_of, ties, carried, memory_budget,
-                                        outputs, FUSED_STOP_GAP if base is fused else None)
+                                        outputs, FUSED_STOP_GAP if base is fused else None, model)
             if selection.extractor != extractors[-1] and ties and memory_budget is None:
                 extractors.append(selection.extractor)
             return replace(plan, cost=plan_cost(plan, model)), selection  # time per run, not objective
 
-        fused = self._fused(egraph, model) if self.mesh.size >= FUSED_EXTRACTION_DEVICES else None
         plan, selection = fit(egraph, 1.0)
         if fused is not None:  # the plan extracted under fusion-aware node costs, where plan_cost finds it cheaper
             try:
                 seen = fit(fused, 1.0)
-            except MemoryBudgetError:  # memory cuts ended elsewhere under these costs: the first plan stands
+            except (MemoryBudgetError, NoPlanError):  # none found under these costs: the first plan stands
                 seen = (plan, selection)
             if seen[0].cost < plan.cost:
                 egraph, (plan, selection) = fused, seen
+        if self.layered is not None and reductions and memory_budget is None:
+            # the plain sum too: on the folded 7B step on 8x8 the greedy fallback's sharded periodic candidate
+            # (19.27 ms) came out of it, where every weighted fit kept the replicated pins (29.98 ms)
+            with suppress(NoPlanError):
+                seen = fit(egraph, None)
+                if seen[0].cost < plan.cost:
+                    plan, selection = seen
         found = overlap(plan, from_costs(step_costs(plan, model)))
         if found.reductions > found.backward * (1 + 1e-9):  # the first piece was not the plan's time
-            swept = [fit(egraph, weight) for weight in LAGRANGE_WEIGHTS]
+            swept = []
+            for weight in LAGRANGE_WEIGHTS:
+                with suppress(NoPlanError):  # a fallback's steady pins can fail under one weighting alone
+                    swept.append(fit(egraph, weight))
             plan, selection = min([(plan, selection), *swept], key=lambda p: p[0].cost)
             selection = replace(selection, status="feasible")  # no objective was the plan's time: nothing proven
             plan = replace(plan, notes={**plan.notes, "status": "feasible",
@@ -289,9 +320,16 @@ class Explored:
         if egraph is fused:  # its node costs were an estimate of its time: nothing proven
             selection = replace(selection, status="feasible")
             plan = replace(plan, notes={**plan.notes, "status": "feasible", "node_costs": "fused"})
-        plan, selection = self._against_baselines(plan, selection, egraph, model, ties, memory_budget)
-        plan = self._verified(plan, extractor, carried)
+        if self.layered is None:  # a hand plan is of the whole graph: no floor for a folded one
+            plan, selection = self._against_baselines(plan, selection, egraph, model, ties, memory_budget)
+        plan = self._verified(plan, extractor, whole_carried)
         stats = replace(self.stats, reshards_unpriced=self.decoder.pricing.reshards_unpriced)
+        if self.layered is not None:  # the best periodic plan found: nothing proven over plans whose layers differ
+            plan = replace(plan, notes={**plan.notes, "periodic": {
+                "copies": self.layered.copies, "nodes_per_copy": len(self.layered.folded.layers.chains),
+                "extractor": selection.extractor, "extractor_status": selection.status,
+                "gap_among_periodic": selection.gap}})
+            selection = replace(selection, status="periodic", gap=None)
         status = search_status(stats, selection)
         plan = replace(plan, notes={**plan.notes, "status": status, "extractor_status": selection.status})
         result = OptimizeResult(plan, stats, replace(selection, status=status), self.rule_files, self.data)
@@ -337,13 +375,14 @@ class Explored:
 
     def _fit(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget_of: Callable[[], DeviceBudget],
              ties: Ties, carried: Mapping[str, str], memory_budget: int | None,
-             outputs: Outputs, stop_gap: float | None = None) -> tuple[Plan, Selection]:
+             outputs: Outputs, stop_gap: float | None = None,
+             model: CostModel | None = None) -> tuple[Plan, Selection]:
         """The extracted plan, checked. Under a memory budget: the plan chosen without it where that fits (the
         budget does not bind), else re-solved with the budget's constraints (`budget_of`) and memory cuts until
         it fits."""
         base = None
         if memory_budget is not None:
-            unbound = self._unbound(egraph, extractor, time_limit, ties, carried, memory_budget, stop_gap)
+            unbound = self._unbound(egraph, extractor, time_limit, ties, carried, memory_budget, stop_gap, model)
             if unbound is not None:
                 return unbound
             base = budget_of()
@@ -352,20 +391,20 @@ class Explored:
         while True:
             budget = None if base is None else replace(base, groups=tuple(cuts))
             try:
-                selection = self._select(egraph, extractor, time_limit, budget, ties, carried, stop_gap)
+                selection = self._select(egraph, extractor, time_limit, budget, ties, carried, stop_gap, model)
             except NoFiniteChoiceError as err:
                 if budget is None:
                     asked = f"outputs as asked ({outputs!r})" + (" in steady state" if ties else "")
-                    raise ValueError(f"no plan delivers the {asked}: {err}") from None
+                    raise NoPlanError(f"no plan delivers the {asked}: {err}") from None
                 raise MemoryBudgetError(f"no plan fits {memory_budget:,} bytes per device: {err}"
                                         + (f" (after {rounds} rounds of memory cuts)" if rounds else "")) from None
             problems = validate(egraph, selection)
             if problems:
                 raise AssertionError(f"extractor {extractor} returned an invalid selection: {problems[0]}")
-            plan = self.decoder.plan(egraph, selection, self.graph, self.names)
+            plan, step_nodes = self._decode(egraph, selection)
             if memory_budget is None:
                 break
-            plan, step_nodes, peaks = self._leaner(plan, self.decoder.step_nodes(egraph, selection))
+            plan, step_nodes, peaks = self._leaner(plan, step_nodes)
             if max(p.bytes for p in peaks) <= memory_budget:
                 break
             rounds += 1
@@ -381,23 +420,30 @@ class Explored:
 
     def _unbound(self, egraph: ExtractGraph, extractor: str, time_limit: float, ties: Ties,
                  carried: Mapping[str, str], memory_budget: int,
-                 stop_gap: float | None = None) -> tuple[Plan, Selection] | None:
+                 stop_gap: float | None = None, model: CostModel | None = None) -> tuple[Plan, Selection] | None:
         """The plan chosen without the memory budget, if its exact peak fits: the budget does not bind, so what
         was proven of it holds under the budget too (a small model's plan fits 80 GB whatever it splits). Tried
         first: the budget's constraints made CP-SAT slow (190 CPU s of constraints for a 2-layer LLaMA training
         step on 8x8 at 80 GB) or find nothing in time, for a budget every plan met."""
         try:
-            selection = self._select(egraph, extractor, time_limit, None, ties, carried, stop_gap)
+            selection = self._select(egraph, extractor, time_limit, None, ties, carried, stop_gap, model)
         except NoFiniteChoiceError:
             return None
         problems = validate(egraph, selection)
         if problems:
             raise AssertionError(f"extractor {selection.extractor} returned an invalid selection: {problems[0]}")
-        plan, _, peaks = self._leaner(self.decoder.plan(egraph, selection, self.graph, self.names),
-                                      self.decoder.step_nodes(egraph, selection))
+        plan, _, peaks = self._leaner(*self._decode(egraph, selection))
         if max(p.bytes for p in peaks) > memory_budget:
             return None
         return replace(plan, notes={**plan.notes, "memory_budget": "not binding"}), selection
+
+    def _decode(self, egraph: ExtractGraph, selection: Selection) -> tuple[Plan, list[int]]:
+        """The selection's plan of the whole graph (expanded onto every layer where the graph was folded), and
+        the node each step comes from."""
+        plan = self.decoder.plan(egraph, selection, self.graph, self.names)
+        if self.layered is None:
+            return plan, self.decoder.step_nodes(egraph, selection)
+        return self.layered.expand(egraph, selection, self.names, plan.notes)
 
     @staticmethod
     def _verified(plan: Plan, extractor: str, carried: Mapping[str, str]) -> Plan:
@@ -434,34 +480,61 @@ class Explored:
         return reductions, backward
 
     def _select(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget: DeviceBudget | None,
-                ties: Ties, carried: Mapping[str, str], stop_gap: float | None = None) -> Selection:
+                ties: Ties, carried: Mapping[str, str], stop_gap: float | None = None,
+                model: CostModel | None = None) -> Selection:
+        """The selection `extractor` makes, steady where `ties` ask (module docstring of `extract`); a folded graph's
+        periodic candidates are ranked by their expanded plan's time under `model` where given (the objective
+        hides reductions or prices fusion as estimates, and mirroring moves costs between copies)."""
         if not ties or extractor == "ilp":
+            start = None  # a folded graph's ILP starts from greedy-dag's periodic selection, and keeps the cheaper
+            if self.layered is not None and extractor == "ilp" and ties and budget is None:
+                with suppress(NoFiniteChoiceError):
+                    start = self._select(egraph, "greedy-dag", time_limit, budget, ties, carried, stop_gap, model)
             try:
-                return extract(egraph, extractor, time_limit, budget, ties, self.repeated, stop_gap)
+                found = extract(egraph, extractor, time_limit, budget, ties, self.repeated, stop_gap, start)
+                return found if start is None or found.dag_cost <= start.dag_cost else start
             except NoFiniteChoiceError as err:
+                if start is not None:
+                    return start
                 if not ties or extractor != "ilp" or budget is not None:  # greedy-dag takes no budget
                     raise
                 # CP-SAT found no steady selection in time (a training step past a few layers on many devices):
                 # greedy-dag's pinned layouts are steady; the selection names its extractor, and proves nothing
-                try:
-                    return self._select(egraph, "greedy-dag", time_limit, budget, ties, carried, stop_gap)
+                try:  # (where the graph was folded, copy 1 then mirrors copy 0's choice: Layered.mirror)
+                    return self._select(egraph, "greedy-dag", time_limit, budget, ties, carried, stop_gap, model)
                 except NoFiniteChoiceError:
                     raise err from None
         free = extract(egraph, extractor, time_limit, budget, stop_gap=stop_gap)
         steady: list[Selection] = []
-        for pins in (self._delivered_layouts(free, carried), self._replicated_layouts(carried)):
+        delivered = self._delivered_layouts(free, carried)
+        aligned = [] if self.layered is None else [self.layered.aligned(delivered, source) for source in (1, 0)]
+        for pins in (delivered, *aligned, self._replicated_layouts(carried)):
             try:
                 selection = extract(self._pin_layouts(egraph, pins, carried), extractor, time_limit, budget,
                                     stop_gap=stop_gap)
             except NoFiniteChoiceError:
                 continue  # a pinned layout's moves were left unpriced (budget): the other pins
-            if ties_hold(selection.choice, ties):
+            if self.layered is not None:  # one copy mirrors the other; the steady ties must hold, the twins' one way
+                steady += self._periodic(egraph, selection, ties)
+            elif ties_hold(selection.choice, ties):
                 steady.append(selection)
         if not steady:
             raise NoFiniteChoiceError(f"extractor {extractor!r} found no steady-state plan; use 'ilp'")
         # the cheaper: the layouts the free choice delivered can cost more every step than state kept whole
         # (a small model on 4 ranks sharing 2 cores: 0.0426 s against 0.0171 s replicated)
+        if self.layered is not None and model is not None:
+            return min(steady, key=lambda selection: plan_cost(self._decode(egraph, selection)[0], model))
         return min(steady, key=lambda selection: selection.dag_cost)
+
+    def _periodic(self, egraph: ExtractGraph, selection: Selection, ties: Ties) -> list[Selection]:
+        """`selection` made periodic each way (Layered.mirror: copy 1 as copy 0, copy 0 as copy 1), where copy 1
+        then runs the twin of all copy 0 runs and the steady ties hold."""
+        layered = self.layered
+        assert layered is not None
+        twins = set(layered.ties())
+        steady = [t for t in ties if t not in twins]
+        return [mirrored for mirrored in (layered.mirror(egraph, selection, source) for source in (0, 1))
+                if layered.holds(mirrored) and ties_hold(mirrored.choice, steady)]
 
     def _steady_ties(self, egraph: ExtractGraph, carried: Mapping[str, str]) -> tuple[ExtractGraph, Ties]:
         """Pairs (Place of input X in layout L, Deliver of its carried output in L); a Place or Deliver with no
@@ -548,6 +621,8 @@ class Explored:
             elif node.op != "Deliver":
                 args = [held[c] for c in dict.fromkeys(node.children) if c not in placed]
                 transient[n] = tuple(map(sum, zip(held[node.eclass], *args)))
+        if self.layered is not None:
+            resident = self.layered.resident(resident)
         return DeviceBudget(limit, resident, transient)
 
     @staticmethod
@@ -619,18 +694,29 @@ class MemoryBudgetError(ValueError):
 
 @_no_collections()
 def explore(graph: Graph, mesh: Mesh | int = 1, rules: Sequence[str | Path] | None = None,
-            budget: Budget = Budget(), progress: Callable[[IterationStats], None] | None = None) -> Explored:
-    """Saturate: every sharding, fusion and substitution the rules and signatures allow, in one e-graph."""
+            budget: Budget = Budget(), progress: Callable[[IterationStats], None] | None = None,
+            layers: bool | None = None) -> Explored:
+    """Saturate: every sharding, fusion and substitution the rules and signatures allow, in one e-graph.
+
+    With `layers=True` a graph of three or more repeated layers (graph.layers) is saturated folded to two of them,
+    and its plans are periodic: one layer planned, run by every copy (egraph.layered). By default (None) only
+    from FOLD_FROM_COPIES copies; `layers=False` never."""
     mesh = Mesh(mesh) if isinstance(mesh, int) else mesh
     rule_files = load_rules(rules)
     started = clock()
-    gen, _, stats = saturate(graph, mesh, rule_files, budget, progress)
+    found = find_layers(graph) if layers is not False else None
+    if layers is None and found is not None and found.copies < FOLD_FROM_COPIES:
+        found = None
+    folded = fold(graph, found) if found is not None else None
+    explored = folded.graph if folded is not None else graph
+    gen, _, stats = saturate(explored, mesh, rule_files, budget, progress)
     data = gen.session.serialize()
     nodes, roots, names, cut = distributed_nodes(data, gen.interner, started + budget.seconds * MOVES_SHARE)
     stats = replace(stats, values_with_few_moves=cut)
-    return Explored(graph, mesh, Decoder(nodes, gen.interner, mesh, {n.name: n.dtype for n in graph.inputs},
-                                             graph.fixed), tuple(roots), names, stats,
-                    tuple(rule_files), data, max(budget.seconds - (clock() - started), 0.0))
+    decoder = Decoder(nodes, gen.interner, mesh, {n.name: n.dtype for n in explored.inputs}, explored.fixed)
+    layered = None if folded is None else Layered(graph, folded, decoder, value_classes(data, explored))
+    return Explored(explored, mesh, decoder, tuple(roots), names, stats, tuple(rule_files), data,
+                    max(budget.seconds - (clock() - started), 0.0), layered)
 
 
 def optimize(
@@ -645,6 +731,7 @@ def optimize(
     memory_budget: int | None = None,
     outputs: Outputs = "any",
     steady: Mapping[str, str] | None = None,
+    layers: bool | None = None,
 ) -> OptimizeResult:
     """Find the cheapest plan for `graph` on `mesh` among everything the rules and sharding allow.
 
@@ -652,7 +739,9 @@ def optimize(
     device) is a hard limit on peak memory; `outputs` picks the outputs' layouts: "any" plain layout,
     "replicated", or per output name a Layout (or "any"/"replicated"). `steady` maps outputs to the inputs they
     replace at the next step (default `graph.carried`, which training imports fill; {} turns it off): each is
-    delivered in its input's placed layout. See `Explored.extract`.
+    delivered in its input's placed layout. `layers` folds a model's repeated layers to plan one for all
+    (`explore`: by default from FOLD_FROM_COPIES layers; True from three; False plans them one by one).
+    See `Explored.extract`.
     """
-    return explore(graph, mesh, rules, budget, progress).extract(cost_model, extractor, time_limit, memory_budget,
-                                                                 outputs, steady)
+    return explore(graph, mesh, rules, budget, progress, layers).extract(cost_model, extractor, time_limit,
+                                                                         memory_budget, outputs, steady)

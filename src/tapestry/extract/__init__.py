@@ -27,17 +27,18 @@ EXTRACTORS: dict[str, Callable[[EGraph, float], Selection]] = {
 
 def extract(egraph: EGraph, extractor: str = "ilp", time_limit: float = 60.0,
             budget: DeviceBudget | None = None, ties: Ties = (), repeated: Repeated | None = None,
-            stop_gap: float | None = None) -> Selection:
+            stop_gap: float | None = None, start: Selection | None = None) -> Selection:
     """One entry point so callers pick an extractor by name; `time_limit` only bounds the ILP, and only the ILP
     takes a `budget` or `ties` (the others choose node by node, blind to a constraint over the whole selection)
-    or uses `repeated` (a periodic warm start) and `stop_gap` (`extract_ilp`'s; None: its default)."""
+    or uses `repeated` (a periodic warm start), `stop_gap` (`extract_ilp`'s; None: its default) and `start` (a
+    warm start of the caller's)."""
     if budget is not None or ties:
         if extractor != "ilp":
             what = "a memory budget" if budget is not None else "tied nodes"
             raise ValueError(f"extractor {extractor!r} cannot keep {what}; use 'ilp'")
-        return extract_ilp(egraph, time_limit, budget=budget, ties=ties, stop_gap=stop_gap)
+        return extract_ilp(egraph, time_limit, budget=budget, ties=ties, stop_gap=stop_gap, start=start)
     if extractor == "ilp":
-        return extract_ilp(egraph, time_limit, repeated=repeated, stop_gap=stop_gap)
+        return extract_ilp(egraph, time_limit, repeated=repeated, stop_gap=stop_gap, start=start)
     try:
         run = EXTRACTORS[extractor]
     except KeyError:

@@ -61,7 +61,7 @@ from tapestry.extract.egraph import EGraph, NoFiniteChoiceError
 from tapestry.extract.greedy_dag import improve
 from tapestry.extract.periodic import Repeated
 from tapestry.extract.relax import PROVEN, PathCut, relax
-from tapestry.extract.selection import Selection, children_first, finalize
+from tapestry.extract.selection import Selection, children_first, dag_cost, finalize
 from tapestry.extract.structure import strongly_connected_components
 from tapestry.extract.tree import TreeChoice, solvable_tree
 from tapestry.extract.warm import undominate, warm_start
@@ -269,13 +269,17 @@ def _first_subset(children: frozenset[int], first: Mapping[frozenset[int], int])
 
 
 def extract_ilp(egraph: EGraph, time_limit: float = 60.0, budget: DeviceBudget | None = None, ties: Ties = (),
-                repeated: Repeated | None = None, stop_gap: float | None = None) -> Selection:
+                repeated: Repeated | None = None, stop_gap: float | None = None,
+                start: Selection | None = None) -> Selection:
     """Best selection CP-SAT finds within `time_limit` seconds; never worse than the greedy warm start. A
     selection within `stop_gap` of the LP bound is returned as it is ("feasible" with that gap); by default
     `stop_gap` is STOP_GAP, or LARGE_STOP_GAP on a graph of more than CONTRACT_FROM candidates.
     Under `budget` and `ties`, the best that satisfies them; NoFiniteChoiceError if none does.
     CP-SAT runs the `PORTFOLIO` workers. With `repeated` (and no budget or ties), the best periodic selection
     (`periodic.py`, solved in `warm.PERIODIC_SHARE` of the limit) is a second warm start, kept if it is cheaper.
+    A caller's `start` (a choice that may name classes nothing reachable reads, as a tie can ask) is one too,
+    where it keeps the budget and ties: greedy-dag's start rarely keeps ties, and without an admissible start the
+    LP pass's rounding and CP-SAT must find one alone.
     """
     started = time.perf_counter()
     deadline = started + (1 - RESERVE) * time_limit
@@ -290,6 +294,13 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0, budget: DeviceBudget |
     if egraph.num_nodes > MODEL_NODES_PER_SECOND * (deadline - time.perf_counter()):
         # No time to reduce the graph and model it: the warm start, its local search given the time left (cut
         # at WARM_SHARE, it could end dearer than greedy-dag's), unproven.
+        if ties and budget is None and not ties_hold(finalize(egraph, greedy, tree, "ilp", started).choice, ties):
+            # the local search keeps no tie, and CP-SAT would get what modelling left: on the folded 7B training
+            # step on 8x8 (199,000 nodes) it found no tied selection in it
+            if start is not None and ties_hold(start.choice, ties):
+                return _result(start, False, 0.0, started)
+            raise NoFiniteChoiceError(f"no time to model {egraph.num_nodes:,} nodes, and the warm start breaks "
+                                      f"the ties")
         if time.perf_counter() < deadline:  # setting the search up alone takes seconds on millions of nodes
             greedy = improve(egraph, greedy, tree, deadline)
         unsolved = finalize(egraph, greedy, tree, "ilp", started)
@@ -298,6 +309,10 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0, budget: DeviceBudget |
     reduced = reduce(egraph, tree, tied_nodes(ties))
     warm = finalize(egraph, undominate(egraph, greedy, reduced.replacement), tree, "ilp", started)
     best = warm if admissible(warm) else None
+    if start is not None:
+        given = _undominated(egraph, start, reduced.replacement, started)
+        if admissible(given) and (best is None or given.dag_cost < best.dag_cost):
+            best = warm = given
     proven, bound, lp_bound, cuts = best is not None and best.dag_cost == 0, 0.0, 0.0, ()
 
     def offer(choice: list[int]) -> float:
@@ -346,6 +361,16 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0, budget: DeviceBudget |
         raise NoFiniteChoiceError(f"no selection keeps {asked}" if bound == math.inf
                                   else f"the solver found no selection that keeps {asked} in time")
     return _result(best, proven, max(bound, lp_bound), started)
+
+
+def _undominated(egraph: EGraph, start: Selection, replacement: Mapping[int, int], started: float) -> Selection:
+    """`start`'s choice on the nodes preprocessing kept (a dominator has a subset of the children: no cycle),
+    priced over every class it names, reachable or not."""
+    choice = [-1] * egraph.num_classes
+    for c, n in start.choice.items():
+        choice[c] = n
+    kept = {c: n for c, n in enumerate(undominate(egraph, choice, replacement)) if n >= 0}
+    return Selection(kept, dag_cost(egraph, kept), "ilp", time.perf_counter() - started)
 
 
 def _result(best: Selection, proven: bool, bound: float, started: float) -> Selection:
@@ -672,7 +697,8 @@ def _hint(
         c = egraph.node_class[n]
         if choice.get(c) == n:
             b = reduced.component[c]
-            if b not in first or position[c] < position[egraph.node_class[first[b]]]:
+            if b not in first or position.get(c, len(position)) < position.get(egraph.node_class[first[b]],
+                                                                            len(position)):
                 first[b] = n
     for n, var in variables.source.items():
         hint(var, first.get(reduced.component[egraph.node_class[n]]) == n)
