@@ -14,7 +14,6 @@ copies, may not read a copy: such nodes are left unselectable (their graph op's 
 """
 from __future__ import annotations
 
-import heapq
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -27,7 +26,7 @@ from tapestry.extract import EGraph, Selection
 from tapestry.extract.selection import finalize
 from tapestry.extract.tree import solvable_tree
 from tapestry.graph import Graph
-from tapestry.graph.layers import Folded
+from tapestry.graph.layers import Folded, ranked_order
 from tapestry.plan import Place, Plan, Reshard, Step
 
 
@@ -290,22 +289,8 @@ class Layered:
     def _topological(instances: Sequence[tuple[int, int | None]], reads: Mapping[tuple, list[tuple]],
                      key: Mapping[tuple, int]) -> list[tuple[int, int | None]]:
         """The steps, each after what it reads, else in graph order (a step of no graph value: after its reads)."""
-        waiting = {at: len(set(reads[at])) for at in instances}
-        readers: dict[tuple, list[tuple]] = {}
-        for at in instances:
-            for r in set(reads[at]):
-                readers.setdefault(r, []).append(at)
         rank = {at: (key[at], at[0], -1 if at[1] is None else at[1]) for at in instances}
-        ready = [(rank[at], at) for at in instances if waiting[at] == 0]
-        heapq.heapify(ready)
-        order = []
-        while ready:
-            _, at = heapq.heappop(ready)
-            order.append(at)
-            for reader in readers.get(at, ()):
-                waiting[reader] -= 1
-                if waiting[reader] == 0:
-                    heapq.heappush(ready, (rank[reader], reader))
+        order = ranked_order({at: reads[at] for at in instances}, rank)
         if len(order) != len(instances):
             raise AssertionError("the expanded plan's steps read in a cycle")
         return order

@@ -24,7 +24,8 @@ from __future__ import annotations
 import heapq
 import re
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 from dataclasses import dataclass
 
 from tapestry.graph.graph import Graph, Node
@@ -155,21 +156,27 @@ def fold(graph: Graph, layers: Layers) -> Folded | None:
 def _graph_order(graph: Graph, reads: Mapping[str, list[str]]) -> list[str]:
     """The nodes of `reads`, each after what it reads, else in the graph's order."""
     index = {node.name: i for i, node in enumerate(graph)}
-    waiting = {name: len(set(args)) for name, args in reads.items()}
-    readers: dict[str, list[str]] = {}
-    for name, args in reads.items():
+    return ranked_order(reads, {name: index[name] for name in reads})
+
+
+def ranked_order(reads: Mapping[Any, Iterable[Any]], rank: Mapping[Any, Any]) -> list[Any]:
+    """The keys of `reads`, each after the keys it reads, else the lowest `rank` first (a key reading itself, or
+    in a cycle, is left out)."""
+    waiting = {k: len(set(args)) for k, args in reads.items()}
+    readers: dict[Any, list[Any]] = {}
+    for k, args in reads.items():
         for a in set(args):
-            readers.setdefault(a, []).append(name)
-    ready = [(index[name], name) for name, left in waiting.items() if left == 0]
+            readers.setdefault(a, []).append(k)
+    ready = [(rank[k], k) for k, left in waiting.items() if left == 0]
     heapq.heapify(ready)
     order = []
     while ready:
-        _, name = heapq.heappop(ready)
-        order.append(name)
-        for reader in readers.get(name, ()):
+        _, k = heapq.heappop(ready)
+        order.append(k)
+        for reader in readers.get(k, ()):
             waiting[reader] -= 1
             if waiting[reader] == 0:
-                heapq.heappush(ready, (index[reader], reader))
+                heapq.heappush(ready, (rank[reader], reader))
     return order
 
 
