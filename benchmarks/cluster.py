@@ -450,7 +450,8 @@ def main() -> None:
     for saved in filter(None, (args.from_json or "").split(",")):
         with open(saved) as f:
             for row in json.load(f):
-                key = json.dumps(row["case"], sort_keys=True)
+                key = json.dumps({k: v for k, v in row["case"].items() if k != "fold"}, sort_keys=True)  # the
+                # table has no fold column (a row's `periodic` says whether it was folded): one row per case
                 saved_rows.pop(key, None)
                 saved_rows[key] = row
     rows = list(saved_rows.values())
