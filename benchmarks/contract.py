@@ -15,7 +15,7 @@ import time
 
 from tapestry.extract import extract_greedy_dag
 from tapestry.extract.contract import contracted, value_blocks
-from tapestry.extract.ilp import _block, reduce
+from tapestry.extract.reduction import reduce
 from tapestry.extract.relax import lp_bound
 from tapestry.extract.tree import solvable_tree
 from tapestry.importer import from_torch
@@ -35,7 +35,7 @@ def main() -> None:
     egraph = explored.decoder.extraction_graph(list(explored.roots), default_cost_model(), explored.pricing_seconds,
                                                drop_dominated=True)
     reduced = reduce(egraph, solvable_tree(egraph))
-    block = {c: _block(reduced, c) for c in reduced.candidates}
+    block = {c: reduced.block(c) for c in reduced.candidates}
     greedy = extract_greedy_dag(egraph).dag_cost
     row: dict[str, object] = {"model": args.model, "mesh": args.mesh, "greedy_cost": greedy,
                               "candidates": sum(map(len, reduced.candidates.values()))}

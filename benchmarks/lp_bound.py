@@ -17,7 +17,7 @@ import time
 from phases import ZOO, model
 from tapestry.extract import extract_ilp
 from tapestry.extract.contract import contracted_bound
-from tapestry.extract.ilp import _block, reduce
+from tapestry.extract.reduction import reduce
 from tapestry.extract.relax import _Lp, _shaved
 from tapestry.extract.tree import solvable_tree
 from tapestry.optimizer import FUSED_EXTRACTION_DEVICES, default_cost_model, explore
@@ -33,7 +33,7 @@ def row(name: str, mesh: Mesh, time_limit: float) -> str:
                                                drop_dominated=True)
     best = extract_ilp(egraph, time_limit)
     reduced = reduce(egraph, solvable_tree(egraph))
-    block = {c: _block(reduced, c) for c in reduced.candidates}
+    block = {c: reduced.block(c) for c in reduced.candidates}
     lp = _Lp(egraph, reduced.candidates, block, reduced.needs, (), math.inf)
     first, _ = lp.solve(math.inf)
     lp.add_reads(egraph, reduced.candidates)

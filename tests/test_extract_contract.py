@@ -16,14 +16,15 @@ from tapestry.extract import EGraph, validate
 from tapestry.extract import contract, ilp
 from tapestry.extract.contract import contracted, contracted_bound
 from tapestry.extract.egraph import Node
-from tapestry.extract.ilp import _block, extract_ilp, reduce
+from tapestry.extract.ilp import extract_ilp
+from tapestry.extract.reduction import reduce
 from tapestry.extract.relax import lp_bound
 from tapestry.extract.tree import solvable_tree
 
 
 def problem(egraph: EGraph) -> tuple[dict[int, tuple[int, ...]], dict[int, int], dict[int, tuple[int, ...]]]:
     reduced = reduce(egraph, solvable_tree(egraph))
-    return dict(reduced.candidates), {c: _block(reduced, c) for c in reduced.candidates}, dict(reduced.needs)
+    return dict(reduced.candidates), {c: reduced.block(c) for c in reduced.candidates}, dict(reduced.needs)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -121,7 +122,7 @@ def test_a_value_read_through_footprints_is_paid_whole_by_the_contracted_bound()
         Node("b.run", "matmul", "b", 10.0, ("x",)), Node("b.move", move, "b", 0.0, ("a",)),
         Node("fa.move", move, "fa", 0.0, ("a",)), Node("fb.move", move, "fb", 0.0, ("b",)),
         Node("s.from_fa", "slice", "s", 1.0, ("fa",)), Node("s.from_fb", "slice", "s", 1.0, ("fb",)),
-        Node("s.alone", "compute", "s", 100.0, ("x",)),  # so that s needs no block but x (`ilp.needed_blocks`)
+        Node("s.alone", "compute", "s", 100.0, ("x",)),  # so that s needs no block but x (`reduction.needed_blocks`)
     ], ["s"])
     candidates, block, needs = problem(egraph)
     assert len({block[c] for c in candidates}) == 5  # x, {a, b}, fa, fb, s

@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 
 from tapestry.extract import EGraph, extract, validate
 from tapestry.extract import ilp as ilp_module
+from tapestry.extract import reduction as reduction_module
 from tapestry.extract import relax as relax_module
-from tapestry.extract.ilp import Reduced, _block, reduce
+from tapestry.extract.reduction import Reduced, reduce
 from tapestry.extract.relax import (
     PathCut,
     Relaxation,
@@ -85,8 +86,8 @@ def selections(egraph: EGraph, reduced: Reduced) -> list[dict[int, int]]:
 def holds(egraph: EGraph, reduced: Reduced, cut: PathCut, choice: Mapping[int, int]) -> bool:
     """The cut with any chosen entry node of its reader block as the block's source (s = 1, all others 0)."""
     chosen = set(choice.values())
-    entries = [n for c, n in choice.items() if _block(reduced, c) == cut.reader
-               and all(_block(reduced, d) != cut.reader for d in egraph.child_sets[n])]
+    entries = [n for c, n in choice.items() if reduced.block(c) == cut.reader
+               and all(reduced.block(d) != cut.reader for d in egraph.child_sets[n])]
     return all(len(chosen & set(cut.nodes)) + (e in cut.sources) >= 1 for e in entries)
 
 
@@ -96,7 +97,7 @@ def test_needs_and_path_cuts_hold_for_every_acyclic_selection_and_the_ilp_is_opt
         seed: int, shape: tuple[int, int]) -> None:
     egraph = tapestry_like(seed, *shape)
     reduced = reduce(egraph, solvable_tree(egraph))
-    block = {c: _block(reduced, c) for c in reduced.candidates}
+    block = {c: reduced.block(c) for c in reduced.candidates}
     every = selections(egraph, reduced)
     optimum = min(sum(egraph.node_cost[n] for n in choice.values()) for choice in every)
     for choice in every:
@@ -126,7 +127,7 @@ def test_the_lp_bound_is_lagrangian_so_it_holds_whatever_duals_highs_returns(see
     unscaled = tapestry_like(seed, 3, 2)
     egraph = replace(unscaled, node_cost=tuple(cost * scale for cost in unscaled.node_cost))
     reduced = reduce(egraph, solvable_tree(egraph))
-    block = {c: _block(reduced, c) for c in reduced.candidates}
+    block = {c: reduced.block(c) for c in reduced.candidates}
     optimum = min(sum(egraph.node_cost[n] for n in choice.values()) for choice in selections(egraph, reduced))
     lp = _Lp(egraph, reduced.candidates, block, reduced.needs, (), math.inf)
     bound, _ = lp.solve(math.inf)
@@ -150,7 +151,7 @@ def test_two_derivations_that_meet_again_below_are_no_cheaper_in_the_lp() -> Non
         "out": [(0.0, ["y"])],
     }, roots=["out"])
     reduced = reduce(egraph, solvable_tree(egraph))
-    block = {c: _block(reduced, c) for c in reduced.candidates}
+    block = {c: reduced.block(c) for c in reduced.candidates}
     relaxation = relax(egraph, reduced.candidates, block, reduced.needs, time.perf_counter() + 10)
     assert relaxation.bound == pytest.approx(5.5)  # h.b computed (1) then y = linear(h.b) (4.5)
     assert extract(egraph, "ilp").dag_cost == pytest.approx(5.5)
@@ -161,14 +162,14 @@ def test_the_lp_with_path_cuts_proves_a_transformer_layer_on_8_devices_and_agree
     explored = explore(transformer_stack(1, 4, 256, 1024, 16), Mesh(8))
     egraph = explored.decoder.extraction_graph(list(explored.roots), default_cost_model())
     reduced = reduce(egraph, solvable_tree(egraph))
-    relaxation = relax(egraph, reduced.candidates, {c: _block(reduced, c) for c in reduced.candidates},
+    relaxation = relax(egraph, reduced.candidates, {c: reduced.block(c) for c in reduced.candidates},
                        reduced.needs, time.perf_counter() + 30)
     proven = extract(egraph, "ilp", time_limit=30)
     assert proven.status == "optimal" and proven.bound == proven.dag_cost
     assert relaxation.cuts and relaxation.bound == pytest.approx(proven.dag_cost, rel=1e-6)  # the LP alone
     assert all(holds(egraph, reduced, cut, proven.choice) for cut in relaxation.cuts)
     monkeypatch.setattr(ilp_module, "relax", lambda *_, **__: Relaxation((), 0.0, 0))
-    monkeypatch.setattr(ilp_module, "needed_blocks", lambda *_: {})
+    monkeypatch.setattr(reduction_module, "needed_blocks", lambda *_: {})
     plain = extract(egraph, "ilp", time_limit=30)  # CP-SAT alone, as before the LP
     assert plain.status == "optimal"
     assert proven.dag_cost == pytest.approx(plain.dag_cost, rel=1e-9)
@@ -180,7 +181,7 @@ def test_separation_finds_a_violated_cut_exactly_where_the_max_flow_falls_short_
     # All pairs share one max flow (`_Batch`) on integer capacities; each pair must still get its own answer.
     egraph = tapestry_like(seed, 4, 2)
     reduced = reduce(egraph, solvable_tree(egraph))
-    block = {c: _block(reduced, c) for c in reduced.candidates}
+    block = {c: reduced.block(c) for c in reduced.candidates}
     lp = _Lp(egraph, reduced.candidates, block, reduced.needs, (), math.inf)
     pairs = _pairs(egraph, reduced.candidates, block, reduced.needs, math.inf)
     assert pairs is not None and pairs.pairs
@@ -210,7 +211,7 @@ def test_the_lp_pass_is_skipped_when_its_path_graphs_would_take_too_long_to_buil
     # the LP without cuts is CP-SAT's own root LP.
     egraph = tapestry_like(3, 4, 2)
     reduced = reduce(egraph, solvable_tree(egraph))
-    block = {c: _block(reduced, c) for c in reduced.candidates}
+    block = {c: reduced.block(c) for c in reduced.candidates}
     soon = time.perf_counter() + 10
     assert _pairs(egraph, reduced.candidates, block, reduced.needs, soon) is not None
     monkeypatch.setattr(relax_module, "PATH_NODES_PER_SECOND", 0.01)
@@ -238,7 +239,7 @@ def test_a_layout_nothing_reads_is_no_cheap_source_once_the_lp_has_its_read_rows
     # too, and the bound is the optimum (issue 25: Mixtral's experts, 7.5% -> 1.0% under the plan on 2x2).
     egraph = unread_partial()
     reduced = reduce(egraph, solvable_tree(egraph))
-    block = {c: _block(reduced, c) for c in reduced.candidates}
+    block = {c: reduced.block(c) for c in reduced.candidates}
     lp = _Lp(egraph, reduced.candidates, block, reduced.needs, (), math.inf)
     assert lp.solve(math.inf)[0] == pytest.approx(2.0)
     lp.add_reads(egraph, reduced.candidates)
@@ -250,7 +251,7 @@ def test_a_layout_nothing_reads_is_no_cheap_source_once_the_lp_has_its_read_rows
 def test_with_read_rows_the_lp_bound_stays_below_the_optimum(seed: int, shape: tuple[int, int]) -> None:
     egraph = tapestry_like(seed, *shape)
     reduced = reduce(egraph, solvable_tree(egraph))
-    block = {c: _block(reduced, c) for c in reduced.candidates}
+    block = {c: reduced.block(c) for c in reduced.candidates}
     optimum = min(sum(egraph.node_cost[n] for n in choice.values()) for choice in selections(egraph, reduced))
     lp = _Lp(egraph, reduced.candidates, block, reduced.needs, (), math.inf)
     without, _ = lp.solve(math.inf)
@@ -263,7 +264,7 @@ def test_without_path_cuts_to_afford_the_lp_pass_still_gives_its_bound_with_read
         monkeypatch: pytest.MonkeyPatch) -> None:
     egraph = unread_partial()
     reduced = reduce(egraph, solvable_tree(egraph))
-    block = {c: _block(reduced, c) for c in reduced.candidates}
+    block = {c: reduced.block(c) for c in reduced.candidates}
     monkeypatch.setattr(relax_module, "PATH_NODES_PER_SECOND", 0.0)
     soon = time.perf_counter() + 10
     assert _pairs(egraph, reduced.candidates, block, reduced.needs, soon) is None

@@ -1,8 +1,8 @@
 """A cheap lower bound for large e-graphs: the LP of a contracted problem (docs/extraction.md, "Contracted bound").
 
 On Tapestry's e-graphs most candidates are reshards between the layouts of one value: 39,490 of the 41,850 that
-the 2-layer LLaMA on `Mesh(2, 2)` leaves after `ilp.reduce`, and the ILP's first LP (relax.py) takes 5-11 s on
-them. A node that reads a class of its own block (`ilp._block`: one value's layouts) is an *inner* node; it is
+the 2-layer LLaMA on `Mesh(2, 2)` leaves after `reduction.reduce`, and the ILP's first LP (relax.py) takes 5-11 s on
+them. A node that reads a class of its own block (`Reduced.block`: one value's layouts) is an *inner* node; it is
 never its block's entry. Contracted, each class's inner nodes become one node that costs the cheapest of them and
 reads only its own class (so it needs no other layout active, and is still no entry). Every selection of the
 e-graph maps to a selection of the contracted problem that costs no more and keeps every constraint of the LP:
