@@ -16,6 +16,7 @@ from training_helpers import ARGUMENTS, GPU, adam_step, mse
 import tapestry
 from tapestry.cost import DefaultCostModel, load_profile, plan_cost
 from tapestry.egraph.embed import NotInEGraph, plan_selection
+from tapestry.egraph.pins import steady_ties
 from tapestry.extract import validate
 from tapestry.importer.zoo import LlamaBlock
 from tapestry.optimizer import Explored, explore
@@ -117,7 +118,7 @@ def test_the_floor_keeps_the_expert_parallel_hand_plan_where_it_is_the_cheapest_
     against a plan dearer than all of them the floor keeps it, as the e-graph's selection of its steps."""
     explored = explore(mixtral.graph, tapestry.Mesh(4))
     model = Favour(kernels=("grouped_mm", "grouped_mm_k"))
-    egraph, ties = explored._steady_ties(explored.decoder.extraction_graph(list(explored.roots), model),
+    egraph, ties = steady_ties(explored.decoder, explored.decoder.extraction_graph(list(explored.roots), model),
                                          dict(mixtral.graph.carried))
     hands = explored.baselines
     dearer = replace(hands["data parallel"], cost=math.inf)

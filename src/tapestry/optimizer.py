@@ -34,6 +34,14 @@ from tapestry.egraph.driver import MOVES_SHARE, Budget, IterationStats, Saturati
 from tapestry.egraph.embed import NotInEGraph, plan_selection
 from tapestry.egraph.fused_prices import fused_node_costs
 from tapestry.egraph.layered import Layered, value_classes
+from tapestry.egraph.pins import (
+    Outputs,
+    delivered_layouts,
+    pin_layouts,
+    replicated_layouts,
+    restrict_outputs,
+    steady_ties,
+)
 from tapestry.egraph.repeat import find_repetition
 from tapestry.egraph.rules import RuleFile, load_rules
 from tapestry.extract import (
@@ -52,7 +60,7 @@ from tapestry.graph.layers import find_layers, fold
 from tapestry.plan import Compute, Place, Plan, steady_violations
 from tapestry.plan.explain import explain as explain_plan
 from tapestry.plan.validate import validate_plan
-from tapestry.sharding import Layout, Mesh
+from tapestry.sharding import Mesh
 from tapestry.training.plans import baselines
 from tapestry.verify import meaning_check
 
@@ -116,7 +124,6 @@ class OptimizeResult:
         return write_picture(egraph_to_dot(self.egraph_json, max_nodes), path)
 
 
-Outputs = str | Mapping[str, "str | Layout"]  # "any", "replicated", or per output name one of those or a Layout
 # A cut search whose plan replicates at least this share of its compute steps warns (SearchCutWarning): on 8x8
 # a 2-layer 7B step stopped by generation came out 83-95% replicated at 0.4% MFU (docs/benchmarks.md, "Cluster")
 REPLICATED_WARNING = 0.8
@@ -241,8 +248,8 @@ class Explored:
 
         Steady state: each output in `steady` (output -> input; default the graph's `carried`, {} for none) is
         delivered in the layout its input is placed in, so the step repeats without moving weights or optimizer
-        state; the ILP keeps it exactly (`_steady_ties`), the greedy extractors by fixing each input's layout to
-        the one their unconstrained choice delivered its output in (`_pin_layouts`) or to the replicated one,
+        state; the ILP keeps it exactly (`egraph.pins.steady_ties`), the greedy extractors by fixing each input's layout to
+        the one their unconstrained choice delivered its output in (`pin_layouts`) or to the replicated one,
         whichever is cheaper (the first may leave no plan where the pricing budget left moves out).
 
         The budget enters the ILP as per-device linear constraints that every fitting plan meets
@@ -268,8 +275,8 @@ class Explored:
         priced = self.decoder.extraction_graph(  # pruning is sound for a plain sum of node costs only
             list(self.roots), model, self.pricing_seconds,
             drop_dominated=memory_budget is None and not (carried or self.graph.carried or self.layered))
-        egraph = self._restrict_outputs(priced, outputs)
-        egraph, ties = self._steady_ties(egraph, carried)
+        egraph = restrict_outputs(self.decoder, priced, outputs)
+        egraph, ties = steady_ties(self.decoder, egraph, carried)
         fused = self._fused(egraph, model) if self.mesh.size >= FUSED_EXTRACTION_DEVICES else None
         if self.layered is not None:  # copy 1 counted once per later copy (fused prices too), tied to copy 0
             egraph, ties = self.layered.costs(egraph), sorted([*ties, *self.layered.ties()])
@@ -506,11 +513,11 @@ class Explored:
                     raise err from None
         free = extract(egraph, extractor, time_limit, budget, stop_gap=stop_gap)
         steady: list[Selection] = []
-        delivered = self._delivered_layouts(free, carried)
+        delivered = delivered_layouts(self.decoder, free, carried)
         aligned = [] if self.layered is None else [self.layered.aligned(delivered, source) for source in (1, 0)]
-        for pins in (delivered, *aligned, self._replicated_layouts(carried)):
+        for pins in (delivered, *aligned, replicated_layouts(self.decoder, carried)):
             try:
-                selection = extract(self._pin_layouts(egraph, pins, carried), extractor, time_limit, budget,
+                selection = extract(pin_layouts(self.decoder, egraph, pins, carried), extractor, time_limit, budget,
                                     stop_gap=stop_gap)
             except NoFiniteChoiceError:
                 continue  # a pinned layout's moves were left unpriced (budget): the other pins
@@ -535,68 +542,6 @@ class Explored:
         steady = [t for t in ties if t not in twins]
         return [mirrored for mirrored in (layered.mirror(egraph, selection, source) for source in (0, 1))
                 if layered.holds(mirrored) and ties_hold(mirrored.choice, steady)]
-
-    def _steady_ties(self, egraph: ExtractGraph, carried: Mapping[str, str]) -> tuple[ExtractGraph, Ties]:
-        """Pairs (Place of input X in layout L, Deliver of its carried output in L); a Place or Deliver with no
-        partner in its layout is unselectable: the output could not come back, or the input never arrive."""
-        places: dict[tuple[str, str], int] = {}
-        delivers: dict[tuple[str, str], int] = {}
-        into = dict(carried)
-        for n, node in enumerate(self.decoder.nodes):
-            if node.op == "Place" and node.key in into.values():
-                places[(node.key, node.layout)] = n
-            elif node.op == "Deliver" and node.key in into:
-                delivers[(into[node.key], self.decoder.class_layout[node.children[0]])] = n
-        ties = [(places[k], delivers[k]) for k in places.keys() & delivers.keys()]
-        costs = list(egraph.node_cost)
-        for k in places.keys() ^ delivers.keys():
-            costs[places.get(k, delivers.get(k))] = math.inf  # type: ignore[index]
-        return (egraph.with_costs(costs) if ties or places or delivers else egraph), sorted(ties)
-
-    def _delivered_layouts(self, free: Selection, carried: Mapping[str, str]) -> dict[str, str]:
-        """Carried input -> the layout (key) `free` delivered its output in (a selectable Deliver has a Place
-        partner: `_steady_ties`)."""
-        pinned: dict[str, str] = {}
-        for n in free.choice.values():
-            node = self.decoder.nodes[n]
-            if node.op == "Deliver" and node.key in carried:
-                pinned[carried[node.key]] = self.decoder.class_layout[node.children[0]]
-        return pinned
-
-    def _replicated_layouts(self, carried: Mapping[str, str]) -> dict[str, str]:
-        """Carried input -> its replicated layout (key): pins that always leave a plan, as every value has its
-        replicated run and the moves out of a replicated layout are always priced (docs/cost-models.md,
-        "Budgets"), where the pins `free` chose can need moves the pricing budget left out."""
-        inputs = set(carried.values())
-        layouts = self.decoder.interner.layouts
-        return {node.key: node.layout for node in self.decoder.nodes
-                if node.op == "Place" and node.key in inputs
-                and layouts[node.layout][1] == Layout.replicated(layouts[node.layout][0], self.mesh)}
-
-    def _pin_layouts(self, egraph: ExtractGraph, pinned: Mapping[str, str],
-                     carried: Mapping[str, str]) -> ExtractGraph:
-        """Each carried input allowed only its `pinned` layout (key), and its output only that one."""
-        costs = list(egraph.node_cost)
-        for n, node in enumerate(self.decoder.nodes):
-            if node.op == "Place" and node.key in pinned and node.layout != pinned[node.key]:
-                costs[n] = math.inf
-            elif node.op == "Deliver" and carried.get(node.key) in pinned:
-                if self.decoder.class_layout[node.children[0]] != pinned[carried[node.key]]:
-                    costs[n] = math.inf
-        return egraph.with_costs(costs)
-
-    def _restrict_outputs(self, egraph: ExtractGraph, outputs: Outputs) -> ExtractGraph:
-        """Deliver nodes of unwanted output layouts become unselectable (infinite cost)."""
-        if outputs == "any":
-            return egraph
-        costs = list(egraph.node_cost)
-        for n, node in enumerate(self.decoder.nodes):
-            if node.op == "Deliver":
-                want = outputs if isinstance(outputs, str) else outputs.get(node.key, "any")
-                shape, layout = self.decoder.interner.layouts[self.decoder.class_layout[node.children[0]]]
-                if not _delivers(want, shape, layout, self.mesh):
-                    costs[n] = math.inf
-        return egraph.with_costs(costs)
 
     def _device_budget(self, limit: int) -> DeviceBudget:
         """Bytes per device that every plan containing a node must hold: a Place its block of the input, for the
@@ -669,14 +614,6 @@ def _memory_cuts(egraph: ExtractGraph, step_nodes: Sequence[int], peaks: Sequenc
                 held[c] = held.get(c, 0) + size
             cuts.append({n: size for c, size in held.items() for n in egraph.class_nodes[c]})
     return cuts
-
-
-def _delivers(want: str | Layout, shape: tuple[int, ...], layout: Layout, mesh: Mesh) -> bool:
-    if want == "any":
-        return True
-    if want == "replicated":
-        return layout == Layout.replicated(shape, mesh)
-    return layout == want
 
 
 def _check_carried(graph: Graph, carried: Mapping[str, str]) -> None:
