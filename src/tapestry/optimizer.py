@@ -248,8 +248,8 @@ class Explored:
 
         Steady state: each output in `steady` (output -> input; default the graph's `carried`, {} for none) is
         delivered in the layout its input is placed in, so the step repeats without moving weights or optimizer
-        state; the ILP keeps it exactly (`egraph.pins.steady_ties`), the greedy extractors by fixing each input's layout to
-        the one their unconstrained choice delivered its output in (`pin_layouts`) or to the replicated one,
+        state; the ILP keeps it exactly (`egraph.pins.steady_ties`), the greedy extractors by fixing each input's
+        layout to the one their unconstrained choice delivered its output in (`pin_layouts`) or to the replicated one,
         whichever is cheaper (the first may leave no plan where the pricing budget left moves out).
 
         The budget enters the ILP as per-device linear constraints that every fitting plan meets

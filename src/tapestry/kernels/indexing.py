@@ -41,6 +41,11 @@ def _index_dtype(name: str, slot: str, value_slot: int):
 
 
 # -- take: x[..., idx, ...] --------------------------------------------------------------------------------
+def _index_into_x_along_axis(shapes: tuple[Shape, ...], slot: int, params: Mapping[str, ParamValue]) -> int | None:
+    """The bound of the index argument's values (slot 1): the length of x (slot 0) along `axis`."""
+    return shapes[0][params["axis"] % len(shapes[0])] if slot == 1 else None
+
+
 def take_signature(x: Shape, idx: Shape, axis: int) -> SignatureSpec:
     ax = _axis(x, axis)
     pre, post = len(x[:ax]), len(x[ax + 1 :])
@@ -74,7 +79,7 @@ register(
         sample=_sample_take,
         params={"axis": 0},
         dtype_rule=_index_dtype("take", "idx", 0),
-        index_bound=lambda shapes, slot, params: shapes[0][params["axis"] % len(shapes[0])] if slot == 1 else None,
+        index_bound=_index_into_x_along_axis,
         takes_zero_size=False,
         doc="x[..., idx, ...]: idx (any shape, negatives count from the end) replaces x's `axis` (index_select, "
             "x[:, idx])",
@@ -116,7 +121,7 @@ register(
         sample=_sample_gather,
         params={"axis": 0},
         dtype_rule=_index_dtype("gather", "index", 0),
-        index_bound=lambda shapes, slot, params: shapes[0][params["axis"] % len(shapes[0])] if slot == 1 else None,
+        index_bound=_index_into_x_along_axis,
         takes_zero_size=False,
         doc="out[..., i, ...] = x[..., index[..., i, ...], ...] along `axis` (torch.gather)",
     )
@@ -185,7 +190,7 @@ register(
         params={"axis": 0},
         needs_block_start=True,
         dtype_rule=_scatter_rule,
-        index_bound=lambda shapes, slot, params: shapes[0][params["axis"] % len(shapes[0])] if slot == 1 else None,
+        index_bound=_index_into_x_along_axis,
         takes_zero_size=False,
         doc="x with src added at index along `axis` (torch.scatter_add; index_add and index_put(accumulate=True) "
             "import as it)",
@@ -193,7 +198,7 @@ register(
 )
 
 
-# -- scatter: out = x; out[..., index[..., i, ...], ...] = src[..., i, ...] ---------------------------------------------
+# -- scatter: out = x; out[..., index[..., i, ...], ...] = src[..., i, ...] ------------------------------------------
 def _last_writes_numpy(index, ax: int):
     """Per position of `index`, whether it is the last along `ax` to name its cell: where positions repeat a cell
     the last one's value is written (torch's CPU kernel writes in order; torch leaves it unspecified), and every
@@ -264,7 +269,7 @@ register(
         params={"axis": 0},
         needs_block_start=True,
         dtype_rule=_scatter_value_rule,
-        index_bound=lambda shapes, slot, params: shapes[0][params["axis"] % len(shapes[0])] if slot == 1 else None,
+        index_bound=_index_into_x_along_axis,
         takes_zero_size=False,
         doc="x with src written at index along `axis` (torch.scatter; a topk's backward); where positions repeat a "
             "cell the last one's value is written",
