@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_experts import EXPERT_WEIGHTS, Favour, tiny_mixtral_step
+from experts_helpers import EXPERT_WEIGHTS, Favour, tiny_mixtral_step
 from training_helpers import ARGUMENTS, GPU, adam_step, mse
 
 import tapestry

@@ -3,19 +3,17 @@ expert's device and back by all-to-all, with the data's exact row counts."""
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from experts_helpers import EXPERT_WEIGHTS, Favour, tiny_mixtral_step
 
 import tapestry
 from tapestry.graph import Graph
 from tapestry.lower.program import PlaceBlock
 from tapestry.models import moe_layer, moe_routing
 from tapestry.cost import DefaultCostModel, load_profile
-from tapestry.optimizer import default_cost_model
 from tapestry.plan import Compute, Place, Plan, build_plan
 from tapestry.plan.simulate import simulate
 from tapestry.plan.validate import plan_problems
@@ -194,21 +192,6 @@ def test_take_rows_refuses_an_index_outside_the_table():
 
 
 # -- whole MoE layers: plans with experts split, simulated and run on gloo ranks -----------------------------------
-@dataclass(frozen=True)
-class Favour:
-    """The default cost model, with every grouped_mm and row gather (take, take_rows) that is not expert parallel
-    priced out: plans at tiny sizes (where the honest price keeps experts whole) that split the experts and trade
-    tokens by all-to-all."""
-
-    base: Any = field(default_factory=default_cost_model)
-    kernels: tuple[str, ...] = ("grouped_mm", "take_rows", "take")
-
-    def step_cost(self, step, mesh) -> float:
-        if isinstance(step, Compute) and step.kernel in self.kernels and not step.exchange:
-            return 1.0
-        return self.base.step_cost(step, mesh)
-
-
 def moe_inputs(tokens: int = 16, hidden: int = 8, ffn: int = 12, experts: int = 4) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(1)
     return {"h": rng.standard_normal((tokens, hidden)).astype(np.float32), **moe_routing(tokens, experts, 2),
@@ -323,23 +306,6 @@ def test_parallelize_runs_the_tiny_mixtral_with_its_experts_split_over_four_gloo
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def tiny_mixtral_step(monkeypatch: pytest.MonkeyPatch, batch: int = 2) -> tuple[tapestry.TorchImport, tuple]:
-    """One SGD step of a 1-layer Mixtral (4 experts, top 2) in float32, through transformers' own grouped mm
-    (torch's fake grouped mm takes bfloat16 only), and its arguments."""
-    moe = pytest.importorskip("transformers.integrations.moe")
-    monkeypatch.setattr(moe, "_can_use_grouped_mm", lambda *args: False)
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                        num_experts_per_tok=2)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    ids = torch.randint(0, 64, (batch, 8), generator=torch.Generator().manual_seed(1))
-    training = tapestry.Training.from_torch_optimizer(
-        torch.optim.SGD, lambda m, x, y: m(input_ids=x, labels=y, use_cache=False).loss, lr=0.1)
-    return tapestry.from_torch(model, (ids, ids), training=training, verbose=False), (ids, ids)
-
-
 def assert_simulates_to_the_evaluator(plan: Plan, imported: tapestry.TorchImport, args: tuple) -> None:
     assert not plan_problems(plan)
     given = imported.inputs(*args)
@@ -359,9 +325,6 @@ def test_a_mixtral_training_step_with_experts_and_their_gradients_expert_paralle
     exchanged = [s.kernel for s in plan.steps if isinstance(s, Compute) and s.exchange]
     assert sorted(k for k in exchanged if k.startswith("grouped")) == ["grouped_mm"] * 4 + ["grouped_mm_k"] * 2
     assert_simulates_to_the_evaluator(plan, imported, args)
-
-
-EXPERT_WEIGHTS = {"model.layers.0.mlp.experts.gate_up_proj": 0, "model.layers.0.mlp.experts.down_proj": 0}
 
 
 @pytest.mark.parametrize("mesh", [Mesh(4), Mesh(2, 2)], ids=str)
