@@ -1,0 +1,155 @@
+"""Where an optimizer call's CPU seconds go, phase by phase, around any benchmark script that plans.
+
+    python benchmarks/profile_optimize.py [--reshards N] [-- SCRIPT.py ARGS...]
+
+Runs SCRIPT (default: `tapestry.optimize` of the importer zoo's 2-layer LLaMA's Adam training step on Mesh(2, 2)) with
+the optimizer's phases wrapped: each `explore` (saturation), each `Explored.extract` (pricing and extraction) and
+`Explored.pareto` (a sweep of extractions), and within extraction `Decoder.extraction_graph` (pricing the reshards
+into the extraction graph). Prints one JSON line per process that planned (a script's `spawn`ed children too, as
+benchmarks/cluster.py runs its cases): per phase the calls' count and CPU and wall seconds, and each call's
+CPU seconds with its mesh. With `--reshards N`, every reshard that pricing prices (`AlphaBeta._priced`, once per
+orbit) is timed, and the N slowest are listed with their shape, dtype and layouts. The wrappers add a few
+microseconds per call and measure CPU with time.process_time (this process's threads), which a loaded machine
+inflates far less than wall time; a phase's seconds include the phases called inside it.
+
+Examples (docs/benchmarks.md cites these):
+
+    python benchmarks/profile_optimize.py --reshards 5 -- benchmarks/cluster.py --arch block --modes training \\
+        --meshes 8x8x8 --full-layers 0 --no-write --no-hand
+    python benchmarks/profile_optimize.py -- benchmarks/pipeline.py --width 7B --layers 32 --seq 2048 \\
+        --global-batch 2048 --micro-batches 8 --no-write
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import functools
+import heapq
+import json
+import multiprocessing.process
+import os
+import runpy
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+_calls: dict[str, list[dict[str, Any]]] = defaultdict(list)
+_reshards: list[tuple[float, int, str]] = []  # a min-heap of the slowest (cpu_s, order, what)
+_priced = {"count": 0, "cpu_s": 0.0}
+
+
+def _timed(phase: str, function: Any, mesh_of: Any) -> Any:
+    @functools.wraps(function)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        cpu, wall = time.process_time(), time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _calls[phase].append({"mesh": str(mesh_of(args, kwargs)), "cpu_s": time.process_time() - cpu,
+                                  "wall_s": time.perf_counter() - wall})
+    return timed
+
+
+def _timed_reshard(function: Any, keep: int) -> Any:
+    @functools.wraps(function)
+    def timed(self: Any, step: Any, mesh: Any, *rest: Any) -> Any:
+        cpu = time.process_time()
+        try:
+            return function(self, step, mesh, *rest)
+        finally:
+            spent = time.process_time() - cpu
+            _priced["count"] += 1
+            _priced["cpu_s"] += spent
+            entry = (spent, _priced["count"], f"{step.dtype} {tuple(step.shape)} {step.src_layout} -> {step.layout}"
+                                              f" on {tuple(mesh.shape)}")
+            if len(_reshards) < keep:
+                heapq.heappush(_reshards, entry)
+            elif keep:
+                heapq.heappushpop(_reshards, entry)
+    return timed
+
+
+def install(reshards: int) -> None:
+    """Wrap the optimizer's phases (before the script imports `explore` by name) and, with `reshards`, pricing."""
+    from tapestry import optimizer
+    from tapestry.cost import comm
+    from tapestry.egraph.decode import Decoder
+
+    optimizer.explore = _timed("explore", optimizer.explore,
+                               lambda a, k: k.get("mesh", a[1] if len(a) > 1 else 1))
+    optimizer.Explored.extract = _timed("extract", optimizer.Explored.extract, lambda a, k: a[0].mesh)
+    optimizer.Explored.pareto = _timed("pareto", optimizer.Explored.pareto, lambda a, k: a[0].mesh)
+    Decoder.extraction_graph = _timed("pricing", Decoder.extraction_graph, lambda a, k: a[0].mesh)
+    if reshards >= 0:
+        comm.AlphaBeta._priced = _timed_reshard(comm.AlphaBeta._priced, reshards)
+    atexit.register(report)
+
+
+def report() -> None:
+    if not _calls:
+        return
+    out: dict[str, Any] = {"pid": os.getpid(), "cpu_s": round(time.process_time(), 2)}
+    for phase, calls in _calls.items():
+        out[phase] = {"calls": len(calls), "cpu_s": round(sum(c["cpu_s"] for c in calls), 3),
+                      "wall_s": round(sum(c["wall_s"] for c in calls), 3),
+                      "each": [[c["mesh"], round(c["cpu_s"], 3)] for c in calls]}
+    if _priced["count"]:
+        out["reshards_priced"] = {"count": _priced["count"], "cpu_s": round(_priced["cpu_s"], 3),
+                                  "slowest": [[round(s, 3), what] for s, _, what in sorted(_reshards, reverse=True)]}
+    print(json.dumps(out), flush=True)
+
+
+def _in_child(reshards: int, target: Any, *args: Any, **kwargs: Any) -> Any:
+    """A spawned child's target, run with the phases wrapped; its report printed when it exits."""
+    install(reshards)
+    try:
+        return target(*args, **kwargs)
+    finally:
+        report()
+        _calls.clear()
+
+
+def _follow_children(reshards: int) -> None:
+    """Spawned children (cluster.py runs each case in one) get the same wrappers: their target is wrapped in
+    `_in_child`, pickled by this module's importable name (benchmarks/ is on the children's sys.path)."""
+    start = multiprocessing.process.BaseProcess.start
+
+    def started(self: Any) -> None:
+        if self._target is not None:
+            import profile_optimize
+
+            self._target = functools.partial(profile_optimize._in_child, reshards, self._target)
+        start(self)
+    multiprocessing.process.BaseProcess.start = started
+
+
+def tiny() -> None:
+    """The default script: the importer zoo's 2-layer LLaMA, its training step, planned on Mesh(2, 2)."""
+    import tapestry
+    from tapestry.importer.zoo import FAMILIES
+
+    module, (ids,), _ = FAMILIES["llama"].build()
+    training = tapestry.Training(loss=lambda m, i: m(input_ids=i, use_cache=False)[0].square().mean(),
+                                 optimizer="adam", lr=1e-4)
+    imported = tapestry.from_torch(module, (ids,), training=training, verbose=False)
+    tapestry.optimize(imported.graph, tapestry.Mesh(2, 2))
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    script = argv[argv.index("--") + 1:] if "--" in argv else []
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reshards", type=int, default=-1, help="time pricing each reshard; list the N slowest")
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    install(args.reshards)
+    if not script:
+        tiny()
+        return
+    _follow_children(args.reshards)
+    sys.argv = script
+    runpy.run_path(script[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
