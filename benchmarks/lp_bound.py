@@ -1,5 +1,5 @@
 """How far the ILP's LP bounds sit under the best plan known, on tiny zoo models' extraction graphs: the full LP's
-first solve, the full LP with read rows (extract/relax.py, `_Lp.add_reads`; its warm re-solve's CPU seconds) and
+first solve, the full LP with read rows (extract/relax.py, `read_rows_bound`; its warm re-solve's CPU seconds) and
 the contracted LP (extract/contract.py). A markdown table, one row per model.
 
     .venv/bin/python benchmarks/lp_bound.py [--model mixtral,qwen2_moe,olmoe,llama] [--mesh 2x2] [--time-limit 60]
@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 
 from phases import ZOO, model
 from tapestry.extract import extract_ilp
 from tapestry.extract.contract import contracted_bound
 from tapestry.extract.reduction import reduce
-from tapestry.extract.relax import _Lp, _shaved
+from tapestry.extract.relax import read_rows_bound
 from tapestry.extract.tree import solvable_tree
 from tapestry.optimizer import FUSED_EXTRACTION_DEVICES, default_cost_model, explore
 from tapestry.sharding import Mesh
@@ -34,19 +33,14 @@ def row(name: str, mesh: Mesh, time_limit: float) -> str:
     best = extract_ilp(egraph, time_limit)
     reduced = reduce(egraph, solvable_tree(egraph))
     block = {c: reduced.block(c) for c in reduced.candidates}
-    lp = _Lp(egraph, reduced.candidates, block, reduced.needs, (), math.inf)
-    first, _ = lp.solve(math.inf)
-    lp.add_reads(egraph, reduced.candidates)
-    started = time.process_time()
-    reads, _ = lp.solve(math.inf)
-    resolve = time.process_time() - started
+    reads = read_rows_bound(egraph, reduced.candidates, block, reduced.needs)
     contracted = contracted_bound(egraph, reduced.candidates, block, reduced.needs, math.inf)
 
     def under(bound: float) -> str:
         return f"{(best.dag_cost - bound) / best.dag_cost:.3%}"
 
-    return (f"| {name} | {best.dag_cost:.5e} ({best.status}) | {under(_shaved(first))} | {under(_shaved(reads))} "
-            f"| {resolve:.2f} | {under(contracted)} |")
+    return (f"| {name} | {best.dag_cost:.5e} ({best.status}) | {under(reads.without)} | {under(reads.bound)} "
+            f"| {reads.resolve_cpu_s:.2f} | {under(contracted)} |")
 
 
 def main() -> None:

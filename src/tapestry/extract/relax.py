@@ -248,6 +248,28 @@ def lp_bound(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Map
     return 0.0 if values is None else _shaved(bound)
 
 
+@dataclass(frozen=True)
+class ReadRowsBound:
+    """The LP's bound alone and with read rows, and the CPU seconds of the warm re-solve that added them: what
+    read rows buy a graph's bound and at what price (benchmarks/lp_bound.py)."""
+
+    without: float
+    bound: float
+    resolve_cpu_s: float
+
+
+def read_rows_bound(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
+                    needs: Mapping[int, Sequence[int]]) -> ReadRowsBound:
+    """The LP of `candidates` without cuts, solved, then with its read rows (`_Lp.add_reads`) solved again warm,
+    as `relax(..., reads=True)` does before any path cut; no deadline."""
+    lp = _Lp(egraph, candidates, block, needs, (), math.inf)
+    without, _ = lp.solve(math.inf)
+    lp.add_reads(egraph, candidates)
+    started = time.process_time()
+    bound, _ = lp.solve(math.inf)
+    return ReadRowsBound(_shaved(without), _shaved(bound), time.process_time() - started)
+
+
 def _shaved(bound: float) -> float:
     """The Lagrangian bound lowered by `SLACK`: a bound despite float rounding."""
     return max(0.0, bound - SLACK * abs(bound))
