@@ -124,7 +124,7 @@ def _follow_children(reshards: int) -> None:
     multiprocessing.process.BaseProcess.start = started
 
 
-def tiny() -> None:
+def tiny() -> Any:
     """The default script: the importer zoo's 2-layer LLaMA, its training step, planned on Mesh(2, 2)."""
     import tapestry
     from tapestry.importer.zoo import FAMILIES
@@ -133,7 +133,7 @@ def tiny() -> None:
     training = tapestry.Training(loss=lambda m, i: m(input_ids=i, use_cache=False)[0].square().mean(),
                                  optimizer="adam", lr=1e-4)
     imported = tapestry.from_torch(module, (ids,), training=training, verbose=False)
-    tapestry.optimize(imported.graph, tapestry.Mesh(2, 2))
+    return tapestry.optimize(imported.graph, tapestry.Mesh(2, 2))
 
 
 def main() -> None:

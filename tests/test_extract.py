@@ -155,6 +155,14 @@ def test_custom_costs_change_the_choice() -> None:
     assert chosen(g.with_costs([5.0, 2.0]), extract_valid(g.with_costs([5.0, 2.0]), "ilp")) == {"R": "R.1"}
 
 
+def test_repriced_graphs_share_the_structure_derived_once_not_recomputed() -> None:
+    g = build({"R": [(1.0, ["A", "A"]), (2.0, ["B"])], "A": [(1.0, [])], "B": [(1.0, ["A"])]}, ["R"])
+    sibling, repriced = g.with_costs([2.0, 1.0, 1.0, 1.0]), g.with_costs([3.0, 1.0, 2.0, 1.0]).with_costs([1.0] * 4)
+    structure = sibling.child_sets, sibling.parents  # derived from a copy, before the graph itself asked for it
+    assert structure == (((1,), (2,), (), (1,)), ((), (0, 3), (1,)))
+    assert all(graph.child_sets is structure[0] and graph.parents is structure[1] for graph in (g, repriced))
+
+
 def test_a_cyclic_preference_is_repaired_into_a_valid_selection() -> None:
     g = build({"A": [(1, ["B"]), (10, [])], "B": [(0, ["A"]), (5, [])]}, roots=["A"])
     tree = solvable_tree(g)

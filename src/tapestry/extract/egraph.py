@@ -9,7 +9,6 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +47,10 @@ class EGraph:
     roots: tuple[int, ...]
     class_nodes: tuple[tuple[int, ...], ...] = field(repr=False)
     class_data: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # What is derived from the structure alone (`child_sets`, `parents`), computed once and shared by every copy
+    # `with_costs` makes: a training step's extraction reprices one graph several times (pins, overlap weights).
+    # Not an init field, so `dataclasses.replace` starts a copy with its own.
+    _structure: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_classes(self) -> int:
@@ -57,29 +60,36 @@ class EGraph:
     def num_nodes(self) -> int:
         return len(self.node_ids)
 
-    @cached_property
+    @property
     def child_sets(self) -> tuple[tuple[int, ...], ...]:
         """Distinct child classes per node: DAG cost and constraints ignore repeated children."""
-        return tuple(tuple(dict.fromkeys(ch)) for ch in self.node_children)
+        if "child_sets" not in self._structure:
+            self._structure["child_sets"] = tuple(tuple(dict.fromkeys(ch)) for ch in self.node_children)
+        return self._structure["child_sets"]
 
-    @cached_property
+    @property
     def parents(self) -> tuple[tuple[int, ...], ...]:
         """Per class, the nodes that have it as a (distinct) child."""
-        result: list[list[int]] = [[] for _ in range(self.num_classes)]
-        for node, children in enumerate(self.child_sets):
-            for child in children:
-                result[child].append(node)
-        return tuple(tuple(p) for p in result)
+        if "parents" not in self._structure:
+            result: list[list[int]] = [[] for _ in range(self.num_classes)]
+            for node, children in enumerate(self.child_sets):
+                for child in children:
+                    result[child].append(node)
+            self._structure["parents"] = tuple(tuple(p) for p in result)
+        return self._structure["parents"]
 
     def selectable(self, node: int) -> bool:
         """Subsumed and infinite-cost nodes are never chosen."""
         return not self.node_subsumed[node] and math.isfinite(self.node_cost[node])
 
     def with_costs(self, costs: Sequence[float]) -> EGraph:
-        """Same structure, new per-node costs (indexed like `node_ids`): how custom cost models plug in."""
+        """Same structure, new per-node costs (indexed like `node_ids`): how custom cost models plug in. The copy
+        shares what is derived from the structure (`_structure`)."""
         if len(costs) != self.num_nodes:
             raise EGraphError(f"expected {self.num_nodes} costs, got {len(costs)}")
-        return replace(self, node_cost=tuple(_check_cost(self.node_ids[i], c) for i, c in enumerate(costs)))
+        repriced = replace(self, node_cost=tuple(_check_cost(self.node_ids[i], c) for i, c in enumerate(costs)))
+        object.__setattr__(repriced, "_structure", self._structure)
+        return repriced
 
     @classmethod
     def from_nodes(
