@@ -1,16 +1,18 @@
 """Where an optimizer call's CPU seconds go, phase by phase, around any benchmark script that plans.
 
-    python benchmarks/profile_optimize.py [--reshards N] [-- SCRIPT.py ARGS...]
+    python benchmarks/profile_optimize.py [--reshards N] [--model llama] [--mesh 2x2] [-- SCRIPT.py ARGS...]
 
-Runs SCRIPT (default: `tapestry.optimize` of the importer zoo's 2-layer LLaMA's Adam training step on Mesh(2, 2)) with
-the optimizer's phases wrapped: each `explore` (saturation), each `Explored.extract` (pricing and extraction) and
-`Explored.pareto` (a sweep of extractions), and within extraction `Decoder.extraction_graph` (pricing the reshards
-into the extraction graph). Prints one JSON line per process that planned (a script's `spawn`ed children too, as
-benchmarks/cluster.py runs its cases): per phase the calls' count and CPU and wall seconds, and each call's
-CPU seconds with its mesh. With `--reshards N`, every reshard that pricing prices (`AlphaBeta._priced`, once per
-orbit) is timed, and the N slowest are listed with their shape, dtype and layouts. The wrappers add a few
-microseconds per call and measure CPU with time.process_time (this process's threads), which a loaded machine
-inflates far less than wall time; a phase's seconds include the phases called inside it.
+Runs SCRIPT (default: `tapestry.optimize` of an Adam training step of the importer zoo's `--model`, a 2-layer
+decoder, on `--mesh`) with the optimizer's phases wrapped: each `explore` (saturation), each `Explored.extract`
+(pricing and extraction) and `Explored.pareto` (a sweep of extractions), and within extraction
+`Decoder.extraction_graph` (pricing the reshards into the extraction graph) and, for a training step,
+`Explored._against_baselines` (`hand_plans`: the hand plans built, priced and embedded as the extracted plan's
+floor). Prints one JSON line per process that planned (a script's `spawn`ed children too, as benchmarks/cluster.py
+runs its cases): per phase the calls' count and CPU and wall seconds, and each call's CPU seconds with its mesh.
+With `--reshards N`, every reshard that pricing prices (`AlphaBeta._priced`, once per orbit) is timed, and the N
+slowest are listed with their shape, dtype and layouts. The wrappers add a few microseconds per call and measure CPU
+with time.process_time (this process's threads), which a loaded machine inflates far less than wall time; a phase's
+seconds include the phases called inside it.
 
 Examples (docs/benchmarks.md cites these):
 
@@ -81,6 +83,8 @@ def install(reshards: int) -> None:
     optimizer.Explored.extract = _timed("extract", optimizer.Explored.extract, lambda a, k: a[0].mesh)
     optimizer.Explored.pareto = _timed("pareto", optimizer.Explored.pareto, lambda a, k: a[0].mesh)
     Decoder.extraction_graph = _timed("pricing", Decoder.extraction_graph, lambda a, k: a[0].mesh)
+    optimizer.Explored._against_baselines = _timed("hand_plans", optimizer.Explored._against_baselines,
+                                                   lambda a, k: a[0].mesh)
     if reshards >= 0:
         comm.AlphaBeta._priced = _timed_reshard(comm.AlphaBeta._priced, reshards)
     atexit.register(report)
@@ -124,16 +128,16 @@ def _follow_children(reshards: int) -> None:
     multiprocessing.process.BaseProcess.start = started
 
 
-def tiny() -> Any:
-    """The default script: the importer zoo's 2-layer LLaMA, its training step, planned on Mesh(2, 2)."""
+def tiny(family: str = "llama", mesh: str = "2x2") -> Any:
+    """The default script: an Adam step of the importer zoo's `family` (its 2-layer decoder), planned on `mesh`."""
     import tapestry
     from tapestry.importer.zoo import FAMILIES
 
-    module, (ids,), _ = FAMILIES["llama"].build()
+    module, (ids,), _ = FAMILIES[family].build()
     training = tapestry.Training(loss=lambda m, i: m(input_ids=i, use_cache=False)[0].square().mean(),
                                  optimizer="adam", lr=1e-4)
     imported = tapestry.from_torch(module, (ids,), training=training, verbose=False)
-    return tapestry.optimize(imported.graph, tapestry.Mesh(2, 2))
+    return tapestry.optimize(imported.graph, tapestry.Mesh.parse(mesh))
 
 
 def main() -> None:
@@ -141,10 +145,12 @@ def main() -> None:
     script = argv[argv.index("--") + 1:] if "--" in argv else []
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reshards", type=int, default=-1, help="time pricing each reshard; list the N slowest")
+    parser.add_argument("--model", default="llama", help="the default case's zoo family (a decoder)")
+    parser.add_argument("--mesh", default="2x2", help="the default case's mesh")
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     install(args.reshards)
     if not script:
-        tiny()
+        tiny(args.model, args.mesh)
         return
     _follow_children(args.reshards)
     sys.argv = script

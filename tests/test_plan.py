@@ -128,6 +128,19 @@ def test_a_value_read_in_halves_is_resharded_from_a_copy_that_holds_each_half():
     assert_plan_computes_graph(plan)
 
 
+def test_ops_running_the_same_step_each_keep_their_own_origin_and_arguments():
+    """Repeated layers' ops run one step over the same partition (build_plan makes it once): each is its own."""
+    g = Graph()
+    g.input("x", (4, 8))
+    g.output("y", g.relu(g.relu("x", name="first"), name="second"))
+    plan = build_plan(g, Mesh(2), {"first": (0,), "second": (0,)})
+    first, second = (s for s in plan.steps if isinstance(s, Compute))
+    assert (first.origin, second.origin, second.args) == ("first", "second", (first.out,))
+    bare = [dataclasses.replace(step, out="", args=(), origin="") for step in (first, second)]
+    assert bare[0] == bare[1]
+    assert_plan_computes_graph(plan)
+
+
 def test_a_partial_layout_on_one_device_is_just_the_value():
     assert_plan_computes_graph(build_plan(matmul_graph(), Mesh(1), {"mm": (2,)}))
 

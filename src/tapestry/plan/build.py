@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 from tapestry.graph import Graph, Node
 from tapestry.plan.plan import Compute, Place, Plan, Reshard, Step
@@ -88,16 +89,20 @@ def build_plan(
     chosen = {n.name: partitions.get(n.name) or _split(graph, n.name, mesh, axes.get(n.name)) for n in graph.ops}
     for node in graph.inputs:
         values.shapes[node.name], values.dtypes[node.name] = node.shape, node.dtype
+    runs: dict[tuple[Any, ...], Compute] = {}  # a model's repeated layers run few distinct steps: each made once
     for node in graph.ops:
         sig = graph.signature(node.name)
-        step = Compute.running(sig, chosen[node.name], origin=node.name)
+        key = (sig.kernel.name, sig.input_shapes, sig.params, sig.input_dtypes, chosen[node.name])
+        if key not in runs:
+            runs[key] = Compute.running(sig, chosen[node.name])
+        step = runs[key]
         args = []
         for arg, need in zip(node.args, step.arg_layouts):
             if arg not in values.copies:
                 values.add(arg, Place(values.fresh(), arg, graph[arg].shape, need))
             args.append(values.get(arg, need))
         values.shapes[node.name], values.dtypes[node.name] = sig.output_shape, sig.dtype
-        values.add(node.name, replace(step, out=values.fresh(), args=tuple(args)))
+        values.add(node.name, replace(step, out=values.fresh(), args=tuple(args), origin=node.name))
     outputs = {}
     for name, target in graph.outputs.items():
         layout = next(reversed(values.copies[target]))
