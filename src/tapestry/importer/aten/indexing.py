@@ -84,20 +84,23 @@ def _gather(b: Builder, x: Any, dim: int, index: Any, sparse_grad: bool = False)
 
 @converts("aten.scatter_add.default")
 def _scatter_add(b: Builder, x: Any, dim: int, index: Any, src: Any) -> Value:
-    value, idx, source = b.tensor(x), b.tensor(index), b.tensor(src)
-    if idx.shape != source.shape:
-        raise Unsupported(f"src{list(source.shape)} larger than index{list(idx.shape)} (torch reads a box of it)")
-    return b.op("scatter_add", value, idx, source, axis=_axis(dim, value.ndim))
+    return _scattered(b, "scatter_add", x, dim, index, src)
 
 
 @converts("aten.scatter.src")
 def _scatter_src(b: Builder, x: Any, dim: int, index: Any, src: Any) -> Value:
     """x with src written at index along `dim` (a topk's backward: the values' gradients put back in their
     columns): `scatter`."""
+    return _scattered(b, "scatter", x, dim, index, src)
+
+
+def _scattered(b: Builder, kernel: str, x: Any, dim: int, index: Any, src: Any) -> Value:
+    """`kernel` (scatter_add or scatter) of src at index along `dim`, where src is index's shape: torch reads a box
+    of a larger src, which the kernels do not."""
     value, idx, source = b.tensor(x), b.tensor(index), b.tensor(src)
     if idx.shape != source.shape:
         raise Unsupported(f"src{list(source.shape)} larger than index{list(idx.shape)} (torch reads a box of it)")
-    return b.op("scatter", value, idx, source, axis=_axis(dim, value.ndim))
+    return b.op(kernel, value, idx, source, axis=_axis(dim, value.ndim))
 
 
 @converts("aten.scatter.value")
