@@ -35,22 +35,12 @@ def layer_step(layer: Any, example: Any, optimizer: str = "adam", lr: float = 1e
 
     import tapestry
 
-    class Stage(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = layer
-            self.input_gate = torch.nn.Parameter(torch.ones(example.shape[-1], dtype=example.dtype,
-                                                            device=example.device))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.layer(x * self.input_gate)
-
     def loss(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return (module(x) * grad).sum()
 
     grad = torch.zeros_like(example)  # its own tensor: the capture makes one input of a tensor passed twice
     training = tapestry.Training(loss=loss, optimizer=optimizer, lr=lr)
-    return tapestry.from_torch(Stage(), (example, grad), training=training, verbose=False).graph
+    return tapestry.from_torch(_gated("layer", layer, example), (example, grad), training=training, verbose=False).graph
 
 
 def first_step(first: Any, example: Any, optimizer: str = "adam", lr: float = 1e-4) -> Graph:
@@ -82,21 +72,29 @@ def last_step(last: Any, example: Any, target: Any, loss_fn: Any, optimizer: str
 
     import tapestry
 
-    class Last(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.last = last
-            self.input_gate = torch.nn.Parameter(torch.ones(example.shape[-1], dtype=example.dtype,
-                                                            device=example.device))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.last(x * self.input_gate)
-
     def loss(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return loss_fn(module(x), y)
 
     training = tapestry.Training(loss=loss, optimizer=optimizer, lr=lr)
-    return tapestry.from_torch(Last(), (example, target), training=training, verbose=False).graph
+    return tapestry.from_torch(_gated("last", last, example), (example, target), training=training, verbose=False).graph
+
+
+def _gated(name: str, inner: Any, example: Any) -> Any:
+    """A module running `inner` (registered as `name`, which prefixes its weights' names) on its input times a
+    trainable gate of ones (`input_gate`), so that a training step computes the input's gradient."""
+    import torch
+
+    class Gated(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.add_module(name, inner)
+            self.input_gate = torch.nn.Parameter(torch.ones(example.shape[-1], dtype=example.dtype,
+                                                            device=example.device))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return getattr(self, name)(x * self.input_gate)
+
+    return Gated()
 
 
 @dataclass(frozen=True)
