@@ -4,7 +4,7 @@ import islpy as isl
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
-from test_zspace import F, PROPERTY, R, projected_ranges, zr, zranges
+from zspace_helpers import F, PROPERTY, R, projected_ranges, zr, zranges
 
 from tapestry.zspace import (
     IndexProjection,
