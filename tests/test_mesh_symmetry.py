@@ -10,7 +10,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_reshard_pricing import layouts
+from layout_helpers import layouts
 
 from tapestry.cost import comm, load_profile
 from tapestry.cost.comm import AlphaBeta

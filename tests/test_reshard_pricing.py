@@ -13,6 +13,7 @@ from unittest import mock
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from layout_helpers import boxes, layouts
 
 from tapestry.cost.comm import moves
 from tapestry.sharding import Layout, Mesh, comm
@@ -115,31 +116,6 @@ def layout_pairs(draw: st.DrawFn) -> tuple[Layout, Layout, tuple[int, ...], Mesh
     mesh = draw(st.sampled_from(MESHES))
     shape = tuple(draw(st.lists(st.integers(0, 7), min_size=0, max_size=3)))
     return draw(layouts(shape, mesh)), draw(layouts(shape, mesh)), shape, mesh
-
-
-@st.composite
-def layouts(draw: st.DrawFn, shape: tuple[int, ...], mesh: Mesh) -> Layout:
-    """A split (even or not, some axes replicated), replicated or arbitrary layout; some devices may idle."""
-    kind = draw(st.sampled_from(["split", "replicated", "boxes"]))
-    if kind == "split":
-        dims = tuple(draw(st.sampled_from([None, *range(len(shape))])) for _ in mesh.shape)
-        blocks = Layout.split(shape, mesh, dims).blocks
-    elif kind == "replicated":
-        blocks = Layout.replicated(shape, mesh).blocks
-    else:
-        blocks = tuple(draw(boxes(shape)) for _ in mesh.devices)
-    idle = draw(st.lists(st.booleans(), min_size=mesh.size, max_size=mesh.size))
-    if draw(st.booleans()):
-        blocks = tuple(None if off else b for b, off in zip(blocks, idle))
-    return Layout(blocks, partial=draw(st.booleans()) and draw(st.booleans()))
-
-
-@st.composite
-def boxes(draw: st.DrawFn, shape: tuple[int, ...]) -> ZRange | None:
-    if draw(st.integers(0, 5)) == 0:
-        return None
-    bounds = [sorted(draw(st.tuples(st.integers(0, n), st.integers(0, n)))) for n in shape]
-    return ZRange(tuple(lo for lo, _ in bounds), tuple(hi for _, hi in bounds))
 
 
 def _outcome(fn, *args):
