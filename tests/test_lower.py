@@ -1,65 +1,18 @@
 """Lowering a plan gives each rank its exact local work: shard reads, and the collective each reshard is."""
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
+from lower_helpers import CASES, MESH, chain
 
 from tapestry.cli import main
-from tapestry.demo import seeds_example
-from tapestry.graph import Graph
 from tapestry.lower import (
     AllGather, AllReduce, AllToAll, Comm, Gather, Local, Piece, PlaceBlock, RankStep, ReduceScatter, SendRecv,
     ShardCompute, lower,
 )
 from tapestry.plan import Plan, build_plan
-from tapestry.sharding import Mesh
 from tapestry.zspace import ZRange
-
-MESH = Mesh(2)
-
-
-def _matmul(a: tuple[int, int], b: tuple[int, int]) -> Graph:
-    g = Graph()
-    g.output("y", g.relu(g.matmul(g.input("a", a), g.input("b", b))))
-    return g
-
-
-def _chain(batch: int, features: int, out: int) -> Graph:
-    g = Graph()
-    x = g.input("x", (batch, features))
-    h = g.relu(g.linear(x, g.input("w0", (features, out)), g.input("b0", (out,))))
-    g.output("y", g.linear(h, g.input("w1", (out, out)), g.input("b1", (out,))))
-    return g
-
-
-def _conv() -> Graph:
-    g = Graph()
-    x = g.relu(g.input("x", (1, 2, 9, 6)))
-    g.output("y", g.conv2d(x, g.input("w", (3, 2, 3, 3)), padding=1))
-    return g
-
-
-def _padding_only() -> Graph:
-    """Stride 2 over a padded 1x1 image: every output cell reads only padding or the one input cell."""
-    g = Graph()
-    x, w = g.input("x", (1, 1, 1, 1), "float64"), g.input("w", (1, 1, 1, 1), "float64")
-    g.output("y", g.relu(g.conv2d(x, w, padding=1, stride=2)))
-    return g
-
-
-# name -> plan on 2 ranks; test_runtime runs every one of these and compares with tapestry.evaluate
-CASES: dict[str, Callable[[], Plan]] = {
-    "seeds split on batch": lambda: build_plan(seeds_example(8, 4, 6), MESH, {"linear_0": (0,), "relu_0": (0,)}),
-    "seeds split on out": lambda: build_plan(seeds_example(8, 4, 6), MESH, {"linear_0": (1,), "relu_0": (1,)}),
-    "matmul split on k, then rows": lambda: build_plan(_matmul((6, 8), (8, 5)), MESH, {"matmul_0": (2,), "relu_0": (0,)}),
-    "matmul split on k, then whole": lambda: build_plan(_matmul((6, 8), (8, 5)), MESH, {"matmul_0": (2,)}),
-    "chain of different splits": lambda: build_plan(_chain(8, 4, 6), MESH, {"linear_0": (0,), "relu_0": (1,)}),
-    "conv2d split on rows": lambda: build_plan(_conv(), MESH, {"relu_0": (2,), "conv2d_0": (2,)}),
-    "uneven sizes": lambda: build_plan(_chain(7, 3, 5), MESH, {"linear_0": (0,), "relu_0": (1,)}),
-    "float64 reads of padding only": lambda: build_plan(_padding_only(), MESH, {"conv2d_0": (2,)}),
-}
 
 
 def comm_kinds(plan: Plan, rank: int = 0) -> list[str]:
@@ -183,7 +136,7 @@ def test_outputs_are_gathered_to_rank_0_only() -> None:
 
 
 def test_a_replicated_value_needs_no_move_to_be_split() -> None:
-    plan = build_plan(_chain(8, 4, 6), MESH, {"linear_0": (None,), "relu_0": (0,)})
+    plan = build_plan(chain(8, 4, 6), MESH, {"linear_0": (None,), "relu_0": (0,)})
     assert comm_kinds(plan)[0] == "local"
     assert isinstance(next(s for s in lower(plan).ranks[1].steps if isinstance(s, Comm)), Local)
 

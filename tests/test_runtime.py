@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 from blocking import OPTIONAL_ABSENT
-from test_lower import CASES
+from lower_helpers import CASES, GRID
 
 import tapestry
 from tapestry import dtypes
@@ -64,20 +64,6 @@ def test_a_fused_float64_kernel_reading_a_transposed_view_runs_compiled_on_two_r
     result = run_plan(build_plan(g, Mesh(2), {"linear_relu_0": (1,)}), inputs, compile=True, timeout=240)
     assert result.outputs["y"].dtype == np.float64
     np.testing.assert_allclose(result.outputs["y"], tapestry.evaluate(g, inputs)["y"], rtol=1e-12, atol=1e-12)
-
-
-GRID = {
-    "partial sums reduced in each row of devices": lambda: build_plan(
-        _matmul_relu(), Mesh(2, 2), {"matmul_0": (0, 2), "relu_0": (0, 1)}),
-    "columns gathered in each row of devices": lambda: build_plan(
-        _matmul_relu(), Mesh(2, 2), {"matmul_0": (0, 1), "relu_0": (0, None)}),
-}
-
-
-def _matmul_relu() -> Graph:
-    g = Graph()
-    g.output("y", g.relu(g.matmul(g.input("a", (8, 12)), g.input("b", (12, 6)))))
-    return g
 
 
 def test_collectives_on_a_grid_run_among_the_ranks_of_one_axis_and_compute_the_graph() -> None:

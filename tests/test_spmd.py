@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from test_lower import CASES, _chain, _conv, _matmul
-from test_runtime import GRID
+from lower_helpers import CASES, GRID, chain, conv, matmul_relu
 
 import tapestry
 from tapestry import dtypes
@@ -58,11 +57,11 @@ def check_against_reference(plans: Sequence[Plan], per_rank: Sequence[Sequence[O
 def _four_rank_plans() -> list[Plan]:
     mesh = Mesh(4)
     return [make() for make in GRID.values()] + [
-        build_plan(_chain(8, 4, 6), mesh, {"linear_0": (0,), "relu_0": (1,)}),
-        build_plan(_chain(7, 3, 5), mesh, {"linear_0": (1,), "relu_0": (0,)}),
-        build_plan(_matmul((6, 8), (8, 5)), mesh, {"matmul_0": (2,), "relu_0": (0,)}),
-        build_plan(_conv(), mesh, {"relu_0": (2,), "conv2d_0": (2,)}),
-        build_plan(_matmul((6, 8), (8, 5)), Mesh(2, 2), {"matmul_0": (0, 2), "relu_0": (1, 0)}),
+        build_plan(chain(8, 4, 6), mesh, {"linear_0": (0,), "relu_0": (1,)}),
+        build_plan(chain(7, 3, 5), mesh, {"linear_0": (1,), "relu_0": (0,)}),
+        build_plan(matmul_relu((6, 8), (8, 5)), mesh, {"matmul_0": (2,), "relu_0": (0,)}),
+        build_plan(conv(), mesh, {"relu_0": (2,), "conv2d_0": (2,)}),
+        build_plan(matmul_relu((6, 8), (8, 5)), Mesh(2, 2), {"matmul_0": (0, 2), "relu_0": (1, 0)}),
     ]
 
 
@@ -115,7 +114,7 @@ def test_a_compiled_rank_function_goes_to_inductor_without_dynamo_and_computes_w
     training example's 2000-node graph, ~25 s of each rank's CPU in a cold start, issue 26)."""
     from torch._dynamo.utils import counters
 
-    plan = build_plan(_chain(8, 4, 6), Mesh(1), {"linear_0": (0,)})
+    plan = build_plan(chain(8, 4, 6), Mesh(1), {"linear_0": (0,)})
     program = lower(plan)
     fn = RankFunction.of(program, 0, {})
     blocks = place(program, 0, {k: dtypes.to_tensor(v) for k, v in tapestry.random_inputs(plan.graph).items()})
@@ -134,7 +133,7 @@ def test_a_compiled_rank_program_is_saved_and_a_later_compile_loads_it_without_t
     a key of the rank's steps, groups, blocks and sources."""
     import tapestry.spmd.trace as trace
 
-    plan = build_plan(_chain(8, 4, 6), Mesh(1), {"linear_0": (0,)})
+    plan = build_plan(chain(8, 4, 6), Mesh(1), {"linear_0": (0,)})
     program = lower(plan)
     fn = RankFunction.of(program, 0, {})
     blocks = place(program, 0, {k: dtypes.to_tensor(v) for k, v in tapestry.random_inputs(plan.graph).items()})
@@ -554,12 +553,12 @@ def test_parallelize_on_a_two_by_two_mesh_compiled_gives_the_module_on_every_ran
 def test_the_plan_cache_key_changes_with_the_graph_mesh_rules_and_options(tmp_path) -> None:
     from tapestry.spmd.planning import plan_key
 
-    g = _chain(8, 4, 6)
+    g = chain(8, 4, 6)
     key = plan_key(g, Mesh(2), {})
-    assert key == plan_key(_chain(8, 4, 6), Mesh(2), {})  # equal inputs, equal key (no hash seed, no ids)
+    assert key == plan_key(chain(8, 4, 6), Mesh(2), {})  # equal inputs, equal key (no hash seed, no ids)
     rules = tmp_path / "one.egg"
     rules.write_text((Path(tapestry.__file__).parent / "rules" / "fusion.egg").read_text())
-    others = {plan_key(_chain(16, 4, 6), Mesh(2), {}), plan_key(g, Mesh(4), {}), plan_key(g, Mesh(2, 1), {}),
+    others = {plan_key(chain(16, 4, 6), Mesh(2), {}), plan_key(g, Mesh(4), {}), plan_key(g, Mesh(2, 1), {}),
               plan_key(g, Mesh(2), {"time_limit": 3}), plan_key(g, Mesh(2), {"rules": [rules]})}
     assert key not in others and len(others) == 5
 
@@ -577,7 +576,7 @@ def test_a_plan_cache_hit_checks_the_plans_steps_but_not_again_its_meaning(tmp_p
 
     monkeypatch.setattr(tapestry.verify, "meaning_check", meaning_check)
     monkeypatch.setenv("TAPESTRY_PLAN_CACHE", str(tmp_path))
-    graph, mesh = _chain(8, 4, 6), Mesh(2)
+    graph, mesh = chain(8, 4, 6), Mesh(2)
     path = tmp_path / f"{plan_key(graph, mesh, {})}.json"
     build_plan(graph, mesh, {"linear_0": (0,)}).save(path)
     assert shared_plan(graph, mesh, verbose=False).to_json() == Plan.load(path, check=False).to_json()
@@ -596,7 +595,7 @@ def test_a_plan_cache_hit_loads_the_plan_without_importing_the_optimizer(tmp_pat
 
     from tapestry.spmd.planning import plan_key
 
-    graph, mesh = _chain(8, 4, 6), Mesh(2)
+    graph, mesh = chain(8, 4, 6), Mesh(2)
     build_plan(graph, mesh, {"linear_0": (0,)}).save(tmp_path / f"{plan_key(graph, mesh, {})}.json")
     script = ("import sys; from tapestry.graph import Graph; from tapestry.sharding import Mesh; "
               "from tapestry.spmd.planning import shared_plan; "
