@@ -394,7 +394,7 @@ print(" ".join(digest))
 
 @pytest.mark.slow
 def test_the_tiny_mixtral_with_experts_split_simulates_to_eager_on_4_and_2x2_and_plans_alike_under_hash_seeds():
-    from test_hash_seed import plans_under_seeds
+    from seed_helpers import plans_under_seeds
 
     found = plans_under_seeds(MIXTRAL, [0, 5])
     assert not any(v.startswith("failed") for v in found.values()), found

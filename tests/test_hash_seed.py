@@ -1,12 +1,8 @@
 """A plan is valid and the same whatever PYTHONHASHSEED is: nothing a plan depends on iterates a set of strings."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from seed_helpers import plans_under_seeds
 
 import tapestry
 from tapestry.optimizer import explore
@@ -34,19 +30,6 @@ plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan  # validates the
 data = plan.to_json()
 print(hashlib.sha256(json.dumps({k: data[k] for k in ("steps", "outputs", "cost")}).encode()).hexdigest())
 '''
-
-
-def plans_under_seeds(script: str, seeds: list[int]) -> dict[int, str]:
-    """The last stdout line of `script` run under each PYTHONHASHSEED (concurrently), or its error."""
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    runs = {seed: subprocess.Popen([sys.executable, "-c", script], env={**env, "PYTHONHASHSEED": str(seed)},
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for seed in seeds}
-    found = {}
-    for seed, run in runs.items():
-        out, err = run.communicate(timeout=600)
-        found[seed] = out.strip().splitlines()[-1] if run.returncode == 0 else f"failed: {err.strip()[-600:]}"
-    return found
 
 
 def select_reads_an_output() -> tapestry.Graph:

@@ -17,7 +17,7 @@ from tapestry.optimizer import FOLD_FROM_COPIES
 from tapestry.plan import Place, steady_violations
 from tapestry.plan.simulate import simulate
 from tapestry.sharding import Mesh
-from test_hash_seed import plans_under_seeds
+from seed_helpers import plans_under_seeds
 
 
 def llama_step(layers: int) -> Graph:
