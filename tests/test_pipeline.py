@@ -141,6 +141,25 @@ def test_memory_grows_with_the_micro_batches_in_flight() -> None:
         assert gpipe.memory == tuple(resident + m * 2 * 300 for d in range(4))
 
 
+@pytest.mark.parametrize(("name", "stages", "chunks"), SHAPES)
+def test_a_devices_activation_peak_is_the_most_its_order_holds(name: str, stages: int, chunks: int) -> None:
+    """The few in-flight counts device_memory reads give the peak of walking the device's order, whatever each
+    chunk keeps (none, or some)."""
+    from tapestry.pipeline.model import in_flight_counts
+
+    rng = random.Random(stages * 10 + chunks)
+    schedule = Schedule(name, stages, 4 * stages, chunks)
+    for d in range(stages):
+        for _ in range(5):
+            kept = [rng.choice([0.0, rng.uniform(1, 9)]) for _ in range(stages * chunks)]
+            held = walked = 0.0
+            for task in schedule.order(d):
+                held += kept[task.chunk] if task.kind == "F" else -kept[task.chunk]
+                walked = max(walked, held)
+            counted = max(sum(n * kept[c] for c, n in point) for point in in_flight_counts(schedule, d))
+            assert counted == pytest.approx(walked, abs=1e-9)
+
+
 def test_many_micro_batches_are_extrapolated_exactly_for_equal_chunks() -> None:
     chunks, flags = partition([1.0] * 8, 8), (False,) * 8
     for name, v in (("1f1b", 1), ("gpipe", 1)):
@@ -396,11 +415,12 @@ def test_the_ideal_time_floors_every_configuration(seed: int) -> None:
         assert plan is None or plan.cost >= floor > 0
 
 
-def test_leaner_layer_plans_are_extracted_only_where_their_floor_beats_the_best_step(mlp_step,  # noqa: ANN001
-                                                                                     monkeypatch) -> None:
+def test_leaner_layer_plans_are_extracted_only_where_they_could_beat_the_best_step(mlp_step,  # noqa: ANN001
+                                                                                   monkeypatch) -> None:
     """A stage count's leaner layer plans (each an extraction under a memory budget, the dearest calls of a plan)
-    are skipped where even the ideal time of its fastest plan is slower than a step already found: the chosen plan
-    is the one every front gives, for fewer extractions."""
+    are skipped where the fastest plan's ideal time is slower than a step already found, or where the memory budget
+    does not bind its best configuration: the chosen plan is the one every front gives (as fast; where nothing binds,
+    a leaner plan as fast is not looked for), for fewer extractions; where the budget binds, they are extracted."""
     import tapestry
     from tapestry.optimizer import Explored
     from tapestry.pipeline import planner
@@ -414,14 +434,20 @@ def test_leaner_layer_plans_are_extracted_only_where_their_floor_beats_the_best_
 
     monkeypatch.setattr(Explored, "extract", counted)
 
-    def plan() -> tuple[tuple[object, ...], int]:
+    def plan(memory_budget: int | None) -> tuple[tuple[object, ...], int]:
         budgets.clear()
         p = tapestry.plan_pipeline(mlp_step, 4, tapestry.Mesh(2), global_batch=16, cost_model=h100(),
-                                   memory_budget=None, budget=tapestry.Budget(seconds=30), pareto_points=3).plan
-        return (p.cost, p.schedule, p.chunks, p.recompute, p.micro_batch, p.layer), sum(b is not None for b in budgets)
+                                   memory_budget=memory_budget, budget=tapestry.Budget(seconds=30),
+                                   pareto_points=3).plan
+        return (p.cost, p.schedule, p.chunks, p.recompute, p.micro_batch, p.layer, p.memory), \
+            sum(b is not None for b in budgets)
 
-    pruned, leaner = plan()
-    monkeypatch.setattr(planner, "ideal_time", lambda *args, **kw: 0.0)  # no floor: every stage count's front
-    every, all_leaner = plan()
-    assert pruned == every
-    assert 0 < leaner < all_leaner
+    free, free_leaner = plan(None)
+    binding = int(max(free[-1])) - 1  # the fastest plan's step no longer fits
+    bound, bound_leaner = plan(binding)
+    monkeypatch.setattr(planner, "leaner_may_win", lambda *args, **kw: True)  # every stage count's front
+    swept, leaner = plan(None)  # two leaner plans per stage count: one as fast (to rounding), needing less memory
+    assert swept[0] == pytest.approx(free[0], rel=1e-12) and swept[1:5] == free[1:5] and leaner == 4
+    every, all_leaner = plan(binding)
+    assert every == bound
+    assert free_leaner == 0 < bound_leaner < all_leaner
