@@ -415,12 +415,11 @@ def test_the_ideal_time_floors_every_configuration(seed: int) -> None:
         assert plan is None or plan.cost >= floor > 0
 
 
-def test_leaner_layer_plans_are_extracted_only_where_they_could_beat_the_best_step(mlp_step,  # noqa: ANN001
-                                                                                   monkeypatch) -> None:
+def test_leaner_layer_plans_are_extracted_only_where_their_floor_beats_the_best_step(mlp_step,  # noqa: ANN001
+                                                                                     monkeypatch) -> None:
     """A stage count's leaner layer plans (each an extraction under a memory budget, the dearest calls of a plan)
-    are skipped where the fastest plan's ideal time is slower than a step already found, or where the memory budget
-    does not bind its best configuration: the chosen plan is the one every front gives (as fast; where nothing binds,
-    a leaner plan as fast is not looked for), for fewer extractions; where the budget binds, they are extracted."""
+    are skipped where even the ideal time of its fastest plan is slower than a step already found: the chosen plan
+    is the one every front gives, for fewer extractions."""
     import tapestry
     from tapestry.optimizer import Explored
     from tapestry.pipeline import planner
@@ -434,20 +433,14 @@ def test_leaner_layer_plans_are_extracted_only_where_they_could_beat_the_best_st
 
     monkeypatch.setattr(Explored, "extract", counted)
 
-    def plan(memory_budget: int | None) -> tuple[tuple[object, ...], int]:
+    def plan() -> tuple[tuple[object, ...], int]:
         budgets.clear()
         p = tapestry.plan_pipeline(mlp_step, 4, tapestry.Mesh(2), global_batch=16, cost_model=h100(),
-                                   memory_budget=memory_budget, budget=tapestry.Budget(seconds=30),
-                                   pareto_points=3).plan
-        return (p.cost, p.schedule, p.chunks, p.recompute, p.micro_batch, p.layer, p.memory), \
-            sum(b is not None for b in budgets)
+                                   memory_budget=None, budget=tapestry.Budget(seconds=30), pareto_points=3).plan
+        return (p.cost, p.schedule, p.chunks, p.recompute, p.micro_batch, p.layer), sum(b is not None for b in budgets)
 
-    free, free_leaner = plan(None)
-    binding = int(max(free[-1])) - 1  # the fastest plan's step no longer fits
-    bound, bound_leaner = plan(binding)
-    monkeypatch.setattr(planner, "leaner_may_win", lambda *args, **kw: True)  # every stage count's front
-    swept, leaner = plan(None)  # two leaner plans per stage count: one as fast (to rounding), needing less memory
-    assert swept[0] == pytest.approx(free[0], rel=1e-12) and swept[1:5] == free[1:5] and leaner == 4
-    every, all_leaner = plan(binding)
-    assert every == bound
-    assert free_leaner == 0 < bound_leaner < all_leaner
+    pruned, leaner = plan()
+    monkeypatch.setattr(planner, "ideal_time", lambda *args, **kw: 0.0)  # no floor: every stage count's front
+    every, all_leaner = plan()
+    assert pruned == every
+    assert 0 < leaner < all_leaner

@@ -2,10 +2,9 @@
 
 For each stage count S dividing the pipeline axis, one layer's training step is planned by the optimizer on the
 sub-mesh a stage gets (the axis shrunk S times): explored once, and its fastest plan extracted, then its
-time/memory Pareto front (a leaner layer plan, where the fastest does not fit or shards less than it could) only
-where a leaner plan could win (`leaner_may_win`: the fastest plan's ideal time beats the best step already found,
-and the memory budget binds its best configuration): each leaner plan is an extraction under a memory budget, the
-dearest calls of the search. Stage counts go largest first (the smallest
+time/memory Pareto front (a leaner layer plan, where the fastest does not fit or shards less than it could) unless
+even the fastest plan's ideal time (`ideal_time`) is slower than a step already found: each leaner plan is an
+extraction under a memory budget, the dearest calls of the search. Stage counts go largest first (the smallest
 sub-meshes: cheapest to plan, and most often the fastest), so the best step is known early. Identical layers reuse
 the layer plan: 80 layers cost one optimization per sub-mesh. Every layer plan of the front is then tried under
 every schedule (GPipe, 1F1B, interleaved 1F1B with v chunks per device), with on each device the fewest recomputed
@@ -284,23 +283,6 @@ def ideal_time(layer: LayerCost, layers: int, stages: int, micro_batches: int, e
     return micro_batches * sum(c.forward + c.backward for c in ends.stack(layer, layers)) / stages
 
 
-def leaner_may_win(fastest: LayerCost, layers: int, stages: int, micro_batches: int, ends: Ends, leading: float,
-                   quickest: PipelinePlan | None, unbounded: Callable[[], PipelinePlan | None]) -> bool:
-    """Whether a leaner plan of the layer than `fastest` could beat both the best step so far (`leading`) and
-    `quickest`, the fastest plan's best configuration under the memory budget. A leaner plan trades time for memory
-    (taken to be no faster per micro-batch, as `ideal_time` takes it), so the most it can win is what the memory
-    budget cost the fastest plan: it cannot beat `ideal_time`, nor the fastest plan's best configuration with no
-    budget at all (`unbounded`, made only where the ideal time leaves the question open). Where the budget does
-    not bind (`quickest` is that configuration: no recomputation, no schedule ruled out) no leaner plan is
-    extracted: on the 7B step on 8 devices that was one sweep of two extractions under budgets, a third of
-    `plan_pipeline`'s CPU seconds, for the plan it had."""
-    if ideal_time(fastest, layers, stages, micro_batches, ends) > leading:
-        return False
-    free = unbounded()
-    floor = math.inf if free is None else free.cost
-    return floor < min(leading, math.inf if quickest is None else quickest.cost)
-
-
 def best_configuration(layer: LayerCost, layers: int, mesh: Mesh, axis: int, stages: int, micro_batches: int,
                        precision: Precision, link: Link, memory_budget: float | None,
                        schedules: Sequence[str] = SCHEDULES, chunks: Sequence[int] = CHUNKS, peak_flops: float = 0.0,
@@ -335,7 +317,8 @@ def plan_pipeline(layer: Step, layers: int, mesh: Mesh, global_batch: int,
     a micro-batch size (sequences) to it; `micro_batch_sizes` lists the sizes to try (default: the graph's
     batch, read off its first user input). `stages` lists the stage counts to try (default: every divisor of
     mesh axis `axis`). The optimizer's knobs (`budget`, `extractor`, `time_limit`) plan each layer;
-    `pareto_points` bounds its time/memory front, extracted where a leaner plan could win (`leaner_may_win`). `first` and `last` are the training steps of what runs before the first layer and after the last
+    `pareto_points` bounds its time/memory front, extracted where the layer's ideal time beats the best step so
+    far. `first` and `last` are the training steps of what runs before the first layer and after the last
     (`pipeline.first_step`, `pipeline.last_step`: the embedding; the final norm, head and loss), graphs or functions
     of the micro-batch size like `layer`; each is planned (its fastest plan) on every stage sub-mesh and rides with
     the first or last layer. MemoryBudgetError when no configuration fits."""
@@ -382,17 +365,15 @@ def plan_pipeline(layer: Step, layers: int, mesh: Mesh, global_batch: int,
                 why.append(f"micro-batch {b}: no layer plan on {sub} ({err})")
                 continue
 
-            def configured(result: OptimizeResult, layer: LayerCost,
-                           bytes_per_device: float | None = memory_budget) -> PipelinePlan | None:
+            def configured(result: OptimizeResult, layer: LayerCost) -> PipelinePlan | None:
                 return best_configuration(layer, layers, mesh, axis, s, global_batch // b, chosen_precision, link,
-                                          bytes_per_device, schedules, chunks,
+                                          memory_budget, schedules, chunks,
                                           profile.device.peak(_compute_dtype(graph)), result, b, ends)
 
             fastest_layer = layer_cost(fastest.plan, cost_model)
             quickest = configured(fastest, fastest_layer)
-            front = explored.pareto(cost_model, extractor, time_limit, points=pareto_points, fastest=fastest) \
-                if leaner_may_win(fastest_layer, layers, s, global_batch // b, ends, leading, quickest,
-                                  lambda: configured(fastest, fastest_layer, None)) else [fastest]
+            front = [fastest] if ideal_time(fastest_layer, layers, s, global_batch // b, ends) > leading else \
+                explored.pareto(cost_model, extractor, time_limit, points=pareto_points, fastest=fastest)
             for result in front:
                 found = quickest if result is fastest else configured(result, layer_cost(result.plan, cost_model))
                 if found is not None and (best is None or (found.cost, found.peak_memory) < (best.cost,
