@@ -160,9 +160,9 @@ def in_flight_counts(schedule: Schedule, device: int) -> tuple[tuple[tuple[int, 
     """The micro-batches in flight per chunk on `device` (pairs chunk, count) after each of its forwards, only
     those no other such point holds at least as many of in every chunk: with bytes kept per chunk >= 0, the most
     a device holds is at one of them. A schedule's steady state repeats the same counts, so these are few (an
-    interleaved step of 256 micro-batches on 8 stages: 2048 tasks per device, a handful of points), where walking
-    the order once per memory query was most of `plan_pipeline`'s own time (its binary searches over
-    recomputation ask thousands)."""
+    interleaved step of 256 micro-batches on 8 stages, v = 4: 1024 forwards per device, at most 16 points), where
+    walking the order once per query (`fit`'s binary searches over recomputation ask thousands) took 80 of the 722
+    profiled seconds of the 7B benchmark (docs/benchmarks.md, "7B on 64 GPUs at 4M tokens per step")."""
     held: dict[int, int] = {}
     points: set[tuple[tuple[int, int], ...]] = set()
     for task in schedule.order(device):
