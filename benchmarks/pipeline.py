@@ -35,7 +35,7 @@ def peak_rss() -> int:
         return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
 
 
-def layer_builder(width: str, seq: int) -> Any:
+def layer_builder(width: str, seq: int, kv_heads: int | None = None) -> Any:
     """Micro-batch size -> one block's training step (bfloat16, meta device), imported once per size."""
     import torch
 
@@ -48,7 +48,7 @@ def layer_builder(width: str, seq: int) -> Any:
     def build(micro_batch: int) -> Any:
         if micro_batch not in made:
             with torch.device("meta"):
-                block = LlamaBlock(hidden, heads, mlp).to(torch.bfloat16)
+                block = LlamaBlock(hidden, heads, mlp, kv_heads).to(torch.bfloat16)
             x = torch.zeros(micro_batch, seq, hidden, dtype=torch.bfloat16, device="meta")
             made[micro_batch] = layer_step(block, x)
         return made[micro_batch]
@@ -76,12 +76,16 @@ def hidden_dims(graph: Any) -> dict[str, int]:
 
 def recipes(build: Any, args: argparse.Namespace, mesh: Any, model: Any, peak: float) -> list[tuple[str, Any]]:
     """The hand recipes, each its layer plan priced and scheduled by the pipeline model (best schedule and the
-    least recomputation that fits); a plan that cannot be built is reported, not dropped."""
+    least recomputation that fits); a plan that cannot be built is reported, not dropped. Their layer plans are
+    written for a mesh of nodes x GPUs per node: none for other meshes."""
     import tapestry
     from tapestry.pipeline import MIXED, layer_cost
     from tapestry.pipeline.planner import best_configuration
     from tapestry.training.plans import data_tensor_parallel, megatron, zero3
 
+    if mesh.ndim != 2:
+        print(f"hand recipes: written for 2-D meshes (nodes x GPUs per node), none for {mesh}", flush=True)
+        return []
     nodes, per_node = mesh.shape
     link = model.profile.axis_links(mesh.shape)[0]
     found: list[tuple[str, Any]] = []
@@ -134,6 +138,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--global-batch", type=int, default=256, help="sequences per step")
     parser.add_argument("--micro-batches", default="1", help="micro-batch sizes (sequences) plan_pipeline tries")
+    parser.add_argument("--kv-heads", type=int, default=None,
+                        help="key/value heads (grouped-query attention; default: as many as query heads)")
     parser.add_argument("--memory-budget", type=float, default=80e9)
     parser.add_argument("--budget", type=float, default=30.0, help="Budget.seconds per layer plan")
     parser.add_argument("--quick", action="store_true")
@@ -146,7 +152,7 @@ def main() -> None:
 
     model = DefaultCostModel(load_profile(PROFILE))
     mesh = tapestry.Mesh(*(int(n) for n in args.mesh.split("x")))
-    build = layer_builder(args.width, args.seq)
+    build = layer_builder(args.width, args.seq, args.kv_heads)
     sizes = tuple(int(b) for b in args.micro_batches.split(","))
     started = time.perf_counter()
     for b in sizes:
@@ -158,6 +164,8 @@ def main() -> None:
                                     budget=tapestry.Budget(seconds=args.budget))
     planned, planned_cpu = time.perf_counter() - started, time.process_time() - cpu_started
     load = os.getloadavg()[0]
+    print(f"plan_pipeline: {planned:.0f} s wall, {planned_cpu:.1f} CPU s, peak RSS {peak_rss() / 2**30:.2f} GiB, "
+          f"load {load:.1f}", flush=True)
     print(result.explain(), flush=True)
     peak = model.profile.device.peak("bfloat16")
     hand = recipes(build, args, mesh, model, peak)
@@ -177,11 +185,14 @@ def main() -> None:
     one_layer = build(sizes[0])
     params = args.layers * sum(math.prod(n.shape) for n in one_layer.inputs
                                if n.name in one_layer.carried.values() and not n.name.startswith("adam.") and n.shape)
+    heads = WIDTHS[args.width][2]
+    attention = "multi-head attention, where LLaMA-2 70B has 8 KV heads" if args.kv_heads in (None, heads) else \
+        f"grouped-query attention, {heads} query heads over {args.kv_heads} key/value heads"
     head = ("| configuration | stages x stage mesh | schedule | micro-batches x size | recomputed layers | "
             "predicted s/step | MFU | GiB/device | plan s (CPU s) |")
     body = "\n".join([
-        f"{args.layers} LLaMA blocks at the {args.width} width ({params / 1e9:.1f}B parameters: multi-head "
-        f"attention, where LLaMA-2 70B has 8 KV heads), one Adam step of {args.global_batch} sequences x "
+        f"{args.layers} LLaMA blocks at the {args.width} width ({params / 1e9:.1f}B parameters: {attention}), "
+        f"one Adam step of {args.global_batch} sequences x "
         f"{args.seq} tokens, mesh {args.mesh} with the `{PROFILE}` profile (NVLink in 8-GPU nodes, InfiniBand "
         f"across; the pipeline runs over mesh axis 0), {args.memory_budget / 1e9:g} GB per device, mixed "
         "precision (bf16 compute, fp32 master weights and Adam moments: 16 bytes per parameter). One layer's "

@@ -182,6 +182,17 @@ def test_a_llama_block_step_keeps_attention_fused_and_equals_torch():
     assert ops["softmax"] == 0 and ops["sdpa"] == 0  # no math attention beside them
 
 
+def test_a_grouped_query_llama_block_step_equals_torch():
+    """LlamaBlock with fewer key/value heads than query heads (LLaMA-2 70B's grouping): its k and v project to
+    the shared heads only, and one training step equals torch's."""
+    torch.manual_seed(0)
+    x, y = torch.randn(2, 8, 32), torch.randn(2, 8, 32)
+    block = LlamaBlock(32, 4, 64, kv_heads=2)
+    assert block.k.weight.shape == block.v.weight.shape == (16, 32)
+    ops = _ops(_one_step_matches(block, (x, y), _mse))
+    assert ops["flash_attention"] == 1 and ops["flash_attention_backward"] == 1
+
+
 class MaskedGrouped(torch.nn.Module):
     """Grouped-query attention (4 query heads over 2 kv heads) under a padding mask, then a projection."""
 

@@ -141,6 +141,25 @@ def test_memory_grows_with_the_micro_batches_in_flight() -> None:
         assert gpipe.memory == tuple(resident + m * 2 * 300 for d in range(4))
 
 
+@pytest.mark.parametrize(("name", "stages", "chunks"), SHAPES)
+def test_a_devices_activation_peak_is_the_most_its_order_holds(name: str, stages: int, chunks: int) -> None:
+    """The few in-flight counts device_memory reads give the peak of walking the device's order, whatever each
+    chunk keeps (none, or some)."""
+    from tapestry.pipeline.model import in_flight_counts
+
+    rng = random.Random(stages * 10 + chunks)
+    schedule = Schedule(name, stages, 4 * stages, chunks)
+    for d in range(stages):
+        for _ in range(5):
+            kept = [rng.choice([0.0, rng.uniform(1, 9)]) for _ in range(stages * chunks)]
+            held = walked = 0.0
+            for task in schedule.order(d):
+                held += kept[task.chunk] if task.kind == "F" else -kept[task.chunk]
+                walked = max(walked, held)
+            counted = max(sum(n * kept[c] for c, n in point) for point in in_flight_counts(schedule, d))
+            assert counted == pytest.approx(walked, abs=1e-9)
+
+
 def test_many_micro_batches_are_extrapolated_exactly_for_equal_chunks() -> None:
     chunks, flags = partition([1.0] * 8, 8), (False,) * 8
     for name, v in (("1f1b", 1), ("gpipe", 1)):

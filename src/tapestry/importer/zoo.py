@@ -16,13 +16,18 @@ Case = tuple[nn.Module, tuple[Any, ...], dict[str, Any]]
 
 
 class LlamaBlock(nn.Module):
-    """A LLaMA-style decoder block: RMSNorm, causal SDPA over heads, and a SiLU-gated MLP."""
+    """A LLaMA-style decoder block: RMSNorm, causal SDPA over heads, and a SiLU-gated MLP. `kv_heads` below
+    `heads` makes the attention grouped-query (LLaMA-2 70B's 8 key/value heads for 64 query heads)."""
 
-    def __init__(self, dim: int = 64, heads: int = 4, hidden: int = 128) -> None:
+    def __init__(self, dim: int = 64, heads: int = 4, hidden: int = 128, kv_heads: int | None = None) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.kv_heads = heads, kv_heads or heads
+        if heads % self.kv_heads:
+            raise ValueError(f"LlamaBlock: {heads} query heads do not group over {self.kv_heads} key/value heads")
         self.attn_norm, self.mlp_norm = nn.RMSNorm(dim, eps=1e-6), nn.RMSNorm(dim, eps=1e-6)
-        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        shared = dim // heads * self.kv_heads
+        self.q, self.o = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False)
+        self.k, self.v = nn.Linear(dim, shared, bias=False), nn.Linear(dim, shared, bias=False)
         self.gate, self.up = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
         self.down = nn.Linear(hidden, dim, bias=False)
 
@@ -30,11 +35,12 @@ class LlamaBlock(nn.Module):
         b, s, d = x.shape
         h = self.attn_norm(x)
 
-        def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.view(b, s, self.heads, d // self.heads).transpose(1, 2)
+        def heads(t: torch.Tensor, n: int) -> torch.Tensor:
+            return t.view(b, s, n, d // self.heads).transpose(1, 2)
 
-        attn = nn.functional.scaled_dot_product_attention(heads(self.q(h)), heads(self.k(h)), heads(self.v(h)),
-                                                          is_causal=True)
+        attn = nn.functional.scaled_dot_product_attention(
+            heads(self.q(h), self.heads), heads(self.k(h), self.kv_heads), heads(self.v(h), self.kv_heads),
+            is_causal=True, enable_gqa=self.kv_heads != self.heads)
         x = x + self.o(attn.transpose(1, 2).reshape(b, s, d))
         h = self.mlp_norm(x)
         return x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))

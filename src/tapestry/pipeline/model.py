@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 
 from tapestry.pipeline.schedule import Schedule, Timeline, simulate
 
@@ -154,6 +155,26 @@ def chunk_times(layers: Sequence[LayerCost], chunks: Sequence[Sequence[int]], re
     return forward, backward, kept
 
 
+@cache
+def in_flight_counts(schedule: Schedule, device: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """The micro-batches in flight per chunk on `device` (pairs chunk, count) after each of its forwards, only
+    those no other such point holds at least as many of in every chunk: with bytes kept per chunk >= 0, the most
+    a device holds is at one of them. A schedule's steady state repeats the same counts, so these are few (an
+    interleaved step of 256 micro-batches on 8 stages, v = 4: 1024 forwards per device, at most 16 points), where
+    walking the order once per query (`fit`'s binary searches over recomputation ask thousands) took 80 of the 722
+    profiled seconds of the 7B benchmark (docs/benchmarks.md, "7B on 64 GPUs at 4M tokens per step")."""
+    held: dict[int, int] = {}
+    points: set[tuple[tuple[int, int], ...]] = set()
+    for task in schedule.order(device):
+        held[task.chunk] = held.get(task.chunk, 0) + (1 if task.kind == "F" else -1)
+        if task.kind == "F":
+            points.add(tuple(sorted((c, n) for c, n in held.items() if n)))
+    vectors = [dict(p) for p in points]
+    kept = [p for p, v in zip(points, vectors)  # points are distinct: one covering v in every chunk exceeds it
+            if not any(w is not v and all(w.get(c, 0) >= n for c, n in v.items()) for w in vectors)]
+    return tuple(sorted(kept)) or ((),)
+
+
 def device_memory(layers: Sequence[LayerCost], schedule: Schedule, chunks: Sequence[Sequence[int]],
            recompute: Sequence[bool], precision: Precision) -> tuple[float, ...]:
     """Bytes per device (by pipeline position): its layers' resident state, the most activations it holds at once,
@@ -163,10 +184,7 @@ def device_memory(layers: Sequence[LayerCost], schedule: Schedule, chunks: Seque
     _, _, kept = chunk_times(layers, chunks, recompute)
     found = []
     for d in range(schedule.stages):
-        held = most = 0.0
-        for task in schedule.order(d):
-            held += kept[task.chunk] if task.kind == "F" else -kept[task.chunk]
-            most = max(most, held)
+        most = max(sum(n * kept[c] for c, n in counts) for counts in in_flight_counts(schedule, d))
         mine = [i for c, chunk in enumerate(chunks) if c % schedule.stages == d for i in chunk]
         found.append(sum(precision.resident(layers[i]) for i in mine) + most + max(layers[i].working for i in mine))
     return tuple(found)
