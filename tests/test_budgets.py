@@ -171,6 +171,31 @@ def test_pricing_reaches_every_classs_cheapest_move_in_before_any_classs_second(
     assert pricing_order(moved, into) == [0, 3, 1, 4, 2]
 
 
+def test_pricing_reaches_the_moves_between_early_candidates_layouts_before_any_into_a_later_ones():
+    moved = np.array([1, 2, 3, 1000, 2000])
+    into = ["small@S(0)", "small@S(0)", "small@S(0)", "large@R", "large@R"]
+    assert pricing_order(moved, into, [1, 0, 0, 2, 0]) == [1, 4, 2, 0, 3]  # round 0 (in class rounds), 1, 2
+
+
+def test_a_count_cut_prices_the_moves_among_the_first_generation_rounds_layouts_first():
+    graph = mlp(2, 16, 8)
+    gen, _, _ = saturate(graph, Mesh(2, 2), load_rules())
+    nodes, roots, _, _ = distributed_nodes(gen.session.serialize(), gen.interner)
+    decoder = Decoder(nodes, gen.interner, gen.mesh, {n.name: n.dtype for n in graph.inputs})
+    rounds = gen.interner.rounds
+    assert min(rounds.values()) == -1 and max(rounds.values()) > 1  # the replicated runs', and sharded rounds
+    decoder.priced(default_cost_model())
+    layout = decoder.class_layout
+    optional = {decoder._price_key(n): max(rounds[layout[n.children[0]]], rounds[n.key]) for n in nodes
+                if n.op == "Reshard" and not decoder._from_replicated(n) and not decoder.prepared(n)}
+    early = sum(r <= 0 for r in optional.values())
+    assert 0 < early < len(optional)
+    costs = decoder.priced(default_cost_model(), reshards=early)
+    priced = {decoder._price_key(n) for n, c in zip(nodes, costs)
+              if n.op == "Reshard" and not math.isinf(c) and decoder._price_key(n) in optional}
+    assert priced == {key for key, r in optional.items() if r <= 0}
+
+
 def test_rule_rounds_stop_by_their_share_of_the_time_and_generation_still_runs():
     result = optimize(mlp(3, 64, 32), Mesh(2), budget=Budget(seconds=0.0))
     assert (result.stats.stopped_by, result.stats.stopped_in) == ("seconds", "rules")

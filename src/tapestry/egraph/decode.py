@@ -151,19 +151,25 @@ def moved_cells(pairs: Sequence[tuple[str, str]], layouts: Mapping[str, tuple[An
     return (need - kept).sum(axis=1)
 
 
-def pricing_order(moved: np.ndarray, targets: Sequence[str]) -> list[int]:
-    """Indices of moves (cells moved, `moved_cells`, and the class each moves into) in rounds: round k has each
-    class's k-th cheapest move into it by cells moved, and within a round fewer cells first: a stop leaves every
-    layout of every value its cheapest way in (a weight's all-gather, a gradient's all-reduce). Ordered
-    by cells alone, the moves of small values came
-    first and those of large ones (a 7B layer's weight gradients, all of whose moves reduce all their cells)
-    never: a 64-device budget left them unpriced, and with them every plan that splits the batch; by each
-    value's cheapest moves, a weight's all-gathers (its moves of most cells) never came, and FSDP with them."""
+def pricing_order(moved: np.ndarray, targets: Sequence[str], rounds: Sequence[int] | None = None) -> list[int]:
+    """Indices of moves (cells moved, `moved_cells`, the class each moves into and, if given, the generation round
+    of each: the later of its two layouts' first rounds, `Interner.rounds`) by round, then in class rounds:
+    class round k has each class's k-th cheapest move into it by cells moved, and within one fewer cells first.
+
+    Generation rounds first: a move between the layouts of each op's first candidates (batch over every axis,
+    a node's tensor parallel, experts over an axis) before one into a layout only a late, exotic candidate
+    reads: on 64 devices pricing stops after a few thousand of tens of thousands of moves, and those it priced
+    first decide the plan (docs/cost-models.md, "Budgets"). Class rounds then leave every layout of every value its cheapest way in (a weight's all-gather, a gradient's
+    all-reduce). Ordered by cells alone, the moves of small values came first and those of large ones (a 7B
+    layer's weight gradients, all of whose moves reduce all their cells) never: a 64-device budget left them
+    unpriced, and with them every plan that splits the batch; by each value's cheapest moves, a weight's
+    all-gathers (its moves of most cells) never came, and FSDP with them."""
     rank: dict[str, int] = {}
-    rounds = np.zeros(len(targets), np.int64)
+    class_rounds = np.zeros(len(targets), np.int64)
     for j in np.argsort(moved, kind="stable").tolist():
-        rounds[j] = rank[targets[j]] = rank.get(targets[j], -1) + 1
-    return np.lexsort((moved, rounds)).tolist()
+        class_rounds[j] = rank[targets[j]] = rank.get(targets[j], -1) + 1
+    generation = np.zeros(len(targets), np.int64) if rounds is None else np.asarray(rounds, np.int64)
+    return np.lexsort((moved, class_rounds, generation)).tolist()
 
 
 def _is_replicated(interner: Interner, key: str) -> bool:
@@ -339,9 +345,10 @@ class Decoder:
 
         Each distinct step is priced once. Runs, Places and reshards out of a replicated layout (local slicing,
         which the replicated plan needs) are always priced; of the other reshards, `reshards` distinct moves (a
-        count, not seconds: the same call prices the same moves, and so gives the same plan, at any load), in
-        rounds of each class's next cheapest move into it by cells moved (`pricing_order`), so a stop leaves
-        every layout its cheapest ways in rather than some values all of their moves. Reshards left unpriced
+        count, not seconds: the same call prices the same moves, and so gives the same plan, at any load), those
+        between the layouts of each op's first candidates first, then in rounds of each class's next cheapest
+        move into it by cells moved (`pricing_order`), so a stop leaves every layout its cheapest ways in rather
+        than some values all of their moves. Reshards left unpriced
         cost infinity, so extraction leaves them out and a plan still exists. With `drop_dominated`,
         so do reshards a two-step route is strictly cheaper than (`dominated_moves`), and then Runs that a kept
         Run of the same op and the moves left cost no more than (`dominated_runs`): sound when plan time is
@@ -363,9 +370,13 @@ class Decoder:
                 prices[key] = float(cost.step_cost(self._priced_step(node), self.mesh))
             costs[i] = prices[key]
         keys = list(optional)
-        if reshards < len(keys):  # what a stop leaves out: each class's dearest moves in
+        if reshards < len(keys):  # what a stop leaves out: moves into late candidates', each class's dearest
             moved = moved_cells([(src, dst) for src, dst, _ in keys], self.interner.layouts)
-            keys = [keys[j] for j in pricing_order(moved, [self.nodes[optional[key][0]].eclass for key in keys])]
+            rounds = self.interner.rounds
+            late = max(rounds.values(), default=0) + 1  # a layout no run holds (none should): last
+            keys = [keys[j] for j in pricing_order(moved, [self.nodes[optional[key][0]].eclass for key in keys],
+                                                   [max(rounds.get(src, late), rounds.get(dst, late))
+                                                    for src, dst, _ in keys])]
         kept = keys[:max(0, int(min(reshards, len(keys))))]
         for key in kept:
             prices[key] = price = float(cost.step_cost(self._priced_step(self.nodes[optional[key][0]]), self.mesh))
