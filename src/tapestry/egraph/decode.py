@@ -160,10 +160,11 @@ def pricing_order(moved: np.ndarray, targets: Sequence[str], rounds: Sequence[in
     a node's tensor parallel, experts over an axis) before one into a layout only a late, exotic candidate
     reads: on 64 devices pricing stops after a few thousand of tens of thousands of moves, and those it priced
     first decide the plan (docs/cost-models.md, "Budgets"). Class rounds then leave every layout of every value
-    its cheapest way in (a weight's all-gather, a gradient's all-reduce). Ordered by cells alone, the moves of small values came first and those of large ones (a 7B
-    layer's weight gradients, all of whose moves reduce all their cells) never: a 64-device budget left them
-    unpriced, and with them every plan that splits the batch; by each value's cheapest moves, a weight's
-    all-gathers (its moves of most cells) never came, and FSDP with them."""
+    its cheapest way in (a weight's all-gather, a gradient's all-reduce). Ordered by cells alone, the moves of
+    small values came first and those of large ones (a 7B layer's weight gradients, all of whose moves reduce
+    all their cells) never: a 64-device budget left them unpriced, and with them every plan that splits the
+    batch; by each value's cheapest moves, a weight's all-gathers (its moves of most cells) never came, and FSDP
+    with them."""
     rank: dict[str, int] = {}
     class_rounds = np.zeros(len(targets), np.int64)
     for j in np.argsort(moved, kind="stable").tolist():
