@@ -32,7 +32,7 @@ def main() -> None:
     args = parser.parse_args()
     module, inputs, kwargs = {**EXTRA, **FAMILIES}[args.model].build()
     explored = explore(from_torch(module, inputs, kwargs, verbose=False).graph, Mesh.parse(args.mesh))
-    egraph = explored.decoder.extraction_graph(list(explored.roots), default_cost_model(), explored.pricing_seconds,
+    egraph = explored.decoder.extraction_graph(list(explored.roots), default_cost_model(), explored.priced_moves,
                                                drop_dominated=True)
     reduced = reduce(egraph, solvable_tree(egraph))
     block = {c: reduced.block(c) for c in reduced.candidates}

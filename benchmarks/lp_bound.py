@@ -28,7 +28,7 @@ def row(name: str, mesh: Mesh, time_limit: float) -> str:
     explored = explore(graph, mesh)
     if mesh.size >= FUSED_EXTRACTION_DEVICES or graph.carried:
         raise SystemExit(f"{name} on {mesh}: Explored.extract would add fused costs or steady ties; not measured")
-    egraph = explored.decoder.extraction_graph(list(explored.roots), default_cost_model(), explored.pricing_seconds,
+    egraph = explored.decoder.extraction_graph(list(explored.roots), default_cost_model(), explored.priced_moves,
                                                drop_dominated=True)
     best = extract_ilp(egraph, time_limit)
     reduced = reduce(egraph, solvable_tree(egraph))

@@ -99,7 +99,7 @@ def main() -> None:
     explored = explore(graph, mesh, rules, Budget(seconds=args.budget))
     saturated, saturated_cpu = time.perf_counter(), time.process_time()
     egraph = explored.decoder.extraction_graph(list(explored.roots), default_cost_model(),
-                                               *([explored.pricing_seconds] if hasattr(explored, "pricing_seconds")
+                                               *([explored.priced_moves] if hasattr(explored, "priced_moves")
                                                  else []))
     priced, priced_cpu = time.perf_counter(), time.process_time()
     selection = extract(egraph, args.extractor, args.time_limit)

@@ -171,6 +171,31 @@ def test_pricing_reaches_every_classs_cheapest_move_in_before_any_classs_second(
     assert pricing_order(moved, into) == [0, 3, 1, 4, 2]
 
 
+def test_pricing_reaches_the_moves_between_early_candidates_layouts_before_any_into_a_later_ones():
+    moved = np.array([1, 2, 3, 1000, 2000])
+    into = ["small@S(0)", "small@S(0)", "small@S(0)", "large@R", "large@R"]
+    assert pricing_order(moved, into, [1, 0, 0, 2, 0]) == [1, 4, 2, 0, 3]  # round 0 (in class rounds), 1, 2
+
+
+def test_a_count_cut_prices_the_moves_among_the_first_generation_rounds_layouts_first():
+    graph = mlp(2, 16, 8)
+    gen, _, _ = saturate(graph, Mesh(2, 2), load_rules())
+    nodes, roots, _, _ = distributed_nodes(gen.session.serialize(), gen.interner)
+    decoder = Decoder(nodes, gen.interner, gen.mesh, {n.name: n.dtype for n in graph.inputs})
+    rounds = gen.interner.rounds
+    assert min(rounds.values()) == -1 and max(rounds.values()) > 1  # the replicated runs', and sharded rounds
+    decoder.priced(default_cost_model())
+    layout = decoder.class_layout
+    optional = {decoder._price_key(n): max(rounds[layout[n.children[0]]], rounds[n.key]) for n in nodes
+                if n.op == "Reshard" and not decoder._from_replicated(n) and not decoder.prepared(n)}
+    early = sum(r <= 0 for r in optional.values())
+    assert 0 < early < len(optional)
+    costs = decoder.priced(default_cost_model(), reshards=early)
+    priced = {decoder._price_key(n) for n, c in zip(nodes, costs)
+              if n.op == "Reshard" and not math.isinf(c) and decoder._price_key(n) in optional}
+    assert priced == {key for key, r in optional.items() if r <= 0}
+
+
 def test_rule_rounds_stop_by_their_share_of_the_time_and_generation_still_runs():
     result = optimize(mlp(3, 64, 32), Mesh(2), budget=Budget(seconds=0.0))
     assert (result.stats.stopped_by, result.stats.stopped_in) == ("seconds", "rules")
@@ -189,43 +214,55 @@ def test_time_spent_waiting_for_a_core_is_not_charged_to_the_budget():
     assert waited.plan.cost == pytest.approx(complete.plan.cost)
 
 
-def test_pricing_out_of_time_prices_what_the_replicated_plan_needs_and_leaves_the_rest_out():
+def test_a_pricing_cut_prices_what_the_replicated_plan_needs_and_leaves_the_rest_out_never_free():
     graph = mlp(2, 16, 8)
     gen, _, _ = saturate(graph, Mesh(2, 2), load_rules())
     data = gen.session.serialize()
     nodes, roots, names, _ = distributed_nodes(data, gen.interner)
     decoder = Decoder(nodes, gen.interner, gen.mesh, {n.name: n.dtype for n in graph.inputs})
     full = decoder.extraction_graph(roots, default_cost_model())
-    assert decoder.pricing.reshards_unpriced == 0
-    cut = decoder.extraction_graph(roots, default_cost_model(), seconds=0.0)
+    assert decoder.pricing.reshards_unpriced == decoder.pricing.moves_unpriced == 0
+    cut = decoder.extraction_graph(roots, default_cost_model(), reshards=0)
     reshards = sum(n.op == "Reshard" for n in nodes)
     assert 0 < decoder.pricing.reshards_unpriced < reshards
+    assert decoder.pricing.moves_unpriced == decoder.pricing.moves > 0
     assert sum(math.isinf(c) for c in cut.node_cost) == decoder.pricing.reshards_unpriced
     assert all(c == f for c, f in zip(cut.node_cost, full.node_cost) if not math.isinf(c)), "same prices"
     plan = decoder.plan(cut, extract(cut, "greedy-dag"), graph, names)
     validate_plan(plan)
 
 
-def test_pricing_reads_the_cpu_clock_once_per_clock_every_reshards(monkeypatch):
-    """A read of the CPU clock is a system call, a quarter of what pricing one reshard by its orbit costs."""
-    graph = mlp(2, 16, 8)
-    gen, _, _ = saturate(graph, Mesh(2, 2), load_rules())
-    nodes, roots, _, _ = distributed_nodes(gen.session.serialize(), gen.interner)
-    decoder = Decoder(nodes, gen.interner, gen.mesh, {n.name: n.dtype for n in graph.inputs})
-    reads = []
-    monkeypatch.setattr(decode, "clock", lambda: reads.append(1) or clock())
-    decoder.extraction_graph(roots, default_cost_model(), seconds=1e9)
-    reshards = sum(n.op == "Reshard" for n in nodes)
-    assert decoder.pricing.reshards_unpriced == 0
-    assert len(reads) <= 2 + math.ceil(reshards / decode.CLOCK_EVERY)
+def test_pricing_stops_at_a_count_of_moves_however_slow_the_clock_runs(monkeypatch):
+    """Where pricing stops decides the plan (Mixtral's training step on 8x8 planned 59.8, 18.2 and 15.7 ms in
+    three runs, each cut by CPU seconds at another place); a count of distinct moves prices the same ones at any
+    load."""
+    explored = explore(mlp(2, 16, 8), Mesh(2, 2), budget=Budget(priced_moves=5))
+    first = explored.extract(extractor="greedy-dag")
+    ticks = itertools.count()
+    monkeypatch.setattr(decode, "clock", lambda: 1000.0 * next(ticks))  # each read a thousand CPU seconds later
+    slow = explored.extract(extractor="greedy-dag")
+    assert explored.decoder.pricing.moves - explored.decoder.pricing.moves_unpriced == 5
+    assert (slow.stats.reshards_unpriced, slow.stats.moves_unpriced) == (first.stats.reshards_unpriced,
+                                                                         first.stats.moves_unpriced)
+    assert slow.plan.cost == first.plan.cost and slow.plan.steps == first.plan.steps
 
 
-def test_a_pricing_out_of_time_is_reported_with_the_result():
+def test_the_pricing_count_is_the_budgets_last_share_and_fewer_past_64_devices():
+    share = driver.MOVES_PER_SECOND * 30 * (1 - driver.MOVES_SHARE)
+    assert driver.moves_to_price(Budget(seconds=30), Mesh(8, 8)) == int(share)
+    assert driver.moves_to_price(Budget(seconds=30), Mesh(8, 8, 8)) == int(share / 64)
+    assert driver.moves_to_price(Budget(seconds=30, priced_moves=7), Mesh(8, 8)) == 7
+
+
+def test_a_pricing_cut_is_reported_with_the_result():
     explored = explore(mlp(2, 16, 8), Mesh(2, 2))
     assert "pricing" not in explored.extract(extractor="greedy-dag").stats.undone
-    cut = replace(explored, pricing_seconds=0.0).extract(extractor="greedy-dag")
+    cut = replace(explored, priced_moves=0).extract(extractor="greedy-dag")
     assert cut.stats.reshards_unpriced == explored.decoder.pricing.reshards_unpriced > 0
-    assert f"pricing stopped by seconds: {cut.stats.reshards_unpriced} reshards left unpriced" in cut.stats.undone
+    assert cut.stats.moves_unpriced == cut.stats.moves > 0
+    assert (f"pricing stopped by its count: {cut.stats.moves_unpriced:,} of {cut.stats.moves:,} distinct moves "
+            f"({cut.stats.reshards_unpriced:,} reshards) left unpriced") in cut.stats.undone
+    assert cut.status == f"stopped by pricing ({cut.stats.moves_unpriced:,} of {cut.stats.moves:,} moves unpriced)"
     validate_plan(cut.plan)
 
 

@@ -81,6 +81,15 @@ def test_a_mixtral_step_through_transformers_fallback_grouped_mm_has_no_opaque_o
     assert {"grouped_mm", "grouped_mm_k", "scatter"} <= ops and not imported.opaque, imported.translation.declined
 
 
+def test_a_float32_mixtral_step_imports_through_transformers_fallback_grouped_mm_unforced_and_equals_torch():
+    """torch's fake grouped mm takes bfloat16 only: the capture takes transformers' exact fallback for the rest."""
+    moe = pytest.importorskip("transformers.integrations.moe")
+    usable = moe._can_use_grouped_mm
+    imported = one_step(mixtral(torch.float32), torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, atol=1e-6)
+    assert {"grouped_mm", "grouped_mm_k"} <= {n.op for n in imported.graph.ops} and not imported.opaque
+    assert moe._can_use_grouped_mm is usable, "put back after the capture"
+
+
 def test_a_bfloat16_mixtral_step_through_torchs_grouped_mm_has_no_opaque_op_and_equals_torch():
     """torch's `_grouped_mm` backward: the input's gradient a 2-D by 3-D grouped mm, the weights' a 2-D by 2-D one
     (grouped_mm_k). In bfloat16, with a learning rate so large that every update is many roundings of the weight:

@@ -30,7 +30,7 @@ from tapestry.cost.model import from_costs, step_costs
 from tapestry.cost.overlap import forward_outputs, overlap, upstream
 from tapestry.egraph.clock import clock
 from tapestry.egraph.decode import Decoder, DNode, distributed_nodes
-from tapestry.egraph.driver import MOVES_SHARE, Budget, IterationStats, SaturationStats, saturate
+from tapestry.egraph.driver import MOVES_SHARE, Budget, IterationStats, SaturationStats, moves_to_price, saturate
 from tapestry.egraph.embed import NotInEGraph, plan_selection
 from tapestry.egraph.fused_prices import fused_node_costs
 from tapestry.egraph.layered import Layered, value_classes
@@ -167,7 +167,7 @@ def search_cut(stats: SaturationStats) -> str:
     if stats.values_with_few_moves:
         return "making reshards (seconds)"
     if stats.reshards_unpriced:
-        return "pricing (seconds)"
+        return f"pricing ({stats.moves_unpriced:,} of {stats.moves:,} moves unpriced)"
     return ""
 
 
@@ -220,7 +220,7 @@ class Explored:
     stats: SaturationStats
     rule_files: tuple[RuleFile, ...]
     data: dict[str, Any] = field(repr=False)
-    pricing_seconds: float = math.inf  # what the saturation budget left for pricing (Decoder.serialized)
+    priced_moves: float = math.inf  # distinct moves pricing prices beyond those always priced (Decoder.priced)
     layered: Layered | None = None  # `graph` is the whole graph's fold: plans are expanded onto every layer
 
     @property
@@ -273,7 +273,7 @@ class Explored:
         _check_carried(self.whole, whole_carried)
         carried = {out: into for out, into in whole_carried.items() if out in self.graph.outputs}  # of the fold
         priced = self.decoder.extraction_graph(  # pruning is sound for a plain sum of node costs only
-            list(self.roots), model, self.pricing_seconds,
+            list(self.roots), model, self.priced_moves,
             drop_dominated=memory_budget is None and not (carried or self.graph.carried or self.layered))
         egraph = restrict_outputs(self.decoder, priced, outputs)
         egraph, ties = steady_ties(self.decoder, egraph, carried)
@@ -330,7 +330,9 @@ class Explored:
         if self.layered is None:  # a hand plan is of the whole graph: no floor for a folded one
             plan, selection = self._against_baselines(plan, selection, egraph, model, ties, memory_budget)
         plan = self._verified(plan, extractor, whole_carried)
-        stats = replace(self.stats, reshards_unpriced=self.decoder.pricing.reshards_unpriced)
+        pricing = self.decoder.pricing
+        stats = replace(self.stats, reshards_unpriced=pricing.reshards_unpriced, moves_unpriced=pricing.moves_unpriced,
+                        moves=pricing.moves)
         if self.layered is not None:  # the best periodic plan found: nothing proven over plans whose layers differ
             plan = replace(plan, notes={**plan.notes, "periodic": {
                 "copies": self.layered.copies, "nodes_per_copy": len(self.layered.folded.layers.chains),
@@ -653,7 +655,7 @@ def explore(graph: Graph, mesh: Mesh | int = 1, rules: Sequence[str | Path] | No
     decoder = Decoder(nodes, gen.interner, mesh, {n.name: n.dtype for n in explored.inputs}, explored.fixed)
     layered = None if folded is None else Layered(graph, folded, decoder, value_classes(data, explored))
     return Explored(explored, mesh, decoder, tuple(roots), names, stats, tuple(rule_files), data,
-                    max(budget.seconds - (clock() - started), 0.0), layered)
+                    moves_to_price(budget, mesh), layered)
 
 
 def optimize(

@@ -40,18 +40,16 @@ from tapestry.sharding import Layout, Mesh
 
 @dataclass(frozen=True)
 class PricingStats:
-    """What `Decoder.serialized` priced: distinct steps, and reshards its time budget left unpriced."""
+    """What `Decoder.serialized` priced: distinct steps, and the reshards its budget (a count of distinct moves,
+    `Decoder.priced`) left unpriced: as e-nodes, and as distinct moves out of how many."""
 
     seconds: float
     steps: int
     reshards_unpriced: int
     reshards_dominated: int = 0  # left out because a two-step route is strictly cheaper
     runs_dominated: int = 0  # left out because a kept run of the same op plus moves costs no more
-
-
-# Pricing reads the CPU clock once per this many reshards: a read is a system call (8 us here, no vDSO for CPU
-# clocks), a quarter of what a reshard priced by its orbit costs; 64 reshards are ~20 ms past a budget at most.
-CLOCK_EVERY = 64
+    moves_unpriced: int = 0  # distinct moves (layout pair, dtype) of those reshards
+    moves: int = 0  # distinct moves the budget counts (all but those out of a replicated layout)
 MIN_PLUS_ROWS = 64  # rows of a value's move matrix per min-plus step (rows x layouts x layouts floats)
 
 
@@ -153,19 +151,26 @@ def moved_cells(pairs: Sequence[tuple[str, str]], layouts: Mapping[str, tuple[An
     return (need - kept).sum(axis=1)
 
 
-def pricing_order(moved: np.ndarray, targets: Sequence[str]) -> list[int]:
-    """Indices of moves (cells moved, `moved_cells`, and the class each moves into) in rounds: round k has each
-    class's k-th cheapest move into it by cells moved, and within a round fewer cells first: a stop leaves every
-    layout of every value its cheapest way in (a weight's all-gather, a gradient's all-reduce). Ordered
-    by cells alone, the moves of small values came
-    first and those of large ones (a 7B layer's weight gradients, all of whose moves reduce all their cells)
-    never: a 64-device budget left them unpriced, and with them every plan that splits the batch; by each
-    value's cheapest moves, a weight's all-gathers (its moves of most cells) never came, and FSDP with them."""
+def pricing_order(moved: np.ndarray, targets: Sequence[str], rounds: Sequence[int] | None = None) -> list[int]:
+    """Indices of moves (cells moved, `moved_cells`, the class each moves into and, if given, the generation round
+    of each: the later of its two layouts' first rounds, `Interner.rounds`) by round, then in class rounds:
+    class round k has each class's k-th cheapest move into it by cells moved, and within one fewer cells first.
+
+    Generation rounds first: a move between the layouts of each op's first candidates (batch over every axis,
+    a node's tensor parallel, experts over an axis) before one into a layout only a late, exotic candidate
+    reads: on 64 devices pricing stops after a few thousand of tens of thousands of moves, and those it priced
+    first decide the plan (docs/cost-models.md, "Budgets"). Class rounds then leave every layout of every value
+    its cheapest way in (a weight's all-gather, a gradient's all-reduce). Ordered by cells alone, the moves of
+    small values came first and those of large ones (a 7B layer's weight gradients, all of whose moves reduce
+    all their cells) never: a 64-device budget left them unpriced, and with them every plan that splits the
+    batch; by each value's cheapest moves, a weight's all-gathers (its moves of most cells) never came, and FSDP
+    with them."""
     rank: dict[str, int] = {}
-    rounds = np.zeros(len(targets), np.int64)
+    class_rounds = np.zeros(len(targets), np.int64)
     for j in np.argsort(moved, kind="stable").tolist():
-        rounds[j] = rank[targets[j]] = rank.get(targets[j], -1) + 1
-    return np.lexsort((moved, rounds)).tolist()
+        class_rounds[j] = rank[targets[j]] = rank.get(targets[j], -1) + 1
+    generation = np.zeros(len(targets), np.int64) if rounds is None else np.asarray(rounds, np.int64)
+    return np.lexsort((moved, class_rounds, generation)).tolist()
 
 
 def _is_replicated(interner: Interner, key: str) -> bool:
@@ -325,25 +330,27 @@ class Decoder:
             moves = left
         return found
 
-    def serialized(self, roots: list[str], cost: Any, seconds: float = math.inf,
+    def serialized(self, roots: list[str], cost: Any, reshards: float = math.inf,
                    drop_dominated: bool = False) -> dict[str, Any]:
         """The distributed layer with costs (`priced`), as egraph-serialize JSON (what `tapestry extract` reads)."""
         first = {}
         for n in self.nodes:
             first.setdefault(n.eclass, n.id)
-        costs = self.priced(cost, seconds, drop_dominated)
+        costs = self.priced(cost, reshards, drop_dominated)
         nodes = {node.id: {"op": node.op, "eclass": node.eclass, "children": [first[c] for c in node.children],
                            "cost": c} for node, c in zip(self.nodes, costs)}
         return {"nodes": nodes, "root_eclasses": roots, "class_data": {}}
 
-    def priced(self, cost: Any, seconds: float = math.inf, drop_dominated: bool = False) -> list[float]:
+    def priced(self, cost: Any, reshards: float = math.inf, drop_dominated: bool = False) -> list[float]:
         """Each node's cost under the cost model `cost`.
 
-        Each distinct step is priced once. Pricing stops after `seconds`: Runs, Places and reshards out of a
-        replicated layout (local slicing, which the replicated plan needs) are priced first, then the other
-        reshards in rounds of each class's next cheapest move into it by cells moved (`pricing_order`), so a
-        stop leaves every layout its cheapest ways in rather than some values all of their moves; reshards left
-        unpriced cost infinity, so extraction leaves them out and a plan still exists. With `drop_dominated`,
+        Each distinct step is priced once. Runs, Places and reshards out of a replicated layout (local slicing,
+        which the replicated plan needs) are always priced; of the other reshards, `reshards` distinct moves (a
+        count, not seconds: the same call prices the same moves, and so gives the same plan, at any load), those
+        between the layouts of each op's first candidates first, then in rounds of each class's next cheapest
+        move into it by cells moved (`pricing_order`), so a stop leaves every layout its cheapest ways in rather
+        than some values all of their moves. Reshards left unpriced
+        cost infinity, so extraction leaves them out and a plan still exists. With `drop_dominated`,
         so do reshards a two-step route is strictly cheaper than (`dominated_moves`), and then Runs that a kept
         Run of the same op and the moves left cost no more than (`dominated_runs`): sound when plan time is
         the sum of node costs, not under a memory budget (the routes hold more layouts), steady-state ties or
@@ -364,19 +371,19 @@ class Decoder:
                 prices[key] = float(cost.step_cost(self._priced_step(node), self.mesh))
             costs[i] = prices[key]
         keys = list(optional)
-        if seconds < math.inf:  # what a stop leaves out: each class's dearest moves in
+        if reshards < len(keys):  # what a stop leaves out: moves into late candidates', each class's dearest
             moved = moved_cells([(src, dst) for src, dst, _ in keys], self.interner.layouts)
-            keys = [keys[j] for j in pricing_order(moved, [self.nodes[optional[key][0]].eclass for key in keys])]
-        unpriced, over = 0, False
-        for n, key in enumerate(keys):
-            if not over and seconds < math.inf and n % CLOCK_EVERY == 0:
-                over = clock() - started > seconds
-            if over:
-                unpriced += len(optional[key])
-                continue
+            rounds = self.interner.rounds
+            late = max(rounds.values(), default=0) + 1  # a layout no run holds (none should): last
+            keys = [keys[j] for j in pricing_order(moved, [self.nodes[optional[key][0]].eclass for key in keys],
+                                                   [max(rounds.get(src, late), rounds.get(dst, late))
+                                                    for src, dst, _ in keys])]
+        kept = keys[:max(0, int(min(reshards, len(keys))))]
+        for key in kept:
             prices[key] = price = float(cost.step_cost(self._priced_step(self.nodes[optional[key][0]]), self.mesh))
             for i in optional[key]:
                 costs[i] = price
+        unpriced = sum(len(optional[key]) for key in keys[len(kept):])
         moves = {(n.children[0], n.eclass): i for i, n in enumerate(self.nodes) if n.op == "Reshard"}
         dropped, runs = set(), set()
         if drop_dominated:
@@ -386,14 +393,15 @@ class Decoder:
             runs = dominated_runs(self._ops(costs), {pair: costs[i] for pair, i in moves.items()})  # less `dropped`
             for i in runs:
                 costs[i] = math.inf
-        self.pricing = PricingStats(clock() - started, len(prices), unpriced, len(dropped), len(runs))
+        self.pricing = PricingStats(clock() - started, len(prices), unpriced, len(dropped), len(runs),
+                                    len(keys) - len(kept), len(keys))
         return costs
 
-    def extraction_graph(self, roots: list[str], cost: Any, seconds: float = math.inf,
+    def extraction_graph(self, roots: list[str], cost: Any, reshards: float = math.inf,
                          drop_dominated: bool = False) -> ExtractGraph:
         """What `serialized` writes, made directly: the JSON round trip took 17 s of a 4-layer stack's 40 s of
         pricing on a 2x2x2 mesh (1.1 million nodes)."""
-        costs = self.priced(cost, seconds, drop_dominated)
+        costs = self.priced(cost, reshards, drop_dominated)
         return ExtractGraph.from_nodes([Node(n.id, n.op, n.eclass, c, n.children) for n, c in zip(self.nodes, costs)],
                                        roots)
 

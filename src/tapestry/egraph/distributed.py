@@ -42,6 +42,7 @@ class Interner:
         self._whole: dict[str, bool] = {}
         self._parts: dict[tuple[Any, ...], list[Candidate]] = {}
         self.pairs: dict[tuple[str, ...], list[tuple[str, str]]] = {}  # a set of layout keys -> `reshard_pairs`
+        self.rounds: dict[str, int] = {}  # layout key -> the first generation round a run reads or writes it in
         self._candidates: dict[tuple[Any, ...], list[tuple[str, Partition, Compute, str, tuple[str, ...]]]] = {}
         self._candidate_count = 0
 
@@ -104,12 +105,16 @@ class Interner:
 def runs_for(sig: Signature, interner: Interner, origin: str, sharded: bool,
              rank: int | None = None) -> list[tuple[str, tuple[str, ...], str]]:
     """(out layout, arg layouts, run key) for each candidate partition of one logical node: the sharded ones (only
-    the rank-th, if given), or else the replicated one."""
+    the rank-th, if given), or else the replicated one. Each layout's first generation round (`Interner.rounds`:
+    the candidate's rank in `generation_order`, -1 for the replicated run) orders pricing (`decode.pricing_order`)."""
     found = []
     candidates = interner.candidates(sig, sharded, None if rank is None else rank + 1)
-    for name, part, step, out, args in candidates if rank is None else candidates[rank:]:
+    first = 0 if rank is None else rank
+    for n, (name, part, step, out, args) in enumerate(candidates[first:], first):
         key = interner.run(replace(step, origin=f"{origin} [{part.name(sig)}]"))
         interner.priced_as[key] = name
+        for layout in (out, *args):
+            interner.rounds[layout] = min(interner.rounds.get(layout, n), n if sharded else -1)
         found.append((out, args, key))
     return found
 

@@ -8,7 +8,8 @@ fusion and substitution never starve. Budget.seconds are seconds of this process
 loaded machine does not starve the search), from the start of saturation to the end of pricing: rule rounds stop by RULES_SHARE of it,
 generation by GENERATION_SHARE (or once its layouts make more reshards than
 the last share can price), making reshards by MOVES_SHARE, and pricing
-(egraph.decode) has the rest: runs nobody moves between and moves nobody
+(egraph.decode) prices as many moves as the last share is worth (`moves_to_price`: a count, so where it
+stops does not depend on the machine's load): runs nobody moves between and moves nobody
 priced make no plan better. A stopped generation still leaves every node's
 replicated run, and a stopped pricing every reshard that run needs, so a
 plan always exists (docs/cost-models.md, "Budgets").
@@ -32,6 +33,7 @@ GENERATION_SHARE = 0.5  # when generation stops at the latest
 MOVES_SHARE = 0.75  # when making reshards stops at the latest (optimizer.explore); pricing has the rest
 PAIRS_PER_SECOND = 100_000  # layout pairs whose reshards decode makes and prices per second (a 2x2x2 stack)
 PAIRS_DEVICES = 64  # past this many devices a second prices fewer pairs: (PAIRS_DEVICES / devices) ** 2 as many
+MOVES_PER_SECOND = 800  # distinct moves (layout pair, dtype) pricing prices per CPU second on PAIRS_DEVICES devices
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,18 @@ class Budget:
     nodes: int = 200_000
     seconds: float = 30.0
     iterations: int = 20
+    priced_moves: int | None = None  # distinct moves pricing prices beyond those always priced; None: `moves_to_price`
+
+
+def moves_to_price(budget: Budget, mesh: Mesh) -> int:
+    """How many distinct moves (layout pair, dtype) pricing prices beyond the Runs, Places and moves out of a
+    replicated layout it always prices: `budget.priced_moves`, or what the last share of `budget.seconds` prices at
+    MOVES_PER_SECOND, (PAIRS_DEVICES / devices) ** 2 as many on another mesh (a move works through every device's
+    block). A count, not a clock: with seconds, the moves priced, and so the plan, depended on how many CPU
+    seconds the phases before took (Mixtral's training step on 8x8: 59.8, 18.2 and 15.7 ms in three runs)."""
+    if budget.priced_moves is not None:
+        return budget.priced_moves
+    return int(MOVES_PER_SECOND * budget.seconds * (1 - MOVES_SHARE) * (PAIRS_DEVICES / mesh.size) ** 2)
 
 
 @dataclass(frozen=True)
@@ -63,7 +77,9 @@ class SaturationStats:
     stopped_in: str = ""  # the phase the budget stopped: "rules" or "generation" ("" at a fixpoint)
     generation: GenerationStats | None = None
     values_with_few_moves: int = 0  # values whose reshards the budget cut to those out of a replicated layout
-    reshards_unpriced: int = 0  # reshards pricing left out of time (set by the extraction that priced them)
+    reshards_unpriced: int = 0  # reshard e-nodes pricing left out (set by the extraction that priced them)
+    moves_unpriced: int = 0  # the distinct moves (layout pair, dtype) of those
+    moves: int = 0  # distinct moves pricing counts against its budget (all but those out of a replicated layout)
 
     @property
     def enodes(self) -> int:
@@ -92,7 +108,8 @@ class SaturationStats:
             parts.append(f"reshards cut by seconds: {self.values_with_few_moves} values keep only those out of their "
                          f"replicated layout")
         if self.reshards_unpriced:
-            parts.append(f"pricing stopped by seconds: {self.reshards_unpriced} reshards left unpriced (not chosen)")
+            parts.append(f"pricing stopped by its count: {self.moves_unpriced:,} of {self.moves:,} distinct moves "
+                         f"({self.reshards_unpriced:,} reshards) left unpriced (never chosen)")
         return "; ".join(parts)
 
     def to_json(self) -> dict:

@@ -15,8 +15,10 @@ batch (SyncBatchNorm's semantics, and a single-device torch run's).
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
@@ -128,6 +130,25 @@ class StepLayout:
         yield flat[at + 1 + len(self.held):]
 
 
+@contextmanager
+def _grouped_mm_fallback_unless_bfloat16() -> Iterator[None]:
+    """transformers' MoE experts call torch's `_grouped_mm`, whose fake kernel takes bfloat16 alone (a float32
+    Mixtral's training step failed to trace: "Expected inputs of BF16 type"); for other dtypes transformers has
+    its own grouped mm and backward (`transformers::grouped_mm_fallback`, the same sums expert by expert,
+    imported as grouped_mm and grouped_mm_k), which it takes only under torch.compile: taken here too. Nothing
+    changes where transformers' MoE module was never imported."""
+    moe = sys.modules.get("transformers.integrations.moe")
+    usable = getattr(moe, "_can_use_grouped_mm", None)
+    if usable is None:
+        yield
+        return
+    moe._can_use_grouped_mm = lambda x, weight, offs: weight.dtype == torch.bfloat16 and usable(x, weight, offs)
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = usable
+
+
 def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, strict: bool) -> Translation:
     _refuse_cumulative_batch_norm(module)
     layout = StepLayout.of(module, training)
@@ -158,7 +179,8 @@ def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, 
         # attention as torch's fused CPU kernel and its backward (kernels/flash.py), where torch can fuse it; the
         # math backend (matmuls and a softmax) where it cannot: dropout (its draws are cut out as inputs, below),
         # value features other than the query's
-        with warnings.catch_warnings(), sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
+        with warnings.catch_warnings(), sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]), \
+                _grouped_mm_fallback_unless_bfloat16():
             warnings.simplefilter("ignore", FutureWarning)
             traced = make_fx(step, decomposition_table=DECOMPOSITIONS, tracing_mode="fake")(*_fakes(flat))
     except TorchImportError:
