@@ -247,10 +247,11 @@ def test_pricing_stops_at_a_count_of_moves_however_slow_the_clock_runs(monkeypat
     assert slow.plan.cost == first.plan.cost and slow.plan.steps == first.plan.steps
 
 
-def test_the_pricing_count_is_the_budgets_last_share_and_fewer_past_64_devices():
+def test_the_pricing_count_is_the_budgets_last_share_more_on_small_meshes_and_no_fewer_past_64_devices():
     share = driver.MOVES_PER_SECOND * 30 * (1 - driver.MOVES_SHARE)
     assert driver.moves_to_price(Budget(seconds=30), Mesh(8, 8)) == int(share)
-    assert driver.moves_to_price(Budget(seconds=30), Mesh(8, 8, 8)) == int(share / 64)
+    assert driver.moves_to_price(Budget(seconds=30), Mesh(8)) == int(share * 64)
+    assert driver.moves_to_price(Budget(seconds=30), Mesh(8, 8, 8)) == int(share)
     assert driver.moves_to_price(Budget(seconds=30, priced_moves=7), Mesh(8, 8)) == 7
 
 

@@ -50,12 +50,14 @@ class Budget:
 def moves_to_price(budget: Budget, mesh: Mesh) -> int:
     """How many distinct moves (layout pair, dtype) pricing prices beyond the Runs, Places and moves out of a
     replicated layout it always prices: `budget.priced_moves`, or what the last share of `budget.seconds` prices at
-    MOVES_PER_SECOND, (PAIRS_DEVICES / devices) ** 2 as many on another mesh (a move works through every device's
-    block). A count, not a clock: with seconds, the moves priced, and so the plan, depended on how many CPU
+    MOVES_PER_SECOND, (PAIRS_DEVICES / devices) ** 2 as many on a smaller mesh (a move works through every device's
+    block) and as many on a larger one (past PAIRS_DEVICES a move whose boxes form a grid is counted, not planned:
+    8x8x8 priced 10,932 reshards in 10.1 CPU s, 4x8x8 44,270 in 16.7, docs/benchmarks.md "Issue 24, the rest").
+    A count, not a clock: with seconds, the moves priced, and so the plan, depended on how many CPU
     seconds the phases before took (Mixtral's training step on 8x8: 59.8, 18.2 and 15.7 ms in three runs)."""
     if budget.priced_moves is not None:
         return budget.priced_moves
-    return int(MOVES_PER_SECOND * budget.seconds * (1 - MOVES_SHARE) * (PAIRS_DEVICES / mesh.size) ** 2)
+    return int(MOVES_PER_SECOND * budget.seconds * (1 - MOVES_SHARE) * max(1.0, PAIRS_DEVICES / mesh.size) ** 2)
 
 
 @dataclass(frozen=True)
