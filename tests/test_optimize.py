@@ -85,6 +85,20 @@ def test_planning_collects_no_garbage_while_it_runs_and_turns_the_callers_collec
     assert len(seen) >= 2 and set(seen) == {False}  # in saturation and in extraction
 
 
+def test_planning_keeps_the_collector_off_between_saturation_and_extraction(monkeypatch):
+    seen = []
+    explore = tapestry.optimizer.explore
+
+    def watched(*args, **kwargs):
+        explored = explore(*args, **kwargs)
+        seen.append(gc.isenabled())  # a sweep here went over everything saturation made
+        return explored
+
+    monkeypatch.setattr(tapestry.optimizer, "explore", watched)
+    optimize(mlp(2, 16, 8), Mesh(2))
+    assert seen == [False] and gc.isenabled()
+
+
 def test_planning_leaves_a_disabled_collector_disabled():
     gc.disable()
     try:

@@ -196,7 +196,9 @@ def _unless_unselectable(cost: float, weight: float) -> float:
 # thresholds (100_000, 50, 100) its young-generation sweeps still took 5% of Qwen2-MoE's optimize on Mesh(2, 2)
 # and freed 2,058 objects (docs/benchmarks.md, "Planning time of tiny zoo models"). `explore` and
 # `Explored.extract` collect nothing while they run; the caller's collector is back on when they return, and its
-# next sweep takes what cycles they left.
+# next sweep takes what cycles they left. `optimize` holds it off across both: turned on between them, its first
+# sweep went over all that saturation made (0.6 of Phi's 6.3 CPU s on Mesh(2, 2)); once `optimize` returns, most
+# of that is freed by reference counts before the collector runs.
 @contextmanager
 def _no_collections() -> Iterator[None]:
     enabled = gc.isenabled()
@@ -656,6 +658,7 @@ def explore(graph: Graph, mesh: Mesh | int = 1, rules: Sequence[str | Path] | No
                     max(budget.seconds - (clock() - started), 0.0), layered)
 
 
+@_no_collections()
 def optimize(
     graph: Graph,
     mesh: Mesh | int = 1,
