@@ -26,12 +26,12 @@ def record(model: str, mesh_text: str, out: str) -> None:
     from tapestry.cost import comm
     from tapestry.egraph.driver import Budget
     from tapestry.importer import from_torch
-    from tapestry.importer.zoo import FAMILIES
+    from tapestry.importer.zoo import EXTRA, FAMILIES
     from tapestry.optimizer import default_cost_model, explore
     from tapestry.sharding import Mesh
 
     mesh = Mesh.parse(mesh_text)
-    module, args, kwargs = FAMILIES[model].build()
+    module, args, kwargs = {**EXTRA, **FAMILIES}[model].build()  # as benchmarks/phases.py names them
     explored = explore(from_torch(module, args, kwargs, verbose=False).graph, mesh, None, Budget(seconds=30))
     steps = []
     priced = comm.AlphaBeta.reshard_time

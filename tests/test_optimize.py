@@ -85,6 +85,46 @@ def test_planning_collects_no_garbage_while_it_runs_and_turns_the_callers_collec
     assert len(seen) >= 2 and set(seen) == {False}  # in saturation and in extraction
 
 
+def test_planning_keeps_the_collector_off_between_saturation_and_extraction(monkeypatch):
+    seen = []
+    explore = tapestry.optimizer.explore
+
+    def watched(*args, **kwargs):
+        explored = explore(*args, **kwargs)
+        seen.append(gc.isenabled())  # a sweep here went over everything saturation made
+        return explored
+
+    monkeypatch.setattr(tapestry.optimizer, "explore", watched)
+    optimize(mlp(2, 16, 8), Mesh(2))
+    assert seen == [False] and gc.isenabled()
+
+
+def test_planning_leaves_what_it_made_to_the_oldest_generation_without_a_sweep():
+    sweeps = []
+
+    def seen(phase, info):
+        if phase == "start":
+            sweeps.append(info["generation"])
+
+    gc.callbacks.append(seen)
+    try:
+        optimize(mlp(2, 16, 8), Mesh(2))
+    finally:
+        gc.callbacks.remove(seen)
+    assert sweeps == [] and gc.isenabled()
+
+
+def test_planning_keeps_what_the_caller_froze_frozen():
+    kept = [[]]
+    gc.freeze()
+    try:
+        optimize(mlp(2, 16, 8), Mesh(2))
+        assert gc.get_freeze_count() and not any(o is kept for o in gc.get_objects())  # frozen: in no generation
+    finally:
+        gc.unfreeze()
+    assert any(o is kept for o in gc.get_objects())
+
+
 def test_planning_leaves_a_disabled_collector_disabled():
     gc.disable()
     try:

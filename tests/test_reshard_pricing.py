@@ -20,6 +20,7 @@ from tapestry.sharding import Layout, Mesh, comm
 from tapestry.sharding.collectives import Collective, Group, classify_reshard, reshard_groups
 from tapestry.sharding.collectives import _classify as collective_of
 from tapestry.sharding.comm import CommError, box_difference, can_move, overlap, received_counts, transfers, within
+from tapestry.sharding.grid import cells
 from tapestry.zspace import ZRange
 
 # -- the oracle: box arithmetic one block at a time ------------------------------------------------------------
@@ -190,6 +191,23 @@ def test_blocks_inside_a_box_tested_as_arrays_past_few_devices_are_the_block_by_
     assert looped == all(b is None or b.is_empty or box.contains(b) for b in dst.blocks)
     with mock.patch.object(comm, "LOOPED_DEVICES", 0):
         assert comm._within(dst, box) == looped
+
+
+@settings(max_examples=1000, deadline=None)
+@given(data=st.data())
+def test_a_few_boxes_cover_a_box_as_the_box_by_box_oracle_says_counting_their_union(data):
+    """`union_covers` answers for up to UNION_BOXES distinct parts meeting the box (inclusion-exclusion), and
+    says so where it does not answer; `filled_box` agrees with the cell grid either way."""
+    shape = tuple(data.draw(st.lists(st.integers(0, 7), min_size=0, max_size=3)))
+    held = [b for b in data.draw(st.lists(boxes(shape), min_size=1, max_size=6)) if b is not None]
+    box = data.draw(boxes(shape))
+    assume(held and box is not None)
+    found = comm.union_covers(held, box)
+    parts = {overlap(b, box) for b in held} - {None}
+    assert found is not None or len({p for p in parts if not p.is_empty}) > comm.UNION_BOXES
+    assert found in (None, not _missing(box, held))
+    has, _ = cells(Layout(tuple(held)), Layout(tuple(held)))
+    assert (comm.filled_box(Layout(tuple(held))) is not None) == bool(has.any(axis=0).all())
 
 
 @settings(max_examples=1000, deadline=None)

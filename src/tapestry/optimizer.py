@@ -196,7 +196,11 @@ def _unless_unselectable(cost: float, weight: float) -> float:
 # thresholds (100_000, 50, 100) its young-generation sweeps still took 5% of Qwen2-MoE's optimize on Mesh(2, 2)
 # and freed 2,058 objects (docs/benchmarks.md, "Planning time of tiny zoo models"). `explore` and
 # `Explored.extract` collect nothing while they run; the caller's collector is back on when they return, and its
-# next sweep takes what cycles they left.
+# next sweep takes what cycles they left. `optimize` holds it off across both: turned on between them, its first
+# sweep went over all that saturation made (0.6 of Phi's 6.3 CPU s on Mesh(2, 2)). And what planning leaves alive
+# (the pricing caches, the plan) goes to the oldest generation unswept (`gc.freeze` then `gc.unfreeze`, unless the
+# caller froze objects of its own): a young sweep when `optimize` returned went over all of it (0.24 CPU s of
+# Phi's), and the few cycles planning leaves wait for the next full collection.
 @contextmanager
 def _no_collections() -> Iterator[None]:
     enabled = gc.isenabled()
@@ -205,6 +209,9 @@ def _no_collections() -> Iterator[None]:
         yield
     finally:
         if enabled:
+            if not gc.get_freeze_count():
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()
 
 
@@ -658,6 +665,7 @@ def explore(graph: Graph, mesh: Mesh | int = 1, rules: Sequence[str | Path] | No
                     moves_to_price(budget, mesh), layered)
 
 
+@_no_collections()
 def optimize(
     graph: Graph,
     mesh: Mesh | int = 1,

@@ -178,7 +178,7 @@ def translated(step: Reshard) -> Reshard:
     if local is None or (local[0] is step.src_layout and local[2] == step.shape):
         return step
     src, dst, shape = local
-    return replace(step, src_layout=src, layout=dst, shape=shape)
+    return Reshard(step.out, step.src, shape, src, dst, step.dtype)  # not `replace`: asked once per reshard priced
 
 
 def _slowest(links: tuple[Link, ...], axes: tuple[int, ...]) -> Link:

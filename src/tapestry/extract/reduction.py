@@ -12,6 +12,7 @@ from tapestry.extract.structure import strongly_connected_components
 from tapestry.extract.tree import TreeChoice
 
 SUBSETS_LOOKED_UP = 6  # most child classes whose subsets `reduce` looks up one by one (64) rather than scan
+_NO_CHILDREN: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,8 @@ def _first_subset(children: frozenset[int], first: Mapping[frozenset[int], int])
     there are few (a 2x2x2 mesh's classes hold hundreds of reshards, each with one child), else scanned."""
     if len(children) > SUBSETS_LOOKED_UP:
         return min((at for made, at in first.items() if made <= children), default=None)
+    if len(children) <= 1:  # a reshard's one child (most nodes): no subsets to enumerate
+        return min((first[subset] for subset in (_NO_CHILDREN, children) if subset in first), default=None)
     found = [first[subset] for k in range(len(children) + 1)
              for subset in map(frozenset, itertools.combinations(children, k)) if subset in first]
     return min(found, default=None)

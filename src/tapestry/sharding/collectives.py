@@ -19,7 +19,7 @@ from functools import lru_cache
 import numpy as np
 
 from tapestry.kernels import Shape
-from tapestry.sharding.comm import CommError, filled_box, transfers
+from tapestry.sharding.comm import CommError, filled_box, transfers, union_covers
 from tapestry.sharding.grid import bounds, cells
 from tapestry.sharding.layout import Layout, canonical, canonical_box
 from tapestry.sharding.mesh import Mesh
@@ -166,6 +166,9 @@ def _holds_needs(src: Layout, dst: Layout) -> bool:
         return True
     if box is not None or len(held) < 2:  # what they hold is one box, and a needed block leaves it
         return False
+    found = [union_covers(held, need) for need in dst.blocks if need is not None]
+    if None not in found:
+        return all(found)
     has, needs = cells(src, dst)
     return bool((has.any(axis=0) | ~needs).all())
 
