@@ -28,7 +28,7 @@ from tapestry.cost import (
 from tapestry.cost.memory import lean_order
 from tapestry.cost.model import from_costs, step_costs
 from tapestry.cost.overlap import forward_outputs, overlap, upstream
-from tapestry.egraph.clock import clock
+from tapestry.clock import clock
 from tapestry.egraph.decode import Decoder, DNode, distributed_nodes
 from tapestry.egraph.driver import MOVES_SHARE, Budget, IterationStats, SaturationStats, saturate
 from tapestry.egraph.embed import NotInEGraph, plan_selection
