@@ -86,11 +86,12 @@ RESERVE = 0.05  # share of the time limit kept for CP-SAT stopping its workers (
 # CP-SAT's budget is deterministic time, its own count of work done (in units meant to be about a second of one
 # core), never the wall: with a wall-clock limit the same call found other plans under load (issues 24 and 25:
 # a 10 s limit gave CP-SAT 2 CPU s at a load of 5 on this 2-core machine, and its plan came from the warm start).
-# This many units per second of time limit. Calibrated to spend, on a quiet run, about the seconds the wall limit
-# gave: on this 2-core machine CP-SAT's 3 interleaved workers did 0.10 units per CPU second on a 4-layer stack on 8
-# devices (10,136 nodes, LP pass off) and 0.13-0.21 on `layered` test graphs (6,000 nodes), and quiet they have 2
-# CPU seconds per wall second: 0.2-0.4 units per second (docs/extraction.md, "Deterministic budgets").
-WORK_PER_SECOND = 0.25
+# This many units per second of time limit, calibrated to spend about the CPU that a quiet run's wall seconds gave
+# (2 cores: 2 CPU s per second). On this machine CP-SAT's 3 interleaved workers did 0.10-0.12 units per CPU second
+# on Tapestry's graphs (a 4-layer stack on 8 devices, 10,136 nodes, LP pass off; the 2-layer 7B training step on
+# 8, 15,310 variables) and 0.13-0.21 on `layered` test graphs, and ran a third past their budget (batches end
+# whole): 0.17 units per second buys ~2 CPU s per second (docs/extraction.md, "Deterministic budgets").
+WORK_PER_SECOND = 0.17
 MIN_WORK = 0.01  # the least deterministic time (and wall seconds) a CP-SAT run is given
 # The wall-clock stop is a safety net only, this many times CP-SAT's share of the limit (plus WALL_FLOOR): at a
 # load of 10 on this 2-core machine CP-SAT's 3 workers got 0.2 of a core together, a tenth of their quiet share, and
