@@ -42,8 +42,8 @@ only if it fits.
 
 Budgets (docs/extraction.md, "Deterministic budgets"): the warm start's local search, the LP pass and building the
 CP-SAT model stop on shares of the time limit in CPU seconds (`tapestry.clock`), which a loaded machine stretches
-in wall time only; CP-SAT stops on its own deterministic time, WORK_PER_SECOND units per second, with its workers
-interleaved batch by batch (`interleave_search`), so the same call gives the same selection at any load. A
+in wall time only; CP-SAT stops on its own deterministic time, WORK_PER_SECOND units per second, its subsolvers
+run in turn on one thread, so the same call gives the same selection at any load. A
 wall-clock stop many times longer is a safety net, reported where it fires.
 
 With `ties` (pairs of nodes chosen together or not at all: a training step's
@@ -73,25 +73,28 @@ from tapestry.extract.tree import solvable_tree
 from tapestry.extract.warm import undominate, warm_start
 
 SCALE = 10**9  # the warm-start cost maps to this many integer units
-# CP-SAT's workers, time-sliced on the 2 cores: the full LP relaxation (with the source constraints it is what
-# proves Tapestry's graphs), core-based search, and the default LP worker. Side by side under load (10-20 s
-# limits) against the default 8-worker portfolio: a 4-layer stack on 8 devices proven in 7 s (8 workers: gap 0.9%
-# at 20 s), nasneta proven in 9 s (8 workers: 8-17% dearer than its optimum at 30 s), vgg in 2 s, a rover file
-# in 2 s (without default_lp: unproven at 10 s).
+# CP-SAT's subsolvers, run in turn by one thread (SEQUENTIAL): the full LP relaxation (with the source
+# constraints it is what proves Tapestry's graphs), core-based search, and the default LP worker. As 3 workers
+# time-sliced on the 2 cores, side by side under load (10-20 s limits) against the default 8-worker portfolio: a
+# 4-layer stack on 8 devices proven in 7 s (8 workers: gap 0.9% at 20 s), nasneta proven in 9 s (8 workers: 8-17%
+# dearer than its optimum at 30 s), vgg in 2 s, a rover file in 2 s (without default_lp: unproven at 10 s).
 PORTFOLIO = ("max_lp", "core", "default_lp")
 # One presolve pass: repeating them took 4.4 s of a 10 s limit on a 12-layer stack on 8 devices (30,000 nodes),
 # leaving the LP no time (gap 93%; one pass: 3.2%); tensat's graphs end as before (vgg proven in 11 s, was 8).
 PRESOLVE_PASSES = 1
+# CP-SAT runs its subsolvers on one thread, one after another, which makes its search deterministic. Several workers
+# are deterministic only interleaved (`interleave_search`: batches synchronised in a fixed order), and so they
+# proved 8-15x slower than one thread: the 4-layer stack on 8 devices (LP pass off) in 17.5 CPU s against 1.99, a
+# 40-value `layered` graph in 7.8 against 0.20 (the old unsynchronised 3 workers: 0.50).
+SEQUENTIAL = 1
 RESERVE = 0.05  # share of the time limit kept for CP-SAT stopping its workers (0.5 s seen under load) and read-back
 # CP-SAT's budget is deterministic time, its own count of work done (in units meant to be about a second of one
 # core), never the wall: with a wall-clock limit the same call found other plans under load (issues 24 and 25:
 # a 10 s limit gave CP-SAT 2 CPU s at a load of 5 on this 2-core machine, and its plan came from the warm start).
-# This many units per second of time limit, calibrated to spend about the CPU that a quiet run's wall seconds gave
-# (2 cores: 2 CPU s per second). On this machine CP-SAT's 3 interleaved workers did 0.10-0.12 units per CPU second
-# on Tapestry's graphs (a 4-layer stack on 8 devices, 10,136 nodes, LP pass off; the 2-layer 7B training step on
-# 8, 15,310 variables) and 0.13-0.21 on `layered` test graphs, and ran a third past their budget (batches end
-# whole): 0.17 units per second buys ~2 CPU s per second (docs/extraction.md, "Deterministic budgets").
-WORK_PER_SECOND = 0.17
+# This many units per second of time limit, calibrated to spend about a quiet run's wall seconds on one core: the
+# sequential search did 0.56 units per CPU second on a 4-layer stack on 8 devices (10,136 nodes, LP pass off,
+# proven in 1.99 CPU s) and 0.34-0.39 on `layered` test graphs (docs/extraction.md, "Deterministic budgets").
+WORK_PER_SECOND = 0.5
 MIN_WORK = 0.01  # the least deterministic time (and wall seconds) a CP-SAT run is given
 # The wall-clock stop is a safety net only, this many times CP-SAT's share of the limit (plus WALL_FLOOR): at a
 # load of 10 on this 2-core machine CP-SAT's 3 workers got 0.2 of a core together, a tenth of their quiet share, and
@@ -435,10 +438,8 @@ def _solve_part(
     wall = max(MIN_WORK, wall)
     solver.parameters.max_deterministic_time = max(MIN_WORK, work)
     solver.parameters.max_time_in_seconds = wall
-    # the workers' shared information is taken in batch by batch, in a fixed order, so the search does not
-    # depend on how the threads are scheduled (`interleave_search`: deterministic whatever num_workers)
-    solver.parameters.interleave_search = True
-    solver.parameters.num_workers = len(PORTFOLIO)
+    # one thread runs the subsolvers in turn (SEQUENTIAL), so no thread schedule decides what a worker sees
+    solver.parameters.num_workers = SEQUENTIAL
     solver.parameters.subsolvers.extend(PORTFOLIO)
     solver.parameters.max_presolve_iterations = PRESOLVE_PASSES
     status = solver.solve(model)
