@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from contextlib import suppress
 from dataclasses import replace
 
 import pytest
@@ -16,8 +17,10 @@ from training_helpers import ARGUMENTS, GPU, adam_step, mse
 import tapestry
 from tapestry.cost import DefaultCostModel, load_profile, plan_cost
 from tapestry.egraph.embed import NotInEGraph, plan_selection
+from tapestry import optimizer
 from tapestry.egraph.pins import steady_ties
-from tapestry.extract import validate
+from tapestry.extract import ilp, validate
+from tapestry.extract.selection import dag_cost
 from tapestry.importer.zoo import LlamaBlock
 from tapestry.optimizer import Explored, explore
 from tapestry.plan import Compute
@@ -50,6 +53,36 @@ def test_a_hand_plan_found_in_the_egraph_decodes_to_its_own_steps(step):
     assert set(computes(decoded)) == set(computes(hand))
     assert len(decoded.steps) < len(hand.steps)  # a value the hand plan makes twice (the capture's copies): once
     validate_plan(decoded)
+
+
+def test_the_ilp_returns_no_selection_dearer_than_the_hand_plans_the_egraph_holds(step, monkeypatch):
+    """The hand plans the e-graph holds are the ILP's warm starts (issue 24: never worse than the best hand
+    configuration): given no time to model and a dear warm start of its own (each class's dearest node), the ILP
+    returns nothing dearer, by the extraction's node costs, than the cheapest of them."""
+    _, explored = step
+
+    def dearest(egraph, tree, *_args):
+        return [max((n for n in egraph.class_nodes[c] if egraph.selectable(n) and math.isfinite(egraph.node_cost[n])),
+                    key=egraph.node_cost.__getitem__, default=tree.node[c]) for c in range(egraph.num_classes)], 0.0
+
+    monkeypatch.setattr(ilp, "warm_start", dearest)
+    extracted = []
+    extract = optimizer.extract
+
+    def recorded(egraph, extractor, *args, **kwargs):
+        extracted.append((egraph, extract(egraph, extractor, *args, **kwargs)))
+        return extracted[-1][1]
+
+    monkeypatch.setattr(optimizer, "extract", recorded)
+    explored.extract(GPU, "ilp", time_limit=1e-4, steady={})
+    assert extracted
+    for egraph, selection in extracted:
+        hands = []
+        for name, hand in explored.baselines.items():
+            with suppress(NotInEGraph):
+                hands.append(dag_cost(egraph, plan_selection(explored.decoder, egraph, hand, name).choice))
+        assert hands, "data parallel is in the e-graph"
+        assert selection.dag_cost <= min(hands) * (1 + 1e-9)
 
 
 def test_a_hand_plan_step_with_no_selectable_enode_is_named(step):

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tapestry.egraph import decode
-from tapestry.egraph.clock import clock
+from tapestry.clock import clock
 from tapestry.egraph.decode import Decoder, distributed_nodes, dominated_moves, moved_cells, pricing_order
 from tapestry.egraph import driver
 from tapestry.egraph.driver import Budget, saturate
@@ -204,7 +204,7 @@ def test_rule_rounds_stop_by_their_share_of_the_time_and_generation_still_runs()
 
 
 def test_time_spent_waiting_for_a_core_is_not_charged_to_the_budget():
-    """Budget.seconds are CPU seconds (egraph.clock): a process that waits (here it sleeps in each rule round, as
+    """Budget.seconds are CPU seconds (tapestry.clock): a process that waits (here it sleeps in each rule round, as
     one on a loaded machine waits for a core) gets the search an idle machine gets."""
     graph = mlp(3, 64, 32)
     complete = optimize(graph, Mesh(2), budget=Budget(seconds=60.0))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import math
 import random
-import time
 from collections.abc import Mapping
 from dataclasses import replace
 
@@ -18,6 +17,7 @@ from extract_helpers import _acyclic, brute_force, build
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tapestry.clock import clock
 from tapestry.extract import EGraph, extract, validate
 from tapestry.extract import ilp as ilp_module
 from tapestry.extract import reduction as reduction_module
@@ -105,7 +105,7 @@ def test_needs_and_path_cuts_hold_for_every_acyclic_selection_and_the_ilp_is_opt
         used = {block[c] for c in choice}
         assert all(d in used for b in used for d in reduced.needs.get(b, ())), "a need cut a selection"
     # cuts from the LP's own solutions, and from random capacities (every min cut is a valid inequality)
-    relaxation = relax(egraph, reduced.candidates, block, reduced.needs, time.perf_counter() + 10)
+    relaxation = relax(egraph, reduced.candidates, block, reduced.needs, clock() + 10)
     lp = _Lp(egraph, reduced.candidates, block, reduced.needs, (), math.inf)
     pairs = _pairs(egraph, reduced.candidates, block, reduced.needs, math.inf)
     assert pairs is not None
@@ -153,7 +153,7 @@ def test_two_derivations_that_meet_again_below_are_no_cheaper_in_the_lp() -> Non
     }, roots=["out"])
     reduced = reduce(egraph, solvable_tree(egraph))
     block = {c: reduced.block(c) for c in reduced.candidates}
-    relaxation = relax(egraph, reduced.candidates, block, reduced.needs, time.perf_counter() + 10)
+    relaxation = relax(egraph, reduced.candidates, block, reduced.needs, clock() + 10)
     assert relaxation.bound == pytest.approx(5.5)  # h.b computed (1) then y = linear(h.b) (4.5)
     assert extract(egraph, "ilp").dag_cost == pytest.approx(5.5)
 
@@ -164,7 +164,7 @@ def test_the_lp_with_path_cuts_proves_a_transformer_layer_on_8_devices_and_agree
     egraph = explored.decoder.extraction_graph(list(explored.roots), default_cost_model())
     reduced = reduce(egraph, solvable_tree(egraph))
     relaxation = relax(egraph, reduced.candidates, {c: reduced.block(c) for c in reduced.candidates},
-                       reduced.needs, time.perf_counter() + 30)
+                       reduced.needs, clock() + 30)
     proven = extract(egraph, "ilp", time_limit=30)
     assert proven.status == "optimal" and proven.bound == proven.dag_cost
     assert relaxation.cuts and relaxation.bound == pytest.approx(proven.dag_cost, rel=1e-6)  # the LP alone
@@ -213,7 +213,7 @@ def test_the_lp_pass_is_skipped_when_its_path_graphs_would_take_too_long_to_buil
     egraph = tapestry_like(3, 4, 2)
     reduced = reduce(egraph, solvable_tree(egraph))
     block = {c: reduced.block(c) for c in reduced.candidates}
-    soon = time.perf_counter() + 10
+    soon = clock() + 10
     assert _pairs(egraph, reduced.candidates, block, reduced.needs, soon) is not None
     monkeypatch.setattr(relax_module, "PATH_NODES_PER_SECOND", 0.01)
     assert _pairs(egraph, reduced.candidates, block, reduced.needs, soon) is None
@@ -264,7 +264,7 @@ def test_without_path_cuts_to_afford_the_lp_pass_still_gives_its_bound_with_read
     reduced = reduce(egraph, solvable_tree(egraph))
     block = {c: reduced.block(c) for c in reduced.candidates}
     monkeypatch.setattr(relax_module, "PATH_NODES_PER_SECOND", 0.0)
-    soon = time.perf_counter() + 10
+    soon = clock() + 10
     assert _pairs(egraph, reduced.candidates, block, reduced.needs, soon) is None
     assert relax(egraph, reduced.candidates, block, reduced.needs, soon) == Relaxation((), 0.0, 0)
     assert relax(egraph, reduced.candidates, block, reduced.needs, soon, reads=True).bound == pytest.approx(11.0)

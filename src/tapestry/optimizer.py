@@ -16,6 +16,7 @@ from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
+from tapestry.clock import clock
 from tapestry.cost import (
     CostModel,
     RankPeak,
@@ -28,7 +29,6 @@ from tapestry.cost import (
 from tapestry.cost.memory import lean_order
 from tapestry.cost.model import from_costs, step_costs
 from tapestry.cost.overlap import forward_outputs, overlap, upstream
-from tapestry.egraph.clock import clock
 from tapestry.egraph.decode import Decoder, DNode, distributed_nodes
 from tapestry.egraph.driver import MOVES_SHARE, Budget, IterationStats, SaturationStats, moves_to_price, saturate
 from tapestry.egraph.embed import NotInEGraph, plan_selection
@@ -55,6 +55,7 @@ from tapestry.extract import (
     validate,
 )
 from tapestry.extract import EGraph as ExtractGraph
+from tapestry.extract.selection import dag_cost
 from tapestry.graph import Graph, GraphError
 from tapestry.graph.layers import find_layers, fold
 from tapestry.plan import Compute, Place, Plan, steady_violations
@@ -289,6 +290,7 @@ class Explored:
             egraph, ties = self.layered.costs(egraph), sorted([*ties, *self.layered.ties()])
             fused = None if fused is None else self.layered.costs(fused)
         budget_of = cache(lambda: self._device_budget(memory_budget))  # made only where it binds
+        hands = self._hand_selections(egraph, ties) if self.layered is None else ()
         reductions, backward = self._overlap_split()
 
         extractors = [extractor]  # the ILP found no steady selection in time once: greedy-dag for the rest
@@ -301,7 +303,7 @@ class Explored:
                                       for n, c in enumerate(base.node_cost)]) if reductions and weight is not None \
                 else base
             plan, selection = self._fit(hidden, extractors[-1], time_limit, budget_of, ties, carried, memory_budget,
-                                        outputs, FUSED_STOP_GAP if base is fused else None, model)
+                                        outputs, FUSED_STOP_GAP if base is fused else None, model, hands)
             if selection.extractor != extractors[-1] and ties and memory_budget is None:
                 extractors.append(selection.extractor)
             return replace(plan, cost=plan_cost(plan, model)), selection  # time per run, not objective
@@ -347,7 +349,8 @@ class Explored:
                 "gap_among_periodic": selection.gap}})
             selection = replace(selection, status="periodic", gap=None)
         status = search_status(stats, selection)
-        plan = replace(plan, notes={**plan.notes, "status": status, "extractor_status": selection.status})
+        plan = replace(plan, notes={**plan.notes, "status": status, "extractor_status": selection.status,
+                                    **({"extractor_stopped_by": selection.stopped_by} if selection.stopped_by else {})})
         result = OptimizeResult(plan, stats, replace(selection, status=status), self.rule_files, self.data)
         if status.startswith("stopped") and result.replicated_share >= REPLICATED_WARNING:
             warnings.warn(f"{result.replicated_share:.0%} of the plan's compute steps are replicated and the search "
@@ -380,6 +383,20 @@ class Explored:
                                                        "status": "feasible", "extracted_cost": plan.cost})
         return plan, selection
 
+    def _hand_selections(self, egraph: ExtractGraph, ties: Ties) -> tuple[Selection, ...]:
+        """The hand plans (`baselines`) the e-graph holds as selections keeping `ties`: the ILP's warm starts
+        (`_select`), so it never returns a selection dearer than the best of them. Node n is e-node n in every
+        extraction graph of the decoder, so they serve the reweighted and pinned graphs too, repriced there."""
+        found = []
+        for name, hand in sorted(self.baselines.items()):
+            try:
+                embedded = plan_selection(self.decoder, egraph, hand, f"hand plan ({name})")
+            except NotInEGraph:
+                continue
+            if ties_hold(embedded.choice, ties):
+                found.append(embedded)
+        return tuple(found)
+
     def _fused(self, egraph: ExtractGraph, model: CostModel) -> ExtractGraph | None:
         """`egraph` with each node priced as the fusion group member its neighbourhood promises
         (egraph.fused_prices), where `model` fuses (its `fused_device`) and that changes a price; else None."""
@@ -391,14 +408,15 @@ class Explored:
 
     def _fit(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget_of: Callable[[], DeviceBudget],
              ties: Ties, carried: Mapping[str, str], memory_budget: int | None,
-             outputs: Outputs, stop_gap: float | None = None,
-             model: CostModel | None = None) -> tuple[Plan, Selection]:
+             outputs: Outputs, stop_gap: float | None = None, model: CostModel | None = None,
+             hands: Sequence[Selection] = ()) -> tuple[Plan, Selection]:
         """The extracted plan, checked. Under a memory budget: the plan chosen without it where that fits (the
         budget does not bind), else re-solved with the budget's constraints (`budget_of`) and memory cuts until
         it fits."""
         base = None
         if memory_budget is not None:
-            unbound = self._unbound(egraph, extractor, time_limit, ties, carried, memory_budget, stop_gap, model)
+            unbound = self._unbound(egraph, extractor, time_limit, ties, carried, memory_budget, stop_gap, model,
+                                    hands)
             if unbound is not None:
                 return unbound
             base = budget_of()
@@ -407,7 +425,7 @@ class Explored:
         while True:
             budget = None if base is None else replace(base, groups=tuple(cuts))
             try:
-                selection = self._select(egraph, extractor, time_limit, budget, ties, carried, stop_gap, model)
+                selection = self._select(egraph, extractor, time_limit, budget, ties, carried, stop_gap, model, hands)
             except NoFiniteChoiceError as err:
                 if budget is None:
                     asked = f"outputs as asked ({outputs!r})" + (" in steady state" if ties else "")
@@ -436,13 +454,14 @@ class Explored:
 
     def _unbound(self, egraph: ExtractGraph, extractor: str, time_limit: float, ties: Ties,
                  carried: Mapping[str, str], memory_budget: int,
-                 stop_gap: float | None = None, model: CostModel | None = None) -> tuple[Plan, Selection] | None:
+                 stop_gap: float | None = None, model: CostModel | None = None,
+                 hands: Sequence[Selection] = ()) -> tuple[Plan, Selection] | None:
         """The plan chosen without the memory budget, if its exact peak fits: the budget does not bind, so what
         was proven of it holds under the budget too (a small model's plan fits 80 GB whatever it splits). Tried
         first: the budget's constraints made CP-SAT slow (190 CPU s of constraints for a 2-layer LLaMA training
         step on 8x8 at 80 GB) or find nothing in time, for a budget every plan met."""
         try:
-            selection = self._select(egraph, extractor, time_limit, None, ties, carried, stop_gap, model)
+            selection = self._select(egraph, extractor, time_limit, None, ties, carried, stop_gap, model, hands)
         except NoFiniteChoiceError:
             return None
         problems = validate(egraph, selection)
@@ -497,15 +516,22 @@ class Explored:
 
     def _select(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget: DeviceBudget | None,
                 ties: Ties, carried: Mapping[str, str], stop_gap: float | None = None,
-                model: CostModel | None = None) -> Selection:
+                model: CostModel | None = None, hands: Sequence[Selection] = ()) -> Selection:
         """The selection `extractor` makes, steady where `ties` ask (module docstring of `extract`); a folded graph's
         periodic candidates are ranked by their expanded plan's time under `model` where given (the objective
-        hides reductions or prices fusion as estimates, and mirroring moves costs between copies)."""
+        hides reductions or prices fusion as estimates, and mirroring moves costs between copies). The ILP starts
+        from the cheapest of `hands` (hand plans as selections) that fits `budget`, where that is cheaper than its
+        own warm start, and returns nothing dearer."""
         if not ties or extractor == "ilp":
             start = None  # a folded graph's ILP starts from greedy-dag's periodic selection, and keeps the cheaper
             if self.layered is not None and extractor == "ilp" and ties and budget is None:
                 with suppress(NoFiniteChoiceError):
                     start = self._select(egraph, "greedy-dag", time_limit, budget, ties, carried, stop_gap, model)
+            elif extractor == "ilp":  # priced under this graph's costs: infinite where it pins other layouts
+                fitting = [replace(hand, dag_cost=dag_cost(egraph, hand.choice)) for hand in hands
+                           if budget is None or budget.fits(hand.choice)]
+                start = min((hand for hand in fitting if math.isfinite(hand.dag_cost)),
+                            key=lambda hand: hand.dag_cost, default=None)
             try:
                 found = extract(egraph, extractor, time_limit, budget, ties, self.repeated, stop_gap, start)
                 return found if start is None or found.dag_cost <= start.dag_cost else start

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from tapestry.egraph.clock import clock
+from tapestry.clock import clock
 from tapestry.egraph.distributed import Interner, reshard_pairs
 from tapestry.egraph.schema import run_constructors
 from tapestry.extract import EGraph as ExtractGraph

@@ -4,7 +4,7 @@ Rules rewrite only logical terms, so they run first, to a fixpoint, alternating
 with passes that name and type new classes (Rank/Dim guards need them). Then the
 distributed layer is generated once for the whole logical e-graph. Splitting
 the phases keeps rule rounds cheap (no distributed layer to rebuild) and means
-fusion and substitution never starve. Budget.seconds are seconds of this process's CPU (`egraph.clock`: a
+fusion and substitution never starve. Budget.seconds are seconds of this process's CPU (`tapestry.clock`: a
 loaded machine does not starve the search), from the start of saturation to the end of pricing: rule rounds stop by RULES_SHARE of it,
 generation by GENERATION_SHARE (or once its layouts make more reshards than
 the last share can price), making reshards by MOVES_SHARE, and pricing
@@ -20,7 +20,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
-from tapestry.egraph.clock import clock
+from tapestry.clock import clock
 from tapestry.egraph.generate import GenerationStats, Generator, View
 from tapestry.egraph.rules import Rule, RuleFile
 from tapestry.egraph.session import Session
@@ -39,7 +39,7 @@ MOVES_PER_SECOND = 800  # distinct moves (layout pair, dtype) pricing prices per
 @dataclass(frozen=True)
 class Budget:
     """Saturation stops at the first budget reached; the result says which, and in which phase. `iterations`
-    bounds rule rounds; `seconds` (of CPU, `egraph.clock`) and `nodes` bound rule rounds and generation alike."""
+    bounds rule rounds; `seconds` (of CPU, `tapestry.clock`) and `nodes` bound rule rounds and generation alike."""
 
     nodes: int = 200_000
     seconds: float = 30.0

@@ -11,9 +11,9 @@ classes, a Reshard by its source's class and target layout, an output by its Del
 """
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
+from tapestry.clock import clock
 from tapestry.egraph.decode import Decoder
 from tapestry.extract import EGraph as ExtractGraph
 from tapestry.extract import Selection
@@ -29,7 +29,7 @@ def plan_selection(decoder: Decoder, egraph: ExtractGraph, plan: Plan, extractor
     """The selection of `egraph` (decoder's nodes, node n = e-node n) that decodes to `plan`'s steps; where the
     plan makes one value in one layout twice, the first step stands for both. NotInEGraph names the first step
     with no selectable e-node (absent, or of infinite cost: unpriced, or excluded by outputs or steady ties)."""
-    started = time.perf_counter()
+    started = clock()
     by_children: dict[tuple[str, ...], list[int]] = {}
     places: dict[str, list[int]] = {}  # input -> its Place nodes
     for n, node in enumerate(decoder.nodes):
@@ -81,4 +81,4 @@ def plan_selection(decoder: Decoder, egraph: ExtractGraph, plan: Plan, extractor
     for c, n in choice.items():
         per_class[index[c]] = n
     reach = reachable_choice(egraph, per_class)
-    return Selection(reach, dag_cost(egraph, reach), extractor, time.perf_counter() - started, status="feasible")
+    return Selection(reach, dag_cost(egraph, reach), extractor, clock() - started, status="feasible")

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tapestry.egraph.clock import clock
+from tapestry.clock import clock
 from tapestry.egraph.distributed import Interner, runs_for
 from tapestry.egraph.rules import Rule
 from tapestry.egraph.schema import constructors, decode_param, encode_param, run_name

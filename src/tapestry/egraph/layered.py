@@ -15,12 +15,12 @@ copies, may not read a copy: such nodes are left unselectable (their graph op's 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
+from tapestry.clock import clock
 from tapestry.egraph.decode import Decoder, DNode
 from tapestry.extract import EGraph, Selection
 from tapestry.extract.selection import finalize
@@ -148,7 +148,7 @@ class Layered:
             elif source == 1 and choice[egraph.node_class[twin]] == twin:
                 choice[egraph.node_class[n]] = n
         found = finalize(egraph, choice, solvable_tree(egraph), selection.extractor,
-                         time.perf_counter() - selection.seconds)
+                         clock() - selection.seconds)
         # copy 0's output in a layout copy 1 reads has a twin only copy 2 would read, unreachable in the fold: kept
         # in the choice (children first, so no cycle) for the expansion's later copies; likewise copy 0 keeps the
         # twin of what copy 1 alone runs (its output in a layout only the suffix reads), so every tie holds both

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import heapq
 import math
-import time
 
+from tapestry.clock import clock
 from tapestry.extract.egraph import EGraph
 from tapestry.extract.selection import Selection, children_first, finalize, reachable_choice
 from tapestry.extract.structure import cyclic_components
@@ -154,7 +154,7 @@ def improve(egraph: EGraph, choice: list[int], tree: TreeChoice, deadline: float
     while improved:
         improved = False
         for c in range(egraph.num_classes):
-            if c % CHECK_EVERY == 0 and time.perf_counter() > deadline:
+            if c % CHECK_EVERY == 0 and clock() > deadline:
                 return choice  # every kept move left a valid selection
             for new in egraph.class_nodes[c]:
                 if not refs[c] or new == choice[c] or not usable(c, new):
@@ -191,6 +191,6 @@ def greedy_dag_choice(egraph: EGraph, tree: TreeChoice, deadline: float = math.i
 
 def extract_greedy_dag(egraph: EGraph) -> Selection:
     """Shares subterms when choosing, unlike bottom-up; acyclic by construction, re-checked in `finalize`."""
-    started = time.perf_counter()
+    started = clock()
     tree = solvable_tree(egraph)
     return finalize(egraph, greedy_dag_choice(egraph, tree), tree, "greedy-dag", started)

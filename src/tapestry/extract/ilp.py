@@ -40,6 +40,12 @@ plus transient_m[d] for any chosen m, stays within the limit; and for each of it
 is then one part (the budget couples every class), and the greedy start counts
 only if it fits.
 
+Budgets (docs/extraction.md, "Deterministic budgets"): the warm start's local search, the LP pass and building the
+CP-SAT model stop on shares of the time limit in CPU seconds (`tapestry.clock`), which a loaded machine stretches
+in wall time only; CP-SAT stops on its own deterministic time, WORK_PER_SECOND units per second, its subsolvers
+run in turn on one thread, so the same call gives the same selection at any load. A
+wall-clock stop many times longer is a safety net, reported where it fires.
+
 With `ties` (pairs of nodes chosen together or not at all: a training step's
 placed weight and its delivered update, so the step repeats), x_a = x_b. Tied
 nodes neither dominate nor are dominated, tied classes share a part, and the
@@ -54,6 +60,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
+from tapestry.clock import clock
 from tapestry.components import connected_groups
 from tapestry.extract.contract import contracted_bound
 from tapestry.extract.egraph import EGraph, NoFiniteChoiceError
@@ -66,16 +73,37 @@ from tapestry.extract.tree import solvable_tree
 from tapestry.extract.warm import undominate, warm_start
 
 SCALE = 10**9  # the warm-start cost maps to this many integer units
-# CP-SAT's workers, time-sliced on the 2 cores: the full LP relaxation (with the source constraints it is what
-# proves Tapestry's graphs), core-based search, and the default LP worker. Side by side under load (10-20 s
-# limits) against the default 8-worker portfolio: a 4-layer stack on 8 devices proven in 7 s (8 workers: gap 0.9%
-# at 20 s), nasneta proven in 9 s (8 workers: 8-17% dearer than its optimum at 30 s), vgg in 2 s, a rover file
-# in 2 s (without default_lp: unproven at 10 s).
+# CP-SAT's subsolvers, run in turn by one thread (SEQUENTIAL): the full LP relaxation (with the source
+# constraints it is what proves Tapestry's graphs), core-based search, and the default LP worker. As 3 workers
+# time-sliced on the 2 cores, side by side under load (10-20 s limits) against the default 8-worker portfolio: a
+# 4-layer stack on 8 devices proven in 7 s (8 workers: gap 0.9% at 20 s), nasneta proven in 9 s (8 workers: 8-17%
+# dearer than its optimum at 30 s), vgg in 2 s, a rover file in 2 s (without default_lp: unproven at 10 s).
 PORTFOLIO = ("max_lp", "core", "default_lp")
 # One presolve pass: repeating them took 4.4 s of a 10 s limit on a 12-layer stack on 8 devices (30,000 nodes),
 # leaving the LP no time (gap 93%; one pass: 3.2%); tensat's graphs end as before (vgg proven in 11 s, was 8).
 PRESOLVE_PASSES = 1
+# CP-SAT runs its subsolvers on one thread, one after another, which makes its search deterministic. Several workers
+# are deterministic only interleaved (`interleave_search`: batches synchronised in a fixed order), and so they
+# proved 8-15x slower than one thread: the 4-layer stack on 8 devices (LP pass off) in 17.5 CPU s against 1.99, a
+# 40-value `layered` graph in 7.8 against 0.20 (the old unsynchronised 3 workers: 0.50).
+SEQUENTIAL = 1
 RESERVE = 0.05  # share of the time limit kept for CP-SAT stopping its workers (0.5 s seen under load) and read-back
+# CP-SAT's budget is deterministic time, its own count of work done (in units meant to be about a second of one
+# core), never the wall: with a wall-clock limit the same call found other plans under load (issues 24 and 25:
+# a 10 s limit gave CP-SAT 2 CPU s at a load of 5 on this 2-core machine, and its plan came from the warm start).
+# This many units per second of time limit, calibrated to spend about a quiet run's wall seconds on one core: the
+# sequential search did 0.56 units per CPU second on a 4-layer stack on 8 devices (10,136 nodes, LP pass off,
+# proven in 1.99 CPU s) and 0.34-0.39 on `layered` test graphs (docs/extraction.md, "Deterministic budgets").
+WORK_PER_SECOND = 0.5
+MIN_WORK = 0.01  # the least deterministic time (and wall seconds) a CP-SAT run is given
+# The wall-clock stop is a safety net only, this many times CP-SAT's share of the limit (plus WALL_FLOOR): at a
+# load of 10 on this 2-core machine CP-SAT's 3 workers got 0.2 of a core together, a tenth of their quiet share, and
+# a 10x stop fired. Where it fires, the result depends on the load, and says so (`Selection.stopped_by`).
+WALL_SAFETY = 30.0
+WALL_FLOOR = 10.0  # seconds the wall-clock stop adds to that, for short limits (presolve alone takes seconds loaded)
+WALL_FIRED = 0.99  # share of its wall limit a run must have taken to count as stopped by it
+# What can stop the search before a proof, the least reproducible first: `Selection.stopped_by`.
+STOPS = ("wall clock", "cpu clock", "work")
 MIN_COST = 1e-12  # floor for the scale denominator: subnormal costs must not make it infinite
 # Of the time limit, the most the LP with path cuts (relax.py) may take before CP-SAT. A selection meeting its
 # bound needs no CP-SAT, and `relax.STALL` ends a pass whose rounds stop closing the gap: on 12 layers on 16
@@ -151,7 +179,10 @@ def ties_hold(choice: Mapping[int, int], ties: Ties) -> bool:
 def extract_ilp(egraph: EGraph, time_limit: float = 60.0, budget: DeviceBudget | None = None, ties: Ties = (),
                 repeated: Repeated | None = None, stop_gap: float | None = None,
                 start: Selection | None = None) -> Selection:
-    """Best selection CP-SAT finds within `time_limit` seconds; never worse than the greedy warm start. A
+    """Best selection CP-SAT finds within `time_limit`; never worse than the greedy warm start. The limit is a
+    budget, not a wall-clock bound: the phases before CP-SAT get shares of it in CPU seconds (`tapestry.clock`),
+    CP-SAT WORK_PER_SECOND units of deterministic time per second of it, so the selection does not depend on the
+    machine's load (`Selection.stopped_by` says which budget ended an unproven search). A
     selection within `stop_gap` of the LP bound is returned as it is ("feasible" with that gap); by default
     `stop_gap` is STOP_GAP, or LARGE_STOP_GAP on a graph of more than CONTRACT_FROM candidates.
     Under `budget` and `ties`, the best that satisfies them; NoFiniteChoiceError if none does.
@@ -161,7 +192,7 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0, budget: DeviceBudget |
     where it keeps the budget and ties: greedy-dag's start rarely keeps ties, and without an admissible start the
     LP pass's rounding and CP-SAT must find one alone.
     """
-    started = time.perf_counter()
+    started = clock()
     deadline = started + (1 - RESERVE) * time_limit
     tree = solvable_tree(egraph)
     greedy, folded = warm_start(  # the LP pass's window moves on by the seconds the fold took
@@ -171,21 +202,24 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0, budget: DeviceBudget |
     def admissible(selection: Selection) -> bool:
         return (budget is None or budget.fits(selection.choice)) and ties_hold(selection.choice, ties)
 
-    if egraph.num_nodes > MODEL_NODES_PER_SECOND * (deadline - time.perf_counter()):
+    if egraph.num_nodes > MODEL_NODES_PER_SECOND * (deadline - clock()):
         # No time to reduce the graph and model it: the warm start, its local search given the time left (cut
-        # at WARM_SHARE, it could end dearer than greedy-dag's), unproven.
+        # at WARM_SHARE, it could end dearer than greedy-dag's), or the caller's start where it is cheaper, unproven.
+        given = None if start is None else _undominated(egraph, start, {}, started)  # priced on this graph
         if ties and budget is None and not ties_hold(finalize(egraph, greedy, tree, "ilp", started).choice, ties):
             # the local search keeps no tie, and CP-SAT would get what modelling left: on the folded 7B training
             # step on 8x8 (199,000 nodes) it found no tied selection in it
-            if start is not None and ties_hold(start.choice, ties):
-                return _result(start, False, 0.0, started)
+            if given is not None and ties_hold(given.choice, ties):
+                return _result(given, False, 0.0, started, "cpu clock")
             raise NoFiniteChoiceError(f"no time to model {egraph.num_nodes:,} nodes, and the warm start breaks "
                                       f"the ties")
-        if time.perf_counter() < deadline:  # setting the search up alone takes seconds on millions of nodes
+        if clock() < deadline:  # setting the search up alone takes seconds on millions of nodes
             greedy = improve(egraph, greedy, tree, deadline)
         unsolved = finalize(egraph, greedy, tree, "ilp", started)
+        if given is not None and admissible(given) and (not admissible(unsolved) or given.dag_cost < unsolved.dag_cost):
+            unsolved = given
         if admissible(unsolved):
-            return _result(unsolved, False, 0.0, started)
+            return _result(unsolved, False, 0.0, started, "cpu clock")
     reduced = reduce(egraph, tree, tied_nodes(ties))
     warm = finalize(egraph, undominate(egraph, greedy, reduced.replacement), tree, "ilp", started)
     best = warm if admissible(warm) else None
@@ -222,15 +256,17 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0, budget: DeviceBudget |
     if not proven and size > CONTRACT_FROM and stop_gap > 0:  # else the full LP's bound is the one asked for
         lp_bound = contracted_bound(egraph, reduced.candidates, block, reduced.needs, relax_deadline)
         proven = close(PROVEN)
-    if not proven and not close(stop_gap) and size <= LP_NODES_PER_SECOND * (relax_deadline - time.perf_counter()):
+    if not proven and not close(stop_gap) and size <= LP_NODES_PER_SECOND * (relax_deadline - clock()):
         # read rows only where a stop gap is asked: below CONTRACT_FROM the path cuts prove the 1-D meshes' zoo
         # models as they are, and after read rows Mixtral's on Mesh(4) stalled 1.4e-6 short of its proof
         relaxation = relax(egraph, reduced.candidates, block, reduced.needs, relax_deadline, ties, offer,
                            max(stop_gap, PROVEN), reads=stop_gap > 0)
         lp_bound, cuts = max(lp_bound, relaxation.bound), relaxation.cuts
         proven = close(PROVEN)
-    if not proven and not close(stop_gap) and (time.perf_counter() < deadline or best is None):
-        solved, bound, optimal = _solve(egraph, reduced, warm, best is not None, deadline, budget, ties, cuts)
+    stopped_by = None
+    if not proven and not close(stop_gap) and (clock() < deadline or best is None):
+        solved, bound, optimal, stopped_by = _solve(egraph, reduced, warm, best is not None,
+                                                    (1 - RESERVE) * time_limit, budget, ties, cuts)
         if solved is not None:
             candidate = finalize(egraph, solved, tree, "ilp", started)
             better = best is None or candidate.dag_cost <= best.dag_cost
@@ -240,7 +276,7 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0, budget: DeviceBudget |
         asked = "the ties" if budget is None else f"the budget of {budget.limit:,} per device"
         raise NoFiniteChoiceError(f"no selection keeps {asked}" if bound == math.inf
                                   else f"the solver found no selection that keeps {asked} in time")
-    return _result(best, proven, max(bound, lp_bound), started)
+    return _result(best, proven, max(bound, lp_bound), started, stopped_by)
 
 
 def _undominated(egraph: EGraph, start: Selection, replacement: Mapping[int, int], started: float) -> Selection:
@@ -250,31 +286,38 @@ def _undominated(egraph: EGraph, start: Selection, replacement: Mapping[int, int
     for c, n in start.choice.items():
         choice[c] = n
     kept = {c: n for c, n in enumerate(undominate(egraph, choice, replacement)) if n >= 0}
-    return Selection(kept, dag_cost(egraph, kept), "ilp", time.perf_counter() - started)
+    return Selection(kept, dag_cost(egraph, kept), "ilp", clock() - started)
 
 
-def _result(best: Selection, proven: bool, bound: float, started: float) -> Selection:
-    """The ILP's selection with its status, and a bound and gap that are honest: the bound clamped to [0, cost]."""
+def _result(best: Selection, proven: bool, bound: float, started: float, stopped_by: str | None = None) -> Selection:
+    """The ILP's selection with its status, and a bound and gap that are honest: the bound clamped to [0, cost];
+    `stopped_by` is the budget that ended CP-SAT unproven ("work" or "wall clock"), if one did."""
     bound = best.dag_cost if proven else min(max(bound, 0.0), best.dag_cost)
     return Selection(
         choice=best.choice,
         dag_cost=best.dag_cost,
         extractor="ilp",
-        seconds=time.perf_counter() - started,
+        seconds=clock() - started,
         status="optimal" if proven else "feasible",
         bound=bound,
         gap=0.0 if proven or best.dag_cost == 0 else (best.dag_cost - bound) / best.dag_cost,
+        stopped_by=None if proven else stopped_by,
     )
 
 
 def _solve(
-    egraph: EGraph, reduced: Reduced, warm: Selection, admissible: bool, deadline: float,
+    egraph: EGraph, reduced: Reduced, warm: Selection, admissible: bool, seconds: float,
     budget: DeviceBudget | None, ties: Ties = (), cuts: Sequence[PathCut] = (),
-) -> tuple[list[int] | None, float, bool]:
-    """Solve each independent part on its own, hinted with `warm`: (choice per class, objective bound, optimal).
+) -> tuple[list[int] | None, float, bool, str | None]:
+    """Solve each independent part on its own, hinted with `warm`: (choice per class, objective bound, optimal,
+    the budget that stopped a part unproven: "work", "wall clock" where that fired, or None).
 
-    Parts are solved smallest first; each gets the remaining time in proportion to
-    its share of the remaining classes, so time a small part does not need passes on.
+    CP-SAT's budget is WORK_PER_SECOND * `seconds` of deterministic time (a count of its work), so what it
+    finds does not depend on the machine's load; building each part's model gets its share (by classes) of
+    `seconds` of CPU (CP-SAT's own threads spend CPU too, so it is not what is left), and the wall-clock stop, for
+    all parts together, is WALL_SAFETY * `seconds` + WALL_FLOOR. Parts are solved smallest first; each gets what is
+    left of the work in proportion to its share of the remaining classes, so what a small part does not need
+    passes on.
     A part CP-SAT finds no solution for in time keeps the warm start's choice (bound 0)
     if the warm start is `admissible` (keeps the budget and ties), else nothing is solved.
     """
@@ -288,24 +331,28 @@ def _solve(
         solved[c] = reduced.candidates[c][0]
         bound += egraph.node_cost[solved[c]]
     position = {c: i for i, c in enumerate(children_first(egraph, warm.choice))}
-    left = sum(map(len, parts))
+    left = total = sum(map(len, parts))
+    work, wall = WORK_PER_SECOND * seconds, time.perf_counter() + WALL_SAFETY * seconds + WALL_FLOOR
+    stops = set()
     for part in parts:
-        now = time.perf_counter()
-        part_deadline = now + (deadline - now) * len(part) / left
+        share = len(part) / left
         left -= len(part)
-        choice, part_bound, part_optimal = _solve_part(
-            egraph, reduced, part, required, (warm.choice, position), scale, part_deadline, budget, ties,
-            give_up=part_deadline if admissible else math.inf, cuts=cuts,
+        choice, part_bound, part_optimal, used, stop = _solve_part(
+            egraph, reduced, part, required, (warm.choice, position), scale, work * share,
+            wall - time.perf_counter(), budget, ties,
+            give_up=clock() + seconds * len(part) / total if admissible else math.inf, cuts=cuts,
         )
+        work = max(work - used, 0.0)
+        stops.add(stop)
         if choice is None and (part_bound == math.inf or not admissible):
-            return None, part_bound, False
+            return None, part_bound, False, None
         if choice is None:
             choice = {c: warm.choice[c] for c in part if c in warm.choice}
         for c, n in choice.items():
             solved[c] = n
         bound += part_bound
         optimal = optimal and part_optimal
-    return solved, bound, optimal
+    return solved, bound, optimal, next((s for s in STOPS if s in stops), None)
 
 
 def _parts(egraph: EGraph, reduced: Reduced, ties: Ties = ()) -> tuple[set[int], list[list[int]]]:
@@ -366,35 +413,45 @@ def _solve_part(
     required: set[int],
     warm: tuple[Mapping[int, int], Mapping[int, int]],
     scale: float,
-    deadline: float,
+    work: float,
+    wall: float,
     budget: DeviceBudget | None = None,
     ties: Ties = (),
     give_up: float = math.inf,
     cuts: Sequence[PathCut] = (),
-) -> tuple[dict[int, int] | None, float, bool]:
-    """One CP-SAT run over the classes of `part`: (chosen node per active class or None, bound, proven optimal);
-    the bound is inf when the budget or ties are proven infeasible, 0 when nothing is known.
+) -> tuple[dict[int, int] | None, float, bool, float, str | None]:
+    """One CP-SAT run over the classes of `part`: (chosen node per active class or None, bound, proven optimal,
+    deterministic time used, what stopped it unproven: a `STOPS` name or None); the bound is inf when the budget
+    or ties are proven infeasible, 0 when nothing is known.
 
-    `warm` is the warm-start choice and its children-first position per class. Building the model of a
-    100,000-node part takes seconds: past `give_up` it is abandoned (None, 0.0, False), so the time limit holds.
+    `warm` is the warm-start choice and its children-first position per class. CP-SAT stops after `work` units
+    of deterministic time, or `wall` seconds of the wall clock, the safety net, whichever comes first.
+    Building the model of a 100,000-node part takes seconds: past `give_up` (a `clock()` time) it is abandoned
+    (None, 0.0, False), so the time limit holds.
     """
     try:
         model, variables, weights = _model(egraph, reduced, part, required, scale, budget, ties, give_up, cuts)
     except _OutOfTime:
-        return None, 0.0, False
+        return None, 0.0, False, 0.0, "cpu clock"
     _hint(model, *warm, variables, egraph, reduced)
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.01, deadline - time.perf_counter())
-    solver.parameters.num_workers = len(PORTFOLIO)
+    wall = max(MIN_WORK, wall)
+    solver.parameters.max_deterministic_time = max(MIN_WORK, work)
+    solver.parameters.max_time_in_seconds = wall
+    # one thread runs the subsolvers in turn (SEQUENTIAL), so no thread schedule decides what a worker sees
+    solver.parameters.num_workers = SEQUENTIAL
     solver.parameters.subsolvers.extend(PORTFOLIO)
     solver.parameters.max_presolve_iterations = PRESOLVE_PASSES
     status = solver.solve(model)
+    used = solver.response_proto.deterministic_time
+    stop = None if status in (cp_model.OPTIMAL, cp_model.INFEASIBLE) else \
+        "wall clock" if solver.wall_time >= WALL_FIRED * wall else "work"
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None, math.inf if status == cp_model.INFEASIBLE else 0.0, False
+        return None, math.inf if status == cp_model.INFEASIBLE else 0.0, False, used, stop
     choice = {c: n for c in part for n in reduced.candidates[c] if solver.boolean_value(variables.x[n])}
     # Rounding up a cost can make any selection look dearer by at most `excess`; clamping only makes it cheaper.
     excess = sum(max(0.0, w - egraph.node_cost[n] * scale) for n, w in weights.items())
-    return choice, max(0.0, solver.best_objective_bound - excess) / scale, status == cp_model.OPTIMAL
+    return choice, max(0.0, solver.best_objective_bound - excess) / scale, status == cp_model.OPTIMAL, used, stop
 
 
 class _OutOfTime(Exception):
@@ -416,7 +473,7 @@ def _model(
     Raises _OutOfTime past `give_up`."""
 
     def check_time() -> None:
-        if time.perf_counter() > give_up:
+        if clock() > give_up:
             raise _OutOfTime
 
     model = cp_model.CpModel()

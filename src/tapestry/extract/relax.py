@@ -18,7 +18,6 @@ Every cut holds for every acyclic selection, so adding them to the CP-SAT model 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -29,6 +28,7 @@ from scipy import sparse
 from scipy.optimize._highspy import _core as highs
 from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
+from tapestry.clock import clock
 from tapestry.extract.egraph import EGraph
 
 TOLERANCE = 1e-6  # a cut counts as violated by more than this
@@ -220,7 +220,7 @@ def relax(
             found = []
             point = np.asarray(values)
             for batch in batches:
-                if time.perf_counter() > deadline:
+                if clock() > deadline:
                     raise _OutOfTime
                 found += batch.separate(point, point[[lp.used[flow.reader] for flow in batch.flows]])
             if not found:
@@ -289,7 +289,7 @@ class _Lp:
     def __init__(self, egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
                  needs: Mapping[int, Sequence[int]], ties: Sequence[tuple[int, int]], deadline: float) -> None:
         child_sets = egraph.child_sets
-        if time.perf_counter() > deadline:
+        if clock() > deadline:
             raise _OutOfTime
         self.x = {n: i for i, n in enumerate(n for c in candidates for n in candidates[c])}
         count = len(self.x)
@@ -302,17 +302,17 @@ class _Lp:
         self.source: dict[int, int] = {}  # entry node of a cyclic block -> its s variable
         rows: list[tuple[dict[int, float], float, float]] = []
         for c, nodes in candidates.items():
-            if time.perf_counter() > deadline:
+            if clock() > deadline:
                 raise _OutOfTime
             rows.append(({**{self.x[n]: 1.0 for n in nodes}, self.active[c]: -1.0}, 0.0, 0.0))
             for n in nodes:
                 for d in child_sets[n]:
                     rows.append(({self.x[n]: 1.0, self.active[d]: -1.0}, -math.inf, 0.0))
-        if time.perf_counter() > deadline:
+        if clock() > deadline:
             raise _OutOfTime
         readers: dict[tuple[int, int], list[int]] = {}
         for b, classes in blocks.items():
-            if time.perf_counter() > deadline:
+            if clock() > deadline:
                 raise _OutOfTime
             if len(classes) == 1:
                 self.used[b] = self.active[classes[0]]
@@ -344,7 +344,7 @@ class _Lp:
         for a, b in ties:
             if a in self.x and b in self.x:
                 rows.append(({self.x[a]: 1.0, self.x[b]: -1.0}, 0.0, 0.0))
-        if time.perf_counter() > deadline:
+        if clock() > deadline:
             raise _OutOfTime
         self.lower = np.zeros(count)
         for root in egraph.roots:
@@ -420,7 +420,7 @@ class _Lp:
         kept only where its side of the row is finite), min over the box of (c - A'y)x + the rows' bounds by y,
         a lower bound for every y (Neumaier and Shcherbina, Math. Prog. 2004), equal to the optimum at the
         optimal y."""
-        left = deadline - time.perf_counter()
+        left = deadline - clock()
         if left <= 0:
             return 0.0, None
         self.highs.setOptionValue("time_limit", self.highs.getRunTime() + left)  # HiGHS counts its whole life
@@ -467,7 +467,7 @@ def _pairs(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mappi
             above[d].add(block[c])
     position = {b: i for i, b in enumerate(_children_first(below))}
     size = {b: sum(len(candidates[c]) for c in classes) for b, classes in members.items()}
-    room = PATH_NODES_PER_SECOND * PATH_SHARE * (deadline - time.perf_counter())
+    room = PATH_NODES_PER_SECOND * PATH_SHARE * (deadline - clock())
     readers = [b for b in needs if b in members]
     reached = {b: {b} for b in readers}  # per reader, itself and the blocks of the steps so far
     frontier = {b: {b} for b in readers}
@@ -478,7 +478,7 @@ def _pairs(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mappi
             frontier[reader] = {d for b in frontier[reader] for d in needs.get(b, ())} - reached[reader]
             reached[reader] |= frontier[reader]
             for target in frontier[reader]:  # the region lies between them, children first
-                if time.perf_counter() > deadline:
+                if clock() > deadline:
                     raise _OutOfTime
                 low = position[target]
                 down = _closure(reader, below, lambda b, low=low: position[b] >= low)
@@ -501,7 +501,7 @@ def _flows(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mappi
                      lp.variable(n, True)) for n in nodes] for c, nodes in candidates.items()}
     flows = []
     for reader, target, region in pairs.pairs:
-        if time.perf_counter() > deadline:
+        if clock() > deadline:
             raise _OutOfTime
         flows.append(_flow(prepared, pairs.members, reader, target, region))
     return flows
@@ -511,7 +511,7 @@ def _batches(flows: Sequence[_Flow], columns: int, deadline: float) -> list[_Bat
     """`flows` in batches of `BATCH` (their demands sum to at most that, so flows stay within int32)."""
     batches = []
     for i in range(0, len(flows), BATCH):
-        if time.perf_counter() > deadline:
+        if clock() > deadline:
             raise _OutOfTime
         batches.append(_Batch.of(flows[i:i + BATCH], columns))
     return batches

@@ -1,10 +1,10 @@
 """The result every extractor returns, and the one place where a choice becomes a valid selection."""
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from tapestry.clock import clock
 from tapestry.extract.egraph import EGraph
 from tapestry.extract.structure import cyclic_components
 from tapestry.extract.tree import TreeChoice
@@ -12,7 +12,10 @@ from tapestry.extract.tree import TreeChoice
 
 @dataclass(frozen=True)
 class Selection:
-    """One chosen node per class reachable from the roots; `gap` is (cost - bound) / cost."""
+    """One chosen node per class reachable from the roots; `gap` is (cost - bound) / cost. `seconds` are CPU
+    seconds (`tapestry.clock`). `stopped_by` says which budget ended an unproven ILP search, if one did: "work"
+    (CP-SAT's deterministic time: the same selection on any machine load), "cpu clock" (a CP-SAT model not
+    built in its CPU seconds) or "wall clock" (the safety stop: this selection may depend on the load)."""
 
     choice: Mapping[int, int] = field(repr=False)
     dag_cost: float
@@ -21,6 +24,7 @@ class Selection:
     status: str = "heuristic"
     bound: float | None = None
     gap: float | None = None
+    stopped_by: str | None = None
 
     def node_ids(self, egraph: EGraph) -> dict[str, str]:
         """The choice in the e-graph's own ids: class id -> node id."""
@@ -77,7 +81,7 @@ def finalize(
         choice=reach,
         dag_cost=dag_cost(egraph, reach),
         extractor=extractor,
-        seconds=time.perf_counter() - started,
+        seconds=clock() - started,
     )
 
 

@@ -7,9 +7,9 @@ kept. The ILP returns nothing dearer than this start.
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 
+from tapestry.clock import clock
 from tapestry.extract.egraph import EGraph, EGraphError
 from tapestry.extract.greedy_dag import greedy_dag_choice
 from tapestry.extract.periodic import Repeated, Solve, periodic_choice
@@ -36,11 +36,11 @@ def warm_start(egraph: EGraph, tree: TreeChoice, started: float, time_limit: flo
     of `time_limit` from `started`, or with `repeated` the periodic choice where that is cheaper. `solve` solves
     the folded problem; a fold bigger than `nodes_per_second` can model in half its time is not tried."""
     greedy = greedy_dag_choice(egraph, tree, started + WARM_SHARE * time_limit)
-    folding = time.perf_counter()
+    folding = clock()
     if repeated is not None:
         periodic = _periodic(egraph, repeated, solve, PERIODIC_SHARE * time_limit, nodes_per_second)
         greedy = _cheaper(egraph, tree, greedy, periodic)
-    return greedy, time.perf_counter() - folding
+    return greedy, clock() - folding
 
 
 def undominate(egraph: EGraph, choice: Sequence[int], replacement: Mapping[int, int]) -> list[int]:

@@ -1,10 +1,12 @@
-"""The clock `Budget.seconds` is measured by: this process's CPU time, not the wall.
+"""The clock planning's budgets are measured by: this process's CPU time, not the wall.
 
 On a machine shared with other jobs the wall clock runs on while the search waits for a core: at a load
 average of 11 on 2 cores, 30 s of wall gave the 2-layer LLaMA-7B training step on 8x8 about 4 s of CPU, and
 generation stopped before any sharded run existed (every op replicated, 215 ms where a search with its CPU
 seconds found 36 ms). Measured in CPU seconds, a budget buys the same search whatever the load, so the plan does
-not depend on it. CPU time counts every thread of the process; the search phases run on one.
+not depend on it. It bounds the e-graph's `Budget.seconds` and the extraction phases' shares of their time limit
+(greedy-dag's local search, the LP pass, building the CP-SAT model); CP-SAT itself counts its own work
+(`extract.ilp.WORK_PER_SECOND`). CPU time counts every thread of the process; the phases it bounds run on one.
 """
 from __future__ import annotations
 
@@ -12,5 +14,5 @@ import time
 
 
 def clock() -> float:
-    """Seconds of CPU this process has used: the budget's clock."""
+    """Seconds of CPU this process has used: the budgets' clock."""
     return time.process_time()
