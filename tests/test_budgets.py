@@ -141,12 +141,12 @@ def _token_step() -> Graph:
                                verbose=False).graph
 
 
-def test_past_64_devices_the_first_round_runs_the_weights_update_across_the_nodes_split_inside_one():
+def test_past_256_devices_the_first_round_runs_the_weights_update_across_the_nodes_split_inside_one():
     """DP over the nodes: the update of a weight (and its optimizer state) reads no batch, so its first candidates
     split nothing over the outer axes, and the weight can live split in a node, whole across the nodes. The first
     round split it over all the devices, every use then gathered it across the nodes (transformers' 7B training
     step on 8x8x8: 68.0 ms against DP x TP's 48.0; issue 24)."""
-    graph, mesh = _token_step(), Mesh(2, 8, 8)
+    graph, mesh = _token_step(), Mesh(8, 8, 8)
     replicated = saturate(graph, mesh, load_rules(), Budget(nodes=1))[2].generation
     one_round = Budget(nodes=replicated.enodes + ENODES_PER_RUN * replicated.nodes)
     gen, _, stats = saturate(graph, mesh, load_rules(), one_round)
@@ -160,10 +160,10 @@ def test_past_64_devices_the_first_round_runs_the_weights_update_across_the_node
         assert (1, 8) in zip(across, inside), f"{weight}: no layout whole across the nodes and split in one"
 
 
-def test_past_64_devices_what_the_batch_reaches_splits_across_the_nodes_first():
+def test_past_256_devices_what_the_batch_reaches_splits_across_the_nodes_first():
     """The forward and the weight gradients read the token ids' dims: their first candidates still split those
     over the nodes (the gradients partial there, summed across the nodes as data parallel's are)."""
-    graph, mesh = _token_step(), Mesh(2, 8, 8)
+    graph, mesh = _token_step(), Mesh(8, 8, 8)
     gen = Generator(Session(load_rules()), graph, mesh)
     gen.encode()
     gen.refresh()

@@ -21,10 +21,11 @@ from tapestry.egraph.distributed import Interner, runs_for
 from tapestry.egraph.rules import Rule
 from tapestry.egraph.schema import constructors, decode_param, encode_param, run_name
 from tapestry.egraph.session import CHUNK, Session, call, lit, set_value, union
+from tapestry.dtypes import is_float
 from tapestry.graph import Graph
 from tapestry.kernels import KernelError, Params, Shape, Signature
 from tapestry.sharding import Mesh
-from tapestry.sharding.partition import NODES_FIRST_DEVICES
+from tapestry.sharding.partition import DATA_FIRST_DEVICES
 
 ENODES_PER_RUN = 4  # at most, in practice: the Run, and the new At e-nodes of its result and arguments
 NodeKey = tuple[str, Params, tuple[int, ...]]  # constructor, params, canonical handles of the args
@@ -262,7 +263,7 @@ class Generator:
         self.session.insert(mandatory + self._links())
         size = self.session.size()  # exact after each insert
         limit = math.inf if max_nodes is None else max_nodes
-        data = self.data_dims(todo) if self.mesh.size > NODES_FIRST_DEVICES else [None] * len(todo)
+        data = self.data_dims(todo) if self.mesh.size > DATA_FIRST_DEVICES else [None] * len(todo)
         counts = [self.interner.count(item.sig, True, dims) for item, dims in zip(todo, data)]
         stopped_by, sharded_runs, batch, capped = "", 0, [], False
         for rank in range(max(counts, default=0)):
@@ -311,16 +312,20 @@ class Generator:
         self.queued = []
         return todo
 
-    def data_dims(self, todo: Sequence[Queued]) -> list[frozenset[int]]:
-        """Per node, the index dims that come from the step's batch: those reading a dim of a batch argument (an
-        input neither carried state nor fixed: every dim of it), or a dim of a value that such an index dim
-        made, to a fixpoint (rules' nodes come in no particular order). A summed weight gradient and the
-        optimizer's update have none: past NODES_FIRST_DEVICES devices their candidates split nothing across
-        the nodes first (`generation_order`), as DP over the nodes runs them."""
+    def data_dims(self, todo: Sequence[Queued]) -> list[frozenset[int] | None]:
+        """Per node, the index dims that come from the step's token ids: those reading a dim of a batch argument
+        (an input neither carried state nor fixed: every dim of it), or a dim of a value that such an index dim
+        made, to a fixpoint (rules' nodes come in no particular order). A weight's summed gradient and the
+        optimizer's update have none: past DATA_FIRST_DEVICES devices their candidates split nothing across the
+        nodes first (`generation_order`), as DP over the nodes runs them. None for every node where a batch
+        argument is floats: its features are dims of the batch too, which kernels that read a dim whole (an
+        attention's head dim) do not pass on, so the weights would come out batch-free in part."""
         carried, fixed = set(self.graph.carried.values()), self.graph.fixed
-        held: dict[int, set[int]] = {self.find(h): set(range(len(self.shapes[h])))
-                                     for h, name in self.input_handles.items()
-                                     if self.shapes[h] and name not in carried and name not in fixed}
+        batch = [h for h, name in self.input_handles.items()
+                 if self.shapes[h] and name not in carried and name not in fixed]
+        if any(is_float(self.dtypes[h]) for h in batch):
+            return [None] * len(todo)
+        held: dict[int, set[int]] = {self.find(h): set(range(len(self.shapes[h]))) for h in batch}
         found = [frozenset[int]()] * len(todo)
         changed = True
         while changed:

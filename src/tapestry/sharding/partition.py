@@ -405,6 +405,11 @@ def _exchange_partitions(sig: Signature, mesh: Mesh) -> list[Candidate]:
 # Past this many devices candidates come in the order of clusters' recipe (`generation_order`): there the layout
 # pairs cap (egraph.driver.PAIRS_DEVICES, the same 64) stops generation after a few rounds.
 NODES_FIRST_DEVICES = 64
+# Past this many devices an op's candidates that split only its batch's dims over the outer axes come first
+# (`generation_order`'s data): there the cap leaves about two rounds. On 4x8x8 (four rounds) busiest first found
+# transformers' 7B training step a plan of weights split over all 256 devices in place, 19.9 ms, where this order
+# gave 22.6 (docs/benchmarks.md, "Where it loses, and why").
+DATA_FIRST_DEVICES = 256
 
 
 def generation_order(parts: Iterable[Candidate], mesh: Mesh | None = None, data: frozenset[int] | None = None
@@ -420,8 +425,9 @@ def generation_order(parts: Iterable[Candidate], mesh: Mesh | None = None, data:
     replicated, every weight whole; in this order 25.6 ms, every weight split (DP x TP: 34.3; 4x8x8: 22.2 against
     17.0 ms, DP x TP 31.8; docs/benchmarks.md, "Cluster").
 
-    `data` (there): the index dims that come from the step's batch (egraph.generate, `data_dims`); the
-    candidates whose outer axes split only those come first, however few devices they busy. DP over the nodes
+    `data` (given past DATA_FIRST_DEVICES devices): the index dims that come from the step's batch
+    (egraph.generate, `data_dims`); the candidates whose outer axes split only those come first, however few
+    devices they busy. DP over the nodes
     splits nothing else: an op of the weights' update (a summed gradient, Adam's moments) runs replicated across
     the nodes and split inside one, so its weight lives there between steps. Busiest first, those ops' first
     rounds split the weights over all 512 devices of 8x8x8 and every use gathered them across the nodes
