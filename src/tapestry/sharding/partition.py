@@ -425,13 +425,12 @@ def generation_order(parts: Iterable[Candidate], mesh: Mesh | None = None, data:
     replicated, every weight whole; in this order 25.6 ms, every weight split (DP x TP: 34.3; 4x8x8: 22.2 against
     17.0 ms, DP x TP 31.8; docs/benchmarks.md, "Cluster").
 
-    `data` (given past DATA_FIRST_DEVICES devices): the index dims that come from the step's batch
+    `data` (given past DATA_FIRST_DEVICES devices): the index dims that come from the step's token ids
     (egraph.generate, `data_dims`); the candidates whose outer axes split only those come first, however few
-    devices they busy. DP over the nodes
-    splits nothing else: an op of the weights' update (a summed gradient, Adam's moments) runs replicated across
-    the nodes and split inside one, so its weight lives there between steps. Busiest first, those ops' first
-    rounds split the weights over all 512 devices of 8x8x8 and every use gathered them across the nodes
-    (transformers' 7B training step: 68.0 ms against DP x TP's 48.0)."""
+    devices they busy. DP over the nodes splits nothing else: an op of a weight's update (Adam on its summed
+    gradient and moments) runs whole across the nodes and split inside one, so its weight lives there between
+    steps. Busiest first, those ops' first rounds split the weights over all 512 devices of 8x8x8 and every use
+    gathered them across the nodes (transformers' 7B training step: 68.0 ms against DP x TP's 48.0; 34.6 now)."""
     if mesh is None or mesh.size <= NODES_FIRST_DEVICES:
         return sorted(parts, key=lambda part: (-part.busy, len(part.dims())))
     return sorted(parts, key=lambda part: (_outside(part, data), -part.busy, *_nodes_first(part), len(part.dims())))
