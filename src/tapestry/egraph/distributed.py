@@ -70,16 +70,16 @@ class Interner:
             self.runs[name] = step
         return self._run_keys[step]
 
-    def count(self, sig: Signature, sharded: bool) -> int:
-        return len(self._partitions(sig, sharded)[1])
+    def count(self, sig: Signature, sharded: bool, data: frozenset[int] | None = None) -> int:
+        return len(self._partitions(sig, sharded, data)[1])
 
-    def candidates(self, sig: Signature, sharded: bool,
-                   first: int | None = None) -> list[tuple[str, Partition, Compute, str, tuple[str, ...]]]:
+    def candidates(self, sig: Signature, sharded: bool, first: int | None = None,
+                   data: frozenset[int] | None = None) -> list[tuple[str, Partition, Compute, str, tuple[str, ...]]]:
         """(name, partition, step without origin, out layout, arg layouts) for every sharded candidate partition
-        of `sig` (only the `first` ones, in `generation_order`, if given), or else for its replicated one; each
-        made and checked with islpy once per distinct signature, and only when first asked for, so a
-        budget-stopped generation pays for the candidates it inserts."""
-        key, parts = self._partitions(sig, sharded)
+        of `sig` (only the `first` ones, in `generation_order` with the index dims `data` from the batch, if
+        given), or else for its replicated one; each made and checked with islpy once per distinct signature,
+        and only when first asked for, so a budget-stopped generation pays for the candidates it inserts."""
+        key, parts = self._partitions(sig, sharded, data)
         found = self._candidates.setdefault(key, [])
         for candidate in parts[len(found):len(parts) if first is None else first]:
             part = candidate.partition(sig, self.mesh)
@@ -94,21 +94,24 @@ class Interner:
             self._candidate_count += 1
         return found if first is None else found[:first]
 
-    def _partitions(self, sig: Signature, sharded: bool) -> tuple[tuple[Any, ...], list[Candidate]]:
-        key = (sig.kernel.name, sig.input_shapes, sig.params, sig.input_dtypes, sharded)
+    def _partitions(self, sig: Signature, sharded: bool, data: frozenset[int] | None = None
+                    ) -> tuple[tuple[Any, ...], list[Candidate]]:
+        key = (sig.kernel.name, sig.input_shapes, sig.params, sig.input_dtypes, sharded, data)
         if key not in self._parts:
-            self._parts[key] = (generation_order((p for p in candidates(sig, self.mesh) if any(p.axes)), self.mesh)
+            self._parts[key] = (generation_order((p for p in candidates(sig, self.mesh) if any(p.axes)), self.mesh,
+                                                 data)
                                 if sharded else [replicated_candidate(sig, self.mesh)])
         return key, self._parts[key]
 
 
-def runs_for(sig: Signature, interner: Interner, origin: str, sharded: bool,
-             rank: int | None = None) -> list[tuple[str, tuple[str, ...], str]]:
+def runs_for(sig: Signature, interner: Interner, origin: str, sharded: bool, rank: int | None = None,
+             data: frozenset[int] | None = None) -> list[tuple[str, tuple[str, ...], str]]:
     """(out layout, arg layouts, run key) for each candidate partition of one logical node: the sharded ones (only
-    the rank-th, if given), or else the replicated one. Each layout's first generation round (`Interner.rounds`:
-    the candidate's rank in `generation_order`, -1 for the replicated run) orders pricing (`decode.pricing_order`)."""
+    the rank-th, if given, in the order for the index dims `data` from the batch), or else the replicated one. Each
+    layout's first generation round (`Interner.rounds`: the candidate's rank in `generation_order`, -1 for the
+    replicated run) orders pricing (`decode.pricing_order`)."""
     found = []
-    candidates = interner.candidates(sig, sharded, None if rank is None else rank + 1)
+    candidates = interner.candidates(sig, sharded, None if rank is None else rank + 1, data)
     first = 0 if rank is None else rank
     for n, (name, part, step, out, args) in enumerate(candidates[first:], first):
         key = interner.run(replace(step, origin=f"{origin} [{part.name(sig)}]"))

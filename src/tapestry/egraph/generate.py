@@ -21,9 +21,11 @@ from tapestry.egraph.distributed import Interner, runs_for
 from tapestry.egraph.rules import Rule
 from tapestry.egraph.schema import constructors, decode_param, encode_param, run_name
 from tapestry.egraph.session import CHUNK, Session, call, lit, set_value, union
+from tapestry.dtypes import is_float
 from tapestry.graph import Graph
 from tapestry.kernels import KernelError, Params, Shape, Signature
 from tapestry.sharding import Mesh
+from tapestry.sharding.partition import DATA_FIRST_DEVICES
 
 ENODES_PER_RUN = 4  # at most, in practice: the Run, and the new At e-nodes of its result and arguments
 NodeKey = tuple[str, Params, tuple[int, ...]]  # constructor, params, canonical handles of the args
@@ -261,10 +263,11 @@ class Generator:
         self.session.insert(mandatory + self._links())
         size = self.session.size()  # exact after each insert
         limit = math.inf if max_nodes is None else max_nodes
-        counts = [self.interner.count(item.sig, sharded=True) for item in todo]
+        data = self.data_dims(todo) if self.mesh.size > DATA_FIRST_DEVICES else [None] * len(todo)
+        counts = [self.interner.count(item.sig, True, dims) for item, dims in zip(todo, data)]
         stopped_by, sharded_runs, batch, capped = "", 0, [], False
         for rank in range(max(counts, default=0)):
-            for item, count in zip(todo, counts):
+            for item, count, dims in zip(todo, counts, data):
                 if rank >= count:
                     continue
                 if len(batch) >= CHUNK or size + ENODES_PER_RUN * len(batch) >= limit:  # near the limit: measure
@@ -278,7 +281,7 @@ class Generator:
                     stopped_by = "nodes"
                 if stopped_by:
                     break
-                batch += self._runs(item, sharded=True, rank=rank)
+                batch += self._runs(item, sharded=True, rank=rank, data=dims)
                 sharded_runs += 1
             if stopped_by:
                 break
@@ -309,13 +312,43 @@ class Generator:
         self.queued = []
         return todo
 
-    def _runs(self, item: Queued, sharded: bool, rank: int | None = None) -> list[Any]:
+    def data_dims(self, todo: Sequence[Queued]) -> list[frozenset[int] | None]:
+        """Per node, the index dims that come from the step's token ids: those reading a dim of a batch argument
+        (an input neither carried state nor fixed: every dim of it), or a dim of a value that such an index dim
+        made, to a fixpoint (rules' nodes come in no particular order). A weight's summed gradient and the
+        optimizer's update have none: past DATA_FIRST_DEVICES devices their candidates split nothing across the
+        nodes first (`generation_order`), as DP over the nodes runs them. None for every node where a batch
+        argument is floats: its features are dims of the batch too, which kernels that read a dim whole (an
+        attention's head dim) do not pass on, so the weights would come out batch-free in part."""
+        carried, fixed = set(self.graph.carried.values()), self.graph.fixed
+        batch = [h for h, name in self.input_handles.items()
+                 if self.shapes[h] and name not in carried and name not in fixed]
+        if any(is_float(self.dtypes[h]) for h in batch):
+            return [None] * len(todo)
+        held: dict[int, set[int]] = {self.find(h): set(range(len(self.shapes[h]))) for h in batch}
+        found = [frozenset[int]()] * len(todo)
+        changed = True
+        while changed:
+            changed = False
+            for n, item in enumerate(todo):
+                sig = item.sig
+                dims = frozenset(i for h, projection in zip(item.args, sig.projections) for t in held.get(h, ())
+                                 for i, c in enumerate(projection.matrix[t]) if c)
+                made = {t for t, row in enumerate(sig.output.matrix) if any(row[i] for i in dims)}
+                found[n] = dims
+                if not made <= held.setdefault(item.out, set()):
+                    held[item.out] |= made
+                    changed = True
+        return found
+
+    def _runs(self, item: Queued, sharded: bool, rank: int | None = None,
+              data: frozenset[int] | None = None) -> list[Any]:
         """One `(At out L) = (Run<Kernel> (At arg L_i)... key)` union per sharded partition (only the rank-th,
-        if given), or for the replicated one."""
+        if given, in the order for the index dims `data` from the batch), or for the replicated one."""
         kernel = item.sig.kernel
         origin = f"{kernel.name} {self.origins.get(item.key, '')}".strip()
         commands = []
-        for out_layout, arg_layouts, run_key in runs_for(item.sig, self.interner, origin, sharded, rank):
+        for out_layout, arg_layouts, run_key in runs_for(item.sig, self.interner, origin, sharded, rank, data):
             self._hold(item.out, out_layout)
             args = []
             for h, layout in zip(item.args, arg_layouts):

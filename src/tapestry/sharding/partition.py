@@ -405,9 +405,15 @@ def _exchange_partitions(sig: Signature, mesh: Mesh) -> list[Candidate]:
 # Past this many devices candidates come in the order of clusters' recipe (`generation_order`): there the layout
 # pairs cap (egraph.driver.PAIRS_DEVICES, the same 64) stops generation after a few rounds.
 NODES_FIRST_DEVICES = 64
+# Past this many devices an op's candidates that split only its batch's dims over the outer axes come first
+# (`generation_order`'s data): there the cap leaves about two rounds. On 4x8x8 (four rounds) busiest first found
+# transformers' 7B training step a plan of weights split over all 256 devices in place, 19.9 ms, where this order
+# gave 22.6 (docs/benchmarks.md, "Where it loses, and why").
+DATA_FIRST_DEVICES = 256
 
 
-def generation_order(parts: Iterable[Candidate], mesh: Mesh | None = None) -> list[Candidate]:
+def generation_order(parts: Iterable[Candidate], mesh: Mesh | None = None, data: frozenset[int] | None = None
+                     ) -> list[Candidate]:
     """Most devices busy first, then fewest dims split: what a budget-stopped generation inserts first is then
     each node's fully parallel, mutually consistent splits (batch over every axis), not 2-way ones.
 
@@ -417,10 +423,22 @@ def generation_order(parts: Iterable[Candidate], mesh: Mesh | None = None) -> li
     dim split over every axis. On 8x8x8 the 512-way splits of rows, features and reductions came first, the cap
     stopped generation in the fourth round, and the 7B-wide blocks' training step came out 42.7 ms, 56%
     replicated, every weight whole; in this order 25.6 ms, every weight split (DP x TP: 34.3; 4x8x8: 22.2 against
-    17.0 ms, DP x TP 31.8; docs/benchmarks.md, "Cluster")."""
+    17.0 ms, DP x TP 31.8; docs/benchmarks.md, "Cluster").
+
+    `data` (given past DATA_FIRST_DEVICES devices): the index dims that come from the step's token ids
+    (egraph.generate, `data_dims`); the candidates whose outer axes split only those come first, however few
+    devices they busy. DP over the nodes splits nothing else: an op of a weight's update (Adam on its summed
+    gradient and moments) runs whole across the nodes and split inside one, so its weight lives there between
+    steps. Busiest first, those ops' first rounds split the weights over all 512 devices of 8x8x8 and every use
+    gathered them across the nodes (transformers' 7B training step: 68.0 ms against DP x TP's 48.0; 34.6 now)."""
     if mesh is None or mesh.size <= NODES_FIRST_DEVICES:
         return sorted(parts, key=lambda part: (-part.busy, len(part.dims())))
-    return sorted(parts, key=lambda part: (-part.busy, *_nodes_first(part), len(part.dims())))
+    return sorted(parts, key=lambda part: (_outside(part, data), -part.busy, *_nodes_first(part), len(part.dims())))
+
+
+def _outside(part: Candidate, data: frozenset[int] | None) -> bool:
+    """Whether the outer axes split some dim not in `data` (None: every dim is)."""
+    return data is not None and any(d not in data for split in part.axes[:-1] for d, _ in split)
 
 
 def _nodes_first(part: Candidate) -> tuple[int, bool]:
