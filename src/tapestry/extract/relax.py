@@ -43,6 +43,10 @@ STALL = 0.05
 # Path cuts for a block and the blocks it needs within this many steps (needs are transitively reduced): on a
 # 12-layer stack on 16 devices, 1 step took 10 rounds to the optimum, 2 steps 5, 3 steps 4, 4 and 5 steps 4.
 NEED_HOPS = 3
+# Steps of needs where the pass ends at a gap (`enough` above PROVEN) rather than a proof: fewer cuts a round, but
+# that is all such a pass needs. Mixtral on 2x2 ends within its 1% stop gap after one round either way (0.89%
+# with one step, 0.85% with three), and its path graphs took 0.77 of its 3.2 CPU s in the ILP at three.
+GAP_HOPS = 1
 # Path-graph nodes built per second, and the share of the LP pass's time that building them may take, so that
 # rounds (re-solves and separations) have the rest: pairs are taken a whole step at a time while they fit, and
 # the pass is skipped if the 1-step pairs do not (without cuts the LP is CP-SAT's own root LP). Built at
@@ -54,6 +58,7 @@ PATH_SHARE = 0.3
 FLOW_UNIT = 2**20  # max flow runs on integer capacities: LP values in these units
 BATCH = 512  # path graphs per max flow: their demands (at most 1 each) sum to at most 2^29 units
 UNBOUNDED = 2**30  # an unbounded edge's capacity in those units: more than a batch's whole flow
+DEVEX = 1  # HiGHS's simplex_dual_edge_weight_strategy value for Devex pricing
 
 
 class _OutOfTime(Exception):
@@ -176,7 +181,8 @@ def relax(
     offer: Callable[[list[int]], float] = lambda _: math.inf, enough: float = PROVEN, reads: bool = False,
 ) -> Relaxation:
     """Solve the LP of `candidates` (class -> nodes), then, with `reads`, with read rows (`_Lp.add_reads`; not
-    under ties or a negative cost), adding violated path cuts until none is left, the bound
+    under ties or a negative cost), adding violated path cuts (`NEED_HOPS` steps of needs apart, `GAP_HOPS` where
+    `enough` is a gap, not a proof) until none is left, the bound
     comes within `enough` of the incumbent (at `PROVEN` that proves it optimal), a round closes too little of the
     gap to it (`STALL`), or `deadline` passes. Each LP solution, rounded to a choice per class (its candidate of
     largest x, -1 for classes without one), is passed to `offer`, which returns the incumbent's cost (inf for
@@ -189,7 +195,7 @@ def relax(
     bound, values = 0.0, None  # the last LP solved; out of time, it and the cuts found so far still hold
     try:
         reads = reads and not ties and all(egraph.node_cost[n] >= 0 for nodes in candidates.values() for n in nodes)
-        pairs = _pairs(egraph, candidates, block, needs, deadline)
+        pairs = _pairs(egraph, candidates, block, needs, deadline, NEED_HOPS if enough <= PROVEN else GAP_HOPS)
         if pairs is None and not reads:  # no cuts to afford: the LP alone is CP-SAT's own root LP
             return Relaxation((), 0.0, 0)
         lp = _Lp(egraph, candidates, block, needs, ties, deadline)
@@ -334,6 +340,10 @@ class _Lp:
         self.unit = float(positive.mean()) if positive.size else 1.0  # costs in HiGHS are O(1): see `solve`
         self.highs = highs._Highs()
         self.highs.setOptionValue("output_flag", False)
+        # Devex pricing, not dual steepest edge: its iterations are cheaper, most of all in the warm re-solves
+        # after rows are added, which run on the LP unpresolved (Mixtral on 2x2: read rows 0.55 -> 0.23 CPU s,
+        # the first solve 0.63 -> 0.48; the same bounds)
+        self.highs.setOptionValue("simplex_dual_edge_weight_strategy", DEVEX)
         self.highs.addVars(count, self.lower, np.ones(count))
         self.highs.changeColsCost(count, np.arange(count, dtype=np.int32), self.cost / self.unit)
         self.row_lower: list[float] = []
@@ -429,8 +439,8 @@ class _Pairs:
 
 
 def _pairs(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
-           needs: Mapping[int, Sequence[int]], deadline: float) -> _Pairs | None:
-    """Every pair (B', B) with B one step of needs from B', then two, .. `NEED_HOPS`, while their path graphs
+           needs: Mapping[int, Sequence[int]], deadline: float, steps: int = NEED_HOPS) -> _Pairs | None:
+    """Every pair (B', B) with B one step of needs from B', then two, .. `steps`, while their path graphs
     can be built in `PATH_SHARE` of the time to `deadline` (whole steps only); None when the one-step pairs
     alone cannot. The region of (B', B): the blocks below B' and above B."""
     child_sets = egraph.child_sets
@@ -450,7 +460,7 @@ def _pairs(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mappi
     reached = {b: {b} for b in readers}  # per reader, itself and the blocks of the steps so far
     frontier = {b: {b} for b in readers}
     pairs: list[tuple[int, int, frozenset[int]]] = []
-    for hops in range(NEED_HOPS):
+    for hops in range(steps):
         step = []
         for reader in readers:
             frontier[reader] = {d for b in frontier[reader] for d in needs.get(b, ())} - reached[reader]
