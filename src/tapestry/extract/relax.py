@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -487,12 +487,51 @@ def _flows(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mappi
     child_sets = egraph.child_sets
     prepared = {c: [(n, child_sets[n], all(block[d] != block[c] for d in child_sets[n]), lp.x[n],
                      lp.variable(n, True)) for n in nodes] for c, nodes in candidates.items()}
+    inner = {b: _Inner.of(prepared, classes) for b, classes in pairs.members.items()}
     flows = []
     for reader, target, region in pairs.pairs:
         if time.perf_counter() > deadline:
             raise _OutOfTime
-        flows.append(_flow(prepared, pairs.members, reader, target, region))
+        flows.append(_flow(prepared, pairs.members, inner, reader, target, region))
     return flows
+
+
+@dataclass(frozen=True)
+class _Inner:
+    """A block's edges that need no region, made once for every pair: most of every region is reshards between
+    one value's layouts. `edges` are (child's place, class's place among the block's classes, nodes, x variables)
+    of its nodes with one child, in the block; `entries` per class (its place, nodes, x variables) of its entry
+    nodes, the edge from s where the block is a pair's target; `rest` per class (class, nodes) what is left to
+    place pair by pair elsewhere: its entry nodes, whose edges depend on the region, or all its nodes where one of
+    several children is in the block (that node's edge can meet an inner one's): those classes are also `whole`."""
+
+    edges: tuple[tuple[int, int, tuple[int, ...], tuple[int, ...]], ...]
+    entries: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]
+    rest: tuple[tuple[int, tuple[tuple[int, tuple[int, ...], bool, int, int], ...]], ...]
+    whole: tuple[tuple[int, tuple[tuple[int, tuple[int, ...], bool, int, int], ...]], ...]
+
+    @staticmethod
+    def of(prepared: Mapping[int, list[tuple[int, tuple[int, ...], bool, int, int]]],
+           classes: Sequence[int]) -> _Inner:
+        place = {c: i for i, c in enumerate(classes)}
+        grouped: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+        entries, rest, whole = [], [], []
+        for c in classes:
+            nodes = prepared[c]
+            if any(len(children) > 1 and any(d in place for d in children) for _, children, *_ in nodes):
+                whole.append((c, tuple(nodes)))
+                rest.append(whole[-1])
+                continue
+            for n, children, entry, x, _ in nodes:
+                if not entry:  # one child, in the block
+                    listed = grouped.setdefault((place[children[0]], place[c]), ([], []))
+                    listed[0].append(n)
+                    listed[1].append(x)
+            entered = tuple(node for node in nodes if node[2])
+            entries.append((place[c], tuple(n for n, *_ in entered), tuple(node[3] for node in entered)))
+            rest.append((c, entered))
+        return _Inner(tuple((j, i, tuple(ns), tuple(xs)) for (j, i), (ns, xs) in grouped.items()),
+                      tuple(e for e in entries if e[1]), tuple(rest), tuple(whole))
 
 
 def _batches(flows: Sequence[_Flow], columns: int, deadline: float) -> list[_Batch]:
@@ -534,19 +573,40 @@ def _closure(start: int, edges: Mapping[int, set[int]], keep: Callable[[int], bo
 
 
 def _flow(prepared: Mapping[int, list[tuple[int, tuple[int, ...], bool, int, int]]],
-          members: Mapping[int, list[int]], reader: int, target: int, region: frozenset[int]) -> _Flow:
+          members: Mapping[int, list[int]], inner: Mapping[int, _Inner], reader: int, target: int,
+          region: frozenset[int]) -> _Flow:
     """The path graph of (`reader`, `target`) over the blocks of `region` (`_flows`). `prepared` has per class
-    its candidates: (node, child classes, entry of its block, x variable, source variable)."""
+    its candidates: (node, child classes, entry of its block, x variable, source variable); `inner` per block
+    the edges that need no region. Edges are in no particular order (a batch sorts them)."""
     vertex: dict[int, int] = {}
+    keys: list[tuple[int, int]] = []  # the edges from `inner`, each made by one class's nodes alone
+    terms: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    variables: list[tuple[int, ...]] = []
     for r in region:
+        base = 2 + len(vertex)
         for c in members[r]:
             vertex[c] = 2 + len(vertex)
+        if r != reader:
+            for j, i, nodes, xs in inner[r].edges:
+                keys.append((base + j, base + i))
+                terms.append((nodes, ()))
+                variables.append(xs)
+        if r == target:
+            for i, nodes, xs in inner[r].entries:
+                keys.append((0, base + i))
+                terms.append((nodes, ()))
+                variables.append(xs)
     count = 2 + len(vertex)
     edges: dict[tuple[int, int], tuple[list[int], list[int], list[int]]] = {}  # -> nodes, sources, variables
     unbounded: list[tuple[int, int]] = []
     for r in region:
-        for c in members[r]:
-            for n, children, entry, x, s in prepared[c]:
+        if r == reader:
+            per_node: Iterable[tuple[int, Sequence[tuple[int, tuple[int, ...], bool, int, int]]]] = (
+                (c, prepared[c]) for c in members[r])
+        else:
+            per_node = inner[r].whole if r == target else inner[r].rest
+        for c, nodes in per_node:
+            for n, children, entry, x, s in nodes:
                 if r == reader:
                     if not entry:
                         continue  # only the source of B' ends a path
@@ -564,10 +624,10 @@ def _flow(prepared: Mapping[int, list[tuple[int, tuple[int, ...], bool, int, int
                     else:
                         tail, count = count, count + 1
                         unbounded += [(u, tail) for u in inside]
-                if (terms := edges.get((tail, head))) is None:
-                    terms = edges[tail, head] = ([], [], [])
-                terms[source].append(n)
-                terms[2].append(variable)
-    return _Flow(reader, count, (*edges, *unbounded),
-                 tuple((tuple(xs), tuple(ss)) for xs, ss, _ in edges.values()) + (((), ()),) * len(unbounded),
-                 tuple(tuple(variables) for _, _, variables in edges.values()) + ((),) * len(unbounded))
+                if (found := edges.get((tail, head))) is None:
+                    found = edges[tail, head] = ([], [], [])
+                found[source].append(n)
+                found[2].append(variable)
+    return _Flow(reader, count, (*keys, *edges, *unbounded),
+                 (*terms, *((tuple(xs), tuple(ss)) for xs, ss, _ in edges.values()), *(((), ()),) * len(unbounded)),
+                 (*variables, *(tuple(v) for _, _, v in edges.values()), *((),) * len(unbounded)))
