@@ -18,7 +18,7 @@ Every cut holds for every acyclic selection, so adding them to the CP-SAT model 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +43,10 @@ STALL = 0.05
 # Path cuts for a block and the blocks it needs within this many steps (needs are transitively reduced): on a
 # 12-layer stack on 16 devices, 1 step took 10 rounds to the optimum, 2 steps 5, 3 steps 4, 4 and 5 steps 4.
 NEED_HOPS = 3
+# Steps of needs where the pass ends at a gap (`enough` above PROVEN) rather than a proof: fewer cuts a round, but
+# that is all such a pass needs. Mixtral on 2x2 ends within its 1% stop gap after one round either way (0.89%
+# with one step, 0.85% with three), and its path graphs took 0.77 of its 3.2 CPU s in the ILP at three.
+GAP_HOPS = 1
 # Path-graph nodes built per second, and the share of the LP pass's time that building them may take, so that
 # rounds (re-solves and separations) have the rest: pairs are taken a whole step at a time while they fit, and
 # the pass is skipped if the 1-step pairs do not (without cuts the LP is CP-SAT's own root LP). Built at
@@ -54,6 +58,7 @@ PATH_SHARE = 0.3
 FLOW_UNIT = 2**20  # max flow runs on integer capacities: LP values in these units
 BATCH = 512  # path graphs per max flow: their demands (at most 1 each) sum to at most 2^29 units
 UNBOUNDED = 2**30  # an unbounded edge's capacity in those units: more than a batch's whole flow
+DEVEX = 1  # HiGHS's simplex_dual_edge_weight_strategy value for Devex pricing
 
 
 class _OutOfTime(Exception):
@@ -176,7 +181,8 @@ def relax(
     offer: Callable[[list[int]], float] = lambda _: math.inf, enough: float = PROVEN, reads: bool = False,
 ) -> Relaxation:
     """Solve the LP of `candidates` (class -> nodes), then, with `reads`, with read rows (`_Lp.add_reads`; not
-    under ties or a negative cost), adding violated path cuts until none is left, the bound
+    under ties or a negative cost), adding violated path cuts (`NEED_HOPS` steps of needs apart, `GAP_HOPS` where
+    `enough` is a gap, not a proof) until none is left, the bound
     comes within `enough` of the incumbent (at `PROVEN` that proves it optimal), a round closes too little of the
     gap to it (`STALL`), or `deadline` passes. Each LP solution, rounded to a choice per class (its candidate of
     largest x, -1 for classes without one), is passed to `offer`, which returns the incumbent's cost (inf for
@@ -189,7 +195,7 @@ def relax(
     bound, values = 0.0, None  # the last LP solved; out of time, it and the cuts found so far still hold
     try:
         reads = reads and not ties and all(egraph.node_cost[n] >= 0 for nodes in candidates.values() for n in nodes)
-        pairs = _pairs(egraph, candidates, block, needs, deadline)
+        pairs = _pairs(egraph, candidates, block, needs, deadline, NEED_HOPS if enough <= PROVEN else GAP_HOPS)
         if pairs is None and not reads:  # no cuts to afford: the LP alone is CP-SAT's own root LP
             return Relaxation((), 0.0, 0)
         lp = _Lp(egraph, candidates, block, needs, ties, deadline)
@@ -356,6 +362,10 @@ class _Lp:
         self.unit = float(positive.mean()) if positive.size else 1.0  # costs in HiGHS are O(1): see `solve`
         self.highs = highs._Highs()
         self.highs.setOptionValue("output_flag", False)
+        # Devex pricing, not dual steepest edge: its iterations are cheaper, most of all in the warm re-solves
+        # after rows are added, which run on the LP unpresolved (Mixtral on 2x2: read rows 0.55 -> 0.23 CPU s,
+        # the first solve 0.63 -> 0.48; the same bounds)
+        self.highs.setOptionValue("simplex_dual_edge_weight_strategy", DEVEX)
         self.highs.addVars(count, self.lower, np.ones(count))
         self.highs.changeColsCost(count, np.arange(count, dtype=np.int32), self.cost / self.unit)
         self.row_lower: list[float] = []
@@ -451,8 +461,8 @@ class _Pairs:
 
 
 def _pairs(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
-           needs: Mapping[int, Sequence[int]], deadline: float) -> _Pairs | None:
-    """Every pair (B', B) with B one step of needs from B', then two, .. `NEED_HOPS`, while their path graphs
+           needs: Mapping[int, Sequence[int]], deadline: float, steps: int = NEED_HOPS) -> _Pairs | None:
+    """Every pair (B', B) with B one step of needs from B', then two, .. `steps`, while their path graphs
     can be built in `PATH_SHARE` of the time to `deadline` (whole steps only); None when the one-step pairs
     alone cannot. The region of (B', B): the blocks below B' and above B."""
     child_sets = egraph.child_sets
@@ -472,7 +482,7 @@ def _pairs(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mappi
     reached = {b: {b} for b in readers}  # per reader, itself and the blocks of the steps so far
     frontier = {b: {b} for b in readers}
     pairs: list[tuple[int, int, frozenset[int]]] = []
-    for hops in range(NEED_HOPS):
+    for hops in range(steps):
         step = []
         for reader in readers:
             frontier[reader] = {d for b in frontier[reader] for d in needs.get(b, ())} - reached[reader]
@@ -499,12 +509,51 @@ def _flows(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mappi
     child_sets = egraph.child_sets
     prepared = {c: [(n, child_sets[n], all(block[d] != block[c] for d in child_sets[n]), lp.x[n],
                      lp.variable(n, True)) for n in nodes] for c, nodes in candidates.items()}
+    inner = {b: _Inner.of(prepared, classes) for b, classes in pairs.members.items()}
     flows = []
     for reader, target, region in pairs.pairs:
         if clock() > deadline:
             raise _OutOfTime
-        flows.append(_flow(prepared, pairs.members, reader, target, region))
+        flows.append(_flow(prepared, pairs.members, inner, reader, target, region))
     return flows
+
+
+@dataclass(frozen=True)
+class _Inner:
+    """A block's edges that need no region, made once for every pair: most of every region is reshards between
+    one value's layouts. `edges` are (child's place, class's place among the block's classes, nodes, x variables)
+    of its nodes with one child, in the block; `entries` per class (its place, nodes, x variables) of its entry
+    nodes, the edge from s where the block is a pair's target; `rest` per class (class, nodes) what is left to
+    place pair by pair elsewhere: its entry nodes, whose edges depend on the region, or all its nodes where one of
+    several children is in the block (that node's edge can meet an inner one's): those classes are also `whole`."""
+
+    edges: tuple[tuple[int, int, tuple[int, ...], tuple[int, ...]], ...]
+    entries: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]
+    rest: tuple[tuple[int, tuple[tuple[int, tuple[int, ...], bool, int, int], ...]], ...]
+    whole: tuple[tuple[int, tuple[tuple[int, tuple[int, ...], bool, int, int], ...]], ...]
+
+    @staticmethod
+    def of(prepared: Mapping[int, list[tuple[int, tuple[int, ...], bool, int, int]]],
+           classes: Sequence[int]) -> _Inner:
+        place = {c: i for i, c in enumerate(classes)}
+        grouped: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+        entries, rest, whole = [], [], []
+        for c in classes:
+            nodes = prepared[c]
+            if any(len(children) > 1 and any(d in place for d in children) for _, children, *_ in nodes):
+                whole.append((c, tuple(nodes)))
+                rest.append(whole[-1])
+                continue
+            for n, children, entry, x, _ in nodes:
+                if not entry:  # one child, in the block
+                    listed = grouped.setdefault((place[children[0]], place[c]), ([], []))
+                    listed[0].append(n)
+                    listed[1].append(x)
+            entered = tuple(node for node in nodes if node[2])
+            entries.append((place[c], tuple(n for n, *_ in entered), tuple(node[3] for node in entered)))
+            rest.append((c, entered))
+        return _Inner(tuple((j, i, tuple(ns), tuple(xs)) for (j, i), (ns, xs) in grouped.items()),
+                      tuple(e for e in entries if e[1]), tuple(rest), tuple(whole))
 
 
 def _batches(flows: Sequence[_Flow], columns: int, deadline: float) -> list[_Batch]:
@@ -546,19 +595,40 @@ def _closure(start: int, edges: Mapping[int, set[int]], keep: Callable[[int], bo
 
 
 def _flow(prepared: Mapping[int, list[tuple[int, tuple[int, ...], bool, int, int]]],
-          members: Mapping[int, list[int]], reader: int, target: int, region: frozenset[int]) -> _Flow:
+          members: Mapping[int, list[int]], inner: Mapping[int, _Inner], reader: int, target: int,
+          region: frozenset[int]) -> _Flow:
     """The path graph of (`reader`, `target`) over the blocks of `region` (`_flows`). `prepared` has per class
-    its candidates: (node, child classes, entry of its block, x variable, source variable)."""
+    its candidates: (node, child classes, entry of its block, x variable, source variable); `inner` per block
+    the edges that need no region. Edges are in no particular order (a batch sorts them)."""
     vertex: dict[int, int] = {}
+    keys: list[tuple[int, int]] = []  # the edges from `inner`, each made by one class's nodes alone
+    terms: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    variables: list[tuple[int, ...]] = []
     for r in region:
+        base = 2 + len(vertex)
         for c in members[r]:
             vertex[c] = 2 + len(vertex)
+        if r != reader:
+            for j, i, nodes, xs in inner[r].edges:
+                keys.append((base + j, base + i))
+                terms.append((nodes, ()))
+                variables.append(xs)
+        if r == target:
+            for i, nodes, xs in inner[r].entries:
+                keys.append((0, base + i))
+                terms.append((nodes, ()))
+                variables.append(xs)
     count = 2 + len(vertex)
     edges: dict[tuple[int, int], tuple[list[int], list[int], list[int]]] = {}  # -> nodes, sources, variables
     unbounded: list[tuple[int, int]] = []
     for r in region:
-        for c in members[r]:
-            for n, children, entry, x, s in prepared[c]:
+        if r == reader:
+            per_node: Iterable[tuple[int, Sequence[tuple[int, tuple[int, ...], bool, int, int]]]] = (
+                (c, prepared[c]) for c in members[r])
+        else:
+            per_node = inner[r].whole if r == target else inner[r].rest
+        for c, nodes in per_node:
+            for n, children, entry, x, s in nodes:
                 if r == reader:
                     if not entry:
                         continue  # only the source of B' ends a path
@@ -576,10 +646,10 @@ def _flow(prepared: Mapping[int, list[tuple[int, tuple[int, ...], bool, int, int
                     else:
                         tail, count = count, count + 1
                         unbounded += [(u, tail) for u in inside]
-                if (terms := edges.get((tail, head))) is None:
-                    terms = edges[tail, head] = ([], [], [])
-                terms[source].append(n)
-                terms[2].append(variable)
-    return _Flow(reader, count, (*edges, *unbounded),
-                 tuple((tuple(xs), tuple(ss)) for xs, ss, _ in edges.values()) + (((), ()),) * len(unbounded),
-                 tuple(tuple(variables) for _, _, variables in edges.values()) + ((),) * len(unbounded))
+                if (found := edges.get((tail, head))) is None:
+                    found = edges[tail, head] = ([], [], [])
+                found[source].append(n)
+                found[2].append(variable)
+    return _Flow(reader, count, (*keys, *edges, *unbounded),
+                 (*terms, *((tuple(xs), tuple(ss)) for xs, ss, _ in edges.values()), *(((), ()),) * len(unbounded)),
+                 (*variables, *(tuple(v) for _, _, v in edges.values()), *((),) * len(unbounded)))
