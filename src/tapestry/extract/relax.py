@@ -271,9 +271,9 @@ def read_rows_bound(egraph: EGraph, candidates: Mapping[int, Sequence[int]], blo
     lp = _Lp(egraph, candidates, block, needs, (), math.inf)
     without, _ = lp.solve(math.inf)
     lp.add_reads(egraph, candidates)
-    started = time.process_time()
+    started = clock()
     bound, _ = lp.solve(math.inf)
-    return ReadRowsBound(_shaved(without), _shaved(bound), time.process_time() - started)
+    return ReadRowsBound(_shaved(without), _shaved(bound), clock() - started)
 
 
 def _shaved(bound: float) -> float:
