@@ -110,18 +110,16 @@ def delivered_layouts(decoder: Decoder, free: Selection, carried: Mapping[str, s
     return pinned
 
 def placed_layouts(decoder: Decoder, free: Selection, carried: Mapping[str, str]) -> dict[str, str]:
-    """Carried input -> the layout (key) `free` placed it in (of several: the one its output is delivered in, else
-    the least key): state kept where the forward pass reads it, the update made to deliver it there, where
-    `delivered_layouts` keeps it where the update writes it and moves it for the forward pass."""
-    delivered = delivered_layouts(decoder, free, carried)
+    """Carried input -> the layout (key) `free` placed it in (of several, the least key): state kept where a reader
+    reads it and the update made to deliver it there, where `delivered_layouts` keeps it where the update writes
+    it. (Preferring the delivered one of several made these the delivered pins on the folded 7B step.)"""
     inputs = set(carried.values())
     placed: dict[str, list[str]] = {}
     for n in free.choice.values():
         node = decoder.nodes[n]
         if node.op == "Place" and node.key in inputs:
             placed.setdefault(node.key, []).append(node.layout)
-    return {name: delivered[name] if delivered.get(name) in layouts else min(layouts)
-            for name, layouts in placed.items()}
+    return {name: min(layouts) for name, layouts in placed.items()}
 
 def replicated_layouts(decoder: Decoder, carried: Mapping[str, str]) -> dict[str, str]:
     """Carried input -> its replicated layout (key): pins that always leave a plan, as every value has its
