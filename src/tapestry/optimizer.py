@@ -521,8 +521,9 @@ class Explored:
         delivered = delivered_layouts(self.decoder, free, carried)
         aligned = [] if self.layered is None else [
             *(self.layered.aligned(delivered, source) for source in (1, 0)),
-            # state kept where copy 1 (run m - 1 times) reads it: on the folded 7B step on 8x8 at 4 layers, 19.24
-            # ms against 19.36-20.96 for the delivered layouts' pins (docs/benchmarks.md)
+            # state kept where copy 1 (run m - 1 times) reads it: on the folded 7B step on 8x8, 19.24 ms at 4
+            # layers and 142.16 at 32, where the delivered pins' mirrored choices broke carried pairs
+            # (benchmarks/folded_candidates.py)
             self.layered.aligned(placed_layouts(self.decoder, free, carried), 1)]
         if self.layered is not None:  # the free choice itself, each copy's for both, its broken pairs mended
             steady += self._periodic(egraph, free, ties, carried)
