@@ -3,6 +3,7 @@ folds to the prefix, two layers and the suffix: a two-layer model's program what
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -165,3 +166,38 @@ def test_a_periodic_plan_does_not_depend_on_the_hash_seed():
 def test_by_default_only_a_stack_of_fold_from_copies_layers_is_folded():
     assert tapestry.optimizer.explore(residual_mlps(4), Mesh(2)).layered is None
     assert tapestry.optimizer.explore(residual_mlps(FOLD_FROM_COPIES), Mesh(2)).layered is not None
+
+
+def test_the_fallback_can_keep_state_where_the_forward_pass_reads_it_or_mend_the_free_choice(steps):
+    """The greedy fallback's candidates: each carried input kept in the layout the free choice placed it in
+    (egraph.pins.placed_layouts), aligned to copy 1; and the free choice, copy 1's taken for both, its broken
+    carried pairs mended by a reshard (egraph.pins.steady_repaired). Each is a periodic, steady plan of every
+    layer that validates."""
+    from tapestry.cost import default_cost_model, plan_cost
+    from tapestry.egraph.pins import pin_layouts, placed_layouts, steady_repaired, steady_ties
+    from tapestry.extract import extract, ties_hold
+    from tapestry.plan.validate import validate_plan
+
+    g = steps[3]
+    explored = tapestry.optimizer.explore(g, Mesh(2), layers=True)
+    layered, decoder = explored.layered, explored.decoder
+    assert layered is not None
+    carried = {out: name for out, name in g.carried.items() if out in explored.graph.outputs}
+    priced = decoder.extraction_graph(list(explored.roots), default_cost_model())
+    egraph, ties = steady_ties(decoder, priced, carried)
+    egraph = layered.costs(egraph)
+    free = extract(egraph, "greedy-dag")
+    pins = placed_layouts(decoder, free, carried)
+    placed = {(decoder.nodes[n].key, decoder.nodes[n].layout) for n in free.choice.values()
+              if decoder.nodes[n].op == "Place"}
+    assert set(pins) == set(carried.values()) and all(item in placed for item in pins.items())
+    pinned = extract(pin_layouts(decoder, egraph, layered.aligned(pins, 1), carried), "greedy-dag")
+    mirrored = layered.mirror(egraph, free, 1)
+    mended = steady_repaired(decoder, egraph, mirrored.choice, carried)
+    assert mended is not None
+    for periodic in (layered.mirror(egraph, pinned, 1), layered.mirror(egraph, replace(mirrored, choice=mended), 1)):
+        assert layered.holds(periodic) and ties_hold(periodic.choice, ties)
+        plan, _ = explored._decode(egraph, periodic)
+        validate_plan(plan)
+        assert plan.graph is g and not steady_violations(plan, g.carried)
+        assert plan_cost(plan, default_cost_model()) > 0

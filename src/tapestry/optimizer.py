@@ -38,8 +38,10 @@ from tapestry.egraph.pins import (
     Outputs,
     delivered_layouts,
     pin_layouts,
+    placed_layouts,
     replicated_layouts,
     restrict_outputs,
+    steady_repaired,
     steady_ties,
 )
 from tapestry.egraph.repeat import find_repetition
@@ -309,6 +311,7 @@ class Explored:
             return replace(plan, cost=plan_cost(plan, model)), selection  # time per run, not objective
 
         plan, selection = fit(egraph, 1.0)
+        plain = egraph
         if fused is not None:  # the plan extracted under fusion-aware node costs, where plan_cost finds it cheaper
             try:
                 seen = fit(fused, 1.0)
@@ -317,12 +320,13 @@ class Explored:
             if seen[0].cost < plan.cost:
                 egraph, (plan, selection) = fused, seen
         if self.layered is not None and reductions and memory_budget is None:
-            # the plain sum too: on the folded 7B step on 8x8 the greedy fallback's sharded periodic candidate
-            # (19.27 ms) came out of it, where every weighted fit kept the replicated pins (29.98 ms)
+            # the plain sum too, of the node costs without fusion's estimates: on the folded 7B step on 8x8 the
+            # greedy fallback's sharded periodic candidates came out of it (4 layers: 19.24 ms; 32 layers: 142.16),
+            # where the weighted or fused fits kept the replicated pins (29.98; 186.31) (docs/benchmarks.md)
             with suppress(NoPlanError):
-                seen = fit(egraph, None)
+                seen = fit(plain, None)
                 if seen[0].cost < plan.cost:
-                    plan, selection = seen
+                    egraph, (plan, selection) = plain, seen
         found = overlap(plan, from_costs(step_costs(plan, model)))
         if found.reductions > found.backward * (1 + 1e-9):  # the first piece was not the plan's time
             swept = []
@@ -524,7 +528,8 @@ class Explored:
         own warm start, and returns nothing dearer."""
         if not ties or extractor == "ilp":
             start = None  # a folded graph's ILP starts from greedy-dag's periodic selection, and keeps the cheaper
-            if self.layered is not None and extractor == "ilp" and ties and budget is None:
+            started = self.layered is not None and extractor == "ilp" and bool(ties) and budget is None
+            if started:
                 with suppress(NoFiniteChoiceError):
                     start = self._select(egraph, "greedy-dag", time_limit, budget, ties, carried, stop_gap, model)
             elif extractor == "ilp":  # priced under this graph's costs: infinite where it pins other layouts
@@ -538,8 +543,8 @@ class Explored:
             except NoFiniteChoiceError as err:
                 if start is not None:
                     return start
-                if not ties or extractor != "ilp" or budget is not None:  # greedy-dag takes no budget
-                    raise
+                if started or not ties or extractor != "ilp" or budget is not None:  # greedy-dag takes no budget;
+                    raise  # where it was the start, it found no steady selection already
                 # CP-SAT found no steady selection in time (a training step past a few layers on many devices):
                 # greedy-dag's pinned layouts are steady; the selection names its extractor, and proves nothing
                 try:  # (where the graph was folded, copy 1 then mirrors copy 0's choice: Layered.mirror)
@@ -549,7 +554,14 @@ class Explored:
         free = extract(egraph, extractor, time_limit, budget, stop_gap=stop_gap)
         steady: list[Selection] = []
         delivered = delivered_layouts(self.decoder, free, carried)
-        aligned = [] if self.layered is None else [self.layered.aligned(delivered, source) for source in (1, 0)]
+        aligned = [] if self.layered is None else [
+            *(self.layered.aligned(delivered, source) for source in (1, 0)),
+            # state kept where copy 1 (run m - 1 times) reads it: on the folded 7B step on 8x8, 19.24 ms at 4
+            # layers and 142.16 at 32, where the delivered pins' mirrored choices broke carried pairs
+            # (benchmarks/folded_candidates.py)
+            self.layered.aligned(placed_layouts(self.decoder, free, carried), 1)]
+        if self.layered is not None:  # the free choice itself, each copy's for both, its broken pairs mended
+            steady += self._periodic(egraph, free, ties, carried)
         for pins in (delivered, *aligned, replicated_layouts(self.decoder, carried)):
             try:
                 selection = extract(pin_layouts(self.decoder, egraph, pins, carried), extractor, time_limit, budget,
@@ -557,7 +569,7 @@ class Explored:
             except NoFiniteChoiceError:
                 continue  # a pinned layout's moves were left unpriced (budget): the other pins
             if self.layered is not None:  # one copy mirrors the other; the steady ties must hold, the twins' one way
-                steady += self._periodic(egraph, selection, ties)
+                steady += self._periodic(egraph, selection, ties, carried)
             elif ties_hold(selection.choice, ties):
                 steady.append(selection)
         if not steady:
@@ -568,15 +580,26 @@ class Explored:
             return min(steady, key=lambda selection: plan_cost(self._decode(egraph, selection)[0], model))
         return min(steady, key=lambda selection: selection.dag_cost)
 
-    def _periodic(self, egraph: ExtractGraph, selection: Selection, ties: Ties) -> list[Selection]:
-        """`selection` made periodic each way (Layered.mirror: copy 1 as copy 0, copy 0 as copy 1), where copy 1
-        then runs the twin of all copy 0 runs and the steady ties hold."""
+    def _periodic(self, egraph: ExtractGraph, selection: Selection, ties: Ties,
+                  carried: Mapping[str, str]) -> list[Selection]:
+        """`selection` made periodic each way (Layered.mirror: copy 1 as copy 0, copy 0 as copy 1), a carried pair
+        it breaks mended by a reshard (`steady_repaired`) and mirrored again, where copy 1 then runs the twin of
+        all copy 0 runs and the steady ties hold."""
         layered = self.layered
         assert layered is not None
         twins = set(layered.ties())
         steady = [t for t in ties if t not in twins]
-        return [mirrored for mirrored in (layered.mirror(egraph, selection, source) for source in (0, 1))
-                if layered.holds(mirrored) and ties_hold(mirrored.choice, steady)]
+        found = []
+        for source in (0, 1):
+            mirrored = layered.mirror(egraph, selection, source)
+            if not ties_hold(mirrored.choice, steady):
+                repaired = steady_repaired(self.decoder, egraph, mirrored.choice, carried)
+                if repaired is None:
+                    continue
+                mirrored = layered.mirror(egraph, replace(mirrored, choice=repaired), source)
+            if layered.holds(mirrored) and ties_hold(mirrored.choice, steady):
+                found.append(mirrored)
+        return found
 
     def _device_budget(self, limit: int) -> DeviceBudget:
         """Bytes per device that every plan containing a node must hold: a Place its block of the input, for the

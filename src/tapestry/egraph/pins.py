@@ -33,6 +33,72 @@ def steady_ties(decoder: Decoder, egraph: ExtractGraph, carried: Mapping[str, st
         costs[places.get(k, delivers.get(k))] = math.inf  # type: ignore[index]
     return (egraph.with_costs(costs) if ties or places or delivers else egraph), sorted(ties)
 
+def steady_repaired(decoder: Decoder, egraph: ExtractGraph, choice: Mapping[int, int],
+                    carried: Mapping[str, str]) -> dict[int, int] | None:
+    """`choice` (class -> node) with each carried pair it breaks mended by the cheaper of two moves: the input
+    placed in the layout its output is delivered in (each other layout it was placed in made by a reshard from
+    that one: the state kept as delivered, moved for its readers), or the output delivered in the one layout its
+    input is placed in (moved there by a reshard from the layout the step computes it in). None where a pair has
+    neither move (the pricing budget left it out). A free extraction breaks such pairs where the layout its
+    forward pass reads and the one its update writes differ; this keeps its other choices."""
+    index = {c: i for i, c in enumerate(egraph.class_ids)}
+    costs = egraph.node_cost
+    found = dict(choice)
+    placed: dict[str, list[int]] = {}  # input -> its chosen Place nodes
+    delivered: dict[str, int] = {}  # carried output -> its chosen Deliver node
+    for n in choice.values():
+        node = decoder.nodes[n]
+        if node.op == "Place" and node.key in carried.values():
+            placed.setdefault(node.key, []).append(n)
+        elif node.op == "Deliver" and node.key in carried:
+            delivered[node.key] = n
+    places = {(node.key, node.layout): n for n, node in enumerate(decoder.nodes)
+              if node.op == "Place" and node.key in placed and math.isfinite(costs[n])}
+
+    def move(into: str, source: str) -> int | None:
+        """The cheapest finite node of class `into` made from class `source` alone (a reshard)."""
+        moves = [n for n in egraph.class_nodes[index[into]] if math.isfinite(costs[n])
+                 and egraph.child_sets[n] == (index[source],)]
+        return min(moves, key=lambda n: (costs[n], n), default=None)
+
+    for out, name in sorted(carried.items()):
+        if out not in delivered or name not in placed:
+            continue
+        deliver = decoder.nodes[delivered[out]]
+        want = decoder.class_layout[deliver.children[0]]
+        layouts = sorted(decoder.nodes[n].layout for n in placed[name])
+        if layouts == [want]:
+            continue
+        options: list[tuple[float, dict[int, int]]] = []
+        place = places.get((name, want))
+        if place is not None:  # placed as delivered, moved for its readers
+            edit = {index[decoder.nodes[place].eclass]: place}
+            for n in placed[name]:
+                if decoder.nodes[n].layout != want:
+                    reshard = move(decoder.nodes[n].eclass, decoder.nodes[place].eclass)
+                    if reshard is None:
+                        break
+                    edit[index[decoder.nodes[n].eclass]] = reshard
+            else:
+                options.append((sum(costs[n] for n in edit.values()) - sum(costs[n] for n in placed[name]), edit))
+        if len(layouts) == 1:  # delivered as placed, moved from the layout computed
+            alike = [n for n in egraph.class_nodes[index[deliver.eclass]] if math.isfinite(costs[n])
+                     and decoder.class_layout[decoder.nodes[n].children[0]] == layouts[0]]
+            for n in alike:
+                into = decoder.nodes[n].children[0]
+                edit = {index[deliver.eclass]: n}
+                if index[into] not in found:
+                    reshard = move(into, deliver.children[0])
+                    if reshard is None:
+                        continue
+                    edit[index[into]] = reshard
+                options.append((sum(costs[m] for m in edit.values()) - costs[delivered[out]], edit))
+        if not options:
+            return None
+        found.update(min(options, key=lambda option: (option[0], sorted(option[1].items())))[1])
+    return found
+
+
 def delivered_layouts(decoder: Decoder, free: Selection, carried: Mapping[str, str]) -> dict[str, str]:
     """Carried input -> the layout (key) `free` delivered its output in (a selectable Deliver has a Place
     partner: `steady_ties`)."""
@@ -42,6 +108,18 @@ def delivered_layouts(decoder: Decoder, free: Selection, carried: Mapping[str, s
         if node.op == "Deliver" and node.key in carried:
             pinned[carried[node.key]] = decoder.class_layout[node.children[0]]
     return pinned
+
+def placed_layouts(decoder: Decoder, free: Selection, carried: Mapping[str, str]) -> dict[str, str]:
+    """Carried input -> the layout (key) `free` placed it in (of several, the least key): state kept where a reader
+    reads it and the update made to deliver it there, where `delivered_layouts` keeps it where the update writes
+    it. (Preferring the delivered one of several made these the delivered pins on the folded 7B step.)"""
+    inputs = set(carried.values())
+    placed: dict[str, list[str]] = {}
+    for n in free.choice.values():
+        node = decoder.nodes[n]
+        if node.op == "Place" and node.key in inputs:
+            placed.setdefault(node.key, []).append(node.layout)
+    return {name: min(layouts) for name, layouts in placed.items()}
 
 def replicated_layouts(decoder: Decoder, carried: Mapping[str, str]) -> dict[str, str]:
     """Carried input -> its replicated layout (key): pins that always leave a plan, as every value has its
