@@ -14,7 +14,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "tapestry"
 # Lowest first. A name is a top-level module or package of tapestry; every `command.py` (a CLI subcommand) is in
 # the CLI layer, whatever package holds it.
 LAYERS: tuple[frozenset[str], ...] = tuple(map(frozenset, (
-    {"zspace", "dtypes", "components", "clock"},
+    {"zspace", "dtypes", "components", "clock", "collector"},
     {"kernels"},
     {"graph", "sharding"},
     {"evaluator"},

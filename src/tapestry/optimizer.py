@@ -5,18 +5,18 @@ e-graph, and its `extract` and `pareto` price it under different objectives.
 """
 from __future__ import annotations
 
-import gc
 import math
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
 from tapestry.clock import clock
+from tapestry.collector import no_collections
 from tapestry.cost import (
     CostModel,
     RankPeak,
@@ -31,17 +31,17 @@ from tapestry.cost.model import from_costs, step_costs
 from tapestry.cost.overlap import forward_outputs, overlap, upstream
 from tapestry.egraph.decode import Decoder, DNode, distributed_nodes
 from tapestry.egraph.driver import MOVES_SHARE, Budget, IterationStats, SaturationStats, moves_to_price, saturate
-from tapestry.egraph.embed import NotInEGraph, plan_selection
+from tapestry.egraph.embed import embedded_plans
 from tapestry.egraph.fused_prices import fused_node_costs
 from tapestry.egraph.layered import Layered, value_classes
 from tapestry.egraph.pins import (
     Outputs,
     delivered_layouts,
     pin_layouts,
+    periodic_selections,
     placed_layouts,
     replicated_layouts,
     restrict_outputs,
-    steady_repaired,
     steady_ties,
 )
 from tapestry.egraph.repeat import find_repetition
@@ -193,31 +193,6 @@ def _unless_unselectable(cost: float, weight: float) -> float:
     return cost if math.isinf(cost) else cost * weight
 
 
-# Planning makes millions of small objects that live until it ends (e-nodes, layouts, priced steps), and almost
-# none of them are garbage cycles: Python's collector at its default thresholds (700, 10, 10) swept them again and
-# again (17-26% of the CPU seconds of the 2-layer LLaMA's saturation and pricing on Mesh(2, 2)), and at the
-# thresholds (100_000, 50, 100) its young-generation sweeps still took 5% of Qwen2-MoE's optimize on Mesh(2, 2)
-# and freed 2,058 objects (docs/benchmarks.md, "Planning time of tiny zoo models"). `explore` and
-# `Explored.extract` collect nothing while they run; the caller's collector is back on when they return, and its
-# next sweep takes what cycles they left. `optimize` holds it off across both: turned on between them, its first
-# sweep went over all that saturation made (0.6 of Phi's 6.3 CPU s on Mesh(2, 2)). And what planning leaves alive
-# (the pricing caches, the plan) goes to the oldest generation unswept (`gc.freeze` then `gc.unfreeze`, unless the
-# caller froze objects of its own): a young sweep when `optimize` returned went over all of it (0.24 CPU s of
-# Phi's), and the few cycles planning leaves wait for the next full collection.
-@contextmanager
-def _no_collections() -> Iterator[None]:
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            if not gc.get_freeze_count():
-                gc.freeze()
-                gc.unfreeze()
-            gc.enable()
-
-
 @dataclass(frozen=True)
 class Explored:
     """A saturated e-graph, ready to extract under any cost model."""
@@ -249,7 +224,7 @@ class Explored:
         for every extraction (pareto's several)."""
         return baselines(self.graph, self.mesh)
 
-    @_no_collections()
+    @no_collections()
     def extract(self, cost_model: CostModel | None = None, extractor: str = "ilp", time_limit: float = 10.0,
                 memory_budget: int | None = None, outputs: Outputs = "any",
                 steady: Mapping[str, str] | None = None) -> OptimizeResult:
@@ -373,33 +348,23 @@ class Explored:
         gradient reductions (cost.overlap); and a cut ILP hands over to greedy-dag. The selection returned for a
         hand plan is its steps in the e-graph, a value it makes twice chosen once (marked "feasible": nothing
         proven)."""
+        cheaper = {}
         for name, hand in sorted(self.baselines.items()):
             cost = plan_cost(hand, model)
-            if cost >= plan.cost or memory_budget is not None and max(peak_memory(hand)) > memory_budget:
-                continue
-            try:
-                embedded = plan_selection(self.decoder, egraph, hand, f"hand plan ({name})")
-            except NotInEGraph:
-                continue
-            if ties_hold(embedded.choice, ties):
+            if cost < plan.cost and (memory_budget is None or max(peak_memory(hand)) <= memory_budget):
+                cheaper[name] = replace(hand, cost=cost)
+        for hand, embedded in embedded_plans(self.decoder, egraph, cheaper, ties):
+            if hand.cost < plan.cost:
                 selection = embedded
-                plan = replace(hand, cost=cost, notes={**hand.notes, "extractor": embedded.extractor,
-                                                       "status": "feasible", "extracted_cost": plan.cost})
+                plan = replace(hand, notes={**hand.notes, "extractor": embedded.extractor,
+                                            "status": "feasible", "extracted_cost": plan.cost})
         return plan, selection
 
     def _hand_selections(self, egraph: ExtractGraph, ties: Ties) -> tuple[Selection, ...]:
         """The hand plans (`baselines`) the e-graph holds as selections keeping `ties`: the ILP's warm starts
         (`_select`), so it never returns a selection dearer than the best of them. Node n is e-node n in every
         extraction graph of the decoder, so they serve the reweighted and pinned graphs too, repriced there."""
-        found = []
-        for name, hand in sorted(self.baselines.items()):
-            try:
-                embedded = plan_selection(self.decoder, egraph, hand, f"hand plan ({name})")
-            except NotInEGraph:
-                continue
-            if ties_hold(embedded.choice, ties):
-                found.append(embedded)
-        return tuple(found)
+        return tuple(embedded for _, embedded in embedded_plans(self.decoder, egraph, self.baselines, ties))
 
     def _fused(self, egraph: ExtractGraph, model: CostModel) -> ExtractGraph | None:
         """`egraph` with each node priced as the fusion group member its neighbourhood promises
@@ -561,7 +526,7 @@ class Explored:
             # (benchmarks/folded_candidates.py)
             self.layered.aligned(placed_layouts(self.decoder, free, carried), 1)]
         if self.layered is not None:  # the free choice itself, each copy's for both, its broken pairs mended
-            steady += self._periodic(egraph, free, ties, carried)
+            steady += periodic_selections(self.layered, self.decoder, egraph, free, ties, carried)
         for pins in (delivered, *aligned, replicated_layouts(self.decoder, carried)):
             try:
                 selection = extract(pin_layouts(self.decoder, egraph, pins, carried), extractor, time_limit, budget,
@@ -569,7 +534,7 @@ class Explored:
             except NoFiniteChoiceError:
                 continue  # a pinned layout's moves were left unpriced (budget): the other pins
             if self.layered is not None:  # one copy mirrors the other; the steady ties must hold, the twins' one way
-                steady += self._periodic(egraph, selection, ties, carried)
+                steady += periodic_selections(self.layered, self.decoder, egraph, selection, ties, carried)
             elif ties_hold(selection.choice, ties):
                 steady.append(selection)
         if not steady:
@@ -579,27 +544,6 @@ class Explored:
         if self.layered is not None and model is not None:
             return min(steady, key=lambda selection: plan_cost(self._decode(egraph, selection)[0], model))
         return min(steady, key=lambda selection: selection.dag_cost)
-
-    def _periodic(self, egraph: ExtractGraph, selection: Selection, ties: Ties,
-                  carried: Mapping[str, str]) -> list[Selection]:
-        """`selection` made periodic each way (Layered.mirror: copy 1 as copy 0, copy 0 as copy 1), a carried pair
-        it breaks mended by a reshard (`steady_repaired`) and mirrored again, where copy 1 then runs the twin of
-        all copy 0 runs and the steady ties hold."""
-        layered = self.layered
-        assert layered is not None
-        twins = set(layered.ties())
-        steady = [t for t in ties if t not in twins]
-        found = []
-        for source in (0, 1):
-            mirrored = layered.mirror(egraph, selection, source)
-            if not ties_hold(mirrored.choice, steady):
-                repaired = steady_repaired(self.decoder, egraph, mirrored.choice, carried)
-                if repaired is None:
-                    continue
-                mirrored = layered.mirror(egraph, replace(mirrored, choice=repaired), source)
-            if layered.holds(mirrored) and ties_hold(mirrored.choice, steady):
-                found.append(mirrored)
-        return found
 
     def _device_budget(self, limit: int) -> DeviceBudget:
         """Bytes per device that every plan containing a node must hold: a Place its block of the input, for the
@@ -687,7 +631,7 @@ class MemoryBudgetError(ValueError):
     """No plan found fits the per-device memory budget."""
 
 
-@_no_collections()
+@no_collections()
 def explore(graph: Graph, mesh: Mesh | int = 1, rules: Sequence[str | Path] | None = None,
             budget: Budget = Budget(), progress: Callable[[IterationStats], None] | None = None,
             layers: bool | None = None) -> Explored:
@@ -714,7 +658,7 @@ def explore(graph: Graph, mesh: Mesh | int = 1, rules: Sequence[str | Path] | No
                     moves_to_price(budget, mesh), layered)
 
 
-@_no_collections()
+@no_collections()
 def optimize(
     graph: Graph,
     mesh: Mesh | int = 1,

@@ -11,12 +11,13 @@ classes, a Reshard by its source's class and target layout, an output by its Del
 """
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 
 from tapestry.clock import clock
 from tapestry.egraph.decode import Decoder
 from tapestry.extract import EGraph as ExtractGraph
-from tapestry.extract import Selection
+from tapestry.extract import Selection, Ties, ties_hold
 from tapestry.extract.selection import dag_cost, reachable_choice
 from tapestry.plan import Compute, Place, Plan, Reshard
 
@@ -82,3 +83,16 @@ def plan_selection(decoder: Decoder, egraph: ExtractGraph, plan: Plan, extractor
         per_class[index[c]] = n
     reach = reachable_choice(egraph, per_class)
     return Selection(reach, dag_cost(egraph, reach), extractor, clock() - started, status="feasible")
+
+
+def embedded_plans(decoder: Decoder, egraph: ExtractGraph, plans: Mapping[str, Plan], ties: Ties
+                   ) -> Iterator[tuple[Plan, Selection]]:
+    """Each of `plans` (by name, in name order) that lies in `egraph` keeping `ties`, with its selection: the
+    optimizer's hand-plan floor and the ILP's warm starts (optimizer.Explored)."""
+    for name, plan in sorted(plans.items()):
+        try:
+            embedded = plan_selection(decoder, egraph, plan, f"hand plan ({name})")
+        except NotInEGraph:
+            continue
+        if ties_hold(embedded.choice, ties):
+            yield plan, embedded

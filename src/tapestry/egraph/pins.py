@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 
 from tapestry.egraph.decode import Decoder
 from tapestry.extract import EGraph as ExtractGraph
-from tapestry.extract import Selection, Ties
+from tapestry.egraph.layered import Layered
+from tapestry.extract import Selection, Ties, ties_hold
 from tapestry.sharding import Layout, Mesh
 
 Outputs = str | Mapping[str, "str | Layout"]  # "any", "replicated", or per output name one of those or a Layout
@@ -163,3 +165,23 @@ def _delivers(want: str | Layout, shape: tuple[int, ...], layout: Layout, mesh: 
     if want == "replicated":
         return layout == Layout.replicated(shape, mesh)
     return layout == want
+
+
+def periodic_selections(layered: Layered, decoder: Decoder, egraph: ExtractGraph, selection: Selection, ties: Ties,
+                        carried: Mapping[str, str]) -> list[Selection]:
+    """`selection` of a folded graph made periodic each way (Layered.mirror: copy 1 as copy 0, copy 0 as copy 1),
+    a carried pair it breaks mended by a reshard (`steady_repaired`) and mirrored again, where copy 1 then runs
+    the twin of all copy 0 runs and the steady ties hold."""
+    twins = set(layered.ties())
+    steady = [t for t in ties if t not in twins]
+    found = []
+    for source in (0, 1):
+        mirrored = layered.mirror(egraph, selection, source)
+        if not ties_hold(mirrored.choice, steady):
+            repaired = steady_repaired(decoder, egraph, mirrored.choice, carried)
+            if repaired is None:
+                continue
+            mirrored = layered.mirror(egraph, replace(mirrored, choice=repaired), source)
+        if layered.holds(mirrored) and ties_hold(mirrored.choice, steady):
+            found.append(mirrored)
+    return found
