@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from tapestry.egraph.decode import Decoder
-from tapestry.extract import EGraph as ExtractGraph
 from tapestry.egraph.layered import Layered
+from tapestry.extract import EGraph as ExtractGraph
 from tapestry.extract import Selection, Ties, ties_hold
 from tapestry.sharding import Layout, Mesh
 
@@ -35,6 +35,17 @@ def steady_ties(decoder: Decoder, egraph: ExtractGraph, carried: Mapping[str, st
         costs[places.get(k, delivers.get(k))] = math.inf  # type: ignore[index]
     return (egraph.with_costs(costs) if ties or places or delivers else egraph), sorted(ties)
 
+
+def _chosen_places(decoder: Decoder, choice: Mapping[int, int], inputs: set[str]) -> dict[str, list[int]]:
+    """Input (of `inputs`) -> the Place nodes `choice` chose for it."""
+    placed: dict[str, list[int]] = {}
+    for n in choice.values():
+        node = decoder.nodes[n]
+        if node.op == "Place" and node.key in inputs:
+            placed.setdefault(node.key, []).append(n)
+    return placed
+
+
 def steady_repaired(decoder: Decoder, egraph: ExtractGraph, choice: Mapping[int, int],
                     carried: Mapping[str, str]) -> dict[int, int] | None:
     """`choice` (class -> node) with each carried pair it breaks mended by the cheaper of two moves: the input
@@ -46,14 +57,9 @@ def steady_repaired(decoder: Decoder, egraph: ExtractGraph, choice: Mapping[int,
     index = {c: i for i, c in enumerate(egraph.class_ids)}
     costs = egraph.node_cost
     found = dict(choice)
-    placed: dict[str, list[int]] = {}  # input -> its chosen Place nodes
-    delivered: dict[str, int] = {}  # carried output -> its chosen Deliver node
-    for n in choice.values():
-        node = decoder.nodes[n]
-        if node.op == "Place" and node.key in carried.values():
-            placed.setdefault(node.key, []).append(n)
-        elif node.op == "Deliver" and node.key in carried:
-            delivered[node.key] = n
+    placed = _chosen_places(decoder, choice, set(carried.values()))
+    delivered = {decoder.nodes[n].key: n for n in choice.values()  # carried output -> its chosen Deliver node
+                 if decoder.nodes[n].op == "Deliver" and decoder.nodes[n].key in carried}
     places = {(node.key, node.layout): n for n, node in enumerate(decoder.nodes)
               if node.op == "Place" and node.key in placed and math.isfinite(costs[n])}
 
@@ -111,17 +117,14 @@ def delivered_layouts(decoder: Decoder, free: Selection, carried: Mapping[str, s
             pinned[carried[node.key]] = decoder.class_layout[node.children[0]]
     return pinned
 
+
 def placed_layouts(decoder: Decoder, free: Selection, carried: Mapping[str, str]) -> dict[str, str]:
     """Carried input -> the layout (key) `free` placed it in (of several, the least key): state kept where a reader
     reads it and the update made to deliver it there, where `delivered_layouts` keeps it where the update writes
     it. (Preferring the delivered one of several made these the delivered pins on the folded 7B step.)"""
-    inputs = set(carried.values())
-    placed: dict[str, list[str]] = {}
-    for n in free.choice.values():
-        node = decoder.nodes[n]
-        if node.op == "Place" and node.key in inputs:
-            placed.setdefault(node.key, []).append(node.layout)
-    return {name: min(layouts) for name, layouts in placed.items()}
+    placed = _chosen_places(decoder, free.choice, set(carried.values()))
+    return {name: min(decoder.nodes[n].layout for n in nodes) for name, nodes in placed.items()}
+
 
 def replicated_layouts(decoder: Decoder, carried: Mapping[str, str]) -> dict[str, str]:
     """Carried input -> its replicated layout (key): pins that always leave a plan, as every value has its
@@ -132,6 +135,7 @@ def replicated_layouts(decoder: Decoder, carried: Mapping[str, str]) -> dict[str
     return {node.key: node.layout for node in decoder.nodes
             if node.op == "Place" and node.key in inputs
             and layouts[node.layout][1] == Layout.replicated(layouts[node.layout][0], decoder.mesh)}
+
 
 def pin_layouts(decoder: Decoder, egraph: ExtractGraph, pinned: Mapping[str, str],
                  carried: Mapping[str, str]) -> ExtractGraph:
@@ -144,6 +148,7 @@ def pin_layouts(decoder: Decoder, egraph: ExtractGraph, pinned: Mapping[str, str
             if decoder.class_layout[node.children[0]] != pinned[carried[node.key]]:
                 costs[n] = math.inf
     return egraph.with_costs(costs)
+
 
 def restrict_outputs(decoder: Decoder, egraph: ExtractGraph, outputs: Outputs) -> ExtractGraph:
     """Deliver nodes of unwanted output layouts become unselectable (infinite cost)."""
