@@ -24,12 +24,12 @@ from tapestry.extract import reduction as reduction_module
 from tapestry.extract import relax as relax_module
 from tapestry.extract.reduction import Reduced, reduce
 from tapestry.extract.relax import (
+    FlowBatch,
+    Lp,
     PathCut,
     Relaxation,
-    _Batch,
-    _flows,
-    _Lp,
-    _pairs,
+    need_pairs,
+    path_flows,
     read_rows_bound,
     relax,
 )
@@ -106,12 +106,13 @@ def test_needs_and_path_cuts_hold_for_every_acyclic_selection_and_the_ilp_is_opt
         assert all(d in used for b in used for d in reduced.needs.get(b, ())), "a need cut a selection"
     # cuts from the LP's own solutions, and from random capacities (every min cut is a valid inequality)
     relaxation = relax(egraph, reduced.candidates, block, reduced.needs, clock() + 10)
-    lp = _Lp(egraph, reduced.candidates, block, reduced.needs, (), math.inf)
-    pairs = _pairs(egraph, reduced.candidates, block, reduced.needs, math.inf)
+    lp = Lp(egraph, reduced.candidates, block, reduced.needs, (), math.inf)
+    pairs = need_pairs(egraph, reduced.candidates, block, reduced.needs, math.inf)
     assert pairs is not None
-    flows = _flows(egraph, reduced.candidates, block, pairs, lp, math.inf)
+    flows = path_flows(egraph, reduced.candidates, block, pairs, lp, math.inf)
     values = np.random.default_rng(seed).random(lp.highs.getNumCol())
-    drawn = _Batch.of(flows, len(values)).separate(values, values[[lp.used[f.reader] for f in flows]]) if flows else []
+    demands = values[[lp.used[flow.reader] for flow in flows]]
+    drawn = FlowBatch.of(flows, len(values)).separate(values, demands) if flows else []
     for cut in [*relaxation.cuts, *drawn]:
         assert all(holds(egraph, reduced, cut, choice) for choice in every), f"{cut} cuts a selection"
     assert relaxation.bound <= optimum + 1e-9
@@ -130,7 +131,7 @@ def test_the_lp_bound_is_lagrangian_so_it_holds_whatever_duals_highs_returns(see
     reduced = reduce(egraph, solvable_tree(egraph))
     block = {c: reduced.block(c) for c in reduced.candidates}
     optimum = min(sum(egraph.node_cost[n] for n in choice.values()) for choice in selections(egraph, reduced))
-    lp = _Lp(egraph, reduced.candidates, block, reduced.needs, (), math.inf)
+    lp = Lp(egraph, reduced.candidates, block, reduced.needs, (), math.inf)
     bound, _ = lp.solve(math.inf)
     assert bound == pytest.approx(lp.highs.getInfo().objective_function_value * lp.unit, rel=1e-7)
     assert bound <= optimum * (1 + 1e-9)
@@ -179,20 +180,20 @@ def test_the_lp_with_path_cuts_proves_a_transformer_layer_on_8_devices_and_agree
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10**6))
 def test_separation_finds_a_violated_cut_exactly_where_the_max_flow_falls_short_of_the_demand(seed: int) -> None:
-    # All pairs share one max flow (`_Batch`) on integer capacities; each pair must still get its own answer.
+    # All pairs share one max flow (`FlowBatch`) on integer capacities; each pair must still get its own answer.
     egraph = tapestry_like(seed, 4, 2)
     reduced = reduce(egraph, solvable_tree(egraph))
     block = {c: reduced.block(c) for c in reduced.candidates}
-    lp = _Lp(egraph, reduced.candidates, block, reduced.needs, (), math.inf)
-    pairs = _pairs(egraph, reduced.candidates, block, reduced.needs, math.inf)
+    lp = Lp(egraph, reduced.candidates, block, reduced.needs, (), math.inf)
+    pairs = need_pairs(egraph, reduced.candidates, block, reduced.needs, math.inf)
     assert pairs is not None and pairs.pairs
-    flows = _flows(egraph, reduced.candidates, block, pairs, lp, math.inf)
+    flows = path_flows(egraph, reduced.candidates, block, pairs, lp, math.inf)
     rng = np.random.default_rng(seed)
     values = rng.random(lp.highs.getNumCol()) ** 2  # capacities mostly small, demands large: some pairs fall short
     readers = [lp.used[flow.reader] for flow in flows]
     values[readers] = rng.uniform(0.5, 1.0, len(readers))
     demands = values[readers]
-    cuts = _Batch.of(flows, len(values)).separate(values, demands)
+    cuts = FlowBatch.of(flows, len(values)).separate(values, demands)
     short = []
     for flow, demand in zip(flows, demands):
         graph = networkx.DiGraph()
@@ -214,9 +215,8 @@ def test_the_lp_pass_is_skipped_when_its_path_graphs_would_take_too_long_to_buil
     reduced = reduce(egraph, solvable_tree(egraph))
     block = {c: reduced.block(c) for c in reduced.candidates}
     soon = clock() + 10
-    assert _pairs(egraph, reduced.candidates, block, reduced.needs, soon) is not None
+    assert relax(egraph, reduced.candidates, block, reduced.needs, soon).cuts
     monkeypatch.setattr(relax_module, "PATH_NODES_PER_SECOND", 0.01)
-    assert _pairs(egraph, reduced.candidates, block, reduced.needs, soon) is None
     assert relax(egraph, reduced.candidates, block, reduced.needs, soon) == Relaxation((), 0.0, 0)
     selection = extract(egraph, "ilp", time_limit=10)
     assert validate(egraph, selection) == [] and selection.status == "optimal"
@@ -240,11 +240,10 @@ def test_a_layout_nothing_reads_is_no_cheap_source_once_the_lp_has_its_read_rows
     # too, and the bound is the optimum (issue 25: Mixtral's experts, 7.5% -> 1.0% under the plan on 2x2).
     egraph = unread_partial()
     reduced = reduce(egraph, solvable_tree(egraph))
-    block = {c: reduced.block(c) for c in reduced.candidates}
-    lp = _Lp(egraph, reduced.candidates, block, reduced.needs, (), math.inf)
-    assert lp.solve(math.inf)[0] == pytest.approx(2.0)
-    lp.add_reads(egraph, reduced.candidates)
-    assert lp.solve(math.inf)[0] == pytest.approx(11.0) and brute_force(egraph) == 11.0
+    found = read_rows_bound(egraph, reduced.candidates, {c: reduced.block(c) for c in reduced.candidates},
+                            reduced.needs)
+    assert found.without == pytest.approx(2.0)
+    assert found.bound == pytest.approx(11.0) and brute_force(egraph) == 11.0
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -265,7 +264,6 @@ def test_without_path_cuts_to_afford_the_lp_pass_still_gives_its_bound_with_read
     block = {c: reduced.block(c) for c in reduced.candidates}
     monkeypatch.setattr(relax_module, "PATH_NODES_PER_SECOND", 0.0)
     soon = clock() + 10
-    assert _pairs(egraph, reduced.candidates, block, reduced.needs, soon) is None
     assert relax(egraph, reduced.candidates, block, reduced.needs, soon) == Relaxation((), 0.0, 0)
     assert relax(egraph, reduced.candidates, block, reduced.needs, soon, reads=True).bound == pytest.approx(11.0)
 
@@ -277,8 +275,8 @@ def test_a_pass_that_ends_at_a_gap_cuts_paths_fewer_steps_of_needs_apart_than_on
     reduced = reduce(egraph, solvable_tree(egraph))
     block = {c: reduced.block(c) for c in reduced.candidates}
     steps: list[int] = []
-    pairs = relax_module._pairs
-    monkeypatch.setattr(relax_module, "_pairs", lambda *args: steps.append(args[5]) or pairs(*args))
+    pairs = relax_module.need_pairs
+    monkeypatch.setattr(relax_module, "need_pairs", lambda *args: steps.append(args[5]) or pairs(*args))
     soon = clock() + 10
     relax(egraph, reduced.candidates, block, reduced.needs, soon)
     relax(egraph, reduced.candidates, block, reduced.needs, soon, enough=0.01)

@@ -31,7 +31,7 @@ start within the stop gap of it ends the search.
 
 The bound is honest: each part's CP-SAT bound is clamped at 0, lowered by the most
 that rounding costs to integers can add, and summed with the costs of classes
-whose choice is forced; the LP bound is Lagrangian, from HiGHS's duals (`relax._Lp.solve`),
+whose choice is forced; the LP bound is Lagrangian, from HiGHS's duals (`relax.Lp.solve`),
 so HiGHS's tolerances cannot lift it; the larger is taken. `Selection.gap` = (cost - bound) / cost is in [0, 1].
 
 With a `DeviceBudget`, per device d: sum of resident_n[d] x_n over all nodes,

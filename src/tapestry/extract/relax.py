@@ -8,7 +8,7 @@ through chosen nodes, a class of B: a selection has a path of chosen nodes from 
 source of B'. So for every cut C of the graph of such paths, u_B' <= sum of x_n over the nodes in C (a node's
 capacity is x_n, a source's s_n). The same holds for B reached from B' through several steps of needs: pairs up
 to `NEED_HOPS` steps apart take a 12-layer stack on 16 devices to its optimum in 4 rounds (one step: 10).
-Separation is a max flow per pair under the LP solution, all pairs in one graph (`_Batch`); a flow below u_B'
+Separation is a max flow per pair under the LP solution, all pairs in one graph (`FlowBatch`); a flow below u_B'
 gives the violated cut. On a transformer block on 8 devices they take the LP bound from 99.0% of
 the optimum to the optimum; the LP solution rounded (each class's largest x) is then often a selection that
 meets the bound, so optimal outright.
@@ -32,7 +32,7 @@ from tapestry.clock import clock
 from tapestry.extract.egraph import EGraph
 
 TOLERANCE = 1e-6  # a cut counts as violated by more than this
-SLACK = 1e-9  # share shaved off the Lagrangian bound (`_Lp.solve`) for rounding in its sums
+SLACK = 1e-9  # share shaved off the Lagrangian bound (`Lp.solve`) for rounding in its sums
 PROVEN = 1e-6  # a selection within this share of the bound counts as optimal
 # A round of cuts that closes less than this share of the gap between the bound and the incumbent ends the
 # loop if it is the first round or follows another such round: on a 2x4 mesh the path cuts move the bound by
@@ -85,7 +85,7 @@ class Relaxation:
 
 
 @dataclass(frozen=True)
-class _Flow:
+class PathFlow:
     """One pair (B', B): the path graph, vertices 0 (s), 1 (t), then classes and nodes with several children.
     Each edge has the LP variables its capacity sums (x over its nodes, s over its sources), or none: then it
     is unbounded."""
@@ -98,12 +98,12 @@ class _Flow:
 
 
 @dataclass(frozen=True)
-class _Batch:
+class FlowBatch:
     """Path graphs side by side in one graph, for one max flow: vertex 0 feeds each pair's s through an edge of
     capacity its demand u_B', each pair's t feeds vertex 1. The pairs share no other vertex, so the max flow is
     each pair's, capped at its demand, and a pair short of its demand has its min cut in the residual graph."""
 
-    flows: tuple[_Flow, ...]
+    flows: tuple[PathFlow, ...]
     graph: sparse.csr_matrix  # capacities filled in per separation
     row: np.ndarray  # per CSR entry: its row of `capacity`, -1 for the edges from 0 and into 1
     owner: np.ndarray  # per CSR entry: its flow, -1 for the edges from 0 and into 1
@@ -114,7 +114,7 @@ class _Batch:
     capacity: sparse.csr_matrix  # edge x LP variable
 
     @staticmethod
-    def of(flows: Sequence[_Flow], columns: int) -> _Batch:
+    def of(flows: Sequence[PathFlow], columns: int) -> FlowBatch:
         tails, heads, rows, owners, variables, starts, first = [], [], [], [], [], [], []
         vertices = 2
         for i, flow in enumerate(flows):
@@ -143,8 +143,8 @@ class _Batch:
              np.concatenate(([0], np.cumsum(lengths)))), shape=(len(variables), columns))
         bounded = row >= 0
         bounded[bounded] = lengths[row[bounded]] > 0
-        return _Batch(tuple(flows), graph, row, np.array(owners)[order], bounded,
-                      np.flatnonzero(tail == 0), np.array(starts), np.array(first), capacity)
+        return FlowBatch(tuple(flows), graph, row, np.array(owners)[order], bounded,
+                         np.flatnonzero(tail == 0), np.array(starts), np.array(first), capacity)
 
     def separate(self, values: np.ndarray, demands: np.ndarray) -> list[PathCut]:
         """The violated min cuts under the LP `values`, where pair i's reader has u = `demands[i]`: those whose
@@ -180,7 +180,7 @@ def relax(
     needs: Mapping[int, Sequence[int]], deadline: float, ties: Sequence[tuple[int, int]] = (),
     offer: Callable[[list[int]], float] = lambda _: math.inf, enough: float = PROVEN, reads: bool = False,
 ) -> Relaxation:
-    """Solve the LP of `candidates` (class -> nodes), then, with `reads`, with read rows (`_Lp.add_reads`; not
+    """Solve the LP of `candidates` (class -> nodes), then, with `reads`, with read rows (`Lp.add_reads`; not
     under ties or a negative cost), adding violated path cuts (`NEED_HOPS` steps of needs apart, `GAP_HOPS` where
     `enough` is a gap, not a proof) until none is left, the bound
     comes within `enough` of the incumbent (at `PROVEN` that proves it optimal), a round closes too little of the
@@ -195,12 +195,12 @@ def relax(
     bound, values = 0.0, None  # the last LP solved; out of time, it and the cuts found so far still hold
     try:
         reads = reads and not ties and all(egraph.node_cost[n] >= 0 for nodes in candidates.values() for n in nodes)
-        pairs = _pairs(egraph, candidates, block, needs, deadline, NEED_HOPS if enough <= PROVEN else GAP_HOPS)
+        pairs = need_pairs(egraph, candidates, block, needs, deadline, NEED_HOPS if enough <= PROVEN else GAP_HOPS)
         if pairs is None and not reads:  # no cuts to afford: the LP alone is CP-SAT's own root LP
             return Relaxation((), 0.0, 0)
-        lp = _Lp(egraph, candidates, block, needs, ties, deadline)
+        lp = Lp(egraph, candidates, block, needs, ties, deadline)
         bound, values = lp.solve(deadline)
-        batches: list[_Batch] | None = None  # built once the LP without cuts has proven nothing
+        batches: list[FlowBatch] | None = None  # built once the LP without cuts has proven nothing
         previous = None  # the bound before the last round of cuts
         while values is not None:
             incumbent = offer(_rounded(egraph, candidates, lp, values))
@@ -222,7 +222,7 @@ def relax(
                     break
                 stalled, productive = small, productive or not small
             if batches is None:
-                batches = _batches(_flows(egraph, candidates, block, pairs, lp, deadline), len(lp.cost), deadline)
+                batches = _batches(path_flows(egraph, candidates, block, pairs, lp, deadline), len(lp.cost), deadline)
             found = []
             point = np.asarray(values)
             for batch in batches:
@@ -248,7 +248,7 @@ def lp_bound(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Map
     """The bound of the LP alone, without cuts or rounding (0 when it is not solved by `deadline`): what
     `contract.py` asks of a relaxed problem, whose LP solutions are no selections of the e-graph it bounds."""
     try:
-        bound, values = _Lp(egraph, candidates, block, needs, (), deadline).solve(deadline)
+        bound, values = Lp(egraph, candidates, block, needs, (), deadline).solve(deadline)
     except _OutOfTime:
         return 0.0
     return 0.0 if values is None else _shaved(bound)
@@ -266,9 +266,9 @@ class ReadRowsBound:
 
 def read_rows_bound(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
                     needs: Mapping[int, Sequence[int]]) -> ReadRowsBound:
-    """The LP of `candidates` without cuts, solved, then with its read rows (`_Lp.add_reads`) solved again warm,
+    """The LP of `candidates` without cuts, solved, then with its read rows (`Lp.add_reads`) solved again warm,
     as `relax(..., reads=True)` does before any path cut; no deadline."""
-    lp = _Lp(egraph, candidates, block, needs, (), math.inf)
+    lp = Lp(egraph, candidates, block, needs, (), math.inf)
     without, _ = lp.solve(math.inf)
     lp.add_reads(egraph, candidates)
     started = clock()
@@ -281,7 +281,7 @@ def _shaved(bound: float) -> float:
     return max(0.0, bound - SLACK * abs(bound))
 
 
-def _rounded(egraph: EGraph, candidates: Mapping[int, Sequence[int]], lp: _Lp, values: Sequence[float]) -> list[int]:
+def _rounded(egraph: EGraph, candidates: Mapping[int, Sequence[int]], lp: Lp, values: Sequence[float]) -> list[int]:
     """Per class, its candidate of largest x in `values` (-1 for a class without candidates)."""
     choice = [-1] * egraph.num_classes
     for c, nodes in candidates.items():
@@ -289,7 +289,7 @@ def _rounded(egraph: EGraph, candidates: Mapping[int, Sequence[int]], lp: _Lp, v
     return choice
 
 
-class _Lp:
+class Lp:
     """The LP in HiGHS, rows added as cuts are found (a warm re-solve)."""
 
     def __init__(self, egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
@@ -452,7 +452,7 @@ class _Lp:
 
 
 @dataclass(frozen=True)
-class _Pairs:
+class NeedPairs:
     """The pairs (B', B) to separate, each with its region (the blocks a path from B up to B' can cross), and
     each block's classes."""
 
@@ -460,8 +460,8 @@ class _Pairs:
     members: Mapping[int, list[int]]
 
 
-def _pairs(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
-           needs: Mapping[int, Sequence[int]], deadline: float, steps: int = NEED_HOPS) -> _Pairs | None:
+def need_pairs(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
+               needs: Mapping[int, Sequence[int]], deadline: float, steps: int = NEED_HOPS) -> NeedPairs | None:
     """Every pair (B', B) with B one step of needs from B', then two, .. `steps`, while their path graphs
     can be built in `PATH_SHARE` of the time to `deadline` (whole steps only); None when the one-step pairs
     alone cannot. The region of (B', B): the blocks below B' and above B."""
@@ -495,14 +495,14 @@ def _pairs(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mappi
                 region = frozenset(_closure(target, above, down.__contains__))
                 room -= sum(size[b] for b in region)
                 if room < 0:
-                    return _Pairs(tuple(pairs), members) if hops else None
+                    return NeedPairs(tuple(pairs), members) if hops else None
                 step.append((reader, target, region))
         pairs += step
-    return _Pairs(tuple(pairs), members)
+    return NeedPairs(tuple(pairs), members)
 
 
-def _flows(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int], pairs: _Pairs,
-           lp: _Lp, deadline: float) -> list[_Flow]:
+def path_flows(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
+               pairs: NeedPairs, lp: Lp, deadline: float) -> list[PathFlow]:
     """The path graph of every pair: classes of its region, each node an edge from its child classes in the
     region into its class (through a vertex of its own when it has several), an entry of B an edge from s, the
     source of B' an edge into t."""
@@ -556,13 +556,13 @@ class _Inner:
                       tuple(e for e in entries if e[1]), tuple(rest), tuple(whole))
 
 
-def _batches(flows: Sequence[_Flow], columns: int, deadline: float) -> list[_Batch]:
+def _batches(flows: Sequence[PathFlow], columns: int, deadline: float) -> list[FlowBatch]:
     """`flows` in batches of `BATCH` (their demands sum to at most that, so flows stay within int32)."""
     batches = []
     for i in range(0, len(flows), BATCH):
         if clock() > deadline:
             raise _OutOfTime
-        batches.append(_Batch.of(flows[i:i + BATCH], columns))
+        batches.append(FlowBatch.of(flows[i:i + BATCH], columns))
     return batches
 
 
@@ -596,8 +596,8 @@ def _closure(start: int, edges: Mapping[int, set[int]], keep: Callable[[int], bo
 
 def _flow(prepared: Mapping[int, list[tuple[int, tuple[int, ...], bool, int, int]]],
           members: Mapping[int, list[int]], inner: Mapping[int, _Inner], reader: int, target: int,
-          region: frozenset[int]) -> _Flow:
-    """The path graph of (`reader`, `target`) over the blocks of `region` (`_flows`). `prepared` has per class
+          region: frozenset[int]) -> PathFlow:
+    """The path graph of (`reader`, `target`) over the blocks of `region` (`path_flows`). `prepared` has per class
     its candidates: (node, child classes, entry of its block, x variable, source variable); `inner` per block
     the edges that need no region. Edges are in no particular order (a batch sorts them)."""
     vertex: dict[int, int] = {}
@@ -650,6 +650,6 @@ def _flow(prepared: Mapping[int, list[tuple[int, tuple[int, ...], bool, int, int
                     found = edges[tail, head] = ([], [], [])
                 found[source].append(n)
                 found[2].append(variable)
-    return _Flow(reader, count, (*keys, *edges, *unbounded),
-                 (*terms, *((tuple(xs), tuple(ss)) for xs, ss, _ in edges.values()), *(((), ()),) * len(unbounded)),
-                 (*variables, *(tuple(v) for _, _, v in edges.values()), *((),) * len(unbounded)))
+    return PathFlow(reader, count, (*keys, *edges, *unbounded),
+                    (*terms, *((tuple(xs), tuple(ss)) for xs, ss, _ in edges.values()), *(((), ()),) * len(unbounded)),
+                    (*variables, *(tuple(v) for _, _, v in edges.values()), *((),) * len(unbounded)))
