@@ -23,7 +23,8 @@ def check_all_extractors(path: str, time_limit: float) -> None:
 
 
 def test_small_rover_file() -> None:
-    check_all_extractors("rover/box_filter_3iteration_egraph.json", time_limit=10)
+    # CP-SAT runs to its work budget here unproven at 2 s as at 10 s, and keeps greedy-dag's cost (1701): 8 -> 2.3 CPU s
+    check_all_extractors("rover/box_filter_3iteration_egraph.json", time_limit=2)
 
 
 @pytest.mark.slow
