@@ -4,6 +4,7 @@ imported with `from_torch`, then `tapestry.optimize(..., Mesh(8, 8), gpu-h100-nc
     python benchmarks/heldback_call.py [--family llama] [--hidden 256] [--intermediate 512] [--heads 8]
         [--kv-heads 8] [--vocab 1024] [--layers 2] [--mesh 8x8] [--batch 8] [--seq 128] [--budget-gb 80]
         [--profile gpu-h100-nccl] [--dtype float32] [--inference] [--hand] [--json OUT]
+    python benchmarks/heldback_call.py --table OUT     # the rows as docs/benchmarks.md's table
 
 `--family` picks the transformers config and model class (llama, mistral, qwen2, mixtral); the widths are flags,
 the defaults a small LLaMA. Prints import and optimize wall and CPU seconds, peak RSS, the plan's predicted step,
@@ -125,6 +126,41 @@ def hand(imported: Any, mesh: Any, cost_model: Any, flops: float, peak: float) -
     return {"plans": found, "errors": errors}
 
 
+def command(args: dict[str, Any], defaults: dict[str, Any]) -> str:
+    """The command line that makes a row: the flags that differ from the defaults."""
+    flags = []
+    for name, value in args.items():
+        if name in ("json", "table") or value == defaults[name]:
+            continue
+        flag = "--" + name.replace("_", "-")
+        flags.append(("--inference" if value else "--training") if name == "inference"
+                     else flag if value is True else f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")
+    return " ".join(["python benchmarks/heldback_call.py", *flags])
+
+
+def table(rows: list[dict[str, Any]], defaults: dict[str, Any]) -> str:
+    """The rows as docs/benchmarks.md's table: one command per row, what the call returned, the load it ran at."""
+    head = ("| command | load | import s (CPU) | optimize s wall (CPU) | RSS GiB | returns | predicted ms | MFU | "
+            "GB/device (budget) | status | replicated | best hand ms (MFU) | vs best hand |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        a = r["args"]
+        hands = [(ms, name, mfu) for name, (ms, _, mfu) in r.get("hand", {}).get("plans", {}).items() if ms == ms]
+        best = min(hands, default=None)
+        first = (f"| `{command(a, defaults)}` | {r['load']:.1f} | {r['import_s']:.1f} ({r['import_cpu_s']:.1f}) | "
+                 f"{r['optimize_s']:.0f} ({r['optimize_cpu_s']:.0f}) | {r['rss'] / 2**30:.2f} |")
+        hand_cells = "— | — |" if best is None else (f"{best[1]} {best[0]:.1f} ({best[2]:.1%}) | "
+                                                     + ("—" if "cost" not in r else f"{r['cost'] * 1e3 / best[0]:.2f}")
+                                                     + " |")
+        if "error" in r:
+            lines.append(first + f" **{r['error'][:400]}** | — | — | — ({a['budget_gb']:g}) | — | — | {hand_cells}")
+            continue
+        lines.append(first + f" yes | {r['cost'] * 1e3:.2f} | {r['mfu']:.1%} | {r['peak_memory'] / 10**9:.2f} "
+                     f"({a['budget_gb']:g}{'' if r['fits'] else ', OVER'}) | {r['status']} ({r['extractor']}) | "
+                     f"{r['replicated']:.0%} | {hand_cells}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", default="llama", choices=sorted(FAMILIES))
@@ -148,7 +184,12 @@ def main() -> None:
     parser.set_defaults(inference=False)
     parser.add_argument("--hand", action="store_true", help="also price cluster.py's hand plans")
     parser.add_argument("--json", help="append the row to this JSON list")
+    parser.add_argument("--table", help="print the rows of this JSON list (--json) as a markdown table, and stop")
     args = parser.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            print(table(json.load(f), vars(parser.parse_args([]))))
+        return
     row = call(args)
     if args.json:
         rows = json.loads(open(args.json).read()) if os.path.exists(args.json) else []
