@@ -19,6 +19,7 @@ import json
 import math
 import os
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -84,6 +85,7 @@ def call(args: argparse.Namespace) -> dict[str, Any]:
     try:
         result = tapestry.optimize(imported.graph, mesh=mesh, memory_budget=budget, cost_model=cost_model)
     except Exception as err:
+        traceback.print_exc()
         row.update(error=f"{type(err).__name__}: {err}", optimize_s=time.perf_counter() - wall,
                    optimize_cpu_s=time.process_time() - cpu)
         print(f"optimize raised after {row['optimize_s']:.1f} s wall, {row['optimize_cpu_s']:.1f} s CPU: "
