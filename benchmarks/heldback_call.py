@@ -132,7 +132,7 @@ def command(args: dict[str, Any], defaults: dict[str, Any]) -> str:
     """The command line that makes a row: the flags that differ from the defaults."""
     flags = []
     for name, value in args.items():
-        if name in ("json", "table") or value == defaults[name]:
+        if name in ("json", "table") or value == defaults[name] and name not in ("layers", "mesh"):
             continue
         flag = "--" + name.replace("_", "-")
         flags.append(("--inference" if value else "--training") if name == "inference"
@@ -142,14 +142,16 @@ def command(args: dict[str, Any], defaults: dict[str, Any]) -> str:
 
 def table(rows: list[dict[str, Any]], defaults: dict[str, Any]) -> str:
     """The rows as docs/benchmarks.md's table: one command per row, what the call returned, the load it ran at."""
-    head = ("| command | load | import s (CPU) | optimize s wall (CPU) | RSS GiB | returns | predicted ms | MFU | "
-            "GB/device (budget) | status | replicated | best hand ms (MFU) | vs best hand |")
+    head = ("| command | tree | load | import s (CPU) | optimize s wall (CPU) | RSS GiB | returns | predicted ms | "
+            "MFU | GB/device (budget) | status | replicated | best hand in budget: ms (MFU) | vs best hand |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         a = r["args"]
-        hands = [(ms, name, mfu) for name, (ms, _, mfu) in r.get("hand", {}).get("plans", {}).items() if ms == ms]
+        hands = [(ms, name, mfu) for name, (ms, gb, mfu) in r.get("hand", {}).get("plans", {}).items()
+                 if ms == ms and gb <= a["budget_gb"]]
         best = min(hands, default=None)
-        first = (f"| `{command(a, defaults)}` | {r['load']:.1f} | {r['import_s']:.1f} ({r['import_cpu_s']:.1f}) | "
+        first = (f"| `{command(a, defaults)}` | {r.get('tree', '—')} | {r['load']:.1f} | "
+                 f"{r['import_s']:.1f} ({r['import_cpu_s']:.1f}) | "
                  f"{r['optimize_s']:.0f} ({r['optimize_cpu_s']:.0f}) | {r['rss'] / 2**30:.2f} |")
         hand_cells = "— | — |" if best is None else (f"{best[1]} {best[0]:.1f} ({best[2]:.1%}) | "
                                                      + ("—" if "cost" not in r else f"{r['cost'] * 1e3 / best[0]:.2f}")
