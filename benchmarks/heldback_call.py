@@ -135,8 +135,11 @@ def command(args: dict[str, Any], defaults: dict[str, Any]) -> str:
         if name in ("json", "table") or value == defaults[name] and name not in ("layers", "mesh"):
             continue
         flag = "--" + name.replace("_", "-")
-        flags.append(("--inference" if value else "--training") if name == "inference"
-                     else flag if value is True else f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")
+        if name == "inference":
+            flags.append("--inference" if value else "--training")
+        else:
+            shown = f"{value:g}" if isinstance(value, float) else str(value)
+            flags.append(flag if value is True else f"{flag} {shown}")
     return " ".join(["python benchmarks/heldback_call.py", *flags])
 
 
@@ -153,11 +156,11 @@ def table(rows: list[dict[str, Any]], defaults: dict[str, Any]) -> str:
         first = (f"| `{command(a, defaults)}` | {r.get('tree', '—')} | {r['load']:.1f} | "
                  f"{r['import_s']:.1f} ({r['import_cpu_s']:.1f}) | "
                  f"{r['optimize_s']:.0f} ({r['optimize_cpu_s']:.0f}) | {r['rss'] / 2**30:.2f} |")
-        hand_cells = "— | — |" if best is None else (f"{best[1]} {best[0]:.1f} ({best[2]:.1%}) | "
-                                                     + ("—" if "cost" not in r else f"{r['cost'] * 1e3 / best[0]:.2f}")
-                                                     + " |")
+        against = "—" if best is None or "cost" not in r else f"{r['cost'] * 1e3 / best[0]:.2f}"
+        hand_cells = "— | — |" if best is None else f"{best[1]} {best[0]:.1f} ({best[2]:.1%}) | {against} |"
         if "error" in r:
-            lines.append(first + f" **{r['error'][:400]}** | — | — | — ({a['budget_gb']:g}) | — | — | {hand_cells}")
+            lines.append(first + f" **{r['error'][:400]}** | — | — | — ({a['budget_gb']:g}) | — | — | "
+                         f"{hand_cells}")
             continue
         lines.append(first + f" yes | {r['cost'] * 1e3:.2f} | {r['mfu']:.1%} | {r['peak_memory'] / 10**9:.2f} "
                      f"({a['budget_gb']:g}{'' if r['fits'] else ', OVER'}) | {r['status']} ({r['extractor']}) | "
