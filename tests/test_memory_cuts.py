@@ -2,6 +2,7 @@
 and what overshoots becomes a cut the ILP must respect (issue 11: no plan found although a hand plan fit)."""
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -12,8 +13,9 @@ from training_helpers import ARGUMENTS, GPU, HIDDEN, adam_step
 import tapestry
 from tapestry.cost import peak_memory, plan_cost, rank_peaks
 from tapestry.cost.memory import lean_order
+from tapestry.dtypes import itemsize
 from tapestry.extract import DeviceBudget, extract
-from tapestry.optimizer import explore, steady_violations
+from tapestry.optimizer import Explored, MemoryBudgetError, explore, steady_violations
 from tapestry.plan import Plan
 from tapestry.plan.validate import validate_plan
 from tapestry.training.plans import data_parallel, megatron, zero3
@@ -23,6 +25,10 @@ def hand_plans(imported: tapestry.TorchImport, mesh: tapestry.Mesh) -> dict[str,
     graph = imported.graph
     return {"DP": data_parallel(graph, mesh, ARGUMENTS), "ZeRO-3": zero3(graph, mesh, ARGUMENTS),
             "TP": megatron(graph, mesh, HIDDEN)}
+
+
+def input_bytes(graph: tapestry.Graph) -> int:
+    return sum(math.prod(node.shape) * itemsize(node.dtype) for node in graph.inputs)
 
 
 def test_a_rank_peak_names_the_steps_whose_buffers_make_it_up():
@@ -85,3 +91,28 @@ def test_a_budget_every_plan_meets_leaves_the_plan_and_what_was_proven_of_it_unc
     assert bound.plan.cost == pytest.approx(free.plan.cost, rel=1e-12)  # its steps may run in a leaner order
     assert bound.status == free.status
     assert bound.plan.notes["memory_budget"] == "not binding"
+
+
+@pytest.fixture(scope="module")
+def small_step() -> tuple[Explored, int]:
+    """An Adam step explored on 2 devices, and its inputs' bytes split over them."""
+    graph = adam_step(8, 32, 64)[0].graph
+    return explore(graph, tapestry.Mesh(2)), input_bytes(graph) // 2
+
+
+def test_a_budget_the_inputs_alone_overshoot_fails_at_once_naming_them(small_step):  # noqa: ANN001
+    """The held-back check's 1 GB budget for a 7B training step: the error says the weights, optimizer state and
+    batch alone need more per device however they are split, and names the largest (it said only "no selection
+    keeps the budget", after 50 CPU s of extraction)."""
+    explored, inputs = small_step
+    with pytest.raises(MemoryBudgetError, match=r"inputs \(weights, optimizer state, batch\) alone need at least "
+                       r"[\d,]+ bytes per device.*largest: arg0 1,024, arg1 1,024"):
+        explored.extract(GPU, time_limit=5, memory_budget=inputs // 2)
+
+
+def test_a_budget_the_inputs_fit_but_the_step_does_not_says_what_is_left_for_the_rest(small_step):  # noqa: ANN001
+    explored, inputs = small_step
+    with pytest.raises(MemoryBudgetError, match=r"no plan fits [\d,]+ bytes per device: .*alone need at least "
+                       r"[\d,]+ bytes per device.* so no plan found holds the step's other values in the [\d,]+ "
+                       r"bytes left"):
+        explored.extract(GPU, time_limit=5, memory_budget=inputs + 64)

@@ -267,6 +267,8 @@ class Explored:
             egraph, ties = self.layered.costs(egraph), sorted([*ties, *self.layered.ties()])
             fused = None if fused is None else self.layered.costs(fused)
         budget_of = cache(lambda: self._device_budget(memory_budget))  # made only where it binds
+        if memory_budget is not None and self._inputs_floor[0] > memory_budget:  # no plan can: say so at once
+            raise self._budget_error(memory_budget, "")
         hands = self._hand_selections(egraph, ties) if self.layered is None else ()
         reductions, backward = self._overlap_split()
 
@@ -399,8 +401,8 @@ class Explored:
                 if budget is None:
                     asked = f"outputs as asked ({outputs!r})" + (" in steady state" if ties else "")
                     raise NoPlanError(f"no plan delivers the {asked}: {err}") from None
-                raise MemoryBudgetError(f"no plan fits {memory_budget:,} bytes per device: {err}"
-                                        + (f" (after {rounds} rounds of memory cuts)" if rounds else "")) from None
+                raise self._budget_error(memory_budget, f"{err}" + (f" (after {rounds} rounds of memory cuts)"
+                                                                     if rounds else "")) from None
             problems = validate(egraph, selection)
             if problems:
                 raise AssertionError(f"extractor {extractor} returned an invalid selection: {problems[0]}")
@@ -412,9 +414,8 @@ class Explored:
                 break
             rounds += 1
             if rounds > CUT_ROUNDS:
-                raise MemoryBudgetError(f"no plan fits {memory_budget:,} bytes per device: after {CUT_ROUNDS} "
-                                        f"rounds of memory cuts the ILP's plan still needs "
-                                        f"{max(p.bytes for p in peaks):,}")
+                raise self._budget_error(memory_budget, f"after {CUT_ROUNDS} rounds of memory cuts the ILP's "
+                                                        f"plan still needs {max(p.bytes for p in peaks):,}")
             cuts += [cut for cut in _memory_cuts(egraph, step_nodes, peaks, memory_budget) if cut not in cuts]
         if rounds:
             selection = replace(selection, status="feasible")
@@ -571,6 +572,38 @@ class Explored:
         if self.layered is not None:
             resident = self.layered.resident(resident)
         return DeviceBudget(limit, resident, transient)
+
+    @cached_property
+    def _inputs_floor(self) -> tuple[int, tuple[tuple[str, int], ...]]:
+        """A floor under every plan's peak bytes per device, and what makes it up, largest first: each input a
+        step reads (or a step carries) is held for the whole program in one of the layouts the search made for it,
+        and the device holding most holds at least the mean over devices of all of them (cost.memory)."""
+        decoder, layouts = self.decoder, self.decoder.interner.layouts
+        read = {name for name, users in self.graph.users().items() if users} | set(self.graph.carried.values())
+        places = {n: layout_bytes(layouts[decoder.class_layout[node.eclass]][1], self.graph[node.key].dtype)
+                  for n, node in enumerate(decoder.nodes) if node.op == "Place" and node.key in read}
+        if self.layered is not None:  # copy 1's inputs stand for every later layer's
+            places = self.layered.resident(places)
+        least: dict[str, float] = {}
+        for n, held in places.items():
+            name = decoder.nodes[n].key
+            least[name] = min(least.get(name, math.inf), sum(held) / len(held))
+        ranked = sorted(((name, math.ceil(b)) for name, b in least.items()), key=lambda item: (-item[1], item[0]))
+        return math.ceil(sum(least.values())), tuple(ranked)
+
+    def _budget_error(self, limit: int, why: str) -> MemoryBudgetError:
+        """No plan fits `limit`, for the reason `why` the extraction gave, and what the inputs need of it: the
+        weights, optimizer state and batch alone, split as finely as the search made them, with the largest."""
+        floor, ranked = self._inputs_floor
+        largest = ", ".join(f"{name} {held:,}" for name, held in ranked[:3])
+        inputs = (f"the {len(ranked)} inputs (weights, optimizer state, batch) alone need at least {floor:,} bytes "
+                  f"per device, each split as finely as the search made it on {self.mesh.size} devices (largest: "
+                  f"{largest})")
+        if floor > limit:
+            return MemoryBudgetError(f"no plan fits {limit:,} bytes per device: {inputs}; use more devices or a "
+                                     f"larger budget")
+        return MemoryBudgetError(f"no plan fits {limit:,} bytes per device: {why}; {inputs}, so no plan found "
+                                 f"holds the step's other values in the {limit - floor:,} bytes left")
 
     @staticmethod
     def _leaner(plan: Plan, step_nodes: list[int]) -> tuple[Plan, list[int], list[RankPeak]]:
