@@ -288,6 +288,33 @@ def _rounded(egraph: EGraph, candidates: Mapping[int, Sequence[int]], lp: _Lp, v
     return choice
 
 
+class _Rows:
+    """Rows for HiGHS as flat lists (columns and coefficients one row after another, and each row's bounds):
+    building a dict per row took most of the LP's set-up, which for Mixtral on 2x2 builds 54,000 rows."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.columns: list[int] = []
+        self.coefficients: list[float] = []
+        self.low: list[float] = []
+        self.high: list[float] = []
+
+    def add(self, columns: Sequence[int], coefficients: Sequence[float], low: float, high: float) -> None:
+        """A row; its `columns` distinct."""
+        self.starts.append(len(self.columns))
+        self.columns += columns
+        self.coefficients += coefficients
+        self.low.append(low)
+        self.high.append(high)
+
+    def add_sum(self, coefficients: Mapping[int, float], low: float, high: float) -> None:
+        """A row of coefficients per column."""
+        self.add(list(coefficients), list(coefficients.values()), low, high)
+
+
+PAIR = (1.0, -1.0)  # x_i - x_j
+
+
 class _Lp:
     """The LP in HiGHS, rows added as cuts are found (a warm re-solve)."""
 
@@ -305,14 +332,15 @@ class _Lp:
             blocks.setdefault(block[c], []).append(c)
         self.used: dict[int, int] = {}
         self.source: dict[int, int] = {}  # entry node of a cyclic block -> its s variable
-        rows: list[tuple[dict[int, float], float, float]] = []
+        rows = _Rows()
+        x, active = self.x, self.active
         for c, nodes in candidates.items():
             if clock() > deadline:
                 raise _OutOfTime
-            rows.append(({**{self.x[n]: 1.0 for n in nodes}, self.active[c]: -1.0}, 0.0, 0.0))
+            rows.add([*(x[n] for n in nodes), active[c]], [*(1.0 for _ in nodes), -1.0], 0.0, 0.0)
             for n in nodes:
                 for d in child_sets[n]:
-                    rows.append(({self.x[n]: 1.0, self.active[d]: -1.0}, -math.inf, 0.0))
+                    rows.add([x[n], active[d]], PAIR, -math.inf, 0.0)
         if clock() > deadline:
             raise _OutOfTime
         readers: dict[tuple[int, int], list[int]] = {}
@@ -320,42 +348,42 @@ class _Lp:
             if clock() > deadline:
                 raise _OutOfTime
             if len(classes) == 1:
-                self.used[b] = self.active[classes[0]]
-                entries = {n: self.x[n] for n in candidates[classes[0]]}
+                self.used[b] = active[classes[0]]
+                entries = {n: x[n] for n in candidates[classes[0]]}
             else:
                 self.used[b] = count
                 count += 1
-                rows.append(({self.used[b]: 1.0, **{self.active[c]: -1.0 for c in classes}}, -math.inf, 0.0))
+                rows.add([count - 1, *(active[c] for c in classes)], [1.0, *(-1.0 for _ in classes)], -math.inf, 0.0)
                 for c in classes:
-                    rows.append(({self.active[c]: 1.0, self.used[b]: -1.0}, -math.inf, 0.0))
+                    rows.add([active[c], count - 1], PAIR, -math.inf, 0.0)
                 entries = {}
                 for c in classes:
                     for n in candidates[c]:
                         if all(block[d] != b for d in child_sets[n]):
                             entries[n] = self.source[n] = count
                             count += 1
-                            rows.append(({count - 1: 1.0, self.x[n]: -1.0}, -math.inf, 0.0))
-                rows.append(({**{v: 1.0 for v in entries.values()}, self.used[b]: -1.0}, 0.0, 0.0))
+                            rows.add([count - 1, x[n]], PAIR, -math.inf, 0.0)
+                rows.add([*entries.values(), self.used[b]], [*(1.0 for _ in entries), -1.0], 0.0, 0.0)
             for n, var in entries.items():
                 for read in {block[d] for d in child_sets[n]}:
                     readers.setdefault((b, read), []).append(var)
         for (_, read), sources in readers.items():
             if len(sources) > 1:
-                rows.append(({**{v: 1.0 for v in sources}, self.used[read]: -1.0}, -math.inf, 0.0))
+                rows.add_sum({**{v: 1.0 for v in sources}, self.used[read]: -1.0}, -math.inf, 0.0)
         for b, needed in needs.items():
             for d in needed:
                 if b in self.used and d in self.used:
-                    rows.append(({self.used[b]: 1.0, self.used[d]: -1.0}, -math.inf, 0.0))
+                    rows.add_sum({self.used[b]: 1.0, self.used[d]: -1.0}, -math.inf, 0.0)
         for a, b in ties:
-            if a in self.x and b in self.x:
-                rows.append(({self.x[a]: 1.0, self.x[b]: -1.0}, 0.0, 0.0))
+            if a in x and b in x:
+                rows.add_sum({x[a]: 1.0, x[b]: -1.0}, 0.0, 0.0)
         if clock() > deadline:
             raise _OutOfTime
         self.lower = np.zeros(count)
         for root in egraph.roots:
-            self.lower[self.active[root]] = 1.0
+            self.lower[active[root]] = 1.0
         self.cost = np.zeros(count)
-        for n, i in self.x.items():
+        for n, i in x.items():
             self.cost[i] = egraph.node_cost[n]
         positive = self.cost[self.cost > 0]
         self.unit = float(positive.mean()) if positive.size else 1.0  # costs in HiGHS are O(1): see `solve`
@@ -369,23 +397,23 @@ class _Lp:
         self.highs.changeColsCost(count, np.arange(count, dtype=np.int32), self.cost / self.unit)
         self.row_lower: list[float] = []
         self.row_upper: list[float] = []
-        self.entries: tuple[list[int], list[int], list[float]] = ([], [], [])  # row, column, coefficient
+        self.entries: tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]] = ([], [], [])  # row, column, coef
+        self.matrix: sparse.csr_matrix | None = None  # the rows' matrix, made by `dual_bound` once rows change
         self._add_rows(rows)
 
-    def _add_rows(self, rows: Sequence[tuple[dict[int, float], float, float]]) -> None:
-        starts, indices, values = [], [], []
-        for coef, low, high in rows:
-            starts.append(len(indices))
-            indices.extend(coef)
-            values.extend(coef.values())
-            self.entries[0].extend([len(self.row_lower)] * len(coef))
-            self.row_lower.append(low)
-            self.row_upper.append(high)
-        self.entries[1].extend(indices)
-        self.entries[2].extend(values)
-        self.highs.addRows(len(rows), np.array([r[1] for r in rows]), np.array([r[2] for r in rows]),
-                           len(indices), np.array(starts, dtype=np.int32), np.array(indices, dtype=np.int32),
-                           np.array(values))
+    def _add_rows(self, rows: _Rows) -> None:
+        starts = np.array(rows.starts, dtype=np.int32)
+        columns = np.array(rows.columns, dtype=np.int32)
+        coefficients = np.array(rows.coefficients, dtype=np.float64)
+        lengths = np.diff(np.append(starts, len(columns)))
+        self.entries[0].append(np.repeat(np.arange(len(self.row_lower), len(self.row_lower) + len(starts)), lengths))
+        self.entries[1].append(columns)
+        self.entries[2].append(coefficients)
+        self.row_lower += rows.low
+        self.row_upper += rows.high
+        self.matrix = None
+        self.highs.addRows(len(starts), np.array(rows.low, dtype=np.float64), np.array(rows.high, dtype=np.float64),
+                           len(columns), starts, columns, coefficients)
 
     def add_reads(self, egraph: EGraph, candidates: Mapping[int, Sequence[int]]) -> None:
         """Read rows: a class that is no root is active only as far as nodes of other classes that read it are
@@ -402,14 +430,17 @@ class _Lp:
                     if d != c:
                         found[d][self.x[n]] = None
         roots = set(egraph.roots)
-        self._add_rows([({self.active[c]: 1.0, **dict.fromkeys(readers, -1.0)}, -math.inf, 0.0)
-                        for c, readers in found.items() if c not in roots])
+        rows = _Rows()
+        for c, readers in found.items():
+            if c not in roots:
+                rows.add([self.active[c], *readers], [1.0, *(-1.0 for _ in readers)], -math.inf, 0.0)
+        self._add_rows(rows)
 
     def variable(self, node: int, source: bool) -> int:
         return self.source.get(node, self.x[node]) if source else self.x[node]
 
     def add(self, cuts: Sequence[PathCut]) -> None:
-        rows = []
+        rows = _Rows()
         for cut in cuts:
             coef: dict[int, float] = {self.used[cut.reader]: 1.0}
             for n in cut.nodes:
@@ -417,7 +448,7 @@ class _Lp:
             for n in cut.sources:
                 var = self.variable(n, True)
                 coef[var] = coef.get(var, 0.0) - 1.0
-            rows.append((coef, -math.inf, 0.0))
+            rows.add_sum(coef, -math.inf, 0.0)
         self._add_rows(rows)
 
     def solve(self, deadline: float) -> tuple[float, list[float] | None]:
@@ -441,8 +472,11 @@ class _Lp:
 
     def dual_bound(self, dual: np.ndarray) -> float:
         """The Lagrangian bound of the row duals `dual` (in cost units): below the LP optimum for any `dual`."""
-        rows, columns, coefficients = self.entries
-        matrix = sparse.csr_matrix((coefficients, (rows, columns)), shape=(len(self.row_lower), len(self.cost)))
+        if self.matrix is None:
+            rows, columns, coefficients = (np.concatenate(chunks) for chunks in self.entries)
+            self.matrix = sparse.csr_matrix((coefficients, (rows, columns)),
+                                            shape=(len(self.row_lower), len(self.cost)))
+        matrix = self.matrix
         low, high = np.array(self.row_lower), np.array(self.row_upper)
         dual = np.where(((dual > 0) & np.isfinite(low)) | ((dual < 0) & np.isfinite(high)), dual, 0.0)
         reduced = self.cost - matrix.T @ dual  # the columns' bounds are [lower, 1]
