@@ -27,6 +27,7 @@ from tapestry.extract.relax import (
     FlowBatch,
     Lp,
     PathCut,
+    PathGraphs,
     Relaxation,
     need_pairs,
     path_flows,
@@ -205,6 +206,29 @@ def test_separation_finds_a_violated_cut_exactly_where_the_max_flow_falls_short_
     for cut in cuts:
         capacity = sum(values[lp.x[n]] for n in cut.nodes) + sum(values[lp.variable(n, True)] for n in cut.sources)
         assert capacity < values[lp.used[cut.reader]] - 1e-6
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**6))
+def test_path_graphs_made_as_their_readers_come_into_use_give_every_pairs_cuts_in_pair_order(seed: int) -> None:
+    # `PathGraphs` makes a pair's graph only once its reader is used; over rounds of LP points where some readers
+    # are unused, each round's cuts are those of all pairs' graphs made at once, in the same order.
+    egraph = tapestry_like(seed, 4, 2)
+    reduced = reduce(egraph, solvable_tree(egraph))
+    block = {c: reduced.block(c) for c in reduced.candidates}
+    lp = Lp(egraph, reduced.candidates, block, reduced.needs, (), math.inf)
+    pairs = need_pairs(egraph, reduced.candidates, block, reduced.needs, math.inf)
+    assert pairs is not None and pairs.pairs
+    flows = path_flows(egraph, reduced.candidates, block, pairs, lp, math.inf)
+    every = FlowBatch.of(flows, lp.highs.getNumCol())
+    graphs = PathGraphs(egraph, reduced.candidates, block, pairs, lp)
+    rng = np.random.default_rng(seed)
+    readers = [lp.used[flow.reader] for flow in flows]
+    for _ in range(3):
+        values = rng.random(lp.highs.getNumCol()) ** 2
+        values[readers] = rng.uniform(0.5, 1.0, len(readers)) * (rng.random(len(readers)) < 0.5)
+        assert graphs.separate(values, math.inf) == every.separate(values, values[readers])
+    assert graphs.made.any() and len(graphs.batches) <= 3
 
 
 def test_the_lp_pass_is_skipped_when_its_path_graphs_would_take_too_long_to_build(

@@ -144,13 +144,17 @@ class FlowBatch:
         bounded = row >= 0
         bounded[bounded] = lengths[row[bounded]] > 0
         return FlowBatch(tuple(flows), graph, row, np.array(owners)[order], bounded,
-                         np.flatnonzero(tail == 0), np.array(starts), np.array(first), capacity)
+                      np.flatnonzero(tail == 0), np.array(starts), np.array(first), capacity)
 
     def separate(self, values: np.ndarray, demands: np.ndarray) -> list[PathCut]:
         """The violated min cuts under the LP `values`, where pair i's reader has u = `demands[i]`: those whose
         capacity is below it by more than `TOLERANCE`. SciPy's max flow takes integers: capacities go in
         units of 1 / `FLOW_UNIT` rounded down, and a cut's capacity is then summed exactly, so rounding can
         miss a cut, never add one that is not violated."""
+        return [cut for _, cut in self.violated(values, demands)]
+
+    def violated(self, values: np.ndarray, demands: np.ndarray) -> list[tuple[int, PathCut]]:
+        """`separate`'s cuts, each with its flow's place in the batch."""
         exact = self.capacity @ values
         data = np.full(self.graph.nnz, UNBOUNDED, dtype=np.int64)
         data[self.bounded] = np.minimum(np.floor(exact[self.row[self.bounded]] * FLOW_UNIT), UNBOUNDED)
@@ -170,8 +174,8 @@ class FlowBatch:
             rows = self.row[crossing[self.owner[crossing] == i]]
             if demands[i] - exact[rows].sum() > TOLERANCE:
                 terms = [self.flows[i].terms[e] for e in rows - self.first[i]]
-                found.append(PathCut(self.flows[i].reader, tuple(n for nodes, _ in terms for n in nodes),
-                                     tuple(n for _, sources in terms for n in sources)))
+                found.append((int(i), PathCut(self.flows[i].reader, tuple(n for nodes, _ in terms for n in nodes),
+                                              tuple(n for _, sources in terms for n in sources))))
         return found
 
 
@@ -200,7 +204,7 @@ def relax(
             return Relaxation((), 0.0, 0)
         lp = Lp(egraph, candidates, block, needs, ties, deadline)
         bound, values = lp.solve(deadline)
-        batches: list[FlowBatch] | None = None  # built once the LP without cuts has proven nothing
+        graphs: PathGraphs | None = None  # made once the LP without cuts has proven nothing
         previous = None  # the bound before the last round of cuts
         while values is not None:
             incumbent = offer(_rounded(egraph, candidates, lp, values))
@@ -221,14 +225,9 @@ def relax(
                 if small and (stalled or not productive):
                     break
                 stalled, productive = small, productive or not small
-            if batches is None:
-                batches = _batches(path_flows(egraph, candidates, block, pairs, lp, deadline), len(lp.cost), deadline)
-            found = []
-            point = np.asarray(values)
-            for batch in batches:
-                if clock() > deadline:
-                    raise _OutOfTime
-                found += batch.separate(point, point[[lp.used[flow.reader] for flow in batch.flows]])
+            if graphs is None:
+                graphs = PathGraphs(egraph, candidates, block, pairs, lp)
+            found = graphs.separate(np.asarray(values), deadline)
             if not found:
                 break
             rounds += 1
@@ -289,6 +288,33 @@ def _rounded(egraph: EGraph, candidates: Mapping[int, Sequence[int]], lp: Lp, va
     return choice
 
 
+class _Rows:
+    """Rows for HiGHS as flat lists (columns and coefficients one row after another, and each row's bounds):
+    building a dict per row took most of the LP's set-up, which for Mixtral on 2x2 builds 54,000 rows."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.columns: list[int] = []
+        self.coefficients: list[float] = []
+        self.low: list[float] = []
+        self.high: list[float] = []
+
+    def add(self, columns: Sequence[int], coefficients: Sequence[float], low: float, high: float) -> None:
+        """A row; its `columns` distinct."""
+        self.starts.append(len(self.columns))
+        self.columns += columns
+        self.coefficients += coefficients
+        self.low.append(low)
+        self.high.append(high)
+
+    def add_sum(self, coefficients: Mapping[int, float], low: float, high: float) -> None:
+        """A row of coefficients per column."""
+        self.add(list(coefficients), list(coefficients.values()), low, high)
+
+
+PAIR = (1.0, -1.0)  # x_i - x_j
+
+
 class Lp:
     """The LP in HiGHS, rows added as cuts are found (a warm re-solve)."""
 
@@ -306,14 +332,15 @@ class Lp:
             blocks.setdefault(block[c], []).append(c)
         self.used: dict[int, int] = {}
         self.source: dict[int, int] = {}  # entry node of a cyclic block -> its s variable
-        rows: list[tuple[dict[int, float], float, float]] = []
+        rows = _Rows()
+        x, active = self.x, self.active
         for c, nodes in candidates.items():
             if clock() > deadline:
                 raise _OutOfTime
-            rows.append(({**{self.x[n]: 1.0 for n in nodes}, self.active[c]: -1.0}, 0.0, 0.0))
+            rows.add([*(x[n] for n in nodes), active[c]], [*(1.0 for _ in nodes), -1.0], 0.0, 0.0)
             for n in nodes:
                 for d in child_sets[n]:
-                    rows.append(({self.x[n]: 1.0, self.active[d]: -1.0}, -math.inf, 0.0))
+                    rows.add([x[n], active[d]], PAIR, -math.inf, 0.0)
         if clock() > deadline:
             raise _OutOfTime
         readers: dict[tuple[int, int], list[int]] = {}
@@ -321,42 +348,42 @@ class Lp:
             if clock() > deadline:
                 raise _OutOfTime
             if len(classes) == 1:
-                self.used[b] = self.active[classes[0]]
-                entries = {n: self.x[n] for n in candidates[classes[0]]}
+                self.used[b] = active[classes[0]]
+                entries = {n: x[n] for n in candidates[classes[0]]}
             else:
                 self.used[b] = count
                 count += 1
-                rows.append(({self.used[b]: 1.0, **{self.active[c]: -1.0 for c in classes}}, -math.inf, 0.0))
+                rows.add([count - 1, *(active[c] for c in classes)], [1.0, *(-1.0 for _ in classes)], -math.inf, 0.0)
                 for c in classes:
-                    rows.append(({self.active[c]: 1.0, self.used[b]: -1.0}, -math.inf, 0.0))
+                    rows.add([active[c], count - 1], PAIR, -math.inf, 0.0)
                 entries = {}
                 for c in classes:
                     for n in candidates[c]:
                         if all(block[d] != b for d in child_sets[n]):
                             entries[n] = self.source[n] = count
                             count += 1
-                            rows.append(({count - 1: 1.0, self.x[n]: -1.0}, -math.inf, 0.0))
-                rows.append(({**{v: 1.0 for v in entries.values()}, self.used[b]: -1.0}, 0.0, 0.0))
+                            rows.add([count - 1, x[n]], PAIR, -math.inf, 0.0)
+                rows.add([*entries.values(), self.used[b]], [*(1.0 for _ in entries), -1.0], 0.0, 0.0)
             for n, var in entries.items():
                 for read in {block[d] for d in child_sets[n]}:
                     readers.setdefault((b, read), []).append(var)
         for (_, read), sources in readers.items():
             if len(sources) > 1:
-                rows.append(({**{v: 1.0 for v in sources}, self.used[read]: -1.0}, -math.inf, 0.0))
+                rows.add_sum({**{v: 1.0 for v in sources}, self.used[read]: -1.0}, -math.inf, 0.0)
         for b, needed in needs.items():
             for d in needed:
                 if b in self.used and d in self.used:
-                    rows.append(({self.used[b]: 1.0, self.used[d]: -1.0}, -math.inf, 0.0))
+                    rows.add_sum({self.used[b]: 1.0, self.used[d]: -1.0}, -math.inf, 0.0)
         for a, b in ties:
-            if a in self.x and b in self.x:
-                rows.append(({self.x[a]: 1.0, self.x[b]: -1.0}, 0.0, 0.0))
+            if a in x and b in x:
+                rows.add_sum({x[a]: 1.0, x[b]: -1.0}, 0.0, 0.0)
         if clock() > deadline:
             raise _OutOfTime
         self.lower = np.zeros(count)
         for root in egraph.roots:
-            self.lower[self.active[root]] = 1.0
+            self.lower[active[root]] = 1.0
         self.cost = np.zeros(count)
-        for n, i in self.x.items():
+        for n, i in x.items():
             self.cost[i] = egraph.node_cost[n]
         positive = self.cost[self.cost > 0]
         self.unit = float(positive.mean()) if positive.size else 1.0  # costs in HiGHS are O(1): see `solve`
@@ -370,23 +397,23 @@ class Lp:
         self.highs.changeColsCost(count, np.arange(count, dtype=np.int32), self.cost / self.unit)
         self.row_lower: list[float] = []
         self.row_upper: list[float] = []
-        self.entries: tuple[list[int], list[int], list[float]] = ([], [], [])  # row, column, coefficient
+        self.entries: tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]] = ([], [], [])  # row, column, coef
+        self.matrix: sparse.csr_matrix | None = None  # the rows' matrix, made by `dual_bound` once rows change
         self._add_rows(rows)
 
-    def _add_rows(self, rows: Sequence[tuple[dict[int, float], float, float]]) -> None:
-        starts, indices, values = [], [], []
-        for coef, low, high in rows:
-            starts.append(len(indices))
-            indices.extend(coef)
-            values.extend(coef.values())
-            self.entries[0].extend([len(self.row_lower)] * len(coef))
-            self.row_lower.append(low)
-            self.row_upper.append(high)
-        self.entries[1].extend(indices)
-        self.entries[2].extend(values)
-        self.highs.addRows(len(rows), np.array([r[1] for r in rows]), np.array([r[2] for r in rows]),
-                           len(indices), np.array(starts, dtype=np.int32), np.array(indices, dtype=np.int32),
-                           np.array(values))
+    def _add_rows(self, rows: _Rows) -> None:
+        starts = np.array(rows.starts, dtype=np.int32)
+        columns = np.array(rows.columns, dtype=np.int32)
+        coefficients = np.array(rows.coefficients, dtype=np.float64)
+        lengths = np.diff(np.append(starts, len(columns)))
+        self.entries[0].append(np.repeat(np.arange(len(self.row_lower), len(self.row_lower) + len(starts)), lengths))
+        self.entries[1].append(columns)
+        self.entries[2].append(coefficients)
+        self.row_lower += rows.low
+        self.row_upper += rows.high
+        self.matrix = None
+        self.highs.addRows(len(starts), np.array(rows.low, dtype=np.float64), np.array(rows.high, dtype=np.float64),
+                           len(columns), starts, columns, coefficients)
 
     def add_reads(self, egraph: EGraph, candidates: Mapping[int, Sequence[int]]) -> None:
         """Read rows: a class that is no root is active only as far as nodes of other classes that read it are
@@ -403,14 +430,17 @@ class Lp:
                     if d != c:
                         found[d][self.x[n]] = None
         roots = set(egraph.roots)
-        self._add_rows([({self.active[c]: 1.0, **dict.fromkeys(readers, -1.0)}, -math.inf, 0.0)
-                        for c, readers in found.items() if c not in roots])
+        rows = _Rows()
+        for c, readers in found.items():
+            if c not in roots:
+                rows.add([self.active[c], *readers], [1.0, *(-1.0 for _ in readers)], -math.inf, 0.0)
+        self._add_rows(rows)
 
     def variable(self, node: int, source: bool) -> int:
         return self.source.get(node, self.x[node]) if source else self.x[node]
 
     def add(self, cuts: Sequence[PathCut]) -> None:
-        rows = []
+        rows = _Rows()
         for cut in cuts:
             coef: dict[int, float] = {self.used[cut.reader]: 1.0}
             for n in cut.nodes:
@@ -418,7 +448,7 @@ class Lp:
             for n in cut.sources:
                 var = self.variable(n, True)
                 coef[var] = coef.get(var, 0.0) - 1.0
-            rows.append((coef, -math.inf, 0.0))
+            rows.add_sum(coef, -math.inf, 0.0)
         self._add_rows(rows)
 
     def solve(self, deadline: float) -> tuple[float, list[float] | None]:
@@ -442,8 +472,11 @@ class Lp:
 
     def dual_bound(self, dual: np.ndarray) -> float:
         """The Lagrangian bound of the row duals `dual` (in cost units): below the LP optimum for any `dual`."""
-        rows, columns, coefficients = self.entries
-        matrix = sparse.csr_matrix((coefficients, (rows, columns)), shape=(len(self.row_lower), len(self.cost)))
+        if self.matrix is None:
+            rows, columns, coefficients = (np.concatenate(chunks) for chunks in self.entries)
+            self.matrix = sparse.csr_matrix((coefficients, (rows, columns)),
+                                            shape=(len(self.row_lower), len(self.cost)))
+        matrix = self.matrix
         low, high = np.array(self.row_lower), np.array(self.row_upper)
         dual = np.where(((dual > 0) & np.isfinite(low)) | ((dual < 0) & np.isfinite(high)), dual, 0.0)
         reduced = self.cost - matrix.T @ dual  # the columns' bounds are [lower, 1]
@@ -461,7 +494,7 @@ class NeedPairs:
 
 
 def need_pairs(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
-               needs: Mapping[int, Sequence[int]], deadline: float, steps: int = NEED_HOPS) -> NeedPairs | None:
+           needs: Mapping[int, Sequence[int]], deadline: float, steps: int = NEED_HOPS) -> NeedPairs | None:
     """Every pair (B', B) with B one step of needs from B', then two, .. `steps`, while their path graphs
     can be built in `PATH_SHARE` of the time to `deadline` (whole steps only); None when the one-step pairs
     alone cannot. The region of (B', B): the blocks below B' and above B."""
@@ -501,20 +534,60 @@ def need_pairs(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: M
     return NeedPairs(tuple(pairs), members)
 
 
-def path_flows(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
-               pairs: NeedPairs, lp: Lp, deadline: float) -> list[PathFlow]:
-    """The path graph of every pair: classes of its region, each node an edge from its child classes in the
-    region into its class (through a vertex of its own when it has several), an entry of B an edge from s, the
-    source of B' an edge into t."""
+class PathGraphs:
+    """The pairs' path graphs in batches, each pair's made the first time its reader is used (u_B' above
+    `TOLERANCE`): no other pair can fall short of its demand. On Mixtral on 2x2 a third of the 786 one-step
+    pairs were; making them all took 0.37 CPU s, most of its path-cut round. Cuts come in the order of the pairs,
+    as if every pair had been made at once."""
+
+    def __init__(self, egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
+                 pairs: NeedPairs, lp: Lp) -> None:
+        self.egraph, self.candidates, self.block, self.pairs, self.lp = egraph, candidates, block, pairs, lp
+        self.readers = np.array([lp.used[reader] for reader, _, _ in pairs.pairs], dtype=np.int64)
+        self.made = np.zeros(len(pairs.pairs), dtype=bool)
+        self.prepared: dict[int, list[tuple[int, tuple[int, ...], bool, int, int]]] = {}
+        self.inner: dict[int, _Inner] = {}
+        self.batches: list[tuple[FlowBatch, np.ndarray]] = []  # each with its flows' pairs
+
+    def separate(self, values: np.ndarray, deadline: float) -> list[PathCut]:
+        """The violated cuts under the LP `values` (`FlowBatch.separate`), in the order of their pairs."""
+        new = np.flatnonzero(~self.made & (values[self.readers] > TOLERANCE))
+        if new.size:
+            self.made[new] = True
+            flows = path_flows(self.egraph, self.candidates, self.block, self.pairs, self.lp, deadline, new.tolist(),
+                           self.prepared, self.inner)
+            self.batches += zip(_batches(flows, len(self.lp.cost), deadline),
+                                (new[i:i + BATCH] for i in range(0, new.size, BATCH)))
+        found = []
+        for batch, pairs in self.batches:
+            if clock() > deadline:
+                raise _OutOfTime
+            found += [(pairs[i], cut) for i, cut in batch.violated(values, values[self.readers[pairs]])]
+        return [cut for _, cut in sorted(found, key=lambda pair_cut: pair_cut[0])]
+
+
+def path_flows(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int], pairs: NeedPairs,
+           lp: Lp, deadline: float, chosen: Sequence[int] | None = None,
+           prepared: dict[int, list[tuple[int, tuple[int, ...], bool, int, int]]] | None = None,
+           inner: dict[int, _Inner] | None = None) -> list[PathFlow]:
+    """The path graph of every pair (or of the `chosen` ones, by index): classes of its region, each node an edge
+    from its child classes in the region into its class (through a vertex of its own when it has several), an
+    entry of B an edge from s, the source of B' an edge into t. `prepared` and `inner` keep, per class and per
+    block, what the regions made so far share (`_flow`)."""
     child_sets = egraph.child_sets
-    prepared = {c: [(n, child_sets[n], all(block[d] != block[c] for d in child_sets[n]), lp.x[n],
-                     lp.variable(n, True)) for n in nodes] for c, nodes in candidates.items()}
-    inner = {b: _Inner.of(prepared, classes) for b, classes in pairs.members.items()}
+    prepared = {} if prepared is None else prepared
+    inner = {} if inner is None else inner
+    chosen = range(len(pairs.pairs)) if chosen is None else chosen
+    for b in set().union(*(pairs.pairs[i][2] for i in chosen)) - inner.keys():
+        for c in pairs.members[b]:
+            prepared[c] = [(n, child_sets[n], all(block[d] != block[c] for d in child_sets[n]), lp.x[n],
+                            lp.variable(n, True)) for n in candidates[c]]
+        inner[b] = _Inner.of(prepared, pairs.members[b])
     flows = []
-    for reader, target, region in pairs.pairs:
+    for i in chosen:
         if clock() > deadline:
             raise _OutOfTime
-        flows.append(_flow(prepared, pairs.members, inner, reader, target, region))
+        flows.append(_flow(prepared, pairs.members, inner, *pairs.pairs[i]))
     return flows
 
 
@@ -651,5 +724,5 @@ def _flow(prepared: Mapping[int, list[tuple[int, tuple[int, ...], bool, int, int
                 found[source].append(n)
                 found[2].append(variable)
     return PathFlow(reader, count, (*keys, *edges, *unbounded),
-                    (*terms, *((tuple(xs), tuple(ss)) for xs, ss, _ in edges.values()), *(((), ()),) * len(unbounded)),
-                    (*variables, *(tuple(v) for _, _, v in edges.values()), *((),) * len(unbounded)))
+                 (*terms, *((tuple(xs), tuple(ss)) for xs, ss, _ in edges.values()), *(((), ()),) * len(unbounded)),
+                 (*variables, *(tuple(v) for _, _, v in edges.values()), *((),) * len(unbounded)))
