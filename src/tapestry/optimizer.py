@@ -147,6 +147,10 @@ FUSED_EXTRACTION_DEVICES = 8
 # slow (20.13 against 18.43 ms, 158 against 72 CPU s); at 32 only the fold plans (docs/benchmarks.md, "Extracting
 # the folded step"). Between them it is not measured.
 FOLD_FROM_COPIES = 8
+# A folded graph's budgeted fallback (`Explored._within_budget`) prices memory at up to LEAN_ROUNDS prices, each
+# LEAN_STEP times the last, from one at which a budget's worth of bytes costs as much as the cheapest plan's time
+LEAN_ROUNDS = 6
+LEAN_STEP = 4.0
 
 
 class NoPlanError(ValueError):
@@ -389,6 +393,8 @@ class Explored:
             if unbound is not None:
                 return unbound
             base = budget_of()
+            if self.layered is not None:  # the tied ILP alone found no periodic plan within a budget in time
+                return self._within_budget(egraph, extractor, time_limit, base, ties, carried, stop_gap, model)
         cuts: list[dict[int, int]] = []
         rounds = 0
         while True:
@@ -419,6 +425,75 @@ class Explored:
         if rounds:
             selection = replace(selection, status="feasible")
             plan = replace(plan, notes={**plan.notes, "status": "feasible", "memory_cut_rounds": rounds})
+        return plan, selection
+
+    def _within_budget(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget: DeviceBudget,
+                       ties: Ties, carried: Mapping[str, str], stop_gap: float | None = None,
+                       model: CostModel | None = None) -> tuple[Plan, Selection]:
+        """A folded graph's plan within `budget` (its limit binding: the plan chosen without it does not fit), the
+        cheapest by plan_cost of the periodic candidates whose exact peak fits: the hand plans of the folded graph
+        (`baselines`, made periodic), and greedy-dag's fallback (`_select`) with memory priced, each node's bytes
+        per device (copy 1's m - 1 times) at `price` seconds per byte added to its cost, the price raised
+        LEAN_STEP-fold from one that makes a budget's worth of bytes cost the cheapest plan's time again, until
+        a candidate fits (a Lagrangian relaxation of the budget: the first price that fits is the cheapest the
+        sweep finds). The ILP then tries to better the kept one under the budget's constraints and the ties,
+        starting from it. MemoryBudgetError, with the leanest candidate's peak, where none fits."""
+        assert self.layered is not None
+        limit = budget.limit
+        steady = [t for t in ties if t not in set(self.layered.ties())]
+        found: list[tuple[Plan, Selection]] = []
+        leanest = math.inf  # the least peak (or lower bound of it) of a candidate, for the error
+
+        def fitting(selection: Selection, how: str) -> bool:
+            nonlocal leanest
+            if not budget.fits(selection.choice):  # a lower bound of its peak is over: not decoded
+                leanest = min(leanest, max(budget.usage(selection.choice)))
+                return False
+            plan, _, peaks = self._leaner(*self._decode(egraph, selection))
+            peak = max(p.bytes for p in peaks)
+            leanest = min(leanest, peak)
+            if peak > limit:
+                return False
+            plan = replace(plan, cost=plan_cost(plan, model) if model is not None else selection.dag_cost,
+                           notes={**plan.notes, "memory_budget": how})
+            found.append((plan, replace(selection, dag_cost=dag_cost(egraph, selection.choice), status="feasible")))
+            return True
+
+        for hand, embedded in embedded_plans(self.decoder, egraph, self.baselines, steady):
+            for selection in periodic_selections(self.layered, self.decoder, egraph, embedded, ties, carried):
+                fitting(selection, f"{embedded.extractor}, periodic")
+        # a node's bytes per device at its worst device: what it adds to the memory a plan holds (copy 1's once
+        # per later copy); summed over a plan, about its activations and state, which a training step holds at once
+        made = self.layered.costs(egraph.with_costs([
+            0.0 if node.op == "Deliver" else float(max(self._held[node.eclass], default=0))
+            for node in self.decoder.nodes])).node_cost
+        base = extract(egraph, "greedy-dag", time_limit).dag_cost / limit  # seconds per byte
+        for k in range(LEAN_ROUNDS):
+            price = base * LEAN_STEP ** k
+            priced = egraph.with_costs([c + price * b if math.isfinite(c) else c
+                                        for c, b in zip(egraph.node_cost, made)])
+            try:
+                selection = self._select(priced, "greedy-dag", time_limit, None, ties, carried, stop_gap)
+            except NoFiniteChoiceError:
+                continue
+            if fitting(replace(selection, extractor="greedy-dag, memory priced"),
+                       f"greedy-dag with memory priced at {price:.3g} s per byte"):
+                break
+        if not found:
+            raise MemoryBudgetError(f"no plan fits {limit:,} bytes per device: of the periodic plans tried (the "
+                                    f"folded graph's hand plans, greedy-dag with memory priced up to "
+                                    f"{LEAN_STEP ** (LEAN_ROUNDS - 1):g} times a budget's worth of bytes per plan "
+                                    f"time) the leanest needs {leanest:,.0f}")
+        plan, selection = min(found, key=lambda f: f[0].cost)
+        if extractor == "ilp":
+            with suppress(NoFiniteChoiceError):  # the kept plan stands where the ILP finds nothing in time
+                better = extract(egraph, "ilp", time_limit, budget, ties, stop_gap=stop_gap, start=selection)
+                if better.choice != selection.choice:
+                    candidate, _, peaks = self._leaner(*self._decode(egraph, better))
+                    candidate = replace(candidate, cost=plan_cost(candidate, model) if model is not None
+                                        else better.dag_cost, notes={**candidate.notes, "memory_budget": "ilp"})
+                    if max(p.bytes for p in peaks) <= limit and candidate.cost < plan.cost:
+                        plan, selection = candidate, better
         return plan, selection
 
     def _unbound(self, egraph: ExtractGraph, extractor: str, time_limit: float, ties: Ties,
@@ -545,17 +620,23 @@ class Explored:
             return min(steady, key=lambda selection: plan_cost(self._decode(egraph, selection)[0], model))
         return min(steady, key=lambda selection: selection.dag_cost)
 
+    @cached_property
+    def _held(self) -> dict[str, tuple[int, ...]]:
+        """E-class -> the bytes each device holds of its value (a placed input's block, or a result's)."""
+        decoder = self.decoder
+        layouts = decoder.interner.layouts
+        placed = {n.eclass: self.graph[n.key].dtype for n in decoder.nodes if n.op == "Place"}
+        return {c: layout_bytes(layouts[decoder.class_layout[c]][1], dtype)
+                for c, dtype in {**decoder.class_dtype, **placed}.items()}
+
     def _device_budget(self, limit: int) -> DeviceBudget:
         """Bytes per device that every plan containing a node must hold: a Place its block of the input, for the
         whole program; a Run its result and its non-input arguments while it runs; a Reshard its source and
         its result, except where the result is a view of the source (cost.memory). Lower bounds of the exact
         peak, so the constraints exclude no plan that fits; they miss other activations live at the same time."""
-        decoder = self.decoder
+        decoder, held = self.decoder, self._held
         layouts = decoder.interner.layouts
-        held: dict[str, tuple[int, ...]] = {}
-        placed = {n.eclass: self.graph[n.key].dtype for n in decoder.nodes if n.op == "Place"}
-        for c, dtype in {**decoder.class_dtype, **placed}.items():
-            held[c] = layout_bytes(layouts[decoder.class_layout[c]][1], dtype)
+        placed = {n.eclass for n in decoder.nodes if n.op == "Place"}
         resident, transient = {}, {}
         for n, node in enumerate(decoder.nodes):
             if node.op == "Place":
