@@ -291,7 +291,10 @@ class Explored:
 
         plan, selection = fit(egraph, 1.0)
         plain = egraph
-        if fused is not None:  # the plan extracted under fusion-aware node costs, where plan_cost finds it cheaper
+        # a folded graph whose budget binds is fitted by its budgeted fallback (`_within_budget`), which extracts
+        # and prices several periodic candidates: its plan stands, the other objectives' fits not made
+        refit = self.layered is None or memory_budget is None or plan.notes.get("memory_budget") == "not binding"
+        if fused is not None and refit:  # the plan extracted under fusion-aware costs, where plan_cost finds it cheaper
             try:
                 seen = fit(fused, 1.0)
             except (MemoryBudgetError, NoPlanError):  # none found under these costs: the first plan stands
@@ -307,7 +310,7 @@ class Explored:
                 if seen[0].cost < plan.cost:
                     egraph, (plan, selection) = plain, seen
         found = overlap(plan, from_costs(step_costs(plan, model)))
-        if found.reductions > found.backward * (1 + 1e-9):  # the first piece was not the plan's time
+        if found.reductions > found.backward * (1 + 1e-9) and refit:  # the first piece was not the plan's time
             swept = []
             for weight in LAGRANGE_WEIGHTS:
                 with suppress(NoPlanError):  # a fallback's steady pins can fail under one weighting alone
