@@ -151,6 +151,7 @@ FOLD_FROM_COPIES = 8
 # LEAN_STEP times the last, from one at which a budget's worth of bytes costs as much as the cheapest plan's time
 LEAN_ROUNDS = 6
 LEAN_STEP = 4.0
+LEAN_BELOW = 2  # prices tried below the first where that one fits already
 
 
 class NoPlanError(ValueError):
@@ -360,7 +361,7 @@ class Explored:
             cost = plan_cost(hand, model)
             if cost < plan.cost and (memory_budget is None or max(peak_memory(hand)) <= memory_budget):
                 cheaper[name] = replace(hand, cost=cost)
-        for hand, embedded in embedded_plans(self.decoder, egraph, cheaper, ties):
+        for _, embedded in embedded_plans(self.decoder, egraph, cheaper, ties):
             if hand.cost < plan.cost:
                 selection = embedded
                 plan = replace(hand, notes={**hand.notes, "extractor": embedded.extractor,
@@ -443,7 +444,8 @@ class Explored:
         starting from it. MemoryBudgetError, with the leanest candidate's peak, where none fits."""
         assert self.layered is not None
         limit = budget.limit
-        steady = [t for t in ties if t not in set(self.layered.ties())]
+        twins = set(self.layered.ties())
+        steady = [t for t in ties if t not in twins]
         found: list[tuple[Plan, Selection]] = []
         leanest = math.inf  # the least peak (or lower bound of it) of a candidate, for the error
 
@@ -462,7 +464,7 @@ class Explored:
             found.append((plan, replace(selection, dag_cost=dag_cost(egraph, selection.choice), status="feasible")))
             return True
 
-        for hand, embedded in embedded_plans(self.decoder, egraph, self.baselines, steady):
+        for _, embedded in embedded_plans(self.decoder, egraph, self.baselines, steady):
             for selection in periodic_selections(self.layered, self.decoder, egraph, embedded, ties, carried):
                 fitting(selection, f"{embedded.extractor}, periodic")
         # a node's bytes per device at its worst device: what it adds to the memory a plan holds (copy 1's once
@@ -471,17 +473,23 @@ class Explored:
             0.0 if node.op == "Deliver" else float(max(self._held[node.eclass], default=0))
             for node in self.decoder.nodes])).node_cost
         base = extract(egraph, "greedy-dag", time_limit).dag_cost / limit  # seconds per byte
-        for k in range(LEAN_ROUNDS):
+
+        def priced_fits(k: int) -> bool:
             price = base * LEAN_STEP ** k
             priced = egraph.with_costs([c + price * b if math.isfinite(c) else c
                                         for c, b in zip(egraph.node_cost, made)])
             try:
                 selection = self._select(priced, "greedy-dag", time_limit, None, ties, carried, stop_gap)
             except NoFiniteChoiceError:
-                continue
-            if fitting(replace(selection, extractor="greedy-dag, memory priced"),
-                       f"greedy-dag with memory priced at {price:.3g} s per byte"):
-                break
+                return False
+            return fitting(replace(selection, extractor="greedy-dag, memory priced"),
+                           f"greedy-dag with memory priced at {price:.3g} s per byte")
+
+        first = next((k for k in range(LEAN_ROUNDS) if priced_fits(k)), None)
+        if first == 0:  # the first price fit: lower ones may fit too, and cost less time
+            for k in range(-1, -1 - LEAN_BELOW, -1):
+                if not priced_fits(k):
+                    break
         if not found:
             raise MemoryBudgetError(f"no plan fits {limit:,} bytes per device: of the periodic plans tried (the "
                                     f"folded graph's hand plans, greedy-dag with memory priced up to "
