@@ -201,3 +201,25 @@ def test_the_fallback_can_keep_state_where_the_forward_pass_reads_it_or_mend_the
         validate_plan(plan)
         assert plan.graph is g and not steady_violations(plan, g.carried)
         assert plan_cost(plan, default_cost_model()) > 0
+
+
+
+@pytest.mark.slow
+def test_a_folded_training_step_over_a_budget_its_free_plan_exceeds_gets_a_periodic_plan_within_it(steps):
+    """Issue 24's 70B step on 8x8x8 in small: the plan chosen without the budget does not fit it, and the tied ILP
+    under the budget finds none (MemoryBudgetError before); the folded graph's budgeted fallback (greedy-dag with
+    memory priced, the folded graph's hand plans) returns a steady periodic plan of every layer within it."""
+    from tapestry.cost import DefaultCostModel, load_profile
+
+    g = steps[3]
+    model = DefaultCostModel(load_profile("gpu-h100-nccl"))
+    explored = tapestry.optimizer.explore(g, Mesh(4), layers=True)
+    assert explored.layered is not None
+    budget = int(0.7 * explored.extract(model).peak_memory)
+    lean = explored.extract(model, memory_budget=budget)
+    assert lean.peak_memory <= budget and lean.status == "periodic" and lean.plan.graph is g
+    assert lean.plan.notes["memory_budget"].startswith(("greedy-dag with memory priced", "hand plan", "ilp"))
+    assert not steady_violations(lean.plan, g.carried)
+    inputs = tapestry.random_inputs(g)
+    errors = verify.compare(simulate(lean.plan, inputs), tapestry.evaluate(g, inputs), g, lean.plan)
+    assert all(e.ok for e in errors.values()), errors
