@@ -152,6 +152,10 @@ FOLD_FROM_COPIES = 8
 LEAN_ROUNDS = 6
 LEAN_STEP = 4.0
 LEAN_BELOW = 2  # prices tried below the first where that one fits already
+# The folded step's periodic candidates expanded onto every layer and priced by plan_cost, of those the folded
+# plan's estimate (`Explored._folded_time`) ranks first: each expansion of the 32-layer 7B step and its pricing
+# is seconds, and every fit made up to twelve (docs/benchmarks.md, "Ranking the folded candidates").
+EXPANDED_CANDIDATES = 3
 
 
 class NoPlanError(ValueError):
@@ -628,7 +632,7 @@ class Explored:
         # the cheaper: the layouts the free choice delivered can cost more every step than state kept whole
         # (a small model on 4 ranks sharing 2 cores: 0.0426 s against 0.0171 s replicated)
         if self.layered is not None and model is not None:
-            return min(steady, key=lambda selection: plan_cost(self._decode(egraph, selection)[0], model))
+            return self._cheapest_periodic(egraph, steady, model)
         return min(steady, key=lambda selection: selection.dag_cost)
 
     @cached_property
@@ -639,6 +643,28 @@ class Explored:
         placed = {n.eclass: self.graph[n.key].dtype for n in decoder.nodes if n.op == "Place"}
         return {c: layout_bytes(layouts[decoder.class_layout[c]][1], dtype)
                 for c, dtype in {**decoder.class_dtype, **placed}.items()}
+
+    def _cheapest_periodic(self, egraph: ExtractGraph, candidates: Sequence[Selection], model: CostModel) -> Selection:
+        """The candidate whose expanded plan plan_cost prices cheapest, of the EXPANDED_CANDIDATES the folded plan's
+        estimate ranks first (`_folded_time`), each choice once (the fallback's pins often make the same one):
+        the estimate ranks, the expanded plan decides (overlap and fusion across copies are only estimated)."""
+        unique: dict[tuple[tuple[int, int], ...], Selection] = {}
+        for selection in candidates:
+            unique.setdefault(tuple(sorted(selection.choice.items())), selection)
+        ranked = sorted(unique.values(), key=lambda selection: self._folded_time(egraph, selection, model))
+        return min(ranked[:EXPANDED_CANDIDATES], key=lambda s: plan_cost(self._decode(egraph, s)[0], model))
+
+    def _folded_time(self, egraph: ExtractGraph, selection: Selection, model: CostModel) -> float:
+        """plan_cost of the selection's expanded plan, estimated on the folded plan (two layers, whatever the
+        depth): each step priced once, copy 1's counted once per later copy (`Layered.runs`), its gradient
+        reductions hidden behind its backward pass as cost.overlap hides them."""
+        assert self.layered is not None
+        plan = self.decoder.plan(egraph, selection, self.graph, self.names)
+        costs = step_costs(plan, model)
+        runs = {step.out: self.layered.runs(n) for step, n in zip(plan.steps, self.decoder.step_nodes(egraph,
+                                                                                                    selection))}
+        weighted = {out: cost * runs[out] for out, cost in costs.items()}
+        return sum(weighted.values()) - overlap(plan, from_costs(weighted)).hidden
 
     def _device_budget(self, limit: int) -> DeviceBudget:
         """Bytes per device that every plan containing a node must hold: a Place its block of the input, for the
