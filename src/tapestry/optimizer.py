@@ -443,8 +443,8 @@ class Explored:
         (`baselines`, made periodic), and greedy-dag's fallback (`_select`) with memory priced, each node's bytes
         per device (copy 1's m - 1 times) at `price` seconds per byte added to its cost, the price raised
         LEAN_STEP-fold from one that makes a budget's worth of bytes cost the cheapest plan's time again, until
-        a candidate fits (a Lagrangian relaxation of the budget: the first price that fits is the cheapest the
-        sweep finds). The ILP then tries to better the kept one under the budget's constraints and the ties,
+        a candidate fits, or lowered up to LEAN_BELOW times while it fits where the first did (a Lagrangian
+        relaxation of the budget). The ILP then tries to better the kept one under the budget's constraints and the ties,
         starting from it. MemoryBudgetError, with the leanest candidate's peak, where none fits."""
         assert self.layered is not None
         limit = budget.limit
