@@ -52,6 +52,7 @@ class Case:
     arch: str = "hf"  # "hf": transformers' LlamaForCausalLM; "block": a stack of importer.zoo.LlamaBlock (no rotary,
     # embedding or head: a graph the hand plans of training/plans.py can split, see the section's note)
     fold: bool | None = None  # tapestry.optimize's `layers`: repeated layers planned once (graph.layers)
+    memory_budget: int | None = None  # tapestry.optimize's: bytes per device
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -276,7 +277,8 @@ def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any, h
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", SearchCutWarning)
                 result = tapestry.optimize(imported.graph, mesh, cost_model=model, time_limit=time_limit,
-                                           budget=tapestry.Budget(seconds=budget_seconds), layers=case.fold)
+                                           budget=tapestry.Budget(seconds=budget_seconds), layers=case.fold,
+                                           memory_budget=case.memory_budget)
         except Exception as err:  # the row says what failed, and the hand plans are still priced
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
             row["optimize_s"] = time.perf_counter() - started
@@ -428,6 +430,7 @@ def main() -> None:
     fold.add_argument("--fold", action="store_true", help="plan three or more repeated layers once (optimize's "
                       "layers=True; by default only from optimizer.FOLD_FROM_COPIES)")
     fold.add_argument("--no-fold", action="store_true", help="plan repeated layers one by one (layers=False)")
+    parser.add_argument("--memory-budget", type=float, help="optimize's memory_budget, GB (10**9 bytes) per device")
     parser.add_argument("--no-hand", action="store_true", help="leave the hand plans out (their columns empty)")
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--from-json", help="write the section from the rows runs saved (--json; several: a,b), "
@@ -442,7 +445,8 @@ def main() -> None:
         for model in args.models.split(","):
             for mode in args.modes.split(","):
                 cases += [Case(model, args.layers, mode, mesh, args.batch, args.seq, arch=args.arch,
-                               fold=True if args.fold else False if args.no_fold else None)
+                               fold=True if args.fold else False if args.no_fold else None,
+                               memory_budget=None if args.memory_budget is None else int(args.memory_budget * 10**9))
                           for mesh in filter(None, args.meshes.split(","))]
                 if args.full_layers:
                     cases.append(Case(model, args.full_layers, mode, "", args.batch, args.seq, arch=args.arch))

@@ -201,3 +201,58 @@ def test_the_fallback_can_keep_state_where_the_forward_pass_reads_it_or_mend_the
         validate_plan(plan)
         assert plan.graph is g and not steady_violations(plan, g.carried)
         assert plan_cost(plan, default_cost_model()) > 0
+
+
+@pytest.mark.slow
+def test_a_folded_training_step_over_a_budget_its_free_plan_exceeds_gets_a_periodic_plan_within_it(steps):
+    """Issue 24's 70B step on 8x8x8 in small: the plan chosen without the budget does not fit it, and the tied ILP
+    under the budget finds none (MemoryBudgetError before); the folded graph's budgeted fallback (greedy-dag with
+    memory priced, the folded graph's hand plans) returns a steady periodic plan of every layer within it."""
+    from tapestry.cost import DefaultCostModel, load_profile
+
+    g = steps[3]
+    model = DefaultCostModel(load_profile("gpu-h100-nccl"))
+    explored = tapestry.optimizer.explore(g, Mesh(4), layers=True)
+    assert explored.layered is not None
+    budget = int(0.7 * explored.extract(model).peak_memory)
+    lean = explored.extract(model, memory_budget=budget)
+    assert lean.peak_memory <= budget and lean.status == "periodic" and lean.plan.graph is g
+    assert lean.plan.notes["memory_budget"].startswith(("greedy-dag with memory priced", "hand plan", "ilp"))
+    assert not steady_violations(lean.plan, g.carried)
+    inputs = tapestry.random_inputs(g)
+    errors = verify.compare(simulate(lean.plan, inputs), tapestry.evaluate(g, inputs), g, lean.plan)
+    assert all(e.ok for e in errors.values()), errors
+
+
+def test_the_fallback_expands_only_the_best_ranked_candidates_and_still_keeps_the_cheapest(steps, monkeypatch):
+    """The greedy fallback's periodic candidates (up to twelve, many alike) are ranked on the folded plan
+    (Explored._folded_time) and only EXPANDED_CANDIDATES distinct ones expanded onto every layer and priced; the
+    one kept is still the cheapest expanded plan of them all."""
+    from tapestry.cost import default_cost_model, plan_cost
+    from tapestry.egraph.pins import steady_ties
+
+    g = steps[5]
+    model = default_cost_model()
+    explored = tapestry.optimizer.explore(g, Mesh(2), layers=True)
+    layered = explored.layered
+    assert layered is not None
+    carried = {out: name for out, name in g.carried.items() if out in explored.graph.outputs}
+    priced = explored.decoder.extraction_graph(list(explored.roots), model)
+    egraph, ties = steady_ties(explored.decoder, priced, carried)
+    egraph, ties = layered.costs(egraph), sorted([*ties, *layered.ties()])
+    candidates = []
+    periodic = tapestry.optimizer.periodic_selections
+    monkeypatch.setattr(tapestry.optimizer, "periodic_selections",
+                        lambda *args: candidates.extend(periodic(*args)) or periodic(*args))
+    expanded = []
+    decode = tapestry.optimizer.Explored._decode
+    monkeypatch.setattr(tapestry.optimizer.Explored, "_decode",
+                        lambda self, e, s: expanded.append(s) or decode(self, e, s))
+    chosen = explored._select(egraph, "greedy-dag", 5.0, None, ties, carried, model=model)
+    distinct = {tuple(sorted(s.choice.items())) for s in candidates}
+    assert len(expanded) < len(distinct)
+    assert len({tuple(sorted(s.choice.items())) for s in expanded}) == len(expanded)  # each choice priced once
+    assert len(expanded) <= tapestry.optimizer.EXPANDED_CANDIDATES < len(distinct)
+    cost = {key: plan_cost(decode(explored, egraph, s)[0], model) for key, s in
+            {tuple(sorted(s.choice.items())): s for s in candidates}.items()}
+    assert plan_cost(decode(explored, egraph, chosen)[0], model) == min(cost.values())

@@ -147,6 +147,15 @@ FUSED_EXTRACTION_DEVICES = 8
 # slow (20.13 against 18.43 ms, 158 against 72 CPU s); at 32 only the fold plans (docs/benchmarks.md, "Extracting
 # the folded step"). Between them it is not measured.
 FOLD_FROM_COPIES = 8
+# A folded graph's budgeted fallback (`Explored._within_budget`) prices memory at up to LEAN_ROUNDS prices, each
+# LEAN_STEP times the last, from one at which a budget's worth of bytes costs as much as the cheapest plan's time
+LEAN_ROUNDS = 6
+LEAN_STEP = 4.0
+LEAN_BELOW = 2  # prices tried below the first where that one fits already
+# The folded step's periodic candidates expanded onto every layer and priced by plan_cost, of those the folded
+# plan's estimate (`Explored._folded_time`) ranks first: each expansion of the 32-layer 7B step and its pricing
+# is seconds, and every fit made up to twelve (docs/benchmarks.md, "Ranking the folded candidates").
+EXPANDED_CANDIDATES = 3
 
 
 class NoPlanError(ValueError):
@@ -289,7 +298,10 @@ class Explored:
 
         plan, selection = fit(egraph, 1.0)
         plain = egraph
-        if fused is not None:  # the plan extracted under fusion-aware node costs, where plan_cost finds it cheaper
+        # a folded graph whose budget binds is fitted by its budgeted fallback (`_within_budget`), which extracts
+        # and prices several periodic candidates: its plan stands, the other objectives' fits not made
+        refit = self.layered is None or memory_budget is None or plan.notes.get("memory_budget") == "not binding"
+        if fused is not None and refit:  # the plan extracted under fusion-aware costs, where plan_cost finds it cheaper
             try:
                 seen = fit(fused, 1.0)
             except (MemoryBudgetError, NoPlanError):  # none found under these costs: the first plan stands
@@ -305,7 +317,7 @@ class Explored:
                 if seen[0].cost < plan.cost:
                     egraph, (plan, selection) = plain, seen
         found = overlap(plan, from_costs(step_costs(plan, model)))
-        if found.reductions > found.backward * (1 + 1e-9):  # the first piece was not the plan's time
+        if found.reductions > found.backward * (1 + 1e-9) and refit:  # the first piece was not the plan's time
             swept = []
             for weight in LAGRANGE_WEIGHTS:
                 with suppress(NoPlanError):  # a fallback's steady pins can fail under one weighting alone
@@ -355,7 +367,7 @@ class Explored:
             cost = plan_cost(hand, model)
             if cost < plan.cost and (memory_budget is None or max(peak_memory(hand)) <= memory_budget):
                 cheaper[name] = replace(hand, cost=cost)
-        for hand, embedded in embedded_plans(self.decoder, egraph, cheaper, ties):
+        for _, embedded in embedded_plans(self.decoder, egraph, cheaper, ties):
             if hand.cost < plan.cost:
                 selection = embedded
                 plan = replace(hand, notes={**hand.notes, "extractor": embedded.extractor,
@@ -391,6 +403,8 @@ class Explored:
             if unbound is not None:
                 return unbound
             base = budget_of()
+            if self.layered is not None:  # the tied ILP alone found no periodic plan within a budget in time
+                return self._within_budget(egraph, extractor, time_limit, base, ties, carried, stop_gap, model)
         cuts: list[dict[int, int]] = []
         rounds = 0
         while True:
@@ -420,6 +434,82 @@ class Explored:
         if rounds:
             selection = replace(selection, status="feasible")
             plan = replace(plan, notes={**plan.notes, "status": "feasible", "memory_cut_rounds": rounds})
+        return plan, selection
+
+    def _within_budget(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget: DeviceBudget,
+                       ties: Ties, carried: Mapping[str, str], stop_gap: float | None = None,
+                       model: CostModel | None = None) -> tuple[Plan, Selection]:
+        """A folded graph's plan within `budget` (its limit binding: the plan chosen without it does not fit), the
+        cheapest by plan_cost of the periodic candidates whose exact peak fits: the hand plans of the folded graph
+        (`baselines`, made periodic), and greedy-dag's fallback (`_select`) with memory priced, each node's bytes
+        per device (copy 1's m - 1 times) at `price` seconds per byte added to its cost, the price raised
+        LEAN_STEP-fold from one that makes a budget's worth of bytes cost the cheapest plan's time again, until
+        a candidate fits, or lowered up to LEAN_BELOW times while it fits where the first did (a Lagrangian
+        relaxation of the budget). The ILP then tries to better the kept one under the budget's constraints and the ties,
+        starting from it. MemoryBudgetError, with the leanest candidate's peak, where none fits."""
+        assert self.layered is not None
+        limit = budget.limit
+        twins = set(self.layered.ties())
+        steady = [t for t in ties if t not in twins]
+        found: list[tuple[Plan, Selection]] = []
+        leanest = math.inf  # the least peak (or lower bound of it) of a candidate, for the error
+
+        def fitting(selection: Selection, how: str) -> bool:
+            nonlocal leanest
+            if not budget.fits(selection.choice):  # a lower bound of its peak is over: not decoded
+                leanest = min(leanest, max(budget.usage(selection.choice)))
+                return False
+            plan, _, peaks = self._leaner(*self._decode(egraph, selection))
+            peak = max(p.bytes for p in peaks)
+            leanest = min(leanest, peak)
+            if peak > limit:
+                return False
+            plan = replace(plan, cost=plan_cost(plan, model) if model is not None else selection.dag_cost,
+                           notes={**plan.notes, "memory_budget": how})
+            found.append((plan, replace(selection, dag_cost=dag_cost(egraph, selection.choice), status="feasible")))
+            return True
+
+        for _, embedded in embedded_plans(self.decoder, egraph, self.baselines, steady):
+            for selection in periodic_selections(self.layered, self.decoder, egraph, embedded, ties, carried):
+                fitting(selection, f"{embedded.extractor}, periodic")
+        # a node's bytes per device at its worst device: what it adds to the memory a plan holds (copy 1's once
+        # per later copy); summed over a plan, about its activations and state, which a training step holds at once
+        made = self.layered.costs(egraph.with_costs([
+            0.0 if node.op == "Deliver" else float(max(self._held[node.eclass], default=0))
+            for node in self.decoder.nodes])).node_cost
+        base = extract(egraph, "greedy-dag", time_limit).dag_cost / limit  # seconds per byte
+
+        def priced_fits(k: int) -> bool:
+            price = base * LEAN_STEP ** k
+            priced = egraph.with_costs([c + price * b if math.isfinite(c) else c
+                                        for c, b in zip(egraph.node_cost, made)])
+            try:
+                selection = self._select(priced, "greedy-dag", time_limit, None, ties, carried, stop_gap)
+            except NoFiniteChoiceError:
+                return False
+            return fitting(replace(selection, extractor="greedy-dag, memory priced"),
+                           f"greedy-dag with memory priced at {price:.3g} s per byte")
+
+        first = next((k for k in range(LEAN_ROUNDS) if priced_fits(k)), None)
+        if first == 0:  # the first price fit: lower ones may fit too, and cost less time
+            for k in range(-1, -1 - LEAN_BELOW, -1):
+                if not priced_fits(k):
+                    break
+        if not found:
+            raise MemoryBudgetError(f"no plan fits {limit:,} bytes per device: of the periodic plans tried (the "
+                                    f"folded graph's hand plans, greedy-dag with memory priced up to "
+                                    f"{LEAN_STEP ** (LEAN_ROUNDS - 1):g} times a budget's worth of bytes per plan "
+                                    f"time) the leanest needs {leanest:,.0f}")
+        plan, selection = min(found, key=lambda f: f[0].cost)
+        if extractor == "ilp":
+            with suppress(NoFiniteChoiceError):  # the kept plan stands where the ILP finds nothing in time
+                better = extract(egraph, "ilp", time_limit, budget, ties, stop_gap=stop_gap, start=selection)
+                if better.choice != selection.choice:
+                    candidate, _, peaks = self._leaner(*self._decode(egraph, better))
+                    candidate = replace(candidate, cost=plan_cost(candidate, model) if model is not None
+                                        else better.dag_cost, notes={**candidate.notes, "memory_budget": "ilp"})
+                    if max(p.bytes for p in peaks) <= limit and candidate.cost < plan.cost:
+                        plan, selection = candidate, better
         return plan, selection
 
     def _unbound(self, egraph: ExtractGraph, extractor: str, time_limit: float, ties: Ties,
@@ -543,20 +633,48 @@ class Explored:
         # the cheaper: the layouts the free choice delivered can cost more every step than state kept whole
         # (a small model on 4 ranks sharing 2 cores: 0.0426 s against 0.0171 s replicated)
         if self.layered is not None and model is not None:
-            return min(steady, key=lambda selection: plan_cost(self._decode(egraph, selection)[0], model))
+            return self._cheapest_periodic(egraph, steady, model)
         return min(steady, key=lambda selection: selection.dag_cost)
+
+    @cached_property
+    def _held(self) -> dict[str, tuple[int, ...]]:
+        """E-class -> the bytes each device holds of its value (a placed input's block, or a result's)."""
+        decoder = self.decoder
+        layouts = decoder.interner.layouts
+        placed = {n.eclass: self.graph[n.key].dtype for n in decoder.nodes if n.op == "Place"}
+        return {c: layout_bytes(layouts[decoder.class_layout[c]][1], dtype)
+                for c, dtype in {**decoder.class_dtype, **placed}.items()}
+
+    def _cheapest_periodic(self, egraph: ExtractGraph, candidates: Sequence[Selection], model: CostModel) -> Selection:
+        """The candidate whose expanded plan plan_cost prices cheapest, of the EXPANDED_CANDIDATES the folded plan's
+        estimate ranks first (`_folded_time`), each choice once (the fallback's pins often make the same one):
+        the estimate ranks, the expanded plan decides (overlap and fusion across copies are only estimated)."""
+        unique: dict[tuple[tuple[int, int], ...], Selection] = {}
+        for selection in candidates:
+            unique.setdefault(tuple(sorted(selection.choice.items())), selection)
+        ranked = sorted(unique.values(), key=lambda selection: self._folded_time(egraph, selection, model))
+        return min(ranked[:EXPANDED_CANDIDATES], key=lambda s: plan_cost(self._decode(egraph, s)[0], model))
+
+    def _folded_time(self, egraph: ExtractGraph, selection: Selection, model: CostModel) -> float:
+        """plan_cost of the selection's expanded plan, estimated on the folded plan (two layers, whatever the
+        depth): each step priced once, copy 1's counted once per later copy (`Layered.runs`), its gradient
+        reductions hidden behind its backward pass as cost.overlap hides them."""
+        assert self.layered is not None
+        plan = self.decoder.plan(egraph, selection, self.graph, self.names)
+        costs = step_costs(plan, model)
+        runs = {step.out: self.layered.runs(n) for step, n in zip(plan.steps, self.decoder.step_nodes(egraph,
+                                                                                                    selection))}
+        weighted = {out: cost * runs[out] for out, cost in costs.items()}
+        return sum(weighted.values()) - overlap(plan, from_costs(weighted)).hidden
 
     def _device_budget(self, limit: int) -> DeviceBudget:
         """Bytes per device that every plan containing a node must hold: a Place its block of the input, for the
         whole program; a Run its result and its non-input arguments while it runs; a Reshard its source and
         its result, except where the result is a view of the source (cost.memory). Lower bounds of the exact
         peak, so the constraints exclude no plan that fits; they miss other activations live at the same time."""
-        decoder = self.decoder
+        decoder, held = self.decoder, self._held
         layouts = decoder.interner.layouts
-        held: dict[str, tuple[int, ...]] = {}
-        placed = {n.eclass: self.graph[n.key].dtype for n in decoder.nodes if n.op == "Place"}
-        for c, dtype in {**decoder.class_dtype, **placed}.items():
-            held[c] = layout_bytes(layouts[decoder.class_layout[c]][1], dtype)
+        placed = {n.eclass for n in decoder.nodes if n.op == "Place"}
         resident, transient = {}, {}
         for n, node in enumerate(decoder.nodes):
             if node.op == "Place":

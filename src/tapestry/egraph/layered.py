@@ -181,6 +181,12 @@ class Layered:
         chosen = set(selection.choice.values())
         return all(twin in chosen for n, twin in self.twins.items() if n in chosen)
 
+    def runs(self, n: int) -> int:
+        """How many times the expanded plan runs node `n`'s step: once per copy 1..m-1 for a node of copy 1, else
+        once."""
+        node = self.decoder.nodes[n]
+        return self.copies - 1 if node.value and self.copy_of.get(node.value) == 1 else 1
+
     def ties(self) -> list[tuple[int, int]]:
         return sorted(self.twins.items())
 
