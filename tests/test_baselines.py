@@ -85,6 +85,16 @@ def test_the_ilp_returns_no_selection_dearer_than_the_hand_plans_the_egraph_hold
         assert selection.dag_cost <= min(hands) * (1 + 1e-9)
 
 
+def test_a_steady_step_whose_ilp_returns_its_hand_plan_warm_start_gets_that_plan():
+    """With too little time to better its warm start, the ILP returns the hand plan it started from (its extractor
+    "hand plan (data parallel)"); the later fits (the overlap sweep) extract with the ILP again, not with that name
+    (it raised "unknown extractor 'hand plan (data parallel)'")."""
+    imported, _ = adam_step(16, 32, 16)
+    result = explore(imported.graph, tapestry.Mesh(2, 4)).extract(GPU, "ilp", time_limit=0.05)
+    validate_plan(result.plan)
+    assert math.isfinite(result.plan.cost)
+
+
 def test_a_hand_plan_step_with_no_selectable_enode_is_named(step):
     imported, explored = step
     mesh = explored.mesh

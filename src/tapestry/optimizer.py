@@ -47,6 +47,7 @@ from tapestry.egraph.pins import (
 from tapestry.egraph.repeat import find_repetition
 from tapestry.egraph.rules import RuleFile, load_rules
 from tapestry.extract import (
+    EXTRACTORS,
     DeviceBudget,
     NoFiniteChoiceError,
     Repeated,
@@ -292,7 +293,8 @@ class Explored:
                 else base
             plan, selection = self._fit(hidden, extractors[-1], time_limit, budget_of, ties, carried, memory_budget,
                                         outputs, FUSED_STOP_GAP if base is fused else None, model, hands)
-            if selection.extractor != extractors[-1] and ties and memory_budget is None:
+            fell_back = selection.extractor in EXTRACTORS and selection.extractor != extractors[-1]  # not a hand plan
+            if fell_back and ties and memory_budget is None:
                 extractors.append(selection.extractor)
             return replace(plan, cost=plan_cost(plan, model)), selection  # time per run, not objective
 
