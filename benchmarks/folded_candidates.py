@@ -45,7 +45,7 @@ def main() -> None:
     layered, decoder = explored.layered, explored.decoder
     assert layered is not None
     carried = {out: name for out, name in explored.whole.carried.items() if out in explored.graph.outputs}
-    priced = decoder.extraction_graph(list(explored.roots), model, explored.pricing_seconds)
+    priced = decoder.extraction_graph(list(explored.roots), model, explored.priced_moves)
     egraph, steady = steady_ties(decoder, priced, carried)
     egraph = layered.costs(egraph)
     print(f"explore and pricing: {time.process_time() - cpu:.1f} CPU s", flush=True)
