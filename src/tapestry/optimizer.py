@@ -369,7 +369,7 @@ class Explored:
             cost = plan_cost(hand, model)
             if cost < plan.cost and (memory_budget is None or max(peak_memory(hand)) <= memory_budget):
                 cheaper[name] = replace(hand, cost=cost)
-        for _, embedded in embedded_plans(self.decoder, egraph, cheaper, ties):
+        for hand, embedded in embedded_plans(self.decoder, egraph, cheaper, ties):
             if hand.cost < plan.cost:
                 selection = embedded
                 plan = replace(hand, notes={**hand.notes, "extractor": embedded.extractor,
