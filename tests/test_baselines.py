@@ -143,10 +143,10 @@ def mixtral() -> tapestry.TorchImport:
     return imported
 
 
-def test_a_moe_steps_baselines_add_expert_parallel_on_a_line_and_data_and_expert_parallel_on_a_grid(mixtral):
+def test_a_moe_steps_baselines_add_expert_parallel_and_on_a_grid_data_and_expert_parallel(mixtral):
     assert expert_weights(mixtral.graph) == EXPERT_WEIGHTS  # found behind the transposes the grouped mms read
     assert set(baselines(mixtral.graph, tapestry.Mesh(4))) == {"data parallel", "ZeRO-3", "expert parallel"}
-    assert set(baselines(mixtral.graph, tapestry.Mesh(2, 2))) == {"data parallel", "ZeRO-3",
+    assert set(baselines(mixtral.graph, tapestry.Mesh(2, 2))) == {"data parallel", "ZeRO-3", "expert parallel",
                                                                   "data and expert parallel"}
     assert set(baselines(mixtral.graph, tapestry.Mesh(8))) == {"data parallel", "ZeRO-3"}  # 4 experts, 8 devices
 

@@ -327,28 +327,30 @@ def test_a_mixtral_training_step_with_experts_and_their_gradients_expert_paralle
     assert_simulates_to_the_evaluator(plan, imported, args)
 
 
-@pytest.mark.parametrize("mesh", [Mesh(4), Mesh(2, 2)], ids=str)
+@pytest.mark.parametrize("mesh, strategy", [(Mesh(4), "EP"), (Mesh(2, 2), "EP"), (Mesh(2, 2), "DPxEP")], ids=str)
 def test_the_expert_parallel_hand_plans_exchange_tokens_and_experts_rows_and_simulate_to_the_evaluator(
-        mesh, monkeypatch):
-    """EP (batch and experts over one axis) and DPxEP (data over axis 0; attention tensor parallel and experts
-    expert parallel over axis 1): the dispatch and combine, the experts and their weight gradients all exchange
-    rows, and each expert weight lives split by expert."""
+        mesh, strategy, monkeypatch):
+    """EP (batch and experts over every device, the mesh's axes as one) and DPxEP (data over axis 0; attention
+    tensor parallel and experts expert parallel over axis 1): the dispatch and combine, the experts and their
+    weight gradients all exchange rows, and each expert weight lives split by expert."""
     from collections import Counter
 
     from tapestry.training.plans import data_expert_parallel, expert_parallel
 
     imported, args = tiny_mixtral_step(monkeypatch, batch=4)
     arguments = imported.translation.user_inputs
-    if mesh.ndim == 1:
-        plan, ep = expert_parallel(imported.graph, mesh, arguments, EXPERT_WEIGHTS), 0
+    if strategy == "EP":
+        plan = expert_parallel(imported.graph, mesh, arguments, EXPERT_WEIGHTS)
+        ep = routes = tuple(range(mesh.ndim))
+        expert_axes = (0,) * mesh.ndim
     else:
         attention = {f"model.layers.0.self_attn.{p}_proj.weight": int(p == "o") for p in "qkvo"}
-        plan, ep = data_expert_parallel(imported.graph, mesh, arguments, attention, EXPERT_WEIGHTS), 1
+        plan, ep, routes = data_expert_parallel(imported.graph, mesh, arguments, attention, EXPERT_WEIGHTS), (1,), (0,)
+        expert_axes = (None, 0)
     exchanged = Counter((s.kernel, s.exchange) for s in plan.steps if isinstance(s, Compute) and s.exchange)
-    assert exchanged == {("grouped_mm", (ep,)): 4, ("grouped_mm_k", (ep,)): 2, ("take_rows", (0,)): 2}
+    assert exchanged == {("grouped_mm", ep): 4, ("grouped_mm_k", ep): 2, ("take_rows", routes): 2}
     experts = {s.input: s.layout for s in plan.steps if isinstance(s, Place) and s.input in EXPERT_WEIGHTS}
-    assert experts == {name: Layout.split(imported.graph[name].shape, mesh, (None,) * ep + (0,))
-                       for name in EXPERT_WEIGHTS}
+    assert experts == {name: Layout.split(imported.graph[name].shape, mesh, expert_axes) for name in EXPERT_WEIGHTS}
     assert_simulates_to_the_evaluator(plan, imported, args)
 
 

@@ -159,10 +159,10 @@ def _reader(sig: Signature, args: Sequence[str], index_dims: set[int], among: Se
 def baselines(graph: Graph, mesh: Mesh) -> dict[str, Plan]:
     """Data parallel and ZeRO-3 over all of `mesh`'s devices, for a training step (`graph.carried`) whose batch
     arguments all split on their first dim over every device, and for a MoE (`expert_weights`) expert parallel
-    (a 1-D mesh) or data and expert parallel (a 2-D one: attention and dense layers data parallel over axis 0
-    only, whole over axis 1, for want of tensor-parallel dims a graph does not name); else none (a batch that does
-    not split leaves them mostly replicated: no baseline worth pricing). A strategy build_plan cannot make of
-    this graph (a ValueError naming the op, or experts that do not split over the devices) is no baseline
+    over every device and, on a 2-D mesh, data and expert parallel (attention and dense layers data parallel over
+    axis 0 only, whole over axis 1, for want of tensor-parallel dims a graph does not name); else none (a batch
+    that does not split leaves them mostly replicated: no baseline worth pricing). A strategy build_plan cannot
+    make of this graph (a ValueError naming the op, or experts that do not split over the devices) is no baseline
     either: the optimizer's plan stands without it."""
     arguments = step_arguments(graph)
     if not graph.carried or not arguments or any(graph[a].shape[0] % mesh.size for a in arguments):
@@ -170,9 +170,9 @@ def baselines(graph: Graph, mesh: Mesh) -> dict[str, Plan]:
     makers = {"data parallel": lambda: data_parallel(graph, mesh, arguments),
               "ZeRO-3": lambda: zero3(graph, mesh, arguments)}
     experts = expert_weights(graph)
-    if experts and mesh.ndim == 1:
+    if experts:
         makers["expert parallel"] = lambda: expert_parallel(graph, mesh, arguments, experts)
-    elif experts and mesh.ndim == 2:
+    if experts and mesh.ndim == 2:
         makers["data and expert parallel"] = lambda: data_expert_parallel(graph, mesh, arguments, {}, experts)
     found = {}
     for name, make in makers.items():
@@ -204,19 +204,19 @@ def data_tensor_parallel(graph: Graph, mesh: Mesh, arguments: Sequence[str], hid
 
 
 def expert_parallel(graph: Graph, mesh: Mesh, arguments: Sequence[str], experts: Seeds) -> Plan:
-    """Data and expert parallel over one axis (Switch, DeepSpeed-MoE): the batch split over every device, each
-    MoE's experts (`experts` names each expert weight's expert dim) and their optimizer state split by expert;
-    the tokens' dispatch and combine (take_rows) and the experts' grouped mms and weight gradients exchange rows
-    by all-to-all (takes of a table's rows made take_rows), everything else data parallel."""
-    if mesh.ndim != 1:
-        raise ValueError(f"expert_parallel plans 1-D meshes; got {mesh.shape}")
+    """Data and expert parallel over every device (Switch, DeepSpeed-MoE), the mesh's axes taken as one: the batch
+    split over every device, each MoE's experts (`experts` names each expert weight's expert dim) and their
+    optimizer state split by expert; the tokens' dispatch and combine (take_rows) and the experts' grouped mms and
+    weight gradients exchange rows by all-to-all over the whole mesh (takes of a table's rows made take_rows),
+    everything else data parallel."""
     _check_experts(graph, experts, mesh.size)
     graph = take_rows_of(graph)
     splits = propagated_splits(graph, mesh.size, [batch_seeds(graph, arguments), _with_state(graph, experts)],
                                EXPERTS | ROUTES)
-    partitions = {op: make_partition(graph.signature(op), mesh, (None,), exchange=(0,))
+    every_axis = tuple(range(mesh.ndim))
+    partitions = {op: make_partition(graph.signature(op), mesh, (None,) * mesh.ndim, exchange=every_axis)
                   for op, dim in splits.items() if dim == EXCHANGE}
-    axes = {op: (dim,) for op, dim in splits.items() if dim != EXCHANGE}
+    axes = {op: (dim,) * mesh.ndim for op, dim in splits.items() if dim != EXCHANGE}
     return steady(build_plan(graph, mesh, axes, partitions))
 
 
