@@ -234,14 +234,16 @@ def _union_size(boxes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> int
     return math.prod(map(operator.sub, end, start)) + _union_size(rest) - _union_size(meets)
 
 
+@functools.lru_cache(maxsize=1 << 14)  # asked per group of each send/recv priced: groups of many pairs are one
 def received_counts(src: Layout, dst: Layout) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per device, the cells and the messages it receives: what a reshard costs each device. Counted on the pair
     seen from the destination's box (`within`), so the moves from a fused value's many layouts into each of its
-    footprints share `transfers`' cache entries: 3,905 pairs planned where there were 11,860 (2-layer GPT-NeoX, 2x2).
-    Past LOOPED_DEVICES devices a grid is counted without planning (`_grid_counts`); on fewer, its numpy set-up made
-    pricing Phi's reshards on 2x2 2.5 times slower than planning them."""
+    footprints share one count: 3,905 pairs where there were 11,860 (2-layer GPT-NeoX, 2x2). A grid is counted
+    without planning the moves (`_grid_counts`; box by box on up to LOOPED_DEVICES devices, `_looped_grid_counts`,
+    where numpy's set-up made pricing Phi's reshards on 2x2 2.5 times slower than planning them); other pairs by
+    their planned moves (`transfers`)."""
     src, dst = within(src, dst)
-    counted = _grid_counts(src, dst) if len(dst.blocks) > LOOPED_DEVICES else None  # numpy's set-up, on a few
+    counted = (_grid_counts if len(dst.blocks) > LOOPED_DEVICES else _looped_grid_counts)(src, dst)
     if counted is not None:
         return counted
     cells, messages = [0] * len(dst.blocks), [0] * len(dst.blocks)
@@ -299,6 +301,43 @@ def _grid_counts(src: Layout, dst: Layout) -> tuple[tuple[int, ...], tuple[int, 
         for (pair, received), sent in zip(zip(chunk, missing), np.count_nonzero(shared, axis=1).tolist()):
             for k in needs[pair]:
                 cells[k], messages[k] = received, sent
+    return tuple(cells), tuple(messages)
+
+
+def _looped_grid_counts(src: Layout, dst: Layout) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """`_grid_counts` box by box, for a few devices: planning a Phi reshard's moves on 2x2 (`transfers`' box
+    differences) was a fifth of pricing it. The same answer and the same None (tests/test_reshard_pricing.py)."""
+    if src.partial or dst.partial:
+        return None
+    boxes = list(dict.fromkeys(b for b in src.blocks if b is not None and not b.is_empty))
+    if not boxes or all(need is None for need in dst.blocks):
+        return None
+    ndim = len(boxes[0].start)
+    if any(len(b.start) != ndim for b in boxes) or any(n is not None and len(n.start) != ndim for n in dst.blocks):
+        return None
+    for d in range(ndim):  # sorted by start, then end: a range crossing another crosses the next one
+        ranges = sorted({(b.start[d], b.end[d]) for b in boxes})
+        if any(later[0] < earlier[1] for earlier, later in zip(ranges, ranges[1:])):
+            return None
+    cells, messages = [0] * len(dst.blocks), [0] * len(dst.blocks)
+    for k, need in enumerate(dst.blocks):
+        if need is None:
+            continue
+        own = src.blocks[k]
+        if own is None and need.is_empty:  # transfers refuses: no device holds the empty box
+            return None
+        sent = held = 0
+        for box in boxes:
+            if box != own:
+                shared = math.prod(max(0, min(e, h) - max(s, lo))
+                                   for s, e, lo, h in zip(box.start, box.end, need.start, need.end))
+                if shared:
+                    sent, held = sent + 1, held + shared
+        kept = overlap(need, own)
+        missing = need.size - (0 if kept is None else kept.size)
+        if held != missing:  # a needed cell no box holds
+            return None
+        cells[k], messages[k] = missing, sent
     return tuple(cells), tuple(messages)
 
 
