@@ -17,7 +17,7 @@ from layout_helpers import boxes, layouts
 
 from tapestry.cost.comm import moves
 from tapestry.sharding import Layout, Mesh, comm
-from tapestry.sharding.collectives import Collective, Group, classify_reshard, reshard_groups
+from tapestry.sharding.collectives import Collective, Group, classify_reshard, local_layouts, reshard_groups
 from tapestry.sharding.collectives import _classify as collective_of
 from tapestry.sharding.comm import CommError, box_difference, can_move, overlap, received_counts, transfers, within
 from tapestry.sharding.grid import cells
@@ -153,6 +153,20 @@ def test_a_move_into_part_of_the_value_keeps_its_collective_when_priced_on_the_p
 
 @settings(max_examples=500, deadline=None)
 @given(pair=layout_pairs())
+def test_a_pair_moved_to_the_box_its_blocks_span_is_each_block_moved_by_its_corner(pair):
+    """`local_layouts` (made from each layout's span and shifted copy) against the box-by-box translation: the same
+    blocks, partial flags and shape, and None for a pair holding nothing."""
+    src, dst, _, _ = pair
+    expected = _local(src, dst)
+    got = local_layouts(src, dst)
+    if expected is None:
+        assert got is None
+        return
+    assert got == (expected[0], replace(expected[1], partial=dst.partial), expected[2])
+
+
+@settings(max_examples=500, deadline=None)
+@given(pair=layout_pairs())
 def test_senders_found_block_by_block_on_few_devices_are_the_vectorized_tests(pair):
     """`_meeting` tries each block in turn on up to LOOPED_DEVICES devices (every mesh above), with numpy past
     them: the same devices in the same ring order either way."""
@@ -245,11 +259,25 @@ def _planned_counts(src: Layout, dst: Layout) -> tuple[tuple[int, ...], tuple[in
 @settings(max_examples=1000, deadline=None)
 @given(pair=layout_pairs())
 def test_received_counts_are_the_planned_moves_counts(pair):
-    """Grids counted without planning (on every mesh here: past LOOPED_DEVICES devices by default), other pairs by
-    their planned moves: the same cells, messages and refusals."""
+    """Grids counted without planning, box by box on up to LOOPED_DEVICES devices (every mesh here) and as arrays
+    past them, other pairs by their planned moves: the same cells, messages and refusals either way."""
     src, dst, _, _ = pair
+    planned = _outcome(_planned_counts, src, dst)
+    received_counts.cache_clear()
+    assert _outcome(received_counts, src, dst) == planned
+    received_counts.cache_clear()
     with mock.patch.object(comm, "LOOPED_DEVICES", 0):
-        assert _outcome(received_counts, src, dst) == _outcome(_planned_counts, src, dst)
+        assert _outcome(received_counts, src, dst) == planned
+
+
+def test_splits_on_a_few_devices_are_counted_without_planning_moves():
+    """Every pair of splits of a tensor on 2x2, counted box by box (`_looped_grid_counts`): no move planned."""
+    mesh, shape = Mesh(2, 2), (4, 6)
+    splits = [Layout.split(shape, mesh, dims) for dims in itertools.product([None, 0, 1], repeat=mesh.ndim)]
+    expected = {(src, dst): _planned_counts(src, dst) for src, dst in itertools.product(splits, splits)}
+    received_counts.cache_clear()
+    with mock.patch.object(comm, "transfers", side_effect=AssertionError("planned the moves")):
+        assert {pair: received_counts(*pair) for pair in expected} == expected
 
 
 def _footprints(shape: tuple[int, ...], mesh: Mesh) -> list[Layout]:

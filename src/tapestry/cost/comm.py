@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
 from tapestry import dtypes
@@ -152,7 +152,7 @@ def _clipped_moves(src: Layout, dst: Layout, shape: Shape, clipped: frozenset[in
     collective a group is named: one whose blocks, before clipping, spanned more than its destination blocks do
     has a destination that is no named layout of that span (neither R nor a split), so it moves as send_recv; a
     group none of whose source blocks was clipped is the same pair moved, named as before."""
-    groups = tuple(replace(g, kind=Collective.SEND_RECV)
+    groups = tuple(Group(g.ranks, g.src, g.dst, g.axes, Collective.SEND_RECV)  # not `replace`: once per group
                    if g.kind != Collective.NOOP and not clipped.isdisjoint(g.ranks) else g
                    for g in reshard_groups(src, dst, shape, mesh))
     kinds = {g.kind for g in groups} - {Collective.NOOP}

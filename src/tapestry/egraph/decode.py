@@ -301,7 +301,7 @@ class Decoder:
 
     def prepared(self, node: DNode) -> bool:
         """Whether `node` is a Run or Reshard made from static-derived classes only: done once, free per run."""
-        return node.op not in ("Place", "Deliver") and all(c in self.static_classes for c in node.children)
+        return node.op not in ("Place", "Deliver") and self.static_classes.issuperset(node.children)  # per node priced
 
     def step(self, node: DNode, out: str = "?", args: tuple[str, ...] = ()) -> Step | None:
         if node.op == "Place":

@@ -57,18 +57,18 @@ def reshard_groups(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> tuple[
         for axes, ok in zip(subsets, _self_sufficient(src, dst, mesh, subsets, together)):
             if ok:
                 stays = _stays(src, dst)
-                return tuple(_group(*_members(src, dst, ranks), mesh, axes, ranks,
+                return tuple(_group(mine, needed, mesh, axes, ranks,
                                     None if stays is None else tuple(stays[r] for r in ranks))
-                             for ranks in _fibres(mesh, axes))
+                             for ranks, mine, needed in zip(_fibres(mesh, axes), *_members(src, dst, mesh, axes)))
     else:  # plain: decided group by group, on the groups' blocks, which a tensor's many reshards share
         bounds(src, dst)  # raises on blocks of different ranks, whichever groups hold them
         for axes in subsets:
             if not axes and 0 in _plain_stays(src, dst):  # a device alone lacks cells: no need to ask each
                 continue
-            fibres = _fibres(mesh, axes)
-            if all(_holds_needs(*_members(src, dst, ranks)) for ranks in fibres):  # the first fibre lacking ends it
+            mine, needed = _members(src, dst, mesh, axes)
+            if all(map(_holds_needs, mine, needed)):  # the first group lacking ends it
                 return tuple(_group(*pair, mesh, axes, ranks, _plain_stays(*pair))
-                             for pair, ranks in zip((_members(src, dst, ranks) for ranks in fibres), fibres))
+                             for ranks, *pair in zip(_fibres(mesh, axes), mine, needed))
     transfers(src, dst)  # some needed cell is held by no device: this raises CommError saying which
     raise CommError(f"no group of devices holds what {dst} needs from {src}")
 
@@ -120,34 +120,54 @@ def _fibres(mesh: Mesh, axes: tuple[int, ...]) -> list[tuple[int, ...]]:
 @lru_cache(maxsize=1 << 17)  # asked per reshard priced (cost.comm.translated) and per group
 def local_layouts(src: Layout, dst: Layout) -> tuple[Layout, Layout, Shape] | None:
     """A group's layouts relative to the box their blocks span, and that box's shape (None if it holds nothing):
-    groups that are translations of one another are one collective, and one entry in transfers' cache."""
-    held = [b for layout in (src, dst) for b in layout.blocks if b is not None]
-    if not held:
+    groups that are translations of one another are one collective, and one entry in transfers' cache. Made from
+    each layout's span and shifted copy (`_span`, `_shifted`), which the many pairs a layout is in share."""
+    spans = [span for span in (_span(src), _span(dst)) if span is not None]
+    if not spans:
         return None
-    origin = tuple(map(min, *(b.start for b in held))) if len(held) > 1 else held[0].start
-    shape = tuple(map(operator.sub, map(max, *(b.end for b in held)) if len(held) > 1 else held[0].end, origin))
+    if len(spans) == 1:
+        origin, end = spans[0]
+    else:
+        (src_start, src_end), (dst_start, dst_end) = spans
+        origin, end = tuple(map(min, src_start, dst_start)), tuple(map(max, src_end, dst_end))
+    shape = tuple(map(operator.sub, end, origin))
     if not any(origin):  # already relative to the box
         return src, dst, shape
+    return _shifted(src, origin), _shifted(dst, origin), shape
 
+
+@lru_cache(maxsize=1 << 16)
+def _span(layout: Layout) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The least start and the greatest end of `layout`'s blocks (None if it holds none)."""
+    held = [b for b in layout.blocks if b is not None]
+    if not held:
+        return None
+    if len(held) == 1:
+        return held[0].start, held[0].end
+    return tuple(map(min, *(b.start for b in held))), tuple(map(max, *(b.end for b in held)))
+
+
+@lru_cache(maxsize=1 << 16)
+def _shifted(layout: Layout, origin: tuple[int, ...]) -> Layout:
+    """`layout` with `origin` moved to 0 (one object per layout and origin: `canonical`)."""
     def shifted(b: ZRange | None) -> ZRange | None:
         return None if b is None else canonical_box(tuple(map(operator.sub, b.start, origin)),
                                                     tuple(map(operator.sub, b.end, origin)))
 
-    src_local, dst_local = (canonical(Layout(tuple(map(shifted, layout.blocks)), layout.partial))
-                            for layout in (src, dst))
-    return src_local, dst_local, shape
+    return canonical(Layout(tuple(map(shifted, layout.blocks)), layout.partial))
 
 
-def _members(src: Layout, dst: Layout, ranks: tuple[int, ...]) -> tuple[Layout, Layout]:
-    """The blocks of the devices `ranks`: the source's partial flag kept, the destination's dropped."""
-    return _restricted(src, ranks, src.partial), _restricted(dst, ranks, False)
+def _members(src: Layout, dst: Layout, mesh: Mesh, axes: tuple[int, ...]) -> tuple[tuple[Layout, ...], ...]:
+    """The blocks of each group of devices along `axes` (`_fibres`): the source's partial flag kept, the
+    destination's dropped."""
+    return _restricted(src, mesh, axes, src.partial), _restricted(dst, mesh, axes, False)
 
 
 @lru_cache(maxsize=1 << 16)
-def _restricted(layout: Layout, ranks: tuple[int, ...], partial: bool) -> Layout:
-    """Made once per layout and group of devices: a tensor's many reshards share these few objects (and their
-    hashes), so the checks below are cached by them."""
-    return canonical(Layout(tuple(layout.blocks[r] for r in ranks), partial))
+def _restricted(layout: Layout, mesh: Mesh, axes: tuple[int, ...], partial: bool) -> tuple[Layout, ...]:
+    """Made once per layout and grouping: a tensor's many reshards share these few objects (and their hashes), so
+    the checks below are cached by them."""
+    return tuple(canonical(Layout(tuple(layout.blocks[r] for r in ranks), partial)) for ranks in _fibres(mesh, axes))
 
 
 @lru_cache(maxsize=1 << 16)

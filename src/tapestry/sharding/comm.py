@@ -234,14 +234,16 @@ def _union_size(boxes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> int
     return math.prod(map(operator.sub, end, start)) + _union_size(rest) - _union_size(meets)
 
 
+@functools.lru_cache(maxsize=1 << 14)  # asked per group of each send/recv priced: groups of many pairs are one
 def received_counts(src: Layout, dst: Layout) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per device, the cells and the messages it receives: what a reshard costs each device. Counted on the pair
     seen from the destination's box (`within`), so the moves from a fused value's many layouts into each of its
-    footprints share `transfers`' cache entries: 3,905 pairs planned where there were 11,860 (2-layer GPT-NeoX, 2x2).
-    Past LOOPED_DEVICES devices a grid is counted without planning (`_grid_counts`); on fewer, its numpy set-up made
-    pricing Phi's reshards on 2x2 2.5 times slower than planning them."""
+    footprints share one count: 3,905 pairs where there were 11,860 (2-layer GPT-NeoX, 2x2). A grid is counted
+    without planning the moves (`_grid_counts`; box by box on up to LOOPED_DEVICES devices, `_looped_grid_counts`,
+    where numpy's set-up made pricing Phi's reshards on 2x2 2.5 times slower than planning them); other pairs by
+    their planned moves (`transfers`)."""
     src, dst = within(src, dst)
-    counted = _grid_counts(src, dst) if len(dst.blocks) > LOOPED_DEVICES else None  # numpy's set-up, on a few
+    counted = (_grid_counts if len(dst.blocks) > LOOPED_DEVICES else _looped_grid_counts)(src, dst)
     if counted is not None:
         return counted
     cells, messages = [0] * len(dst.blocks), [0] * len(dst.blocks)
@@ -300,6 +302,58 @@ def _grid_counts(src: Layout, dst: Layout) -> tuple[tuple[int, ...], tuple[int, 
             for k in needs[pair]:
                 cells[k], messages[k] = received, sent
     return tuple(cells), tuple(messages)
+
+
+def _looped_grid_counts(src: Layout, dst: Layout) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """`_grid_counts` box by box, for a few devices: planning a Phi reshard's moves on 2x2 (`transfers`' box
+    differences) was a fifth of pricing it. The same answer and the same None (tests/test_reshard_pricing.py).
+    Decided once per source (`_grid_boxes`: 761 distinct sources in Phi's 8,521 counts) and device need
+    (`_need_counts`), which the pairs into layouts that agree on a device share."""
+    boxes = None if src.partial or dst.partial else _grid_boxes(src)
+    if boxes is None or all(need is None for need in dst.blocks):
+        return None
+    ndim = len(boxes[0].start)
+    cells, messages = [0] * len(dst.blocks), [0] * len(dst.blocks)
+    for k, need in enumerate(dst.blocks):
+        if need is not None:
+            counted = None if len(need.start) != ndim else _need_counts(src, k, need)
+            if counted is None:
+                return None
+            cells[k], messages[k] = counted
+    return tuple(cells), tuple(messages)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _grid_boxes(src: Layout) -> tuple[ZRange, ...] | None:
+    """The distinct non-empty blocks of a plain `src` if they form a grid (along each dim any two of their ranges
+    are equal or disjoint), else None (none held, ranks that differ, ranges that cross)."""
+    boxes = tuple(dict.fromkeys(b for b in src.blocks if b is not None and not b.is_empty))
+    if not boxes or any(len(b.start) != len(boxes[0].start) for b in boxes):
+        return None
+    for d in range(len(boxes[0].start)):  # sorted by start, then end: a range crossing another crosses the next one
+        ranges = sorted({(b.start[d], b.end[d]) for b in boxes})
+        if any(later[0] < earlier[1] for earlier, later in zip(ranges, ranges[1:])):
+            return None
+    return boxes
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _need_counts(src: Layout, k: int, need: ZRange) -> tuple[int, int] | None:
+    """The cells and messages device `k` receives to hold `need`, from the grid of `src`'s blocks (`_grid_boxes`):
+    its need less its own block, one message per other distinct box meeting it. None where `transfers` refuses."""
+    own = src.blocks[k]
+    if own is None and need.is_empty:  # no device holds the empty box
+        return None
+    sent = held = 0
+    for box in _grid_boxes(src) or ():  # a grid: `_looped_grid_counts` asks only then
+        if box != own:
+            shared = math.prod(max(0, min(e, h) - max(s, lo))
+                               for s, e, lo, h in zip(box.start, box.end, need.start, need.end))
+            if shared:
+                sent, held = sent + 1, held + shared
+    kept = overlap(need, own)
+    missing = need.size - (0 if kept is None else kept.size)
+    return None if held != missing else (missing, sent)  # not equal: a needed cell no box holds
 
 
 def within(src: Layout, dst: Layout) -> tuple[Layout, Layout]:
