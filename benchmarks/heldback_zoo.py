@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -219,10 +220,10 @@ _MODELS: dict[str, tuple[str, Any]] = {
     "bit": ("CNN, weight-standardized convs", _hf("BitModel", "BitConfig", _pixels, embedding_size=16,
                                                   hidden_sizes=[16, 32], depths=[1, 1], layer_type="bottleneck",
                                                   num_groups=8)),
-    "mobilevit": ("hybrid CNN-transformer", _hf("MobileViTModel", "MobileViTConfig", _pixels, image_size=IMAGE,
-                                                 hidden_sizes=[16, 24, 32], neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 48],
-                                                 num_attention_heads=2, hidden_dropout_prob=0.0,
-                                                 attention_probs_dropout_prob=0.0)),
+    "mobilevit": ("hybrid CNN-transformer", _hf(
+        "MobileViTModel", "MobileViTConfig", _pixels, image_size=IMAGE, hidden_sizes=[16, 24, 32],
+        neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 48], num_attention_heads=2, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0)),
     # audio
     "wav2vec2_conformer": ("audio encoder, conformer blocks", _hf(
         "Wav2Vec2ConformerModel", "Wav2Vec2ConformerConfig", _audio, **AUDIO_FE, position_embeddings_type="rotary",
@@ -290,19 +291,33 @@ def main() -> None:
             runs = dict(zip(args.seeds, pool.map(lambda seed: run(name, seed, args), args.seeds)))
         rows.append(row(name, runs, args))
         print(rows[-1], flush=True)
-    passed = sum("| passes" in line for line in rows[2:])
-    print(f"{passed} of {len(names)} pass", flush=True)
+    print(f"{sum('| passes' in line for line in rows[2:])} of {len(names)} pass", flush=True)
     if args.write:
-        options = f"--seeds {' '.join(map(str, args.seeds))} --meshes {' '.join(args.meshes)}"
-        body = "\n".join(rows) + (
-            f"\n\n{passed} of {len(names)} pass: imported with `from_torch`, optimized on {' and '.join(args.meshes)} "
-            f"with the {args.extractor} extractor under PYTHONHASHSEED {', '.join(map(str, args.seeds))} (one process "
-            "each), simulated and compared with eager PyTorch (1e-4 of the largest output), the plan's cost the same "
-            "under every seed. `plan shards` is `tapestry import-report`'s share of FLOPs the plan splits over "
-            f"devices (seed {args.seeds[0]}); `optimize s` its planning time on a shared 2-core machine; "
-            "`opaque ops` run whole through torch.")
-        command = f"python benchmarks/heldback_zoo.py {' '.join(args.names)} {options} --extractor {args.extractor}"
-        write_section("Held-back zoo (issue 25)", " ".join(command.split()) + " --write", body, BENCHMARKS)
+        write(rows, args)
+
+
+def write(rows: list[str], args: argparse.Namespace) -> None:
+    """The "Held-back zoo (issue 25)" section of docs/benchmarks.md. Rows of models this run did not check are kept
+    from the section as it was when it was run with the same seeds, meshes and extractor (so a sweep can go in
+    batches); the command then names every model in the table."""
+    options = f"--seeds {' '.join(map(str, args.seeds))} --meshes {' '.join(args.meshes)} --extractor {args.extractor}"
+    kept: dict[str, str] = {}
+    section = re.search(r"<!-- BEGIN Held-back zoo \(issue 25\) -->(.*?)<!-- END", BENCHMARKS.read_text(), re.S)
+    if section and f" {options} --write`" in section.group(1) and rows[0] in section.group(1):
+        kept = {line.split(" | ")[0].removeprefix("| "): line for line in section.group(1).splitlines()
+                if line.startswith("| ") and line.count(" | ") == rows[0].count(" | ") and line != rows[0]}
+    kept.update({line.split(" | ")[0].removeprefix("| "): line for line in rows[2:]})
+    table = {name: kept[name] for name in MODELS if name in kept}
+    passed = sum("| passes" in line for line in table.values())
+    body = "\n".join(rows[:2] + list(table.values())) + (
+        f"\n\n{passed} of {len(table)} pass: imported with `from_torch`, optimized on {' and '.join(args.meshes)} "
+        f"with the {args.extractor} extractor under PYTHONHASHSEED {', '.join(map(str, args.seeds))} (one process "
+        "each), simulated and compared with eager PyTorch (1e-4 of the largest output), the plan's cost the same "
+        "under every seed. `plan shards` is `tapestry import-report`'s share of FLOPs the plan splits over "
+        f"devices (seed {args.seeds[0]}); `optimize s` its planning time on the shared 2-core machine (load "
+        f"{os.getloadavg()[0]:.0f} at the last row written); `opaque ops` run whole through torch.")
+    write_section("Held-back zoo (issue 25)", f"python benchmarks/heldback_zoo.py {' '.join(table)} {options} --write",
+                  body, BENCHMARKS)
 
 
 if __name__ == "__main__":
