@@ -103,15 +103,33 @@ class _Shapes:
         return v in self.leaves or v in self.static
 
     def __call__(self, v: str) -> object:
-        if v not in self.known:
-            if v in self.leaves:
-                self.known[v] = ("placed", tuple(n.layout for n in self.producers[v]))
-            else:
-                self.known[v] = ("static", hash(tuple(sorted(
-                    {(n.op, _identity(self.decoder, n), tuple(self(a) if a in self else "made"
-                                                             for a in _args(n, self.value)))
-                     for n in self.producers[v]}, key=repr))))
+        """Arguments first, by an explicit stack (a static chain can run deeper than Python's: WavLM's position
+        bias); an argument met again on its own path (a cycle of the e-graph) reads as "cycle"."""
+        stack, on_path = [v], {v}
+        while v not in self.known:
+            top = stack[-1]
+            pending = next((a for a in self._reads(top) if a not in self.known and a not in on_path), None)
+            if pending is not None:
+                stack.append(pending)
+                on_path.add(pending)
+                continue
+            stack.pop()
+            on_path.discard(top)
+            self.known[top] = self._what(top)
         return self.known[v]
+
+    def _reads(self, v: str) -> list[str]:
+        if v in self.leaves:
+            return []
+        return [a for n in self.producers[v] for a in _args(n, self.value) if a in self]
+
+    def _what(self, v: str) -> object:
+        if v in self.leaves:
+            return ("placed", tuple(n.layout for n in self.producers[v]))
+        return ("static", hash(tuple(sorted(
+            {(n.op, _identity(self.decoder, n), tuple(self.known.get(a, "cycle") if a in self else "made"
+                                                     for a in _args(n, self.value)))
+             for n in self.producers[v]}, key=repr))))
 
 
 def _token(v: str, producers: dict[str, list[DNode]], value: dict[str, str], position: dict[str, int],
