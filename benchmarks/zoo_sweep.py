@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +32,15 @@ from _report import write_section  # noqa: E402
 
 import torch  # noqa: E402
 
-from tapestry.importer.zoo import EXTRA, FAMILIES  # noqa: E402
+from tapestry.importer.zoo import EXTRA, FAMILIES, Case  # noqa: E402
 
 IMPORTING = Path(__file__).resolve().parent.parent / "docs" / "importing.md"
 ZOO = {**EXTRA, **FAMILIES}  # a name in both is one family
 
 
-def worker(name: str, meshes: list[str], extractor: str) -> dict[str, Any]:
-    """One family under this process's hash seed: per mesh, the plan's cost, sharded share and error, or the
-    exception."""
+def check(name: str, build: Callable[[], Case], meshes: list[str], extractor: str) -> dict[str, Any]:
+    """The model `build` makes, under this process's hash seed: per mesh, the plan's cost, sharded share and error,
+    or the exception."""
     import numpy as np
 
     import tapestry
@@ -48,7 +49,7 @@ def worker(name: str, meshes: list[str], extractor: str) -> dict[str, Any]:
 
     result: dict[str, Any] = {"family": name}
     try:
-        module, args, kwargs = ZOO[name].build()
+        module, args, kwargs = build()
         with torch.no_grad():
             want = [t.numpy() for t in torch.utils._pytree.tree_leaves(module(*args, **kwargs))
                     if isinstance(t, torch.Tensor)]
@@ -143,7 +144,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         for name in args.worker:
-            print(json.dumps(worker(name, args.meshes, args.extractor)), flush=True)
+            print(json.dumps(check(name, ZOO[name].build, args.meshes, args.extractor)), flush=True)
         return
     if args.list:
         print("\n".join(f"{name}: {family.kind}" for name, family in ZOO.items()))

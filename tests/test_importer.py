@@ -119,6 +119,17 @@ def test_a_module_that_cannot_be_exported_is_a_clear_error():
         from_torch(DataDependent(), (torch.randn(3),), verbose=False)
 
 
+class Fourier(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.fft.fft(x).real  # FNet's token mixing: a complex tensor between two real ones
+
+
+def test_a_complex_tensor_is_a_clear_error_naming_the_op_and_its_source_line():
+    with pytest.raises(TorchImportError, match=r"aten\.fft_fft\.default at module.*test_importer\.py.*"
+                                               r"not supported: dtype 'complex64'"):
+        from_torch(Fourier(), (torch.randn(4, 8),), verbose=False)
+
+
 def test_coverage_line_is_printed_on_import(capsys):
     from_torch(Cumulative(), (torch.randn(4, 8),))
     assert "1 opaque (aten.cumprod.default x1)" in capsys.readouterr().err

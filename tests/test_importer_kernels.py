@@ -644,3 +644,33 @@ def test_roll_and_adaptive_avg_pool1d_import_as_kernels_and_shard():
     assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(module, args))
     plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
     assert_same(imp.outputs(simulate(plan, imp.inputs(*args))), eager(module, args))
+
+
+class HeldBackZooOps(torch.nn.Module):
+    """Ops the held-back zoo (benchmarks/heldback_zoo.py) left opaque: Persimmon's and RWKV's square, Mamba's
+    softplus, LeViT's hardswish, the conformer's glu, ConvNeXt-V2's vector norm, EfficientNet's padding="same"
+    and ceil-mode pooling, Funnel's (2, 1) pooling, BiT's weight standardization (a batch norm with no stats)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.same = torch.nn.Conv2d(4, 4, 3, padding="same", groups=4)
+        self.valid = torch.nn.Conv2d(4, 6, 3, padding="valid")
+
+    def forward(self, x: torch.Tensor, seq: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        f = torch.nn.functional
+        standard = f.batch_norm(self.valid.weight.reshape(1, 6, -1), None, None, training=True, momentum=0.0,
+                                eps=1e-8).reshape_as(self.valid.weight)
+        return (torch.square(seq), f.softplus(seq * 8), f.softplus(seq, beta=2.0, threshold=5.0), f.hardswish(seq * 4),
+                f.glu(seq, -1), torch.linalg.vector_norm(seq, dim=-1, keepdim=True), self.same(x), self.valid(x),
+                f.avg_pool2d(seq[:, None], (2, 1), stride=(2, 1), ceil_mode=True),
+                f.avg_pool2d(x, 8, ceil_mode=True), f.conv2d(x, standard))
+
+
+def test_the_held_back_zoos_opaque_ops_import_as_kernels_and_match_eager_whole_and_sharded():
+    torch.manual_seed(0)
+    module, args = HeldBackZooOps().eval(), (torch.randn(4, 4, 6, 6), torch.randn(4, 8, 6))
+    imp = from_torch(module, args, verbose=False)
+    assert not imp.opaque
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(module, args))
+    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
+    assert_same(imp.outputs(simulate(plan, imp.inputs(*args))), eager(module, args))

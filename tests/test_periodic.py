@@ -4,6 +4,7 @@ onto every layer, is a warm start the ILP keeps when it is cheaper."""
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -150,3 +151,21 @@ def test_a_malformed_proposal_is_refused_with_its_reason():
     egraph, _ = stacked(3, 1, 2)
     with pytest.raises(ValueError, match="'nope'"):
         extract_ilp(egraph, 1.0, repeated=Repeated((("nope",), ("v1.0",), ("v2.0",)), {}))
+
+
+def test_a_static_value_made_by_a_chain_deeper_than_pythons_stack_is_tokenized_without_recursion():
+    """WavLM's relative position bias is a long chain of ops on constants alone (static): what each value is was
+    found by recursion, one Python frame a link, and overflowed the stack (RecursionError in optimize)."""
+    from types import SimpleNamespace
+
+    from tapestry.egraph.decode import DNode
+    from tapestry.egraph.repeat import _Shapes
+
+    depth = 5 * sys.getrecursionlimit()
+    producers = {"v0": [DNode("p0", "Place", "c0", (), "w", "R", "v0")]}
+    producers.update({f"v{i}": [DNode(f"n{i}", "Run", f"c{i}", (f"c{i - 1}",), "neg", "R", f"v{i}")]
+                      for i in range(1, depth)})
+    value = {f"c{i}": f"v{i}" for i in range(depth)}
+    decoder = SimpleNamespace(interner=SimpleNamespace(priced_as={}))
+    shapes = _Shapes(producers, value, {"v0"}, set(producers) - {"v0"}, decoder)
+    assert shapes(f"v{depth - 1}") != shapes(f"v{depth - 2}") and shapes("v0") == ("placed", ("R",))

@@ -103,31 +103,33 @@ class _Shapes:
         return v in self.leaves or v in self.static
 
     def __call__(self, v: str) -> object:
-        """Arguments first, on an explicit stack; an argument met again on its own path (an e-class cycle, as
-        x = view(view(x)) makes) reads as "cycle" (LLaMA's training step at 16 x 4096 on 8x8 recursed forever)."""
-        stack, path = [v], {v}
-        while stack:
-            u = stack[-1]
-            if u not in self.known and u in self.leaves:
-                self.known[u] = ("placed", tuple(n.layout for n in self.producers[u]))
-            if u in self.known:
-                stack.pop()
-                path.discard(u)
+        """Arguments first, by an explicit stack (a static chain can run deeper than Python's: WavLM's position
+        bias); an argument met again on its own path (a cycle of the e-graph) reads as "cycle"."""
+        stack, on_path = [v], {v}
+        while v not in self.known:
+            top = stack[-1]
+            pending = next((a for a in self._reads(top) if a not in self.known and a not in on_path), None)
+            if pending is not None:
+                stack.append(pending)
+                on_path.add(pending)
                 continue
-            waiting = next((a for n in self.producers[u] for a in _args(n, self.value)
-                            if a in self and a not in self.known and a not in path), None)
-            if waiting is not None:
-                stack.append(waiting)
-                path.add(waiting)
-                continue
-            self.known[u] = ("static", hash(tuple(sorted(
-                {(n.op, _identity(self.decoder, n), tuple(self._read(a, path) for a in _args(n, self.value)))
-                 for n in self.producers[u]}, key=repr))))
+            stack.pop()
+            on_path.discard(top)
+            self.known[top] = self._what(top)
         return self.known[v]
 
-    def _read(self, a: str, path: set[str]) -> object:
-        """An argument as a static value's token holds it."""
-        return "made" if a not in self else "cycle" if a in path else self.known[a]
+    def _reads(self, v: str) -> list[str]:
+        if v in self.leaves:
+            return []
+        return [a for n in self.producers[v] for a in _args(n, self.value) if a in self]
+
+    def _what(self, v: str) -> object:
+        if v in self.leaves:
+            return ("placed", tuple(n.layout for n in self.producers[v]))
+        return ("static", hash(tuple(sorted(
+            {(n.op, _identity(self.decoder, n), tuple(self.known.get(a, "cycle") if a in self else "made"
+                                                     for a in _args(n, self.value)))
+             for n in self.producers[v]}, key=repr))))
 
 
 def _token(v: str, producers: dict[str, list[DNode]], value: dict[str, str], position: dict[str, int],

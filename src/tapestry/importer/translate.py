@@ -472,10 +472,14 @@ def _emit_opaque(builder: Builder, node: Any, name: str, args: Any, kwargs: Any,
     if len(tensors) > MAX_ARITY:
         raise TorchImportError(f"{name} at {_where(node)}: {len(tensors)} tensor arguments (opaque ops take "
                                f"at most {MAX_ARITY})")
+    try:
+        dtype = dtypes.name_of(value.dtype)
+    except dtypes.DtypeError as err:  # complex (FNet's FFT): no kernel, no opaque op, no plan can carry it
+        raise TorchImportError(f"{name} at {_where(node)}: not supported: {err}") from None
     operands = [builder.tensor(t) for t in tensors]
     coverage[name]["opaque"] += 1
     try:
         return builder.op(opaque_name(len(operands)), *operands, aten=name, args=text, output=output,
-                          shape=tuple(int(s) for s in value.shape), dtype=dtypes.name_of(value.dtype))
+                          shape=tuple(int(s) for s in value.shape), dtype=dtype)
     except GraphError as err:
         raise TorchImportError(f"{name} at {_where(node)}: {err}") from None

@@ -18,7 +18,17 @@ def _square(name: str, value: Any) -> int:
     return int(values[0])
 
 
-@converts("aten.conv2d.default", "aten.convolution.default")
+def _named_padding(padding: str, kernel: tuple[int, ...]) -> list[int]:
+    """padding="valid" (none) or "same" (stride 1, the output as large as the input) as a padding per dim; "same"
+    with an even kernel pads one side more than the other, which the kernels do not."""
+    if padding == "valid":
+        return [0] * len(kernel)
+    if padding != "same" or any(k % 2 == 0 for k in kernel):
+        raise Unsupported(f"padding={padding!r} with kernel {list(kernel)}")
+    return [(k - 1) // 2 for k in kernel]
+
+
+@converts("aten.conv2d.default", "aten.conv2d.padding", "aten.convolution.default")
 def _conv2d(b: Builder, x: Any, w: Any, bias: Any = None, stride: Any = 1, padding: Any = 0, dilation: Any = 1,
             *rest: Any) -> Value:
     if str(b.node.target) == "aten.convolution.default":
@@ -27,21 +37,34 @@ def _conv2d(b: Builder, x: Any, w: Any, bias: Any = None, stride: Any = 1, paddi
             raise Unsupported("transposed convolution")
     else:
         groups = rest[0] if rest else 1
-    if isinstance(padding, str) or _square("dilation", dilation) != 1 or b.tensor(x).ndim != 4:
-        raise Unsupported("string padding, dilation or a non-NCHW input")
+    if _square("dilation", dilation) != 1 or b.tensor(x).ndim != 4:
+        raise Unsupported("dilation or a non-NCHW input")
+    if isinstance(padding, str):
+        padding = _named_padding(padding, b.tensor(w).shape[2:])
     params = {"stride": _square("stride", stride), "padding": _square("padding", padding), "groups": int(groups)}
     if bias is None:
         return b.op("conv2d", b.tensor(x), b.tensor(w), **params)
     return b.op("conv2d_bias", b.tensor(x), b.tensor(w), b.tensor(bias), **params)
 
 
+def _floor_mode(b: Builder, value: Value, kernel: Any, stride: Any, padding: Any, ceil_mode: bool) -> bool:
+    """Whether the pooling's windows are those of floor mode: ceil_mode adds a last, partial window only where
+    the input leaves a remainder, and where it does not, the two modes are one."""
+    if not ceil_mode:
+        return True
+    per_dim = [[v] * 2 if isinstance(v, int) else list(v) for v in (kernel, stride or kernel, padding)]
+    floor = [(n + 2 * p - k) // s + 1 for n, k, s, p in zip(value.shape[-2:], *per_dim)]
+    return floor == list(b.shape[-2:])
+
+
 @converts("aten.max_pool2d.default", "aten.max_pool2d_with_indices.default")
 def _max_pool(b: Builder, x: Any, kernel: Any, stride: Any = (), padding: Any = 0, dilation: Any = 1,
               ceil_mode: bool = False) -> Any:
-    if ceil_mode or _square("dilation", dilation) != 1:
-        raise Unsupported("ceil_mode or dilation")
+    value = b.tensor(x)
+    if not _floor_mode(b, value, kernel, stride, padding, ceil_mode) or _square("dilation", dilation) != 1:
+        raise Unsupported("ceil_mode with a partial last window, or dilation")
     k = _square("kernel", kernel)
-    pooled = b.op("max_pool2d", b.tensor(x), kernel=k, stride=_square("stride", stride or k),
+    pooled = b.op("max_pool2d", value, kernel=k, stride=_square("stride", stride or k),
                   padding=_square("padding", padding))
     return (pooled, None) if "with_indices" in str(b.node.target) else pooled
 
@@ -49,10 +72,21 @@ def _max_pool(b: Builder, x: Any, kernel: Any, stride: Any = (), padding: Any = 
 @converts("aten.avg_pool2d.default")
 def _avg_pool(b: Builder, x: Any, kernel: Any, stride: Any = (), padding: Any = 0, ceil_mode: bool = False,
               count_include_pad: bool = True, divisor_override: Any = None) -> Value:
-    if ceil_mode or divisor_override is not None:
-        raise Unsupported("ceil_mode or divisor_override")
+    value = b.tensor(x)
+    if divisor_override is not None:
+        raise Unsupported("divisor_override")
+    (kh, kw), (sh, sw) = ([v] * 2 if isinstance(v, int) else list(v) for v in (kernel, stride or kernel))
+    *lead, h, w = value.shape
+    unpadded = padding in (0, [0, 0], (0, 0))
+    if unpadded and kh >= h and kw >= w:  # one window over the whole input (EfficientNet's head)
+        return _reduce(b, "mean", value, [-1, -2], True)
+    if not _floor_mode(b, value, kernel, stride, padding, ceil_mode):
+        raise Unsupported("ceil_mode with a partial last window")
+    if unpadded and (kh, kw) == (sh, sw) and kh != kw and h % kh == 0 and w % kw == 0:  # Funnel's (2, 1) tiles
+        tiles = b.op("reshape", value, shape=(*lead, h // kh, kh, w // kw, kw))
+        return _reduce(b, "mean", tiles, [-1, -3], False)
     k = _square("kernel", kernel)
-    return b.op("avg_pool2d", b.tensor(x), kernel=k, stride=_square("stride", stride or k),
+    return b.op("avg_pool2d", value, kernel=k, stride=_square("stride", stride or k),
                 padding=_square("padding", padding), count_include_pad=bool(count_include_pad))
 
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from tapestry.graph import Value
-from tapestry.importer.aten.common import _scalar
+from tapestry.importer.aten.common import _axis, _scalar
 from tapestry.importer.translate import Builder, Unsupported, converts
 
 
@@ -33,6 +33,40 @@ converts(*UNARY)(_unary)
 @converts("aten.gelu.default")
 def _gelu(b: Builder, x: Any, approximate: str = "none") -> Value:
     return b.op("gelu", b.tensor(x), approximate=approximate)
+
+
+@converts("aten.square.default")
+def _square(b: Builder, x: Any) -> Value:
+    value = b.tensor(x)
+    return b.op("mul", value, value)
+
+
+@converts("aten.softplus.default")
+def _softplus(b: Builder, x: Any, beta: Any = 1, threshold: Any = 20) -> Value:
+    """log(1 + exp(βx)) / β, and x itself where βx is above the threshold (torch's switch to the line)."""
+    value = b.tensor(x)
+    scaled = b.op("mul_scalar", value, value=beta) if beta != 1 else value
+    soft = b.op("log", b.op("add_scalar", b.op("exp", scaled), value=1.0))
+    soft = b.op("div_scalar", soft, value=beta) if beta != 1 else soft
+    return b.op("where", b.op("gt_scalar", scaled, value=threshold), value, soft)
+
+
+@converts("aten.hardswish.default")
+def _hardswish(b: Builder, x: Any) -> Value:
+    """x · min(max(x + 3, 0), 6) / 6, in torch's order."""
+    value = b.tensor(x)
+    gate = b.op("minimum_scalar", b.op("maximum_scalar", b.op("add_scalar", value, value=3.0), value=0.0), value=6.0)
+    return b.op("div_scalar", b.op("mul", value, gate), value=6.0)
+
+
+@converts("aten.glu.default")
+def _glu(b: Builder, x: Any, dim: int = -1) -> Value:
+    """The first half of `dim` gated by the sigmoid of the second."""
+    value = b.tensor(x)
+    axis = _axis(dim, value.ndim)
+    half = value.shape[axis] // 2
+    first, second = (b.op("slice", value, axis=axis, start=start, stop=start + half, step=1) for start in (0, half))
+    return b.op("mul", first, b.op("sigmoid", second))
 
 
 BINARY = {

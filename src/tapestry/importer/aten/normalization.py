@@ -8,6 +8,7 @@ import torch
 
 from tapestry.graph import Value
 from tapestry.importer.aten.common import _axis
+from tapestry.importer.aten.reductions import _reduce
 from tapestry.importer.translate import Builder, Unsupported, converts
 
 
@@ -69,6 +70,29 @@ def _batch_norm(b: Builder, x: Any, w: Any, bias: Any, mean: Any, var: Any, eps:
     weight = b.tensor(w) if w is not None else _filled(b, channels, value, 1.0)
     shift = b.tensor(bias) if bias is not None else _filled(b, channels, value, 0.0)
     return b.op("batch_norm", value, b.tensor(mean), b.tensor(var), weight, shift, eps=float(eps))
+
+
+@converts("aten._native_batch_norm_legit.no_stats")
+def _batch_norm_batch_statistics(b: Builder, x: Any, w: Any, bias: Any, training: bool, momentum: float,
+                                 eps: float) -> tuple[Value, Value, Value]:
+    """A batch norm by the batch's own statistics, with no running ones to update (BiT's weight
+    standardization): (normalized, mean, 1/std), the statistics per channel (dim 1)."""
+    value = b.tensor(x)
+    if not training or value.ndim < 2:
+        raise Unsupported("an evaluation-mode batch norm without running statistics")
+    axes = [0, *range(2, value.ndim)]
+    mean = _reduce(b, "mean", value, axes, True)
+    centred = b.op("sub", value, mean)
+    inverse = b.op("rsqrt", b.op("add_scalar", _reduce(b, "mean", b.op("mul", centred, centred), axes, True),
+                                 value=float(eps)))
+    out = b.op("mul", centred, inverse)
+    per_channel = (value.shape[1], *(1,) * (value.ndim - 2))
+    if w is not None:
+        out = b.op("mul", out, b.op("reshape", b.tensor(w), shape=per_channel))
+    if bias is not None:
+        out = b.op("add", out, b.op("reshape", b.tensor(bias), shape=per_channel))
+    channels = (value.shape[1],)
+    return out, b.op("reshape", mean, shape=channels), b.op("reshape", inverse, shape=channels)
 
 
 @converts("aten.group_norm.default")

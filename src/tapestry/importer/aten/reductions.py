@@ -9,7 +9,7 @@ import torch
 from tapestry import dtypes
 from tapestry.graph import Value
 from tapestry.importer.aten.common import _axis
-from tapestry.importer.translate import Builder, converts
+from tapestry.importer.translate import Builder, Unsupported, converts
 
 
 @converts("aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int", "aten._log_softmax.default")
@@ -36,6 +36,16 @@ def _reduction(b: Builder, x: Any, dims: Any = None, keepdim: bool = False, *res
 @converts("aten.sum.default", "aten.mean.default")
 def _reduce_all(b: Builder, x: Any, *rest: Any, **kwargs: Any) -> Value:
     return _reduce(b, str(b.node.target).split(".")[1], x, None, False)
+
+
+@converts("aten.linalg_vector_norm.default")
+def _vector_norm(b: Builder, x: Any, order: Any = 2, dims: Any = None, keepdim: bool = False,
+                 dtype: Any = None) -> Value:
+    """The 2-norm: the root of the sum of squares (ConvNeXt-V2's response norm, Swin-V2's cosine attention)."""
+    if order != 2 or dtype is not None:
+        raise Unsupported(f"ord={order!r}, dtype={dtype}")
+    value = b.tensor(x)
+    return b.op("sqrt", _reduce(b, "sum", b.op("mul", value, value), dims, keepdim))
 
 
 @converts("aten.cumsum.default")
