@@ -78,11 +78,12 @@ def test_the_expert_split_takes_rows_and_experts_together_and_its_output_is_whol
     assert ends == Layout.replicated((EXPERTS,), Mesh(4))
 
 
-def test_candidates_include_expert_parallel_on_each_long_enough_axis_and_nothing_partial_with_it():
+def test_candidates_include_expert_parallel_on_each_long_enough_axis_or_the_whole_mesh_and_nothing_partial_with_it():
     sig = moe_graph().signature("mm")
     names = {p.name(sig) for p in candidate_partitions(sig, Mesh(2, 2)) if p.exchange}
     assert names == {"split(ep:row=expert,·)", "split(ep:row=expert,n)", "split(ep:row=expert,row)",
-                     "split(·,ep:row=expert)", "split(n,ep:row=expert)", "split(row,ep:row=expert)"}
+                     "split(·,ep:row=expert)", "split(n,ep:row=expert)", "split(row,ep:row=expert)",
+                     "split(ep:row=expert,ep:row=expert)"}  # the last: both axes as one, as a flat Mesh(4)
     assert not [p for p in candidate_partitions(sig, Mesh(8)) if p.exchange]  # 8 > 4 experts
 
 
@@ -138,7 +139,9 @@ def test_weight_gradient_candidates_split_rows_and_experts_together_and_rows_or_
     sig = grad_graph().signature("mm")
     parts = [p for p in candidate_partitions(sig, Mesh(2, 2)) if p.exchange]
     assert {p.name(sig) for p in parts} == {
-        "split(ep:row=expert,·)", "split(ep:row=expert,m)", "split(ep:row=expert,n)", "split(·,ep:row=expert)", "split(m,ep:row=expert)", "split(n,ep:row=expert)", "split(row,ep:row=expert)"}
+        "split(ep:row=expert,·)", "split(ep:row=expert,m)", "split(ep:row=expert,n)", "split(·,ep:row=expert)",
+        "split(m,ep:row=expert)", "split(n,ep:row=expert)", "split(row,ep:row=expert)",
+        "split(ep:row=expert,ep:row=expert)"}
     assert [p.name(sig) for p in parts if is_partial(sig, p)] == ["split(row,ep:row=expert)"]  # data parallel
     ep = make_partition(sig, Mesh(4), (None,), exchange=(0,))
     assert exchanged_blocks(sig, ep.blocks, ep.exchange, Mesh(4)) == tuple(

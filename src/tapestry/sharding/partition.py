@@ -380,7 +380,7 @@ def balance_ring(sig: Signature, mesh: Mesh, part: Partition) -> Partition:
 
 def _exchange_partitions(sig: Signature, mesh: Mesh) -> list[Candidate]:
     """Expert parallel: one mesh axis (at least as long as the rows and the experts) splits rows and experts
-    together; every other axis replicates or splits a dim that is neither the experts nor a reduction (rows:
+    together, or all of them as one (`training.plans.expert_parallel` on a grid); every other axis replicates or splits a dim that is neither the experts nor a reduction (rows:
     data times expert parallel, each group of the axis trading its own rows; output features: tensor times expert
     parallel). Rows that are a reduction (grouped_mm_k's) split on an axis before the exchange axis too, so a
     group's rows are one run (`exchanged_blocks`), its sums partial over that axis (data parallel)."""
@@ -399,6 +399,8 @@ def _exchange_partitions(sig: Signature, mesh: Mesh) -> list[Candidate]:
                    for a, n in enumerate(mesh.shape)]
         for axes in itertools.product(*options):
             found.append(_candidate(sig, mesh, axes, exchange=(axis,))[1])
+    if mesh.ndim > 1 and all(sig.index.shape[d] >= mesh.size for d in together):  # every axis as one (a flat EP)
+        found.append(_candidate(sig, mesh, (None,) * mesh.ndim, exchange=tuple(range(mesh.ndim)))[1])
     return found
 
 
