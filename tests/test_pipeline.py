@@ -470,3 +470,28 @@ def test_layer_plans_are_ranked_by_what_the_pipeline_pays_per_step() -> None:
     assert chosen.layer_plan.cost > one_run.plan.cost  # dearer for one micro-batch and its update ...
     assert chosen.cost < 0.9 * by_one_run.cost  # ... and faster per step
     assert chosen.layer.params > 1.9 * layer_cost(one_run.plan, model).params  # the weights whole, not halved
+
+
+def test_a_layers_extractions_share_one_pricing(mlp_step, monkeypatch) -> None:  # noqa: ANN001
+    """A stage count's layer is extracted several times under one cost model (its fastest plan, then leaner ones
+    under memory budgets): its e-nodes are priced once, for all of them."""
+    import tapestry
+    from tapestry.egraph.decode import Decoder
+    from tapestry.optimizer import Explored
+
+    calls = {"priced": 0, "extract": 0}
+    priced, extract = Decoder.priced, Explored.extract
+
+    def counted_priced(self: Decoder, *args: object, **kw: object) -> object:
+        calls["priced"] += 1
+        return priced(self, *args, **kw)
+
+    def counted_extract(self: Explored, *args: object, **kw: object) -> object:
+        calls["extract"] += 1
+        return extract(self, *args, **kw)
+
+    monkeypatch.setattr(Decoder, "priced", counted_priced)
+    monkeypatch.setattr(Explored, "extract", counted_extract)
+    tapestry.plan_pipeline(mlp_step, 4, tapestry.Mesh(2), global_batch=16, cost_model=h100(), stages=(1,),
+                           memory_budget=None, budget=tapestry.Budget(seconds=30), pareto_points=3)
+    assert calls["extract"] > 1 and calls["priced"] == 1
