@@ -405,13 +405,14 @@ def test_the_ideal_time_floors_every_configuration(seed: int) -> None:
     from tapestry.pipeline.planner import ideal_time
 
     rng = random.Random(seed)
-    layer = replace(LAYER, forward=rng.uniform(1, 5), backward=rng.uniform(1, 9), update=rng.uniform(0, 3))
+    layer = replace(LAYER, forward=rng.uniform(1, 5), backward=rng.uniform(1, 9), update=rng.uniform(0, 3),
+                    reduce=rng.uniform(0, 2))
     ends = Ends(replace(layer, forward=rng.uniform(0, 2)), replace(layer, backward=rng.uniform(0, 20)))
     for stages, micro_batches in [(1, 8), (2, 8), (4, 16), (4, 6)]:
         budget = rng.choice([None, 40 * MIXED.resident(layer) + 16 * layer.activations])
         plan = best_configuration(layer, 16, Mesh(4), 0, stages, micro_batches, MIXED, Link(1e-6, 1e9), budget,
                                   ends=ends)
-        floor = ideal_time(layer, 16, stages, micro_batches, ends)
+        floor = ideal_time(layer, 16, stages, micro_batches, MIXED, ends)
         assert plan is None or plan.cost >= floor > 0
 
 
@@ -444,3 +445,53 @@ def test_leaner_layer_plans_are_extracted_only_where_their_floor_beats_the_best_
     every, all_leaner = plan()
     assert pruned == every
     assert 0 < leaner < all_leaner
+
+
+def test_layer_plans_are_ranked_by_what_the_pipeline_pays_per_step() -> None:
+    """A stage runs 64 micro-batches' forward and backward per update: the layer plan that is fastest for one
+    micro-batch with its update (weights split in two) is not the one whose pipelined step is fastest (weights
+    whole, only the optimizer state split: each micro-batch faster, the update slower, paid once).
+    `plan_pipeline` ranks layer plans as the pipeline pays them, and chooses the second."""
+    import tapestry
+    from tapestry.optimizer import explore
+    from tapestry.pipeline import layer_cost
+    from tapestry.pipeline.planner import best_configuration
+
+    step, model, mesh = ResidualMLP.step(width=1024, batch=2), h100(), tapestry.Mesh(2)
+    budget = tapestry.Budget(seconds=30)
+    one_run = explore(step, mesh, budget=budget).extract(model)
+    chosen = tapestry.plan_pipeline(step, 2, mesh, global_batch=128, cost_model=model, stages=(1,),
+                                    memory_budget=None, budget=budget, pareto_points=1).plan
+    assert chosen.schedule.micro_batches == 64 and chosen.layer_plan is not None
+    link = model.profile.axis_links(mesh.shape)[0]
+    by_one_run = best_configuration(layer_cost(one_run.plan, model), 2, mesh, 0, 1, 64, MIXED, link, None,
+                                    peak_flops=chosen.peak_flops, micro_batch=2)
+    assert by_one_run is not None
+    assert chosen.layer_plan.cost > one_run.plan.cost  # dearer for one micro-batch and its update ...
+    assert chosen.cost < 0.9 * by_one_run.cost  # ... and faster per step
+    assert chosen.layer.params > 1.9 * layer_cost(one_run.plan, model).params  # the weights whole, not halved
+
+
+def test_a_layers_extractions_share_one_pricing(mlp_step, monkeypatch) -> None:  # noqa: ANN001
+    """A stage count's layer is extracted several times under one cost model (its fastest plan, then leaner ones
+    under memory budgets): its e-nodes are priced once, for all of them."""
+    import tapestry
+    from tapestry.egraph.decode import Decoder
+    from tapestry.optimizer import Explored
+
+    calls = {"priced": 0, "extract": 0}
+    priced, extract = Decoder.priced, Explored.extract
+
+    def counted_priced(self: Decoder, *args: object, **kw: object) -> object:
+        calls["priced"] += 1
+        return priced(self, *args, **kw)
+
+    def counted_extract(self: Explored, *args: object, **kw: object) -> object:
+        calls["extract"] += 1
+        return extract(self, *args, **kw)
+
+    monkeypatch.setattr(Decoder, "priced", counted_priced)
+    monkeypatch.setattr(Explored, "extract", counted_extract)
+    tapestry.plan_pipeline(mlp_step, 4, tapestry.Mesh(2), global_batch=16, cost_model=h100(), stages=(1,),
+                           memory_budget=None, budget=tapestry.Budget(seconds=30), pareto_points=3)
+    assert calls["extract"] > 1 and calls["priced"] == 1

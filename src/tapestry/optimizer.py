@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from functools import cache, cached_property
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from tapestry.cost import (
     plan_cost,
     rank_peaks,
 )
+from tapestry.cost.breakdown import PhaseTimes, phase_times
 from tapestry.cost.memory import lean_order
 from tapestry.cost.model import from_costs, step_costs
 from tapestry.cost.overlap import forward_outputs, overlap, upstream
@@ -65,6 +67,7 @@ from tapestry.plan import Compute, Place, Plan, steady_violations
 from tapestry.plan.explain import explain as explain_plan
 from tapestry.plan.validate import validate_plan
 from tapestry.sharding import Mesh
+from tapestry.training import LR
 from tapestry.training.plans import baselines
 from tapestry.verify import meaning_check
 
@@ -237,7 +240,7 @@ class Explored:
     @no_collections()
     def extract(self, cost_model: CostModel | None = None, extractor: str = "ilp", time_limit: float = 10.0,
                 memory_budget: int | None = None, outputs: Outputs = "any",
-                steady: Mapping[str, str] | None = None) -> OptimizeResult:
+                steady: Mapping[str, str] | None = None, micro_batches: int = 1) -> OptimizeResult:
         """The cheapest plan whose outputs have the layouts `outputs` asks for and, with `memory_budget`, whose
         peak memory (cost.peak_memory) fits that many bytes on every device; MemoryBudgetError if none is found.
 
@@ -262,7 +265,15 @@ class Explored:
         Fusion: where the model prices fusion groups as one kernel (its `fused_device`), the plan is extracted a
         second time with each fusible node priced as the group member its neighbourhood promises (`_fused`),
         and that plan is kept if plan_cost finds it cheaper, marked "feasible" (its node costs were estimates);
-        the overlap sweep then extracts under the costs that won. docs/cost-models.md says what is exact."""
+        the overlap sweep then extracts under the costs that won. docs/cost-models.md says what is exact.
+
+        Gradient accumulation: with `micro_batches` > 1 the step is run that many times (its forward and backward,
+        as a pipeline stage runs its micro-batches) per update, and the plan kept is the cheapest by that count
+        (`cost.breakdown.PhaseTimes.accumulated`, its `notes["accumulated_cost"]`): each node off the update is
+        priced `micro_batches` times, the update and the weight gradients' reductions once, the reductions hidden
+        behind one micro-batch's backward in the overlap sweep. `plan.cost` stays the time of one run."""
+        if micro_batches < 1:
+            raise ValueError(f"extract: micro_batches must be at least 1, not {micro_batches}")
         model = cost_model or default_cost_model()
         whole_carried = dict(self.whole.carried if steady is None else steady)
         _check_carried(self.whole, whole_carried)
@@ -280,17 +291,44 @@ class Explored:
         if memory_budget is not None and self._inputs_floor[0] > memory_budget:  # no plan can: say so at once
             raise self._budget_error(memory_budget, "")
         hands = self._hand_selections(egraph, ties) if self.layered is None else ()
-        reductions, backward = self._overlap_split()
+        reductions, backward, update = self._overlap_split(accumulated=micro_batches > 1)
+        runs = float(micro_batches)
+        times: dict[int, tuple[Plan, PhaseTimes]] = {}  # by id(plan): each plan's phases priced once
+
+        def objective(plan: Plan) -> float:
+            """What the kept plan minimises: its time per run, or per update of `micro_batches` runs."""
+            if micro_batches == 1:
+                return plan.cost
+            if id(plan) not in times:
+                times[id(plan)] = (plan, phase_times(plan, model, (LR,)))
+            return times[id(plan)][1].accumulated(micro_batches)
+
+        def exposed(plan: Plan) -> bool:
+            """Whether the plan's backward is shorter than the gradient reductions it hides."""
+            if micro_batches == 1:
+                found = overlap(plan, from_costs(step_costs(plan, model)))
+                return found.reductions > found.backward * (1 + 1e-9)
+            objective(plan)
+            return times[id(plan)][1].reduce > 0
+
+        def node_weight(n: int, weight: float | None) -> float:
+            """Runs per update node n is priced for, with `weight` of each reduction hidden and 1 - weight of each
+            backward Run (None: nothing hidden): the last micro-batch's backward hides, the others' do not."""
+            if n in reductions:
+                return 1.0 if weight is None else 1 - weight
+            if n in update:
+                return 1.0
+            if n in backward:
+                return runs if weight is None else runs - 1 + weight
+            return runs
 
         extractors = [extractor]  # the ILP found no steady selection in time once: greedy-dag for the rest
 
         def fit(base: ExtractGraph, weight: float | None) -> tuple[Plan, Selection]:
-            """Extracted from `base` with `weight` of each reduction's cost hidden and 1 - weight of each backward
-            Run's (None: nothing hidden)."""
-            hidden = base.with_costs([_unless_unselectable(c, 1 - weight) if n in reductions
-                                      else _unless_unselectable(c, weight) if n in backward else c
-                                      for n, c in enumerate(base.node_cost)]) if reductions and weight is not None \
-                else base
+            """Extracted from `base` with each node's cost weighted by `node_weight`."""
+            hidden = base.with_costs([_unless_unselectable(c, node_weight(n, weight))
+                                      for n, c in enumerate(base.node_cost)]) \
+                if reductions and weight is not None or micro_batches > 1 else base
             plan, selection = self._fit(hidden, extractors[-1], time_limit, budget_of, ties, carried, memory_budget,
                                         outputs, FUSED_STOP_GAP if base is fused else None, model, hands)
             fell_back = selection.extractor in EXTRACTORS and selection.extractor != extractors[-1]  # not a hand plan
@@ -308,7 +346,7 @@ class Explored:
                 seen = fit(fused, 1.0)
             except (MemoryBudgetError, NoPlanError):  # none found under these costs: the first plan stands
                 seen = (plan, selection)
-            if seen[0].cost < plan.cost:
+            if objective(seen[0]) < objective(plan):
                 egraph, (plan, selection) = fused, seen
         if self.layered is not None and reductions and memory_budget is None:
             # the plain sum too, of the node costs without fusion's estimates: on the folded 7B step on 8x8 the
@@ -316,15 +354,14 @@ class Explored:
             # where the weighted or fused fits kept the replicated pins (29.98; 186.31) (docs/benchmarks.md)
             with suppress(NoPlanError):
                 seen = fit(plain, None)
-                if seen[0].cost < plan.cost:
+                if objective(seen[0]) < objective(plan):
                     egraph, (plan, selection) = plain, seen
-        found = overlap(plan, from_costs(step_costs(plan, model)))
-        if found.reductions > found.backward * (1 + 1e-9) and refit:  # the first piece was not the plan's time
+        if exposed(plan) and refit:  # the first piece was not the plan's time
             swept = []
             for weight in LAGRANGE_WEIGHTS:
                 with suppress(NoPlanError):  # a fallback's steady pins can fail under one weighting alone
                     swept.append(fit(egraph, weight))
-            plan, selection = min([(plan, selection), *swept], key=lambda p: p[0].cost)
+            plan, selection = min([(plan, selection), *swept], key=lambda p: objective(p[0]))
             selection = replace(selection, status="feasible")  # no objective was the plan's time: nothing proven
             plan = replace(plan, notes={**plan.notes, "status": "feasible",
                                         "overlap_rounds": 1 + len(LAGRANGE_WEIGHTS)})
@@ -332,8 +369,11 @@ class Explored:
             selection = replace(selection, status="feasible")
             plan = replace(plan, notes={**plan.notes, "status": "feasible", "node_costs": "fused"})
         if self.layered is None:  # a hand plan is of the whole graph: no floor for a folded one
-            plan, selection = self._against_baselines(plan, selection, egraph, model, ties, memory_budget)
+            plan, selection = self._against_baselines(plan, selection, egraph, model, ties, memory_budget, objective)
         plan = self._verified(plan, extractor, whole_carried)
+        if micro_batches > 1:
+            plan = replace(plan, notes={**plan.notes, "micro_batches": micro_batches,
+                                        "accumulated_cost": objective(plan)})
         pricing = self.decoder.pricing
         stats = replace(self.stats, reshards_unpriced=pricing.reshards_unpriced, moves_unpriced=pricing.moves_unpriced,
                         moves=pricing.moves)
@@ -355,22 +395,26 @@ class Explored:
         return result
 
     def _against_baselines(self, plan: Plan, selection: Selection, egraph: ExtractGraph, model: CostModel,
-                           ties: Ties, memory_budget: int | None) -> tuple[Plan, Selection]:
+                           ties: Ties, memory_budget: int | None,
+                           objective: Callable[[Plan], float] = attrgetter("cost")) -> tuple[Plan, Selection]:
         """`plan`, or the cheapest hand plan (training.plans.baselines: data parallel, ZeRO-3, a MoE's expert
-        parallel) that `plan_cost` finds cheaper, lies in the e-graph (`egraph.embed`: every step a selectable
-        e-node, so within the outputs and steady ties asked for) and fits `memory_budget`. Extraction can miss
+        parallel) that `objective` (of a plan whose cost is `plan_cost`'s) finds cheaper, lies in the e-graph
+        (`egraph.embed`: every step a selectable e-node, so within the outputs and steady ties asked for) and fits
+        `memory_budget`. Extraction can miss
         such a plan: an e-class is made once, so a selection never recomputes a value, where the training capture
         recomputes cheap forward values (casts, sigmoids) in the backward pass, fused there and hidden behind the
         gradient reductions (cost.overlap); and a cut ILP hands over to greedy-dag. The selection returned for a
         hand plan is its steps in the e-graph, a value it makes twice chosen once (marked "feasible": nothing
         proven)."""
         cheaper = {}
+        best = objective(plan)
         for name, hand in sorted(self.baselines.items()):
-            cost = plan_cost(hand, model)
-            if cost < plan.cost and (memory_budget is None or max(peak_memory(hand)) <= memory_budget):
-                cheaper[name] = replace(hand, cost=cost)
+            priced = replace(hand, cost=plan_cost(hand, model))
+            if objective(priced) < best and (memory_budget is None or max(peak_memory(hand)) <= memory_budget):
+                cheaper[name] = priced
         for hand, embedded in embedded_plans(self.decoder, egraph, cheaper, ties):
-            if hand.cost < plan.cost:
+            if objective(hand) < best:
+                best = objective(hand)
                 selection = embedded
                 plan = replace(hand, notes={**hand.notes, "extractor": embedded.extractor,
                                             "status": "feasible", "extracted_cost": plan.cost})
@@ -553,12 +597,15 @@ class Explored:
         # a rule that passed check-rules can still be wrong where it was not drawn
         return replace(plan, notes={**plan.notes, "meaning_check": meaning_check(plan)})
 
-    def _overlap_split(self) -> tuple[frozenset[int], frozenset[int]]:
+    def _overlap_split(self, accumulated: bool = False) -> tuple[frozenset[int], frozenset[int], frozenset[int]]:
         """cost.overlap's reductions and backward compute as far as the e-graph tells (a class some forward node
-        could read is never credited): Reshard nodes out of a partial layout, and Run nodes those wait for."""
+        could read is never credited): Reshard nodes out of a partial layout, and Run nodes those wait for. With
+        `accumulated`, as cost.breakdown.phase_times splits a step run as micro-batches: the reductions only of
+        values every Run reading them updates (weight gradients), and the update's nodes (third; else empty):
+        those of classes downstream of the optimizer state and the learning rate, off the forward path."""
         decoder, carried = self.decoder, self.graph.carried
         if not carried:
-            return frozenset(), frozenset()
+            return frozenset(), frozenset(), frozenset()
         made: dict[str, list[DNode]] = {}
         for node in decoder.nodes:
             made.setdefault(node.eclass, []).append(node)
@@ -568,13 +615,37 @@ class Explored:
 
         forward = upstream(forward_outputs({self.names[r]: r for r in self.roots}, carried), children)
         layouts = decoder.interner.layouts
-        reductions = frozenset(n for n, node in enumerate(decoder.nodes) if node.op == "Reshard"
-                               and node.eclass not in forward
-                               and layouts[decoder.class_layout[node.children[0]]][1].partial)
+        reductions = [n for n, node in enumerate(decoder.nodes) if node.op == "Reshard"
+                      and node.eclass not in forward and layouts[decoder.class_layout[node.children[0]]][1].partial]
+        update: set[str] = set()
+        if accumulated:
+            sources = {*carried.values(), LR}
+            update = {node.eclass for node in decoder.nodes if node.op == "Place" and node.key in sources
+                      and node.eclass not in forward}
+            readers: dict[str, list[DNode]] = {}
+            for node in decoder.nodes:
+                for c in node.children:
+                    readers.setdefault(c, []).append(node)
+            stack = list(update)
+            while stack:
+                for node in readers.get(stack.pop(), ()):
+                    if node.eclass not in update and node.eclass not in forward:
+                        update.add(node.eclass)
+                        stack.append(node.eclass)
+            value = decoder.class_value
+            runs_of: dict[str, set[str]] = {}  # a logical value -> the classes of the Runs reading any of its layouts
+            for node in decoder.nodes:
+                if node.op not in ("Place", "Reshard", "Deliver"):
+                    for c in node.children:
+                        if c in value:
+                            runs_of.setdefault(value[c], set()).add(node.eclass)
+            weight_gradients = {v for v, runs in runs_of.items() if runs <= update}
+            reductions = [n for n in reductions if value.get(decoder.nodes[n].eclass) in weight_gradients]
         waited_for = upstream((decoder.nodes[n].children[0] for n in reductions), children) - forward
         backward = frozenset(n for n, node in enumerate(decoder.nodes) if node.eclass in waited_for
                              and node.op not in ("Place", "Reshard", "Deliver"))
-        return reductions, backward
+        return frozenset(reductions), backward, frozenset(n for n, node in enumerate(decoder.nodes)
+                                                          if node.eclass in update)
 
     def _select(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget: DeviceBudget | None,
                 ties: Ties, carried: Mapping[str, str], stop_gap: float | None = None,
@@ -738,19 +809,26 @@ class Explored:
         return plan, step_nodes, peaks
 
     def pareto(self, cost_model: CostModel | None = None, extractor: str = "ilp", time_limit: float = 10.0,
-               points: int = 6, fastest: OptimizeResult | None = None) -> list[OptimizeResult]:
+               points: int = 6, fastest: OptimizeResult | None = None, micro_batches: int = 1
+               ) -> list[OptimizeResult]:
         """Plans not beaten on both predicted time and peak memory, fastest first: the fastest plan (`fastest`
         where the caller extracted it already), then repeatedly the fastest that needs less memory than the last
         (an epsilon-constraint sweep, so points in the front's dents are found too), up to `points` tries; a plan
-        the ILP did not prove best can be beaten by a leaner one, and is dropped."""
-        front = [fastest or self.extract(cost_model, extractor, time_limit)]
+        the ILP did not prove best can be beaten by a leaner one, and is dropped. Time is per update of
+        `micro_batches` runs (`extract`)."""
+        front = [fastest or self.extract(cost_model, extractor, time_limit, micro_batches=micro_batches)]
         while len(front) < points:
             try:
-                leaner = self.extract(cost_model, extractor, time_limit, memory_budget=front[-1].peak_memory - 1)
+                leaner = self.extract(cost_model, extractor, time_limit, memory_budget=front[-1].peak_memory - 1,
+                                      micro_batches=micro_batches)
             except MemoryBudgetError:
                 break
             front.append(leaner)
-        return [r for i, r in enumerate(front) if all(r.plan.cost < later.plan.cost for later in front[i + 1:])]
+
+        def time(r: OptimizeResult) -> float:
+            return r.plan.notes.get("accumulated_cost", r.plan.cost)
+
+        return [r for i, r in enumerate(front) if all(time(r) < time(later) for later in front[i + 1:])]
 
 
 def _memory_cuts(egraph: ExtractGraph, step_nodes: Sequence[int], peaks: Sequence[RankPeak],

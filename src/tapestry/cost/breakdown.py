@@ -13,14 +13,14 @@ an MFU of 100% would take.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from tapestry.cost.model import CostModel, from_costs, step_costs
 from tapestry.cost.overlap import forward_outputs, overlap, upstream
 from tapestry.cost.profile import DeviceProfile
 from tapestry.cost.roofline import compute_dtype
-from tapestry.plan.plan import Compute, Place, Plan, Reshard
+from tapestry.plan.plan import Compute, Place, Plan, Reshard, Step
 from tapestry.sharding.collectives import classify_reshard
 from tapestry.sharding.partition import exchanged_blocks
 
@@ -61,32 +61,70 @@ class Breakdown:
 PHASES = ("forward", "backward", "update", "step")
 
 
-def phases(plan: Plan) -> dict[str, str]:
-    """Phase of each step's value: forward, update (downstream of carried inputs the forward never reads), or
-    backward; a plan without carried state is all forward."""
+def _args(by_id: Mapping[str, Step], value: str) -> tuple[str, ...]:
+    step = by_id[value]
+    return step.args if isinstance(step, Compute) else () if isinstance(step, Place) else (step.src,)
+
+
+def phases(plan: Plan, update_inputs: Collection[str] = ()) -> dict[str, str]:
+    """Phase of each step's value: forward, update (downstream of carried inputs the forward never reads, and of
+    `update_inputs`: a learning rate), or backward; a plan without carried state is all forward."""
     by_id = plan.by_id
-
-    def args(value: str) -> tuple[str, ...]:
-        step = by_id[value]
-        return step.args if isinstance(step, Compute) else () if isinstance(step, Place) else (step.src,)
-
     if not plan.graph.carried:
         return {s.out: "forward" for s in plan.steps}
-    forward = upstream(forward_outputs(plan.outputs, plan.graph.carried), args)
-    state = {s.out for s in plan.steps if isinstance(s, Place) and s.input in set(plan.graph.carried.values())
-             and s.out not in forward}
-    read_by_forward = {a for v in forward for a in args(v)}
-    update = {v for v in state if v not in read_by_forward}
+    forward = upstream(forward_outputs(plan.outputs, plan.graph.carried), lambda v: _args(by_id, v))
+    sources = set(plan.graph.carried.values()) | set(update_inputs)
+    update = {s.out for s in plan.steps if isinstance(s, Place) and s.input in sources and s.out not in forward}
     found = {}
     for step in plan.steps:  # steps come in a valid order: arguments first
         if step.out in forward:
             found[step.out] = "forward"
-        elif step.out in update or any(a in update for a in args(step.out)):
+        elif step.out in update or any(a in update for a in _args(by_id, step.out)):
             update.add(step.out)
             found[step.out] = "update"
         else:
             found[step.out] = "backward"
     return found
+
+
+@dataclass(frozen=True)
+class PhaseTimes:
+    """A training step's seconds by how often gradient accumulation (or a pipeline stage) pays them: per
+    micro-batch its forward and backward (activation and weight gradients, and their communication each
+    micro-batch), per update the optimizer's update and the weight gradients' reductions, run once on the
+    accumulated gradients and hidden behind one micro-batch's backward compute as far as it lasts (`cost.overlap`'s
+    credit, given to the last micro-batch)."""
+
+    forward: float
+    backward: float
+    update: float
+    reduce: float  # the reductions' seconds the backward does not hide
+
+    def accumulated(self, micro_batches: int) -> float:
+        """Seconds per update of `micro_batches` micro-batches run one after another on these devices."""
+        return micro_batches * (self.forward + self.backward) + self.update + self.reduce
+
+
+def phase_times(plan: Plan, model: CostModel, update_inputs: Collection[str] = ()) -> PhaseTimes:
+    """`plan`'s per-run steps (priced by `step_costs`: fused chains as one kernel) split as `PhaseTimes` says, by
+    `phases`: the weight gradients' reductions are the Reshards out of a partial layout off the forward path that
+    only the update reads (a tensor-parallel backward's activation-gradient sums run every micro-batch)."""
+    phase = phases(plan, update_inputs)
+    by_id = plan.by_id
+    readers: dict[str, list[str]] = {}
+    for step in plan.steps:
+        for a in _args(by_id, step.out):
+            readers.setdefault(a, []).append(step.out)
+    per_run = [s for s in plan.steps if not isinstance(s, Place) and s.out not in plan.prepared]
+    cost = step_costs(plan, model)
+    reductions = {s.out for s in per_run if isinstance(s, Reshard) and s.src_layout.partial
+                  and phase[s.out] != "forward" and all(phase[r] == "update" for r in readers.get(s.out, ()))}
+    backward = [s for s in per_run if phase[s.out] == "backward" and s.out not in reductions]
+    hidden_behind = sum(cost[s.out] for s in backward if isinstance(s, Compute))
+    return PhaseTimes(forward=sum(cost[s.out] for s in per_run if phase[s.out] == "forward"),
+                      backward=sum(cost[s.out] for s in backward),
+                      update=sum(cost[s.out] for s in per_run if phase[s.out] == "update"),
+                      reduce=max(0.0, sum(cost[v] for v in reductions) - hidden_behind))
 
 
 def compute_kind(step: Compute, device: DeviceProfile) -> str:

@@ -271,6 +271,7 @@ class Decoder:
         self.class_dtype = self._dtypes(input_dtypes)
         self.static_classes = self._static_classes(fixed_inputs)
         self.pricing: PricingStats | None = None  # of the last `priced`
+        self._extraction_graphs: dict[Any, tuple[ExtractGraph, PricingStats | None]] = {}
 
     def _static_classes(self, fixed_inputs: frozenset[str]) -> frozenset[str]:
         """The distributed classes some node computes from static inputs and constants alone (`Graph.fixed`):
@@ -400,10 +401,22 @@ class Decoder:
     def extraction_graph(self, roots: list[str], cost: Any, reshards: float = math.inf,
                          drop_dominated: bool = False) -> ExtractGraph:
         """What `serialized` writes, made directly: the JSON round trip took 17 s of a 4-layer stack's 40 s of
-        pricing on a 2x2x2 mesh (1.1 million nodes)."""
+        pricing on a 2x2x2 mesh (1.1 million nodes). Made once per cost model (a hashable one) and arguments:
+        a pipeline's layer is extracted several times under one model (its fastest plan, then leaner ones)."""
+        try:
+            key: Any = (tuple(roots), cost, reshards, drop_dominated)
+            hash(key)
+        except TypeError:  # a model that cannot be a key is priced every time
+            key = None
+        if key in self._extraction_graphs:
+            made, self.pricing = self._extraction_graphs[key]
+            return made
         costs = self.priced(cost, reshards, drop_dominated)
-        return ExtractGraph.from_nodes([Node(n.id, n.op, n.eclass, c, n.children) for n, c in zip(self.nodes, costs)],
+        made = ExtractGraph.from_nodes([Node(n.id, n.op, n.eclass, c, n.children) for n, c in zip(self.nodes, costs)],
                                        roots)
+        if key is not None:
+            self._extraction_graphs[key] = (made, self.pricing)
+        return made
 
     def _ops(self, costs: Sequence[float]) -> Iterable[list[Candidate]]:
         """The Run nodes grouped by logical op (out value, argument values), for `dominated_runs`; an op that

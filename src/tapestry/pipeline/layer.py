@@ -13,13 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from tapestry import dtypes
-from tapestry.cost import CostModel, peak_memory, resident_bytes, step_costs
+from tapestry.cost import CostModel, peak_memory, resident_bytes
+from tapestry.cost.breakdown import phase_times
 from tapestry.cost.memory import layout_bytes
 from tapestry.cost.overlap import forward_outputs, upstream
 from tapestry.graph import Graph
 from tapestry.importer.report import flops_of
 from tapestry.pipeline.model import LayerCost
-from tapestry.plan import Compute, Place, Plan, Reshard
+from tapestry.plan import Compute, Place, Plan
 from tapestry.training import LR
 
 OPTIMIZER_STATE = ("adam.", "sgd.")  # prefixes of optimizer-state inputs (tapestry.training.state_name)
@@ -177,22 +178,12 @@ def layer_cost(plan: Plan, model: CostModel) -> LayerCost:
 
     forward = upstream(forward_outputs(plan.outputs, graph.carried), args)
     places = {s.input: s for s in plan.steps if isinstance(s, Place)}
-    optimizer = {s.out for name, s in places.items() if name.startswith(OPTIMIZER_STATE) or name == LR}
-    update: set[str] = set(optimizer)
     readers: dict[str, list[str]] = {}
     for step in plan.steps:
         for a in args(step.out):
             readers.setdefault(a, []).append(step.out)
-        if not isinstance(step, Place) and any(a in update for a in args(step.out)):
-            update.add(step.out)
     per_run = [s for s in plan.steps if not isinstance(s, Place) and s.out not in plan.prepared]
-    cost = step_costs(plan, model)  # fused elementwise chains priced as one kernel (cost.fusion)
-    reductions = {s.out for s in per_run if isinstance(s, Reshard) and s.src_layout.partial and s.out not in forward
-                  and all(r in update for r in readers.get(s.out, ()))}
-    backward = [s for s in per_run if s.out not in forward and s.out not in update and s.out not in reductions]
-    hidden_behind = sum(cost[s.out] for s in backward if isinstance(s, Compute))
-    reduce_seconds = sum(cost[v] for v in reductions)
-
+    times = phase_times(plan, model, (LR,))
     carried_inputs = set(graph.carried.values())
     weights = [s for name, s in places.items() if name in carried_inputs and not name.startswith(OPTIMIZER_STATE)]
     state = [s for name, s in places.items() if name.startswith(OPTIMIZER_STATE) and name in carried_inputs
@@ -211,11 +202,8 @@ def layer_cost(plan: Plan, model: CostModel) -> LayerCost:
     working = max(0, max(peak_memory(plan)) - max(resident_bytes(plan)) - activations)
     itemsize = dtypes.itemsize(plan.dtypes[weights[0].out]) if weights else 4
     return LayerCost(
-        forward=sum(cost[s.out] for s in per_run if s.out in forward),
-        backward=sum(cost[s.out] for s in backward),
-        update=sum(cost[s.out] for s in per_run if s.out in update and s.out not in forward),
+        forward=times.forward, backward=times.backward, update=times.update,
         params=params_per_device, state=state_per_device,
         slots=len(state) // len(weights) if weights else 0,
         activations=activations, boundary=boundary, working=working,
-        flops=sum(flops_of(graph.signature(op.name)) for op in graph.ops), itemsize=itemsize,
-        reduce=max(0.0, reduce_seconds - hidden_behind))
+        flops=sum(flops_of(graph.signature(op.name)) for op in graph.ops), itemsize=itemsize, reduce=times.reduce)

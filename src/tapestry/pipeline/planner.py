@@ -274,13 +274,19 @@ def rebalanced(layer: LayerCost, layers: int, schedule: Schedule, precision: Pre
     return best
 
 
-def ideal_time(layer: LayerCost, layers: int, stages: int, micro_batches: int, ends: Ends = Ends()) -> float:
+def ideal_time(layer: LayerCost, layers: int, stages: int, micro_batches: int, precision: Precision,
+               ends: Ends = Ends()) -> float:
     """A floor under the step time of `layers` copies of `layer` (the model's `ends` joined) in `stages` stages,
-    whatever the schedule, split or recomputation: every micro-batch's forward and backward of every layer, shared
-    evenly by the devices, with no bubble, transfer, update or reduction. It floors a leaner plan of the layer
-    too, as far as that plan is no faster per micro-batch (what a plan trades for memory is time: `plan_pipeline`
-    extracts a layer's leaner plans only where this floor, priced with the fastest, beats the best step so far)."""
-    return micro_batches * sum(c.forward + c.backward for c in ends.stack(layer, layers)) / stages
+    whatever the schedule, split or recomputation: every micro-batch's forward and backward of every layer, and
+    every layer's update and exposed reductions once, shared evenly by the devices, with no bubble or transfer
+    (a device's makespan is at least its share of the compute, its update at least its share of the updates).
+    The update is counted at min(1, `precision`'s update scale) of its imported time, and so the floor floors a
+    leaner plan of the layer too, as far as `layer`'s plan is the cheapest by the objective layer plans are
+    extracted by (`Explored.extract` with `micro_batches`: forward and backward per micro-batch, the update
+    and reductions once; `plan_pipeline` extracts leaner plans only where this floor beats the best step so far)."""
+    copies = ends.stack(layer, layers)
+    least = min(1.0, *(precision.update_scale(c) for c in copies))
+    return least * sum(micro_batches * (c.forward + c.backward) + c.update + c.reduce for c in copies) / stages
 
 
 def best_configuration(layer: LayerCost, layers: int, mesh: Mesh, axis: int, stages: int, micro_batches: int,
@@ -358,9 +364,10 @@ def plan_pipeline(layer: Step, layers: int, mesh: Mesh, global_batch: int,
         for b, graph in graphs.items():
             try:
                 explored = explore(graph, sub, budget=budget)
-                fastest = explored.extract(cost_model, extractor, time_limit)
+                fastest = explored.extract(cost_model, extractor, time_limit, micro_batches=global_batch // b)
                 ends = Ends(*(None if end is None else layer_cost(explore(end, sub, budget=budget).extract(
-                    cost_model, extractor, time_limit).plan, cost_model) for end in end_graphs[b]))
+                    cost_model, extractor, time_limit, micro_batches=global_batch // b).plan, cost_model)
+                    for end in end_graphs[b]))
             except (ValueError, MemoryBudgetError) as err:
                 why.append(f"micro-batch {b}: no layer plan on {sub} ({err})")
                 continue
@@ -372,8 +379,10 @@ def plan_pipeline(layer: Step, layers: int, mesh: Mesh, global_batch: int,
 
             fastest_layer = layer_cost(fastest.plan, cost_model)
             quickest = configured(fastest, fastest_layer)
-            front = [fastest] if ideal_time(fastest_layer, layers, s, global_batch // b, ends) > leading else \
-                explored.pareto(cost_model, extractor, time_limit, points=pareto_points, fastest=fastest)
+            front = [fastest] if ideal_time(fastest_layer, layers, s, global_batch // b, chosen_precision,
+                                            ends) > leading else \
+                explored.pareto(cost_model, extractor, time_limit, points=pareto_points, fastest=fastest,
+                                micro_batches=global_batch // b)
             for result in front:
                 found = quickest if result is fastest else configured(result, layer_cost(result.plan, cost_model))
                 if found is not None and (best is None or (found.cost, found.peak_memory) < (best.cost,
