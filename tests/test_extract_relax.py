@@ -26,7 +26,9 @@ from tapestry.extract.reduction import Reduced, reduce
 from tapestry.extract.relax import (
     FlowBatch,
     Lp,
+    NeedPairs,
     PathCut,
+    PathFlow,
     PathGraphs,
     Relaxation,
     need_pairs,
@@ -178,10 +180,8 @@ def test_the_lp_with_path_cuts_proves_a_transformer_layer_on_8_devices_and_agree
     assert proven.dag_cost == pytest.approx(plain.dag_cost, rel=1e-9)
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(0, 10**6))
-def test_separation_finds_a_violated_cut_exactly_where_the_max_flow_falls_short_of_the_demand(seed: int) -> None:
-    # All pairs share one max flow (`FlowBatch`) on integer capacities; each pair must still get its own answer.
+def separation_case(seed: int) -> tuple[EGraph, Reduced, dict[int, int], Lp, NeedPairs, list[PathFlow]]:
+    """A Tapestry-like e-graph's LP, its need pairs (at least one) and their path graphs."""
     egraph = tapestry_like(seed, 4, 2)
     reduced = reduce(egraph, solvable_tree(egraph))
     block = {c: reduced.block(c) for c in reduced.candidates}
@@ -189,6 +189,14 @@ def test_separation_finds_a_violated_cut_exactly_where_the_max_flow_falls_short_
     pairs = need_pairs(egraph, reduced.candidates, block, reduced.needs, math.inf)
     assert pairs is not None and pairs.pairs
     flows = path_flows(egraph, reduced.candidates, block, pairs, lp, math.inf)
+    return egraph, reduced, block, lp, pairs, flows
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**6))
+def test_separation_finds_a_violated_cut_exactly_where_the_max_flow_falls_short_of_the_demand(seed: int) -> None:
+    # All pairs share one max flow (`FlowBatch`) on integer capacities; each pair must still get its own answer.
+    egraph, reduced, block, lp, pairs, flows = separation_case(seed)
     rng = np.random.default_rng(seed)
     values = rng.random(lp.highs.getNumCol()) ** 2  # capacities mostly small, demands large: some pairs fall short
     readers = [lp.used[flow.reader] for flow in flows]
@@ -213,13 +221,7 @@ def test_separation_finds_a_violated_cut_exactly_where_the_max_flow_falls_short_
 def test_path_graphs_made_as_their_readers_come_into_use_give_every_pairs_cuts_in_pair_order(seed: int) -> None:
     # `PathGraphs` makes a pair's graph only once its reader is used; over rounds of LP points where some readers
     # are unused, each round's cuts are those of all pairs' graphs made at once, in the same order.
-    egraph = tapestry_like(seed, 4, 2)
-    reduced = reduce(egraph, solvable_tree(egraph))
-    block = {c: reduced.block(c) for c in reduced.candidates}
-    lp = Lp(egraph, reduced.candidates, block, reduced.needs, (), math.inf)
-    pairs = need_pairs(egraph, reduced.candidates, block, reduced.needs, math.inf)
-    assert pairs is not None and pairs.pairs
-    flows = path_flows(egraph, reduced.candidates, block, pairs, lp, math.inf)
+    egraph, reduced, block, lp, pairs, flows = separation_case(seed)
     every = FlowBatch.of(flows, lp.highs.getNumCol())
     graphs = PathGraphs(egraph, reduced.candidates, block, pairs, lp)
     rng = np.random.default_rng(seed)
