@@ -494,7 +494,7 @@ class NeedPairs:
 
 
 def need_pairs(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
-           needs: Mapping[int, Sequence[int]], deadline: float, steps: int = NEED_HOPS) -> NeedPairs | None:
+               needs: Mapping[int, Sequence[int]], deadline: float, steps: int = NEED_HOPS) -> NeedPairs | None:
     """Every pair (B', B) with B one step of needs from B', then two, .. `steps`, while their path graphs
     can be built in `PATH_SHARE` of the time to `deadline` (whole steps only); None when the one-step pairs
     alone cannot. The region of (B', B): the blocks below B' and above B."""
