@@ -22,20 +22,10 @@ from tapestry.extract import EGraph, extract, validate
 from tapestry.extract import ilp as ilp_module
 from tapestry.extract import reduction as reduction_module
 from tapestry.extract import relax as relax_module
+from tapestry.extract import separation as separation_module
 from tapestry.extract.reduction import Reduced, reduce
-from tapestry.extract.relax import (
-    FlowBatch,
-    Lp,
-    NeedPairs,
-    PathCut,
-    PathFlow,
-    PathGraphs,
-    Relaxation,
-    need_pairs,
-    path_flows,
-    read_rows_bound,
-    relax,
-)
+from tapestry.extract.relax import Lp, Relaxation, read_rows_bound, relax
+from tapestry.extract.separation import FlowBatch, NeedPairs, PathCut, PathFlow, PathGraphs, need_pairs, path_flows
 from tapestry.extract.tree import solvable_tree
 from tapestry.models import transformer_stack
 from tapestry.optimizer import default_cost_model, explore
@@ -242,7 +232,7 @@ def test_the_lp_pass_is_skipped_when_its_path_graphs_would_take_too_long_to_buil
     block = {c: reduced.block(c) for c in reduced.candidates}
     soon = clock() + 10
     assert relax(egraph, reduced.candidates, block, reduced.needs, soon).cuts
-    monkeypatch.setattr(relax_module, "PATH_NODES_PER_SECOND", 0.01)
+    monkeypatch.setattr(separation_module, "PATH_NODES_PER_SECOND", 0.01)
     assert relax(egraph, reduced.candidates, block, reduced.needs, soon) == Relaxation((), 0.0, 0)
     selection = extract(egraph, "ilp", time_limit=10)
     assert validate(egraph, selection) == [] and selection.status == "optimal"
@@ -288,7 +278,7 @@ def test_without_path_cuts_to_afford_the_lp_pass_still_gives_its_bound_with_read
     egraph = unread_partial()
     reduced = reduce(egraph, solvable_tree(egraph))
     block = {c: reduced.block(c) for c in reduced.candidates}
-    monkeypatch.setattr(relax_module, "PATH_NODES_PER_SECOND", 0.0)
+    monkeypatch.setattr(separation_module, "PATH_NODES_PER_SECOND", 0.0)
     soon = clock() + 10
     assert relax(egraph, reduced.candidates, block, reduced.needs, soon) == Relaxation((), 0.0, 0)
     assert relax(egraph, reduced.candidates, block, reduced.needs, soon, reads=True).bound == pytest.approx(11.0)
