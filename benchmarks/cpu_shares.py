@@ -47,14 +47,16 @@ def matches(name: str, wanted: str) -> bool:
 
 
 class Sampler:
-    """Inclusive CPU seconds per frame name, of the samples with a `within` frame on the main thread's stack."""
+    """Inclusive CPU seconds per frame name and per wanted name, of the samples with a `within` frame on the main
+    thread's stack."""
 
-    def __init__(self, within: str, interval: float) -> None:
-        self.within, self.interval = within, interval
-        self.seconds: Counter[str] = Counter()
+    def __init__(self, within: str, wanted: list[str], interval: float) -> None:
+        self.within, self.wanted, self.interval = within, wanted, interval
+        self.seconds: Counter[str] = Counter()  # by frame name
+        self.wanted_seconds: Counter[str] = Counter()  # by wanted name: a sample counts once however many match
         self.total = 0.0
         self.ours: set[str] = set()  # the names of tapestry's frames
-        self._names: dict[CodeType, str] = {}
+        self._names: dict[CodeType, tuple[str, tuple[str, ...]]] = {}  # a frame's name and the wanted it matches
         self._last = time.process_time()
 
     def start(self) -> None:
@@ -68,24 +70,26 @@ class Sampler:
     def _sample(self, signum: int, frame: FrameType | None) -> None:
         now = time.process_time()
         spent, self._last = now - self._last, now
-        names = set()
+        names, found = set(), set()
         while frame is not None:
             code = frame.f_code
-            name = self._names.get(code)
-            if name is None:
-                name = self._names[code] = frame_name(code)
+            known = self._names.get(code)
+            if known is None:
+                name = frame_name(code)
+                known = self._names[code] = name, tuple(w for w in [self.within, *self.wanted] if matches(name, w))
                 if PACKAGE in code.co_filename:
                     self.ours.add(name)
-            names.add(name)
+            names.add(known[0])
+            found.update(known[1])
             frame = frame.f_back
-        if any(matches(name, self.within) for name in names):
+        if self.within in found:
             self.total += spent
             self.seconds.update(dict.fromkeys(names, spent))
+            self.wanted_seconds.update(dict.fromkeys(found, spent))
 
-    def share(self, wanted: str) -> float:
-        """The share of the seconds within spent with `wanted` on the stack."""
-        spent = sum(s for name, s in self.seconds.items() if matches(name, wanted))
-        return spent / self.total if self.total else 0.0
+    def share(self, name: str) -> float:
+        """The share of the seconds within spent with the wanted `name` on the stack."""
+        return self.wanted_seconds[name] / self.total if self.total else 0.0
 
 
 def main() -> None:
@@ -99,7 +103,7 @@ def main() -> None:
     parser.add_argument("--interval-ms", type=float, default=2.0, help="CPU milliseconds between samples")
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     script = argv[argv.index("--") + 1:]
-    sampler = Sampler(args.within, args.interval_ms / 1e3)
+    sampler = Sampler(args.within, args.frames, args.interval_ms / 1e3)
     sys.argv = script
     sampler.start()
     try:
