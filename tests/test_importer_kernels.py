@@ -668,3 +668,25 @@ def test_the_held_back_zoos_opaque_ops_import_as_kernels_and_match_eager_whole_a
     assert not imp.opaque
     assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(module, args))
     planned_on_four(imp, module, args)
+
+
+class FourierMixing(torch.nn.Module):
+    """FNet's token mixing, torch.fft.fftn(x, dim=(1, 2)).real, beside the 1-D and fft2 forms and a norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        mixed = torch.fft.fftn(self.proj(x), dim=(1, 2)).real
+        return (mixed + x, torch.fft.fft(x, dim=1, norm="ortho").real, torch.fft.fft2(x, norm="forward").real)
+
+
+def test_fourier_mixing_read_by_its_real_part_imports_as_dft_kernels_and_matches_eager_whole_and_sharded():
+    torch.manual_seed(0)
+    module, args = FourierMixing().eval(), (torch.randn(4, 8, 6),)
+    imp = from_torch(module, args, verbose=False)
+    assert not imp.opaque
+    assert {n.op for n in imp.graph.nodes} >= {"dft1_real", "dft2_real"}
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(module, args))
+    planned_on_four(imp, module, args)
