@@ -25,11 +25,7 @@ from tapestry.importer.zoo import EXTRA, FAMILIES
 from tapestry.models import transformer_stack
 from tapestry.optimizer import default_cost_model, explore, optimize
 from tapestry.sharding import Mesh
-
-try:  # benchmarks/, this script's folder; it reads helpers of tapestry.importer.zoo that older trees lack
-    from heldback_zoo import MODELS as HELD_BACK
-except ImportError:
-    HELD_BACK = {}
+from heldback_zoo import MODELS as HELD_BACK  # benchmarks/, this script's folder
 
 FUSED = {"linear_relu", "linear_gelu", "add_relu"}
 # the importer zoo's tiny models, as benchmarks/zoo_sweep.py names them, and benchmarks/heldback_zoo.py's
