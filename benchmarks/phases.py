@@ -25,6 +25,7 @@ from tapestry.importer.zoo import EXTRA, FAMILIES
 from tapestry.models import transformer_stack
 from tapestry.optimizer import default_cost_model, explore, optimize
 from tapestry.sharding import Mesh
+
 from heldback_zoo import MODELS as HELD_BACK  # benchmarks/, this script's folder
 
 FUSED = {"linear_relu", "linear_gelu", "add_relu"}
