@@ -52,16 +52,10 @@ def propagated_splits(graph: Graph, parts: int, seeds: Sequence[Seeds], exchange
     axes: dict[str, int | str] = {}
     for node in graph.ops:
         sig = graph.signature(node.name)
-        options = sorted(
-            (split[arg][0], k, i)
-            for k, (arg, projection) in enumerate(zip(node.args, sig.projections)) if arg in split
-            for i in range(len(sig.dims))
-            if projection.matrix[split[arg][1]][i] != 0 and i in sig.splittable
-            and sig.spec.sizes[i] % parts == 0
-        )
-        if not options:
+        chosen = _first_split(sig, node.args, split, parts)
+        if chosen is None:
             continue
-        priority, _, index_dim = options[0]
+        priority, index_dim = chosen
         axes[node.name] = index_dim
         ex = sig.kernel.exchange
         if node.op in exchanged and ex is not None and sig.dims[index_dim] in (ex.rows, ex.experts) \
@@ -72,6 +66,92 @@ def propagated_splits(graph: Graph, parts: int, seeds: Sequence[Seeds], exchange
         if out:
             split[node.name] = (priority, out[0])
     return axes
+
+
+def _first_split(sig: Signature, args: Sequence[str], split: Mapping[str, tuple[int, int]], parts: int
+                 ) -> tuple[int, int] | None:
+    """(priority, index dim) an op splits `parts` ways in `propagated_splits`: the index dim that maps to the split
+    dim of its argument of highest priority (within one, the first argument), if splittable and dividing evenly."""
+    options = sorted(
+        (split[arg][0], k, i)
+        for k, (arg, projection) in enumerate(zip(args, sig.projections)) if arg in split
+        for i in range(len(sig.dims))
+        if projection.matrix[split[arg][1]][i] != 0 and i in sig.splittable and sig.spec.sizes[i] % parts == 0
+    )
+    return (options[0][0], options[0][2]) if options else None
+
+
+def tensor_parallel_seeds(graph: Graph, parts: int) -> Seeds:
+    """Megatron's split of each weight, found from the graph's structure rather than its names (what `megatron`
+    and `data_tensor_parallel` take as `hidden`). In op order, each carried tensor is settled at its first reader,
+    followed to it through one-argument ops that read each dim from one dim (a transpose, a cast): where the
+    reader splits on a dim of the weight (the activation arriving split on the dim a contraction sums: a
+    row-parallel linear; or on the features a bias adds to) the weight splits there; where the reader is a
+    contraction that splits on nothing yet, the weight splits on the dim it alone gives the output (a
+    column-parallel linear's output features), if some row-parallel contraction later sums what that split
+    (Megatron's pairs; an LM head's vocabulary split would leave its logits split); else it stays whole (norms,
+    embeddings). Optimizer state splits like the gradient its update reads."""
+    whole: set[str] = set()
+    while True:
+        seeds, unpaired = _megatron_pass(graph, parts, whole)
+        if not unpaired:
+            return seeds
+        whole |= unpaired
+
+
+def _megatron_pass(graph: Graph, parts: int, whole: set[str]) -> tuple[dict[str, int], set[str]]:
+    """One pass of `tensor_parallel_seeds` with the weights in `whole` kept whole: the seeds, and the
+    column-parallel weights no row-parallel contraction pairs."""
+    origin: dict[str, tuple[str, tuple[int, ...]]] = {
+        w: (w, tuple(range(len(graph[w].shape)))) for w in graph.carried.values()}
+    split: dict[str, tuple[int, int]] = {}
+    columns: dict[str, set[str]] = {}  # a split value -> the column-parallel weights its split comes from
+    settled, seeds, paired = set(whole), {}, set()
+    for node in graph.ops:
+        sig = graph.signature(node.name)
+        followed = [(k, arg) for k, arg in enumerate(node.args) if arg in origin and origin[arg][0] not in settled]
+        through = _one_to_one(sig) if len(node.args) == 1 and followed else None
+        if through is not None:
+            weight, dims = origin[node.args[0]]
+            origin[node.name] = (weight, tuple(dims[t] for t in through))
+            continue
+        chosen = _first_split(sig, node.args, split, parts)
+        sources = set().union(*(columns.get(arg, ()) for arg in node.args))
+        contraction = sig.dims_of(DimKind.REDUCTION)
+        for k, arg in followed:
+            weight, dims = origin[arg]
+            if weight in settled:
+                continue
+            settled.add(weight)
+            reads = {i: t for t, row in enumerate(sig.projections[k].matrix) for i, c in enumerate(row) if c}
+            if chosen is not None and chosen[1] in reads:
+                seeds[weight] = dims[reads[chosen[1]]]
+                if chosen[1] in contraction:
+                    paired |= sources
+            elif chosen is None and contraction:
+                alone = [i for i in reads if i in sig.splittable and sig.spec.sizes[i] % parts == 0
+                         and any(row[i] for row in sig.output.matrix)
+                         and not any(row[i] for j, p in enumerate(sig.projections) if j != k for row in p.matrix)]
+                if alone:
+                    seeds[weight] = dims[reads[alone[0]]]
+                    split[arg], chosen, sources = (0, reads[alone[0]]), (0, alone[0]), {weight}
+        if chosen is not None:
+            out = [t for t, row in enumerate(sig.output.matrix) if row[chosen[1]] != 0]
+            if out:
+                split[node.name], columns[node.name] = (0, out[0]), sources
+    unpaired = {w for w in set().union(*columns.values()) if w not in paired} if columns else set()
+    return seeds, unpaired
+
+
+def _one_to_one(sig: Signature) -> tuple[int, ...] | None:
+    """For a one-argument op, the argument dim each output dim reads, if each reads exactly one; else None."""
+    through = []
+    for row in sig.output.matrix:
+        read = {t for i, c in enumerate(row) if c for t, arg_row in enumerate(sig.projections[0].matrix) if arg_row[i]}
+        if len(read) != 1:
+            return None
+        through.append(read.pop())
+    return tuple(through)
 
 
 def placed(plan: Plan, layouts: Mapping[str, Layout]) -> Plan:
@@ -157,23 +237,34 @@ def _reader(sig: Signature, args: Sequence[str], index_dims: set[int], among: Se
 
 
 def baselines(graph: Graph, mesh: Mesh) -> dict[str, Plan]:
-    """Data parallel and ZeRO-3 over all of `mesh`'s devices, for a training step (`graph.carried`) whose batch
-    arguments all split on their first dim over every device, and for a MoE (`expert_weights`) expert parallel
-    over every device and, on a 2-D mesh, data and expert parallel (attention and dense layers data parallel over
-    axis 0 only, whole over axis 1, for want of tensor-parallel dims a graph does not name); else none (a batch
-    that does not split leaves them mostly replicated: no baseline worth pricing). A strategy build_plan cannot
+    """The hand plans of a training step (`graph.carried`) on `mesh`: Megatron tensor parallel over every device
+    (the mesh's axes taken as one) and, on a 2-D mesh, data parallel over axis 0 with tensor parallel over axis 1,
+    their weights' splits found from the graph's structure (`tensor_parallel_seeds`); where the step's batch
+    arguments all split on their first dim over every device, data parallel and ZeRO-3 over all devices, and for a
+    MoE (`expert_weights`) expert parallel over every device and, on a 2-D mesh, data and expert parallel
+    (attention and dense layers data parallel over axis 0 only, whole over axis 1). A strategy build_plan cannot
     make of this graph (a ValueError naming the op, or experts that do not split over the devices) is no baseline
     either: the optimizer's plan stands without it."""
-    arguments = step_arguments(graph)
-    if not graph.carried or not arguments or any(graph[a].shape[0] % mesh.size for a in arguments):
+    if not graph.carried:
         return {}
-    makers = {"data parallel": lambda: data_parallel(graph, mesh, arguments),
-              "ZeRO-3": lambda: zero3(graph, mesh, arguments)}
-    experts = expert_weights(graph)
-    if experts:
-        makers["expert parallel"] = lambda: expert_parallel(graph, mesh, arguments, experts)
-    if experts and mesh.ndim == 2:
-        makers["data and expert parallel"] = lambda: data_expert_parallel(graph, mesh, arguments, {}, experts)
+    arguments = step_arguments(graph)
+    makers = {}
+    expanded = expand_linears(graph)
+    hidden = tensor_parallel_seeds(expanded, mesh.size)
+    if hidden:
+        makers["tensor parallel"] = lambda: megatron(graph, mesh, hidden)
+    if mesh.ndim == 2 and arguments and all(graph[a].shape[0] % mesh.shape[0] == 0 for a in arguments):
+        inner = tensor_parallel_seeds(expanded, mesh.shape[1])
+        if inner:
+            makers["data and tensor parallel"] = lambda: data_tensor_parallel(graph, mesh, arguments, inner)
+    if arguments and not any(graph[a].shape[0] % mesh.size for a in arguments):
+        makers["data parallel"] = lambda: data_parallel(graph, mesh, arguments)
+        makers["ZeRO-3"] = lambda: zero3(graph, mesh, arguments)
+        experts = expert_weights(graph)
+        if experts:
+            makers["expert parallel"] = lambda: expert_parallel(graph, mesh, arguments, experts)
+        if experts and mesh.ndim == 2:
+            makers["data and expert parallel"] = lambda: data_expert_parallel(graph, mesh, arguments, {}, experts)
     found = {}
     for name, make in makers.items():
         try:
