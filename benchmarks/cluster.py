@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import re
 import time
+import traceback
 import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -281,6 +282,7 @@ def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any, h
                                            memory_budget=case.memory_budget)
         except Exception as err:  # the row says what failed, and the hand plans are still priced
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            row["traceback"] = traceback.format_exc()  # where: a 70B case takes a CPU hour to fail again
             row["optimize_s"] = time.perf_counter() - started
         else:
             row.update({

@@ -59,6 +59,20 @@ def test_ties_no_selection_can_keep_are_an_error():
         extract(egraph, "ilp", time_limit=5, ties=ties)
 
 
+def test_a_tied_node_nothing_the_roots_reach_reads_stays_chosen_with_what_it_reads():
+    """A folded graph's copy 0 output in a layout only copy 2 would read: its twin in copy 1 is tied to a node the
+    roots reach, yet nothing chosen reads it. The ILP's selection keeps it and its children as CP-SAT chose them,
+    priced, so the tie holds (it was cut to what the roots reach: the tie broken, the cost too low)."""
+    egraph = build({"out": [(3, ["a"]), (4, ["z"])], "a": [(1, []), (5, [])], "z": [(1, ["b"])], "b": [(1, [])]},
+                   ["out"])
+    ties = [(node(egraph, "a.0"), node(egraph, "z.0"))]
+    selection = extract(egraph, "ilp", time_limit=5, ties=ties)
+    assert ties_hold(selection.choice, ties)
+    assert selection.choice[egraph.class_ids.index("b")] == node(egraph, "b.0")
+    assert selection.dag_cost == 6  # out.0, a.0, z.0 and b.0; a.1 costs 8, out.1 (reading z, a.0 tied) 7
+    assert not validate(egraph, selection)
+
+
 @pytest.mark.parametrize("extractor", ["bottom-up", "greedy-dag"])
 def test_greedy_extractors_refuse_ties(extractor):
     egraph = build(STEP, ["out"])

@@ -125,6 +125,23 @@ def test_a_folded_plan_under_a_memory_budget_fits_it_on_every_layer():
     assert all(e.ok for e in errors.values()), errors
 
 
+def test_a_folded_stack_whose_ilp_ties_a_node_nothing_reads_plans_within_its_budget():
+    """Eight residual blocks on Mesh(4) at 0.7 of the free plan's peak: the budgeted ILP's selection ties a copy 1
+    node that only copy 2 would read, and keeps it (a KeyError in Layered._emitted where it was cut away)."""
+    from tapestry.cost import DefaultCostModel, load_profile
+
+    g = residual_mlps(8)
+    model = DefaultCostModel(load_profile("gpu-h100-nccl"))
+    explored = tapestry.optimizer.explore(g, Mesh(4), layers=True)
+    assert explored.layered is not None
+    budget = int(0.7 * explored.extract(model, time_limit=5).peak_memory)
+    lean = explored.extract(model, time_limit=5, memory_budget=budget)
+    assert lean.status == "periodic" and lean.plan.graph is g and lean.peak_memory <= budget
+    inputs = tapestry.random_inputs(g)
+    errors = verify.compare(simulate(lean.plan, inputs), tapestry.evaluate(g, inputs), g, lean.plan)
+    assert all(e.ok for e in errors.values()), errors
+
+
 def test_layers_off_plans_layer_by_layer():
     result = tapestry.optimize(residual_mlps(3), Mesh(2), layers=False)
     assert result.status != "periodic" and "periodic" not in result.plan.notes

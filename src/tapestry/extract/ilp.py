@@ -56,7 +56,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ortools.sat.python import cp_model
 
@@ -269,8 +269,8 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0, budget: DeviceBudget |
         solved, bound, optimal, stopped_by = _solve(egraph, reduced, warm, best is not None,
                                                     (1 - RESERVE) * time_limit, budget, ties, cuts)
         if solved is not None:
-            candidate = finalize(egraph, solved, tree, "ilp", started)
-            better = best is None or candidate.dag_cost <= best.dag_cost
+            candidate = _with_tied(egraph, finalize(egraph, solved, tree, "ilp", started), solved, ties)
+            better = admissible(candidate) and (best is None or candidate.dag_cost <= best.dag_cost)
             proven = optimal and better
             best = candidate if better else best
     if best is None:
@@ -278,6 +278,29 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0, budget: DeviceBudget |
         raise NoFiniteChoiceError(f"no selection keeps {asked}" if bound == math.inf
                                   else f"the solver found no selection that keeps {asked} in time")
     return _result(best, proven, max(bound, lp_bound), started, stopped_by)
+
+
+def _with_tied(egraph: EGraph, selection: Selection, solved: Sequence[int], ties: Ties) -> Selection:
+    """`selection` (the roots' reach of `solved`) with each tied node CP-SAT chose that nothing reached reads, and
+    what it reads, as `solved` chooses them, priced: a folded graph's copy 0 output in a layout only copy 2 would
+    read is tied to its twin in copy 1 (Layered.twins), and the tie holds only where both stay chosen. Added
+    children first, each class once, so no cycle; one whose reads `solved` leaves open is not added."""
+    choice = dict(selection.choice)
+    chosen = {n for n in solved if n >= 0}
+    stack = [(c, False) for c in sorted({egraph.node_class[n] for n in tied_nodes(ties) if n in chosen})]
+    seen: set[int] = set()
+    while stack:
+        c, expanded = stack.pop()
+        if c in choice:
+            continue
+        if expanded:
+            if all(d in choice for d in egraph.child_sets[solved[c]]):
+                choice[c] = solved[c]
+        elif solved[c] >= 0 and c not in seen:
+            seen.add(c)
+            stack.append((c, True))
+            stack.extend((d, False) for d in egraph.child_sets[solved[c]] if d not in choice)
+    return replace(selection, choice=choice, dag_cost=dag_cost(egraph, choice))
 
 
 def _undominated(egraph: EGraph, start: Selection, replacement: Mapping[int, int], started: float) -> Selection:
