@@ -17,7 +17,7 @@ from rich.console import Console
 from _report import write_section
 from tapestry.extract import EXTRACTORS, EGraph, extract, validate
 from tapestry.extract.ilp import PORTFOLIO, RELAX_SHARE
-from tapestry.extract.relax import PATH_SHARE
+from tapestry.extract.separation import PATH_SHARE
 
 GYM = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "extraction-gym"
 FOLDERS = ("tensat", "rover", "diospyros")

@@ -22,20 +22,10 @@ from tapestry.extract import EGraph, extract, validate
 from tapestry.extract import ilp as ilp_module
 from tapestry.extract import reduction as reduction_module
 from tapestry.extract import relax as relax_module
+from tapestry.extract import separation as separation_module
 from tapestry.extract.reduction import Reduced, reduce
-from tapestry.extract.relax import (
-    FlowBatch,
-    Lp,
-    NeedPairs,
-    PathCut,
-    PathFlow,
-    PathGraphs,
-    Relaxation,
-    need_pairs,
-    path_flows,
-    read_rows_bound,
-    relax,
-)
+from tapestry.extract.relax import Lp, Relaxation, read_rows_bound, relax
+from tapestry.extract.separation import FlowBatch, NeedPairs, PathCut, PathFlow, PathGraphs, need_pairs, path_flows
 from tapestry.extract.tree import solvable_tree
 from tapestry.models import transformer_stack
 from tapestry.optimizer import default_cost_model, explore
@@ -220,17 +210,24 @@ def test_separation_finds_a_violated_cut_exactly_where_the_max_flow_falls_short_
 @given(st.integers(0, 10**6))
 def test_path_graphs_made_as_their_readers_come_into_use_give_every_pairs_cuts_in_pair_order(seed: int) -> None:
     # `PathGraphs` makes a pair's graph only once its reader is used; over rounds of LP points where some readers
-    # are unused, each round's cuts are those of all pairs' graphs made at once, in the same order.
+    # are unused, each round's cuts are those of all pairs' graphs made at once (`path_flows` over every pair, one
+    # `FlowBatch`: the reference), in the same order, and the graphs made are those of the readers used so far.
     egraph, reduced, block, lp, pairs, flows = separation_case(seed)
     every = FlowBatch.of(flows, lp.highs.getNumCol())
     graphs = PathGraphs(egraph, reduced.candidates, block, pairs, lp)
     rng = np.random.default_rng(seed)
     readers = [lp.used[flow.reader] for flow in flows]
-    for _ in range(3):
+    used = np.zeros(len(readers), dtype=bool)
+    found = []
+    for share in (0.5, 0.5, 1.0):  # the last round uses every reader, as the separation test above does
         values = rng.random(lp.highs.getNumCol()) ** 2
-        values[readers] = rng.uniform(0.5, 1.0, len(readers)) * (rng.random(len(readers)) < 0.5)
-        assert graphs.separate(values, math.inf) == every.separate(values, values[readers])
-    assert graphs.made.any() and len(graphs.batches) <= 3
+        values[readers] = rng.uniform(0.5, 1.0, len(readers)) * (rng.random(len(readers)) < share)
+        cuts = graphs.separate(values, math.inf)
+        assert cuts == every.separate(values, values[readers])
+        used |= values[readers] > 0
+        assert (graphs.made == used).all()
+        found += cuts
+    assert found and len(graphs.batches) <= 3
 
 
 def test_the_lp_pass_is_skipped_when_its_path_graphs_would_take_too_long_to_build(
@@ -242,7 +239,7 @@ def test_the_lp_pass_is_skipped_when_its_path_graphs_would_take_too_long_to_buil
     block = {c: reduced.block(c) for c in reduced.candidates}
     soon = clock() + 10
     assert relax(egraph, reduced.candidates, block, reduced.needs, soon).cuts
-    monkeypatch.setattr(relax_module, "PATH_NODES_PER_SECOND", 0.01)
+    monkeypatch.setattr(separation_module, "PATH_NODES_PER_SECOND", 0.01)
     assert relax(egraph, reduced.candidates, block, reduced.needs, soon) == Relaxation((), 0.0, 0)
     selection = extract(egraph, "ilp", time_limit=10)
     assert validate(egraph, selection) == [] and selection.status == "optimal"
@@ -288,7 +285,7 @@ def test_without_path_cuts_to_afford_the_lp_pass_still_gives_its_bound_with_read
     egraph = unread_partial()
     reduced = reduce(egraph, solvable_tree(egraph))
     block = {c: reduced.block(c) for c in reduced.candidates}
-    monkeypatch.setattr(relax_module, "PATH_NODES_PER_SECOND", 0.0)
+    monkeypatch.setattr(separation_module, "PATH_NODES_PER_SECOND", 0.0)
     soon = clock() + 10
     assert relax(egraph, reduced.candidates, block, reduced.needs, soon) == Relaxation((), 0.0, 0)
     assert relax(egraph, reduced.candidates, block, reduced.needs, soon, reads=True).bound == pytest.approx(11.0)

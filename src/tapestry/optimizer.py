@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from functools import cache, cached_property
@@ -18,24 +18,24 @@ from typing import Any
 
 from tapestry.clock import clock
 from tapestry.collector import no_collections
-from tapestry.cost import (
-    CostModel,
-    RankPeak,
-    default_cost_model,
-    layout_bytes,
-    peak_memory,
-    plan_cost,
-    rank_peaks,
-)
-from tapestry.cost.breakdown import PhaseTimes, phase_times
-from tapestry.cost.memory import lean_order
+from tapestry.cost import CostModel, default_cost_model, peak_memory, plan_cost
 from tapestry.cost.model import from_costs, step_costs
-from tapestry.cost.overlap import forward_outputs, overlap, upstream
-from tapestry.egraph.decode import Decoder, DNode, distributed_nodes
+from tapestry.cost.overlap import overlap
+from tapestry.egraph.budget import (
+    MemoryBudgetError,
+    budget_error,
+    device_budget,
+    held_bytes,
+    inputs_floor,
+    leaner,
+    memory_cuts,
+)
+from tapestry.egraph.decode import Decoder, distributed_nodes
 from tapestry.egraph.driver import MOVES_SHARE, Budget, IterationStats, SaturationStats, moves_to_price, saturate
 from tapestry.egraph.embed import embedded_plans
 from tapestry.egraph.fused_prices import fused_node_costs
 from tapestry.egraph.layered import Layered, value_classes
+from tapestry.egraph.objective import StepObjective, overlap_split
 from tapestry.egraph.pins import (
     Outputs,
     delivered_layouts,
@@ -63,7 +63,7 @@ from tapestry.extract import EGraph as ExtractGraph
 from tapestry.extract.selection import dag_cost
 from tapestry.graph import Graph, GraphError
 from tapestry.graph.layers import find_layers, fold
-from tapestry.plan import Compute, Place, Plan, steady_violations
+from tapestry.plan import Compute, Plan, steady_violations
 from tapestry.plan.explain import explain as explain_plan
 from tapestry.plan.validate import validate_plan
 from tapestry.sharding import Mesh
@@ -237,6 +237,19 @@ class Explored:
         for every extraction (pareto's several)."""
         return baselines(self.graph, self.mesh)
 
+    @cached_property
+    def _held(self) -> dict[str, tuple[int, ...]]:
+        """E-class -> the bytes each device holds of its value (egraph.budget.held_bytes)."""
+        return held_bytes(self.decoder, self.graph)
+
+    @cached_property
+    def _inputs_floor(self) -> tuple[int, tuple[tuple[str, int], ...]]:
+        """The floor the inputs set under every plan's peak, and its parts (egraph.budget.inputs_floor)."""
+        return inputs_floor(self.decoder, self.graph, self.layered)
+
+    def _budget_error(self, limit: int, why: str) -> MemoryBudgetError:
+        return budget_error(limit, why, self._inputs_floor, self.mesh.size)
+
     @no_collections()
     def extract(self, cost_model: CostModel | None = None, extractor: str = "ilp", time_limit: float = 10.0,
                 memory_budget: int | None = None, outputs: Outputs = "any",
@@ -251,9 +264,10 @@ class Explored:
         whichever is cheaper (the first may leave no plan where the pricing budget left moves out).
 
         The budget enters the ILP as per-device linear constraints that every fitting plan meets
-        (`_device_budget`), so a decoded plan that fits is the optimum. If it does not fit, what held its peak
-        becomes a cut (`_memory_cuts`) and the ILP runs again, up to CUT_ROUNDS times: the cuts are heuristic
-        (they can exclude a plan that fits), so what fits then is returned marked "feasible" (not proven best).
+        (`egraph.budget.device_budget`), so a decoded plan that fits is the optimum. If it does not fit, what held
+        its peak becomes a cut (`egraph.budget.memory_cuts`) and the ILP runs again, up to CUT_ROUNDS times: the
+        cuts are heuristic (they can exclude a plan that fits), so what fits then is returned marked "feasible"
+        (not proven best).
 
         A training step's gradient reductions hide behind its backward pass (cost.overlap): the plan's time is
         max(sum - reductions, sum - backward), which no node cost can say. Extraction first takes the reductions
@@ -287,46 +301,20 @@ class Explored:
         if self.layered is not None:  # copy 1 counted once per later copy (fused prices too), tied to copy 0
             egraph, ties = self.layered.costs(egraph), sorted([*ties, *self.layered.ties()])
             fused = None if fused is None else self.layered.costs(fused)
-        budget_of = cache(lambda: self._device_budget(memory_budget))  # made only where it binds
+        budget_of = cache(lambda: device_budget(self.decoder, self._held, self.layered, memory_budget))  # if it binds
         if memory_budget is not None and self._inputs_floor[0] > memory_budget:  # no plan can: say so at once
             raise self._budget_error(memory_budget, "")
         hands = self._hand_selections(egraph, ties) if self.layered is None else ()
-        reductions, backward, update = self._overlap_split(accumulated=micro_batches > 1)
-        runs = float(micro_batches)
-        times: dict[int, tuple[Plan, PhaseTimes]] = {}  # by id(plan): each plan's phases priced once
-
-        def objective(plan: Plan) -> float:
-            """What the kept plan minimises: its time per run, or per update of `micro_batches` runs."""
-            if micro_batches == 1:
-                return plan.cost
-            if id(plan) not in times:
-                times[id(plan)] = (plan, phase_times(plan, model, (LR,)))
-            return times[id(plan)][1].accumulated(micro_batches)
-
-        def exposed(plan: Plan) -> bool:
-            """Whether the plan's backward is shorter than the gradient reductions it hides."""
-            if micro_batches == 1:
-                found = overlap(plan, from_costs(step_costs(plan, model)))
-                return found.reductions > found.backward * (1 + 1e-9)
-            objective(plan)
-            return times[id(plan)][1].reduce > 0
-
-        def node_weight(n: int, weight: float | None) -> float:
-            """Runs per update node n is priced for, with `weight` of each reduction hidden and 1 - weight of each
-            backward Run (None: nothing hidden): the last micro-batch's backward hides, the others' do not."""
-            if n in reductions:
-                return 1.0 if weight is None else 1 - weight
-            if n in update:
-                return 1.0
-            if n in backward:
-                return runs if weight is None else runs - 1 + weight
-            return runs
+        split = overlap_split(self.decoder, self.graph.carried, {self.names[r]: r for r in self.roots}, (LR,),
+                              accumulated=micro_batches > 1)
+        objective = StepObjective(model, micro_batches, split, (LR,))
+        reductions = objective.split[0]
 
         extractors = [extractor]  # the ILP found no steady selection in time once: greedy-dag for the rest
 
         def fit(base: ExtractGraph, weight: float | None) -> tuple[Plan, Selection]:
             """Extracted from `base` with each node's cost weighted by `node_weight`."""
-            hidden = base.with_costs([_unless_unselectable(c, node_weight(n, weight))
+            hidden = base.with_costs([_unless_unselectable(c, objective.node_weight(n, weight))
                                       for n, c in enumerate(base.node_cost)]) \
                 if reductions and weight is not None or micro_batches > 1 else base
             plan, selection = self._fit(hidden, extractors[-1], time_limit, budget_of, ties, carried, memory_budget,
@@ -356,7 +344,7 @@ class Explored:
                 seen = fit(plain, None)
                 if objective(seen[0]) < objective(plan):
                     egraph, (plan, selection) = plain, seen
-        if exposed(plan) and refit:  # the first piece was not the plan's time
+        if objective.exposed(plan) and refit:  # the first piece was not the plan's time
             swept = []
             for weight in LAGRANGE_WEIGHTS:
                 with suppress(NoPlanError):  # a fallback's steady pins can fail under one weighting alone
@@ -469,14 +457,14 @@ class Explored:
             plan, step_nodes = self._decode(egraph, selection)
             if memory_budget is None:
                 break
-            plan, step_nodes, peaks = self._leaner(plan, step_nodes)
+            plan, step_nodes, peaks = leaner(plan, step_nodes)
             if max(p.bytes for p in peaks) <= memory_budget:
                 break
             rounds += 1
             if rounds > CUT_ROUNDS:
                 raise self._budget_error(memory_budget, f"after {CUT_ROUNDS} rounds of memory cuts the ILP's "
                                                         f"plan still needs {max(p.bytes for p in peaks):,}")
-            cuts += [cut for cut in _memory_cuts(egraph, step_nodes, peaks, memory_budget) if cut not in cuts]
+            cuts += [cut for cut in memory_cuts(egraph, step_nodes, peaks, memory_budget) if cut not in cuts]
         if rounds:
             selection = replace(selection, status="feasible")
             plan = replace(plan, notes={**plan.notes, "status": "feasible", "memory_cut_rounds": rounds})
@@ -491,8 +479,8 @@ class Explored:
         per device (copy 1's m - 1 times) at `price` seconds per byte added to its cost, the price raised
         LEAN_STEP-fold from one that makes a budget's worth of bytes cost the cheapest plan's time again, until
         a candidate fits, or lowered up to LEAN_BELOW times while it fits where the first did (a Lagrangian
-        relaxation of the budget). The ILP then tries to better the kept one under the budget's constraints and the ties,
-        starting from it. MemoryBudgetError, with the leanest candidate's peak, where none fits."""
+        relaxation of the budget). The ILP then tries to better the kept one under the budget's constraints and the
+        ties, starting from it. MemoryBudgetError, with the leanest candidate's peak, where none fits."""
         assert self.layered is not None
         limit = budget.limit
         twins = set(self.layered.ties())
@@ -505,7 +493,7 @@ class Explored:
             if not budget.fits(selection.choice):  # a lower bound of its peak is over: not decoded
                 leanest = min(leanest, max(budget.usage(selection.choice)))
                 return False
-            plan, _, peaks = self._leaner(*self._decode(egraph, selection))
+            plan, _, peaks = leaner(*self._decode(egraph, selection))
             peak = max(p.bytes for p in peaks)
             leanest = min(leanest, peak)
             if peak > limit:
@@ -551,7 +539,7 @@ class Explored:
             with suppress(NoFiniteChoiceError):  # the kept plan stands where the ILP finds nothing in time
                 better = extract(egraph, "ilp", time_limit, budget, ties, stop_gap=stop_gap, start=selection)
                 if better.choice != selection.choice:
-                    candidate, _, peaks = self._leaner(*self._decode(egraph, better))
+                    candidate, _, peaks = leaner(*self._decode(egraph, better))
                     candidate = replace(candidate, cost=plan_cost(candidate, model) if model is not None
                                         else better.dag_cost, notes={**candidate.notes, "memory_budget": "ilp"})
                     if max(p.bytes for p in peaks) <= limit and candidate.cost < plan.cost:
@@ -573,7 +561,7 @@ class Explored:
         problems = validate(egraph, selection)
         if problems:
             raise AssertionError(f"extractor {selection.extractor} returned an invalid selection: {problems[0]}")
-        plan, _, peaks = self._leaner(*self._decode(egraph, selection))
+        plan, _, peaks = leaner(*self._decode(egraph, selection))
         if max(p.bytes for p in peaks) > memory_budget:
             return None
         return replace(plan, notes={**plan.notes, "memory_budget": "not binding"}), selection
@@ -596,56 +584,6 @@ class Explored:
             raise AssertionError(f"extractor {extractor} broke steady state: {unsteady[0]}")
         # a rule that passed check-rules can still be wrong where it was not drawn
         return replace(plan, notes={**plan.notes, "meaning_check": meaning_check(plan)})
-
-    def _overlap_split(self, accumulated: bool = False) -> tuple[frozenset[int], frozenset[int], frozenset[int]]:
-        """cost.overlap's reductions and backward compute as far as the e-graph tells (a class some forward node
-        could read is never credited): Reshard nodes out of a partial layout, and Run nodes those wait for. With
-        `accumulated`, as cost.breakdown.phase_times splits a step run as micro-batches: the reductions only of
-        values every Run reading them updates (weight gradients), and the update's nodes (third; else empty):
-        those of classes downstream of the optimizer state and the learning rate, off the forward path."""
-        decoder, carried = self.decoder, self.graph.carried
-        if not carried:
-            return frozenset(), frozenset(), frozenset()
-        made: dict[str, list[DNode]] = {}
-        for node in decoder.nodes:
-            made.setdefault(node.eclass, []).append(node)
-
-        def children(c: str) -> Iterator[str]:
-            return (d for node in made.get(c, ()) for d in node.children)
-
-        forward = upstream(forward_outputs({self.names[r]: r for r in self.roots}, carried), children)
-        layouts = decoder.interner.layouts
-        reductions = [n for n, node in enumerate(decoder.nodes) if node.op == "Reshard"
-                      and node.eclass not in forward and layouts[decoder.class_layout[node.children[0]]][1].partial]
-        update: set[str] = set()
-        if accumulated:
-            sources = {*carried.values(), LR}
-            update = {node.eclass for node in decoder.nodes if node.op == "Place" and node.key in sources
-                      and node.eclass not in forward}
-            readers: dict[str, list[DNode]] = {}
-            for node in decoder.nodes:
-                for c in node.children:
-                    readers.setdefault(c, []).append(node)
-            stack = list(update)
-            while stack:
-                for node in readers.get(stack.pop(), ()):
-                    if node.eclass not in update and node.eclass not in forward:
-                        update.add(node.eclass)
-                        stack.append(node.eclass)
-            value = decoder.class_value
-            runs_of: dict[str, set[str]] = {}  # a logical value -> the classes of the Runs reading any of its layouts
-            for node in decoder.nodes:
-                if node.op not in ("Place", "Reshard", "Deliver"):
-                    for c in node.children:
-                        if c in value:
-                            runs_of.setdefault(value[c], set()).add(node.eclass)
-            weight_gradients = {v for v, runs in runs_of.items() if runs <= update}
-            reductions = [n for n in reductions if value.get(decoder.nodes[n].eclass) in weight_gradients]
-        waited_for = upstream((decoder.nodes[n].children[0] for n in reductions), children) - forward
-        backward = frozenset(n for n, node in enumerate(decoder.nodes) if node.eclass in waited_for
-                             and node.op not in ("Place", "Reshard", "Deliver"))
-        return frozenset(reductions), backward, frozenset(n for n, node in enumerate(decoder.nodes)
-                                                          if node.eclass in update)
 
     def _select(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget: DeviceBudget | None,
                 ties: Ties, carried: Mapping[str, str], stop_gap: float | None = None,
@@ -709,15 +647,6 @@ class Explored:
             return self._cheapest_periodic(egraph, steady, model)
         return min(steady, key=lambda selection: selection.dag_cost)
 
-    @cached_property
-    def _held(self) -> dict[str, tuple[int, ...]]:
-        """E-class -> the bytes each device holds of its value (a placed input's block, or a result's)."""
-        decoder = self.decoder
-        layouts = decoder.interner.layouts
-        placed = {n.eclass: self.graph[n.key].dtype for n in decoder.nodes if n.op == "Place"}
-        return {c: layout_bytes(layouts[decoder.class_layout[c]][1], dtype)
-                for c, dtype in {**decoder.class_dtype, **placed}.items()}
-
     def _cheapest_periodic(self, egraph: ExtractGraph, candidates: Sequence[Selection], model: CostModel) -> Selection:
         """The candidate whose expanded plan plan_cost prices cheapest, of the EXPANDED_CANDIDATES the folded plan's
         estimate ranks first (`_folded_time`), each choice once (the fallback's pins often make the same one):
@@ -739,74 +668,6 @@ class Explored:
                                                                                                     selection))}
         weighted = {out: cost * runs[out] for out, cost in costs.items()}
         return sum(weighted.values()) - overlap(plan, from_costs(weighted)).hidden
-
-    def _device_budget(self, limit: int) -> DeviceBudget:
-        """Bytes per device that every plan containing a node must hold: a Place its block of the input, for the
-        whole program; a Run its result and its non-input arguments while it runs; a Reshard its source and
-        its result, except where the result is a view of the source (cost.memory). Lower bounds of the exact
-        peak, so the constraints exclude no plan that fits; they miss other activations live at the same time."""
-        decoder, held = self.decoder, self._held
-        layouts = decoder.interner.layouts
-        placed = {n.eclass for n in decoder.nodes if n.op == "Place"}
-        resident, transient = {}, {}
-        for n, node in enumerate(decoder.nodes):
-            if node.op == "Place":
-                resident[n] = held[node.eclass]
-            elif node.op == "Reshard":
-                src, dst = layouts[decoder.class_layout[node.children[0]]][1], layouts[node.key][1]
-                transient[n] = tuple(
-                    0 if need is None else s + (0 if own is not None and own.contains(need) else o)
-                    for s, o, own, need in zip(held[node.children[0]], held[node.eclass], src.blocks, dst.blocks))
-            elif node.op != "Deliver":
-                args = [held[c] for c in dict.fromkeys(node.children) if c not in placed]
-                transient[n] = tuple(map(sum, zip(held[node.eclass], *args)))
-        if self.layered is not None:
-            resident = self.layered.resident(resident)
-        return DeviceBudget(limit, resident, transient)
-
-    @cached_property
-    def _inputs_floor(self) -> tuple[int, tuple[tuple[str, int], ...]]:
-        """A floor under every plan's peak bytes per device, and what makes it up, largest first: each input a
-        step reads (or a step carries) is held for the whole program in one of the layouts the search made for it,
-        and the device holding most holds at least the mean over devices of all of them (cost.memory)."""
-        decoder, layouts = self.decoder, self.decoder.interner.layouts
-        read = {name for name, users in self.graph.users().items() if users} | set(self.graph.carried.values())
-        places = {n: layout_bytes(layouts[decoder.class_layout[node.eclass]][1], self.graph[node.key].dtype)
-                  for n, node in enumerate(decoder.nodes) if node.op == "Place" and node.key in read}
-        if self.layered is not None:  # copy 1's inputs stand for every later layer's
-            places = self.layered.resident(places)
-        least: dict[str, float] = {}
-        for n, held in places.items():
-            name = decoder.nodes[n].key
-            least[name] = min(least.get(name, math.inf), sum(held) / len(held))
-        ranked = sorted(((name, math.ceil(b)) for name, b in least.items()), key=lambda item: (-item[1], item[0]))
-        return math.ceil(sum(least.values())), tuple(ranked)
-
-    def _budget_error(self, limit: int, why: str) -> MemoryBudgetError:
-        """No plan fits `limit`, for the reason `why` the extraction gave, and what the inputs need of it: the
-        weights, optimizer state and batch alone, split as finely as the search made them, with the largest."""
-        floor, ranked = self._inputs_floor
-        largest = ", ".join(f"{name} {held:,}" for name, held in ranked[:3])
-        inputs = (f"the {len(ranked)} inputs (weights, optimizer state, batch) alone need at least {floor:,} bytes "
-                  f"per device, each split as finely as the search made it on {self.mesh.size} devices (largest: "
-                  f"{largest})")
-        if floor > limit:
-            return MemoryBudgetError(f"no plan fits {limit:,} bytes per device: {inputs}; use more devices or a "
-                                     f"larger budget")
-        return MemoryBudgetError(f"no plan fits {limit:,} bytes per device: {why}; {inputs}, so no plan found "
-                                 f"holds the step's other values in the {limit - floor:,} bytes left")
-
-    @staticmethod
-    def _leaner(plan: Plan, step_nodes: list[int]) -> tuple[Plan, list[int], list[RankPeak]]:
-        """The plan in its own (children-first) order or in cost.memory.lean_order, whichever peaks lower; with
-        the node each step comes from and the peak per device."""
-        peaks = rank_peaks(plan)
-        order = lean_order(plan)
-        reordered = replace(plan, steps=tuple(plan.steps[i] for i in order))
-        lean = rank_peaks(reordered)
-        if max(p.bytes for p in lean) < max(p.bytes for p in peaks):
-            return reordered, [step_nodes[i] for i in order], lean
-        return plan, step_nodes, peaks
 
     def pareto(self, cost_model: CostModel | None = None, extractor: str = "ilp", time_limit: float = 10.0,
                points: int = 6, fastest: OptimizeResult | None = None, micro_batches: int = 1
@@ -831,24 +692,6 @@ class Explored:
         return [r for i, r in enumerate(front) if all(time(r) < time(later) for later in front[i + 1:])]
 
 
-def _memory_cuts(egraph: ExtractGraph, step_nodes: Sequence[int], peaks: Sequence[RankPeak],
-                 limit: int) -> list[dict[int, int]]:
-    """Per device a plan overshoots `limit` on, a group (DeviceBudget.groups) of the e-classes whose values were
-    live at its peak, every node of such a class charged the bytes its value held there: no plan may make all
-    of those values. Heuristic: whether values are live together depends on the rest of the plan (their
-    readers, the step order), so a plan that holds them at different times is excluded too; only the placed
-    inputs' bytes are held in every plan. The plan a cut came from is always excluded by it."""
-    cuts: list[dict[int, int]] = []
-    for peak in peaks:
-        if peak.bytes > limit:
-            held: dict[int, int] = {}  # e-class -> bytes
-            for step, size in peak.live.items():
-                c = egraph.node_class[step_nodes[step]]
-                held[c] = held.get(c, 0) + size
-            cuts.append({n: size for c, size in held.items() for n in egraph.class_nodes[c]})
-    return cuts
-
-
 def _check_carried(graph: Graph, carried: Mapping[str, str]) -> None:
     """`steady` pairs outputs and inputs of the graph that match, each input carried once."""
     for out, name in carried.items():
@@ -856,10 +699,6 @@ def _check_carried(graph: Graph, carried: Mapping[str, str]) -> None:
     twice = [name for name, n in Counter(carried.values()).items() if n > 1]
     if twice:
         raise GraphError(f"steady: input {twice[0]!r} is carried by more than one output")
-
-
-class MemoryBudgetError(ValueError):
-    """No plan found fits the per-device memory budget."""
 
 
 @no_collections()

@@ -67,8 +67,9 @@ from tapestry.extract.egraph import EGraph, NoFiniteChoiceError
 from tapestry.extract.greedy_dag import improve
 from tapestry.extract.periodic import Repeated
 from tapestry.extract.reduction import Reduced, reduce
-from tapestry.extract.relax import PROVEN, PathCut, relax
+from tapestry.extract.relax import PROVEN, relax
 from tapestry.extract.selection import Selection, children_first, dag_cost, finalize
+from tapestry.extract.separation import PathCut
 from tapestry.extract.tree import solvable_tree
 from tapestry.extract.warm import undominate, warm_start
 

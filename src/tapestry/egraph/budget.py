@@ -1,0 +1,119 @@
+"""What a memory budget asks of the e-graph's nodes: the bytes per device each value holds, the per-device
+constraints every fitting plan meets (`device_budget`), the floor the inputs alone set (`inputs_floor`), the
+cuts that exclude an overshooting plan (`memory_cuts`), and the error that says why nothing fits."""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+from tapestry.cost import RankPeak, layout_bytes, rank_peaks
+from tapestry.cost.memory import lean_order
+from tapestry.egraph.decode import Decoder
+from tapestry.egraph.layered import Layered
+from tapestry.extract import DeviceBudget
+from tapestry.extract import EGraph as ExtractGraph
+from tapestry.graph import Graph
+from tapestry.plan import Plan
+
+
+class MemoryBudgetError(ValueError):
+    """No plan found fits the memory budget."""
+
+
+def held_bytes(decoder: Decoder, graph: Graph) -> dict[str, tuple[int, ...]]:
+    """E-class -> the bytes each device holds of its value (a placed input's block, or a result's)."""
+    layouts = decoder.interner.layouts
+    placed = {n.eclass: graph[n.key].dtype for n in decoder.nodes if n.op == "Place"}
+    return {c: layout_bytes(layouts[decoder.class_layout[c]][1], dtype)
+            for c, dtype in {**decoder.class_dtype, **placed}.items()}
+
+
+def device_budget(decoder: Decoder, held: Mapping[str, tuple[int, ...]], layered: Layered | None,
+                  limit: int) -> DeviceBudget:
+    """Bytes per device that every plan containing a node must hold: a Place its block of the input, for the
+    whole program; a Run its result and its non-input arguments while it runs; a Reshard its source and
+    its result, except where the result is a view of the source (cost.memory). Lower bounds of the exact
+    peak, so the constraints exclude no plan that fits; they miss other activations live at the same time."""
+    layouts = decoder.interner.layouts
+    placed = {n.eclass for n in decoder.nodes if n.op == "Place"}
+    resident, transient = {}, {}
+    for n, node in enumerate(decoder.nodes):
+        if node.op == "Place":
+            resident[n] = held[node.eclass]
+        elif node.op == "Reshard":
+            src, dst = layouts[decoder.class_layout[node.children[0]]][1], layouts[node.key][1]
+            transient[n] = tuple(
+                0 if need is None else s + (0 if own is not None and own.contains(need) else o)
+                for s, o, own, need in zip(held[node.children[0]], held[node.eclass], src.blocks, dst.blocks))
+        elif node.op != "Deliver":
+            args = [held[c] for c in dict.fromkeys(node.children) if c not in placed]
+            transient[n] = tuple(map(sum, zip(held[node.eclass], *args)))
+    if layered is not None:
+        resident = layered.resident(resident)
+    return DeviceBudget(limit, resident, transient)
+
+
+def inputs_floor(decoder: Decoder, graph: Graph, layered: Layered | None) -> tuple[int, tuple[tuple[str, int], ...]]:
+    """A floor under every plan's peak bytes per device, and what makes it up, largest first: each input a
+    step reads (or a step carries) is held for the whole program in one of the layouts the search made for it,
+    and the device holding most holds at least the mean over devices of all of them (cost.memory)."""
+    layouts = decoder.interner.layouts
+    read = {name for name, users in graph.users().items() if users} | set(graph.carried.values())
+    places = {n: layout_bytes(layouts[decoder.class_layout[node.eclass]][1], graph[node.key].dtype)
+              for n, node in enumerate(decoder.nodes) if node.op == "Place" and node.key in read}
+    if layered is not None:  # copy 1's inputs stand for every later layer's
+        places = layered.resident(places)
+    least: dict[str, float] = {}
+    for n, held in places.items():
+        name = decoder.nodes[n].key
+        least[name] = min(least.get(name, math.inf), sum(held) / len(held))
+    ranked = sorted(((name, math.ceil(b)) for name, b in least.items()), key=lambda item: (-item[1], item[0]))
+    return math.ceil(sum(least.values())), tuple(ranked)
+
+
+def budget_error(limit: int, why: str, floor: tuple[int, tuple[tuple[str, int], ...]],
+                 devices: int) -> MemoryBudgetError:
+    """No plan fits `limit`, for the reason `why` the extraction gave, and what the inputs need of it (`floor`,
+    `inputs_floor`'s): the weights, optimizer state and batch alone, split as finely as the search made them
+    on `devices` devices, with the largest."""
+    least, ranked = floor
+    largest = ", ".join(f"{name} {held:,}" for name, held in ranked[:3])
+    inputs = (f"the {len(ranked)} inputs (weights, optimizer state, batch) alone need at least {least:,} bytes "
+              f"per device, each split as finely as the search made it on {devices} devices (largest: "
+              f"{largest})")
+    if least > limit:
+        return MemoryBudgetError(f"no plan fits {limit:,} bytes per device: {inputs}; use more devices or a "
+                                 f"larger budget")
+    return MemoryBudgetError(f"no plan fits {limit:,} bytes per device: {why}; {inputs}, so no plan found "
+                             f"holds the step's other values in the {limit - least:,} bytes left")
+
+
+def leaner(plan: Plan, step_nodes: list[int]) -> tuple[Plan, list[int], list[RankPeak]]:
+    """The plan in its own (children-first) order or in cost.memory.lean_order, whichever peaks lower; with
+    the node each step comes from and the peak per device."""
+    peaks = rank_peaks(plan)
+    order = lean_order(plan)
+    reordered = replace(plan, steps=tuple(plan.steps[i] for i in order))
+    lean = rank_peaks(reordered)
+    if max(p.bytes for p in lean) < max(p.bytes for p in peaks):
+        return reordered, [step_nodes[i] for i in order], lean
+    return plan, step_nodes, peaks
+
+
+def memory_cuts(egraph: ExtractGraph, step_nodes: Sequence[int], peaks: Sequence[RankPeak],
+                limit: int) -> list[dict[int, int]]:
+    """Per device a plan overshoots `limit` on, a group (DeviceBudget.groups) of the e-classes whose values were
+    live at its peak, every node of such a class charged the bytes its value held there: no plan may make all
+    of those values. Heuristic: whether values are live together depends on the rest of the plan (their
+    readers, the step order), so a plan that holds them at different times is excluded too; only the placed
+    inputs' bytes are held in every plan. The plan a cut came from is always excluded by it."""
+    cuts: list[dict[int, int]] = []
+    for peak in peaks:
+        if peak.bytes > limit:
+            held: dict[int, int] = {}  # e-class -> bytes
+            for step, size in peak.live.items():
+                c = egraph.node_class[step_nodes[step]]
+                held[c] = held.get(c, 0) + size
+            cuts.append({n: size for c, size in held.items() for n in egraph.class_nodes[c]})
+    return cuts
