@@ -194,6 +194,51 @@ def test_take_rows_refuses_an_index_outside_the_table():
         tapestry.evaluate(gather_graph(), given)
 
 
+# -- scatter_rows: the dispatch's and combine's backwards ---------------------------------------------------------
+def scatter_graph(count: int = 12, rows: int = 10) -> Graph:
+    g = Graph()
+    src, idx = g.input("src", (count, DIM)), g.input("idx", (count,), "int64")
+    g.output("y", g.op("scatter_rows", src, idx, rows=rows, name="scatter"))
+    return g
+
+
+@pytest.mark.parametrize("idx", [[0, 9, 3, 3, -1, 5, 2, 8, -10, 4, 4, 7], [9] * 12, [1, 0] * 6])
+@pytest.mark.parametrize("mesh, axes, exchange", [(Mesh(4), (None,), (0,)), (Mesh(3), (None,), (0,)),
+                                                  (Mesh(2, 2), ("row", None), (1,)), (Mesh(4), ("row",), ()),
+                                                  (Mesh(4), ("target",), ()), (Mesh(2, 2), ("row", "col"), ())])
+def test_scatter_rows_split_by_rows_targets_or_exchanged_equals_torch_index_add(idx, mesh, axes, exchange):
+    """Rows split: partial sums; targets split: each reads every row; exchanged: each row sent to its target's
+    device, the sums whole there (rows split on an axis before the exchange: partial over it)."""
+    g = scatter_graph()
+    sig = g.signature("scatter")
+    choice = tuple(a if a is None or isinstance(a, int) else sig.dims.index(a) for a in axes)
+    plan = build_plan(g, mesh, partitions={"scatter": make_partition(sig, mesh, choice, exchange=exchange)})
+    assert not plan_problems(plan)
+    given = {"src": np.arange(12 * DIM, dtype=np.float32).reshape(12, DIM), "idx": np.array(idx, np.int64)}
+    want = torch.zeros(10, DIM).index_add(0, torch.tensor(idx) % 10, torch.from_numpy(given["src"])).numpy()
+    np.testing.assert_array_equal(tapestry.evaluate(g, given)["y"], want)
+    np.testing.assert_array_equal(simulate(plan, given)["y"], want)
+
+
+def test_an_exchanged_scatter_rows_sends_its_rows_and_indices_once_and_nothing_back():
+    """Three all-to-alls (counts, rows, indices), (p-1)/p of each device's rows leaving, none back: where a
+    target split gathers every device's rows whole."""
+    g = scatter_graph(count=16, rows=8)
+    sig = g.signature("scatter")
+    plan = build_plan(g, Mesh(4), partitions={"scatter": make_partition(sig, Mesh(4), (None,), exchange=(0,))})
+    (step,) = [s for s in plan.steps if isinstance(s, Compute)]
+    comm = DefaultCostModel(load_profile("gpu-h100-nccl")).comm
+    link = comm.group_link(step.exchange, plan.mesh)
+    sent = 3 / 4 * (4 * DIM * 4 + 4 * 8)  # a device's 4 rows of float32 src and int64 idx, 3/4 of them leaving
+    assert comm.exchange_time(step, plan.mesh) == pytest.approx(3 * 3 * link.alpha + sent / link.beta)
+
+
+def test_scatter_rows_refuses_an_index_outside_its_rows():
+    given = {"src": np.zeros((12, DIM), np.float32), "idx": np.array([0] * 11 + [10], np.int64)}
+    with pytest.raises(IndexError, match="scatter_rows: index 10 is out of bounds for a table of 10 rows"):
+        tapestry.evaluate(scatter_graph(), given)
+
+
 # -- whole MoE layers: plans with experts split, simulated and run on gloo ranks -----------------------------------
 def moe_inputs(tokens: int = 16, hidden: int = 8, ffn: int = 12, experts: int = 4) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(1)
@@ -334,8 +379,9 @@ def test_a_mixtral_training_step_with_experts_and_their_gradients_expert_paralle
 def test_the_expert_parallel_hand_plans_exchange_tokens_and_experts_rows_and_simulate_to_the_evaluator(
         mesh, strategy, monkeypatch):
     """EP (batch and experts over every device, the mesh's axes as one) and DPxEP (data over axis 0; attention
-    tensor parallel and experts expert parallel over axis 1): the dispatch and combine, the experts and their
-    weight gradients all exchange rows, and each expert weight lives split by expert."""
+    tensor parallel and experts expert parallel over axis 1): the dispatch and combine, their backwards (and the
+    embedding's), the experts and their weight gradients all exchange rows, and each expert weight lives split by
+    expert."""
     from collections import Counter
 
     from tapestry.training.plans import data_expert_parallel, expert_parallel
@@ -351,7 +397,8 @@ def test_the_expert_parallel_hand_plans_exchange_tokens_and_experts_rows_and_sim
         plan, ep, routes = data_expert_parallel(imported.graph, mesh, arguments, attention, EXPERT_WEIGHTS), (1,), (0,)
         expert_axes = (None, 0)
     exchanged = Counter((s.kernel, s.exchange) for s in plan.steps if isinstance(s, Compute) and s.exchange)
-    assert exchanged == {("grouped_mm", ep): 4, ("grouped_mm_k", ep): 2, ("take_rows", routes): 2}
+    assert exchanged == {("grouped_mm", ep): 4, ("grouped_mm_k", ep): 2, ("take_rows", routes): 2,
+                         ("scatter_rows", routes): 3}
     experts = {s.input: s.layout for s in plan.steps if isinstance(s, Place) and s.input in EXPERT_WEIGHTS}
     assert experts == {name: Layout.split(imported.graph[name].shape, mesh, expert_axes) for name in EXPERT_WEIGHTS}
     assert_simulates_to_the_evaluator(plan, imported, args)

@@ -161,6 +161,9 @@ def test_embedding_backward_one_hot_and_label_shift_import_as_kernels_and_match_
             ("aten.index_put.default", "aten.scatter.value", "aten.constant_pad_nd.default")}
     assert "scatter_add" in made["aten.index_put.default"] and "masked_fill" in made["aten.scatter.value"]
     assert made["aten.constant_pad_nd.default"] == "pad"
+    # rows added into zeros are scatter_rows, whose rows (the tokens) split into partial sums; into ones, not
+    (rows,) = [node for node in imp.graph if node.op == "scatter_rows"]
+    assert imp.graph.signature(rows.name).splittable == (0, 1, 2) and rows.shape == (6, 3)
     # the gradient rows split by vocabulary (ids whole) and by hidden; the one-hot by rows and by vocabulary
     written = [node for node in imp.graph if node.op in ("scatter_add", "eq", "masked_fill", "pad")]
     assert written and all(imp.graph.signature(node.name).splittable == tuple(range(len(node.shape)))

@@ -12,6 +12,9 @@ grouped_mm_k(a[M, R], b[R, N], ends[E]) -> [E, M, N] sums each expert's rows (th
 rows are the additive reduction there and the experts an output dim; exchanged, each row goes to its expert's
 device and the sums stay there.
 take_rows(x[N, D], idx[M]) -> [M, D] is x[idx] with the table's rows a dim of its own, exchanged the same way.
+scatter_rows(src[M, D], idx[M]) -> [N, D] adds each row of src into row idx of zeros (take_rows' backward, and an
+embedding's): the rows are an additive reduction and the targets an output dim, so it splits by rows into partial
+sums, and exchanged each row goes to its target's device, where the sums stay (as grouped_mm_k's).
 """
 from __future__ import annotations
 
@@ -203,12 +206,12 @@ def take_rows_signature(x: Shape, idx: Shape, rows: int) -> SignatureSpec:
     )
 
 
-def _normalized(idx, rows: int, block_rows: int, start: int):
+def _normalized(idx, rows: int, block_rows: int, start: int, kernel: str = "take_rows"):
     """Each index as a row of the block (negatives count from the end of the table), and whether the block holds
     it; an index outside the table raises, as torch's indexing does."""
     bad = (idx < -rows) | (idx >= rows)
     if bool(bad.any()):
-        raise IndexError(f"take_rows: index {int(idx[bad][0])} is out of bounds for a table of {rows} rows")
+        raise IndexError(f"{kernel}: index {int(idx[bad][0])} is out of bounds for a table of {rows} rows")
     local = (idx % rows) - start
     return local, (local >= 0) & (local < block_rows)
 
@@ -269,3 +272,85 @@ def _index_rule(in_dtypes: tuple[str, ...]) -> str:
     if in_dtypes[1] not in ("int32", "int64"):
         raise KernelError(f"take_rows: idx must be int32 or int64, got {in_dtypes[1]}")
     return in_dtypes[0]
+
+
+# -- scatter_rows: the backward of the dispatch and combine (and of an embedding) ----------------------------------
+def scatter_rows_signature(src: Shape, idx: Shape, rows: int) -> SignatureSpec:
+    """out[n] = sum of src[m] over the m with idx[m] = n, out [rows, D]: the transpose of take_rows. The rows are
+    an additive reduction (a block of rows adds its own, the blocks' partial sums add up), the targets an output
+    dim of their own (a block of targets reads every row and keeps those landing in it, one add per row and
+    column: `flops_per_point` 1/rows); its `Exchange` splits rows and targets together, each row sent to the device
+    holding its target row, where the sums are whole (nothing comes back): an all-to-all of the rows, where a
+    target split reading every row gathers them whole."""
+    if len(src) != 2 or idx != src[:1] or rows < 1:
+        raise KernelError(f"scatter_rows needs src[M, D], idx[M] and rows >= 1; got src{list(src)}, idx{list(idx)}, "
+                          f"rows={rows}")
+    return SignatureSpec(
+        dims=("row", "col", "target"),
+        sizes=(src[0], src[1], rows),
+        inputs=(follow(3, [0, 1]), follow(3, [0])),
+        output=follow(3, [2, 1]),
+        flops_per_point=Fraction(1, rows),
+    )
+
+
+def _scatter_rows_numpy(src, idx, rows: int, out_shape: tuple[int, ...], block_start: tuple[int, ...]) -> np.ndarray:
+    """The block's target rows (`out_shape`: its target count is in no read) plus the rows whose index lands in
+    them."""
+    local, inside = _normalized(np.asarray(idx), rows, out_shape[0], block_start[2], "scatter_rows")
+    out = np.zeros(out_shape, dtype=src.dtype)
+    np.add.at(out, local[inside], src[inside])
+    return out
+
+
+def _scatter_rows_torch(src, idx, rows: int, out_shape: tuple[int, ...], block_start: tuple[int, ...]):
+    """As the numpy one, with shapes that do not depend on the values (it traces with make_fx): rows landing
+    elsewhere add zeros to row 0."""
+    local = (idx.long() % rows) - block_start[2]
+    inside = (local >= 0) & (local < out_shape[0])
+    kept = torch.where(inside.unsqueeze(1), src, torch.zeros((), dtype=src.dtype, device=src.device))
+    return src.new_zeros(out_shape).index_add(0, torch.where(inside, local, 0), kept)
+
+
+def _targeted_rows(sig, held, src: ZRange, dst: ZRange) -> list[int]:
+    """The rows of `src` whose index falls in `dst`'s target rows."""
+    rows = sig.output_shape[0]
+    lo, hi = dst.start[2], dst.end[2]
+    return [k for k, v in enumerate(held[1].tolist()) if lo <= int(v) % rows < hi]
+
+
+def _scatter_rows_rule(in_dtypes: tuple[str, ...], params: Mapping[str, ParamValue]) -> str:
+    src, idx = in_dtypes
+    if idx not in ("int32", "int64"):
+        raise KernelError(f"scatter_rows: idx must be int32 or int64, got {idx}")
+    if src == "bool":
+        raise KernelError("scatter_rows adds rows: src must be numeric, got bool")
+    return src
+
+
+def _sample_scatter_rows(draw):
+    rows, cols, count = (draw(st.integers(1, 5)) for _ in range(3))
+    return ((count, cols), (count,)), {"rows": rows}, ("float", "int64")
+
+
+register(
+    Kernel(
+        name="scatter_rows",
+        inputs=("src", "idx"),
+        signature=scatter_rows_signature,
+        numpy=_scatter_rows_numpy,
+        torch=_scatter_rows_torch,
+        sample=_sample_scatter_rows,
+        params={"rows": 1},
+        additive=frozenset({"row"}),
+        needs_out_shape=True,
+        needs_block_start=True,
+        # each index names a target row on a uniformly drawn device: (p-1)/p of a device's rows leave
+        exchange=Exchange("row", "target", select=_targeted_rows, leaving=lambda p: (p - 1) / p),
+        dtype_rule=_scatter_rows_rule,
+        index_bound=lambda shapes, slot, params: params["rows"] if slot == 1 else None,
+        takes_zero_size=False,
+        doc="zeros[rows, D] with src[m] added at row idx[m] (take_rows' and an embedding's backward), the rows an "
+            "additive dim: split by rows it sums partially, exchanged it sends each row to its target's device",
+    )
+)

@@ -28,7 +28,8 @@ from tapestry.training import ADAM_SLOTS, state_name
 Seeds = Mapping[str, int]  # input name -> the tensor dim to split
 EXCHANGE = "exchange"  # an op's choice in `propagated_splits`: its exchange dims (rows and experts) split together
 EXPERTS = frozenset({"grouped_mm", "grouped_mm_k"})  # a MoE's experts and their weight gradients
-ROUTES = frozenset({"take_rows"})  # its tokens' dispatch to rows sorted by expert, and their combine
+ROUTES = frozenset({"take_rows", "scatter_rows"})  # its tokens' dispatch to rows sorted by expert, their combine,
+# and their backwards (an embedding's backward too: the token gradients sent to their vocabulary rows' devices)
 
 
 def split_by_propagation(graph: Graph, mesh: Mesh, seeds: Sequence[Seeds]) -> Plan:

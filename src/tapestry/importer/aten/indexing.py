@@ -128,13 +128,27 @@ def _scatter_value(b: Builder, x: Any, dim: int, index: Any, value: Any) -> Valu
 
 
 def _index_add(b: Builder, x: Value, axis: int, idx: Value, src: Value) -> Value:
-    """x with src[..., k, ...] added at row idx[k] of `axis` (1-D idx): a scatter_add of idx broadcast to src."""
+    """x with src[..., k, ...] added at row idx[k] of `axis` (1-D idx): a scatter_add of idx broadcast to src; rows
+    of a matrix added into zeros (a take's backward: MoE's dispatch and combine, an embedding's) are scatter_rows,
+    whose rows split into partial sums or travel to their targets by all-to-all (expert parallel), where a
+    scatter_add reads its source rows whole."""
     if idx.ndim != 1:
         raise Unsupported(f"a {idx.ndim}-D index (1-D is taken)")
     full = (*x.shape[:axis], idx.shape[0], *x.shape[axis + 1 :])
     src = src if src.shape == full else b.op("expand", src, shape=full)
+    if axis == 0 and x.ndim == 2 and _is_zeros(b, x):
+        return b.op("scatter_rows", src, idx, rows=x.shape[0])
     column = b.op("reshape", idx, shape=tuple(s if d == axis else 1 for d, s in enumerate(full)))
     return b.op("scatter_add", x, b.op("expand", column, shape=full), src, axis=axis)
+
+
+def _is_zeros(b: Builder, x: Value) -> bool:
+    """x is a constant of zeros, or one expanded (`Builder.filled`'s zeros)."""
+    node = b.graph[x.name]
+    if node.op == "expand":
+        node = b.graph[node.args[0]]
+    value = b.graph.constants.get(node.name)
+    return value is not None and not value.any()
 
 
 @converts("aten.index_add.default")
