@@ -119,6 +119,30 @@ def test_a_module_that_cannot_be_exported_is_a_clear_error():
         from_torch(DataDependent(), (torch.randn(3),), verbose=False)
 
 
+class CastsItself(torch.nn.Module):
+    """Like Switch Transformers' router: casts a submodule to a dtype inside forward, on every call."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.lin, self.cast_to = torch.nn.Linear(4, 4), dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.lin = self.lin.to(self.cast_to)
+        return self.lin(x.to(self.cast_to))
+
+
+def test_a_forward_casting_a_module_to_the_dtype_it_has_imports_as_the_module_without_the_cast():
+    module, x = CastsItself(torch.float32), torch.randn(2, 4)
+    imported = from_torch(module, (x,), verbose=False)
+    assert_matches(imported.outputs(evaluate(imported.graph, imported.inputs(x))), module_outputs(module, (x,), {}))
+
+
+def test_a_forward_that_really_changes_a_modules_dtype_is_a_clear_error():
+    with pytest.raises(TorchImportError, match=r"Linear\.to\(\.\.\.\) inside forward changes weight: dtype "
+                                               r"torch\.float32 -> torch\.float64"):
+        from_torch(CastsItself(torch.float64), (torch.randn(2, 4),), verbose=False)
+
+
 class Fourier(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.fft.fft(x).abs()  # a complex tensor read as complex (only a real part read imports)

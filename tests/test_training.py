@@ -106,6 +106,31 @@ def test_a_loss_that_is_not_a_scalar_is_a_clear_error():
         tapestry.from_torch(mlp(), (X,), training=tapestry.Training(loss=lambda m, x: m(x)), verbose=False)
 
 
+class CastsItself(torch.nn.Module):
+    """Like Switch Transformers' router: casts a submodule to a dtype inside forward, on every call."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.cast_to = torch.nn.Linear(16, 4), dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.lin = self.lin.to(self.cast_to)
+        return self.lin(x.to(self.cast_to))
+
+
+def test_a_step_of_a_module_casting_itself_to_the_dtype_it_has_matches_torch_optim():
+    model = CastsItself(torch.float32)
+    imported = tapestry.from_torch(model, (X, Y), training=TRAINING["sgd"], verbose=False)
+    ((loss, params),) = torch_steps(model, "sgd", 1)
+    assert_step_matches(imported.outputs(evaluate(imported.graph, imported.inputs(X, Y))), loss, params)
+
+
+def test_a_step_of_a_module_really_changing_its_dtype_is_a_clear_error():
+    with pytest.raises(TorchImportError, match=r"Linear\.to\(\.\.\.\) inside forward changes weight"):
+        tapestry.from_torch(CastsItself(torch.float64), (X, Y), training=TRAINING["sgd"], verbose=False)
+
+
 def dropout_mlp() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.1), torch.nn.GELU(), torch.nn.Linear(32, 4))
