@@ -163,6 +163,13 @@ def test_repriced_graphs_share_the_structure_derived_once_not_recomputed() -> No
     assert all(graph.child_sets is structure[0] and graph.parents is structure[1] for graph in (g, repriced))
 
 
+def test_a_graph_makes_its_tree_choice_once_and_a_repriced_copy_its_own() -> None:
+    g = build({"R": [(1.0, ["A"]), (3.0, [])], "A": [(1.0, [])]}, ["R"])
+    repriced = g.with_costs([5.0, 2.0, 1.0])
+    assert solvable_tree(g) is solvable_tree(g) and solvable_tree(repriced) is solvable_tree(repriced)
+    assert solvable_tree(g).node[0] == 0 and solvable_tree(repriced).node[0] == 1
+
+
 def test_a_cyclic_preference_is_repaired_into_a_valid_selection() -> None:
     g = build({"A": [(1, ["B"]), (10, [])], "B": [(0, ["A"]), (5, [])]}, roots=["A"])
     tree = solvable_tree(g)

@@ -273,3 +273,30 @@ def test_the_fallback_expands_only_the_best_ranked_candidates_and_still_keeps_th
     cost = {key: plan_cost(decode(explored, egraph, s)[0], model) for key, s in
             {tuple(sorted(s.choice.items())): s for s in candidates}.items()}
     assert plan_cost(decode(explored, egraph, chosen)[0], model) == min(cost.values())
+
+
+def test_a_folded_graph_too_big_for_the_ilp_to_model_takes_the_greedy_periodic_choice_without_running_the_ilp(
+        steps, monkeypatch):
+    """Past what the ILP can model in its limit (extract.ilp.models_in; the folded 7B step on 8x8 has 199,000
+    nodes) it would only return its warm start, greedy-dag's periodic choice: that is taken, the ILP not run."""
+    from tapestry.cost import default_cost_model
+    from tapestry.egraph.pins import steady_ties
+    from tapestry.extract import ties_hold
+
+    g = steps[3]
+    model = default_cost_model()
+    explored = tapestry.optimizer.explore(g, Mesh(2), layers=True)
+    layered = explored.layered
+    assert layered is not None
+    carried = {out: name for out, name in g.carried.items() if out in explored.graph.outputs}
+    priced = explored.decoder.extraction_graph(list(explored.roots), model)
+    egraph, ties = steady_ties(explored.decoder, priced, carried)
+    egraph, ties = layered.costs(egraph), sorted([*ties, *layered.ties()])
+    extract = tapestry.optimizer.extract
+    used = []
+    monkeypatch.setattr(tapestry.optimizer, "extract", lambda graph, extractor, *args, **kwargs: used.append(
+        extractor) or extract(graph, extractor, *args, **kwargs))
+    monkeypatch.setattr(tapestry.optimizer, "models_in", lambda graph, time_limit: False)
+    chosen = explored._select(egraph, "ilp", 10.0, None, ties, carried, model=model)
+    assert used and set(used) == {"greedy-dag"}
+    assert chosen.extractor == "greedy-dag" and layered.holds(chosen) and ties_hold(chosen.choice, ties)

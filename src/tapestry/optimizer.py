@@ -60,6 +60,7 @@ from tapestry.extract import (
     validate,
 )
 from tapestry.extract import EGraph as ExtractGraph
+from tapestry.extract.ilp import models_in
 from tapestry.extract.selection import dag_cost
 from tapestry.graph import Graph, GraphError
 from tapestry.graph.layers import find_layers, fold
@@ -160,6 +161,7 @@ LEAN_BELOW = 2  # prices tried below the first where that one fits already
 # plan's estimate (`Explored._folded_time`) ranks first: each expansion of the 32-layer 7B step and its pricing
 # is seconds, and every fit made up to twelve (docs/benchmarks.md, "Ranking the folded candidates").
 EXPANDED_CANDIDATES = 3
+EXPANSIONS_KEPT = EXPANDED_CANDIDATES  # expanded plans `Explored._decode` keeps for the fit that picks one of them
 
 
 class NoPlanError(ValueError):
@@ -220,6 +222,11 @@ class Explored:
     data: dict[str, Any] = field(repr=False)
     priced_moves: float = math.inf  # distinct moves pricing prices beyond those always priced (Decoder.priced)
     layered: Layered | None = None  # `graph` is the whole graph's fold: plans are expanded onto every layer
+    # caches of a folded graph's extractions: the last expansions by choice (`_decode`), prices by choice (`_priced`)
+    _expansions: dict[tuple[int, ...], tuple[Plan, list[int]]] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
+    _prices: dict[tuple[str, int, tuple[int, ...]], tuple[CostModel, float]] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def whole(self) -> Graph:
@@ -322,7 +329,10 @@ class Explored:
             fell_back = selection.extractor in EXTRACTORS and selection.extractor != extractors[-1]  # not a hand plan
             if fell_back and ties and memory_budget is None:
                 extractors.append(selection.extractor)
-            return replace(plan, cost=plan_cost(plan, model)), selection  # time per run, not objective
+            # time per run, not objective; a folded plan's priced where its ranking priced it (`_expanded_time`)
+            cost = self._expanded_time(hidden, selection, model) if self.layered is not None \
+                and memory_budget is None else plan_cost(plan, model)
+            return replace(plan, cost=cost), selection
 
         plan, selection = fit(egraph, 1.0)
         plain = egraph
@@ -568,11 +578,29 @@ class Explored:
 
     def _decode(self, egraph: ExtractGraph, selection: Selection) -> tuple[Plan, list[int]]:
         """The selection's plan of the whole graph (expanded onto every layer where the graph was folded), and
-        the node each step comes from."""
-        plan = self.decoder.plan(egraph, selection, self.graph, self.names)
+        the node each step comes from. The last EXPANSIONS_KEPT expansions are kept by choice (node n is e-node n
+        in every extraction graph of the decoder): the fit's plan is the candidate its ranking expanded last."""
         if self.layered is None:
-            return plan, self.decoder.step_nodes(egraph, selection)
-        return self.layered.expand(egraph, selection, self.names, plan.notes)
+            return self.decoder.plan(egraph, selection, self.graph, self.names), \
+                self.decoder.step_nodes(egraph, selection)
+        key = _chosen(selection)
+        if key in self._expansions:
+            plan, nodes = self._expansions[key]
+            return replace(plan, cost=selection.dag_cost, notes={**plan.notes, **self.decoder.notes(selection)}), nodes
+        folded = self.decoder.plan(egraph, selection, self.graph, self.names)
+        plan, nodes = self.layered.expand(egraph, selection, self.names, folded.notes)
+        self._expansions[key] = plan, nodes
+        while len(self._expansions) > EXPANSIONS_KEPT:
+            del self._expansions[next(iter(self._expansions))]
+        return plan, nodes
+
+    def _priced(self, what: str, selection: Selection, model: CostModel, price: Callable[[], float]) -> float:
+        """`price()`, `what` of `selection` under `model`, computed once per choice (the fits of a folded step
+        rank and price alike candidates again)."""
+        key = (what, id(model), _chosen(selection))
+        if key not in self._prices:
+            self._prices[key] = (model, price())  # the model kept, so its id is not reused
+        return self._prices[key][1]
 
     @staticmethod
     def _verified(plan: Plan, extractor: str, carried: Mapping[str, str]) -> Plan:
@@ -599,6 +627,10 @@ class Explored:
             if started:
                 with suppress(NoFiniteChoiceError):
                     start = self._select(egraph, "greedy-dag", time_limit, budget, ties, carried, stop_gap, model)
+                if start is not None and not models_in(egraph, time_limit):
+                    # the ILP would return the start (its own greedy keeps no twin tie): on the folded 7B step on
+                    # 8x8 (199,000 nodes) each of the five fits spent its local search's seconds to do so
+                    return start
             elif extractor == "ilp":  # priced under this graph's costs: infinite where it pins other layouts
                 fitting = [replace(hand, dag_cost=dag_cost(egraph, hand.choice)) for hand in hands
                            if budget is None or budget.fits(hand.choice)]
@@ -651,16 +683,23 @@ class Explored:
         """The candidate whose expanded plan plan_cost prices cheapest, of the EXPANDED_CANDIDATES the folded plan's
         estimate ranks first (`_folded_time`), each choice once (the fallback's pins often make the same one):
         the estimate ranks, the expanded plan decides (overlap and fusion across copies are only estimated)."""
-        unique: dict[tuple[tuple[int, int], ...], Selection] = {}
+        unique: dict[tuple[int, ...], Selection] = {}
         for selection in candidates:
-            unique.setdefault(tuple(sorted(selection.choice.items())), selection)
+            unique.setdefault(_chosen(selection), selection)
         ranked = sorted(unique.values(), key=lambda selection: self._folded_time(egraph, selection, model))
-        return min(ranked[:EXPANDED_CANDIDATES], key=lambda s: plan_cost(self._decode(egraph, s)[0], model))
+        return min(ranked[:EXPANDED_CANDIDATES], key=lambda s: self._expanded_time(egraph, s, model))
+
+    def _expanded_time(self, egraph: ExtractGraph, selection: Selection, model: CostModel) -> float:
+        """plan_cost of the selection's plan of the whole graph."""
+        return self._priced("plan_cost", selection, model, lambda: plan_cost(self._decode(egraph, selection)[0], model))
 
     def _folded_time(self, egraph: ExtractGraph, selection: Selection, model: CostModel) -> float:
         """plan_cost of the selection's expanded plan, estimated on the folded plan (two layers, whatever the
         depth): each step priced once, copy 1's counted once per later copy (`Layered.runs`), its gradient
         reductions hidden behind its backward pass as cost.overlap hides them."""
+        return self._priced("folded", selection, model, lambda: self._folded_estimate(egraph, selection, model))
+
+    def _folded_estimate(self, egraph: ExtractGraph, selection: Selection, model: CostModel) -> float:
         assert self.layered is not None
         plan = self.decoder.plan(egraph, selection, self.graph, self.names)
         costs = step_costs(plan, model)
@@ -690,6 +729,11 @@ class Explored:
             return r.plan.notes.get("accumulated_cost", r.plan.cost)
 
         return [r for i, r in enumerate(front) if all(time(r) < time(later) for later in front[i + 1:])]
+
+
+def _chosen(selection: Selection) -> tuple[int, ...]:
+    """The selection's choice as a key: its nodes (a node names its class)."""
+    return tuple(sorted(selection.choice.values()))
 
 
 def _check_carried(graph: Graph, carried: Mapping[str, str]) -> None:

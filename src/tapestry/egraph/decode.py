@@ -485,7 +485,11 @@ class Decoder:
                 steps.append(self.step(node, out, args))  # type: ignore[arg-type]
         outputs = {root_names[egraph.class_ids[r]]: value[egraph.class_ids[r]] for r in egraph.roots}
         ordered = {name: outputs[name] for name in graph.outputs}
-        plan = Plan(self.mesh, graph, tuple(steps), ordered, cost=selection.dag_cost,
-                    notes={"extractor": selection.extractor, "extract_seconds": round(selection.seconds, 3),
-                           "status": selection.status, "gap": selection.gap})
+        plan = Plan(self.mesh, graph, tuple(steps), ordered, cost=selection.dag_cost, notes=self.notes(selection))
         return replace(plan, notes={**plan.notes, "prepared": len(plan.prepared)}) if plan.prepared else plan
+
+    @staticmethod
+    def notes(selection: Selection) -> dict[str, Any]:
+        """What a plan's notes say of the selection it was decoded from."""
+        return {"extractor": selection.extractor, "extract_seconds": round(selection.seconds, 3),
+                "status": selection.status, "gap": selection.gap}

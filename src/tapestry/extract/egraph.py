@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class EGraphError(ValueError):
@@ -51,6 +53,8 @@ class EGraph:
     # `with_costs` makes: a training step's extraction reprices one graph several times (pins, overlap weights).
     # Not an init field, so `dataclasses.replace` starts a copy with its own.
     _structure: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # What is derived from the costs too (`priced`), computed once for this graph; each `with_costs` copy its own.
+    _priced: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_classes(self) -> int:
@@ -77,6 +81,13 @@ class EGraph:
                     result[child].append(node)
             self._structure["parents"] = tuple(tuple(p) for p in result)
         return self._structure["parents"]
+
+    def priced(self, key: str, make: Callable[[EGraph], T]) -> T:
+        """`make(self)`, made once for this graph: a folded step's fallback finalizes up to four mirrored choices
+        per extraction on one graph (egraph.layered), each needing its tree choice."""
+        if key not in self._priced:
+            self._priced[key] = make(self)
+        return self._priced[key]
 
     def selectable(self, node: int) -> bool:
         """Subsumed and infinite-cost nodes are never chosen."""

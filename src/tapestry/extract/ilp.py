@@ -177,6 +177,12 @@ def ties_hold(choice: Mapping[int, int], ties: Ties) -> bool:
     return all((a in chosen) == (b in chosen) for a, b in ties)
 
 
+def models_in(egraph: EGraph, time_limit: float) -> bool:
+    """Whether `time_limit` leaves the ILP time to model `egraph` (MODEL_NODES_PER_SECOND) before any warm start:
+    past it, `extract_ilp` returns a warm start, its own local search's or the caller's."""
+    return egraph.num_nodes <= MODEL_NODES_PER_SECOND * (1 - RESERVE) * time_limit
+
+
 def extract_ilp(egraph: EGraph, time_limit: float = 60.0, budget: DeviceBudget | None = None, ties: Ties = (),
                 repeated: Repeated | None = None, stop_gap: float | None = None,
                 start: Selection | None = None) -> Selection:

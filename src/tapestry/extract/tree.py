@@ -54,10 +54,11 @@ def tree_choice(egraph: EGraph) -> TreeChoice:
 
 
 def solvable_tree(egraph: EGraph) -> TreeChoice:
-    """Tree choice after checking that there is something to extract: every extractor starts here."""
+    """Tree choice after checking that there is something to extract: every extractor starts here. Made once per
+    graph (`EGraph.priced`)."""
     if not egraph.roots:
         raise EGraphError("the e-graph has no root e-classes; nothing to extract")
-    tree = tree_choice(egraph)
+    tree = egraph.priced("tree", tree_choice)
     for root in egraph.roots:
         if not tree.extractable(root):
             raise NoFiniteChoiceError(
