@@ -531,7 +531,8 @@ def test_leaner_layer_plans_are_not_extracted_where_they_could_gain_less_than_th
     assert swept.plan.cost >= (1 - 0.02) * skipped.plan.cost  # the front gained no more than the slack
 
 
-def test_a_sub_meshs_explored_e_graph_is_freed_before_the_next_is_explored(mlp_step, monkeypatch) -> None:  # noqa: ANN001
+def test_a_sub_meshs_explored_e_graph_is_freed_before_the_next_is_explored(mlp_step,  # noqa: ANN001
+                                                                            monkeypatch) -> None:
     """The e-graphs of a pipeline's stage sub-meshes are the planner's largest objects (8x8x8 for 70B): one at a
     time is held."""
     import gc
