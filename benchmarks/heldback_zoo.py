@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import write_section  # noqa: E402
-from zoo_sweep import check, verdict  # noqa: E402
+from zoo_sweep import check, merged_rows, verdict  # noqa: E402
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -300,14 +299,7 @@ def write(rows: list[str], args: argparse.Namespace) -> None:
     """The "Held-back zoo (issue 25)" section of docs/benchmarks.md. Rows of models this run did not check are kept
     from the section as it was when it was run with the same seeds, meshes and extractor (so a sweep can go in
     batches); the command then names every model in the table."""
-    options = f"--seeds {' '.join(map(str, args.seeds))} --meshes {' '.join(args.meshes)} --extractor {args.extractor}"
-    kept: dict[str, str] = {}
-    section = re.search(r"<!-- BEGIN Held-back zoo \(issue 25\) -->(.*?)<!-- END", BENCHMARKS.read_text(), re.S)
-    if section and f" {options} --write`" in section.group(1) and rows[0] in section.group(1):
-        kept = {line.split(" | ")[0].removeprefix("| "): line for line in section.group(1).splitlines()
-                if line.startswith("| ") and line.count(" | ") == rows[0].count(" | ") and line != rows[0]}
-    kept.update({line.split(" | ")[0].removeprefix("| "): line for line in rows[2:]})
-    table = {name: kept[name] for name in MODELS if name in kept}
+    table, options = merged_rows(BENCHMARKS, "Held-back zoo (issue 25)", rows, args, MODELS)
     passed = sum("| passes" in line for line in table.values())
     body = "\n".join(rows[:2] + list(table.values())) + (
         f"\n\n{passed} of {len(table)} pass: imported with `from_torch`, optimized on {' and '.join(args.meshes)} "

@@ -1,7 +1,7 @@
 """Seconds per optimizer phase (saturation, pricing, extraction) for a transformer stack, one case per run.
 
     .venv/bin/python benchmarks/phases.py --mesh 2x4 --layers 12 [--rules fusion,substitution] [--budget 30]
-        [--extractor greedy-dag] [--time-limit 10] [--optimize] [--model stack|gpt2|bert|FAMILY]
+        [--extractor greedy-dag] [--time-limit 10] [--optimize] [--model stack|gpt2|bert|FAMILY|HELD_BACK]
 
 Prints one JSON line: wall seconds per phase and, as `*_cpu`, this process's CPU seconds (all its threads), which a
 loaded machine inflates far less. With --optimize it times `tapestry.optimize` whole instead (validation and the
@@ -26,9 +26,11 @@ from tapestry.models import transformer_stack
 from tapestry.optimizer import default_cost_model, explore, optimize
 from tapestry.sharding import Mesh
 
+from heldback_zoo import MODELS as HELD_BACK  # benchmarks/, this script's folder
 
 FUSED = {"linear_relu", "linear_gelu", "add_relu"}
-ZOO = {**EXTRA, **FAMILIES}  # the importer zoo's tiny models, as benchmarks/zoo_sweep.py names them
+# the importer zoo's tiny models, as benchmarks/zoo_sweep.py names them, and benchmarks/heldback_zoo.py's
+ZOO = {**EXTRA, **FAMILIES, **HELD_BACK}
 
 
 def model(name: str, layers: int):
@@ -75,7 +77,8 @@ def main() -> None:
     zoo = [f for f in ZOO if f not in ("gpt2", "bert")]
     parser.add_argument("--model", choices=("stack", "gpt2", "bert", *zoo),
                         default="stack",
-                        help="stack, gpt2, bert at the stack's sizes, or a tiny importer zoo family (FAMILIES, EXTRA)")
+                        help="stack, gpt2, bert at the stack's sizes, or a tiny importer zoo family (FAMILIES, EXTRA) "
+                             "or held-back zoo model")
     args = parser.parse_args()
     mesh = Mesh.parse(args.mesh)
     rules = [BUILTIN_DIR / f"{r}.egg" for r in args.rules.split(",")] if args.rules else None
@@ -116,7 +119,8 @@ def main() -> None:
         "stopped_by": stats.stopped_by, "stopped_in": getattr(stats, "stopped_in", ""),
         "undone": getattr(stats, "undone", ""), "enodes": stats.enodes,
         "extraction_nodes": len(explored.decoder.nodes), "cost": selection.dag_cost,
-        "extractor": args.extractor, "status": selection.status,
+        "extractor": args.extractor, "status": selection.status, "gap": selection.gap,
+        "extract_stopped_by": getattr(selection, "stopped_by", None),
         "fused_kernels": sum(n for k, n in kernels.items() if k in FUSED),
         "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
     }), flush=True)

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -168,18 +168,27 @@ def main() -> None:
     print(f"{passed} of {len(rows) - 2} pass", flush=True)
 
 
+def merged_rows(doc: Path, section: str, rows: list[str], args: argparse.Namespace,
+                order: Iterable[str]) -> tuple[dict[str, str], str]:
+    """This run's `rows` (a header, its rule, a row per model) and, for models it did not run, the rows the
+    `section` of `doc` holds from a run with the same seeds, meshes and extractor, by name in `order`; and those
+    options, as the command names them."""
+    options = f"--seeds {' '.join(map(str, args.seeds))} --meshes {' '.join(args.meshes)} --extractor {args.extractor}"
+    found = re.search(rf"<!-- BEGIN {re.escape(section)} -->(.*?)<!-- END {re.escape(section)} -->", doc.read_text(),
+                      re.S)
+    kept = {}
+    if found and f" {options} --write`" in found.group(1) and rows[0] in found.group(1):
+        kept = {line.split(" | ")[0].removeprefix("| "): line for line in found.group(1).splitlines()
+                if line.startswith("| ") and line.count(" | ") == rows[0].count(" | ") and line != rows[0]}
+    kept.update({line.split(" | ")[0].removeprefix("| "): line for line in rows[2:]})
+    return {name: kept[name] for name in order if name in kept}, options
+
+
 def write(rows: list[str], args: argparse.Namespace) -> None:
     """The "Zoo sweep" section of docs/importing.md. Rows of families this run did not sweep are kept from the
     section as it was when it was swept with the same seeds, meshes and extractor (so a sweep can go in batches);
     the command then names every family in the table."""
-    options = f"--seeds {' '.join(map(str, args.seeds))} --meshes {' '.join(args.meshes)} --extractor {args.extractor}"
-    swept = {line.split(" | ")[0].removeprefix("| "): line for line in rows[2:]}
-    section = re.search(r"<!-- BEGIN Zoo sweep -->(.*?)<!-- END Zoo sweep -->", IMPORTING.read_text(), re.S)
-    kept = {}
-    if section and f" {options} --write`" in section.group(1) and rows[0] in section.group(1):
-        kept = {line.split(" | ")[0].removeprefix("| "): line for line in section.group(1).splitlines()
-                if line.startswith("| ") and line.count(" | ") == rows[0].count(" | ") and line != rows[0]}
-    table = {name: swept.get(name) or kept[name] for name in ZOO if name in swept or name in kept}
+    table, options = merged_rows(IMPORTING, "Zoo sweep", rows, args, ZOO)
     passed = sum("| passes" in line for line in table.values())
     body = "\n".join(rows[:2] + list(table.values())) + (
         f"\n\n{passed} of {len(table)} families pass: imported with `from_torch`, optimized on "

@@ -210,17 +210,24 @@ def test_separation_finds_a_violated_cut_exactly_where_the_max_flow_falls_short_
 @given(st.integers(0, 10**6))
 def test_path_graphs_made_as_their_readers_come_into_use_give_every_pairs_cuts_in_pair_order(seed: int) -> None:
     # `PathGraphs` makes a pair's graph only once its reader is used; over rounds of LP points where some readers
-    # are unused, each round's cuts are those of all pairs' graphs made at once, in the same order.
+    # are unused, each round's cuts are those of all pairs' graphs made at once (`path_flows` over every pair, one
+    # `FlowBatch`: the reference), in the same order, and the graphs made are those of the readers used so far.
     egraph, reduced, block, lp, pairs, flows = separation_case(seed)
     every = FlowBatch.of(flows, lp.highs.getNumCol())
     graphs = PathGraphs(egraph, reduced.candidates, block, pairs, lp)
     rng = np.random.default_rng(seed)
     readers = [lp.used[flow.reader] for flow in flows]
-    for _ in range(3):
+    used = np.zeros(len(readers), dtype=bool)
+    found = []
+    for share in (0.5, 0.5, 1.0):  # the last round uses every reader, as the separation test above does
         values = rng.random(lp.highs.getNumCol()) ** 2
-        values[readers] = rng.uniform(0.5, 1.0, len(readers)) * (rng.random(len(readers)) < 0.5)
-        assert graphs.separate(values, math.inf) == every.separate(values, values[readers])
-    assert graphs.made.any() and len(graphs.batches) <= 3
+        values[readers] = rng.uniform(0.5, 1.0, len(readers)) * (rng.random(len(readers)) < share)
+        cuts = graphs.separate(values, math.inf)
+        assert cuts == every.separate(values, values[readers])
+        used |= values[readers] > 0
+        assert (graphs.made == used).all()
+        found += cuts
+    assert found and len(graphs.batches) <= 3
 
 
 def test_the_lp_pass_is_skipped_when_its_path_graphs_would_take_too_long_to_build(

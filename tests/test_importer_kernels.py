@@ -32,6 +32,16 @@ def assert_same(got: list[np.ndarray], want: list[np.ndarray]) -> None:
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=f"output {n}")
 
 
+def planned_on_four(imp, module, args, sharded: str | None = None) -> None:
+    """`imp`'s plan on Mesh(4), simulated: the same outputs as eager `module` on `args`; with `sharded`, some step
+    whose kernel's name starts with it ("" for any kernel) computes split over devices."""
+    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
+    assert_same(imp.outputs(simulate(plan, imp.inputs(*args))), eager(module, args))
+    if sharded is not None:
+        assert any(isinstance(s, Compute) and s.kernel.startswith(sharded) and len(set(s.blocks)) > 1
+                   for s in plan.steps), f"no {sharded or 'step'} split over devices"
+
+
 class Routing(torch.nn.Module):
     """A MoE router's ops (topk, cumsum with dtype=, scatter_add, argmax) and the indexing forms torch.export
     makes of x[idx], x[:, idx] and table[positions]."""
@@ -81,9 +91,7 @@ def test_scans_indexing_and_orderings_import_as_kernels_and_match_eager():
 def test_a_plan_on_four_devices_shards_them_and_matches_eager():
     module, args = routing_case()
     imp = from_torch(module, args, verbose=False)
-    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
-    assert_same(imp.outputs(simulate(plan, imp.inputs(*args))), eager(module, args))
-    assert any(isinstance(s, Compute) and len(set(s.blocks)) > 1 for s in plan.steps)
+    planned_on_four(imp, module, args, "")
 
 
 @pytest.mark.parametrize("form", ["x[idx]", "x[:, idx]", "x[:, :, idx2d]"])
@@ -158,8 +166,7 @@ def test_embedding_backward_one_hot_and_label_shift_import_as_kernels_and_match_
     assert written and all(imp.graph.signature(node.name).splittable == tuple(range(len(node.shape)))
                            for node in written)
     assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(module, args))
-    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
-    assert_same(imp.outputs(simulate(plan, imp.inputs(*args))), eager(module, args))
+    planned_on_four(imp, module, args)
 
 
 class Indexed(torch.nn.Module):
@@ -316,9 +323,7 @@ def test_einsum_attention_is_sharded_on_four_devices_and_matches_eager():
     module, x = EinsumAttention().eval(), torch.randn(4, 8, 32)
     imp = from_torch(module, (x,), verbose=False)
     assert not imp.opaque
-    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
-    assert_same(imp.outputs(simulate(plan, imp.inputs(x))), eager(module, (x,)))
-    assert any(isinstance(s, Compute) and s.kernel == "matmul" and len(set(s.blocks)) > 1 for s in plan.steps)
+    planned_on_four(imp, module, (x,), "matmul")
 
 
 # -- grouped-query attention -------------------------------------------------------------------------------------
@@ -369,9 +374,7 @@ def test_grouped_query_attention_plans_sharded_on_four_devices_and_matches_eager
     module, x = GroupedAttention().eval(), torch.randn(2, 8, 32)
     imp = from_torch(module, (x,), verbose=False)
     assert not imp.opaque
-    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
-    assert_same(imp.outputs(simulate(plan, imp.inputs(x))), eager(module, (x,)))
-    assert any(isinstance(s, Compute) and len(set(s.blocks)) > 1 for s in plan.steps)
+    planned_on_four(imp, module, (x,), "")
 
 
 # -- convolutions, padding, upsampling, norms, bags, floor division ----------------------------------------------
@@ -443,8 +446,7 @@ def test_histc_over_a_fixed_range_imports_as_a_kernel_and_its_plan_matches_eager
     imp = from_torch(module, (x,), verbose=False)
     assert not imp.opaque and imp.coverage["aten.histc.default"] == {"histc, reshape": 2}
     assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(x))), eager(module, (x,)))
-    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
-    assert_same(imp.outputs(simulate(plan, imp.inputs(x))), eager(module, (x,)))
+    planned_on_four(imp, module, (x,))
 
 
 @dataclass(frozen=True)
@@ -501,9 +503,7 @@ def test_an_upsampling_decoder_plans_sharded_on_four_devices_and_matches_eager()
     module, x = Decoder().eval(), torch.randn(4, 8, 16)
     imp = from_torch(module, (x,), verbose=False)
     assert not imp.opaque
-    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
-    assert_same(imp.outputs(simulate(plan, imp.inputs(x))), eager(module, (x,)))
-    assert any(isinstance(s, Compute) and s.kernel.startswith("conv2d") and len(set(s.blocks)) > 1 for s in plan.steps)
+    planned_on_four(imp, module, (x,), "conv2d")
 
 
 # -- recurrent layers ----------------------------------------------------------------------------------------------
@@ -543,9 +543,7 @@ def test_a_recurrent_tagger_plans_its_cells_sharded_on_four_devices_and_matches_
     torch.manual_seed(0)
     module, x = Tagger(kind).eval(), torch.randn(4, 4, 8)
     imp = from_torch(module, (x,), verbose=False)
-    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
-    assert_same(imp.outputs(simulate(plan, imp.inputs(x))), eager(module, (x,)))
-    assert any(isinstance(s, Compute) and s.kernel == "sigmoid" and len(set(s.blocks)) > 1 for s in plan.steps)
+    planned_on_four(imp, module, (x,), "sigmoid")
 
 
 # -- Hugging Face models whose ops were opaque ----------------------------------------------------------------------
@@ -622,9 +620,7 @@ def test_repeats_baddbmm_and_the_named_arithmetic_aliases_import_as_kernels_and_
     imp = from_torch(module, args, verbose=False)
     assert imp.opaque == {}
     assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(module, args))
-    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
-    assert_same(imp.outputs(simulate(plan, imp.inputs(*args))), eager(module, args))
-    assert any(isinstance(s, Compute) and len(set(s.blocks)) > 1 for s in plan.steps)
+    planned_on_four(imp, module, args, "")
 
 
 class Shifted(torch.nn.Module):
@@ -642,8 +638,7 @@ def test_roll_and_adaptive_avg_pool1d_import_as_kernels_and_shard():
     imp = from_torch(module, args, verbose=False)
     assert imp.opaque == {}
     assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(module, args))
-    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
-    assert_same(imp.outputs(simulate(plan, imp.inputs(*args))), eager(module, args))
+    planned_on_four(imp, module, args)
 
 
 class HeldBackZooOps(torch.nn.Module):
@@ -672,5 +667,26 @@ def test_the_held_back_zoos_opaque_ops_import_as_kernels_and_match_eager_whole_a
     imp = from_torch(module, args, verbose=False)
     assert not imp.opaque
     assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(module, args))
-    plan = tapestry.optimize(imp.graph, mesh=tapestry.Mesh(4)).plan
-    assert_same(imp.outputs(simulate(plan, imp.inputs(*args))), eager(module, args))
+    planned_on_four(imp, module, args)
+
+
+class FourierMixing(torch.nn.Module):
+    """FNet's token mixing, torch.fft.fftn(x, dim=(1, 2)).real, beside the 1-D and fft2 forms and a norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        mixed = torch.fft.fftn(self.proj(x), dim=(1, 2)).real
+        return (mixed + x, torch.fft.fft(x, dim=1, norm="ortho").real, torch.fft.fft2(x, norm="forward").real)
+
+
+def test_fourier_mixing_read_by_its_real_part_imports_as_dft_kernels_and_matches_eager_whole_and_sharded():
+    torch.manual_seed(0)
+    module, args = FourierMixing().eval(), (torch.randn(4, 8, 6),)
+    imp = from_torch(module, args, verbose=False)
+    assert not imp.opaque
+    assert {n.op for n in imp.graph.nodes} >= {"dft1_real", "dft2_real"}
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(module, args))
+    planned_on_four(imp, module, args)

@@ -53,6 +53,40 @@ def test_cumsum_of_integers_and_bools_is_int64():
     assert bind("cumsum", [(4,)], {}, ["bfloat16"]).dtype == "bfloat16"
 
 
+# -- dft_real ------------------------------------------------------------------------------------------------------
+def test_dft_real_positions_are_parallel_and_its_sources_additive_reductions():
+    sig = bind("dft2_real", [(2, 6, 4)], {"axes": (1, 2), "lengths": (6, 4), "norm": "backward"})
+    assert kinds(sig) == {"d0": P, "d1": P, "d2": P, "source0": R, "source1": R}
+    assert sig.splittable == (0, 1, 2, 3, 4) and sig.output_shape == (2, 6, 4)
+    # output rows 1..3 of axis 1 read the source block of that axis, whatever rows they are
+    assert sig.projections[0].apply(ZRange((0, 1, 0, 4, 0), (2, 3, 4, 6, 4))) == ZRange((0, 4, 0), (2, 6, 4))
+
+
+@pytest.mark.parametrize("shape, axes, norm, dim, bounds", [
+    ((2, 6, 4), (1, 2), "backward", 1, [0, 2, 5, 6]),  # output rows
+    ((2, 6, 4), (1, 2), "ortho", 3, [0, 1, 4, 6]),  # the first axis's sources: partial sums
+    ((2, 6, 4), (1, 2), "forward", 4, [0, 3, 4]),
+    ((5, 7), (1,), "backward", 2, [0, 2, 7]),
+    ((3, 4, 5), (0, 1, 2), "ortho", 5, [0, 2, 5]),
+])
+def test_dft_real_split_anywhere_equals_torch_fft_real_part(shape, axes, norm, dim, bounds):
+    name = f"dft{len(axes)}_real"
+    sig = bind(name, [shape], {"axes": axes, "lengths": tuple(shape[a] for a in axes), "norm": norm}, ["float64"])
+    x = np.random.default_rng(0).standard_normal(shape)
+    expected = torch.fft.fftn(torch.from_numpy(x), dim=axes, norm=norm).real.numpy()
+    np.testing.assert_allclose(run_sharded(sig, [x], [sig.index]), expected, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(run_sharded(sig, [x], pieces(sig, dim, bounds)), expected, rtol=1e-9, atol=1e-9)
+
+
+def test_dft_real_refuses_integers_and_lengths_that_are_not_the_axes_sizes():
+    with pytest.raises(KernelError, match="float tensor"):
+        bind("dft1_real", [(4, 6)], {"axes": (1,), "lengths": (6,), "norm": "backward"}, ["int64"])
+    with pytest.raises(KernelError, match="lengths"):
+        bind("dft1_real", [(4, 6)], {"axes": (1,), "lengths": (4,), "norm": "backward"})
+    with pytest.raises(KernelError, match="transforms 2 axes"):
+        bind("dft2_real", [(4, 6)], {"axes": (1,), "lengths": (6,), "norm": "backward"})
+
+
 # -- argmax / argmin -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["argmax", "argmin"])
 def test_argmax_reads_its_axis_whole_and_picks_the_first_of_ties_like_torch(name):

@@ -152,17 +152,26 @@ def test_a_move_into_part_of_the_value_keeps_its_collective_when_priced_on_the_p
 
 
 @settings(max_examples=500, deadline=None)
-@given(pair=layout_pairs())
-def test_a_pair_moved_to_the_box_its_blocks_span_is_each_block_moved_by_its_corner(pair):
-    """`local_layouts` (made from each layout's span and shifted copy) against the box-by-box translation: the same
-    blocks, partial flags and shape, and None for a pair holding nothing."""
-    src, dst, _, _ = pair
+@given(pair=layout_pairs(), offset=st.lists(st.integers(0, 5), min_size=3, max_size=3))
+def test_a_pair_moved_to_the_box_its_blocks_span_is_each_block_moved_by_its_corner(pair, offset):
+    """`local_layouts` (made from each layout's span and shifted copy) against `_local` (every held block's
+    bounding box, each block moved by its start): the same blocks, partial flags and shape, and None for a pair
+    holding nothing. The local blocks touch 0 and the box's far side on every dim, and the pair moved anywhere
+    has the same local layouts: groups that are translations of one another are one collective."""
+    src, dst, shape, _ = pair
     expected = _local(src, dst)
     got = local_layouts(src, dst)
+    offset = tuple(offset[:len(shape)])
+    moved = [Layout(tuple(None if b is None else b.translate(offset) for b in layout.blocks), layout.partial)
+             for layout in (src, dst)]
+    assert local_layouts(*moved) == got
     if expected is None:
         assert got is None
         return
     assert got == (expected[0], replace(expected[1], partial=dst.partial), expected[2])
+    held = [b for layout in got[:2] for b in layout.blocks if b is not None]
+    assert [min(b.start[d] for b in held) for d in range(len(shape))] == [0] * len(shape)
+    assert [max(b.end[d] for b in held) for d in range(len(shape))] == list(got[2])
 
 
 @settings(max_examples=500, deadline=None)

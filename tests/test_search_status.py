@@ -5,11 +5,14 @@ from __future__ import annotations
 import warnings
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 import tapestry
 from tapestry.cost import DefaultCostModel
+from tapestry.models import mlp
 from tapestry.optimizer import SearchCutWarning, explore
+from tapestry.plan.simulate import simulate
 from training_helpers import GPU, adam_step
 
 
@@ -69,3 +72,17 @@ def test_a_training_step_the_ilp_cannot_tie_in_time_gets_greedy_dags_steady_plan
     assert result.selection.extractor == "greedy-dag"
     assert result.status in ("heuristic", "feasible")  # feasible: the overlap sweep
     assert not tapestry.optimizer.steady_violations(result.plan, step.graph.carried)
+
+
+def test_an_ilp_out_of_time_returns_a_valid_plan_labelled_feasible_with_its_gap_and_what_stopped_it():
+    """Issue 25 (MobileViT's held-back zoo run): an ILP whose time limit leaves no time to model the e-graph is no
+    failure; the plan is its warm start, labelled unproven, its gap honest (no bound: 1) and the budget named."""
+    graph = mlp(2, 512, 256)
+    result = tapestry.optimize(graph, tapestry.Mesh(2, 2), time_limit=0.001)
+    selection = result.selection
+    assert result.status == selection.status == "feasible"
+    assert selection.gap == 1.0 and selection.stopped_by == "cpu clock"
+    assert result.plan.cost == pytest.approx(tapestry.optimize(graph, tapestry.Mesh(2, 2)).plan.cost)
+    inputs = tapestry.random_inputs(graph)
+    np.testing.assert_allclose(simulate(result.plan, inputs)["y"], tapestry.evaluate(graph, inputs)["y"], rtol=1e-5,
+                               atol=1e-5)

@@ -51,6 +51,11 @@ FILLS: dict[str, Callable[[tuple[Any, ...]], Any]] = {  # ops whose result is on
 }
 
 
+class Standin:
+    """A converter's result that is no graph tensor but stands for graph values, read only by the converters it
+    is made for (the real part of a complex transform: aten.fourier.RealPart); never folded as a constant."""
+
+
 class Unsupported(Exception):
     """Raised by a converter for a form of its op it does not map (the node then runs opaque)."""
 
@@ -154,7 +159,9 @@ def translate(graph: torch.fx.Graph, placeholders: Mapping[str, Placeholder], ou
     """Build the Tapestry graph of an ATen fx graph. `placeholders` says what each placeholder (by node name) is;
     `outputs` names the fx nodes (or constants) that become graph outputs, in order."""
     from tapestry.importer import aten  # noqa: F401  (registers the converters)
+    from tapestry.importer.aten.fourier import real_parts
 
+    real_parts(graph)  # `.real` as exported, view_as_real(z)[..., 0], read as the one op its converter takes
     builder = Builder(Graph())
     env: dict[Any, Any] = {}
     coverage: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -239,7 +246,7 @@ def _is_const(value: Any) -> bool:
         return all(_is_const(v) for v in value)
     if isinstance(value, dict):
         return all(_is_const(v) for v in value.values())
-    return not isinstance(value, (Value, _Lazy))
+    return not isinstance(value, (Value, _Lazy, Standin))
 
 
 def _resolve(value: Any, env: dict[Any, Any]) -> Any:

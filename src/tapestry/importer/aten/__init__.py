@@ -12,6 +12,7 @@ from tapestry.importer.aten import (  # noqa: F401  (each module registers its c
     convolution,
     elementwise,
     embedding,
+    fourier,
     indexing,
     linalg,
     moe,
