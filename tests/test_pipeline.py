@@ -3,6 +3,7 @@ micro-batches in flight, recomputation and precision, and the choice of stages b
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from dataclasses import replace
 
@@ -478,6 +479,7 @@ def test_a_layers_extractions_share_one_pricing(mlp_step, monkeypatch) -> None: 
     import tapestry
     from tapestry.egraph.decode import Decoder
     from tapestry.optimizer import Explored
+    from tapestry.pipeline import planner
 
     calls = {"priced": 0, "extract": 0}
     priced, extract = Decoder.priced, Explored.extract
@@ -492,6 +494,86 @@ def test_a_layers_extractions_share_one_pricing(mlp_step, monkeypatch) -> None: 
 
     monkeypatch.setattr(Decoder, "priced", counted_priced)
     monkeypatch.setattr(Explored, "extract", counted_extract)
+    monkeypatch.setattr(planner, "ideal_time", lambda *args, **kw: 0.0)  # no floor: the leaner plans are extracted
     tapestry.plan_pipeline(mlp_step, 4, tapestry.Mesh(2), global_batch=16, cost_model=h100(), stages=(1,),
                            memory_budget=None, budget=tapestry.Budget(seconds=30), pareto_points=3)
     assert calls["extract"] > 1 and calls["priced"] == 1
+
+
+def test_leaner_layer_plans_are_not_extracted_where_they_could_gain_less_than_the_slack(mlp_step,  # noqa: ANN001
+                                                                                         monkeypatch) -> None:
+    """Gradient accumulation on one stage has no bubble: its fastest layer plan's step is its floor, which floors
+    every leaner plan too, so none can be faster by the slack and none is extracted (an extraction under a memory
+    budget each); the whole front's plan is no faster by more than the slack."""
+    import tapestry
+    from tapestry.optimizer import Explored
+
+    budgets: list[int | None] = []
+    extract = Explored.extract
+
+    def counted(self: Explored, *args: object, **kw: object) -> object:
+        budgets.append(kw.get("memory_budget"))
+        return extract(self, *args, **kw)
+
+    monkeypatch.setattr(Explored, "extract", counted)
+
+    def plan(slack: float) -> tapestry.pipeline.PipelineResult:
+        return tapestry.plan_pipeline(mlp_step, 4, tapestry.Mesh(2), global_batch=16, cost_model=h100(), stages=(1,),
+                                      memory_budget=None, budget=tapestry.Budget(seconds=30), pareto_points=3,
+                                      leaner_slack=slack)
+
+    skipped = plan(0.02)
+    assert budgets == [None]
+    assert "leaner layer plans not extracted" in skipped.candidates[0].why
+    budgets.clear()
+    swept = plan(-1.0)  # the front whatever its floor
+    assert any(b is not None for b in budgets)
+    assert swept.plan.cost >= (1 - 0.02) * skipped.plan.cost  # the front gained no more than the slack
+
+
+def test_a_sub_meshs_explored_e_graph_is_freed_before_the_next_is_explored(mlp_step,  # noqa: ANN001
+                                                                            monkeypatch) -> None:
+    """The e-graphs of a pipeline's stage sub-meshes are the planner's largest objects (8x8x8 for 70B): one at a
+    time is held."""
+    import gc
+    import weakref
+
+    import tapestry
+    from tapestry.pipeline import planner
+
+    made: list[weakref.ref] = []
+    explore = planner.explore
+
+    def watched(*args: object, **kw: object) -> object:
+        gc.collect()
+        assert all(ref() is None for ref in made), "an earlier sub-mesh's e-graph is still held"
+        found = explore(*args, **kw)
+        made.append(weakref.ref(found))
+        return found
+
+    monkeypatch.setattr(planner, "explore", watched)
+    tapestry.plan_pipeline(mlp_step, 4, tapestry.Mesh(2), global_batch=16, cost_model=h100(), memory_budget=None,
+                           budget=tapestry.Budget(seconds=30), pareto_points=1)
+    assert len(made) == 2
+
+
+def test_a_stage_count_says_its_fastest_layer_plan_did_not_fit_and_its_floor_ruled_out_the_rest(
+        mlp_step, monkeypatch) -> None:  # noqa: ANN001
+    """Where nothing of a stage count fits because its leaner layer plans were never extracted (their floor was above
+    the best step), the report says so rather than that nothing fits."""
+    import tapestry
+    from tapestry.pipeline import planner
+
+    free = tapestry.plan_pipeline(mlp_step, 4, tapestry.Mesh(2), global_batch=16, cost_model=h100(),
+                                  memory_budget=None, budget=tapestry.Budget(seconds=30), pareto_points=1)
+    one, two = (next(c.plan for c in free.candidates if c.stages == s) for s in (1, 2))
+    assert one.peak_memory > two.peak_memory
+    floor = planner.ideal_time
+    monkeypatch.setattr(planner, "ideal_time", lambda layer, layers, stages, *rest: math.inf if stages == 1
+                        else floor(layer, layers, stages, *rest))
+    result = tapestry.plan_pipeline(mlp_step, 4, tapestry.Mesh(2), global_batch=16, cost_model=h100(),
+                                    memory_budget=(one.peak_memory + two.peak_memory) // 2,
+                                    budget=tapestry.Budget(seconds=30), pareto_points=3)
+    why = next(c.why for c in result.candidates if c.stages == 1)
+    assert "the fastest layer plan does not fit" in why
+    assert "leaner layer plans not extracted: their floor, inf ms a step, is above the best step found" in why

@@ -49,6 +49,10 @@ Step = Graph | Callable[[int], Graph]  # a training step, or a function from the
 CHUNKS = (2, 4)  # virtual stages per device tried by the interleaved schedule
 DRAWN = 4  # micro-batches per stage a drawing shows by default
 REBALANCE_TRIES = 16  # layer moves `rebalanced` prices at most
+# the least a leaner layer plan must be able to gain (of the best step so far, by its floor `ideal_time`) for the
+# front to be extracted: the leaner plans' extractions under memory budgets were 70% of the 7B step's planning time
+# on 64 GPUs (docs/benchmarks.md), and are kept there even at 5%: its chosen layer plan (4.48 s) is a leaner one
+LEANER_SLACK = 0.02
 
 
 @dataclass(frozen=True)
@@ -146,7 +150,8 @@ class PipelinePlan:
 @dataclass(frozen=True)
 class Candidate:
     """The best configuration found for one stage count (None: nothing fit), for the report: of its fastest layer
-    plan only where the leaner ones could not have won (`ideal_time`)."""
+    plan only where the leaner ones could not have won by more than the slack (`ideal_time`); `why` says why none
+    fit and where leaner plans were not extracted."""
 
     stages: int
     plan: PipelinePlan | None
@@ -170,7 +175,8 @@ class PipelineResult:
         for c in self.candidates:
             rows.append(f"  S={c.stages}: " + (c.why if c.plan is None else
                                                f"{c.plan.schedule.name} v={c.plan.schedule.chunks}, "
-                                               f"{c.plan.cost * 1e3:.1f} ms, {max(c.plan.memory) / 2**30:.2f} GiB"))
+                                               f"{c.plan.cost * 1e3:.1f} ms, {max(c.plan.memory) / 2**30:.2f} GiB"
+                                               + (f" ({c.why})" if c.why else "")))
         return "\n".join(rows)
 
 
@@ -315,7 +321,7 @@ def plan_pipeline(layer: Step, layers: int, mesh: Mesh, global_batch: int,
                   precision: str | Precision = "mixed", schedules: Sequence[str] = SCHEDULES,
                   chunks: Sequence[int] = CHUNKS, budget: Budget = Budget(), extractor: str = "ilp",
                   time_limit: float = 10.0, pareto_points: int = 3, first: Step | None = None,
-                  last: Step | None = None) -> PipelineResult:
+                  last: Step | None = None, leaner_slack: float = LEANER_SLACK) -> PipelineResult:
     """The fastest pipelined training step of `layers` identical layers on `mesh` that fits `memory_budget`
     bytes per device, `global_batch` sequences per step.
 
@@ -323,11 +329,13 @@ def plan_pipeline(layer: Step, layers: int, mesh: Mesh, global_batch: int,
     a micro-batch size (sequences) to it; `micro_batch_sizes` lists the sizes to try (default: the graph's
     batch, read off its first user input). `stages` lists the stage counts to try (default: every divisor of
     mesh axis `axis`). The optimizer's knobs (`budget`, `extractor`, `time_limit`) plan each layer;
-    `pareto_points` bounds its time/memory front, extracted where the layer's ideal time beats the best step so
-    far. `first` and `last` are the training steps of what runs before the first layer and after the last
-    (`pipeline.first_step`, `pipeline.last_step`: the embedding; the final norm, head and loss), graphs or functions
-    of the micro-batch size like `layer`; each is planned (its fastest plan) on every stage sub-mesh and rides with
-    the first or last layer. MemoryBudgetError when no configuration fits."""
+    `pareto_points` bounds its time/memory front, extracted only where the fastest layer plan's ideal time (a
+    floor under every leaner plan's step) is more than `leaner_slack` below the best step so far, the stage count's
+    own fastest plan's included: a skipped front could have made the step that much faster at most (the candidates
+    say where one was skipped). `first` and `last` are the training steps of what runs before the first layer and
+    after the last (`pipeline.first_step`, `pipeline.last_step`: the embedding; the final norm, head and loss),
+    graphs or functions of the micro-batch size like `layer`; each is planned (its fastest plan) on every stage
+    sub-mesh and rides with the first or last layer. MemoryBudgetError when no configuration fits."""
     if not 0 <= axis < mesh.ndim:
         raise ValueError(f"pipeline axis {axis} is not an axis of {mesh}")
     profile = getattr(cost_model, "profile", None)
@@ -359,40 +367,18 @@ def plan_pipeline(layer: Step, layers: int, mesh: Mesh, global_batch: int,
     leading = math.inf  # the fastest step so far, of any stage count
     for s in sorted(counts, reverse=True):  # the smallest sub-meshes first: cheapest to plan, often fastest
         best: PipelinePlan | None = None
-        sub = stage_mesh(mesh, axis, s)
         why = []
-        for b, graph in graphs.items():
-            try:
-                explored = explore(graph, sub, budget=budget)
-                fastest = explored.extract(cost_model, extractor, time_limit, micro_batches=global_batch // b)
-                ends = Ends(*(None if end is None else layer_cost(explore(end, sub, budget=budget).extract(
-                    cost_model, extractor, time_limit, micro_batches=global_batch // b).plan, cost_model)
-                    for end in end_graphs[b]))
-            except (ValueError, MemoryBudgetError) as err:
-                why.append(f"micro-batch {b}: no layer plan on {sub} ({err})")
-                continue
-
-            def configured(result: OptimizeResult, layer: LayerCost) -> PipelinePlan | None:
-                return best_configuration(layer, layers, mesh, axis, s, global_batch // b, chosen_precision, link,
-                                          memory_budget, schedules, chunks,
-                                          profile.device.peak(_compute_dtype(graph)), result, b, ends)
-
-            fastest_layer = layer_cost(fastest.plan, cost_model)
-            quickest = configured(fastest, fastest_layer)
-            front = [fastest] if ideal_time(fastest_layer, layers, s, global_batch // b, chosen_precision,
-                                            ends) > leading else \
-                explored.pareto(cost_model, extractor, time_limit, points=pareto_points, fastest=fastest,
-                                micro_batches=global_batch // b)
-            for result in front:
-                found = quickest if result is fastest else configured(result, layer_cost(result.plan, cost_model))
-                if found is not None and (best is None or (found.cost, found.peak_memory) < (best.cost,
-                                                                                               best.peak_memory)):
-                    best = found
+        for b, graph in graphs.items():  # one call per (sub-mesh, micro-batch size): its e-graph freed on return
+            found, said = _stage_plan(graph, end_graphs[b], layers, mesh, axis, s, global_batch // b, b,
+                                      chosen_precision, link, profile.device.peak(_compute_dtype(graph)),
+                                      memory_budget, schedules, chunks, budget, extractor,
+                                      time_limit, pareto_points, leaner_slack, cost_model, leading)
+            why += [f"micro-batch {b}: {said}"] if said else []
+            if found is not None and (best is None or (found.cost, found.peak_memory) < (best.cost,
+                                                                                           best.peak_memory)):
+                best = found
             if best is not None:
                 leading = min(leading, best.cost)
-            else:
-                why.append(f"micro-batch {b}: nothing fits {memory_budget:,.0f} bytes per device, even with every "
-                           f"layer recomputed")
         candidates.append(Candidate(s, best, "; ".join(why)))
     candidates.sort(key=lambda c: c.stages)
     fitting = [c.plan for c in candidates if c.plan is not None]
@@ -400,6 +386,53 @@ def plan_pipeline(layer: Step, layers: int, mesh: Mesh, global_batch: int,
         raise MemoryBudgetError("no pipeline configuration fits: " + "; ".join(f"S={c.stages}: {c.why}"
                                                                               for c in candidates))
     return PipelineResult(min(fitting, key=lambda p: (p.cost, p.peak_memory)), tuple(candidates))
+
+
+def _stage_plan(graph: Graph, end_graphs: tuple[Graph | None, Graph | None], layers: int, mesh: Mesh, axis: int,
+                stages: int, micro_batches: int, micro_batch: int, precision: Precision, link: Link, peak: float,
+                memory_budget: float | None, schedules: Sequence[str], chunks: Sequence[int], budget: Budget,
+                extractor: str, time_limit: float, pareto_points: int, leaner_slack: float, cost_model: CostModel,
+                leading: float) -> tuple[PipelinePlan | None, str]:
+    """The best configuration of `stages` stages at one micro-batch size, and what to report of it (why nothing
+    fit, which leaner layer plans were not extracted and why). Its own function so that the sub-mesh's explored
+    e-graph, pricing and extractions are freed before the next sub-mesh is explored (a loop's locals outlived
+    the iteration: the 70B step's 4x8x8 e-graph was held while 8x8x8's was explored)."""
+    sub = stage_mesh(mesh, axis, stages)
+    try:
+        explored = explore(graph, sub, budget=budget)
+        fastest = explored.extract(cost_model, extractor, time_limit, micro_batches=micro_batches)
+        ends = Ends(*(None if end is None else layer_cost(explore(end, sub, budget=budget).extract(
+            cost_model, extractor, time_limit, micro_batches=micro_batches).plan, cost_model) for end in end_graphs))
+    except (ValueError, MemoryBudgetError) as err:
+        return None, f"no layer plan on {sub} ({err})"
+
+    def configured(result: OptimizeResult, layer: LayerCost) -> PipelinePlan | None:
+        return best_configuration(layer, layers, mesh, axis, stages, micro_batches, precision, link, memory_budget,
+                                  schedules, chunks, peak, result, micro_batch, ends)
+
+    fastest_layer = layer_cost(fastest.plan, cost_model)
+    quickest = configured(fastest, fastest_layer)
+    floor = ideal_time(fastest_layer, layers, stages, micro_batches, precision, ends)
+    beaten = min(leading, math.inf if quickest is None else quickest.cost)
+    said = [] if quickest is not None else \
+        [f"the fastest layer plan does not fit {memory_budget:,.0f} bytes per device, even with every layer "
+         f"recomputed"]
+    if floor >= (1 - leaner_slack) * beaten:  # no leaner plan could beat the best step by more than the slack
+        if pareto_points > 1:
+            said.append(f"leaner layer plans not extracted: their floor, {floor * 1e3:.1f} ms a step, is "
+                        + (f"above the best step found ({beaten * 1e3:.1f} ms)" if floor > beaten else
+                           f"within {leaner_slack:.0%} of the best step found ({beaten * 1e3:.1f} ms)"))
+        return quickest, "; ".join(said)
+    best = quickest
+    for result in explored.pareto(cost_model, extractor, time_limit, points=pareto_points, fastest=fastest,
+                                  micro_batches=micro_batches):
+        found = quickest if result is fastest else configured(result, layer_cost(result.plan, cost_model))
+        if found is not None and (best is None or (found.cost, found.peak_memory) < (best.cost, best.peak_memory)):
+            best = found
+    if best is None:
+        return None, (f"nothing fits {memory_budget:,.0f} bytes per device, even with every layer recomputed, "
+                      f"of the fastest layer plan and its leaner ones")
+    return best, ""
 
 
 def _batch(graph: Graph) -> int:
