@@ -241,14 +241,12 @@ def test_a_folded_training_step_over_a_budget_its_free_plan_exceeds_gets_a_perio
     assert all(e.ok for e in errors.values()), errors
 
 
-def test_the_fallback_expands_only_the_best_ranked_candidates_and_still_keeps_the_cheapest(steps, monkeypatch):
-    """The greedy fallback's periodic candidates (up to twelve, many alike) are ranked on the folded plan
-    (Explored._folded_time) and only EXPANDED_CANDIDATES distinct ones expanded onto every layer and priced; the
-    one kept is still the cheapest expanded plan of them all."""
-    from tapestry.cost import default_cost_model, plan_cost
+def folded_on_two(g: Graph):
+    """The step explored folded on Mesh(2), and its extraction graph as `Explored.extract` makes it: steady ties
+    and the layers' twins, copy 1 priced once per later copy; with the carried pairs and the cost model."""
+    from tapestry.cost import default_cost_model
     from tapestry.egraph.pins import steady_ties
 
-    g = steps[5]
     model = default_cost_model()
     explored = tapestry.optimizer.explore(g, Mesh(2), layers=True)
     layered = explored.layered
@@ -256,7 +254,16 @@ def test_the_fallback_expands_only_the_best_ranked_candidates_and_still_keeps_th
     carried = {out: name for out, name in g.carried.items() if out in explored.graph.outputs}
     priced = explored.decoder.extraction_graph(list(explored.roots), model)
     egraph, ties = steady_ties(explored.decoder, priced, carried)
-    egraph, ties = layered.costs(egraph), sorted([*ties, *layered.ties()])
+    return explored, layered.costs(egraph), sorted([*ties, *layered.ties()]), carried, model
+
+
+def test_the_fallback_expands_only_the_best_ranked_candidates_and_still_keeps_the_cheapest(steps, monkeypatch):
+    """The greedy fallback's periodic candidates (up to twelve, many alike) are ranked on the folded plan
+    (Explored._folded_time) and only EXPANDED_CANDIDATES distinct ones expanded onto every layer and priced; the
+    one kept is still the cheapest expanded plan of them all."""
+    from tapestry.cost import plan_cost
+
+    explored, egraph, ties, carried, model = folded_on_two(steps[5])
     candidates = []
     periodic = tapestry.optimizer.periodic_selections
     monkeypatch.setattr(tapestry.optimizer, "periodic_selections",
@@ -279,19 +286,10 @@ def test_a_folded_graph_too_big_for_the_ilp_to_model_takes_the_greedy_periodic_c
         steps, monkeypatch):
     """Past what the ILP can model in its limit (extract.ilp.models_in; the folded 7B step on 8x8 has 199,000
     nodes) it would only return its warm start, greedy-dag's periodic choice: that is taken, the ILP not run."""
-    from tapestry.cost import default_cost_model
-    from tapestry.egraph.pins import steady_ties
     from tapestry.extract import ties_hold
 
-    g = steps[3]
-    model = default_cost_model()
-    explored = tapestry.optimizer.explore(g, Mesh(2), layers=True)
+    explored, egraph, ties, carried, model = folded_on_two(steps[3])
     layered = explored.layered
-    assert layered is not None
-    carried = {out: name for out, name in g.carried.items() if out in explored.graph.outputs}
-    priced = explored.decoder.extraction_graph(list(explored.roots), model)
-    egraph, ties = steady_ties(explored.decoder, priced, carried)
-    egraph, ties = layered.costs(egraph), sorted([*ties, *layered.ties()])
     extract = tapestry.optimizer.extract
     used = []
     monkeypatch.setattr(tapestry.optimizer, "extract", lambda graph, extractor, *args, **kwargs: used.append(
