@@ -417,14 +417,9 @@ def test_the_ideal_time_floors_every_configuration(seed: int) -> None:
         assert plan is None or plan.cost >= floor > 0
 
 
-def test_leaner_layer_plans_are_extracted_only_where_their_floor_beats_the_best_step(mlp_step,  # noqa: ANN001
-                                                                                     monkeypatch) -> None:
-    """A stage count's leaner layer plans (each an extraction under a memory budget, the dearest calls of a plan)
-    are skipped where even the ideal time of its fastest plan is slower than a step already found: the chosen plan
-    is the one every front gives, for fewer extractions."""
-    import tapestry
+def extract_budgets(monkeypatch: pytest.MonkeyPatch) -> list[int | None]:
+    """The memory budget of every `Explored.extract` call from now on, in order (None: unbudgeted)."""
     from tapestry.optimizer import Explored
-    from tapestry.pipeline import planner
 
     budgets: list[int | None] = []
     extract = Explored.extract
@@ -434,6 +429,18 @@ def test_leaner_layer_plans_are_extracted_only_where_their_floor_beats_the_best_
         return extract(self, *args, **kw)
 
     monkeypatch.setattr(Explored, "extract", counted)
+    return budgets
+
+
+def test_leaner_layer_plans_are_extracted_only_where_their_floor_beats_the_best_step(mlp_step,  # noqa: ANN001
+                                                                                     monkeypatch) -> None:
+    """A stage count's leaner layer plans (each an extraction under a memory budget, the dearest calls of a plan)
+    are skipped where even the ideal time of its fastest plan is slower than a step already found: the chosen plan
+    is the one every front gives, for fewer extractions."""
+    import tapestry
+    from tapestry.pipeline import planner
+
+    budgets = extract_budgets(monkeypatch)
 
     def plan() -> tuple[tuple[object, ...], int]:
         budgets.clear()
@@ -506,16 +513,8 @@ def test_leaner_layer_plans_are_not_extracted_where_they_could_gain_less_than_th
     every leaner plan too, so none can be faster by the slack and none is extracted (an extraction under a memory
     budget each); the whole front's plan is no faster by more than the slack."""
     import tapestry
-    from tapestry.optimizer import Explored
 
-    budgets: list[int | None] = []
-    extract = Explored.extract
-
-    def counted(self: Explored, *args: object, **kw: object) -> object:
-        budgets.append(kw.get("memory_budget"))
-        return extract(self, *args, **kw)
-
-    monkeypatch.setattr(Explored, "extract", counted)
+    budgets = extract_budgets(monkeypatch)
 
     def plan(slack: float) -> tapestry.pipeline.PipelineResult:
         return tapestry.plan_pipeline(mlp_step, 4, tapestry.Mesh(2), global_batch=16, cost_model=h100(), stages=(1,),
