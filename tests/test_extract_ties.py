@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tapestry.extract import ilp
 from tapestry.extract import NoFiniteChoiceError, extract, ties_hold, validate
 from extract_helpers import build
 
@@ -93,3 +94,15 @@ def test_a_tied_graph_too_big_to_model_in_time_returns_a_start_that_keeps_the_ti
         extract(egraph, "ilp", time_limit=5, ties=ties)
     given = extract(egraph, "ilp", time_limit=5, ties=ties, start=start)
     assert given.choice == start.choice and given.status == "feasible"
+
+
+def test_a_tied_optimum_dearer_than_twice_the_untied_warm_start_is_found_exactly(monkeypatch):
+    """The untied warm start (cost 2) breaks the ties, so the best tied selection can hold nodes dearer than twice
+    it: CP-SAT's integer costs must not clamp them to look alike (placing B and reading it there, 31, and placing A,
+    51, would then look as cheap as moving B to A, 7, and come back as optimal). The LP pass, which finds 7 here by
+    rounding, is left out, so CP-SAT decides."""
+    monkeypatch.setattr(ilp, "LP_NODES_PER_SECOND", 0)
+    egraph = build({**STEP, "y": [(1, ["wA"]), (30, ["wB"])], "newA": [(50, ["y"])]}, ["out"])
+    selection = extract(egraph, "ilp", time_limit=5, ties=steady_ties(egraph))
+    assert selection.dag_cost == 7  # w placed in B, moved to A (5), read there (1), its update made in B (1)
+    assert selection.status == "optimal"

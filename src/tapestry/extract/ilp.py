@@ -74,6 +74,7 @@ from tapestry.extract.tree import solvable_tree
 from tapestry.extract.warm import undominate, warm_start
 
 SCALE = 10**9  # the warm-start cost maps to this many integer units
+INT64_ROOM = 2**62  # what an objective of int64 node costs may sum to, with room for CP-SAT's own arithmetic
 # CP-SAT's subsolvers, run in turn by one thread (SEQUENTIAL): the full LP relaxation (with the source
 # constraints it is what proves Tapestry's graphs), core-based search, and the default LP worker. As 3 workers
 # time-sliced on the 2 cores, side by side under load (10-20 s limits) against the default 8-worker portfolio: a
@@ -215,7 +216,8 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0, budget: DeviceBudget |
         given = None if start is None else _undominated(egraph, start, {}, started)  # priced on this graph
         if ties and budget is None and not ties_hold(finalize(egraph, greedy, tree, "ilp", started).choice, ties):
             # the local search keeps no tie, and CP-SAT would get what modelling left: on the folded 7B training
-            # step on 8x8 (199,000 nodes) it found no tied selection in it
+            # step on 8x8 (`benchmarks/cluster.py --arch hf --models 7B --layers 32 --meshes 8x8`) it found no tied
+            # selection in it
             if given is not None and ties_hold(given.choice, ties):
                 return _result(given, False, 0.0, started, "cpu clock")
             raise NoFiniteChoiceError(f"no time to model {egraph.num_nodes:,} nodes, and the warm start breaks "
@@ -371,6 +373,7 @@ def _solve(
             egraph, reduced, part, required, (warm.choice, position), scale, work * share,
             wall - time.perf_counter(), budget, ties,
             give_up=clock() + seconds * len(part) / total if admissible else math.inf, cuts=cuts,
+            warm_admissible=admissible,
         )
         work = max(work - used, 0.0)
         stops.add(stop)
@@ -449,6 +452,7 @@ def _solve_part(
     ties: Ties = (),
     give_up: float = math.inf,
     cuts: Sequence[PathCut] = (),
+    warm_admissible: bool = True,
 ) -> tuple[dict[int, int] | None, float, bool, float, str | None]:
     """One CP-SAT run over the classes of `part`: (chosen node per active class or None, bound, proven optimal,
     deterministic time used, what stopped it unproven: a `STOPS` name or None); the bound is inf when the budget
@@ -460,7 +464,8 @@ def _solve_part(
     (None, 0.0, False), so the time limit holds.
     """
     try:
-        model, variables, weights = _model(egraph, reduced, part, required, scale, budget, ties, give_up, cuts)
+        model, variables, weights = _model(egraph, reduced, part, required, scale, budget, ties, give_up, cuts,
+                                           warm_admissible)
     except _OutOfTime:
         return None, 0.0, False, 0.0, "cpu clock"
     _hint(model, *warm, variables, egraph, reduced)
@@ -479,9 +484,12 @@ def _solve_part(
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None, math.inf if status == cp_model.INFEASIBLE else 0.0, False, used, stop
     choice = {c: n for c in part for n in reduced.candidates[c] if solver.boolean_value(variables.x[n])}
-    # Rounding up a cost can make any selection look dearer by at most `excess`; clamping only makes it cheaper.
+    # Rounding up a cost can make any selection look dearer by at most `excess`; clamping only makes it cheaper,
+    # so the bound holds, but a choice holding a clamped node is optimal only for the clamped costs
     excess = sum(max(0.0, w - egraph.node_cost[n] * scale) for n, w in weights.items())
-    return choice, max(0.0, solver.best_objective_bound - excess) / scale, status == cp_model.OPTIMAL, used, stop
+    clamped = any(weights[n] < egraph.node_cost[n] * scale - 1 for n in choice.values())
+    optimal = status == cp_model.OPTIMAL and not clamped
+    return choice, max(0.0, solver.best_objective_bound - excess) / scale, optimal, used, stop
 
 
 class _OutOfTime(Exception):
@@ -498,9 +506,12 @@ def _model(
     ties: Ties,
     give_up: float,
     cuts: Sequence[PathCut] = (),
+    warm_admissible: bool = True,
 ) -> tuple[cp_model.CpModel, _Variables, dict[int, int]]:
     """The CP-SAT model of one part (module docstring): the model, its variables, and each node's integer cost.
-    Raises _OutOfTime past `give_up`."""
+    Raises _OutOfTime past `give_up`. Costs are clamped so the objective cannot overflow int64: at twice the warm
+    start where it keeps the budget and ties (a dearer node is in no better selection), else only at what int64
+    leaves each node (the best admissible selection can be far dearer than a warm start that breaks a tie)."""
 
     def check_time() -> None:
         if clock() > give_up:
@@ -540,8 +551,8 @@ def _model(
     if budget is not None:
         _limit(model, budget, x)
     _tie(model, ties, x, {n for nodes in reduced.candidates.values() for n in nodes})
-    # A node dearer than the whole warm start is never in a better selection: clamp, so no int64 overflow.
-    weights = {n: min(round(egraph.node_cost[n] * scale), 2 * SCALE) for n in x}
+    cap = 2 * SCALE if warm_admissible else INT64_ROOM // max(1, len(x))
+    weights = {n: min(round(egraph.node_cost[n] * scale), cap) for n in x}
     model.minimize(sum(weights[n] * var for n, var in x.items()))
     check_time()
     return model, _Variables(x, active, order, members, used, source), weights
