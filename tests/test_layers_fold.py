@@ -12,6 +12,7 @@ import tapestry
 import tapestry.optimizer
 from tapestry import verify
 from tapestry.cost import peak_memory
+from tapestry.egraph.folded_candidates import EXPANDED_CANDIDATES, FoldedCandidates
 from tapestry.graph import Graph
 from tapestry.graph.layers import find_layers, fold
 from tapestry.optimizer import FOLD_FROM_COPIES
@@ -259,7 +260,7 @@ def folded_on_two(g: Graph):
 
 def test_the_fallback_expands_only_the_best_ranked_candidates_and_still_keeps_the_cheapest(steps, monkeypatch):
     """The greedy fallback's periodic candidates (up to twelve, many alike) are ranked on the folded plan
-    (Explored._folded_time) and only EXPANDED_CANDIDATES distinct ones expanded onto every layer and priced; the
+    (FoldedCandidates.folded_time) and only EXPANDED_CANDIDATES distinct ones expanded onto every layer and priced; the
     one kept is still the cheapest expanded plan of them all."""
     from tapestry.cost import plan_cost
 
@@ -269,17 +270,16 @@ def test_the_fallback_expands_only_the_best_ranked_candidates_and_still_keeps_th
     monkeypatch.setattr(tapestry.optimizer, "periodic_selections",
                         lambda *args: candidates.extend(periodic(*args)) or periodic(*args))
     expanded = []
-    decode = tapestry.optimizer.Explored._decode
-    monkeypatch.setattr(tapestry.optimizer.Explored, "_decode",
-                        lambda self, e, s: expanded.append(s) or decode(self, e, s))
+    decode = FoldedCandidates.decode
+    monkeypatch.setattr(FoldedCandidates, "decode", lambda self, e, s: expanded.append(s) or decode(self, e, s))
     chosen = explored._select(egraph, "greedy-dag", 5.0, None, ties, carried, model=model)
     distinct = {tuple(sorted(s.choice.items())) for s in candidates}
     assert len(expanded) < len(distinct)
     assert len({tuple(sorted(s.choice.items())) for s in expanded}) == len(expanded)  # each choice priced once
-    assert len(expanded) <= tapestry.optimizer.EXPANDED_CANDIDATES < len(distinct)
-    cost = {key: plan_cost(decode(explored, egraph, s)[0], model) for key, s in
+    assert len(expanded) <= EXPANDED_CANDIDATES < len(distinct)
+    cost = {key: plan_cost(decode(explored.folded, egraph, s)[0], model) for key, s in
             {tuple(sorted(s.choice.items())): s for s in candidates}.items()}
-    assert plan_cost(decode(explored, egraph, chosen)[0], model) == min(cost.values())
+    assert plan_cost(decode(explored.folded, egraph, chosen)[0], model) == min(cost.values())
 
 
 def test_a_folded_graph_too_big_for_the_ilp_to_model_takes_the_greedy_periodic_choice_without_running_the_ilp(
@@ -298,3 +298,4 @@ def test_a_folded_graph_too_big_for_the_ilp_to_model_takes_the_greedy_periodic_c
     chosen = explored._select(egraph, "ilp", 10.0, None, ties, carried, model=model)
     assert used and set(used) == {"greedy-dag"}
     assert chosen.extractor == "greedy-dag" and layered.holds(chosen) and ties_hold(chosen.choice, ties)
+

@@ -19,8 +19,6 @@ from typing import Any
 from tapestry.clock import clock
 from tapestry.collector import no_collections
 from tapestry.cost import CostModel, default_cost_model, peak_memory, plan_cost
-from tapestry.cost.model import from_costs, step_costs
-from tapestry.cost.overlap import overlap
 from tapestry.egraph.budget import (
     MemoryBudgetError,
     budget_error,
@@ -33,6 +31,7 @@ from tapestry.egraph.budget import (
 from tapestry.egraph.decode import Decoder, distributed_nodes
 from tapestry.egraph.driver import MOVES_SHARE, Budget, IterationStats, SaturationStats, moves_to_price, saturate
 from tapestry.egraph.embed import embedded_plans
+from tapestry.egraph.folded_candidates import FoldedCandidates
 from tapestry.egraph.fused_prices import fused_node_costs
 from tapestry.egraph.layered import Layered, value_classes
 from tapestry.egraph.objective import StepObjective, overlap_split
@@ -152,16 +151,6 @@ FUSED_EXTRACTION_DEVICES = 8
 # slow (20.13 against 18.43 ms, 158 against 72 CPU s); at 32 only the fold plans (docs/benchmarks.md, "Extracting
 # the folded step"). Between them it is not measured.
 FOLD_FROM_COPIES = 8
-# A folded graph's budgeted fallback (`Explored._within_budget`) prices memory at up to LEAN_ROUNDS prices, each
-# LEAN_STEP times the last, from one at which a budget's worth of bytes costs as much as the cheapest plan's time
-LEAN_ROUNDS = 6
-LEAN_STEP = 4.0
-LEAN_BELOW = 2  # prices tried below the first where that one fits already
-# The folded step's periodic candidates expanded onto every layer and priced by plan_cost, of those the folded
-# plan's estimate (`Explored._folded_time`) ranks first: each expansion of the 32-layer 7B step and its pricing
-# is seconds, and every fit made up to twelve (docs/benchmarks.md, "Ranking the folded candidates").
-EXPANDED_CANDIDATES = 3
-EXPANSIONS_KEPT = EXPANDED_CANDIDATES  # expanded plans `Explored._decode` keeps for the fit that picks one of them
 
 
 class NoPlanError(ValueError):
@@ -222,16 +211,18 @@ class Explored:
     data: dict[str, Any] = field(repr=False)
     priced_moves: float = math.inf  # distinct moves pricing prices beyond those always priced (Decoder.priced)
     layered: Layered | None = None  # `graph` is the whole graph's fold: plans are expanded onto every layer
-    # caches of a folded graph's extractions: the last expansions by choice (`_decode`), prices by choice (`_priced`)
-    _expansions: dict[tuple[int, ...], tuple[Plan, list[int]]] = field(
-        default_factory=dict, init=False, repr=False, compare=False)
-    _prices: dict[tuple[str, int, tuple[int, ...]], tuple[CostModel, float]] = field(
-        default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def whole(self) -> Graph:
         """The graph plans are of: the explored one, or the one it folds."""
         return self.graph if self.layered is None else self.layered.full
+
+    @cached_property
+    def folded(self) -> FoldedCandidates:
+        """The folded graph's periodic candidates: their expansions onto every layer and prices, kept by choice."""
+        if self.layered is None:
+            raise ValueError("Explored.folded: the graph was not folded (Explored.layered is None)")
+        return FoldedCandidates(self.layered, self.decoder, self.graph, self.names)
 
     @cached_property
     def repeated(self) -> Repeated | None:
@@ -329,15 +320,16 @@ class Explored:
             fell_back = selection.extractor in EXTRACTORS and selection.extractor != extractors[-1]  # not a hand plan
             if fell_back and ties and memory_budget is None:
                 extractors.append(selection.extractor)
-            # time per run, not objective; a folded plan's priced where its ranking priced it (`_expanded_time`)
-            cost = self._expanded_time(hidden, selection, model) if self.layered is not None \
+            # time per run, not objective; a folded plan's priced where its ranking priced it
+            # (`FoldedCandidates.expanded_time`)
+            cost = self.folded.expanded_time(hidden, selection, model) if self.layered is not None \
                 and memory_budget is None else plan_cost(plan, model)
             return replace(plan, cost=cost), selection
 
         plan, selection = fit(egraph, 1.0)
         plain = egraph
-        # a folded graph whose budget binds is fitted by its budgeted fallback (`_within_budget`), which extracts
-        # and prices several periodic candidates: its plan stands, the other objectives' fits not made
+        # a folded graph whose budget binds is fitted by its budgeted fallback (`FoldedCandidates.within_budget`),
+        # which extracts and prices several periodic candidates: its plan stands, the other objectives' fits not made
         refit = self.layered is None or memory_budget is None or plan.notes.get("memory_budget") == "not binding"
         if fused is not None and refit:  # the plan extracted under fusion-aware costs, where plan_cost finds it cheaper
             try:
@@ -448,7 +440,10 @@ class Explored:
                 return unbound
             base = budget_of()
             if self.layered is not None:  # the tied ILP alone found no periodic plan within a budget in time
-                return self._within_budget(egraph, extractor, time_limit, base, ties, carried, stop_gap, model)
+                return self.folded.within_budget(
+                    egraph, base, ties, carried, self.baselines, self._held,
+                    lambda priced: self._select(priced, "greedy-dag", time_limit, None, ties, carried, stop_gap),
+                    extractor, time_limit, stop_gap, model)
         cuts: list[dict[int, int]] = []
         rounds = 0
         while True:
@@ -480,82 +475,6 @@ class Explored:
             plan = replace(plan, notes={**plan.notes, "status": "feasible", "memory_cut_rounds": rounds})
         return plan, selection
 
-    def _within_budget(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget: DeviceBudget,
-                       ties: Ties, carried: Mapping[str, str], stop_gap: float | None = None,
-                       model: CostModel | None = None) -> tuple[Plan, Selection]:
-        """A folded graph's plan within `budget` (its limit binding: the plan chosen without it does not fit), the
-        cheapest by plan_cost of the periodic candidates whose exact peak fits: the hand plans of the folded graph
-        (`baselines`, made periodic), and greedy-dag's fallback (`_select`) with memory priced, each node's bytes
-        per device (copy 1's m - 1 times) at `price` seconds per byte added to its cost, the price raised
-        LEAN_STEP-fold from one that makes a budget's worth of bytes cost the cheapest plan's time again, until
-        a candidate fits, or lowered up to LEAN_BELOW times while it fits where the first did (a Lagrangian
-        relaxation of the budget). The ILP then tries to better the kept one under the budget's constraints and the
-        ties, starting from it. MemoryBudgetError, with the leanest candidate's peak, where none fits."""
-        assert self.layered is not None
-        limit = budget.limit
-        twins = set(self.layered.ties())
-        steady = [t for t in ties if t not in twins]
-        found: list[tuple[Plan, Selection]] = []
-        leanest = math.inf  # the least peak (or lower bound of it) of a candidate, for the error
-
-        def fitting(selection: Selection, how: str) -> bool:
-            nonlocal leanest
-            if not budget.fits(selection.choice):  # a lower bound of its peak is over: not decoded
-                leanest = min(leanest, max(budget.usage(selection.choice)))
-                return False
-            plan, _, peaks = leaner(*self._decode(egraph, selection))
-            peak = max(p.bytes for p in peaks)
-            leanest = min(leanest, peak)
-            if peak > limit:
-                return False
-            plan = replace(plan, cost=plan_cost(plan, model) if model is not None else selection.dag_cost,
-                           notes={**plan.notes, "memory_budget": how})
-            found.append((plan, replace(selection, dag_cost=dag_cost(egraph, selection.choice), status="feasible")))
-            return True
-
-        for _, embedded in embedded_plans(self.decoder, egraph, self.baselines, steady):
-            for selection in periodic_selections(self.layered, self.decoder, egraph, embedded, ties, carried):
-                fitting(selection, f"{embedded.extractor}, periodic")
-        # a node's bytes per device at its worst device: what it adds to the memory a plan holds (copy 1's once
-        # per later copy); summed over a plan, about its activations and state, which a training step holds at once
-        made = self.layered.costs(egraph.with_costs([
-            0.0 if node.op == "Deliver" else float(max(self._held[node.eclass], default=0))
-            for node in self.decoder.nodes])).node_cost
-        base = extract(egraph, "greedy-dag", time_limit).dag_cost / limit  # seconds per byte
-
-        def priced_fits(k: int) -> bool:
-            price = base * LEAN_STEP ** k
-            priced = egraph.with_costs([c + price * b if math.isfinite(c) else c
-                                        for c, b in zip(egraph.node_cost, made)])
-            try:
-                selection = self._select(priced, "greedy-dag", time_limit, None, ties, carried, stop_gap)
-            except NoFiniteChoiceError:
-                return False
-            return fitting(replace(selection, extractor="greedy-dag, memory priced"),
-                           f"greedy-dag with memory priced at {price:.3g} s per byte")
-
-        first = next((k for k in range(LEAN_ROUNDS) if priced_fits(k)), None)
-        if first == 0:  # the first price fit: lower ones may fit too, and cost less time
-            for k in range(-1, -1 - LEAN_BELOW, -1):
-                if not priced_fits(k):
-                    break
-        if not found:
-            raise MemoryBudgetError(f"no plan fits {limit:,} bytes per device: of the periodic plans tried (the "
-                                    f"folded graph's hand plans, greedy-dag with memory priced up to "
-                                    f"{LEAN_STEP ** (LEAN_ROUNDS - 1):g} times a budget's worth of bytes per plan "
-                                    f"time) the leanest needs {leanest:,.0f}")
-        plan, selection = min(found, key=lambda f: f[0].cost)
-        if extractor == "ilp":
-            with suppress(NoFiniteChoiceError):  # the kept plan stands where the ILP finds nothing in time
-                better = extract(egraph, "ilp", time_limit, budget, ties, stop_gap=stop_gap, start=selection)
-                if better.choice != selection.choice:
-                    candidate, _, peaks = leaner(*self._decode(egraph, better))
-                    candidate = replace(candidate, cost=plan_cost(candidate, model) if model is not None
-                                        else better.dag_cost, notes={**candidate.notes, "memory_budget": "ilp"})
-                    if max(p.bytes for p in peaks) <= limit and candidate.cost < plan.cost:
-                        plan, selection = candidate, better
-        return plan, selection
-
     def _unbound(self, egraph: ExtractGraph, extractor: str, time_limit: float, ties: Ties,
                  carried: Mapping[str, str], memory_budget: int,
                  stop_gap: float | None = None, model: CostModel | None = None,
@@ -577,30 +496,12 @@ class Explored:
         return replace(plan, notes={**plan.notes, "memory_budget": "not binding"}), selection
 
     def _decode(self, egraph: ExtractGraph, selection: Selection) -> tuple[Plan, list[int]]:
-        """The selection's plan of the whole graph (expanded onto every layer where the graph was folded), and
-        the node each step comes from. The last EXPANSIONS_KEPT expansions are kept by choice (node n is e-node n
-        in every extraction graph of the decoder): the fit's plan is the candidate its ranking expanded last."""
+        """The selection's plan of the whole graph (expanded onto every layer where the graph was folded:
+        `FoldedCandidates.decode`), and the node each step comes from."""
         if self.layered is None:
             return self.decoder.plan(egraph, selection, self.graph, self.names), \
                 self.decoder.step_nodes(egraph, selection)
-        key = _chosen(selection)
-        if key in self._expansions:
-            plan, nodes = self._expansions[key]
-            return replace(plan, cost=selection.dag_cost, notes={**plan.notes, **self.decoder.notes(selection)}), nodes
-        folded = self.decoder.plan(egraph, selection, self.graph, self.names)
-        plan, nodes = self.layered.expand(egraph, selection, self.names, folded.notes)
-        self._expansions[key] = plan, nodes
-        while len(self._expansions) > EXPANSIONS_KEPT:
-            del self._expansions[next(iter(self._expansions))]
-        return plan, nodes
-
-    def _priced(self, what: str, selection: Selection, model: CostModel, price: Callable[[], float]) -> float:
-        """`price()`, `what` of `selection` under `model`, computed once per choice (the fits of a folded step
-        rank and price alike candidates again)."""
-        key = (what, id(model), _chosen(selection))
-        if key not in self._prices:
-            self._prices[key] = (model, price())  # the model kept, so its id is not reused
-        return self._prices[key][1]
+        return self.folded.decode(egraph, selection)
 
     @staticmethod
     def _verified(plan: Plan, extractor: str, carried: Mapping[str, str]) -> Plan:
@@ -676,37 +577,8 @@ class Explored:
         # the cheaper: the layouts the free choice delivered can cost more every step than state kept whole
         # (a small model on 4 ranks sharing 2 cores: 0.0426 s against 0.0171 s replicated)
         if self.layered is not None and model is not None:
-            return self._cheapest_periodic(egraph, steady, model)
+            return self.folded.cheapest(egraph, steady, model)
         return min(steady, key=lambda selection: selection.dag_cost)
-
-    def _cheapest_periodic(self, egraph: ExtractGraph, candidates: Sequence[Selection], model: CostModel) -> Selection:
-        """The candidate whose expanded plan plan_cost prices cheapest, of the EXPANDED_CANDIDATES the folded plan's
-        estimate ranks first (`_folded_time`), each choice once (the fallback's pins often make the same one):
-        the estimate ranks, the expanded plan decides (overlap and fusion across copies are only estimated)."""
-        unique: dict[tuple[int, ...], Selection] = {}
-        for selection in candidates:
-            unique.setdefault(_chosen(selection), selection)
-        ranked = sorted(unique.values(), key=lambda selection: self._folded_time(egraph, selection, model))
-        return min(ranked[:EXPANDED_CANDIDATES], key=lambda s: self._expanded_time(egraph, s, model))
-
-    def _expanded_time(self, egraph: ExtractGraph, selection: Selection, model: CostModel) -> float:
-        """plan_cost of the selection's plan of the whole graph."""
-        return self._priced("plan_cost", selection, model, lambda: plan_cost(self._decode(egraph, selection)[0], model))
-
-    def _folded_time(self, egraph: ExtractGraph, selection: Selection, model: CostModel) -> float:
-        """plan_cost of the selection's expanded plan, estimated on the folded plan (two layers, whatever the
-        depth): each step priced once, copy 1's counted once per later copy (`Layered.runs`), its gradient
-        reductions hidden behind its backward pass as cost.overlap hides them."""
-        return self._priced("folded", selection, model, lambda: self._folded_estimate(egraph, selection, model))
-
-    def _folded_estimate(self, egraph: ExtractGraph, selection: Selection, model: CostModel) -> float:
-        assert self.layered is not None
-        plan = self.decoder.plan(egraph, selection, self.graph, self.names)
-        costs = step_costs(plan, model)
-        runs = {step.out: self.layered.runs(n) for step, n in zip(plan.steps, self.decoder.step_nodes(egraph,
-                                                                                                    selection))}
-        weighted = {out: cost * runs[out] for out, cost in costs.items()}
-        return sum(weighted.values()) - overlap(plan, from_costs(weighted)).hidden
 
     def pareto(self, cost_model: CostModel | None = None, extractor: str = "ilp", time_limit: float = 10.0,
                points: int = 6, fastest: OptimizeResult | None = None, micro_batches: int = 1
@@ -729,11 +601,6 @@ class Explored:
             return r.plan.notes.get("accumulated_cost", r.plan.cost)
 
         return [r for i, r in enumerate(front) if all(time(r) < time(later) for later in front[i + 1:])]
-
-
-def _chosen(selection: Selection) -> tuple[int, ...]:
-    """The selection's choice as a key: its nodes (a node names its class)."""
-    return tuple(sorted(selection.choice.values()))
 
 
 def _check_carried(graph: Graph, carried: Mapping[str, str]) -> None:

@@ -1,0 +1,185 @@
+"""A folded graph's periodic candidates (egraph.layered) expanded onto every layer, ranked, priced, and fitted to a
+memory budget: what `tapestry.optimizer.Explored` weighs where it folded the graph.
+
+A candidate's time is its expanded plan's (plan_cost), which takes seconds for a deep model: each choice is
+expanded and priced once, the expansions and prices kept by choice. Node n is e-node n in every extraction graph
+of the decoder, so a choice names the same plan in the reweighted and pinned graphs too.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import suppress
+from dataclasses import dataclass, field, replace
+
+from tapestry.cost import CostModel, plan_cost
+from tapestry.cost.model import from_costs, step_costs
+from tapestry.cost.overlap import overlap
+from tapestry.egraph.budget import MemoryBudgetError, leaner
+from tapestry.egraph.decode import Decoder
+from tapestry.egraph.embed import embedded_plans
+from tapestry.egraph.layered import Layered
+from tapestry.egraph.pins import periodic_selections
+from tapestry.extract import DeviceBudget, NoFiniteChoiceError, Selection, Ties, extract
+from tapestry.extract import EGraph as ExtractGraph
+from tapestry.extract.selection import dag_cost
+from tapestry.graph import Graph
+from tapestry.plan import Plan
+
+# The budgeted fallback (`FoldedCandidates.within_budget`) prices memory at up to LEAN_ROUNDS prices, each
+# LEAN_STEP times the last, from one at which a budget's worth of bytes costs as much as the cheapest plan's time
+LEAN_ROUNDS = 6
+LEAN_STEP = 4.0
+LEAN_BELOW = 2  # prices tried below the first where that one fits already
+# The periodic candidates expanded onto every layer and priced by plan_cost, of those the folded plan's estimate
+# (`FoldedCandidates.folded_time`) ranks first: each expansion of the 32-layer 7B step and its pricing is seconds,
+# and every fit made up to twelve (docs/benchmarks.md, "Ranking the folded candidates").
+EXPANDED_CANDIDATES = 3
+EXPANSIONS_KEPT = EXPANDED_CANDIDATES  # expanded plans `FoldedCandidates.decode` keeps for the fit that picks one
+
+
+def chosen(selection: Selection) -> tuple[int, ...]:
+    """The selection's choice as a key: its nodes (a node names its class)."""
+    return tuple(sorted(selection.choice.values()))
+
+
+@dataclass(eq=False)
+class FoldedCandidates:
+    """The folded graph (`graph`, the whole one's fold as `layered` holds it), and the caches of its candidates'
+    expansions (the last EXPANSIONS_KEPT, by choice) and prices (by what, model and choice)."""
+
+    layered: Layered
+    decoder: Decoder
+    graph: Graph
+    names: dict[str, str]  # root e-class -> graph output name, as the decoder takes them
+    _expansions: dict[tuple[int, ...], tuple[Plan, list[int]]] = field(default_factory=dict, init=False, repr=False)
+    _prices: dict[tuple[str, int, tuple[int, ...]], tuple[CostModel, float]] = field(
+        default_factory=dict, init=False, repr=False)
+
+    def decode(self, egraph: ExtractGraph, selection: Selection) -> tuple[Plan, list[int]]:
+        """The selection's plan expanded onto every layer of the whole graph, and the node each step comes from.
+        The last EXPANSIONS_KEPT expansions are kept by choice: the fit's plan is the candidate its ranking
+        expanded last."""
+        key = chosen(selection)
+        if key in self._expansions:
+            plan, nodes = self._expansions[key]
+            return replace(plan, cost=selection.dag_cost, notes={**plan.notes, **self.decoder.notes(selection)}), nodes
+        folded = self.decoder.plan(egraph, selection, self.graph, self.names)
+        plan, nodes = self.layered.expand(egraph, selection, self.names, folded.notes)
+        self._expansions[key] = plan, nodes
+        while len(self._expansions) > EXPANSIONS_KEPT:
+            del self._expansions[next(iter(self._expansions))]
+        return plan, nodes
+
+    def cheapest(self, egraph: ExtractGraph, candidates: Sequence[Selection], model: CostModel) -> Selection:
+        """The candidate whose expanded plan plan_cost prices cheapest, of the EXPANDED_CANDIDATES the folded plan's
+        estimate ranks first (`folded_time`), each choice once (the fallback's pins often make the same one): the
+        estimate ranks, the expanded plan decides (overlap and fusion across copies are only estimated)."""
+        unique: dict[tuple[int, ...], Selection] = {}
+        for selection in candidates:
+            unique.setdefault(chosen(selection), selection)
+        ranked = sorted(unique.values(), key=lambda selection: self.folded_time(egraph, selection, model))
+        return min(ranked[:EXPANDED_CANDIDATES], key=lambda s: self.expanded_time(egraph, s, model))
+
+    def expanded_time(self, egraph: ExtractGraph, selection: Selection, model: CostModel) -> float:
+        """plan_cost of the selection's plan of the whole graph."""
+        return self._priced("plan_cost", selection, model, lambda: plan_cost(self.decode(egraph, selection)[0], model))
+
+    def folded_time(self, egraph: ExtractGraph, selection: Selection, model: CostModel) -> float:
+        """plan_cost of the selection's expanded plan, estimated on the folded plan (two layers, whatever the
+        depth): each step priced once, copy 1's counted once per later copy (`Layered.runs`), its gradient
+        reductions hidden behind its backward pass as cost.overlap hides them."""
+        return self._priced("folded", selection, model, lambda: self._folded_estimate(egraph, selection, model))
+
+    def _folded_estimate(self, egraph: ExtractGraph, selection: Selection, model: CostModel) -> float:
+        plan = self.decoder.plan(egraph, selection, self.graph, self.names)
+        costs = step_costs(plan, model)
+        nodes = self.decoder.step_nodes(egraph, selection)
+        runs = {step.out: self.layered.runs(n) for step, n in zip(plan.steps, nodes)}
+        weighted = {out: cost * runs[out] for out, cost in costs.items()}
+        return sum(weighted.values()) - overlap(plan, from_costs(weighted)).hidden
+
+    def _priced(self, what: str, selection: Selection, model: CostModel, price: Callable[[], float]) -> float:
+        """`price()`, `what` of `selection` under `model`, computed once per choice (the fits of a folded step
+        rank and price alike candidates again)."""
+        key = (what, id(model), chosen(selection))
+        if key not in self._prices:
+            self._prices[key] = (model, price())  # the model kept, so its id is not reused
+        return self._prices[key][1]
+
+    def within_budget(self, egraph: ExtractGraph, budget: DeviceBudget, ties: Ties, carried: Mapping[str, str],
+                      hands: Mapping[str, Plan], held: Mapping[str, tuple[int, ...]],
+                      select: Callable[[ExtractGraph], Selection], extractor: str, time_limit: float,
+                      stop_gap: float | None = None, model: CostModel | None = None) -> tuple[Plan, Selection]:
+        """A plan within `budget` (its limit binding: the plan chosen without it does not fit), the cheapest by
+        plan_cost of the periodic candidates whose exact peak fits: the hand plans of the folded graph (`hands`,
+        made periodic), and `select`'s steady periodic selection (the caller's greedy-dag fallback) with memory
+        priced, each node's bytes per device (`held`, copy 1's m - 1 times) at `price` seconds per byte added to
+        its cost, the price raised LEAN_STEP-fold from one that makes a budget's worth of bytes cost the cheapest
+        plan's time again, until a candidate fits, or lowered up to LEAN_BELOW times while it fits where the first
+        did (a Lagrangian relaxation of the budget). With `extractor` "ilp" the ILP then tries to better the kept
+        one under the budget's constraints and the ties, starting from it. MemoryBudgetError, with the leanest
+        candidate's peak, where none fits."""
+        limit = budget.limit
+        twins = set(self.layered.ties())
+        steady = [t for t in ties if t not in twins]
+        found: list[tuple[Plan, Selection]] = []
+        leanest = math.inf  # the least peak (or lower bound of it) of a candidate, for the error
+
+        def fitting(selection: Selection, how: str) -> bool:
+            nonlocal leanest
+            if not budget.fits(selection.choice):  # a lower bound of its peak is over: not decoded
+                leanest = min(leanest, max(budget.usage(selection.choice)))
+                return False
+            plan, _, peaks = leaner(*self.decode(egraph, selection))
+            peak = max(p.bytes for p in peaks)
+            leanest = min(leanest, peak)
+            if peak > limit:
+                return False
+            plan = replace(plan, cost=plan_cost(plan, model) if model is not None else selection.dag_cost,
+                           notes={**plan.notes, "memory_budget": how})
+            found.append((plan, replace(selection, dag_cost=dag_cost(egraph, selection.choice), status="feasible")))
+            return True
+
+        for _, embedded in embedded_plans(self.decoder, egraph, hands, steady):
+            for selection in periodic_selections(self.layered, self.decoder, egraph, embedded, ties, carried):
+                fitting(selection, f"{embedded.extractor}, periodic")
+        # a node's bytes per device at its worst device: what it adds to the memory a plan holds (copy 1's once
+        # per later copy); summed over a plan, about its activations and state, which a training step holds at once
+        made = self.layered.costs(egraph.with_costs([
+            0.0 if node.op == "Deliver" else float(max(held[node.eclass], default=0))
+            for node in self.decoder.nodes])).node_cost
+        base = extract(egraph, "greedy-dag", time_limit).dag_cost / limit  # seconds per byte
+
+        def priced_fits(k: int) -> bool:
+            price = base * LEAN_STEP ** k
+            priced = egraph.with_costs([c + price * b if math.isfinite(c) else c
+                                        for c, b in zip(egraph.node_cost, made)])
+            try:
+                selection = select(priced)
+            except NoFiniteChoiceError:
+                return False
+            return fitting(replace(selection, extractor="greedy-dag, memory priced"),
+                           f"greedy-dag with memory priced at {price:.3g} s per byte")
+
+        first = next((k for k in range(LEAN_ROUNDS) if priced_fits(k)), None)
+        if first == 0:  # the first price fit: lower ones may fit too, and cost less time
+            for k in range(-1, -1 - LEAN_BELOW, -1):
+                if not priced_fits(k):
+                    break
+        if not found:
+            raise MemoryBudgetError(f"no plan fits {limit:,} bytes per device: of the periodic plans tried (the "
+                                    f"folded graph's hand plans, greedy-dag with memory priced up to "
+                                    f"{LEAN_STEP ** (LEAN_ROUNDS - 1):g} times a budget's worth of bytes per plan "
+                                    f"time) the leanest needs {leanest:,.0f}")
+        plan, selection = min(found, key=lambda f: f[0].cost)
+        if extractor == "ilp":
+            with suppress(NoFiniteChoiceError):  # the kept plan stands where the ILP finds nothing in time
+                better = extract(egraph, "ilp", time_limit, budget, ties, stop_gap=stop_gap, start=selection)
+                if better.choice != selection.choice:
+                    candidate, _, peaks = leaner(*self.decode(egraph, better))
+                    candidate = replace(candidate, cost=plan_cost(candidate, model) if model is not None
+                                        else better.dag_cost, notes={**candidate.notes, "memory_budget": "ilp"})
+                    if max(p.bytes for p in peaks) <= limit and candidate.cost < plan.cost:
+                        plan, selection = candidate, better
+        return plan, selection
