@@ -530,7 +530,8 @@ class Explored:
                     start = self._select(egraph, "greedy-dag", time_limit, budget, ties, carried, stop_gap, model)
                 if start is not None and not models_in(egraph, time_limit):
                     # the ILP would return the start (its own greedy keeps no twin tie): on the folded 7B step on
-                    # 8x8 (199,000 nodes) each of the five fits spent its local search's seconds to do so
+                    # 8x8 (`benchmarks/cluster.py --arch hf --models 7B --layers 32 --meshes 8x8`) each of the five
+                    # fits spent its local search's seconds to do so
                     return start
             elif extractor == "ilp":  # priced under this graph's costs: infinite where it pins other layouts
                 fitting = [replace(hand, dag_cost=dag_cost(egraph, hand.choice)) for hand in hands
