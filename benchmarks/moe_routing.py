@@ -8,9 +8,10 @@ Per family (the importer zoo's `small` 2-layer decoders, rebuilt here at batch 4
 (`training.plans.split_by_propagation` from the token ids' batch dim; an op that cannot split runs whole, its
 arguments gathered); and, as the price of a plan in which every device routes only its own tokens (an option the
 e-graph does not hold: the MoE's sort of all tokens by expert is one op over the whole batch), a quarter of the
-batch planned on one device times the mesh's slowdown of a replicated plan (every op whole on every device, priced,
-over the model's plan on one device: the cpu-gloo profile's ranks share the host's cores). For a dense decoder (llama)
-the estimate should be what the search finds (every op splits on the batch, no move), which checks it. Prints one line per family and mesh.
+batch planned on one device times the mesh's slowdown of a replicated plan (every op whole on every device,
+priced, over the model's plan on one device: the cpu-gloo profile's ranks share the host's cores). For a dense
+decoder (llama) the estimate should be what the search finds (every op splits on the batch, no move), which
+checks it. Prints one line per family and mesh.
 """
 from __future__ import annotations
 
