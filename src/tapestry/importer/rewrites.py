@@ -9,6 +9,7 @@ and leave experts empty); a module the rewrite cannot express exactly raises Tor
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -89,9 +90,108 @@ def switch_experts_forward(self: torch.nn.ModuleDict, hidden_states: torch.Tenso
     return torch.where(kept, scaled, torch.zeros((), dtype=scaled.dtype)).to(hidden_states.dtype)
 
 
+def _refuse_dropout(self: torch.nn.Module, p: float, what: str) -> None:
+    """A rewrite draws its dropout masks in other shapes than the original: in training mode with p > 0 the two
+    would differ (a training step replays eager's draws, docs/training.md), so it is refused."""
+    if self.training and p > 0:
+        raise TorchImportError(f"{type(self).__name__} applies {what} dropout (p={p}) in training mode; the exact "
+                               "rewrite that makes it traceable draws its masks in other shapes, so they would not "
+                               "match eager's: call .eval() or set its dropout to 0")
+
+
+def longformer_self_attention_forward(
+        self: torch.nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+        is_index_masked: torch.Tensor | None = None, is_index_global_attn: torch.Tensor | None = None,
+        is_global_attn: Any = None, output_attentions: bool = False) -> tuple[torch.Tensor]:
+    """LongformerSelfAttention.forward with static shapes, for every mask: global tokens (mask value 2) or none.
+
+    The original branches on `is_global_attn` (a Python bool read from the mask with `.item()`) and sizes its
+    global tensors by the most global tokens in a row (`nonzero()`); neither can be captured. Here every position
+    is a candidate global key and a candidate global query:
+
+    - local rows: the sliding-window scores beside scores against every key, those of non-global keys set to
+      finfo.min (the original's padding slots hold the same finfo.min, so they get probability 0 either way), one
+      softmax, the window's probabilities by the local values and the keys' by the values of all positions;
+    - global rows: each position's global query (`query_global`) against every `key_global`, padding keys at
+      finfo.min, by `value_global`, kept where the position is global (`where`), as the original overwrites them.
+
+    Without global tokens the extra probabilities are exactly 0, so the result is the local-only branch's. The
+    cost: two [S, S] score matrices per head and layer (full attention's order) where the original's global part
+    is [S, G]."""
+    if output_attentions:
+        raise TorchImportError("LongformerSelfAttention with output_attentions=True: the static-shape rewrite that "
+                               "makes it traceable does not build the original's attention-probability layout; "
+                               "import with output_attentions=False")
+    _refuse_dropout(self, self.dropout, "attention")
+    hidden_states = hidden_states.transpose(0, 1)
+    seq_len, batch_size, embed_dim = hidden_states.size()
+    heads, head_dim, window = self.num_heads, self.head_dim, self.one_sided_attn_window_size
+    lowest = torch.finfo(hidden_states.dtype).min
+
+    def by_head(x: torch.Tensor) -> torch.Tensor:
+        return x.view(seq_len, batch_size, heads, head_dim).transpose(0, 1)
+
+    query = by_head(self.query(hidden_states) / math.sqrt(head_dim))
+    key, value = by_head(self.key(hidden_states)), by_head(self.value(hidden_states))
+    local = self._sliding_chunks_query_key_matmul(query, key, window)
+    removed = (attention_mask != 0)[:, :, None, None]
+    float_mask = removed.type_as(query).masked_fill(removed, lowest)
+    local = local + self._sliding_chunks_query_key_matmul(float_mask.new_ones(size=float_mask.size()), float_mask,
+                                                          window)
+    to_global = torch.einsum("blhd,bshd->blhs", query, key)
+    to_global = to_global.masked_fill(~is_index_global_attn[:, None, None, :], lowest)
+    probs = torch.softmax(torch.cat((to_global, local), dim=-1), dim=-1, dtype=torch.float32)
+    probs = probs.masked_fill(is_index_masked[:, :, None, None], 0.0).type_as(local)
+    from_global = torch.matmul(probs[..., :seq_len].transpose(1, 2), value.transpose(1, 2)).transpose(1, 2)
+    out = from_global + self._sliding_chunks_matmul_attn_probs_value(
+        probs[..., seq_len:].contiguous(), value, window)
+    out = out.transpose(0, 1).reshape(seq_len, batch_size, embed_dim)
+
+    def flat_heads(x: torch.Tensor) -> torch.Tensor:
+        return x.contiguous().view(seq_len, batch_size * heads, head_dim).transpose(0, 1)
+
+    global_query = flat_heads(self.query_global(hidden_states) / math.sqrt(head_dim))
+    global_key, global_value = flat_heads(self.key_global(hidden_states)), flat_heads(self.value_global(hidden_states))
+    scores = torch.bmm(global_query, global_key.transpose(1, 2)).view(batch_size, heads, seq_len, seq_len)
+    scores = scores.masked_fill(is_index_masked[:, None, None, :], lowest).view(batch_size * heads, seq_len, seq_len)
+    global_probs = torch.softmax(scores, dim=-1, dtype=torch.float32).type_as(scores)
+    global_out = torch.bmm(global_probs, global_value).view(batch_size, heads, seq_len, head_dim)
+    global_out = global_out.permute(2, 0, 1, 3).reshape(seq_len, batch_size, embed_dim)
+    out = torch.where(is_index_global_attn.transpose(0, 1)[:, :, None], global_out, out)
+    return (out.transpose(0, 1),)
+
+
+def longformer_encoder_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
+                               attention_mask: torch.Tensor | None = None, padding_len: int = 0,
+                               output_attentions: bool = False, output_hidden_states: bool = False,
+                               return_dict: bool = True) -> Any:
+    """LongformerEncoder.forward without `is_index_global_attn.flatten().any().item()`: that Python bool chose the
+    self-attention's branch, and `longformer_self_attention_forward` computes both branches' answer from the mask
+    itself, so nothing reads it."""
+    from transformers.models.longformer.modeling_longformer import LongformerBaseModelOutput
+
+    if output_attentions:
+        raise TorchImportError("LongformerEncoder with output_attentions=True: the static-shape rewrite that makes "
+                               "it traceable does not build the original's attention-probability layout; import "
+                               "with output_attentions=False")
+    masked, global_attn = attention_mask < 0, attention_mask > 0
+    states = [hidden_states]
+    for layer in self.layer:
+        states.append(layer(states[-1], attention_mask=attention_mask, is_index_masked=masked,
+                            is_index_global_attn=global_attn, is_global_attn=None)[0])
+    unpadded = tuple(state[:, : state.shape[1] - padding_len] for state in states)
+    every = unpadded if output_hidden_states else None
+    if not return_dict:
+        return tuple(v for v in (unpadded[-1], every) if v is not None)
+    return LongformerBaseModelOutput(last_hidden_state=unpadded[-1], hidden_states=every)
+
+
 REWRITES: tuple[Rewrite, ...] = (
     Rewrite("transformers.models.switch_transformers.modeling_switch_transformers", "SwitchTransformersExperts",
             switch_experts_forward),
+    Rewrite("transformers.models.longformer.modeling_longformer", "LongformerSelfAttention",
+            longformer_self_attention_forward),
+    Rewrite("transformers.models.longformer.modeling_longformer", "LongformerEncoder", longformer_encoder_forward),
 )
 
 
