@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import torch
 from transformers import LongformerConfig, LongformerModel, SwitchTransformersConfig
-from transformers.models.switch_transformers.modeling_switch_transformers import SwitchTransformersExperts
+from transformers.models.switch_transformers.modeling_switch_transformers import (
+    SwitchTransformersExperts, SwitchTransformersSparseMLP, SwitchTransformersTop1Router)
 
 import tapestry
 from tapestry.importer import TorchImportError, from_torch
-from tapestry.importer.rewrites import exact_rewrites
+from tapestry.importer.rewrites import exact_rewrites, grouped_switch_experts
 from tapestry.importer.zoo import FAMILIES
 
 
@@ -21,10 +22,12 @@ def _close(got: torch.Tensor | np.ndarray, want: torch.Tensor) -> bool:
     return got.shape == want.shape and np.abs(got - want).max() <= 1e-5 * max(np.abs(want).max(), 1.0)
 
 
-def _experts(**fields) -> SwitchTransformersExperts:
-    config = SwitchTransformersConfig(d_model=16, d_ff=24, num_experts=4, dropout_rate=0.0, **fields)
+SWITCH = SwitchTransformersConfig(d_model=16, d_ff=24, num_experts=4, dropout_rate=0.0, expert_capacity=3)
+
+
+def _experts() -> SwitchTransformersExperts:
     torch.manual_seed(0)
-    return SwitchTransformersExperts(config).eval()
+    return SwitchTransformersExperts(SWITCH).eval()
 
 
 def _routing(tokens: int = 12, experts: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -32,40 +35,61 @@ def _routing(tokens: int = 12, experts: int = 4) -> tuple[torch.Tensor, torch.Te
     chosen = torch.tensor([0, 0, 2, 2, 2, 0, 3, 3, 0, 2, 0, 0])[:tokens]
     one_hot = torch.nn.functional.one_hot(chosen, experts)
     one_hot[[1, 5]] = 0
-    return torch.randn(tokens, 16), one_hot.view(tokens, 1, experts), torch.rand(tokens, 1)
+    return torch.randn(tokens, 16), one_hot, torch.rand(tokens, 1)
 
 
 def test_switchs_grouped_experts_match_its_loop_with_dropped_tokens_and_an_expert_that_gets_none():
     experts = _experts()
-    hidden, selected, weights = _routing()
+    hidden, one_hot, weights = _routing()
     hidden[5] = math.inf  # a dropped token: the loop never reads it, so its row is 0 whatever the expert makes of it
     with torch.no_grad():
-        want = experts(hidden, selected, weights)
-        with exact_rewrites():
-            got = experts(hidden, selected, weights)
+        want = experts(hidden, one_hot[:, None, :], weights)
+        got = grouped_switch_experts(experts, hidden, one_hot, weights)
     assert want[5].abs().max() == 0 and torch.isfinite(got).all()
+    assert _close(got.numpy(), want)
+
+
+def test_switchs_sparse_mlp_under_the_rewrite_matches_eager_where_capacity_drops_tokens():
+    torch.manual_seed(0)
+    mlp = SwitchTransformersSparseMLP(SWITCH).eval()
+    hidden = torch.randn(2, 12, 16)  # 12 tokens a sequence, 4 experts of capacity 3: some go over
+    with torch.no_grad():
+        want = mlp(hidden)
+        with exact_rewrites():
+            got = mlp(hidden)
+        assert (mlp.router(hidden)[0].sum(-1) == 0).any()  # some token was dropped
     assert _close(got.numpy(), want)
 
 
 def test_switch_experts_that_compute_differently_are_refused_naming_the_expert():
     experts = _experts()
     experts["expert_2"].act = torch.nn.Tanh()
-    with exact_rewrites(), pytest.raises(TorchImportError, match="expert_2's activation Tanh"):
-        experts(*_routing())
+    with pytest.raises(TorchImportError, match="expert_2's activation Tanh"):
+        grouped_switch_experts(experts, *_routing())
 
 
 def test_switch_expert_dropout_in_training_mode_is_refused():
     experts = _experts().train()
     experts["expert_0"].dropout.p = 0.1
-    with exact_rewrites(), pytest.raises(TorchImportError, match="dropout"):
-        experts(*_routing())
+    with pytest.raises(TorchImportError, match="expert_0's dropout"):
+        grouped_switch_experts(experts, *_routing())
+
+
+def test_a_switch_mlp_with_another_router_is_refused():
+    class TopTwo(SwitchTransformersTop1Router):
+        """A router that may choose two experts a token: the grouped form would drop the second."""
+
+    mlp = SwitchTransformersSparseMLP(SWITCH).eval()
+    mlp.router = TopTwo(SWITCH)
+    with exact_rewrites(), pytest.raises(TorchImportError, match="routes with TopTwo"):
+        mlp(torch.randn(2, 12, 16))
 
 
 def test_the_rewrites_are_undone_after_the_capture():
-    forward = SwitchTransformersExperts.forward
+    forward = SwitchTransformersSparseMLP.forward
     with exact_rewrites():
-        assert SwitchTransformersExperts.forward is not forward
-    assert SwitchTransformersExperts.forward is forward
+        assert SwitchTransformersSparseMLP.forward is not forward
+    assert SwitchTransformersSparseMLP.forward is forward
 
 
 def _longformer(window: int = 4) -> LongformerModel:

@@ -29,74 +29,82 @@ class Rewrite:
     forward: Callable[..., Any]
 
 
-def _experts_weights(experts: torch.nn.ModuleDict) -> tuple[torch.Tensor, torch.Tensor, Any]:
+def _refuse_dropout(module: torch.nn.Module, p: float, what: str) -> None:
+    """A rewrite draws its dropout masks in other shapes than the original: in training mode with p > 0 the two
+    would differ (a training step replays eager's draws, docs/training.md), so it is refused."""
+    if module.training and p > 0:
+        raise TorchImportError(f"{what} dropout (p={p}) runs in training mode; the exact rewrite that makes it "
+                               "traceable draws its masks in other shapes, so they would not match eager's: call "
+                               ".eval() or set its dropout to 0")
+
+
+SWITCH = "transformers.models.switch_transformers.modeling_switch_transformers"
+
+
+def _experts_weights(experts: torch.nn.ModuleDict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """Switch's experts (one DenseActDense each: wi, act, dropout, wo) as stacked weights wi[E, D, F] and
     wo[E, F, D] and their one activation. Experts that differ in what they compute (activation, dtype, a bias,
     active dropout) have no one grouped form: raised."""
     dense = list(experts.values())
-    first = dense[0]
     for index, expert in enumerate(dense):
         if expert.wi.bias is not None or expert.wo.bias is not None:
             raise TorchImportError(f"SwitchTransformersExperts expert_{index} has a bias; the grouped rewrite of "
                                    "its expert loop takes bias-free experts (Switch's own)")
-        if type(expert.act) is not type(first.act):
+        if type(expert.act) is not type(dense[0].act):
             raise TorchImportError(f"SwitchTransformersExperts expert_{index}'s activation "
                                    f"{type(expert.act).__name__} differs from expert_0's; the grouped rewrite "
                                    "applies one activation to every expert's rows")
-        if expert.dropout.training and expert.dropout.p > 0:
-            raise TorchImportError(f"SwitchTransformersExperts expert_{index} applies dropout (p={expert.dropout.p}) "
-                                   "in training mode: its masks are drawn per expert in routing order, which the "
-                                   "grouped rewrite does not reproduce; call .eval() or set dropout_rate=0")
-    dtypes = {t.dtype for e in dense for t in (e.wi.weight, e.wo.weight)}
-    if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
-        raise TorchImportError(f"SwitchTransformersExperts' weights have dtypes {sorted(map(str, dtypes))}; the "
-                               "grouped rewrite takes experts of one floating dtype (quantized experts cast per "
-                               "expert in the original loop)")
+        _refuse_dropout(expert.dropout, expert.dropout.p, f"SwitchTransformersExperts expert_{index}'s")
+    weights = {t.dtype for e in dense for t in (e.wi.weight, e.wo.weight)}
+    if weights != {dtype}:
+        raise TorchImportError(f"SwitchTransformersExperts' weights have dtypes {sorted(map(str, weights))} and "
+                               f"its input {dtype}; the grouped rewrite takes experts of the input's dtype (the "
+                               "original casts per expert, and quantized experts are not taken)")
     wi = torch.stack([e.wi.weight for e in dense]).transpose(1, 2)
     wo = torch.stack([e.wo.weight for e in dense]).transpose(1, 2)
-    return wi, wo, first.act
+    return wi, wo, dense[0].act
 
 
-def switch_experts_forward(self: torch.nn.ModuleDict, hidden_states: torch.Tensor, selected_experts: torch.Tensor,
+def grouped_switch_experts(experts: torch.nn.ModuleDict, hidden_states: torch.Tensor, one_hot: torch.Tensor,
                            routing_weights: torch.Tensor) -> torch.Tensor:
-    """SwitchTransformersExperts.forward with static shapes: the tokens sorted by their expert, each expert's rows
-    through its wi, activation and wo as two grouped matmuls (transformers' `grouped_mm_fallback`, imported as
-    `grouped_mm`), scaled by the routing weight and put back in token order.
+    """What SwitchTransformersExperts.forward computes for top-1 routing, with static shapes: the tokens sorted by
+    their expert, each expert's rows through its wi, activation and wo as two grouped matmuls (transformers'
+    `grouped_mm_fallback`, imported as `grouped_mm`), scaled by the routing weight and put back in token order.
 
-    Exact: `selected_experts[T, 1, E]` is one-hot or all zero (top-1 routing; a token over its expert's capacity
-    is dropped). The loop gives token t `expert_e(h[t]) * w[t]` added into zeros when row t has its one at e, and
-    0 when it is all zero; here a dropped token is routed to expert 0 (argmax of zeros) and its row is replaced by
-    0 with `where`, so it is 0 whatever expert 0 computes on it (inf and NaN included)."""
+    Exact where `one_hot[T, E]` has at most one nonzero per row (the top-1 router's: a token over its expert's
+    capacity is dropped, its row all zero). The loop gives token t `expert_e(h[t]) * w[t]` added into zeros when
+    row t has its one at e, and 0 when it is all zero; here a dropped token is routed to expert 0 (argmax of
+    zeros) and its row is replaced by 0 with `where`, so it is 0 whatever expert 0 computes on it (inf and NaN
+    included)."""
     import transformers.integrations.moe  # noqa: F401  registers torch.ops.transformers.grouped_mm_fallback
 
-    tokens, experts = hidden_states.shape[0], selected_experts.shape[-1]
-    if selected_experts.shape != (tokens, 1, experts) or routing_weights.shape != (tokens, 1):
-        raise TorchImportError(f"SwitchTransformersExperts called with selected_experts {list(selected_experts.shape)}"
-                               f" and routing_weights {list(routing_weights.shape)}; the grouped rewrite takes "
-                               f"top-1 routing: [{tokens}, 1, E] and [{tokens}, 1]")
-    wi, wo, act = _experts_weights(self)
-    one_hot = selected_experts.reshape(tokens, experts)
+    tokens, count = one_hot.shape
+    wi, wo, act = _experts_weights(experts, hidden_states.dtype)
     kept = one_hot.sum(-1, keepdim=True) > 0
-    expert_of_token = one_hot.argmax(-1)
-    sorted_experts, order = torch.sort(expert_of_token, stable=True)
-    rows = hidden_states[order].to(wi.dtype)
-    counts = torch.histc(sorted_experts.float(), bins=experts, min=0, max=experts - 1)
-    ends = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    inner = act(torch.ops.transformers.grouped_mm_fallback(rows, wi, ends))
+    sorted_experts, order = torch.sort(one_hot.argmax(-1), stable=True)
+    ends = torch.cumsum(torch.histc(sorted_experts.float(), bins=count, min=0, max=count - 1), dim=0,
+                        dtype=torch.int32)
+    inner = act(torch.ops.transformers.grouped_mm_fallback(hidden_states[order], wi, ends))
     out = torch.ops.transformers.grouped_mm_fallback(inner, wo, ends)
     back = torch.empty_like(order)
     back[order] = torch.arange(tokens, device=order.device)
     scaled = out[back] * routing_weights
-    return torch.where(kept, scaled, torch.zeros((), dtype=scaled.dtype)).to(hidden_states.dtype)
+    return torch.where(kept, scaled, torch.zeros((), dtype=scaled.dtype))
 
 
-def _refuse_dropout(self: torch.nn.Module, p: float, what: str) -> None:
-    """A rewrite draws its dropout masks in other shapes than the original: in training mode with p > 0 the two
-    would differ (a training step replays eager's draws, docs/training.md), so it is refused."""
-    if self.training and p > 0:
-        raise TorchImportError(f"{type(self).__name__} applies {what} dropout (p={p}) in training mode; the exact "
-                               "rewrite that makes it traceable draws its masks in other shapes, so they would not "
-                               "match eager's: call .eval() or set its dropout to 0")
+def switch_sparse_mlp_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """SwitchTransformersSparseMLP.forward with its experts' loop as `grouped_switch_experts`. Only under the
+    top-1 router (a one-hot row or none per token, which the grouped form relies on): another router raises."""
+    router = getattr(sys.modules[SWITCH], "SwitchTransformersTop1Router")
+    if type(self.router) is not router:
+        raise TorchImportError(f"SwitchTransformersSparseMLP routes with {type(self.router).__name__}; the grouped "
+                               "rewrite of its expert loop is exact for SwitchTransformersTop1Router's routing (at "
+                               "most one expert per token) only")
+    batch, length, hidden = hidden_states.shape
+    one_hot, routing_weights, _ = self.router(hidden_states)
+    out = grouped_switch_experts(self.experts, hidden_states.reshape(-1, hidden),
+                                 one_hot.reshape(-1, self.router.num_experts), routing_weights.reshape(-1, 1))
+    return out.reshape(batch, length, hidden)
 
 
 def longformer_self_attention_forward(
@@ -122,7 +130,7 @@ def longformer_self_attention_forward(
         raise TorchImportError("LongformerSelfAttention with output_attentions=True: the static-shape rewrite that "
                                "makes it traceable does not build the original's attention-probability layout; "
                                "import with output_attentions=False")
-    _refuse_dropout(self, self.dropout, "attention")
+    _refuse_dropout(self, self.dropout, "LongformerSelfAttention's attention")
     hidden_states = hidden_states.transpose(0, 1)
     seq_len, batch_size, embed_dim = hidden_states.size()
     heads, head_dim, window = self.num_heads, self.head_dim, self.one_sided_attn_window_size
@@ -187,8 +195,7 @@ def longformer_encoder_forward(self: torch.nn.Module, hidden_states: torch.Tenso
 
 
 REWRITES: tuple[Rewrite, ...] = (
-    Rewrite("transformers.models.switch_transformers.modeling_switch_transformers", "SwitchTransformersExperts",
-            switch_experts_forward),
+    Rewrite(SWITCH, "SwitchTransformersSparseMLP", switch_sparse_mlp_forward),
     Rewrite("transformers.models.longformer.modeling_longformer", "LongformerSelfAttention",
             longformer_self_attention_forward),
     Rewrite("transformers.models.longformer.modeling_longformer", "LongformerEncoder", longformer_encoder_forward),
