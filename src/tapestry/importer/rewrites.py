@@ -107,6 +107,15 @@ def switch_sparse_mlp_forward(self: torch.nn.Module, hidden_states: torch.Tensor
     return out.reshape(batch, length, hidden)
 
 
+def _refuse_attention_outputs(module: torch.nn.Module, output_attentions: bool) -> None:
+    """Longformer's attention probabilities are laid out by the number of global tokens (a data-dependent shape),
+    which the static-shape rewrite does not build."""
+    if output_attentions:
+        raise TorchImportError(f"{type(module).__name__} with output_attentions=True: the static-shape rewrite that "
+                               "makes it traceable does not build the original's attention-probability layout "
+                               "(sized by the number of global tokens); import with output_attentions=False")
+
+
 def longformer_self_attention_forward(
         self: torch.nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
         is_index_masked: torch.Tensor | None = None, is_index_global_attn: torch.Tensor | None = None,
@@ -126,10 +135,7 @@ def longformer_self_attention_forward(
     Without global tokens the extra probabilities are exactly 0, so the result is the local-only branch's. The
     cost: two [S, S] score matrices per head and layer (full attention's order) where the original's global part
     is [S, G]."""
-    if output_attentions:
-        raise TorchImportError("LongformerSelfAttention with output_attentions=True: the static-shape rewrite that "
-                               "makes it traceable does not build the original's attention-probability layout; "
-                               "import with output_attentions=False")
+    _refuse_attention_outputs(self, output_attentions)
     _refuse_dropout(self, self.dropout, "LongformerSelfAttention's attention")
     hidden_states = hidden_states.transpose(0, 1)
     seq_len, batch_size, embed_dim = hidden_states.size()
@@ -178,20 +184,17 @@ def longformer_encoder_forward(self: torch.nn.Module, hidden_states: torch.Tenso
     itself, so nothing reads it."""
     from transformers.models.longformer.modeling_longformer import LongformerBaseModelOutput
 
-    if output_attentions:
-        raise TorchImportError("LongformerEncoder with output_attentions=True: the static-shape rewrite that makes "
-                               "it traceable does not build the original's attention-probability layout; import "
-                               "with output_attentions=False")
+    _refuse_attention_outputs(self, output_attentions)
     masked, global_attn = attention_mask < 0, attention_mask > 0
     states = [hidden_states]
     for layer in self.layer:
         states.append(layer(states[-1], attention_mask=attention_mask, is_index_masked=masked,
                             is_index_global_attn=global_attn, is_global_attn=None)[0])
-    unpadded = tuple(state[:, : state.shape[1] - padding_len] for state in states)
-    every = unpadded if output_hidden_states else None
+    every = tuple(state[:, : state.shape[1] - padding_len] for state in states) if output_hidden_states else None
+    last = states[-1][:, : states[-1].shape[1] - padding_len]
     if not return_dict:
-        return tuple(v for v in (unpadded[-1], every) if v is not None)
-    return LongformerBaseModelOutput(last_hidden_state=unpadded[-1], hidden_states=every)
+        return tuple(v for v in (last, every) if v is not None)
+    return LongformerBaseModelOutput(last_hidden_state=last, hidden_states=every)
 
 
 REWRITES: tuple[Rewrite, ...] = (
