@@ -31,8 +31,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from tapestry.importer.zoo import (  # noqa: E402
-    B, DECODER, ENCODER, FAMILIES, H, HEADS, IMAGE, SEQ2SEQ, Case, Family, _audio, _decoder_text, _hf, _mask, _module,
-    _pixels, _seeded, _seq2seq, _text, _tiny_ids)
+    B, DECODER, ENCODER, FAMILIES, H, HEADS, IMAGE, SEQ2SEQ, SEQ2SEQ_T5, Case, Family, _audio, _decoder_text, _hf,
+    _module, _pixels, _seeded, _seq2seq, _text, _tiny_ids)
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 T = 8  # tokens
@@ -112,12 +112,6 @@ def _whisper(cfg: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (torch.randn(B, 16, 32),), {"decoder_input_ids": _tiny_ids(cfg.vocab_size, T // 2), "use_cache": False}
 
 
-def _masked_seq2seq(cfg: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """With the encoder's mask given (Switch Transformers indexes a missing one under torch.export)."""
-    args, kwargs = _seq2seq(cfg)
-    return args, {**kwargs, "attention_mask": _mask()}
-
-
 def _no_eos_ids(cfg: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Ids without the end-of-sequence token (models that pool at it need one per row: kept out of the way)."""
     return (_tiny_ids(cfg.vocab_size),), {"use_cache": False}
@@ -127,8 +121,6 @@ AUDIO_FE = dict(hidden_size=H, num_hidden_layers=2, num_attention_heads=HEADS, i
                 conv_dim=(16, 16), conv_stride=(4, 2), conv_kernel=(8, 4), num_conv_pos_embeddings=8,
                 num_conv_pos_embedding_groups=4, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
                 feat_proj_dropout=0.0, apply_spec_augment=False)
-SEQ2SEQ_T5 = dict(vocab_size=2 * H, d_model=H, d_kv=8, d_ff=2 * H, num_layers=1, num_decoder_layers=1, num_heads=HEADS,
-                  dropout_rate=0.0, decoder_start_token_id=0, relative_attention_num_buckets=8)
 
 _MODELS: dict[str, tuple[str, Any]] = {
     # encoder-decoders
@@ -138,9 +130,6 @@ _MODELS: dict[str, tuple[str, Any]] = {
     "m2m100": ("encoder-decoder, sinusoidal positions", _hf("M2M100Model", "M2M100Config", _seq2seq, **SEQ2SEQ)),
     "umt5": ("encoder-decoder, per-layer relative bias, tied head", _hf(
         "UMT5ForConditionalGeneration", "UMT5Config", _seq2seq, **SEQ2SEQ_T5, tie_word_embeddings=True)),
-    "switch_transformers": ("MoE encoder-decoder", _hf(
-        "SwitchTransformersModel", "SwitchTransformersConfig", _masked_seq2seq, **SEQ2SEQ_T5, num_experts=4,
-        encoder_sparse_step=1, decoder_sparse_step=1, expert_capacity=16, router_jitter_noise=0.0)),
     # encoders
     "funnel": ("encoder, pooled sequence (funnel)", _hf(
         "FunnelBaseModel", "FunnelConfig", _text, vocab_size=2 * H, block_sizes=[1, 1], d_model=H, n_head=HEADS,
@@ -148,9 +137,6 @@ _MODELS: dict[str, tuple[str, Any]] = {
     "fnet": ("encoder, Fourier mixing", _hf("FNetModel", "FNetConfig", lambda cfg: ((_tiny_ids(cfg.vocab_size),), {}),
                                             **{k: v for k, v in ENCODER.items() if "attention" not in k})),
     "layoutlm": ("encoder, 2-d box positions", _hf("LayoutLMModel", "LayoutLMConfig", _layout, **ENCODER)),
-    "longformer": ("encoder, sliding-window attention", _hf(
-        "LongformerModel", "LongformerConfig", _text, **{**ENCODER, "max_position_embeddings": 4 * T},
-        attention_window=[4, 4], pad_token_id=1)),
     "big_bird": ("encoder, block-sparse attention (full at this length)", _hf(
         "BigBirdModel", "BigBirdConfig", _text, **ENCODER, attention_type="original_full")),
     "squeezebert": ("encoder, grouped 1x1 convs", _hf("SqueezeBertModel", "SqueezeBertConfig", _text, **ENCODER,

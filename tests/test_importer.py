@@ -154,6 +154,30 @@ def test_a_complex_tensor_is_a_clear_error_naming_the_op_and_its_source_line():
         from_torch(Fourier(), (torch.randn(4, 8),), verbose=False)
 
 
+class Strided(torch.nn.Module):
+    """Overlapping windows over a transposed view by as_strided (Longformer's chunking): it reads x.t()'s memory,
+    which is x's, not x.t() row-major; with `start`, a slice's offset, which no graph of values has."""
+
+    def __init__(self, start: int = 0) -> None:
+        super().__init__()
+        self.start = start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.t()[self.start:].as_strided((3, 4), (2, 1)) + 1.0
+
+
+def test_as_strided_over_a_transposed_view_reads_its_memory_order_as_eager_does():
+    x = torch.randn(4, 6)
+    imp = from_torch(Strided(), (x,), verbose=False)
+    got = imp.outputs(tapestry.evaluate(imp.graph, imp.inputs(x)))[0]
+    np.testing.assert_array_equal(got, Strided()(x).numpy())
+
+
+def test_as_strided_of_a_slice_with_an_offset_is_refused_naming_its_layout():
+    with pytest.raises(TorchImportError, match=r"aten\.as_strided\.default at .*offset \d+.*dense row-major"):
+        from_torch(Strided(start=1), (torch.randn(4, 6),), verbose=False)
+
+
 def test_coverage_line_is_printed_on_import(capsys):
     from_torch(Cumulative(), (torch.randn(4, 8),))
     assert "1 opaque (aten.cumprod.default x1)" in capsys.readouterr().err

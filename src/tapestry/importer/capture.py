@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 
-
-class TorchImportError(ValueError):
-    """A module that cannot be imported: the message says why, and where when it is one op."""
+from tapestry.importer.errors import TorchImportError
+from tapestry.importer.rewrites import exact_rewrites
 
 
 def export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.export.ExportedProgram:
@@ -28,7 +27,7 @@ def export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     try:
         with warnings.catch_warnings():  # torch 2.13's own pytree deprecation warnings, not the user's
             warnings.simplefilter("ignore", FutureWarning)
-            with modules_stay_put():
+            with modules_stay_put(), exact_rewrites():
                 program = torch.export.export(module, args, kwargs, strict=False)
     except TorchImportError:
         raise

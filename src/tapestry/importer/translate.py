@@ -41,6 +41,7 @@ METADATA_ONLY = {  # read only their tensor argument's shape, dtype or device
     "aten.ones_like.default", "aten.zeros_like.default", "aten.full_like.default", "aten.empty_like.default",
     "aten.sym_size.int",
 }
+READS_MEMORY = {"aten.as_strided.default", "aten.as_strided_copy.default"}  # read their input's memory layout
 FOLD_CELLS = 1 << 16  # the largest fold made into a constant array; a larger one stays a graph op
 FILLS: dict[str, Callable[[tuple[Any, ...]], Any]] = {  # ops whose result is one value everywhere: that value
     "aten.full.default": lambda args: args[1], "aten.new_full.default": lambda args: args[2],
@@ -326,6 +327,8 @@ def _call(builder: Builder, node: Any, env: dict[Any, Any], strict: bool,
         return result
     name = op_name(node.target)
     args, kwargs = by_schema(node.target, _resolve(node.args, env), _resolve(node.kwargs, env))
+    if name in READS_MEMORY:
+        args = (_in_memory_order(builder, node, name, args), *args[1:])
     if name.startswith("aten._assert") or name == "aten._assert_tensor_metadata.default":
         coverage[name]["dropped"] += 1
         return None
@@ -354,6 +357,29 @@ def _call(builder: Builder, node: Any, env: dict[Any, Any], strict: bool,
     elif strict:
         raise TorchImportError(f"{name} at {_where(node)}: no Tapestry kernel (strict=True)")
     return _opaque(builder, node, name, args, kwargs, coverage)
+
+
+def _in_memory_order(builder: Builder, node: Any, name: str, args: Sequence[Any]) -> Any:
+    """as_strided's input as torch laid it out in memory when traced. Its sizes and strides index that memory, but
+    an opaque op or a fold gets its input row-major: a transposed view (Longformer's chunked query, whose
+    `as_strided` overlaps the chunks) would be read in the wrong order. A layout that is a permutation of
+    row-major is permuted into memory order first; any other (an offset, gaps, overlap, or reads past the tensor's
+    own elements) has no value-level meaning, and raises."""
+    x, size, stride, offset = (*args, None)[:4]
+    traced = node.args[0].meta["val"]
+    order = tuple(sorted(range(traced.ndim), key=lambda d: -traced.stride(d)))
+    last = (offset or 0) + sum((n - 1) * step for n, step in zip(size, stride) if n > 0)
+    if traced.storage_offset() != 0 or not traced.permute(order).is_contiguous() or last >= traced.numel():
+        raise TorchImportError(
+            f"{name} at {_where(node)}: reads memory of a tensor traced with strides {list(traced.stride())} and "
+            f"offset {traced.storage_offset()} (size {list(size)}, stride {list(stride)}, offset {offset or 0}): "
+            "only a permutation of a dense row-major tensor, read within its own elements, has the same values "
+            "in a graph of values")
+    if order == tuple(range(traced.ndim)):
+        return x
+    if isinstance(x, torch.Tensor):
+        return x.permute(order).contiguous()
+    return builder.op("transpose", builder.tensor(x), perm=order)
 
 
 class _Declined(Exception):

@@ -355,6 +355,20 @@ def _seq2seq(cfg: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (_tiny_ids(cfg.vocab_size),), {"decoder_input_ids": _tiny_ids(cfg.vocab_size, T // 2), "use_cache": False}
 
 
+def _masked_seq2seq(cfg: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """With the encoder's mask given (Switch Transformers indexes a missing one under torch.export)."""
+    args, kwargs = _seq2seq(cfg)
+    return args, {**kwargs, "attention_mask": _mask()}
+
+
+def _global_text(cfg: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Padded ids with Longformer's global-attention mask: rows with one, two and no global tokens (the branch the
+    original takes depends on it; the import must not)."""
+    global_mask = torch.zeros(B, T, dtype=torch.int64)
+    global_mask[0, 0] = global_mask[1, [0, 3]] = global_mask[3, T - 1] = 1
+    return (_tiny_ids(cfg.vocab_size),), {"attention_mask": _mask(), "global_attention_mask": global_mask}
+
+
 def _pixels(cfg: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (torch.randn(B, 3, IMAGE, IMAGE),), {}
 
@@ -366,6 +380,8 @@ def _audio(cfg: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
 ENCODER = dict(vocab_size=2 * H, hidden_size=H, num_hidden_layers=2, num_attention_heads=HEADS,
                intermediate_size=2 * H, max_position_embeddings=2 * T + 2, hidden_dropout_prob=0.0,
                attention_probs_dropout_prob=0.0)
+SEQ2SEQ_T5 = dict(vocab_size=2 * H, d_model=H, d_kv=8, d_ff=2 * H, num_layers=1, num_decoder_layers=1, num_heads=HEADS,
+                  dropout_rate=0.0, decoder_start_token_id=0, relative_attention_num_buckets=8)
 DECODER = dict(vocab_size=2 * H, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=2,
                num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=2 * T)
 SEQ2SEQ = dict(vocab_size=2 * H, d_model=H, encoder_layers=1, decoder_layers=1, encoder_attention_heads=HEADS,
@@ -514,6 +530,9 @@ _EXTRA: dict[str, tuple[str, Callable[[], Case]]] = {
                                                         true_hidden_size=16, num_feedforward_networks=2)),
     "roformer": ("encoder, rotary positions", _hf("RoFormerModel", "RoFormerConfig", _text, **ENCODER,
                                                   embedding_size=H)),
+    "longformer": ("encoder, sliding-window and global attention", _hf(
+        "LongformerModel", "LongformerConfig", _global_text, **{**ENCODER, "max_position_embeddings": 4 * T},
+        attention_window=[4, 4], pad_token_id=1)),
     "esm": ("protein encoder, rotary", _hf("EsmModel", "EsmConfig", _text, **ENCODER, pad_token_id=1,
                                            position_embedding_type="rotary", mask_token_id=2)),
     "convbert": ("encoder, span-based dynamic conv", _hf("ConvBertModel", "ConvBertConfig", _text, **ENCODER,
@@ -580,6 +599,9 @@ _EXTRA: dict[str, tuple[str, Callable[[], Case]]] = {
         "MT5ForConditionalGeneration", "MT5Config", _seq2seq, vocab_size=2 * H, d_model=H, d_kv=8, d_ff=2 * H,
         num_layers=1, num_decoder_layers=1, num_heads=HEADS, dropout_rate=0.0, decoder_start_token_id=0,
         relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", tie_word_embeddings=False)),
+    "switch_transformers": ("MoE encoder-decoder, top-1 routing with capacity", _hf(
+        "SwitchTransformersModel", "SwitchTransformersConfig", _masked_seq2seq, **SEQ2SEQ_T5, num_experts=4,
+        encoder_sparse_step=1, decoder_sparse_step=1, expert_capacity=3, router_jitter_noise=0.0)),
     # vision
     "deit": ("vision transformer, distillation token", _hf("DeiTModel", "DeiTConfig", _pixels, **VISION)),
     "beit": ("vision transformer, relative position bias", _hf("BeitModel", "BeitConfig", _pixels, **VISION,
