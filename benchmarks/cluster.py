@@ -456,8 +456,10 @@ def main() -> None:
     for saved in filter(None, (args.from_json or "").split(",")):
         with open(saved) as f:
             for row in json.load(f):
-                key = json.dumps({k: v for k, v in row["case"].items() if k != "fold"}, sort_keys=True)  # the
-                # table has no fold column (a row's `periodic` says whether it was folded): one row per case
+                # the case with its defaults (rows saved before a field existed lack it), less `fold`: the table
+                # has no fold column (a row's `periodic` says whether it was folded): one row per case
+                case = asdict(Case(**row["case"]))
+                key = json.dumps({k: v for k, v in case.items() if k != "fold"}, sort_keys=True)
                 saved_rows.pop(key, None)
                 saved_rows[key] = row
     rows = list(saved_rows.values())

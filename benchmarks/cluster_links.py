@@ -10,13 +10,14 @@ the optimizer's own rule. Prints; writes nothing.
 
     python benchmarks/cluster_links.py --model Mixtral --mesh 8x8             # search and hand plans
     python benchmarks/cluster_links.py --model 7B --mesh 8x8 --no-hand --data-first always
+    python benchmarks/cluster_links.py --model Mixtral --mesh 8x8 --no-hand --budget 60  # a larger search budget
 """
 from __future__ import annotations
 
 import argparse
 import math
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 from cluster import EXPERT_WEIGHTS, PROFILE, Case, build, degrees, tensor_parallel_dims
@@ -56,6 +57,13 @@ def routes(plan: Any, model: Any) -> dict[tuple[str, ...], tuple[float, int]]:
         found[key][0] += seconds
         found[key][1] += 1
     return {key: (s, n) for key, (s, n) in found.items()}
+
+
+def exchanges(plan: Any) -> Counter[tuple[str, tuple[int, ...]]]:
+    """How many exchange steps (`Compute.exchange`) of each kernel run over each set of mesh axes."""
+    from tapestry.plan.plan import Compute
+
+    return Counter((step.kernel, step.exchange) for step in plan.steps if isinstance(step, Compute) and step.exchange)
 
 
 def _links(axes: tuple[int, ...], links: tuple[Any, ...], names: dict[Any, str]) -> str:
@@ -109,11 +117,13 @@ def main() -> None:
     parser.add_argument("--no-hand", action="store_true")
     parser.add_argument("--no-search", action="store_true")
     parser.add_argument("--data-first", choices=("default", "always", "never"), default="default")
+    parser.add_argument("--budget", type=float, default=30.0, help="the search's Budget.seconds (the default)")
     args = parser.parse_args()
 
     import tapestry
     from tapestry.cost import DefaultCostModel, load_profile
     from tapestry.egraph import generate
+    from tapestry.egraph.driver import Budget
     from tapestry.sharding import partition
 
     if args.data_first == "always":
@@ -127,9 +137,13 @@ def main() -> None:
         show(name, plan, model)
     if not args.no_search:
         cpu = time.process_time()
-        result = tapestry.optimize(imported.graph, tapestry.Mesh(*case.shape), cost_model=model)
-        print(f"\nsearch (data first: {args.data_first}): {time.process_time() - cpu:.0f} CPU s, {result.status}, "
-              f"{result.selection.extractor}, {degrees(result.plan, imported.translation.user_inputs)}")
+        result = tapestry.optimize(imported.graph, tapestry.Mesh(*case.shape), cost_model=model,
+                                   budget=Budget(seconds=args.budget))
+        print(f"\nsearch (data first: {args.data_first}, budget {args.budget:g} CPU s): "
+              f"{time.process_time() - cpu:.0f} CPU s, {result.status}, {result.selection.extractor}, "
+              f"{degrees(result.plan, imported.translation.user_inputs)}")
+        print("exchanges (kernel, mesh axes): " + ", ".join(
+            f"{kernel} {axes} x{n}" for (kernel, axes), n in sorted(exchanges(result.plan).items())))
         show("search", result.plan, model)
 
 

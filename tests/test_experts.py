@@ -233,6 +233,43 @@ def test_an_exchanged_scatter_rows_sends_its_rows_and_indices_once_and_nothing_b
     assert comm.exchange_time(step, plan.mesh) == pytest.approx(3 * 3 * link.alpha + sent / link.beta)
 
 
+# -- which mesh axis exchanges: a node's (NVLink) or across nodes (InfiniBand) -------------------------------------
+CLUSTER = DefaultCostModel(load_profile("gpu-h100-cluster"))  # Mesh(a, 8): axis 1 in a node, axis 0 across
+
+
+def exchange_order(sig, mesh: Mesh) -> list[tuple[int, ...]]:
+    """The exchange axes of `sig`'s candidates, in the order generation inserts them."""
+    from tapestry.egraph.distributed import Interner
+
+    return [part.exchange for _, part, _, _, _ in Interner(mesh).candidates(sig, sharded=True) if part.exchange]
+
+
+@pytest.mark.parametrize("mesh", [Mesh(8, 8), Mesh(2, 8)], ids=str)
+@pytest.mark.parametrize("sig", [moe_graph(64, 8).signature("mm"), grad_graph(64, 8).signature("mm"),
+                                 scatter_graph(64, 16).signature("scatter")], ids=lambda s: s.kernel.name)
+def test_generation_offers_an_exchange_over_the_innermost_axis_before_the_outer_ones(sig, mesh):
+    """A budget-stopped generation, and pricing (which prices the first rounds' moves first), keep the first
+    candidates: Mixtral's training step on 8x8 exchanged its experts over InfiniBand where the outer axis came
+    first (docs/benchmarks.md, "MoE backward scatters over InfiniBand")."""
+    order = exchange_order(sig, mesh)
+    assert order[0] == (1,) and (0,) in order, order
+
+
+def test_the_exchange_lands_on_the_inner_axis_where_that_is_cheaper_and_generation_offers_it_first():
+    """8x8: an all-to-all over 8 devices in a node (NVLink) is cheaper than across 8 nodes (InfiniBand); 2x8:
+    grouped_mm's exchange moves only its counts (rows sorted by expert stay), so one step across 2 nodes is cheaper
+    than seven in a node. The search prices both and takes the cheaper; on 8x8 it is also generation's first."""
+    favour = Favour(base=CLUSTER)
+    for mesh, cheaper in ((Mesh(8, 8), (1,)), (Mesh(2, 8), (0,))):
+        plan = tapestry.optimize(moe_graph(64, 8), mesh=mesh, cost_model=favour, extractor="greedy-dag").plan
+        assert [s.exchange for s in plan.steps if isinstance(s, Compute)] == [cheaper], mesh
+    sig, mesh = moe_graph(64, 8).signature("mm"), Mesh(8, 8)
+    inner, outer = (make_partition(sig, mesh, axes, exchange=(axis,)) for axis, axes in ((1, (0, None)),
+                                                                                          (0, (None, 0))))
+    price = {part.exchange: CLUSTER.step_cost(Compute.running(sig, part), mesh) for part in (inner, outer)}
+    assert price[(1,)] < price[(0,)] and exchange_order(sig, mesh)[0] == (1,)
+
+
 def test_scatter_rows_refuses_an_index_outside_its_rows():
     given = {"src": np.zeros((12, DIM), np.float32), "idx": np.array([0] * 11 + [10], np.int64)}
     with pytest.raises(IndexError, match="scatter_rows: index 10 is out of bounds for a table of 10 rows"):
