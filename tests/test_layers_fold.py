@@ -299,3 +299,41 @@ def test_a_folded_graph_too_big_for_the_ilp_to_model_takes_the_greedy_periodic_c
     assert used and set(used) == {"greedy-dag"}
     assert chosen.extractor == "greedy-dag" and layered.holds(chosen) and ties_hold(chosen.choice, ties)
 
+
+
+def _over_every_candidate(g: Graph):
+    """The step explored folded on Mesh(2), and a budget of the floor its inputs set (`Explored._inputs_floor`):
+    past the early floor check, under every periodic candidate's peak."""
+    explored = tapestry.optimizer.explore(g, Mesh(2), layers=True)
+    assert explored.layered is not None
+    return explored, explored._inputs_floor[0]
+
+
+def test_a_folded_budget_no_candidate_meets_says_what_the_leanest_candidate_holds_whole(steps):
+    """Issue 24's 70B step on 8x8x8 ended in a 420 GB leanest candidate, every weight and Adam moment whole: the
+    error says how many carried inputs the leanest holds whole, and how many prices left no steady selection."""
+    from tapestry.optimizer import MemoryBudgetError
+
+    explored, floor = _over_every_candidate(steps[3])
+    with pytest.raises(MemoryBudgetError, match=r"the leanest needs [\d,]+, holding \d+ of its \d+ carried inputs "
+                                                r"whole on every device; \d of the 6 prices left no steady selection"):
+        explored.extract(extractor="greedy-dag", memory_budget=floor)
+
+
+def test_a_folded_budget_whose_prices_find_no_steady_selection_says_so(steps, monkeypatch):
+    """Where the greedy fallback finds no steady selection at any price, the error counts every price, rather than
+    naming only the hand plans' peak as the leanest of the plans tried."""
+    from tapestry.extract import NoFiniteChoiceError
+    from tapestry.optimizer import MemoryBudgetError
+
+    within = FoldedCandidates.within_budget
+
+    def refused(*args, **kwargs):
+        raise NoFiniteChoiceError("no steady selection (refused by the test)")
+
+    monkeypatch.setattr(FoldedCandidates, "within_budget",
+                        lambda self, egraph, budget, ties, carried, hands, held, select, *rest:
+                        within(self, egraph, budget, ties, carried, hands, held, refused, *rest))
+    explored, floor = _over_every_candidate(steps[3])
+    with pytest.raises(MemoryBudgetError, match=r"; 6 of the 6 prices left no steady selection$"):
+        explored.extract(extractor="greedy-dag", memory_budget=floor)

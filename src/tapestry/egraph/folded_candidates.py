@@ -118,22 +118,25 @@ class FoldedCandidates:
         its cost, the price raised LEAN_STEP-fold from one that makes a budget's worth of bytes cost the cheapest
         plan's time again, until a candidate fits, or lowered up to LEAN_BELOW times while it fits where the first
         did (a Lagrangian relaxation of the budget). With `extractor` "ilp" the ILP then tries to better the kept
-        one under the budget's constraints and the ties, starting from it. MemoryBudgetError, with the leanest
-        candidate's peak, where none fits."""
+        one under the budget's constraints and the ties, starting from it. MemoryBudgetError where none fits,
+        with the leanest candidate's peak, how many carried tensors it holds whole on every device, and how many
+        prices left no steady selection (the 70B step on 8x8x8 ended in a 420 GB leanest plan: weights and Adam
+        moments whole, docs/benchmarks.md, "Why the 70B step's candidates miss 80 GB")."""
         limit = budget.limit
         twins = set(self.layered.ties())
         steady = [t for t in ties if t not in twins]
         found: list[tuple[Plan, Selection]] = []
-        leanest = math.inf  # the least peak (or lower bound of it) of a candidate, for the error
+        leanest: tuple[float, Selection | None] = (math.inf, None)  # least peak (or lower bound of it), for the error
+        unsteady: list[int] = []  # the prices whose fallback found no steady selection
 
         def fitting(selection: Selection, how: str) -> bool:
             nonlocal leanest
             if not budget.fits(selection.choice):  # a lower bound of its peak is over: not decoded
-                leanest = min(leanest, max(budget.usage(selection.choice)))
+                leanest = min(leanest, (max(budget.usage(selection.choice)), selection), key=lambda p: p[0])
                 return False
             plan, _, peaks = leaner(*self.decode(egraph, selection))
             peak = max(p.bytes for p in peaks)
-            leanest = min(leanest, peak)
+            leanest = min(leanest, (peak, selection), key=lambda p: p[0])
             if peak > limit:
                 return False
             plan = replace(plan, cost=plan_cost(plan, model) if model is not None else selection.dag_cost,
@@ -158,6 +161,7 @@ class FoldedCandidates:
             try:
                 selection = select(priced)
             except NoFiniteChoiceError:
+                unsteady.append(k)
                 return False
             return fitting(replace(selection, extractor="greedy-dag, memory priced"),
                            f"greedy-dag with memory priced at {price:.3g} s per byte")
@@ -171,7 +175,9 @@ class FoldedCandidates:
             raise MemoryBudgetError(f"no plan fits {limit:,} bytes per device: of the periodic plans tried (the "
                                     f"folded graph's hand plans, greedy-dag with memory priced up to "
                                     f"{LEAN_STEP ** (LEAN_ROUNDS - 1):g} times a budget's worth of bytes per plan "
-                                    f"time) the leanest needs {leanest:,.0f}")
+                                    f"time) the leanest needs {leanest[0]:,.0f}"
+                                    + ("" if leanest[1] is None else f", {self._whole_state(leanest[1], carried)}")
+                                    + f"; {len(unsteady)} of the {LEAN_ROUNDS} prices left no steady selection")
         plan, selection = min(found, key=lambda f: f[0].cost)
         if extractor == "ilp":
             with suppress(NoFiniteChoiceError):  # the kept plan stands where the ILP finds nothing in time
@@ -183,3 +189,12 @@ class FoldedCandidates:
                     if max(p.bytes for p in peaks) <= limit and candidate.cost < plan.cost:
                         plan, selection = candidate, better
         return plan, selection
+
+    def _whole_state(self, selection: Selection, carried: Mapping[str, str]) -> str:
+        """How many of the carried inputs (weights, optimizer state) `selection` places whole on every device: where
+        the leanest candidate keeps them all whole, the sharded layouts were never a steady candidate."""
+        layouts = self.decoder.interner.layouts
+        state = set(carried.values())
+        whole = {node.key: len(set(layouts[node.layout][1].blocks)) == 1 for node in
+                 (self.decoder.nodes[n] for n in selection.choice.values()) if node.op == "Place" and node.key in state}
+        return f"holding {sum(whole.values())} of its {len(whole)} carried inputs whole on every device"
