@@ -8,10 +8,11 @@ from __future__ import annotations
 import math
 import warnings
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from functools import cache, cached_property
+from itertools import islice
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
@@ -584,23 +585,32 @@ class Explored:
                points: int = 6, fastest: OptimizeResult | None = None, micro_batches: int = 1
                ) -> list[OptimizeResult]:
         """Plans not beaten on both predicted time and peak memory, fastest first: the fastest plan (`fastest`
-        where the caller extracted it already), then repeatedly the fastest that needs less memory than the last
-        (an epsilon-constraint sweep, so points in the front's dents are found too), up to `points` tries; a plan
-        the ILP did not prove best can be beaten by a leaner one, and is dropped. Time is per update of
-        `micro_batches` runs (`extract`)."""
-        front = [fastest or self.extract(cost_model, extractor, time_limit, micro_batches=micro_batches)]
-        while len(front) < points:
-            try:
-                leaner = self.extract(cost_model, extractor, time_limit, memory_budget=front[-1].peak_memory - 1,
-                                      micro_batches=micro_batches)
-            except MemoryBudgetError:
-                break
-            front.append(leaner)
+        where the caller extracted it already), then `leaner_plans`, up to `points` tries; a plan the ILP did not
+        prove best can be beaten by a leaner one, and is dropped. Time is per update of `micro_batches` runs
+        (`extract`)."""
+        first = fastest or self.extract(cost_model, extractor, time_limit, micro_batches=micro_batches)
+        front = [first, *islice(self.leaner_plans(first, cost_model, extractor, time_limit, micro_batches),
+                                points - 1)]
 
         def time(r: OptimizeResult) -> float:
             return r.plan.notes.get("accumulated_cost", r.plan.cost)
 
         return [r for i, r in enumerate(front) if all(time(r) < time(later) for later in front[i + 1:])]
+
+    def leaner_plans(self, than: OptimizeResult, cost_model: CostModel | None = None, extractor: str = "ilp",
+                     time_limit: float = 10.0, micro_batches: int = 1) -> Iterator[OptimizeResult]:
+        """The fastest plan that needs less memory than `than`, then the fastest that needs less than that, until
+        none is found (an epsilon-constraint sweep, so points in the front's dents are found too): each an
+        extraction under a memory budget, the dearest calls of a search, made only as the caller asks for the
+        next (`plan_pipeline` stops where a floor under the next one's time cannot win)."""
+        last = than
+        while True:
+            try:
+                last = self.extract(cost_model, extractor, time_limit, memory_budget=last.peak_memory - 1,
+                                    micro_batches=micro_batches)
+            except MemoryBudgetError:
+                return
+            yield last
 
 
 def _check_carried(graph: Graph, carried: Mapping[str, str]) -> None:
