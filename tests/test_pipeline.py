@@ -490,6 +490,33 @@ def test_a_leaner_layer_plan_is_extracted_only_while_the_last_ones_floor_beats_t
     assert (stopped.plan.cost, stopped.plan.layer) == (two.cost, two.layer)
 
 
+def test_a_layers_extraction_under_a_memory_budget_does_not_solve_again_what_was_solved_without_one(
+        mlp_step, monkeypatch) -> None:  # noqa: ANN001
+    """Under a budget each objective's plan is first the one chosen without it (where that fits, the budget does not
+    bind): what a layer's fastest extraction solved is taken as it was made by each leaner one, not solved again;
+    a graph priced otherwise is solved."""
+    import tapestry
+    from tapestry import optimizer
+
+    explored = optimizer.explore(mlp_step, tapestry.Mesh(2), budget=tapestry.Budget(seconds=30))
+    fastest = explored.extract(h100(), micro_batches=8)
+    budgets: list[object] = []
+    extract = optimizer.extract
+
+    def counted(egraph: object, extractor: str, time_limit: float, budget: object = None, *args: object,
+                **kw: object) -> object:
+        budgets.append(budget)
+        return extract(egraph, extractor, time_limit, budget, *args, **kw)
+
+    monkeypatch.setattr(optimizer, "extract", counted)
+    lean = next(explored.leaner_plans(fastest, h100(), micro_batches=8))
+    assert lean.peak_memory < fastest.peak_memory
+    assert None not in budgets  # the budget's own solves only, if any
+    budgets.clear()
+    explored.extract(h100(), micro_batches=4)
+    assert None in budgets
+
+
 def test_layer_plans_are_ranked_by_what_the_pipeline_pays_per_step() -> None:
     """A stage runs 64 micro-batches' forward and backward per update: the layer plan that is fastest for one
     micro-batch with its update (weights split in two) is not the one whose pipelined step is fastest (weights
