@@ -59,6 +59,29 @@ def test_a_group_excludes_selections_that_choose_too_much_of_it_together():
     assert cut.fits(choice) and not cut.fits({0: r0, 1: a, 2: b})
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_devices_alike_in_what_they_hold_all_program_share_one_constraint_per_node(seed):
+    """Devices whose resident bytes are the same at every node hold the same sum, so a node's transient bytes
+    need one constraint for them all, at their most: the budget over such sets charges every selection what the
+    device budget charges it at its fullest device, so it keeps and drops the same selections."""
+    import random
+
+    from tapestry.egraph.budget import alike_devices
+
+    rng = random.Random(seed)
+    devices, nodes = 8, 30
+    kinds = [rng.randrange(3) for _ in range(devices)]  # three kinds of device by what they hold resident
+    resident = {n: tuple(100 * (n + 1) * (1 + kind) for kind in kinds) for n in range(0, nodes, 3)}
+    transient = {n: tuple(rng.randrange(0, 500) for _ in range(devices)) for n in range(nodes) if n % 3}
+    full = DeviceBudget(2_000, resident, transient)
+    alike = DeviceBudget(2_000, *alike_devices(resident, transient))
+    assert len(next(iter(alike.resident.values()))) == len(set(kinds)) < devices
+    for _ in range(50):
+        choice = {c: n for c, n in enumerate(rng.sample(range(nodes), rng.randrange(1, nodes)))}
+        assert max(alike.usage(choice)) == max(full.usage(choice))
+        assert alike.fits(choice) == full.fits(choice)
+
+
 def test_a_training_step_fits_the_leanest_hand_plans_budget_and_is_no_slower_than_the_hand_plans_within_it():
     # Before the cuts, the ILP's plan overshot this budget (its constraints count one running node at a time)
     # and charging every node the shortfall left no plan at all.

@@ -455,6 +455,68 @@ def test_leaner_layer_plans_are_extracted_only_where_their_floor_beats_the_best_
     assert 0 < leaner < all_leaner
 
 
+def test_a_leaner_layer_plan_is_extracted_only_while_the_last_ones_floor_beats_the_best_step(
+        mlp_step, monkeypatch) -> None:  # noqa: ANN001
+    """Each leaner layer plan is the fastest under less memory than the last, so the last one's floor floors the
+    next: the sweep stops at the first plan whose floor cannot beat the best step, and the extractions under a
+    memory budget after it (the dearest calls of a plan) are not made."""
+    import tapestry
+    from tapestry.pipeline import planner
+
+    budgets = extract_budgets(monkeypatch)
+
+    def plan(points: int) -> tapestry.pipeline.PipelineResult:
+        budgets.clear()
+        return tapestry.plan_pipeline(mlp_step, 4, tapestry.Mesh(2), global_batch=16, cost_model=h100(), stages=(1,),
+                                      memory_budget=None, budget=tapestry.Budget(seconds=30), pareto_points=points)
+
+    monkeypatch.setattr(planner, "ideal_time", lambda *args, **kw: 0.0)  # no floor: a front of three
+    plan(3)
+    front = list(budgets)
+    assert len(front) == 3 and front[0] is None and all(b is not None for b in front[1:])
+    floors: list[float] = []
+
+    def the_fastest_only_may_win(*args: object, **kw: object) -> float:  # the first leaner plan's floor beats none
+        floors.append(0.0 if not floors else math.inf)
+        return floors[-1]
+
+    monkeypatch.setattr(planner, "ideal_time", the_fastest_only_may_win)
+    stopped = plan(3)
+    assert budgets == front[:2]
+    assert "layer plans leaner than the 1 extracted not extracted: their floor, inf ms a step, is above the best " \
+           "step found" in stopped.candidates[0].why
+    floors.clear()
+    two = plan(2).plan
+    assert (stopped.plan.cost, stopped.plan.layer) == (two.cost, two.layer)
+
+
+def test_a_layers_extraction_under_a_memory_budget_does_not_solve_again_what_was_solved_without_one(
+        mlp_step, monkeypatch) -> None:  # noqa: ANN001
+    """Under a budget each objective's plan is first the one chosen without it (where that fits, the budget does not
+    bind): what a layer's fastest extraction solved is taken as it was made by each leaner one, not solved again;
+    a graph priced otherwise is solved."""
+    import tapestry
+    from tapestry import optimizer
+
+    explored = optimizer.explore(mlp_step, tapestry.Mesh(2), budget=tapestry.Budget(seconds=30))
+    fastest = explored.extract(h100(), micro_batches=8)
+    budgets: list[object] = []
+    extract = optimizer.extract
+
+    def counted(egraph: object, extractor: str, time_limit: float, budget: object = None, *args: object,
+                **kw: object) -> object:
+        budgets.append(budget)
+        return extract(egraph, extractor, time_limit, budget, *args, **kw)
+
+    monkeypatch.setattr(optimizer, "extract", counted)
+    lean = next(explored.leaner_plans(fastest, h100(), micro_batches=8))
+    assert lean.peak_memory < fastest.peak_memory
+    assert None not in budgets  # the budget's own solves only, if any
+    budgets.clear()
+    explored.extract(h100(), micro_batches=4)
+    assert None in budgets
+
+
 def test_layer_plans_are_ranked_by_what_the_pipeline_pays_per_step() -> None:
     """A stage runs 64 micro-batches' forward and backward per update: the layer plan that is fastest for one
     micro-batch with its update (weights split in two) is not the one whose pipelined step is fastest (weights

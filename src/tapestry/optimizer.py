@@ -5,13 +5,16 @@ e-graph, and its `extract` and `pareto` price it under different objectives.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import warnings
+from array import array
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from functools import cache, cached_property
+from itertools import islice
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
@@ -151,6 +154,9 @@ FUSED_EXTRACTION_DEVICES = 8
 # slow (20.13 against 18.43 ms, 158 against 72 CPU s); at 32 only the fold plans (docs/benchmarks.md, "Extracting
 # the folded step"). Between them it is not measured.
 FOLD_FROM_COPIES = 8
+# Selections made without a memory budget that an Explored keeps (`Explored._select`): an extraction fits up to four
+# objectives (plain, fused, two overlap weights), a folded graph's each with a greedy start
+UNBUDGETED_KEPT = 8
 
 
 class NoPlanError(ValueError):
@@ -239,6 +245,11 @@ class Explored:
     def _held(self) -> dict[str, tuple[int, ...]]:
         """E-class -> the bytes each device holds of its value (egraph.budget.held_bytes)."""
         return held_bytes(self.decoder, self.graph)
+
+    @cached_property
+    def _unbudgeted(self) -> dict[tuple[bytes, Any], tuple[CostModel | None, Selection]]:
+        """The selections made without a memory budget, by `_selection_key` (`_select`)."""
+        return {}
 
     @cached_property
     def _inputs_floor(self) -> tuple[int, tuple[tuple[str, int], ...]]:
@@ -517,6 +528,30 @@ class Explored:
     def _select(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget: DeviceBudget | None,
                 ties: Ties, carried: Mapping[str, str], stop_gap: float | None = None,
                 model: CostModel | None = None, hands: Sequence[Selection] = ()) -> Selection:
+        """`_selected`'s selection, made once per graph and arguments where no memory budget is asked: an extraction
+        under a budget first tries the plan chosen without it (`_unbound`), for each objective it fits, as the
+        extraction without a budget had (a pipeline layer's leaner plans, `leaner_plans`, made each again per
+        budget: 18 CPU s apiece on the 70B layer on 8x8, docs/benchmarks.md "Pipeline")."""
+        if budget is not None:
+            return self._selected(egraph, extractor, time_limit, budget, ties, carried, stop_gap, model, hands)
+        priced_by: Any = model  # it ranks a folded graph's candidates
+        try:
+            hash(model)
+        except TypeError:  # a model that cannot be a key: by its id, kept with the selection so it is not reused
+            priced_by = id(model)
+        key = (_selection_key(egraph, hands, extractor, time_limit, ties, sorted(carried.items()), stop_gap),
+               priced_by)
+        made = self._unbudgeted.pop(key, None)  # put back last: the least recently asked go first
+        if made is None:
+            made = model, self._selected(egraph, extractor, time_limit, None, ties, carried, stop_gap, model, hands)
+        self._unbudgeted[key] = made
+        while len(self._unbudgeted) > UNBUDGETED_KEPT:
+            del self._unbudgeted[next(iter(self._unbudgeted))]
+        return made[1]
+
+    def _selected(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget: DeviceBudget | None,
+                  ties: Ties, carried: Mapping[str, str], stop_gap: float | None = None,
+                  model: CostModel | None = None, hands: Sequence[Selection] = ()) -> Selection:
         """The selection `extractor` makes, steady where `ties` ask (module docstring of `extract`); a folded graph's
         periodic candidates are ranked by their expanded plan's time under `model` where given (the objective
         hides reductions or prices fusion as estimates, and mirroring moves costs between copies). The ILP starts
@@ -585,23 +620,44 @@ class Explored:
                points: int = 6, fastest: OptimizeResult | None = None, micro_batches: int = 1
                ) -> list[OptimizeResult]:
         """Plans not beaten on both predicted time and peak memory, fastest first: the fastest plan (`fastest`
-        where the caller extracted it already), then repeatedly the fastest that needs less memory than the last
-        (an epsilon-constraint sweep, so points in the front's dents are found too), up to `points` tries; a plan
-        the ILP did not prove best can be beaten by a leaner one, and is dropped. Time is per update of
-        `micro_batches` runs (`extract`)."""
-        front = [fastest or self.extract(cost_model, extractor, time_limit, micro_batches=micro_batches)]
-        while len(front) < points:
-            try:
-                leaner = self.extract(cost_model, extractor, time_limit, memory_budget=front[-1].peak_memory - 1,
-                                      micro_batches=micro_batches)
-            except MemoryBudgetError:
-                break
-            front.append(leaner)
+        where the caller extracted it already), then `leaner_plans`, up to `points` tries; a plan the ILP did not
+        prove best can be beaten by a leaner one, and is dropped. Time is per update of `micro_batches` runs
+        (`extract`)."""
+        first = fastest or self.extract(cost_model, extractor, time_limit, micro_batches=micro_batches)
+        front = [first, *islice(self.leaner_plans(first, cost_model, extractor, time_limit, micro_batches),
+                                points - 1)]
 
         def time(r: OptimizeResult) -> float:
             return r.plan.notes.get("accumulated_cost", r.plan.cost)
 
         return [r for i, r in enumerate(front) if all(time(r) < time(later) for later in front[i + 1:])]
+
+    def leaner_plans(self, than: OptimizeResult, cost_model: CostModel | None = None, extractor: str = "ilp",
+                     time_limit: float = 10.0, micro_batches: int = 1) -> Iterator[OptimizeResult]:
+        """The fastest plan that needs less memory than `than`, then the fastest that needs less than that, until
+        none is found (an epsilon-constraint sweep, so points in the front's dents are found too): each an
+        extraction under a memory budget, the dearest calls of a search, made only as the caller asks for the
+        next (`plan_pipeline` stops where a floor under the next one's time cannot win)."""
+        last = than
+        while True:
+            try:
+                last = self.extract(cost_model, extractor, time_limit, memory_budget=last.peak_memory - 1,
+                                    micro_batches=micro_batches)
+            except MemoryBudgetError:
+                return
+            yield last
+
+
+def _selection_key(egraph: ExtractGraph, hands: Sequence[Selection], *args: Any) -> bytes:
+    """A digest of what a selection is made of: the graph's node costs (its structure is the decoder's, shared by
+    every extraction graph made of it: they differ in costs alone), the hand plans' choices and the other
+    arguments (their repr)."""
+    digest = hashlib.blake2b(array("d", egraph.node_cost).tobytes(), digest_size=32)
+    digest.update(array("b", egraph.node_subsumed).tobytes())
+    for hand in hands:
+        digest.update(array("q", [len(hand.choice), *(x for item in sorted(hand.choice.items()) for x in item)]))
+    digest.update(repr((egraph.num_nodes, egraph.roots, *args)).encode())
+    return digest.digest()
 
 
 def _check_carried(graph: Graph, carried: Mapping[str, str]) -> None:

@@ -140,7 +140,8 @@ LARGE_STOP_GAP = 0.01
 @dataclass(frozen=True)
 class DeviceBudget:
     """Linear per-device memory constraints: `resident[n]` (bytes per device) is held for the whole program by
-    every chosen node n, and `transient[m]` on top of it while chosen node m runs; neither may pass `limit`.
+    every chosen node n, and `transient[m]` on top of it while chosen node m runs; neither may pass `limit`. (A
+    tuple's entries may stand for sets of devices alike, the most of theirs: `egraph.budget.alike_devices`.)
     Each of `groups` (bytes per node, on one device) is a set of nodes whose chosen members' bytes may not pass
     `limit` together either: what a caller learnt held memory at once (the optimizer's cuts)."""
 

@@ -1,10 +1,11 @@
 """`plan_pipeline`: stages over one mesh axis, chosen by cost with everything else.
 
 For each stage count S dividing the pipeline axis, one layer's training step is planned by the optimizer on the
-sub-mesh a stage gets (the axis shrunk S times): explored once, and its fastest plan extracted, then its
-time/memory Pareto front (a leaner layer plan, where the fastest does not fit or shards less than it could) unless
-even the fastest plan's ideal time (`ideal_time`) is slower than a step already found: each leaner plan is an
-extraction under a memory budget, the dearest calls of the search. Stage counts go largest first (the smallest
+sub-mesh a stage gets (the axis shrunk S times): explored once, and its fastest plan extracted, then leaner layer
+plans one at a time (where the fastest does not fit or shards less than it could; `Explored.leaner_plans`), each
+the fastest under less memory than the last, while the last one's ideal time (`ideal_time`, a floor under the
+next one's step) beats the best step found: each leaner plan is an extraction under a memory budget, the dearest
+calls of the search. Stage counts go largest first (the smallest
 sub-meshes: cheapest to plan, and most often the fastest), so the best step is known early. Identical layers reuse
 the layer plan: 80 layers cost one optimization per sub-mesh. Every layer plan of the front is then tried under
 every schedule (GPipe, 1F1B, interleaved 1F1B with v chunks per device), with on each device the fewest recomputed
@@ -289,7 +290,8 @@ def ideal_time(layer: LayerCost, layers: int, stages: int, micro_batches: int, p
     The update is counted at min(1, `precision`'s update scale) of its imported time, and so the floor floors a
     leaner plan of the layer too, as far as `layer`'s plan is the cheapest by the objective layer plans are
     extracted by (`Explored.extract` with `micro_batches`: forward and backward per micro-batch, the update
-    and reductions once; `plan_pipeline` extracts leaner plans only where this floor beats the best step so far)."""
+    and reductions once; `plan_pipeline` extracts a leaner plan only where the last one's floor beats the best
+    step so far)."""
     copies = ends.stack(layer, layers)
     least = min(1.0, *(precision.update_scale(c) for c in copies))
     return least * sum(micro_batches * (c.forward + c.backward) + c.update + c.reduce for c in copies) / stages
@@ -329,10 +331,11 @@ def plan_pipeline(layer: Step, layers: int, mesh: Mesh, global_batch: int,
     a micro-batch size (sequences) to it; `micro_batch_sizes` lists the sizes to try (default: the graph's
     batch, read off its first user input). `stages` lists the stage counts to try (default: every divisor of
     mesh axis `axis`). The optimizer's knobs (`budget`, `extractor`, `time_limit`) plan each layer;
-    `pareto_points` bounds its time/memory front, extracted only where the fastest layer plan's ideal time (a
-    floor under every leaner plan's step) is more than `leaner_slack` below the best step so far, the stage count's
-    own fastest plan's included: a skipped front could have made the step that much faster at most (the candidates
-    say where one was skipped). `first` and `last` are the training steps of what runs before the first layer and
+    `pareto_points` bounds the layer plans extracted per sub-mesh (the fastest, then each the fastest under less
+    memory than the last), the next extracted only where the last one's ideal time (a floor under every leaner
+    plan's step) is more than `leaner_slack` below the best step so far, the stage count's own configurations
+    included: a skipped plan could have made the step that much faster at most (the candidates say where leaner
+    plans were skipped). `first` and `last` are the training steps of what runs before the first layer and
     after the last (`pipeline.first_step`, `pipeline.last_step`: the embedding; the final norm, head and loss),
     graphs or functions of the micro-batch size like `layer`; each is planned (its fastest plan) on every stage
     sub-mesh and rides with the first or last layer. MemoryBudgetError when no configuration fits."""
@@ -411,28 +414,36 @@ def _stage_plan(graph: Graph, end_graphs: tuple[Graph | None, Graph | None], lay
                                   schedules, chunks, peak, result, micro_batch, ends)
 
     fastest_layer = layer_cost(fastest.plan, cost_model)
-    quickest = configured(fastest, fastest_layer)
-    floor = ideal_time(fastest_layer, layers, stages, micro_batches, precision, ends)
-    beaten = min(leading, math.inf if quickest is None else quickest.cost)
-    said = [] if quickest is not None else \
+    best = configured(fastest, fastest_layer)
+    said = [] if best is not None else \
         [f"the fastest layer plan does not fit {memory_budget:,.0f} bytes per device, even with every layer "
          f"recomputed"]
-    if floor >= (1 - leaner_slack) * beaten:  # no leaner plan could beat the best step by more than the slack
-        if pareto_points > 1:
-            said.append(f"leaner layer plans not extracted: their floor, {floor * 1e3:.1f} ms a step, is "
+    leaner = explored.leaner_plans(fastest, cost_model, extractor, time_limit, micro_batches)
+    last, extracted = fastest_layer, 1
+    while extracted < pareto_points:
+        # the next leaner plan is the fastest that needs less memory than the last: no faster by the objective
+        # they are extracted by, so the last one's floor floors it
+        floor = ideal_time(last, layers, stages, micro_batches, precision, ends)
+        beaten = min(leading, math.inf if best is None else best.cost)
+        if floor >= (1 - leaner_slack) * beaten:  # no leaner plan could beat the best step by more than the slack
+            said.append(("leaner layer plans" if extracted == 1 else
+                         f"layer plans leaner than the {extracted - 1} extracted") + " not extracted: their floor, "
+                        f"{floor * 1e3:.1f} ms a step, is "
                         + (f"above the best step found ({beaten * 1e3:.1f} ms)" if floor > beaten else
                            f"within {leaner_slack:.0%} of the best step found ({beaten * 1e3:.1f} ms)"))
-        return quickest, "; ".join(said)
-    best = quickest
-    for result in explored.pareto(cost_model, extractor, time_limit, points=pareto_points, fastest=fastest,
-                                  micro_batches=micro_batches):
-        found = quickest if result is fastest else configured(result, layer_cost(result.plan, cost_model))
+            break
+        result = next(leaner, None)
+        if result is None:  # no plan needs less memory
+            break
+        extracted += 1
+        last = layer_cost(result.plan, cost_model)
+        found = configured(result, last)
         if found is not None and (best is None or (found.cost, found.peak_memory) < (best.cost, best.peak_memory)):
             best = found
-    if best is None:
-        return None, (f"nothing fits {memory_budget:,.0f} bytes per device, even with every layer recomputed, "
-                      f"of the fastest layer plan and its leaner ones")
-    return best, ""
+    if best is None and extracted > 1:
+        said[0] = (f"nothing fits {memory_budget:,.0f} bytes per device, even with every layer recomputed, of the "
+                   f"fastest layer plan and its {extracted - 1} leaner ones")
+    return best, "; ".join(said)
 
 
 def _batch(graph: Graph) -> int:
