@@ -148,3 +148,73 @@ def test_extraction_keeps_the_unfused_choice_where_fused_node_costs_find_nothing
     fused = explored.extract(GPU, outputs="replicated")
     assert fused.plan.steps == explored.extract(UNFUSED, outputs="replicated").plan.steps
     assert fused.status == "optimal" and "node_costs" not in fused.plan.notes
+
+
+def _group_time_per_device(plan, group, device) -> float:  # noqa: ANN001
+    """`fusion.group_time` as first written: every device priced, each value read from outside once."""
+    from tapestry import dtypes
+    from tapestry.cost.fusion import _add_reads, _footprint
+    from tapestry.cost.roofline import compute_dtype
+
+    inside, written, slowest = set(group.members), set(group.written), 0.0
+    for d in range(plan.mesh.size):
+        seconds, nbytes, reads = 0.0, 0, {}
+        for v in group.members:
+            step = plan.by_id[v]
+            block = step.blocks[d]
+            if block is None or block.is_empty:
+                continue
+            if not step.signature.kernel.is_view:
+                seconds += step.signature.cost(block)[0] / device.peak(compute_dtype(step.signature))
+            _add_reads(step, block, [a not in inside for a in step.args], reads)
+            if v in written:
+                nbytes += _footprint(step.signature.output, block) * dtypes.itemsize(step.signature.dtype)
+        nbytes += sum(reads.values())
+        if seconds or nbytes:
+            slowest = max(slowest, max(seconds, nbytes / device.mem_bandwidth) + device.launch_overhead)
+    return slowest * device.oversubscription(plan.mesh.size)
+
+
+def reads_twice_or_two(shared: bool) -> Graph:
+    """a = x + r; y = a * x (x read by both members: once from memory) or a * q (q like x: read too)."""
+    g = Graph()
+    x, r = g.input("x", (ROWS, COLS)), g.input("r", (ROWS, COLS))
+    other = x if shared else g.input("q", (ROWS, COLS))
+    g.output("y", g.op("mul", g.op("add", x, r, name="a"), other, name="y"))
+    return g
+
+
+def test_groups_of_one_key_take_one_time_and_the_memoised_prices_are_the_per_device_ones():
+    """`fusion.group_key` is exact: over the groups of a training step's hand plans on 2x2 (and each group with all
+    or none of its values written) and two chains that differ only in reading one outside value twice, groups of
+    one key price alike; `group_time` (devices whose blocks cost alike priced once) and `fused_costs` (each
+    distinct group once) give the prices of pricing every group on every device."""
+    from training_helpers import adam_step
+
+    from tapestry.cost import fused_costs
+    from tapestry.cost.fusion import Group, group_key, group_time
+    from tapestry.training.plans import baselines
+
+    device = GPU.profile.device
+    hands = sorted(baselines(adam_step(64, 256, 1024)[0].graph, tapestry.Mesh(2, 2)).items())
+    assert all(any(len(set(s.blocks)) > 1 for s in hand.steps if isinstance(s, Compute)) for _, hand in hands)
+    plans = [*(hand for _, hand in hands),
+             *(build_plan(reads_twice_or_two(shared), tapestry.Mesh(1)) for shared in (True, False))]
+    times: dict[tuple, float] = {}
+    for plan in plans:
+        groups = fusion_groups(plan)
+        assert groups
+        for group in groups:
+            for variant in (group, Group(group.members, ()), Group(group.members, group.members)):
+                expected = _group_time_per_device(plan, variant, device)
+                assert group_time(plan, variant, device) == expected
+                assert times.setdefault(group_key(plan, variant), expected) == expected
+        costs = step_costs(plan, UNFUSED)
+        unmemoised = dict(costs)
+        for group in groups:
+            unfused = sum(costs[v] for v in group.members)
+            scale = min(_group_time_per_device(plan, group, device), unfused) / unfused
+            unmemoised.update({v: costs[v] * scale for v in group.members})
+        assert fused_costs(plan, costs, device) == unmemoised
+    twice, two = (group_key(p, g) for p in plans[-2:] for g in fusion_groups(p))
+    assert twice != two

@@ -598,7 +598,11 @@ class Explored:
             self.layered.aligned(placed_layouts(self.decoder, free, carried), 1)]
         if self.layered is not None:  # the free choice itself, each copy's for both, its broken pairs mended
             steady += periodic_selections(self.layered, self.decoder, egraph, free, ties, carried)
+        tried: list[dict[str, str]] = []
         for pins in (delivered, *aligned, replicated_layouts(self.decoder, carried)):
+            if pins in tried:  # pinned alike (the free choice's layouts were periodic already): extracted alike
+                continue
+            tried.append(pins)
             try:
                 selection = extract(pin_layouts(self.decoder, egraph, pins, carried), extractor, time_limit, budget,
                                     stop_gap=stop_gap)

@@ -110,27 +110,46 @@ def fusion_groups(plan: Plan) -> list[Group]:
 
 
 def group_time(plan: Plan, group: Group, device: DeviceProfile) -> float:
-    """Seconds of `group` as one kernel: its slowest device's roofline time plus one launch, stretched."""
+    """Seconds of `group` as one kernel: its slowest device's roofline time plus one launch, stretched. Devices
+    whose members' blocks cost alike (the same blocks, or the same shapes where a kernel's work is its shape's:
+    Roofline.compute_time) are priced once."""
     by_id = plan.by_id
     inside, written = set(group.members), set(group.written)
+    steps = [by_id[v] for v in group.members]
+    outside = [[a not in inside for a in step.args] for step in steps]
+    shaped = [step.signature.kernel.work is None for step in steps]
+    alike = {tuple(None if b is None or b.is_empty else b.shape if by_shape else b
+                   for b, by_shape in zip(blocks, shaped)): blocks
+             for blocks in zip(*(step.blocks for step in steps))}
     slowest = 0.0
-    for d in range(plan.mesh.size):
+    for blocks in alike.values():
         seconds, nbytes, reads = 0.0, 0, {}
-        for v in group.members:
-            step = by_id[v]
-            block = step.blocks[d]
+        for step, block, read in zip(steps, blocks, outside):
             if block is None or block.is_empty:
                 continue
             sig = step.signature
             if not sig.kernel.is_view:
                 seconds += sig.cost(block)[0] / device.peak(compute_dtype(sig))
-            _add_reads(step, block, [a not in inside for a in step.args], reads)
-            if v in written:
+            _add_reads(step, block, read, reads)
+            if step.out in written:
                 nbytes += _footprint(sig.output, block) * dtypes.itemsize(sig.dtype)
         nbytes += sum(reads.values())
         if seconds or nbytes:
             slowest = max(slowest, max(seconds, nbytes / device.mem_bandwidth) + device.launch_overhead)
     return slowest * device.oversubscription(plan.mesh.size)
+
+
+def group_key(plan: Plan, group: Group) -> tuple:
+    """All `group_time` reads of `group` besides the mesh and device: per member in order, its binding (kernel,
+    shapes, params and dtypes: one Signature), its blocks, whether the group writes it, and each argument as made
+    inside the group or as the k-th distinct value read from outside (a value two members read is read once).
+    Groups of one key take one time: a layer's groups in every copy of an expanded plan."""
+    by_id = plan.by_id
+    inside, written = set(group.members), set(group.written)
+    outside: dict[str, int] = {}
+    return tuple((step.kernel, step.input_shapes, step.params, step.input_dtypes, step.blocks, v in written,
+                  tuple(-1 if a in inside else outside.setdefault(a, len(outside)) for a in step.args))
+                 for v in group.members for step in (by_id[v],))
 
 
 def _add_reads(step: Compute, block: ZRange, outside: Sequence[bool], reads: dict[str, int]) -> None:
@@ -146,11 +165,15 @@ def fused_costs(plan: Plan, costs: Mapping[str, float], device: DeviceProfile) -
     """`costs` (seconds per per-run step, unfused) with each fusion group's members charged their share of the
     group's time (module docstring); steps outside groups keep their cost."""
     fused = dict(costs)
+    times: dict[tuple, float] = {}  # by `group_key`: each distinct group priced once
     for group in fusion_groups(plan):
         unfused = sum(costs[v] for v in group.members)
         if unfused <= 0.0:
             continue
-        scale = min(group_time(plan, group, device), unfused) / unfused
+        key = group_key(plan, group)
+        if key not in times:
+            times[key] = group_time(plan, group, device)
+        scale = min(times[key], unfused) / unfused
         for v in group.members:
             fused[v] = costs[v] * scale
     return fused

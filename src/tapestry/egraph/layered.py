@@ -14,6 +14,7 @@ copies, may not read a copy: such nodes are left unselectable (their graph op's 
 """
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -41,6 +42,47 @@ def value_classes(data: Mapping[str, Any], graph: Graph) -> dict[str, str]:
             if handle < len(names):
                 found[names[handle]] = spec["eclass"]
     return found
+
+
+def grown(egraph: EGraph, choice: Mapping[int, int], pairs: Sequence[tuple[int, int]]) -> dict[int, int]:
+    """`choice` (class -> node) with, for each pair (n, twin) whose n is chosen, `twin` chosen for its class where
+    that is unchosen and every class it reads is chosen: the fixed point of sweeping `pairs` in order until
+    nothing grows, each twin added at the sweep and place such sweeps add it (so where two twins could take one
+    class, the same one does, and the dict's order is theirs). One pass: a pair is queued, by (sweep, place), when
+    the last class it waits for is chosen; sweeping did that ~90,000 pairs at a time on the 7B fold."""
+    kept = dict(choice)
+    waiting: dict[int, list[int]] = {}  # class -> the pairs waiting for it to be chosen
+    unmet = [0] * len(pairs)  # classes a pair waits for; -1 where its n's class chose another node
+    queue: list[tuple[int, int]] = []
+    for i, (n, twin) in enumerate(pairs):
+        home = egraph.node_class[n]
+        if kept.get(home, n) != n:
+            unmet[i] = -1
+            continue
+        needs = [d for d in {home, *egraph.node_children[twin]} if d not in kept]
+        unmet[i] = len(needs)
+        for d in needs:
+            waiting.setdefault(d, []).append(i)
+        if not needs:
+            queue.append((0, i))
+    heapq.heapify(queue)
+    while queue:
+        sweep, i = heapq.heappop(queue)
+        twin = pairs[i][1]
+        c = egraph.node_class[twin]
+        if c in kept:
+            continue
+        kept[c] = twin
+        for j in waiting.pop(c, ()):
+            if unmet[j] <= 0:
+                continue
+            if egraph.node_class[pairs[j][0]] == c and pairs[j][0] != twin:
+                unmet[j] = -1
+                continue
+            unmet[j] -= 1
+            if unmet[j] == 0:  # reached later in this sweep, or in the next
+                heapq.heappush(queue, (sweep if j > i else sweep + 1, j))
+    return kept
 
 
 @dataclass(frozen=True)
@@ -156,17 +198,8 @@ class Layered:
         # in the choice (children first, so no cycle) for the expansion's later copies; likewise copy 0 keeps the
         # twin of what copy 1 alone runs (its output in a layout only the suffix reads), so every tie holds both
         # ways where the classes allow, as the ILP's ties ask of its warm start
-        kept = dict(found.choice)
         pairs = [*self.twins.items(), *((t, n) for n, t in self.twins.items())]
-        grown = True
-        while grown:
-            grown = False
-            for n, twin in pairs:
-                c = egraph.node_class[twin]
-                if kept.get(egraph.node_class[n]) == n and c not in kept \
-                        and all(d in kept for d in egraph.node_children[twin]):
-                    kept[c], grown = twin, True
-        return replace(found, choice=kept)
+        return replace(found, choice=grown(egraph, found.choice, pairs))
 
     def aligned(self, pins: Mapping[str, str], source: int) -> dict[str, str]:
         """`pins` (input -> layout key) with each input of the other copy pinned where its twin in copy `source`
