@@ -5,10 +5,8 @@ e-graph, and its `extract` and `pareto` price it under different objectives.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import warnings
-from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import suppress
@@ -63,6 +61,7 @@ from tapestry.extract import (
 )
 from tapestry.extract import EGraph as ExtractGraph
 from tapestry.extract.ilp import models_in
+from tapestry.extract.memo import SelectionMemo
 from tapestry.extract.selection import dag_cost
 from tapestry.graph import Graph, GraphError
 from tapestry.graph.layers import find_layers, fold
@@ -154,9 +153,6 @@ FUSED_EXTRACTION_DEVICES = 8
 # slow (20.13 against 18.43 ms, 158 against 72 CPU s); at 32 only the fold plans (docs/benchmarks.md, "Extracting
 # the folded step"). Between them it is not measured.
 FOLD_FROM_COPIES = 8
-# Selections made without a memory budget that an Explored keeps (`Explored._select`): an extraction fits up to four
-# objectives (plain, fused, two overlap weights), a folded graph's each with a greedy start
-UNBUDGETED_KEPT = 8
 
 
 class NoPlanError(ValueError):
@@ -247,9 +243,9 @@ class Explored:
         return held_bytes(self.decoder, self.graph)
 
     @cached_property
-    def _unbudgeted(self) -> dict[tuple[bytes, Any], tuple[CostModel | None, Selection]]:
-        """The selections made without a memory budget, by `_selection_key` (`_select`)."""
-        return {}
+    def _unbudgeted(self) -> SelectionMemo:
+        """The selections made without a memory budget (`_select`)."""
+        return SelectionMemo()
 
     @cached_property
     def _inputs_floor(self) -> tuple[int, tuple[tuple[str, int], ...]]:
@@ -528,26 +524,13 @@ class Explored:
     def _select(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget: DeviceBudget | None,
                 ties: Ties, carried: Mapping[str, str], stop_gap: float | None = None,
                 model: CostModel | None = None, hands: Sequence[Selection] = ()) -> Selection:
-        """`_selected`'s selection, made once per graph and arguments where no memory budget is asked: an extraction
-        under a budget first tries the plan chosen without it (`_unbound`), for each objective it fits, as the
-        extraction without a budget had (a pipeline layer's leaner plans, `leaner_plans`, made each again per
-        budget: 18 CPU s apiece on the 70B layer on 8x8, docs/benchmarks.md "Pipeline")."""
+        """`_selected`'s selection, made once per graph and arguments where no memory budget is asked (extract.memo:
+        an extraction under a budget tries first what one without it chose, `_unbound`)."""
         if budget is not None:
             return self._selected(egraph, extractor, time_limit, budget, ties, carried, stop_gap, model, hands)
-        priced_by: Any = model  # it ranks a folded graph's candidates
-        try:
-            hash(model)
-        except TypeError:  # a model that cannot be a key: by its id, kept with the selection so it is not reused
-            priced_by = id(model)
-        key = (_selection_key(egraph, hands, extractor, time_limit, ties, sorted(carried.items()), stop_gap),
-               priced_by)
-        made = self._unbudgeted.pop(key, None)  # put back last: the least recently asked go first
-        if made is None:
-            made = model, self._selected(egraph, extractor, time_limit, None, ties, carried, stop_gap, model, hands)
-        self._unbudgeted[key] = made
-        while len(self._unbudgeted) > UNBUDGETED_KEPT:
-            del self._unbudgeted[next(iter(self._unbudgeted))]
-        return made[1]
+        return self._unbudgeted.get(
+            egraph, hands, (extractor, time_limit, ties, sorted(carried.items()), stop_gap), model,
+            lambda: self._selected(egraph, extractor, time_limit, None, ties, carried, stop_gap, model, hands))
 
     def _selected(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget: DeviceBudget | None,
                   ties: Ties, carried: Mapping[str, str], stop_gap: float | None = None,
@@ -650,18 +633,6 @@ class Explored:
             except MemoryBudgetError:
                 return
             yield last
-
-
-def _selection_key(egraph: ExtractGraph, hands: Sequence[Selection], *args: Any) -> bytes:
-    """A digest of what a selection is made of: the graph's node costs (its structure is the decoder's, shared by
-    every extraction graph made of it: they differ in costs alone), the hand plans' choices and the other
-    arguments (their repr)."""
-    digest = hashlib.blake2b(array("d", egraph.node_cost).tobytes(), digest_size=32)
-    digest.update(array("b", egraph.node_subsumed).tobytes())
-    for hand in hands:
-        digest.update(array("q", [len(hand.choice), *(x for item in sorted(hand.choice.items()) for x in item)]))
-    digest.update(repr((egraph.num_nodes, egraph.roots, *args)).encode())
-    return digest.digest()
 
 
 def _check_carried(graph: Graph, carried: Mapping[str, str]) -> None:
