@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from tapestry.importer.zoo import (  # noqa: E402
-    B, DECODER, ENCODER, FAMILIES, H, HEADS, IMAGE, SEQ2SEQ, SEQ2SEQ_T5, Case, Family, _audio, _decoder_text, _hf,
+    B, DECODER, ENCODER, FAMILIES, H, HEADS, IMAGE, SEQ2SEQ, SEQ2SEQ_T5, Family, _audio, _decoder_text, _hf,
     _module, _pixels, _seeded, _seq2seq, _text, _tiny_ids)
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
