@@ -5,10 +5,10 @@ from __future__ import annotations
 import warnings
 from dataclasses import replace
 
-import numpy as np
 import pytest
 
 import tapestry
+from tapestry import verify
 from tapestry.cost import DefaultCostModel
 from tapestry.models import mlp
 from tapestry.optimizer import SearchCutWarning, explore
@@ -84,5 +84,7 @@ def test_an_ilp_out_of_time_returns_a_valid_plan_labelled_feasible_with_its_gap_
     assert selection.gap == 1.0 and selection.stopped_by == "cpu clock"
     assert result.plan.cost == pytest.approx(tapestry.optimize(graph, tapestry.Mesh(2, 2)).plan.cost)
     inputs = tapestry.random_inputs(graph)
-    np.testing.assert_allclose(simulate(result.plan, inputs)["y"], tapestry.evaluate(graph, inputs)["y"], rtol=1e-5,
-                               atol=1e-5)
+    # within float32's rounding of sums split over devices (verify.compare's tolerance: 512-long dots of values
+    # near 400 differ by 1e-4 in the last digits, which a fixed 1e-5 mistook for an error)
+    errors = verify.compare(simulate(result.plan, inputs), tapestry.evaluate(graph, inputs), graph, result.plan)
+    assert all(e.ok for e in errors.values()), errors
