@@ -1,0 +1,151 @@
+"""GPU: one LLaMA block's training step measured with torch against what the cost model predicts for it.
+
+The Cluster section's predicted MFU rests on the roofline's prices of a LLaMA block's kernels (bfloat16 matmuls at
+the tensor-core peak, flash attention, memory-bound elementwise work, the Adam update). This measures the same step
+on one GPU: `importer.zoo.LlamaBlock` at a LLaMA-2 width in bfloat16, `--batch` x `--seq` tokens, MSE loss, one
+torch.optim.Adam step, each phase (forward, backward, update) timed with CUDA events (median of RUNS after WARMUP),
+eager and under torch.compile (the block; the optimizer eager, foreach and fused), against `cost.breakdown` of
+the imported step planned whole on Mesh(1) (`build_plan`: no communication) under the `gpu-h100-cluster` profile.
+Measuring needs torch and a GPU; pricing needs the optimizer's packages, so the two can run on different machines:
+
+    python benchmarks/gpu_step.py --measure gpu_step.json     # on the GPU (writes nothing else)
+    python benchmarks/gpu_step.py --load gpu_step.json        # anywhere: prices the steps, writes the section
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from _report import write_section
+from step_breakdown import PROFILE, WIDTHS, import_block
+
+WARMUP, RUNS = 3, 10
+PHASES = ("forward", "backward", "update")
+SIZES = (("7B", 8, 2048), ("13B", 4, 2048), ("70B", 2, 2048))  # width, batch, seq: the Cluster section's widths
+
+
+def measure_step(width: str, batch: int, seq: int, compiled: bool, fused: bool) -> dict[str, float]:
+    """Median seconds of each phase of one Adam step of the block on the current GPU."""
+    import torch
+
+    from tapestry.importer.zoo import LlamaBlock
+
+    hidden, mlp, heads = WIDTHS[width]
+    torch.manual_seed(0)
+    block = LlamaBlock(hidden, heads, mlp).to(device="cuda", dtype=torch.bfloat16)
+    run = torch.compile(block) if compiled else block
+    opt = torch.optim.Adam(block.parameters(), lr=1e-4, fused=fused, foreach=None if fused else True)
+    x = torch.randn(batch, seq, hidden, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn_like(x)
+    times: dict[str, list[float]] = defaultdict(list)
+    for i in range(WARMUP + RUNS):
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(len(PHASES) + 1)]
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        marks[0].record()
+        loss = torch.nn.functional.mse_loss(run(x), y)
+        marks[1].record()
+        loss.backward()
+        marks[2].record()
+        opt.step()
+        marks[3].record()
+        torch.cuda.synchronize()
+        if i >= WARMUP:
+            for phase, start, end in zip(PHASES, marks, marks[1:]):
+                times[phase].append(start.elapsed_time(end) / 1e3)
+    del block, opt, x, y, loss
+    torch.cuda.empty_cache()
+    return {phase: statistics.median(t) for phase, t in times.items()}
+
+
+def measure(path: Path) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_step.py --measure needs a CUDA GPU")
+    found: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "python": platform.python_version(), "when": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"), "runs": RUNS, "warmup": WARMUP, "steps": []}
+    for width, batch, seq in SIZES:
+        for compiled, fused in ((False, False), (False, True), (True, True)):
+            seconds = measure_step(width, batch, seq, compiled, fused)
+            found["steps"].append({"width": width, "batch": batch, "seq": seq, "compiled": compiled,
+                                   "fused": fused, "seconds": seconds})
+            print(width, batch, seq, "compiled" if compiled else "eager", "fused" if fused else "foreach",
+                  {k: f"{v * 1e3:.2f} ms" for k, v in seconds.items()}, flush=True)
+            path.write_text(json.dumps(found, indent=1))  # kept as it goes: a run cut short keeps what it measured
+
+
+def predicted(width: str, batch: int, seq: int) -> tuple[dict[str, float], float]:
+    """The cost model's seconds by phase for the step on one device, and its FLOPs at the bfloat16 peak."""
+    import tapestry
+    from tapestry.cost import DefaultCostModel, load_profile
+    from tapestry.cost.breakdown import breakdown
+    from tapestry.plan import build_plan
+
+    model = DefaultCostModel(load_profile(PROFILE))
+    plan = build_plan(import_block(width, batch, seq).graph, tapestry.Mesh(1))
+    found = breakdown(plan, model, model.profile.device)
+    by_phase: dict[str, float] = defaultdict(float)
+    for (phase, _), seconds in found.seconds.items():
+        by_phase[phase] += seconds
+    return dict(by_phase), found.model_seconds
+
+
+def report(measured: dict[str, Any]) -> str:
+    lines = ["| width | batch x seq | phase | predicted ms | eager, foreach Adam | eager, fused Adam | "
+             "torch.compile, fused Adam | eager foreach / predicted | compiled / predicted |",
+             "|---|---|---|--:|--:|--:|--:|--:|--:|"]
+    summary = []
+    for width, batch, seq in dict.fromkeys((s["width"], s["batch"], s["seq"]) for s in measured["steps"]):
+        rows = {(s["compiled"], s["fused"]): s["seconds"] for s in measured["steps"]
+                if (s["width"], s["batch"], s["seq"]) == (width, batch, seq)}
+        want, peak = predicted(width, batch, seq)
+        want = {p: want.get(p, 0.0) for p in PHASES}
+        for phase in (*PHASES, "step"):
+            guess = sum(want.values()) if phase == "step" else want[phase]
+            got = {k: sum(v.values()) if phase == "step" else v[phase] for k, v in rows.items()}
+            eager, fused, compiled = got.get((False, False)), got.get((False, True)), got.get((True, True))
+            lines.append(f"| {width} | {batch}x{seq} | {phase} | {guess * 1e3:.2f} | " + " | ".join(
+                "" if t is None else f"{t * 1e3:.2f}" for t in (eager, fused, compiled)) + " | " + " | ".join(
+                "" if t is None else f"{t / guess:.2f}" for t in (eager, compiled)) + " |")
+        best = min(sum(v.values()) for v in rows.values())
+        summary.append(f"- {width}, {batch}x{seq}: predicted {sum(want.values()) * 1e3:.2f} ms a step (MFU "
+                       f"{peak / sum(want.values()):.0%} by the model), fastest measured {best * 1e3:.2f} ms "
+                       f"(MFU {peak / best:.0%} of the same peak).")
+    head = (f"One `importer.zoo.LlamaBlock` at each width, bfloat16, one torch.optim.Adam step (MSE loss) on one "
+            f"{measured['device']} (torch {measured['torch']}, CUDA {measured['cuda']}, Python {measured['python']}; "
+            f"{measured['when']}): each phase timed with CUDA events, median of {measured['runs']} steps after "
+            f"{measured['warmup']}; torch.compile compiles the block (forward and backward), the optimizer runs "
+            f"eager. Predicted: the same step imported under the meta device, planned whole on Mesh(1) and split "
+            f"by `cost.breakdown` under the `{PROFILE}` profile (the H100 SXM's spec sheet: 989 TFLOP/s bfloat16, "
+            f"3.35 TB/s). MFU: the step's FLOPs at that peak over its time.")
+    return "\n".join([head, "", *lines, "", *summary])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--measure", type=Path, help="measure on this machine's GPU and save here")
+    parser.add_argument("--load", type=Path, help="price the saved measurements and write the section")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    if args.measure:
+        measure(args.measure)
+    if args.load:
+        body = report(json.loads(args.load.read_text()))
+        print(body)
+        if not args.no_write:
+            write_section("GPU: a LLaMA block's training step", "python benchmarks/gpu_step.py --measure "
+                          "gpu_step.json (on the GPU), then python benchmarks/gpu_step.py --load gpu_step.json "
+                          "(data: benchmarks/data/gpu_step.json)", body)
+
+
+if __name__ == "__main__":
+    main()
