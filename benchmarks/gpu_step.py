@@ -126,7 +126,8 @@ def report(measured: dict[str, Any]) -> str:
             f"{measured['warmup']}; torch.compile compiles the block (forward and backward), the optimizer runs "
             f"eager. Predicted: the same step imported under the meta device, planned whole on Mesh(1) and split "
             f"by `cost.breakdown` under the `{PROFILE}` profile (the H100 SXM's spec sheet: 989 TFLOP/s bfloat16, "
-            f"3.35 TB/s). MFU: the step's FLOPs at that peak over its time.")
+            f"3.35 TB/s; an H200 has the same bfloat16 peak and 4.8 TB/s, so on one its memory-bound steps, the update "
+            f"above all, run faster than the prediction means). MFU: the step's FLOPs at that peak over its time.")
     return "\n".join([head, "", *lines, "", *summary])
 
 

@@ -22,7 +22,13 @@ TASO = [pytest.param(rule, id=f"taso/{rule.short}", marks=pytest.mark.slow)
 TASO_EXAMPLES, TASO_FLOOR = 100, 25
 
 
-@pytest.mark.parametrize("rule", [pytest.param(r, id=r.short) for r in SHIPPED])
+# Its guards pin a slice's bounds to the concat's operand sizes, which the generator draws rarely: 41-53 s of
+# `make test` alone (CI's durations, 2026-11-27), so make test-all checks it.
+SLOW_SHIPPED = {"substitution.egg:36"}
+
+
+@pytest.mark.parametrize("rule", [pytest.param(r, id=r.short, marks=[pytest.mark.slow] * (r.short in SLOW_SHIPPED))
+                                  for r in SHIPPED])
 def test_every_shipped_rule_preserves_values(rule: Rule):
     verdict = check_rule(rule, EXAMPLES)
     assert verdict.passed, verdict.counterexample

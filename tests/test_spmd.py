@@ -109,10 +109,16 @@ def test_compiled_rank_functions_compute_the_reference_on_two_and_four_gloo_rank
     check_against_reference(four, launch(run_everywhere, 4, four, True, timeout=600))
 
 
-def test_a_compiled_rank_function_goes_to_inductor_without_dynamo_and_computes_what_it_does_eager() -> None:
+def test_a_compiled_rank_function_goes_to_inductor_without_dynamo_and_computes_what_it_does_eager(monkeypatch) -> None:
     """The make_fx graph is handed to inductor as it is: dynamo would only trace the traced graph again (on the
-    training example's 2000-node graph, ~25 s of each rank's CPU in a cold start, issue 26)."""
+    training example's 2000-node graph, ~25 s of each rank's CPU in a cold start, issue 26). Inductor's config
+    patches (CUDA graphs on a GPU; here a harmless one) travel as standalone_compile's `config_patches`: passed
+    bare, compile_fx refused them and the GPU path failed at its first call."""
     from torch._dynamo.utils import counters
+
+    import tapestry.spmd.trace as trace
+
+    monkeypatch.setattr(trace, "inductor_options", lambda args: {"max_autotune": False})
 
     plan = build_plan(chain(8, 4, 6), Mesh(1), {"linear_0": (0,)})
     program = lower(plan)
@@ -156,8 +162,20 @@ def test_a_compiled_rank_program_is_saved_and_a_later_compile_loads_it_without_t
     assert trace.program_key(fn, args, {"triton.cudagraphs": True}) != trace.program_key(fn, args, {})
 
 
+def test_the_traced_graph_is_handed_to_inductor_only_where_standalone_compile_takes_it() -> None:
+    """torch 2.11's standalone_compile has no donate_graph_module (the training example failed in its first call on
+    a GPU machine's torch 2.11): the argument is passed only where it exists."""
+    from tapestry.spmd.trace import _donated
+
+    def before(gm: Any, example_inputs: Any, *, dynamic_shapes: str = "from_graph", aot: bool = False) -> None: ...
+
+    def since(gm: Any, example_inputs: Any, *, aot: bool = False, donate_graph_module: bool = False) -> None: ...
+
+    assert _donated(before) == {} and _donated(since) == {"donate_graph_module": True}
+
+
 def test_cuda_graphs_are_asked_of_inductor_only_for_blocks_on_a_gpu() -> None:
-    """Not run on a GPU (none here): only the choice is tested; the CPU path keeps inductor's defaults."""
+    """The choice; the CPU path keeps inductor's defaults (tests/test_gpu.py runs the GPU path)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from tapestry.spmd.trace import inductor_options

@@ -28,6 +28,7 @@ import os
 import warnings
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
+from inspect import signature
 from pathlib import Path
 from typing import Any
 
@@ -234,8 +235,9 @@ def _compile(fn: RankFunction, args: list[torch.Tensor]) -> Callable[[Mapping[st
         except DATA_DEPENDENT as err:  # e.g. grouped_mm's expert offsets read as Python ints
             return _eager(fn, f"a kernel reads tensor values as Python numbers "
                               f"({type(err).__name__}: {str(err).splitlines()[0][:200]})")
-        artifact = standalone_compile(graph, args, dynamic_shapes="from_example_inputs", options=options, aot=True,
-                                      donate_graph_module=True)
+        artifact = standalone_compile(graph, args, dynamic_shapes="from_example_inputs", aot=True,
+                                      options={"config_patches": dict(options)} if options else {},
+                                      **_donated(standalone_compile))
         _save_artifact(artifact, path)
     if not options.get("triton.cudagraphs"):
         return lambda buffers: dict(zip(fn.outputs, artifact(*[buffers[name] for name in fn.inputs])))
@@ -249,8 +251,14 @@ def _compile(fn: RankFunction, args: list[torch.Tensor]) -> Callable[[Mapping[st
     return replayed
 
 
+def _donated(standalone_compile: Callable[..., Any]) -> dict[str, bool]:
+    """Hands the traced graph over where standalone_compile takes it (torch 2.13; 2.11 has no such argument and
+    copies the graph): nothing else holds it."""
+    return {"donate_graph_module": True} if "donate_graph_module" in signature(standalone_compile).parameters else {}
+
+
 def inductor_options(args: Collection[torch.Tensor]) -> dict[str, Any]:
-    """Inductor's options for a rank's program on these blocks: CUDA graphs where they are on a GPU (the shapes
+    """Inductor's config patches for a rank's program on these blocks: CUDA graphs where they are on a GPU (the shapes
     are static: a persistent program hands the compiled function the same blocks every call, so one capture
     replays for every call); on the CPU inductor's defaults."""
     return {"triton.cudagraphs": True} if args and all(t.is_cuda for t in args) else {}
