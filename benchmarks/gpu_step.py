@@ -27,6 +27,7 @@ from step_breakdown import PROFILE, WIDTHS, import_block
 
 WARMUP, RUNS = 3, 10
 PHASES = ("forward", "backward", "update")
+PROFILES = (PROFILE, "gpu-h100-measured")  # the spec sheet, and an H100 calibrated
 SIZES = (("7B", 8, 2048), ("13B", 4, 2048), ("70B", 2, 2048))  # width, batch, seq: the Cluster section's widths
 
 
@@ -83,51 +84,59 @@ def measure(path: Path) -> None:
             path.write_text(json.dumps(found, indent=1))  # kept as it goes: a run cut short keeps what it measured
 
 
-def predicted(width: str, batch: int, seq: int) -> tuple[dict[str, float], float]:
-    """The cost model's seconds by phase for the step on one device, and its FLOPs at the bfloat16 peak."""
+def predicted(width: str, batch: int, seq: int) -> dict[str, tuple[dict[str, float], float]]:
+    """Per profile: the cost model's seconds by phase for the step on one device, and its FLOPs at that profile's
+    bfloat16 peak."""
     import tapestry
     from tapestry.cost import DefaultCostModel, load_profile
     from tapestry.cost.breakdown import breakdown
     from tapestry.plan import build_plan
 
-    model = DefaultCostModel(load_profile(PROFILE))
     plan = build_plan(import_block(width, batch, seq).graph, tapestry.Mesh(1))
-    found = breakdown(plan, model, model.profile.device)
-    by_phase: dict[str, float] = defaultdict(float)
-    for (phase, _), seconds in found.seconds.items():
-        by_phase[phase] += seconds
-    return dict(by_phase), found.model_seconds
+    found = {}
+    for profile in PROFILES:
+        model = DefaultCostModel(load_profile(profile))
+        split = breakdown(plan, model, model.profile.device)
+        by_phase = dict.fromkeys(PHASES, 0.0)
+        for (phase, _), seconds in split.seconds.items():
+            by_phase[phase] += seconds
+        found[profile] = by_phase, split.model_seconds
+    return found
 
 
 def report(measured: dict[str, Any]) -> str:
-    lines = ["| width | batch x seq | phase | predicted ms | eager, foreach Adam | eager, fused Adam | "
-             "torch.compile, fused Adam | eager foreach / predicted | compiled / predicted |",
-             "|---|---|---|--:|--:|--:|--:|--:|--:|"]
+    spec, calibrated = PROFILES
+    lines = [f"| width | batch x seq | phase | predicted ms, {spec} | predicted ms, {calibrated} | eager, foreach Adam "
+             f"| eager, fused Adam | torch.compile, fused Adam | compiled / {spec} | compiled / {calibrated} |",
+             "|---|---|---|--:|--:|--:|--:|--:|--:|--:|"]
     summary = []
     for width, batch, seq in dict.fromkeys((s["width"], s["batch"], s["seq"]) for s in measured["steps"]):
         rows = {(s["compiled"], s["fused"]): s["seconds"] for s in measured["steps"]
                 if (s["width"], s["batch"], s["seq"]) == (width, batch, seq)}
-        want, peak = predicted(width, batch, seq)
-        want = {p: want.get(p, 0.0) for p in PHASES}
+        prices = predicted(width, batch, seq)
         for phase in (*PHASES, "step"):
-            guess = sum(want.values()) if phase == "step" else want[phase]
+            guess = [sum(want.values()) if phase == "step" else want[phase] for want, _ in prices.values()]
             got = {k: sum(v.values()) if phase == "step" else v[phase] for k, v in rows.items()}
-            eager, fused, compiled = got.get((False, False)), got.get((False, True)), got.get((True, True))
-            lines.append(f"| {width} | {batch}x{seq} | {phase} | {guess * 1e3:.2f} | " + " | ".join(
-                "" if t is None else f"{t * 1e3:.2f}" for t in (eager, fused, compiled)) + " | " + " | ".join(
-                "" if t is None else f"{t / guess:.2f}" for t in (eager, compiled)) + " |")
+            compiled = got.get((True, True))
+            lines.append(f"| {width} | {batch}x{seq} | {phase} | " + " | ".join(f"{g * 1e3:.2f}" for g in guess)
+                         + " | " + " | ".join("" if t is None else f"{t * 1e3:.2f}" for t in (
+                             got.get((False, False)), got.get((False, True)), compiled)) + " | "
+                         + " | ".join("" if compiled is None else f"{compiled / g:.2f}" for g in guess) + " |")
+        want, peak = prices[spec]
         best = min(sum(v.values()) for v in rows.values())
-        summary.append(f"- {width}, {batch}x{seq}: predicted {sum(want.values()) * 1e3:.2f} ms a step (MFU "
-                       f"{peak / sum(want.values()):.0%} by the model), fastest measured {best * 1e3:.2f} ms "
+        summary.append(f"- {width}, {batch}x{seq}: predicted {sum(want.values()) * 1e3:.2f} ms a step under {spec} "
+                       f"(MFU {peak / sum(want.values()):.0%} by the model), fastest measured {best * 1e3:.2f} ms "
                        f"(MFU {peak / best:.0%} of the same peak).")
     head = (f"One `importer.zoo.LlamaBlock` at each width, bfloat16, one torch.optim.Adam step (MSE loss) on one "
             f"{measured['device']} (torch {measured['torch']}, CUDA {measured['cuda']}, Python {measured['python']}; "
             f"{measured['when']}): each phase timed with CUDA events, median of {measured['runs']} steps after "
             f"{measured['warmup']}; torch.compile compiles the block (forward and backward), the optimizer runs "
             f"eager. Predicted: the same step imported under the meta device, planned whole on Mesh(1) and split "
-            f"by `cost.breakdown` under the `{PROFILE}` profile (the H100 SXM's spec sheet: 989 TFLOP/s bfloat16, "
-            f"3.35 TB/s; an H200 has the same bfloat16 peak and 4.8 TB/s, so on one its memory-bound steps, the update "
-            f"above all, run faster than the prediction means). MFU: the step's FLOPs at that peak over its time.")
+            f"by `cost.breakdown` under the `{spec}` profile (the H100 SXM's spec sheet: 989 TFLOP/s bfloat16, "
+            f"3.35 TB/s) and under `{calibrated}` (what `tapestry calibrate --device cuda` measured on an H100 on "
+            f"2026-11-22: 765 TFLOP/s bfloat16 matmuls, 2.99 TB/s, 31 µs a launch). An H200 has the H100's "
+            f"bfloat16 peak and 4.8 TB/s, so on one the memory-bound steps, the update above all, run faster than "
+            f"either prediction means. MFU: the step's FLOPs at the spec-sheet peak over its time.")
     return "\n".join([head, "", *lines, "", *summary])
 
 
