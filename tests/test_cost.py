@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import tapestry
 from tapestry import cli
 from tapestry.cost import (
     AlphaBeta,
@@ -304,7 +305,7 @@ def test_profile_json_round_trip(tmp_path: Path) -> None:
     assert load_profile(path) == cores
 
 
-@pytest.mark.parametrize("name", ["cpu-gloo", "gpu-h100-nccl", "gpu-h100-node", "gpu-h100-cluster"])
+@pytest.mark.parametrize("name", sorted(p.stem for p in (Path(tapestry.__file__).parent / "profiles").glob("*.json")))
 def test_shipped_profiles_load_by_name_and_say_where_they_come_from(name: str) -> None:
     profile = load_profile(name)
     assert profile.name == name and profile.provenance
