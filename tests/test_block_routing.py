@@ -90,3 +90,26 @@ def test_the_zoo_mixtral_routed_by_block_plans_on_2x2_split_its_experts_by_batch
     assert len(experts) == 4 and all(len(set(s.blocks)) > 1 for s in experts)
     got = imported.outputs(simulate(plan, given))[0]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def serve_routed_mixtral(mesh: tapestry.Mesh) -> tuple[list[str], torch.Tensor]:
+    """On each launched rank: the tiny Mixtral routed by block, parallelized (eager), the kernels of its split
+    steps and its output."""
+    module, args, kwargs = FAMILIES["mixtral"].build()
+    with exact_rewrites(ROUTING_BY_BLOCK):
+        model = tapestry.parallelize(module.eval(), args, kwargs, mesh=mesh, compile=False, cache=False,
+                                     verbose=False)
+        split = [s.kernel for s in model.plan.steps if isinstance(s, Compute) and len(set(s.blocks)) > 1]
+        return split, model(*args, **kwargs).last_hidden_state
+
+
+@pytest.mark.slow
+def test_the_tiny_mixtral_routed_by_block_runs_on_four_gloo_ranks_as_eager_does():
+    from tapestry.spmd.launch import launch
+
+    module, args, kwargs = FAMILIES["mixtral"].build()
+    with torch.no_grad():
+        want = module.eval()(*args, **kwargs).last_hidden_state
+    for split, got in launch(serve_routed_mixtral, 4, tapestry.Mesh(2, 2), timeout=900):
+        assert split.count("grouped_mm_blocks") == 4, split
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
