@@ -61,8 +61,12 @@ def test_experts_routing_by_block_does_not_cover_raise_naming_what_differs():
         experts_by_block(experts, torch.randn(1, 2, 8), torch.zeros(2, 2, dtype=torch.long), torch.rand(2, 2))
 
 
-def routed_mixtral():
-    module, args, kwargs = FAMILIES["mixtral"].build()
+MOE_FAMILIES = ["mixtral", "olmoe", "qwen2_moe"]  # the zoo's decoders whose sparse MoE blocks are rewritten
+
+
+def routed(family: str):
+    """The zoo family imported routed by block, its inputs, and eager's (unrewritten) hidden states."""
+    module, args, kwargs = FAMILIES[family].build()
     module.eval()
     with torch.no_grad():
         want = module(*args, **kwargs).last_hidden_state.numpy()
@@ -71,10 +75,11 @@ def routed_mixtral():
     return imported, imported.inputs(*args, **kwargs), want
 
 
-def test_the_zoo_mixtral_routed_by_block_imports_without_a_batch_wide_sort_and_evaluates_to_eager():
-    imported, given, want = routed_mixtral()
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_a_zoo_moe_routed_by_block_imports_without_a_batch_wide_sort_and_evaluates_to_eager(family):
+    imported, given, want = routed(family)
     ops = [node.op for node in imported.graph.nodes]
-    assert ops.count("grouped_mm_blocks") == 4 and "grouped_mm" not in ops and "opaque" not in ops
+    assert ops.count("grouped_mm_blocks") == 4 and "grouped_mm" not in ops and "opaque" not in ops  # 2 layers
     batch, tokens = want.shape[:2]
     sorts = [imported.graph[node.args[0]].shape for node in imported.graph.nodes if node.op == "topk"]
     assert (batch, tokens * 2) in sorts and (batch * tokens * 2,) not in sorts  # within each sequence, not across
@@ -83,8 +88,9 @@ def test_the_zoo_mixtral_routed_by_block_imports_without_a_batch_wide_sort_and_e
 
 
 @pytest.mark.slow
-def test_the_zoo_mixtral_routed_by_block_plans_on_2x2_split_its_experts_by_batch_and_simulate_to_eager():
-    imported, given, want = routed_mixtral()
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_a_zoo_moe_routed_by_block_plans_on_2x2_split_its_experts_by_batch_and_simulate_to_eager(family):
+    imported, given, want = routed(family)
     plan = tapestry.optimize(imported.graph, mesh=tapestry.Mesh(2, 2)).plan
     experts = [s for s in plan.steps if isinstance(s, Compute) and s.kernel == "grouped_mm_blocks"]
     assert len(experts) == 4 and all(len(set(s.blocks)) > 1 for s in experts)

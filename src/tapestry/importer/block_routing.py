@@ -10,14 +10,12 @@ block of rows gives the same answer. Here the block is a sequence of the batch: 
 own, and the experts are `tapestry::grouped_mm_blocks` (each block's rows with its own `ends`, the
 `grouped_mm_blocks` kernel), so data parallelism splits the whole MoE layer.
 
-Opt in while capturing (`with exact_rewrites(ROUTING_BY_BLOCK): from_torch(model.eval(), ...)`): forward only
+Rewritten: Mixtral's, OLMoE's and Qwen2-MoE's sparse MoE blocks (`ROUTING_BY_BLOCK`). Opt in while capturing (`with exact_rewrites(ROUTING_BY_BLOCK): from_torch(model.eval(), ...)`): forward only
 (the custom op has no backward, so a training step capture raises), and `grouped_mm_blocks` has no expert-
 parallel exchange, so a plan splits its experts as partial sums, not by all-to-all. tests/test_block_routing.py
 compares it with the original on uneven routings and an expert that no token chooses.
 """
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
@@ -78,20 +76,32 @@ def experts_by_block(experts: torch.nn.Module, hidden: torch.Tensor, top_k_index
     return weighted.view(blocks * tokens, choices, width).sum(dim=1).to(hidden.dtype)
 
 
-MIXTRAL = "transformers.models.mixtral.modeling_mixtral"
+def _routed(block: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A sparse MoE block's routed experts ([B·T, D]): its router (`gate`: logits, weights, expert ids) on the
+    flattened tokens, its experts routed sequence by sequence (`experts_by_block`)."""
+    _, top_k_weights, top_k_index = block.gate(hidden_states.reshape(-1, hidden_states.shape[-1]))
+    return experts_by_block(block.experts, hidden_states, top_k_index, top_k_weights)
 
 
-def mixtral_sparse_moe_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> Any:
-    """MixtralSparseMoeBlock.forward with its experts routed sequence by sequence (`experts_by_block`)."""
-    if self.training and self.jitter_noise > 0:
-        raise TorchImportError(f"MixtralSparseMoeBlock's router jitter (noise {self.jitter_noise}) runs in "
+def mixtral_sparse_moe_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """MixtralSparseMoeBlock.forward (OLMoE's has no jitter) with its experts routed sequence by sequence."""
+    if self.training and getattr(self, "jitter_noise", 0) > 0:
+        raise TorchImportError(f"{type(self).__name__}'s router jitter (noise {self.jitter_noise}) runs in "
                                "training mode; routing by block replays no random draws: call .eval()")
-    batch, length, width = hidden_states.shape
-    _, top_k_weights, top_k_index = self.gate(hidden_states.reshape(-1, width))
-    out = experts_by_block(self.experts, hidden_states, top_k_index, top_k_weights)
-    return out.reshape(batch, length, width)
+    return _routed(self, hidden_states).reshape(hidden_states.shape)
+
+
+def qwen2_moe_sparse_moe_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Qwen2MoeSparseMoeBlock.forward with its routed experts by sequence; the shared expert, gated by a sigmoid,
+    is added as the original adds it."""
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+    shared = torch.nn.functional.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+    return (_routed(self, hidden_states) + shared).reshape(hidden_states.shape)
 
 
 ROUTING_BY_BLOCK: tuple[Rewrite, ...] = (
-    Rewrite(MIXTRAL, "MixtralSparseMoeBlock", mixtral_sparse_moe_forward),
+    Rewrite("transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock", mixtral_sparse_moe_forward),
+    Rewrite("transformers.models.olmoe.modeling_olmoe", "OlmoeSparseMoeBlock", mixtral_sparse_moe_forward),
+    Rewrite("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeSparseMoeBlock",
+            qwen2_moe_sparse_moe_forward),
 )
