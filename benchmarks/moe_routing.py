@@ -1,7 +1,7 @@
 """Why the tiny MoE decoders' plans shard ~1% of their FLOPs: the search's plan against data parallel by hand and
 against an estimate of data parallel with each device routing its own tokens.
 
-    .venv/bin/python benchmarks/moe_routing.py [--family mixtral llama] [--meshes 4 2x2]
+    .venv/bin/python benchmarks/moe_routing.py [--family mixtral llama] [--meshes 4 2x2] [--by-block] [--zoo NAME ...]
 
 Per family (the importer zoo's `small` 2-layer decoders, rebuilt here at batch 4 and at batch 1): the plan cost of
 `optimize` on each mesh and the share of FLOPs it splits; the cost of data parallel by hand
@@ -14,14 +14,16 @@ decoder (llama) the estimate should be what the search finds (every op splits on
 checks it. Prints one line per family and mesh.
 
 `--by-block` also captures each family with its MoE routed sequence by sequence (importer/block_routing.py's
-ROUTING_BY_BLOCK, an exact rewrite) and prints the search's plan of that graph. Each `optimize` is timed in CPU
-seconds of this process (time.process_time).
+ROUTING_BY_BLOCK, an exact rewrite) and prints the search's plan of that graph. `--zoo NAME...` plans the named
+importer zoo families as the zoo builds them (e.g. olmoe, qwen2_moe), batch-wide and routed by block, and nothing
+else. Each `optimize` is timed in CPU seconds of this process (time.process_time).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import time
 
 import torch
@@ -51,6 +53,12 @@ def graph_of(family: str, batch: int, by_block: bool = False) -> Graph:
         return from_torch(module.eval(), args, kwargs, verbose=False).graph
 
 
+def zoo_graph(name: str, by_block: bool) -> Graph:
+    module, args, kwargs = zoo.FAMILIES[name].build()
+    with exact_rewrites(ROUTING_BY_BLOCK) if by_block else contextlib.nullcontext():
+        return from_torch(module.eval(), args, kwargs, verbose=False).graph
+
+
 def timed_plan(graph: Graph, mesh: Mesh) -> tuple[Plan, float]:
     """The search's plan and the CPU seconds `optimize` took."""
     start = time.process_time()
@@ -70,7 +78,14 @@ def main() -> None:
     parser.add_argument("--family", nargs="+", default=list(BUILDS), choices=list(BUILDS))
     parser.add_argument("--meshes", nargs="+", default=["4", "2x2"])
     parser.add_argument("--by-block", action="store_true", help="also plan the graph routed sequence by sequence")
+    parser.add_argument("--zoo", nargs="+", default=[], help="plan these zoo families batch-wide and by block only")
     args = parser.parse_args()
+    if args.zoo:
+        for name, text, by_block in itertools.product(args.zoo, args.meshes, (False, True)):
+            plan, seconds = timed_plan(zoo_graph(name, by_block), Mesh(*map(int, text.split("x"))))
+            print(f"{name} on {text}{', routed by block' if by_block else ''}: search {plan.cost:.4e} "
+                  f"({sharded_share(plan):.1%} of FLOPs split, {seconds:.1f} CPU s)", flush=True)
+        return
     model = default_cost_model()
     for family in args.family:
         graph = graph_of(family, 4)
