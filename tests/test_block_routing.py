@@ -35,8 +35,10 @@ def mixtral_experts(experts: int = 4, width: int = 8, inner: int = 12) -> torch.
 UNEVEN = torch.tensor([[0, 1], [1, 0], [0, 1], [2, 0], [2, 1], [2, 2]])
 
 
-@pytest.mark.parametrize("top_k_index", [UNEVEN, torch.randint(0, 4, (6, 2), generator=torch.Generator().manual_seed(3))],
-                         ids=["uneven, expert 3 empty", "random"])
+RANDOM = torch.randint(0, 4, (6, 2), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("top_k_index", [UNEVEN, RANDOM], ids=["uneven, expert 3 empty", "random"])
 def test_routing_by_block_computes_what_the_batch_wide_grouped_experts_compute(top_k_index):
     experts = mixtral_experts()
     hidden = torch.randn(2, 3, 8)
