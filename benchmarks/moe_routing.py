@@ -1,7 +1,7 @@
 """Why the tiny MoE decoders' plans shard ~1% of their FLOPs: the search's plan against data parallel by hand and
 against an estimate of data parallel with each device routing its own tokens.
 
-    .venv/bin/python benchmarks/moe_routing.py [--family mixtral llama] [--meshes 4 2x2]
+    .venv/bin/python benchmarks/moe_routing.py [--family mixtral llama] [--meshes 4 2x2] [--by-block] [--zoo NAME ...]
 
 Per family (the importer zoo's `small` 2-layer decoders, rebuilt here at batch 4 and at batch 1): the plan cost of
 `optimize` on each mesh and the share of FLOPs it splits; the cost of data parallel by hand
@@ -12,18 +12,28 @@ batch planned on one device times the mesh's slowdown of a replicated plan (ever
 priced, over the model's plan on one device: the cpu-gloo profile's ranks share the host's cores). For a dense
 decoder (llama) the estimate should be what the search finds (every op splits on the batch, no move), which
 checks it. Prints one line per family and mesh.
+
+`--by-block` also captures each family with its MoE routed sequence by sequence (importer/block_routing.py's
+ROUTING_BY_BLOCK, an exact rewrite) and prints the search's plan of that graph. `--zoo NAME...` plans the named
+importer zoo families as the zoo builds them (e.g. olmoe, qwen2_moe), batch-wide and routed by block, and nothing
+else. Each `optimize` is timed in CPU seconds of this process (time.process_time).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import itertools
+import time
 
 import torch
 
 from tapestry.cost import plan_cost
 from tapestry.graph import Graph
 from tapestry.importer import from_torch, zoo
+from tapestry.importer.block_routing import ROUTING_BY_BLOCK
 from tapestry.importer.report import flops_of
+from tapestry.importer.rewrites import exact_rewrites
 from tapestry.optimizer import default_cost_model, optimize
 from tapestry.plan import Plan
 from tapestry.plan.plan import Compute
@@ -36,10 +46,24 @@ BUILDS = {"mixtral": zoo._decoder("MixtralConfig", "MixtralModel", num_local_exp
           "llama": zoo._decoder("LlamaConfig", "LlamaModel")}
 
 
-def graph_of(family: str, batch: int) -> Graph:
+def graph_of(family: str, batch: int, by_block: bool = False) -> Graph:
     torch.manual_seed(0)
     module, args, kwargs = BUILDS[family](dataclasses.replace(zoo.SIZES["small"], batch=batch))
-    return from_torch(module.eval(), args, kwargs, verbose=False).graph
+    with exact_rewrites(ROUTING_BY_BLOCK) if by_block else contextlib.nullcontext():
+        return from_torch(module.eval(), args, kwargs, verbose=False).graph
+
+
+def zoo_graph(name: str, by_block: bool) -> Graph:
+    module, args, kwargs = zoo.FAMILIES[name].build()
+    with exact_rewrites(ROUTING_BY_BLOCK) if by_block else contextlib.nullcontext():
+        return from_torch(module.eval(), args, kwargs, verbose=False).graph
+
+
+def timed_plan(graph: Graph, mesh: Mesh) -> tuple[Plan, float]:
+    """The search's plan and the CPU seconds `optimize` took."""
+    start = time.process_time()
+    plan = optimize(graph, mesh).plan
+    return plan, time.process_time() - start
 
 
 def sharded_share(plan: Plan) -> float:
@@ -53,23 +77,37 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--family", nargs="+", default=list(BUILDS), choices=list(BUILDS))
     parser.add_argument("--meshes", nargs="+", default=["4", "2x2"])
+    parser.add_argument("--by-block", action="store_true", help="also plan the graph routed sequence by sequence")
+    parser.add_argument("--zoo", nargs="+", default=[], help="plan these zoo families batch-wide and by block only")
     args = parser.parse_args()
+    if args.zoo:
+        for name, text, by_block in itertools.product(args.zoo, args.meshes, (False, True)):
+            plan, seconds = timed_plan(zoo_graph(name, by_block), Mesh(*map(int, text.split("x"))))
+            print(f"{name} on {text}{', routed by block' if by_block else ''}: search {plan.cost:.4e} "
+                  f"({sharded_share(plan):.1%} of FLOPs split, {seconds:.1f} CPU s)", flush=True)
+        return
     model = default_cost_model()
     for family in args.family:
         graph = graph_of(family, 4)
+        blocked = graph_of(family, 4, by_block=True) if args.by_block else None
         one_device = optimize(graph, Mesh(1)).plan.cost
         quarter = optimize(graph_of(family, 1), Mesh(1)).plan.cost
         ids = {node.name: 0 for node in graph.inputs if node.shape == (4, zoo.SIZES["small"].tokens)}
         for text in args.meshes:
             mesh = Mesh(*map(int, text.split("x")))
-            searched = optimize(graph, mesh).plan
+            searched, seconds = timed_plan(graph, mesh)
             by_hand = split_by_propagation(graph, mesh, [ids])
             validate_plan(by_hand)
             replicated = plan_cost(split_by_propagation(graph, mesh, []), model)  # every op whole on every device
-            print(f"{family} on {text}: search {searched.cost:.4e} ({sharded_share(searched):.1%} of FLOPs split); "
+            print(f"{family} on {text}: search {searched.cost:.4e} ({sharded_share(searched):.1%} of FLOPs split, "
+                  f"{seconds:.1f} CPU s); "
                   f"data parallel by hand {plan_cost(by_hand, model):.4e} ({sharded_share(by_hand):.1%} split); "
                   f"replicated {replicated:.4e}; one device: batch 4 {one_device:.4e}, batch 1 {quarter:.4e}; "
                   f"each device its own quarter, estimated {quarter * replicated / one_device:.4e}", flush=True)
+            if blocked is not None:
+                plan, seconds = timed_plan(blocked, mesh)
+                print(f"{family} on {text}, routed by block: search {plan.cost:.4e} ({sharded_share(plan):.1%} of "
+                      f"FLOPs split, {seconds:.1f} CPU s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """MoE kernels: grouped_mm (the experts), grouped_mm_k (their weight gradients) and take_rows (the token dispatch
-and combine), all expert parallel.
+and combine), all expert parallel; grouped_mm_blocks, the experts of tokens routed block by block.
 
 grouped_mm(x[R, D], w[E, D, F], ends[E]) -> [R, F]: rows sorted by expert, expert e owning rows
 [ends[e-1], ends[e]) (ends[-1] read as 0), the layout transformers' `grouped_mm_fallback` and
@@ -122,6 +122,64 @@ register(
         index_bound=lambda shapes, slot, params: shapes[0][0] + 1 if slot == 2 else None,
         takes_zero_size=False,
         doc="rows [ends[e-1], ends[e]) of x by w[e], for every expert e (a MoE's expert dispatch)",
+    )
+)
+
+
+# -- grouped_mm_blocks: each block of tokens routed on its own -----------------------------------------------------
+def grouped_mm_blocks_signature(x: Shape, w: Shape, ends: Shape) -> SignatureSpec:
+    """grouped_mm for each block b of rows on its own: x[b] sorted by expert within the block, ends[b] its
+    experts' end rows (block-local). The block is a plain dim (its rows and ends travel together), so a batch
+    split survives routing (importer/block_routing.py); rows, n, k and experts split as grouped_mm's do."""
+    if len(x) != 3 or len(w) != 3 or ends != (x[0], w[0]) or x[2] != w[1]:
+        raise KernelError(f"grouped_mm_blocks needs x[B, R, D], w[E, D, F], ends[B, E]; got x{list(x)}, "
+                          f"w{list(w)}, ends{list(ends)}")
+    (blocks, rows, inner), (experts, _, out) = x, w
+    return SignatureSpec(
+        dims=("block", "row", "n", "k", "expert"),
+        sizes=(blocks, rows, out, inner, experts),
+        inputs=(follow(5, [0, 1, 3]), follow(5, [4, 3, 2]), follow(5, [0, None], shape=(1, experts))),
+        output=follow(5, [0, 1, 2]),
+        flops_per_point=Fraction(2, max(1, experts)),  # each row meets one expert: 2·B·R·F·D in all
+    )
+
+
+def _grouped_mm_blocks(x, w, ends, block_start: tuple[int, ...], out):
+    """Fills `out` (zeros, x's blocks by w's columns) block by block, as grouped_mm does within each block."""
+    for b in range(x.shape[0]):
+        for j, lo, hi in _spans(ends[b].tolist(), block_start[1], block_start[4], x.shape[1], w.shape[0]):
+            out[b, lo:hi] += x[b, lo:hi] @ w[j]
+    return out
+
+
+def _grouped_mm_blocks_numpy(x, w, ends, block_start: tuple[int, ...]) -> np.ndarray:
+    w = np.ascontiguousarray(w)  # as grouped_mm's: a transposed view's expert slices multiply slowly
+    return _grouped_mm_blocks(x, w, ends, block_start, np.zeros((*x.shape[:2], w.shape[2]), np.result_type(x, w)))
+
+
+def _grouped_mm_blocks_torch(x, w, ends, block_start: tuple[int, ...]):
+    return _grouped_mm_blocks(x, w, ends, block_start, x.new_zeros((*x.shape[:2], w.shape[2])))
+
+
+def _sample_blocks(draw):
+    blocks, rows, inner, out, experts = (draw(st.integers(1, 4)) for _ in range(5))
+    return ((blocks, rows, inner), (experts, inner, out), (blocks, experts)), {}, ("float", "float", "int64")
+
+
+register(
+    Kernel(
+        name="grouped_mm_blocks",
+        inputs=("x", "w", "ends"),
+        signature=grouped_mm_blocks_signature,
+        numpy=_grouped_mm_blocks_numpy,
+        torch=_grouped_mm_blocks_torch,
+        sample=_sample_blocks,
+        additive=frozenset({"k", "expert"}),
+        needs_block_start=True,
+        dtype_rule=lambda in_dtypes, params: _rule(in_dtypes, params, "grouped_mm_blocks"),
+        index_bound=lambda shapes, slot, params: shapes[0][1] + 1 if slot == 2 else None,
+        takes_zero_size=False,
+        doc="grouped_mm of each block of rows with its own ends[b] (a MoE routed block by block)",
     )
 )
 

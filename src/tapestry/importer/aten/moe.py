@@ -1,4 +1,5 @@
-"""Mixture-of-experts dispatch: grouped matmuls of rows sorted by expert (expert parallelism), and histc."""
+"""Mixture-of-experts dispatch: grouped matmuls of rows sorted by expert (expert parallelism) or sorted block by
+block (grouped_mm_blocks), and histc."""
 from __future__ import annotations
 
 import math
@@ -48,3 +49,9 @@ def _grouped_mm_backward(b: Builder, x: Any, w: Any, offs: Any, grad: Any) -> tu
         raise Unsupported("a grouped mm other than x[R, D] by w[E, D, F]")
     grad_x = b.op("grouped_mm", out, b.op("transpose", weight, perm=(0, 2, 1)), ends)
     return grad_x, b.op("grouped_mm_k", b.op("transpose", value, perm=(1, 0)), out, ends)
+
+
+@converts("tapestry.grouped_mm_blocks.default")
+def _grouped_mm_blocks(b: Builder, x: Any, w: Any, ends: Any) -> Value:
+    """Each block of rows through its own grouped mm (importer/block_routing.py's custom op): grouped_mm_blocks."""
+    return b.op("grouped_mm_blocks", b.tensor(x), b.tensor(w), b.tensor(ends))

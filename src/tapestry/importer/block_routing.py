@@ -1,0 +1,105 @@
+"""MoE routing block by block: each sequence's tokens sorted by expert among themselves, not across the batch.
+
+Why: transformers' grouped experts (`integrations.moe.grouped_mm_experts_forward`) sort every (token, choice)
+pair of the batch by expert in one sort, dispatch and combine by positions in that batch-wide order and run one
+grouped_mm over it, so every op downstream of the sort reads the whole batch and no batch split survives
+(docs/benchmarks.md, "Why the tiny MoE decoders shard ~1% of their FLOPs"). A token's output is the sum of its
+chosen experts' outputs weighted by the router, whatever other tokens it is grouped with, so sorting within each
+block of rows gives the same answer. Here the block is a sequence of the batch: the sort, the dispatch (a
+`gather` along the block's rows), the counts, the inverse order and the combine keep the batch as a dim of their
+own, and the experts are `tapestry::grouped_mm_blocks` (each block's rows with its own `ends`, the
+`grouped_mm_blocks` kernel), so data parallelism splits the whole MoE layer.
+
+Rewritten: Mixtral's, OLMoE's and Qwen2-MoE's sparse MoE blocks (`ROUTING_BY_BLOCK`). Opt in while capturing,
+once the model is built (`exact_rewrites` patches the classes whose modules are loaded):
+`with exact_rewrites(ROUTING_BY_BLOCK): from_torch(model.eval(), ...)`. Forward only: the custom op registers
+no backward, so it is not for training steps; and `grouped_mm_blocks` has no expert-parallel exchange, so a plan
+splits its experts as partial sums, not by all-to-all. tests/test_block_routing.py compares it with the
+original on uneven routings and an expert that no token chooses.
+"""
+from __future__ import annotations
+
+import torch
+
+from tapestry.importer.errors import TorchImportError
+from tapestry.importer.rewrites import Rewrite
+from tapestry.kernels import get_kernel
+
+
+@torch.library.custom_op("tapestry::grouped_mm_blocks", mutates_args=())
+def grouped_mm_blocks(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """out[b, r] = x[b, r] @ w[e] for the expert e whose block-local rows [ends[b, e-1], ends[b, e]) hold r
+    (rows past ends[b, -1] are zero): transformers' grouped_mm_fallback for each block b on its own. Eager runs
+    the `grouped_mm_blocks` kernel's own torch form, so the op and what it imports as agree on every input."""
+    return get_kernel("grouped_mm_blocks").torch(x, w, ends, block_start=(0,) * 5)
+
+
+@grouped_mm_blocks.register_fake
+def _grouped_mm_blocks_fake(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:2], w.shape[2]))
+
+
+def _refuse_unless_plain(experts: torch.nn.Module) -> None:
+    """The block form covers transformers' gated, concatenated, untransposed, bias-free experts without a post
+    norm or expert-parallel sentinels (Mixtral's); others compute more than it does."""
+    plain = dict(has_gate=True, has_bias=False, is_transposed=False, is_concatenated=True,
+                 has_post_expert_norm=False, _is_expert_parallel=False)
+    differs = {name: getattr(experts, name, None) for name, want in plain.items()
+               if getattr(experts, name, None) != want}
+    if differs:
+        raise TorchImportError(f"{type(experts).__name__} has {differs}; routing by block takes experts with "
+                               f"{plain} (Mixtral's)")
+
+
+def experts_by_block(experts: torch.nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+    """What `grouped_mm_experts_forward(experts, hidden.flatten(0, 1), top_k_index, top_k_weights)` computes, for
+    hidden[B, T, D] and the router's [B·T, k] choices, with each block b's T·k (token, choice) pairs sorted by
+    expert on their own: [B·T, D]."""
+    _refuse_unless_plain(experts)
+    blocks, tokens, width = hidden.shape
+    choices = top_k_index.shape[-1]
+    pairs = tokens * choices
+    expert_ids, order = torch.sort(top_k_index.reshape(blocks, pairs), dim=-1)
+    rows = torch.gather(hidden, 1, (order // choices).unsqueeze(-1).expand(blocks, pairs, width))
+    weights = torch.gather(top_k_weights.reshape(blocks, pairs), 1, order)
+    # sorted ids: expert e's rows end after the ids <= e, so the block's ends count them
+    ends = (expert_ids.unsqueeze(-1) <= torch.arange(experts.num_experts, device=hidden.device)).sum(1)
+    gate_up = experts.gate_up_proj
+    up = grouped_mm_blocks(rows.to(gate_up.dtype), gate_up.transpose(-2, -1), ends)
+    down = experts.down_proj
+    out = grouped_mm_blocks(experts._apply_gate(up).to(down.dtype), down.transpose(-2, -1), ends)
+    weighted = torch.gather(out * weights.unsqueeze(-1), 1,
+                            torch.argsort(order, dim=-1).unsqueeze(-1).expand(blocks, pairs, width))
+    return weighted.view(blocks * tokens, choices, width).sum(dim=1).to(hidden.dtype)
+
+
+def _routed(block: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A sparse MoE block's routed experts ([B·T, D]): its router (`gate`: logits, weights, expert ids) on the
+    flattened tokens, its experts routed sequence by sequence (`experts_by_block`)."""
+    _, top_k_weights, top_k_index = block.gate(hidden_states.reshape(-1, hidden_states.shape[-1]))
+    return experts_by_block(block.experts, hidden_states, top_k_index, top_k_weights)
+
+
+def mixtral_sparse_moe_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """MixtralSparseMoeBlock.forward (OLMoE's has no jitter) with its experts routed sequence by sequence."""
+    if self.training and getattr(self, "jitter_noise", 0) > 0:
+        raise TorchImportError(f"{type(self).__name__}'s router jitter (noise {self.jitter_noise}) runs in "
+                               "training mode; routing by block replays no random draws: call .eval()")
+    return _routed(self, hidden_states).reshape(hidden_states.shape)
+
+
+def qwen2_moe_sparse_moe_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Qwen2MoeSparseMoeBlock.forward with its routed experts by sequence; the shared expert, gated by a sigmoid,
+    is added as the original adds it."""
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+    shared = torch.nn.functional.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+    return (_routed(self, hidden_states) + shared).reshape(hidden_states.shape)
+
+
+ROUTING_BY_BLOCK: tuple[Rewrite, ...] = (
+    Rewrite("transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock", mixtral_sparse_moe_forward),
+    Rewrite("transformers.models.olmoe.modeling_olmoe", "OlmoeSparseMoeBlock", mixtral_sparse_moe_forward),
+    Rewrite("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeSparseMoeBlock",
+            qwen2_moe_sparse_moe_forward),
+)
