@@ -120,13 +120,14 @@ def layer_row(name: str, layer: Any, micro_batch: int) -> str:
             f"{layer.activations * gib:.2f} | {layer.working * gib:.2f} |")
 
 
-def row(name: str, plan: Any, seconds: str = "") -> str:
+def row(name: str, plan: Any, peak: float, seconds: str = "") -> str:
+    """A table row; MFU against `peak` (the spec sheet's, whatever profile priced the plan)."""
     if isinstance(plan, str):
         return f"| {name} | {plan} |" + " |" * 7
     s = plan.schedule
     schedule = "—" if s.stages == 1 else s.name + (f" (v={s.chunks})" if s.chunks > 1 else "")
     return (f"| {name} | {s.stages} x {plan.stage_mesh} | {schedule} | {s.micro_batches} x {plan.micro_batch} | "
-            f"{sum(plan.recompute)} of {len(plan.recompute)} | {plan.cost:.2f} | {plan.mfu:.1%} | "
+            f"{sum(plan.recompute)} of {len(plan.recompute)} | {plan.cost:.2f} | {plan.flops / (plan.cost * plan.mesh.size * peak):.1%} | "
             f"{plan.peak_memory / 2**30:.1f} | {seconds} |")
 
 
@@ -171,10 +172,10 @@ def main() -> None:
     print(result.explain(), flush=True)
     peak = load_profile(PROFILE).device.peak("bfloat16")  # MFU is against the spec sheet's peak, whatever prices
     hand = recipes(build, args, mesh, model, peak)
-    rows = [row("**plan_pipeline (chosen)**", result.plan, f"{planned:.0f} ({planned_cpu:.0f} CPU)")]
-    rows += [row(f"plan_pipeline, best with S={c.stages}", c.plan if c.plan is not None else c.why)
+    rows = [row("**plan_pipeline (chosen)**", result.plan, peak, f"{planned:.0f} ({planned_cpu:.0f} CPU)")]
+    rows += [row(f"plan_pipeline, best with S={c.stages}", c.plan if c.plan is not None else c.why, peak)
              for c in result.candidates]
-    rows += [row(name, plan) for name, _, plan in hand]
+    rows += [row(name, plan, peak) for name, _, plan in hand]
     micro_of = {name: micro for name, micro in zip((n for n, _, _ in hand), (1, mesh.shape[0], mesh.size))}
     layer_head = ("| layer plan | micro-batch | forward ms | backward ms | update ms (as imported) | exposed "
                   "reductions ms | parameters/device (M) | activations GiB | working GiB |")
