@@ -164,6 +164,23 @@ def test_an_exchanged_weight_gradient_sends_its_rows_once_and_nothing_back():
     assert comm.exchange_time(step, plan.mesh) == pytest.approx(2 * 3 * link.alpha)
 
 
+# -- take_rows and scatter_rows split, and compared with torch -----------------------------------------------------
+# Row indices: repeated, negative (from the end), every one the same row, two rows alternating.
+ROW_INDICES = [[0, 9, 3, 3, -1, 5, 2, 8, -10, 4, 4, 7], [9] * 12, [1, 0] * 6]
+
+
+def assert_split_computes(g: Graph, node: str, mesh: Mesh, axes: tuple, exchange: tuple[int, ...],
+                          given: dict[str, np.ndarray], want: np.ndarray) -> None:
+    """`node` of `g` split over `mesh` (per mesh axis: the name of one of its dims, an int dim, or None) and
+    exchanged over `exchange`: a valid plan, and both the evaluator and the simulated plan give `want` exactly."""
+    sig = g.signature(node)
+    choice = tuple(a if a is None or isinstance(a, int) else sig.dims.index(a) for a in axes)
+    plan = build_plan(g, mesh, partitions={node: make_partition(sig, mesh, choice, exchange=exchange)})
+    assert not plan_problems(plan)
+    np.testing.assert_array_equal(tapestry.evaluate(g, given)["y"], want)
+    np.testing.assert_array_equal(simulate(plan, given)["y"], want)
+
+
 # -- take_rows: the dispatch and combine ---------------------------------------------------------------------------
 def gather_graph(rows: int = 10, count: int = 12) -> Graph:
     g = Graph()
@@ -172,20 +189,14 @@ def gather_graph(rows: int = 10, count: int = 12) -> Graph:
     return g
 
 
-@pytest.mark.parametrize("idx", [[0, 9, 3, 3, -1, 5, 2, 8, -10, 4, 4, 7], [9] * 12, [1, 0] * 6])
+@pytest.mark.parametrize("idx", ROW_INDICES)
 @pytest.mark.parametrize("mesh, axes, exchange", [(Mesh(4), (None,), (0,)), (Mesh(3), (None,), (0,)),
                                                   (Mesh(2, 2), (None, 1), (0,)), (Mesh(4), ("source",), ()),
                                                   (Mesh(2, 2), ("row", "source"), ())])
 def test_take_rows_split_by_table_rows_or_exchanged_equals_torch_indexing(idx, mesh, axes, exchange):
-    g = gather_graph()
-    sig = g.signature("gather")
-    choice = tuple(a if a is None or isinstance(a, int) else sig.dims.index(a) for a in axes)
-    plan = build_plan(g, mesh, partitions={"gather": make_partition(sig, mesh, choice, exchange=exchange)})
-    assert not plan_problems(plan)
     given = {"x": np.arange(10 * DIM, dtype=np.float32).reshape(10, DIM), "idx": np.array(idx, np.int64)}
     want = torch.from_numpy(given["x"])[torch.tensor(idx)].numpy()
-    np.testing.assert_array_equal(tapestry.evaluate(g, given)["y"], want)
-    np.testing.assert_array_equal(simulate(plan, given)["y"], want)
+    assert_split_computes(gather_graph(), "gather", mesh, axes, exchange, given, want)
 
 
 def test_take_rows_refuses_an_index_outside_the_table():
@@ -202,22 +213,16 @@ def scatter_graph(count: int = 12, rows: int = 10) -> Graph:
     return g
 
 
-@pytest.mark.parametrize("idx", [[0, 9, 3, 3, -1, 5, 2, 8, -10, 4, 4, 7], [9] * 12, [1, 0] * 6])
+@pytest.mark.parametrize("idx", ROW_INDICES)
 @pytest.mark.parametrize("mesh, axes, exchange", [(Mesh(4), (None,), (0,)), (Mesh(3), (None,), (0,)),
                                                   (Mesh(2, 2), ("row", None), (1,)), (Mesh(4), ("row",), ()),
                                                   (Mesh(4), ("target",), ()), (Mesh(2, 2), ("row", "col"), ())])
 def test_scatter_rows_split_by_rows_targets_or_exchanged_equals_torch_index_add(idx, mesh, axes, exchange):
     """Rows split: partial sums; targets split: each reads every row; exchanged: each row sent to its target's
     device, the sums whole there (rows split on an axis before the exchange: partial over it)."""
-    g = scatter_graph()
-    sig = g.signature("scatter")
-    choice = tuple(a if a is None or isinstance(a, int) else sig.dims.index(a) for a in axes)
-    plan = build_plan(g, mesh, partitions={"scatter": make_partition(sig, mesh, choice, exchange=exchange)})
-    assert not plan_problems(plan)
     given = {"src": np.arange(12 * DIM, dtype=np.float32).reshape(12, DIM), "idx": np.array(idx, np.int64)}
     want = torch.zeros(10, DIM).index_add(0, torch.tensor(idx) % 10, torch.from_numpy(given["src"])).numpy()
-    np.testing.assert_array_equal(tapestry.evaluate(g, given)["y"], want)
-    np.testing.assert_array_equal(simulate(plan, given)["y"], want)
+    assert_split_computes(scatter_graph(), "scatter", mesh, axes, exchange, given, want)
 
 
 def test_an_exchanged_scatter_rows_sends_its_rows_and_indices_once_and_nothing_back():
