@@ -181,12 +181,18 @@ def assert_split_computes(g: Graph, node: str, mesh: Mesh, axes: tuple, exchange
     np.testing.assert_array_equal(simulate(plan, given)["y"], want)
 
 
+def row_kernel_graph(kernel: str, node: str, data: str, data_rows: int, count: int, rows: int) -> Graph:
+    """`kernel` (take_rows, scatter_rows) as `node`, of input `data` (data_rows x DIM) by `count` int64 indices
+    `idx` into `rows` table rows; output `y`."""
+    g = Graph()
+    table, idx = g.input(data, (data_rows, DIM)), g.input("idx", (count,), "int64")
+    g.output("y", g.op(kernel, table, idx, rows=rows, name=node))
+    return g
+
+
 # -- take_rows: the dispatch and combine ---------------------------------------------------------------------------
 def gather_graph(rows: int = 10, count: int = 12) -> Graph:
-    g = Graph()
-    x, idx = g.input("x", (rows, DIM)), g.input("idx", (count,), "int64")
-    g.output("y", g.op("take_rows", x, idx, rows=rows, name="gather"))
-    return g
+    return row_kernel_graph("take_rows", "gather", "x", rows, count, rows)
 
 
 @pytest.mark.parametrize("idx", ROW_INDICES)
@@ -199,18 +205,9 @@ def test_take_rows_split_by_table_rows_or_exchanged_equals_torch_indexing(idx, m
     assert_split_computes(gather_graph(), "gather", mesh, axes, exchange, given, want)
 
 
-def test_take_rows_refuses_an_index_outside_the_table():
-    given = {"x": np.zeros((10, DIM), np.float32), "idx": np.array([0] * 11 + [10], np.int64)}
-    with pytest.raises(IndexError, match="index 10 is out of bounds for a table of 10 rows"):
-        tapestry.evaluate(gather_graph(), given)
-
-
 # -- scatter_rows: the dispatch's and combine's backwards ---------------------------------------------------------
 def scatter_graph(count: int = 12, rows: int = 10) -> Graph:
-    g = Graph()
-    src, idx = g.input("src", (count, DIM)), g.input("idx", (count,), "int64")
-    g.output("y", g.op("scatter_rows", src, idx, rows=rows, name="scatter"))
-    return g
+    return row_kernel_graph("scatter_rows", "scatter", "src", count, count, rows)
 
 
 @pytest.mark.parametrize("idx", ROW_INDICES)
@@ -236,6 +233,15 @@ def test_an_exchanged_scatter_rows_sends_its_rows_and_indices_once_and_nothing_b
     link = comm.group_link(step.exchange, plan.mesh)
     sent = 3 / 4 * (4 * DIM * 4 + 4 * 8)  # a device's 4 rows of float32 src and int64 idx, 3/4 of them leaving
     assert comm.exchange_time(step, plan.mesh) == pytest.approx(3 * 3 * link.alpha + sent / link.beta)
+
+
+@pytest.mark.parametrize("graph, says", [(gather_graph, "index 10"), (scatter_graph, "scatter_rows: index 10")],
+                         ids=["take_rows", "scatter_rows"])
+def test_take_rows_and_scatter_rows_refuse_an_index_outside_the_table(graph, says):
+    g = graph()
+    given = {n.name: np.zeros(n.shape, np.float32) for n in g.inputs if n.name != "idx"}
+    with pytest.raises(IndexError, match=f"{says} is out of bounds for a table of 10 rows"):
+        tapestry.evaluate(g, {**given, "idx": np.array([0] * 11 + [10], np.int64)})
 
 
 # -- which mesh axis exchanges: a node's (NVLink) or across nodes (InfiniBand) -------------------------------------
@@ -273,12 +279,6 @@ def test_the_exchange_lands_on_the_inner_axis_where_that_is_cheaper_and_generati
                                                                                           (0, (None, 0))))
     price = {part.exchange: CLUSTER.step_cost(Compute.running(sig, part), mesh) for part in (inner, outer)}
     assert price[(1,)] < price[(0,)] and exchange_order(sig, mesh)[0] == (1,)
-
-
-def test_scatter_rows_refuses_an_index_outside_its_rows():
-    given = {"src": np.zeros((12, DIM), np.float32), "idx": np.array([0] * 11 + [10], np.int64)}
-    with pytest.raises(IndexError, match="scatter_rows: index 10 is out of bounds for a table of 10 rows"):
-        tapestry.evaluate(scatter_graph(), given)
 
 
 # -- whole MoE layers: plans with experts split, simulated and run on gloo ranks -----------------------------------
