@@ -164,60 +164,62 @@ def test_an_exchanged_weight_gradient_sends_its_rows_once_and_nothing_back():
     assert comm.exchange_time(step, plan.mesh) == pytest.approx(2 * 3 * link.alpha)
 
 
-# -- take_rows: the dispatch and combine ---------------------------------------------------------------------------
-def gather_graph(rows: int = 10, count: int = 12) -> Graph:
-    g = Graph()
-    x, idx = g.input("x", (rows, DIM)), g.input("idx", (count,), "int64")
-    g.output("y", g.op("take_rows", x, idx, rows=rows, name="gather"))
-    return g
+# -- take_rows and scatter_rows split, and compared with torch -----------------------------------------------------
+# Row indices: repeated, negative (from the end), every one the same row, two rows alternating.
+ROW_INDICES = [[0, 9, 3, 3, -1, 5, 2, 8, -10, 4, 4, 7], [9] * 12, [1, 0] * 6]
 
 
-@pytest.mark.parametrize("idx", [[0, 9, 3, 3, -1, 5, 2, 8, -10, 4, 4, 7], [9] * 12, [1, 0] * 6])
-@pytest.mark.parametrize("mesh, axes, exchange", [(Mesh(4), (None,), (0,)), (Mesh(3), (None,), (0,)),
-                                                  (Mesh(2, 2), (None, 1), (0,)), (Mesh(4), ("source",), ()),
-                                                  (Mesh(2, 2), ("row", "source"), ())])
-def test_take_rows_split_by_table_rows_or_exchanged_equals_torch_indexing(idx, mesh, axes, exchange):
-    g = gather_graph()
-    sig = g.signature("gather")
+def assert_split_computes(g: Graph, node: str, mesh: Mesh, axes: tuple, exchange: tuple[int, ...],
+                          given: dict[str, np.ndarray], want: np.ndarray) -> None:
+    """`node` of `g` split over `mesh` (per mesh axis: the name of one of its dims, an int dim, or None) and
+    exchanged over `exchange`: a valid plan, and both the evaluator and the simulated plan give `want` exactly."""
+    sig = g.signature(node)
     choice = tuple(a if a is None or isinstance(a, int) else sig.dims.index(a) for a in axes)
-    plan = build_plan(g, mesh, partitions={"gather": make_partition(sig, mesh, choice, exchange=exchange)})
+    plan = build_plan(g, mesh, partitions={node: make_partition(sig, mesh, choice, exchange=exchange)})
     assert not plan_problems(plan)
-    given = {"x": np.arange(10 * DIM, dtype=np.float32).reshape(10, DIM), "idx": np.array(idx, np.int64)}
-    want = torch.from_numpy(given["x"])[torch.tensor(idx)].numpy()
     np.testing.assert_array_equal(tapestry.evaluate(g, given)["y"], want)
     np.testing.assert_array_equal(simulate(plan, given)["y"], want)
 
 
-def test_take_rows_refuses_an_index_outside_the_table():
-    given = {"x": np.zeros((10, DIM), np.float32), "idx": np.array([0] * 11 + [10], np.int64)}
-    with pytest.raises(IndexError, match="index 10 is out of bounds for a table of 10 rows"):
-        tapestry.evaluate(gather_graph(), given)
+def row_kernel_graph(kernel: str, node: str, data: str, data_rows: int, count: int, rows: int) -> Graph:
+    """`kernel` (take_rows, scatter_rows) as `node`, of input `data` (data_rows x DIM) by `count` int64 indices
+    `idx` into `rows` table rows; output `y`."""
+    g = Graph()
+    table, idx = g.input(data, (data_rows, DIM)), g.input("idx", (count,), "int64")
+    g.output("y", g.op(kernel, table, idx, rows=rows, name=node))
+    return g
+
+
+# -- take_rows: the dispatch and combine ---------------------------------------------------------------------------
+def gather_graph(rows: int = 10, count: int = 12) -> Graph:
+    return row_kernel_graph("take_rows", "gather", "x", rows, count, rows)
+
+
+@pytest.mark.parametrize("idx", ROW_INDICES)
+@pytest.mark.parametrize("mesh, axes, exchange", [(Mesh(4), (None,), (0,)), (Mesh(3), (None,), (0,)),
+                                                  (Mesh(2, 2), (None, 1), (0,)), (Mesh(4), ("source",), ()),
+                                                  (Mesh(2, 2), ("row", "source"), ())])
+def test_take_rows_split_by_table_rows_or_exchanged_equals_torch_indexing(idx, mesh, axes, exchange):
+    given = {"x": np.arange(10 * DIM, dtype=np.float32).reshape(10, DIM), "idx": np.array(idx, np.int64)}
+    want = torch.from_numpy(given["x"])[torch.tensor(idx)].numpy()
+    assert_split_computes(gather_graph(), "gather", mesh, axes, exchange, given, want)
 
 
 # -- scatter_rows: the dispatch's and combine's backwards ---------------------------------------------------------
 def scatter_graph(count: int = 12, rows: int = 10) -> Graph:
-    g = Graph()
-    src, idx = g.input("src", (count, DIM)), g.input("idx", (count,), "int64")
-    g.output("y", g.op("scatter_rows", src, idx, rows=rows, name="scatter"))
-    return g
+    return row_kernel_graph("scatter_rows", "scatter", "src", count, count, rows)
 
 
-@pytest.mark.parametrize("idx", [[0, 9, 3, 3, -1, 5, 2, 8, -10, 4, 4, 7], [9] * 12, [1, 0] * 6])
+@pytest.mark.parametrize("idx", ROW_INDICES)
 @pytest.mark.parametrize("mesh, axes, exchange", [(Mesh(4), (None,), (0,)), (Mesh(3), (None,), (0,)),
                                                   (Mesh(2, 2), ("row", None), (1,)), (Mesh(4), ("row",), ()),
                                                   (Mesh(4), ("target",), ()), (Mesh(2, 2), ("row", "col"), ())])
 def test_scatter_rows_split_by_rows_targets_or_exchanged_equals_torch_index_add(idx, mesh, axes, exchange):
     """Rows split: partial sums; targets split: each reads every row; exchanged: each row sent to its target's
     device, the sums whole there (rows split on an axis before the exchange: partial over it)."""
-    g = scatter_graph()
-    sig = g.signature("scatter")
-    choice = tuple(a if a is None or isinstance(a, int) else sig.dims.index(a) for a in axes)
-    plan = build_plan(g, mesh, partitions={"scatter": make_partition(sig, mesh, choice, exchange=exchange)})
-    assert not plan_problems(plan)
     given = {"src": np.arange(12 * DIM, dtype=np.float32).reshape(12, DIM), "idx": np.array(idx, np.int64)}
     want = torch.zeros(10, DIM).index_add(0, torch.tensor(idx) % 10, torch.from_numpy(given["src"])).numpy()
-    np.testing.assert_array_equal(tapestry.evaluate(g, given)["y"], want)
-    np.testing.assert_array_equal(simulate(plan, given)["y"], want)
+    assert_split_computes(scatter_graph(), "scatter", mesh, axes, exchange, given, want)
 
 
 def test_an_exchanged_scatter_rows_sends_its_rows_and_indices_once_and_nothing_back():
@@ -231,6 +233,15 @@ def test_an_exchanged_scatter_rows_sends_its_rows_and_indices_once_and_nothing_b
     link = comm.group_link(step.exchange, plan.mesh)
     sent = 3 / 4 * (4 * DIM * 4 + 4 * 8)  # a device's 4 rows of float32 src and int64 idx, 3/4 of them leaving
     assert comm.exchange_time(step, plan.mesh) == pytest.approx(3 * 3 * link.alpha + sent / link.beta)
+
+
+@pytest.mark.parametrize("graph, says", [(gather_graph, "index 10"), (scatter_graph, "scatter_rows: index 10")],
+                         ids=["take_rows", "scatter_rows"])
+def test_take_rows_and_scatter_rows_refuse_an_index_outside_the_table(graph, says):
+    g = graph()
+    given = {n.name: np.zeros(n.shape, np.float32) for n in g.inputs if n.name != "idx"}
+    with pytest.raises(IndexError, match=f"{says} is out of bounds for a table of 10 rows"):
+        tapestry.evaluate(g, {**given, "idx": np.array([0] * 11 + [10], np.int64)})
 
 
 # -- which mesh axis exchanges: a node's (NVLink) or across nodes (InfiniBand) -------------------------------------
@@ -268,12 +279,6 @@ def test_the_exchange_lands_on_the_inner_axis_where_that_is_cheaper_and_generati
                                                                                           (0, (None, 0))))
     price = {part.exchange: CLUSTER.step_cost(Compute.running(sig, part), mesh) for part in (inner, outer)}
     assert price[(1,)] < price[(0,)] and exchange_order(sig, mesh)[0] == (1,)
-
-
-def test_scatter_rows_refuses_an_index_outside_its_rows():
-    given = {"src": np.zeros((12, DIM), np.float32), "idx": np.array([0] * 11 + [10], np.int64)}
-    with pytest.raises(IndexError, match="scatter_rows: index 10 is out of bounds for a table of 10 rows"):
-        tapestry.evaluate(scatter_graph(), given)
 
 
 # -- whole MoE layers: plans with experts split, simulated and run on gloo ranks -----------------------------------

@@ -42,6 +42,16 @@ def planned_on_four(imp, module, args, sharded: str | None = None) -> None:
                    for s in plan.steps), f"no {sharded or 'step'} split over devices"
 
 
+def imported_and_planned_on_four(module, args: tuple, sharded: str | None = None):
+    """`module` imported on `args` with no op left opaque, its graph evaluated as eager computes it, and its plan on
+    Mesh(4) simulated likewise (`planned_on_four`, `sharded` as there); the import, for a test's own checks."""
+    imp = from_torch(module, args, verbose=False)
+    assert not imp.opaque, imp.opaque
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(module, args))
+    planned_on_four(imp, module, args, sharded)
+    return imp
+
+
 class Routing(torch.nn.Module):
     """A MoE router's ops (topk, cumsum with dtype=, scatter_add, argmax) and the indexing forms torch.export
     makes of x[idx], x[:, idx] and table[positions]."""
@@ -323,10 +333,7 @@ class EinsumAttention(torch.nn.Module):
 
 def test_einsum_attention_is_sharded_on_four_devices_and_matches_eager():
     torch.manual_seed(0)
-    module, x = EinsumAttention().eval(), torch.randn(4, 8, 32)
-    imp = from_torch(module, (x,), verbose=False)
-    assert not imp.opaque
-    planned_on_four(imp, module, (x,), "matmul")
+    imported_and_planned_on_four(EinsumAttention().eval(), (torch.randn(4, 8, 32),), "matmul")
 
 
 # -- grouped-query attention -------------------------------------------------------------------------------------
@@ -374,10 +381,7 @@ class GroupedAttention(torch.nn.Module):
 
 def test_grouped_query_attention_plans_sharded_on_four_devices_and_matches_eager():
     torch.manual_seed(0)
-    module, x = GroupedAttention().eval(), torch.randn(2, 8, 32)
-    imp = from_torch(module, (x,), verbose=False)
-    assert not imp.opaque
-    planned_on_four(imp, module, (x,), "")
+    imported_and_planned_on_four(GroupedAttention().eval(), (torch.randn(2, 8, 32),), "")
 
 
 # -- convolutions, padding, upsampling, norms, bags, floor division ----------------------------------------------
@@ -445,11 +449,8 @@ class Router(torch.nn.Module):
 
 def test_histc_over_a_fixed_range_imports_as_a_kernel_and_its_plan_matches_eager():
     torch.manual_seed(0)
-    module, x = Router().eval(), torch.randn(64, 8)
-    imp = from_torch(module, (x,), verbose=False)
-    assert not imp.opaque and imp.coverage["aten.histc.default"] == {"histc, reshape": 2}
-    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(x))), eager(module, (x,)))
-    planned_on_four(imp, module, (x,))
+    imp = imported_and_planned_on_four(Router().eval(), (torch.randn(64, 8),))
+    assert imp.coverage["aten.histc.default"] == {"histc, reshape": 2}
 
 
 @dataclass(frozen=True)
@@ -503,10 +504,7 @@ class Decoder(torch.nn.Module):
 
 def test_an_upsampling_decoder_plans_sharded_on_four_devices_and_matches_eager():
     torch.manual_seed(0)
-    module, x = Decoder().eval(), torch.randn(4, 8, 16)
-    imp = from_torch(module, (x,), verbose=False)
-    assert not imp.opaque
-    planned_on_four(imp, module, (x,), "conv2d")
+    imported_and_planned_on_four(Decoder().eval(), (torch.randn(4, 8, 16),), "conv2d")
 
 
 # -- recurrent layers ----------------------------------------------------------------------------------------------
@@ -619,11 +617,7 @@ class Repeats(torch.nn.Module):
 
 def test_repeats_baddbmm_and_the_named_arithmetic_aliases_import_as_kernels_and_shard():
     torch.manual_seed(0)
-    module, args = Repeats().eval(), (torch.randn(4, 6, 8), torch.randn(4, 1, 6))
-    imp = from_torch(module, args, verbose=False)
-    assert imp.opaque == {}
-    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(module, args))
-    planned_on_four(imp, module, args, "")
+    imported_and_planned_on_four(Repeats().eval(), (torch.randn(4, 6, 8), torch.randn(4, 1, 6)), "")
 
 
 class Shifted(torch.nn.Module):
@@ -637,11 +631,7 @@ class Shifted(torch.nn.Module):
 
 
 def test_roll_and_adaptive_avg_pool1d_import_as_kernels_and_shard():
-    module, args = Shifted(), (torch.randn(4, 6, 6, 2),)
-    imp = from_torch(module, args, verbose=False)
-    assert imp.opaque == {}
-    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(module, args))
-    planned_on_four(imp, module, args)
+    imported_and_planned_on_four(Shifted(), (torch.randn(4, 6, 6, 2),))
 
 
 class HeldBackZooOps(torch.nn.Module):
@@ -666,11 +656,7 @@ class HeldBackZooOps(torch.nn.Module):
 
 def test_the_held_back_zoos_opaque_ops_import_as_kernels_and_match_eager_whole_and_sharded():
     torch.manual_seed(0)
-    module, args = HeldBackZooOps().eval(), (torch.randn(4, 4, 6, 6), torch.randn(4, 8, 6))
-    imp = from_torch(module, args, verbose=False)
-    assert not imp.opaque
-    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(module, args))
-    planned_on_four(imp, module, args)
+    imported_and_planned_on_four(HeldBackZooOps().eval(), (torch.randn(4, 4, 6, 6), torch.randn(4, 8, 6)))
 
 
 class FourierMixing(torch.nn.Module):
@@ -687,9 +673,5 @@ class FourierMixing(torch.nn.Module):
 
 def test_fourier_mixing_read_by_its_real_part_imports_as_dft_kernels_and_matches_eager_whole_and_sharded():
     torch.manual_seed(0)
-    module, args = FourierMixing().eval(), (torch.randn(4, 8, 6),)
-    imp = from_torch(module, args, verbose=False)
-    assert not imp.opaque
+    imp = imported_and_planned_on_four(FourierMixing().eval(), (torch.randn(4, 8, 6),))
     assert {n.op for n in imp.graph.nodes} >= {"dft1_real", "dft2_real"}
-    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(module, args))
-    planned_on_four(imp, module, args)

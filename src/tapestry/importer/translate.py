@@ -7,7 +7,9 @@ Each fx node becomes one of:
   masks depend on shapes only), and only when small (FOLD_CELLS): a larger fold is emitted as the graph op it
   is, over the small constants it reads, and a large tensor of one value (zeros, a fill) as a one-cell constant
   expanded, so no activation-sized constant is ever made;
-- dropped: bookkeeping (`_assert_*`, `clone`, eval-mode `dropout`) that passes its input through;
+- dropped: bookkeeping (`clone`, eval-mode `dropout`) that passes its input through, and `_assert_*` checks once
+  decided at import on the static shapes, dtypes and constants (importer/assertions.py: one that fails, or that
+  reads a value known only at run time, stops the import);
 - converted: the converter registered for its ATen op (importer/aten/) emits Tapestry kernels;
 - opaque: no converter (or one that declines), so it runs whole through torch (`opaque<n>` kernels),
   or, with strict=True, an error naming the op, its source line and module path.
@@ -27,6 +29,7 @@ from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 
 from tapestry import dtypes
 from tapestry.graph import Graph, GraphError, Value
+from tapestry.importer.assertions import check_assertion
 from tapestry.importer.capture import TorchImportError
 from tapestry.kernels.opaque import MAX_ARITY, encode_args, opaque_name
 
@@ -329,7 +332,8 @@ def _call(builder: Builder, node: Any, env: dict[Any, Any], strict: bool,
     args, kwargs = by_schema(node.target, _resolve(node.args, env), _resolve(node.kwargs, env))
     if name in READS_MEMORY:
         args = (_in_memory_order(builder, node, name, args), *args[1:])
-    if name.startswith("aten._assert") or name == "aten._assert_tensor_metadata.default":
+    if name.startswith("aten._assert"):
+        check_assertion(node, name, args, kwargs, _where(node))  # raises unless it holds
         coverage[name]["dropped"] += 1
         return None
     if name != "getitem" and (_is_const((args, kwargs)) or name in METADATA_ONLY):
