@@ -42,14 +42,14 @@ def test_search_cut_by_nodes_is_labelled_and_its_replicated_plan_warns(step):
     assert result.plan.notes["extractor_status"] == "optimal"  # the ILP's proof holds for the space it saw only
 
 
-def test_generation_stopped_by_seconds_is_not_optimal(step):
+def test_generation_stopped_by_its_count_is_not_optimal(step):
     """The label is the search's, whatever the extractor says of its selection: greedy-dag's (the ILP at the default
     10 s ran to its limit unproven here, 20 CPU s, and said no more)."""
     explored = explore(step.graph, tapestry.Mesh(2, 4))
-    cut = replace(explored, stats=replace(explored.stats, stopped_in="generation", stopped_by="seconds"))
+    cut = replace(explored, stats=replace(explored.stats, stopped_in="generation", stopped_by="runs"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SearchCutWarning)
-        assert cut.extract(GPU, "greedy-dag").status == "stopped by generation (seconds)"
+        assert cut.extract(GPU, "greedy-dag").status == "stopped by generation (runs)"
 
 
 def test_complete_search_is_optimal_and_silent(step):
