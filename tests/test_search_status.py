@@ -33,7 +33,10 @@ def test_training_step_extracts_when_pricing_left_its_gradient_reductions_unpric
     assert result.selection.status.startswith("stopped by pricing (")
 
 
-def test_search_cut_by_nodes_is_labelled_and_its_replicated_plan_warns(step):
+def test_search_cut_by_nodes_is_labelled_and_its_replicated_plan_warns(step, monkeypatch):
+    """No hand plans: they are generated whatever the budget (seeds), and this space is the replicated plan alone,
+    which the ILP proves."""
+    monkeypatch.setattr(tapestry.optimizer, "baselines", lambda graph, mesh: {})
     with pytest.warns(SearchCutWarning, match="100% of the plan's compute steps are replicated.*stopped by rules"):
         result = tapestry.optimize(step.graph, tapestry.Mesh(4), cost_model=GPU, budget=tapestry.Budget(nodes=1))
     assert result.status == result.selection.status == result.plan.notes["status"] == "stopped by rules (nodes)"
@@ -67,7 +70,7 @@ def test_a_training_step_the_ilp_cannot_tie_in_time_gets_greedy_dags_steady_plan
     """CP-SAT with no time finds no steady selection; the result is greedy-dag's pinned plan, steady and named so,
     where it used to be a ValueError (a 7B step on 2x4 in the cluster benchmark). No hand plans: a steady one
     would be the ILP's start, and come back instead."""
-    monkeypatch.setattr(tapestry.optimizer.Explored, "baselines", property(lambda _self: {}))
+    monkeypatch.setattr(tapestry.optimizer, "baselines", lambda graph, mesh: {})
     result = explore(step.graph, tapestry.Mesh(2, 4)).extract(GPU, time_limit=1e-6)
     assert result.selection.extractor == "greedy-dag"
     assert result.status in ("heuristic", "feasible")  # feasible: the overlap sweep
