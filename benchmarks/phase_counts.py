@@ -62,7 +62,8 @@ def main() -> None:
                   "stopped_by": stats.stopped_by if stats.stopped_in == "rules" else "fixpoint"},
         "generation": {"nodes": gen.nodes, "runs": gen.runs, "runs_left_out": gen.runs_left_out, "layout_pairs": gen.layout_pairs,
                        "enodes": gen.enodes, "cpu_s": round(gen.seconds, 2), "stopped_by": gen.stopped_by},
-        "reshards": {"made": made["reshards"], "values_cut": made["values_cut"], "cpu_s": round(made["seconds"], 2)},
+        "reshards": {"made": made["reshards"], "values_cut": made["values_cut"],
+                     "cpu_s": round(made["seconds"], 2)},
         "undone": stats.undone,
     }))
 

@@ -486,7 +486,7 @@ def test_no_move_leaves_a_footprint_and_every_footprint_is_still_moved_into():
 @pytest.mark.parametrize("speed", [0.1, 10.0])
 def test_the_plan_and_every_stop_are_the_same_whatever_speed_the_clock_runs_at(monkeypatch, speed):
     """Every phase before extraction stops on a count derived from Budget.seconds, the clock only a safety net:
-    CPU seconds vary with the load too (Mixtral's training step on 8x8 left out 347 and 3,093 sharded runs in two
+    CPU seconds vary with the load too (Mixtral's training step on 8x8 left out 347 and 2,547 sharded runs in two
     runs of one call). Rates cut down so each phase's count cuts this small step, a clock ten times slower or
     faster than the process's CPU time gives the same plan and the same stops. Where a phase stopped on its share
     of 2 CPU seconds (0.5 of them for the rules, 1 for generation, 1.5 for making reshards, from saturation's

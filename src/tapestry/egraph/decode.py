@@ -211,8 +211,8 @@ def distributed_nodes(data: Mapping[str, Any], interner: Interner, deadline: flo
 
     Reshards out of a replicated layout (local slices: what the replicated plan needs) and between the layouts
     of round -1 (`Interner.rounds`: the replicated runs' and the seed plans', so each seed plan's moves) are made
-    for every value; the other moves value by value until `max_reshards` of them are made or, a safety net only, `deadline` (a
-    `clock()` time: CPU seconds): a count, so the moves made do not depend on the load. None leaves a footprint: a
+    for every value; the other moves value by value until `max_reshards` of them are made or, a safety net
+    only, `deadline` (a `clock()` time: CPU seconds): a count, so the moves made do not depend on the load. None leaves a footprint: a
     layout that no Run or Place computes and that holds only part of the tensor (what one reader reads: GPT-NeoX's
     fused QKV value has 275, 25 for each of its eleven slices). Such a layout can move only into layouts inside
     the part it holds, and every layout it could feed has its own move from the computed layout the footprint came
