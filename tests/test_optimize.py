@@ -136,7 +136,7 @@ def test_planning_leaves_a_disabled_collector_disabled():
 
 @pytest.mark.parametrize(
     "budget, reason",
-    [(Budget(nodes=10), "nodes"), (Budget(iterations=0), "iterations"), (Budget(seconds=0.0), "seconds")],
+    [(Budget(nodes=10), "nodes"), (Budget(iterations=0), "iterations"), (Budget(seconds=0.0), "rule nodes")],
 )
 def test_budgets_stop_saturation_and_say_which(budget, reason):
     graph = mlp(3, 64, 32)

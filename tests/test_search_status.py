@@ -33,7 +33,10 @@ def test_training_step_extracts_when_pricing_left_its_gradient_reductions_unpric
     assert result.selection.status.startswith("stopped by pricing (")
 
 
-def test_search_cut_by_nodes_is_labelled_and_its_replicated_plan_warns(step):
+def test_search_cut_by_nodes_is_labelled_and_its_replicated_plan_warns(step, monkeypatch):
+    """No hand plans: they are generated whatever the budget (seeds), and this space is the replicated plan alone,
+    which the ILP proves."""
+    monkeypatch.setattr(tapestry.optimizer, "baselines", lambda graph, mesh: {})
     with pytest.warns(SearchCutWarning, match="100% of the plan's compute steps are replicated.*stopped by rules"):
         result = tapestry.optimize(step.graph, tapestry.Mesh(4), cost_model=GPU, budget=tapestry.Budget(nodes=1))
     assert result.status == result.selection.status == result.plan.notes["status"] == "stopped by rules (nodes)"
@@ -42,14 +45,14 @@ def test_search_cut_by_nodes_is_labelled_and_its_replicated_plan_warns(step):
     assert result.plan.notes["extractor_status"] == "optimal"  # the ILP's proof holds for the space it saw only
 
 
-def test_generation_stopped_by_seconds_is_not_optimal(step):
+def test_generation_stopped_by_its_count_is_not_optimal(step):
     """The label is the search's, whatever the extractor says of its selection: greedy-dag's (the ILP at the default
     10 s ran to its limit unproven here, 20 CPU s, and said no more)."""
     explored = explore(step.graph, tapestry.Mesh(2, 4))
-    cut = replace(explored, stats=replace(explored.stats, stopped_in="generation", stopped_by="seconds"))
+    cut = replace(explored, stats=replace(explored.stats, stopped_in="generation", stopped_by="runs"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SearchCutWarning)
-        assert cut.extract(GPU, "greedy-dag").status == "stopped by generation (seconds)"
+        assert cut.extract(GPU, "greedy-dag").status == "stopped by generation (runs)"
 
 
 def test_complete_search_is_optimal_and_silent(step):
@@ -67,7 +70,7 @@ def test_a_training_step_the_ilp_cannot_tie_in_time_gets_greedy_dags_steady_plan
     """CP-SAT with no time finds no steady selection; the result is greedy-dag's pinned plan, steady and named so,
     where it used to be a ValueError (a 7B step on 2x4 in the cluster benchmark). No hand plans: a steady one
     would be the ILP's start, and come back instead."""
-    monkeypatch.setattr(tapestry.optimizer.Explored, "baselines", property(lambda _self: {}))
+    monkeypatch.setattr(tapestry.optimizer, "baselines", lambda graph, mesh: {})
     result = explore(step.graph, tapestry.Mesh(2, 4)).extract(GPU, time_limit=1e-6)
     assert result.selection.extractor == "greedy-dag"
     assert result.status in ("heuristic", "feasible")  # feasible: the overlap sweep

@@ -7,10 +7,14 @@ seconds found 36 ms). Measured in CPU seconds, a budget buys the same search wha
 not depend on it. It bounds the e-graph's `Budget.seconds` and the extraction phases' shares of their time limit
 (greedy-dag's local search, the LP pass, building the CP-SAT model); CP-SAT itself counts its own work
 (`extract.ilp.WORK_PER_SECOND`). CPU time counts every thread of the process; the phases it bounds run on one.
+Even CPU seconds vary with the load (cache contention, other threads spinning), so saturation's phases stop on
+counts of work and this clock is only their safety net (egraph.driver).
 """
 from __future__ import annotations
 
 import time
+
+SAFETY_NET_STOP = "seconds (safety net)"  # what a phase says it was stopped by where the clock, not its count, did
 
 
 def clock() -> float:

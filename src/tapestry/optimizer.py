@@ -29,8 +29,8 @@ from tapestry.egraph.budget import (
     leaner,
     memory_cuts,
 )
-from tapestry.egraph.decode import Decoder, distributed_nodes
-from tapestry.egraph.driver import MOVES_SHARE, Budget, IterationStats, SaturationStats, moves_to_price, saturate
+from tapestry.egraph.decode import Decoder
+from tapestry.egraph.driver import Budget, IterationStats, SaturationStats, make_reshards, moves_to_price, saturate
 from tapestry.egraph.embed import embedded_plans
 from tapestry.egraph.folded_candidates import FoldedCandidates
 from tapestry.egraph.fused_prices import fused_node_costs
@@ -174,7 +174,7 @@ def search_cut(stats: SaturationStats) -> str:
         return "generation (" + ("layout pairs" if generation is not None and generation.pairs_capped
                                  else stats.stopped_by) + ")"
     if stats.values_with_few_moves:
-        return "making reshards (seconds)"
+        return f"making reshards ({stats.reshards_stopped_by})"
     if stats.reshards_unpriced:
         return f"pricing ({stats.moves_unpriced:,} of {stats.moves:,} moves unpriced)"
     return ""
@@ -213,6 +213,7 @@ class Explored:
     data: dict[str, Any] = field(repr=False)
     priced_moves: float = math.inf  # distinct moves pricing prices beyond those always priced (Decoder.priced)
     layered: Layered | None = None  # `graph` is the whole graph's fold: plans are expanded onto every layer
+    baselines: Mapping[str, Plan] = field(default_factory=dict)  # the hand plans (`_against_baselines`), seeds
 
     @property
     def whole(self) -> Graph:
@@ -230,12 +231,6 @@ class Explored:
     def repeated(self) -> Repeated | None:
         """The stack of identical layers, if any, for the ILP's periodic warm start (egraph.repeat)."""
         return find_repetition(self.decoder, list(self.roots))
-
-    @cached_property
-    def baselines(self) -> dict[str, Plan]:
-        """The hand plans a training step's extracted plan is priced against (`_against_baselines`), made once
-        for every extraction (pareto's several)."""
-        return baselines(self.graph, self.mesh)
 
     @cached_property
     def _held(self) -> dict[str, tuple[int, ...]]:
@@ -661,14 +656,15 @@ def explore(graph: Graph, mesh: Mesh | int = 1, rules: Sequence[str | Path] | No
         found = None
     folded = fold(graph, found) if found is not None else None
     explored = folded.graph if folded is not None else graph
-    gen, _, stats = saturate(explored, mesh, rule_files, budget, progress)
+    hands = baselines(explored, mesh)  # the floor's, in the e-graph whatever the budget cuts (a fold's: periodic)
+    seeds = tuple(hands.values()) if folded is None and mesh.size > 1 else ()
+    gen, _, stats = saturate(explored, mesh, rule_files, budget, progress, seeds)
     data = gen.session.serialize()
-    nodes, roots, names, cut = distributed_nodes(data, gen.interner, started + budget.seconds * MOVES_SHARE)
-    stats = replace(stats, values_with_few_moves=cut)
+    nodes, roots, names, stats = make_reshards(data, gen.interner, started, budget, stats)
     decoder = Decoder(nodes, gen.interner, mesh, {n.name: n.dtype for n in explored.inputs}, explored.fixed)
     layered = None if folded is None else Layered(graph, folded, decoder, value_classes(data, explored))
     return Explored(explored, mesh, decoder, tuple(roots), names, stats, tuple(rule_files), data,
-                    moves_to_price(budget, mesh), layered)
+                    moves_to_price(budget, mesh), layered, hands)
 
 
 @no_collections()

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from tapestry.clock import clock
+from tapestry.clock import SAFETY_NET_STOP, clock
 from tapestry.egraph.distributed import Interner, reshard_pairs
 from tapestry.egraph.schema import run_constructors
 from tapestry.extract import EGraph as ExtractGraph
@@ -196,12 +196,23 @@ class DNode:
     value: str = ""  # logical class of the node's own class ("" for Deliver)
 
 
-def distributed_nodes(data: Mapping[str, Any], interner: Interner, deadline: float = math.inf,
-                      ) -> tuple[list[DNode], list[str], dict[str, str], int]:
-    """(nodes, root classes in output order, output name per root class, values whose moves the deadline cut).
+@dataclass(frozen=True)
+class ReshardCut:
+    """What making reshards left out: how many values keep only their moves out of a replicated layout, and what
+    stopped it ("" when nothing was left out; "reshards": its count; else the clock's SAFETY_NET_STOP)."""
 
-    Reshards out of a replicated layout (local slices: what the replicated plan needs) are made for every value;
-    the other moves value by value until `deadline` (a `clock()` time: CPU seconds). None leaves a footprint: a
+    values: int = 0
+    stopped_by: str = ""
+
+
+def distributed_nodes(data: Mapping[str, Any], interner: Interner, deadline: float = math.inf,
+                      max_reshards: float = math.inf) -> tuple[list[DNode], list[str], dict[str, str], ReshardCut]:
+    """(nodes, root classes in output order, output name per root class, what the budget cut).
+
+    Reshards out of a replicated layout (local slices: what the replicated plan needs) and between the layouts
+    of round -1 (`Interner.rounds`: the replicated runs' and the seed plans', so each seed plan's moves) are made
+    for every value; the other moves value by value until `max_reshards` of them are made or, a safety net
+    only, `deadline` (a `clock()` time: CPU seconds): a count, so the moves made do not depend on the load. None leaves a footprint: a
     layout that no Run or Place computes and that holds only part of the tensor (what one reader reads: GPT-NeoX's
     fused QKV value has 275, 25 for each of its eleven slices). Such a layout can move only into layouts inside
     the part it holds, and every layout it could feed has its own move from the computed layout the footprint came
@@ -247,15 +258,22 @@ def distributed_nodes(data: Mapping[str, Any], interner: Interner, deadline: flo
                 for dst in classes:
                     if dst != src and not interner.layouts[dst][1].partial:
                         move(value, classes, src, dst)
-    cut = 0
+        seeded = [key for key in classes if interner.rounds.get(key, 0) < 0]  # the seed plans' layouts (generate)
+        for src, dst in reshard_pairs(seeded, interner) if len(seeded) > 1 else ():
+            if classes[src] in computed or interner.whole(src):
+                move(value, classes, src, dst)
+    cut, stopped_by, always = 0, "", len(made)
     for value, classes in value_layouts.items():
-        if clock() > deadline:
+        if not stopped_by:
+            stopped_by = "reshards" if len(made) - always >= max_reshards else \
+                SAFETY_NET_STOP if clock() > deadline else ""
+        if stopped_by:
             cut += 1
             continue
         for src, dst in reshard_pairs(classes, interner):
             if classes[src] in computed or interner.whole(src):
                 move(value, classes, src, dst)
-    return nodes, list(roots), roots, cut
+    return nodes, list(roots), roots, ReshardCut(cut, stopped_by if cut else "")
 
 
 class Decoder:
@@ -345,8 +363,9 @@ class Decoder:
     def priced(self, cost: Any, reshards: float = math.inf, drop_dominated: bool = False) -> list[float]:
         """Each node's cost under the cost model `cost`.
 
-        Each distinct step is priced once. Runs, Places and reshards out of a replicated layout (local slicing,
-        which the replicated plan needs) are always priced; of the other reshards, `reshards` distinct moves (a
+        Each distinct step is priced once. Runs, Places, reshards out of a replicated layout (local slicing,
+        which the replicated plan needs) and those between the seed plans' layouts (`_seeded`) are always
+        priced; of the other reshards, `reshards` distinct moves (a
         count, not seconds: the same call prices the same moves, and so gives the same plan, at any load), those
         between the layouts of each op's first candidates first, then in rounds of each class's next cheapest
         move into it by cells moved (`pricing_order`), so a stop leaves every layout its cheapest ways in rather
@@ -365,7 +384,7 @@ class Decoder:
                 costs[i] = 0.0
                 continue
             key = self._price_key(node)
-            if node.op == "Reshard" and not self._from_replicated(node):
+            if node.op == "Reshard" and not self._from_replicated(node) and not self._seeded(node):
                 optional.setdefault(key, []).append(i)
                 continue
             if key not in prices:
@@ -432,6 +451,12 @@ class Decoder:
 
     def _from_replicated(self, node: DNode) -> bool:
         return _is_replicated(self.interner, self.class_layout[node.children[0]])
+
+    def _seeded(self, node: DNode) -> bool:
+        """Whether a reshard moves between two layouts of round -1 (a seed plan's, `Generator.distribute`): priced
+        whatever the count, so every seed plan lies in the extraction graph."""
+        rounds = self.interner.rounds
+        return rounds.get(self.class_layout[node.children[0]], 0) < 0 and rounds.get(node.key, 0) < 0
 
     def _price_key(self, node: DNode) -> Any:
         """Equal for steps any cost model prices alike: a Run's step without its origin, a Reshard's layout pair

@@ -5,18 +5,20 @@ class a handle `(Id n)` (so later commands can refer to it without rebuilding
 terms), infers each class's shape from the kernel registry, records
 `Rank`/`Dim`/`Dtype` facts for rule guards, and queues each logical node it has
 not seen before. When the rules are done, `distribute` inserts the queued
-nodes' distributed members, under a time and size budget: first every node's
-replicated run (so a plan always exists), then the sharded ones in rounds over all nodes.
+nodes' distributed members, under a count of runs and of e-nodes (the clock a safety net only): first every
+node's replicated run (so a plan always exists) and the runs of the seed plans (the hand plans the optimizer
+prices its plan against: so each lies in the e-graph whatever the budget cuts), then the sharded ones in rounds
+over all nodes.
 """
 from __future__ import annotations
 
 import math
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tapestry.clock import clock
+from tapestry.clock import SAFETY_NET_STOP, clock
 from tapestry.egraph.distributed import Interner, runs_for
 from tapestry.egraph.rules import Rule
 from tapestry.egraph.schema import constructors, decode_param, encode_param, run_name
@@ -24,11 +26,25 @@ from tapestry.egraph.session import CHUNK, Session, call, lit, set_value, union
 from tapestry.dtypes import is_float
 from tapestry.graph import Graph
 from tapestry.kernels import KernelError, Params, Shape, Signature
+from tapestry.plan import Compute, Plan
 from tapestry.sharding import Mesh
 from tapestry.sharding.partition import DATA_FIRST_DEVICES
 
 ENODES_PER_RUN = 4  # at most, in practice: the Run, and the new At e-nodes of its result and arguments
 NodeKey = tuple[str, Params, tuple[int, ...]]  # constructor, params, canonical handles of the args
+Runs = tuple[str, Params, tuple[Shape, ...], tuple[str, ...]]  # what a step runs: kernel, params, input shapes, dtypes
+
+
+def seed_steps(plans: Sequence[Plan]) -> dict[Runs, list[Compute]]:
+    """The plans' distinct Compute steps, without value names or origin, by what they run: what `distribute`
+    inserts for every node that runs the same (`_seed_runs`)."""
+    found: dict[Runs, dict[Compute, None]] = defaultdict(dict)
+    for plan in plans:
+        for step in plan.steps:
+            if isinstance(step, Compute):
+                bare = replace(step, out="?", args=("?",) * len(step.args), origin="")
+                found[(step.kernel, step.params, step.input_shapes, step.input_dtypes)][bare] = None
+    return {runs: list(steps) for runs, steps in found.items()}
 
 
 @dataclass
@@ -58,11 +74,11 @@ class GenerationStats:
     nodes: int  # logical nodes distributed
     runs: int  # Run members inserted
     runs_left_out: int  # sharded runs the budget left out (every node keeps its replicated run)
-    stopped_by: str  # "" when complete, else "seconds" or "nodes"
+    stopped_by: str  # "" when complete, else "runs", "layout pairs", "nodes" or driver's SAFETY_NET_STOP
     enodes: int
     eclasses: int  # logical classes plus (class, layout) pairs
     layout_pairs: int = 0  # ordered pairs of one value's layouts, summed: the reshards decode may make
-    pairs_capped: bool = False  # stopped by seconds foreseen: more pairs than pricing had time for (max_pairs)
+    pairs_capped: bool = False  # stopped by layout pairs: more pairs than pricing prices (max_pairs)
 
 
 @dataclass
@@ -129,6 +145,7 @@ class Generator:
         self.output_handles: dict[str, int] = {}
         self.ill_typed: dict[str, str] = {}
         self.queued: list[Queued] = []
+        self.seed_names: dict[Compute, str] = {}  # a seed step (`seed_steps`) -> the name its runs are priced as
         self._next = 0
 
     # -- handles --------------------------------------------------------------------------------
@@ -246,26 +263,31 @@ class Generator:
 
     # -- the distributed layer ------------------------------------------------------------------
     def distribute(self, deadline: float = float("inf"), max_nodes: int | None = None,
-                   max_pairs: float = math.inf) -> GenerationStats:
+                   max_pairs: float = math.inf, max_runs: float = math.inf,
+                   seeds: Sequence[Plan] = ()) -> GenerationStats:
         """Insert the queued nodes' Run members, and Place/Deliver members for inputs and outputs.
 
-        Every node's replicated run goes in first, whatever the budget, so a plan always exists. Then the sharded
-        runs, in rounds: round k adds every node's k-th candidate (`generation_order`: round 0 splits one dim,
-        mostly the batch, over every mesh axis), until `deadline` (a `clock()` time: CPU seconds), `max_nodes` e-nodes, or
-        the values' layouts making `max_pairs` ordered pairs (reshards to make and price; docs/cost-models.md,
-        "Budgets", has the case). A stop thus leaves every node similar choices, which fit together, rather
+        Every node's replicated run goes in first, whatever the budget, so a plan always exists, and every step
+        of the plans `seeds` (hand plans, of this graph or of its linears expanded) that a node runs, so each
+        lies in the e-graph, its layouts in round -1 (`Interner.rounds`) with the replicated ones: their moves
+        are made and priced whatever the counts (decode). Then the sharded runs, in rounds: round k adds every node's k-th candidate (`generation_order`: round 0 splits one dim,
+        mostly the batch, over every mesh axis), until `max_runs` sharded runs, `max_nodes` e-nodes, the values'
+        layouts making `max_pairs` ordered pairs (reshards to make and price; docs/cost-models.md, "Budgets", has
+        the case), or, a safety net only, `deadline` (a `clock()` time: CPU seconds). A stop thus leaves every node similar choices, which fit together, rather
         than some nodes all of theirs and the rest none."""
         started = clock()
         todo = self._dequeue()
         self.layout_pairs = sum(len(held) * (len(held) - 1) for held in self.layouts.values())
-        mandatory = [command for item in todo for command in self._runs(item, sharded=False)]
+        steps = seed_steps(seeds)
+        mandatory = [command for item in todo for command in self._runs(item, sharded=False)
+                     + self._seed_runs(item, steps)]
         runs = len(mandatory)
         self.session.insert(mandatory + self._links())
         size = self.session.size()  # exact after each insert
         limit = math.inf if max_nodes is None else max_nodes
         data = self.data_dims(todo) if self.mesh.size > DATA_FIRST_DEVICES else [None] * len(todo)
         counts = [self.interner.count(item.sig, True, dims) for item, dims in zip(todo, data)]
-        stopped_by, sharded_runs, batch, capped = "", 0, [], False
+        stopped_by, sharded_runs, batch = "", 0, []
         for rank in range(max(counts, default=0)):
             for item, count, dims in zip(todo, counts, data):
                 if rank >= count:
@@ -274,11 +296,14 @@ class Generator:
                     self.session.insert(batch)
                     batch = []
                     size = self.session.size()
-                capped = self.layout_pairs >= max_pairs
-                if clock() >= deadline or capped:
-                    stopped_by = "seconds"
+                if sharded_runs >= max_runs:
+                    stopped_by = "runs"
+                elif self.layout_pairs >= max_pairs:
+                    stopped_by = "layout pairs"
                 elif size >= limit:
                     stopped_by = "nodes"
+                elif clock() >= deadline:
+                    stopped_by = SAFETY_NET_STOP
                 if stopped_by:
                     break
                 batch += self._runs(item, sharded=True, rank=rank, data=dims)
@@ -289,7 +314,7 @@ class Generator:
         return GenerationStats(clock() - started, len(todo), runs + sharded_runs,
                                sum(counts) - sharded_runs, stopped_by,
                                self.session.size(), len(self.layouts) + sum(map(len, self.layouts.values())),
-                               self.layout_pairs, capped)
+                               self.layout_pairs, stopped_by == "layout pairs")
 
     def _dequeue(self) -> list[Queued]:
         """The queued nodes, once each under the handles' latest merges; a node whose class a rule equated with a
@@ -341,14 +366,34 @@ class Generator:
                     changed = True
         return found
 
+    def _origin(self, item: Queued) -> str:
+        return f"{item.sig.kernel.name} {self.origins.get(item.key, '')}".strip()
+
     def _runs(self, item: Queued, sharded: bool, rank: int | None = None,
               data: frozenset[int] | None = None) -> list[Any]:
         """One `(At out L) = (Run<Kernel> (At arg L_i)... key)` union per sharded partition (only the rank-th,
         if given, in the order for the index dims `data` from the batch), or for the replicated one."""
+        return self._unions(item, runs_for(item.sig, self.interner, self._origin(item), sharded, rank, data))
+
+    def _seed_runs(self, item: Queued, steps: dict[Runs, list[Compute]]) -> list[Any]:
+        """The unions of the seed steps (`seed_steps`) that run what `item` runs, their layouts in round -1."""
+        sig, found = item.sig, []
+        for step in steps.get((sig.kernel.name, sig.params, sig.input_shapes, sig.input_dtypes), ()):
+            key = self.interner.run(replace(step, origin=f"{self._origin(item)} [seed]"))
+            self.interner.priced_as[key] = self.seed_names.setdefault(step, f"s{len(self.seed_names)}")  # priced once
+            out = self.interner.layout(sig.output_shape, step.layout)
+            args = tuple(self.interner.layout(shape, layout) for shape, layout in zip(sig.input_shapes,
+                                                                                     step.arg_layouts))
+            for layout in (out, *args):
+                self.interner.rounds[layout] = -1
+            found.append((out, args, key))
+        return self._unions(item, found)
+
+    def _unions(self, item: Queued, runs: Sequence[tuple[str, tuple[str, ...], str]]) -> list[Any]:
+        """The `(At out L) = (Run<Kernel> (At arg L_i)... key)` unions of `runs` (out layout, arg layouts, key)."""
         kernel = item.sig.kernel
-        origin = f"{kernel.name} {self.origins.get(item.key, '')}".strip()
         commands = []
-        for out_layout, arg_layouts, run_key in runs_for(item.sig, self.interner, origin, sharded, rank, data):
+        for out_layout, arg_layouts, run_key in runs:
             self._hold(item.out, out_layout)
             args = []
             for h, layout in zip(item.args, arg_layouts):
