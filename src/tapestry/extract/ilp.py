@@ -6,8 +6,10 @@ a_d for each child class d. Acyclicity: integer order t_c only for classes in a
 non-trivial strongly connected component of the class graph, and x_n implies
 t_c > t_d only for children d in the same component; edges between components can
 never close a cycle. Objective: minimize sum cost_n x_n, scaled to integers.
-The greedy selection is given as a complete hint, and is returned whenever CP-SAT
-finds nothing cheaper, so the ILP is never worse than greedy-dag.
+The warm start (greedy-dag's, or a cheaper admissible start) is returned whenever CP-SAT
+finds nothing cheaper, so the ILP is never worse than greedy-dag. Where it keeps the budget and
+ties, its cost is a ceiling on CP-SAT's objective (`_ceiling`); where it does not, it is a
+complete hint for CP-SAT to repair (`_hint`).
 
 Source constraints tighten the LP relaxation (they hold for every acyclic selection,
 so they cut no solution). A block is a cyclic component, or a class on its own; on
@@ -469,7 +471,10 @@ def _solve_part(
                                            warm_admissible)
     except _OutOfTime:
         return None, 0.0, False, 0.0, "cpu clock"
-    _hint(model, *warm, variables, egraph, reduced)
+    if warm_admissible and all(warm[0][c] in variables.x for c in part if c in warm[0]):
+        _ceiling(model, warm[0], part, variables, weights)
+    else:  # CP-SAT must repair it: a selection that keeps the budget and ties can be dearer
+        _hint(model, *warm, variables, egraph, reduced)
     solver = cp_model.CpSolver()
     wall = max(MIN_WORK, wall)
     solver.parameters.max_deterministic_time = max(MIN_WORK, work)
@@ -640,6 +645,19 @@ def _tie(model: cp_model.CpModel, ties: Ties, x: Mapping[int, cp_model.IntVar], 
             model.add(x[a] == 0)
         elif b in x and a not in candidates:
             model.add(x[b] == 0)
+
+
+def _ceiling(model: cp_model.CpModel, choice: Mapping[int, int], part: Sequence[int], variables: _Variables,
+             weights: Mapping[int, int]) -> None:
+    """The admissible warm start's cost on `part` as a ceiling on the objective, in place of a hint: every
+    selection CP-SAT returns is then no dearer than it, and the warm start itself meets it. As a complete hint
+    CP-SAT's one sequential search followed it: on Mixtral's 2-layer training step on 8 devices (15,468
+    candidates, `benchmarks/cluster.py --models Mixtral --modes training --meshes 8`) a hinted run spent its 4.75
+    units of work, 55 CPU s, and stopped 1.3% above the optimum that the same model, unhinted, proved in 6.5
+    (docs/benchmarks.md, "CP-SAT's hint")."""
+    nodes = list(variables.x)
+    model.add(cp_model.LinearExpr.weighted_sum([variables.x[n] for n in nodes], [weights[n] for n in nodes])
+              <= sum(weights[choice[c]] for c in part if c in choice))
 
 
 def _hint(
