@@ -224,6 +224,8 @@ def fsdp(graph: Graph, mesh: Mesh, arguments: Sequence[str]) -> Plan:
                                  [{a: 1 for a in arguments if len(graph[a].shape) > 1}])
     stored = {name: next(d for d, n in enumerate(graph[name].shape) if n % mesh.size == 0)
               for name in graph.carried.values() if any(n % mesh.size == 0 for n in graph[name].shape)}
+    if not stored:
+        raise ValueError(f"fsdp: no carried tensor has a dim that divides among the mesh's {mesh.size} devices")
     update = propagated_splits(graph, mesh.size, [stored])
     axes: dict[str, tuple[int | None, ...]] = {}
     for node in graph.ops:
@@ -302,8 +304,9 @@ def baselines(graph: Graph, mesh: Mesh) -> dict[str, Plan]:
     """The hand plans of a training step (`graph.carried`) on `mesh`: Megatron tensor parallel over every device
     (the mesh's axes taken as one) and, on a 2-D mesh, data parallel over axis 0 with tensor parallel over axis 1,
     their weights' splits found from the graph's structure (`tensor_parallel_seeds`); where the step's batch
-    arguments all split on their first dim over every device, data parallel and ZeRO-3 over all devices, and for a
-    MoE (`expert_weights`) expert parallel over every device and, on a 2-D mesh, data and expert parallel
+    arguments all split on their first dim over every device, data parallel and ZeRO-3 over all devices (where they
+    do not, FSDP: the state over every device, the batch over the axes it divides, the sequence over the rest),
+    and for a MoE (`expert_weights`) expert parallel over every device and, on a 2-D mesh, data and expert parallel
     (attention and dense layers data parallel over axis 0 only, whole over axis 1). A strategy build_plan cannot
     make of this graph (a ValueError naming the op, or experts that do not split over the devices) is no baseline
     either: the optimizer's plan stands without it."""
