@@ -14,6 +14,7 @@ left it elsewhere.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
@@ -202,6 +203,68 @@ def zero3(graph: Graph, mesh: Mesh, arguments: Sequence[str]) -> Plan:
     return steady(placed(plan, {name: Layout.split(graph[name].shape, mesh, (0,) * mesh.ndim) for name in state}))
 
 
+def fsdp(graph: Graph, mesh: Mesh, arguments: Sequence[str]) -> Plan:
+    """FSDP (ZeRO-3) on any mesh: every carried tensor stored split over all devices between steps (on its first
+    dim that divides among them), gathered before use; the batch split over the mesh axes it divides (taken in
+    order) and the sequence (dim 1 of the batch arguments) over the others, so that the weight gradients, summed
+    over batch and sequence, come out partial over every axis and are reduce-scattered into the state's layout,
+    the update run on shards. Where the batch splits over every device this is `zero3`. An op that would split a
+    sum over some axes but run replicated over others (partial sums held twice) splits that sum over those too
+    where it divides, else splits no sum (`_summed_over_every_axis`)."""
+    batch_axes: list[int] = []
+    for axis, size in enumerate(mesh.shape):
+        if all(graph[a].shape[0] % (math.prod(mesh.shape[i] for i in batch_axes) * size) == 0 for a in arguments):
+            batch_axes.append(axis)
+    if not arguments or not batch_axes and not any(len(graph[a].shape) > 1 for a in arguments):
+        raise ValueError(f"fsdp: the step's batch arguments {list(arguments)} split over no axis of mesh "
+                         f"{mesh.shape}, batch or sequence")
+    sequence_axes = [axis for axis in range(mesh.ndim) if axis not in batch_axes]
+    data = propagated_splits(graph, math.prod(mesh.shape[i] for i in batch_axes), [batch_seeds(graph, arguments)])
+    sequence = propagated_splits(graph, math.prod(mesh.shape[i] for i in sequence_axes),
+                                 [{a: 1 for a in arguments if len(graph[a].shape) > 1}])
+    stored = {name: next(d for d, n in enumerate(graph[name].shape) if n % mesh.size == 0)
+              for name in graph.carried.values() if any(n % mesh.size == 0 for n in graph[name].shape)}
+    if not stored:
+        raise ValueError(f"fsdp: no carried tensor has a dim that divides among the mesh's {mesh.size} devices")
+    update = propagated_splits(graph, mesh.size, [stored])
+    axes: dict[str, tuple[int | None, ...]] = {}
+    for node in graph.ops:
+        if node.name in data or node.name in sequence:
+            chosen = [data.get(node.name) if axis in batch_axes else sequence.get(node.name)
+                      for axis in range(mesh.ndim)]
+            axes[node.name] = _summed_over_every_axis(graph.signature(node.name), mesh, chosen)
+        elif node.name in update:
+            axes[node.name] = (update[node.name],) * mesh.ndim
+    plan = build_plan(graph, mesh, axes)
+    layouts = {name: Layout.split(graph[name].shape, mesh, (dim,) * mesh.ndim) for name, dim in stored.items()}
+    return steady(placed(plan, layouts))
+
+
+def _summed_over_every_axis(sig: Signature, mesh: Mesh, chosen: list[int | str | None]
+                            ) -> tuple[int | None, ...]:
+    """Per mesh axis the index dim an op splits (`chosen`, None: replicated there) made valid: a dim chosen on
+    several axes must divide among all of them (else the later axes drop it), and where a sum (a reduction dim)
+    splits on some axis, no axis may replicate (a partial layout's value is the sum over every device holding
+    it): each replicated axis takes a split sum that divides among it too, else no axis splits a sum."""
+    axes: list[int | None] = []
+    for axis, dim in enumerate(chosen):
+        if not isinstance(dim, int):
+            axes.append(None)
+            continue
+        parts = math.prod(mesh.shape[i] for i, d in enumerate(axes) if d == dim) * mesh.shape[axis]
+        axes.append(dim if sig.spec.sizes[dim] % parts == 0 else None)
+    reductions = sig.dims_of(DimKind.REDUCTION)
+    if not any(d in reductions for d in axes):
+        return tuple(axes)
+    for axis, dim in enumerate(axes):
+        if dim is None:
+            axes[axis] = next((r for r in reductions if r in axes and sig.spec.sizes[r] % (
+                math.prod(mesh.shape[i] for i, d in enumerate(axes) if d == r) * mesh.shape[axis]) == 0), None)
+    if None in axes:
+        return tuple(None if d in reductions else d for d in axes)
+    return tuple(axes)
+
+
 def step_arguments(graph: Graph) -> tuple[str, ...]:
     """A training step's batch arguments: the inputs with a shape that are neither carried state nor fixed."""
     return tuple(node.name for node in graph.inputs if node.shape and node.name not in graph.carried.values()
@@ -241,8 +304,9 @@ def baselines(graph: Graph, mesh: Mesh) -> dict[str, Plan]:
     """The hand plans of a training step (`graph.carried`) on `mesh`: Megatron tensor parallel over every device
     (the mesh's axes taken as one) and, on a 2-D mesh, data parallel over axis 0 with tensor parallel over axis 1,
     their weights' splits found from the graph's structure (`tensor_parallel_seeds`); where the step's batch
-    arguments all split on their first dim over every device, data parallel and ZeRO-3 over all devices, and for a
-    MoE (`expert_weights`) expert parallel over every device and, on a 2-D mesh, data and expert parallel
+    arguments all split on their first dim over every device, data parallel and ZeRO-3 over all devices (where they
+    do not, FSDP: the state over every device, the batch over the axes it divides, the sequence over the rest),
+    and for a MoE (`expert_weights`) expert parallel over every device and, on a 2-D mesh, data and expert parallel
     (attention and dense layers data parallel over axis 0 only, whole over axis 1). A strategy build_plan cannot
     make of this graph (a ValueError naming the op, or experts that do not split over the devices) is no baseline
     either: the optimizer's plan stands without it."""
@@ -258,6 +322,8 @@ def baselines(graph: Graph, mesh: Mesh) -> dict[str, Plan]:
         inner = tensor_parallel_seeds(expanded, mesh.shape[1])
         if inner:
             makers["data and tensor parallel"] = lambda: data_tensor_parallel(graph, mesh, arguments, inner)
+    if arguments and any(graph[a].shape[0] % mesh.size for a in arguments):
+        makers["FSDP"] = lambda: fsdp(graph, mesh, arguments)
     if arguments and not any(graph[a].shape[0] % mesh.size for a in arguments):
         makers["data parallel"] = lambda: data_parallel(graph, mesh, arguments)
         makers["ZeRO-3"] = lambda: zero3(graph, mesh, arguments)
