@@ -12,10 +12,10 @@ floor). Prints one JSON line per process that planned (a script's `spawn`ed chil
 runs its cases): per phase the calls' count and CPU and wall seconds, and each call's CPU seconds with its mesh.
 With `--reshards N`, every reshard that pricing prices (`AlphaBeta._priced`, once per orbit) is timed, and the N
 slowest are listed with their shape, dtype and layouts. With `--cprofile PREFIX`, each `Explored.extract` runs under
-cProfile, its stats written to PREFIX.<pid>.<call> (read with pstats); saturation is left unprofiled, since its
-budget is CPU seconds and a profiled run would explore less. The wrappers add a few microseconds per call and
-measure CPU with time.process_time (this process's threads), which a loaded machine inflates far less than wall
-time; a phase's seconds include the phases called inside it.
+cProfile timing CPU seconds, its stats written to PREFIX.<pid>.<call> (read with pstats); saturation is left
+unprofiled, since its budget is CPU seconds and a profiled run would explore less. The wrappers add a few
+microseconds per call and measure CPU with time.process_time (this process's threads), which a loaded machine
+inflates far less than wall time; a phase's seconds include the phases called inside it.
 
 Examples (docs/benchmarks.md cites these):
 
@@ -83,7 +83,7 @@ def _profiled(function: Any, prefix: str) -> Any:
 
     @functools.wraps(function)
     def profiled(*args: Any, **kwargs: Any) -> Any:
-        profiler = cProfile.Profile()
+        profiler = cProfile.Profile(time.process_time)
         try:
             return profiler.runcall(function, *args, **kwargs)
         finally:
