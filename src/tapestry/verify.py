@@ -272,8 +272,9 @@ def _work(needs: list[tuple[dict[str, ZRange], dict[str, ZRange]]]) -> int:
 def _needs(programs: Sequence[_Program], cells_: Mapping[str, ZRange], work: int
            ) -> list[tuple[dict[str, ZRange], dict[str, ZRange]]] | None:
     """Each program's `_backward` answer for `cells_`, or None where they need more than `work` (`_work`): told as
-    soon as the index points alone pass what is left of it (a line of a 7B training step's weight update needs a
-    whole weight gradient's points, and walking all 12,000 ops for it was two fifths of its meaning check)."""
+    soon as the index points alone pass what is left of it. Every line and cell of the folded 7B training step needs
+    more, and its check walked every op of both programs eight times to find that out (docs/benchmarks.md, "Where
+    the folded step's CPU seconds go")."""
     needs = []
     for program in programs:
         found = _backward(program, cells_, work - _work(needs))
