@@ -1,6 +1,7 @@
 """Where an optimizer call's CPU seconds go, phase by phase, around any benchmark script that plans.
 
-    python benchmarks/profile_optimize.py [--reshards N] [--model llama] [--mesh 2x2] [-- SCRIPT.py ARGS...]
+    python benchmarks/profile_optimize.py [--reshards N] [--cprofile PREFIX] [--model llama] [--mesh 2x2] \
+        [-- SCRIPT.py ARGS...]
 
 Runs SCRIPT (default: `tapestry.optimize` of an Adam training step of the importer zoo's `--model`, a 2-layer
 decoder, on `--mesh`) with the optimizer's phases wrapped: each `explore` (saturation), each `Explored.extract`
@@ -10,9 +11,11 @@ decoder, on `--mesh`) with the optimizer's phases wrapped: each `explore` (satur
 floor). Prints one JSON line per process that planned (a script's `spawn`ed children too, as benchmarks/cluster.py
 runs its cases): per phase the calls' count and CPU and wall seconds, and each call's CPU seconds with its mesh.
 With `--reshards N`, every reshard that pricing prices (`AlphaBeta._priced`, once per orbit) is timed, and the N
-slowest are listed with their shape, dtype and layouts. The wrappers add a few microseconds per call and measure CPU
-with time.process_time (this process's threads), which a loaded machine inflates far less than wall time; a phase's
-seconds include the phases called inside it.
+slowest are listed with their shape, dtype and layouts. With `--cprofile PREFIX`, each `Explored.extract` runs under
+cProfile timing CPU seconds, its stats written to PREFIX.<pid>.<call> (read with pstats); saturation is left
+unprofiled, since its budget is CPU seconds and a profiled run would explore less. The wrappers add a few
+microseconds per call and measure CPU with time.process_time (this process's threads), which a loaded machine
+inflates far less than wall time; a phase's seconds include the phases called inside it.
 
 Examples (docs/benchmarks.md cites these):
 
@@ -25,8 +28,10 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import cProfile
 import functools
 import heapq
+import itertools
 import json
 import multiprocessing.process
 import os
@@ -72,15 +77,31 @@ def _timed_reshard(function: Any, keep: int) -> Any:
     return timed
 
 
-def install(reshards: int) -> None:
-    """Wrap the optimizer's phases (before the script imports `explore` by name) and, with `reshards`, pricing."""
+def _profiled(function: Any, prefix: str) -> Any:
+    """`function` run under cProfile, each call's stats written to prefix.<pid>.<call>."""
+    made = itertools.count(1)
+
+    @functools.wraps(function)
+    def profiled(*args: Any, **kwargs: Any) -> Any:
+        profiler = cProfile.Profile(time.process_time)
+        try:
+            return profiler.runcall(function, *args, **kwargs)
+        finally:
+            profiler.dump_stats(f"{prefix}.{os.getpid()}.{next(made)}")
+    return profiled
+
+
+def install(reshards: int, cprofile: str | None = None) -> None:
+    """Wrap the optimizer's phases (before the script imports `explore` by name), with `reshards` pricing, and with
+    `cprofile` extraction under cProfile."""
     from tapestry import optimizer
     from tapestry.cost import comm
     from tapestry.egraph.decode import Decoder
 
     optimizer.explore = _timed("explore", optimizer.explore,
                                lambda a, k: k.get("mesh", a[1] if len(a) > 1 else 1))
-    optimizer.Explored.extract = _timed("extract", optimizer.Explored.extract, lambda a, k: a[0].mesh)
+    extract = optimizer.Explored.extract if cprofile is None else _profiled(optimizer.Explored.extract, cprofile)
+    optimizer.Explored.extract = _timed("extract", extract, lambda a, k: a[0].mesh)
     optimizer.Explored.pareto = _timed("pareto", optimizer.Explored.pareto, lambda a, k: a[0].mesh)
     Decoder.extraction_graph = _timed("pricing", Decoder.extraction_graph, lambda a, k: a[0].mesh)
     optimizer.Explored._against_baselines = _timed("hand_plans", optimizer.Explored._against_baselines,
@@ -104,9 +125,9 @@ def report() -> None:
     print(json.dumps(out), flush=True)
 
 
-def _in_child(reshards: int, target: Any, *args: Any, **kwargs: Any) -> Any:
+def _in_child(reshards: int, cprofile: str | None, target: Any, *args: Any, **kwargs: Any) -> Any:
     """A spawned child's target, run with the phases wrapped; its report printed when it exits."""
-    install(reshards)
+    install(reshards, cprofile)
     try:
         return target(*args, **kwargs)
     finally:
@@ -114,7 +135,7 @@ def _in_child(reshards: int, target: Any, *args: Any, **kwargs: Any) -> Any:
         _calls.clear()
 
 
-def _follow_children(reshards: int) -> None:
+def _follow_children(reshards: int, cprofile: str | None) -> None:
     """Spawned children (cluster.py runs each case in one) get the same wrappers: their target is wrapped in
     `_in_child`, pickled by this module's importable name (benchmarks/ is on the children's sys.path)."""
     start = multiprocessing.process.BaseProcess.start
@@ -123,7 +144,7 @@ def _follow_children(reshards: int) -> None:
         if self._target is not None:
             import profile_optimize
 
-            self._target = functools.partial(profile_optimize._in_child, reshards, self._target)
+            self._target = functools.partial(profile_optimize._in_child, reshards, cprofile, self._target)
         start(self)
     multiprocessing.process.BaseProcess.start = started
 
@@ -145,14 +166,16 @@ def main() -> None:
     script = argv[argv.index("--") + 1:] if "--" in argv else []
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reshards", type=int, default=-1, help="time pricing each reshard; list the N slowest")
+    parser.add_argument("--cprofile", metavar="PREFIX", help="run each extraction under cProfile, its stats to "
+                        "PREFIX.<pid>.<call>")
     parser.add_argument("--model", default="llama", help="the default case's zoo family (a decoder)")
     parser.add_argument("--mesh", default="2x2", help="the default case's mesh")
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
-    install(args.reshards)
+    install(args.reshards, args.cprofile)
     if not script:
         tiny(args.model, args.mesh)
         return
-    _follow_children(args.reshards)
+    _follow_children(args.reshards, args.cprofile)
     sys.argv = script
     runpy.run_path(script[0], run_name="__main__")
 

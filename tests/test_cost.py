@@ -1,6 +1,7 @@
 """Cost models: the default model ranks known cases right, formulas match hand-computed numbers."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import runpy
 from pathlib import Path
@@ -372,3 +373,30 @@ def test_calibrate_quick_writes_a_loadable_profile(only_the_cost_command: None, 
     profile = load_profile(path)
     assert profile.device.peak_flops > 0 and profile.links[0].alpha >= 0
     assert "tapestry calibrate" in profile.provenance["command"]
+
+
+def test_steps_alike_but_for_their_names_are_priced_once_and_as_each_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An expanded plan's copies run copy 1's steps under other names, sharing their blocks: `plan_step_costs` prices
+    each such step once, to what pricing every step alone gives; a step of other blocks or layouts is priced apart."""
+    from tapestry.cost.fusion import fused_costs
+
+    g = Graph()
+    value = g.input("x", (16, 8))
+    for k in range(4):
+        value = g.relu(value, name=f"act{k}")
+    g.output("y", value)
+    mesh = Mesh(4)
+    plan = build_plan(g, mesh, {"act0": (0,), "act1": (0,), "act2": (0,), "act3": ()})
+    relus = [s for s in plan.steps if isinstance(s, Compute)]
+    shared = {s.out: dataclasses.replace(s, blocks=relus[0].blocks) for s in relus[1:3]}
+    plan = Plan(mesh, g, tuple(shared.get(s.out, s) for s in plan.steps), plan.outputs)
+    alone = {s.out: MODEL.step_cost(s, mesh) for s in plan.steps}
+    priced = []
+    step_cost = DefaultCostModel.step_cost
+    monkeypatch.setattr(DefaultCostModel, "step_cost", lambda self, s, m: priced.append(s.out) or step_cost(self, s, m))
+    for model in (MODEL, DefaultCostModel(PROFILE, fuse=False)):
+        priced.clear()
+        costs = model.plan_step_costs(plan)
+        assert costs == (fused_costs(plan, alone, PROFILE.device) if model.fuse else alone)
+        assert relus[1].out not in priced and relus[2].out not in priced
+        assert {relus[0].out, relus[3].out} <= set(priced)

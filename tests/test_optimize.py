@@ -346,6 +346,26 @@ def test_a_sampled_line_too_costly_shrinks_to_one_cell():
     assert verify.check_sampled(plan, work=10) == 0
 
 
+def test_a_sampled_cell_too_costly_is_told_as_the_whole_walk_tells_it_and_sooner(monkeypatch):
+    """`_needs` answers None exactly where the programs' whole `_backward` answers need more than `work`, and
+    stops walking once the index points alone pass it."""
+    g = Graph()
+    g.output("y", g.relu(g.matmul(g.relu(g.input("x", (4, 64))), g.input("w", (64, 32)))))
+    plan = build_plan(g, Mesh(2), {"matmul_0": (0,)})
+    programs = (verify._Program.of_plan(plan), verify._Program.of_graph(g))
+    for cell in (ZRange((0, 0), (1, 32)), ZRange((3, 5), (4, 6))):
+        whole = verify._work([verify._backward(p, {"y": cell}) for p in programs])
+        for work in (0, 1, whole // 3, whole // 2, whole - 1, whole, whole + 1, 10 * whole):
+            found = verify._needs(programs, {"y": cell}, work)
+            assert (found is None) == (whole > work)
+            assert found is None or verify._work(found) == whole
+    walked = []
+    preimage = verify._preimage
+    monkeypatch.setattr(verify, "_preimage", lambda sig, box: walked.append(sig) or preimage(sig, box))
+    assert verify._needs(programs, {"y": ZRange((0, 0), (1, 32))}, 0) is None
+    assert len(walked) == 1
+
+
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(sig=st.sampled_from(sorted(k for k in KERNELS if not k.startswith("opaque"))).flatmap(
     lambda k: signatures(KERNELS[k])), data=st.data())

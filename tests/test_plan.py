@@ -534,3 +534,39 @@ def test_validation_computes_reads_itself_so_a_halo_a_row_short_is_caught(monkey
     with pytest.raises(PlanError, match=r"device 0 reads zr\[0:1, 0:2, 0:5, 0:8\] of arg 0 \(x\) 'v0' but holds only "
                                         r"zr\[0:1, 0:2, 0:4, 0:8\]"):
         validate_plan(build_plan(g, Mesh(2), {"conv2d_0": (2,)}))
+
+
+def relu_chain_plan(depth: int = 3) -> Plan:
+    """x split by rows over 4 devices through `depth` relus alike but for their names (as an expanded plan's layers)."""
+    g = Graph()
+    value = g.input("x", (16, 8), "float64")
+    for k in range(depth):
+        value = g.relu(value, name=f"act{k}")
+    g.output("y", value)
+    return build_plan(g, Mesh(4), {f"act{k}": (0,) for k in range(depth)})
+
+
+def test_steps_alike_but_for_their_names_are_judged_once_and_their_sources_each_time(monkeypatch):
+    """A Compute step whose blocks, layouts and binding were found valid is not judged again (an expanded plan runs
+    copy 1's steps once per later copy), but what it reads still is, by name."""
+    from tapestry.plan import validate
+
+    plan = relu_chain_plan()
+    judged = []
+    whole = validate._compute_problems
+    monkeypatch.setattr(validate, "_compute_problems", lambda *a: judged.append(a[1].out) or whole(*a))
+    assert plan_problems(plan) == []
+    relus = [s.out for s in plan.steps if isinstance(s, Compute)]
+    assert judged == relus[:1]
+    dangling = replace_step(plan, relus[2], args=("v99",))
+    assert problems_mentioning(dangling, f"step {relus[2]} (compute relu): arg 0 (x) refers to 'v99', which no "
+                                         f"earlier step defines")
+    late = dataclasses.replace(plan, steps=tuple(s for s in plan.steps if s.out != relus[1]) + (plan.by_id[relus[1]],))
+    assert problems_mentioning(late, f"step {relus[2]} (compute relu): arg 0 (x) refers to {relus[1]!r}")
+
+
+def test_a_step_alike_to_a_valid_one_but_for_its_blocks_is_judged_again():
+    plan = relu_chain_plan()
+    last = [s for s in plan.steps if isinstance(s, Compute)][-1]
+    problems = problems_mentioning(replace_step(plan, last.out, blocks=(*last.blocks[:3], None)), "gap")
+    assert problems and all(p.startswith(f"step {last.out} (compute relu)") for p in problems)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -242,11 +242,11 @@ def check_sampled(plan: Plan, seed: int = 0, samples: int = SAMPLES, work: int =
     checked = 0
     for k in range(samples):
         cell = {name: _sample_cells(graph[t].shape, k, rng) for name, t in graph.outputs.items()}
-        needs = [_backward(p, cell) for p in programs]
-        if _work(needs) > work:
+        needs = _needs(programs, cell, work)
+        if needs is None:
             cell = {name: ZRange(box.start, [s + 1 for s in box.start]) for name, box in cell.items()}
-            needs = [_backward(p, cell) for p in programs]
-            if _work(needs) > work:
+            needs = _needs(programs, cell, work)
+            if needs is None:
                 continue
         read = {n.name: ZRange.bounding([r[n.name] for _, r in needs if n.name in r]) for n in graph.inputs
                 if any(n.name in r for _, r in needs)}
@@ -269,6 +269,21 @@ def _work(needs: list[tuple[dict[str, ZRange], dict[str, ZRange]]]) -> int:
     return sum(b.size for index, read in needs for b in (*index.values(), *read.values()))
 
 
+def _needs(programs: Sequence[_Program], cells_: Mapping[str, ZRange], work: int
+           ) -> list[tuple[dict[str, ZRange], dict[str, ZRange]]] | None:
+    """Each program's `_backward` answer for `cells_`, or None where they need more than `work` (`_work`): told as
+    soon as the index points alone pass what is left of it. Every line and cell of the folded 7B training step needs
+    more, and its check walked every op of both programs eight times to find that out (docs/benchmarks.md, "Where
+    the folded step's CPU seconds go")."""
+    needs = []
+    for program in programs:
+        found = _backward(program, cells_, work - _work(needs))
+        if found is None:
+            return None
+        needs.append(found)
+    return needs if _work(needs) <= work else None
+
+
 def _sample_cells(shape: Shape, k: int, rng: np.random.Generator) -> ZRange:
     """Sample k of an output: a whole line along its last dim (a wrong rule may change only some values: a
     relu dropped changes only the negative ones), at the first index of the other dims, at the last, then at
@@ -281,9 +296,10 @@ def _widen(boxes: dict[str, ZRange], name: str, box: ZRange) -> None:
     boxes[name] = box if name not in boxes else ZRange.bounding([boxes[name], box])
 
 
-def _backward(program: _Program, cells_: Mapping[str, ZRange]) -> tuple[dict[str, ZRange], dict[str, ZRange]]:
+def _backward(program: _Program, cells_: Mapping[str, ZRange], points: float = math.inf
+              ) -> tuple[dict[str, ZRange], dict[str, ZRange]] | None:
     """The index block each op must run to make the output cells `cells_` (from the outputs back), and the box
-    of each input they read."""
+    of each input they read; None once the blocks hold more than `points` index points."""
     need: dict[str, ZRange] = {}
     for name, box in cells_.items():
         _widen(need, program.outputs[name], box)
@@ -292,6 +308,9 @@ def _backward(program: _Program, cells_: Mapping[str, ZRange]) -> tuple[dict[str
         if op.name not in need:
             continue
         block = index[op.name] = _preimage(op.sig, need[op.name])
+        points -= block.size
+        if points < 0:
+            return None
         for arg, projection, shape in zip(op.args, op.sig.projections, op.sig.input_shapes):
             inside = ZRange.from_shape(shape).intersection(projection.apply(block))
             if inside is not None and not inside.is_empty:

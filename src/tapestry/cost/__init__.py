@@ -13,7 +13,7 @@ from tapestry.cost.fusion import fused_costs
 from tapestry.cost.model import CostModel, plan_cost, run_costs, step_costs
 from tapestry.cost.profile import DeviceProfile, Link, Profile, builtin_profiles, load_profile
 from tapestry.cost.roofline import Roofline
-from tapestry.plan.plan import Plan, Step
+from tapestry.plan.plan import Compute, Plan, Reshard, Step
 from tapestry.sharding import Mesh
 
 
@@ -44,9 +44,29 @@ class DefaultCostModel:
         return self.profile.device if self.fuse else None
 
     def plan_step_costs(self, plan: Plan) -> dict[str, float]:
-        """Seconds per per-run step of `plan`, fusion groups charged as one kernel (`cost.fusion`) with `fuse`."""
-        costs = {s.out: self.step_cost(s, plan.mesh) for s in plan.steps if s.out not in plan.prepared}
+        """Seconds per per-run step of `plan`, fusion groups charged as one kernel (`cost.fusion`) with `fuse`.
+        Steps alike but for their names are priced once (`step_cost` reads no name): an expanded plan runs copy 1's
+        steps once per later copy."""
+        priced: dict[tuple, float] = {}
+        costs = {}
+        for step in plan.steps:
+            if step.out not in plan.prepared:
+                key = _alike(step)
+                if key not in priced:
+                    priced[key] = self.step_cost(step, plan.mesh)
+                costs[step.out] = priced[key]
         return fused_costs(plan, costs, self.profile.device) if self.fuse else costs
+
+
+def _alike(step: Step) -> tuple:
+    """A key shared by steps alike but for their names (and a Compute's origin): its blocks by identity, as the
+    steps of an expanded plan's copies share them (hashing every device's block per step is not free)."""
+    if isinstance(step, Compute):
+        return (step.kernel, step.params, step.input_shapes, step.input_dtypes, step.arg_layouts, id(step.blocks),
+                step.layout, step.exchange, step.ring)
+    if isinstance(step, Reshard):
+        return step.shape, step.dtype, step.src_layout, step.layout
+    return step.shape, step.layout
 
 
 def default_cost_model() -> DefaultCostModel:

@@ -63,11 +63,12 @@ def plan_problems(plan: Plan) -> list[str]:
     problems: list[str] = []
     defined: dict[str, Step] = {}
     value_dtypes: dict[str, str] = {}
+    clean: set[tuple] = set()  # `_computed`'s keys of the Compute steps found valid (`_step_problems`)
     for step in plan.steps:
         where = _where(step)
         if step.out in defined:
             problems.append(f"{where}: value {step.out!r} is defined twice")
-        problems += [f"{where}: {p}" for p in _step_problems(plan, step, defined)]
+        problems += [f"{where}: {p}" for p in _step_problems(plan, step, defined, clean)]
         problems += [f"{where}: {p}" for p in _dtype_problems(plan, step, value_dtypes)]
         defined[step.out] = step
     problems += _output_problems(plan, defined)
@@ -110,12 +111,34 @@ def _where(step: Step) -> str:
     return f"step {step.out} ({type(step).__name__.lower()})"
 
 
-def _step_problems(plan: Plan, step: Step, defined: dict[str, Step]) -> list[str]:
+def _step_problems(plan: Plan, step: Step, defined: dict[str, Step], clean: set[tuple]) -> list[str]:
+    """The step's problems. A Compute step whose `_computed` key was found valid already (`clean`: each later copy
+    of an expanded plan's layer runs the step of copy 1, under other names) has only its sources left to check:
+    whatever else `_compute_problems` checks is a function of that key."""
     if isinstance(step, Place):
         return _place_problems(plan, step)
     if isinstance(step, Reshard):
         return _reshard_problems(plan.mesh, step, defined)
-    return _compute_problems(plan.mesh, step, defined)
+    key = _computed(step)
+    if key in clean:
+        return [problem for i, (arg, layout, shape) in enumerate(zip(step.args, step.arg_layouts, step.input_shapes))
+                for problem in _source_problems(arg, shape, layout, defined, _arg_what(step.signature, i))]
+    problems = _compute_problems(plan.mesh, step, defined)
+    if not problems:
+        clean.add(key)
+    return problems
+
+
+def _computed(step: Compute) -> tuple:
+    """What `_compute_problems` judges of a step but its sources (the values it reads, by name): its kernel
+    binding, blocks and layouts (the mesh is the plan's)."""
+    return (step.kernel, step.params, step.input_shapes, step.input_dtypes, step.arg_layouts, step.blocks,
+            step.layout, step.exchange, step.ring)
+
+
+def _arg_what(sig: Signature, i: int) -> str:
+    """How a problem names a step's argument i."""
+    return f"arg {i} ({sig.kernel.inputs[i]})"
 
 
 def layout_problems(layout: Layout, shape: Shape, mesh: Mesh, what: str = "layout") -> list[str]:
@@ -198,7 +221,7 @@ def _compute_problems(mesh: Mesh, step: Compute, defined: dict[str, Step]) -> li
     problems = [f"blocks do not partition the index space: {p}" for p in partition_issues(sig, covered)]
     problems += _layout_claim_problems(sig, step, covered)
     for i, (arg, layout, shape) in enumerate(zip(step.args, step.arg_layouts, step.input_shapes)):
-        what = f"arg {i} ({sig.kernel.inputs[i]})"
+        what = _arg_what(sig, i)
         problems += _source_problems(arg, shape, layout, defined, what)
         malformed = layout_problems(layout, shape, mesh, f"{what} layout")
         problems += malformed
