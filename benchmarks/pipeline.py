@@ -127,7 +127,8 @@ def row(name: str, plan: Any, peak: float, seconds: str = "") -> str:
     s = plan.schedule
     schedule = "—" if s.stages == 1 else s.name + (f" (v={s.chunks})" if s.chunks > 1 else "")
     return (f"| {name} | {s.stages} x {plan.stage_mesh} | {schedule} | {s.micro_batches} x {plan.micro_batch} | "
-            f"{sum(plan.recompute)} of {len(plan.recompute)} | {plan.cost:.2f} | {plan.flops / (plan.cost * plan.mesh.size * peak):.1%} | "
+            f"{sum(plan.recompute)} of {len(plan.recompute)} | {plan.cost:.2f} | "
+            f"{plan.flops / (plan.cost * plan.mesh.size * peak):.1%} | "
             f"{plan.peak_memory / 2**30:.1f} | {seconds} |")
 
 

@@ -50,8 +50,8 @@ def torchrun_example(folder: Path, *args: str, killed_after: int | None = None, 
     env = {**os.environ, "TAPESTRY_PLAN_CACHE": str(folder / "plans"), "PYTHONPATH": source}
     run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                             str(EXAMPLES / "train_torchrun.py"), "--steps", "8", "--save-every", "3",
-                            *(["--eager"] if eager else []), "--checkpoint", str(folder / "ckpt"), *args], stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                            *(["--eager"] if eager else []), "--checkpoint", str(folder / "ckpt"), *args],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
         out = []
         for line in run.stdout:

@@ -91,7 +91,8 @@ def dominated_runs(ops: Iterable[Sequence[Candidate]], moves: Mapping[tuple[str,
     `ops` holds, per logical op (one out value from one tuple of argument values), its candidate Runs; `moves`
     the reshard costs (from class, to class; infinite or absent: no such move). Run P (out class C, args A_i)
     is dropped when a kept Run P' of the op (out C', args A_i') has cost(P') + the moves A_i -> A_i' + the
-    move C' -> C (each where the classes differ) <= cost(P). Each op's Runs are taken by (cost, node), and P is compared only with the
+    move C' -> C (each where the classes differ) <= cost(P). Each op's Runs are taken by (cost, node), and P is
+    compared only with the
     Runs kept before it: those cost no more, and a dominator is never dropped later.
 
     Why the optimum survives: take a cheapest acyclic choice S (a node per needed class) using P for C, and
@@ -212,7 +213,8 @@ def distributed_nodes(data: Mapping[str, Any], interner: Interner, deadline: flo
     Reshards out of a replicated layout (local slices: what the replicated plan needs) and between the layouts
     of round -1 (`Interner.rounds`: the replicated runs' and the seed plans', so each seed plan's moves) are made
     for every value; the other moves value by value until `max_reshards` of them are made or, a safety net
-    only, `deadline` (a `clock()` time: CPU seconds): a count, so the moves made do not depend on the load. None leaves a footprint: a
+    only, `deadline` (a `clock()` time: CPU seconds): a count, so the moves made do not depend on the load. None
+    leaves a footprint: a
     layout that no Run or Place computes and that holds only part of the tensor (what one reader reads: GPT-NeoX's
     fused QKV value has 275, 25 for each of its eleven slices). Such a layout can move only into layouts inside
     the part it holds, and every layout it could feed has its own move from the computed layout the footprint came

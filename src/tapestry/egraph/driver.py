@@ -77,7 +77,8 @@ def rule_nodes(budget: Budget) -> int:
 
 def runs_to_generate(budget: Budget, mesh: Mesh) -> int:
     """How many sharded runs generation makes at most: GENERATION_SHARE of `budget.seconds` at RUNS_PER_SECOND,
-    (PAIRS_DEVICES / devices) as many past PAIRS_DEVICES (a run's blocks are made for every device). A count, not a clock: by CPU seconds Mixtral's training step on 8x8 left out 347 and 2,547
+    (PAIRS_DEVICES / devices) as many past PAIRS_DEVICES (a run's blocks are made for every device). A count,
+    not a clock: by CPU seconds Mixtral's training step on 8x8 left out 347 and 2,547
     runs in two runs of the same call (docs/benchmarks.md, "Plans that do not depend on the load")."""
     return int(RUNS_PER_SECOND * budget.seconds * GENERATION_SHARE * min(1.0, PAIRS_DEVICES / mesh.size))
 

@@ -270,10 +270,12 @@ class Generator:
         Every node's replicated run goes in first, whatever the budget, so a plan always exists, and every step
         of the plans `seeds` (hand plans, of this graph or of its linears expanded) that a node runs, so each
         lies in the e-graph, its layouts in round -1 (`Interner.rounds`) with the replicated ones: their moves
-        are made and priced whatever the counts (decode). Then the sharded runs, in rounds: round k adds every node's k-th candidate (`generation_order`: round 0 splits one dim,
+        are made and priced whatever the counts (decode). Then the sharded runs, in rounds: round k adds every
+        node's k-th candidate (`generation_order`: round 0 splits one dim,
         mostly the batch, over every mesh axis), until `max_runs` sharded runs, `max_nodes` e-nodes, the values'
         layouts making `max_pairs` ordered pairs (reshards to make and price; docs/cost-models.md, "Budgets", has
-        the case), or, a safety net only, `deadline` (a `clock()` time: CPU seconds). A stop thus leaves every node similar choices, which fit together, rather
+        the case), or, a safety net only, `deadline` (a `clock()` time: CPU seconds). A stop thus leaves every
+        node similar choices, which fit together, rather
         than some nodes all of theirs and the rest none."""
         started = clock()
         todo = self._dequeue()

@@ -157,7 +157,8 @@ def _place_problems(plan: Plan, step: Place) -> list[str]:
         return [f"places {step.input!r}, which is not an input of the graph"]
     problems = layout_problems(step.layout, step.shape, plan.mesh)
     if step.shape != plan.graph[step.input].shape:
-        problems.append(f"shape {list(step.shape)} differs from input {step.input!r}'s {list(plan.graph[step.input].shape)}")
+        problems.append(f"shape {list(step.shape)} differs from input {step.input!r}'s "
+                        f"{list(plan.graph[step.input].shape)}")
     if step.layout.partial:
         problems.append("an input cannot be placed partial")
     return problems
