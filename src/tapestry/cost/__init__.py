@@ -62,8 +62,7 @@ def _alike(step: Step) -> tuple:
     """A key shared by steps alike but for their names (and a Compute's origin): its blocks by identity, as the
     steps of an expanded plan's copies share them (hashing every device's block per step is not free)."""
     if isinstance(step, Compute):
-        return (step.kernel, step.params, step.input_shapes, step.input_dtypes, step.arg_layouts, id(step.blocks),
-                step.layout, step.exchange, step.ring)
+        return step.binding, id(step.blocks)
     if isinstance(step, Reshard):
         return step.shape, step.dtype, step.src_layout, step.layout
     return step.shape, step.layout

@@ -81,6 +81,13 @@ class Compute:
     def shape(self) -> Shape:
         return self.signature.output_shape
 
+    @property
+    def binding(self) -> tuple:
+        """What the step computes but its names and blocks: a key for the steps alike but for their names (an
+        expanded plan's later copies), to which a cache adds the blocks as it compares them."""
+        return (self.kernel, self.params, self.input_shapes, self.input_dtypes, self.arg_layouts, self.layout,
+                self.exchange, self.ring)
+
 
 @dataclass(frozen=True)
 class Reshard:

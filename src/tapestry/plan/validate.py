@@ -132,8 +132,7 @@ def _step_problems(plan: Plan, step: Step, defined: dict[str, Step], clean: set[
 def _computed(step: Compute) -> tuple:
     """What `_compute_problems` judges of a step but its sources (the values it reads, by name): its kernel
     binding, blocks and layouts (the mesh is the plan's)."""
-    return (step.kernel, step.params, step.input_shapes, step.input_dtypes, step.arg_layouts, step.blocks,
-            step.layout, step.exchange, step.ring)
+    return step.binding, step.blocks
 
 
 def _arg_what(sig: Signature, i: int) -> str:
