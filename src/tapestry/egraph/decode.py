@@ -260,7 +260,7 @@ def distributed_nodes(data: Mapping[str, Any], interner: Interner, deadline: flo
                 for dst in classes:
                     if dst != src and not interner.layouts[dst][1].partial:
                         move(value, classes, src, dst)
-        seeded = [key for key in classes if interner.rounds.get(key, 0) < 0]  # the seed plans' layouts (generate)
+        seeded = [key for key in classes if interner.seeded(key)]
         for src, dst in reshard_pairs(seeded, interner) if len(seeded) > 1 else ():
             if classes[src] in computed or interner.whole(src):
                 move(value, classes, src, dst)
@@ -457,8 +457,7 @@ class Decoder:
     def _seeded(self, node: DNode) -> bool:
         """Whether a reshard moves between two layouts of round -1 (a seed plan's, `Generator.distribute`): priced
         whatever the count, so every seed plan lies in the extraction graph."""
-        rounds = self.interner.rounds
-        return rounds.get(self.class_layout[node.children[0]], 0) < 0 and rounds.get(node.key, 0) < 0
+        return self.interner.seeded(self.class_layout[node.children[0]]) and self.interner.seeded(node.key)
 
     def _price_key(self, node: DNode) -> Any:
         """Equal for steps any cost model prices alike: a Run's step without its origin, a Reshard's layout pair

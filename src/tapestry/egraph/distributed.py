@@ -54,6 +54,11 @@ class Interner:
             self.layouts[name] = key
         return self._layout_keys[key]
 
+    def seeded(self, key: str) -> bool:
+        """Whether layout `key` is of round -1: a replicated run's or a seed plan's (`Generator.distribute`), whose
+        moves are made and priced whatever the counts."""
+        return self.rounds.get(key, 0) < 0
+
     def whole(self, key: str) -> bool:
         """Whether layout `key` is plain and its blocks together hold the whole tensor: what an output may be
         delivered in (an argument's layout holds only what its reader reads, e.g. the row a select takes)."""
