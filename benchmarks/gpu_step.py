@@ -9,7 +9,7 @@ the imported step planned whole on Mesh(1) (`build_plan`: no communication) unde
 Measuring needs torch and a GPU; pricing needs the optimizer's packages, so the two can run on different machines:
 
     python benchmarks/gpu_step.py --measure gpu_step.json     # on the GPU (writes nothing else)
-    python benchmarks/gpu_step.py --load gpu_step.json        # anywhere: prices the steps, writes the section
+    python benchmarks/gpu_step.py --load a.json b.json        # anywhere: prices the steps, a table per GPU
 """
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def predicted(width: str, batch: int, seq: int) -> dict[str, tuple[dict[str, flo
     return found
 
 
-def report(measured: dict[str, Any]) -> str:
+def table(measured: dict[str, Any]) -> str:
     spec, calibrated = PROFILES
     lines = [f"| width | batch x seq | phase | predicted ms, {spec} | predicted ms, {calibrated} | eager, foreach Adam "
              f"| eager, fused Adam | torch.compile, fused Adam | compiled / {spec} | compiled / {calibrated} |",
@@ -127,34 +127,56 @@ def report(measured: dict[str, Any]) -> str:
         summary.append(f"- {width}, {batch}x{seq}: predicted {sum(want.values()) * 1e3:.2f} ms a step under {spec} "
                        f"(MFU {peak / sum(want.values()):.0%} by the model), fastest measured {best * 1e3:.2f} ms "
                        f"(MFU {peak / best:.0%} of the same peak).")
-    head = (f"One `importer.zoo.LlamaBlock` at each width, bfloat16, one torch.optim.Adam step (MSE loss) on one "
-            f"{measured['device']} (torch {measured['torch']}, CUDA {measured['cuda']}, Python {measured['python']}; "
-            f"{measured['when']}): each phase timed with CUDA events, median of {measured['runs']} steps after "
-            f"{measured['warmup']}; torch.compile compiles the block (forward and backward), the optimizer runs "
-            f"eager. Predicted: the same step imported under the meta device, planned whole on Mesh(1) and split "
-            f"by `cost.breakdown` under the `{spec}` profile (the H100 SXM's spec sheet: 989 TFLOP/s bfloat16, "
-            f"3.35 TB/s) and under `{calibrated}` (what `tapestry calibrate --device cuda` measured on an H100 on "
-            f"2026-11-22: 765 TFLOP/s bfloat16 matmuls, 2.99 TB/s, 31 µs a launch). An H200 has the H100's "
-            f"bfloat16 peak and 4.8 TB/s, so on one the memory-bound steps, the update above all, run faster than "
-            f"either prediction means. MFU: the step's FLOPs at the spec-sheet peak over its time.")
+    head = (f"On one {measured['device']} (torch {measured['torch']}, CUDA {measured['cuda']}, Python "
+            f"{measured['python']}; {measured['when']}):")
     return "\n".join([head, "", *lines, "", *summary])
+
+
+def calibration(profile: dict[str, Any]) -> str:
+    """What a calibration measured, in the units people quote."""
+    device, made = profile["device"], profile["provenance"]
+    return (f"{device['peak_flops_by_dtype']['bfloat16'] / 1e12:.0f} TFLOP/s bfloat16 matmuls, "
+            f"{device['mem_bandwidth'] / 1e12:.2f} TB/s, {device['launch_overhead'] * 1e6:.0f} µs a launch "
+            f"({made['machine'].split(',')[0]}, {made['date'][:10]})")
+
+
+def report(measured: list[dict[str, Any]], recalibrated: list[Path]) -> str:
+    from tapestry.cost import load_profile
+
+    spec, calibrated = PROFILES
+    shipped = load_profile(calibrated).to_json()
+    again = "".join(f"; `tapestry calibrate --device cuda` run again ({path}): "
+                    f"{calibration(json.loads(path.read_text()))}" for path in recalibrated)
+    head = (f"One `importer.zoo.LlamaBlock` at each width, bfloat16, one torch.optim.Adam step (MSE loss): each "
+            f"phase timed with CUDA events, median of the runs after a warm-up; torch.compile compiles the block "
+            f"(forward and backward), the optimizer runs eager. Predicted: the same step imported under the meta "
+            f"device, planned whole on Mesh(1) and split by `cost.breakdown` under the `{spec}` profile (the H100 "
+            f"SXM's spec sheet: 989 TFLOP/s bfloat16, 3.35 TB/s) and under `{calibrated}` (shipped: "
+            f"{calibration(shipped)}{again}). An H200 has the H100's bfloat16 peak and 4.8 TB/s, so on one the "
+            f"memory-bound steps, the update above all, run faster than either prediction means. MFU: the step's "
+            f"FLOPs at the spec-sheet peak over its time.")
+    return "\n\n".join([head, *map(table, measured)])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--measure", type=Path, help="measure on this machine's GPU and save here")
-    parser.add_argument("--load", type=Path, help="price the saved measurements and write the section")
+    parser.add_argument("--load", type=Path, nargs="+", help="price the saved measurements (one table per file) "
+                        "and write the section")
+    parser.add_argument("--recalibrated", type=Path, nargs="*", default=[],
+                        help="profiles `tapestry calibrate --device cuda` wrote again, quoted beside the shipped one")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     if args.measure:
         measure(args.measure)
     if args.load:
-        body = report(json.loads(args.load.read_text()))
+        body = report([json.loads(path.read_text()) for path in args.load], args.recalibrated)
         print(body)
         if not args.no_write:
             write_section("GPU: a LLaMA block's training step", "python benchmarks/gpu_step.py --measure "
-                          "gpu_step.json (on the GPU), then python benchmarks/gpu_step.py --load gpu_step.json "
-                          "(data: benchmarks/data/gpu_step.json)", body)
+                          "gpu_step.json (on each GPU), then python benchmarks/gpu_step.py --load "
+                          "benchmarks/data/gpu_step.json benchmarks/data/gpu_step_h100.json --recalibrated "
+                          "benchmarks/data/gpu-h100-calibration-2026-11-27.json", body)
 
 
 if __name__ == "__main__":
