@@ -83,7 +83,8 @@ def call(args: argparse.Namespace) -> dict[str, Any]:
     peak = profile.device.peak(args.dtype) * mesh.size
     wall, cpu = time.perf_counter(), time.process_time()
     try:
-        result = tapestry.optimize(imported.graph, mesh=mesh, memory_budget=budget, cost_model=cost_model)
+        search = {} if args.search_seconds is None else {"budget": tapestry.Budget(seconds=args.search_seconds)}
+        result = tapestry.optimize(imported.graph, mesh=mesh, memory_budget=budget, cost_model=cost_model, **search)
     except Exception as err:
         traceback.print_exc()
         row.update(error=f"{type(err).__name__}: {err}", optimize_s=time.perf_counter() - wall,
@@ -183,6 +184,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--budget-gb", type=float, default=80.0, help="memory_budget, in 10**9 bytes per device")
+    parser.add_argument("--search-seconds", type=float, help="tapestry.Budget(seconds=...): the search's work counts "
+                        "(default: Budget()'s)")
     parser.add_argument("--profile", default="gpu-h100-nccl")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     step = parser.add_mutually_exclusive_group()
