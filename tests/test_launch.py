@@ -120,7 +120,8 @@ def test_verify_passes_where_both_sides_are_nan_and_inputs_from_npy_files_raise_
     capfd.readouterr()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        status = main(["run", str(tmp_path / "plan.json"), "--no-compile", "--verify", "--inputs", str(tmp_path / "in")])
+        status = main(["run", str(tmp_path / "plan.json"), "--no-compile", "--verify",
+                       "--inputs", str(tmp_path / "in")])
     done = capfd.readouterr()
     assert status == 0, done.out + done.err
     assert "verify y:" in done.out and "ok" in done.out
