@@ -1,8 +1,6 @@
 """Real PyTorch models go in with tapestry.from_torch, and their plans compute what the module computes."""
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +9,7 @@ import torch
 
 import tapestry
 from tapestry import dtypes
+from tapestry.cli import main
 from tapestry.evaluator import evaluate
 from tapestry.importer import TorchImportError, from_torch
 from tapestry.importer.zoo import MODELS
@@ -209,15 +208,15 @@ example_inputs = (torch.randn(64, 16),)
 """
 
 
-def test_cli_optimizes_and_runs_a_script_that_defines_a_model(tmp_path: Path):
+def test_cli_optimizes_and_runs_a_script_that_defines_a_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """In process: `python -m tapestry.cli run` is spawned by test_runtime's optimizer-packages-missing test."""
     script = tmp_path / "model.py"
     script.write_text(SCRIPT)
     plan = tmp_path / "plan.json"
-    cli = [sys.executable, "-m", "tapestry.cli"]
-    subprocess.run([*cli, "optimize", str(script), "--mesh", "2", "-o", str(plan)], check=True, capture_output=True)
-    run = subprocess.run([*cli, "run", str(plan), "--verify", "--no-compile"], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    assert "ok" in run.stdout
+    assert main(["optimize", str(script), "--mesh", "2", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["run", str(plan), "--verify", "--no-compile"]) == 0
+    assert "ok" in capsys.readouterr().out
 
 
 def test_docs_table_names_only_converted_ops():

@@ -4,10 +4,16 @@ Every import counts, a function-level one too: a lazy import still ties the laye
 from __future__ import annotations
 
 import ast
+import functools
+import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+
+import networkx
+import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "tapestry"
 
@@ -37,10 +43,19 @@ def _layer(path: Path, src: Path) -> str:
     return "command" if path.name == "command.py" else relative.parts[0].removesuffix(".py")
 
 
+def _parsed(path: Path) -> ast.Module:
+    return _parse(path.read_text(), str(path))
+
+
+@functools.cache  # the layer check and the import graph read the same files
+def _parse(text: str, filename: str) -> ast.Module:
+    return ast.parse(text, filename)
+
+
 def _imports(path: Path) -> list[tuple[int, str]]:
     """(line, imported tapestry module) for every import in the file."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(_parsed(path)):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names] if node.module == "tapestry" \
                 else [node.module]
@@ -78,6 +93,125 @@ def test_the_check_finds_an_import_of_a_higher_layer(tmp_path) -> None:
         "tapestry/plan/plan.py:2: plan (layer 4) imports tapestry.runtime (layer 11)"]
 
 
+def _module_name(path: Path, src: Path) -> str:
+    return ".".join((src.name, *path.relative_to(src).with_suffix("").parts)).removesuffix(".__init__")
+
+
+def _ancestors(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:k]) for k in range(1, len(parts))]
+
+
+def _import_time_nodes(body: list[ast.stmt]) -> Iterator[ast.AST]:
+    """The statements a module runs as it loads: its top level, class bodies and decorators, and the branches of
+    top-level if/try/with/for, but no function body and no `if TYPE_CHECKING:` block."""
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for decorator in node.decorator_list:
+                yield from ast.walk(decorator)
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from _import_time_nodes(node.orelse)
+            continue
+        yield node
+        if isinstance(node, (ast.ClassDef, ast.If, ast.Try, ast.With, ast.For, ast.While)):
+            for field in ("body", "orelse", "finalbody"):
+                yield from _import_time_nodes(getattr(node, field, []))
+            for handler in getattr(node, "handlers", []):
+                yield from _import_time_nodes(handler.body)
+
+
+def import_time_graph(src: Path = SRC) -> dict[str, set[str]]:
+    """Module -> the tapestry modules that loading it loads first (or finds half loaded).
+
+    `from P import name` needs P whole, `from P import sub` (a submodule) needs sub; importing P.Q.m also runs the
+    packages P and P.Q, unless the importer lies inside them (then they are already loading: a package runs before
+    its modules, and a module reaching its own half-made package for a submodule is fine). A namespace package
+    (no __init__.py) is a module that loads nothing."""
+    paths = {_module_name(p, src): p for p in src.rglob("*.py") if p.name != "__main__.py"}
+    graph: dict[str, set[str]] = {name: set() for name in {*paths, *(a for n in paths for a in _ancestors(n))}}
+    for name, path in paths.items():
+        for node in _import_time_nodes(_parsed(path).body):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                    and node.module.split(".")[0] == src.name:
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in paths else node.module
+                           for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names if a.name.split(".")[0] == src.name]
+            else:
+                continue
+            for target in targets:
+                graph[name] |= {target} | (set(_ancestors(target)) - {name, *_ancestors(name)})
+    return graph
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle of the graph, from its first module by name round to it again, or [] where there is none."""
+    try:
+        edges = networkx.find_cycle(networkx.DiGraph([(a, b) for a, targets in graph.items() for b in targets]))
+    except networkx.NetworkXNoCycle:
+        return []
+    cycle = [a for a, _ in edges]
+    start = cycle.index(min(cycle))
+    return cycle[start:] + cycle[:start + 1]
+
+
+def test_no_cycle_of_imports_runs_as_modules_load() -> None:
+    """With no cycle, no module ever meets another half loaded, whatever it is imported after: every module imports
+    on its own (test_the_static_import_graph_is_what_modules_load checks that the graph misses no import)."""
+    assert import_cycle(import_time_graph()) == []
+
+
+def test_the_cycle_check_finds_a_module_needing_its_half_made_package_and_passes_lazy_imports(tmp_path) -> None:
+    package = tmp_path / "tapestry" / "kit"
+    package.mkdir(parents=True)
+    (tmp_path / "tapestry" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("from tapestry.kit.tool import hammer\nfrom tapestry.kit import base\n")
+    (package / "base.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import tapestry.kit\n"
+                                     "def later():\n    from tapestry.kit import hammer\n")
+    (package / "tool.py").write_text("from tapestry.kit.base import later\nhammer = later\n")
+    assert import_cycle(import_time_graph(tmp_path / "tapestry")) == []
+    # A class body runs as the module loads, and hammer is a name of the package's, not a module: a cycle.
+    (package / "tool.py").write_text("from tapestry.kit import base\nclass Tool:\n    from tapestry.kit import hammer\n")
+    cycle = import_cycle(import_time_graph(tmp_path / "tapestry"))
+    assert cycle == ["tapestry.kit", "tapestry.kit.tool", "tapestry.kit"]
+
+
+def test_the_static_import_graph_is_what_modules_load() -> None:
+    """Every module imported in one process, in turn: what each newly loads lies within what the import graph says
+    it loads, so that no import at load time (importlib, a call at top level) escapes the cycle check."""
+    graph = import_time_graph()
+    script = """
+import importlib, json, sys
+for name in sys.argv[1:]:
+    before = set(sys.modules)
+    try:
+        importlib.import_module(name)
+    except Exception as err:
+        print(json.dumps([name, f"{type(err).__name__}: {err}"]))
+    else:
+        print(json.dumps([name, sorted(m for m in set(sys.modules) - before if m.split(".")[0] == "tapestry")]))
+"""
+    done = subprocess.run([sys.executable, "-c", script, *sorted(graph)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(SRC.parent)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded = dict(json.loads(line) for line in done.stdout.splitlines())
+    assert sorted(loaded) == sorted(graph)
+    failed = {name: error for name, error in loaded.items() if isinstance(error, str)}
+    assert failed == {}
+    unseen = {}
+    for name, new in loaded.items():
+        reach, todo = set(), [name, *_ancestors(name)]
+        while todo:
+            if (module := todo.pop()) not in reach:
+                reach.add(module)
+                todo += graph[module]
+        if set(new) - reach:
+            unseen[name] = sorted(set(new) - reach)
+    assert unseen == {}, "modules loaded that the import graph does not know of"
+
+
+@pytest.mark.slow  # test_no_cycle_of_imports_runs_as_modules_load with the graph check above proves this statically
 def test_every_module_imports_on_its_own():
     """No import cycle hides behind the order the package happens to load in (tapestry.training.capture, imported
     first, once found tapestry.importer half made). One process; tapestry's modules forgotten before each."""

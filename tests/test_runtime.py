@@ -23,11 +23,24 @@ from tapestry.runtime.execute import FAULT_ENV, FAULT_EXIT_CODE
 from tapestry.sharding import Mesh
 
 
+def _plus_constant() -> Plan:
+    g = Graph()
+    g.output("y", g.add(g.input("x", (4, 3)), g.constant("c", np.arange(3, dtype=np.float32))))
+    return build_plan(g, Mesh(2), {"add_0": (0,)})
+
+
+# The plus-constant plan run with its constant left out, and with every input given (the constant as it is).
+CONSTANT_GIVEN = ({"x": np.ones((4, 3), np.float32)}, tapestry.random_inputs(_plus_constant().graph))
+
+
 @pytest.fixture(scope="module")
 def eager_runs() -> dict[str, RunResult]:
-    """Every case in one spawned group of 2 ranks: starting ranks costs more than the plans."""
-    results = run_plans([make() for make in CASES.values()], nproc=2, compile=False, timeout=120)
-    return dict(zip(CASES, results))
+    """Every case in one spawned group of 2 ranks: starting ranks costs more than the plans. The cases' inputs are
+    drawn from the seed; the constant cases' are CONSTANT_GIVEN."""
+    plans = [make() for make in CASES.values()] + [_plus_constant()] * len(CONSTANT_GIVEN)
+    given = [None] * len(CASES) + list(CONSTANT_GIVEN)
+    results = run_plans(plans, given, nproc=2, compile=False, timeout=120)
+    return dict(zip([*CASES, *(f"constant {k}" for k in range(len(CONSTANT_GIVEN)))], results))
 
 
 def reference(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
@@ -66,12 +79,12 @@ def test_a_fused_float64_kernel_reading_a_transposed_view_runs_compiled_on_two_r
     np.testing.assert_allclose(result.outputs["y"], tapestry.evaluate(g, inputs)["y"], rtol=1e-12, atol=1e-12)
 
 
-def test_collectives_on_a_grid_run_among_the_ranks_of_one_axis_and_compute_the_graph() -> None:
+def test_collectives_on_a_grid_run_among_the_ranks_of_one_axis_and_compute_the_graph(grid_runs) -> None:
     plans = [make() for make in GRID.values()]
     for plan in plans:
         groups = {s.group for r in lower(plan).ranks for s in r.steps if isinstance(s, (AllReduce, ReduceScatter, AllGather))}
         assert groups == {(0, 1), (2, 3)}
-    for plan, result in zip(plans, run_plans(plans, nproc=4, compile=False, timeout=120)):
+    for plan, result in zip(plans, grid_runs[:len(GRID)]):
         np.testing.assert_allclose(result.outputs["y"], reference(plan.graph)["y"], rtol=1e-5, atol=1e-5)
 
 
@@ -93,13 +106,27 @@ def _idle_ranks_plan(dtype: str) -> Plan:
     return build_plan(g, Mesh(2, 2), {"matmul_0": (0, 2), "add_0": (0, 1)})
 
 
-def test_ranks_idle_for_a_value_make_their_buffers_in_its_dtype() -> None:
-    """Small integer inputs keep every sum exact, whatever the order: the results must equal the evaluator's."""
-    kinds = ("bfloat16", "float16", "float64", "int64", "int32", "bool")
-    plans = [_idle_ranks_plan(d) for d in kinds]
+IDLE_KINDS = ("bfloat16", "float16", "float64", "int64", "int32", "bool")
+
+
+def _idle_ranks_inputs(plans: list[Plan]) -> list[dict[str, np.ndarray]]:
     rng = np.random.default_rng(0)
-    inputs = [{n.name: dtypes.cast(rng.integers(-2, 3, n.shape), n.dtype) for n in p.graph.inputs} for p in plans]
-    for kind, plan, given, result in zip(kinds, plans, inputs, run_plans(plans, inputs, compile=False, timeout=120)):
+    return [{n.name: dtypes.cast(rng.integers(-2, 3, n.shape), n.dtype) for n in p.graph.inputs} for p in plans]
+
+
+@pytest.fixture(scope="module")
+def grid_runs() -> list[RunResult]:
+    """The GRID plans (inputs from the seed), then the idle-rank plans of IDLE_KINDS, in one group of 4 ranks."""
+    idle = [_idle_ranks_plan(d) for d in IDLE_KINDS]
+    plans = [make() for make in GRID.values()] + idle
+    return run_plans(plans, [None] * len(GRID) + _idle_ranks_inputs(idle), nproc=4, compile=False, timeout=120)
+
+
+def test_ranks_idle_for_a_value_make_their_buffers_in_its_dtype(grid_runs) -> None:
+    """Small integer inputs keep every sum exact, whatever the order: the results must equal the evaluator's."""
+    plans = [_idle_ranks_plan(d) for d in IDLE_KINDS]
+    inputs = _idle_ranks_inputs(plans)
+    for kind, plan, given, result in zip(IDLE_KINDS, plans, inputs, grid_runs[len(GRID):], strict=True):
         want = tapestry.evaluate(plan.graph, given)
         assert result.outputs.keys() == want.keys()
         for name, value in want.items():
@@ -166,12 +193,6 @@ def test_a_saved_plan_runs_and_verifies_where_the_optimizer_packages_are_missing
     assert "left out here, for want of a package" in helped.stdout and "(egglog)" in helped.stdout
 
 
-def _plus_constant() -> Plan:
-    g = Graph()
-    g.output("y", g.add(g.input("x", (4, 3)), g.constant("c", np.arange(3, dtype=np.float32))))
-    return build_plan(g, Mesh(2), {"add_0": (0,)})
-
-
 def test_a_constant_cannot_be_overridden_and_a_missing_input_is_named_not_a_scratch_file(tmp_path) -> None:
     plan = _plus_constant()
     x = np.ones((4, 3), np.float32)
@@ -185,9 +206,7 @@ def test_a_constant_cannot_be_overridden_and_a_missing_input_is_named_not_a_scra
         run_plan(plan, tmp_path)
 
 
-def test_a_constant_left_out_or_given_as_it_is_comes_from_the_graph() -> None:
-    plans = [_plus_constant()] * 2
-    x = np.ones((4, 3), np.float32)
-    given = [{"x": x}, tapestry.random_inputs(plans[0].graph)]
-    for inputs, result in zip(given, run_plans(plans, given, compile=False, timeout=120)):
-        np.testing.assert_array_equal(result.outputs["y"], inputs["x"] + np.arange(3, dtype=np.float32))
+def test_a_constant_left_out_or_given_as_it_is_comes_from_the_graph(eager_runs) -> None:
+    for k, inputs in enumerate(CONSTANT_GIVEN):
+        np.testing.assert_array_equal(eager_runs[f"constant {k}"].outputs["y"],
+                                      inputs["x"] + np.arange(3, dtype=np.float32))
