@@ -35,6 +35,7 @@ WIDTHS = {  # hidden, MLP hidden (per expert), heads, KV heads: LLaMA-2 configs,
     "13B": (5120, 13824, 40, 40),
     "70B": (8192, 28672, 64, 8),
     "Mixtral": (4096, 14336, 32, 8),
+    "tiny-GQA": (64, 128, 8, 2),  # a check in small (benchmarks/hand_plans_embedded.py), not a cluster size
 }
 EXPERTS = {"Mixtral": (8, 2)}  # experts, and how many each token is routed to
 HAND = ("DP", "ZeRO-3", "TP", "DPxTP", "EP", "DPxEP")
