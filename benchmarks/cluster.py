@@ -35,6 +35,7 @@ WIDTHS = {  # hidden, MLP hidden (per expert), heads, KV heads: LLaMA-2 configs,
     "13B": (5120, 13824, 40, 40),
     "70B": (8192, 28672, 64, 8),
     "Mixtral": (4096, 14336, 32, 8),
+    "tiny-GQA": (64, 128, 8, 2),  # a check in small (benchmarks/hand_plans_embedded.py), not a cluster size
 }
 EXPERTS = {"Mixtral": (8, 2)}  # experts, and how many each token is routed to
 HAND = ("DP", "ZeRO-3", "TP", "DPxTP", "EP", "DPxEP")
@@ -128,17 +129,6 @@ def build_blocks(case: Case, hidden: int, mlp: int, heads: int) -> Any:
 
     return tapestry.from_torch(module, (x, x), training=tapestry.Training(loss=loss, optimizer="adam", lr=1e-4),
                                verbose=False)
-
-
-def graph_flops(graph: Any) -> float:
-    """FLOPs of one run of the graph as imported (every op unsharded): what MFU divides by."""
-    from tapestry.zspace import ZRange
-
-    total = 0.0
-    for node in graph.ops:
-        sig = graph.signature(node.name)
-        total += sig.cost(ZRange.from_shape(sig.spec.sizes))[0]
-    return total
 
 
 def distinct_blocks(layout: Any) -> int:
@@ -249,11 +239,13 @@ def tensor_parallel_dims(names: list[str]) -> dict[str, int]:
     return found
 
 
-def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any, hand: bool = True) -> None:
-    """One case in its own process: import, optimize, price (and the hand plans, unless not `hand`: on 512
-    devices their peak memory is most of a case's time); the result as a dict on `queue`."""
+def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any, hand: bool = True,
+             profile_name: str = PROFILE) -> None:
+    """One case in its own process: import, optimize, price under `profile_name` (and the hand plans, unless not
+    `hand`: on 512 devices their peak memory is most of a case's time); the result as a dict on `queue`."""
     import tapestry
     from tapestry.cost import DefaultCostModel, load_profile
+    from tapestry.importer.report import model_flops
     from tapestry.optimizer import SearchCutWarning
 
     started, cpu = time.perf_counter(), time.process_time()
@@ -263,13 +255,13 @@ def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any, h
                            "load": os.getloadavg()[0]}
     row["import_rss"] = peak_rss()
     if case.mesh:
-        profile = load_profile(PROFILE)
+        profile = load_profile(profile_name)
         model = DefaultCostModel(profile)
         mesh = tapestry.Mesh(*case.shape)
-        flops, peak = graph_flops(imported.graph), profile.device.peak("bfloat16")
-        row["hand_errors"], row["hand_breakdown"] = {}, {}
+        flops = model_flops(imported.graph)
+        row["profile"], row["hand_errors"], row["hand_breakdown"] = profile_name, {}, {}
         cpu = time.process_time()
-        row["hand"] = {name: (t, m, flops / (t * mesh.size * peak) if t == t else float("nan"))
+        row["hand"] = {name: (t, m, profile.device.mfu(flops, t, mesh.size, "bfloat16") if t == t else float("nan"))
                        for name, (t, m) in (hand_plans(imported, case, model, row["hand_errors"],
                                                        row["hand_breakdown"]) if hand else {}).items()}
         row["hand_cpu_s"] = time.process_time() - cpu  # building, pricing and the peak memory of every hand plan
@@ -289,7 +281,8 @@ def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any, h
                 "optimize_s": time.perf_counter() - started, "optimize_cpu_s": time.process_time() - cpu,
                 "status": result.status, "gap": result.gap, "extractor": result.selection.extractor,
                 "seconds": result.plan.cost, "peak_memory": result.peak_memory,
-                "mfu": flops / (result.plan.cost * mesh.size * peak), "replicated": result.replicated_share,
+                "mfu": profile.device.mfu(flops, result.plan.cost, mesh.size, "bfloat16"),
+                "replicated": result.replicated_share,
                 "warned": any(issubclass(w.category, SearchCutWarning) for w in caught),
                 "degrees": degrees(result.plan, imported.translation.user_inputs), "undone": result.stats.undone,
                 "breakdown": time_by_kind(result.plan, model), "periodic": result.plan.notes.get("periodic"),
@@ -298,10 +291,11 @@ def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any, h
     queue.put(row)
 
 
-def measure(case: Case, budget_seconds: float, time_limit: float, hand: bool = True) -> dict[str, Any]:
+def measure(case: Case, budget_seconds: float, time_limit: float, hand: bool = True,
+            profile: str = PROFILE) -> dict[str, Any]:
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    process = context.Process(target=run_case, args=(case, budget_seconds, time_limit, queue, hand))
+    process = context.Process(target=run_case, args=(case, budget_seconds, time_limit, queue, hand, profile))
     process.start()
     row: dict[str, Any] = {"case": asdict(case)}
     while process.is_alive() or not queue.empty():  # a crashed child puts nothing: do not wait for it forever
@@ -426,6 +420,8 @@ def main() -> None:
     parser.add_argument("--provenance", default="", help="with --from-json: which runs made the rows, for the doc")
     parser.add_argument("--breakdowns", default="", help="the training cases whose breakdown tables to write, as "
                         "model/arch/mesh (7B/block/8x8,...); default: every one on 64 devices or more")
+    parser.add_argument("--profile", default=PROFILE, help="device profile that prices every plan (MFU is against "
+                        "its spec-sheet peak whichever it is; docs/cost-models.md, \"Which profile\")")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-write", action="store_true")
     fold = parser.add_mutually_exclusive_group()
@@ -465,17 +461,20 @@ def main() -> None:
     rows = list(saved_rows.values())
     for case in cases:
         print(f"{case} ...", flush=True)
-        rows.append(measure(case, args.budget, args.time_limit, not args.no_hand))
+        rows.append(measure(case, args.budget, args.time_limit, not args.no_hand, args.profile))
         print(json.dumps(rows[-1], default=str), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1, default=str)
     rows.sort(key=order)
+    others = sorted({r.get("profile", PROFILE) for r in rows} - {args.profile})  # rows from before it was recorded:
+    if others:  # the default's
+        raise ValueError(f"rows priced under {', '.join(others)} cannot go in a section that says {args.profile}")
     models = sorted({r["case"]["model"] for r in rows}, key=list(WIDTHS).index)
     body = "\n".join([
         f"Models: `{', '.join(models)}` (LLaMA-2 widths; `Mixtral`: Mixtral 8x7B's, hidden 4096, each expert's "
         "MLP 14336, 32 heads, 8 KV heads, 8 experts, top-2), a slice of `layers` layers of each, built under "
-        f"`torch.device(\"meta\")` in bfloat16, planned by `tapestry.optimize` with the `{PROFILE}` profile "
+        f"`torch.device(\"meta\")` in bfloat16, planned by `tapestry.optimize` with the `{args.profile}` profile "
         f"(NVLink inside 8-GPU nodes, InfiniBand across), its default budget ({args.budget:g} CPU s) and extraction "
         f"time limit ({args.time_limit:g} s: CPU-second shares and CP-SAT work, docs/extraction.md). Plain "
         "names: transformers' `LlamaForCausalLM` / "
@@ -483,8 +482,9 @@ def main() -> None:
         "`importer.zoo.LlamaBlock` at that width (no rotary, embedding or head; training loss MSE; full "
         "multi-head attention, so `70B blocks` has 64 KV heads where LLaMA-2 70B has 8). Training: one Adam step. "
         "Numbers from a loaded 2-core machine shared with other jobs: wall times follow the load (`optimize s "
-        "(CPU)`: wall, and the process's CPU seconds in brackets). MFU: the imported graph's FLOPs over predicted "
-        "time x devices x the bfloat16 peak (989 TFLOP/s). Hand plans (training/plans.py) are priced by the same "
+        "(CPU)`: wall, and the process's CPU seconds in brackets). MFU (`DeviceProfile.mfu`): the imported graph's "
+        "FLOPs over predicted time x devices x the spec sheet's bfloat16 peak (989 TFLOP/s), whichever profile "
+        "priced the plan. Hand plans (training/plans.py) are priced by the same "
         "cost model: DP, ZeRO-3 and TP (Megatron: q, k, v, gate, up column-parallel, o, down row-parallel; a MoE's "
         "experts likewise, the router whole) split one axis, so they are priced on the flat mesh of as many "
         "devices (past 8 its ring crosses nodes: InfiniBand); `DPxTP`: TP over the inner axis of 8 (a node, "
@@ -511,6 +511,7 @@ def main() -> None:
     if not args.no_write:
         command = "python benchmarks/cluster.py" + (" --quick" if args.quick else "") + (
             f" --models {args.models}" if args.models != "7B" else "") + (
+            f" --profile {args.profile}" if args.profile != PROFILE else "") + (
             f" --from-json {args.from_json}" if args.from_json else "") + (
             f" --breakdowns {args.breakdowns}" if args.breakdowns else "")
         write_section("Cluster", command, body)

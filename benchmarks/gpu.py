@@ -32,6 +32,7 @@ from tapestry.cost import DefaultCostModel, Profile, load_profile, run_costs
 from tapestry.cost.calibrate import driver_version
 from tapestry.evaluator import random_inputs
 from tapestry.graph import Graph
+from tapestry.importer.report import model_flops
 from tapestry.lower import lower
 from tapestry.models import mlp, seeds_example, transformer_block
 from tapestry.plan import Compute, Plan, build_plan
@@ -86,10 +87,6 @@ def _pad(region: ZRange, shape: tuple[int, ...]) -> list[int] | None:
     if region == ZRange.from_shape(shape):
         return None
     return [p for d in reversed(range(region.ndim)) for p in (-region.start[d], region.end[d] - shape[d])]
-
-
-def flops(graph: Graph) -> float:
-    return sum(graph.signature(n.name).cost(graph.signature(n.name).index)[0] for n in graph.ops)
 
 
 def _sync(device: torch.device) -> None:
@@ -231,7 +228,7 @@ def report(workloads: dict[str, Callable[[str], Graph]], data: dict, spec: Profi
         found = data["results"].get(f"{name}|{dtype}")
         if found is None:
             continue
-        runs, work = found["runs"], flops(graph)
+        runs, work = found["runs"], model_flops(graph)
         med = {label: float(np.median(runs[label])) if label in runs else None for label in CONTENDERS}
         lines.append(
             f"| {name} | {dtype} | {work / 1e9:,.0f} | " + " | ".join(_ms(m) if m else "-" for m in med.values())

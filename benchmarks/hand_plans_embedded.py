@@ -2,6 +2,8 @@
 what each costs: the optimizer's floor (`Explored._against_baselines`) keeps only those that do (issue 24).
 
     python benchmarks/hand_plans_embedded.py --model Mixtral --mesh 8x8 --layers 2
+    python benchmarks/hand_plans_embedded.py --model tiny-GQA --mesh 8x8 --layers 3 --batch 8 --seq 16 \
+        --vocab 96 --fold        # a folded step in small (issue 24: do the hand plans embed in a fold?)
 
 Prints what the budget left out (`stats.undone`), then per hand plan its predicted ms under the cluster profile
 and "in the e-graph" or the first step the e-graph has no selectable e-node for (`egraph.embed.NotInEGraph`).
@@ -23,6 +25,11 @@ def main() -> None:
     parser.add_argument("--mesh", default="8x8")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--budget", type=float, default=30.0, help="Budget.seconds")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--fold", action="store_true", help="explore the repeated layers folded (layers=True): "
+                        "the hand plans are the folded graph's")
     args = parser.parse_args()
 
     import tapestry
@@ -30,11 +37,12 @@ def main() -> None:
     from tapestry.egraph.embed import NotInEGraph, plan_selection
     from tapestry.egraph.pins import restrict_outputs, steady_ties
 
-    case = Case(args.model, args.layers, "training", args.mesh, 8, 2048)
+    case = Case(args.model, args.layers, "training", args.mesh, args.batch, args.seq, vocab=args.vocab)
     graph = build(case).graph
     model = DefaultCostModel(load_profile(PROFILE))
-    explored = tapestry.explore(graph, tapestry.Mesh(*case.shape), budget=tapestry.Budget(seconds=args.budget))
-    print(f"budget left out: {explored.stats.undone or 'nothing'}")
+    explored = tapestry.explore(graph, tapestry.Mesh(*case.shape), budget=tapestry.Budget(seconds=args.budget),
+                                layers=True if args.fold else None)
+    print(f"folded: {explored.layered is not None}; budget left out: {explored.stats.undone or 'nothing'}")
     priced = explored.decoder.extraction_graph(list(explored.roots), model, explored.priced_moves)
     egraph, _ = steady_ties(explored.decoder, restrict_outputs(explored.decoder, priced, "any"),
                             dict(explored.graph.carried))

@@ -27,6 +27,7 @@ import transformers
 
 import tapestry
 from tapestry.cost import DefaultCostModel, load_profile
+from tapestry.importer.report import model_flops
 
 FAMILIES = {  # the config and model classes of each family
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -79,8 +80,7 @@ def call(args: argparse.Namespace) -> dict[str, Any]:
     profile = load_profile(args.profile)
     cost_model = DefaultCostModel(profile)
     budget = int(args.budget_gb * 10**9)
-    flops = graph_flops(imported.graph)
-    peak = profile.device.peak(args.dtype) * mesh.size
+    flops = model_flops(imported.graph)
     wall, cpu = time.perf_counter(), time.process_time()
     try:
         search = {} if args.search_seconds is None else {"budget": tapestry.Budget(seconds=args.search_seconds)}
@@ -95,34 +95,28 @@ def call(args: argparse.Namespace) -> dict[str, Any]:
         row.update(optimize_s=time.perf_counter() - wall, optimize_cpu_s=time.process_time() - cpu,
                    cost=result.plan.cost, peak_memory=result.peak_memory, fits=result.peak_memory <= budget,
                    status=result.status, gap=result.gap, extractor=result.selection.extractor,
-                   replicated=result.replicated_share, mfu=flops / (result.plan.cost * peak))
+                   replicated=result.replicated_share,
+                   mfu=profile.device.mfu(flops, result.plan.cost, mesh.size, args.dtype))
         print(f"optimize: {row['optimize_s']:.1f} s wall, {row['optimize_cpu_s']:.1f} s CPU", flush=True)
         print(f"plan: {row['cost'] * 1e3:.2f} ms predicted (MFU {row['mfu']:.1%}), "
               f"{row['peak_memory'] / 10**9:.2f} GB per device of {budget / 10**9:g} GB "
               f"({'fits' if row['fits'] else 'OVER BUDGET'}), status {row['status']} ({row['extractor']}), "
               f"{row['replicated']:.0%} of compute replicated", flush=True)
     if args.hand:
-        row["hand"] = hand(imported, mesh, cost_model, flops, peak)
+        row["hand"] = hand(imported, mesh, cost_model, flops, args.dtype)
     row["rss"] = peak_rss()
     print(f"peak RSS {row['rss'] / 2**30:.2f} GiB", flush=True)
     return row
 
 
-def graph_flops(graph: Any) -> float:
-    """FLOPs of one unsharded run of the graph: what MFU divides by."""
-    from tapestry.zspace import ZRange
-
-    return sum(graph.signature(op.name).cost(ZRange.from_shape(graph.signature(op.name).spec.sizes))[0]
-               for op in graph.ops)
-
-
-def hand(imported: Any, mesh: Any, cost_model: Any, flops: float, peak: float) -> dict[str, Any]:
+def hand(imported: Any, mesh: Any, cost_model: Any, flops: float, dtype: str) -> dict[str, Any]:
     """benchmarks/cluster.py's hand plans for this graph on as many devices, each (ms, GB per device, MFU)."""
     from cluster import Case, hand_plans
 
     case = Case("7B", 0, "training", "x".join(map(str, mesh.shape)), 0, 0)  # hand_plans reads the mesh only
     errors: dict[str, str] = {}
-    found = {name: (t * 1e3, m / 10**9, flops / (t * peak) if t == t else math.nan)
+    device = cost_model.profile.device
+    found = {name: (t * 1e3, m / 10**9, device.mfu(flops, t, mesh.size, dtype) if t == t else math.nan)
              for name, (t, m) in hand_plans(imported, case, cost_model, errors).items()}
     for name, (ms, gb, mfu) in found.items():
         print(f"  hand {name}: {ms:.2f} ms, {gb:.2f} GB per device, MFU {mfu:.1%}", flush=True)

@@ -74,7 +74,7 @@ def hidden_dims(graph: Any) -> dict[str, int]:
     return found
 
 
-def recipes(build: Any, args: argparse.Namespace, mesh: Any, model: Any, peak: float) -> list[tuple[str, Any]]:
+def recipes(build: Any, args: argparse.Namespace, mesh: Any, model: Any) -> list[tuple[str, Any]]:
     """The hand recipes, each its layer plan priced and scheduled by the pipeline model (best schedule and the
     least recomputation that fits); a plan that cannot be built is reported, not dropped. Their layer plans are
     written for a mesh of nodes x GPUs per node: none for other meshes."""
@@ -106,7 +106,8 @@ def recipes(build: Any, args: argparse.Namespace, mesh: Any, model: Any, peak: f
             found.append((name, None, f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"))
             continue
         plan = best_configuration(layer, args.layers, mesh, 0, stages, args.global_batch // micro, MIXED, link,
-                                  args.memory_budget, schedules, peak_flops=peak, micro_batch=micro)
+                                  args.memory_budget, schedules,
+                                  spec_peak_flops=model.profile.device.spec_peak("bfloat16"), micro_batch=micro)
         print(f"{name}: {time.perf_counter() - started:.0f} s; {layer}", flush=True)
         found.append((name, layer, plan if plan is not None else "does not fit, even with every layer recomputed"))
     return found
@@ -120,15 +121,15 @@ def layer_row(name: str, layer: Any, micro_batch: int) -> str:
             f"{layer.activations * gib:.2f} | {layer.working * gib:.2f} |")
 
 
-def row(name: str, plan: Any, peak: float, seconds: str = "") -> str:
-    """A table row; MFU against `peak` (the spec sheet's, whatever profile priced the plan)."""
+def row(name: str, plan: Any, seconds: str = "") -> str:
+    """A table row; MFU the plan's (against the spec sheet's peak, whatever profile priced the plan)."""
     if isinstance(plan, str):
         return f"| {name} | {plan} |" + " |" * 7
     s = plan.schedule
     schedule = "—" if s.stages == 1 else s.name + (f" (v={s.chunks})" if s.chunks > 1 else "")
     return (f"| {name} | {s.stages} x {plan.stage_mesh} | {schedule} | {s.micro_batches} x {plan.micro_batch} | "
             f"{sum(plan.recompute)} of {len(plan.recompute)} | {plan.cost:.2f} | "
-            f"{plan.flops / (plan.cost * plan.mesh.size * peak):.1%} | "
+            f"{plan.mfu:.1%} | "
             f"{plan.peak_memory / 2**30:.1f} | {seconds} |")
 
 
@@ -171,12 +172,11 @@ def main() -> None:
     print(f"plan_pipeline: {planned:.0f} s wall, {planned_cpu:.1f} CPU s, peak RSS {peak_rss() / 2**30:.2f} GiB, "
           f"load {load:.1f}", flush=True)
     print(result.explain(), flush=True)
-    peak = load_profile(PROFILE).device.peak("bfloat16")  # MFU is against the spec sheet's peak, whatever prices
-    hand = recipes(build, args, mesh, model, peak)
-    rows = [row("**plan_pipeline (chosen)**", result.plan, peak, f"{planned:.0f} ({planned_cpu:.0f} CPU)")]
-    rows += [row(f"plan_pipeline, best with S={c.stages}", c.plan if c.plan is not None else c.why, peak)
+    hand = recipes(build, args, mesh, model)
+    rows = [row("**plan_pipeline (chosen)**", result.plan, f"{planned:.0f} ({planned_cpu:.0f} CPU)")]
+    rows += [row(f"plan_pipeline, best with S={c.stages}", c.plan if c.plan is not None else c.why)
              for c in result.candidates]
-    rows += [row(name, plan, peak) for name, _, plan in hand]
+    rows += [row(name, plan) for name, _, plan in hand]
     micro_of = {name: micro for name, micro in zip((n for n, _, _ in hand), (1, mesh.shape[0], mesh.size))}
     layer_head = ("| layer plan | micro-batch | forward ms | backward ms | update ms (as imported) | exposed "
                   "reductions ms | parameters/device (M) | activations GiB | working GiB |")
@@ -208,8 +208,9 @@ def main() -> None:
         f"{peak_rss() / 2**30:.1f} GiB), on a loaded 2-core machine (load average {load:.1f} at the end). The "
         "recipes' layer plans are "
         "training/plans.py's, priced and scheduled by the same model (their best schedule and the least "
-        "recomputation that fits). MFU: model FLOPs (recomputation not counted) over predicted time x devices "
-        "x the bfloat16 peak. Plans only: pipelined plans are not lowered to rank programs yet.",
+        "recomputation that fits). MFU (`PipelinePlan.mfu`): model FLOPs (recomputation not counted) over "
+        "predicted time x devices x the spec sheet's bfloat16 peak, whichever profile priced the step. Plans "
+        "only: pipelined plans are not lowered to rank programs yet.",
         "",
         head, "|" + "---|" * (head.count("|") - 1), *rows,
         "",

@@ -24,7 +24,7 @@ from tapestry.extract import ilp, validate
 from tapestry.extract.selection import dag_cost
 from tapestry.importer.zoo import LlamaBlock
 from tapestry.optimizer import Explored, explore
-from tapestry.plan import Compute
+from tapestry.plan import Compute, Place
 from tapestry.plan.validate import validate_plan
 from tapestry.plan.build import expand_linears
 from tapestry.training.plans import (
@@ -185,8 +185,24 @@ def test_a_moe_steps_baselines_add_expert_parallel_and_on_a_grid_data_and_expert
     dense = {"data parallel", "ZeRO-3", "tensor parallel"}
     assert set(baselines(mixtral.graph, tapestry.Mesh(4))) == dense | {"expert parallel"}
     assert set(baselines(mixtral.graph, tapestry.Mesh(2, 2))) == dense | {
-        "data and tensor parallel", "expert parallel", "data and expert parallel"}
+        "data and tensor parallel", "expert parallel", "data and expert parallel", "data, tensor and expert parallel"}
     assert "expert parallel" not in baselines(mixtral.graph, tapestry.Mesh(8))  # 4 experts, 8 devices
+
+
+def test_on_a_grid_a_moes_attention_is_whole_over_the_node_axis_or_tensor_parallel_there_beside_its_experts(mixtral):
+    """The two DP x EP recipes: "data and expert parallel" runs attention and the dense layers whole on every
+    device of axis 1; "data, tensor and expert parallel" (DP x (TP + EP)) splits them by Megatron's pairs there."""
+    hands = baselines(mixtral.graph, tapestry.Mesh(2, 2))
+
+    def blocks(plan, suffix):  # noqa: ANN001, ANN202
+        return {len(set(s.layout.blocks)) for s in plan.steps if isinstance(s, Place) and s.input.endswith(suffix)}
+
+    for suffix in ("self_attn.q_proj.weight", "self_attn.o_proj.weight"):
+        assert blocks(hands["data and expert parallel"], suffix) == {1}
+        assert blocks(hands["data, tensor and expert parallel"], suffix) == {2}
+    for weight in EXPERT_WEIGHTS:  # split by expert over axis 1 in both
+        assert blocks(hands["data and expert parallel"], weight) == blocks(
+            hands["data, tensor and expert parallel"], weight) == {2}
 
 
 def test_every_hand_plan_of_a_moe_step_on_a_grid_lies_in_its_egraph(mixtral):
@@ -213,7 +229,7 @@ def test_every_hand_plan_lies_in_the_egraph_and_floors_the_plan_whatever_the_bud
         list(explored.roots), CLUSTER, explored.priced_moves), dict(mixtral.graph.carried))
     hands = explored.baselines
     assert set(hands) == {"data parallel", "ZeRO-3", "tensor parallel", "data and tensor parallel",
-                          "expert parallel", "data and expert parallel"}
+                          "expert parallel", "data and expert parallel", "data, tensor and expert parallel"}
     for name, hand in hands.items():
         assert not validate(egraph, plan_selection(explored.decoder, egraph, hand, name)), name
     result = explored.extract(CLUSTER, "greedy-dag")

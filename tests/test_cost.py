@@ -284,15 +284,27 @@ def test_the_roofline_runs_each_dtype_at_its_own_peak() -> None:
     assert times["bfloat16"] == pytest.approx(2 * 4096**3 / 989.4e12)
 
 
-def test_profiles_without_per_dtype_peaks_still_load_and_peaks_round_trip(tmp_path: Path) -> None:
-    assert load_profile("cpu-gloo").device.peaks == ()  # calibrated float32 only: every dtype runs at it
-    peaks = Profile("p", DeviceProfile(1.0, 2.0, 3.0, peaks=(("bfloat16", 8.0), ("tf32", 4.0))), (Link(1, 2),))
+@pytest.mark.parametrize("field, key", [("peaks", "peak_flops_by_dtype"), ("spec_peaks", "spec_peak_flops_by_dtype")])
+def test_profiles_without_per_dtype_peaks_still_load_and_peaks_round_trip(tmp_path: Path, field: str, key: str) -> None:
+    assert getattr(load_profile("cpu-gloo").device, field) == ()  # calibrated float32 only: every dtype runs at it
+    peaks = Profile("p", DeviceProfile(1.0, 2.0, 3.0, **{field: (("bfloat16", 8.0), ("tf32", 4.0))}), (Link(1, 2),))
     peaks.save(tmp_path / "p.json")
     assert load_profile(tmp_path / "p.json") == peaks
     data = peaks.to_json()
-    data["device"]["peak_flops_by_dtype"] = {"bf16": 1.0}
-    with pytest.raises(ValueError, match="names bf16"):
+    data["device"][key] = {"bf16": 1.0}
+    with pytest.raises(ValueError, match=f"{key} names bf16"):
         Profile.from_json(data)
+
+
+def test_mfu_is_against_the_spec_sheets_peak_not_the_calibrated_rate_the_profile_prices_with() -> None:
+    measured = load_profile("gpu-h100-cluster-measured").device
+    assert measured.peak("bfloat16") < 0.8 * measured.spec_peak("bfloat16")  # 765 measured, 989.4 on the sheet
+    assert measured.mfu(989.4e12, 2.0, 4, "bfloat16") == pytest.approx(1 / 8)
+    spec = load_profile("gpu-h100-nccl").device  # a spec-sheet profile: both the same
+    assert spec.spec_peak("bfloat16") == spec.peak("bfloat16") == 989.4e12
+    assert spec.mfu(66.9e12, 1.0, 1, "float32") == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="no spec-sheet peak for it"):
+        load_profile("cpu-gloo").device.mfu(1e9, 1.0, 1, "float32")  # a CPU measured: no sheet to divide by
 
 
 # -- profiles, protocol, CLI ----------------------------------------------------------------------

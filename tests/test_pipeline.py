@@ -367,6 +367,25 @@ def test_plan_pipeline_places_every_layer_and_prices_the_chosen_step(mlp_step, t
                                pareto_points=1)
 
 
+def test_a_pipeline_plans_mfu_is_against_the_spec_sheet_whichever_profile_priced_it(mlp_step) -> None:  # noqa: ANN001
+    import tapestry
+    from tapestry.cost import DefaultCostModel, load_profile
+
+    def planned(profile: str):  # noqa: ANN202
+        return tapestry.plan_pipeline(mlp_step, 4, tapestry.Mesh(2), global_batch=16, stages=(1,),
+                                      cost_model=DefaultCostModel(load_profile(profile)), memory_budget=None,
+                                      budget=tapestry.Budget(seconds=30), pareto_points=1).plan
+
+    measured = planned("gpu-h100-cluster-measured")  # float32 layers: 51.5 TFLOP/s measured, 66.9 on the sheet
+    assert measured.spec_peak_flops == 66.9e12
+    assert measured.mfu == pytest.approx(measured.flops / (measured.cost * 2 * 66.9e12))
+    assert f"MFU {measured.mfu:.1%}" in measured.describe()
+    unmeasured = planned("cpu-gloo")  # no spec sheet: no MFU, and the plan says so
+    assert "MFU unknown" in unmeasured.describe()
+    with pytest.raises(ValueError, match="no spec-sheet peak"):
+        unmeasured.mfu  # noqa: B018
+
+
 def test_plan_pipeline_says_what_is_wrong_with_its_arguments(mlp_step) -> None:  # noqa: ANN001
     import tapestry
 
@@ -535,7 +554,7 @@ def test_layer_plans_are_ranked_by_what_the_pipeline_pays_per_step() -> None:
     assert chosen.schedule.micro_batches == 64 and chosen.layer_plan is not None
     link = model.profile.axis_links(mesh.shape)[0]
     by_one_run = best_configuration(layer_cost(one_run.plan, model), 2, mesh, 0, 1, 64, MIXED, link, None,
-                                    peak_flops=chosen.peak_flops, micro_batch=2)
+                                    spec_peak_flops=chosen.spec_peak_flops, micro_batch=2)
     assert by_one_run is not None
     assert chosen.layer_plan.cost > one_run.plan.cost  # dearer for one micro-batch and its update ...
     assert chosen.cost < 0.9 * by_one_run.cost  # ... and faster per step

@@ -170,3 +170,30 @@ def test_a_training_step_through_switchs_rewritten_experts_matches_torch_optim()
     assert abs(float(ours["loss"]) - want.item()) <= 1e-5 * max(1.0, want.item())
     for name, param in mlp.named_parameters():
         assert _close(ours["parameters"][name], param), name
+
+
+def _nothing(self, x):  # noqa: ANN001, ANN202
+    return x
+
+
+def test_a_rewrites_module_is_imported_and_a_missing_one_or_class_raises_never_a_silent_no_op(tmp_path, monkeypatch):
+    from tapestry.importer.rewrites import Rewrite
+
+    (tmp_path / "tapestry_rewrite_probe.py").write_text(
+        "import torch\n\nclass Probe(torch.nn.Module):\n    def forward(self, x):\n        return 2 * x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(__import__("sys").modules, "tapestry_rewrite_probe", raising=False)
+    probe = Rewrite("tapestry_rewrite_probe", "Probe", _nothing)
+    with exact_rewrites((probe,), import_modules=False):  # a capture's: the module not loaded, no model holds it
+        assert "tapestry_rewrite_probe" not in __import__("sys").modules
+    with exact_rewrites((probe,)):  # a model built inside the block (a lazy library's import) is rewritten too
+        from tapestry_rewrite_probe import Probe
+
+        assert Probe()(torch.ones(1)).item() == 1
+    assert Probe()(torch.ones(1)).item() == 2  # restored on the way out
+    with pytest.raises(TorchImportError, match="has no class 'Gone'"):  # a library version it was not written for
+        with exact_rewrites((Rewrite("tapestry_rewrite_probe", "Gone", _nothing),), import_modules=False):
+            pass
+    with pytest.raises(TorchImportError, match="cannot import its module"):
+        with exact_rewrites((Rewrite("tapestry_no_such_module", "Probe", _nothing),)):
+            pass

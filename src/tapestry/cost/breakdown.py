@@ -7,8 +7,9 @@ tensor cores, float32 far slower), memory bandwidth (elementwise kernels, softma
 pays, and collectives by kind, each step priced alone; what fusing elementwise chains saves (`cost.fusion`: the
 model's `step_costs` below the steps' own) and the part the backward hides of the gradient reductions
 (`cost.overlap`) are listed apart, negative.
-`model_seconds` is what the plan's compute needs at the bfloat16 peak with no launch and no byte: the time
-an MFU of 100% would take.
+`model_seconds` is what the plan's compute needs at the profile's bfloat16 rate with no launch and no byte: the
+floor the roofline prices toward (the time at 100% MFU only where that rate is the spec sheet's; a calibrated
+profile's is lower, and MFU is against the spec sheet: `DeviceProfile.mfu`).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class Breakdown:
 
     seconds: Mapping[tuple[str, str], float] = field(default_factory=dict)
     count: Mapping[tuple[str, str], int] = field(default_factory=dict)
-    model_seconds: float = 0.0  # the slowest device's FLOPs at the bfloat16 peak, summed over compute steps
+    model_seconds: float = 0.0  # the slowest device's FLOPs at the profile's bfloat16 rate, summed over computes
 
     @property
     def total(self) -> float:

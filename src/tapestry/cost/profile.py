@@ -23,17 +23,35 @@ class DeviceProfile:
     such devices the host runs at once (0: as many as the mesh has, e.g. one GPU per rank). A mesh with more
     devices than `cores` time-shares them: every step takes `mesh.size / cores` times as long. `peaks` gives
     FLOP/s per compute dtype where it differs from `peak_flops` (tensor cores run bfloat16 far faster than
-    float32); a dtype not listed runs at `peak_flops`."""
+    float32); a dtype not listed runs at `peak_flops`. These are the rates the cost model prices with: a
+    calibrated profile's are what the device reached, below its spec sheet's. `spec_peaks` are the spec sheet's
+    FLOP/s per dtype, what MFU divides by (`mfu`), so that an MFU means the same whichever profile priced the
+    step."""
 
     peak_flops: float
     mem_bandwidth: float
     launch_overhead: float
     cores: float = 0.0
     peaks: tuple[tuple[str, float], ...] = ()  # (dtype name, FLOP/s); "tf32" is float32 on tensor cores
+    spec_peaks: tuple[tuple[str, float], ...] = ()  # (dtype name, the spec sheet's FLOP/s), for MFU only
 
     def peak(self, dtype: str) -> float:
         """FLOP/s of a kernel computing in `dtype`."""
         return dict(self.peaks).get(dtype, self.peak_flops)
+
+    def spec_peak(self, dtype: str) -> float | None:
+        """The spec sheet's FLOP/s for `dtype` (None: the profile gives none)."""
+        return dict(self.spec_peaks).get(dtype)
+
+    def mfu(self, flops: float, seconds: float, devices: int, dtype: str) -> float:
+        """Model FLOPs utilization: `flops` done in `seconds` by `devices` such devices, over the spec sheet's
+        peak for `dtype` (conventionally: a calibrated profile's measured rate would overstate it)."""
+        spec = self.spec_peak(dtype)
+        if spec is None:
+            raise ValueError(f"MFU of {dtype}: the device profile gives no spec-sheet peak for it "
+                             f"(spec_peak_flops_by_dtype lists {', '.join(n for n, _ in self.spec_peaks) or 'none'}); "
+                             "MFU divides by the spec sheet's peak, not the rate the profile prices with")
+        return flops / (seconds * devices * spec)
 
     def oversubscription(self, devices: int) -> float:
         """How much slower each of `devices` devices runs than alone: 1 until they outnumber the cores."""
@@ -119,6 +137,7 @@ class Profile:
                 "launch_overhead": self.device.launch_overhead,
                 **({"cores": self.device.cores} if self.device.cores else {}),
                 **({"peak_flops_by_dtype": dict(self.device.peaks)} if self.device.peaks else {}),
+                **({"spec_peak_flops_by_dtype": dict(self.device.spec_peaks)} if self.device.spec_peaks else {}),
             },
             **({"links": [{"alpha": k.alpha, "beta": k.beta} for k in self.links]} if self.links else {}),
             **({"levels": [{"name": v.name, **({"devices": v.devices} if v.devices else {}), "alpha": v.link.alpha,
@@ -136,6 +155,7 @@ class Profile:
                 device=DeviceProfile(
                     float(device["peak_flops"]), float(device["mem_bandwidth"]), float(device["launch_overhead"]),
                     float(device.get("cores", 0.0)), _peaks(device.get("peak_flops_by_dtype", {}), source),
+                    _peaks(device.get("spec_peak_flops_by_dtype", {}), source, "spec_peak_flops_by_dtype"),
                 ),
                 links=tuple(Link(float(k["alpha"]), float(k["beta"])) for k in data.get("links", ())),
                 provenance=dict(data.get("provenance", {})),
@@ -149,10 +169,10 @@ class Profile:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
 
 
-def _peaks(table: Mapping[str, Any], source: str) -> tuple[tuple[str, float], ...]:
+def _peaks(table: Mapping[str, Any], source: str, key: str = "peak_flops_by_dtype") -> tuple[tuple[str, float], ...]:
     unknown = sorted(set(table) - {*dtypes.DTYPES, "tf32"})
     if unknown:
-        raise ValueError(f"{source}: peak_flops_by_dtype names {', '.join(unknown)}; dtypes are "
+        raise ValueError(f"{source}: {key} names {', '.join(unknown)}; dtypes are "
                          f"{', '.join(dtypes.DTYPES)} (and tf32)")
     return tuple(sorted((name, float(value)) for name, value in table.items()))
 

@@ -10,8 +10,8 @@ block of rows gives the same answer. Here the block is a sequence of the batch: 
 own, and the experts are `tapestry::grouped_mm_blocks` (each block's rows with its own `ends`, the
 `grouped_mm_blocks` kernel), so data parallelism splits the whole MoE layer.
 
-Rewritten: Mixtral's, OLMoE's and Qwen2-MoE's sparse MoE blocks (`ROUTING_BY_BLOCK`). Opt in while capturing,
-once the model is built (`exact_rewrites` patches the classes whose modules are loaded):
+Rewritten: Mixtral's, OLMoE's and Qwen2-MoE's sparse MoE blocks (`ROUTING_BY_BLOCK`). Opt in while capturing
+(`exact_rewrites` imports the three modules and patches their classes):
 `with exact_rewrites(ROUTING_BY_BLOCK): from_torch(model.eval(), ...)`. Forward only: the custom op registers
 no backward, so it is not for training steps; and `grouped_mm_blocks` has no expert-parallel exchange, so a plan
 splits its experts as partial sums, not by all-to-all. tests/test_block_routing.py compares it with the

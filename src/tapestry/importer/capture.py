@@ -27,7 +27,7 @@ def export(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     try:
         with warnings.catch_warnings():  # torch 2.13's own pytree deprecation warnings, not the user's
             warnings.simplefilter("ignore", FutureWarning)
-            with modules_stay_put(), exact_rewrites():
+            with modules_stay_put(), exact_rewrites(import_modules=False):
                 program = torch.export.export(module, args, kwargs, strict=False)
     except TorchImportError:
         raise

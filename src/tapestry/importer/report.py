@@ -19,6 +19,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from tapestry import dtypes
+from tapestry.graph import Graph
 from tapestry.importer import TorchImport
 from tapestry.kernels import Signature
 from tapestry.kernels.opaque import aten_op, decode_args
@@ -98,6 +99,11 @@ def import_report(name: str, imported: TorchImport, mesh: Mesh, plan: Plan | Non
         sharded = sum(flops_of(s.signature) for s in computes if len(set(s.blocks)) > 1)
     return ImportReport(name, mesh, sum(totals.values()), dict(totals), dict(kernels), opaque, flops, shardable,
                         sharded, total)
+
+
+def model_flops(graph: Graph) -> float:
+    """FLOPs of one run of the whole graph, every op unsharded (`flops_of` each): what an MFU counts."""
+    return sum(flops_of(graph.signature(op.name)) for op in graph.ops)
 
 
 def flops_of(sig: Signature) -> float:

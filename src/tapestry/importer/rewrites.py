@@ -9,6 +9,7 @@ and leave experts empty); a module the rewrite cannot express exactly raises Tor
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import sys
 from collections.abc import Callable, Iterator
@@ -206,12 +207,16 @@ REWRITES: tuple[Rewrite, ...] = (
 
 
 @contextlib.contextmanager
-def exact_rewrites(rewrites: tuple[Rewrite, ...] = REWRITES) -> Iterator[None]:
-    """While a capture traces, each rewritten class (where its module is loaded) runs its rewrite's forward.
-    A class whose module was never imported cannot be in the model: it is left alone, and nothing is imported."""
+def exact_rewrites(rewrites: tuple[Rewrite, ...] = REWRITES, import_modules: bool = True) -> Iterator[None]:
+    """While a capture traces, each rewritten class runs its rewrite's forward. Its module is imported if it is
+    not yet (a model built inside the block, by a lazily importing library, gets the rewrite too), unless not
+    `import_modules`: the captures, which run on a model already built, whose classes' modules are therefore
+    loaded, leave a class whose module is not loaded alone (no model of theirs holds it) rather than import every
+    rewritten library on each capture. A module that does not import, or that lacks the class (a library version
+    the rewrite was not written for), raises TorchImportError: a rewrite is never skipped silently."""
     patched = []
     for rewrite in rewrites:
-        cls = getattr(sys.modules.get(rewrite.module), rewrite.name, None)
+        cls = _rewritten_class(rewrite, import_modules)
         if cls is not None:
             patched.append((cls, cls.forward))
             cls.forward = rewrite.forward
@@ -220,3 +225,21 @@ def exact_rewrites(rewrites: tuple[Rewrite, ...] = REWRITES) -> Iterator[None]:
     finally:
         for cls, forward in patched:
             cls.forward = forward
+
+
+def _rewritten_class(rewrite: Rewrite, import_modules: bool) -> type | None:
+    """The class `rewrite` patches; None where its module is not loaded and not to be imported."""
+    module = sys.modules.get(rewrite.module)
+    if module is None and not import_modules:
+        return None
+    if module is None:
+        try:
+            module = importlib.import_module(rewrite.module)
+        except ImportError as err:
+            raise TorchImportError(f"the exact rewrite of {rewrite.module}.{rewrite.name} cannot import its "
+                                   f"module: {err}") from err
+    cls = getattr(module, rewrite.name, None)
+    if not isinstance(cls, type):
+        raise TorchImportError(f"the exact rewrite of {rewrite.module}.{rewrite.name}: the module has no class "
+                               f"{rewrite.name!r} (a version of its library the rewrite was not written for?)")
+    return cls

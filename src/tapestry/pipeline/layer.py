@@ -18,7 +18,7 @@ from tapestry.cost.breakdown import phase_times
 from tapestry.cost.memory import layout_bytes
 from tapestry.cost.overlap import forward_outputs, upstream
 from tapestry.graph import Graph
-from tapestry.importer.report import flops_of
+from tapestry.importer.report import model_flops
 from tapestry.pipeline.model import LayerCost
 from tapestry.plan import Compute, Place, Plan
 from tapestry.training import LR
@@ -206,4 +206,4 @@ def layer_cost(plan: Plan, model: CostModel) -> LayerCost:
         params=params_per_device, state=state_per_device,
         slots=len(state) // len(weights) if weights else 0,
         activations=activations, boundary=boundary, working=working,
-        flops=sum(flops_of(graph.signature(op.name)) for op in graph.ops), itemsize=itemsize, reduce=times.reduce)
+        flops=model_flops(graph), itemsize=itemsize, reduce=times.reduce)

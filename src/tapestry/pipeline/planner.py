@@ -74,7 +74,9 @@ class PipelinePlan:
     transfer: float  # seconds per stage-boundary hop
     cost: float  # predicted seconds per step
     memory: tuple[float, ...]  # bytes per device, by pipeline position
-    peak_flops: float = 0.0  # per device, for `mfu`
+    # per device, the spec sheet's FLOP/s of the layer's compute dtype (`mfu`'s denominator; not the rate the
+    # profile prices with); None: the profile gives none
+    spec_peak_flops: float | None = None
     ends: Ends = Ends()  # the embedding before the first layer and the head and loss after the last, as priced
 
     @property
@@ -112,7 +114,11 @@ class PipelinePlan:
 
     @property
     def mfu(self) -> float:
-        return self.flops / (self.cost * self.mesh.size * self.peak_flops) if self.peak_flops else math.nan
+        """Model FLOPs over predicted time x devices x the spec sheet's peak (`DeviceProfile.mfu`)."""
+        if self.spec_peak_flops is None:
+            raise ValueError("PipelinePlan.mfu: the profile that priced the plan gives no spec-sheet peak for its "
+                             "compute dtype (spec_peak_flops_by_dtype), and MFU divides by the spec sheet's peak")
+        return self.flops / (self.cost * self.mesh.size * self.spec_peak_flops)
 
     def describe(self) -> str:
         s = self.schedule
@@ -120,7 +126,9 @@ class PipelinePlan:
             f"{s.name}" + (f" with {s.chunks} chunks per device" if s.chunks > 1 else "")
         lines = [f"{s.stages} stages over mesh axis {self.axis} of {self.mesh} (each stage on {self.stage_mesh}); "
                  f"{name}; {s.micro_batches} micro-batches of {self.micro_batch}; bubble {s.bubble:.1%}",
-                 f"predicted {self.cost * 1e3:.1f} ms per step, MFU {self.mfu:.1%}, "
+                 f"predicted {self.cost * 1e3:.1f} ms per step, "
+                 + ("MFU unknown (no spec-sheet peak), " if self.spec_peak_flops is None else f"MFU {self.mfu:.1%}, ")
+                 + 
                  f"{max(self.memory) / 2**30:.2f} GiB on the fullest device ({self.precision.name}); "
                  f"{sum(self.recompute)} of {len(self.recompute)} layers recomputed"]
         last = (len(self.chunks) - 1) % s.stages
@@ -299,7 +307,8 @@ def ideal_time(layer: LayerCost, layers: int, stages: int, micro_batches: int, p
 
 def best_configuration(layer: LayerCost, layers: int, mesh: Mesh, axis: int, stages: int, micro_batches: int,
                        precision: Precision, link: Link, memory_budget: float | None,
-                       schedules: Sequence[str] = SCHEDULES, chunks: Sequence[int] = CHUNKS, peak_flops: float = 0.0,
+                       schedules: Sequence[str] = SCHEDULES, chunks: Sequence[int] = CHUNKS,
+                       spec_peak_flops: float | None = None,
                        stage_plan: OptimizeResult | None = None, micro_batch: int = 1, ends: Ends = Ends()
                        ) -> PipelinePlan | None:
     """The fastest schedule (and recomputation) for `layers` copies of `layer` (the model's `ends` joined to the
@@ -314,7 +323,7 @@ def best_configuration(layer: LayerCost, layers: int, mesh: Mesh, axis: int, sta
     schedule, even = min(fitted, key=lambda f: (f[1][0].step_time, max(f[1][0].memory)))
     priced, chunk_list, flags = rebalanced(layer, layers, schedule, precision, transfer, memory_budget, even, ends)
     return PipelinePlan(mesh, axis, schedule, chunk_list, flags, precision, micro_batch, layer, stage_plan,
-                        transfer, priced.step_time, priced.memory, peak_flops, ends)
+                        transfer, priced.step_time, priced.memory, spec_peak_flops, ends)
 
 
 def plan_pipeline(layer: Step, layers: int, mesh: Mesh, global_batch: int,
@@ -373,7 +382,7 @@ def plan_pipeline(layer: Step, layers: int, mesh: Mesh, global_batch: int,
         why = []
         for b, graph in graphs.items():  # one call per (sub-mesh, micro-batch size): its e-graph freed on return
             found, said = _stage_plan(graph, end_graphs[b], layers, mesh, axis, s, global_batch // b, b,
-                                      chosen_precision, link, profile.device.peak(_compute_dtype(graph)),
+                                      chosen_precision, link, profile.device.spec_peak(_compute_dtype(graph)),
                                       memory_budget, schedules, chunks, budget, extractor,
                                       time_limit, pareto_points, leaner_slack, cost_model, leading)
             why += [f"micro-batch {b}: {said}"] if said else []
@@ -392,7 +401,8 @@ def plan_pipeline(layer: Step, layers: int, mesh: Mesh, global_batch: int,
 
 
 def _stage_plan(graph: Graph, end_graphs: tuple[Graph | None, Graph | None], layers: int, mesh: Mesh, axis: int,
-                stages: int, micro_batches: int, micro_batch: int, precision: Precision, link: Link, peak: float,
+                stages: int, micro_batches: int, micro_batch: int, precision: Precision, link: Link,
+                spec_peak: float | None,
                 memory_budget: float | None, schedules: Sequence[str], chunks: Sequence[int], budget: Budget,
                 extractor: str, time_limit: float, pareto_points: int, leaner_slack: float, cost_model: CostModel,
                 leading: float) -> tuple[PipelinePlan | None, str]:
@@ -411,7 +421,7 @@ def _stage_plan(graph: Graph, end_graphs: tuple[Graph | None, Graph | None], lay
 
     def configured(result: OptimizeResult, layer: LayerCost) -> PipelinePlan | None:
         return best_configuration(layer, layers, mesh, axis, stages, micro_batches, precision, link, memory_budget,
-                                  schedules, chunks, peak, result, micro_batch, ends)
+                                  schedules, chunks, spec_peak, result, micro_batch, ends)
 
     fastest_layer = layer_cost(fastest.plan, cost_model)
     best = configured(fastest, fastest_layer)
@@ -456,6 +466,6 @@ def _batch(graph: Graph) -> int:
 
 
 def _compute_dtype(graph: Graph) -> str:
-    """The dtype the layer computes in: its weights' (what MFU's peak is read for)."""
+    """The dtype the layer computes in: its weights' (what MFU's spec-sheet peak is read for)."""
     weights = [n for n in graph.inputs if n.name in graph.carried.values() and n.shape]
     return weights[0].dtype if weights else "float32"

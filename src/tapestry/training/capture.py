@@ -181,7 +181,7 @@ def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, 
         # math backend (matmuls and a softmax) where it cannot: dropout (its draws are cut out as inputs, below),
         # value features other than the query's
         with warnings.catch_warnings(), sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]), \
-                _grouped_mm_fallback_unless_bfloat16(), modules_stay_put(), exact_rewrites():
+                _grouped_mm_fallback_unless_bfloat16(), modules_stay_put(), exact_rewrites(import_modules=False):
             warnings.simplefilter("ignore", FutureWarning)
             traced = make_fx(step, decomposition_table=DECOMPOSITIONS, tracing_mode="fake")(*_fakes(flat))
     except TorchImportError:

@@ -307,7 +307,9 @@ def baselines(graph: Graph, mesh: Mesh) -> dict[str, Plan]:
     arguments all split on their first dim over every device, data parallel and ZeRO-3 over all devices (where they
     do not, FSDP: the state over every device, the batch over the axes it divides, the sequence over the rest),
     and for a MoE (`expert_weights`) expert parallel over every device and, on a 2-D mesh, data and expert parallel
-    (attention and dense layers data parallel over axis 0 only, whole over axis 1). A strategy build_plan cannot
+    (attention and dense layers data parallel over axis 0 only, whole over axis 1) and data, tensor and expert
+    parallel (DP x (TP + EP), Megatron's and DeepSpeed-MoE's layout: attention and dense layers tensor parallel over
+    axis 1 as in "data and tensor parallel", the experts split by expert there). A strategy build_plan cannot
     make of this graph (a ValueError naming the op, or experts that do not split over the devices) is no baseline
     either: the optimizer's plan stands without it."""
     if not graph.carried:
@@ -332,6 +334,11 @@ def baselines(graph: Graph, mesh: Mesh) -> dict[str, Plan]:
             makers["expert parallel"] = lambda: expert_parallel(graph, mesh, arguments, experts)
         if experts and mesh.ndim == 2:
             makers["data and expert parallel"] = lambda: data_expert_parallel(graph, mesh, arguments, {}, experts)
+            expert_state = _with_state(graph, experts)
+            dense = {w: d for w, d in tensor_parallel_seeds(expanded, mesh.shape[1]).items() if w not in expert_state}
+            if dense:
+                makers["data, tensor and expert parallel"] = lambda: data_expert_parallel(graph, mesh, arguments,
+                                                                                          dense, experts)
     found = {}
     for name, make in makers.items():
         try:
