@@ -241,7 +241,8 @@ def _model(
     """The CP-SAT model of one part (module docstring): the model, its variables, and each node's integer cost.
     Raises _OutOfTime past `deadline`'s safety net. Costs are clamped so the objective cannot overflow int64: at
     twice the warm start where it keeps the budget and ties (a dearer node is in no better selection), else only
-    at what int64 leaves each node (the best admissible selection can be far dearer than a warm start that breaks a tie)."""
+    at what int64 leaves each node (the best admissible selection can be far dearer than a warm start that breaks a
+    tie)."""
 
     def check_time() -> None:
         if deadline.safety():
