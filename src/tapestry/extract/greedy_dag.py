@@ -27,7 +27,7 @@ CHECK_EVERY = 4096  # classes the local search visits between looks at the clock
 # children; a reordering of the selection its classes / REORDER_CLASSES) per second of work (`work.Meter`): CPU
 # seconds of `improve` from greedy-dag's choice on Mixtral's 2-layer training step on 8 devices (17,846 nodes:
 # 128,718 tries in 0.18 s) and on `layered` graphs (300 x 12: 1,114,769 in 1.53 s; 60 x 4: 6,000 in 0.013 s), at
-# load ~14: 480,000-730,000 a second (benchmarks/extract_rates.py).
+# load ~14: 480,000-730,000 a second (`python benchmarks/extract_work.py --layered`).
 TRIES_PER_SECOND = 700_000
 REORDER_CLASSES = 32
 

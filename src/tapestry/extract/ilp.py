@@ -42,11 +42,11 @@ plus transient_m[d] for any chosen m, stays within the limit; and for each of it
 is then one part (the budget couples every class), and the greedy start counts
 only if it fits.
 
-Budgets (docs/extraction.md, "Deterministic budgets"): the warm start's local search, the LP pass and building the
-CP-SAT model stop on shares of the time limit in CPU seconds (`tapestry.clock`), which a loaded machine stretches
-in wall time only; CP-SAT stops on its own deterministic time, WORK_PER_SECOND units per second, its subsolvers
-run in turn on one thread, so the same call gives the same selection at any load. A
-wall-clock stop many times longer is a safety net, reported where it fires.
+Budgets (docs/extraction.md, "Deterministic budgets"): the time limit is seconds of counted work (`work.Meter`):
+the warm start's local search stops on its tries, the LP pass on HiGHS's simplex iterations and its path and flow
+graphs' entries, building the CP-SAT models on their candidates, CP-SAT on its own deterministic time (one thread,
+`cpsat.py`), each phase at its share of the limit, so the same call gives the same selection at any load. The CPU
+clock (and CP-SAT's and HiGHS's own, the wall) is a safety net many times longer, reported where it fires.
 
 With `ties` (pairs of nodes chosen together or not at all: a training step's
 placed weight and its delivered update, so the step repeats), x_a = x_b. Tied
@@ -116,13 +116,14 @@ def extract_ilp(egraph: EGraph, time_limit: float = 60.0, budget: DeviceBudget |
                 repeated: Repeated | None = None, stop_gap: float | None = None,
                 start: Selection | None = None) -> Selection:
     """Best selection CP-SAT finds within `time_limit`; never worse than the greedy warm start. The limit is a
-    budget, not a wall-clock bound: the phases before CP-SAT get shares of it in CPU seconds (`tapestry.clock`),
-    CP-SAT WORK_PER_SECOND units of deterministic time per second of it, so the selection does not depend on the
-    machine's load (`Selection.stopped_by` says which budget ended an unproven search). A
+    budget of counted work, not a clock: each phase stops at its share of it in its own count (`work.Meter`: tries,
+    simplex iterations, graph entries, model nodes, CP-SAT's WORK_PER_SECOND units of deterministic time), so the
+    selection does not depend on the machine's load (`Selection.stopped_by` says which budget ended an unproven
+    search, or that the clock's safety net stopped a phase). A
     selection within `stop_gap` of the LP bound is returned as it is ("feasible" with that gap); by default
     `stop_gap` is STOP_GAP, or LARGE_STOP_GAP on a graph of more than CONTRACT_FROM candidates.
     Under `budget` and `ties`, the best that satisfies them; NoFiniteChoiceError if none does.
-    CP-SAT runs the `PORTFOLIO` workers. With `repeated` (and no budget or ties), the best periodic selection
+    CP-SAT runs the `cpsat.PORTFOLIO` subsolver. With `repeated` (and no budget or ties), the best periodic selection
     (`periodic.py`, solved in `warm.PERIODIC_SHARE` of the limit) is a second warm start, kept if it is cheaper.
     A caller's `start` (a choice that may name classes nothing reachable reads, as a tie can ask) is one too,
     where it keeps the budget and ties: greedy-dag's start rarely keeps ties, and without an admissible start the

@@ -52,9 +52,11 @@ STALL = 0.05
 GAP_HOPS = 1
 DEVEX = 1  # HiGHS's simplex_dual_edge_weight_strategy value for Devex pricing
 # The LP's work (`work.Meter`): building it, columns and rows per second, and HiGHS's simplex iterations per second,
-# its limit per solve (`simplex_iteration_limit`, a count: the same stop at any load). CPU seconds of the LP pass on
-# Mixtral's 2-layer training step on 8 devices (16,911 columns and 25,689 rows, built in 0.13 s; 10,074 iterations in
-# 0.52 s) and on `layered` graphs (1,000-2,000 columns: 1,077 iterations in 0.028 s), at load ~14.
+# its limit per solve (`simplex_iteration_limit`, a count: the same stop at any load). CPU seconds at load ~14 of the
+# contracted LP of Mixtral's 2-layer training step on 8 devices (16,911 columns and 25,689 rows, built in 0.13 s;
+# 10,074 iterations in 0.52 s) and of `layered` graphs' LPs (1,000-2,000 columns: 1,077 iterations in 0.028 s), timed
+# around `Lp.__init__` and `Lp.solve` (a scratch script; `python benchmarks/extract_work.py --cluster Mixtral
+# training 8` times the pass as a whole).
 LP_ENTRIES_PER_SECOND = 300_000
 ITERATIONS_PER_SECOND = 20_000
 ITERATION_CAP = 2**31 - 1  # HiGHS's limit is an int32

@@ -32,9 +32,10 @@ NEED_HOPS = 3
 PATH_NODES_PER_SECOND = 250_000
 PATH_SHARE = 0.3
 # Entries of the flow graphs (`FlowBatch`: edges and their capacities' terms) a separation round runs its max flows
-# over per second of work (`work.Meter`): CPU seconds of `PathGraphs.separate` on Mixtral's 2-layer training step on
-# 8 devices and `layered` graphs, at load ~14.
-FLOW_ENTRIES_PER_SECOND = 2_000_000
+# over per second of work (`work.Meter`), beside the path graphs' edges made (PATH_NODES_PER_SECOND): a round on
+# Mixtral's 2-layer training step on 8 devices made 23,941 edges and ran 51,500 entries in 0.245 CPU s at load ~19
+# (`python benchmarks/extract_work.py --cluster Mixtral training 8`).
+FLOW_ENTRIES_PER_SECOND = 500_000
 FLOW_UNIT = 2**20  # max flow runs on integer capacities: LP values in these units
 BATCH = 512  # path graphs per max flow: their demands (at most 1 each) sum to at most 2^29 units
 UNBOUNDED = 2**30  # an unbounded edge's capacity in those units: more than a batch's whole flow
