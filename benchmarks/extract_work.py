@@ -6,8 +6,8 @@
 its tries (greedy_dag.TRIES_PER_SECOND) against its CPU seconds. `--cluster`: one case of benchmarks/cluster.py
 (e.g. `Mixtral training 8`, 2 layers, no hand plans) planned in this process, and for each of its extractions the
 CPU seconds of each ILP phase (warm start, contracted LP, LP pass and its separation rounds, CP-SAT's parts)
-against the seconds of work it charged (`work.Meter`), and the result. One JSON line per graph or phase. CPU seconds are this process's
-(time.process_time); the load changes them, not the work.
+against the seconds of work it charged (`work.Meter`), and the result. One JSON line per graph or phase. CPU
+seconds are this process's (time.process_time); the load changes them, not the work.
 """
 from __future__ import annotations
 
