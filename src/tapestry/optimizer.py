@@ -273,8 +273,8 @@ class Explored:
         max(sum - reductions, sum - backward), which no node cost can say. Extraction first takes the reductions
         as hidden whole (`_overlap_split`: weight 1 on the first piece); if the plan's backward pass is shorter
         than its reductions, it extracts again with the backward compute hidden instead (weight 0), and with
-        both half hidden; the cheapest plan by plan_cost is kept, marked "feasible" (the objectives were not its
-        time).
+        both half hidden; the cheapest plan by plan_cost (of equals the leaner: StepObjective.better) is kept,
+        marked "feasible" (the objectives were not its time).
 
         Fusion: where the model prices fusion groups as one kernel (its `fused_device`), the plan is extracted a
         second time with each fusible node priced as the group member its neighbourhood promises (`_fused`),
