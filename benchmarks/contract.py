@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 
 from tapestry.extract import extract_greedy_dag
@@ -22,6 +21,7 @@ from tapestry.importer import from_torch
 from tapestry.importer.zoo import EXTRA, FAMILIES
 from tapestry.optimizer import default_cost_model, explore
 from tapestry.sharding import Mesh
+from tapestry.extract.work import unbounded
 
 
 def main() -> None:
@@ -41,12 +41,12 @@ def main() -> None:
                               "candidates": sum(map(len, reduced.candidates.values()))}
     started = time.process_time()
     graph, kept = contracted(egraph, reduced.candidates, block)
-    bound = lp_bound(graph, kept, *value_blocks(egraph, reduced.candidates, block, reduced.needs), math.inf)
+    bound = lp_bound(graph, kept, *value_blocks(egraph, reduced.candidates, block, reduced.needs), unbounded())
     row.update(contracted_candidates=sum(map(len, kept.values())),
                contracted_cpu=round(time.process_time() - started, 2), contracted_gap=(greedy - bound) / greedy)
     if not args.no_full:
         started = time.process_time()
-        bound = lp_bound(egraph, reduced.candidates, block, reduced.needs, math.inf)
+        bound = lp_bound(egraph, reduced.candidates, block, reduced.needs, unbounded())
         row.update(full_cpu=round(time.process_time() - started, 2), full_gap=(greedy - bound) / greedy)
     print(json.dumps(row), flush=True)
 

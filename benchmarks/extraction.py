@@ -16,7 +16,8 @@ from rich.console import Console
 
 from _report import write_section
 from tapestry.extract import EXTRACTORS, EGraph, extract, validate
-from tapestry.extract.ilp import PORTFOLIO, RELAX_SHARE
+from tapestry.extract.cpsat import PORTFOLIO
+from tapestry.extract.ilp import RELAX_SHARE
 from tapestry.extract.separation import PATH_SHARE
 
 GYM = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "extraction-gym"
@@ -85,8 +86,8 @@ def _num(value: float | None, fmt: str) -> str:
 
 def markdown(rows: list[Row], time_limit: float) -> str:
     lines = [
-        f"Machine: {platform.machine()}, 2 shared CPU cores. ILP: OR-tools CP-SAT, {len(PORTFOLIO)}-worker portfolio "
-        f"({', '.join(PORTFOLIO)}) time-sliced on the 2 cores, "
+        f"Machine: {platform.machine()}, 2 shared CPU cores. ILP: OR-tools CP-SAT on one thread, subsolver "
+        f"{', '.join(PORTFOLIO)}, "
         "one run per independent part of the problem, warm start from greedy-dag (greedy plus local search), "
         f"time limit {time_limit:g} s for the whole call. Before CP-SAT, an LP pass (HiGHS with path cuts, "
         f"`relax.py`: at most {RELAX_SHARE:.0%} of the limit, ended when its rounds stop closing the gap, skipped "

@@ -4,7 +4,7 @@ A LLaMA block's training step (benchmarks/pipeline.py's layer) explored on `--me
 `--micro-batches` runs per update, then its leaner plans (`Explored.leaner_plans`, each under a memory budget one
 byte below the last one's peak) up to `--points` plans in all: CPU seconds, the process's RSS and high-water mark
 after each, and each plan's accumulated time and peak. With `--constraints`, also what the ILP's memory-budget
-constraints alone cost to build (`extract.ilp._limit`) at the fastest plan's peak.
+constraints alone cost to build (`extract.cpsat._limit`) at the fastest plan's peak.
 
     python benchmarks/leaner_sweep.py --width 70B --seq 4096 --kv-heads 8 --micro-batch 8 --micro-batches 128 \
         --mesh 8x8
@@ -73,7 +73,7 @@ def constraints(explored: object, limit: int) -> None:
     from ortools.sat.python import cp_model
 
     from tapestry.egraph.budget import device_budget
-    from tapestry.extract.ilp import _limit
+    from tapestry.extract.cpsat import _limit
 
     started = time.process_time()
     budget = device_budget(explored.decoder, explored._held, explored.layered, limit)

@@ -11,7 +11,6 @@ default stop gap), and each bound is given as a share of that plan's extraction 
 from __future__ import annotations
 
 import argparse
-import math
 
 from phases import ZOO, model
 from tapestry.extract import extract_ilp
@@ -19,6 +18,7 @@ from tapestry.extract.contract import contracted_bound
 from tapestry.extract.reduction import reduce
 from tapestry.extract.relax import read_rows_bound
 from tapestry.extract.tree import solvable_tree
+from tapestry.extract.work import unbounded
 from tapestry.optimizer import FUSED_EXTRACTION_DEVICES, default_cost_model, explore
 from tapestry.sharding import Mesh
 
@@ -34,7 +34,7 @@ def row(name: str, mesh: Mesh, time_limit: float) -> str:
     reduced = reduce(egraph, solvable_tree(egraph))
     block = {c: reduced.block(c) for c in reduced.candidates}
     reads = read_rows_bound(egraph, reduced.candidates, block, reduced.needs)
-    contracted = contracted_bound(egraph, reduced.candidates, block, reduced.needs, math.inf)
+    contracted = contracted_bound(egraph, reduced.candidates, block, reduced.needs, unbounded())
 
     def under(bound: float) -> str:
         return f"{(best.dag_cost - bound) / best.dag_cost:.3%}"

@@ -15,7 +15,7 @@ from tapestry.extract import (
     extract,
     validate,
 )
-from tapestry.extract.ilp import _parts
+from tapestry.extract.cpsat import _parts
 from tapestry.extract.reduction import reduce
 from tapestry.extract.selection import finalize
 from tapestry.extract.tree import solvable_tree

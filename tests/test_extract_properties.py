@@ -13,6 +13,8 @@ from tapestry.extract import EXTRACTORS, EGraph, Node, NoFiniteChoiceError, extr
 from tapestry.extract.greedy_dag import greedy_dag_choice
 from tapestry.extract.selection import finalize
 from tapestry.extract.tree import solvable_tree
+from tapestry.extract.warm import WARM_SHARE
+from tapestry.extract.work import Meter
 
 
 @st.composite
@@ -68,10 +70,10 @@ def test_at_any_time_limit_the_ilp_bound_is_below_the_optimum_and_the_ilp_not_wo
     assert selection.bound is not None and selection.gap is not None
     assert 0 <= selection.bound <= optimum + 1e-9 * (1 + optimum)
     assert 0 <= selection.gap <= 1
-    # The warm start's local search gets WARM_SHARE of the limit: at 10 s it finishes on these graphs, below that
-    # a loaded machine may cut it, and the promise left is the greedy choice itself.
-    cut = 0.0 if time_limit < 10 else math.inf
+    # The warm start's local search gets WARM_SHARE of the limit in its tries (greedy_dag.TRIES_PER_SECOND), a
+    # count, so at any load it is this one, and the ILP returns nothing dearer.
     tree = solvable_tree(egraph)
+    cut = Meter(time_limit).until(WARM_SHARE * time_limit)
     greedy = finalize(egraph, greedy_dag_choice(egraph, tree, cut), tree, "greedy-dag", 0.0)
     assert selection.dag_cost <= greedy.dag_cost
 
@@ -79,11 +81,11 @@ def test_at_any_time_limit_the_ilp_bound_is_below_the_optimum_and_the_ilp_not_wo
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(egraphs())
 def test_greedy_dag_stopped_by_a_deadline_is_still_a_valid_selection(egraph: EGraph) -> None:
-    """The ILP's warm start stops its local search at its share of the time limit (a deadline already past: the
-    greedy choice alone)."""
+    """The ILP's warm start stops its local search at its share of the time limit (no tries left: the greedy
+    choice alone)."""
     if math.isinf(brute_force(egraph)):
         return
     tree = solvable_tree(egraph)
-    for deadline in (0.0, math.inf):
+    for deadline in (Meter(0.0).until(0.0), None):
         selection = finalize(egraph, greedy_dag_choice(egraph, tree, deadline), tree, "greedy-dag", 0.0)
         assert validate(egraph, selection) == []

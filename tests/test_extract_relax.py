@@ -17,7 +17,6 @@ from extract_helpers import _acyclic, brute_force, build
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tapestry.clock import clock
 from tapestry.extract import EGraph, extract, validate
 from tapestry.extract import ilp as ilp_module
 from tapestry.extract import reduction as reduction_module
@@ -30,6 +29,12 @@ from tapestry.extract.tree import solvable_tree
 from tapestry.models import transformer_stack
 from tapestry.optimizer import default_cost_model, explore
 from tapestry.sharding import Mesh
+from tapestry.extract.work import Deadline, Meter, unbounded
+
+
+def work(seconds: float) -> Deadline:
+    """A fresh extraction's deadline `seconds` of work away."""
+    return Meter(seconds).until(seconds)
 
 
 def tapestry_like(seed: int, values: int, layouts: int) -> EGraph:
@@ -98,11 +103,11 @@ def test_needs_and_path_cuts_hold_for_every_acyclic_selection_and_the_ilp_is_opt
         used = {block[c] for c in choice}
         assert all(d in used for b in used for d in reduced.needs.get(b, ())), "a need cut a selection"
     # cuts from the LP's own solutions, and from random capacities (every min cut is a valid inequality)
-    relaxation = relax(egraph, reduced.candidates, block, reduced.needs, clock() + 10)
-    lp = Lp(egraph, reduced.candidates, block, reduced.needs, (), math.inf)
-    pairs = need_pairs(egraph, reduced.candidates, block, reduced.needs, math.inf)
+    relaxation = relax(egraph, reduced.candidates, block, reduced.needs, work(10))
+    lp = Lp(egraph, reduced.candidates, block, reduced.needs, (), unbounded())
+    pairs = need_pairs(egraph, reduced.candidates, block, reduced.needs, unbounded())
     assert pairs is not None
-    flows = path_flows(egraph, reduced.candidates, block, pairs, lp, math.inf)
+    flows = path_flows(egraph, reduced.candidates, block, pairs, lp, unbounded())
     values = np.random.default_rng(seed).random(lp.highs.getNumCol())
     demands = values[[lp.used[flow.reader] for flow in flows]]
     drawn = FlowBatch.of(flows, len(values)).separate(values, demands) if flows else []
@@ -124,8 +129,8 @@ def test_the_lp_bound_is_lagrangian_so_it_holds_whatever_duals_highs_returns(see
     reduced = reduce(egraph, solvable_tree(egraph))
     block = {c: reduced.block(c) for c in reduced.candidates}
     optimum = min(sum(egraph.node_cost[n] for n in choice.values()) for choice in selections(egraph, reduced))
-    lp = Lp(egraph, reduced.candidates, block, reduced.needs, (), math.inf)
-    bound, _ = lp.solve(math.inf)
+    lp = Lp(egraph, reduced.candidates, block, reduced.needs, (), unbounded())
+    bound, _ = lp.solve(unbounded())
     assert bound == pytest.approx(lp.highs.getInfo().objective_function_value * lp.unit, rel=1e-7)
     assert bound <= optimum * (1 + 1e-9)
     rng = np.random.default_rng(seed)
@@ -147,7 +152,7 @@ def test_two_derivations_that_meet_again_below_are_no_cheaper_in_the_lp() -> Non
     }, roots=["out"])
     reduced = reduce(egraph, solvable_tree(egraph))
     block = {c: reduced.block(c) for c in reduced.candidates}
-    relaxation = relax(egraph, reduced.candidates, block, reduced.needs, clock() + 10)
+    relaxation = relax(egraph, reduced.candidates, block, reduced.needs, work(10))
     assert relaxation.bound == pytest.approx(5.5)  # h.b computed (1) then y = linear(h.b) (4.5)
     assert extract(egraph, "ilp").dag_cost == pytest.approx(5.5)
 
@@ -158,7 +163,7 @@ def test_the_lp_with_path_cuts_proves_a_transformer_layer_on_8_devices_and_agree
     egraph = explored.decoder.extraction_graph(list(explored.roots), default_cost_model())
     reduced = reduce(egraph, solvable_tree(egraph))
     relaxation = relax(egraph, reduced.candidates, {c: reduced.block(c) for c in reduced.candidates},
-                       reduced.needs, clock() + 30)
+                       reduced.needs, work(30))
     proven = extract(egraph, "ilp", time_limit=30)
     assert proven.status == "optimal" and proven.bound == proven.dag_cost
     assert relaxation.cuts and relaxation.bound == pytest.approx(proven.dag_cost, rel=1e-6)  # the LP alone
@@ -175,10 +180,10 @@ def separation_case(seed: int) -> tuple[EGraph, Reduced, dict[int, int], Lp, Nee
     egraph = tapestry_like(seed, 4, 2)
     reduced = reduce(egraph, solvable_tree(egraph))
     block = {c: reduced.block(c) for c in reduced.candidates}
-    lp = Lp(egraph, reduced.candidates, block, reduced.needs, (), math.inf)
-    pairs = need_pairs(egraph, reduced.candidates, block, reduced.needs, math.inf)
+    lp = Lp(egraph, reduced.candidates, block, reduced.needs, (), unbounded())
+    pairs = need_pairs(egraph, reduced.candidates, block, reduced.needs, unbounded())
     assert pairs is not None and pairs.pairs
-    flows = path_flows(egraph, reduced.candidates, block, pairs, lp, math.inf)
+    flows = path_flows(egraph, reduced.candidates, block, pairs, lp, unbounded())
     return egraph, reduced, block, lp, pairs, flows
 
 
@@ -222,7 +227,7 @@ def test_path_graphs_made_as_their_readers_come_into_use_give_every_pairs_cuts_i
     for share in (0.5, 0.5, 1.0):  # the last round uses every reader, as the separation test above does
         values = rng.random(lp.highs.getNumCol()) ** 2
         values[readers] = rng.uniform(0.5, 1.0, len(readers)) * (rng.random(len(readers)) < share)
-        cuts = graphs.separate(values, math.inf)
+        cuts = graphs.separate(values, unbounded())
         assert cuts == every.separate(values, values[readers])
         used |= values[readers] > 0
         assert (graphs.made == used).all()
@@ -237,10 +242,9 @@ def test_the_lp_pass_is_skipped_when_its_path_graphs_would_take_too_long_to_buil
     egraph = tapestry_like(3, 4, 2)
     reduced = reduce(egraph, solvable_tree(egraph))
     block = {c: reduced.block(c) for c in reduced.candidates}
-    soon = clock() + 10
-    assert relax(egraph, reduced.candidates, block, reduced.needs, soon).cuts
+    assert relax(egraph, reduced.candidates, block, reduced.needs, work(10)).cuts
     monkeypatch.setattr(separation_module, "PATH_NODES_PER_SECOND", 0.01)
-    assert relax(egraph, reduced.candidates, block, reduced.needs, soon) == Relaxation((), 0.0, 0)
+    assert relax(egraph, reduced.candidates, block, reduced.needs, work(10)) == Relaxation((), 0.0, 0)
     selection = extract(egraph, "ilp", time_limit=10)
     assert validate(egraph, selection) == [] and selection.status == "optimal"
 
@@ -286,9 +290,8 @@ def test_without_path_cuts_to_afford_the_lp_pass_still_gives_its_bound_with_read
     reduced = reduce(egraph, solvable_tree(egraph))
     block = {c: reduced.block(c) for c in reduced.candidates}
     monkeypatch.setattr(separation_module, "PATH_NODES_PER_SECOND", 0.0)
-    soon = clock() + 10
-    assert relax(egraph, reduced.candidates, block, reduced.needs, soon) == Relaxation((), 0.0, 0)
-    assert relax(egraph, reduced.candidates, block, reduced.needs, soon, reads=True).bound == pytest.approx(11.0)
+    assert relax(egraph, reduced.candidates, block, reduced.needs, work(10)) == Relaxation((), 0.0, 0)
+    assert relax(egraph, reduced.candidates, block, reduced.needs, work(10), reads=True).bound == pytest.approx(11.0)
 
 
 def test_a_pass_that_ends_at_a_gap_cuts_paths_fewer_steps_of_needs_apart_than_one_that_proves(
@@ -300,7 +303,6 @@ def test_a_pass_that_ends_at_a_gap_cuts_paths_fewer_steps_of_needs_apart_than_on
     steps: list[int] = []
     pairs = relax_module.need_pairs
     monkeypatch.setattr(relax_module, "need_pairs", lambda *args: steps.append(args[5]) or pairs(*args))
-    soon = clock() + 10
-    relax(egraph, reduced.candidates, block, reduced.needs, soon)
-    relax(egraph, reduced.candidates, block, reduced.needs, soon, enough=0.01)
+    relax(egraph, reduced.candidates, block, reduced.needs, work(10))
+    relax(egraph, reduced.candidates, block, reduced.needs, work(10), enough=0.01)
     assert steps == [relax_module.NEED_HOPS, relax_module.GAP_HOPS] and relax_module.GAP_HOPS < relax_module.NEED_HOPS

@@ -70,8 +70,8 @@ def test_the_ilp_starts_from_the_periodic_plan_when_it_is_cheaper(monkeypatch):
     Twelve blocks, so the fold keeps under ilp.FOLD_SHARE of the graph."""
     egraph, repeated = stacked(12, 2, 3, seed=9)
     monkeypatch.setattr(ilp, "LP_NODES_PER_SECOND", 0)
-    solve = ilp._solve  # CP-SAT still solves the fold, whose ties are its 7th argument
-    monkeypatch.setattr(ilp, "_solve", lambda *args: solve(*args) if args[6] else (None, 0.0, False, None))
+    solve = ilp.solve_parts  # CP-SAT still solves the fold, whose ties are its 9th argument
+    monkeypatch.setattr(ilp, "solve_parts", lambda *args: solve(*args) if args[8] else (None, 0.0, False, None))
     selection = extract_ilp(egraph, 10.0, repeated=repeated)
     assert not validate(egraph, selection)
     greedy = extract_greedy_dag(egraph).dag_cost

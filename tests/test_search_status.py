@@ -84,7 +84,7 @@ def test_an_ilp_out_of_time_returns_a_valid_plan_labelled_feasible_with_its_gap_
     result = tapestry.optimize(graph, tapestry.Mesh(2, 2), time_limit=0.001)
     selection = result.selection
     assert result.status == selection.status == "feasible"
-    assert selection.gap == 1.0 and selection.stopped_by == "cpu clock"
+    assert selection.gap == 1.0 and selection.stopped_by == "nodes"
     assert result.plan.cost == pytest.approx(tapestry.optimize(graph, tapestry.Mesh(2, 2)).plan.cost)
     inputs = tapestry.random_inputs(graph)
     # within float32's rounding of sums split over devices (verify.compare's tolerance: 512-long dots of values

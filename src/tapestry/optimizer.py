@@ -273,8 +273,8 @@ class Explored:
         max(sum - reductions, sum - backward), which no node cost can say. Extraction first takes the reductions
         as hidden whole (`_overlap_split`: weight 1 on the first piece); if the plan's backward pass is shorter
         than its reductions, it extracts again with the backward compute hidden instead (weight 0), and with
-        both half hidden; the cheapest plan by plan_cost is kept, marked "feasible" (the objectives were not its
-        time).
+        both half hidden; the cheapest plan by plan_cost (of equals the leaner: StepObjective.better) is kept,
+        marked "feasible" (the objectives were not its time).
 
         Fusion: where the model prices fusion groups as one kernel (its `fused_device`), the plan is extracted a
         second time with each fusible node priced as the group member its neighbourhood promises (`_fused`),
@@ -338,7 +338,7 @@ class Explored:
                 seen = fit(fused, 1.0)
             except (MemoryBudgetError, NoPlanError):  # none found under these costs: the first plan stands
                 seen = (plan, selection)
-            if objective(seen[0]) < objective(plan):
+            if objective.better(seen[0], plan):
                 egraph, (plan, selection) = fused, seen
         if self.layered is not None and reductions and memory_budget is None:
             # the plain sum too, of the node costs without fusion's estimates: on the folded 7B step on 8x8 the
@@ -346,14 +346,14 @@ class Explored:
             # where the weighted or fused fits kept the replicated pins (29.98; 186.31) (docs/benchmarks.md)
             with suppress(NoPlanError):
                 seen = fit(plain, None)
-                if objective(seen[0]) < objective(plan):
+                if objective.better(seen[0], plan):
                     egraph, (plan, selection) = plain, seen
         if objective.exposed(plan) and refit:  # the first piece was not the plan's time
             swept = []
             for weight in LAGRANGE_WEIGHTS:
                 with suppress(NoPlanError):  # a fallback's steady pins can fail under one weighting alone
                     swept.append(fit(egraph, weight))
-            plan, selection = min([(plan, selection), *swept], key=lambda p: objective(p[0]))
+            plan, selection = objective.least([(plan, selection), *swept])
             selection = replace(selection, status="feasible")  # no objective was the plan's time: nothing proven
             plan = replace(plan, notes={**plan.notes, "status": "feasible",
                                         "overlap_rounds": 1 + len(LAGRANGE_WEIGHTS)})

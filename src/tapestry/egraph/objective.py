@@ -2,10 +2,11 @@
 the update (`overlap_split`), and the time per update of a step run as micro-batches (`StepObjective`)."""
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
-from tapestry.cost import CostModel
+from tapestry.cost import CostModel, peak_memory
 from tapestry.cost.breakdown import PhaseTimes, phase_times
 from tapestry.cost.model import from_costs, step_costs
 from tapestry.cost.overlap import forward_outputs, overlap, upstream
@@ -13,6 +14,9 @@ from tapestry.egraph.decode import Decoder, DNode
 from tapestry.plan import Plan
 
 Split = tuple[frozenset[int], frozenset[int], frozenset[int]]  # reductions, backward, update (e-node indices)
+# Plan times this close (a share of the larger) are equal: the same plan priced through sums in another order
+EQUAL_TIME = 1e-9
+T = TypeVar("T")
 
 
 def overlap_split(decoder: Decoder, carried: Mapping[str, str], outputs: Mapping[str, str],
@@ -83,11 +87,34 @@ class StepObjective:
     split: Split  # `overlap_split`'s, accumulated where micro_batches > 1
     update_inputs: tuple[str, ...] = ()
     _times: dict[int, tuple[Plan, PhaseTimes]] = field(default_factory=dict, repr=False)  # by id(plan)
+    _peaks: dict[int, tuple[Plan, list[int]]] = field(default_factory=dict, repr=False)  # by id(plan)
 
     def __call__(self, plan: Plan) -> float:
         if self.micro_batches == 1:
             return plan.cost
         return self._phases(plan).accumulated(self.micro_batches)
+
+    def better(self, plan: Plan, than: Plan) -> bool:
+        """Whether `plan` is kept over `than`: faster by this objective, or as fast (within EQUAL_TIME) and with a
+        lower peak (`cost.peak_memory`, on its fullest device). Equal-time plans come from the extraction's fits
+        (the overlap sweep, fused prices) in no meaningful order; the leaner is worth keeping, whatever the order."""
+        mine, theirs = self(plan), self(than)
+        if abs(mine - theirs) > EQUAL_TIME * max(abs(mine), abs(theirs)):
+            return mine < theirs
+        return max(self._peak(plan)) < max(self._peak(than))
+
+    def least(self, found: Sequence[tuple[Plan, T]]) -> tuple[Plan, T]:
+        """Of (plan, what came with it) pairs, the one whose plan no other is `better` than (the first of equals)."""
+        kept = found[0]
+        for candidate in found[1:]:
+            if self.better(candidate[0], kept[0]):
+                kept = candidate
+        return kept
+
+    def _peak(self, plan: Plan) -> list[int]:
+        if id(plan) not in self._peaks:  # the plan is kept with its peaks, so its id is not reused
+            self._peaks[id(plan)] = (plan, peak_memory(plan))
+        return self._peaks[id(plan)][1]
 
     def _phases(self, plan: Plan) -> PhaseTimes:
         if id(plan) not in self._times:  # the plan is kept with its times, so its id is not reused

@@ -27,6 +27,7 @@ from dataclasses import replace
 from tapestry.components import connected_groups
 from tapestry.extract.egraph import EGraph
 from tapestry.extract.relax import lp_bound
+from tapestry.extract.work import Deadline
 
 
 def contracted(egraph: EGraph, candidates: Mapping[int, Sequence[int]],
@@ -87,8 +88,9 @@ def value_blocks(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block:
 
 
 def contracted_bound(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
-                     needs: Mapping[int, Sequence[int]], deadline: float) -> float:
-    """A lower bound on every selection's cost: the contracted problem's LP (0 when not solved by `deadline`).
+                     needs: Mapping[int, Sequence[int]], deadline: Deadline) -> float:
+    """A lower bound on every selection's cost: the contracted problem's LP (0 when not solved by `deadline`, in
+    simplex iterations).
     `candidates`, `block` and `needs` are the ILP's (`ilp.Reduced`); the LP's blocks are `value_blocks`."""
     graph, kept = contracted(egraph, candidates, block)
     return lp_bound(graph, kept, *value_blocks(egraph, candidates, block, needs), deadline)

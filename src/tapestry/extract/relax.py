@@ -36,6 +36,7 @@ from tapestry.extract.separation import (
     PathGraphs,
     need_pairs,
 )
+from tapestry.extract.work import Deadline, unbounded
 
 SLACK = 1e-9  # share shaved off the Lagrangian bound (`Lp.solve`) for rounding in its sums
 PROVEN = 1e-6  # a selection within this share of the bound counts as optimal
@@ -50,6 +51,15 @@ STALL = 0.05
 # with one step, 0.85% with three), and its path graphs took 0.77 of its 3.2 CPU s in the ILP at three.
 GAP_HOPS = 1
 DEVEX = 1  # HiGHS's simplex_dual_edge_weight_strategy value for Devex pricing
+# The LP's work (`work.Meter`): building it, columns and rows per second, and HiGHS's simplex iterations per second,
+# its limit per solve (`simplex_iteration_limit`, a count: the same stop at any load). CPU seconds at load ~14 of the
+# contracted LP of Mixtral's 2-layer training step on 8 devices (16,911 columns and 25,689 rows, built in 0.13 s;
+# 10,074 iterations in 0.52 s) and of `layered` graphs' LPs (1,000-2,000 columns: 1,077 iterations in 0.028 s), timed
+# around `Lp.__init__` and `Lp.solve` (a scratch script; `python benchmarks/extract_work.py --cluster Mixtral
+# training 8` times the pass as a whole).
+LP_ENTRIES_PER_SECOND = 300_000
+ITERATIONS_PER_SECOND = 20_000
+ITERATION_CAP = 2**31 - 1  # HiGHS's limit is an int32
 
 
 @dataclass(frozen=True)
@@ -63,16 +73,16 @@ class Relaxation:
 
 def relax(
     egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
-    needs: Mapping[int, Sequence[int]], deadline: float, ties: Sequence[tuple[int, int]] = (),
+    needs: Mapping[int, Sequence[int]], deadline: Deadline, ties: Sequence[tuple[int, int]] = (),
     offer: Callable[[list[int]], float] = lambda _: math.inf, enough: float = PROVEN, reads: bool = False,
 ) -> Relaxation:
     """Solve the LP of `candidates` (class -> nodes), then, with `reads`, with read rows (`Lp.add_reads`; not
     under ties or a negative cost), adding violated path cuts (`NEED_HOPS` steps of needs apart, `GAP_HOPS` where
     `enough` is a gap, not a proof) until none is left, the bound
     comes within `enough` of the incumbent (at `PROVEN` that proves it optimal), a round closes too little of the
-    gap to it (`STALL`), or `deadline` passes. Each LP solution, rounded to a choice per class (its candidate of
-    largest x, -1 for classes without one), is passed to `offer`, which returns the incumbent's cost (inf for
-    none yet).
+    gap to it (`STALL`), or the work charged reaches `deadline`. Each LP solution, rounded to a choice per class
+    (its candidate of largest x, -1 for classes without one), is passed to `offer`, which returns the incumbent's
+    cost (inf for none yet).
     `block` maps each class to its block (cyclic component id, or -1 - class), `needs` is `Reduced.needs`.
     When the path graphs would take too long to build (`PATH_SHARE`), nothing is solved (bound 0, no cuts), or with
     `reads` the LP and its read rows alone."""
@@ -125,7 +135,7 @@ def relax(
 
 
 def lp_bound(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
-             needs: Mapping[int, Sequence[int]], deadline: float) -> float:
+             needs: Mapping[int, Sequence[int]], deadline: Deadline) -> float:
     """The bound of the LP alone, without cuts or rounding (0 when it is not solved by `deadline`): what
     `contract.py` asks of a relaxed problem, whose LP solutions are no selections of the e-graph it bounds."""
     try:
@@ -149,11 +159,11 @@ def read_rows_bound(egraph: EGraph, candidates: Mapping[int, Sequence[int]], blo
                     needs: Mapping[int, Sequence[int]]) -> ReadRowsBound:
     """The LP of `candidates` without cuts, solved, then with its read rows (`Lp.add_reads`) solved again warm,
     as `relax(..., reads=True)` does before any path cut; no deadline."""
-    lp = Lp(egraph, candidates, block, needs, (), math.inf)
-    without, _ = lp.solve(math.inf)
+    lp = Lp(egraph, candidates, block, needs, (), unbounded())
+    without, _ = lp.solve(unbounded())
     lp.add_reads(egraph, candidates)
     started = clock()
-    bound, _ = lp.solve(math.inf)
+    bound, _ = lp.solve(unbounded())
     return ReadRowsBound(_shaved(without), _shaved(bound), clock() - started)
 
 
@@ -201,9 +211,10 @@ class Lp:
     """The LP in HiGHS, rows added as cuts are found (a warm re-solve)."""
 
     def __init__(self, egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
-                 needs: Mapping[int, Sequence[int]], ties: Sequence[tuple[int, int]], deadline: float) -> None:
+                 needs: Mapping[int, Sequence[int]], ties: Sequence[tuple[int, int]], deadline: Deadline) -> None:
+        """Raises OutOfTime where the safety net fires (`deadline`, which the LP is charged to when made)."""
         child_sets = egraph.child_sets
-        if clock() > deadline:
+        if deadline.safety():
             raise OutOfTime
         self.x = {n: i for i, n in enumerate(n for c in candidates for n in candidates[c])}
         count = len(self.x)
@@ -217,17 +228,17 @@ class Lp:
         rows = _Rows()
         x, active = self.x, self.active
         for c, nodes in candidates.items():
-            if clock() > deadline:
+            if deadline.safety():
                 raise OutOfTime
             rows.add([*(x[n] for n in nodes), active[c]], [*(1.0 for _ in nodes), -1.0], 0.0, 0.0)
             for n in nodes:
                 for d in child_sets[n]:
                     rows.add([x[n], active[d]], PAIR, -math.inf, 0.0)
-        if clock() > deadline:
+        if deadline.safety():
             raise OutOfTime
         readers: dict[tuple[int, int], list[int]] = {}
         for b, classes in blocks.items():
-            if clock() > deadline:
+            if deadline.safety():
                 raise OutOfTime
             if len(classes) == 1:
                 self.used[b] = active[classes[0]]
@@ -259,7 +270,7 @@ class Lp:
         for a, b in ties:
             if a in x and b in x:
                 rows.add_sum({x[a]: 1.0, x[b]: -1.0}, 0.0, 0.0)
-        if clock() > deadline:
+        if deadline.safety():
             raise OutOfTime
         self.lower = np.zeros(count)
         for root in egraph.roots:
@@ -282,6 +293,7 @@ class Lp:
         self.entries: tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]] = ([], [], [])  # row, column, coef
         self.matrix: sparse.csr_matrix | None = None  # the rows' matrix, made by `dual_bound` once rows change
         self._add_rows(rows)
+        deadline.meter.charge((count + len(self.row_lower)) / LP_ENTRIES_PER_SECOND)
 
     def _add_rows(self, rows: _Rows) -> None:
         starts = np.array(rows.starts, dtype=np.int32)
@@ -333,8 +345,10 @@ class Lp:
             rows.add_sum(coef, -math.inf, 0.0)
         self._add_rows(rows)
 
-    def solve(self, deadline: float) -> tuple[float, list[float] | None]:
-        """(bound, solution), or (0, None) if HiGHS did not solve it to optimality by `deadline`.
+    def solve(self, deadline: Deadline) -> tuple[float, list[float] | None]:
+        """(bound, solution), or (0, None) if HiGHS did not solve it to optimality in the simplex iterations left
+        to `deadline` (ITERATIONS_PER_SECOND; those it made are charged), or by the safety net (in seconds of
+        HiGHS's own clock, the wall: recorded on the meter).
 
         The bound is not HiGHS's objective: "optimal" allows reduced costs down to -1e-7, so the primal
         objective of a transformer block (costs ~1e-6 s) came out 2.6e-4 of the optimum above it, in 2 runs of
@@ -342,12 +356,18 @@ class Lp:
         kept only where its side of the row is finite), min over the box of (c - A'y)x + the rows' bounds by y,
         a lower bound for every y (Neumaier and Shcherbina, Math. Prog. 2004), equal to the optimum at the
         optimal y."""
-        left = deadline - clock()
-        if left <= 0:
+        iterations = min(deadline.left() * ITERATIONS_PER_SECOND, ITERATION_CAP)
+        if iterations < 1 or deadline.safety():
             return 0.0, None
-        self.highs.setOptionValue("time_limit", self.highs.getRunTime() + left)  # HiGHS counts its whole life
+        self.highs.setOptionValue("simplex_iteration_limit", int(iterations))
+        # HiGHS counts its whole life
+        self.highs.setOptionValue("time_limit", self.highs.getRunTime() + deadline.seconds())
         self.highs.run()
-        if self.highs.getModelStatus() != highs.HighsModelStatus.kOptimal:
+        deadline.meter.charge(self.highs.getInfo().simplex_iteration_count / ITERATIONS_PER_SECOND)
+        status = self.highs.getModelStatus()
+        if status == highs.HighsModelStatus.kTimeLimit:
+            deadline.meter.fired = True
+        if status != highs.HighsModelStatus.kOptimal:
             return 0.0, None
         solution = self.highs.getSolution()
         return self.dual_bound(np.array(solution.row_dual) * self.unit), list(solution.col_value)

@@ -14,8 +14,9 @@ from tapestry.extract.tree import TreeChoice
 class Selection:
     """One chosen node per class reachable from the roots; `gap` is (cost - bound) / cost. `seconds` are CPU
     seconds (`tapestry.clock`). `stopped_by` says which budget ended an unproven ILP search, if one did: "work"
-    (CP-SAT's deterministic time: the same selection on any machine load), "cpu clock" (a CP-SAT model not
-    built in its CPU seconds) or "wall clock" (the safety stop: this selection may depend on the load)."""
+    (CP-SAT's deterministic time) or "nodes" (no work left to model the graph or a part), both counts, so the same
+    selection on any machine load; or "seconds (safety net)" (`clock.SAFETY_NET_STOP`, proven or not: the CPU or
+    wall clock stopped a phase long past its count, and the selection may depend on the load)."""
 
     choice: Mapping[int, int] = field(repr=False)
     dag_cost: float

@@ -16,8 +16,8 @@ import numpy as np
 from scipy import sparse
 from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
-from tapestry.clock import clock
 from tapestry.extract.egraph import EGraph
+from tapestry.extract.work import Deadline
 
 TOLERANCE = 1e-6  # a cut counts as violated by more than this
 # Path cuts for a block and the blocks it needs within this many steps (needs are transitively reduced): on a
@@ -31,13 +31,18 @@ NEED_HOPS = 3
 # at 1 step (their regions span the graph) and building them had taken the LP pass's whole share.
 PATH_NODES_PER_SECOND = 250_000
 PATH_SHARE = 0.3
+# Entries of the flow graphs (`FlowBatch`: edges and their capacities' terms) a separation round runs its max flows
+# over per second of work (`work.Meter`), beside the path graphs' edges made (PATH_NODES_PER_SECOND): a round on
+# Mixtral's 2-layer training step on 8 devices made 23,941 edges and ran 51,500 entries in 0.245 CPU s at load ~19
+# (`python benchmarks/extract_work.py --cluster Mixtral training 8`).
+FLOW_ENTRIES_PER_SECOND = 500_000
 FLOW_UNIT = 2**20  # max flow runs on integer capacities: LP values in these units
 BATCH = 512  # path graphs per max flow: their demands (at most 1 each) sum to at most 2^29 units
 UNBOUNDED = 2**30  # an unbounded edge's capacity in those units: more than a batch's whole flow
 
 
 class OutOfTime(Exception):
-    """Building the LP or its flow graphs passed the deadline."""
+    """Building the LP or its flow graphs passed the safety net (`work.Deadline.safety`)."""
 
 
 class LpColumns(Protocol):
@@ -165,10 +170,10 @@ class NeedPairs:
 
 
 def need_pairs(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
-               needs: Mapping[int, Sequence[int]], deadline: float, steps: int = NEED_HOPS) -> NeedPairs | None:
+               needs: Mapping[int, Sequence[int]], deadline: Deadline, steps: int = NEED_HOPS) -> NeedPairs | None:
     """Every pair (B', B) with B one step of needs from B', then two, .. `steps`, while their path graphs
-    can be built in `PATH_SHARE` of the time to `deadline` (whole steps only); None when the one-step pairs
-    alone cannot. The region of (B', B): the blocks below B' and above B."""
+    can be built in `PATH_SHARE` of the work left to `deadline` (PATH_NODES_PER_SECOND; whole steps only); None
+    when the one-step pairs alone cannot. The region of (B', B): the blocks below B' and above B."""
     child_sets = egraph.child_sets
     members: dict[int, list[int]] = {}
     for c in candidates:
@@ -181,7 +186,7 @@ def need_pairs(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: M
             above[d].add(block[c])
     position = {b: i for i, b in enumerate(_children_first(below))}
     size = {b: sum(len(candidates[c]) for c in classes) for b, classes in members.items()}
-    room = PATH_NODES_PER_SECOND * PATH_SHARE * (deadline - clock())
+    room = PATH_NODES_PER_SECOND * PATH_SHARE * deadline.left()
     readers = [b for b in needs if b in members]
     reached = {b: {b} for b in readers}  # per reader, itself and the blocks of the steps so far
     frontier = {b: {b} for b in readers}
@@ -192,7 +197,7 @@ def need_pairs(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: M
             frontier[reader] = {d for b in frontier[reader] for d in needs.get(b, ())} - reached[reader]
             reached[reader] |= frontier[reader]
             for target in frontier[reader]:  # the region lies between them, children first
-                if clock() > deadline:
+                if deadline.safety():
                     raise OutOfTime
                 low = position[target]
                 down = _closure(reader, below, lambda b, low=low: position[b] >= low)
@@ -220,8 +225,10 @@ class PathGraphs:
         self.inner: dict[int, _Inner] = {}
         self.batches: list[tuple[FlowBatch, np.ndarray]] = []  # each with its flows' pairs
 
-    def separate(self, values: np.ndarray, deadline: float) -> list[PathCut]:
-        """The violated cuts under the LP `values` (`FlowBatch.separate`), in the order of their pairs."""
+    def separate(self, values: np.ndarray, deadline: Deadline) -> list[PathCut]:
+        """The violated cuts under the LP `values` (`FlowBatch.separate`), in the order of their pairs; the flow
+        graphs made (PATH_NODES_PER_SECOND) and the max flows run (FLOW_ENTRIES_PER_SECOND) charged to `deadline`'s
+        meter."""
         new = np.flatnonzero(~self.made & (values[self.readers] > TOLERANCE))
         if new.size:
             self.made[new] = True
@@ -231,14 +238,15 @@ class PathGraphs:
                                 (new[i:i + BATCH] for i in range(0, new.size, BATCH)))
         found = []
         for batch, pairs in self.batches:
-            if clock() > deadline:
+            if deadline.safety():
                 raise OutOfTime
             found += [(pairs[i], cut) for i, cut in batch.violated(values, values[self.readers[pairs]])]
+            deadline.meter.charge((batch.graph.nnz + batch.capacity.nnz) / FLOW_ENTRIES_PER_SECOND)
         return [cut for _, cut in sorted(found, key=lambda pair_cut: pair_cut[0])]
 
 
 def path_flows(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int], pairs: NeedPairs,
-           lp: LpColumns, deadline: float, chosen: Sequence[int] | None = None,
+           lp: LpColumns, deadline: Deadline, chosen: Sequence[int] | None = None,
            prepared: dict[int, list[tuple[int, tuple[int, ...], bool, int, int]]] | None = None,
            inner: dict[int, _Inner] | None = None) -> list[PathFlow]:
     """The path graph of every pair (or of the `chosen` ones, by index): classes of its region, each node an edge
@@ -256,9 +264,10 @@ def path_flows(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: M
         inner[b] = _Inner.of(prepared, pairs.members[b])
     flows = []
     for i in chosen:
-        if clock() > deadline:
+        if deadline.safety():
             raise OutOfTime
         flows.append(_flow(prepared, pairs.members, inner, *pairs.pairs[i]))
+        deadline.meter.charge(len(flows[-1].edges) / PATH_NODES_PER_SECOND)
     return flows
 
 
@@ -300,11 +309,11 @@ class _Inner:
                       tuple(e for e in entries if e[1]), tuple(rest), tuple(whole))
 
 
-def _batches(flows: Sequence[PathFlow], columns: int, deadline: float) -> list[FlowBatch]:
+def _batches(flows: Sequence[PathFlow], columns: int, deadline: Deadline) -> list[FlowBatch]:
     """`flows` in batches of `BATCH` (their demands sum to at most that, so flows stay within int32)."""
     batches = []
     for i in range(0, len(flows), BATCH):
-        if clock() > deadline:
+        if deadline.safety():
             raise OutOfTime
         batches.append(FlowBatch.of(flows[i:i + BATCH], columns))
     return batches

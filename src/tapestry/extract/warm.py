@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from tapestry.clock import clock
 from tapestry.extract.egraph import EGraph, EGraphError
 from tapestry.extract.greedy_dag import greedy_dag_choice
 from tapestry.extract.periodic import Repeated, Solve, periodic_choice
 from tapestry.extract.selection import finalize
 from tapestry.extract.tree import TreeChoice
+from tapestry.extract.work import Meter
 
 # Of the time limit, the most the greedy warm start's local search may take (the greedy search itself always
 # finishes: greedy_dag.py): on a 2x2x2 mesh's 12-layer stack (2 million nodes) greedy-dag with its local search
@@ -30,17 +30,18 @@ PERIODIC_SHARE = 0.2
 FOLD_SHARE = 0.2
 
 
-def warm_start(egraph: EGraph, tree: TreeChoice, started: float, time_limit: float, repeated: Repeated | None,
+def warm_start(egraph: EGraph, tree: TreeChoice, meter: Meter, repeated: Repeated | None,
                solve: Solve, nodes_per_second: float) -> tuple[list[int], float]:
-    """(A node per class, seconds the fold took): greedy-dag's choice, its local search stopped at WARM_SHARE
-    of `time_limit` from `started`, or with `repeated` the periodic choice where that is cheaper. `solve` solves
-    the folded problem; a fold bigger than `nodes_per_second` can model in half its time is not tried."""
-    greedy = greedy_dag_choice(egraph, tree, started + WARM_SHARE * time_limit)
-    folding = clock()
+    """(A node per class, seconds of work the fold took): greedy-dag's choice, its local search stopped at
+    WARM_SHARE of `meter`'s limit (in its tries: `work.Meter`), or with `repeated` the periodic choice where that is
+    cheaper. `solve` solves the folded problem (its work charged to `meter`); a fold bigger than `nodes_per_second`
+    can model in half its time is not tried."""
+    greedy = greedy_dag_choice(egraph, tree, meter.until(WARM_SHARE * meter.limit))
+    folding = meter.spent
     if repeated is not None:
-        periodic = _periodic(egraph, repeated, solve, PERIODIC_SHARE * time_limit, nodes_per_second)
+        periodic = _periodic(egraph, repeated, solve, PERIODIC_SHARE * meter.limit, nodes_per_second)
         greedy = _cheaper(egraph, tree, greedy, periodic)
-    return greedy, clock() - folding
+    return greedy, meter.spent - folding
 
 
 def undominate(egraph: EGraph, choice: Sequence[int], replacement: Mapping[int, int]) -> list[int]:

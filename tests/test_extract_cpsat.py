@@ -1,0 +1,32 @@
+"""CP-SAT as the ILP runs it (extract/cpsat.py): one thread, which runs the subsolvers `PORTFOLIO` names and no
+other, so docs/extraction.md's account of its workers holds."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from ortools.sat.python import cp_model
+
+from extract_helpers import layered
+from tapestry.extract import ilp
+from tapestry.extract.cpsat import PORTFOLIO
+from tapestry.extract.ilp import extract_ilp
+
+
+def test_one_thread_runs_the_portfolio_named_and_nothing_else(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With num_workers 1, CP-SAT runs only the first subsolver it is given ("1 full problem subsolver: [max_lp]"
+    where "max_lp", "core" and "default_lp" were named)."""
+    lines: list[str] = []
+    solve = cp_model.CpSolver.solve
+
+    def logged(self: cp_model.CpSolver, model: cp_model.CpModel, *args: Any) -> Any:
+        self.parameters.log_search_progress = True
+        self.log_callback = lines.append
+        return solve(self, model, *args)
+
+    monkeypatch.setattr(cp_model.CpSolver, "solve", logged)
+    monkeypatch.setattr(ilp, "LP_NODES_PER_SECOND", 0)  # CP-SAT alone
+    extract_ilp(layered(40, 4, seed=1), 0.1)
+    full = [line.strip() for line in lines if "full problem subsolver" in line]
+    plural = "s" if len(PORTFOLIO) > 1 else ""
+    assert full and set(full) == {f"{len(PORTFOLIO)} full problem subsolver{plural}: [{', '.join(PORTFOLIO)}]"}
