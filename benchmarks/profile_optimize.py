@@ -7,7 +7,7 @@ Runs SCRIPT (default: `tapestry.optimize` of an Adam training step of the import
 decoder, on `--mesh`) with the optimizer's phases wrapped: each `explore` (saturation), each `Explored.extract`
 (pricing and extraction) and `Explored.pareto` (a sweep of extractions), and within extraction
 `Decoder.extraction_graph` (pricing the reshards into the extraction graph), each CP-SAT run of the ILP
-extractor (`cp_sat`: `extract.ilp._solve_part`, one per part of each fit) and, for a training step,
+extractor (`cp_sat`: `extract.cpsat._solve_part`, one per part of each fit) and, for a training step,
 `Explored._against_baselines` (`hand_plans`: the hand plans built, priced and embedded as the extracted plan's
 floor). Prints one JSON line per process that planned (a script's `spawn`ed children too, as benchmarks/cluster.py
 runs its cases): per phase the calls' count and CPU and wall seconds, and each call's CPU seconds with its mesh
@@ -99,7 +99,7 @@ def install(reshards: int, cprofile: str | None = None) -> None:
     from tapestry import optimizer
     from tapestry.cost import comm
     from tapestry.egraph.decode import Decoder
-    from tapestry.extract import ilp
+    from tapestry.extract import cpsat
 
     optimizer.explore = _timed("explore", optimizer.explore,
                                lambda a, k: k.get("mesh", a[1] if len(a) > 1 else 1))
@@ -107,7 +107,7 @@ def install(reshards: int, cprofile: str | None = None) -> None:
     optimizer.Explored.extract = _timed("extract", extract, lambda a, k: a[0].mesh)
     optimizer.Explored.pareto = _timed("pareto", optimizer.Explored.pareto, lambda a, k: a[0].mesh)
     Decoder.extraction_graph = _timed("pricing", Decoder.extraction_graph, lambda a, k: a[0].mesh)
-    ilp._solve_part = _timed("cp_sat", ilp._solve_part, lambda a, k: f"{len(a[2])} classes")
+    cpsat._solve_part = _timed("cp_sat", cpsat._solve_part, lambda a, k: f"{len(a[2])} classes")
     optimizer.Explored._against_baselines = _timed("hand_plans", optimizer.Explored._against_baselines,
                                                    lambda a, k: a[0].mesh)
     if reshards >= 0:
