@@ -72,3 +72,44 @@ def test_an_expert_parallel_steps_flops_are_its_rows_with_every_expert_as_a_row_
     rows = build_plan(graph, mesh, {"experts_up": ("row",)})
     assert breakdown(ep, GPU, GPU.profile.device).model_seconds == pytest.approx(
         breakdown(rows, GPU, GPU.profile.device).model_seconds)
+
+
+def test_steps_alike_but_for_their_names_are_priced_once_and_break_down_as_each_alone(monkeypatch):
+    """An expanded plan's copies run copy 1's steps under other names, sharing their blocks: `breakdown` prices and
+    classifies each such step once (`alike_key`), and says what it says of the same plan whose steps share
+    nothing (each priced alone)."""
+    import dataclasses
+
+    from tapestry.cost.model import alike_key
+    from tapestry.plan import Plan
+
+    g = Graph()
+    value = g.input("x", (4096, 1024), dtype="bfloat16")
+    for k in range(4):
+        value = g.relu(g.matmul(value, g.input(f"w{k}", (1024, 1024), dtype="bfloat16")), name=f"act{k}")
+    g.output("y", value)
+    mesh = tapestry.Mesh(4)
+    plan = build_plan(g, mesh, {f"act{k}": (0,) for k in range(4)})
+    first = {}  # binding -> the first such step's blocks, which the later alike steps share as copies do
+    steps = []
+    for s in plan.steps:
+        if isinstance(s, Compute):
+            s = dataclasses.replace(s, blocks=first.setdefault(s.binding, s.blocks))
+        steps.append(s)
+    shared = Plan(mesh, g, tuple(steps), plan.outputs)
+    alone = Plan(mesh, g, tuple(dataclasses.replace(s, blocks=tuple(list(s.blocks))) if isinstance(s, Compute)
+                                else s for s in steps), plan.outputs)
+    priced = []
+    step_cost = type(GPU).step_cost
+    monkeypatch.setattr(type(GPU), "step_cost", lambda self, s, m: priced.append(s.out) or step_cost(self, s, m))
+    once = breakdown(shared, GPU, DEVICE)
+    shared_calls = len(priced)
+    priced.clear()
+    each = breakdown(alone, GPU, DEVICE)
+    assert once == each
+    assert once.total == pytest.approx(plan_cost(plan, GPU))
+    per_run = [s for s in shared.steps if s.out not in shared.prepared]
+    distinct = {alike_key(s) for s in per_run}
+    unplaced = {alike_key(s) for s in per_run if not isinstance(s, Place)}
+    assert len(unplaced) < sum(not isinstance(s, Place) for s in per_run)
+    assert shared_calls == len(distinct) + len(unplaced)  # step_costs' prices, then the breakdown's own

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from tapestry.cost.comm import AlphaBeta, collective_time
 from tapestry.cost.memory import RankPeak, layout_bytes, peak_memory, rank_peaks, resident_bytes
 from tapestry.cost.fusion import fused_costs
-from tapestry.cost.model import CostModel, plan_cost, run_costs, step_costs
+from tapestry.cost.model import CostModel, alike_key, plan_cost, run_costs, step_costs
 from tapestry.cost.profile import DeviceProfile, Link, Profile, builtin_profiles, load_profile
 from tapestry.cost.roofline import Roofline
-from tapestry.plan.plan import Compute, Plan, Reshard, Step
+from tapestry.plan.plan import Plan, Step
 from tapestry.sharding import Mesh
 
 
@@ -51,21 +51,11 @@ class DefaultCostModel:
         costs = {}
         for step in plan.steps:
             if step.out not in plan.prepared:
-                key = _alike(step)
+                key = alike_key(step)
                 if key not in priced:
                     priced[key] = self.step_cost(step, plan.mesh)
                 costs[step.out] = priced[key]
         return fused_costs(plan, costs, self.profile.device) if self.fuse else costs
-
-
-def _alike(step: Step) -> tuple:
-    """A key shared by steps alike but for their names (and a Compute's origin): its blocks by identity, as the
-    steps of an expanded plan's copies share them (hashing every device's block per step is not free)."""
-    if isinstance(step, Compute):
-        return step.binding, id(step.blocks)
-    if isinstance(step, Reshard):
-        return step.shape, step.dtype, step.src_layout, step.layout
-    return step.shape, step.layout
 
 
 def default_cost_model() -> DefaultCostModel:

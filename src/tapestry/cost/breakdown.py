@@ -17,11 +17,12 @@ from collections import defaultdict
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
-from tapestry.cost.model import CostModel, from_costs, step_costs
+from tapestry.cost.model import CostModel, alike_key, from_costs, step_costs
 from tapestry.cost.overlap import forward_outputs, overlap, upstream
 from tapestry.cost.profile import DeviceProfile
 from tapestry.cost.roofline import compute_dtype
 from tapestry.plan.plan import Compute, Place, Plan, Reshard, Step
+from tapestry.sharding import Mesh
 from tapestry.sharding.collectives import classify_reshard
 from tapestry.sharding.partition import exchanged_blocks
 
@@ -146,35 +147,47 @@ def compute_kind(step: Compute, device: DeviceProfile) -> str:
 
 def breakdown(plan: Plan, model: CostModel, device: DeviceProfile) -> Breakdown:
     """`plan`'s time per phase and kind (module docstring), priced by `model`; `device` says the roofline's
-    peaks and launch overhead (the model's profile device), which the launches are split off by."""
+    peaks and launch overhead (the model's profile device), which the launches are split off by. Steps alike but
+    for their names (`alike_key`: an expanded plan's later copies) are priced and classified once."""
     phase = phases(plan)
     seconds: dict[tuple[str, str], float] = defaultdict(float)
     count: dict[tuple[str, str], int] = defaultdict(int)
     model_seconds = 0.0
     costs = step_costs(plan, model)
+    launch = device.launch_overhead * device.oversubscription(plan.mesh.size)
+    seen: dict[tuple, _Priced] = {}
     for step in plan.steps:
         if isinstance(step, Place) or step.out in plan.prepared:
             continue
-        cost = model.step_cost(step, plan.mesh)
+        key = alike_key(step)
+        if key not in seen:
+            seen[key] = _priced(step, plan.mesh, model, device)
+        cost, kind, flops_seconds = seen[key]
         if costs[step.out] < cost:
             seconds[phase[step.out], FUSED] += costs[step.out] - cost
-        if isinstance(step, Compute):
-            kind = compute_kind(step, device)
-            if kind not in ("views", "idle"):
-                launch = device.launch_overhead * device.oversubscription(plan.mesh.size)
-                seconds[phase[step.out], "launch"] += min(launch, cost)
-                count[phase[step.out], "launch"] += 1
-                cost -= min(launch, cost)
-            sig = step.signature  # an exchange step's work: its rows with every expert (exchanged_blocks)
-            work = exchanged_blocks(sig, step.blocks, step.exchange, plan.mesh)
-            model_seconds += max((sig.cost(b)[0] for b in work if b is not None and not b.is_empty),
-                                 default=0.0) / device.peak("bfloat16")
-        else:
-            assert isinstance(step, Reshard)
-            kind = str(classify_reshard(step.src_layout, step.layout, step.shape, plan.mesh))
+        if kind not in ("views", "idle") and isinstance(step, Compute):
+            seconds[phase[step.out], "launch"] += min(launch, cost)
+            count[phase[step.out], "launch"] += 1
+            cost -= min(launch, cost)
+        model_seconds += flops_seconds
         seconds[phase[step.out], kind] += cost
         count[phase[step.out], kind] += 1
     hidden = overlap(plan, from_costs(costs)).hidden
     if hidden:
         seconds["step", HIDDEN] -= hidden
     return Breakdown(dict(seconds), dict(count), model_seconds)
+
+
+_Priced = tuple[float, str, float]  # a step's own seconds, its kind, its FLOPs' seconds at the bfloat16 peak
+
+
+def _priced(step: Compute | Reshard, mesh: Mesh, model: CostModel, device: DeviceProfile) -> _Priced:
+    """What `breakdown` reads of one step: its seconds priced alone, what bounds it (`compute_kind`, or a
+    Reshard's collective) and, for a Compute, the slowest device's FLOPs at the bfloat16 peak."""
+    cost = model.step_cost(step, mesh)
+    if isinstance(step, Reshard):
+        return cost, str(classify_reshard(step.src_layout, step.layout, step.shape, mesh)), 0.0
+    sig = step.signature  # an exchange step's work: its rows with every expert (exchanged_blocks)
+    work = exchanged_blocks(sig, step.blocks, step.exchange, mesh)
+    flops = max((sig.cost(b)[0] for b in work if b is not None and not b.is_empty), default=0.0)
+    return cost, compute_kind(step, device), flops / device.peak("bfloat16")

@@ -63,14 +63,14 @@ def _rank_peak(plan: Plan, program: RankProgram) -> RankPeak:
 
     steps = [s for s in program.steps if s.step < len(plan.steps)]  # the outputs' gather is not the plan's
     dead = RankProgram(program.rank, program.world, tuple(steps)).dead_after()
-    owner: dict[str, str | None] = {}  # buffer -> the buffer whose storage it is (a view's source); None: resident
-    users: dict[str, int] = {}  # storage -> how many live buffers share it
-    size: dict[str, int] = {}
-    made_by: dict[str, int] = {}  # storage -> the plan step that made it
+    owner: dict[str, int | None] = {}  # buffer -> the storage it is (a view's source's); None: resident
+    users: dict[int, int] = {}  # storage -> how many live buffers share it
+    storages: list[tuple[int, int, int]] = []  # (bytes, plan step that made it, position made) in making order
+    freed: dict[int, int] = {}  # storage -> the position after whose peak check it was freed
     placed: dict[int, int] = {}  # Place step -> its bytes on this rank
     prepared = {k for k, s in enumerate(plan.steps) if s.out in plan.prepared}  # kept like placed inputs
-    live, peak, at_peak = 0, 0, dict(size)
-    for step, gone in zip(steps, dead):
+    live, peak, peak_at = 0, 0, -1
+    for at, (step, gone) in enumerate(zip(steps, dead)):
         dtype = plan.dtypes[step.out]
         if isinstance(step, PlaceBlock) or step.step in prepared:
             view = isinstance(step, Local) and step.src_block is not None and step.src_block.contains(step.out_block)
@@ -81,25 +81,26 @@ def _rank_peak(plan: Plan, program: RankProgram) -> RankPeak:
         if isinstance(step, Local) and step.src_block is not None and step.src_block.contains(step.out_block):
             owner[step.out] = owner[step.src]
         else:
-            owner[step.out] = step.out
-            size[step.out] = block_bytes(step.out_block, dtype)
-            made_by[step.out] = step.step
-            live += size[step.out]
+            owner[step.out] = len(storages)
+            storages.append((block_bytes(step.out_block, dtype), step.step, at))
+            live += storages[-1][0]
         base = owner[step.out]
         if base is not None:
             users[base] = users.get(base, 0) + 1
-        if live > peak:
-            peak, at_peak = live, dict(size)
+        if live > peak:  # the first position where the most is live: its buffers are found below
+            peak, peak_at = live, at
         for name in gone:
             base = owner.pop(name, None)
             if base is None:
                 continue  # resident, or never made on this rank
             users[base] -= 1
             if users[base] == 0:
-                live -= size.pop(base)
+                live -= storages[base][0]
+                freed[base] = at
     held = dict(placed)
-    for buffer, n in at_peak.items():
-        held[made_by[buffer]] = held.get(made_by[buffer], 0) + n
+    for k, (n, made_by, made_at) in enumerate(storages):  # live at the peak: made by then, freed no earlier
+        if made_at <= peak_at <= freed.get(k, peak_at):
+            held[made_by] = held.get(made_by, 0) + n
     return RankPeak(sum(placed.values()) + peak, held)
 
 

@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 from collections.abc import Mapping
 
 from tapestry.cost.overlap import StepCost, overlap
-from tapestry.plan.plan import Plan, Step, output_gathers
+from tapestry.plan.plan import Compute, Plan, Reshard, Step, output_gathers
 from tapestry.sharding import Mesh
 
 
@@ -36,6 +36,17 @@ def step_costs(plan: Plan, model: CostModel) -> dict[str, float]:
     if together is not None:
         return together(plan)
     return {step.out: model.step_cost(step, plan.mesh) for step in plan.steps if step.out not in plan.prepared}
+
+
+def alike_key(step: Step) -> tuple:
+    """A key shared by steps alike but for their names (and a Compute's origin), which is all a model's
+    `step_cost` reads: its blocks by identity, as the steps of an expanded plan's copies share them (hashing every
+    device's block per step is not free)."""
+    if isinstance(step, Compute):
+        return step.binding, id(step.blocks)
+    if isinstance(step, Reshard):
+        return step.shape, step.dtype, step.src_layout, step.layout
+    return step.shape, step.layout
 
 
 def from_costs(costs: Mapping[str, float]) -> StepCost:
