@@ -1,5 +1,5 @@
-"""Indexing and orderings: take, gather, scatter (of a value), scatter_add, index_add, index_put, topk, sort and
-argsort."""
+"""Indexing and orderings: take, gather, scatter (of a value), scatter_add, index_add, index_put, one_hot, topk, sort
+and argsort."""
 from __future__ import annotations
 
 import math
@@ -195,6 +195,12 @@ def _is_permutation(b: Builder, idx: Value) -> bool:
         return False
     node = b.graph[idx.name]
     return node.op == "topk" and dict(node.params)["indices"] and b.graph[node.args[0]].shape == idx.shape
+
+
+@converts("aten.one_hot.default")
+def _one_hot(b: Builder, x: Any, num_classes: int = -1) -> Value:
+    """`one_hot`, elementwise over x with a class dim (torch.export traces only a given num_classes)."""
+    return b.op("one_hot", b.tensor(x), classes=int(num_classes))
 
 
 def _ordered(b: Builder, x: Value, axis: int, k: int, largest: bool) -> tuple[Value, Value]:

@@ -211,3 +211,31 @@ def _roll(b: Builder, x: Any, shifts: list[int], dims: list[int] = ()) -> Value:
             head, tail = _pieces(b, value, [cut, size - cut], axis)
             value = b.op("concat", tail, head, axis=axis)
     return value
+
+
+@converts("aten.as_strided.default", "aten.as_strided_copy.default")
+def _as_strided(b: Builder, x: Any, size: list[int], stride: list[int], storage_offset: int | None = None) -> Value:
+    """Overlapping chunks of one dim (Longformer's `_chunk` and its value chunks): x's row-major strides but for
+    one adjacent pair of dims (chunk, position) whose chunk stride is `step` positions, fewer than a chunk holds.
+    That is x reshaped with the pair merged into the cells it covers, cut into `windows`, so the chunks split
+    with halos. x arrives in memory order (translate's `_in_memory_order`); any other as_strided has no such
+    value-level form and stays opaque."""
+    value = b.tensor(x)
+    if storage_offset:
+        raise Unsupported(f"a storage offset ({storage_offset})")
+    kept = [(int(n), int(s)) for n, s in zip(size, stride) if n != 1]
+    pairs = [a for a in range(len(kept) - 1)
+             if kept[a + 1][1] > 0 and kept[a][1] % kept[a + 1][1] == 0 and 0 < kept[a][1] // kept[a + 1][1] < kept[a + 1][0]]
+    if len(pairs) != 1:
+        raise Unsupported(f"size {list(size)}, stride {list(stride)}: not one dim cut into overlapping windows")
+    (axis,) = pairs
+    (chunks, chunk_stride), (width, cell) = kept[axis], kept[axis + 1]
+    step = chunk_stride // cell
+    merged = [n for n, _ in kept[:axis]] + [(chunks - 1) * step + width] + [n for n, _ in kept[axis + 2 :]]
+    strides = [s for _, s in kept[:axis]] + [cell] + [s for _, s in kept[axis + 2 :]]
+    if math.prod(merged) != math.prod(value.shape) or strides != [math.prod(merged[d + 1 :]) for d in range(len(merged))]:
+        raise Unsupported(f"size {list(size)}, stride {list(stride)}: the windows do not read x{list(value.shape)} "
+                          "whole, row-major")
+    merged_value = value if value.shape == tuple(merged) else b.op("reshape", value, shape=tuple(merged))
+    cut = b.op("windows", merged_value, axis=axis, size=width, step=step)
+    return cut if cut.shape == b.shape else b.op("reshape", cut, shape=b.shape)
