@@ -24,7 +24,7 @@ def chunk(x: torch.Tensor, w: int) -> torch.Tensor:
 
 class Chunked(torch.nn.Module):
     """Longformer's chunkings: the query's chunks of 2w rows every w; chunks of a transposed view (as_strided reads
-    memory, in another order than the values'); the value's chunks of 3w rows every w of a padded tensor."""
+    memory, whose order is not the dims'); the value's chunks of 3w rows every w of a padded tensor."""
 
     def __init__(self, w: int) -> None:
         super().__init__()
@@ -34,7 +34,7 @@ class Chunked(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         h, w = self.proj(x), self.w  # [B, S, D]
         (b, s, d), t = h.shape, h.transpose(0, 1).contiguous().transpose(0, 1)  # memory order [S, B, D]
-        across = t.as_strided(size=(s // w - 1, 2 * w, b, d), stride=(w * b * d, b * d, d, 1))
+        across = t.as_strided(size=(b, s // w - 1, 2 * w, d), stride=(d, w * b * d, b * d, 1))  # Longformer's
         padded = torch.nn.functional.pad(h, (0, 0, w, w), value=-1.0)
         p = padded.stride()
         values = padded.as_strided(size=(b, s // w, 3 * w, d), stride=(p[0], w * p[1], p[1], p[2]))
@@ -45,7 +45,24 @@ def test_overlapping_chunks_import_as_windows_and_split_with_halos():
     torch.manual_seed(0)
     module, args = Chunked(2).eval(), (torch.randn(2, 8, 4),)
     imp = imported_and_planned_on_four(module, args, "windows")
-    assert set(imp.coverage["aten.as_strided.default"]) == {"reshape, windows", "windows"}, imp.coverage
+    assert set(imp.coverage["aten.as_strided.default"]) == {"reshape, windows", "transpose, windows", "windows"}
+
+
+def test_a_bool_mask_put_of_one_value_is_a_masked_fill():
+    """Longformer's `extended_attention_mask[attention_mask == 2] = max`, and over the dims after the first."""
+
+    class Put(torch.nn.Module):
+        def forward(self, x, mask):
+            y = x.clone()
+            y[mask == 2] = torch.finfo(x.dtype).max
+            z = x.clone()
+            z[:, mask[0] > 0] = -1.0
+            return y, z
+
+    x, mask = torch.randn(3, 4), torch.tensor([[1, 2, 0, 2], [2, 1, 1, 0], [0, 0, 2, 1]])
+    imp = from_torch(Put(), (x, mask), verbose=False)
+    assert not imp.opaque and all("masked_fill" in made for made in imp.coverage["aten.index_put.default"])
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(x, mask))), eager(Put(), (x, mask)))
 
 
 def test_an_as_strided_that_is_no_window_pattern_stays_opaque_and_matches():
