@@ -1,4 +1,4 @@
-"""Kernels that read or write at positions held in an integer tensor: take, gather, scatter_add, scatter.
+"""Kernels that read or write at positions held in an integer tensor: take, gather, scatter_add, scatter, one_hot.
 
 Which cells an index names depends on its values, not on where a block lies, so the indexed axis of the
 tensor read (or the whole index and source, for a scatter) is read whole by every block; every other dim
@@ -273,5 +273,62 @@ register(
         takes_zero_size=False,
         doc="x with src written at index along `axis` (torch.scatter; a topk's backward); where positions repeat a "
             "cell the last one's value is written",
+    )
+)
+
+
+# -- one_hot: out[..., c] = (idx[...] == c) --------------------------------------------------------------------------
+def one_hot_signature(idx: Shape, classes: int) -> SignatureSpec:
+    """idx's dims and a new class dim, which idx does not vary along: elementwise over idx, and the classes split
+    too (a block of classes compares idx with its own)."""
+    if classes < 1:
+        raise KernelError(f"one_hot needs classes >= 1 (a count the data sets, torch's -1, is not taken); "
+                          f"got classes={classes}")
+    n = len(idx) + 1
+    return SignatureSpec((*(f"d{d}" for d in range(n - 1)), "class"), (*idx, classes),
+                         (follow(n, range(n - 1)),), follow(n, range(n)), 1)
+
+
+def _one_hot_numpy(idx, classes: int, block_start: tuple[int, ...], out_shape: tuple[int, ...]) -> np.ndarray:
+    if idx.size and (idx.min() < 0 or idx.max() >= classes):
+        raise ValueError(f"one_hot: class values must lie in [0, {classes}); got {idx.min()}..{idx.max()}")
+    return (idx[..., None] == block_start[-1] + np.arange(out_shape[-1])).astype(np.int64)
+
+
+def _one_hot_torch(idx, classes: int, block_start: tuple[int, ...], out_shape: tuple[int, ...]):
+    """torch raises on values outside [0, classes) as one_hot does, without a host sync (a traced check)."""
+    idx = idx.long()
+    torch._assert_async(((idx >= 0) & (idx < classes)).all(), f"one_hot: class values must lie in [0, {classes})")
+    found = block_start[-1] + torch.arange(out_shape[-1], device=idx.device)
+    return (idx.unsqueeze(-1) == found).long()
+
+
+def _one_hot_rule(in_dtypes: tuple[str, ...], params: Mapping[str, ParamValue]) -> str:
+    if in_dtypes[0] not in _INTS:
+        raise KernelError(f"one_hot: idx must be int32 or int64, got {in_dtypes[0]}")
+    return "int64"
+
+
+def _sample_one_hot(draw):
+    idx = tuple(draw(st.lists(st.integers(1, 5), max_size=2)))
+    return (idx,), {"classes": draw(st.integers(1, 6))}, (draw(st.sampled_from(_INTS)),)
+
+
+register(
+    Kernel(
+        name="one_hot",
+        inputs=("idx",),
+        signature=one_hot_signature,
+        numpy=_one_hot_numpy,
+        torch=_one_hot_torch,
+        sample=_sample_one_hot,
+        params={"classes": 1},
+        needs_block_start=True,
+        needs_out_shape=True,
+        dtype_rule=_one_hot_rule,
+        index_bound=lambda shapes, slot, params: params["classes"],
+        takes_zero_size=False,
+        doc="int64 one-hot rows of idx over `classes` classes, a new last dim (torch's one_hot with num_classes "
+            "given); values outside [0, classes) raise, as in torch",
     )
 )

@@ -1,11 +1,12 @@
-"""Shape kernels: slice, select, concat, expand.
+"""Shape kernels: slice, select, concat, expand, pad, windows.
 
 All are affine, so every output dim stays an index dim and splittable. slice
 reads its axis with offset `start` and scale `step`; select reads one cell of
 its axis; expand reads one cell of x's broadcast size-1 dims. concat is the
 sum of two zero-padded reads: on its axis a is read in place and b shifted by
 len(a), and reads outside a tensor are zeros, so each output block is
-a_block + b_block (logical or for bool), whichever side of the seam it lies.
+a_block + b_block (logical or for bool), whichever side of the seam it lies. windows reads
+`size` cells of its axis every `step`: where windows overlap, neighbouring blocks read a halo.
 """
 from __future__ import annotations
 
@@ -233,5 +234,52 @@ register(
         dtype_rule=promoted,
         takes_zero_size=False,
         doc="x padded with `value` (torch's pad list: (before, after) from the last dim; negative crops)",
+    )
+)
+
+
+def windows_signature(x: Shape, axis: int, size: int, step: int) -> SignatureSpec:
+    """Index dims are x's with `axis` replaced by the window count; a window reads `size` cells of x's axis from
+    `step` times its position, so where windows overlap (step < size) that dim is windowed: blocks read halos."""
+    ax = _axis(x, axis)
+    if size < 1 or step < 1 or size > x[ax]:
+        raise KernelError(f"windows needs 1 <= size <= x's axis {axis} ({x[ax]}) and step >= 1; "
+                          f"got size={size}, step={step}")
+    n = len(x)
+    count = (x[ax] - size) // step + 1
+    read = follow(n, range(n), shape=[size if d == ax else 1 for d in range(n)],
+                  scale=[step if d == ax else 1 for d in range(n)])
+    rows = [*range(ax + 1), None, *range(ax + 1, n)]
+    out = follow(n, rows, shape=[size if r is None else 1 for r in rows])
+    return SignatureSpec(_dims(n), tuple(count if d == ax else s for d, s in enumerate(x)), (read,), out, 0)
+
+
+def _windows_numpy(x: np.ndarray, axis: int, size: int, step: int) -> np.ndarray:
+    ax = axis % x.ndim
+    every = np.lib.stride_tricks.sliding_window_view(x, size, axis=ax)[_along(x.ndim, ax, slice(None, None, step))]
+    return np.moveaxis(every, -1, ax + 1).copy()
+
+
+def _sample_windows(draw):
+    shape = tuple(draw(st.lists(st.integers(1, 7), min_size=1, max_size=3)))
+    axis = draw(st.integers(-len(shape), len(shape) - 1))
+    params = {"axis": axis, "size": draw(st.integers(1, shape[axis])), "step": draw(st.integers(1, 3))}
+    return (shape,), params, (draw(st.sampled_from(_DTYPES)),)
+
+
+register(
+    Kernel(
+        name="windows",
+        inputs=("x",),
+        signature=windows_signature,
+        numpy=_windows_numpy,
+        torch=lambda x, axis, size, step: x.unfold(axis % x.ndim, size, step).movedim(-1, axis % x.ndim + 1),
+        sample=_sample_windows,
+        params={"axis": 0, "size": 1, "step": 1},
+        dtype_rule=promoted,
+        takes_zero_size=False,
+        doc="x's `axis` cut into windows of `size` cells every `step` cells, a new dim of `size` after it: "
+            "out[..., c, i, ...] = x[..., c·step + i, ...] (torch's unfold with the window dim in place; an "
+            "as_strided of overlapping chunks, Longformer's)",
     )
 )

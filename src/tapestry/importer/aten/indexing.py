@@ -1,5 +1,5 @@
-"""Indexing and orderings: take, gather, scatter (of a value), scatter_add, index_add, index_put, topk, sort and
-argsort."""
+"""Indexing and orderings: take, gather, scatter (of a value), scatter_add, index_add, index_put, one_hot, topk, sort
+and argsort."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from tapestry.graph import Value
-from tapestry.importer.aten.common import _axis
+from tapestry.importer.aten.common import _axis, _scalar
 from tapestry.importer.aten.elementwise import _scaled
 from tapestry.importer.translate import Builder, Unsupported, converts
 
@@ -163,14 +163,14 @@ def _index_put(b: Builder, x: Any, indices: list[Any], values: Any, accumulate: 
     every token added at its id) flattened with v's matching dims, negatives counted from the end as torch does.
     Without accumulate, repeated indices write in an unspecified order, so only a permutation is taken: the
     indices of a full sort of the axis (MoE's inverse permutation, `inv[perm] = arange`) write every row once,
-    which is a scatter_add into zeros."""
+    which is a scatter_add into zeros. A bool mask with one value is a `masked_fill` (`_masked_put`)."""
     given = [(axis, i) for axis, i in enumerate(indices) if i is not None]
     if len(given) != 1:
         raise Unsupported(f"{len(given)} index tensors (one is taken: x[idx] += v, x[:, idx] += v)")
     (axis, idx), = given
     idx, value = b.tensor(idx), b.tensor(x)
     if idx.dtype == "bool":
-        raise Unsupported("a bool mask index")
+        return _masked_put(b, value, axis, idx, values, accumulate)
     if accumulate:
         source = b.tensor(values)
         if idx.ndim != 1:
@@ -189,12 +189,32 @@ def _index_put(b: Builder, x: Any, indices: list[Any], values: Any, accumulate: 
     return _index_add(b, zeros, axis, idx, b.tensor(values))
 
 
+def _masked_put(b: Builder, x: Value, axis: int, mask: Value, values: Any, accumulate: bool) -> Value:
+    """x[mask] = v with a bool mask over x's dims from `axis` and one value (Longformer's
+    `extended_attention_mask[attention_mask == 2] = max`): a `masked_fill`, elementwise. A tensor of values (one
+    per true cell, a count the data sets) or accumulate stays opaque."""
+    fill = _scalar(values)
+    if fill is None or accumulate:
+        raise Unsupported("a bool mask index with a tensor of values or accumulate (one value written is taken)")
+    if x.shape[axis : axis + mask.ndim] != mask.shape:
+        raise Unsupported(f"a bool mask{list(mask.shape)} over x{list(x.shape)}'s dims from {axis} of other sizes")
+    if mask.ndim != x.ndim:
+        mask = b.op("reshape", mask, shape=(*(1,) * axis, *mask.shape, *(1,) * (x.ndim - axis - mask.ndim)))
+    return b.op("masked_fill", x, mask, value=fill)
+
+
 def _is_permutation(b: Builder, idx: Value) -> bool:
     """idx is the positions of a full 1-D sort (a `topk` with indices and k the whole axis)."""
     if idx.ndim != 1 or idx.name not in b.graph:
         return False
     node = b.graph[idx.name]
     return node.op == "topk" and dict(node.params)["indices"] and b.graph[node.args[0]].shape == idx.shape
+
+
+@converts("aten.one_hot.default")
+def _one_hot(b: Builder, x: Any, num_classes: int = -1) -> Value:
+    """`one_hot`, elementwise over x with a class dim (torch.export traces only a given num_classes)."""
+    return b.op("one_hot", b.tensor(x), classes=int(num_classes))
 
 
 def _ordered(b: Builder, x: Value, axis: int, k: int, largest: bool) -> tuple[Value, Value]:

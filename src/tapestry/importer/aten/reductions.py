@@ -1,7 +1,8 @@
-"""Reductions along axes (sum, mean, amax), softmax, scans (cumsum) and argmax/argmin."""
+"""Reductions along axes (sum, mean, amax, max with its positions), softmax, scans (cumsum) and argmax/argmin."""
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import torch
@@ -64,3 +65,18 @@ def _argmax(b: Builder, x: Any, dim: int | None = None, keepdim: bool = False) -
         found = b.op(kernel, flat, axis=0, keepdim=False)
         return b.op("reshape", found, shape=b.shape) if b.shape != found.shape else found
     return b.op(kernel, value, axis=_axis(dim, value.ndim), keepdim=bool(keepdim))
+
+
+@converts("aten.max.dim")
+def _max_dim(b: Builder, x: Any, dim: int, keepdim: bool = False) -> tuple[Value, Value | None]:
+    """The largest values along `dim` and their positions: `amax` and `argmax` (the first of ties, NaN largest, as
+    torch's max), each reading the axis whole, so the other dims split. A split axis would need each part's
+    positions picked by its values, which no reduction here combines, so the axis stays whole. Positions no
+    node reads (Switch's router keeps only the values) are not made."""
+    value = b.tensor(x)
+    axis = _axis(dim, value.ndim)
+    users = getattr(b.node, "users", None)  # an fx node's (a retargeted in-place op's are not known)
+    read = {0, 1} if users is None or any(u.target is not operator.getitem for u in users) else {
+        u.args[1] for u in users}
+    return tuple(b.op(kernel, value, axis=axis, keepdim=bool(keepdim)) if k in read else None
+                 for k, kernel in enumerate(("amax", "argmax")))
