@@ -9,6 +9,7 @@ and leave experts empty); a module the rewrite cannot express exactly raises Tor
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import sys
 from collections.abc import Callable, Iterator
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from tapestry.importer.block_routing import mixtral_sparse_moe_forward, qwen2_moe_sparse_moe_forward
 from tapestry.importer.errors import TorchImportError
 
 
@@ -197,26 +199,48 @@ def longformer_encoder_forward(self: torch.nn.Module, hidden_states: torch.Tenso
     return LongformerBaseModelOutput(last_hidden_state=last, hidden_states=every)
 
 
-REWRITES: tuple[Rewrite, ...] = (
+BATCH_WIDE_REWRITES: tuple[Rewrite, ...] = (
     Rewrite(SWITCH, "SwitchTransformersSparseMLP", switch_sparse_mlp_forward),
     Rewrite("transformers.models.longformer.modeling_longformer", "LongformerSelfAttention",
             longformer_self_attention_forward),
     Rewrite("transformers.models.longformer.modeling_longformer", "LongformerEncoder", longformer_encoder_forward),
 )
+"""Every rewrite but the MoE routing by block: a training step's default (training.plans' expert-parallel hand
+plans are built on batch-wide routing's grouped_mm and take_rows), and an inference capture's opt-out."""
+
+ROUTING_BY_BLOCK: tuple[Rewrite, ...] = (
+    Rewrite("transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock", mixtral_sparse_moe_forward),
+    Rewrite("transformers.models.olmoe.modeling_olmoe", "OlmoeSparseMoeBlock", mixtral_sparse_moe_forward),
+    Rewrite("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeSparseMoeBlock",
+            qwen2_moe_sparse_moe_forward),
+)
+"""Mixtral's, OLMoE's and Qwen2-MoE's sparse MoE blocks routed sequence by sequence (importer/block_routing.py)."""
+
+REWRITES: tuple[Rewrite, ...] = BATCH_WIDE_REWRITES + ROUTING_BY_BLOCK
+"""Every exact rewrite: an inference capture's default."""
+
+_IN_FORCE: contextvars.ContextVar[tuple[Rewrite, ...] | None] = contextvars.ContextVar("exact_rewrites", default=None)
 
 
 @contextlib.contextmanager
-def exact_rewrites(rewrites: tuple[Rewrite, ...] = REWRITES) -> Iterator[None]:
+def exact_rewrites(rewrites: tuple[Rewrite, ...] | None = None, default: tuple[Rewrite, ...] = REWRITES
+                   ) -> Iterator[None]:
     """While a capture traces, each rewritten class (where its module is loaded) runs its rewrite's forward.
-    A class whose module was never imported cannot be in the model: it is left alone, and nothing is imported."""
+    A class whose module was never imported cannot be in the model: it is left alone, and nothing is imported.
+    `rewrites` None takes those of the innermost enclosing `exact_rewrites`, else `default` (the capture's): so
+    `with exact_rewrites(BATCH_WIDE_REWRITES): from_torch(...)` keeps a MoE's batch-wide routing, and
+    `with exact_rewrites(REWRITES): from_torch(..., training=...)` routes a training step's by block."""
+    chosen = rewrites if rewrites is not None else _IN_FORCE.get() or default
     patched = []
-    for rewrite in rewrites:
+    for rewrite in chosen:
         cls = getattr(sys.modules.get(rewrite.module), rewrite.name, None)
         if cls is not None:
             patched.append((cls, cls.forward))
             cls.forward = rewrite.forward
+    token = _IN_FORCE.set(chosen)
     try:
         yield
     finally:
-        for cls, forward in patched:
+        _IN_FORCE.reset(token)
+        for cls, forward in reversed(patched):
             cls.forward = forward
