@@ -4,6 +4,9 @@ evaluates to eager's and a training step to torch's; its kernels split expert pa
 for any routing; and its plans on 2x2 split the batch through the MoE layer and simulate to eager's answer."""
 from __future__ import annotations
 
+import copy
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +17,7 @@ from tapestry.importer import from_torch
 from tapestry.graph import Graph
 from tapestry.importer.block_routing import experts_by_block, grouped_mm_blocks
 from tapestry.importer.errors import TorchImportError
-from tapestry.importer.rewrites import BATCH_WIDE_REWRITES, REWRITES, exact_rewrites
+from tapestry.importer.rewrites import BATCH_WIDE_REWRITES, REWRITES, ROUTING_BY_BLOCK, exact_rewrites
 from tapestry.importer.zoo import FAMILIES
 from tapestry.plan import Compute, Plan, build_plan
 from tapestry.plan.simulate import simulate
@@ -147,6 +150,131 @@ def test_the_block_kernels_candidates_include_expert_parallel_by_itself_beside_d
         assert "split(row,ep:row=expert)" in names
         data = make_partition(sig, Mesh(2, 2), (sig.dims.index("block"), None), exchange=(1,))
         assert is_partial(sig, data) == kernel.endswith("_k")
+
+
+# -- routing by block as the default, and in a training step -------------------------------------------------------
+def tiny_mixtral(batch: int = 2) -> tuple[torch.nn.Module, torch.Tensor]:
+    """A 1-layer causal Mixtral (4 experts, top 2; float32) and token ids of `batch` sequences of 8."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2)
+    return (transformers.AutoModelForCausalLM.from_config(config).eval(),
+            torch.randint(0, 64, (batch, 8), generator=torch.Generator().manual_seed(1)))
+
+
+def lm_loss(module: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return module(input_ids=ids, labels=labels, use_cache=False).loss
+
+
+def routed_step(model: torch.nn.Module, ids: torch.Tensor) -> tapestry.TorchImport:
+    """One SGD step of `model`, routed by block (asked for: a training step's default routes batch-wide)."""
+    training = tapestry.Training.from_torch_optimizer(torch.optim.SGD, lm_loss, lr=0.1)
+    with exact_rewrites(REWRITES):
+        return tapestry.from_torch(model, (ids, ids), training=training, verbose=False)
+
+
+def kernels(imported: tapestry.TorchImport) -> set[str]:
+    return {node.op for node in imported.graph.ops}
+
+
+def test_inference_routes_by_block_by_default_and_batch_wide_when_told_and_a_training_step_batch_wide():
+    model, ids = tiny_mixtral()
+    inference = partial(tapestry.from_torch, model, (ids,), {"use_cache": False}, verbose=False)
+    assert "grouped_mm_blocks" in kernels(inference()) and "grouped_mm" not in kernels(inference())
+    with exact_rewrites(BATCH_WIDE_REWRITES):
+        assert "grouped_mm" in kernels(inference()) and "grouped_mm_blocks" not in kernels(inference())
+    training = tapestry.Training.from_torch_optimizer(torch.optim.SGD, lm_loss, lr=0.1)
+    step = tapestry.from_torch(model, (ids, ids), training=training, verbose=False)
+    assert {"grouped_mm", "grouped_mm_k"} <= kernels(step) and "grouped_mm_blocks" not in kernels(step)
+
+
+def test_a_training_step_routed_by_block_has_its_weight_gradients_as_kernels_and_equals_torch():
+    """The backward of the experts imports as grouped_mm_blocks and grouped_mm_blocks_k (no opaque op), and the
+    step's loss and every updated weight are torch's."""
+    model, ids = tiny_mixtral()
+    imported = routed_step(model, ids)
+    assert {"grouped_mm_blocks", "grouped_mm_blocks_k"} <= kernels(imported) and "grouped_mm" not in kernels(imported)
+    assert not imported.opaque, imported.translation.declined
+    ours = imported.outputs(tapestry.evaluate(imported.graph, imported.inputs(ids, ids)))
+    reference = copy.deepcopy(model)
+    loss = lm_loss(reference, ids, ids)
+    loss.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    assert abs(float(ours["loss"]) - loss.item()) <= 1e-5 * abs(loss.item())
+    for path, value in reference.named_parameters():
+        np.testing.assert_allclose(ours["parameters"][path], value.detach().numpy(), rtol=1e-5, atol=1e-6,
+                                   err_msg=path)
+
+
+@pytest.mark.parametrize("favour", [(), ("grouped_mm_blocks", "grouped_mm_blocks_k")], ids=["priced", "exchanged"])
+def test_a_training_step_routed_by_block_plans_on_2x2_and_simulates_to_the_evaluator(favour):
+    """As priced (at this size: the batch split through the MoE layer, forward and backward), and with every
+    expert step and weight gradient expert parallel (`Favour`)."""
+    model, ids = tiny_mixtral(batch=4)
+    imported = routed_step(model, ids)
+    priced = {"cost_model": Favour(kernels=favour)} if favour else {}
+    plan = tapestry.optimize(imported.graph, Mesh(2, 2), **priced).plan
+    assert not plan_problems(plan)
+    experts = [s for s in plan.steps if isinstance(s, Compute) and s.kernel.startswith("grouped_mm_blocks")]
+    assert sorted(s.kernel for s in experts) == ["grouped_mm_blocks"] * 4 + ["grouped_mm_blocks_k"] * 2
+    if favour:
+        assert all(s.exchange for s in experts)
+    else:
+        assert all(len(set(s.blocks)) > 1 for s in experts)
+    given = imported.inputs(ids, ids)
+    got, want = simulate(plan, given), tapestry.evaluate(imported.graph, given)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("favour", [(), ("grouped_mm_blocks",)], ids=["priced", "exchanged"])
+def test_a_batch_of_one_is_one_block_whose_experts_run_whole_as_priced_or_expert_parallel_and_match_eager(favour):
+    """One sequence is one block: no batch to split through the MoE layer. As priced at this width, its expert
+    steps run whole, as batch-wide routing's do; its experts and their rows can still split by exchange (here
+    forced), each row sent to its expert's device inside the one block. Both plans compute eager's logits."""
+    model, ids = tiny_mixtral(batch=1)
+    imported = tapestry.from_torch(model, (ids,), {"use_cache": False}, verbose=False)
+    priced = {"cost_model": Favour(kernels=favour)} if favour else {}
+    plan = tapestry.optimize(imported.graph, Mesh(4), **priced).plan
+    experts = [s for s in plan.steps if isinstance(s, Compute) and s.kernel == "grouped_mm_blocks"]
+    assert len(experts) == 2 and all(bool(s.exchange) == bool(favour) for s in experts)
+    if not favour:
+        assert all(len(set(s.blocks)) == 1 for s in experts)
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits.numpy()
+    got = imported.outputs(simulate(plan, imported.inputs(ids, use_cache=False)))[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def sparse_block(family: str) -> torch.nn.Module:
+    """A held-back family's sparse MoE block alone (4 experts, top 2, width 8), every weight drawn normal."""
+    torch.manual_seed(0)
+    common = {"hidden_size": 8, "num_experts_per_tok": 2}
+    if family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(moe_intermediate_size=12, num_experts=4, **common)
+        block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(config)
+    elif family == "granitemoe":
+        config = transformers.GraniteMoeConfig(intermediate_size=12, num_local_experts=4, **common)
+        block = transformers.models.granitemoe.modeling_granitemoe.GraniteMoeMoE(config)
+    else:
+        config = transformers.JambaConfig(intermediate_size=12, num_experts=4, **common)
+        block = transformers.models.jamba.modeling_jamba.JambaSparseMoeBlock(config)
+    for parameter in block.parameters():
+        torch.nn.init.normal_(parameter)
+    return block.eval()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "granitemoe", "jamba"])
+def test_qwen3_moes_granitemoes_and_jambas_sparse_blocks_routed_by_block_compute_what_their_own_forwards_do(family):
+    block = sparse_block(family)
+    hidden = torch.randn(3, 5, 8)
+    with torch.no_grad():
+        want = block(hidden)
+        with exact_rewrites():
+            assert type(block).forward in {rewrite.forward for rewrite in ROUTING_BY_BLOCK}
+            got = block(hidden)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 MOE_FAMILIES = ["mixtral", "olmoe", "qwen2_moe"]  # the zoo's decoders whose sparse MoE blocks are rewritten

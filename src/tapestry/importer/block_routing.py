@@ -10,7 +10,8 @@ block of rows gives the same answer. Here the block is a sequence of the batch: 
 own, and the experts are `tapestry::grouped_mm_blocks` (each block's rows with its own `ends`, the
 `grouped_mm_blocks` kernel), so data parallelism splits the whole MoE layer.
 
-Rewritten (importer/rewrites.py's `ROUTING_BY_BLOCK`): Mixtral's, OLMoE's and Qwen2-MoE's sparse MoE blocks. An
+Rewritten (importer/rewrites.py's `ROUTING_BY_BLOCK`): Mixtral's, OLMoE's, Qwen2-MoE's, Qwen3-MoE's, GraniteMoE's
+and Jamba's sparse MoE blocks. An
 inference capture routes them by block by default; a training step keeps batch-wide routing unless asked
 (`with exact_rewrites(REWRITES): from_torch(..., training=...)`: training.plans' expert-parallel hand plans are
 built on batch-wide routing's kernels), and an inference capture opts out with
@@ -106,19 +107,26 @@ def experts_by_block(experts: torch.nn.Module, hidden: torch.Tensor, top_k_index
     return weighted.view(blocks * tokens, choices, width).sum(dim=1).to(hidden.dtype)
 
 
-def _routed(block: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """A sparse MoE block's routed experts ([B·T, D]): its router (`gate`: logits, weights, expert ids) on the
-    flattened tokens, its experts routed sequence by sequence (`experts_by_block`)."""
-    _, top_k_weights, top_k_index = block.gate(hidden_states.reshape(-1, hidden_states.shape[-1]))
-    return experts_by_block(block.experts, hidden_states, top_k_index, top_k_weights)
+def _routed(router: torch.nn.Module, experts: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A sparse MoE block's routed experts ([B·T, D]): its router (logits, weights, expert ids) on the flattened
+    tokens, its experts routed sequence by sequence (`experts_by_block`)."""
+    _, top_k_weights, top_k_index = router(hidden_states.reshape(-1, hidden_states.shape[-1]))
+    return experts_by_block(experts, hidden_states, top_k_index, top_k_weights)
 
 
 def mixtral_sparse_moe_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """MixtralSparseMoeBlock.forward (OLMoE's has no jitter) with its experts routed sequence by sequence."""
+    """MixtralSparseMoeBlock.forward (OLMoE's and Qwen3-MoE's have no jitter) with its experts routed sequence by
+    sequence."""
     if self.training and getattr(self, "jitter_noise", 0) > 0:
         raise TorchImportError(f"{type(self).__name__}'s router jitter (noise {self.jitter_noise}) runs in "
                                "training mode; routing by block replays no random draws: call .eval()")
-    return _routed(self, hidden_states).reshape(hidden_states.shape)
+    return _routed(self.gate, self.experts, hidden_states).reshape(hidden_states.shape)
+
+
+def router_moe_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """GraniteMoeMoE.forward and JambaSparseMoeBlock.forward (Mixtral's, the router named `router`) with its
+    experts routed sequence by sequence."""
+    return _routed(self.router, self.experts, hidden_states).reshape(hidden_states.shape)
 
 
 def qwen2_moe_sparse_moe_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -126,5 +134,4 @@ def qwen2_moe_sparse_moe_forward(self: torch.nn.Module, hidden_states: torch.Ten
     is added as the original adds it."""
     flat = hidden_states.reshape(-1, hidden_states.shape[-1])
     shared = torch.nn.functional.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-    return (_routed(self, hidden_states) + shared).reshape(hidden_states.shape)
-
+    return (_routed(self.gate, self.experts, hidden_states) + shared).reshape(hidden_states.shape)

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from tapestry.importer.block_routing import mixtral_sparse_moe_forward, qwen2_moe_sparse_moe_forward
+from tapestry.importer.block_routing import (
+    mixtral_sparse_moe_forward, qwen2_moe_sparse_moe_forward, router_moe_forward)
 from tapestry.importer.errors import TorchImportError
 
 
@@ -213,8 +214,12 @@ ROUTING_BY_BLOCK: tuple[Rewrite, ...] = (
     Rewrite("transformers.models.olmoe.modeling_olmoe", "OlmoeSparseMoeBlock", mixtral_sparse_moe_forward),
     Rewrite("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeSparseMoeBlock",
             qwen2_moe_sparse_moe_forward),
+    Rewrite("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeSparseMoeBlock", mixtral_sparse_moe_forward),
+    Rewrite("transformers.models.granitemoe.modeling_granitemoe", "GraniteMoeMoE", router_moe_forward),
+    Rewrite("transformers.models.jamba.modeling_jamba", "JambaSparseMoeBlock", router_moe_forward),
 )
-"""Mixtral's, OLMoE's and Qwen2-MoE's sparse MoE blocks routed sequence by sequence (importer/block_routing.py)."""
+"""Mixtral's, OLMoE's, Qwen2-MoE's, Qwen3-MoE's, GraniteMoE's and Jamba's sparse MoE blocks routed sequence by
+sequence (importer/block_routing.py)."""
 
 REWRITES: tuple[Rewrite, ...] = BATCH_WIDE_REWRITES + ROUTING_BY_BLOCK
 """Every exact rewrite: an inference capture's default."""
