@@ -235,7 +235,8 @@ def exact_rewrites(rewrites: tuple[Rewrite, ...] | None = None, default: tuple[R
     `rewrites` None takes those of the innermost enclosing `exact_rewrites`, else `default` (the capture's): so
     `with exact_rewrites(BATCH_WIDE_REWRITES): from_torch(...)` keeps a MoE's batch-wide routing, and
     `with exact_rewrites(REWRITES): from_torch(..., training=...)` routes a training step's by block."""
-    chosen = rewrites if rewrites is not None else _IN_FORCE.get() or default
+    enclosing = _IN_FORCE.get()
+    chosen = rewrites if rewrites is not None else enclosing if enclosing is not None else default
     patched = []
     for rewrite in chosen:
         cls = getattr(sys.modules.get(rewrite.module), rewrite.name, None)
