@@ -13,15 +13,16 @@ priced, over the model's plan on one device: the cpu-gloo profile's ranks share 
 decoder (llama) the estimate should be what the search finds (every op splits on the batch, no move), which
 checks it. Prints one line per family and mesh.
 
-`--by-block` also captures each family with its MoE routed sequence by sequence (importer/block_routing.py's
-ROUTING_BY_BLOCK, an exact rewrite) and prints the search's plan of that graph. `--zoo NAME...` plans the named
+Every graph but `--by-block`'s is captured with batch-wide routing (importer/rewrites.py's BATCH_WIDE_REWRITES: the
+opt-out of the default). `--by-block` also captures each family with its MoE routed sequence by sequence (the
+default, importer/block_routing.py) and prints the search's plan of that graph, with how many of its expert steps
+(grouped_mm_blocks) run expert parallel (exchanged). `--zoo NAME...` plans the named
 importer zoo families as the zoo builds them (e.g. olmoe, qwen2_moe), batch-wide and routed by block, and nothing
 else. Each `optimize` is timed in CPU seconds of this process (time.process_time).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import itertools
 import time
@@ -31,9 +32,8 @@ import torch
 from tapestry.cost import plan_cost
 from tapestry.graph import Graph
 from tapestry.importer import from_torch, zoo
-from tapestry.importer.block_routing import ROUTING_BY_BLOCK
 from tapestry.importer.report import flops_of
-from tapestry.importer.rewrites import exact_rewrites
+from tapestry.importer.rewrites import BATCH_WIDE_REWRITES, REWRITES, exact_rewrites
 from tapestry.optimizer import default_cost_model, optimize
 from tapestry.plan import Plan
 from tapestry.plan.plan import Compute
@@ -49,13 +49,13 @@ BUILDS = {"mixtral": zoo._decoder("MixtralConfig", "MixtralModel", num_local_exp
 def graph_of(family: str, batch: int, by_block: bool = False) -> Graph:
     torch.manual_seed(0)
     module, args, kwargs = BUILDS[family](dataclasses.replace(zoo.SIZES["small"], batch=batch))
-    with exact_rewrites(ROUTING_BY_BLOCK) if by_block else contextlib.nullcontext():
+    with exact_rewrites(REWRITES if by_block else BATCH_WIDE_REWRITES):
         return from_torch(module.eval(), args, kwargs, verbose=False).graph
 
 
 def zoo_graph(name: str, by_block: bool) -> Graph:
     module, args, kwargs = zoo.FAMILIES[name].build()
-    with exact_rewrites(ROUTING_BY_BLOCK) if by_block else contextlib.nullcontext():
+    with exact_rewrites(REWRITES if by_block else BATCH_WIDE_REWRITES):
         return from_torch(module.eval(), args, kwargs, verbose=False).graph
 
 
@@ -73,6 +73,12 @@ def sharded_share(plan: Plan) -> float:
         flops_of(s.signature) for s in computes)
 
 
+def experts_line(plan: Plan) -> str:
+    """How many of the plan's expert steps (grouped_mm_blocks) exchange rows (expert parallel), if it has any."""
+    experts = [s for s in plan.steps if isinstance(s, Compute) and s.kernel == "grouped_mm_blocks"]
+    return f", {sum(bool(s.exchange) for s in experts)} of {len(experts)} expert steps exchanged" if experts else ""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--family", nargs="+", default=list(BUILDS), choices=list(BUILDS))
@@ -84,7 +90,7 @@ def main() -> None:
         for name, text, by_block in itertools.product(args.zoo, args.meshes, (False, True)):
             plan, seconds = timed_plan(zoo_graph(name, by_block), Mesh(*map(int, text.split("x"))))
             print(f"{name} on {text}{', routed by block' if by_block else ''}: search {plan.cost:.4e} "
-                  f"({sharded_share(plan):.1%} of FLOPs split, {seconds:.1f} CPU s)", flush=True)
+                  f"({sharded_share(plan):.1%} of FLOPs split, {seconds:.1f} CPU s{experts_line(plan)})", flush=True)
         return
     model = default_cost_model()
     for family in args.family:
@@ -107,7 +113,7 @@ def main() -> None:
             if blocked is not None:
                 plan, seconds = timed_plan(blocked, mesh)
                 print(f"{family} on {text}, routed by block: search {plan.cost:.4e} ({sharded_share(plan):.1%} of "
-                      f"FLOPs split, {seconds:.1f} CPU s)", flush=True)
+                      f"FLOPs split, {seconds:.1f} CPU s{experts_line(plan)})", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Builders shared by the expert-parallel tests (test_experts, test_baselines): a cost model that favours
-expert-parallel plans at tiny sizes, and one training step of a 1-layer Mixtral with its expert weights."""
+"""Builders shared by the expert-parallel tests (test_experts, test_baselines, test_block_routing): a cost model
+that favours expert-parallel plans at tiny sizes, one training step of a 1-layer Mixtral with its expert weights,
+and the zoo's tiny Mixtral parallelized on gloo ranks against eager."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -46,3 +47,33 @@ def tiny_mixtral_step(monkeypatch: pytest.MonkeyPatch, batch: int = 2) -> tuple[
 
 
 EXPERT_WEIGHTS = {"model.layers.0.mlp.experts.gate_up_proj": 0, "model.layers.0.mlp.experts.down_proj": 0}
+
+
+def serve_zoo_mixtral(mesh: tapestry.Mesh, favour: tuple[str, ...]) -> tuple[list[str], list[str], torch.Tensor]:
+    """On each launched rank: the zoo's tiny Mixtral parallelized (eager; under `Favour(kernels=favour)` where
+    given, else the default cost model), the kernels of its split steps and of its exchanged ones, and its output."""
+    from tapestry.importer.zoo import FAMILIES
+
+    module, args, kwargs = FAMILIES["mixtral"].build()
+    priced = {"cost_model": Favour(kernels=favour)} if favour else {}
+    model = tapestry.parallelize(module.eval(), args, kwargs, mesh=mesh, compile=False, cache=False,
+                                 verbose=False, **priced)
+    steps = [s for s in model.plan.steps if isinstance(s, Compute)]
+    return ([s.kernel for s in steps if len(set(s.blocks)) > 1], [s.kernel for s in steps if s.exchange],
+            model(*args, **kwargs).last_hidden_state)
+
+
+def zoo_mixtral_on_gloo_ranks(mesh: tapestry.Mesh, favour: tuple[str, ...] = ()) -> list[tuple[list[str], list[str]]]:
+    """The zoo's tiny Mixtral on mesh.size gloo ranks, each rank's output checked against eager: per rank, the
+    kernels of its plan's split steps and of its exchanged (expert-parallel) ones."""
+    from tapestry.importer.zoo import FAMILIES
+    from tapestry.spmd.launch import launch
+
+    module, args, kwargs = FAMILIES["mixtral"].build()
+    with torch.no_grad():
+        want = module.eval()(*args, **kwargs).last_hidden_state
+    found = []
+    for split, exchanged, got in launch(serve_zoo_mixtral, mesh.size, mesh, favour, timeout=900):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        found.append((split, exchanged))
+    return found

@@ -1,20 +1,29 @@
 """MoE routing block by block (importer/block_routing.py): the rewrite computes what transformers' batch-wide
-grouped experts compute (uneven routings, an expert no token chooses), its graph evaluates to eager's, and its
-plans on 2x2 split the batch through the MoE layer and simulate to eager's answer."""
+grouped experts compute, and its gradients theirs (uneven routings, an expert no token chooses); its graph
+evaluates to eager's and a training step to torch's; its kernels split expert parallel equal the unsplit ones
+for any routing; and its plans on 2x2 split the batch through the MoE layer and simulate to eager's answer."""
 from __future__ import annotations
+
+import copy
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
+from experts_helpers import Favour, zoo_mixtral_on_gloo_ranks
 
 import tapestry
 from tapestry.importer import from_torch
-from tapestry.importer.block_routing import ROUTING_BY_BLOCK, experts_by_block, grouped_mm_blocks
+from tapestry.graph import Graph
+from tapestry.importer.block_routing import experts_by_block, grouped_mm_blocks
 from tapestry.importer.errors import TorchImportError
-from tapestry.importer.rewrites import exact_rewrites
+from tapestry.importer.rewrites import BATCH_WIDE_REWRITES, REWRITES, ROUTING_BY_BLOCK, exact_rewrites
 from tapestry.importer.zoo import FAMILIES
-from tapestry.plan import Compute
+from tapestry.plan import Compute, Plan, build_plan
 from tapestry.plan.simulate import simulate
+from tapestry.plan.validate import plan_problems
+from tapestry.sharding import Mesh
+from tapestry.sharding.partition import candidate_partitions, is_partial, make_partition
 
 transformers = pytest.importorskip("transformers")
 moe = pytest.importorskip("transformers.integrations.moe")
@@ -48,6 +57,21 @@ def test_routing_by_block_computes_what_the_batch_wide_grouped_experts_compute(t
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("top_k_index", [UNEVEN, RANDOM], ids=["uneven, expert 3 empty", "random"])
+def test_routing_by_blocks_gradients_are_the_batch_wide_grouped_experts_gradients(top_k_index):
+    """The custom op's backward (grouped_mm_blocks for the rows, grouped_mm_blocks_k for the weights): the
+    hidden states', the routing weights' and both expert weights' gradients equal those of transformers' own."""
+    hidden, weights, cotangent = torch.randn(2, 3, 8), torch.rand(6, 2), torch.randn(6, 8)
+    grads = []
+    for forward in (lambda e, h, w: moe.grouped_mm_experts_forward(e, h.reshape(6, 8), top_k_index, w),
+                    lambda e, h, w: experts_by_block(e, h, top_k_index, w)):
+        experts, h, w = mixtral_experts(), hidden.clone().requires_grad_(), weights.clone().requires_grad_()
+        (forward(experts, h, w) * cotangent).sum().backward()
+        grads.append([h.grad, w.grad, experts.gate_up_proj.grad, experts.down_proj.grad])
+    for got, want in zip(*reversed(grads)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_the_blocks_grouped_mm_uses_each_blocks_own_ends_and_leaves_rows_past_them_zero():
     x, w = torch.randn(2, 4, 3), torch.randn(2, 3, 5)
     ends = torch.tensor([[1, 3], [0, 4]])  # block 0: expert 0 row 0, expert 1 rows 1-2, row 3 past the ends
@@ -63,6 +87,199 @@ def test_experts_routing_by_block_does_not_cover_raise_naming_what_differs():
         experts_by_block(experts, torch.randn(1, 2, 8), torch.zeros(2, 2, dtype=torch.long), torch.rand(2, 2))
 
 
+# -- the kernels expert parallel: each block's rows sent to their experts' device -----------------------------------
+BLOCKS, ROWS, DIM, OUT, EXPERTS = 2, 12, 3, 5, 4
+# each block's routing (its experts' end rows): even, uneven with empty experts and rows past the ends, every row
+# to one expert, falling ends (overlapping spans: no sort makes them, the kernel's meaning covers them)
+BLOCK_ENDS = [[[3, 6, 9, 12], [0, 1, 11, 11]], [[2, 2, 2, 7], [12, 12, 12, 12]], [[0, 0, 0, 12], [9, 2, 12, 4]]]
+
+
+def experts_graph(kernel: str) -> Graph:
+    """grouped_mm_blocks (x[B, R, D] by w[E, D, F]) or its weight gradient grouped_mm_blocks_k (x by dy[B, R, F])."""
+    g = Graph()
+    x, ends = g.input("x", (BLOCKS, ROWS, DIM)), g.input("ends", (BLOCKS, EXPERTS), "int64")
+    other = g.input("w", (EXPERTS, DIM, OUT)) if kernel == "grouped_mm_blocks" else g.input("dy", (BLOCKS, ROWS, OUT))
+    g.output("y", g.op(kernel, x, other, ends, name="mm"))
+    return g
+
+
+def exchanged_plan(kernel: str, mesh: Mesh, axis: int, others: tuple = ()) -> Plan:
+    """The kernel's rows and experts split together over mesh axis `axis`, the other axes as `others` says."""
+    g = experts_graph(kernel)
+    sig = g.signature("mm")
+    axes = tuple(None if a == axis else (others[a] if a < len(others) else None) for a in range(mesh.ndim))
+    return build_plan(g, mesh, partitions={"mm": make_partition(sig, mesh, axes, exchange=(axis,))})
+
+
+EXCHANGES = [(Mesh(4), 0, ()), (Mesh(2), 0, ()), (Mesh(2, 2), 1, ("block",)), (Mesh(2, 2), 0, (None, "block")),
+             (Mesh(2, 2), 1, ("row",)), (Mesh(2, 2), 0, (None, "n"))]
+
+
+@pytest.mark.parametrize("ends", BLOCK_ENDS)
+@pytest.mark.parametrize("kernel", ["grouped_mm_blocks", "grouped_mm_blocks_k"])
+@pytest.mark.parametrize("mesh, axis, others", EXCHANGES, ids=str)
+def test_the_block_kernels_expert_parallel_equal_the_unsharded_ones_for_any_routing(kernel, mesh, axis, others,
+                                                                                     ends):
+    """Rows and experts split together (blocks, rows or features over the other axis: data or tensor parallel):
+    each block's rows go to their experts' device, and come back (the experts) or are summed there (their weight
+    gradient, partial over an axis splitting the blocks or rows)."""
+    dims = experts_graph(kernel).signature("mm").dims
+    plan = exchanged_plan(kernel, mesh, axis, tuple(None if d is None else dims.index(d) for d in others))
+    assert not plan_problems(plan)
+    (step,) = [s for s in plan.steps if isinstance(s, Compute)]
+    assert step.exchange == (axis,) and bool(step.layout.partial) == (
+        kernel.endswith("_k") and bool({"block", "row"} & set(others)))
+    rng = np.random.default_rng(7)
+    given = {"x": rng.standard_normal((BLOCKS, ROWS, DIM)), "ends": np.array(ends, np.int64),
+             "w": rng.standard_normal((EXPERTS, DIM, OUT)), "dy": rng.standard_normal((BLOCKS, ROWS, OUT))}
+    given = {node.name: given[node.name].astype(np.float32) if node.name != "ends" else given[node.name]
+             for node in plan.graph.inputs}
+    np.testing.assert_allclose(simulate(plan, given)["y"], tapestry.evaluate(plan.graph, given)["y"], rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_the_block_kernels_candidates_include_expert_parallel_by_itself_beside_data_or_tensor_parallel():
+    """On 2x2 either axis exchanges; the other splits the blocks (data parallel, for the weight gradient too:
+    partial sums over it), the rows (the weight gradient's only on the outer axis: a group's rows one run), the
+    features, or nothing."""
+    for kernel, features in (("grouped_mm_blocks", {"n", "row"}), ("grouped_mm_blocks_k", {"m", "n"})):
+        sig = experts_graph(kernel).signature("mm")
+        names = {p.name(sig) for p in candidate_partitions(sig, Mesh(2, 2)) if p.exchange}
+        for other in {"·", "block"} | features:
+            assert {f"split(ep:row=expert,{other})", f"split({other},ep:row=expert)"} <= names, (kernel, names)
+        assert "split(row,ep:row=expert)" in names
+        data = make_partition(sig, Mesh(2, 2), (sig.dims.index("block"), None), exchange=(1,))
+        assert is_partial(sig, data) == kernel.endswith("_k")
+
+
+# -- routing by block as the default, and in a training step -------------------------------------------------------
+def tiny_mixtral(batch: int = 2) -> tuple[torch.nn.Module, torch.Tensor]:
+    """A 1-layer causal Mixtral (4 experts, top 2; float32) and token ids of `batch` sequences of 8."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2)
+    return (transformers.AutoModelForCausalLM.from_config(config).eval(),
+            torch.randint(0, 64, (batch, 8), generator=torch.Generator().manual_seed(1)))
+
+
+def lm_loss(module: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return module(input_ids=ids, labels=labels, use_cache=False).loss
+
+
+def routed_step(model: torch.nn.Module, ids: torch.Tensor) -> tapestry.TorchImport:
+    """One SGD step of `model`, routed by block (asked for: a training step's default routes batch-wide)."""
+    training = tapestry.Training.from_torch_optimizer(torch.optim.SGD, lm_loss, lr=0.1)
+    with exact_rewrites(REWRITES):
+        return tapestry.from_torch(model, (ids, ids), training=training, verbose=False)
+
+
+def kernels(imported: tapestry.TorchImport) -> set[str]:
+    return {node.op for node in imported.graph.ops}
+
+
+def test_inference_routes_by_block_by_default_and_batch_wide_when_told_and_a_training_step_batch_wide():
+    model, ids = tiny_mixtral()
+    inference = partial(tapestry.from_torch, model, (ids,), {"use_cache": False}, verbose=False)
+    assert "grouped_mm_blocks" in kernels(inference()) and "grouped_mm" not in kernels(inference())
+    with exact_rewrites(BATCH_WIDE_REWRITES):
+        assert "grouped_mm" in kernels(inference()) and "grouped_mm_blocks" not in kernels(inference())
+    training = tapestry.Training.from_torch_optimizer(torch.optim.SGD, lm_loss, lr=0.1)
+    step = tapestry.from_torch(model, (ids, ids), training=training, verbose=False)
+    assert {"grouped_mm", "grouped_mm_k"} <= kernels(step) and "grouped_mm_blocks" not in kernels(step)
+
+
+def test_a_training_step_routed_by_block_has_its_weight_gradients_as_kernels_and_equals_torch():
+    """The backward of the experts imports as grouped_mm_blocks and grouped_mm_blocks_k (no opaque op), and the
+    step's loss and every updated weight are torch's."""
+    model, ids = tiny_mixtral()
+    imported = routed_step(model, ids)
+    assert {"grouped_mm_blocks", "grouped_mm_blocks_k"} <= kernels(imported) and "grouped_mm" not in kernels(imported)
+    assert not imported.opaque, imported.translation.declined
+    ours = imported.outputs(tapestry.evaluate(imported.graph, imported.inputs(ids, ids)))
+    reference = copy.deepcopy(model)
+    loss = lm_loss(reference, ids, ids)
+    loss.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    assert abs(float(ours["loss"]) - loss.item()) <= 1e-5 * abs(loss.item())
+    for path, value in reference.named_parameters():
+        np.testing.assert_allclose(ours["parameters"][path], value.detach().numpy(), rtol=1e-5, atol=1e-6,
+                                   err_msg=path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, favour", [(Mesh(2, 2), ()), (Mesh(4), ("grouped_mm_blocks", "grouped_mm_blocks_k"))],
+                         ids=["priced on 2x2", "exchanged on 4"])
+def test_a_training_step_routed_by_block_plans_and_simulates_to_the_evaluator(mesh, favour):
+    """As priced (at this size: the batch split through the MoE layer, forward and backward), and with every
+    expert step and weight gradient expert parallel (`Favour`; on 4: on 2x2 the default budget's generation
+    stops before it makes the exchanged runs of this step, which no hand plan seeds)."""
+    model, ids = tiny_mixtral(batch=4)
+    imported = routed_step(model, ids)
+    priced = {"cost_model": Favour(kernels=favour)} if favour else {}
+    plan = tapestry.optimize(imported.graph, mesh, **priced).plan
+    assert not plan_problems(plan)
+    experts = [s for s in plan.steps if isinstance(s, Compute) and s.kernel.startswith("grouped_mm_blocks")]
+    assert sorted(s.kernel for s in experts) == ["grouped_mm_blocks"] * 4 + ["grouped_mm_blocks_k"] * 2
+    if favour:
+        assert all(s.exchange for s in experts)
+    else:
+        assert all(len(set(s.blocks)) > 1 for s in experts)
+    given = imported.inputs(ids, ids)
+    got, want = simulate(plan, given), tapestry.evaluate(imported.graph, given)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("favour", [(), ("grouped_mm_blocks",)], ids=["priced", "exchanged"])
+def test_a_batch_of_one_is_one_block_whose_experts_run_whole_as_priced_or_expert_parallel_and_match_eager(favour):
+    """One sequence is one block: no batch to split through the MoE layer. As priced at this width, its expert
+    steps run whole, as batch-wide routing's do; its experts and their rows can still split by exchange (here
+    forced), each row sent to its expert's device inside the one block. Both plans compute eager's logits."""
+    model, ids = tiny_mixtral(batch=1)
+    imported = tapestry.from_torch(model, (ids,), {"use_cache": False}, verbose=False)
+    priced = {"cost_model": Favour(kernels=favour)} if favour else {}
+    plan = tapestry.optimize(imported.graph, Mesh(4), **priced).plan
+    experts = [s for s in plan.steps if isinstance(s, Compute) and s.kernel == "grouped_mm_blocks"]
+    assert len(experts) == 2 and all(bool(s.exchange) == bool(favour) for s in experts)
+    if not favour:
+        assert all(len(set(s.blocks)) == 1 for s in experts)
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits.numpy()
+    got = imported.outputs(simulate(plan, imported.inputs(ids, use_cache=False)))[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def sparse_block(family: str) -> torch.nn.Module:
+    """A held-back family's sparse MoE block alone (4 experts, top 2, width 8), every weight drawn normal."""
+    torch.manual_seed(0)
+    common = {"hidden_size": 8, "num_experts_per_tok": 2}
+    if family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(moe_intermediate_size=12, num_experts=4, **common)
+        block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(config)
+    elif family == "granitemoe":
+        config = transformers.GraniteMoeConfig(intermediate_size=12, num_local_experts=4, **common)
+        block = transformers.models.granitemoe.modeling_granitemoe.GraniteMoeMoE(config)
+    else:
+        config = transformers.JambaConfig(intermediate_size=12, num_experts=4, **common)
+        block = transformers.models.jamba.modeling_jamba.JambaSparseMoeBlock(config)
+    for parameter in block.parameters():
+        torch.nn.init.normal_(parameter)
+    return block.eval()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "granitemoe", "jamba"])
+def test_qwen3_moes_granitemoes_and_jambas_sparse_blocks_routed_by_block_compute_what_their_own_forwards_do(family):
+    block = sparse_block(family)
+    hidden = torch.randn(3, 5, 8)
+    with torch.no_grad():
+        want = block(hidden)
+        with exact_rewrites():
+            assert type(block).forward in {rewrite.forward for rewrite in ROUTING_BY_BLOCK}
+            got = block(hidden)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 MOE_FAMILIES = ["mixtral", "olmoe", "qwen2_moe"]  # the zoo's decoders whose sparse MoE blocks are rewritten
 
 
@@ -72,11 +289,11 @@ def eager_hidden(module: torch.nn.Module, args: tuple, kwargs: dict) -> np.ndarr
 
 
 def routed(family: str):
-    """The zoo family imported routed by block, its inputs, and eager's (unrewritten) hidden states."""
+    """The zoo family imported (routed by block: the default), its inputs, and eager's (unrewritten) hidden
+    states."""
     module, args, kwargs = FAMILIES[family].build()
     module.eval()
-    with exact_rewrites(ROUTING_BY_BLOCK):
-        imported = from_torch(module, args, kwargs, verbose=False)
+    imported = from_torch(module, args, kwargs, verbose=False)
     return imported, imported.inputs(*args, **kwargs), eager_hidden(module, args, kwargs)
 
 
@@ -84,8 +301,7 @@ def routed(family: str):
 def test_a_zoo_moe_routed_by_block_imports_without_a_batch_wide_sort_and_evaluates_to_eager(family):
     module, args, kwargs = FAMILIES[family].build()
     module.eval()
-    with exact_rewrites(ROUTING_BY_BLOCK):
-        imported = from_torch(module, args, kwargs, verbose=False)
+    imported = from_torch(module, args, kwargs, verbose=False)  # routed by block unless told otherwise
     ops = [node.op for node in imported.graph.nodes]
     assert ops.count("grouped_mm_blocks") == 4 and "grouped_mm" not in ops and "opaque" not in ops  # 2 layers
     (batch, tokens), choices = args[0].shape, 2
@@ -108,24 +324,7 @@ def test_a_zoo_moe_routed_by_block_plans_on_2x2_split_its_experts_by_batch_and_s
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
-def serve_routed_mixtral(mesh: tapestry.Mesh) -> tuple[list[str], torch.Tensor]:
-    """On each launched rank: the tiny Mixtral routed by block, parallelized (eager), the kernels of its split
-    steps and its output."""
-    module, args, kwargs = FAMILIES["mixtral"].build()
-    with exact_rewrites(ROUTING_BY_BLOCK):
-        model = tapestry.parallelize(module.eval(), args, kwargs, mesh=mesh, compile=False, cache=False,
-                                     verbose=False)
-        split = [s.kernel for s in model.plan.steps if isinstance(s, Compute) and len(set(s.blocks)) > 1]
-        return split, model(*args, **kwargs).last_hidden_state
-
-
 @pytest.mark.slow
 def test_the_tiny_mixtral_routed_by_block_runs_on_four_gloo_ranks_as_eager_does():
-    from tapestry.spmd.launch import launch
-
-    module, args, kwargs = FAMILIES["mixtral"].build()
-    with torch.no_grad():
-        want = module.eval()(*args, **kwargs).last_hidden_state
-    for split, got in launch(serve_routed_mixtral, 4, tapestry.Mesh(2, 2), timeout=900):
+    for split, _ in zoo_mixtral_on_gloo_ranks(tapestry.Mesh(2, 2)):
         assert split.count("grouped_mm_blocks") == 4, split
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from experts_helpers import EXPERT_WEIGHTS, Favour, tiny_mixtral_step
+from experts_helpers import EXPERT_WEIGHTS, Favour, tiny_mixtral_step, zoo_mixtral_on_gloo_ranks
 
 import tapestry
 from tapestry.graph import Graph
@@ -372,28 +372,11 @@ def test_expert_parallel_rank_programs_trade_rows_by_all_to_all_and_match_the_ev
     np.testing.assert_allclose(ran.outputs["y"], want, rtol=1e-5, atol=1e-5)
 
 
-def serve_mixtral(mesh: Mesh) -> tuple[list[str], torch.Tensor]:
-    """On each launched rank: the tiny Mixtral parallelized (eager) with its experts split, and its output."""
-    from tapestry.importer.zoo import FAMILIES
-
-    module, args, kwargs = FAMILIES["mixtral"].build()
-    model = tapestry.parallelize(module.eval(), args, kwargs, mesh=mesh, compile=False, cache=False,
-                                 verbose=False, cost_model=Favour(kernels=("grouped_mm",)))
-    split = [s.origin for s in model.plan.steps if isinstance(s, Compute) and s.exchange]
-    return split, model(*args, **kwargs).last_hidden_state
-
-
 @pytest.mark.slow
 def test_parallelize_runs_the_tiny_mixtral_with_its_experts_split_over_four_gloo_ranks_as_eager_does():
-    from tapestry.importer.zoo import FAMILIES
-    from tapestry.spmd.launch import launch
-
-    module, args, kwargs = FAMILIES["mixtral"].build()
-    with torch.no_grad():
-        want = module.eval()(*args, **kwargs).last_hidden_state
-    for split, got in launch(serve_mixtral, 4, Mesh(4), timeout=600):
-        assert sum("grouped_mm" in origin for origin in split) == 4, split  # both layers' up and down
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    """Routed by block (the default), its experts exchanged: each block's rows sent to their experts' rank."""
+    for _, exchanged in zoo_mixtral_on_gloo_ranks(Mesh(4), favour=("grouped_mm_blocks",)):
+        assert exchanged.count("grouped_mm_blocks") == 4, exchanged  # both layers' up and down
 
 
 def assert_simulates_to_the_evaluator(plan: Plan, imported: tapestry.TorchImport, args: tuple) -> None:
@@ -463,10 +446,10 @@ from tapestry.optimizer import default_cost_model
 from tapestry.plan import Compute
 from tapestry.plan.simulate import simulate
 
-class Favour:  # expert-parallel grouped_mms only (the tiny sizes' honest price keeps experts whole)
+class Favour:  # expert-parallel grouped_mms only (the tiny sizes' honest price keeps experts whole); routed by block
     base = default_cost_model()
     def step_cost(self, step, mesh):
-        if isinstance(step, Compute) and step.kernel == "grouped_mm" and not step.exchange:
+        if isinstance(step, Compute) and step.kernel == "grouped_mm_blocks" and not step.exchange:
             return 1.0
         return self.base.step_cost(step, mesh)
 
@@ -477,7 +460,8 @@ with torch.no_grad():
 digest = []
 for mesh in (tapestry.Mesh(4), tapestry.Mesh(2, 2)):
     plan = tapestry.optimize(imported.graph, mesh=mesh, cost_model=Favour(), time_limit=30).plan
-    assert sum(isinstance(s, Compute) and s.kernel == "grouped_mm" and bool(s.exchange) for s in plan.steps) == 4
+    assert sum(isinstance(s, Compute) and s.kernel == "grouped_mm_blocks" and bool(s.exchange)
+               for s in plan.steps) == 4
     got = imported.outputs(simulate(plan, imported.inputs(*args, **kwargs)))[0]
     assert np.abs(got - want).max() <= 1e-4 * max(np.abs(want).max(), 1.0), np.abs(got - want).max()
     data = plan.to_json()

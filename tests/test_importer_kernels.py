@@ -568,14 +568,14 @@ def hugging_face(name: str):
 
 
 @pytest.mark.parametrize("name, opaque, kernel", [
-    ("mixtral", set(), ("transformers.grouped_mm_fallback.default", "grouped_mm")),
+    ("mixtral", set(), ("tapestry.grouped_mm_blocks.default", "grouped_mm_blocks")),  # routed by block
     ("falcon", set(), ("aten.scaled_dot_product_attention.default", "sdpa_masked")),
     ("falcon-multi-query", set(), ("aten.scaled_dot_product_attention.default", "sdpa_masked")),
     ("clip", set(), ("aten.index.Tensor", "gather")),
 ])
 def test_hugging_face_moe_gqa_and_pooled_models_import_their_ops_as_kernels(name, opaque, kernel):
-    """Mixtral's expert dispatch (grouped_mm) and cumsum(dtype=), Falcon's grouped-query attention, CLIP's argmax
-    pooling and Mixtral's tokens per expert (histc): kernels now."""
+    """Mixtral's expert dispatch (grouped_mm_blocks: routed by block, the default), Falcon's grouped-query
+    attention and CLIP's argmax pooling: kernels now."""
     module, ids = hugging_face(name), torch.randint(0, 100, (2, 8))
     imp = from_torch(module, (ids,), {"use_cache": False} if name != "clip" else {}, verbose=False)
     assert set(imp.opaque) == opaque

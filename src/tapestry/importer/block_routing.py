@@ -10,19 +10,24 @@ block of rows gives the same answer. Here the block is a sequence of the batch: 
 own, and the experts are `tapestry::grouped_mm_blocks` (each block's rows with its own `ends`, the
 `grouped_mm_blocks` kernel), so data parallelism splits the whole MoE layer.
 
-Rewritten: Mixtral's, OLMoE's and Qwen2-MoE's sparse MoE blocks (`ROUTING_BY_BLOCK`). Opt in while capturing
-(`exact_rewrites` imports the three modules and patches their classes):
-`with exact_rewrites(ROUTING_BY_BLOCK): from_torch(model.eval(), ...)`. Forward only: the custom op registers
-no backward, so it is not for training steps; and `grouped_mm_blocks` has no expert-parallel exchange, so a plan
-splits its experts as partial sums, not by all-to-all. tests/test_block_routing.py compares it with the
-original on uneven routings and an expert that no token chooses.
+Rewritten (importer/rewrites.py's `ROUTING_BY_BLOCK`): Mixtral's, OLMoE's, Qwen2-MoE's, Qwen3-MoE's, GraniteMoE's
+and Jamba's sparse MoE blocks. An inference capture routes them by block by default, and opts out with
+`with exact_rewrites(BATCH_WIDE_REWRITES)`; a training step keeps batch-wide routing unless asked,
+`with exact_rewrites(REWRITES): from_torch(..., training=...)` (training.plans' expert-parallel hand plans are
+built on batch-wide routing's kernels). The custom op's backward is grouped_mm_blocks again (the rows' gradient)
+and `tapestry::grouped_mm_blocks_k` (the weights'); both kernels are expert parallel as grouped_mm and
+grouped_mm_k are (their `Exchange`). A batch of one sequence is one block: no batch split runs through the MoE
+layer, and its expert steps split by experts (partial sums or the exchange), rows or features, or run whole
+(as priced at the tests' tiny width). tests/test_block_routing.py compares it with the original on uneven
+routings and an expert that no token chooses, forward and backward.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from tapestry.importer.errors import TorchImportError
-from tapestry.importer.rewrites import Rewrite
 from tapestry.kernels import get_kernel
 
 
@@ -37,6 +42,34 @@ def grouped_mm_blocks(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> t
 @grouped_mm_blocks.register_fake
 def _grouped_mm_blocks_fake(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     return x.new_empty((*x.shape[:2], w.shape[2]))
+
+
+@torch.library.custom_op("tapestry::grouped_mm_blocks_k", mutates_args=())
+def grouped_mm_blocks_k(x: torch.Tensor, g: torch.Tensor, ends: torch.Tensor, experts: int) -> torch.Tensor:
+    """out[e] = sum over blocks b of x[b, rows of e].T @ g[b, rows of e], [experts, M, N]: grouped_mm_blocks'
+    weight gradient (the `grouped_mm_blocks_k` kernel's own torch form)."""
+    shape = (experts, x.shape[2], g.shape[2])
+    return get_kernel("grouped_mm_blocks_k").torch(x, g, ends, out_shape=shape, block_start=(0,) * 5)
+
+
+@grouped_mm_blocks_k.register_fake
+def _grouped_mm_blocks_k_fake(x: torch.Tensor, g: torch.Tensor, ends: torch.Tensor, experts: int) -> torch.Tensor:
+    return x.new_empty((experts, x.shape[2], g.shape[2]))
+
+
+def _keep_operands(ctx: Any, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_mm_blocks_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """The rows' gradient, each block's rows by their experts' weights transposed (grouped_mm_blocks again), and
+    the weights', each expert's rows summed over every block (grouped_mm_blocks_k); `ends` has none."""
+    x, w, ends = ctx.saved_tensors
+    return (grouped_mm_blocks(grad, w.transpose(-2, -1), ends),
+            grouped_mm_blocks_k(x, grad, ends, w.shape[0]), None)
+
+
+grouped_mm_blocks.register_autograd(_grouped_mm_blocks_backward, setup_context=_keep_operands)
 
 
 def _refuse_unless_plain(experts: torch.nn.Module) -> None:
@@ -74,19 +107,26 @@ def experts_by_block(experts: torch.nn.Module, hidden: torch.Tensor, top_k_index
     return weighted.view(blocks * tokens, choices, width).sum(dim=1).to(hidden.dtype)
 
 
-def _routed(block: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """A sparse MoE block's routed experts ([B·T, D]): its router (`gate`: logits, weights, expert ids) on the
-    flattened tokens, its experts routed sequence by sequence (`experts_by_block`)."""
-    _, top_k_weights, top_k_index = block.gate(hidden_states.reshape(-1, hidden_states.shape[-1]))
-    return experts_by_block(block.experts, hidden_states, top_k_index, top_k_weights)
+def _routed(router: torch.nn.Module, experts: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A sparse MoE block's routed experts ([B·T, D]): its router (logits, weights, expert ids) on the flattened
+    tokens, its experts routed sequence by sequence (`experts_by_block`)."""
+    _, top_k_weights, top_k_index = router(hidden_states.reshape(-1, hidden_states.shape[-1]))
+    return experts_by_block(experts, hidden_states, top_k_index, top_k_weights)
 
 
 def mixtral_sparse_moe_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """MixtralSparseMoeBlock.forward (OLMoE's has no jitter) with its experts routed sequence by sequence."""
+    """MixtralSparseMoeBlock.forward (OLMoE's and Qwen3-MoE's have no jitter) with its experts routed sequence by
+    sequence."""
     if self.training and getattr(self, "jitter_noise", 0) > 0:
         raise TorchImportError(f"{type(self).__name__}'s router jitter (noise {self.jitter_noise}) runs in "
                                "training mode; routing by block replays no random draws: call .eval()")
-    return _routed(self, hidden_states).reshape(hidden_states.shape)
+    return _routed(self.gate, self.experts, hidden_states).reshape(hidden_states.shape)
+
+
+def router_moe_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """GraniteMoeMoE.forward and JambaSparseMoeBlock.forward (Mixtral's, the router named `router`) with its
+    experts routed sequence by sequence."""
+    return _routed(self.router, self.experts, hidden_states).reshape(hidden_states.shape)
 
 
 def qwen2_moe_sparse_moe_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -94,12 +134,4 @@ def qwen2_moe_sparse_moe_forward(self: torch.nn.Module, hidden_states: torch.Ten
     is added as the original adds it."""
     flat = hidden_states.reshape(-1, hidden_states.shape[-1])
     shared = torch.nn.functional.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-    return (_routed(self, hidden_states) + shared).reshape(hidden_states.shape)
-
-
-ROUTING_BY_BLOCK: tuple[Rewrite, ...] = (
-    Rewrite("transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock", mixtral_sparse_moe_forward),
-    Rewrite("transformers.models.olmoe.modeling_olmoe", "OlmoeSparseMoeBlock", mixtral_sparse_moe_forward),
-    Rewrite("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeSparseMoeBlock",
-            qwen2_moe_sparse_moe_forward),
-)
+    return (_routed(self.gate, self.experts, hidden_states) + shared).reshape(hidden_states.shape)

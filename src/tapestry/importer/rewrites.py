@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import contextvars
 import math
 import sys
 from collections.abc import Callable, Iterator
@@ -18,6 +19,8 @@ from typing import Any
 
 import torch
 
+from tapestry.importer.block_routing import (
+    mixtral_sparse_moe_forward, qwen2_moe_sparse_moe_forward, router_moe_forward)
 from tapestry.importer.errors import TorchImportError
 
 
@@ -198,32 +201,59 @@ def longformer_encoder_forward(self: torch.nn.Module, hidden_states: torch.Tenso
     return LongformerBaseModelOutput(last_hidden_state=last, hidden_states=every)
 
 
-REWRITES: tuple[Rewrite, ...] = (
+BATCH_WIDE_REWRITES: tuple[Rewrite, ...] = (
     Rewrite(SWITCH, "SwitchTransformersSparseMLP", switch_sparse_mlp_forward),
     Rewrite("transformers.models.longformer.modeling_longformer", "LongformerSelfAttention",
             longformer_self_attention_forward),
     Rewrite("transformers.models.longformer.modeling_longformer", "LongformerEncoder", longformer_encoder_forward),
 )
+"""Every rewrite but the MoE routing by block: a training step's default (training.plans' expert-parallel hand
+plans are built on batch-wide routing's grouped_mm and take_rows), and an inference capture's opt-out."""
+
+ROUTING_BY_BLOCK: tuple[Rewrite, ...] = (
+    Rewrite("transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock", mixtral_sparse_moe_forward),
+    Rewrite("transformers.models.olmoe.modeling_olmoe", "OlmoeSparseMoeBlock", mixtral_sparse_moe_forward),
+    Rewrite("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeSparseMoeBlock",
+            qwen2_moe_sparse_moe_forward),
+    Rewrite("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeSparseMoeBlock", mixtral_sparse_moe_forward),
+    Rewrite("transformers.models.granitemoe.modeling_granitemoe", "GraniteMoeMoE", router_moe_forward),
+    Rewrite("transformers.models.jamba.modeling_jamba", "JambaSparseMoeBlock", router_moe_forward),
+)
+"""Mixtral's, OLMoE's, Qwen2-MoE's, Qwen3-MoE's, GraniteMoE's and Jamba's sparse MoE blocks routed sequence by
+sequence (importer/block_routing.py)."""
+
+REWRITES: tuple[Rewrite, ...] = BATCH_WIDE_REWRITES + ROUTING_BY_BLOCK
+"""Every exact rewrite: an inference capture's default."""
+
+_IN_FORCE: contextvars.ContextVar[tuple[Rewrite, ...] | None] = contextvars.ContextVar("exact_rewrites", default=None)
 
 
 @contextlib.contextmanager
-def exact_rewrites(rewrites: tuple[Rewrite, ...] = REWRITES, import_modules: bool = True) -> Iterator[None]:
-    """While a capture traces, each rewritten class runs its rewrite's forward. Its module is imported if it is
-    not yet (a model built inside the block, by a lazily importing library, gets the rewrite too), unless not
+def exact_rewrites(rewrites: tuple[Rewrite, ...] | None = None, default: tuple[Rewrite, ...] = REWRITES,
+                   import_modules: bool = True) -> Iterator[None]:
+    """While a capture traces, each rewritten class runs its rewrite's forward. `rewrites` None takes those of the
+    innermost enclosing `exact_rewrites`, else `default` (the capture's): so `with exact_rewrites(
+    BATCH_WIDE_REWRITES): from_torch(...)` keeps a MoE's batch-wide routing, and `with exact_rewrites(REWRITES):
+    from_torch(..., training=...)` routes a training step's by block. A class's module is imported if it is not yet
+    (a model built inside the block, by a lazily importing library, gets the rewrite too), unless not
     `import_modules`: the captures, which run on a model already built, whose classes' modules are therefore
     loaded, leave a class whose module is not loaded alone (no model of theirs holds it) rather than import every
     rewritten library on each capture. A module that does not import, or that lacks the class (a library version
     the rewrite was not written for), raises TorchImportError: a rewrite is never skipped silently."""
+    enclosing = _IN_FORCE.get()
+    chosen = rewrites if rewrites is not None else enclosing if enclosing is not None else default
     patched = []
-    for rewrite in rewrites:
+    for rewrite in chosen:
         cls = _rewritten_class(rewrite, import_modules)
         if cls is not None:
             patched.append((cls, cls.forward))
             cls.forward = rewrite.forward
+    token = _IN_FORCE.set(chosen)
     try:
         yield
     finally:
-        for cls, forward in patched:
+        _IN_FORCE.reset(token)
+        for cls, forward in reversed(patched):
             cls.forward = forward
 
 

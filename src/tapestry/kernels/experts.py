@@ -1,5 +1,6 @@
 """MoE kernels: grouped_mm (the experts), grouped_mm_k (their weight gradients) and take_rows (the token dispatch
-and combine), all expert parallel; grouped_mm_blocks, the experts of tokens routed block by block.
+and combine), all expert parallel; grouped_mm_blocks and grouped_mm_blocks_k, the experts of tokens routed
+block by block and their weight gradients, expert parallel likewise.
 
 grouped_mm(x[R, D], w[E, D, F], ends[E]) -> [R, F]: rows sorted by expert, expert e owning rows
 [ends[e-1], ends[e]) (ends[-1] read as 0), the layout transformers' `grouped_mm_fallback` and
@@ -64,10 +65,12 @@ def _spans(ends, row0: int, expert0: int, rows: int, experts: int) -> list[tuple
 def _owned_rows(sig, held, src: ZRange, dst: ZRange) -> list[int]:
     """The rows of `src` that `dst`'s experts own, [ends[e-1], ends[e]) each: one run when ends rise, as sorted
     rows have them; else the run spanning them all (the rows between meet none of dst's experts, so computing
-    them there adds zeros: exact for any ends). `ends` is the last input (grouped_mm's and grouped_mm_k's)."""
+    them there adds zeros: exact for any ends). `ends` is the last input: [E] (grouped_mm's, grouped_mm_k's), or
+    [B, E], each block's own (grouped_mm_blocks', grouped_mm_blocks_k's), whose run spans every block's: one run
+    of rows travels for all the blocks, a block's rows its experts do not own computing zeros."""
     rows, experts = sig.dims.index(sig.kernel.exchange.rows), sig.dims.index(sig.kernel.exchange.experts)
-    ends = [int(e) for e in held[-1].tolist()]
     spans = [(max(ends[e - 1] if e else 0, src.start[rows]), min(ends[e], src.end[rows]))
+             for ends in held[-1].reshape(-1, held[-1].shape[-1]).tolist()
              for e in range(dst.start[experts], dst.end[experts])]
     spans = [(lo, hi) for lo, hi in spans if hi > lo]
     if not spans:
@@ -130,7 +133,9 @@ register(
 def grouped_mm_blocks_signature(x: Shape, w: Shape, ends: Shape) -> SignatureSpec:
     """grouped_mm for each block b of rows on its own: x[b] sorted by expert within the block, ends[b] its
     experts' end rows (block-local). The block is a plain dim (its rows and ends travel together), so a batch
-    split survives routing (importer/block_routing.py); rows, n, k and experts split as grouped_mm's do."""
+    split survives routing (importer/block_routing.py); rows, n, k and experts split as grouped_mm's do, and its
+    `Exchange` is grouped_mm's: rows and experts split together, each block's rows moved to their experts' device
+    and back (one run of rows for all the blocks a device holds, `_owned_rows`)."""
     if len(x) != 3 or len(w) != 3 or ends != (x[0], w[0]) or x[2] != w[1]:
         raise KernelError(f"grouped_mm_blocks needs x[B, R, D], w[E, D, F], ends[B, E]; got x{list(x)}, "
                           f"w{list(w)}, ends{list(ends)}")
@@ -175,11 +180,76 @@ register(
         torch=_grouped_mm_blocks_torch,
         sample=_sample_blocks,
         additive=frozenset({"k", "expert"}),
+        # each block's rows sorted by expert: under even routing a device's rows are its experts', as grouped_mm's
+        exchange=Exchange("row", "expert", select=_owned_rows, leaving=lambda p: 0.0, counted=True),
         needs_block_start=True,
         dtype_rule=lambda in_dtypes, params: _rule(in_dtypes, params, "grouped_mm_blocks"),
         index_bound=lambda shapes, slot, params: shapes[0][1] + 1 if slot == 2 else None,
         takes_zero_size=False,
         doc="grouped_mm of each block of rows with its own ends[b] (a MoE routed block by block)",
+    )
+)
+
+
+def grouped_mm_blocks_k_signature(x: Shape, g: Shape, ends: Shape) -> SignatureSpec:
+    """out[e] = sum over blocks b of x[b, rows of e in b].T @ g[b, rows of e in b]: grouped_mm_blocks' weight
+    gradient (x its input, g its output's gradient). The blocks and rows are additive reductions (a data-parallel
+    split sums partial gradients), the experts an output dim; its `Exchange` is grouped_mm_k's: each block's rows
+    sent to their expert's device, where the sums stay."""
+    if len(x) != 3 or len(g) != 3 or x[:2] != g[:2] or len(ends) != 2 or ends[0] != x[0]:
+        raise KernelError(f"grouped_mm_blocks_k needs x[B, R, M], g[B, R, N], ends[B, E]; got x{list(x)}, "
+                          f"g{list(g)}, ends{list(ends)}")
+    (blocks, rows, inner), out, experts = x, g[2], ends[1]
+    return SignatureSpec(
+        dims=("expert", "m", "n", "block", "row"),
+        sizes=(experts, inner, out, blocks, rows),
+        inputs=(follow(5, [3, 4, 1]), follow(5, [3, 4, 2]), follow(5, [3, None], shape=(1, experts))),
+        output=follow(5, [0, 1, 2]),
+        flops_per_point=Fraction(2, max(1, experts)),  # each row meets one expert: 2·B·R·M·N in all
+    )
+
+
+def _grouped_mm_blocks_k(x, g, ends, block_start: tuple[int, ...], out):
+    """Adds into `out` (zeros, the block's experts by m by n) each block's rows' products, expert by expert."""
+    for b in range(x.shape[0]):
+        for j, lo, hi in _spans(ends[b].tolist(), block_start[4], block_start[0], x.shape[1], out.shape[0]):
+            out[j] += x[b, lo:hi].T @ g[b, lo:hi]
+    return out
+
+
+def _grouped_mm_blocks_k_numpy(x, g, ends, out_shape: tuple[int, ...], block_start: tuple[int, ...]) -> np.ndarray:
+    """`out_shape`: the block's expert count is in no read (`ends` is read whole), as grouped_mm_k's."""
+    return _grouped_mm_blocks_k(x, g, ends, block_start, np.zeros(out_shape, dtype=np.result_type(x, g)))
+
+
+def _grouped_mm_blocks_k_torch(x, g, ends, out_shape: tuple[int, ...], block_start: tuple[int, ...]):
+    return _grouped_mm_blocks_k(x, g, ends, block_start, x.new_zeros(out_shape))
+
+
+def _sample_blocks_k(draw):
+    blocks, rows, inner, out, experts = (draw(st.integers(1, 4)) for _ in range(5))
+    return (((blocks, rows, inner), (blocks, rows, out), (blocks, experts)), {},
+            ("float", "float", "int64"))
+
+
+register(
+    Kernel(
+        name="grouped_mm_blocks_k",
+        inputs=("x", "g", "ends"),
+        signature=grouped_mm_blocks_k_signature,
+        numpy=_grouped_mm_blocks_k_numpy,
+        torch=_grouped_mm_blocks_k_torch,
+        sample=_sample_blocks_k,
+        additive=frozenset({"block", "row"}),
+        # rows sorted by expert within each block: under even routing none leave (grouped_mm_k's)
+        exchange=Exchange("row", "expert", select=_owned_rows, leaving=lambda p: 0.0, counted=True),
+        needs_out_shape=True,
+        needs_block_start=True,
+        dtype_rule=lambda in_dtypes, params: _rule(in_dtypes, params, "grouped_mm_blocks_k", ("x", "g")),
+        index_bound=lambda shapes, slot, params: shapes[0][1] + 1 if slot == 2 else None,
+        takes_zero_size=False,
+        doc="sum over blocks b of x[b, rows of e].T @ g[b, rows of e] for every expert e, block-local rows "
+            "[ends[b, e-1], ends[b, e]): grouped_mm_blocks' weight gradient",
     )
 )
 

@@ -383,7 +383,9 @@ def _exchange_partitions(sig: Signature, mesh: Mesh) -> list[Candidate]:
     together, or all of them as one (`training.plans.expert_parallel` on a grid); every other axis replicates or splits a dim that is neither the experts nor a reduction (rows:
     data times expert parallel, each group of the axis trading its own rows; output features: tensor times expert
     parallel). Rows that are a reduction (grouped_mm_k's) split on an axis before the exchange axis too, so a
-    group's rows are one run (`exchanged_blocks`), its sums partial over that axis (data parallel).
+    group's rows are one run (`exchanged_blocks`), its sums partial over that axis (data parallel); so does, on any
+    other axis, a reduction every input reads (grouped_mm_blocks_k's blocks: a group sums its own blocks' rows,
+    the routing `ends` split with them).
 
     The innermost axis comes first: it is a node's (NVLink, `Profile.axis_links`), and `generation_order` keeps
     the order of candidates that tie, so the rounds a budget lets in, and the moves pricing prices first, hold the
@@ -393,7 +395,8 @@ def _exchange_partitions(sig: Signature, mesh: Mesh) -> list[Candidate]:
         return []
     rows, experts = sig.dims.index(sig.kernel.exchange.rows), sig.dims.index(sig.kernel.exchange.experts)
     together = {rows, experts}
-    reductions = set(sig.dims_of(DimKind.REDUCTION)) | {experts}
+    read_by_all = {d for d in range(len(sig.dims)) if all(any(row[d] for row in p.matrix) for p in sig.projections)}
+    reductions = (set(sig.dims_of(DimKind.REDUCTION)) | {experts}) - (read_by_all - together)
     found = []
     for axis, size in reversed(list(enumerate(mesh.shape))):
         if size < 2 or any(sig.index.shape[d] < size for d in together):

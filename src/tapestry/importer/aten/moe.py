@@ -1,5 +1,5 @@
 """Mixture-of-experts dispatch: grouped matmuls of rows sorted by expert (expert parallelism) or sorted block by
-block (grouped_mm_blocks), and histc."""
+block (grouped_mm_blocks and its weight gradient, grouped_mm_blocks_k), and histc."""
 from __future__ import annotations
 
 import math
@@ -55,3 +55,13 @@ def _grouped_mm_backward(b: Builder, x: Any, w: Any, offs: Any, grad: Any) -> tu
 def _grouped_mm_blocks(b: Builder, x: Any, w: Any, ends: Any) -> Value:
     """Each block of rows through its own grouped mm (importer/block_routing.py's custom op): grouped_mm_blocks."""
     return b.op("grouped_mm_blocks", b.tensor(x), b.tensor(w), b.tensor(ends))
+
+
+@converts("tapestry.grouped_mm_blocks_k.default")
+def _grouped_mm_blocks_k(b: Builder, x: Any, g: Any, ends: Any, experts: int) -> Value:
+    """grouped_mm_blocks' weight gradient (its custom op's backward): grouped_mm_blocks_k, whose experts are
+    `ends`' columns."""
+    counts = b.tensor(ends)
+    if counts.ndim != 2 or counts.shape[1] != experts:
+        raise Unsupported(f"grouped_mm_blocks_k of {experts} experts with ends of shape {list(counts.shape)}")
+    return b.op("grouped_mm_blocks_k", b.tensor(x), b.tensor(g), counts)
