@@ -25,7 +25,7 @@ from tapestry.clock import clock
 from tapestry.egraph.decode import Decoder, DNode
 from tapestry.extract import EGraph, Selection
 from tapestry.extract.selection import finalize
-from tapestry.extract.tree import solvable_tree, tree_choice
+from tapestry.extract.tree import TreeChoice, solvable_tree, tree_choice
 from tapestry.graph import Graph
 from tapestry.graph.layers import Folded, ranked_order
 from tapestry.plan import Place, Plan, Reshard, Step
@@ -82,6 +82,26 @@ def grown(egraph: EGraph, choice: Mapping[int, int], pairs: Sequence[tuple[int, 
             unmet[j] -= 1
             if unmet[j] == 0:  # reached later in this sweep, or in the next
                 heapq.heappush(queue, (sweep if j > i else sweep + 1, j))
+    return kept
+
+
+def with_reads(egraph: EGraph, choice: Mapping[int, int], pairs: Sequence[tuple[int, int]],
+               tree: TreeChoice) -> dict[int, int]:
+    """`choice` with, for each pair (n, twin) whose n is chosen and twin's class is not, the unchosen classes the
+    twin reads chosen by their tree choice (and what that reads, likewise), where each has one: acyclic, as a
+    chosen node reads only chosen classes and the tree's choices only classes finalized before theirs."""
+    kept = dict(choice)
+    for n, twin in pairs:
+        if kept.get(egraph.node_class[n]) != n or egraph.node_class[twin] in kept:
+            continue
+        stack = [d for d in egraph.child_sets[twin] if d not in kept]
+        if any(not tree.extractable(d) for d in stack):
+            continue
+        while stack:
+            d = stack.pop()
+            if d not in kept:
+                kept[d] = tree.node[d]
+                stack += [e for e in egraph.child_sets[tree.node[d]] if e not in kept]
     return kept
 
 
@@ -220,8 +240,15 @@ class Layered:
         # in the choice (children first, so no cycle) for the expansion's later copies; likewise copy 0 keeps the
         # twin of what copy 1 alone runs (its output in a layout only the suffix reads), so every tie holds both
         # ways where the classes allow, as the ILP's ties ask of its warm start
+        # where a twin reads a class nothing chose (copy 1's input gradient made in the layout the prefix reads
+        # copy 0's in reads the suffix's gradient in a layout nothing else reads), its tree choice is taken there
         pairs = [*self.twins.items(), *((t, n) for n, t in self.twins.items())]
-        return replace(found, choice=grown(egraph, found.choice, pairs))
+        kept = grown(egraph, found.choice, pairs)
+        while True:
+            filled = with_reads(egraph, kept, pairs, solvable_tree(egraph))
+            if len(filled) == len(kept):
+                return replace(found, choice=kept)
+            kept = grown(egraph, filled, pairs)
 
     def aligned(self, pins: Mapping[str, str], source: int) -> dict[str, str]:
         """`pins` (input -> layout key) with each input of the other copy pinned where its twin in copy `source`
