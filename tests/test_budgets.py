@@ -196,7 +196,7 @@ def test_past_64_devices_generation_caps_layout_pairs_by_the_square_of_the_devic
     of the budget and pricing then left the sharded runs' reshards unpriced (plans 99-100% replicated)."""
     asked = []
 
-    def stop(self, deadline, nodes, max_pairs, max_runs, seeds):
+    def stop(self, deadline, nodes, max_pairs, max_runs, seeds, twins):
         asked.append((max_pairs, max_runs))
         raise RuntimeError("asked")
 

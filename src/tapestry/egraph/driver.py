@@ -171,9 +171,10 @@ def saturate(
     budget: Budget = Budget(),
     progress: Callable[[IterationStats], None] | None = None,
     seeds: Sequence[Plan] = (),
+    twins: Sequence[tuple[str, str]] = (),
 ) -> tuple[Generator, View, SaturationStats]:
     """Rule rounds, then generation (`Generator.distribute`: every step of the plans `seeds` inserted whatever
-    the budget), under `budget`'s counts."""
+    the budget, each pair of `twins` held in the layouts of both), under `budget`'s counts."""
     graph.check_plannable()
     started = clock()
     session = Session(rule_files)
@@ -210,7 +211,8 @@ def saturate(
             break
     generation = gen.distribute(started + safety_net(budget, GENERATION_SHARE), budget.nodes,
                                 PAIRS_PER_SECOND * budget.seconds * (1 - MOVES_SHARE)
-                                * min(1.0, PAIRS_DEVICES / mesh.size) ** 2, runs_to_generate(budget, mesh), seeds)
+                                * min(1.0, PAIRS_DEVICES / mesh.size) ** 2, runs_to_generate(budget, mesh), seeds,
+                                twins)
     stopped_in = "rules" if stopped_by != "fixpoint" else "generation" if generation.stopped_by else ""
     if stopped_in == "generation":
         stopped_by = generation.stopped_by

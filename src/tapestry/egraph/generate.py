@@ -22,7 +22,7 @@ from tapestry.clock import SAFETY_NET_STOP, clock
 from tapestry.egraph.distributed import Interner, runs_for
 from tapestry.egraph.rules import Rule
 from tapestry.egraph.schema import constructors, decode_param, encode_param, run_name
-from tapestry.egraph.session import CHUNK, Session, call, lit, set_value, union
+from tapestry.egraph.session import CHUNK, Session, add, call, lit, set_value, union
 from tapestry.dtypes import is_float
 from tapestry.graph import Graph
 from tapestry.kernels import KernelError, Params, Shape, Signature
@@ -142,6 +142,7 @@ class Generator:
         self.layout_pairs = 0  # ordered pairs of one value's layouts: the reshards decode may make and price
         self.linked: set[tuple[int, str, str]] = set()  # places and delivers inserted
         self.input_handles: dict[int, str] = {}
+        self.handles: dict[str, int] = {}  # graph value -> its handle, as encoded
         self.output_handles: dict[str, int] = {}
         self.ill_typed: dict[str, str] = {}
         self.queued: list[Queued] = []
@@ -189,6 +190,7 @@ class Generator:
             self.shapes[h], self.dtypes[h] = node.shape, node.dtype
             commands += self._shape_facts(h, node.shape, node.dtype)
         self.output_handles = {out: handle[target] for out, target in self.graph.outputs.items()}
+        self.handles = handle
         self.session.insert(commands)
 
     @staticmethod
@@ -264,7 +266,7 @@ class Generator:
     # -- the distributed layer ------------------------------------------------------------------
     def distribute(self, deadline: float = float("inf"), max_nodes: int | None = None,
                    max_pairs: float = math.inf, max_runs: float = math.inf,
-                   seeds: Sequence[Plan] = ()) -> GenerationStats:
+                   seeds: Sequence[Plan] = (), twins: Sequence[tuple[str, str]] = ()) -> GenerationStats:
         """Insert the queued nodes' Run members, and Place/Deliver members for inputs and outputs.
 
         Every node's replicated run goes in first, whatever the budget, so a plan always exists, and every step
@@ -276,7 +278,8 @@ class Generator:
         layouts making `max_pairs` ordered pairs (reshards to make and price; docs/cost-models.md, "Budgets", has
         the case), or, a safety net only, `deadline` (a `clock()` time: CPU seconds). A stop thus leaves every
         node similar choices, which fit together, rather
-        than some nodes all of theirs and the rest none."""
+        than some nodes all of theirs and the rest none. Each pair of graph values `twins` (a folded graph's
+        copies 0 and 1 of one layer value) is then held in the layouts of both (`_alike`)."""
         started = clock()
         todo = self._dequeue()
         self.layout_pairs = sum(len(held) * (len(held) - 1) for held in self.layouts.values())
@@ -312,7 +315,7 @@ class Generator:
                 sharded_runs += 1
             if stopped_by:
                 break
-        self.session.insert(batch + self._links())
+        self.session.insert(batch + self._alike(twins) + self._links())
         return GenerationStats(clock() - started, len(todo), runs + sharded_runs,
                                sum(counts) - sharded_runs, stopped_by,
                                self.session.size(), len(self.layouts) + sum(map(len, self.layouts.values())),
@@ -403,6 +406,20 @@ class Generator:
                 args.append(call("At", call("Id", lit(h)), lit(layout)))
             commands.append(union(call("At", call("Id", lit(item.out)), lit(out_layout)),
                                   call(run_name(kernel.name), *args, lit(run_key))))
+        return commands
+
+    def _alike(self, twins: Sequence[tuple[str, str]]) -> list[Any]:
+        """Each value of a pair of `twins` made in the layouts of the other too (reshards make it there): a value
+        is held in the layouts its runs and its readers' runs use, and twins have different readers (copy 0's
+        input gradient is read by the prefix, copy 1's by copy 0), so a layout of one could have no twin class in
+        the other, and a periodic plan reading it none (egraph.layered)."""
+        commands = []
+        for pair in twins:
+            a, b = (self.find(self.handles[name]) for name in pair)
+            for h, other in ((a, b), (b, a)):
+                for layout in [key for key in self.layouts[other] if key not in self.layouts[h]]:
+                    self._hold(h, layout)
+                    commands.append(add(call("At", call("Id", lit(h)), lit(layout))))
         return commands
 
     def _hold(self, h: int, layout: str) -> None:

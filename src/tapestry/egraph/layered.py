@@ -25,7 +25,7 @@ from tapestry.clock import clock
 from tapestry.egraph.decode import Decoder, DNode
 from tapestry.extract import EGraph, Selection
 from tapestry.extract.selection import finalize
-from tapestry.extract.tree import solvable_tree
+from tapestry.extract.tree import TreeChoice, solvable_tree, tree_choice
 from tapestry.graph import Graph
 from tapestry.graph.layers import Folded, ranked_order
 from tapestry.plan import Place, Plan, Reshard, Step
@@ -83,6 +83,48 @@ def grown(egraph: EGraph, choice: Mapping[int, int], pairs: Sequence[tuple[int, 
             if unmet[j] == 0:  # reached later in this sweep, or in the next
                 heapq.heappush(queue, (sweep if j > i else sweep + 1, j))
     return kept
+
+
+def with_reads(egraph: EGraph, choice: Mapping[int, int], pairs: Sequence[tuple[int, int]],
+               tree: TreeChoice) -> dict[int, int]:
+    """`choice` with, for each pair (n, twin) whose n is chosen and twin's class is not, the unchosen classes the
+    twin reads chosen by their tree choice (and what that reads, likewise), where each has one: acyclic, as a
+    chosen node reads only chosen classes and the tree's choices only classes finalized before theirs."""
+    kept = dict(choice)
+    for n, twin in pairs:
+        if kept.get(egraph.node_class[n]) != n or egraph.node_class[twin] in kept:
+            continue
+        stack = [d for d in egraph.child_sets[twin] if d not in kept]
+        if any(not tree.extractable(d) for d in stack):
+            continue
+        while stack:
+            d = stack.pop()
+            if d not in kept:
+                kept[d] = tree.node[d]
+                stack += [e for e in egraph.child_sets[tree.node[d]] if e not in kept]
+    return kept
+
+
+def twins_alike(egraph: EGraph, pairs: Sequence[tuple[int, int]]) -> EGraph:
+    """`egraph` with both nodes of a pair unselectable where either cannot be chosen (unselectable, or reading a
+    class with no finite acyclic choice), to the fixed point. A tie makes the pair's nodes chosen together, so
+    such a pair is out of every periodic selection; left selectable on one side, a tie-blind extractor (the
+    greedy fallback) chose it there and `mirror` then chose its partner, whose class had nothing to read: the
+    generation makes a copy's layouts from what reads them, so copy 1 can hold a layout whose copy-0 twin class
+    is absent (on Mesh(2, 2, 2), copy 0's backward reading copy 1's gradient in a layout the prefix never reads)."""
+    costs = list(egraph.node_cost)
+    while True:
+        priced = egraph.with_costs(costs)
+        tree, child_sets = tree_choice(priced), priced.child_sets
+
+        def usable(n: int) -> bool:
+            return priced.selectable(n) and all(tree.extractable(d) for d in child_sets[n])
+
+        dropped = [b for pair in pairs for a, b in (pair, pair[::-1]) if priced.selectable(b) and not usable(a)]
+        if not dropped:
+            return priced
+        for n in dropped:
+            costs[n] = math.inf
 
 
 @dataclass(frozen=True)
@@ -198,8 +240,15 @@ class Layered:
         # in the choice (children first, so no cycle) for the expansion's later copies; likewise copy 0 keeps the
         # twin of what copy 1 alone runs (its output in a layout only the suffix reads), so every tie holds both
         # ways where the classes allow, as the ILP's ties ask of its warm start
+        # where a twin reads a class nothing chose (copy 1's input gradient made in the layout the prefix reads
+        # copy 0's in reads the suffix's gradient in a layout nothing else reads), its tree choice is taken there
         pairs = [*self.twins.items(), *((t, n) for n, t in self.twins.items())]
-        return replace(found, choice=grown(egraph, found.choice, pairs))
+        kept = grown(egraph, found.choice, pairs)
+        while True:
+            filled = with_reads(egraph, kept, pairs, solvable_tree(egraph))
+            if len(filled) == len(kept):
+                return replace(found, choice=kept)
+            kept = grown(egraph, filled, pairs)
 
     def aligned(self, pins: Mapping[str, str], source: int) -> dict[str, str]:
         """`pins` (input -> layout key) with each input of the other copy pinned where its twin in copy `source`
@@ -228,7 +277,8 @@ class Layered:
 
     def costs(self, egraph: EGraph) -> EGraph:
         """Copy 1's nodes at m-1 times their cost; a node of a copy without a twin, or of a class outside the
-        copies that reads one but is not made of outside graph values, unselectable."""
+        copies that reads one but is not made of outside graph values, unselectable; and both nodes of a pair
+        where either can never be chosen (`twins_alike`)."""
         twins, paired = self.twins, set(self.twins.values())
         costs = list(egraph.node_cost)
         for n, node in enumerate(self.decoder.nodes):
@@ -240,7 +290,7 @@ class Layered:
             elif where is None and node.value and node.value not in self._free and any(
                     self.copy_of.get(self.decoder.class_value.get(d, "")) is not None for d in node.children):
                 costs[n] = math.inf
-        return egraph.with_costs(costs)
+        return twins_alike(egraph.with_costs(costs), self.ties())
 
     def resident(self, resident: Mapping[int, tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
         """DeviceBudget.resident with copy 1's placed inputs held m-1 times."""

@@ -38,6 +38,11 @@ def union(a: Term, c: Term) -> Any:
     return b.ActionCommand(b.Union(_SPAN, a, c))
 
 
+def add(term: Term) -> Any:
+    """The action that adds `term` to the e-graph (its class, with no other member)."""
+    return b.ActionCommand(b.Expr_(_SPAN, term))
+
+
 def set_value(function: str, args: Sequence[Term], value: Term) -> Any:
     return b.ActionCommand(b.Set(_SPAN, function, list(args), value))
 

@@ -57,6 +57,11 @@ class Folded:
     layers: Layers
     exits: Mapping[str, str]
 
+    @property
+    def twins(self) -> list[tuple[str, str]]:
+        """Each layer value's copy 0 and copy 1 in the folded graph."""
+        return [(chain[0], chain[1]) for chain in self.layers.chains]
+
 
 def find_layers(graph: Graph) -> Layers | None:
     """The graph's repeated layers, or None when no run of MIN_COPIES or more checks out as a shift."""
