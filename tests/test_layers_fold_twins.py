@@ -14,6 +14,10 @@ from tapestry.extract.tree import tree_choice
 from tapestry.optimizer import Explored, explore
 from tapestry.sharding import Mesh
 
+# one explore of a 3-layer step on 8 devices (~40 s on 2 cores): make test-all; make test keeps the folded steps of
+# tests/test_layers_fold.py, whose meshes the batch divides
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def explored() -> Explored:
