@@ -3,6 +3,7 @@ expert's device and back by all-to-all, with the data's exact row counts."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -400,9 +401,16 @@ def test_a_mixtral_training_step_with_experts_and_their_gradients_expert_paralle
     assert_simulates_to_the_evaluator(plan, imported, args)
 
 
+@pytest.fixture(scope="module")
+def mixtral_step_of_batch_4() -> Iterator[tuple[tapestry.TorchImport, tuple]]:
+    """One import shared by the hand-plan tests (each plans it afresh and leaves the graph as it was)."""
+    with pytest.MonkeyPatch.context() as patch:
+        yield tiny_mixtral_step(patch, batch=4)
+
+
 @pytest.mark.parametrize("mesh, strategy", [(Mesh(4), "EP"), (Mesh(2, 2), "EP"), (Mesh(2, 2), "DPxEP")], ids=str)
 def test_the_expert_parallel_hand_plans_exchange_tokens_and_experts_rows_and_simulate_to_the_evaluator(
-        mesh, strategy, monkeypatch):
+        mesh, strategy, mixtral_step_of_batch_4):
     """EP (batch and experts over every device, the mesh's axes as one) and DPxEP (data over axis 0; attention
     tensor parallel and experts expert parallel over axis 1): the dispatch and combine, their backwards (and the
     embedding's), the experts and their weight gradients all exchange rows, and each expert weight lives split by
@@ -411,7 +419,7 @@ def test_the_expert_parallel_hand_plans_exchange_tokens_and_experts_rows_and_sim
 
     from tapestry.training.plans import data_expert_parallel, expert_parallel
 
-    imported, args = tiny_mixtral_step(monkeypatch, batch=4)
+    imported, args = mixtral_step_of_batch_4
     arguments = imported.translation.user_inputs
     if strategy == "EP":
         plan = expert_parallel(imported.graph, mesh, arguments, EXPERT_WEIGHTS)
@@ -429,10 +437,10 @@ def test_the_expert_parallel_hand_plans_exchange_tokens_and_experts_rows_and_sim
     assert_simulates_to_the_evaluator(plan, imported, args)
 
 
-def test_an_expert_parallel_hand_plan_refuses_experts_that_do_not_split_over_the_devices(monkeypatch):
+def test_an_expert_parallel_hand_plan_refuses_experts_that_do_not_split_over_the_devices(mixtral_step_of_batch_4):
     from tapestry.training.plans import expert_parallel
 
-    imported, _ = tiny_mixtral_step(monkeypatch)
+    imported, _ = mixtral_step_of_batch_4
     with pytest.raises(ValueError, match=r"has 4 experts \(dim 0\), which do not split evenly over 8 devices"):
         expert_parallel(imported.graph, Mesh(8), imported.translation.user_inputs, EXPERT_WEIGHTS)
 
