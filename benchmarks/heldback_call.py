@@ -84,6 +84,7 @@ def call(args: argparse.Namespace) -> dict[str, Any]:
     wall, cpu = time.perf_counter(), time.process_time()
     try:
         search = {} if args.search_seconds is None else {"budget": tapestry.Budget(seconds=args.search_seconds)}
+        search.update({} if args.extractor is None else {"extractor": args.extractor})
         result = tapestry.optimize(imported.graph, mesh=mesh, memory_budget=budget, cost_model=cost_model, **search)
     except Exception as err:
         traceback.print_exc()
@@ -180,6 +181,7 @@ def main() -> None:
     parser.add_argument("--budget-gb", type=float, default=80.0, help="memory_budget, in 10**9 bytes per device")
     parser.add_argument("--search-seconds", type=float, help="tapestry.Budget(seconds=...): the search's work counts "
                         "(default: Budget()'s)")
+    parser.add_argument("--extractor", help="tapestry.optimize's extractor (default: its own, the ILP)")
     parser.add_argument("--profile", default="gpu-h100-nccl")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     step = parser.add_mutually_exclusive_group()

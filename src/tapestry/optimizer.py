@@ -304,7 +304,7 @@ class Explored:
         budget_of = cache(lambda: device_budget(self.decoder, self._held, self.layered, memory_budget))  # if it binds
         if memory_budget is not None and self._inputs_floor[0] > memory_budget:  # no plan can: say so at once
             raise self._budget_error(memory_budget, "")
-        hands = self._hand_selections(egraph, ties) if self.layered is None else ()
+        hands = self._warm_starts(egraph, extractor, time_limit, ties, carried) if self.layered is None else ()
         split = overlap_split(self.decoder, self.graph.carried, {self.names[r]: r for r in self.roots}, (LR,),
                               accumulated=micro_batches > 1)
         objective = StepObjective(model, micro_batches, split, (LR,))
@@ -412,11 +412,17 @@ class Explored:
                                             "status": "feasible", "extracted_cost": plan.cost})
         return plan, selection
 
-    def _hand_selections(self, egraph: ExtractGraph, ties: Ties) -> tuple[Selection, ...]:
-        """The hand plans (`baselines`) the e-graph holds as selections keeping `ties`: the ILP's warm starts
-        (`_select`), so it never returns a selection dearer than the best of them. Node n is e-node n in every
-        extraction graph of the decoder, so they serve the reweighted and pinned graphs too, repriced there."""
-        return tuple(embedded for _, embedded in embedded_plans(self.decoder, egraph, self.baselines, ties))
+    def _warm_starts(self, egraph: ExtractGraph, extractor: str, time_limit: float, ties: Ties,
+                     carried: Mapping[str, str]) -> tuple[Selection, ...]:
+        """The ILP's warm starts (`_select`: it returns nothing dearer): the hand plans (`baselines`) the e-graph holds
+        keeping `ties`, and greedy-dag's steady selection (LLaMA 13B's step on 8x8: 44.41 ms where the ILP alone
+        kept DP x TP's 65.58; docs/benchmarks.md "The ILP's warm start from greedy-dag"). Node n is e-node n in every
+        extraction graph of the decoder: they serve the reweighted and pinned graphs too, repriced there."""
+        hands = tuple(embedded for _, embedded in embedded_plans(self.decoder, egraph, self.baselines, ties))
+        with suppress(NoFiniteChoiceError):
+            return (*hands, self._select(egraph, "greedy-dag", time_limit, None, ties, carried)) \
+                if extractor == "ilp" and ties else hands
+        return hands
 
     def _fused(self, egraph: ExtractGraph, model: CostModel) -> ExtractGraph | None:
         """`egraph` with each node priced as the fusion group member its neighbourhood promises
