@@ -415,7 +415,7 @@ class Explored:
     def _warm_starts(self, egraph: ExtractGraph, extractor: str, time_limit: float, ties: Ties,
                      carried: Mapping[str, str]) -> tuple[Selection, ...]:
         """The ILP's warm starts (`_select` returns nothing dearer; node n is e-node n in every extraction graph): the
-        hand plans keeping `ties`, and greedy-dag's steady one (benchmarks.md "The ILP's warm start from greedy-dag")."""
+        hand plans keeping `ties`, and greedy-dag's steady pick (docs: "The ILP's warm start from greedy-dag")."""
         hands = tuple(embedded for _, embedded in embedded_plans(self.decoder, egraph, self.baselines, ties))
         with suppress(NoFiniteChoiceError):
             return (*hands, self._select(egraph, "greedy-dag", time_limit, None, ties, carried)) \
