@@ -13,6 +13,7 @@ that `run_plan` adds after the plan (the plan's outputs stay live to its end).
 """
 from __future__ import annotations
 
+import heapq
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -131,18 +132,34 @@ def lean_order(plan: Plan) -> tuple[int, ...]:
         for a in args:
             readers[index[a]] += 1
             users[index[a]].append(i)
+
+    def gain(i: int) -> tuple[int, int]:  # bytes added net of the arguments freed, then the earliest
+        freed = sum(size[index[a]] for a in arguments[i] if readers[index[a]] == 1 and index[a] not in kept)
+        return size[i] - freed, i
+
+    # A ready step's key only falls (when another reader of one of its arguments runs): each fall pushes the new
+    # key, and a popped key that is no longer the step's own is stale. A heap, where the least over the ready
+    # steps each time was quadratic (an 80-layer 70B step's order: CPU minutes).
     waiting = [len(args) for args in arguments]
-    ready = [i for i, w in enumerate(waiting) if w == 0]
+    ready = [gain(i) for i, w in enumerate(waiting) if w == 0]
+    heapq.heapify(ready)
+    done = [False] * len(plan.steps)
     order: list[int] = []
     while ready:
-        step = min(ready, key=lambda i: (size[i] - sum(size[index[a]] for a in arguments[i]
-                                                       if readers[index[a]] == 1 and index[a] not in kept), i))
-        ready.remove(step)
+        key = heapq.heappop(ready)
+        step = key[1]
+        if done[step] or key != gain(step):
+            continue
+        done[step] = True
         order.append(step)
         for a in arguments[step]:
             readers[index[a]] -= 1
+            if readers[index[a]] == 1:
+                last = next(u for u in users[index[a]] if not done[u])
+                if waiting[last] == 0:
+                    heapq.heappush(ready, gain(last))
         for user in users[step]:
             waiting[user] -= 1
             if waiting[user] == 0:
-                ready.append(user)
+                heapq.heappush(ready, gain(user))
     return tuple(order)
