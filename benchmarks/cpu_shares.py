@@ -105,6 +105,9 @@ def main() -> None:
     script = argv[argv.index("--") + 1:]
     sampler = Sampler(args.within, args.frames, args.interval_ms / 1e3)
     sys.argv = script
+    # The handler runs on top of whatever stack a signal lands on: transformers' lazy import of torch._dynamo (Mixtral)
+    # is deep enough that its frames then passed Python's default limit of 1000 (a RecursionError in the import).
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 4000))
     sampler.start()
     try:
         runpy.run_path(script[0], run_name="__main__")

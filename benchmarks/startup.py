@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import resource
 import sys
-import time
 from pathlib import Path
 
 import torch

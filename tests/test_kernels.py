@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import sympy
 import torch
-from hypothesis import Phase, find, given, settings
+from hypothesis import HealthCheck, Phase, assume, find, given, settings
 from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -26,15 +26,35 @@ SPLITTABLE = [name for name in ALL if name not in {opaque_name(n) for n in range
 FIRST_MATCH = settings(database=None, derandomize=True, phases=[Phase.generate], deadline=None)
 
 
+def check_sharded_equals_unsharded(name: str, examples: int, cut: bool) -> None:
+    """`examples` random signatures and partitions of kernel `name`; `cut`: only signatures with a splittable dim
+    of two or more, cut into two or more nonempty blocks (the whole index as one block, a common draw otherwise,
+    runs the kernel as the reference does)."""
+
+    @settings(max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+    @given(data=st.data(), seed=st.integers(0, 2**16))
+    def check(data, seed):
+        sig = data.draw(signatures(KERNELS[name]))
+        assume(not cut or any(sig.index.shape[d] >= 2 for d in sig.splittable))
+        parts = data.draw(partitions(sig.index, sig.splittable, cut))
+        assert not cut or sum(not p.is_empty for p in parts) >= 2, parts
+        args = arrays_for(sig, seed)
+        whole = run_sharded(sig, args, [sig.index])
+        np.testing.assert_allclose(run_sharded(sig, args, parts), whole, rtol=1e-9, atol=1e-9)
+
+    check()
+
+
 @pytest.mark.parametrize("name", ALL)
-@settings(max_examples=25, deadline=None)
-@given(data=st.data(), seed=st.integers(0, 2**16))
-def test_sharded_equals_unsharded(name, data, seed):
-    sig = data.draw(signatures(KERNELS[name]))
-    parts = data.draw(partitions(sig.index, sig.splittable))
-    args = arrays_for(sig, seed)
-    whole = run_sharded(sig, args, [sig.index])
-    np.testing.assert_allclose(run_sharded(sig, args, parts), whole, rtol=1e-9, atol=1e-9)
+def test_sharded_equals_unsharded(name):
+    """Every kernel on 5 real cuts (the opaque ones, points with nothing to split, on 5 draws)."""
+    check_sharded_equals_unsharded(name, 5, cut=name in SPLITTABLE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ALL)
+def test_sharded_equals_unsharded_exhaustive(name):
+    check_sharded_equals_unsharded(name, 100, cut=False)
 
 
 @pytest.mark.parametrize("name", SPLITTABLE)

@@ -93,6 +93,47 @@ def test_the_check_finds_an_import_of_a_higher_layer(tmp_path) -> None:
         "tapestry/plan/plan.py:2: plan (layer 4) imports tapestry.runtime (layer 11)"]
 
 
+def _names_used(tree: ast.Module) -> set[str]:
+    """Names read anywhere in the module, quoted annotations included."""
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    for node in ast.walk(tree):
+        for hint in (getattr(node, "annotation", None), getattr(node, "returns", None)):
+            if isinstance(hint, ast.Constant) and isinstance(hint.value, str):
+                used |= {n.id for n in ast.walk(ast.parse(hint.value, mode="eval")) if isinstance(n, ast.Name)}
+    return used
+
+
+def unused_imports(src: Path = SRC) -> list[str]:
+    """Imported names a module never reads, where the line does not say `noqa: F401` (registration, re-export)
+    and `__all__` does not list them."""
+    problems = []
+    for path in sorted(src.rglob("*.py")):
+        tree, lines = _parsed(path), path.read_text().splitlines()
+        exported = {e.value for node in tree.body if isinstance(node, ast.Assign)
+                    and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+                    for e in node.value.elts}
+        used = _names_used(tree) | exported
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)) or getattr(node, "module", None) == "__future__":
+                continue
+            if any("noqa: F401" in line for line in lines[node.lineno - 1:node.end_lineno]):
+                continue
+            problems += [f"{path.relative_to(src.parent)}:{node.lineno}: {name}"
+                         for name in (a.asname or a.name.split(".")[0] for a in node.names) if name not in used]
+    return problems
+
+
+def test_no_module_imports_a_name_it_does_not_use() -> None:
+    assert unused_imports() == []
+
+
+def test_the_unused_import_check_finds_one_and_passes_quoted_annotations(tmp_path) -> None:
+    (tmp_path / "tapestry").mkdir()
+    (tmp_path / "tapestry" / "m.py").write_text("import os\nimport sys  # noqa: F401\nfrom typing import Any\n"
+                                                "from pathlib import Path\ndef f(x: 'Path') -> None: ...\n")
+    assert unused_imports(tmp_path / "tapestry") == ["tapestry/m.py:1: os", "tapestry/m.py:3: Any"]
+
+
 def _module_name(path: Path, src: Path) -> str:
     return ".".join((src.name, *path.relative_to(src).with_suffix("").parts)).removesuffix(".__init__")
 

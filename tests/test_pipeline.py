@@ -319,6 +319,15 @@ def h100() -> object:
     return DefaultCostModel(load_profile("gpu-h100-cluster"))
 
 
+@pytest.fixture(scope="module")
+def free_pipeline(mlp_step):  # noqa: ANN001, ANN201
+    """Four of the tiny layers on Mesh(2), no memory budget, one plan per stage count: read by two tests."""
+    import tapestry
+
+    return tapestry.plan_pipeline(mlp_step, 4, tapestry.Mesh(2), global_batch=16, cost_model=h100(),
+                                  memory_budget=None, budget=tapestry.Budget(seconds=30), pareto_points=1)
+
+
 def test_a_layer_step_computes_its_inputs_gradient_and_prices_as_its_plan(mlp_step) -> None:  # noqa: ANN001
     import tapestry
     from tapestry.cost import plan_cost
@@ -344,12 +353,12 @@ def test_a_layer_step_reads_its_input_and_the_incoming_gradient_as_two_inputs(ml
     assert len(activations) == 2 and all(readers.values()), readers  # neither the layer's input nor dL/dy unused
 
 
-def test_plan_pipeline_places_every_layer_and_prices_the_chosen_step(mlp_step, tmp_path) -> None:  # noqa: ANN001
+def test_plan_pipeline_places_every_layer_and_prices_the_chosen_step(mlp_step, free_pipeline,  # noqa: ANN001
+                                                                     tmp_path) -> None:
     import tapestry
     from tapestry.optimizer import MemoryBudgetError
 
-    free = tapestry.plan_pipeline(mlp_step, 4, tapestry.Mesh(2), global_batch=16, cost_model=h100(),
-                                  memory_budget=None, budget=tapestry.Budget(seconds=30), pareto_points=1)
+    free = free_pipeline
     assert [c.stages for c in free.candidates] == [1, 2]
     plan = free.plan
     assert plan.cost == min(c.plan.cost for c in free.candidates)
@@ -638,15 +647,13 @@ def test_a_sub_meshs_explored_e_graph_is_freed_before_the_next_is_explored(mlp_s
 
 
 def test_a_stage_count_says_its_fastest_layer_plan_did_not_fit_and_its_floor_ruled_out_the_rest(
-        mlp_step, monkeypatch) -> None:  # noqa: ANN001
+        mlp_step, free_pipeline, monkeypatch) -> None:  # noqa: ANN001
     """Where nothing of a stage count fits because its leaner layer plans were never extracted (their floor was above
     the best step), the report says so rather than that nothing fits."""
     import tapestry
     from tapestry.pipeline import planner
 
-    free = tapestry.plan_pipeline(mlp_step, 4, tapestry.Mesh(2), global_batch=16, cost_model=h100(),
-                                  memory_budget=None, budget=tapestry.Budget(seconds=30), pareto_points=1)
-    one, two = (next(c.plan for c in free.candidates if c.stages == s) for s in (1, 2))
+    one, two = (next(c.plan for c in free_pipeline.candidates if c.stages == s) for s in (1, 2))
     assert one.peak_memory > two.peak_memory
     floor = planner.ideal_time
     monkeypatch.setattr(planner, "ideal_time", lambda layer, layers, stages, *rest: math.inf if stages == 1

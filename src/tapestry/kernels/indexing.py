@@ -14,7 +14,6 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
-from tapestry import dtypes
 from tapestry.kernels.kernel import Kernel, KernelError, ParamValue, Shape, SignatureSpec, follow
 from tapestry.kernels.reductions import _axis
 from tapestry.kernels.registry import register

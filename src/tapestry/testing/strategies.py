@@ -21,20 +21,26 @@ def signatures(draw, kernel: Kernel, float_dtype: str = "float64") -> Signature:
 
 
 @st.composite
-def cuts(draw, size: int) -> list[tuple[int, int]]:
-    """Split [0, size) into 1–4 contiguous pieces at random points (uneven, possibly empty)."""
-    n = draw(st.integers(1, 4))
-    points = sorted(draw(st.lists(st.integers(0, size), min_size=n - 1, max_size=n - 1)))
+def cuts(draw, size: int, cut: bool = False) -> list[tuple[int, int]]:
+    """Split [0, size) into 1–4 contiguous pieces at random points (uneven, possibly empty); `cut` (size >= 2):
+    two or more, at least two of them nonempty."""
+    n = draw(st.integers(2 if cut else 1, 4))
+    inside = [draw(st.integers(1, size - 1))] if cut else []
+    points = sorted(inside + draw(st.lists(st.integers(0, size), min_size=n - 1 - len(inside),
+                                           max_size=n - 1 - len(inside))))
     bounds = [0, *points, size]
     return list(zip(bounds, bounds[1:]))
 
 
 @st.composite
-def partitions(draw, index: ZRange, dims: tuple[int, ...]) -> list[ZRange]:
-    """A grid partition of `index` cut along a random subset of `dims`."""
-    chosen = draw(st.sets(st.sampled_from(dims), max_size=2)) if dims else set()
+def partitions(draw, index: ZRange, dims: tuple[int, ...], cut: bool = False) -> list[ZRange]:
+    """A grid partition of `index` cut along a random subset of `dims`; `cut`: along one or two of them of size 2
+    or more, each into two or more nonempty blocks (the whole index where no dim is that long)."""
+    if cut:
+        dims = tuple(d for d in dims if index.shape[d] >= 2)
+    chosen = draw(st.sets(st.sampled_from(dims), min_size=int(cut), max_size=2)) if dims else set()
     per_dim = [
-        draw(cuts(index.shape[d])) if d in chosen else [(index.start[d], index.end[d])] for d in range(index.ndim)
+        draw(cuts(index.shape[d], cut)) if d in chosen else [(index.start[d], index.end[d])] for d in range(index.ndim)
     ]
     return [ZRange(tuple(lo for lo, _ in combo), tuple(hi for _, hi in combo)) for combo in itertools.product(*per_dim)]
 
