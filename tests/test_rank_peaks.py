@@ -1,61 +1,52 @@
 """`cost.memory.rank_peaks` finds the buffers live at a rank's peak from when each was made and freed, not by
-copying the live set at every new high (quadratic in a deep plan's steps): the same peak and the same steps
-holding it as that snapshot (the reference below), on training plans with views, reshards and prepared steps."""
+copying the live set at every new high (quadratic in a deep plan's steps), lowers each step alike but for its
+names once, and walks one rank per group of ranks alike in every step: the same peak and the same steps holding it
+as that snapshot of every rank's lowered program (tests/rank_peak_reference.py), on training plans with views,
+reshards and prepared steps, and on plans whose ranks hold unequal shards."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+from rank_peak_reference import snapshot_peak
 from training_helpers import adam_step
 
 import tapestry
 from tapestry.cost import rank_peaks
-from tapestry.cost.memory import block_bytes
-from tapestry.lower.program import Local, PlaceBlock, RankProgram, lower
+from tapestry.cost.memory import _alike_ranks, _parts
+from tapestry.graph import Graph
+from tapestry.lower import program
+from tapestry.lower.program import lower
 from tapestry.models import mlp
-from tapestry.plan import Place, Plan, build_plan
+from tapestry.plan import Compute, Place, Plan, build_plan
 from tapestry.training.plans import baselines
 
+CUBE = tapestry.Mesh(2, 2, 2)
 
-def snapshot_peak(plan: Plan, program: RankProgram) -> tuple[int, dict[int, int]]:
-    """The peak and the bytes per plan step live then, by copying the live buffers at each new high."""
-    steps = [s for s in program.steps if s.step < len(plan.steps)]
-    dead = RankProgram(program.rank, program.world, tuple(steps)).dead_after()
-    prepared = {k for k, s in enumerate(plan.steps) if s.out in plan.prepared}
-    owner, users, size, made_by, placed = {}, {}, {}, {}, {}
-    live, peak, at_peak = 0, 0, {}
-    for step, gone in zip(steps, dead):
-        dtype = plan.dtypes[step.out]
-        view = isinstance(step, Local) and step.src_block is not None and step.src_block.contains(step.out_block)
-        if isinstance(step, PlaceBlock) or step.step in prepared:
-            made = 0 if view else block_bytes(step.block if isinstance(step, PlaceBlock) else step.out_block, dtype)
-            placed[step.step] = placed.get(step.step, 0) + made
-            owner[step.out] = None
-            continue
-        if view:
-            owner[step.out] = owner[step.src]
-        else:
-            owner[step.out], size[step.out], made_by[step.out] = step.out, block_bytes(step.out_block, dtype), step.step
-            live += size[step.out]
-        if owner[step.out] is not None:
-            users[owner[step.out]] = users.get(owner[step.out], 0) + 1
-        if live > peak:
-            peak, at_peak = live, dict(size)
-        for name in gone:
-            base = owner.pop(name, None)
-            if base is not None:
-                users[base] -= 1
-                if users[base] == 0:
-                    live -= size.pop(base)
-    held = dict(placed)
-    for buffer, n in at_peak.items():
-        held[made_by[buffer]] = held.get(made_by[buffer], 0) + n
-    return sum(placed.values()) + peak, held
+
+def uneven(axes: dict[str, tuple[int | None, ...]]) -> Plan:
+    """Four matmul -> relu layers on 2x2x2, 5 rows split over axis 0 (3 and 2): two kinds of rank, by row count.
+    build_plan makes each layer's steps once, so the later layers share the first's blocks, as copies do."""
+    g = Graph()
+    value = g.input("x", (5, 12))
+    for k in range(4):
+        value = g.relu(g.matmul(value, g.input(f"w{k}", (12, 12)), name=f"mm{k}"), name=f"act{k}")
+    g.output("y", value)
+    return build_plan(g, CUBE, {f"{op}{k}": split for op, split in axes.items() for k in range(4)})
+
+
+UNEVEN = {  # where the unequal shards are reshared: all-gathers, reduce-scatters, views (Local)
+    "gathered": {"mm": (0, None, 1), "act": (0, 1, None)},
+    "summed": {"mm": (0, 2, None), "act": (0, 1, None)},
+    "viewed": {"mm": (0, None, None)},
+}
 
 
 def plans() -> list[Plan]:
     graph = adam_step(16, 32, 8)[0].graph
     mesh = tapestry.Mesh(2, 2)
     return [build_plan(mlp(depth=4, batch=4, width=32), tapestry.Mesh(2)), build_plan(graph, mesh),
-            *baselines(graph, mesh).values()]
+            *baselines(graph, mesh).values(), *baselines(graph, CUBE).values(), *map(uneven, UNEVEN.values())]
 
 
 @pytest.mark.parametrize("plan", plans(), ids=lambda p: f"{len(p.steps)} steps on {p.mesh}")
@@ -65,3 +56,38 @@ def test_each_ranks_peak_and_what_holds_it_are_the_live_set_at_its_first_highest
     assert [(p.bytes, dict(p.live)) for p in found] == expected
     places = sum(isinstance(s, Place) for s in plan.steps)
     assert any(len(live) > places for _, live in expected)  # activations live at the peak, not only inputs
+
+
+@pytest.mark.parametrize("name", UNEVEN)
+def test_ranks_holding_unequal_shards_are_walked_apart_and_each_peaks_as_its_own_program(name: str) -> None:
+    plan = uneven(UNEVEN[name])
+    assert _alike_ranks(_parts(plan), CUBE.size) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # 3 rows, then 2
+    expected = [snapshot_peak(plan, program)[0] for program in lower(plan).ranks]
+    assert [p.bytes for p in rank_peaks(plan)] == expected
+    assert expected[0] > expected[4]
+
+
+def test_the_ranks_of_an_even_data_parallel_step_are_one_group() -> None:
+    plan = baselines(adam_step(16, 32, 8)[0].graph, CUBE)["data parallel"]
+    assert _alike_ranks(_parts(plan), CUBE.size) == [list(range(CUBE.size))]
+
+
+def test_steps_alike_but_for_their_names_are_lowered_once_and_peak_as_the_plan_sharing_nothing(monkeypatch):
+    """build_plan's later layers share the first's blocks, as an expanded plan's copies do: each such step is
+    lowered once, and the peaks are those of the same plan whose steps share nothing (each lowered alone)."""
+    shared = uneven(UNEVEN["gathered"])
+    alone = dataclasses.replace(shared, steps=tuple(
+        dataclasses.replace(s, blocks=tuple(list(s.blocks))) if isinstance(s, Compute) else s for s in shared.steps))
+    lowered: list[int] = []  # the Compute steps lowered
+    lower_step = program.lower_step
+
+    def counted(index, step, *args, **kwargs):
+        lowered.extend([index] if isinstance(step, Compute) else [])
+        return lower_step(index, step, *args, **kwargs)
+
+    monkeypatch.setattr(program, "lower_step", counted)
+    once = rank_peaks(shared)
+    shared_calls = len(lowered)
+    lowered.clear()
+    assert rank_peaks(alone) == once
+    assert len(lowered) == sum(isinstance(s, Compute) for s in alone.steps) == 4 * shared_calls

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from rank_peak_reference import snapshot_peak
 from training_helpers import ARGUMENTS, GPU, HIDDEN, adam_step, mse
 
 import tapestry
 from tapestry.cost import peak_memory, plan_cost, rank_peaks
-from tapestry.cost.memory import _rank_peak
 from tapestry.evaluator import evaluate
 from tapestry.lower import lower
 from tapestry.optimizer import explore, steady_violations
@@ -134,6 +134,6 @@ def test_peak_memory_of_the_hand_plans_is_that_of_their_full_lowering_rank_by_ra
     took minutes for them); what each rank holds, and when, is the same."""
     imported, _ = adam_step(16, 32, 8)
     plan = build(imported.graph)
-    full = [_rank_peak(plan, program) for program in lower(plan).ranks]
-    assert rank_peaks(plan) == full
-    assert peak_memory(plan) == [peak.bytes for peak in full]
+    full = [snapshot_peak(plan, program) for program in lower(plan).ranks]
+    assert [(peak.bytes, dict(peak.live)) for peak in rank_peaks(plan)] == full
+    assert peak_memory(plan) == [peak for peak, _ in full]

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tapestry import dtypes
-from tapestry.plan.plan import Compute, Place, Plan, Reshard
+from tapestry.plan.plan import Compute, Place, Plan, Reshard, Step
 from tapestry.sharding import Block, Layout
 
 if TYPE_CHECKING:
-    from tapestry.lower.program import RankProgram
+    from tapestry.lower.program import RankStep
 
 
 def block_bytes(block: Block, dtype: str) -> int:
@@ -53,17 +53,89 @@ class RankPeak:
     live: Mapping[int, int]  # plan step index -> its bytes live at the peak on this rank
 
 
-def _rank_peak(plan: Plan, program: RankProgram) -> RankPeak:
-    """One rank's placed blocks and prepared buffers (`Plan.prepared`, which the runtime runs once and keeps)
-    throughout, plus the live buffers at the step where they are most."""
-    from tapestry.lower.program import (  # imports torch: only when asked
-        Local,
-        PlaceBlock,
-        RankProgram,
-    )
+@dataclass(frozen=True)
+class _Part:
+    """One rank's part in one plan step as its memory sees it, without names, so that steps alike but for their
+    names share it and ranks that differ only by which shards they hold have equal parts: the elements of the
+    buffer it makes (0: none, or a view), whether that is a view (a Local move inside the held source block: it
+    shares the source's storage) or a placed input block, and which of the step's inputs it reads (positions in a
+    Compute's arguments; 0: a reshard's source)."""
 
-    steps = [s for s in program.steps if s.step < len(plan.steps)]  # the outputs' gather is not the plan's
-    dead = RankProgram(program.rank, program.world, tuple(steps)).dead_after()
+    elements: int
+    view: bool
+    placed: bool
+    reads: tuple[int, ...]
+
+
+def _part(rank_step: RankStep) -> _Part:
+    from tapestry.lower.program import Comm, Local, PlaceBlock  # imports torch: only when asked
+
+    if isinstance(rank_step, PlaceBlock):
+        return _Part(rank_step.block.size, False, True, ())
+    if isinstance(rank_step, Comm):
+        held, made = rank_step.src_block, rank_step.out_block
+        view = isinstance(rank_step, Local) and held is not None and held.contains(made)
+        return _Part(0 if view or made is None else made.size, view, False, (0,))
+    return _Part(rank_step.out_block.size, False, False,
+                 tuple(i for i, read in enumerate(rank_step.reads) if read.box is not None))
+
+
+def _lowering_key(step: Step, layouts: Mapping[str, Layout]) -> tuple:
+    """What lowering a step reads but its names: steps with equal keys lower to the same parts. A Compute's blocks
+    by identity (an expanded plan's copies share them; hashing every device's block per step is not free)."""
+    if isinstance(step, Compute):
+        return step.binding, id(step.blocks), tuple(layouts.get(a) for a in step.args)
+    if isinstance(step, Reshard):
+        return step.shape, step.src_layout, step.layout, step.src in layouts
+    return (step.layout,)
+
+
+def _parts(plan: Plan) -> list[tuple[_Part | None, ...]]:
+    """Per plan step, each rank's part (None: it takes none), lowered once per distinct step (`_lowering_key`) and
+    without the pieces cost.memory does not read (`lower`'s `pieces`); equal parts are one object."""
+    from tapestry.lower.program import lower_step
+
+    layouts: dict[str, Layout] = {}
+    lowered: dict[tuple, tuple[_Part | None, ...]] = {}
+    interned: dict[_Part, _Part] = {}
+    parts = []
+    for index, step in enumerate(plan.steps):
+        key = _lowering_key(step, layouts)
+        if key not in lowered:
+            lowered[key] = tuple(None if s is None else interned.setdefault(p := _part(s), p)
+                                 for s in lower_step(index, step, plan, layouts, pieces=False))
+        parts.append(lowered[key])
+        layouts[step.out] = step.layout
+    return parts
+
+
+def _alike_ranks(parts: list[tuple[_Part | None, ...]], size: int) -> list[list[int]]:
+    """The ranks grouped by their parts in every step: a group's ranks run alike but for their shards' places, so
+    they hold the same bytes at every moment."""
+    group = [0] * size
+    for row in {id(row): row for row in parts}.values():  # steps sharing their parts refine nothing again
+        found: dict[tuple[int, int], int] = {}
+        group = [found.setdefault((g, id(part)), len(found)) for g, part in zip(group, row)]
+    ranks: dict[int, list[int]] = {}
+    for rank, g in enumerate(group):
+        ranks.setdefault(g, []).append(rank)
+    return list(ranks.values())
+
+
+def _rank_peak(plan: Plan, parts: list[tuple[_Part | None, ...]], rank: int) -> RankPeak:
+    """One rank's placed blocks and prepared buffers (`Plan.prepared`, which the runtime runs once and keeps)
+    throughout, plus the live buffers at the step where they are most. Each buffer is dropped after its last
+    reader on the rank (`RankProgram.dead_after`)."""
+    steps = [(k, part) for k, row in enumerate(parts) if (part := row[rank]) is not None]
+    inputs = [_inputs(plan.steps[k]) for k, _ in steps]
+    last: dict[str, int] = {}
+    for at, ((k, part), names) in enumerate(zip(steps, inputs)):
+        last[plan.steps[k].out] = at
+        for i in part.reads:
+            last[names[i]] = at
+    dead: list[list[str]] = [[] for _ in steps]
+    for name, at in last.items():
+        dead[at].append(name)
     owner: dict[str, int | None] = {}  # buffer -> the storage it is (a view's source's); None: resident
     users: dict[int, int] = {}  # storage -> how many live buffers share it
     storages: list[tuple[int, int, int]] = []  # (bytes, plan step that made it, position made) in making order
@@ -71,21 +143,20 @@ def _rank_peak(plan: Plan, program: RankProgram) -> RankPeak:
     placed: dict[int, int] = {}  # Place step -> its bytes on this rank
     prepared = {k for k, s in enumerate(plan.steps) if s.out in plan.prepared}  # kept like placed inputs
     live, peak, peak_at = 0, 0, -1
-    for at, (step, gone) in enumerate(zip(steps, dead)):
-        dtype = plan.dtypes[step.out]
-        if isinstance(step, PlaceBlock) or step.step in prepared:
-            view = isinstance(step, Local) and step.src_block is not None and step.src_block.contains(step.out_block)
-            made = 0 if view else block_bytes(step.block if isinstance(step, PlaceBlock) else step.out_block, dtype)
-            placed[step.step] = placed.get(step.step, 0) + made
-            owner[step.out] = None
+    for at, ((k, part), names, gone) in enumerate(zip(steps, inputs, dead)):
+        out = plan.steps[k].out
+        made = part.elements * dtypes.itemsize(plan.dtypes[out])
+        if part.placed or k in prepared:
+            placed[k] = placed.get(k, 0) + made
+            owner[out] = None
             continue
-        if isinstance(step, Local) and step.src_block is not None and step.src_block.contains(step.out_block):
-            owner[step.out] = owner[step.src]
+        if part.view:
+            owner[out] = owner[names[0]]
         else:
-            owner[step.out] = len(storages)
-            storages.append((block_bytes(step.out_block, dtype), step.step, at))
-            live += storages[-1][0]
-        base = owner[step.out]
+            owner[out] = len(storages)
+            storages.append((made, k, at))
+            live += made
+        base = owner[out]
         if base is not None:
             users[base] = users.get(base, 0) + 1
         if live > peak:  # the first position where the most is live: its buffers are found below
@@ -105,11 +176,20 @@ def _rank_peak(plan: Plan, program: RankProgram) -> RankPeak:
     return RankPeak(sum(placed.values()) + peak, held)
 
 
-def rank_peaks(plan: Plan) -> list[RankPeak]:
-    """Per device, its peak when the plan runs as lowered, and the plan steps whose buffers make it up."""
-    from tapestry.lower.program import lower
+def _inputs(step: Step) -> tuple[str, ...]:
+    return step.args if isinstance(step, Compute) else (step.src,) if isinstance(step, Reshard) else ()
 
-    return [_rank_peak(plan, program) for program in lower(plan, pieces=False).ranks]
+
+def rank_peaks(plan: Plan) -> list[RankPeak]:
+    """Per device, its peak when the plan runs as lowered, and the plan steps whose buffers make it up: found once
+    per group of ranks alike in every step (`_alike_ranks`: on a plan whose splits are even, often one group)."""
+    parts = _parts(plan)
+    peaks: list[RankPeak | None] = [None] * plan.mesh.size
+    for ranks in _alike_ranks(parts, plan.mesh.size):
+        peak = _rank_peak(plan, parts, ranks[0])
+        for rank in ranks:
+            peaks[rank] = peak
+    return peaks  # type: ignore[return-value]
 
 
 def peak_memory(plan: Plan) -> list[int]:

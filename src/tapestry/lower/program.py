@@ -311,7 +311,7 @@ def lower(plan: Plan, deliver: Collection[str] | None = None, everywhere: bool =
     per_rank: list[list[RankStep]] = [[] for _ in mesh.devices]
     layouts: dict[str, Layout] = {}
     for index, step in enumerate((*plan.steps, *output_gathers(plan, deliver, everywhere))):
-        for rank, rank_step in enumerate(_lower_step(index, step, plan, layouts, pieces)):
+        for rank, rank_step in enumerate(lower_step(index, step, plan, layouts, pieces)):
             if rank_step is not None:
                 per_rank[rank].append(rank_step)
         layouts[step.out] = step.layout
@@ -326,8 +326,10 @@ def _lower_json(data: Mapping[str, Any], deliver: tuple[str, ...] | None = None,
     return lower(Plan.from_json(data), deliver, everywhere)
 
 
-def _lower_step(index: int, step: Place | Compute | Reshard, plan: Plan, layouts: Mapping[str, Layout],
-                pieces: bool = True) -> list[RankStep | None]:
+def lower_step(index: int, step: Place | Compute | Reshard, plan: Plan, layouts: Mapping[str, Layout],
+               pieces: bool = True) -> list[RankStep | None]:
+    """Each rank's part of plan step `index` (None: it takes none), given the layouts of the values made before it
+    (`lower`'s `pieces` likewise)."""
     if isinstance(step, Place):
         return [None if b is None else PlaceBlock(index, step.out, step.input, b) for b in step.layout.blocks]
     if isinstance(step, Compute) and step.exchange:
