@@ -257,15 +257,14 @@ class AlphaBeta:
         rotary half) are priced once, not once per place in the tensor."""
         step = translated(step)
         links = self.profile.axis_links(mesh.shape)
-        least = least_pair(step.src_layout, step.layout, step.shape, mesh)
-        if least is not None:  # priced on the least shape's pair, which the pairs of other shapes share
-            return self._priced(step, mesh, links, least)
         symmetries, prices = _orbit_prices(links, mesh)
         for src, dst in symmetries.pair_images(step.src_layout, step.layout, step.shape):
             price = prices.get((step.shape, step.dtype, src, dst))
             if price is not None:
                 return price
-        price = prices[(step.shape, step.dtype, step.src_layout, step.layout)] = self._priced(step, mesh, links)
+        # a pair of splits is priced from its least shape's pair, which the pairs of other shapes share
+        least = least_pair(step.src_layout, step.layout, step.shape, mesh)
+        price = prices[(step.shape, step.dtype, step.src_layout, step.layout)] = self._priced(step, mesh, links, least)
         return price
 
     def _priced(self, step: Reshard, mesh: Mesh, links: tuple[Link, ...] | None = None,
