@@ -47,9 +47,9 @@ from tapestry.kernels import Shape
 from tapestry.plan.exchange import out_rows, travels
 from tapestry.plan.plan import Compute, Reshard, Step
 from tapestry.sharding import Layout, Mesh
-from tapestry.sharding.layout import split_dims
 from tapestry.sharding.collectives import Collective, Group, classify_reshard, local_layouts, reshard_groups
 from tapestry.sharding.comm import clipped_pair, received_counts
+from tapestry.sharding.layout import split_dims
 from tapestry.sharding.symmetry import Symmetries, relabellings
 
 # collective: p -> (alpha terms, fraction of the n-byte buffer crossing each device's link)
