@@ -83,10 +83,7 @@ def test_relabellings_that_keep_splits_keep_prices(mesh: Mesh, shape: tuple[int,
     """Every even split of the dims over the axes (a dim over several axes too), plain and partial, to every
     other: each image `pair_images` offers costs what the pair costs, and the memo prices fewer pairs than
     there are."""
-    named = [Layout.split(shape, mesh, dims) for dims in itertools.product([None, *range(len(shape))], repeat=mesh.ndim)
-             if all(shape[d] % math.prod(mesh.shape[a] for a, e in enumerate(dims) if e == d) == 0
-                    for d in dims if d is not None)]
-    named += [Layout(layout.blocks, partial=True) for layout in named]
+    named = _named(shape, mesh)
     model = AlphaBeta(PROFILES[1])
     comm._orbit_prices.cache_clear()
     symmetries, prices = comm._orbit_prices(PROFILES[1].links, mesh)
@@ -97,6 +94,49 @@ def test_relabellings_that_keep_splits_keep_prices(mesh: Mesh, shape: tuple[int,
             assert _raw(model, Reshard("y", "x", shape, image_src, image_dst), mesh) == own
         _price(model, step, mesh)
     assert len(prices) < 0.8 * len(named) ** 2
+
+
+def _named(shape: tuple[int, ...], mesh: Mesh, uneven: bool = False) -> list[Layout]:
+    """Every split of `shape`'s dims over `mesh`'s axes whose pieces divide their dims (or, `uneven`, every one),
+    plain and partial."""
+    named = [Layout.split(shape, mesh, dims) for dims in itertools.product([None, *range(len(shape))], repeat=mesh.ndim)
+             if uneven or all(shape[d] % math.prod(mesh.shape[a] for a, e in enumerate(dims) if e == d) == 0
+                              for d in dims if d is not None)]
+    return named + [Layout(layout.blocks, partial=True) for layout in named]
+
+
+@pytest.mark.parametrize("shape", [(4, 8), (8, 5, 6), (3, 13)], ids=str)
+@pytest.mark.parametrize("mesh", [Mesh(4), Mesh(2, 2), Mesh(2, 2, 2)], ids=str)
+def test_a_pair_of_splits_is_priced_on_its_least_shape_as_on_its_own(mesh: Mesh, shape: tuple[int, ...]) -> None:
+    """Every pair of splits (plain and partial, a dim over several axes too, uneven ones) costs, priced on its
+    least shape (`comm.least_pair`: the same splits, each dim its pieces divide shrunk to their least common
+    multiple, the cells scaled), what it costs priced on its own shape, to the bit, under both profiles (a
+    cluster's axes over different links)."""
+    named = _named(shape, mesh, uneven=True)
+    assert len(named) > 2
+    scaled = 0
+    for profile in PROFILES:
+        model = AlphaBeta(profile)
+        for src, dst in itertools.product(named, named):
+            step = Reshard("y", "x", shape, src, dst, "bfloat16")
+            least = comm.least_pair(src, dst, shape, mesh)
+            scaled += least is not None
+            assert _price(model, step, mesh) == _raw(model, step, mesh)
+            if least is not None:
+                assert math.prod(least.shape) * least.cells == math.prod(shape)
+                assert model._priced(step, mesh, None, least) == _raw(model, step, mesh)
+    assert scaled > 0
+
+
+def test_blocks_of_no_split_and_a_least_shape_have_no_least_pair() -> None:
+    mesh = Mesh(2, 2)
+    even = Layout.split((8, 6), mesh, (0, None))
+    assert comm.least_pair(even, Layout.split((8, 6), mesh, (0, 1)), (8, 6), mesh).shape == (2, 2)
+    assert comm.least_pair(even, Layout.split((8, 6), mesh, (1, 1)), (8, 6), mesh).shape == (2, 6)  # 6 in 4 kept
+    shifted = Layout(tuple(b.translate((0, 1)) for b in Layout.split((8, 5), mesh, (0, None)).blocks))
+    assert comm.least_pair(shifted, even, (8, 6), mesh) is None  # blocks of no split
+    assert comm.least_pair(Layout.replicated((2, 1), mesh), Layout.split((2, 1), mesh, (0, None)), (2, 1),
+                           mesh) is None  # already the least shape
 
 
 def _raw(model: AlphaBeta, step: Reshard, mesh: Mesh) -> float | type[CommError]:

@@ -49,6 +49,7 @@ from tapestry.plan.plan import Compute, Reshard, Step
 from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.collectives import Collective, Group, classify_reshard, local_layouts, reshard_groups
 from tapestry.sharding.comm import clipped_pair, received_counts
+from tapestry.sharding.layout import split_dims
 from tapestry.sharding.symmetry import Symmetries, relabellings
 
 # collective: p -> (alpha terms, fraction of the n-byte buffer crossing each device's link)
@@ -160,6 +161,54 @@ def _clipped_moves(src: Layout, dst: Layout, shape: Shape, clipped: frozenset[in
     return Moves(str(kind), groups[0].axes, groups)
 
 
+@dataclass(frozen=True)
+class Least:
+    """A pair of splits (`Layout.split`, either partial) as the same pair on its least shape: each dim that the
+    two layouts' pieces along it (their least common multiple) divide shrunk to that multiple, the others kept.
+    Along a shrunk dim every block boundary of the pair is the least pair's times the dim's factor, and along a
+    kept one it is the least pair's, so which cells each device holds, needs and receives are the least pair's,
+    scaled: the groups, their axes and collectives and each device's messages are the same, and the cells
+    received `cells` times as many (the factors' product)."""
+
+    src: Layout
+    dst: Layout
+    shape: Shape
+    cells: int  # cells of the shape per cell of the least shape
+
+
+def least_pair(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> Least | None:
+    """The pair on its least shape (`Least`), or None where either layout is no split or the shape is its own
+    least."""
+    dims = (split_dims(shape, mesh, src), split_dims(shape, mesh, dst))
+    if dims[0] is None or dims[1] is None:
+        return None
+    least = [1] * len(shape)
+    for split in dims:
+        pieces = [1] * len(shape)
+        for axis, d in enumerate(split):
+            if d is not None:
+                pieces[d] *= mesh.shape[axis]
+        least = [math.lcm(a, b) for a, b in zip(least, pieces)]
+    small = tuple(m if n % m == 0 else n for n, m in zip(shape, least))
+    if small == tuple(shape):
+        return None
+    return Least(_split(small, mesh, dims[0], src.partial), _split(small, mesh, dims[1], dst.partial), small,
+                 math.prod(shape) // math.prod(small))
+
+
+@lru_cache(maxsize=1 << 12)
+def _split(shape: Shape, mesh: Mesh, dims: tuple[int | None, ...], partial: bool) -> Layout:
+    """`Layout.split` (replicated where no dim splits), made once."""
+    layout = Layout.replicated(shape, mesh) if all(d is None for d in dims) else Layout.split(shape, mesh, dims)
+    return Layout(layout.blocks, partial)
+
+
+@lru_cache(maxsize=1 << 12)
+def _least_moves(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> Moves:
+    """`moves` of a least pair (`Least`): the few least pairs stand for the many even pairs of a model's shapes."""
+    return moves(src, dst, shape, mesh)
+
+
 @lru_cache(maxsize=8)
 def _orbit_prices(links: tuple[Link, ...], mesh: Mesh) -> tuple[Symmetries, dict[tuple, float]]:
     """The mesh's symmetries under `links` (axes swapped only where their links are equal) and the reshard
@@ -213,19 +262,25 @@ class AlphaBeta:
             price = prices.get((step.shape, step.dtype, src, dst))
             if price is not None:
                 return price
-        price = prices[(step.shape, step.dtype, step.src_layout, step.layout)] = self._priced(step, mesh, links)
+        # a pair of splits is priced from its least shape's pair, which the pairs of other shapes share
+        least = least_pair(step.src_layout, step.layout, step.shape, mesh)
+        price = prices[(step.shape, step.dtype, step.src_layout, step.layout)] = self._priced(step, mesh, links, least)
         return price
 
-    def _priced(self, step: Reshard, mesh: Mesh, links: tuple[Link, ...] | None = None) -> float:
-        """The reshard's time, its mesh's axes over `links` (default: the profile's for `mesh`)."""
+    def _priced(self, step: Reshard, mesh: Mesh, links: tuple[Link, ...] | None = None,
+                least: Least | None = None) -> float:
+        """The reshard's time, its mesh's axes over `links` (default: the profile's for `mesh`), its moves found
+        on `least` (its pair on the least shape, `least_pair`) where given."""
         links = self.profile.axis_links(mesh.shape) if links is None else links
-        moved = moves(step.src_layout, step.layout, step.shape, mesh)
+        moved = moves(step.src_layout, step.layout, step.shape, mesh) if least is None else \
+            _least_moves(least.src, least.dst, least.shape, mesh)
         if moved.kind == "noop":
             return 0.0
         size = dtypes.itemsize(step.dtype)
         if moved.kind == "send_recv":
             link = _slowest(links, moved.axes)
-            return max(m * link.alpha + r * size / link.beta for m, r in zip(moved.messages, moved.received))
+            cells = 1 if least is None else least.cells
+            return max(m * link.alpha + r * cells * size / link.beta for m, r in zip(moved.messages, moved.received))
         nbytes = size * max(_largest_block(step.src_layout), _largest_block(step.layout))
         return hierarchical_time(moved.kind, nbytes, phases([(mesh.shape[a], links[a]) for a in moved.axes]))
 

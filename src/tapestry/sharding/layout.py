@@ -107,10 +107,25 @@ def _family_name(shape: tuple[int, ...], mesh: Mesh, layout: Layout) -> str:
     splits nothing, so the first of the splits that make the layout names it, as `_family_names` does."""
     if 0 in shape:  # a split of an empty dim may leave the neighbours alike: the enumeration decides
         return _family_names(shape, mesh).get(layout, "blocks")
-    if layout == Layout.replicated(shape, mesh):
-        return "R"
-    if len(layout.blocks) != mesh.size or any(b is None or b.ndim != len(shape) for b in layout.blocks):
+    dims = split_dims(shape, mesh, layout)
+    if dims is None:
         return "blocks"
+    if all(d is None for d in dims):
+        return "R"
+    return "S(" + ",".join("·" if d is None else str(d) for d in dims) + ")"
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def split_dims(shape: tuple[int, ...], mesh: Mesh, layout: Layout) -> tuple[int | None, ...] | None:
+    """The dims (one per mesh axis, None: not split along it) of the `Layout.split` whose blocks `layout` has
+    (its partial flag aside; all None: replicated), or None where it is no split. Read off the devices next to
+    device 0 along each axis (see `_family_name`); a shape with an empty dim is never read as a split here."""
+    if 0 in shape:
+        return None
+    if layout.blocks == Layout.replicated(shape, mesh).blocks:
+        return (None,) * mesh.ndim
+    if len(layout.blocks) != mesh.size or any(b is None or b.ndim != len(shape) for b in layout.blocks):
+        return None
     first, dims, stride = layout.blocks[0], [], mesh.size
     for size in mesh.shape:
         stride //= size
@@ -120,11 +135,11 @@ def _family_name(shape: tuple[int, ...], mesh: Mesh, layout: Layout) -> str:
         other = layout.blocks[stride]
         moved = [d for d in range(len(shape)) if (first.start[d], first.end[d]) != (other.start[d], other.end[d])]
         if len(moved) > 1:
-            return "blocks"
+            return None
         dims.append(moved[0] if moved else None)
-    if all(d is None for d in dims) or Layout.split(shape, mesh, tuple(dims)) != layout:
-        return "blocks"
-    return "S(" + ",".join("·" if d is None else str(d) for d in dims) + ")"
+    if all(d is None for d in dims) or Layout.split(shape, mesh, tuple(dims)).blocks != layout.blocks:
+        return None
+    return tuple(dims)
 
 
 @functools.lru_cache(maxsize=64)
