@@ -17,7 +17,7 @@ from tapestry.importer import from_torch
 from tapestry.graph import Graph
 from tapestry.importer.block_routing import experts_by_block, grouped_mm_blocks
 from tapestry.importer.errors import TorchImportError
-from tapestry.importer.rewrites import BATCH_WIDE_REWRITES, REWRITES, ROUTING_BY_BLOCK, exact_rewrites
+from tapestry.importer.rewrites import BATCH_WIDE_REWRITES, ROUTING_BY_BLOCK, exact_rewrites
 from tapestry.importer.zoo import FAMILIES
 from tapestry.plan import Compute, Plan, build_plan
 from tapestry.plan.simulate import simulate
@@ -168,24 +168,25 @@ def lm_loss(module: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) ->
 
 
 def routed_step(model: torch.nn.Module, ids: torch.Tensor) -> tapestry.TorchImport:
-    """One SGD step of `model`, routed by block (asked for: a training step's default routes batch-wide)."""
+    """One SGD step of `model` (routed by block: the default)."""
     training = tapestry.Training.from_torch_optimizer(torch.optim.SGD, lm_loss, lr=0.1)
-    with exact_rewrites(REWRITES):
-        return tapestry.from_torch(model, (ids, ids), training=training, verbose=False)
+    return tapestry.from_torch(model, (ids, ids), training=training, verbose=False)
 
 
 def kernels(imported: tapestry.TorchImport) -> set[str]:
     return {node.op for node in imported.graph.ops}
 
 
-def test_inference_routes_by_block_by_default_and_batch_wide_when_told_and_a_training_step_batch_wide():
+def test_inference_and_training_route_by_block_by_default_and_batch_wide_when_told():
     model, ids = tiny_mixtral()
     inference = partial(tapestry.from_torch, model, (ids,), {"use_cache": False}, verbose=False)
     assert "grouped_mm_blocks" in kernels(inference()) and "grouped_mm" not in kernels(inference())
     with exact_rewrites(BATCH_WIDE_REWRITES):
         assert "grouped_mm" in kernels(inference()) and "grouped_mm_blocks" not in kernels(inference())
-    training = tapestry.Training.from_torch_optimizer(torch.optim.SGD, lm_loss, lr=0.1)
-    step = tapestry.from_torch(model, (ids, ids), training=training, verbose=False)
+    step = routed_step(model, ids)
+    assert {"grouped_mm_blocks", "grouped_mm_blocks_k"} <= kernels(step) and "grouped_mm" not in kernels(step)
+    with exact_rewrites(BATCH_WIDE_REWRITES):
+        step = routed_step(model, ids)
     assert {"grouped_mm", "grouped_mm_k"} <= kernels(step) and "grouped_mm_blocks" not in kernels(step)
 
 
