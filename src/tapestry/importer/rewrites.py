@@ -232,8 +232,9 @@ _IN_FORCE: contextvars.ContextVar[tuple[Rewrite, ...] | None] = contextvars.Cont
 def exact_rewrites(rewrites: tuple[Rewrite, ...] | None = None, import_modules: bool = True) -> Iterator[None]:
     """While a capture traces, each rewritten class runs its rewrite's forward. `rewrites` None takes those of the
     innermost enclosing `exact_rewrites`, else REWRITES (the captures' default): so `with exact_rewrites(
-    BATCH_WIDE_REWRITES): from_torch(...)` keeps a MoE's batch-wide routing, inference or training. A class's module is imported if it is not yet
-    (a model built inside the block, by a lazily importing library, gets the rewrite too), unless not
+    BATCH_WIDE_REWRITES): from_torch(...)` keeps a MoE's batch-wide routing, inference or training. A class's
+    module is imported if it is not yet (a model built inside the block, by a lazily importing library, gets the
+    rewrite too), unless not
     `import_modules`: the captures, which run on a model already built, whose classes' modules are therefore
     loaded, leave a class whose module is not loaded alone (no model of theirs holds it) rather than import every
     rewritten library on each capture. A module that does not import, or that lacks the class (a library version

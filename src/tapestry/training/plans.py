@@ -288,8 +288,8 @@ def step_arguments(graph: Graph) -> tuple[str, ...]:
 
 def expert_weights(graph: Graph) -> Seeds:
     """Each carried tensor some grouped_mm (or grouped_mm_blocks) reads as its experts' weights, and its expert
-    dim: followed back from the weight argument through ops that read that dim from one argument dim only (a transpose, a
-    cast) to the input it comes from."""
+    dim: followed back from the weight argument through ops that read that dim from one argument dim only (a
+    transpose, a cast) to the input it comes from."""
     producers = {node.name: node for node in graph.ops}
     found: dict[str, int] = {}
     for node in graph.ops:
@@ -421,10 +421,10 @@ def data_expert_parallel(graph: Graph, mesh: Mesh, arguments: Sequence[str], hid
         if EXCHANGE in (first, second):
             axis = 0 if first == EXCHANGE else 1
             other = second if axis == 0 else first
-            experts = sig.dims.index(sig.kernel.exchange.experts)
-            refused = {experts, *sig.dims_of(DimKind.REDUCTION)}
+            expert_dim = sig.dims.index(sig.kernel.exchange.experts)
+            refused = {expert_dim, *sig.dims_of(DimKind.REDUCTION)}
             if axis == 1 and not returns(sig):  # rows (and blocks) summed: they may split as data on the axis before
-                refused -= _moving(sig) - {experts}
+                refused -= _moving(sig) - {expert_dim}
             choice = other if other not in refused and other != EXCHANGE else None
             partitions[op.name] = make_partition(sig, mesh, (None, choice) if axis == 0 else (choice, None),
                                                  exchange=(axis,))
