@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tapestry
+from tapestry.importer.rewrites import Rewrite, exact_rewrites
 from tapestry.optimizer import default_cost_model
 from tapestry.plan import Compute
 
@@ -29,9 +30,11 @@ class Favour:
         return self.base.step_cost(step, mesh)
 
 
-def tiny_mixtral_step(monkeypatch: pytest.MonkeyPatch, batch: int = 2) -> tuple[tapestry.TorchImport, tuple]:
-    """One SGD step of a 1-layer Mixtral (4 experts, top 2) in float32, through transformers' own grouped mm
-    (torch's fake grouped mm takes bfloat16 only), and its arguments."""
+def tiny_mixtral_step(monkeypatch: pytest.MonkeyPatch, batch: int = 2, rewrites: tuple[Rewrite, ...] | None = None
+                      ) -> tuple[tapestry.TorchImport, tuple]:
+    """One SGD step of a 1-layer Mixtral (4 experts, top 2) in float32, and its arguments: routed by block (the
+    default), or as `rewrites` say (BATCH_WIDE_REWRITES: through transformers' own grouped mm, whose fake torch's
+    takes bfloat16 only)."""
     moe = pytest.importorskip("transformers.integrations.moe")
     monkeypatch.setattr(moe, "_can_use_grouped_mm", lambda *args: False)
     transformers = pytest.importorskip("transformers")
@@ -43,7 +46,8 @@ def tiny_mixtral_step(monkeypatch: pytest.MonkeyPatch, batch: int = 2) -> tuple[
     ids = torch.randint(0, 64, (batch, 8), generator=torch.Generator().manual_seed(1))
     training = tapestry.Training.from_torch_optimizer(
         torch.optim.SGD, lambda m, x, y: m(input_ids=x, labels=y, use_cache=False).loss, lr=0.1)
-    return tapestry.from_torch(model, (ids, ids), training=training, verbose=False), (ids, ids)
+    with exact_rewrites(rewrites):
+        return tapestry.from_torch(model, (ids, ids), training=training, verbose=False), (ids, ids)
 
 
 EXPERT_WEIGHTS = {"model.layers.0.mlp.experts.gate_up_proj": 0, "model.layers.0.mlp.experts.down_proj": 0}

@@ -3,7 +3,7 @@ expert's device and back by all-to-all, with the data's exact row counts."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -12,6 +12,7 @@ from experts_helpers import EXPERT_WEIGHTS, Favour, tiny_mixtral_step, zoo_mixtr
 
 import tapestry
 from tapestry.graph import Graph
+from tapestry.importer.rewrites import BATCH_WIDE_REWRITES
 from tapestry.lower.program import PlaceBlock
 from tapestry.models import moe_layer, moe_routing
 from tapestry.cost import DefaultCostModel, load_profile
@@ -394,32 +395,51 @@ def test_a_mixtral_training_step_with_experts_and_their_gradients_expert_paralle
         mesh, monkeypatch):
     """The whole step (forward, backward, update) with every grouped mm exchanged, the weight gradients' too:
     each device sums its experts' gradients from the rows sent to it, and updates them where they live."""
-    imported, args = tiny_mixtral_step(monkeypatch)
+    imported, args = tiny_mixtral_step(monkeypatch, rewrites=BATCH_WIDE_REWRITES)
     plan = tapestry.optimize(imported.graph, mesh, cost_model=Favour(kernels=("grouped_mm", "grouped_mm_k"))).plan
     exchanged = [s.kernel for s in plan.steps if isinstance(s, Compute) and s.exchange]
     assert sorted(k for k in exchanged if k.startswith("grouped")) == ["grouped_mm"] * 4 + ["grouped_mm_k"] * 2
     assert_simulates_to_the_evaluator(plan, imported, args)
 
 
+ROUTINGS = {"by block": None, "batch-wide": BATCH_WIDE_REWRITES}  # a capture's rewrites: the default, the opt-out
+
+
 @pytest.fixture(scope="module")
-def mixtral_step_of_batch_4() -> Iterator[tuple[tapestry.TorchImport, tuple]]:
-    """One import shared by the hand-plan tests (each plans it afresh and leaves the graph as it was)."""
+def mixtral_steps_of_batch_4() -> Iterator[Callable[[str], tuple[tapestry.TorchImport, tuple]]]:
+    """Imports shared by the hand-plan tests (each plans one afresh and leaves the graph as it was): one per
+    routing of ROUTINGS, made when first asked for."""
+    made: dict[str, tuple[tapestry.TorchImport, tuple]] = {}
     with pytest.MonkeyPatch.context() as patch:
-        yield tiny_mixtral_step(patch, batch=4)
+        def step(routing: str) -> tuple[tapestry.TorchImport, tuple]:
+            if routing not in made:
+                made[routing] = tiny_mixtral_step(patch, batch=4, rewrites=ROUTINGS[routing])
+            return made[routing]
+
+        yield step
 
 
+# each routing's exchanged steps by kernel, the experts' on the EP axes, the tokens' routes on theirs: batch-wide,
+# the dispatch and combine (take_rows), their backwards and the embedding's (scatter_rows); by block, the routes
+# stay within each block (gathers, data parallel) and only the embedding's backward trades tokens
+EXCHANGED = {"batch-wide": ({"grouped_mm": 4, "grouped_mm_k": 2}, {"take_rows": 2, "scatter_rows": 3}),
+             "by block": ({"grouped_mm_blocks": 4, "grouped_mm_blocks_k": 2}, {"scatter_rows": 1})}
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
 @pytest.mark.parametrize("mesh, strategy", [(Mesh(4), "EP"), (Mesh(2, 2), "EP"), (Mesh(2, 2), "DPxEP")], ids=str)
 def test_the_expert_parallel_hand_plans_exchange_tokens_and_experts_rows_and_simulate_to_the_evaluator(
-        mesh, strategy, mixtral_step_of_batch_4):
+        mesh, strategy, routing, mixtral_steps_of_batch_4):
     """EP (batch and experts over every device, the mesh's axes as one) and DPxEP (data over axis 0; attention
-    tensor parallel and experts expert parallel over axis 1): the dispatch and combine, their backwards (and the
-    embedding's), the experts and their weight gradients all exchange rows, and each expert weight lives split by
-    expert."""
+    tensor parallel and experts expert parallel over axis 1), of either routing: the experts and their weight
+    gradients exchange rows (routed by block, each device's row block of every block), so do the tokens' routes
+    batch-wide (the dispatch and combine, their backwards) and the embedding's backward, and each expert weight
+    lives split by expert."""
     from collections import Counter
 
     from tapestry.training.plans import data_expert_parallel, expert_parallel
 
-    imported, args = mixtral_step_of_batch_4
+    imported, args = mixtral_steps_of_batch_4(routing)
     arguments = imported.translation.user_inputs
     if strategy == "EP":
         plan = expert_parallel(imported.graph, mesh, arguments, EXPERT_WEIGHTS)
@@ -430,17 +450,17 @@ def test_the_expert_parallel_hand_plans_exchange_tokens_and_experts_rows_and_sim
         plan, ep, routes = data_expert_parallel(imported.graph, mesh, arguments, attention, EXPERT_WEIGHTS), (1,), (0,)
         expert_axes = (None, 0)
     exchanged = Counter((s.kernel, s.exchange) for s in plan.steps if isinstance(s, Compute) and s.exchange)
-    assert exchanged == {("grouped_mm", ep): 4, ("grouped_mm_k", ep): 2, ("take_rows", routes): 2,
-                         ("scatter_rows", routes): 3}
-    experts = {s.input: s.layout for s in plan.steps if isinstance(s, Place) and s.input in EXPERT_WEIGHTS}
-    assert experts == {name: Layout.split(imported.graph[name].shape, mesh, expert_axes) for name in EXPERT_WEIGHTS}
+    experts, tokens = EXCHANGED[routing]
+    assert exchanged == {**{(k, ep): n for k, n in experts.items()}, **{(k, routes): n for k, n in tokens.items()}}
+    placed = {s.input: s.layout for s in plan.steps if isinstance(s, Place) and s.input in EXPERT_WEIGHTS}
+    assert placed == {name: Layout.split(imported.graph[name].shape, mesh, expert_axes) for name in EXPERT_WEIGHTS}
     assert_simulates_to_the_evaluator(plan, imported, args)
 
 
-def test_an_expert_parallel_hand_plan_refuses_experts_that_do_not_split_over_the_devices(mixtral_step_of_batch_4):
+def test_an_expert_parallel_hand_plan_refuses_experts_that_do_not_split_over_the_devices(mixtral_steps_of_batch_4):
     from tapestry.training.plans import expert_parallel
 
-    imported, _ = mixtral_step_of_batch_4
+    imported, _ = mixtral_steps_of_batch_4("by block")
     with pytest.raises(ValueError, match=r"has 4 experts \(dim 0\), which do not split evenly over 8 devices"):
         expert_parallel(imported.graph, Mesh(8), imported.translation.user_inputs, EXPERT_WEIGHTS)
 

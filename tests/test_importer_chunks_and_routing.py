@@ -3,10 +3,13 @@ overlapping chunks) ran opaque: they import as kernels (amax and argmax, one_hot
 torch computes, and shard in a plan on four devices."""
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
 
+import tapestry
 from tapestry.evaluator import evaluate
 from tapestry.importer import from_torch
 from tapestry.kernels import DimKind, KernelError, get_kernel
@@ -123,3 +126,42 @@ def test_overlapping_windows_are_a_windowed_dim_and_disjoint_ones_parallel(size,
 def test_one_hot_splits_over_its_classes():
     sig = get_kernel("one_hot").bind([(3, 4)], {"classes": 5}, ["int64"])
     assert sig.output_shape == (3, 4, 5) and sig.dims[-1] == "class" and len(sig.splittable) == 3
+
+
+def trained_as_torch(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tapestry.TorchImport:
+    """One SGD step of `module` (loss: the mean square of its float outputs) imported, its loss and updated weights
+    checked against torch's own step."""
+    def loss(m: torch.nn.Module, *xs: torch.Tensor) -> torch.Tensor:
+        return sum(o.float().pow(2).mean() for o in m(*xs) if o.is_floating_point())
+
+    imp = from_torch(module, args, training=tapestry.Training(loss=loss, lr=0.1), verbose=False)
+    ours = imp.outputs(evaluate(imp.graph, imp.inputs(*args)))
+    reference = copy.deepcopy(module)
+    want = loss(reference, *args)
+    want.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    np.testing.assert_allclose(float(ours["loss"]), want.item(), rtol=1e-5)
+    for path, value in reference.named_parameters():
+        np.testing.assert_allclose(ours["parameters"][path], value.detach().numpy(), rtol=1e-5, atol=1e-6,
+                                   err_msg=path)
+    return imp
+
+
+def test_the_backward_of_overlapping_chunks_imports_as_kernels_and_equals_torchs_gradients():
+    """as_strided's backward adds each chunk's gradient into a buffer of the input's storage (index_put of the
+    windows of an arange) and reads it back in the chunked tensor's layout: an as_strided that is a permutation
+    of row-major (a reshape and a transpose), beside new_empty_strided buffers copied into (a fill). No opaque op."""
+    torch.manual_seed(0)
+    imp = trained_as_torch(Chunked(2).eval(), (torch.randn(2, 8, 4),))
+    assert not imp.opaque, imp.translation.declined
+    assert {"reshape, transpose", "reshape"} & set(imp.coverage["aten.as_strided.default"])
+
+
+def test_the_routers_training_step_differentiates_around_one_hot_and_equals_torch():
+    """one_hot's integer mask has no gradient (the router's weights learn through the gate, max.dim's values),
+    and a training step's trace decomposes it into a comparison with an arange (eq): no backward to import."""
+    torch.manual_seed(0)
+    imp = trained_as_torch(Router().eval(), (torch.randn(2, 6, 8),))
+    assert not imp.opaque, imp.translation.declined
+    ops = {node.op for node in imp.graph.ops}
+    assert "eq" in ops and "one_hot" not in ops

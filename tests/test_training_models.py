@@ -10,6 +10,7 @@ import torch
 
 import tapestry
 from tapestry.evaluator import evaluate
+from tapestry.importer.rewrites import BATCH_WIDE_REWRITES, exact_rewrites
 
 transformers = pytest.importorskip("transformers")
 
@@ -76,7 +77,8 @@ def test_a_mixtral_step_through_transformers_fallback_grouped_mm_has_no_opaque_o
     grouped_mm_k kernels and the router's topk backward a scatter, so nothing in the step runs opaque."""
     moe = pytest.importorskip("transformers.integrations.moe")
     monkeypatch.setattr(moe, "_can_use_grouped_mm", lambda *args: False)
-    imported = one_step(mixtral(torch.float32), torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, atol=1e-6)
+    with exact_rewrites(BATCH_WIDE_REWRITES):  # routed batch-wide, as transformers routes (by block: the default)
+        imported = one_step(mixtral(torch.float32), torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, atol=1e-6)
     ops = {n.op for n in imported.graph.ops}
     assert {"grouped_mm", "grouped_mm_k", "scatter"} <= ops and not imported.opaque, imported.translation.declined
 
@@ -85,7 +87,8 @@ def test_a_float32_mixtral_step_imports_through_transformers_fallback_grouped_mm
     """torch's fake grouped mm takes bfloat16 only: the capture takes transformers' exact fallback for the rest."""
     moe = pytest.importorskip("transformers.integrations.moe")
     usable = moe._can_use_grouped_mm
-    imported = one_step(mixtral(torch.float32), torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, atol=1e-6)
+    with exact_rewrites(BATCH_WIDE_REWRITES):
+        imported = one_step(mixtral(torch.float32), torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, atol=1e-6)
     assert {"grouped_mm", "grouped_mm_k"} <= {n.op for n in imported.graph.ops} and not imported.opaque
     assert moe._can_use_grouped_mm is usable, "put back after the capture"
 
@@ -97,7 +100,8 @@ def test_a_bfloat16_mixtral_step_through_torchs_grouped_mm_has_no_opaque_op_and_
     roundings; a wrong gradient is off by its whole size)."""
     model = mixtral(torch.bfloat16)
     training = tapestry.Training.from_torch_optimizer(torch.optim.SGD, lm_loss, lr=10.0)
-    imported = tapestry.from_torch(model, (IDS, IDS), training=training, verbose=False)
+    with exact_rewrites(BATCH_WIDE_REWRITES):
+        imported = tapestry.from_torch(model, (IDS, IDS), training=training, verbose=False)
     assert {"grouped_mm", "grouped_mm_k", "scatter"} <= {n.op for n in imported.graph.ops} and not imported.opaque
     ours = imported.outputs(evaluate(imported.graph, imported.inputs(IDS, IDS)))
     reference = copy.deepcopy(model)

@@ -11,10 +11,9 @@ own, and the experts are `tapestry::grouped_mm_blocks` (each block's rows with i
 `grouped_mm_blocks` kernel), so data parallelism splits the whole MoE layer.
 
 Rewritten (importer/rewrites.py's `ROUTING_BY_BLOCK`): Mixtral's, OLMoE's, Qwen2-MoE's, Qwen3-MoE's, GraniteMoE's
-and Jamba's sparse MoE blocks. An inference capture routes them by block by default, and opts out with
-`with exact_rewrites(BATCH_WIDE_REWRITES)`; a training step keeps batch-wide routing unless asked,
-`with exact_rewrites(REWRITES): from_torch(..., training=...)` (training.plans' expert-parallel hand plans are
-built on batch-wide routing's kernels). The custom op's backward is grouped_mm_blocks again (the rows' gradient)
+and Jamba's sparse MoE blocks. A capture, inference or training step, routes them by block by default, and opts
+out with `with exact_rewrites(BATCH_WIDE_REWRITES)` (training.plans' expert-parallel hand plans take either
+routing's kernels). The custom op's backward is grouped_mm_blocks again (the rows' gradient)
 and `tapestry::grouped_mm_blocks_k` (the weights'); both kernels are expert parallel as grouped_mm and
 grouped_mm_k are (their `Exchange`). A batch of one sequence is one block: no batch split runs through the MoE
 layer, and its expert steps split by experts (partial sums or the exchange), rows or features, or run whole

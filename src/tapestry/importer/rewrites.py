@@ -207,8 +207,8 @@ BATCH_WIDE_REWRITES: tuple[Rewrite, ...] = (
             longformer_self_attention_forward),
     Rewrite("transformers.models.longformer.modeling_longformer", "LongformerEncoder", longformer_encoder_forward),
 )
-"""Every rewrite but the MoE routing by block: a training step's default (training.plans' expert-parallel hand
-plans are built on batch-wide routing's grouped_mm and take_rows), and an inference capture's opt-out."""
+"""Every rewrite but the MoE routing by block: a capture's opt-out (`with exact_rewrites(BATCH_WIDE_REWRITES)`),
+inference or training, for transformers' batch-wide routing (grouped_mm and take_rows)."""
 
 ROUTING_BY_BLOCK: tuple[Rewrite, ...] = (
     Rewrite("transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock", mixtral_sparse_moe_forward),
@@ -223,25 +223,24 @@ ROUTING_BY_BLOCK: tuple[Rewrite, ...] = (
 sequence (importer/block_routing.py)."""
 
 REWRITES: tuple[Rewrite, ...] = BATCH_WIDE_REWRITES + ROUTING_BY_BLOCK
-"""Every exact rewrite: an inference capture's default."""
+"""Every exact rewrite: a capture's default, inference and training."""
 
 _IN_FORCE: contextvars.ContextVar[tuple[Rewrite, ...] | None] = contextvars.ContextVar("exact_rewrites", default=None)
 
 
 @contextlib.contextmanager
-def exact_rewrites(rewrites: tuple[Rewrite, ...] | None = None, default: tuple[Rewrite, ...] = REWRITES,
-                   import_modules: bool = True) -> Iterator[None]:
+def exact_rewrites(rewrites: tuple[Rewrite, ...] | None = None, import_modules: bool = True) -> Iterator[None]:
     """While a capture traces, each rewritten class runs its rewrite's forward. `rewrites` None takes those of the
-    innermost enclosing `exact_rewrites`, else `default` (the capture's): so `with exact_rewrites(
-    BATCH_WIDE_REWRITES): from_torch(...)` keeps a MoE's batch-wide routing, and `with exact_rewrites(REWRITES):
-    from_torch(..., training=...)` routes a training step's by block. A class's module is imported if it is not yet
-    (a model built inside the block, by a lazily importing library, gets the rewrite too), unless not
+    innermost enclosing `exact_rewrites`, else REWRITES (the captures' default): so `with exact_rewrites(
+    BATCH_WIDE_REWRITES): from_torch(...)` keeps a MoE's batch-wide routing, inference or training. A class's
+    module is imported if it is not yet (a model built inside the block, by a lazily importing library, gets the
+    rewrite too), unless not
     `import_modules`: the captures, which run on a model already built, whose classes' modules are therefore
     loaded, leave a class whose module is not loaded alone (no model of theirs holds it) rather than import every
     rewritten library on each capture. A module that does not import, or that lacks the class (a library version
     the rewrite was not written for), raises TorchImportError: a rewrite is never skipped silently."""
     enclosing = _IN_FORCE.get()
-    chosen = rewrites if rewrites is not None else enclosing if enclosing is not None else default
+    chosen = rewrites if rewrites is not None else enclosing if enclosing is not None else REWRITES
     patched = []
     for rewrite in chosen:
         cls = _rewritten_class(rewrite, import_modules)

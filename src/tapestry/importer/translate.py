@@ -42,14 +42,15 @@ PASS_THROUGH = {
 METADATA_ONLY = {  # read only their tensor argument's shape, dtype or device
     "aten.new_ones.default", "aten.new_zeros.default", "aten.new_full.default", "aten.new_empty.default",
     "aten.ones_like.default", "aten.zeros_like.default", "aten.full_like.default", "aten.empty_like.default",
-    "aten.sym_size.int",
+    "aten.new_empty_strided.default", "aten.sym_size.int",
 }
 READS_MEMORY = {"aten.as_strided.default", "aten.as_strided_copy.default"}  # read their input's memory layout
 FOLD_CELLS = 1 << 16  # the largest fold made into a constant array; a larger one stays a graph op
 FILLS: dict[str, Callable[[tuple[Any, ...]], Any]] = {  # ops whose result is one value everywhere: that value
     "aten.full.default": lambda args: args[1], "aten.new_full.default": lambda args: args[2],
     "aten.full_like.default": lambda args: args[1], "aten.scalar_tensor.default": lambda args: args[0],
-    **{f"aten.{op}.default": lambda args: 0 for op in ("zeros", "new_zeros", "zeros_like", "new_empty", "empty_like")},
+    **{f"aten.{op}.default": lambda args: 0
+       for op in ("zeros", "new_zeros", "zeros_like", "new_empty", "empty_like", "new_empty_strided")},
     **{f"aten.{op}.default": lambda args: 1 for op in ("ones", "new_ones", "ones_like")},
     "aten.empty.memory_format": lambda args: 0,  # empty's cells are any value: zero is one
 }

@@ -29,7 +29,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tapestry.importer.capture import TorchImportError, modules_stay_put
-from tapestry.importer.rewrites import BATCH_WIDE_REWRITES, exact_rewrites
+from tapestry.importer.rewrites import exact_rewrites
 from tapestry.importer.translate import Placeholder, Translation, by_schema, functional_twin, translate
 from tapestry.training import LR, Training, state_name, updated
 from tapestry.training.draws import FACTORIES, FILLS, Draw, random_input
@@ -182,7 +182,7 @@ def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, 
         # value features other than the query's
         with warnings.catch_warnings(), sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]), \
                 _grouped_mm_fallback_unless_bfloat16(), modules_stay_put(), \
-                exact_rewrites(default=BATCH_WIDE_REWRITES, import_modules=False):
+                exact_rewrites(import_modules=False):
             warnings.simplefilter("ignore", FutureWarning)
             traced = make_fx(step, decomposition_table=DECOMPOSITIONS, tracing_mode="fake")(*_fakes(flat))
     except TorchImportError:

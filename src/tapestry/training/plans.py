@@ -7,8 +7,10 @@ ops' index maps (`split_by_propagation`): data parallel follows the batch dim of
 forward and backward; ZeRO-3 does too, and splits every weight and optimizer state on its first dim between
 steps (gathered whole before the forward and backward use them, gradients reduce-scattered, the update run on
 shards); Megatron follows the hidden dim of an MLP's weights (column-parallel then row-parallel); expert
-parallel follows a MoE's expert weights split by expert, and where a split meets an exchange kernel's rows or
-experts the kernel exchanges (`Compute.exchange`: rows moved to their experts' devices by all-to-all). Every
+parallel follows a MoE's expert weights split by expert, and where a split meets an exchange kernel's rows,
+experts or routing blocks the kernel exchanges (`Compute.exchange`: rows moved to their experts' devices by
+all-to-all), for either routing: batch-wide (grouped_mm, take_rows) or block by block (grouped_mm_blocks, the
+capture's default, whose dispatch and combine are gathers within each sequence, so they stay data parallel). Every
 plan is made steady: each carried output is moved back into the layout its input was placed in, where the rule
 left it elsewhere.
 """
@@ -28,7 +30,8 @@ from tapestry.training import ADAM_SLOTS, state_name
 
 Seeds = Mapping[str, int]  # input name -> the tensor dim to split
 EXCHANGE = "exchange"  # an op's choice in `propagated_splits`: its exchange dims (rows and experts) split together
-EXPERTS = frozenset({"grouped_mm", "grouped_mm_k"})  # a MoE's experts and their weight gradients
+# a MoE's experts and their weight gradients, routed batch-wide (grouped_mm) or block by block (grouped_mm_blocks)
+EXPERTS = frozenset({"grouped_mm", "grouped_mm_k", "grouped_mm_blocks", "grouped_mm_blocks_k"})
 ROUTES = frozenset({"take_rows", "scatter_rows"})  # its tokens' dispatch to rows sorted by expert, their combine,
 # and their backwards (an embedding's backward too: the token gradients sent to their vocabulary rows' devices)
 
@@ -45,8 +48,9 @@ def split_by_propagation(graph: Graph, mesh: Mesh, seeds: Sequence[Seeds]) -> Pl
 def propagated_splits(graph: Graph, parts: int, seeds: Sequence[Seeds], exchanged: frozenset[str] = frozenset()
                       ) -> dict[str, int | str]:
     """Per op, the index dim `split_by_propagation` splits `parts` ways (ops absent: not split), or EXCHANGE for
-    an op of a kernel in `exchanged` whose chosen dim is its exchange's rows or experts (both dividing evenly):
-    it splits them together, its output on the dim the rows map to (else the experts')."""
+    an op of a kernel in `exchanged` whose chosen dim travels with its exchange's rows (`_moving`; rows and experts
+    dividing evenly): it splits rows and experts together, its output on the dim the rows map to (else the
+    experts')."""
     split: dict[str, tuple[int, int]] = {}  # value -> (priority, tensor dim)
     for priority, chosen in enumerate(seeds):
         for name, dim in chosen.items():
@@ -60,7 +64,7 @@ def propagated_splits(graph: Graph, parts: int, seeds: Sequence[Seeds], exchange
         priority, index_dim = chosen
         axes[node.name] = index_dim
         ex = sig.kernel.exchange
-        if node.op in exchanged and ex is not None and sig.dims[index_dim] in (ex.rows, ex.experts) \
+        if node.op in exchanged and ex is not None and index_dim in _moving(sig) \
                 and all(sig.spec.sizes[sig.dims.index(d)] % parts == 0 for d in (ex.rows, ex.experts)):
             axes[node.name] = EXCHANGE
             index_dim = sig.dims.index(ex.rows if returns(sig) else ex.experts)
@@ -68,6 +72,17 @@ def propagated_splits(graph: Graph, parts: int, seeds: Sequence[Seeds], exchange
         if out:
             split[node.name] = (priority, out[0])
     return axes
+
+
+def _moving(sig: Signature) -> set[int]:
+    """An exchange kernel's index dims a split of which the exchange takes over: its rows, its experts, and the
+    dims its routing input (the last, whose values the exchange's select reads) is read along, grouped_mm_blocks'
+    blocks (ends[B, E]): a batch split arriving there gives way to the exchange, each device then holding its row
+    block of every block."""
+    ex = sig.kernel.exchange
+    routing = sig.projections[-1].matrix
+    return {sig.dims.index(ex.rows), sig.dims.index(ex.experts),
+            *(i for i in range(len(sig.dims)) if any(row[i] for row in routing))}
 
 
 def _first_split(sig: Signature, args: Sequence[str], split: Mapping[str, tuple[int, int]], parts: int
@@ -272,13 +287,13 @@ def step_arguments(graph: Graph) -> tuple[str, ...]:
 
 
 def expert_weights(graph: Graph) -> Seeds:
-    """Each carried tensor some grouped_mm reads as its experts' weights, and its expert dim: followed back from
-    the grouped_mm's weight argument through ops that read that dim from one argument dim only (a transpose, a
-    cast) to the input it comes from."""
+    """Each carried tensor some grouped_mm (or grouped_mm_blocks) reads as its experts' weights, and its expert
+    dim: followed back from the weight argument through ops that read that dim from one argument dim only (a
+    transpose, a cast) to the input it comes from."""
     producers = {node.name: node for node in graph.ops}
     found: dict[str, int] = {}
     for node in graph.ops:
-        if node.op != "grouped_mm":
+        if node.op not in ("grouped_mm", "grouped_mm_blocks"):
             continue
         sig = graph.signature(node.name)
         source = _reader(sig, node.args, {sig.dims.index(sig.kernel.exchange.experts)}, among=(1,))  # the weights
@@ -371,9 +386,10 @@ def data_tensor_parallel(graph: Graph, mesh: Mesh, arguments: Sequence[str], hid
 def expert_parallel(graph: Graph, mesh: Mesh, arguments: Sequence[str], experts: Seeds) -> Plan:
     """Data and expert parallel over every device (Switch, DeepSpeed-MoE), the mesh's axes taken as one: the batch
     split over every device, each MoE's experts (`experts` names each expert weight's expert dim) and their
-    optimizer state split by expert; the tokens' dispatch and combine (take_rows) and the experts' grouped mms and
-    weight gradients exchange rows by all-to-all over the whole mesh (takes of a table's rows made take_rows),
-    everything else data parallel."""
+    optimizer state split by expert; the experts' grouped mms and weight gradients exchange rows by all-to-all
+    over the whole mesh (routed by block: each device's row block of every block, its batch block traded for them
+    before and back after), and so do batch-wide routing's dispatch and combine (take_rows; takes of a table's rows
+    made take_rows); everything else data parallel."""
     _check_experts(graph, experts, mesh.size)
     graph = take_rows_of(graph)
     splits = propagated_splits(graph, mesh.size, [batch_seeds(graph, arguments), _with_state(graph, experts)],
@@ -389,9 +405,10 @@ def data_expert_parallel(graph: Graph, mesh: Mesh, arguments: Sequence[str], hid
     """The MoE recipe on a 2-D mesh: data parallel over axis 0, and over axis 1 (a node) Megatron tensor
     parallel for attention and dense linears (`hidden`, as `data_tensor_parallel`) and expert parallel for the
     experts (`experts`: each expert weight's expert dim), their grouped mms and weight gradients exchanging rows
-    within the node. The tokens' dispatch and combine (take_rows) exchange across axis 0, between the data
-    groups' tokens and the rows sorted by expert, which the experts' steps split over axis 0 as data (the weight
-    gradients partial there, summed across the data groups as data parallel's are)."""
+    within the node. Routed by block, the experts' steps split over axis 0 by the batch's blocks, as data; routed
+    batch-wide, the tokens' dispatch and combine (take_rows) exchange across axis 0, between the data groups'
+    tokens and the rows sorted by expert, which the experts' steps split over axis 0 as data. Either way the
+    weight gradients are partial over axis 0, summed across the data groups as data parallel's are."""
     if mesh.ndim != 2:
         raise ValueError(f"data_expert_parallel plans 2-D meshes; got {mesh.shape}")
     _check_experts(graph, experts, mesh.shape[1])
@@ -404,9 +421,10 @@ def data_expert_parallel(graph: Graph, mesh: Mesh, arguments: Sequence[str], hid
         if EXCHANGE in (first, second):
             axis = 0 if first == EXCHANGE else 1
             other = second if axis == 0 else first
-            refused = {sig.dims.index(sig.kernel.exchange.experts), *sig.dims_of(DimKind.REDUCTION)}
-            if axis == 1 and not returns(sig):  # rows summed: they may split as data on the axis before
-                refused.discard(sig.dims.index(sig.kernel.exchange.rows))
+            expert_dim = sig.dims.index(sig.kernel.exchange.experts)
+            refused = {expert_dim, *sig.dims_of(DimKind.REDUCTION)}
+            if axis == 1 and not returns(sig):  # rows (and blocks) summed: they may split as data on the axis before
+                refused -= _moving(sig) - {expert_dim}
             choice = other if other not in refused and other != EXCHANGE else None
             partitions[op.name] = make_partition(sig, mesh, (None, choice) if axis == 0 else (choice, None),
                                                  exchange=(axis,))

@@ -218,31 +218,37 @@ def _as_strided(b: Builder, x: Any, size: list[int], stride: list[int], storage_
     """Overlapping chunks of one dim (Longformer's `_chunk`, of its mask and its value): x's row-major strides, in
     some order of the dims, but for one adjacent pair (chunk, position) whose chunk stride is `step` positions,
     fewer than a chunk holds. That is x reshaped with the pair merged into the cells it covers, cut into
-    `windows` and permuted, so the chunks split with halos. x arrives in memory order (translate's
-    `_in_memory_order`); any other as_strided has no such value-level form and stays opaque."""
+    `windows` and permuted, so the chunks split with halos. With no such pair, x's row-major strides in some order
+    (the backward of those chunks reads its summed buffer back in the chunked tensor's transposed layout) are x
+    reshaped and permuted. x arrives in memory order (translate's `_in_memory_order`); any other as_strided has
+    no such value-level form and stays opaque."""
     value = b.tensor(x)
     if storage_offset:
         raise Unsupported(f"a storage offset ({storage_offset})")
     kept = [(int(n), int(s)) for n, s in zip(size, stride) if n != 1]
     pairs = [a for a, ((_, chunk), (width, cell)) in enumerate(zip(kept, kept[1:]))
              if cell > 0 and chunk % cell == 0 and 0 < chunk // cell < width]
-    if len(pairs) != 1:
-        raise Unsupported(f"size {list(size)}, stride {list(stride)}: not one dim cut into overlapping windows")
-    (axis,) = pairs
-    (chunks, chunk_stride), (width, cell) = kept[axis], kept[axis + 1]
-    step = chunk_stride // cell
-    merged = [*kept[:axis], ((chunks - 1) * step + width, cell), *kept[axis + 2 :]]
+    if len(pairs) > 1:
+        raise Unsupported(f"size {list(size)}, stride {list(stride)}: more than one dim cut into overlapping windows")
+    windowed = pairs[0] if pairs else None
+    merged = kept
+    if windowed is not None:
+        (chunks, chunk_stride), (width, cell) = kept[windowed], kept[windowed + 1]
+        step = chunk_stride // cell
+        merged = [*kept[:windowed], ((chunks - 1) * step + width, cell), *kept[windowed + 2 :]]
     order = sorted(range(len(merged)), key=lambda d: -merged[d][1])  # memory order of the merged dims
     sizes = [merged[d][0] for d in order]
     if math.prod(sizes) != math.prod(value.shape) or [merged[d][1] for d in order] != [
             math.prod(sizes[k + 1 :]) for k in range(len(sizes))]:
-        raise Unsupported(f"size {list(size)}, stride {list(stride)}: the windows do not read x{list(value.shape)} "
+        raise Unsupported(f"size {list(size)}, stride {list(stride)}: the view does not read x{list(value.shape)} "
                           "whole, row-major")
-    at = order.index(axis)
-    laid = value if value.shape == tuple(sizes) else b.op("reshape", value, shape=tuple(sizes))
-    cut = b.op("windows", laid, axis=at, size=width, step=step)
-    labels = [(d, 0) for d in order[:at]] + [(axis, 0), (axis, 1)] + [(d, 0) for d in order[at + 1 :]]
-    wanted = [(d, k) for d in range(len(merged)) for k in ((0, 1) if d == axis else (0,))]
+    cut = value if value.shape == tuple(sizes) else b.op("reshape", value, shape=tuple(sizes))
+    labels = [(d, 0) for d in order]
+    if windowed is not None:
+        at = order.index(windowed)
+        cut = b.op("windows", cut, axis=at, size=width, step=step)
+        labels = labels[:at] + [(windowed, 0), (windowed, 1)] + labels[at + 1 :]
+    wanted = [(d, k) for d in range(len(merged)) for k in ((0, 1) if d == windowed else (0,))]
     perm = tuple(labels.index(label) for label in wanted)
     cut = cut if perm == tuple(range(len(perm))) else b.op("transpose", cut, perm=perm)
     return cut if cut.shape == b.shape else b.op("reshape", cut, shape=b.shape)
