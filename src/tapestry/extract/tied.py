@@ -1,0 +1,58 @@
+"""The ILP's search for a tied selection where it has no work left to model the graph (`ilp.models_in`): the
+greedy local search keeps no tie, so without this the ILP returned its caller's start as it came (LLaMA 13B's
+training step on 8x8, 258,033 nodes: the DP x TP hand plan at 65.58 ms, where greedy-dag's steady plan costs
+44.41; docs/benchmarks.md, "The tied ILP improves its start").
+
+Two selections that keep every tie, the cheaper returned: the caller's start with each untied class re-chosen by
+greedy-dag's local search (`improve` with the tied nodes frozen: none joins or leaves), and greedy-dag's choice on
+the graph pinned to the pairs the free greedy choice takes (each pair whose second node it chose kept, every other
+tied node unselectable; for a training step's (Place, Deliver) pairs, each weight placed in the layout the free
+choice delivers its update in, as the optimizer's greedy-dag pins it), improved alike.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from tapestry.extract.constraints import Ties, tied_nodes, ties_hold
+from tapestry.extract.egraph import EGraph, NoFiniteChoiceError
+from tapestry.extract.greedy_dag import greedy_dag_choice, improve
+from tapestry.extract.selection import Selection, finalize
+from tapestry.extract.tree import TreeChoice, solvable_tree
+from tapestry.extract.work import Deadline
+
+
+def tied_search(egraph: EGraph, tree: TreeChoice, free: Sequence[int], start: Selection | None, ties: Ties,
+                deadline: Deadline, started: float) -> Selection | None:
+    """The cheapest of `start` improved and the free choice's pinned pairs extracted (module docstring) that keeps
+    `ties`, or None where neither does. `free` names a node for every class (the ILP's warm start)."""
+    frozen = tied_nodes(ties)
+    unpinned = finalize(egraph, free, tree, "ilp", started)
+    found = [unpinned]
+    if start is not None and ties_hold(start.choice, ties):
+        found.append(start)
+        found.append(_improved(egraph, tree, {**dict(enumerate(free)), **start.choice}, frozen, deadline, started))
+    chosen = set(unpinned.choice.values())
+    pinned = _pinned(egraph, [pair for pair in ties if pair[1] in chosen], frozen)
+    try:
+        pinned_tree = solvable_tree(pinned)
+    except NoFiniteChoiceError:  # a pinned pair no selection can reach
+        pinned_tree = None
+    if pinned_tree is not None:
+        greedy = greedy_dag_choice(pinned, pinned_tree, deadline)
+        found.append(_improved(pinned, pinned_tree, dict(enumerate(greedy)), frozen, deadline, started))
+    kept = [s for s in found if math.isfinite(s.dag_cost) and ties_hold(s.choice, ties)]
+    return min(kept, key=lambda s: s.dag_cost, default=None)
+
+
+def _pinned(egraph: EGraph, kept: Ties, frozen: frozenset[int]) -> EGraph:
+    """`egraph` with every tied node unselectable but the nodes of the pairs `kept`."""
+    keep = tied_nodes(kept)
+    return egraph.with_costs([math.inf if n in frozen and n not in keep else c for n, c in enumerate(egraph.node_cost)])
+
+
+def _improved(egraph: EGraph, tree: TreeChoice, choice: Mapping[int, int], frozen: frozenset[int],
+              deadline: Deadline, started: float) -> Selection:
+    """`choice` (a node for every class) improved by the local search with `frozen` fixed, as a selection."""
+    full = [choice.get(c, t) for c, t in enumerate(tree.node)]
+    return finalize(egraph, improve(egraph, full, tree, deadline, frozen), tree, "ilp", started)
