@@ -209,13 +209,14 @@ def improve(egraph: EGraph, choice: list[int], tree: TreeChoice, deadline: Deadl
     return choice
 
 
-def greedy_dag_choice(egraph: EGraph, tree: TreeChoice, deadline: Deadline | None = None) -> list[int]:
-    """Greedy DAG choice made acyclic, then locally improved until `deadline`; a node for every class (tree
-    choice if unreached)."""
+def greedy_dag_choice(egraph: EGraph, tree: TreeChoice, deadline: Deadline | None = None,
+                      frozen: frozenset[int] = frozenset()) -> list[int]:
+    """Greedy DAG choice made acyclic, then locally improved until `deadline` (no move adding or dropping a node of
+    `frozen`); a node for every class (tree choice if unreached)."""
     greedy = greedy_choice(egraph)
     start = finalize(egraph, greedy, tree, "greedy-dag", 0.0).choice
     full = [start.get(c, g if g >= 0 else t) for c, (g, t) in enumerate(zip(greedy, tree.node))]
-    return improve(egraph, full, tree, deadline)
+    return improve(egraph, full, tree, deadline, frozen)
 
 
 def extract_greedy_dag(egraph: EGraph) -> Selection:

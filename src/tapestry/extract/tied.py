@@ -12,7 +12,8 @@ choice delivers its update in, as the optimizer's greedy-dag pins it), improved 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from contextlib import suppress
 
 from tapestry.extract.constraints import Ties, tied_nodes, ties_hold
 from tapestry.extract.egraph import EGraph, NoFiniteChoiceError
@@ -29,18 +30,16 @@ def tied_search(egraph: EGraph, tree: TreeChoice, free: Sequence[int], start: Se
     frozen = tied_nodes(ties)
     unpinned = finalize(egraph, free, tree, "ilp", started)
     found = [unpinned]
-    if start is not None and ties_hold(start.choice, ties):
-        found.append(start)
-        found.append(_improved(egraph, tree, {**dict(enumerate(free)), **start.choice}, frozen, deadline, started))
+    if start is not None and ties_hold(start.choice, ties):  # half the work left to improving it, half to the pins
+        half = deadline.meter.until(deadline.meter.spent + deadline.left() / 2)
+        full = [start.choice.get(c, n) for c, n in enumerate(free)]
+        found += [start, finalize(egraph, improve(egraph, full, tree, half, frozen), tree, "ilp", started)]
     chosen = set(unpinned.choice.values())
     pinned = _pinned(egraph, [pair for pair in ties if pair[1] in chosen], frozen)
-    try:
+    with suppress(NoFiniteChoiceError):  # a pinned pair no selection can reach
         pinned_tree = solvable_tree(pinned)
-    except NoFiniteChoiceError:  # a pinned pair no selection can reach
-        pinned_tree = None
-    if pinned_tree is not None:
-        greedy = greedy_dag_choice(pinned, pinned_tree, deadline)
-        found.append(_improved(pinned, pinned_tree, dict(enumerate(greedy)), frozen, deadline, started))
+        found.append(finalize(pinned, greedy_dag_choice(pinned, pinned_tree, deadline, frozen), pinned_tree, "ilp",
+                              started))
     kept = [s for s in found if math.isfinite(s.dag_cost) and ties_hold(s.choice, ties)]
     return min(kept, key=lambda s: s.dag_cost, default=None)
 
@@ -49,10 +48,3 @@ def _pinned(egraph: EGraph, kept: Ties, frozen: frozenset[int]) -> EGraph:
     """`egraph` with every tied node unselectable but the nodes of the pairs `kept`."""
     keep = tied_nodes(kept)
     return egraph.with_costs([math.inf if n in frozen and n not in keep else c for n, c in enumerate(egraph.node_cost)])
-
-
-def _improved(egraph: EGraph, tree: TreeChoice, choice: Mapping[int, int], frozen: frozenset[int],
-              deadline: Deadline, started: float) -> Selection:
-    """`choice` (a node for every class) improved by the local search with `frozen` fixed, as a selection."""
-    full = [choice.get(c, t) for c, t in enumerate(tree.node)]
-    return finalize(egraph, improve(egraph, full, tree, deadline, frozen), tree, "ilp", started)
