@@ -1,13 +1,13 @@
 """The ILP's search for a tied selection where it has no work left to model the graph (`ilp.models_in`): the
 greedy local search keeps no tie, so without this the ILP returned its caller's start as it came (LLaMA 13B's
-training step on 8x8, 258,033 nodes: the DP x TP hand plan at 65.58 ms, where greedy-dag's steady plan costs
+training step on 8x8, 258,033 nodes: at 4d5983f the DP x TP hand plan, 65.58 ms, where greedy-dag's plan costs
 44.41; docs/benchmarks.md, "The tied ILP improves its start").
 
-Two selections that keep every tie, the cheaper returned: the caller's start with each untied class re-chosen by
-greedy-dag's local search (`improve` with the tied nodes frozen: none joins or leaves), and greedy-dag's choice on
-the graph pinned to the pairs the free greedy choice takes (each pair whose second node it chose kept, every other
-tied node unselectable; for a training step's (Place, Deliver) pairs, each weight placed in the layout the free
-choice delivers its update in, as the optimizer's greedy-dag pins it), improved alike.
+The cheapest selection that keeps every tie of: the free warm start, the caller's start, that start with each
+untied class re-chosen by greedy-dag's local search (`improve` with the tied nodes frozen: none joins or leaves),
+and greedy-dag's choice on the graph pinned to the pairs the free warm start takes (each pair whose second node it
+chose kept, every other tied node unselectable; for a training step's (Place, Deliver) pairs, each weight placed in
+the layout the free choice delivers its update in, greedy-dag's "delivered" pins), improved alike.
 """
 from __future__ import annotations
 
