@@ -164,7 +164,8 @@ def table(rows: list[dict[str, Any]], defaults: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
+    """The call's flags (benchmarks/tied_fits.py takes them too)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", default="llama", choices=sorted(FAMILIES))
     parser.add_argument("--hidden", type=int, default=256)
@@ -191,6 +192,11 @@ def main() -> None:
     parser.add_argument("--hand", action="store_true", help="also price cluster.py's hand plans")
     parser.add_argument("--json", help="append the row to this JSON list")
     parser.add_argument("--table", help="print the rows of this JSON list (--json) as a markdown table, and stop")
+    return parser
+
+
+def main() -> None:
+    parser = arguments()
     args = parser.parse_args()
     if args.table:
         with open(args.table) as f:

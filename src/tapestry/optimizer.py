@@ -414,12 +414,12 @@ class Explored:
 
     def _warm_starts(self, egraph: ExtractGraph, extractor: str, time_limit: float, ties: Ties,
                      carried: Mapping[str, str]) -> tuple[Selection, ...]:
-        """The ILP's warm starts (`_select` returns nothing dearer; node n is e-node n in every extraction graph): the
-        hand plans keeping `ties`, and greedy-dag's steady pick (docs: "The ILP's warm start from greedy-dag")."""
+        """The ILP's warm starts (node n is e-node n in every graph): the hand plans keeping `ties`, greedy-dag's pick
+        with the carried inputs replicated (the free choice's pins, the ILP's tied search per fit: extract.tied)."""
         hands = tuple(embedded for _, embedded in embedded_plans(self.decoder, egraph, self.baselines, ties))
         with suppress(NoFiniteChoiceError):
-            return (*hands, self._select(egraph, "greedy-dag", time_limit, None, ties, carried)) \
-                if extractor == "ilp" and ties else hands
+            pinned = pin_layouts(self.decoder, egraph, replicated_layouts(self.decoder, carried), carried)
+            return (*hands, extract(pinned, "greedy-dag", time_limit)) if extractor == "ilp" and ties else hands
         return hands
 
     def _fused(self, egraph: ExtractGraph, model: CostModel) -> ExtractGraph | None:

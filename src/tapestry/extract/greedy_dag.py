@@ -71,7 +71,8 @@ def greedy_choice(egraph: EGraph) -> list[int]:
     return best
 
 
-def improve(egraph: EGraph, choice: list[int], tree: TreeChoice, deadline: Deadline | None = None) -> list[int]:
+def improve(egraph: EGraph, choice: list[int], tree: TreeChoice, deadline: Deadline | None = None,
+            frozen: frozenset[int] = frozenset()) -> list[int]:
     """Local search: switch one reachable class to another node while the selection's DAG cost drops.
 
     `choice` must name a node for every class (classes outside the selection keep
@@ -86,6 +87,7 @@ def improve(egraph: EGraph, choice: list[int], tree: TreeChoice, deadline: Deadl
     that join then get positions in between. Any other move re-checks the whole
     selection and recomputes the positions (on a 47,000-node e-graph that alone took 18 s).
     With `deadline`, the search stops where its tries reach it (charged to its meter), or at the safety net.
+    No move adds or drops a node of `frozen` (the ILP's tied nodes: a selection that keeps its ties keeps them).
     """
     cost, child_sets = egraph.node_cost, egraph.child_sets
     choice = list(choice)
@@ -102,7 +104,8 @@ def improve(egraph: EGraph, choice: list[int], tree: TreeChoice, deadline: Deadl
         return egraph.selectable(node) and c not in child_sets[node] and all(map(tree.extractable, child_sets[node]))
 
     def delta(c: int, new: int) -> tuple[float, dict[int, int]]:
-        """Cost change and reference-count changes of choosing `new` for class `c`; additions first."""
+        """Cost change and reference-count changes of choosing `new` for class `c`, additions first; infinite
+        where a node of `frozen` would join or leave."""
         nonlocal tries
         change: dict[int, int] = {}
         price = cost[new] - cost[choice[c]]
@@ -114,6 +117,8 @@ def improve(egraph: EGraph, choice: list[int], tree: TreeChoice, deadline: Deadl
                 change[d] = change.get(d, 0) + step
                 if (before == 0) != (before + step == 0):  # d joins or leaves the selection
                     node = new if d == c else choice[d]
+                    if node in frozen:
+                        return math.inf, change
                     price += step * cost[node]
                     work.extend((e, step) for e in child_sets[node])
                     tries += len(child_sets[node])
@@ -174,8 +179,10 @@ def improve(egraph: EGraph, choice: list[int], tree: TreeChoice, deadline: Deadl
                 if not refs[c]:
                     continue
                 tries += 1
+                if choice[c] in frozen:
+                    continue
                 for new in egraph.class_nodes[c]:
-                    if new == choice[c] or not usable(c, new):
+                    if new == choice[c] or new in frozen or not usable(c, new):
                         continue
                     price, change = delta(c, new)
                     if price >= -1e-12 * total:
@@ -202,13 +209,14 @@ def improve(egraph: EGraph, choice: list[int], tree: TreeChoice, deadline: Deadl
     return choice
 
 
-def greedy_dag_choice(egraph: EGraph, tree: TreeChoice, deadline: Deadline | None = None) -> list[int]:
-    """Greedy DAG choice made acyclic, then locally improved until `deadline`; a node for every class (tree
-    choice if unreached)."""
+def greedy_dag_choice(egraph: EGraph, tree: TreeChoice, deadline: Deadline | None = None,
+                      frozen: frozenset[int] = frozenset()) -> list[int]:
+    """Greedy DAG choice made acyclic, then locally improved until `deadline` (no move adding or dropping a node of
+    `frozen`); a node for every class (tree choice if unreached)."""
     greedy = greedy_choice(egraph)
     start = finalize(egraph, greedy, tree, "greedy-dag", 0.0).choice
     full = [start.get(c, g if g >= 0 else t) for c, (g, t) in enumerate(zip(greedy, tree.node))]
-    return improve(egraph, full, tree, deadline)
+    return improve(egraph, full, tree, deadline, frozen)
 
 
 def extract_greedy_dag(egraph: EGraph) -> Selection:

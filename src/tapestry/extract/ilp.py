@@ -69,6 +69,7 @@ from tapestry.extract.periodic import Repeated
 from tapestry.extract.reduction import reduce
 from tapestry.extract.relax import PROVEN, relax
 from tapestry.extract.selection import Selection, dag_cost, finalize
+from tapestry.extract.tied import tied_search
 from tapestry.extract.tree import solvable_tree
 from tapestry.extract.warm import undominate, warm_start
 from tapestry.extract.work import Meter
@@ -151,14 +152,15 @@ def _extract(egraph: EGraph, meter: Meter, budget: DeviceBudget | None, ties: Ti
         # No work left to reduce the graph and model it: the warm start, its local search given the work left (cut
         # at WARM_SHARE, it could end dearer than greedy-dag's), or the caller's start where it is cheaper, unproven.
         given = None if start is None else _undominated(egraph, start, {}, started)  # priced on this graph
-        if ties and budget is None and not ties_hold(finalize(egraph, greedy, tree, "ilp", started).choice, ties):
+        if ties and budget is None:
             # the local search keeps no tie, and CP-SAT would get what modelling left: on the folded 7B training
             # step on 8x8 (`benchmarks/cluster.py --arch hf --models 7B --layers 32 --meshes 8x8`) it found no tied
-            # selection in it
-            if given is not None and ties_hold(given.choice, ties):
-                return _result(given, False, 0.0, meter, "nodes")
-            raise NoFiniteChoiceError(f"no time to model {egraph.num_nodes:,} nodes, and the warm start breaks "
-                                      f"the ties")
+            # selection in it; the tied search (`tied.py`) improves the start and the free choice's pinned pairs
+            found = tied_search(egraph, tree, greedy, given, ties, deadline, started)
+            if found is not None:
+                return _result(found, False, 0.0, meter, "nodes")
+            raise NoFiniteChoiceError(f"no time to model {egraph.num_nodes:,} nodes, and no tied selection was "
+                                      f"found without it")
         if deadline.left() > 0:  # setting the search up alone takes seconds on millions of nodes
             greedy = improve(egraph, greedy, tree, deadline)
         unsolved = finalize(egraph, greedy, tree, "ilp", started)
