@@ -417,9 +417,12 @@ class Explored:
         """The ILP's warm starts (node n is e-node n in every graph): the hand plans keeping `ties`, greedy-dag's pick
         with the carried inputs replicated (the free choice's pins, the ILP's tied search per fit: extract.tied)."""
         hands = tuple(embedded for _, embedded in embedded_plans(self.decoder, egraph, self.baselines, ties))
-        with suppress(NoFiniteChoiceError):
+        if extractor != "ilp" or not ties:
+            return hands
+        with suppress(NoFiniteChoiceError):  # made once per graph: each extraction under a budget asks again
             pinned = pin_layouts(self.decoder, egraph, replicated_layouts(self.decoder, carried), carried)
-            return (*hands, extract(pinned, "greedy-dag", time_limit)) if extractor == "ilp" and ties else hands
+            return (*hands, self._unbudgeted.get(pinned, (), ("greedy-dag", time_limit), None,
+                                                 lambda: extract(pinned, "greedy-dag", time_limit)))
         return hands
 
     def _fused(self, egraph: ExtractGraph, model: CostModel) -> ExtractGraph | None:
@@ -545,11 +548,8 @@ class Explored:
             if started:
                 with suppress(NoFiniteChoiceError):
                     start = self._select(egraph, "greedy-dag", time_limit, budget, ties, carried, stop_gap, model)
-                if start is not None and not models_in(egraph, time_limit):
-                    # the ILP would return the start (its own greedy keeps no twin tie): on the folded 7B step on
-                    # 8x8 (`benchmarks/cluster.py --arch hf --models 7B --layers 32 --meshes 8x8`) each of the five
-                    # fits spent its local search's seconds to do so
-                    return start
+                if start is not None and not models_in(egraph, time_limit):  # the ILP would return the start (its
+                    return start  # greedy keeps no twin tie): each fit of the folded 7B step on 8x8 spent seconds so
             elif extractor == "ilp":  # priced under this graph's costs: infinite where it pins other layouts
                 fitting = [replace(hand, dag_cost=dag_cost(egraph, hand.choice)) for hand in hands
                            if budget is None or budget.fits(hand.choice)]
