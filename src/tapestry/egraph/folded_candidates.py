@@ -191,10 +191,13 @@ class FoldedCandidates:
         return plan, selection
 
     def _whole_state(self, selection: Selection, carried: Mapping[str, str]) -> str:
-        """How many of the carried inputs (weights, optimizer state) `selection` places whole on every device: where
-        the leanest candidate keeps them all whole, the sharded layouts were never a steady candidate."""
+        """How many of the carried inputs (weights, optimizer state) `selection` places whole on every device, and
+        the first of them by name: where the leanest candidate keeps them all whole, the sharded layouts were never a
+        steady candidate; where it keeps a few, those are what to look at (70B on 8x8x8: one)."""
         layouts = self.decoder.interner.layouts
         state = set(carried.values())
         whole = {node.key: len(set(layouts[node.layout][1].blocks)) == 1 for node in
                  (self.decoder.nodes[n] for n in selection.choice.values()) if node.op == "Place" and node.key in state}
-        return f"holding {sum(whole.values())} of its {len(whole)} carried inputs whole on every device"
+        named = sorted(name for name, held in whole.items() if held)
+        which = f" ({', '.join(named[:3])}{', ...' if len(named) > 3 else ''})" if named else ""
+        return f"holding {len(named)} of its {len(whole)} carried inputs whole on every device{which}"
