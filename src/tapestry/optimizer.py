@@ -548,8 +548,8 @@ class Explored:
             if started:
                 with suppress(NoFiniteChoiceError):
                     start = self._select(egraph, "greedy-dag", time_limit, budget, ties, carried, stop_gap, model)
-                if start is not None and not models_in(egraph, time_limit):  # the ILP would return the start (its
-                    return start  # greedy keeps no twin tie): each fit of the folded 7B step on 8x8 spent seconds so
+                if start is not None and not models_in(egraph, time_limit):
+                    return start  # what the ILP would return, after seconds of local search (it keeps no twin tie)
             elif extractor == "ilp":  # priced under this graph's costs: infinite where it pins other layouts
                 fitting = [replace(hand, dag_cost=dag_cost(egraph, hand.choice)) for hand in hands
                            if budget is None or budget.fits(hand.choice)]

@@ -243,9 +243,9 @@ class Layered:
         # where a twin reads a class nothing chose (copy 1's input gradient made in the layout the prefix reads
         # copy 0's in reads the suffix's gradient in a layout nothing else reads), its tree choice is taken there
         pairs = [*self.twins.items(), *((t, n) for n, t in self.twins.items())]
-        kept = grown(egraph, found.choice, pairs)
+        kept, tree = grown(egraph, found.choice, pairs), solvable_tree(egraph)
         while True:
-            filled = with_reads(egraph, kept, pairs, solvable_tree(egraph))
+            filled = with_reads(egraph, kept, pairs, tree)
             if len(filled) == len(kept):
                 return replace(found, choice=kept)
             kept = grown(egraph, filled, pairs)
