@@ -10,7 +10,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from layout_helpers import layouts
+from layout_helpers import draws, layouts, pairs, strided
 
 from tapestry.cost import comm, load_profile
 from tapestry.cost.comm import AlphaBeta
@@ -64,61 +64,42 @@ def _price(model: AlphaBeta, step: Reshard, mesh: Mesh) -> float | type[CommErro
         return CommError
 
 
-@settings(max_examples=300, deadline=None)
-@given(pair=priced_pairs(), profile=st.sampled_from(PROFILES))
-def test_the_orbit_memo_answers_every_image_as_pricing_it_afresh_would(pair, profile) -> None:
-    step, mesh = pair
-    model = AlphaBeta(profile)
-    comm._orbit_prices.cache_clear()
-    _price(model, step, mesh)  # now in the memo: its images are answered from it
-    for image in _images(step, mesh):
-        remembered = _price(model, image, mesh)
+@draws(60, 300)
+def test_the_orbit_memo_answers_every_image_as_pricing_it_afresh_would(examples: int) -> None:
+    @settings(max_examples=examples, deadline=None)
+    @given(pair=priced_pairs(), profile=st.sampled_from(PROFILES))
+    def check(pair, profile) -> None:
+        step, mesh = pair
+        model = AlphaBeta(profile)
         comm._orbit_prices.cache_clear()
-        assert remembered == _price(model, image, mesh)
+        _price(model, step, mesh)  # now in the memo: its images are answered from it
+        for image in _images(step, mesh):
+            remembered = _price(model, image, mesh)
+            comm._orbit_prices.cache_clear()
+            assert remembered == _price(model, image, mesh)
+
+    check()
 
 
-def _cases(meshes: list[Mesh], shapes: list[tuple[int, ...]], sampled: dict[tuple[str, tuple[int, ...]], int]) -> list:
-    """Each mesh with each shape, every pair of its splits; the cases in `sampled` (mesh and shape: a stride)
-    price each stride-th pair in make test (`_pairs`) and every pair in the slow set."""
-    cases = []
-    for mesh, shape in itertools.product(meshes, shapes):
-        name = f"{mesh}-{shape}"
-        every = sampled.get((str(mesh), shape), 1)
-        cases.append(pytest.param(mesh, shape, every, id=name if every == 1 else f"{name}-every{every}"))
-        if every > 1:
-            cases.append(pytest.param(mesh, shape, 1, id=f"{name}-all", marks=pytest.mark.slow))
-    return cases
-
-
-def _pairs(named: list[Layout], every: int) -> list[tuple[Layout, Layout]]:
-    """Every ordered pair of `named`, or each `every`-th of them in order: with `every` coprime to their count
-    and at most it, each layout is still a source (a row of n >= every pairs holds a multiple of every) and a
-    destination (the Chinese remainder theorem finds one below n * every)."""
-    picked = list(itertools.product(named, named))[::every]
-    if not {src for src, _ in picked} == {dst for _, dst in picked} == set(named):
-        raise ValueError(f"a stride of {every} over {len(named)} layouts leaves some out: pick one coprime to it")
-    return picked
-
-
-@pytest.mark.parametrize(("mesh", "shape", "every"), _cases(
-    [Mesh(2, 2), Mesh(2, 2, 2), Mesh(2, 2, 4)], [(4, 4), (8, 4, 2), (2, 6)],
-    {("2x2x2", (8, 4, 2)): 7, ("2x2x4", (8, 4, 2)): 7}))
+@pytest.mark.parametrize(("mesh", "shape", "every"), strided(
+    itertools.product([Mesh(2, 2), Mesh(2, 2, 2), Mesh(2, 2, 4)], [(4, 4), (8, 4, 2), (2, 6)]),
+    {"2x2x2-(8, 4, 2)": 7, "2x2x4-(8, 4, 2)": 7}))
 def test_relabellings_that_keep_splits_keep_prices(mesh: Mesh, shape: tuple[int, ...], every: int) -> None:
     """Every even split of the dims over the axes (a dim over several axes too), plain and partial, to every
     other (or each every-th pair): each image `pair_images` offers costs what the pair costs, and the memo prices
     fewer pairs than there are."""
     named = _named(shape, mesh)
-    pairs = _pairs(named, every)
+    checked = pairs(named, named, every)
     model = AlphaBeta(PROFILES[1])
     comm._orbit_prices.cache_clear()
     symmetries, prices = comm._orbit_prices(PROFILES[1].links, mesh)
-    for src, dst in pairs:
+    for src, dst in checked:
         step = Reshard("y", "x", shape, src, dst)
         own = _raw(model, step, mesh)
         for image_src, image_dst in symmetries.pair_images(src, dst, shape):
             assert _raw(model, Reshard("y", "x", shape, image_src, image_dst), mesh) == own
         _price(model, step, mesh)
-    assert len(prices) < 0.8 * len(pairs)
+    assert len(prices) < 0.8 * len(checked)
 
 
 def _named(shape: tuple[int, ...], mesh: Mesh, uneven: bool = False) -> list[Layout]:
@@ -130,8 +111,8 @@ def _named(shape: tuple[int, ...], mesh: Mesh, uneven: bool = False) -> list[Lay
     return named + [Layout(layout.blocks, partial=True) for layout in named]
 
 
-@pytest.mark.parametrize(("mesh", "shape", "every"), _cases(
-    [Mesh(4), Mesh(2, 2), Mesh(2, 2, 2)], [(4, 8), (8, 5, 6), (3, 13)], {("2x2x2", (8, 5, 6)): 15}))
+@pytest.mark.parametrize(("mesh", "shape", "every"), strided(
+    itertools.product([Mesh(4), Mesh(2, 2), Mesh(2, 2, 2)], [(4, 8), (8, 5, 6), (3, 13)]), {"2x2x2-(8, 5, 6)": 15}))
 def test_a_pair_of_splits_is_priced_on_its_least_shape_as_on_its_own(mesh: Mesh, shape: tuple[int, ...],
                                                                       every: int) -> None:
     """Every pair of splits (plain and partial, a dim over several axes too, uneven ones; or each every-th pair)
@@ -143,7 +124,7 @@ def test_a_pair_of_splits_is_priced_on_its_least_shape_as_on_its_own(mesh: Mesh,
     scaled = 0
     for profile in PROFILES:
         model = AlphaBeta(profile)
-        for src, dst in _pairs(named, every):
+        for src, dst in pairs(named, named, every):
             step = Reshard("y", "x", shape, src, dst, "bfloat16")
             least = comm.least_pair(src, dst, shape, mesh)
             scaled += least is not None
@@ -185,19 +166,23 @@ def _shifted(layout: Layout, offset: tuple[int, ...]) -> Layout:
     return Layout(tuple(map(moved, layout.blocks)), layout.partial)
 
 
-@settings(max_examples=300, deadline=None)
-@given(pair=priced_pairs(), offset=st.lists(st.integers(0, 5), min_size=3, max_size=3),
-       profile=st.sampled_from(PROFILES))
-def test_a_reshard_elsewhere_in_a_larger_tensor_costs_the_same_and_is_priced_once(pair, offset, profile) -> None:
+@draws(60, 300)
+def test_a_reshard_elsewhere_in_a_larger_tensor_costs_the_same_and_is_priced_once(examples: int) -> None:
     """A layout that holds only what a reader reads (a third of a fused q/k/v output) moves its blocks as the
     same layout at the tensor's origin would: one price for both."""
-    step, mesh = pair
-    offset = tuple(offset[:len(step.shape)])
-    far = Reshard("y", "x", tuple(n + o + 2 for n, o in zip(step.shape, offset)),
-                  _shifted(step.src_layout, offset), _shifted(step.layout, offset), step.dtype)
-    model = AlphaBeta(profile)
-    assert _raw(model, far, mesh) == _raw(model, step, mesh)
-    comm._orbit_prices.cache_clear()
-    assert _price(model, step, mesh) == _price(model, far, mesh)
-    held = any(b is not None for layout in (step.src_layout, step.layout) for b in layout.blocks)
-    assert len(comm._orbit_prices(profile.axis_links(mesh.shape), mesh)[1]) <= (1 if held else 2)
+    @settings(max_examples=examples, deadline=None)
+    @given(pair=priced_pairs(), offset=st.lists(st.integers(0, 5), min_size=3, max_size=3),
+           profile=st.sampled_from(PROFILES))
+    def check(pair, offset, profile) -> None:
+        step, mesh = pair
+        offset = tuple(offset[:len(step.shape)])
+        far = Reshard("y", "x", tuple(n + o + 2 for n, o in zip(step.shape, offset)),
+                      _shifted(step.src_layout, offset), _shifted(step.layout, offset), step.dtype)
+        model = AlphaBeta(profile)
+        assert _raw(model, far, mesh) == _raw(model, step, mesh)
+        comm._orbit_prices.cache_clear()
+        assert _price(model, step, mesh) == _price(model, far, mesh)
+        held = any(b is not None for layout in (step.src_layout, step.layout) for b in layout.blocks)
+        assert len(comm._orbit_prices(profile.axis_links(mesh.shape), mesh)[1]) <= (1 if held else 2)
+
+    check()
