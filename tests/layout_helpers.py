@@ -1,12 +1,11 @@
 """Hypothesis strategies shared by the reshard tests (test_reshard_pricing, test_mesh_symmetry): layouts of a
-shape on a mesh, split, replicated or arbitrary boxes; and how those tests split their sweeps between make test
-and make test-all (fewer draws, each stride-th pair)."""
+shape on a mesh, split, replicated or arbitrary boxes; and each stride-th pair of a list of layouts (`pairs`, for
+`sweeps.strided`)."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
-import pytest
 from hypothesis import strategies as st
 
 from tapestry.sharding import Layout, Mesh
@@ -36,27 +35,6 @@ def boxes(draw: st.DrawFn, shape: tuple[int, ...]) -> ZRange | None:
         return None
     bounds = [sorted(draw(st.tuples(st.integers(0, n), st.integers(0, n)))) for n in shape]
     return ZRange(tuple(lo for lo, _ in bounds), tuple(hi for _, hi in bounds))
-
-
-def draws(fast: int, full: int) -> pytest.MarkDecorator:
-    """A hypothesis test's `examples`: `fast` draws in make test, `full` in make test-all (the `full` case is
-    marked slow)."""
-    return pytest.mark.parametrize("examples", [pytest.param(fast, id=f"{fast}-draws"),
-                                                pytest.param(full, id=f"{full}-draws", marks=pytest.mark.slow)])
-
-
-def strided(cases: Iterable[tuple], strides: dict[str, int]) -> list:
-    """Parameters for tests over every pair of a case's layouts: each case with a stride of 1 (every pair), or,
-    where `strides` names its id (its parts as str, joined by '-'), that stride in make test and every pair in
-    the slow set."""
-    params = []
-    for case in cases:
-        name = "-".join(map(str, case))
-        every = strides.get(name, 1)
-        params.append(pytest.param(*case, every, id=name if every == 1 else f"{name}-every{every}"))
-        if every > 1:
-            params.append(pytest.param(*case, 1, id=f"{name}-all", marks=pytest.mark.slow))
-    return params
 
 
 def pairs(sources: Sequence[Layout], destinations: Sequence[Layout], every: int = 1) -> list[tuple[Layout, Layout]]:

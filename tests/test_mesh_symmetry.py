@@ -10,7 +10,8 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from layout_helpers import draws, layouts, pairs, strided
+from layout_helpers import layouts, pairs
+from sweeps import draws, strided
 
 from tapestry.cost import comm, load_profile
 from tapestry.cost.comm import AlphaBeta

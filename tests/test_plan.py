@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sweeps import draws
 
 from tapestry import dtypes
 from tapestry.cli import main
@@ -188,10 +189,14 @@ def one_op_plans(draw) -> Plan:
     return build_plan(g, mesh, partitions=partitions)
 
 
-@settings(max_examples=200, deadline=None)
-@given(plan=one_op_plans(), seed=st.integers(0, 2**16))
-def test_any_candidate_partition_of_any_kernel_makes_a_valid_plan_that_computes_the_graph(plan, seed):
-    assert_plan_computes_graph(plan, seed)
+@draws(66, 200)
+def test_any_candidate_partition_of_any_kernel_makes_a_valid_plan_that_computes_the_graph(examples: int) -> None:
+    @settings(max_examples=examples, deadline=None)
+    @given(plan=one_op_plans(), seed=st.integers(0, 2**16))
+    def check(plan, seed):
+        assert_plan_computes_graph(plan, seed)
+
+    check()
 
 
 # -- the validator rejects what devices could not run ---------------------------------------------
@@ -250,28 +255,32 @@ def test_an_arg_layout_that_does_not_hold_a_devices_reads_is_rejected():
         simulate(plan, random_inputs(plan.graph))  # the simulator never invents cells either
 
 
-@settings(max_examples=150, deadline=None)
-@given(st.data())
-def test_reads_passed_without_islpy_are_held_by_islpys_judgement(data):
+@draws(50, 150)
+def test_reads_passed_without_islpy_are_held_by_islpys_judgement(examples: int) -> None:
     """`_surely_held` (the box of the map at the block's corners) never passes a read islpy finds unheld, and
     passes the reads of plain row and halo splits."""
-    in_dim, out_dim = data.draw(st.integers(0, 3)), data.draw(st.integers(1, 3))
-    matrix = [[data.draw(st.integers(-2, 2)) for _ in range(in_dim)] for _ in range(out_dim)]
-    projection = IndexProjection(ZAffineMap(matrix, [data.draw(st.integers(-3, 3)) for _ in range(out_dim)],
-                                            in_dim=in_dim), [data.draw(st.integers(0, 3)) for _ in range(out_dim)])
-    shape = tuple(data.draw(st.integers(1, 9)) for _ in range(out_dim))
-    pairs = []
-    for _ in range(data.draw(st.integers(1, 6))):
-        start = [data.draw(st.integers(0, 6)) for _ in range(in_dim)]
-        held_start = [data.draw(st.integers(0, n)) for n in shape]
-        pairs.append((ZRange(start, [s + data.draw(st.integers(0, 3)) for s in start]),
-                      ZRange(held_start, [data.draw(st.integers(h, n)) for h, n in zip(held_start, shape)])))
-    for block, held in _surely_held(projection, shape, pairs):
-        assert _unheld_read(projection, shape, block, held) is None
-    halo = IndexProjection(ZAffineMap([[1]], [-1]), [3])  # a 3-wide window centred on each row
-    rows = ZRange((4,), (8,))
-    assert _surely_held(halo, (16,), [(rows, ZRange((3,), (9,)))]) == {(rows, ZRange((3,), (9,)))}
-    assert not _surely_held(halo, (16,), [(rows, ZRange((4,), (9,)))])
+    @settings(max_examples=examples, deadline=None)
+    @given(st.data())
+    def check(data):
+        in_dim, out_dim = data.draw(st.integers(0, 3)), data.draw(st.integers(1, 3))
+        matrix = [[data.draw(st.integers(-2, 2)) for _ in range(in_dim)] for _ in range(out_dim)]
+        projection = IndexProjection(ZAffineMap(matrix, [data.draw(st.integers(-3, 3)) for _ in range(out_dim)],
+                                                in_dim=in_dim), [data.draw(st.integers(0, 3)) for _ in range(out_dim)])
+        shape = tuple(data.draw(st.integers(1, 9)) for _ in range(out_dim))
+        pairs = []
+        for _ in range(data.draw(st.integers(1, 6))):
+            start = [data.draw(st.integers(0, 6)) for _ in range(in_dim)]
+            held_start = [data.draw(st.integers(0, n)) for n in shape]
+            pairs.append((ZRange(start, [s + data.draw(st.integers(0, 3)) for s in start]),
+                          ZRange(held_start, [data.draw(st.integers(h, n)) for h, n in zip(held_start, shape)])))
+        for block, held in _surely_held(projection, shape, pairs):
+            assert _unheld_read(projection, shape, block, held) is None
+        halo = IndexProjection(ZAffineMap([[1]], [-1]), [3])  # a 3-wide window centred on each row
+        rows = ZRange((4,), (8,))
+        assert _surely_held(halo, (16,), [(rows, ZRange((3,), (9,)))]) == {(rows, ZRange((3,), (9,)))}
+        assert not _surely_held(halo, (16,), [(rows, ZRange((4,), (9,)))])
+
+    check()
 
 
 def test_arg_layouts_must_be_the_layouts_their_values_have():

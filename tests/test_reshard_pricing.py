@@ -13,7 +13,8 @@ from unittest import mock
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from layout_helpers import boxes, draws, layouts, pairs, strided
+from layout_helpers import boxes, layouts, pairs
+from sweeps import draws, strided
 
 from tapestry.cost.comm import moves
 from tapestry.sharding import Layout, Mesh, comm

@@ -6,6 +6,7 @@ import itertools
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sweeps import draws
 
 from tapestry.kernels import get_kernel
 from tapestry.sharding import Layout, Mesh
@@ -74,17 +75,21 @@ boxes = st.tuples(st.integers(-4, 4), st.integers(0, 5), st.integers(-4, 4), st.
     lambda t: ZRange((t[0], t[2]), (t[0] + t[1], t[2] + t[3])))
 
 
-@settings(max_examples=200, deadline=None)
-@given(a=boxes, b=boxes)
-def test_box_difference_agrees_with_islpy(a, b):
-    pieces = box_difference(a, b)
-    assert sum(p.size for p in pieces) == set_size(difference(a, b))
-    union = to_isl_set(ZRange((0, 0), (0, 0)))
-    for p in pieces:
-        assert a.contains(p)
-        assert to_isl_set(p).intersect(to_isl_set(b)).is_empty()
-        assert union.intersect(to_isl_set(p)).is_empty()
-        union = union.union(to_isl_set(p))
+@draws(66, 200)
+def test_box_difference_agrees_with_islpy(examples: int) -> None:
+    @settings(max_examples=examples, deadline=None)
+    @given(a=boxes, b=boxes)
+    def check(a, b):
+        pieces = box_difference(a, b)
+        assert sum(p.size for p in pieces) == set_size(difference(a, b))
+        union = to_isl_set(ZRange((0, 0), (0, 0)))
+        for p in pieces:
+            assert a.contains(p)
+            assert to_isl_set(p).intersect(to_isl_set(b)).is_empty()
+            assert union.intersect(to_isl_set(p)).is_empty()
+            union = union.union(to_isl_set(p))
+
+    check()
 
 
 layouts_1d = st.lists(st.integers(0, 12), min_size=3, max_size=3).map(sorted).map(
@@ -92,15 +97,19 @@ layouts_1d = st.lists(st.integers(0, 12), min_size=3, max_size=3).map(sorted).ma
                               for lo, hi in zip([0, *cuts], [*cuts, 12]))))
 
 
-@settings(max_examples=200, deadline=None)
-@given(src=layouts_1d, dst=layouts_1d)
-def test_transfers_deliver_exactly_what_each_device_lacks(src, dst):
-    received = received_elements(src, dst)
-    for k, need in enumerate(dst.blocks):
-        lacking = 0 if need is None else set_size(difference(need, src.blocks[k] or ZRange((0,), (0,))))
-        assert received[k] == lacking
-    moved = transfers(src, dst)
-    assert all(src.blocks[t.src].contains(t.region) and dst.blocks[t.dst].contains(t.region) for t in moved)
+@draws(66, 200)
+def test_transfers_deliver_exactly_what_each_device_lacks(examples: int) -> None:
+    @settings(max_examples=examples, deadline=None)
+    @given(src=layouts_1d, dst=layouts_1d)
+    def check(src, dst):
+        received = received_elements(src, dst)
+        for k, need in enumerate(dst.blocks):
+            lacking = 0 if need is None else set_size(difference(need, src.blocks[k] or ZRange((0,), (0,))))
+            assert received[k] == lacking
+        moved = transfers(src, dst)
+        assert all(src.blocks[t.src].contains(t.region) and dst.blocks[t.dst].contains(t.region) for t in moved)
+
+    check()
 
 
 def test_partial_sources_send_every_contribution():
@@ -126,24 +135,28 @@ def test_layout_names_are_derived_from_blocks():
     assert is_partition([b for b in uneven.blocks if b], ZRange.from_shape(shape))
 
 
-@settings(max_examples=100, deadline=None)
-@given(st.sampled_from([(2, 2), (1, 4), (2, 1, 2), (2, 4), (3,), (2, 2, 2)]),
-       st.lists(st.integers(0, 9), min_size=1, max_size=3), st.data())
-def test_a_layouts_name_is_the_first_split_making_it(mesh_shape, shape, data):
+@draws(33, 100)
+def test_a_layouts_name_is_the_first_split_making_it(examples: int) -> None:
     """The named layouts by enumeration (every split, the first in order winning), against `Layout.name`, which
     reads the dims off device 0's neighbours; also on layouts no split makes (devices' blocks swapped)."""
-    mesh, shape = Mesh(*mesh_shape), tuple(shape)
-    named = {}
-    for dims in reversed(list(itertools.product([None, *range(len(shape))], repeat=mesh.ndim))[1:]):
-        named[Layout.split(shape, mesh, dims)] = "S(" + ",".join("·" if d is None else str(d) for d in dims) + ")"
-    named[Layout.replicated(shape, mesh)] = "R"
-    dims = tuple(data.draw(st.sampled_from([None, *range(len(shape))])) for _ in mesh.shape)
-    layout = Layout.split(shape, mesh, dims)
-    blocks = list(layout.blocks)
-    i, j = data.draw(st.integers(0, mesh.size - 1)), data.draw(st.integers(0, mesh.size - 1))
-    blocks[i], blocks[j] = blocks[j], blocks[i]
-    for candidate in (layout, Layout(tuple(blocks))):
-        assert candidate.name(shape, mesh) == named.get(candidate, "blocks")
+    @settings(max_examples=examples, deadline=None)
+    @given(st.sampled_from([(2, 2), (1, 4), (2, 1, 2), (2, 4), (3,), (2, 2, 2)]),
+       st.lists(st.integers(0, 9), min_size=1, max_size=3), st.data())
+    def check(mesh_shape, shape, data):
+        mesh, shape = Mesh(*mesh_shape), tuple(shape)
+        named = {}
+        for dims in reversed(list(itertools.product([None, *range(len(shape))], repeat=mesh.ndim))[1:]):
+            named[Layout.split(shape, mesh, dims)] = "S(" + ",".join("·" if d is None else str(d) for d in dims) + ")"
+        named[Layout.replicated(shape, mesh)] = "R"
+        dims = tuple(data.draw(st.sampled_from([None, *range(len(shape))])) for _ in mesh.shape)
+        layout = Layout.split(shape, mesh, dims)
+        blocks = list(layout.blocks)
+        i, j = data.draw(st.integers(0, mesh.size - 1)), data.draw(st.integers(0, mesh.size - 1))
+        blocks[i], blocks[j] = blocks[j], blocks[i]
+        for candidate in (layout, Layout(tuple(blocks))):
+            assert candidate.name(shape, mesh) == named.get(candidate, "blocks")
+
+    check()
 
 
 def _blocks_one_device_at_a_time(index, mesh, splits, exchange=()):
@@ -160,31 +173,35 @@ def _blocks_one_device_at_a_time(index, mesh, splits, exchange=()):
     return tuple(found)
 
 
-@settings(max_examples=150, deadline=None)
-@given(st.data())
-def test_device_blocks_are_each_devices_even_cuts_also_ragged_and_empty(data):
-    shape = data.draw(st.sampled_from([(2, 4), (8, 8), (2, 2, 2), (4, 2, 3), (3, 5), (8,)]))
-    mesh = Mesh(*shape)
-    ndim = data.draw(st.integers(1, 4))
-    start = tuple(data.draw(st.integers(0, 3)) for _ in range(ndim))
-    index = ZRange(start, tuple(s + data.draw(st.integers(0, 20)) for s in start))
-    splits, exchange = [], []
-    for axis, size in enumerate(shape):
-        factors = [f for f in range(1, size + 1) if size % f == 0]
-        kind = data.draw(st.sampled_from(["none", "one", "two", "exchange"]))
-        dims = st.integers(0, ndim - 1)
-        if kind == "one":
-            splits.append(((data.draw(dims), size),))
-        elif kind == "two":
-            f = data.draw(st.sampled_from(factors))
-            splits.append(((data.draw(dims), f), (data.draw(dims), size // f)))
-        elif kind == "exchange":
-            splits.append(((data.draw(dims), size), (data.draw(dims), size)))
-            exchange.append(axis)
-        else:
-            splits.append(())
-    assert device_blocks(index, mesh, tuple(splits), exchange) == \
-        _blocks_one_device_at_a_time(index, mesh, splits, exchange)
+@draws(50, 150)
+def test_device_blocks_are_each_devices_even_cuts_also_ragged_and_empty(examples: int) -> None:
+    @settings(max_examples=examples, deadline=None)
+    @given(st.data())
+    def check(data):
+        shape = data.draw(st.sampled_from([(2, 4), (8, 8), (2, 2, 2), (4, 2, 3), (3, 5), (8,)]))
+        mesh = Mesh(*shape)
+        ndim = data.draw(st.integers(1, 4))
+        start = tuple(data.draw(st.integers(0, 3)) for _ in range(ndim))
+        index = ZRange(start, tuple(s + data.draw(st.integers(0, 20)) for s in start))
+        splits, exchange = [], []
+        for axis, size in enumerate(shape):
+            factors = [f for f in range(1, size + 1) if size % f == 0]
+            kind = data.draw(st.sampled_from(["none", "one", "two", "exchange"]))
+            dims = st.integers(0, ndim - 1)
+            if kind == "one":
+                splits.append(((data.draw(dims), size),))
+            elif kind == "two":
+                f = data.draw(st.sampled_from(factors))
+                splits.append(((data.draw(dims), f), (data.draw(dims), size // f)))
+            elif kind == "exchange":
+                splits.append(((data.draw(dims), size), (data.draw(dims), size)))
+                exchange.append(axis)
+            else:
+                splits.append(())
+        assert device_blocks(index, mesh, tuple(splits), exchange) == \
+            _blocks_one_device_at_a_time(index, mesh, splits, exchange)
+
+    check()
 
 
 def test_candidates_are_the_distinct_block_assignments_most_devices_busy_first():
@@ -199,24 +216,28 @@ def test_candidates_are_the_distinct_block_assignments_most_devices_busy_first()
     assert busy == sorted(busy, reverse=True) and busy[0] == 8
 
 
-@settings(max_examples=150, deadline=None)
-@given(st.data())
-def test_the_boxes_blocks_read_are_worked_out_together_as_one_at_a_time(data):
+@draws(50, 150)
+def test_the_boxes_blocks_read_are_worked_out_together_as_one_at_a_time(examples: int) -> None:
     """`_clipped_all` (numpy, distinct blocks at once) against `_clipped` (IndexProjection.apply, one block)."""
-    in_dim, out_dim = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3))
-    entries = st.integers(-2, 2)
-    matrix = [[data.draw(entries) for _ in range(in_dim)] for _ in range(out_dim)]
-    projection = IndexProjection(ZAffineMap(matrix, [data.draw(st.integers(-3, 3)) for _ in range(out_dim)],
-                                            in_dim=in_dim), [data.draw(st.integers(0, 3)) for _ in range(out_dim)])
-    shape = tuple(data.draw(st.integers(0, 9)) for _ in range(out_dim))
-    corner = st.lists(st.integers(0, 6), min_size=in_dim, max_size=in_dim)
-    blocks = []
-    for _ in range(data.draw(st.integers(1, 6))):
-        start = data.draw(corner)
-        blocks.append(data.draw(st.sampled_from([None, ZRange(start, [s + data.draw(st.integers(0, 3))
-                                                                        for s in start])])))
-    blocks.append(blocks[0])
-    assert _clipped_all(projection, tuple(blocks), shape) == tuple(_clipped(projection, b, shape) for b in blocks)
+    @settings(max_examples=examples, deadline=None)
+    @given(st.data())
+    def check(data):
+        in_dim, out_dim = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3))
+        entries = st.integers(-2, 2)
+        matrix = [[data.draw(entries) for _ in range(in_dim)] for _ in range(out_dim)]
+        projection = IndexProjection(ZAffineMap(matrix, [data.draw(st.integers(-3, 3)) for _ in range(out_dim)],
+                                                in_dim=in_dim), [data.draw(st.integers(0, 3)) for _ in range(out_dim)])
+        shape = tuple(data.draw(st.integers(0, 9)) for _ in range(out_dim))
+        corner = st.lists(st.integers(0, 6), min_size=in_dim, max_size=in_dim)
+        blocks = []
+        for _ in range(data.draw(st.integers(1, 6))):
+            start = data.draw(corner)
+            blocks.append(data.draw(st.sampled_from([None, ZRange(start, [s + data.draw(st.integers(0, 3))
+                                                                            for s in start])])))
+        blocks.append(blocks[0])
+        assert _clipped_all(projection, tuple(blocks), shape) == tuple(_clipped(projection, b, shape) for b in blocks)
+
+    check()
 
 
 def test_a_canonical_layout_is_the_first_equal_one_asked_for():

@@ -6,8 +6,9 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from sweeps import draws
 from zspace_helpers import F, PROPERTY, R, projected_ranges, zr, zranges
 
 from tapestry.zspace import IndexProjection, ZAffineMap, ZRange, zrange
@@ -212,36 +213,52 @@ def _tiles_by_counting(parts, whole):
     return all(whole.contains(cell) for cell in held) and all(held.get(c) == 1 for c in whole.points())
 
 
-@PROPERTY
-@given(tilings())
-def test_tiles_agrees_with_counting_cells(case):
-    parts, whole = case
-    assert tiles(parts, whole) == _tiles_by_counting(parts, whole)
-
-
-@PROPERTY
-@given(tilings())
-def test_tiles_by_box_pairs_where_the_grid_is_too_fine_agrees_with_counting_cells(case):
-    parts, whole = case
-    with mock.patch.object(zrange, "GRID_CELLS_PER_BOX", 0), mock.patch.object(zrange, "PAIRED_BOXES", 0):
+@draws(50, 150)
+def test_tiles_agrees_with_counting_cells(examples: int) -> None:
+    @settings(PROPERTY, max_examples=examples)
+    @given(tilings())
+    def check(case):
+        parts, whole = case
         assert tiles(parts, whole) == _tiles_by_counting(parts, whole)
 
+    check()
 
-@PROPERTY
-@given(tilings())
-def test_tiles_by_the_grid_past_a_few_boxes_agrees_with_counting_cells(case):
+
+@draws(50, 150)
+def test_tiles_by_box_pairs_where_the_grid_is_too_fine_agrees_with_counting_cells(examples: int) -> None:
+    @settings(PROPERTY, max_examples=examples)
+    @given(tilings())
+    def check(case):
+        parts, whole = case
+        with mock.patch.object(zrange, "GRID_CELLS_PER_BOX", 0), mock.patch.object(zrange, "PAIRED_BOXES", 0):
+            assert tiles(parts, whole) == _tiles_by_counting(parts, whole)
+
+    check()
+
+
+@draws(50, 150)
+def test_tiles_by_the_grid_past_a_few_boxes_agrees_with_counting_cells(examples: int) -> None:
     """Up to PAIRED_BOXES boxes `tiles` tests each pair in turn; past them it counts on the grid (forced here)."""
-    parts, whole = case
-    with mock.patch.object(zrange, "PAIRED_BOXES", 0):
-        assert tiles(parts, whole) == _tiles_by_counting(parts, whole)
+    @settings(PROPERTY, max_examples=examples)
+    @given(tilings())
+    def check(case):
+        parts, whole = case
+        with mock.patch.object(zrange, "PAIRED_BOXES", 0):
+            assert tiles(parts, whole) == _tiles_by_counting(parts, whole)
+
+    check()
 
 
-@PROPERTY
-@given(tilings())
-def test_covered_agrees_with_counting_cells_or_declines(case):
-    parts, whole = case
-    found = covered(parts, whole)
-    assert found is None or found == all(any(p.contains(c) for p in parts) for c in whole.points())
+@draws(50, 150)
+def test_covered_agrees_with_counting_cells_or_declines(examples: int) -> None:
+    @settings(PROPERTY, max_examples=examples)
+    @given(tilings())
+    def check(case):
+        parts, whole = case
+        found = covered(parts, whole)
+        assert found is None or found == all(any(p.contains(c) for p in parts) for c in whole.points())
+
+    check()
 
 
 def test_covered_counts_overlapping_and_stray_parts():
@@ -333,12 +350,16 @@ def test_str_parse_round_trips(r):
     assert zr(str(r)) == r
 
 
-@PROPERTY
-@given(projected_ranges())
-def test_json_round_trips(pr):
-    p, r = pr
-    for value in (r, p.affine, p):
-        assert type(value).from_json(json.loads(json.dumps(value.to_json()))) == value
+@draws(50, 150)
+def test_json_round_trips(examples: int) -> None:
+    @settings(PROPERTY, max_examples=examples)
+    @given(projected_ranges())
+    def check(pr):
+        p, r = pr
+        for value in (r, p.affine, p):
+            assert type(value).from_json(json.loads(json.dumps(value.to_json()))) == value
+
+    check()
 
 
 # --- ZAffineMap ---
@@ -481,12 +502,16 @@ def test_linear_shard_selects_its_slice_of_each_tensor(tensor, expected):
     assert LINEAR[tensor].apply(zr("zr[50:100, 16:32]")) == zr(expected)
 
 
-@PROPERTY
-@given(projected_ranges())
-def test_projection_of_a_range_is_the_bounding_box_of_its_points_boxes(pr):
-    p, r = pr
-    boxes = [b for b in map(p.apply, r.points()) if not b.is_empty]
-    if boxes:
-        assert p.apply(r) == ZRange.bounding(boxes)
-    else:  # a 0-dim range cannot be empty, so a scalar tensor still yields zr[]
-        assert p.apply(r).is_empty or p.out_dim == 0
+@draws(50, 150)
+def test_projection_of_a_range_is_the_bounding_box_of_its_points_boxes(examples: int) -> None:
+    @settings(PROPERTY, max_examples=examples)
+    @given(projected_ranges())
+    def check(pr):
+        p, r = pr
+        boxes = [b for b in map(p.apply, r.points()) if not b.is_empty]
+        if boxes:
+            assert p.apply(r) == ZRange.bounding(boxes)
+        else:  # a 0-dim range cannot be empty, so a scalar tensor still yields zr[]
+            assert p.apply(r).is_empty or p.out_dim == 0
+
+    check()

@@ -2,8 +2,9 @@
 
 import islpy as isl
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from sweeps import draws
 from zspace_helpers import F, PROPERTY, R, projected_ranges, zr, zranges
 
 from tapestry.zspace import (
@@ -142,16 +143,20 @@ def test_set_size_rejects_unbounded_sets():
 # --- the closed forms agree with islpy ---
 
 
-@PROPERTY
-@given(projected_ranges())
-def test_projection_of_a_range_is_the_bounding_box_of_its_isl_footprint(pr):
-    p, r = pr
-    cells = footprint(p, r)
-    if cells.is_empty():  # a 0-dim range cannot be empty, so a scalar tensor still yields zr[]
-        assert p.apply(r).is_empty or p.out_dim == 0
-    else:
-        assert p.apply(r) == bounding_box(cells)
-        assert box_of(cells) in (None, p.apply(r))
+@draws(50, 150)
+def test_projection_of_a_range_is_the_bounding_box_of_its_isl_footprint(examples: int) -> None:
+    @settings(PROPERTY, max_examples=examples)
+    @given(projected_ranges())
+    def check(pr):
+        p, r = pr
+        cells = footprint(p, r)
+        if cells.is_empty():  # a 0-dim range cannot be empty, so a scalar tensor still yields zr[]
+            assert p.apply(r).is_empty or p.out_dim == 0
+        else:
+            assert p.apply(r) == bounding_box(cells)
+            assert box_of(cells) in (None, p.apply(r))
+
+    check()
 
 
 def test_mixed_sign_footprint_is_the_exact_box():
@@ -162,33 +167,45 @@ def test_mixed_sign_footprint_is_the_exact_box():
 range_pairs = st.integers(0, 3).flatmap(lambda n: st.tuples(zranges(n), zranges(n)))
 
 
-@PROPERTY
-@given(range_pairs)
-def test_intersection_agrees_with_isl(pair):
-    a, b = pair
-    result = a.intersection(b)
-    shared = to_isl_set(a).intersect(to_isl_set(b))
-    if not shared.is_empty():
-        assert result == box_of(shared)
-    # Boxes touch or overlap exactly when their closures [start, end] meet.
-    closure = lambda r: to_isl_set(ZRange(r.start, [e + 1 for e in r.end]))  # noqa: E731
-    assert (result is None) == closure(a).intersect(closure(b)).is_empty()
+@draws(50, 150)
+def test_intersection_agrees_with_isl(examples: int) -> None:
+    @settings(PROPERTY, max_examples=examples)
+    @given(range_pairs)
+    def check(pair):
+        a, b = pair
+        result = a.intersection(b)
+        shared = to_isl_set(a).intersect(to_isl_set(b))
+        if not shared.is_empty():
+            assert result == box_of(shared)
+        # Boxes touch or overlap exactly when their closures [start, end] meet.
+        closure = lambda r: to_isl_set(ZRange(r.start, [e + 1 for e in r.end]))  # noqa: E731
+        assert (result is None) == closure(a).intersect(closure(b)).is_empty()
+
+    check()
 
 
-@PROPERTY
-@given(range_pairs)
-def test_containment_of_non_empty_ranges_agrees_with_isl(pair):
-    a, b = pair
-    assume(not b.is_empty)
-    assert a.contains(b) == to_isl_set(b).is_subset(to_isl_set(a))
+@draws(50, 150)
+def test_containment_of_non_empty_ranges_agrees_with_isl(examples: int) -> None:
+    @settings(PROPERTY, max_examples=examples)
+    @given(range_pairs)
+    def check(pair):
+        a, b = pair
+        assume(not b.is_empty)
+        assert a.contains(b) == to_isl_set(b).is_subset(to_isl_set(a))
+
+    check()
 
 
-@PROPERTY
-@given(zranges(max_extent=3), st.data())
-def test_point_containment_agrees_with_isl(r, data):
-    p = tuple(data.draw(st.lists(st.integers(-6, 9), min_size=r.ndim, max_size=r.ndim)))
-    point = isl.Set("{ [%s] }" % ", ".join(map(str, p)))
-    assert r.contains(p) == point.is_subset(to_isl_set(r))
+@draws(50, 150)
+def test_point_containment_agrees_with_isl(examples: int) -> None:
+    @settings(PROPERTY, max_examples=examples)
+    @given(zranges(max_extent=3), st.data())
+    def check(r, data):
+        p = tuple(data.draw(st.lists(st.integers(-6, 9), min_size=r.ndim, max_size=r.ndim)))
+        point = isl.Set("{ [%s] }" % ", ".join(map(str, p)))
+        assert r.contains(p) == point.is_subset(to_isl_set(r))
+
+    check()
 
 
 @st.composite
@@ -201,27 +218,39 @@ def splits(draw):
     return r, r.split_even(dim, draw(st.integers(1, 6)))
 
 
-@PROPERTY
-@given(splits())
-def test_split_pieces_always_partition_the_range(split):
-    r, pieces = split
-    assert is_partition(pieces, r)
+@draws(50, 150)
+def test_split_pieces_always_partition_the_range(examples: int) -> None:
+    @settings(PROPERTY, max_examples=examples)
+    @given(splits())
+    def check(split):
+        r, pieces = split
+        assert is_partition(pieces, r)
+
+    check()
 
 
-@PROPERTY
-@given(splits(), st.data())
-def test_removing_a_non_empty_piece_leaves_a_gap(split, data):
-    r, pieces = split
-    i = data.draw(st.sampled_from([i for i, p in enumerate(pieces) if not p.is_empty]))
-    problems = partition_problems(pieces[:i] + pieces[i + 1 :], r)
-    assert problems and problems[0].startswith("gap: ")
+@draws(50, 150)
+def test_removing_a_non_empty_piece_leaves_a_gap(examples: int) -> None:
+    @settings(PROPERTY, max_examples=examples)
+    @given(splits(), st.data())
+    def check(split, data):
+        r, pieces = split
+        i = data.draw(st.sampled_from([i for i, p in enumerate(pieces) if not p.is_empty]))
+        problems = partition_problems(pieces[:i] + pieces[i + 1 :], r)
+        assert problems and problems[0].startswith("gap: ")
+
+    check()
 
 
-@PROPERTY
-@given(splits(), st.data())
-def test_enlarging_a_non_empty_piece_breaks_the_partition(split, data):
-    r, pieces = split
-    i = data.draw(st.sampled_from([i for i, p in enumerate(pieces) if not p.is_empty]))
-    d = data.draw(st.integers(0, r.ndim - 1))
-    grown = ZRange(pieces[i].start, [e + (k == d) for k, e in enumerate(pieces[i].end)])
-    assert partition_problems(pieces[:i] + [grown] + pieces[i + 1 :], r)
+@draws(50, 150)
+def test_enlarging_a_non_empty_piece_breaks_the_partition(examples: int) -> None:
+    @settings(PROPERTY, max_examples=examples)
+    @given(splits(), st.data())
+    def check(split, data):
+        r, pieces = split
+        i = data.draw(st.sampled_from([i for i, p in enumerate(pieces) if not p.is_empty]))
+        d = data.draw(st.integers(0, r.ndim - 1))
+        grown = ZRange(pieces[i].start, [e + (k == d) for k, e in enumerate(pieces[i].end)])
+        assert partition_problems(pieces[:i] + [grown] + pieces[i + 1 :], r)
+
+    check()
