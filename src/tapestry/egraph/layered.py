@@ -60,7 +60,8 @@ def grown(egraph: EGraph, choice: Mapping[int, int], pairs: Sequence[tuple[int, 
     class, the same one does, and the dict's order is theirs). One pass: a pair is queued, by (sweep, place), when
     the last class it waits for is chosen; sweeping did that ~90,000 pairs at a time on the 7B fold. Only the pairs
     of chosen nodes are visited (`index`: `by_first(pairs)`, which the caller can keep), each from when its n is
-    chosen: visiting every pair took 0.36 s a call there, 40 of the extraction's 145 CPU s."""
+    chosen: visiting every pair took 0.33 s a call there, 37.5 of the extraction's 135.8 CPU s (docs/benchmarks.md,
+    "Growing the mirrored choice from the chosen nodes only")."""
     index = by_first(pairs) if index is None else index
     kept = dict(choice)
     node_class, child_sets = egraph.node_class, egraph.child_sets
