@@ -15,7 +15,9 @@ runs its cases): per phase the calls' count and CPU and wall seconds, and each c
 With `--reshards N`, every reshard that pricing prices (`AlphaBeta._priced`, once per orbit) is timed, and the N
 slowest are listed with their shape, dtype and layouts. With `--cprofile PREFIX`, each `Explored.extract` runs under
 cProfile timing CPU seconds, its stats written to PREFIX.<pid>.<call> (read with pstats); saturation is left
-unprofiled, since its budget is CPU seconds and a profiled run would explore less. The wrappers add a few
+unprofiled, since its budget is CPU seconds and a profiled run would explore less. With `--fold-phases`, a folded
+step's extraction phases (FOLD_PHASES: greedy extractions, tree choices, mirrors, pricing candidates, the kept plan's
+checks) are timed too, each inclusive, for a split without cProfile's cost. The wrappers add a few
 microseconds per call and measure CPU with time.process_time (this process's threads), which a loaded machine
 inflates far less than wall time; a phase's seconds include the phases called inside it.
 
@@ -33,6 +35,7 @@ import atexit
 import cProfile
 import functools
 import heapq
+import inspect
 import itertools
 import json
 import multiprocessing.process
@@ -93,9 +96,39 @@ def _profiled(function: Any, prefix: str) -> Any:
     return profiled
 
 
-def install(reshards: int, cprofile: str | None = None) -> None:
+# --fold-phases: a folded step's extraction phases, each "module:attribute" (a function looked up by that module's
+# global name, or a Class.method), timed as a phase of its own (inclusive: a phase's seconds include those it calls)
+FOLD_PHASES = (
+    "tapestry.optimizer:extract", "tapestry.extract.tree:tree_choice", "tapestry.optimizer:pin_layouts",
+    "tapestry.optimizer:periodic_selections", "tapestry.egraph.layered:Layered.mirror",
+    "tapestry.egraph.layered:grown", "tapestry.egraph.layered:with_reads", "tapestry.egraph.layered:finalize",
+    "tapestry.egraph.pins:steady_repaired", "tapestry.egraph.layered:Layered.costs",
+    "tapestry.egraph.folded_candidates:FoldedCandidates.folded_time",
+    "tapestry.egraph.folded_candidates:FoldedCandidates.expanded_time",
+    "tapestry.egraph.folded_candidates:FoldedCandidates.decode", "tapestry.optimizer:Explored._verified",
+    "tapestry.optimizer:validate_plan", "tapestry.optimizer:meaning_check", "tapestry.optimizer:Explored._fused",
+    "tapestry.egraph.objective:StepObjective.exposed", "tapestry.egraph.objective:StepObjective.better")
+
+
+def _wrap_phases(names: tuple[str, ...]) -> None:
+    """Each of `names` ("module:attribute", FOLD_PHASES' form) timed as the phase "module.attribute" (the module's
+    last name: "optimizer.extract" is greedy-dag's, where the phase "extract" is `Explored.extract`)."""
+    import importlib
+
+    for name in names:
+        module_name, attribute = name.split(":")
+        owner: Any = importlib.import_module(module_name)
+        *path, last = attribute.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        timed = _timed(f"{module_name.rsplit('.', 1)[-1]}.{attribute}", getattr(owner, last), lambda a, k: "")
+        setattr(owner, last, staticmethod(timed) if isinstance(inspect.getattr_static(owner, last), staticmethod)
+                else timed)
+
+
+def install(reshards: int, cprofile: str | None = None, phases: tuple[str, ...] = ()) -> None:
     """Wrap the optimizer's phases (before the script imports `explore` by name), with `reshards` pricing, and with
-    `cprofile` extraction under cProfile."""
+    `cprofile` extraction under cProfile; `phases` ("module:attribute") timed too."""
     from tapestry import optimizer
     from tapestry.cost import comm
     from tapestry.egraph.decode import Decoder
@@ -112,6 +145,7 @@ def install(reshards: int, cprofile: str | None = None) -> None:
                                                    lambda a, k: a[0].mesh)
     if reshards >= 0:
         comm.AlphaBeta._priced = _timed_reshard(comm.AlphaBeta._priced, reshards)
+    _wrap_phases(phases)
     atexit.register(report)
 
 
@@ -129,9 +163,10 @@ def report() -> None:
     print(json.dumps(out), flush=True)
 
 
-def _in_child(reshards: int, cprofile: str | None, target: Any, *args: Any, **kwargs: Any) -> Any:
+def _in_child(reshards: int, cprofile: str | None, phases: tuple[str, ...], target: Any, *args: Any,
+              **kwargs: Any) -> Any:
     """A spawned child's target, run with the phases wrapped; its report printed when it exits."""
-    install(reshards, cprofile)
+    install(reshards, cprofile, phases)
     try:
         return target(*args, **kwargs)
     finally:
@@ -139,7 +174,7 @@ def _in_child(reshards: int, cprofile: str | None, target: Any, *args: Any, **kw
         _calls.clear()
 
 
-def _follow_children(reshards: int, cprofile: str | None) -> None:
+def _follow_children(reshards: int, cprofile: str | None, phases: tuple[str, ...]) -> None:
     """Spawned children (cluster.py runs each case in one) get the same wrappers: their target is wrapped in
     `_in_child`, pickled by this module's importable name (benchmarks/ is on the children's sys.path)."""
     start = multiprocessing.process.BaseProcess.start
@@ -148,7 +183,8 @@ def _follow_children(reshards: int, cprofile: str | None) -> None:
         if self._target is not None:
             import profile_optimize
 
-            self._target = functools.partial(profile_optimize._in_child, reshards, cprofile, self._target)
+            self._target = functools.partial(profile_optimize._in_child, reshards, cprofile, phases,
+                                             self._target)
         start(self)
     multiprocessing.process.BaseProcess.start = started
 
@@ -172,14 +208,17 @@ def main() -> None:
     parser.add_argument("--reshards", type=int, default=-1, help="time pricing each reshard; list the N slowest")
     parser.add_argument("--cprofile", metavar="PREFIX", help="run each extraction under cProfile, its stats to "
                         "PREFIX.<pid>.<call>")
+    parser.add_argument("--fold-phases", action="store_true", help="time a folded step's extraction phases too "
+                        "(FOLD_PHASES: greedy extractions, tree choices, mirrors, candidates' prices, the checks)")
     parser.add_argument("--model", default="llama", help="the default case's zoo family (a decoder)")
     parser.add_argument("--mesh", default="2x2", help="the default case's mesh")
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
-    install(args.reshards, args.cprofile)
+    phases = FOLD_PHASES if args.fold_phases else ()
+    install(args.reshards, args.cprofile, phases)
     if not script:
         tiny(args.model, args.mesh)
         return
-    _follow_children(args.reshards, args.cprofile)
+    _follow_children(args.reshards, args.cprofile, phases)
     sys.argv = script
     runpy.run_path(script[0], run_name="__main__")
 

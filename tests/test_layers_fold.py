@@ -394,3 +394,25 @@ def test_growing_a_mirrored_choice_in_one_pass_adds_what_sweeping_adds_in_the_sa
     expected = _swept(egraph, choice, pairs)
     found = grown(egraph, choice, pairs)
     assert found == expected and list(found.items()) == list(expected.items())
+
+
+def test_mirroring_a_real_fold_grows_what_sweeping_every_pair_grows(steps, monkeypatch):
+    """`Layered.mirror` grows its choice from the pairs of chosen nodes only (`grown` with the index it keeps,
+    `Layered._pairs`): on the tiny LLaMA fold, each way and from two selections (the free choice and one under
+    the replicated pins), the same choice, in the same order, as sweeping every pair until nothing grows; the
+    index kept from the first mirror serves the next ones (a stale one would grow other twins)."""
+    import tapestry.egraph.layered as layered_module
+    from tapestry.egraph.pins import pin_layouts, replicated_layouts
+    from tapestry.extract import extract
+
+    explored, egraph, _, carried, _ = folded_on_two(steps[3])
+    layered, decoder = explored.layered, explored.decoder
+    free = extract(egraph, "greedy-dag")
+    pinned = extract(pin_layouts(decoder, egraph, replicated_layouts(decoder, carried), carried), "greedy-dag")
+    assert free.choice != pinned.choice
+    found = [layered.mirror(egraph, s, source).choice for s in (free, pinned) for source in (0, 1)]
+    monkeypatch.setattr(layered_module, "grown", lambda egraph, choice, pairs, index=None: _swept(egraph, choice,
+                                                                                                   pairs))
+    swept = [layered.mirror(egraph, s, source).choice for s in (free, pinned) for source in (0, 1)]
+    assert [list(f.items()) for f in found] == [list(s.items()) for s in swept]
+    assert len({tuple(sorted(f.items())) for f in found}) > 1

@@ -44,44 +44,60 @@ def value_classes(data: Mapping[str, Any], graph: Graph) -> dict[str, str]:
     return found
 
 
-def grown(egraph: EGraph, choice: Mapping[int, int], pairs: Sequence[tuple[int, int]]) -> dict[int, int]:
+def by_first(pairs: Sequence[tuple[int, int]]) -> dict[int, list[int]]:
+    """Node -> the places of the pairs (n, twin) whose n it is: what `grown` looks up as a node is chosen."""
+    found: dict[int, list[int]] = {}
+    for i, (n, _) in enumerate(pairs):
+        found.setdefault(n, []).append(i)
+    return found
+
+
+def grown(egraph: EGraph, choice: Mapping[int, int], pairs: Sequence[tuple[int, int]],
+          index: Mapping[int, Sequence[int]] | None = None) -> dict[int, int]:
     """`choice` (class -> node) with, for each pair (n, twin) whose n is chosen, `twin` chosen for its class where
     that is unchosen and every class it reads is chosen: the fixed point of sweeping `pairs` in order until
     nothing grows, each twin added at the sweep and place such sweeps add it (so where two twins could take one
     class, the same one does, and the dict's order is theirs). One pass: a pair is queued, by (sweep, place), when
-    the last class it waits for is chosen; sweeping did that ~90,000 pairs at a time on the 7B fold."""
+    the last class it waits for is chosen; sweeping did that ~90,000 pairs at a time on the 7B fold. Only the pairs
+    of chosen nodes are visited (`index`: `by_first(pairs)`, which the caller can keep), each from when its n is
+    chosen: visiting every pair took 0.33 s a call there, 37.5 of the extraction's 135.8 CPU s (docs/benchmarks.md,
+    "Growing the mirrored choice from the chosen nodes only")."""
+    index = by_first(pairs) if index is None else index
     kept = dict(choice)
-    waiting: dict[int, list[int]] = {}  # class -> the pairs waiting for it to be chosen
-    unmet = [0] * len(pairs)  # classes a pair waits for; -1 where its n's class chose another node
+    node_class, child_sets = egraph.node_class, egraph.child_sets
+    waiting: dict[int, list[int]] = {}  # class -> the pairs (their n chosen) waiting for it to be chosen
+    unmet: dict[int, int] = {}  # pair -> the classes its twin reads that are not chosen yet
     queue: list[tuple[int, int]] = []
-    for i, (n, twin) in enumerate(pairs):
-        home = egraph.node_class[n]
-        if kept.get(home, n) != n:
-            unmet[i] = -1
-            continue
-        needs = [d for d in {home, *egraph.node_children[twin]} if d not in kept]
-        unmet[i] = len(needs)
-        for d in needs:
-            waiting.setdefault(d, []).append(i)
-        if not needs:
-            queue.append((0, i))
-    heapq.heapify(queue)
+
+    def reading(n: int, sweep: int, at: int) -> None:
+        """n chosen (by pair `at` in `sweep`): its pairs wait for what their twins read, or are queued, reached
+        later in this sweep or in the next (a pair whose twin's class is chosen already would add nothing)."""
+        for j in index.get(n, ()):
+            twin = pairs[j][1]
+            if node_class[twin] in kept:
+                continue
+            needs = [d for d in child_sets[twin] if d not in kept]
+            if needs:
+                unmet[j] = len(needs)
+                for d in needs:
+                    waiting.setdefault(d, []).append(j)
+            else:
+                heapq.heappush(queue, (sweep if j > at else sweep + 1, j))
+
+    for n in choice.values():
+        reading(n, 0, -1)
     while queue:
         sweep, i = heapq.heappop(queue)
         twin = pairs[i][1]
-        c = egraph.node_class[twin]
+        c = node_class[twin]
         if c in kept:
             continue
         kept[c] = twin
         for j in waiting.pop(c, ()):
-            if unmet[j] <= 0:
-                continue
-            if egraph.node_class[pairs[j][0]] == c and pairs[j][0] != twin:
-                unmet[j] = -1
-                continue
             unmet[j] -= 1
-            if unmet[j] == 0:  # reached later in this sweep, or in the next
+            if unmet[j] == 0:
                 heapq.heappush(queue, (sweep if j > i else sweep + 1, j))
+        reading(twin, sweep, i)
     return kept
 
 
@@ -114,8 +130,8 @@ def twins_alike(egraph: EGraph, pairs: Sequence[tuple[int, int]]) -> EGraph:
     is absent (on Mesh(2, 2, 2), copy 0's backward reading copy 1's gradient in a layout the prefix never reads)."""
     costs = list(egraph.node_cost)
     while True:
-        priced = egraph.with_costs(costs)
-        tree, child_sets = tree_choice(priced), priced.child_sets
+        priced = egraph.with_costs(costs)  # the last one's tree choice kept with it: its extractions start there
+        tree, child_sets = priced.priced("tree", tree_choice), priced.child_sets
 
         def usable(n: int) -> bool:
             return priced.selectable(n) and all(tree.extractable(d) for d in child_sets[n])
@@ -242,13 +258,19 @@ class Layered:
         # ways where the classes allow, as the ILP's ties ask of its warm start
         # where a twin reads a class nothing chose (copy 1's input gradient made in the layout the prefix reads
         # copy 0's in reads the suffix's gradient in a layout nothing else reads), its tree choice is taken there
-        pairs = [*self.twins.items(), *((t, n) for n, t in self.twins.items())]
-        kept, tree = grown(egraph, found.choice, pairs), solvable_tree(egraph)
+        pairs, index = self._pairs
+        kept, tree = grown(egraph, found.choice, pairs, index), solvable_tree(egraph)
         while True:
             filled = with_reads(egraph, kept, pairs, tree)
             if len(filled) == len(kept):
                 return replace(found, choice=kept)
-            kept = grown(egraph, filled, pairs)
+            kept = grown(egraph, filled, pairs, index)
+
+    @cached_property
+    def _pairs(self) -> tuple[list[tuple[int, int]], dict[int, list[int]]]:
+        """The twin pairs both ways (copy 0 -> 1, then 1 -> 0), and `by_first` of them: `mirror` grows by them."""
+        pairs = [*self.twins.items(), *((t, n) for n, t in self.twins.items())]
+        return pairs, by_first(pairs)
 
     def aligned(self, pins: Mapping[str, str], source: int) -> dict[str, str]:
         """`pins` (input -> layout key) with each input of the other copy pinned where its twin in copy `source`
