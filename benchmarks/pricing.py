@@ -12,13 +12,17 @@ seconds (time.process_time: a loaded machine inflates it far less than wall time
 prices differ from a saved run's (they must not: plans depend on them). `--repeat N` prices them N times in one
 process, each pass from cold caches (pricing's functools caches cleared) with the collector off as in `optimize`,
 and prints the least CPU: on a shared machine the least of a few passes moves less with the load than one run.
+`--calls` adds one more pass from cold caches under cProfile and prints its count of Python function calls
+(`python_calls`), which no load moves: a change too small to show in CPU seconds at load 10 shows there.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
 import pickle
+import pstats
 import time
 
 
@@ -47,7 +51,7 @@ def record(model: str, mesh_text: str, out: str) -> None:
     print(json.dumps({"model": model, "mesh": mesh_text, "reshards": len(steps), "out": out}))
 
 
-def replay(path: str, save: str | None, compare: str | None, repeat: int = 1) -> None:
+def replay(path: str, save: str | None, compare: str | None, repeat: int = 1, calls: bool = False) -> None:
     with open(path, "rb") as f:
         steps, mesh, model = pickle.load(f)
     if repeat > 1:  # as `optimize` prices: the collector off; each pass from cold caches, the least CPU kept
@@ -62,6 +66,12 @@ def replay(path: str, save: str | None, compare: str | None, repeat: int = 1) ->
     result = {"reshards": len(steps), "cpu_s": round(min(seconds), 3)}
     if repeat > 1:
         result["cpu_s_each"] = [round(s, 3) for s in seconds]
+    if calls:
+        for cached in _caches():
+            cached.cache_clear()
+        profile = cProfile.Profile()
+        profile.runcall(lambda: [model.step_cost(step, mesh) for step in steps])
+        result["python_calls"] = pstats.Stats(profile).total_calls
     if save:
         with open(save, "wb") as f:
             pickle.dump(prices, f)
@@ -102,11 +112,12 @@ def main() -> None:
     rep.add_argument("--save")
     rep.add_argument("--compare")
     rep.add_argument("--repeat", type=int, default=1, help="passes from cold caches, collector off; the least CPU")
+    rep.add_argument("--calls", action="store_true", help="count one cold pass's Python function calls (cProfile)")
     args = parser.parse_args()
     if args.command == "record":
         record(args.model, args.mesh, args.out)
     else:
-        replay(args.path, args.save, args.compare, args.repeat)
+        replay(args.path, args.save, args.compare, args.repeat, args.calls)
 
 
 if __name__ == "__main__":

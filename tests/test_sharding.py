@@ -250,3 +250,46 @@ def test_a_canonical_layout_is_the_first_equal_one_asked_for():
     other = canonical(Layout(made[0].blocks, partial=True))
     assert other is not first and other == Layout(made[0].blocks, partial=True)
     assert canonical_box((0,), (2,)) is canonical_box((0,), (2,)) == ZRange((0,), (2,))
+
+
+def _split_made_afresh(shape, mesh, dims):
+    """`Layout.split` by its definition, one device at a time, never from a memo."""
+    blocks = []
+    for device in mesh.devices:
+        block = ZRange.from_shape(shape)
+        for axis, (dim, coord) in enumerate(zip(dims, mesh.coords(device))):
+            if dim is not None:
+                block = block.split_even(dim, mesh.shape[axis])[coord]
+        blocks.append(block)
+    return Layout(tuple(blocks))
+
+
+def test_splits_and_names_made_once_are_the_layouts_made_afresh():
+    """`Layout.split` and `Layout.replicated` hand back one object per shape, mesh and dims, and `plain_name`
+    names a partial layout by one plain copy: each equal to what its definition makes, for shapes, meshes and
+    dims that differ in one thing only (a memo keyed by fewer of them would hand back another's layout)."""
+    for mesh, shape in itertools.product([Mesh(4), Mesh(2, 2), Mesh(4, 1), Mesh(2, 2, 2)], [(8, 6), (6, 8), (3, 5)]):
+        for dims in itertools.product([None, 0, 1], repeat=mesh.ndim):
+            made = Layout.split(shape, mesh, dims)
+            assert made == _split_made_afresh(shape, mesh, dims) and Layout.split(list(shape), mesh, dims) is made
+            partial = Layout(made.blocks, partial=True)
+            assert partial.plain_name(shape, mesh) == made.name(shape, mesh) == Layout(made.blocks).name(shape, mesh)
+            assert partial.name(shape, mesh) == ("P" if made.name(shape, mesh) == "R" else
+                                                  f"P·{made.name(shape, mesh)}")
+        assert Layout.replicated(shape, mesh) == Layout((ZRange.from_shape(shape),) * mesh.size)
+        assert Layout.replicated(shape, mesh) is Layout.replicated(list(shape), mesh)
+    assert Layout.split((8, 6), Mesh(4), (0,)) != Layout.split((6, 8), Mesh(4), (0,))
+    assert Layout.split((8, 6), Mesh(4), (0,)) != Layout.split((8, 6), Mesh(4), (1,))
+    assert Layout.split((8, 6), Mesh(4, 1), (0, None)) != Layout.split((8, 6), Mesh(2, 2), (0, None))
+
+
+def test_a_meshs_hash_is_the_dataclass_hash_of_its_shape():
+    """Made once (pricing keys its caches by the mesh), and what the dataclass's was: sets of meshes iterate as
+    they did; a mesh unpickled from a file written before the cache still hashes."""
+    import pickle
+
+    mesh = Mesh(2, 2)
+    assert hash(mesh) == hash(((2, 2),)) == hash(Mesh((2, 2)))
+    old = object.__new__(Mesh)
+    object.__setattr__(old, "shape", (2, 2))
+    assert hash(pickle.loads(pickle.dumps(old))) == hash(mesh) and pickle.loads(pickle.dumps(old)) == mesh

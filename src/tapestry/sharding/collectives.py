@@ -259,7 +259,7 @@ def _classify(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> Collective:
 @lru_cache(maxsize=1 << 14)  # asked of the same local layouts by many groups' `_classify`
 def _family(layout: Layout, shape: Shape, mesh: Mesh) -> str:
     """'R', 'S' or 'blocks' for the plain blocks of `layout`."""
-    name = Layout(layout.blocks).name(shape, mesh)
+    name = layout.plain_name(shape, mesh)
     return "S" if name.startswith("S(") else name
 
 

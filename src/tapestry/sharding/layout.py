@@ -47,29 +47,30 @@ class Layout:
 
     @classmethod
     def replicated(cls, shape: tuple[int, ...], mesh: Mesh) -> Layout:
-        return cls((ZRange.from_shape(shape),) * mesh.size)
+        """The whole tensor on every device (one object per shape and mesh, `_replicated`)."""
+        return _replicated(tuple(shape), mesh)
 
     @classmethod
     def split(cls, shape: tuple[int, ...], mesh: Mesh, dims: tuple[int | None, ...]) -> Layout:
-        """Tensor dim dims[a] split evenly over mesh axis a (None: replicated over that axis)."""
-        blocks = []
-        for device in mesh.devices:
-            block = ZRange.from_shape(shape)
-            for axis, (dim, coord) in enumerate(zip(dims, mesh.coords(device))):
-                if dim is not None:
-                    block = _even(block, dim, mesh.shape[axis])[coord]
-            blocks.append(block)
-        return cls(tuple(blocks))
+        """Tensor dim dims[a] split evenly over mesh axis a (None: replicated over that axis); one object per
+        shape, mesh and dims (`_split`)."""
+        return _split(tuple(shape), mesh, tuple(dims))
 
     def holds(self, device: int) -> Block:
         return self.blocks[device]
 
     def name(self, shape: tuple[int, ...], mesh: Mesh) -> str:
         """A short family name when the layout is one: R, S(0), S(0,·), P, P·S(1); else 'blocks'."""
-        family = _family_name(tuple(shape), mesh, Layout(self.blocks))
+        family = self.plain_name(shape, mesh)
         if not self.partial:
             return family
         return "P" if family == "R" else f"P·{family}"
+
+    def plain_name(self, shape: tuple[int, ...], mesh: Mesh) -> str:
+        """The family name of the blocks, the partial flag aside: R, S(0), S(0,·) or 'blocks'. Asked of the layout
+        itself where it is plain (`_family_name`'s cache finds it by identity, where a copy of it was compared
+        block by block), of one plain copy per partial layout (`_plain`)."""
+        return _family_name(tuple(shape), mesh, _plain(self) if self.partial else self)
 
     def to_json(self) -> dict[str, Any]:
         return {"blocks": [None if b is None else str(b) for b in self.blocks], "partial": self.partial}
@@ -92,6 +93,29 @@ def canonical(layout: Layout) -> Layout:
 
 # The same for boxes made by box arithmetic (start, end: ordered int tuples of one rank, as ZRange._checked).
 canonical_box = functools.lru_cache(maxsize=1 << 16)(ZRange._checked)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _replicated(shape: tuple[int, ...], mesh: Mesh) -> Layout:
+    return Layout((ZRange.from_shape(shape),) * mesh.size)
+
+
+@functools.lru_cache(maxsize=1 << 14)  # pricing names layouts by comparing them with the split of their dims
+def _split(shape: tuple[int, ...], mesh: Mesh, dims: tuple[int | None, ...]) -> Layout:
+    blocks = []
+    for device in mesh.devices:
+        block = ZRange.from_shape(shape)
+        for axis, (dim, coord) in enumerate(zip(dims, mesh.coords(device))):
+            if dim is not None:
+                block = _even(block, dim, mesh.shape[axis])[coord]
+        blocks.append(block)
+    return Layout(tuple(blocks))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _plain(layout: Layout) -> Layout:
+    """A partial layout's blocks as a plain layout, made once."""
+    return Layout(layout.blocks)
 
 
 @functools.lru_cache(maxsize=1 << 14)  # a 64-device split cuts the same few blocks 64 times over

@@ -92,7 +92,7 @@ def kept_splits(layout: Layout, shape: Shape, mesh: Mesh, relabellings: tuple[Re
     the split of the same dims over the image axes: those that keep the order of the axes that split one dim (the
     lower axis is major). On other layouts (uneven, factored blocks) the alpha-beta model breaks ties by device
     order, so none but the identity."""
-    name = Layout(layout.blocks).name(shape, mesh)
+    name = layout.plain_name(shape, mesh)
     if name == "R":
         return list(range(len(relabellings)))
     if not name.startswith("S("):
