@@ -244,9 +244,9 @@ class Explored:
 
     @cached_property
     def _lean(self) -> LeanPlans:
-        """Each selection's plan of the whole graph (where folded: `FoldedCandidates.decode`), decoded, walked for
-        its peaks and priced once (egraph.lean_plans)."""
-        return LeanPlans(self.decoder, self.graph, self.names, None if self.layered is None else self.folded.decode)
+        """Each selection's plan of the whole graph decoded, walked for its peaks, priced once (egraph.lean_plans)."""
+        return LeanPlans(self.decoder, self.graph, self.names, self.layered,
+                         None if self.layered is None else self.folded.decode)
 
     @cached_property
     def _inputs_floor(self) -> tuple[int, tuple[tuple[str, int], ...]]:
@@ -505,6 +505,8 @@ class Explored:
         problems = validate(egraph, selection)
         if problems:
             raise AssertionError(f"extractor {selection.extractor} returned an invalid selection: {problems[0]}")
+        if max(self._lean.floor(selection)) > memory_budget:  # over in any step order: binds, not decoded
+            return None
         plan, _, peaks = self._lean.leaner(egraph, selection)
         if max(p.bytes for p in peaks) > memory_budget:
             return None

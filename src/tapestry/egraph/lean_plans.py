@@ -3,7 +3,8 @@ each step comes from and its exact peaks per device, and the plan's time under a
 
 An extraction under a memory budget decodes every fit's selection and walks its ranks for the exact peak
 (`Explored._unbound`, the memory-cut rounds), and prices the plan (plan_cost); its fits (the first, fused prices,
-the overlap sweep's weights) and the tied ILP's candidates often choose the same selection under other node costs.
+the overlap sweep's weights) can choose the same selection under other node costs, and their selections share most
+of their steps, whose lowering was most of a peak's CPU (`cost.memory.Lowerings`, kept across the plans walked).
 Node n is e-node n in every extraction graph of one decoder, so the roots and the chosen nodes name the plan
 (as `FoldedCandidates.decode` keys its expansions).
 """
@@ -14,8 +15,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tapestry.cost import CostModel, RankPeak, plan_cost
-from tapestry.egraph.budget import leaner
+from tapestry.cost.memory import Lowerings
+from tapestry.egraph.budget import chosen_floor, leaner
 from tapestry.egraph.decode import Decoder
+from tapestry.egraph.layered import Layered
 from tapestry.extract import EGraph as ExtractGraph
 from tapestry.extract import Selection
 from tapestry.graph import Graph
@@ -36,13 +39,15 @@ def plan_key(egraph: ExtractGraph, selection: Selection) -> tuple[tuple[int, ...
 class LeanPlans:
     """The last `kept` selections' decoded plans in their leaner order with their peaks, by `plan_key`, and the
     plan_cost of each plan's steps under each model asked. A plan is of `graph` (the decoder's, `names` its root
-    e-classes' output names), or of the whole graph where `expand` (a folded graph's) decodes it."""
+    e-classes' output names), or of the whole graph where `expand` (a folded graph's, `layered`) decodes it."""
 
     decoder: Decoder
     graph: Graph
     names: dict[str, str]
+    layered: Layered | None = None
     expand: Callable[[ExtractGraph, Selection], tuple[Plan, list[int]]] | None = None
     kept: int = KEPT
+    _lowerings: Lowerings = field(default_factory=Lowerings, init=False, repr=False)  # every plan's steps, lowered
     _made: dict[tuple, Decoded] = field(default_factory=dict, init=False, repr=False)
     _costs: dict[tuple[int, ...], tuple[Any, CostModel, float]] = field(default_factory=dict, init=False, repr=False)
 
@@ -53,13 +58,17 @@ class LeanPlans:
             return self.expand(egraph, selection)
         return self.decoder.plan(egraph, selection, self.graph, self.names), self.decoder.step_nodes(egraph, selection)
 
+    def floor(self, selection: Selection) -> list[int]:
+        """Per device, a floor under the selection's peak in any step order (`budget.chosen_floor`), undecoded."""
+        return chosen_floor(self.decoder, self.graph, self.layered, selection.choice)
+
     def leaner(self, egraph: ExtractGraph, selection: Selection) -> Decoded:
         """`budget.leaner` of the selection's decoded plan, decoded and walked once while kept; the plan's cost and
         notes are the selection's (its node-cost sum, extractor and status), as a fresh decode gives them."""
         key = plan_key(egraph, selection)
         made = self._made.pop(key, None)  # put back last: the least recently asked go first
         if made is None:
-            made = leaner(*self.decode(egraph, selection))
+            made = leaner(*self.decode(egraph, selection), self._lowerings)
         self._made[key] = made
         while len(self._made) > self.kept:
             del self._made[next(iter(self._made))]
