@@ -20,7 +20,7 @@ from tapestry.optimizer import explore
 
 @pytest.fixture(scope="module")
 def explored() -> tapestry.optimizer.Explored:
-    return explore(adam_step(16, 64, 256)[0].graph, tapestry.Mesh(2, 2))
+    return explore(adam_step(8, 32, 64)[0].graph, tapestry.Mesh(2, 2))
 
 
 def test_a_selection_is_decoded_once_and_comes_back_as_a_fresh_decode_gives_it(explored):  # noqa: ANN001
