@@ -53,7 +53,7 @@ def main() -> None:
     def line(what: str, selection: Selection) -> str:
         chosen = set(selection.choice.values())
         broken = sum((a in chosen) != (b in chosen) for a, b in steady)
-        ms = plan_cost(explored._decode(egraph, selection)[0], model) * 1e3 if layered.holds(selection) else None
+        ms = plan_cost(explored._lean.decode(egraph, selection)[0], model) * 1e3 if layered.holds(selection) else None
         return (f"{what}: objective {selection.dag_cost * 1e3:.3f}, {broken} steady pairs broken, holds "
                 f"{layered.holds(selection)}" + ("" if ms is None or broken else f", plan {ms:.2f} ms"))
 

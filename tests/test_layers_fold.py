@@ -216,7 +216,7 @@ def test_the_fallback_can_keep_state_where_the_forward_pass_reads_it_or_mend_the
     assert mended is not None
     for periodic in (layered.mirror(egraph, pinned, 1), layered.mirror(egraph, replace(mirrored, choice=mended), 1)):
         assert layered.holds(periodic) and ties_hold(periodic.choice, ties)
-        plan, _ = explored._decode(egraph, periodic)
+        plan, _ = explored._lean.decode(egraph, periodic)
         validate_plan(plan)
         assert plan.graph is g and not steady_violations(plan, g.carried)
         assert plan_cost(plan, default_cost_model()) > 0

@@ -26,7 +26,6 @@ from tapestry.egraph.budget import (
     device_budget,
     held_bytes,
     inputs_floor,
-    leaner,
     memory_cuts,
 )
 from tapestry.egraph.decode import Decoder
@@ -35,6 +34,7 @@ from tapestry.egraph.embed import embedded_plans
 from tapestry.egraph.folded_candidates import FoldedCandidates
 from tapestry.egraph.fused_prices import fused_node_costs
 from tapestry.egraph.layered import Layered, value_classes
+from tapestry.egraph.lean_plans import LeanPlans
 from tapestry.egraph.objective import StepObjective, overlap_split
 from tapestry.egraph.pins import (
     Outputs,
@@ -243,6 +243,12 @@ class Explored:
         return SelectionMemo()
 
     @cached_property
+    def _lean(self) -> LeanPlans:
+        """Each selection's plan of the whole graph decoded, walked for its peaks, priced once (egraph.lean_plans)."""
+        return LeanPlans(self.decoder, self.graph, self.names, self.layered,
+                         None if self.layered is None else self.folded.decode)
+
+    @cached_property
     def _inputs_floor(self) -> tuple[int, tuple[tuple[str, int], ...]]:
         """The floor the inputs set under every plan's peak, and its parts (egraph.budget.inputs_floor)."""
         return inputs_floor(self.decoder, self.graph, self.layered)
@@ -325,7 +331,7 @@ class Explored:
             # time per run, not objective; a folded plan's priced where its ranking priced it
             # (`FoldedCandidates.expanded_time`)
             cost = self.folded.expanded_time(hidden, selection, model) if self.layered is not None \
-                and memory_budget is None else plan_cost(plan, model)
+                and memory_budget is None else self._lean.cost(plan, model)
             return replace(plan, cost=cost), selection
 
         plan, selection = fit(egraph, 1.0)
@@ -468,10 +474,10 @@ class Explored:
             problems = validate(egraph, selection)
             if problems:
                 raise AssertionError(f"extractor {extractor} returned an invalid selection: {problems[0]}")
-            plan, step_nodes = self._decode(egraph, selection)
             if memory_budget is None:
+                plan, step_nodes = self._lean.decode(egraph, selection)
                 break
-            plan, step_nodes, peaks = leaner(plan, step_nodes)
+            plan, step_nodes, peaks = self._lean.leaner(egraph, selection)
             if max(p.bytes for p in peaks) <= memory_budget:
                 break
             rounds += 1
@@ -499,18 +505,12 @@ class Explored:
         problems = validate(egraph, selection)
         if problems:
             raise AssertionError(f"extractor {selection.extractor} returned an invalid selection: {problems[0]}")
-        plan, _, peaks = leaner(*self._decode(egraph, selection))
+        if max(self._lean.floor(selection)) > memory_budget:  # over in any step order: binds, not decoded
+            return None
+        plan, _, peaks = self._lean.leaner(egraph, selection)
         if max(p.bytes for p in peaks) > memory_budget:
             return None
         return replace(plan, notes={**plan.notes, "memory_budget": "not binding"}), selection
-
-    def _decode(self, egraph: ExtractGraph, selection: Selection) -> tuple[Plan, list[int]]:
-        """The selection's plan of the whole graph (expanded onto every layer where the graph was folded:
-        `FoldedCandidates.decode`), and the node each step comes from."""
-        if self.layered is None:
-            return self.decoder.plan(egraph, selection, self.graph, self.names), \
-                self.decoder.step_nodes(egraph, selection)
-        return self.folded.decode(egraph, selection)
 
     @staticmethod
     def _verified(plan: Plan, extractor: str, carried: Mapping[str, str]) -> Plan:

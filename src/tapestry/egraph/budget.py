@@ -4,11 +4,11 @@ cuts that exclude an overshooting plan (`memory_cuts`), and the error that says 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from tapestry.cost import RankPeak, layout_bytes, rank_peaks
-from tapestry.cost.memory import lean_order
+from tapestry.cost.memory import Lowerings, lean_order
 from tapestry.egraph.decode import Decoder
 from tapestry.egraph.layered import Layered
 from tapestry.extract import DeviceBudget
@@ -21,12 +21,13 @@ class MemoryBudgetError(ValueError):
     """No plan found fits the memory budget."""
 
 
-def held_bytes(decoder: Decoder, graph: Graph) -> dict[str, tuple[int, ...]]:
-    """E-class -> the bytes each device holds of its value (a placed input's block, or a result's)."""
+def held_bytes(decoder: Decoder, graph: Graph, classes: Collection[str] | None = None) -> dict[str, tuple[int, ...]]:
+    """E-class -> the bytes each device holds of its value (a placed input's block, or a result's); of `classes`
+    alone where given."""
     layouts = decoder.interner.layouts
     placed = {n.eclass: graph[n.key].dtype for n in decoder.nodes if n.op == "Place"}
     return {c: layout_bytes(layouts[decoder.class_layout[c]][1], dtype)
-            for c, dtype in {**decoder.class_dtype, **placed}.items()}
+            for c, dtype in {**decoder.class_dtype, **placed}.items() if classes is None or c in classes}
 
 
 def device_budget(decoder: Decoder, held: Mapping[str, tuple[int, ...]], layered: Layered | None,
@@ -36,10 +37,30 @@ def device_budget(decoder: Decoder, held: Mapping[str, tuple[int, ...]], layered
     its result, except where the result is a view of the source (cost.memory). Lower bounds of the exact
     peak, so the constraints exclude no plan that fits; they miss other activations live at the same time.
     Devices alike in what they hold all program share their constraints (`alike_devices`)."""
-    layouts = decoder.interner.layouts
-    placed = {n.eclass for n in decoder.nodes if n.op == "Place"}
+    resident, transient = _charged(decoder, held, layered, range(len(decoder.nodes)))
+    return DeviceBudget(limit, *alike_devices(resident, transient))
+
+
+def chosen_floor(decoder: Decoder, graph: Graph, layered: Layered | None, choice: Mapping[int, int]) -> list[int]:
+    """Per device, the least peak of the plan `choice` decodes to in any step order (`device_budget`'s charges
+    of the chosen nodes: DeviceBudget.usage), its values' bytes found for the chosen classes alone (an
+    extraction that fits asks nothing of `held_bytes`' whole e-graph): a peak over a budget, told undecoded."""
+    nodes = decoder.nodes
+    classes = {c for n in choice.values() for c in (nodes[n].eclass, *nodes[n].children)}
+    held = held_bytes(decoder, graph, classes)
+    resident, transient = _charged(decoder, held, layered, set(choice.values()))
+    return [sum(r[d] for r in resident.values()) + max((t[d] for t in transient.values()), default=0)
+            for d in range(decoder.mesh.size)]
+
+
+def _charged(decoder: Decoder, held: Mapping[str, tuple[int, ...]], layered: Layered | None,
+             chosen: Iterable[int]) -> tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]]:
+    """`device_budget`'s resident and transient bytes per device of the `chosen` nodes."""
+    layouts, nodes = decoder.interner.layouts, decoder.nodes
+    placed = {node.eclass for node in nodes if node.op == "Place"}
     resident, transient = {}, {}
-    for n, node in enumerate(decoder.nodes):
+    for n in chosen:
+        node = nodes[n]
         if node.op == "Place":
             resident[n] = held[node.eclass]
         elif node.op == "Reshard":
@@ -50,9 +71,7 @@ def device_budget(decoder: Decoder, held: Mapping[str, tuple[int, ...]], layered
         elif node.op != "Deliver":
             args = [held[c] for c in dict.fromkeys(node.children) if c not in placed]
             transient[n] = tuple(map(sum, zip(held[node.eclass], *args)))
-    if layered is not None:
-        resident = layered.resident(resident)
-    return DeviceBudget(limit, *alike_devices(resident, transient))
+    return (resident if layered is None else layered.resident(resident)), transient
 
 
 def alike_devices(resident: Mapping[int, tuple[int, ...]], transient: Mapping[int, tuple[int, ...]]
@@ -108,13 +127,16 @@ def budget_error(limit: int, why: str, floor: tuple[int, tuple[tuple[str, int], 
                              f"holds the step's other values in the {limit - least:,} bytes left")
 
 
-def leaner(plan: Plan, step_nodes: list[int]) -> tuple[Plan, list[int], list[RankPeak]]:
+def leaner(plan: Plan, step_nodes: list[int], lowerings: Lowerings | None = None
+           ) -> tuple[Plan, list[int], list[RankPeak]]:
     """The plan in its own (children-first) order or in cost.memory.lean_order, whichever peaks lower; with
-    the node each step comes from and the peak per device."""
-    peaks = rank_peaks(plan)
+    the node each step comes from and the peak per device. Its steps are lowered once for both orders (into
+    `lowerings`, where given: kept for later plans)."""
+    lowerings = Lowerings() if lowerings is None else lowerings
+    peaks = rank_peaks(plan, lowerings)
     order = lean_order(plan)
     reordered = replace(plan, steps=tuple(plan.steps[i] for i in order))
-    lean = rank_peaks(reordered)
+    lean = rank_peaks(reordered, lowerings)
     if max(p.bytes for p in lean) < max(p.bytes for p in peaks):
         return reordered, [step_nodes[i] for i in order], lean
     return plan, step_nodes, peaks
