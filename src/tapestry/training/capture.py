@@ -185,6 +185,10 @@ def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, 
                 exact_rewrites(import_modules=False):
             warnings.simplefilter("ignore", FutureWarning)
             traced = make_fx(step, decomposition_table=DECOMPOSITIONS, tracing_mode="fake")(*_fakes(flat))
+            # the buffers it writes, read before functionalization makes a write into part of one whole (refused)
+            layout = replace(layout, mutated=_updated_buffers(traced.graph, _held(traced.graph, layout), module))
+            if _writes_through_aliases(traced.graph):
+                traced = _functionalized(traced, flat)
     except TorchImportError:
         raise
     except Exception as err:  # tracing raises many types; the user needs the first line
@@ -192,8 +196,7 @@ def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, 
         raise TorchImportError(f"could not trace a training step of {type(module).__name__}: "
                                f"{type(err).__name__}: {first}") from None
     holders = [node for node in traced.graph.nodes if node.op == "placeholder"]
-    held = {h: name for h, name in zip(holders, layout.names) if name in layout.held}
-    layout = replace(layout, mutated=_updated_buffers(traced.graph, held, module))
+    held = _held(traced.graph, layout)
     roles = {h.name: _role(name, flat[i], user=i >= len(layout.names), mutated=name in layout.mutated)
              for i, (h, name) in enumerate(zip(holders, [*layout.names, *(f"arg{i}" for i in range(len(args)))]))}
     cut = _cut_random_draws(traced.graph, module)
@@ -211,6 +214,43 @@ def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, 
                                     if name in translation.graph and name not in layout.mutated)
     translation.graph.nonnegative.update(name for name in layout.nonnegative if name in translation.graph)
     return translation
+
+
+def _held(graph: torch.fx.Graph, layout: StepLayout) -> dict[torch.fx.Node, str]:
+    """The placeholders of the module's buffers and frozen parameters, with their paths."""
+    holders = [node for node in graph.nodes if node.op == "placeholder"]
+    return {h: name for h, name in zip(holders, layout.names) if name in layout.held}
+
+
+def _writes_through_aliases(graph: torch.fx.Graph) -> bool:
+    """Does an in-place op write into a view, or into a tensor that has views? The translation rebinds a mutated
+    tensor to the op's result (translate's `_call`), which its aliases never see: Longformer's
+    `scores[:, :-1, :, w:] = ...` into slices of a new tensor was lost, so the step read zeros there."""
+    base = {node: _viewed(node) for node in graph.nodes}
+    has_views = {b for node, b in base.items() if b is not node}
+    return any(base[arg] is not arg or arg in has_views for node in graph.nodes for arg in _written(node))
+
+
+def _written(node: torch.fx.Node) -> Iterator[torch.fx.Node]:
+    """The fx nodes `node` writes into in place (none for a functional op)."""
+    if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
+        for arg, spec in zip(node.args, node.target._schema.arguments):
+            if spec.alias_info is not None and spec.alias_info.is_write and isinstance(arg, torch.fx.Node):
+                yield arg
+
+
+def _functionalized(traced: torch.fx.GraphModule, flat: list[Any]) -> torch.fx.GraphModule:
+    """The traced step retraced through torch's functionalization: every write into a view becomes its scatter
+    (`slice_scatter`, `select_scatter`, `index_put`) on the base, read by every alias after it; writes into the
+    step's inputs (batch norm's running statistics) become one whole `copy_` each, at the end. The ops' source
+    locations are kept for error messages."""
+    def run(*args: Any) -> Any:
+        return torch.fx.Interpreter(traced).run(*args)
+
+    plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in flat]
+    with torch.fx.traceback.preserve_node_meta():
+        return make_fx(torch.func.functionalize(run), decomposition_table=DECOMPOSITIONS,
+                       tracing_mode="fake")(*_fakes(plain))
 
 
 def _fakes(flat: list[Any]) -> list[Any]:
