@@ -104,25 +104,34 @@ class ParameterCheck:
         return self.error / self.update if self.update else (0.0 if self.error == 0 else float("inf"))
 
 
-def check_step(case: Case, training: Training, ours: Mapping[str, np.ndarray]) -> list[ParameterCheck]:
-    """Every trained parameter of `ours` (the import's new parameters by path) against torch's float32 step. A
+LOSS = "(loss)"  # the check of the loss, beside the parameters' (its "update" is the loss itself)
+
+
+def check_step(case: Case, training: Training, ours: Mapping[str, Any]) -> list[ParameterCheck]:
+    """The loss and every trained parameter of `ours` (the import's `outputs()`) against torch's float32 step. A
     parameter missing from `ours`, or one `ours` has and torch does not train, raises."""
-    _, want = torch_step(case, training, torch.float32)
+    loss, want = torch_step(case, training, torch.float32)
     with exact_rewrites(import_modules=False):
-        _, single = torch_step(case, training, torch.float32)
-        _, exact = torch_step(case, training, torch.float64)
+        single_loss, single = torch_step(case, training, torch.float32)
+        exact_loss, exact = torch_step(case, training, torch.float64)
+    checks = [_check(LOSS, np.asarray(ours["loss"], np.float64), np.asarray(loss), np.asarray(single_loss),
+                     np.asarray(exact_loss), np.zeros(()))]
+    ours = ours["parameters"]
     if set(ours) != set(want):
         raise ValueError(f"the import trains {sorted(set(ours) - set(want))} that torch does not and not "
                          f"{sorted(set(want) - set(ours))} that torch does")
     before = {path: p.detach().double().numpy() for path, p in case.module.named_parameters()}
-    checks = []
-    for path, value in want.items():
-        got = np.asarray(ours[path], np.float64)
-        if got.shape != value.shape:
-            raise ValueError(f"{path}: the import's new value has shape {got.shape}, torch's {value.shape}")
-        error = float(np.abs(got - value).max(initial=0)) if np.isfinite(got).all() else float("inf")
-        noise = float(np.abs(single[path] - exact[path]).max(initial=0))
-        ulp = float(np.spacing(np.float32(np.abs(value).max(initial=0))))
-        checks.append(ParameterCheck(path, error, noise, float(np.abs(value - before[path]).max(initial=0)),
-                                     ROUNDINGS * noise + ULPS * ulp))
-    return checks
+    return checks + [_check(path, np.asarray(ours[path], np.float64), value, single[path], exact[path], before[path])
+                     for path, value in want.items()]
+
+
+def _check(path: str, got: np.ndarray, want: np.ndarray, single: np.ndarray, exact: np.ndarray,
+           before: np.ndarray) -> ParameterCheck:
+    """`got` against torch's float32 `want`; the bound from torch's rounding (`single` against `exact`)."""
+    if got.shape != want.shape:
+        raise ValueError(f"{path}: the import's value has shape {got.shape}, torch's {want.shape}")
+    error = float(np.abs(got - want).max(initial=0)) if np.isfinite(got).all() else float("inf")
+    noise = float(np.abs(single - exact).max(initial=0))
+    ulp = float(np.spacing(np.float32(np.abs(want).max(initial=0))))
+    return ParameterCheck(path, error, noise, float(np.abs(want - before).max(initial=0)),
+                          ROUNDINGS * noise + ULPS * ulp)
