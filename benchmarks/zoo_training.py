@@ -35,7 +35,8 @@ def check(name: str, optimizer: str) -> dict[str, Any]:
         case = case_of(*FAMILIES[name].build())
         training = tapestry.Training(loss=case.loss, optimizer=optimizer, lr=LR[optimizer])
         imported = tapestry.from_torch(case.module, case.inputs, training=training, verbose=False)
-        checks = check_step(case, training, imported.outputs(evaluate(imported.graph, imported.inputs(*case.inputs))))
+        values = evaluate(imported.graph, imported.inputs(*case.inputs))
+        checks = check_step(case, training, imported.outputs(values)["parameters"])
     except Exception as err:  # noqa: BLE001  the sweep records what failed
         result["exception"] = f"{type(err).__name__}: {str(err).splitlines()[0][:240] if str(err) else ''}"
         result["cpu_s"] = round(time.process_time() - start, 1)
