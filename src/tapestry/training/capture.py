@@ -228,15 +228,16 @@ def _writes_through_aliases(graph: torch.fx.Graph) -> bool:
     `scores[:, :-1, :, w:] = ...` into slices of a new tensor was lost, so the step read zeros there."""
     base = {node: _viewed(node) for node in graph.nodes}
     has_views = {b for node, b in base.items() if b is not node}
-    return any(base[arg] is not arg or arg in has_views for node in graph.nodes for arg in _written(node))
+    return any(base[arg] is not arg or arg in has_views
+               for node in graph.nodes for _, arg in _written(node) if isinstance(arg, torch.fx.Node))
 
 
-def _written(node: torch.fx.Node) -> Iterator[torch.fx.Node]:
-    """The fx nodes `node` writes into in place (none for a functional op)."""
+def _written(node: torch.fx.Node) -> Iterator[tuple[int, Any]]:
+    """(position, argument) of each argument `node` writes into in place (none for a functional op)."""
     if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
-        for arg, spec in zip(node.args, node.target._schema.arguments):
-            if spec.alias_info is not None and spec.alias_info.is_write and isinstance(arg, torch.fx.Node):
-                yield arg
+        for position, (arg, spec) in enumerate(zip(node.args, node.target._schema.arguments)):
+            if spec.alias_info is not None and spec.alias_info.is_write:
+                yield position, arg
 
 
 def _functionalized(traced: torch.fx.GraphModule, flat: list[Any]) -> torch.fx.GraphModule:
@@ -339,16 +340,11 @@ def _updated_buffers(graph: torch.fx.Graph, held: dict[Any, str], module: torch.
     written: dict[str, None] = {}
     refused: dict[str, str] = {}
     for node in graph.nodes:
-        if not (isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable):
-            continue
-        for arg, spec in zip(node.args, node.target._schema.arguments):
-            if spec.alias_info is None or not spec.alias_info.is_write:
-                continue
+        for position, arg in _written(node):
             base = _viewed(arg)
             if base not in held:
                 continue
-            if (base is arg and held[base] in buffers and spec is node.target._schema.arguments[0]
-                    and functional_twin(node.target)):
+            if base is arg and held[base] in buffers and position == 0 and functional_twin(node.target):
                 written[held[base]] = None
             else:
                 refused.setdefault(held[base], str(node.target))
