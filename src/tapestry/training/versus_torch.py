@@ -40,7 +40,7 @@ class Case:
 def case_of(module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Case:
     """A zoo family's (module, args, kwargs) as a training case. The loss weighs every floating-point output
     element by a fixed ramp from -1 to 1 (a plain sum would give a layer norm's output no gradient: it sums to a
-    constant), so every parameter that reaches an output gets a gradient."""
+    constant), so every parameter that reaches an output gets a gradient; those that reach none are frozen."""
     tensor_keys = tuple(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
     fixed = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
     count = len(args)
@@ -54,7 +54,20 @@ def case_of(module: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str,
                 total = total + (leaf * ramp).sum() / leaf.numel() ** 0.5
         return total
 
-    return Case(module, (*args, *(kwargs[k] for k in tensor_keys)), loss)
+    inputs = (*args, *(kwargs[k] for k in tensor_keys))
+    _freeze_unreached(module, loss, inputs)
+    return Case(module, inputs, loss)
+
+
+def _freeze_unreached(module: torch.nn.Module, loss: Callable[..., torch.Tensor], inputs: tuple[Any, ...]) -> None:
+    """Parameters the loss never reads (wav2vec2's `masked_spec_embed` with no masking in eval mode) get no
+    gradient, and torch.optim leaves them alone: frozen (requires_grad=False), as the import asks of them."""
+    reference = copy.deepcopy(module)
+    loss(reference, *inputs).backward()
+    unread = {path for path, p in reference.named_parameters() if p.requires_grad and p.grad is None}
+    for path, p in module.named_parameters():
+        if path in unread:
+            p.requires_grad_(False)
 
 
 def torch_step(case: Case, training: Training, dtype: torch.dtype) -> tuple[float, dict[str, np.ndarray]]:
