@@ -427,7 +427,8 @@ def test_writes_into_views_reach_the_base_and_its_other_views_as_in_torch():
 
 def test_a_max_pool_step_runs_its_backward_on_the_pooling_indices():
     """max_pool2d_with_indices converted to the max_pool2d kernel gave its indices as None, which its opaque
-    backward then read (the evaluator raised): where the indices are read, the pooling runs opaque and gives them."""
+    backward then read (the evaluator raised): a converter's output that no kernel makes declines the node where
+    a later op reads it, so the pooling runs opaque and gives them (embedding_bag's offset2bag likewise)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.MaxPool2d(2), torch.nn.Flatten(),
                                 torch.nn.Linear(4 * 3 * 3, 4))

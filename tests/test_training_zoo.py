@@ -14,7 +14,8 @@ from tapestry.training.versus_torch import Case, ParameterCheck, case_of, check_
 pytest.importorskip("transformers")
 
 LR = {"sgd": 0.1, "adam": 1e-3}
-FAST = {("topk_moe", "adam"), ("tcn", "sgd"), ("einsum_attention", "sgd"), ("cnn", "sgd")}  # < 5 CPU s each
+# < 5 CPU s each; cnn and dlrm: max pooling's indices and embedding_bag's offset2bag, read by their backward
+FAST = {("topk_moe", "adam"), ("tcn", "sgd"), ("einsum_attention", "sgd"), ("cnn", "sgd"), ("dlrm", "sgd")}
 
 
 def misses(checks: list[ParameterCheck]) -> list[str]:

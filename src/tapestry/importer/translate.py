@@ -400,12 +400,23 @@ def _convert(builder: Builder, node: Any, name: str, args: Any, kwargs: Any,
         result = CONVERTERS[name](builder, *args, **kwargs)
         if isinstance(result, Value):
             result = _match_torch(builder, result)
+        elif isinstance(result, tuple):
+            _refuse_unmade_outputs(node, result)
     except Exception as why:  # a form the kernels do not take (or a converter's slip): roll back
         builder.graph.truncate(size)
         raise _Declined(str(why)) from None
     made = {n.op for n in builder.graph.added_after(size) if not n.is_input} or {"view of its input"}
     coverage[name][", ".join(sorted(made))] += 1
     return result
+
+
+def _refuse_unmade_outputs(node: Any, result: tuple[Any, ...]) -> None:
+    """A converter gives None for the outputs its kernels do not make (max pooling's indices, embedding_bag's
+    offset2bag): where a later op reads one (a training step's backward), the converter does not take the node."""
+    read = {use.args[1] for use in getattr(node, "users", ()) if use.target is operator.getitem}
+    unmade = sorted(i for i in read if isinstance(i, int) and result[i] is None)
+    if unmade:
+        raise Unsupported(f"output(s) {unmade} are read, and its kernels do not make them")
 
 
 def by_schema(target: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:

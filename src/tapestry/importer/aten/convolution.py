@@ -63,13 +63,11 @@ def _max_pool(b: Builder, x: Any, kernel: Any, stride: Any = (), padding: Any = 
     value = b.tensor(x)
     if not _floor_mode(b, value, kernel, stride, padding, ceil_mode) or _square("dilation", dilation) != 1:
         raise Unsupported("ceil_mode with a partial last window, or dilation")
-    with_indices = "with_indices" in str(b.node.target)
-    if with_indices and any(use.args[1:2] == (1,) for use in b.node.users):  # a training step's backward reads them
-        raise Unsupported("its indices are read (max pooling's backward), and no kernel gives them")
     k = _square("kernel", kernel)
     pooled = b.op("max_pool2d", value, kernel=k, stride=_square("stride", stride or k),
                   padding=_square("padding", padding))
-    return (pooled, None) if with_indices else pooled  # None: read by nothing (checked above)
+    # the indices: no kernel makes them (translate declines the node where a backward reads them)
+    return (pooled, None) if "with_indices" in str(b.node.target) else pooled
 
 
 @converts("aten.avg_pool2d.default")
