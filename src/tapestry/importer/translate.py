@@ -322,7 +322,8 @@ def _call(builder: Builder, node: Any, env: dict[Any, Any], strict: bool,
           coverage: dict[str, collections.Counter]) -> Any:
     """What `node` becomes. An in-place op (`add_`) is converted as its functional twin, and its first argument
     is rebound to the result, so later readers of the mutated tensor read the new value (a traced training
-    step is not functionalized; an exported forward is)."""
+    step is functionalized only where it writes into a view, training/capture.py; an exported forward is). Rebinding
+    is right for a tensor without views only: a write into a view would leave its base as it was."""
     functional = functional_twin(node.target)
     if functional is not None:
         result = _call(builder, _retarget(node, functional), env, strict, coverage)

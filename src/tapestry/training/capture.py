@@ -5,7 +5,9 @@ optimizer state, the step count and learning rate, and the buffers (rotary `inv_
 parameters. Closed-over real tensors meet fake ones inside the trace and tracing refuses them; as arguments they
 become graph inputs (floating point, `static`: the same every step) or constants (integer buffers, folded).
 Tied parameters (an embedding shared with the output head) are one tensor: one input, read by both uses.
-Random draws (dropout's masks) become inputs drawn afresh every call (training/draws.py).
+Random draws (dropout's masks) become inputs drawn afresh every call (training/draws.py). In-place ops stay in
+the trace (translated as their functional twins); a step that writes into a view is retraced through torch's
+functionalization first, so the write reaches the view's base (`_functionalized`).
 
 A buffer the step writes in place (batch norm's running statistics and `num_batches_tracked` in training mode) is
 training state like Adam's moments: an input, never static or folded, whose value after the step is the output
