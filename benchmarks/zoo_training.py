@@ -72,7 +72,8 @@ def outcome(result: dict[str, Any]) -> str:
 
 def row(result: dict[str, Any]) -> str:
     if "exception" in result:
-        return f"| {result['family']} | {result['optimizer']} | — | — | — | {result.get('cpu_s', '—')} | {outcome(result)} |"
+        return (f"| {result['family']} | {result['optimizer']} | — | — | — | {result.get('cpu_s', '—')} | "
+                f"{outcome(result)} |")
     return (f"| {result['family']} | {result['optimizer']} | `{result['worst']}` | {result['ratio']:.2f} | "
             f"{result['relative']:.1e} | {result['cpu_s']} | {outcome(result)} |")
 
