@@ -442,6 +442,27 @@ def test_a_max_pool_step_runs_its_backward_on_the_pooling_indices():
     assert_step_matches(ours, value.item(), {k: p.detach().numpy() for k, p in reference.named_parameters()})
 
 
+class LastState(torch.nn.Module):
+    """An LSTM over the 16 features as 2 steps of 8, read at its last step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn, self.head = torch.nn.LSTM(8, 8, batch_first=True), torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x.view(x.shape[0], 2, 8))[0][:, -1])
+
+
+def test_an_lstm_step_traces_through_plain_cells_not_mkldnn():
+    """On CPU torch's LSTM decomposition took mkldnn_rnn_layer, whose uint8 workspace no graph value holds (the
+    import raised); the capture turns mkldnn off, so the cells are plain ops."""
+    model = LastState()
+    imported = tapestry.from_torch(model, (X, Y), training=TRAINING["sgd"], verbose=False)
+    ((loss, params),) = torch_steps(model, "sgd", 1)
+    assert_step_matches(imported.outputs(evaluate(imported.graph, imported.inputs(X, Y))), loss, params)
+
+
 def test_one_device_holds_at_least_16_bytes_per_parameter_for_an_fp32_adam_step():
     from tapestry.cost.memory import peak_memory
 

@@ -181,10 +181,11 @@ def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, 
     try:
         # attention as torch's fused CPU kernel and its backward (kernels/flash.py), where torch can fuse it; the
         # math backend (matmuls and a softmax) where it cannot: dropout (its draws are cut out as inputs, below),
-        # value features other than the query's
+        # value features other than the query's. mkldnn off: torch's LSTM decomposition then steps cells of plain
+        # ops (kernels), not mkldnn_rnn_layer, whose uint8 workspace output no graph value can hold
         with warnings.catch_warnings(), sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]), \
                 _grouped_mm_fallback_unless_bfloat16(), modules_stay_put(), \
-                exact_rewrites(import_modules=False):
+                exact_rewrites(import_modules=False), torch.backends.mkldnn.flags(enabled=False):
             warnings.simplefilter("ignore", FutureWarning)
             traced = make_fx(step, decomposition_table=DECOMPOSITIONS, tracing_mode="fake")(*_fakes(flat))
             # the buffers it writes, read before functionalization makes a write into part of one whole (refused)
