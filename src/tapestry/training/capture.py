@@ -152,6 +152,17 @@ def _grouped_mm_fallback_unless_bfloat16() -> Iterator[None]:
         moe._can_use_grouped_mm = usable
 
 
+@contextmanager
+def _without_mkldnn() -> Iterator[None]:
+    """mkldnn off while tracing (torch.backends.mkldnn.flags would warn about TF32 on every capture)."""
+    enabled = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = enabled
+
+
 def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, strict: bool) -> Translation:
     _refuse_cumulative_batch_norm(module)
     layout = StepLayout.of(module, training)
@@ -185,7 +196,7 @@ def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, 
         # ops (kernels), not mkldnn_rnn_layer, whose uint8 workspace output no graph value can hold
         with warnings.catch_warnings(), sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]), \
                 _grouped_mm_fallback_unless_bfloat16(), modules_stay_put(), \
-                exact_rewrites(import_modules=False), torch.backends.mkldnn.flags(enabled=False):
+                exact_rewrites(import_modules=False), _without_mkldnn():
             warnings.simplefilter("ignore", FutureWarning)
             traced = make_fx(step, decomposition_table=DECOMPOSITIONS, tracing_mode="fake")(*_fakes(flat))
             # the buffers it writes, read before functionalization makes a write into part of one whole (refused)
