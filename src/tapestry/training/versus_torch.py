@@ -82,7 +82,12 @@ def torch_step(case: Case, training: Training, dtype: torch.dtype) -> tuple[floa
         options.update(betas=training.betas, eps=training.eps, amsgrad=training.amsgrad)
     trained = [p for p in module.parameters() if p.requires_grad]
     optimizer = TORCH[training.optimizer](trained, **options, maximize=training.maximize)
-    loss = case.loss(module, *inputs)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # tensors the model makes itself too (XGLM's `torch.full((), finfo(dtype).min)`)
+    try:
+        loss = case.loss(module, *inputs)
+    finally:
+        torch.set_default_dtype(default)
     loss.backward()
     if training.max_norm is not None:
         torch.nn.utils.clip_grad_norm_(trained, training.max_norm)
