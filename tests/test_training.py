@@ -395,6 +395,74 @@ def test_in_place_ops_in_the_traced_step_are_read_after_their_update():
     assert abs(float(ours["loss"]) - float(((x + 1) ** 2).sum())) < 1e-5
 
 
+class WritesThroughViews(torch.nn.Module):
+    """Longformer's chunked scores in small: slices of a new tensor written in place (`out[:, 1:5] = h`), a row
+    written through `select`, a view taken before those writes and read after them, then dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.drop = torch.nn.Linear(16, 4), torch.nn.Dropout(0.25)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        out = h.new_zeros(h.shape[0], 6)
+        head = out[:, :2]
+        out[:, 1:5] = h
+        out[:, 0] = 2 * h[:, 0]
+        return self.drop(out * head.sum(-1, keepdim=True))[:, 2:]
+
+
+def test_writes_into_views_reach_the_base_and_its_other_views_as_in_torch():
+    """The traced step keeps in-place writes into views; each used to be rebound on the view alone, so the base
+    (and the view read after) kept zeros: 45 of Longformer's parameters missed torch's step."""
+    model = WritesThroughViews()
+    imported = tapestry.from_torch(model, (X, Y), training=TRAINING["sgd"], verbose=False)
+    (name,) = imported.translation.draws  # dropout's draw is still cut out (functionalized: bernoulli)
+    torch.manual_seed(7)
+    ((loss, params),) = torch_steps(model, "sgd", 1)
+    torch.manual_seed(7)
+    assert_step_matches(imported.outputs(evaluate(imported.graph, imported.inputs(X, Y))), loss, params)
+
+
+def test_a_max_pool_step_runs_its_backward_on_the_pooling_indices():
+    """max_pool2d_with_indices converted to the max_pool2d kernel gave its indices as None, which its opaque
+    backward then read (the evaluator raised): a converter's output that no kernel makes declines the node where
+    a later op reads it, so the pooling runs opaque and gives them (embedding_bag's offset2bag likewise)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.MaxPool2d(2), torch.nn.Flatten(),
+                                torch.nn.Linear(4 * 3 * 3, 4))
+    images = IMAGES[0]
+    imported = tapestry.from_torch(model, (images, Y), training=TRAINING["sgd"], verbose=False)
+    reference = copy.deepcopy(model)
+    value = mse(reference, images, Y)
+    value.backward()
+    torch.optim.SGD(reference.parameters(), lr=1e-1).step()
+    ours = imported.outputs(evaluate(imported.graph, imported.inputs(images, Y)))
+    assert_step_matches(ours, value.item(), {k: p.detach().numpy() for k, p in reference.named_parameters()})
+
+
+class LastState(torch.nn.Module):
+    """An LSTM over the 16 features as 2 steps of 8, read at its last step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn, self.head = torch.nn.LSTM(8, 8, batch_first=True), torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x.view(x.shape[0], 2, 8))[0][:, -1])
+
+
+def test_an_lstm_step_traces_through_plain_cells_not_mkldnn():
+    """On CPU torch's LSTM decomposition took mkldnn_rnn_layer, whose uint8 workspace no graph value holds (the
+    import raised); the capture turns mkldnn off, so the cells are plain ops."""
+    model = LastState()
+    imported = tapestry.from_torch(model, (X, Y), training=TRAINING["sgd"], verbose=False)
+    ((loss, params),) = torch_steps(model, "sgd", 1)
+    assert_step_matches(imported.outputs(evaluate(imported.graph, imported.inputs(X, Y))), loss, params)
+
+
 def test_one_device_holds_at_least_16_bytes_per_parameter_for_an_fp32_adam_step():
     from tapestry.cost.memory import peak_memory
 

@@ -322,7 +322,8 @@ def _call(builder: Builder, node: Any, env: dict[Any, Any], strict: bool,
           coverage: dict[str, collections.Counter]) -> Any:
     """What `node` becomes. An in-place op (`add_`) is converted as its functional twin, and its first argument
     is rebound to the result, so later readers of the mutated tensor read the new value (a traced training
-    step is not functionalized; an exported forward is)."""
+    step is functionalized only where it writes into a view, training/capture.py; an exported forward is). Rebinding
+    is right for a tensor without views only: a write into a view would leave its base as it was."""
     functional = functional_twin(node.target)
     if functional is not None:
         result = _call(builder, _retarget(node, functional), env, strict, coverage)
@@ -400,12 +401,23 @@ def _convert(builder: Builder, node: Any, name: str, args: Any, kwargs: Any,
         result = CONVERTERS[name](builder, *args, **kwargs)
         if isinstance(result, Value):
             result = _match_torch(builder, result)
+        elif isinstance(result, tuple):
+            _refuse_unmade_outputs(node, result)
     except Exception as why:  # a form the kernels do not take (or a converter's slip): roll back
         builder.graph.truncate(size)
         raise _Declined(str(why)) from None
     made = {n.op for n in builder.graph.added_after(size) if not n.is_input} or {"view of its input"}
     coverage[name][", ".join(sorted(made))] += 1
     return result
+
+
+def _refuse_unmade_outputs(node: Any, result: tuple[Any, ...]) -> None:
+    """A converter gives None for the outputs its kernels do not make (max pooling's indices, embedding_bag's
+    offset2bag): where a later op reads one (a training step's backward), the converter does not take the node."""
+    read = {use.args[1] for use in getattr(node, "users", ()) if use.target is operator.getitem}
+    unmade = sorted(i for i in read if isinstance(i, int) and result[i] is None)
+    if unmade:
+        raise Unsupported(f"output(s) {unmade} are read, and its kernels do not make them")
 
 
 def by_schema(target: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -5,7 +5,9 @@ optimizer state, the step count and learning rate, and the buffers (rotary `inv_
 parameters. Closed-over real tensors meet fake ones inside the trace and tracing refuses them; as arguments they
 become graph inputs (floating point, `static`: the same every step) or constants (integer buffers, folded).
 Tied parameters (an embedding shared with the output head) are one tensor: one input, read by both uses.
-Random draws (dropout's masks) become inputs drawn afresh every call (training/draws.py).
+Random draws (dropout's masks) become inputs drawn afresh every call (training/draws.py). In-place ops stay in
+the trace (translated as their functional twins); a step that writes into a view is retraced through torch's
+functionalization first, so the write reaches the view's base (`_functionalized`).
 
 A buffer the step writes in place (batch norm's running statistics and `num_batches_tracked` in training mode) is
 training state like Adam's moments: an input, never static or folded, whose value after the step is the output
@@ -150,6 +152,17 @@ def _grouped_mm_fallback_unless_bfloat16() -> Iterator[None]:
         moe._can_use_grouped_mm = usable
 
 
+@contextmanager
+def _without_mkldnn() -> Iterator[None]:
+    """mkldnn off while tracing (torch.backends.mkldnn.flags would warn about TF32 on every capture)."""
+    enabled = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = enabled
+
+
 def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, strict: bool) -> Translation:
     _refuse_cumulative_batch_norm(module)
     layout = StepLayout.of(module, training)
@@ -179,12 +192,17 @@ def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, 
     try:
         # attention as torch's fused CPU kernel and its backward (kernels/flash.py), where torch can fuse it; the
         # math backend (matmuls and a softmax) where it cannot: dropout (its draws are cut out as inputs, below),
-        # value features other than the query's
+        # value features other than the query's. mkldnn off: torch's LSTM decomposition then steps cells of plain
+        # ops (kernels), not mkldnn_rnn_layer, whose uint8 workspace output no graph value can hold
         with warnings.catch_warnings(), sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]), \
                 _grouped_mm_fallback_unless_bfloat16(), modules_stay_put(), \
-                exact_rewrites(import_modules=False):
+                exact_rewrites(import_modules=False), _without_mkldnn():
             warnings.simplefilter("ignore", FutureWarning)
             traced = make_fx(step, decomposition_table=DECOMPOSITIONS, tracing_mode="fake")(*_fakes(flat))
+            # the buffers it writes, read before functionalization makes a write into part of one whole (refused)
+            layout = replace(layout, mutated=_updated_buffers(traced.graph, _held(traced.graph, layout), module))
+            if _writes_through_aliases(traced.graph):
+                traced = _functionalized(traced, flat)
     except TorchImportError:
         raise
     except Exception as err:  # tracing raises many types; the user needs the first line
@@ -192,8 +210,7 @@ def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, 
         raise TorchImportError(f"could not trace a training step of {type(module).__name__}: "
                                f"{type(err).__name__}: {first}") from None
     holders = [node for node in traced.graph.nodes if node.op == "placeholder"]
-    held = {h: name for h, name in zip(holders, layout.names) if name in layout.held}
-    layout = replace(layout, mutated=_updated_buffers(traced.graph, held, module))
+    held = _held(traced.graph, layout)
     roles = {h.name: _role(name, flat[i], user=i >= len(layout.names), mutated=name in layout.mutated)
              for i, (h, name) in enumerate(zip(holders, [*layout.names, *(f"arg{i}" for i in range(len(args)))]))}
     cut = _cut_random_draws(traced.graph, module)
@@ -211,6 +228,44 @@ def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, 
                                     if name in translation.graph and name not in layout.mutated)
     translation.graph.nonnegative.update(name for name in layout.nonnegative if name in translation.graph)
     return translation
+
+
+def _held(graph: torch.fx.Graph, layout: StepLayout) -> dict[torch.fx.Node, str]:
+    """The placeholders of the module's buffers and frozen parameters, with their paths."""
+    holders = [node for node in graph.nodes if node.op == "placeholder"]
+    return {h: name for h, name in zip(holders, layout.names) if name in layout.held}
+
+
+def _writes_through_aliases(graph: torch.fx.Graph) -> bool:
+    """Does an in-place op write into a view, or into a tensor that has views? The translation rebinds a mutated
+    tensor to the op's result (translate's `_call`), which its aliases never see: Longformer's
+    `scores[:, :-1, :, w:] = ...` into slices of a new tensor was lost, so the step read zeros there."""
+    base = {node: _viewed(node) for node in graph.nodes}
+    has_views = {b for node, b in base.items() if b is not node}
+    return any(base[arg] is not arg or arg in has_views
+               for node in graph.nodes for _, arg in _written(node) if isinstance(arg, torch.fx.Node))
+
+
+def _written(node: torch.fx.Node) -> Iterator[tuple[int, Any]]:
+    """(position, argument) of each argument `node` writes into in place (none for a functional op)."""
+    if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
+        for position, (arg, spec) in enumerate(zip(node.args, node.target._schema.arguments)):
+            if spec.alias_info is not None and spec.alias_info.is_write:
+                yield position, arg
+
+
+def _functionalized(traced: torch.fx.GraphModule, flat: list[Any]) -> torch.fx.GraphModule:
+    """The traced step retraced through torch's functionalization: every write into a view becomes its scatter
+    (`slice_scatter`, `select_scatter`, `index_put`) on the base, read by every alias after it; writes into the
+    step's inputs (batch norm's running statistics) become one whole `copy_` each, at the end. The ops' source
+    locations are kept for error messages."""
+    def run(*args: Any) -> Any:
+        return torch.fx.Interpreter(traced).run(*args)
+
+    plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in flat]
+    with torch.fx.traceback.preserve_node_meta():
+        return make_fx(torch.func.functionalize(run), decomposition_table=DECOMPOSITIONS,
+                       tracing_mode="fake")(*_fakes(plain))
 
 
 def _fakes(flat: list[Any]) -> list[Any]:
@@ -299,16 +354,11 @@ def _updated_buffers(graph: torch.fx.Graph, held: dict[Any, str], module: torch.
     written: dict[str, None] = {}
     refused: dict[str, str] = {}
     for node in graph.nodes:
-        if not (isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable):
-            continue
-        for arg, spec in zip(node.args, node.target._schema.arguments):
-            if spec.alias_info is None or not spec.alias_info.is_write:
-                continue
+        for position, arg in _written(node):
             base = _viewed(arg)
             if base not in held:
                 continue
-            if (base is arg and held[base] in buffers and spec is node.target._schema.arguments[0]
-                    and functional_twin(node.target)):
+            if base is arg and held[base] in buffers and position == 0 and functional_twin(node.target):
                 written[held[base]] = None
             else:
                 refused.setdefault(held[base], str(node.target))

@@ -66,6 +66,7 @@ def _max_pool(b: Builder, x: Any, kernel: Any, stride: Any = (), padding: Any = 
     k = _square("kernel", kernel)
     pooled = b.op("max_pool2d", value, kernel=k, stride=_square("stride", stride or k),
                   padding=_square("padding", padding))
+    # the indices: no kernel makes them (translate declines the node where a backward reads them)
     return (pooled, None) if "with_indices" in str(b.node.target) else pooled
 
 
