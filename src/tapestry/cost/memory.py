@@ -220,7 +220,15 @@ def lean_order(plan: Plan) -> tuple[int, ...]:
     arguments = [tuple(dict.fromkeys(s.args if isinstance(s, Compute) else (s.src,) if isinstance(s, Reshard)
                                      else ())) for s in plan.steps]
     index = {s.out: i for i, s in enumerate(plan.steps)}
-    size = [0 if isinstance(s, Place) else max(layout_bytes(s.layout, plan.dtypes[s.out])) for s in plan.steps]
+    largest: dict[tuple[int, str], int] = {}  # by layout object: an expanded plan's copies share their layouts
+
+    def most_bytes(step: Step) -> int:
+        key = (id(step.layout), plan.dtypes[step.out])
+        if key not in largest:
+            largest[key] = max(layout_bytes(step.layout, key[1]))
+        return largest[key]
+
+    size = [0 if isinstance(s, Place) else most_bytes(s) for s in plan.steps]
     kept = {index[v] for v in plan.outputs.values()}
     readers = [0] * len(plan.steps)
     users: list[list[int]] = [[] for _ in plan.steps]
