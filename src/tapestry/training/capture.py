@@ -374,10 +374,11 @@ def _refuse_module_tensors_closed_over(traced: torch.fx.GraphModule, module: tor
             continue
         held = storages.get(value.untyped_storage().data_ptr()) if value.device.type != "meta" else None
         if held is not None or value.requires_grad:
+            what = (f"the module's tensor {held}" if held
+                    else f"a tensor of shape {list(value.shape)} that requires grad")
             raise TorchImportError(
-                f"the training step of {type(module).__name__} reads "
-                + (f"the module's tensor {held}" if held else f"a tensor of shape {list(value.shape)} that requires grad")
-                + " outside its parameters and buffers (held as a plain attribute or closed over), so the traced step "
+                f"the training step of {type(module).__name__} reads {what}"
+                " outside its parameters and buffers (held as a plain attribute or closed over), so the traced step "
                 "would freeze it at its current value with no gradient; register it as a parameter or buffer of the "
                 "module that reads it")
 
