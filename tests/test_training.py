@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import numpy as np
 import pytest
@@ -548,3 +549,58 @@ def test_adam_moments_and_step_count_are_drawn_non_negative_by_the_meaning_check
     plan = data_parallel(graph, tapestry.Mesh(2), ("arg0", "arg1"))
     for seed in range(8):
         check_meaning(plan, seed)
+
+
+class CachedIndex(torch.nn.Module):
+    """Reads its features through a permutation index built once and kept by `make_index`, outside its
+    parameters and buffers (BEiT keeps its relative position index so)."""
+
+    def __init__(self, make_index) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.make_index = torch.nn.Linear(16, 4), make_index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x[:, self.make_index(16)])
+
+
+def reversed_index(n: int) -> torch.Tensor:
+    return torch.arange(n - 1, -1, -1)
+
+
+def test_a_cached_index_the_step_reaches_outside_its_arguments_is_a_constant():
+    """An index a cache kept from an eager call is a real tensor inside the fake trace: tracing refused it
+    (BEiT did not trace a training step). It is the same every step: held as a constant, the step matches."""
+    model = CachedIndex(functools.lru_cache(reversed_index))
+    mse(model, X, Y)  # the eager call that fills the cache
+    imported = tapestry.from_torch(model, (X, Y), training=TRAINING["sgd"], verbose=False)
+    ((loss, params),) = torch_steps(model, "sgd", 1)
+    assert_step_matches(imported.outputs(evaluate(imported.graph, imported.inputs(X, Y))), loss, params)
+
+
+def test_transformers_cached_tensors_are_rebuilt_in_the_trace_and_never_left_fake_in_the_cache():
+    """transformers' compile-compatible caches are bypassed while tracing, as under torch.compile: an import
+    with the cache empty used to leave a fake tensor in it, which the next eager forward then read."""
+    compile_compatible = pytest.importorskip("transformers.pytorch_utils").compile_compatible_method_lru_cache
+    cached = compile_compatible(maxsize=2)(reversed_index)
+    model = CachedIndex(cached)
+    imported = tapestry.from_torch(model, (X, Y), training=TRAINING["sgd"], verbose=False)
+    assert not isinstance(mse(model, X, Y), torch._subclasses.FakeTensor)
+    ((loss, params),) = torch_steps(model, "sgd", 1)
+    assert_step_matches(imported.outputs(evaluate(imported.graph, imported.inputs(X, Y))), loss, params)
+
+
+class KeepsAWeightAsAPlainAttribute(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(16, 4)
+        self.__dict__["kept"] = self.lin.weight  # not registered: functional_call never swaps it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + x @ self.kept.T
+
+
+def test_a_modules_own_tensor_reached_outside_its_parameters_is_refused_not_frozen():
+    with pytest.raises(TorchImportError, match="module's tensor lin.weight outside its parameters and buffers"):
+        tapestry.from_torch(KeepsAWeightAsAPlainAttribute(), (X, Y), training=TRAINING["sgd"], verbose=False)

@@ -2,8 +2,9 @@
 
 Every tensor the module holds enters the trace as an argument, never closed over: trainable parameters, the
 optimizer state, the step count and learning rate, and the buffers (rotary `inv_freq`, masks) and frozen
-parameters. Closed-over real tensors meet fake ones inside the trace and tracing refuses them; as arguments they
-become graph inputs (floating point, `static`: the same every step) or constants (integer buffers, folded).
+parameters. As arguments they become graph inputs (floating point, `static`: the same every step) or constants
+(integer buffers, folded). A real tensor the step reaches otherwise (a cached index) is held as a constant, unless it
+is one of the module's own tensors or requires grad: refused, since it would be frozen with no gradient.
 Tied parameters (an embedding shared with the output head) are one tensor: one input, read by both uses.
 Random draws (dropout's masks) become inputs drawn afresh every call (training/draws.py). In-place ops stay in
 the trace (translated as their functional twins); a step that writes into a view is retraced through torch's
@@ -153,6 +154,25 @@ def _grouped_mm_fallback_unless_bfloat16() -> Iterator[None]:
 
 
 @contextmanager
+def _transformers_caches_bypassed() -> Iterator[None]:
+    """transformers' `compile_compatible_method_lru_cache` (BEiT's relative position index, DETR's and SAM's
+    position tables) bypasses its cache while torch.compile traces; here too. Otherwise a tensor cached by an
+    earlier eager call reaches the trace, and a fake tensor made by the trace is cached, which the next eager
+    call then returns (an eager BEiT's loss came back a FakeTensor after an import). Nothing changes where
+    transformers was never imported."""
+    utils = sys.modules.get("transformers.pytorch_utils")
+    compiling = getattr(utils, "is_torchdynamo_compiling", None)
+    if compiling is None:
+        yield
+        return
+    utils.is_torchdynamo_compiling = lambda: True
+    try:
+        yield
+    finally:
+        utils.is_torchdynamo_compiling = compiling
+
+
+@contextmanager
 def _without_mkldnn() -> Iterator[None]:
     """mkldnn off while tracing (torch.backends.mkldnn.flags would warn about TF32 on every capture)."""
     enabled = torch.backends.mkldnn.enabled
@@ -195,10 +215,11 @@ def capture(module: torch.nn.Module, args: tuple[Any, ...], training: Training, 
         # value features other than the query's. mkldnn off: torch's LSTM decomposition then steps cells of plain
         # ops (kernels), not mkldnn_rnn_layer, whose uint8 workspace output no graph value can hold
         with warnings.catch_warnings(), sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]), \
-                _grouped_mm_fallback_unless_bfloat16(), modules_stay_put(), \
+                _grouped_mm_fallback_unless_bfloat16(), _transformers_caches_bypassed(), modules_stay_put(), \
                 exact_rewrites(import_modules=False), _without_mkldnn():
             warnings.simplefilter("ignore", FutureWarning)
             traced = make_fx(step, decomposition_table=DECOMPOSITIONS, tracing_mode="fake")(*_fakes(flat))
+            _refuse_module_tensors_closed_over(traced, module)
             # the buffers it writes, read before functionalization makes a write into part of one whole (refused)
             layout = replace(layout, mutated=_updated_buffers(traced.graph, _held(traced.graph, layout), module))
             if _writes_through_aliases(traced.graph):
@@ -270,8 +291,11 @@ def _functionalized(traced: torch.fx.GraphModule, flat: list[Any]) -> torch.fx.G
 
 def _fakes(flat: list[Any]) -> list[Any]:
     """The step's arguments as fake tensors to trace with, those on the meta device as fake CPU tensors: torch
-    picks attention's fused kernel by device, so a module built on meta traces as its real twin does."""
-    mode = FakeTensorMode()
+    picks attention's fused kernel by device, so a module built on meta traces as its real twin does. Real
+    tensors the step reaches outside its arguments (an index a `functools.lru_cache` kept from an eager call, as
+    BEiT's was before `_transformers_caches_bypassed`) are allowed: the trace holds each as a constant, as
+    torch.export lifts them; `_refuse_module_tensors_closed_over` refuses those that are the module's own."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     def fake(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
@@ -332,6 +356,31 @@ def _refuse(drawn: torch.fx.Node, module: torch.nn.Module) -> NoReturn:
         f"{', '.join(sorted(FILLS | FACTORIES))}): traced once, the draw would be the same at every step. Draw "
         "otherwise, or set the dropout probabilities to 0 or put the dropout modules in eval mode"
         + (f" ({', '.join(dropouts[:4])}{', ...' if len(dropouts) > 4 else ''})" if dropouts else ""))
+
+
+def _refuse_module_tensors_closed_over(traced: torch.fx.GraphModule, module: torch.nn.Module) -> None:
+    """A real tensor the trace holds as a constant is one the step reached outside its arguments. A cached index
+    is fine (the same every step), but one of the module's parameters or buffers reached that way (a module keeping
+    another's weight as a plain attribute) would be frozen at its traced value, with no gradient: refused, naming
+    it, as is any constant that requires grad."""
+    storages = {t.untyped_storage().data_ptr(): name for name, t in
+                [*module.named_parameters(), *module.named_buffers()]
+                if t.device.type != "meta" and t.untyped_storage().data_ptr()}
+    for node in traced.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = getattr(traced, str(node.target), None)
+        if not isinstance(value, torch.Tensor) or isinstance(value, FakeTensor):
+            continue
+        held = storages.get(value.untyped_storage().data_ptr()) if value.device.type != "meta" else None
+        if held is not None or value.requires_grad:
+            what = (f"the module's tensor {held}" if held
+                    else f"a tensor of shape {list(value.shape)} that requires grad")
+            raise TorchImportError(
+                f"the training step of {type(module).__name__} reads {what}"
+                " outside its parameters and buffers (held as a plain attribute or closed over), so the traced step "
+                "would freeze it at its current value with no gradient; register it as a parameter or buffer of the "
+                "module that reads it")
 
 
 def _refuse_cumulative_batch_norm(module: torch.nn.Module) -> None:
