@@ -16,10 +16,10 @@ pytest.importorskip("transformers")
 LR = {"sgd": 0.1, "adam": 1e-3}
 # < 5 CPU s each; cnn and dlrm: max pooling's indices and embedding_bag's offset2bag, read by their backward
 FAST = {("topk_moe", "adam"), ("tcn", "sgd"), ("einsum_attention", "sgd"), ("cnn", "sgd"), ("dlrm", "sgd")}
-# Adam's first step divides by sqrt(v) + eps: where a gradient is within ~10x eps, its float32 rounding is multiplied
-# 900-90,000 times, and the bound (torch's own float32 miss) does not carry that (docs/benchmarks.md, "Training every
-# zoo family one step: BEiT traced, the Adam sweep"); their SGD steps pass. Strict: they fail loudly once versus_torch's bound carries the
-# amplification.
+# Adam's first step divides by sqrt(v) + eps: where a gradient is within ~10x eps, its float32 rounding is
+# multiplied 900-90,000 times, and the bound (torch's own float32 miss) does not carry that (docs/benchmarks.md,
+# "Training every zoo family one step: BEiT traced, the Adam sweep"); their SGD steps pass. Strict: they fail
+# loudly once versus_torch's bound carries the amplification.
 ADAM_EPS_AMPLIFIED = {"bert", "convbert", "distilbert", "stablelm", "marian", "hubert"}
 
 
@@ -38,7 +38,7 @@ def cases():
         for optimizer in LR:
             marks = [] if (name, optimizer) in FAST else [pytest.mark.slow]
             if optimizer == "adam" and name in ADAM_EPS_AMPLIFIED:
-                marks.append(pytest.mark.xfail(strict=True, reason="Adam's eps amplifies float32 rounding past the bound"))
+                marks.append(pytest.mark.xfail(strict=True, reason="Adam's eps amplifies float32 rounding"))
             yield pytest.param(name, optimizer, marks=marks, id=f"{name}-{optimizer}")
 
 
