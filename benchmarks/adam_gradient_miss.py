@@ -18,7 +18,7 @@ import torch
 import tapestry
 from tapestry.evaluator import evaluate
 from tapestry.importer.zoo import FAMILIES
-from tapestry.training.versus_torch import Case, case_of, torch_step
+from tapestry.testing.versus_torch import Case, case_of, torch_step
 
 
 def imported_step(case: Case, training: tapestry.Training) -> dict[str, np.ndarray]:

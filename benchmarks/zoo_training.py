@@ -1,5 +1,5 @@
 """One training step of every zoo family (SGD and Adam), imported with `from_torch`, evaluated, and compared with
-torch.optim's step parameter by parameter (tapestry.training.versus_torch: the tolerance is torch's own float32
+torch.optim's step parameter by parameter (tapestry.testing.versus_torch: the tolerance is torch's own float32
 rounding, measured per model against its float64 step). One process per family, so a crash or a hang is named.
 
     .venv/bin/python benchmarks/zoo_training.py [NAME ...] [--optimizers sgd adam] [--timeout 300] [--json OUT]
@@ -27,7 +27,7 @@ def check(name: str, optimizer: str) -> dict[str, Any]:
     """The family's step under `optimizer` against torch's: the worst parameter, or the exception."""
     import tapestry
     from tapestry.evaluator import evaluate
-    from tapestry.training.versus_torch import case_of, check_step
+    from tapestry.testing.versus_torch import case_of, check_step
 
     start = time.process_time()
     result: dict[str, Any] = {"family": name, "optimizer": optimizer}

@@ -1,5 +1,5 @@
 """One training step of each zoo family, imported, equals torch.optim's step parameter by parameter, within
-torch's own float32 rounding of that model (tapestry.training.versus_torch). benchmarks/zoo_training.py runs the
+torch's own float32 rounding of that model (tapestry.testing.versus_torch). benchmarks/zoo_training.py runs the
 same check over every family and writes the table in docs/benchmarks.md."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import tapestry
 from tapestry.evaluator import evaluate
 from tapestry.importer.zoo import FAMILIES
 from tapestry.plan.simulate import simulate
-from tapestry.training.versus_torch import Case, ParameterCheck, case_of, check_step
+from tapestry.testing.versus_torch import Case, ParameterCheck, case_of, check_step
 
 pytest.importorskip("transformers")
 

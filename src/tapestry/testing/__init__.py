@@ -1,1 +1,2 @@
-"""Hypothesis strategies and checkers shared by the tests and `tapestry check-rules`."""
+"""Hypothesis strategies and checkers shared by the tests and `tapestry check-rules`, and a training step checked
+against torch's (versus_torch)."""
