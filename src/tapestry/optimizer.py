@@ -245,8 +245,8 @@ class Explored:
     @cached_property
     def _lean(self) -> LeanPlans:
         """Each selection's plan of the whole graph decoded, walked for its peaks, priced once (egraph.lean_plans)."""
-        return LeanPlans(self.decoder, self.graph, self.names, self.layered,
-                         None if self.layered is None else self.folded.decode)
+        return LeanPlans(self.decoder, self.graph, self.names) if self.layered is None else LeanPlans(
+            self.decoder, self.graph, self.names, self.layered, self.folded.decode, lowerings=self.folded.lowerings)
 
     @cached_property
     def _inputs_floor(self) -> tuple[int, tuple[tuple[str, int], ...]]:

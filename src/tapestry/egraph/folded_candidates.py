@@ -57,7 +57,7 @@ class FoldedCandidates:
     _expansions: dict[tuple[int, ...], tuple[Plan, list[int]]] = field(default_factory=dict, init=False, repr=False)
     _prices: dict[tuple[str, int, tuple[int, ...]], tuple[CostModel, float]] = field(
         default_factory=dict, init=False, repr=False)
-    _lowerings: Lowerings = field(default_factory=Lowerings, init=False, repr=False)  # candidates' steps, lowered
+    lowerings: Lowerings = field(default_factory=Lowerings, init=False, repr=False)  # steps lowered, by all fits
 
     def decode(self, egraph: ExtractGraph, selection: Selection) -> tuple[Plan, list[int]]:
         """The selection's plan expanded onto every layer of the whole graph, and the node each step comes from.
@@ -137,7 +137,7 @@ class FoldedCandidates:
             if not budget.fits(selection.choice):  # a lower bound of its peak is over: not decoded
                 leanest = min(leanest, (max(budget.usage(selection.choice)), selection), key=lambda p: p[0])
                 return False
-            plan, _, peaks = leaner(*self.decode(egraph, selection), self._lowerings)
+            plan, _, peaks = leaner(*self.decode(egraph, selection), self.lowerings)
             peak = max(p.bytes for p in peaks)
             leanest = min(leanest, (peak, selection), key=lambda p: p[0])
             if peak > limit:
@@ -186,7 +186,7 @@ class FoldedCandidates:
             with suppress(NoFiniteChoiceError):  # the kept plan stands where the ILP finds nothing in time
                 better = extract(egraph, "ilp", time_limit, budget, ties, stop_gap=stop_gap, start=selection)
                 if better.choice != selection.choice:
-                    candidate, _, peaks = leaner(*self.decode(egraph, better), self._lowerings)
+                    candidate, _, peaks = leaner(*self.decode(egraph, better), self.lowerings)
                     candidate = replace(candidate, cost=plan_cost(candidate, model) if model is not None
                                         else better.dag_cost, notes={**candidate.notes, "memory_budget": "ilp"})
                     if max(p.bytes for p in peaks) <= limit and candidate.cost < plan.cost:

@@ -47,7 +47,7 @@ class LeanPlans:
     layered: Layered | None = None
     expand: Callable[[ExtractGraph, Selection], tuple[Plan, list[int]]] | None = None
     kept: int = KEPT
-    _lowerings: Lowerings = field(default_factory=Lowerings, init=False, repr=False)  # every plan's steps, lowered
+    lowerings: Lowerings = field(default_factory=Lowerings, repr=False)  # plans' steps lowered (a fold's: shared)
     _made: dict[tuple, Decoded] = field(default_factory=dict, init=False, repr=False)
     _costs: dict[tuple[int, ...], tuple[Any, CostModel, float]] = field(default_factory=dict, init=False, repr=False)
 
@@ -68,7 +68,7 @@ class LeanPlans:
         key = plan_key(egraph, selection)
         made = self._made.pop(key, None)  # put back last: the least recently asked go first
         if made is None:
-            made = leaner(*self.decode(egraph, selection), self._lowerings)
+            made = leaner(*self.decode(egraph, selection), self.lowerings)
         self._made[key] = made
         while len(self._made) > self.kept:
             del self._made[next(iter(self._made))]
