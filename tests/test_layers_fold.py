@@ -310,22 +310,30 @@ def _over_every_candidate(g: Graph):
     return explored, explored._inputs_floor[0]
 
 
-def test_a_folded_budget_no_candidate_meets_says_what_the_leanest_candidate_holds_whole(steps):
+def test_a_folded_budget_no_candidate_meets_says_what_the_leanest_candidate_holds(steps, monkeypatch):
     """Issue 24's 70B step on 8x8x8 ended in a 420 GB leanest candidate, every weight and Adam moment whole: the
-    error says how many carried inputs the leanest holds whole, and how many prices left no steady selection."""
+    error says how many carried inputs the leanest holds whole, what the leanest decoded one holds at its peak (by
+    what made it, and its largest buffers), and how many prices left no steady selection. Every candidate is
+    decoded here (the bound check passes them all), so the peak's account is always there."""
+    from tapestry.extract import DeviceBudget
     from tapestry.optimizer import MemoryBudgetError
 
     explored, floor = _over_every_candidate(steps[3])
+    monkeypatch.setattr(DeviceBudget, "fits", lambda self, choice: True)
     with pytest.raises(MemoryBudgetError, match=r"the leanest needs [\d,]+, holding \d+ of its \d+ carried inputs "
-                                                r"whole on every device( \(.*\))?; \d of the 6 prices left no steady "
-                                                r"selection") as raised:
+                                                r"whole on every device( \(.*\))?; of those decoded, the leanest needs "
+                                                r"[\d,]+: device \d+ at its peak holds .*; largest: .*; \d of the 6 "
+                                                r"prices left no steady selection") as raised:
         explored.extract(extractor="greedy-dag", memory_budget=floor)
-    whole = int(re.search(r"holding (\d+) of", str(raised.value)).group(1))
-    named = re.search(r"whole on every device \(([^)]*)\)", str(raised.value))  # the first three by name
+    told = str(raised.value)
+    whole = int(re.search(r"holding (\d+) of", told).group(1))
+    named = re.search(r"whole on every device \(([^)]*)\)", told)  # the first three by name
     assert (named is None) == (whole == 0)
     if named:
         names = named.group(1).removesuffix(", ...").split(", ")
         assert len(names) == min(whole, 3) and set(names) <= set(explored.graph.carried.values())
+    peak = int(re.search(r"of those decoded, the leanest needs ([\d,]+)", told).group(1).replace(",", ""))
+    assert peak > floor and f"the leanest needs {peak:,}," in told  # every candidate decoded: the leanest is one
 
 
 def test_a_folded_budget_whose_prices_find_no_steady_selection_says_so(steps, monkeypatch):

@@ -3,6 +3,7 @@ and what overshoots becomes a cut the ILP must respect (issue 11: no plan found 
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from dataclasses import replace
 
@@ -15,6 +16,7 @@ import tapestry
 from tapestry.cost import peak_memory, plan_cost, rank_peaks
 from tapestry.cost.memory import layout_bytes, lean_order
 from tapestry.dtypes import itemsize
+from tapestry.egraph.budget import held_at_peak
 from tapestry.extract import DeviceBudget, extract
 from tapestry.optimizer import Explored, MemoryBudgetError, explore, steady_violations
 from tapestry.plan import Plan
@@ -40,6 +42,23 @@ def test_a_rank_peak_names_the_steps_whose_buffers_make_it_up():
     for peak in peaks:
         assert sum(peak.live.values()) == peak.bytes
         assert set(peak.live) <= set(range(len(plan.steps)))
+
+
+def test_what_a_peak_holds_is_told_by_what_made_it_and_adds_up_to_the_peak():
+    """A budget no plan meets says where its bytes go: the fullest device's live bytes by what made them (placed
+    inputs, reshards, each kernel's results) and its largest buffers, every byte of the peak counted once."""
+    plan = hand_plans(adam_step(8, 32, 64)[0], tapestry.Mesh(4))["ZeRO-3"]
+    peaks = rank_peaks(plan)
+    told = held_at_peak(plan, peaks, shown=100)
+    rank = int(re.match(r"device (\d+) at its peak holds ", told).group(1))
+    assert peaks[rank].bytes == max(p.bytes for p in peaks)
+    made, largest = told.split("; largest: ")
+    kinds = re.findall(r"([\w. ]+?) ([\d,]+) \((\d+) buffers\)", made.split(" holds ", 1)[1])
+    assert sum(int(b.replace(",", "")) for _, b, _ in kinds) == peaks[rank].bytes
+    assert sum(int(n) for *_, n in kinds) == len(peaks[rank].live)
+    assert {"placed inputs"} <= {k.strip(", ") for k, *_ in kinds}
+    first = max(peaks[rank].live.items(), key=lambda item: (item[1], -item[0]))
+    assert largest.startswith(f"{plan.steps[first[0]].out} {first[1]:,}")
 
 
 def test_the_lean_order_is_a_valid_order_of_the_same_steps():

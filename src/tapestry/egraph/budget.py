@@ -14,7 +14,7 @@ from tapestry.egraph.layered import Layered
 from tapestry.extract import DeviceBudget
 from tapestry.extract import EGraph as ExtractGraph
 from tapestry.graph import Graph
-from tapestry.plan import Plan
+from tapestry.plan import Compute, Place, Plan, Reshard
 
 
 class MemoryBudgetError(ValueError):
@@ -125,6 +125,26 @@ def budget_error(limit: int, why: str, floor: tuple[int, tuple[tuple[str, int], 
                                  f"larger budget")
     return MemoryBudgetError(f"no plan fits {limit:,} bytes per device: {why}; {inputs}, so no plan found "
                              f"holds the step's other values in the {limit - least:,} bytes left")
+
+
+def held_at_peak(plan: Plan, peaks: Sequence[RankPeak], shown: int = 4) -> str:
+    """What the fullest device holds at its peak: the live bytes by what made them (placed inputs, reshards, each
+    kernel's results), largest first, and the largest buffers by name: where a budget no plan meets is spent."""
+    rank = max(range(len(peaks)), key=lambda r: peaks[r].bytes)
+    live = peaks[rank].live
+    kinds: dict[str, list[int]] = {}  # what made them -> [bytes, buffers]
+    for i, size in live.items():
+        step = plan.steps[i]
+        kind = "placed inputs" if isinstance(step, Place) else "reshards" if isinstance(step, Reshard) else (
+            step.kernel if isinstance(step, Compute) else type(step).__name__)
+        held = kinds.setdefault(kind, [0, 0])
+        held[0] += size
+        held[1] += 1
+    by_kind = sorted(kinds.items(), key=lambda item: (-item[1][0], item[0]))
+    largest = sorted(live.items(), key=lambda item: (-item[1], item[0]))[:shown]
+    made = ", ".join(f"{kind} {held:,} ({count} buffers)" for kind, (held, count) in by_kind[:shown])
+    buffers = ", ".join(f"{plan.steps[i].out} {size:,}" for i, size in largest)
+    return f"device {rank} at its peak holds {made}{', ...' if len(by_kind) > shown else ''}; largest: {buffers}"
 
 
 def leaner(plan: Plan, step_nodes: list[int], lowerings: Lowerings | None = None

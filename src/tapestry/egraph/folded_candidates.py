@@ -16,7 +16,7 @@ from tapestry.cost import CostModel, plan_cost
 from tapestry.cost.memory import Lowerings
 from tapestry.cost.model import from_costs, step_costs
 from tapestry.cost.overlap import overlap
-from tapestry.egraph.budget import MemoryBudgetError, leaner
+from tapestry.egraph.budget import MemoryBudgetError, held_at_peak, leaner
 from tapestry.egraph.decode import Decoder
 from tapestry.egraph.embed import embedded_plans
 from tapestry.egraph.layered import Layered
@@ -130,6 +130,7 @@ class FoldedCandidates:
         steady = [t for t in ties if t not in twins]
         found: list[tuple[Plan, Selection]] = []
         leanest: tuple[float, Selection | None] = (math.inf, None)  # least peak (or lower bound of it), for the error
+        decoded: list[tuple[int, str]] = []  # the leanest decoded candidate's peak and what it holds then
         unsteady: list[int] = []  # the prices whose fallback found no steady selection
 
         def fitting(selection: Selection, how: str) -> bool:
@@ -140,6 +141,8 @@ class FoldedCandidates:
             plan, _, peaks = leaner(*self.decode(egraph, selection), self.lowerings)
             peak = max(p.bytes for p in peaks)
             leanest = min(leanest, (peak, selection), key=lambda p: p[0])
+            if not decoded or peak < decoded[0][0]:
+                decoded[:] = [(peak, held_at_peak(plan, peaks))]
             if peak > limit:
                 return False
             plan = replace(plan, cost=plan_cost(plan, model) if model is not None else selection.dag_cost,
@@ -180,6 +183,8 @@ class FoldedCandidates:
                                     f"{LEAN_STEP ** (LEAN_ROUNDS - 1):g} times a budget's worth of bytes per plan "
                                     f"time) the leanest needs {leanest[0]:,.0f}"
                                     + ("" if leanest[1] is None else f", {self._whole_state(leanest[1], carried)}")
+                                    + "".join(f"; of those decoded, the leanest needs {peak:,}: {held}"
+                                              for peak, held in decoded)
                                     + f"; {len(unsteady)} of the {LEAN_ROUNDS} prices left no steady selection")
         plan, selection = min(found, key=lambda f: f[0].cost)
         if extractor == "ilp":
