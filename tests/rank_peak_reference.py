@@ -3,7 +3,7 @@ at each new high (quadratic in a deep plan's steps, so a test's only), for tests
 from __future__ import annotations
 
 from tapestry.cost.memory import block_bytes
-from tapestry.lower.program import Local, PlaceBlock, RankProgram
+from tapestry.lower.program import PlaceBlock, RankProgram, viewed
 from tapestry.plan import Plan
 
 
@@ -16,14 +16,15 @@ def snapshot_peak(plan: Plan, program: RankProgram) -> tuple[int, dict[int, int]
     live, peak, at_peak = 0, 0, {}
     for step, gone in zip(steps, dead):
         dtype = plan.dtypes[step.out]
-        view = isinstance(step, Local) and step.src_block is not None and step.src_block.contains(step.out_block)
+        source = viewed(step)
+        view = source is not None
         if isinstance(step, PlaceBlock) or step.step in prepared:
             made = 0 if view else block_bytes(step.block if isinstance(step, PlaceBlock) else step.out_block, dtype)
             placed[step.step] = placed.get(step.step, 0) + made
             owner[step.out] = None
             continue
         if view:
-            owner[step.out] = owner[step.src]
+            owner[step.out] = owner[source]
         else:
             owner[step.out], size[step.out], made_by[step.out] = step.out, block_bytes(step.out_block, dtype), step.step
             live += size[step.out]

@@ -260,6 +260,29 @@ def test_a_view_move_shares_its_source_and_a_weight_split_halves_its_bytes() -> 
     assert peak_memory(replicated) == [2 * 256 + 256] * 2 and peak_memory(split) == [256 + 128 + 128] * 2
 
 
+def test_a_view_kernel_adds_no_bytes_and_keeps_its_source_alive_as_torch_does() -> None:
+    """expand, slice, select and transpose make torch views: a fill broadcast from one row holds the row's bytes
+    (issue 24: the 70B step's zero fills, counted at their full size, were 56 of the 89 GB on each device), and a
+    transposed activation keeps the activation alive until the view's last reader; reshape may copy and counts."""
+    block, resident = 4 * 64 * 64, 4 * 64 + 4 * 64 * 64  # one float32 [64, 64]; row and w held throughout
+    g = Graph()
+    row, w = g.input("row", (1, 64)), g.input("w", (64, 64))
+    filled = g.op("expand", row, shape=(64, 64), name="filled")  # read first and last: live throughout
+    a = g.op("relu", g.op("add", filled, w, name="s"), name="a")
+    g.output("y", g.op("add", a, filled, name="y"))
+    assert peak_memory(build_plan(g, Mesh(1))) == [resident + 2 * block]  # s and a (the fill a view of row)
+    g = Graph()
+    w = g.input("w", (64, 64))
+    t = g.op("transpose", g.op("relu", w, name="a"), name="t")  # t keeps a alive to y
+    c = g.op("relu", g.op("relu", w, name="b"), name="c")
+    g.output("y", g.op("add", t, c, name="y"))
+    assert peak_memory(build_plan(g, Mesh(1))) == [block + 3 * block]  # a (under t), b and c
+    g = Graph()
+    row, w = g.input("row", (1, 64)), g.input("w", (64, 64))
+    g.output("y", g.op("add", g.op("reshape", g.op("expand", row, shape=(64, 64)), shape=(64, 64)), w, name="y"))
+    assert peak_memory(build_plan(g, Mesh(1))) == [resident + 2 * block]  # the reshape's copy and y
+
+
 # -- dtypes ---------------------------------------------------------------------------------------
 def test_a_bfloat16_move_carries_half_the_bytes() -> None:
     mesh, shape = Mesh(4), (64, 64)

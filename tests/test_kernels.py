@@ -85,6 +85,19 @@ def test_torch_impl_matches_numpy(name, data, seed):
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-7, atol=1e-9)
 
 
+@pytest.mark.parametrize("name", sorted(n for n, k in KERNELS.items() if k.always_view))
+@settings(max_examples=10, deadline=None)
+@given(data=st.data())
+def test_an_always_view_kernel_returns_a_view_of_its_argument(name, data):
+    """cost.memory counts no bytes for an `always_view` kernel's result (it shares its argument's storage, as
+    lower.program.viewed says): its torch impl must never copy, on any block it is given."""
+    sig = data.draw(signatures(KERNELS[name]))
+    assert sig.kernel.is_view
+    x = dtypes.to_tensor(read_block(arrays_for(sig, 0)[0], sig.projections[0].apply(sig.index)))
+    got = sig.kernel.torch(x, **sig.call_kwargs(sig.index))
+    assert got.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+
+
 @pytest.mark.parametrize("name", ALL)
 @settings(max_examples=10, deadline=None)
 @given(data=st.data())

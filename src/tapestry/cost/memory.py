@@ -6,8 +6,9 @@ whole program (weights stay resident; so do the results of prepared steps,
 `Plan.prepared`, which it runs once after placing), then runs its lowered steps, dropping
 each buffer after its last reader (`RankProgram.dead_after`). A buffer holds
 its block at its value's dtype size. A `Local` move whose block lies inside
-the source block is a view of it, as the runtime makes it: it adds no bytes
-and keeps its source alive. Not counted: kernel scratch space, collective
+the source block, and an always-a-view kernel (expand, slice, select, transpose:
+`lower.program.viewed`), are views of their source, as the runtime makes them:
+they add no bytes and keep their source alive. Not counted: kernel scratch space, collective
 staging buffers and allocator slack; nor the gather of the outputs to rank 0
 that `run_plan` adds after the plan (the plan's outputs stay live to its end).
 """
@@ -57,8 +58,8 @@ class RankPeak:
 class _Part:
     """One rank's part in one plan step as its memory sees it, without names, so that steps alike but for their
     names share it and ranks that differ only by which shards they hold have equal parts: the elements of the
-    buffer it makes (0: none, or a view), whether that is a view (a Local move inside the held source block: it
-    shares the source's storage) or a placed input block, and which of the step's inputs it reads (positions in a
+    buffer it makes (0: none, or a view), whether that is a view (`lower.program.viewed`: it shares the source's
+    storage) or a placed input block, and which of the step's inputs it reads (positions in a
     Compute's arguments; 0: a reshard's source)."""
 
     elements: int
@@ -68,15 +69,15 @@ class _Part:
 
 
 def _part(rank_step: RankStep) -> _Part:
-    from tapestry.lower.program import Comm, Local, PlaceBlock  # imports torch: only when asked
+    from tapestry.lower.program import Comm, PlaceBlock, viewed  # imports torch: only when asked
 
     if isinstance(rank_step, PlaceBlock):
         return _Part(rank_step.block.size, False, True, ())
+    view = viewed(rank_step) is not None
     if isinstance(rank_step, Comm):
-        held, made = rank_step.src_block, rank_step.out_block
-        view = isinstance(rank_step, Local) and held is not None and held.contains(made)
+        made = rank_step.out_block
         return _Part(0 if view or made is None else made.size, view, False, (0,))
-    return _Part(rank_step.out_block.size, False, False,
+    return _Part(0 if view else rank_step.out_block.size, view, False,
                  tuple(i for i, read in enumerate(rank_step.reads) if read.box is not None))
 
 

@@ -33,10 +33,10 @@ def held_bytes(decoder: Decoder, graph: Graph, classes: Collection[str] | None =
 def device_budget(decoder: Decoder, held: Mapping[str, tuple[int, ...]], layered: Layered | None,
                   limit: int) -> DeviceBudget:
     """Bytes per device that every plan containing a node must hold: a Place its block of the input, for the
-    whole program; a Run its result and its non-input arguments while it runs; a Reshard its source and
-    its result, except where the result is a view of the source (cost.memory). Lower bounds of the exact
-    peak, so the constraints exclude no plan that fits; they miss other activations live at the same time.
-    Devices alike in what they hold all program share their constraints (`alike_devices`)."""
+    whole program; a Run its result (none where it is a view: `always_view`) and its non-input arguments while it
+    runs; a Reshard its source and its result, except where the result is a view of the source (cost.memory).
+    Lower bounds of the exact peak, so the constraints exclude no plan that fits; they miss other activations live
+    at the same time. Devices alike in what they hold all program share their constraints (`alike_devices`)."""
     resident, transient = _charged(decoder, held, layered, range(len(decoder.nodes)))
     return DeviceBudget(limit, *alike_devices(resident, transient))
 
@@ -70,7 +70,9 @@ def _charged(decoder: Decoder, held: Mapping[str, tuple[int, ...]], layered: Lay
                 for s, o, own, need in zip(held[node.children[0]], held[node.eclass], src.blocks, dst.blocks))
         elif node.op != "Deliver":
             args = [held[c] for c in dict.fromkeys(node.children) if c not in placed]
-            transient[n] = tuple(map(sum, zip(held[node.eclass], *args)))
+            if not decoder.views(node):  # a view holds no bytes of its own
+                args.append(held[node.eclass])
+            transient[n] = tuple(map(sum, zip(*args))) if args else (0,) * decoder.mesh.size
     return (resident if layered is None else layered.resident(resident)), transient
 
 

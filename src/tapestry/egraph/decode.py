@@ -34,6 +34,7 @@ from tapestry.extract import EGraph as ExtractGraph
 from tapestry.extract import Node
 from tapestry.extract import Selection
 from tapestry.graph import Graph
+from tapestry.kernels import get_kernel
 from tapestry.plan import Compute, Place, Plan, Reshard, Step
 from tapestry.sharding import Layout, Mesh
 
@@ -323,6 +324,11 @@ class Decoder:
     def prepared(self, node: DNode) -> bool:
         """Whether `node` is a Run or Reshard made from static-derived classes only: done once, free per run."""
         return node.op not in ("Place", "Deliver") and self.static_classes.issuperset(node.children)  # per node priced
+
+    def views(self, node: DNode) -> bool:
+        """Whether `node` runs an `always_view` kernel: its result shares its argument's storage (cost.memory)."""
+        return (node.op not in ("Place", "Reshard", "Deliver")
+                and get_kernel(self.interner.runs[node.key].kernel).always_view)
 
     def step(self, node: DNode, out: str = "?", args: tuple[str, ...] = ()) -> Step | None:
         if node.op == "Place":

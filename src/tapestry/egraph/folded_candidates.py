@@ -156,7 +156,7 @@ class FoldedCandidates:
         # a node's bytes per device at its worst device: what it adds to the memory a plan holds (copy 1's once
         # per later copy); summed over a plan, about its activations and state, which a training step holds at once
         made = self.layered.costs(egraph.with_costs([
-            0.0 if node.op == "Deliver" else float(max(held[node.eclass], default=0))
+            0.0 if node.op == "Deliver" or self.decoder.views(node) else float(max(held[node.eclass], default=0))
             for node in self.decoder.nodes])).node_cost
         base = extract(egraph, "greedy-dag", time_limit).dag_cost / limit  # seconds per byte
 

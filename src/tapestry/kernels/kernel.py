@@ -148,6 +148,9 @@ class Kernel:
     # query-key pairs it masks, as flash kernels skip masked tiles); None: all of them.
     work: Callable[[Signature, ZRange], float] | None = None
     is_view: bool = False
+    # torch always answers with a view of x, never a copy (reshape copies where strides do not allow a view): a
+    # lowered step's result then shares its argument's storage (lower.program.viewed, cost.memory)
+    always_view: bool = False
     # False: its numpy or torch impl cannot run on a tensor with a zero-size dim (or gives another shape), so
     # bind refuses one rather than let a run fail inside a rank.
     takes_zero_size: bool = True

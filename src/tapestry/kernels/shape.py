@@ -68,6 +68,7 @@ register(
         sample=_sample_slice,
         params={"axis": 0, "start": 0, "stop": 0, "step": 1},
         is_view=True,
+        always_view=True,
         dtype_rule=promoted,
         takes_zero_size=False,
         doc="x[start:stop:step] along `axis` (Python's clipping; step >= 1)",
@@ -102,6 +103,7 @@ register(
         sample=_sample_select,
         params={"axis": 0, "index": 0},
         is_view=True,
+        always_view=True,
         dtype_rule=promoted,
         doc="x[..., index, ...] along `axis`, which is dropped",
     )
@@ -180,6 +182,7 @@ register(
         sample=_sample_expand,
         params={"shape": ()},
         is_view=True,
+        always_view=True,
         needs_out_shape=True,
         dtype_rule=promoted,
         takes_zero_size=False,

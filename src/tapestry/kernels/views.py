@@ -117,6 +117,7 @@ register(
         params={"perm": ()},
         canonical=_canonical_transpose,
         is_view=True,
+        always_view=True,
         doc="permute dims (default: swap the last two)",
     )
 )

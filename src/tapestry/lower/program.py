@@ -13,7 +13,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from tapestry.kernels import Params, Shape
+from tapestry.kernels import Params, Shape, get_kernel
 from tapestry.plan import ring
 from tapestry.plan.plan import Compute, Place, Plan, Reshard, delivered, output_gathers
 from tapestry.sharding import Block, Layout, Mesh
@@ -233,6 +233,18 @@ _KIND_NAMES: dict[type, str] = {
 }
 
 RankStep = PlaceBlock | ShardCompute | GroupCompute | Comm
+
+
+def viewed(step: RankStep) -> str | None:
+    """The buffer whose storage the step's buffer shares (the runtime makes none of its own), None where it makes
+    its own: a Local move inside the held source block, or an `always_view` kernel reading one held box unpadded
+    (a zero fill broadcast from a scalar holds the scalar's bytes only)."""
+    if isinstance(step, Local):
+        return step.src if step.src_block is not None and step.src_block.contains(step.out_block) else None
+    if isinstance(step, ShardCompute) and get_kernel(step.kernel).always_view and len(step.reads) == 1:
+        read = step.reads[0]
+        return read.buffer if read.box is not None and not any(any(p) for p in read.pad) else None
+    return None
 
 
 @dataclass(frozen=True)
