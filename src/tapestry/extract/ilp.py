@@ -176,18 +176,24 @@ def _extract(egraph: EGraph, meter: Meter, budget: DeviceBudget | None, ties: Ti
         if admissible(given) and (best is None or given.dag_cost < best.dag_cost):
             best = warm = given
     proven, bound, lp_bound, cuts = best is not None and best.dag_cost == 0, 0.0, 0.0, ()
+    frozen = tied_nodes(ties)
 
     def offer(choice: list[int]) -> float:
-        """An LP solution rounded: made a selection, and that improved by greedy-dag's local search; the
-        cheapest admissible of them is kept if it is the best yet."""
+        """An LP solution rounded: made a selection, and that improved by greedy-dag's local search with the tied
+        nodes frozen (none joins or leaves), where the rounding keeps every tie; the cheapest admissible of them is
+        kept if it is the best yet. A rounding that breaks a tie is not improved: the search would keep it broken
+        (on Mixtral's training step on 8 devices every rounding broke one, and improving them took ~40% of the LP
+        pass; docs/benchmarks.md, "The tied LP pass improves no broken tie")."""
         nonlocal best, warm
         choice = undominate(egraph, choice, reduced.replacement)
         rounded = finalize(egraph, choice, tree, "ilp", started)
-        # classes the selection leaves out keep the LP's choice, so a move that brings them in is priced by it
-        full = [rounded.choice.get(c, n if n >= 0 else t) for c, (n, t) in enumerate(zip(choice, tree.node))]
-        improved = finalize(egraph, undominate(egraph, improve(egraph, full, tree, relax_deadline),
-                                               reduced.replacement), tree, "ilp", started)
-        for candidate in (rounded, improved):
+        candidates = [rounded]
+        if ties_hold(rounded.choice, ties):
+            # classes the selection leaves out keep the LP's choice, so a move that brings them in is priced by it
+            full = [rounded.choice.get(c, n if n >= 0 else t) for c, (n, t) in enumerate(zip(choice, tree.node))]
+            candidates.append(finalize(egraph, undominate(egraph, improve(egraph, full, tree, relax_deadline, frozen),
+                                                          reduced.replacement), tree, "ilp", started))
+        for candidate in candidates:
             if admissible(candidate) and (best is None or candidate.dag_cost < best.dag_cost):
                 best = warm = candidate
         return math.inf if best is None else best.dag_cost
