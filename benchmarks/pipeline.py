@@ -145,6 +145,8 @@ def main() -> None:
                         help="key/value heads (grouped-query attention; default: as many as query heads)")
     parser.add_argument("--memory-budget", type=float, default=80e9)
     parser.add_argument("--budget", type=float, default=30.0, help="Budget.seconds per layer plan")
+    parser.add_argument("--time-limit", type=float, default=None, help="each layer extraction's time_limit (the "
+                        "ILP's budget of counted work, in seconds; default plan_pipeline's LAYER_TIME_LIMIT)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--profile", default=PROFILE, help="device profile (gpu-h100-cluster-measured: the "
                         "H100's calibrated rates)")
@@ -166,7 +168,8 @@ def main() -> None:
     started, cpu_started = time.perf_counter(), time.process_time()
     result = tapestry.plan_pipeline(build, args.layers, mesh, args.global_batch, model, micro_batch_sizes=sizes,
                                     memory_budget=args.memory_budget,
-                                    budget=tapestry.Budget(seconds=args.budget))
+                                    budget=tapestry.Budget(seconds=args.budget),
+                                    **({} if args.time_limit is None else {"time_limit": args.time_limit}))
     planned, planned_cpu = time.perf_counter() - started, time.process_time() - cpu_started
     load = os.getloadavg()[0]
     print(f"plan_pipeline: {planned:.0f} s wall, {planned_cpu:.1f} CPU s, peak RSS {peak_rss() / 2**30:.2f} GiB, "

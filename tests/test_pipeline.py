@@ -570,6 +570,32 @@ def test_layer_plans_are_ranked_by_what_the_pipeline_pays_per_step() -> None:
     assert chosen.layer.params > 1.9 * layer_cost(one_run.plan, model).params  # the weights whole, not halved
 
 
+def test_every_layer_extraction_gets_plan_pipelines_time_limit(mlp_step, monkeypatch) -> None:  # noqa: ANN001
+    """The fastest layer plan and the leaner ones are extracted under `time_limit`, by default LAYER_TIME_LIMIT
+    (half `optimize`'s: the same 7B configuration on 64 GPUs in two thirds of the CPU seconds, docs/benchmarks.md),
+    and a limit given reaches every extraction."""
+    import inspect
+
+    import tapestry
+    from tapestry.optimizer import Explored
+    from tapestry.pipeline import planner
+
+    limits: list[float] = []
+    extract = Explored.extract
+
+    def counted(self: Explored, *args: object, **kw: object) -> object:
+        limits.append(inspect.signature(extract).bind(self, *args, **kw).arguments.get("time_limit"))
+        return extract(self, *args, **kw)
+
+    monkeypatch.setattr(Explored, "extract", counted)
+    monkeypatch.setattr(planner, "ideal_time", lambda *args, **kw: 0.0)  # no floor: the leaner plans are extracted
+    for given, expected in [({}, planner.LAYER_TIME_LIMIT), ({"time_limit": 7.0}, 7.0)]:
+        limits.clear()
+        tapestry.plan_pipeline(mlp_step, 4, tapestry.Mesh(2), global_batch=16, cost_model=h100(), stages=(1,),
+                               memory_budget=None, budget=tapestry.Budget(seconds=30), pareto_points=2, **given)
+        assert len(limits) == 2 and set(limits) == {expected}
+
+
 def test_a_layers_extractions_share_one_pricing(mlp_step, monkeypatch) -> None:  # noqa: ANN001
     """A stage count's layer is extracted several times under one cost model (its fastest plan, then leaner ones
     under memory budgets): its e-nodes are priced once, for all of them."""

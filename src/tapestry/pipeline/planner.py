@@ -54,6 +54,10 @@ REBALANCE_TRIES = 16  # layer moves `rebalanced` prices at most
 # front to be extracted: the leaner plans' extractions under memory budgets were 70% of the 7B step's planning time
 # on 64 GPUs (docs/benchmarks.md), and are kept there even at 5%: its chosen layer plan (4.48 s) is a leaner one
 LEANER_SLACK = 0.02
+# each layer extraction's `time_limit` (the ILP's budget of counted work, `extract_ilp`), half `optimize`'s 10: on
+# the 7B step on 64 GPUs every stage count's best configuration and floor came out the same at 5 as at 10, in 297
+# CPU s of plan_pipeline instead of 454 (docs/benchmarks.md, "7B on 64 GPUs at 4M tokens per step")
+LAYER_TIME_LIMIT = 5.0
 
 
 @dataclass(frozen=True)
@@ -331,7 +335,7 @@ def plan_pipeline(layer: Step, layers: int, mesh: Mesh, global_batch: int,
                   stages: Sequence[int] | None = None, memory_budget: float | None = 80 * 10**9,
                   precision: str | Precision = "mixed", schedules: Sequence[str] = SCHEDULES,
                   chunks: Sequence[int] = CHUNKS, budget: Budget = Budget(), extractor: str = "ilp",
-                  time_limit: float = 10.0, pareto_points: int = 3, first: Step | None = None,
+                  time_limit: float = LAYER_TIME_LIMIT, pareto_points: int = 3, first: Step | None = None,
                   last: Step | None = None, leaner_slack: float = LEANER_SLACK) -> PipelineResult:
     """The fastest pipelined training step of `layers` identical layers on `mesh` that fits `memory_budget`
     bytes per device, `global_batch` sequences per step.
