@@ -19,7 +19,7 @@ from tapestry.clock import clock
 from tapestry.extract.egraph import EGraph
 from tapestry.extract.selection import Selection, children_first, finalize, reachable_choice
 from tapestry.extract.structure import cyclic_components
-from tapestry.extract.tree import TreeChoice, solvable_tree
+from tapestry.extract.tree import TreeChoice, class_fronts, leaves, solvable_tree
 from tapestry.extract.work import Deadline
 
 CHECK_EVERY = 4096  # classes the local search visits between looks at the clock (the safety net's)
@@ -42,6 +42,8 @@ def greedy_choice(egraph: EGraph) -> list[int]:
     dag_cost = [0.0] * egraph.num_classes
 
     def union(children: tuple[int, ...]) -> tuple[frozenset[int], float]:
+        if len(children) == 1:  # most nodes (a reshard, a Place): what the one child's DAG holds
+            return members[children[0]], dag_cost[children[0]]
         ordered = sorted(children, key=lambda d: len(members[d]), reverse=True)
         base, total = members[ordered[0]], dag_cost[ordered[0]]
         for d in ordered[1:]:
@@ -51,9 +53,10 @@ def greedy_choice(egraph: EGraph) -> list[int]:
                 base = base | extra
         return base, total
 
+    selectable = egraph.selectable_nodes
     pending = [len(ch) for ch in child_sets]
-    heap = [(costs[n], n) for n in range(egraph.num_nodes) if pending[n] == 0 and egraph.selectable(n)]
-    heapq.heapify(heap)
+    front = class_fronts(egraph)
+    heap = leaves(egraph, front, pending)
     waiting = set(egraph.roots)
     while heap and waiting:
         _, n = heapq.heappop(heap)
@@ -66,8 +69,11 @@ def greedy_choice(egraph: EGraph) -> list[int]:
         waiting.discard(c)
         for p in parents[c]:
             pending[p] -= 1
-            if pending[p] == 0 and best[node_class[p]] < 0 and egraph.selectable(p):
-                heapq.heappush(heap, (costs[p] + union(child_sets[p])[1], p))
+            if pending[p] == 0 and best[node_class[p]] < 0 and selectable[p]:
+                entry = (costs[p] + union(child_sets[p])[1], p)
+                if entry < front[node_class[p]]:  # else its class's node queued before pops first
+                    front[node_class[p]] = entry
+                    heapq.heappush(heap, entry)
     return best
 
 
@@ -89,7 +95,7 @@ def improve(egraph: EGraph, choice: list[int], tree: TreeChoice, deadline: Deadl
     With `deadline`, the search stops where its tries reach it (charged to its meter), or at the safety net.
     No move adds or drops a node of `frozen` (the ILP's tied nodes: a selection that keeps its ties keeps them).
     """
-    cost, child_sets = egraph.node_cost, egraph.child_sets
+    cost, child_sets, selectable = egraph.node_cost, egraph.child_sets, egraph.selectable_nodes
     choice = list(choice)
     refs = [0] * egraph.num_classes
     for root in egraph.roots:
@@ -101,26 +107,29 @@ def improve(egraph: EGraph, choice: list[int], tree: TreeChoice, deadline: Deadl
     tries = 0
 
     def usable(c: int, node: int) -> bool:
-        return egraph.selectable(node) and c not in child_sets[node] and all(map(tree.extractable, child_sets[node]))
+        return selectable[node] and c not in child_sets[node] and all(map(tree.extractable, child_sets[node]))
 
     def delta(c: int, new: int) -> tuple[float, dict[int, int]]:
         """Cost change and reference-count changes of choosing `new` for class `c`, additions first; infinite
         where a node of `frozen` would join or leave."""
         nonlocal tries
         change: dict[int, int] = {}
+        had = change.get
         price = cost[new] - cost[choice[c]]
-        for work in ([(d, 1) for d in child_sets[new]], [(d, -1) for d in child_sets[choice[c]]]):
+        for step, first in ((1, new), (-1, choice[c])):  # the classes joining, then those leaving
+            work = list(child_sets[first])
             tries += len(work)
             while work:
-                d, step = work.pop()
-                before = refs[d] + change.get(d, 0)
-                change[d] = change.get(d, 0) + step
+                d = work.pop()
+                so_far = had(d, 0)
+                before = refs[d] + so_far
+                change[d] = so_far + step
                 if (before == 0) != (before + step == 0):  # d joins or leaves the selection
                     node = new if d == c else choice[d]
                     if node in frozen:
                         return math.inf, change
                     price += step * cost[node]
-                    work.extend((e, step) for e in child_sets[node])
+                    work += child_sets[node]
                     tries += len(child_sets[node])
         return price, change
 
