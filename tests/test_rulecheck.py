@@ -27,9 +27,8 @@ TASO_EXAMPLES, TASO_FLOOR = 100, 25
 # rarely (41-53 s); fusion.egg:29 evaluates convs in numpy as TASO's conv rules do (25 s; its mirror image,
 # fusion.egg:24, stays): CI's durations, 2026-11-27. make test-all checks them.
 SLOW_SHIPPED = {"substitution.egg:36", "fusion.egg:29"}
-# The other rules that draw convs (fusion.egg:18, 19 and 24: 10-27 s of wall each in the loaded per-file run of
-# docs/benchmarks.md "Test suite time", 2026-11-27 maketest) take half the examples and floor in make test, the full
-# count in make test-all.
+# The other rules that draw convs (fusion.egg:18, 19 and 24: 10-27 s of wall each at load, docs/benchmarks.md
+# "Test suite time", branch maketest) take half the examples and floor in make test, the full count in make test-all.
 CONV_EXAMPLES, CONV_FLOOR = EXAMPLES // 2, FLOOR // 2
 
 
