@@ -205,6 +205,9 @@ def test_on_a_grid_a_moes_attention_is_whole_over_the_node_axis_or_tensor_parall
             hands["data, tensor and expert parallel"], weight) == {2}
 
 
+@pytest.mark.slow  # a whole exploration of the step on 2x2 (120 s of wall at load): in make test, the candidate is
+# checked in test_experts (`test_candidates_include_expert_parallel_on_each_long_enough_axis...`) and every hand plan
+# lying in the e-graph below, whatever the budget leaves out (the hand plans seed the search)
 def test_every_hand_plan_of_a_moe_step_on_a_grid_lies_in_its_egraph(mixtral):
     """Expert parallel over both axes as one is a candidate the search makes, so the floor can keep it (Mixtral on
     2x4 planned 1.62x the EP hand plan when only DP x EP was in the e-graph)."""

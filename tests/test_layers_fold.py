@@ -59,6 +59,14 @@ def steps() -> dict[int, Graph]:
     return {n: llama_step(n) for n in (2, 3, 5)}
 
 
+@pytest.fixture(scope="module")
+def three_on_two(steps):
+    """`folded_on_two` of the 3-layer step, explored once for the tests that read it and count nothing an
+    exploration keeps (an extraction's memo is keyed by its arguments; the tests on the 5-layer step count
+    extractions, so each explores its own)."""
+    return folded_on_two(steps[3])
+
+
 def test_finds_every_layer_of_a_llama_training_step_forward_backward_and_update(steps):
     three, five = find_layers(steps[3]), find_layers(steps[5])
     assert three is not None and five is not None
@@ -187,7 +195,7 @@ def test_by_default_only_a_stack_of_fold_from_copies_layers_is_folded():
     assert tapestry.optimizer.explore(residual_mlps(FOLD_FROM_COPIES), Mesh(2)).layered is not None
 
 
-def test_the_fallback_can_keep_state_where_the_forward_pass_reads_it_or_mend_the_free_choice(steps):
+def test_the_fallback_can_keep_state_where_the_forward_pass_reads_it_or_mend_the_free_choice(steps, three_on_two):
     """The greedy fallback's candidates: each carried input kept in the layout the free choice placed it in
     (egraph.pins.placed_layouts), aligned to copy 1; and the free choice, copy 1's taken for both, its broken
     carried pairs mended by a reshard (egraph.pins.steady_repaired). Each is a periodic, steady plan of every
@@ -198,7 +206,7 @@ def test_the_fallback_can_keep_state_where_the_forward_pass_reads_it_or_mend_the
     from tapestry.plan.validate import validate_plan
 
     g = steps[3]
-    explored = tapestry.optimizer.explore(g, Mesh(2), layers=True)
+    explored = three_on_two[0]
     layered, decoder = explored.layered, explored.decoder
     assert layered is not None
     carried = {out: name for out, name in g.carried.items() if out in explored.graph.outputs}
@@ -284,12 +292,12 @@ def test_the_fallback_expands_only_the_best_ranked_candidates_and_still_keeps_th
 
 
 def test_a_folded_graph_too_big_for_the_ilp_to_model_takes_the_greedy_periodic_choice_without_running_the_ilp(
-        steps, monkeypatch):
+        three_on_two, monkeypatch):
     """Past what the ILP can model in its limit (extract.ilp.models_in; the folded 7B step on 8x8 has 199,000
     nodes) it would only return its warm start, greedy-dag's periodic choice: that is taken, the ILP not run."""
     from tapestry.extract import ties_hold
 
-    explored, egraph, ties, carried, model = folded_on_two(steps[3])
+    explored, egraph, ties, carried, model = three_on_two
     layered = explored.layered
     extract = tapestry.optimizer.extract
     used = []
@@ -302,15 +310,14 @@ def test_a_folded_graph_too_big_for_the_ilp_to_model_takes_the_greedy_periodic_c
 
 
 
-def _over_every_candidate(g: Graph):
+def _over_every_candidate(explored: tapestry.optimizer.Explored):
     """The step explored folded on Mesh(2), and a budget of the floor its inputs set (`Explored._inputs_floor`):
     past the early floor check, under every periodic candidate's peak."""
-    explored = tapestry.optimizer.explore(g, Mesh(2), layers=True)
     assert explored.layered is not None
     return explored, explored._inputs_floor[0]
 
 
-def test_a_folded_budget_no_candidate_meets_says_what_the_leanest_candidate_holds(steps, monkeypatch):
+def test_a_folded_budget_no_candidate_meets_says_what_the_leanest_candidate_holds(three_on_two, monkeypatch):
     """Issue 24's 70B step on 8x8x8 ended in a 420 GB leanest candidate, every weight and Adam moment whole: the
     error says how many carried inputs the leanest holds whole, what the leanest decoded one holds at its peak (by
     what made it, and its largest buffers), and how many prices left no steady selection. Every candidate is
@@ -318,7 +325,7 @@ def test_a_folded_budget_no_candidate_meets_says_what_the_leanest_candidate_hold
     from tapestry.extract import DeviceBudget
     from tapestry.optimizer import MemoryBudgetError
 
-    explored, floor = _over_every_candidate(steps[3])
+    explored, floor = _over_every_candidate(three_on_two[0])
     monkeypatch.setattr(DeviceBudget, "fits", lambda self, choice: True)
     with pytest.raises(MemoryBudgetError, match=r"the leanest needs [\d,]+, holding \d+ of its \d+ carried inputs "
                                                 r"whole on every device( \(.*\))?; of those decoded, the leanest needs "
@@ -336,7 +343,7 @@ def test_a_folded_budget_no_candidate_meets_says_what_the_leanest_candidate_hold
     assert peak > floor and f"the leanest needs {peak:,}," in told  # every candidate decoded: the leanest is one
 
 
-def test_a_folded_budget_whose_prices_find_no_steady_selection_says_so(steps, monkeypatch):
+def test_a_folded_budget_whose_prices_find_no_steady_selection_says_so(three_on_two, monkeypatch):
     """Where the greedy fallback finds no steady selection at any price, the error counts every price, rather than
     naming only the hand plans' peak as the leanest of the plans tried."""
     from tapestry.extract import NoFiniteChoiceError
@@ -350,9 +357,11 @@ def test_a_folded_budget_whose_prices_find_no_steady_selection_says_so(steps, mo
     monkeypatch.setattr(FoldedCandidates, "within_budget",
                         lambda self, egraph, budget, ties, carried, hands, held, select, *rest:
                         within(self, egraph, budget, ties, carried, hands, held, refused, *rest))
-    explored, floor = _over_every_candidate(steps[3])
+    explored, floor = _over_every_candidate(three_on_two[0])
     with pytest.raises(MemoryBudgetError, match=r"; 6 of the 6 prices left no steady selection$"):
         explored.extract(extractor="greedy-dag", memory_budget=floor)
+
+
 def test_the_fallback_extracts_each_distinct_set_of_pins_once(steps, monkeypatch):
     """The greedy fallback's five sets of pins (delivered, each aligned to a copy, placed aligned to copy 1,
     replicated) often pin alike on a folded step: each distinct set is extracted once (greedy-dag is
@@ -404,7 +413,7 @@ def test_growing_a_mirrored_choice_in_one_pass_adds_what_sweeping_adds_in_the_sa
     assert found == expected and list(found.items()) == list(expected.items())
 
 
-def test_mirroring_a_real_fold_grows_what_sweeping_every_pair_grows(steps, monkeypatch):
+def test_mirroring_a_real_fold_grows_what_sweeping_every_pair_grows(three_on_two, monkeypatch):
     """`Layered.mirror` grows its choice from the pairs of chosen nodes only (`grown` with the index it keeps,
     `Layered._pairs`): on the tiny LLaMA fold, each way and from two selections (the free choice and one under
     the replicated pins), the same choice, in the same order, as sweeping every pair until nothing grows; the
@@ -413,7 +422,7 @@ def test_mirroring_a_real_fold_grows_what_sweeping_every_pair_grows(steps, monke
     from tapestry.egraph.pins import pin_layouts, replicated_layouts
     from tapestry.extract import extract
 
-    explored, egraph, _, carried, _ = folded_on_two(steps[3])
+    explored, egraph, _, carried, _ = three_on_two
     layered, decoder = explored.layered, explored.decoder
     free = extract(egraph, "greedy-dag")
     pinned = extract(pin_layouts(decoder, egraph, replicated_layouts(decoder, carried), carried), "greedy-dag")

@@ -216,17 +216,20 @@ def test_pareto_front_trades_time_for_memory_and_the_budget_picks_from_it():
 
     # The fastest plan is proven in well under a second; the leaner ones run to their limit, unproven (5 s and 6
     # points: 45 CPU s), and need only fit: 1 s and 3 points sweep the front twice.
+    # One exploration for the front and both budgets (`optimize` is `explore(...).extract(...)`; its budget is
+    # passed through in test_memory_cuts and below).
     graph = transformer_block(batch=2, seq=16, dim=32, heads=2)
-    front = explore(graph, Mesh(4)).pareto(time_limit=1, points=3)
+    explored = explore(graph, Mesh(4))
+    front = explored.pareto(time_limit=1, points=3)
     times = [r.plan.cost for r in front]
     memories = [r.peak_memory for r in front]
     assert len(front) >= 2 and times[0] < times[-1] and memories[0] > memories[-1]  # a real trade, not one plan
     budget = memories[0] - 1  # the fastest plan does not fit
-    lean = optimize(graph, Mesh(4), memory_budget=budget, time_limit=1)
+    lean = explored.extract(memory_budget=budget, time_limit=1)
     assert max(peak_memory(lean.plan)) <= budget < max(peak_memory(front[0].plan))
     assert lean.plan.cost > times[0]
     with pytest.raises(MemoryBudgetError, match="no plan fits 1 bytes per device"):
-        optimize(graph, Mesh(4), memory_budget=1)
+        explored.extract(memory_budget=1)
 
 
 def test_a_memory_budget_is_a_hard_limit_that_changes_the_plan_and_beats_megatron_within_it():
