@@ -6,8 +6,8 @@ process per family, so a crash or a hang is named.
     .venv/bin/python benchmarks/zoo_training.py [NAME ...] [--optimizers sgd adam] [--timeout 300] [--json OUT]
 
 Prints a markdown table: per family and optimizer, the parameter worst against its bound (its element's miss over
-that element's bound; <= 1 passes), that parameter's largest miss as a share of its largest update, the step's CPU seconds (import, evaluate, torch's three
-steps) and the outcome. It checks correctness, not speed.
+that element's bound; <= 1 passes), that parameter's largest miss as a share of its largest update, the step's CPU
+seconds (import, evaluate, torch's gradients and optimizer steps) and the outcome. It checks correctness, not speed.
 """
 from __future__ import annotations
 

@@ -3,18 +3,18 @@ benchmarks/zoo_training.py).
 
 The import's new parameters are compared with torch's float32 step, element by element. The import rounds
 otherwise than torch (other summation orders), so the bound is float32 rounding carried through the optimizer:
-the gradient's rounding (torch's float32 gradient's largest miss of its float64 one over the parameter, `G`)
-may be ROUNDINGS times larger in the import, and each element's bound is how far torch's own update moves when its
-gradient moves that far (the float64 step at gradients shifted by -ROUNDINGS*G..+G and -G..+ROUNDINGS*G). SGD's
-update moves by lr times the shift; Adam's first step, lr * g / (|g| + eps), by lr * eps / (|g| + eps)**2 times
-it: thousands of times more where |g| is a few eps, nothing where |g| >> eps. Each element's step is a monotone
-function of its own gradient (SGD, momentum, Adam and AdamW from fresh state), so those shifted steps bound it.
-To that come the update's own float32 arithmetic (ROUNDINGS times torch's, measured) and a few ulps of the new
-weight (storing it). A wrong gradient misses by far more: a sign, or a share of the parameter's gradient norm
-(tests/test_training_zoo.py's mutants). The rounding is measured with the capture's exact rewrites in force
-(importer/rewrites.py), on what the import computes: the same function, and the one whose float64 step is finite
-where the original's is not (transformers' Longformer gives NaN gradients in float64: its padded rows' scores are
-all -inf, finfo.min added twice).
+the gradient's rounding (torch's float32 gradient's largest miss of its float64 one over the parameter, `G`, on
+every element some term reaches) may be ROUNDINGS times larger in the import, and each element's bound is how far
+torch's own update moves when its gradient moves that far (the float64 step at gradients shifted by
+-ROUNDINGS*G..+G and -G..+ROUNDINGS*G). SGD's update moves by lr times the shift; Adam's first step,
+lr * g / (|g| + eps), by lr * eps / (|g| + eps)**2 times it: thousands of times more where |g| is a few eps,
+nothing where |g| >> eps. Each element's step is a monotone function of its own gradient (SGD, momentum, Adam and
+AdamW from fresh state), so those shifted steps bound it. To that come the update's own float32 arithmetic
+(ROUNDINGS times torch's, measured) and a few ulps of the new weight (storing it). A wrong gradient misses by far
+more: a swapped sign, or a share of the parameter's gradient norm (tests/test_training_zoo.py's mutants). The
+rounding is measured with the capture's exact rewrites in force (importer/rewrites.py), on what the import
+computes: the same function, and the one whose float64 step is finite where the original's is not (transformers'
+Longformer gives NaN gradients in float64: its padded rows' scores are all -inf, finfo.min added twice).
 """
 from __future__ import annotations
 
@@ -165,7 +165,7 @@ class Reference:
 def reference(case: Case, training: Training) -> Reference:
     """torch's float32 step and its elementwise bounds (the module docstring says how). The gradient's rounding
     `G` is torch float32's largest miss of float64 over the parameter, with the capture's rewrites and without,
-    and at least an ulp of the gradient the optimizer reads (stored in float32)."""
+    and at least an ulp of the gradient the optimizer reads (stored in float32); 0 on elements no term reaches."""
     if training.max_norm is not None:
         raise ValueError("check_step bounds each element's step as a function of its own gradient; max_norm's "
                          "clipping couples every gradient, which the bound does not carry: check without it")
@@ -193,11 +193,17 @@ def reference(case: Case, training: Training) -> Reference:
 
 
 def _gradient_rounding(exact: torch.Tensor, singles: tuple[torch.Tensor, ...], before: np.ndarray,
-                       weight_decay: float) -> float:
-    """How far a float32 gradient of this parameter may be from the float64 one, as torch rounds it."""
-    miss = max(float((s.double() - exact).abs().max()) if s.numel() else 0.0 for s in singles)
-    read = float(exact.abs().max()) + weight_decay * float(np.abs(before).max(initial=0)) if exact.numel() else 0.0
-    return max(miss, float(np.spacing(np.float32(read))))
+                       weight_decay: float) -> torch.Tensor:
+    """How far each element of a float32 gradient of this parameter may be from the float64 one: the largest
+    miss over the parameter, as torch rounds it, where any term reaches the element; none where the gradient is
+    exactly zero in float64 and in each float32 (no term reaches it: an embedding's unused rows, a masked
+    position; there a wrong gradient would move Adam's step by up to lr, unseen under the parameter's rounding)."""
+    if not exact.numel():
+        return torch.zeros_like(exact)
+    miss = max(float((s.double() - exact).abs().max()) for s in singles)
+    read = float(exact.abs().max()) + weight_decay * float(np.abs(before).max(initial=0))
+    reached = (exact != 0) | torch.stack([s != 0 for s in singles]).any(0)
+    return max(miss, float(np.spacing(np.float32(read)))) * reached.double()
 
 
 def check_step(case: Case, training: Training, ours: Mapping[str, np.ndarray],
