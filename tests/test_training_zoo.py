@@ -76,7 +76,8 @@ def nudged(gradient: torch.Tensor) -> tuple[int, float]:
     return at, -by if float(gradient.view(-1)[at]) >= 0 else by
 
 
-def with_mutation(gradients: dict[str, torch.Tensor], mutation: dict[str, tuple[int, float]]) -> dict:
+def with_mutation(gradients: dict[str, torch.Tensor],
+                  mutation: dict[str, tuple[int, float]]) -> dict[str, torch.Tensor]:
     mutated = {path: g.clone() for path, g in gradients.items()}
     for path, (at, by) in mutation.items():
         mutated[path].view(-1)[at] += by
@@ -88,11 +89,11 @@ def with_mutation(gradients: dict[str, torch.Tensor], mutation: dict[str, tuple[
 @pytest.mark.parametrize("mutate", [sign_swapped, nudged])
 def test_a_wrong_gradient_misses_its_bound_on_every_parameter_where_it_shows(name, optimizer, mutate: Mutation):
     """The bound is tight enough to catch a wrong gradient: torch's float32 step with one element of every
-    parameter's gradient wrong is caught on every parameter where the error shows (moves torch's float64 step
-    VISIBLE times torch's float32 noise: below that, float32 cannot tell it from rounding, whatever the check:
-    a gradient that is rounding alone, as an attention key's bias (softmax ignores it), or an update under an
-    ulp of the weight). Most parameters show it. And the same step from other roundings of the gradient (float64's,
-    rounded once) passes: distilbert is one of the families whose Adam step missed the earlier bound."""
+    parameter's gradient wrong is caught on every parameter where the error shows (moves torch's float64 step there
+    VISIBLE times the parameter's float32 noise, torch's float32 step's largest miss of its float64 one: below
+    that float32 cannot tell it from rounding, whatever the check: a gradient that is rounding alone, as an
+    attention key's bias (softmax ignores it), or an update under an ulp of the weight), and most parameters show
+    it. The same step from another rounding of the gradient (float64's, rounded once) passes."""
     case = case_of(*FAMILIES[name].build())
     training = tapestry.Training(loss=case.loss, optimizer=optimizer, lr=LR[optimizer])
     against = reference(case, training)
