@@ -4,7 +4,7 @@ benchmarks/zoo_training.py).
 The import's new parameters are compared with torch's float32 step, element by element. The import rounds
 otherwise than torch (other summation orders), so the bound is float32 rounding carried through the optimizer:
 the gradient's rounding (torch's float32 gradient's largest miss of its float64 one over the parameter, `G`, on
-every element some term reaches) may be ROUNDINGS times larger in the import, and each element's bound is how far
+every row some term reaches) may be ROUNDINGS times larger in the import, and each element's bound is how far
 torch's own update moves when its gradient moves that far (the float64 step at gradients shifted by
 -ROUNDINGS*G..+G and -G..+ROUNDINGS*G). SGD's update moves by lr times the shift; Adam's first step,
 lr * g / (|g| + eps), by lr * eps / (|g| + eps)**2 times it: thousands of times more where |g| is a few eps,
@@ -165,7 +165,7 @@ class Reference:
 def reference(case: Case, training: Training) -> Reference:
     """torch's float32 step and its elementwise bounds (the module docstring says how). The gradient's rounding
     `G` is torch float32's largest miss of float64 over the parameter, with the capture's rewrites and without,
-    and at least an ulp of the gradient the optimizer reads (stored in float32); 0 on elements no term reaches."""
+    and at least an ulp of the gradient the optimizer reads (stored in float32); 0 on rows no term reaches."""
     if training.max_norm is not None:
         raise ValueError("check_step bounds each element's step as a function of its own gradient; max_norm's "
                          "clipping couples every gradient, which the bound does not carry: check without it")
@@ -175,7 +175,7 @@ def reference(case: Case, training: Training) -> Reference:
         _, single = torch_gradients(case, torch.float32)
         _, exact = torch_gradients(case, torch.float64)
     before = {path: p.detach().double().numpy() for path, p in case.module.named_parameters()}
-    rounding = {path: _gradient_rounding(g, (plain[path], single[path]), before[path], training.weight_decay)
+    rounding = {path: gradient_rounding(g, (plain[path], single[path]), before[path], training.weight_decay)
                 for path, g in exact.items()}
 
     shifted = {by: optimizer_step(case, training, {path: g + by * rounding[path] for path, g in exact.items()})
@@ -192,17 +192,20 @@ def reference(case: Case, training: Training) -> Reference:
     return Reference(before, want, bounds)
 
 
-def _gradient_rounding(exact: torch.Tensor, singles: tuple[torch.Tensor, ...], before: np.ndarray,
+def gradient_rounding(exact: torch.Tensor, singles: tuple[torch.Tensor, ...], before: np.ndarray,
                        weight_decay: float) -> torch.Tensor:
     """How far each element of a float32 gradient of this parameter may be from the float64 one: the largest
-    miss over the parameter, as torch rounds it, where any term reaches the element; none where the gradient is
-    exactly zero in float64 and in each float32 (no term reaches it: an embedding's unused rows, a masked
-    position; there a wrong gradient would move Adam's step by up to lr, unseen under the parameter's rounding)."""
+    miss over the parameter, as torch rounds it, where any term reaches the element; none on a row (the slice
+    along the last dimension) whose gradient is exactly zero in float64 and in each float32: no term reaches it
+    (an embedding's unused rows, a masked position), where a wrong gradient would move Adam's step by up to lr,
+    unseen under the parameter's rounding. A row, not an element: a gradient that is rounding alone (an attention
+    key's bias, which softmax ignores) can round to exactly zero in torch's summation order and not in another."""
     if not exact.numel():
         return torch.zeros_like(exact)
     miss = max(float((s.double() - exact).abs().max()) for s in singles)
     read = float(exact.abs().max()) + weight_decay * float(np.abs(before).max(initial=0))
-    reached = (exact != 0) | torch.stack([s != 0 for s in singles]).any(0)
+    nonzero = (exact != 0) | torch.stack([s != 0 for s in singles]).any(0)
+    reached = nonzero.any(-1, keepdim=True).expand_as(exact) if exact.dim() else nonzero
     return max(miss, float(np.spacing(np.float32(read)))) * reached.double()
 
 
