@@ -10,7 +10,6 @@ SGD step at lr 1; torch's in float32 and float64. A gradient miss of the order o
 from __future__ import annotations
 
 import argparse
-import copy
 
 import numpy as np
 import torch
@@ -18,7 +17,7 @@ import torch
 import tapestry
 from tapestry.evaluator import evaluate
 from tapestry.importer.zoo import FAMILIES
-from tapestry.testing.versus_torch import Case, case_of, torch_step
+from tapestry.testing.versus_torch import Case, case_of, torch_gradients, torch_step
 
 
 def imported_step(case: Case, training: tapestry.Training) -> dict[str, np.ndarray]:
@@ -28,9 +27,7 @@ def imported_step(case: Case, training: tapestry.Training) -> dict[str, np.ndarr
 
 
 def torch_gradient(case: Case, path: str, dtype: torch.dtype) -> np.ndarray:
-    module = copy.deepcopy(case.module).to(dtype)
-    case.loss(module, *(t.to(dtype) if t.is_floating_point() else t for t in case.inputs)).backward()
-    return dict(module.named_parameters())[path].grad.double().numpy()
+    return torch_gradients(case, dtype)[1][path].double().numpy()
 
 
 def main() -> None:
