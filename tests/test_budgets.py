@@ -182,39 +182,6 @@ def test_past_256_devices_what_the_batch_reaches_splits_across_the_nodes_first()
         assert {d for split in first.axes[:-1] for d, _ in split} <= dims and first.axes[-1], first.axes
 
 
-def test_past_256_devices_a_fill_read_along_the_batch_splits_across_the_nodes_first():
-    """A fill (zeros expanded from a scalar, as a slice's backward pads with) reads no batch, yet is as large as
-    the activations it is concatenated with: it takes the dims its readers read it along, so its first candidate
-    splits the batch over the nodes. Treated as a weight, its candidates split nothing across the nodes first and
-    the layout-pairs cap left a 70B step on 8x8x8 none but the replicated one: 0.5 GB of zeros a layer, whole."""
-    import torch
-
-    import tapestry
-
-    class Padded(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed, self.head = torch.nn.Embedding(32, 16), torch.nn.Linear(16 + 4096, 8, bias=False)
-
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            h = self.embed(ids)
-            return self.head(torch.cat([h, h.new_zeros(*ids.shape, 4096)], dim=-1))
-
-    graph = tapestry.from_torch(Padded(), (torch.randint(0, 32, (8, 16)),), verbose=False).graph
-    mesh = Mesh(8, 8, 8)
-    gen = Generator(Session(load_rules()), graph, mesh)
-    gen.encode()
-    gen.refresh()
-    todo = gen._dequeue()
-    fills = [(item, dims) for item, dims in zip(todo, gen.data_dims(todo))
-             if gen.shapes[item.out] and all(not gen.shapes[a] for a in item.args)]
-    assert fills and all(dims for _, dims in fills)
-    for item, dims in fills:
-        first = gen.interner.candidates(item.sig, True, 1, dims)[0][1]
-        assert {d for split in first.axes[:-1] for d, _ in split} and \
-            {d for split in first.axes[:-1] for d, _ in split} <= dims, first.axes
-
-
 def test_up_to_64_devices_generation_starts_with_one_dim_over_every_axis():
     from tapestry.egraph.distributed import Interner
 

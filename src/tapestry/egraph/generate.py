@@ -356,7 +356,6 @@ class Generator:
         if any(is_float(self.dtypes[h]) for h in batch):
             return [None] * len(todo)
         held: dict[int, set[int]] = {self.find(h): set(range(len(self.shapes[h]))) for h in batch}
-        filled = self._filled(todo)
         found = [frozenset[int]()] * len(todo)
         changed = True
         while changed:
@@ -365,33 +364,12 @@ class Generator:
                 sig = item.sig
                 dims = frozenset(i for h, projection in zip(item.args, sig.projections) for t in held.get(h, ())
                                  for i, c in enumerate(projection.matrix[t]) if c)
-                if item.out in filled:  # a fill takes the dims its readers read it along
-                    dims |= {i for t in held.get(item.out, ()) for i, c in enumerate(sig.output.matrix[t]) if c}
                 made = {t for t, row in enumerate(sig.output.matrix) if any(row[i] for i in dims)}
-                read = {(h, t) for h, projection in zip(item.args, sig.projections) if h in filled
-                        for t, row in enumerate(projection.matrix) if any(row[i] for i in dims)}
-                found[n] = frozenset(dims)
-                for h, t in read | {(item.out, t) for t in made}:
-                    if t not in held.setdefault(h, set()):
-                        held[h].add(t)
-                        changed = True
+                found[n] = dims
+                if not made <= held.setdefault(item.out, set()):
+                    held[item.out] |= made
+                    changed = True
         return found
-
-    def _filled(self, todo: Sequence[Queued]) -> set[int]:
-        """The values made from scalars alone (a fill: zeros or a loss gradient expanded to an activation's shape,
-        and slices of it): no batch reaches them, yet they are as large as what reads them, so `data_dims` gives
-        them the dims their readers read them along, the batch's (a 70B step on 8x8x8 held its backward's
-        zero-fills whole, 0.5 GB a layer, having no candidate that split them)."""
-        filled: set[int] = set()
-        grew = True
-        while grew:
-            grew = False
-            for item in todo:
-                if item.out not in filled and all(not self.shapes[a] or a in filled for a in item.args) \
-                        and self.shapes[item.out]:
-                    filled.add(item.out)
-                    grew = True
-        return filled
 
     def _origin(self, item: Queued) -> str:
         return f"{item.sig.kernel.name} {self.origins.get(item.key, '')}".strip()
