@@ -6,7 +6,8 @@
 Runs SCRIPT (default: `tapestry.optimize` of an Adam training step of the importer zoo's `--model`, a 2-layer
 decoder, on `--mesh`) with the optimizer's phases wrapped: each `explore` (saturation), each `Explored.extract`
 (pricing and extraction) and `Explored.pareto` (a sweep of extractions), and within extraction
-`Decoder.extraction_graph` (pricing the reshards into the extraction graph), each CP-SAT run of the ILP
+`Decoder.extraction_graph` (pricing the reshards into the extraction graph; or, where moves wait for extraction,
+`FloorPriced` made and each `FloorPriced.repriced`), each CP-SAT run of the ILP
 extractor (`cp_sat`: `extract.cpsat._solve_part`, one per part of each fit) and, for a training step,
 `Explored._against_baselines` (`hand_plans`: the hand plans built, priced and embedded as the extracted plan's
 floor). Prints one JSON line per process that planned (a script's `spawn`ed children too, as benchmarks/cluster.py
@@ -140,6 +141,13 @@ def install(reshards: int, cprofile: str | None = None, phases: tuple[str, ...] 
     optimizer.Explored.extract = _timed("extract", extract, lambda a, k: a[0].mesh)
     optimizer.Explored.pareto = _timed("pareto", optimizer.Explored.pareto, lambda a, k: a[0].mesh)
     Decoder.extraction_graph = _timed("pricing", Decoder.extraction_graph, lambda a, k: a[0].mesh)
+    try:  # pricing on extraction's demand (trees before it have none): its first graph and each repricing
+        from tapestry.egraph.extractor_pricing import FloorPriced
+    except ImportError:
+        pass
+    else:
+        FloorPriced.__init__ = _timed("pricing", FloorPriced.__init__, lambda a, k: a[1].mesh)
+        FloorPriced.repriced = _timed("pricing", FloorPriced.repriced, lambda a, k: a[0].decoder.mesh)
     cpsat._solve_part = _timed("cp_sat", cpsat._solve_part, lambda a, k: f"{len(a[2])} classes")
     optimizer.Explored._against_baselines = _timed("hand_plans", optimizer.Explored._against_baselines,
                                                    lambda a, k: a[0].mesh)

@@ -29,8 +29,17 @@ from tapestry.egraph.budget import (
     memory_cuts,
 )
 from tapestry.egraph.decode import Decoder
-from tapestry.egraph.driver import Budget, IterationStats, SaturationStats, make_reshards, moves_to_price, saturate
+from tapestry.egraph.driver import (
+    Budget,
+    IterationStats,
+    SaturationStats,
+    make_reshards,
+    moves_to_price,
+    saturate,
+    search_status,
+)
 from tapestry.egraph.embed import embedded_plans
+from tapestry.egraph.extractor_pricing import FloorPriced
 from tapestry.egraph.folded_candidates import FoldedCandidates
 from tapestry.egraph.fused_prices import fused_node_costs
 from tapestry.egraph.layered import Layered, value_classes
@@ -164,28 +173,6 @@ class SearchCutWarning(UserWarning):
     made (REPLICATED_WARNING)."""
 
 
-def search_cut(stats: SaturationStats) -> str:
-    """The first phase a budget cut, as "phase (budget)"; "" when the search space was complete. Each phase's
-    stop leaves out options the later phases and extraction never see (docs/cost-models.md, "Budgets")."""
-    generation = stats.generation
-    if stats.stopped_in == "rules":
-        return f"rules ({stats.stopped_by})"
-    if stats.stopped_in == "generation":
-        return "generation (" + ("layout pairs" if generation is not None and generation.pairs_capped
-                                 else stats.stopped_by) + ")"
-    if stats.values_with_few_moves:
-        return f"making reshards ({stats.reshards_stopped_by})"
-    if stats.reshards_unpriced:
-        return f"pricing ({stats.moves_unpriced:,} of {stats.moves:,} moves unpriced)"
-    return ""
-
-
-def search_status(stats: SaturationStats, selection: Selection) -> str:
-    """The extractor's status where the search space was complete, else which phase a budget stopped."""
-    cut = search_cut(stats)
-    return f"stopped by {cut}" if cut else selection.status
-
-
 def replicated_share(plan: Plan) -> float:
     """The share of the plan's (per-run) compute steps that every device runs on the same block."""
     computes = [s for s in plan.steps if isinstance(s, Compute) and s.out not in plan.prepared]
@@ -298,9 +285,13 @@ class Explored:
         whole_carried = dict(self.whole.carried if steady is None else steady)
         _check_carried(self.whole, whole_carried)
         carried = {out: into for out, into in whole_carried.items() if out in self.graph.outputs}  # of the fold
-        priced = self.decoder.extraction_graph(  # pruning is sound for a plain sum of node costs only
-            list(self.roots), model, self.priced_moves,
-            drop_dominated=memory_budget is None and not (carried or self.graph.carried or self.layered))
+        plain_sum = memory_budget is None and not (carried or self.graph.carried or self.layered)  # pruning's need
+        split = overlap_split(self.decoder, self.graph.carried, {self.names[r]: r for r in self.roots}, (LR,),
+                              accumulated=micro_batches > 1)
+        floored = FloorPriced.made(self.decoder, self.roots, model, self.priced_moves) if plain_sum and not split[0] \
+            and micro_batches == 1 and self.mesh.size < FUSED_EXTRACTION_DEVICES else None
+        priced = floored.graph if floored else self.decoder.extraction_graph(
+            list(self.roots), model, self.priced_moves, drop_dominated=plain_sum)
         egraph = restrict_outputs(self.decoder, priced, outputs)
         egraph, ties = steady_ties(self.decoder, egraph, carried)
         fused = self._fused(egraph, model) if self.mesh.size >= FUSED_EXTRACTION_DEVICES else None
@@ -311,8 +302,6 @@ class Explored:
         if memory_budget is not None and self._inputs_floor[0] > memory_budget:  # no plan can: say so at once
             raise self._budget_error(memory_budget, "")
         hands = self._warm_starts(egraph, extractor, time_limit, ties, carried) if self.layered is None else ()
-        split = overlap_split(self.decoder, self.graph.carried, {self.names[r]: r for r in self.roots}, (LR,),
-                              accumulated=micro_batches > 1)
         objective = StepObjective(model, micro_batches, split, (LR,))
         reductions = objective.split[0]
 
@@ -335,6 +324,9 @@ class Explored:
             return replace(plan, cost=cost), selection
 
         plan, selection = fit(egraph, 1.0)
+        while floored and (repriced := floored.repriced(egraph, selection)) is not None:  # chosen moves above floor
+            egraph = repriced
+            plan, selection = fit(egraph, 1.0)
         plain = egraph
         # a folded graph whose budget binds is fitted by its budgeted fallback (`FoldedCandidates.within_budget`),
         # which extracts and prices several periodic candidates: its plan stands, the other objectives' fits not made

@@ -5,7 +5,10 @@ DefaultCostModel prices compute on a roofline and communication with alpha-beta.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from tapestry.cost.comm import AlphaBeta, collective_time
 from tapestry.cost.memory import RankPeak, layout_bytes, peak_memory, rank_peaks, resident_bytes
@@ -13,7 +16,7 @@ from tapestry.cost.fusion import fused_costs
 from tapestry.cost.model import CostModel, alike_key, plan_cost, run_costs, step_costs
 from tapestry.cost.profile import DeviceProfile, Link, Profile, builtin_profiles, load_profile
 from tapestry.cost.roofline import Roofline
-from tapestry.plan.plan import Plan, Step
+from tapestry.plan.plan import Plan, Reshard, Step
 from tapestry.sharding import Mesh
 
 
@@ -36,6 +39,11 @@ class DefaultCostModel:
 
     def step_cost(self, step: Step, mesh: Mesh) -> float:
         return self.roofline.step_cost(step, mesh) + self.comm.step_cost(step, mesh)
+
+    def reshard_floors(self, steps: Sequence[Reshard], mesh: Mesh) -> np.ndarray:
+        """A lower bound on `step_cost` of each reshard (`AlphaBeta.reshard_floors`; the roofline's share is at
+        least 0): what extraction prices moves it has not yet chosen at (egraph.extractor_pricing)."""
+        return self.comm.reshard_floors(steps, mesh)
 
     @property
     def fused_device(self) -> DeviceProfile | None:

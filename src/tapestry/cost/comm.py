@@ -39,6 +39,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
+import numpy as np
+
 from tapestry import dtypes
 from tapestry.cost.profile import Link, Profile
 from tapestry.cost.ring import ring_exposed_time
@@ -48,7 +50,7 @@ from tapestry.plan.exchange import out_rows, travels
 from tapestry.plan.plan import Compute, Reshard, Step
 from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.collectives import Collective, Group, classify_reshard, local_layouts, reshard_groups
-from tapestry.sharding.comm import clipped_pair, received_counts
+from tapestry.sharding.comm import clipped_pair, received_counts, received_floors
 from tapestry.sharding.layout import split_dims
 from tapestry.sharding.symmetry import Symmetries, relabellings
 
@@ -283,6 +285,27 @@ class AlphaBeta:
             return max(m * link.alpha + r * cells * size / link.beta for m, r in zip(moved.messages, moved.received))
         nbytes = size * max(_largest_block(step.src_layout), _largest_block(step.layout))
         return hierarchical_time(moved.kind, nbytes, phases([(mesh.shape[a], links[a]) for a in moved.axes]))
+
+    def reshard_floors(self, steps: Sequence[Reshard], mesh: Mesh) -> np.ndarray:
+        """A lower bound on `step_cost` of each reshard, all at once and with no move planned
+        (`sharding.comm.received_floors`: the cells and messages each device receives at least; 0 where no floor
+        is claimed). Each device's floor is its messages' latency on the fastest link plus half its cells over
+        the fastest bandwidth; the step's, the largest. It holds for every way a move is priced: a send/recv is
+        the slowest device's messages times alpha plus its cells over beta; a collective of p devices (an n-byte
+        buffer, n at least the largest block) takes p - 1 latency steps, at least as many as any member has
+        senders, and moves at least (p - 1)/p >= 1/2 of n across a link. Where the mesh's axes have different
+        links a hierarchical collective takes fewer steps (a phase per link), so one message is counted then.
+        tests/test_extractor_pricing.py checks it against prices."""
+        if not steps:
+            return np.zeros(0)
+        cells, messages = received_floors([(step.src_layout, step.layout) for step in steps])
+        links = self.profile.axis_links(mesh.shape)
+        alpha, beta = min(link.alpha for link in links), max(link.beta for link in links)
+        if len(set(links)) > 1:
+            messages = np.minimum(messages, 1)
+        sizes = np.array([dtypes.itemsize(step.dtype) for step in steps], np.float64)
+        floors = (messages * alpha + 0.5 * cells * sizes[:, None] / beta).max(axis=1, initial=0.0)
+        return floors * self.profile.device.oversubscription(mesh.size)
 
     def exchange_time(self, step: Compute, mesh: Mesh) -> float:
         """An expert-parallel step's all-to-alls (see the module doc) along its exchange axes: the counts, the

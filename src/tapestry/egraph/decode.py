@@ -51,11 +51,15 @@ class PricingStats:
     runs_dominated: int = 0  # left out because a kept run of the same op plus moves costs no more
     moves_unpriced: int = 0  # distinct moves (layout pair, dtype) of those reshards
     moves: int = 0  # distinct moves the budget counts (all but those out of a replicated layout)
+    moves_floored: int = 0  # of those, left at their floor: extraction never chose them (egraph.extractor_pricing)
 MIN_PLUS_ROWS = 64  # rows of a value's move matrix per min-plus step (rows x layouts x layouts floats)
 
 
-def dominated_moves(moves: Mapping[tuple[str, str], float], value: Mapping[str, str]) -> set[tuple[str, str]]:
-    """The moves (from class, to class) -> cost that some two-step route through a third class beats strictly.
+def dominated_moves(moves: Mapping[tuple[str, str], float], value: Mapping[str, str],
+                    floors: Mapping[tuple[str, str], float] | None = None) -> set[tuple[str, str]]:
+    """The moves (from class, to class) -> cost that some two-step route through a third class beats strictly;
+    with `floors` (moves not priced -> a lower bound on their price), also those of them whose floor a two-step
+    route of priced moves beats strictly (they would be beaten at any price at least the floor).
 
     Leaving them out keeps the cheapest route between every pair: an edge of a cheapest path is never
     beaten strictly by a two-step route (that would make a cheaper path), so every cheapest path survives
@@ -63,23 +67,26 @@ def dominated_moves(moves: Mapping[tuple[str, str], float], value: Mapping[str, 
     share. Ties are kept (dropping both of two equal routes could drop them all). Moves join the layouts of one
     value (`value`: each class's), so each value's cheapest two-step routes are one min-plus product of its
     matrix of moves (a 2x2x2 mesh's stack has ~150 layouts of a value, 200,000 moves)."""
-    values: dict[str, list[tuple[str, str, float]]] = {}
+    values: dict[str, list[tuple[str, str, float, bool]]] = {}  # (src, dst, cost or floor, priced)
     for (src, dst), c in moves.items():
         if c < math.inf:
-            values.setdefault(value[dst], []).append((src, dst, c))
+            values.setdefault(value[dst], []).append((src, dst, c, True))
+    for (src, dst), c in (floors or {}).items():
+        values.setdefault(value[dst], []).append((src, dst, c, False))
     dropped = set()
     for edges in values.values():
         index: dict[str, int] = {}
-        rows = [index.setdefault(src, len(index)) for src, _, _ in edges]
-        columns = [index.setdefault(dst, len(index)) for _, dst, _ in edges]
+        rows = [index.setdefault(src, len(index)) for src, _, _, _ in edges]
+        columns = [index.setdefault(dst, len(index)) for _, dst, _, _ in edges]
         direct = np.full((len(index), len(index)), np.inf)
-        direct[rows, columns] = [c for _, _, c in edges]
+        priced = [k for k, edge in enumerate(edges) if edge[3]]
+        direct[[rows[k] for k in priced], [columns[k] for k in priced]] = [edges[k][2] for k in priced]
         best = np.empty_like(direct)
         for start in range(0, len(index), MIN_PLUS_ROWS):  # rows x layouts x layouts at a time
             part = direct[start:start + MIN_PLUS_ROWS]
             best[start:start + MIN_PLUS_ROWS] = (part[:, :, None] + direct[None, :, :]).min(axis=1)
-        beaten = best[rows, columns] < direct[rows, columns] * (1 - 1e-9)
-        dropped.update((src, dst) for (src, dst, _), drop in zip(edges, beaten.tolist()) if drop)
+        beaten = best[rows, columns] < np.array([c for _, _, c, _ in edges]) * (1 - 1e-9)
+        dropped.update((src, dst) for (src, dst, _, _), drop in zip(edges, beaten.tolist()) if drop)
     return dropped
 
 
@@ -384,20 +391,7 @@ class Decoder:
         the sum of node costs, not under a memory budget (the routes hold more layouts), steady-state ties or
         a training step's overlap credit. `self.pricing` says what was priced."""
         started = clock()
-        prices: dict[Any, float] = {}
-        costs = [math.inf] * len(self.nodes)
-        optional: dict[Any, list[int]] = {}  # the other reshards by price key, priced last
-        for i, node in enumerate(self.nodes):
-            if node.op == "Deliver" or self.prepared(node):
-                costs[i] = 0.0
-                continue
-            key = self._price_key(node)
-            if node.op == "Reshard" and not self._from_replicated(node) and not self._seeded(node):
-                optional.setdefault(key, []).append(i)
-                continue
-            if key not in prices:
-                prices[key] = float(cost.step_cost(self._priced_step(node), self.mesh))
-            costs[i] = prices[key]
+        costs, prices, optional = self.always_priced(cost)
         keys = list(optional)
         if reshards < len(keys):  # what a stop leaves out: moves into late candidates', each class's dearest
             moved = moved_cells([(src, dst) for src, dst, _ in keys], self.interner.layouts)
@@ -408,7 +402,7 @@ class Decoder:
                                                     for src, dst, _ in keys])]
         kept = keys[:max(0, int(min(reshards, len(keys))))]
         for key in kept:
-            prices[key] = price = float(cost.step_cost(self._priced_step(self.nodes[optional[key][0]]), self.mesh))
+            prices[key] = price = self.price(cost, self.nodes[optional[key][0]])
             for i in optional[key]:
                 costs[i] = price
         unpriced = sum(len(optional[key]) for key in keys[len(kept):])
@@ -418,12 +412,41 @@ class Decoder:
             dropped = dominated_moves({pair: costs[i] for pair, i in moves.items()}, self.class_value)
             for pair in dropped:
                 costs[moves[pair]] = math.inf
-            runs = dominated_runs(self._ops(costs), {pair: costs[i] for pair, i in moves.items()})  # less `dropped`
+            runs = dominated_runs(self.ops(costs), {pair: costs[i] for pair, i in moves.items()})  # less `dropped`
             for i in runs:
                 costs[i] = math.inf
         self.pricing = PricingStats(clock() - started, len(prices), unpriced, len(dropped), len(runs),
                                     len(keys) - len(kept), len(keys))
         return costs
+
+    def always_priced(self, cost: Any) -> tuple[list[float], dict[Any, float], dict[Any, list[int]]]:
+        """(each node's cost, infinite where not priced; the prices by price key; the other reshards' nodes by
+        price key): Runs, Places, reshards out of a replicated layout and between the seed plans' layouts priced,
+        Delivers and prepared nodes free, the other reshards (`priced`'s optional ones) left."""
+        prices: dict[Any, float] = {}
+        costs = [math.inf] * len(self.nodes)
+        optional: dict[Any, list[int]] = {}
+        for i, node in enumerate(self.nodes):
+            if node.op == "Deliver" or self.prepared(node):
+                costs[i] = 0.0
+                continue
+            key = self._price_key(node)
+            if self.optional(node):
+                optional.setdefault(key, []).append(i)
+                continue
+            if key not in prices:
+                prices[key] = self.price(cost, node)
+            costs[i] = prices[key]
+        return costs, prices, optional
+
+    def optional(self, node: DNode) -> bool:
+        """Whether `node` is a reshard priced on demand: not out of a replicated layout, not between seed plans'
+        layouts (a pricing budget may leave it unpriced; `extractor_pricing` leaves it at its floor)."""
+        return node.op == "Reshard" and not self._from_replicated(node) and not self._seeded(node)
+
+    def price(self, cost: Any, node: DNode) -> float:
+        """`node`'s step priced under the cost model `cost`."""
+        return float(cost.step_cost(self.priced_step(node), self.mesh))
 
     def extraction_graph(self, roots: list[str], cost: Any, reshards: float = math.inf,
                          drop_dominated: bool = False) -> ExtractGraph:
@@ -445,7 +468,7 @@ class Decoder:
             self._extraction_graphs[key] = (made, self.pricing)
         return made
 
-    def _ops(self, costs: Sequence[float]) -> Iterable[list[Candidate]]:
+    def ops(self, costs: Sequence[float]) -> Iterable[list[Candidate]]:
         """The Run nodes grouped by logical op (out value, argument values), for `dominated_runs`; an op that
         reads its own value (a cycle of the e-graph) is left out."""
         ops: dict[tuple[str, tuple[str, ...]], list[Candidate]] = {}
@@ -474,7 +497,7 @@ class Decoder:
             return (node.op, node.key, node.layout)
         return self.interner.priced_as[node.key]
 
-    def _priced_step(self, node: DNode) -> Step:
+    def priced_step(self, node: DNode) -> Step:
         step = self.step(node)
         return replace(step, origin="") if isinstance(step, Compute) else step  # type: ignore[return-value]
 

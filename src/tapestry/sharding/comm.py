@@ -408,3 +408,54 @@ def _clipped(src: Layout, box: ZRange) -> tuple[Layout, frozenset[int]] | None:
 def received_elements(src: Layout, dst: Layout) -> tuple[int, ...]:
     """Cells each device receives: the communication volume per device."""
     return received_counts(src, dst)[0]
+
+
+
+FLOOR_ENTRIES = 1 << 22  # pairs x devices x devices x dims that `received_floors` compares at once
+
+
+def received_floors(pairs: Sequence[tuple[Layout, Layout]]) -> tuple[np.ndarray, np.ndarray]:
+    """Per (from, to) pair of layouts of one tensor and per device: at least how many cells and how many messages
+    it receives, however the move is made (a lower bound on `received_counts` that plans no move), as two
+    (pairs, devices) int arrays, all at once (each distinct layout's bounds stacked once).
+
+    Cells: those of its destination block that its own source block lacks (each arrives); from a partial source
+    also those any one other device holds an addend of (each needs at least one value from elsewhere).
+    Neither more than the other devices' source blocks hold of it together (less where the source does not cover
+    the tensor). Messages: those cells over the most that any one other device's source block holds of its
+    destination block (a sender sends only what it holds). Zero for a pair into a partial layout or with a layout
+    holding no block (no floor is claimed)."""
+    devices = len(pairs[0][0].blocks) if pairs else 0
+    cells = np.zeros((len(pairs), devices), np.int64)
+    messages = np.zeros((len(pairs), devices), np.int64)
+    by_rank: dict[int, list[int]] = {}
+    for p, (src, dst) in enumerate(pairs):
+        ndim = src.bounds[0].shape[1]
+        if not dst.partial and ndim and ndim == dst.bounds[0].shape[1]:
+            by_rank.setdefault(ndim, []).append(p)
+    step = max(1, FLOOR_ENTRIES // max(1, devices * devices * max(by_rank, default=1)))
+    for chosen in by_rank.values():
+        index: dict[Layout, int] = {}
+        rows = np.array([[index.setdefault(layout, len(index)) for layout in pairs[p]] for p in chosen], np.int64)
+        starts, ends, held = (np.stack([layout.bounds[i] for layout in index]) for i in range(3))
+        partial = np.array([layout.partial for layout in index])
+        for first in range(0, len(chosen), step):
+            part = chosen[first:first + step]
+            src, dst = rows[first:first + step, 0], rows[first:first + step, 1]
+            need = np.where(held[dst], np.prod(ends[dst] - starts[dst], axis=2), 0)
+            # [pair, j, i]: cells of device j's source block inside device i's destination block
+            low = np.maximum(starts[src][:, :, None], starts[dst][:, None])
+            high = np.minimum(ends[src][:, :, None], ends[dst][:, None])
+            shared = np.where(held[src][:, :, None] & held[dst][:, None, :],
+                              np.prod(np.clip(high - low, 0, None), axis=3), 0)
+            missing = need - np.diagonal(shared, axis1=1, axis2=2)
+            others = shared.copy()
+            others[:, np.arange(devices), np.arange(devices)] = 0
+            most = others.max(axis=1)
+            # no more than the others hold of the block can arrive (a source that does not cover the tensor: no
+            # such move is made, and none is claimed)
+            arriving = np.minimum(np.where(partial[src][:, None], np.maximum(missing, most), missing),
+                                  others.sum(axis=1))
+            cells[part] = arriving
+            messages[part] = -(-arriving // np.maximum(most, 1))
+    return cells, messages

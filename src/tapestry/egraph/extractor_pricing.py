@@ -1,0 +1,113 @@
+"""Pricing only the moves extraction chooses: the other moves cost their floor.
+
+Pricing every move of a value's layouts is most of planning a small model on a 2-D mesh (a 2-layer LLaMA on
+Mesh(2, 2): 10,919 optional price keys, about 4 CPU s), yet its plan uses a handful of them. So the moves that
+`Decoder.priced` would price on demand (not out of a replicated layout, not between seed plans' layouts) start at
+their floor (`reshard_floors` of the cost model: a lower bound on the price, no move planned); extraction runs
+on those costs; the floored moves its selection uses are priced, and where one costs more than its floor, it
+extracts again on the new costs, until a selection uses no move above its floor. That selection's cost is then
+its true cost, and whatever the extractor proved of it holds: its bound was made on costs at most the prices.
+
+Moves are dropped as `Decoder.priced` drops them (`decode.dominated_moves`), but only by routes of priced moves:
+a floored move is dropped where such a route beats its floor (it would beat it at any price), so every cheapest
+route survives. Runs a kept run of the same op and priced moves beat are dropped too (`decode.dominated_runs`).
+Both stay sound as moves get priced (the routes they used keep their prices), so a new extraction needs only the
+new prices. docs/benchmarks.md, "Extraction prices the moves it chooses", measures it.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
+
+from tapestry.clock import clock
+from tapestry.egraph.decode import Decoder, PricingStats, dominated_moves, dominated_runs
+from tapestry.extract import EGraph as ExtractGraph
+from tapestry.extract import Node, Selection
+
+# Extractions on floors before every move left is priced (the next extraction is then on prices alone, and the
+# last): each is a whole extraction (a 2-layer LLaMA on 2x2: ~1.2 CPU s), and a selection whose moves cost their
+# floors ends at the first (the 2x2 zoo families, docs/benchmarks.md).
+ROUNDS = 3
+
+
+class FloorPriced:
+    """The extraction graph with every optional move at its floor until extraction chooses it (module doc)."""
+
+    @classmethod
+    def made(cls, decoder: Decoder, roots: Sequence[str], cost: Any, reshards: float) -> FloorPriced | None:
+        """The floored graph, or None where moves cannot wait for extraction: the cost model has no floors
+        (`reshard_floors`), or a pricing budget (`reshards`, a count of optional moves, `Decoder.priced`) would
+        leave some unpriced in its own order."""
+        if not hasattr(cost, "reshard_floors"):
+            return None
+        optional = {decoder._price_key(n) for n in decoder.nodes if decoder.optional(n) and not decoder.prepared(n)}
+        return cls(decoder, roots, cost) if reshards >= len(optional) else None
+
+    def __init__(self, decoder: Decoder, roots: Sequence[str], cost: Any) -> None:
+        started = clock()
+        self.decoder, self.cost = decoder, cost
+        costs, self.prices, self.optional = decoder.always_priced(cost)
+        keys = list(self.optional)
+        floors = cost.reshard_floors([decoder.priced_step(decoder.nodes[self.optional[k][0]]) for k in keys],
+                                     decoder.mesh)
+        self.floors: dict[Hashable, float] = dict(zip(keys, floors.tolist()))
+        self.key_of = {i: key for key, members in self.optional.items() for i in members}
+        moves = {(n.children[0], n.eclass): i for i, n in enumerate(decoder.nodes) if n.op == "Reshard"}
+        priced = {pair: costs[i] for pair, i in moves.items() if i not in self.key_of}
+        floored = {pair: self.floors[self.key_of[i]] for pair, i in moves.items() if i in self.key_of}
+        dropped = dominated_moves(priced, decoder.class_value, floored)
+        for i in self.key_of:
+            costs[i] = self.floors[self.key_of[i]]
+        for pair in dropped:
+            costs[moves[pair]] = math.inf
+        runs = dominated_runs(decoder.ops(costs), {pair: costs[i] if pair not in floored else math.inf
+                                                   for pair, i in moves.items()})
+        for i in runs:
+            costs[i] = math.inf
+        self.graph = ExtractGraph.from_nodes([Node(n.id, n.op, n.eclass, c, n.children)
+                                              for n, c in zip(decoder.nodes, costs)], list(roots))
+        self._stats = (len(dropped), len(runs))
+        self._rounds = 0  # extractions repriced
+        self._seconds = clock() - started
+        self._record()
+
+    def repriced(self, egraph: ExtractGraph, selection: Selection) -> ExtractGraph | None:
+        """`egraph` (this graph, or one made from it by changing costs of other nodes than moves: outputs
+        restricted) with the floored moves `selection` uses priced; None where each of them costs its floor,
+        so the selection's cost is its true cost and nothing needs extracting again. After ROUNDS such
+        extractions, every move is priced where one more is needed. ValueError where a price is below its floor
+        (the floor was no lower bound: the bound extraction proved would not hold)."""
+        started = clock()
+        self._rounds += 1
+        costs = list(egraph.node_cost)
+        again = self._priced({self.key_of[i] for i in selection.choice.values() if i in self.key_of}, costs)
+        if again and self._rounds >= ROUNDS:
+            self._priced(self.optional.keys(), costs)
+        self._seconds += clock() - started
+        self._record()
+        return egraph.with_costs(costs) if again else None
+
+    def _priced(self, keys: Iterable[Hashable], costs: list[float]) -> bool:
+        """Prices `keys` not priced yet into `costs` (each key's nodes: dropped ones stay dropped); whether any
+        costs more than its floor."""
+        above = False
+        for key in sorted(set(keys) - self.prices.keys(), key=lambda k: self.optional[k][0]):
+            node = self.decoder.nodes[self.optional[key][0]]
+            self.prices[key] = price = self.decoder.price(self.cost, node)
+            floor = self.floors[key]
+            if price < floor * (1 - 1e-9):
+                raise ValueError(f"FloorPriced.repriced: reshard {node.id} ({key}) costs {price:.6g} s, below its "
+                                 f"floor {floor:.6g} s: the cost model's reshard_floors is no lower bound")
+            above |= price > floor * (1 + 1e-9)
+            for i in self.optional[key]:
+                if costs[i] < math.inf:
+                    costs[i] = price
+        return above
+
+    def _record(self) -> None:
+        """What was priced so far, as `Decoder.pricing` says it (`PricingStats.moves_floored`: the optional keys
+        extraction never asked for)."""
+        floored = sum(1 for key in self.optional if key not in self.prices)
+        self.decoder.pricing = PricingStats(self._seconds, len(self.prices), 0, *self._stats,
+                                            moves=len(self.optional), moves_floored=floored)
