@@ -13,7 +13,6 @@ from layout_helpers import layouts
 from sweeps import draws
 
 from tapestry.cost import DefaultCostModel, default_cost_model, load_profile
-from tapestry.egraph.decode import dominated_moves
 from tapestry.egraph.extractor_pricing import FloorPriced
 from tapestry.extract import Selection
 from tapestry.graph import Graph
@@ -67,15 +66,6 @@ def test_the_floors_of_every_pair_of_splits_are_below_their_prices_and_above_zer
     moving = [f for f, s in zip(floors, steps) if any(
         d is not None and (o is None or not o.contains(d)) for o, d in zip(s.src_layout.blocks, s.layout.blocks))]
     assert moving and all(f > 0 for f in moving)
-
-
-def test_a_floored_move_a_priced_route_beats_is_dropped_and_one_it_does_not_is_kept() -> None:
-    """a -> c (floor 5) is beaten by a -> b -> c (1 + 1): dropped. b -> d (floor 1.5) is not beaten by b -> c -> d
-    (1 + 1 = 2): kept. A floored move makes no route: a -> d (floor 0.1) does not beat a -> c either way."""
-    priced = {("a", "b"): 1.0, ("b", "c"): 1.0, ("c", "d"): 1.0, ("d", "c"): 3.0}
-    value = {c: "v" for c in "abcd"}
-    assert dominated_moves(priced, value, {("a", "c"): 5.0, ("b", "d"): 1.5, ("a", "d"): 0.1}) == {("a", "c")}
-    assert dominated_moves(priced, value, {("a", "d"): 0.1}) == set()
 
 
 @dataclass(frozen=True)

@@ -55,11 +55,8 @@ class PricingStats:
 MIN_PLUS_ROWS = 64  # rows of a value's move matrix per min-plus step (rows x layouts x layouts floats)
 
 
-def dominated_moves(moves: Mapping[tuple[str, str], float], value: Mapping[str, str],
-                    floors: Mapping[tuple[str, str], float] | None = None) -> set[tuple[str, str]]:
-    """The moves (from class, to class) -> cost that some two-step route through a third class beats strictly;
-    with `floors` (moves not priced -> a lower bound on their price), also those of them whose floor a two-step
-    route of priced moves beats strictly (they would be beaten at any price at least the floor).
+def dominated_moves(moves: Mapping[tuple[str, str], float], value: Mapping[str, str]) -> set[tuple[str, str]]:
+    """The moves (from class, to class) -> cost that some two-step route through a third class beats strictly.
 
     Leaving them out keeps the cheapest route between every pair: an edge of a cheapest path is never
     beaten strictly by a two-step route (that would make a cheaper path), so every cheapest path survives
@@ -67,26 +64,23 @@ def dominated_moves(moves: Mapping[tuple[str, str], float], value: Mapping[str, 
     share. Ties are kept (dropping both of two equal routes could drop them all). Moves join the layouts of one
     value (`value`: each class's), so each value's cheapest two-step routes are one min-plus product of its
     matrix of moves (a 2x2x2 mesh's stack has ~150 layouts of a value, 200,000 moves)."""
-    values: dict[str, list[tuple[str, str, float, bool]]] = {}  # (src, dst, cost or floor, priced)
+    values: dict[str, list[tuple[str, str, float]]] = {}
     for (src, dst), c in moves.items():
         if c < math.inf:
-            values.setdefault(value[dst], []).append((src, dst, c, True))
-    for (src, dst), c in (floors or {}).items():
-        values.setdefault(value[dst], []).append((src, dst, c, False))
+            values.setdefault(value[dst], []).append((src, dst, c))
     dropped = set()
     for edges in values.values():
         index: dict[str, int] = {}
-        rows = [index.setdefault(src, len(index)) for src, _, _, _ in edges]
-        columns = [index.setdefault(dst, len(index)) for _, dst, _, _ in edges]
+        rows = [index.setdefault(src, len(index)) for src, _, _ in edges]
+        columns = [index.setdefault(dst, len(index)) for _, dst, _ in edges]
         direct = np.full((len(index), len(index)), np.inf)
-        priced = [k for k, edge in enumerate(edges) if edge[3]]
-        direct[[rows[k] for k in priced], [columns[k] for k in priced]] = [edges[k][2] for k in priced]
+        direct[rows, columns] = [c for _, _, c in edges]
         best = np.empty_like(direct)
         for start in range(0, len(index), MIN_PLUS_ROWS):  # rows x layouts x layouts at a time
             part = direct[start:start + MIN_PLUS_ROWS]
             best[start:start + MIN_PLUS_ROWS] = (part[:, :, None] + direct[None, :, :]).min(axis=1)
-        beaten = best[rows, columns] < np.array([c for _, _, c, _ in edges]) * (1 - 1e-9)
-        dropped.update((src, dst) for (src, dst, _, _), drop in zip(edges, beaten.tolist()) if drop)
+        beaten = best[rows, columns] < direct[rows, columns] * (1 - 1e-9)
+        dropped.update((src, dst) for (src, dst, _), drop in zip(edges, beaten.tolist()) if drop)
     return dropped
 
 

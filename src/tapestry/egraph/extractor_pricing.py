@@ -8,11 +8,11 @@ on those costs; the floored moves its selection uses are priced, and where one c
 extracts again on the new costs, until a selection uses no move above its floor. That selection's cost is then
 its true cost, and whatever the extractor proved of it holds: its bound was made on costs at most the prices.
 
-Moves are dropped as `Decoder.priced` drops them (`decode.dominated_moves`), but only by routes of priced moves:
-a floored move is dropped where such a route beats its floor (it would beat it at any price), so every cheapest
-route survives. Runs a kept run of the same op and priced moves beat are dropped too (`decode.dominated_runs`).
-Both stay sound as moves get priced (the routes they used keep their prices), so a new extraction needs only the
-new prices. docs/benchmarks.md, "Extraction prices the moves it chooses", measures it.
+No move is dropped for a cheaper route (`decode.dominated_moves`, which `Decoder.priced` applies): a floor is
+below its price, so a route of priced moves rarely beats it (none of the 2-layer LLaMA's on 2x2, where pricing
+every move drops 23,118). Runs a kept run of the same op and priced moves beat are dropped
+(`decode.dominated_runs`), and stay so as moves get priced. docs/benchmarks.md, "Extraction prices the moves it
+chooses", measures it.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 from tapestry.clock import clock
-from tapestry.egraph.decode import Decoder, PricingStats, dominated_moves, dominated_runs
+from tapestry.egraph.decode import Decoder, PricingStats, dominated_runs
 from tapestry.extract import EGraph as ExtractGraph
 from tapestry.extract import Node, Selection
 
@@ -41,8 +41,12 @@ class FloorPriced:
         leave some unpriced in its own order."""
         if not hasattr(cost, "reshard_floors"):
             return None
-        optional = {decoder._price_key(n) for n in decoder.nodes if decoder.optional(n) and not decoder.prepared(n)}
-        return cls(decoder, roots, cost) if reshards >= len(optional) else None
+        if reshards < sum(n.op == "Reshard" for n in decoder.nodes):  # at most one key each (mostly fewer)
+            optional = {decoder._price_key(n) for n in decoder.nodes
+                        if decoder.optional(n) and not decoder.prepared(n)}
+            if reshards < len(optional):
+                return None
+        return cls(decoder, roots, cost)
 
     def __init__(self, decoder: Decoder, roots: Sequence[str], cost: Any) -> None:
         started = clock()
@@ -53,21 +57,16 @@ class FloorPriced:
                                      decoder.mesh)
         self.floors: dict[Hashable, float] = dict(zip(keys, floors.tolist()))
         self.key_of = {i: key for key, members in self.optional.items() for i in members}
+        for i, key in self.key_of.items():
+            costs[i] = self.floors[key]
         moves = {(n.children[0], n.eclass): i for i, n in enumerate(decoder.nodes) if n.op == "Reshard"}
-        priced = {pair: costs[i] for pair, i in moves.items() if i not in self.key_of}
-        floored = {pair: self.floors[self.key_of[i]] for pair, i in moves.items() if i in self.key_of}
-        dropped = dominated_moves(priced, decoder.class_value, floored)
-        for i in self.key_of:
-            costs[i] = self.floors[self.key_of[i]]
-        for pair in dropped:
-            costs[moves[pair]] = math.inf
-        runs = dominated_runs(decoder.ops(costs), {pair: costs[i] if pair not in floored else math.inf
-                                                   for pair, i in moves.items()})
+        runs = dominated_runs(decoder.ops(costs), {pair: c for pair, i in moves.items()
+                                                   if i not in self.key_of and (c := costs[i]) < math.inf})
         for i in runs:
             costs[i] = math.inf
         self.graph = ExtractGraph.from_nodes([Node(n.id, n.op, n.eclass, c, n.children)
                                               for n, c in zip(decoder.nodes, costs)], list(roots))
-        self._stats = (len(dropped), len(runs))
+        self._runs_dropped = len(runs)
         self._rounds = 0  # extractions repriced
         self._seconds = clock() - started
         self._record()
@@ -109,5 +108,5 @@ class FloorPriced:
         """What was priced so far, as `Decoder.pricing` says it (`PricingStats.moves_floored`: the optional keys
         extraction never asked for)."""
         floored = sum(1 for key in self.optional if key not in self.prices)
-        self.decoder.pricing = PricingStats(self._seconds, len(self.prices), 0, *self._stats,
+        self.decoder.pricing = PricingStats(self._seconds, len(self.prices), 0, 0, self._runs_dropped,
                                             moves=len(self.optional), moves_floored=floored)
