@@ -144,3 +144,18 @@ def test_a_price_below_its_floor_is_an_error() -> None:
     chosen = Selection({floored.graph.node_class[node]: node}, 0.0, "test", 0.0)
     with pytest.raises(ValueError, match="below its floor"):
         floored.repriced(floored.graph, chosen)
+
+
+def test_after_its_rounds_every_move_is_priced_and_the_optimum_stands(monkeypatch) -> None:
+    """With one round on floors of 0, the second extraction runs on every price: nothing is left at its floor,
+    and the plan is the proven optimum of pricing every move (fails if the rounds never end in full pricing)."""
+    from tapestry.egraph import extractor_pricing
+
+    monkeypatch.setattr(extractor_pricing, "ROUNDS", 1)
+    explored = explore(_sliced(), Mesh(2, 2))
+    lazy = explored.extract(_ZeroFloors(load_profile("cpu-gloo")))
+    assert explored.decoder.pricing.moves_floored == 0 and explored.decoder.pricing.moves > 0
+    monkeypatch.setattr(FloorPriced, "made", classmethod(lambda cls, *args: None))
+    eager = explored.extract(_ZeroFloors(load_profile("cpu-gloo")))
+    assert lazy.selection.status == eager.selection.status == "optimal"
+    assert lazy.plan.cost == pytest.approx(eager.plan.cost, rel=1e-9)

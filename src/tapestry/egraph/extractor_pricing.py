@@ -1,18 +1,19 @@
 """Pricing only the moves extraction chooses: the other moves cost their floor.
 
-Pricing every move of a value's layouts is most of planning a small model on a 2-D mesh (a 2-layer LLaMA on
-Mesh(2, 2): 10,919 optional price keys, about 4 CPU s), yet its plan uses a handful of them. So the moves that
-`Decoder.priced` would price on demand (not out of a replicated layout, not between seed plans' layouts) start at
-their floor (`reshard_floors` of the cost model: a lower bound on the price, no move planned); extraction runs
-on those costs; the floored moves its selection uses are priced, and where one costs more than its floor, it
-extracts again on the new costs, until a selection uses no move above its floor. That selection's cost is then
-its true cost, and whatever the extractor proved of it holds: its bound was made on costs at most the prices.
+Pricing every move between a value's layouts was the largest phase of planning the small zoo models on a 2-D
+mesh, yet a plan uses a handful of those moves (docs/benchmarks.md, "Extraction prices the moves it chooses"). So
+the moves that `Decoder.priced` prices on demand (not out of a replicated layout, not between seed plans'
+layouts) start at their floor (`reshard_floors` of the cost model: a lower bound on the price, no move planned);
+extraction runs on those costs; the floored moves its selection uses are priced, and where one costs more than
+its floor it extracts again on the new costs, until a selection uses no move above its floor. That selection's
+cost is then its true cost, and whatever the extractor proved of it holds: its bound was made on costs at most
+the prices, over every move.
 
-No move is dropped for a cheaper route (`decode.dominated_moves`, which `Decoder.priced` applies): a floor is
-below its price, so a route of priced moves rarely beats it (none of the 2-layer LLaMA's on 2x2, where pricing
-every move drops 23,118). Runs a kept run of the same op and priced moves beat are dropped
-(`decode.dominated_runs`), and stay so as moves get priced. docs/benchmarks.md, "Extraction prices the moves it
-chooses", measures it.
+No move is dropped for a cheaper route (`decode.dominated_moves`, which `Decoder.priced` applies): that compares
+a move's price with routes of priced moves, and a floor, below the price, is rarely beaten by the few moves
+priced here. Runs that a kept run of the same op and priced moves beat are dropped (`decode.dominated_runs`),
+and stay so as more moves get priced.
+"""
 """
 from __future__ import annotations
 
@@ -25,9 +26,8 @@ from tapestry.egraph.decode import Decoder, PricingStats, dominated_runs
 from tapestry.extract import EGraph as ExtractGraph
 from tapestry.extract import Node, Selection
 
-# Extractions on floors before every move left is priced (the next extraction is then on prices alone, and the
-# last): each is a whole extraction (a 2-layer LLaMA on 2x2: ~1.2 CPU s), and a selection whose moves cost their
-# floors ends at the first (the 2x2 zoo families, docs/benchmarks.md).
+# Extractions on floors before every move left is priced (the next extraction, on prices alone, is then the
+# last): each is a whole extraction, and where the moves a selection uses cost their floors the first is the last.
 ROUNDS = 3
 
 
