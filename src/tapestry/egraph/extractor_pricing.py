@@ -14,7 +14,6 @@ a move's price with routes of priced moves, and a floor, below the price, is rar
 priced here. Runs that a kept run of the same op and priced moves beat are dropped (`decode.dominated_runs`),
 and stay so as more moves get priced.
 """
-"""
 from __future__ import annotations
 
 import math
