@@ -86,9 +86,9 @@ def test_finds_every_layer_of_a_llama_training_step_forward_backward_and_update(
 
 def test_finding_layers_never_copies_the_whole_shift_per_tried_pairing(steps, monkeypatch):
     """`_propagate` undoes a failed pairing from a journal of what it added: a copy of the whole shift per try
-    made finding the 7B 32-layer step's layers quadratic (4.2 of its 33 CPU s of exploration on 8x8). The shift
-    is walked only by `find_layers` after it is grown (a few times), whatever the depth; the layers found are the
-    same as the copying version's (the test above)."""
+    made finding the 7B 32-layer step's layers quadratic (4.28 of its 34.55 CPU s of exploration on 8x8,
+    benchmarks/explore_phases.py). The shift is walked only by `find_layers` after it is grown (a few times),
+    whatever the depth; the layers found are the same as the copying version's (the test above)."""
     walks = Counter()
 
     class WalkedDict(dict):

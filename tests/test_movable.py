@@ -81,7 +81,7 @@ def test_sources_that_fill_a_box_are_decided_by_it_without_the_cell_grid(mesh):
     """Generation's layouts fill boxes (the whole tensor, or the part a slice reads), so `movable` and `can_move`
     decide them by the box alone: the same answers as the box-by-box oracle, and neither the cell grid nor
     `covers` is asked (before, every pair outside a source's box went on to `covers`, and a value too large for
-    the grid was asked pair by pair: 8,281 pairs of the 7B step's attention values on 8x8)."""
+    the grid was asked pair by pair, as the 7B step's largest values on 8x8 were)."""
     groups = kernel_layouts(mesh)
     want = [np.array([[oracle_can_move(a, b) for b in found] for a in found]) for found in groups]
     plain = [(a, b) for found in groups for a in found for b in found if not a.partial and not b.partial]

@@ -119,8 +119,9 @@ def can_move(src: Layout, dst: Layout) -> bool:
     """Whether some reshard turns `src` into `dst` (`transfers` would not raise), without planning it: every cell
     a device needs is held by some device, or the source is partial. Asked of every pair of a value's layouts
     (146,000 pairs for one layer on a 2x2x2 mesh): most sources fill a box that holds every needed block, the
-    rest on the cell grid (`grid.covers`). A filled box decides alone: the 7B training step's largest values on 8x8
-    (91 layouts) asked `covers` of 8,906 pairs whose answer the box had given (False)."""
+    rest on the cell grid (`grid.covers`). A filled box decides alone: `covers` was asked of every pair the box
+    refused (the 7B training step's exploration on 8x8 asked `can_move` of 28,456 pairs one by one,
+    benchmarks/explore_phases.py)."""
     if dst.partial:
         return False
     if src.partial:
@@ -173,8 +174,9 @@ def movable(layouts: Sequence[Layout]) -> np.ndarray:
 def _boxed_moves(layouts: Sequence[Layout], partial: np.ndarray, holds: np.ndarray, ndim: int) -> np.ndarray | None:
     """`movable`'s plain moves where every plain source that holds a block fills a box (`filled_box`): i -> j
     when the hull of j's non-empty blocks lies in i's box, as `can_move` decides such a pair; None where a source
-    fills no box. Sources are mostly boxes, and the grid of a value's 91 layouts on 8x8 (the 7B training step's
-    attention values) was too fine to build, so its 8,281 pairs were asked one by one: 3.1 of its 7.2 CPU s."""
+    fills no box. Generation's sources are boxes, and the grids of the 7B training step's largest values on 8x8
+    were too fine to build, so their pairs were asked one by one: `reshard_pairs` 9.65 -> 0.53 CPU s
+    (benchmarks/explore_phases.py, docs/benchmarks.md "Exploration of the folded step")."""
     boxes = [filled_box(layout) if held and not part else None for layout, held, part in zip(layouts, holds, partial)]
     if any(box is None and held and not part for box, held, part in zip(boxes, holds, partial)):
         return None
