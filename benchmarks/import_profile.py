@@ -6,8 +6,9 @@
 LLaMA-2 widths on the meta device in bfloat16 (benchmarks/cluster.py's build), one Adam step at batch 8 x
 sequence 2048, all in one process after a one-layer warm-up, so the first imports of torch, transformers and
 tapestry are counted once, apart. Per depth, CPU seconds of the calling thread: the whole `from_torch`, torch's
-trace (`make_fx`), within it the backward (`torch.autograd.grad`) and the optimizer update (`Training.update`),
-and the translation into a Tapestry graph. CPU time, not wall time: the machine is shared (docs/benchmarks.md,
+trace (`make_fx`), within it the backward (`torch.autograd.grad`), the optimizer update (`Training.update`) and
+the retrace through functionalization (training/capture.py `_functionalized`, which only a step that writes into a
+view pays), and the translation into a Tapestry graph. CPU time, not wall time: the machine is shared (docs/benchmarks.md,
 "Import time at scale").
 """
 from __future__ import annotations
@@ -54,15 +55,20 @@ def phases(spent: dict[str, float]) -> Iterator[None]:
     """Time the trace, backward, update and translation of the imports made inside."""
     make_fx, translate = capture.make_fx, capture.translate
     grad, update = torch.autograd.grad, tapestry.Training.update
+    functionalized = getattr(capture, "_functionalized", None)  # the retrace of a step that writes into views
     capture.make_fx = lambda *a, **k: timed(spent, "trace", make_fx(*a, **k))
     capture.translate = timed(spent, "translate", translate)
     torch.autograd.grad = timed(spent, "backward", grad)
     tapestry.Training.update = timed(spent, "update", update)
+    if functionalized is not None:
+        capture._functionalized = timed(spent, "functionalized", functionalized)
     try:
         yield
     finally:
         capture.make_fx, capture.translate = make_fx, translate
         torch.autograd.grad, tapestry.Training.update = grad, update
+        if functionalized is not None:
+            capture._functionalized = functionalized
 
 
 def main() -> None:
@@ -72,8 +78,9 @@ def main() -> None:
     args = parser.parse_args()
     build(Case(args.model, 1, "training", "", 8, 2048))
     print(f"first imports of torch, transformers, tapestry: {IMPORTS:.1f} s CPU")
-    print("| model | layers | ops | from_torch CPU s | trace | of it backward | of it update | translate |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| model | layers | ops | from_torch CPU s | trace | of it backward | of it update | of it retraced "
+          "through functionalization | translate |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for layers in (int(n) for n in args.layers.split(",")):
         spent: dict[str, float] = {}
         with phases(spent):
@@ -81,7 +88,9 @@ def main() -> None:
             imported = build(Case(args.model, layers, "training", "", 8, 2048))
             total = time.thread_time() - start
         print(f"| {args.model} | {layers} | {len(imported.graph.ops):,} | {total:.1f} | {spent['trace']:.1f} | "
-              f"{spent['backward']:.1f} | {spent['update']:.1f} | {spent['translate']:.1f} |", flush=True)
+              f"{spent['backward']:.1f} | {spent['update']:.1f} | "
+              f"{'not retraced' if 'functionalized' not in spent else format(spent['functionalized'], '.1f')} | "
+              f"{spent['translate']:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tapestry
+import tapestry.graph.layers
 import tapestry.optimizer
 from tapestry import verify
 from tapestry.cost import peak_memory
@@ -81,6 +82,23 @@ def test_finds_every_layer_of_a_llama_training_step_forward_backward_and_update(
         assert carried == {name for chain in layers.chains for name in chain if name in graph.carried.values()}
     weights = [chain for chain in five.chains if chain[0].endswith("q_proj.weight")]
     assert [w.split(".")[2] for w in weights[0]] == ["0", "1", "2", "3", "4"]
+
+
+def test_finding_layers_never_copies_the_whole_shift_per_tried_pairing(steps, monkeypatch):
+    """`_propagate` undoes a failed pairing from a journal of what it added: a copy of the whole shift per try
+    made finding the 7B 32-layer step's layers quadratic (4.28 of its 34.55 CPU s of exploration on 8x8,
+    benchmarks/explore_phases.py). The shift is walked only by `find_layers` after it is grown (a few times),
+    whatever the depth; the layers found are the same as the copying version's (the test above)."""
+    walks = Counter()
+
+    class WalkedDict(dict):
+        def __iter__(self):
+            walks[len(self)] += 1
+            return super().__iter__()
+
+    monkeypatch.setattr(tapestry.graph.layers, "dict", WalkedDict, raising=False)
+    assert find_layers(steps[5]).copies == 5
+    assert sum(walks.values()) <= 3, walks
 
 
 def test_two_layers_are_too_few_to_fold(steps):

@@ -426,6 +426,23 @@ def test_writes_into_views_reach_the_base_and_its_other_views_as_in_torch():
     assert_step_matches(imported.outputs(evaluate(imported.graph, imported.inputs(X, Y))), loss, params)
 
 
+def test_only_a_step_that_writes_into_a_view_is_traced_again_through_functionalization(monkeypatch):
+    """Functionalization retraces the whole step (a second make_fx): only a step that writes into a view, or into a
+    tensor with views, pays for it; in-place writes into plain tensors (ReLU(inplace=True)) are translated as their
+    functional twins from the first trace, as a LLaMA step's are."""
+    import tapestry.training.capture as capture
+
+    retraced = []
+    functionalized = capture._functionalized
+    monkeypatch.setattr(capture, "_functionalized", lambda *args: retraced.append(1) or functionalized(*args))
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(inplace=True), torch.nn.Linear(8, 4))
+    tapestry.from_torch(plain, (X, Y), training=TRAINING["sgd"], verbose=False)  # its trace keeps aten.relu_
+    assert retraced == []
+    tapestry.from_torch(WritesThroughViews(), (X, Y), training=TRAINING["sgd"], verbose=False)
+    assert retraced == [1]
+
+
 def test_a_max_pool_step_runs_its_backward_on_the_pooling_indices():
     """max_pool2d_with_indices converted to the max_pool2d kernel gave its indices as None, which its opaque
     backward then read (the evaluator raised): a converter's output that no kernel makes declines the node where

@@ -219,6 +219,7 @@ def _propagate(graph: Graph, seeds: Mapping[str, str], last: set[str]) -> dict[s
     no image (the final norm's weight is not a fifth layer's)."""
     shift = dict(seeds)
     image_of = {b: a for a, b in shift.items()}
+    journal: list[str] = []  # what `pair` added to the shift, in order: a failed try undoes what it added since
     users = graph.users()
     rank: dict[str, int] = {}
     same: Counter = Counter()
@@ -248,6 +249,7 @@ def _propagate(graph: Graph, seeds: Mapping[str, str], last: set[str]) -> dict[s
             made.append(x)
             if deep and _kind(graph[x]) == _kind(graph[y]) and graph[x].is_input == graph[y].is_input:
                 stack += [(u, v) for u, v in zip(graph[x].args, graph[y].args) if u != v]
+        journal.extend(made)
         return True
 
     for node in graph.ops:
@@ -266,12 +268,13 @@ def _propagate(graph: Graph, seeds: Mapping[str, str], last: set[str]) -> dict[s
             peers = [v for v in found if graph[v].args == graph[u].args]  # identical ops: the same rank's
             if len(peers) > rank[node.name] and peers[rank[node.name]] != u or u in image_of:
                 continue
-            made = set(shift)
+            mark = len(journal)  # undone by the journal, not by a copy of the whole shift per try (quadratic)
             if all(pair(a, b) for p, (a, b) in enumerate(zip(node.args, graph[u].args)) if p not in known):
                 shift[node.name], image_of[u] = u, node.name
                 break
-            for z in set(shift) - made:
+            for z in journal[mark:]:
                 del image_of[shift.pop(z)]
+            del journal[mark:]
     return shift
 
 

@@ -119,7 +119,9 @@ def can_move(src: Layout, dst: Layout) -> bool:
     """Whether some reshard turns `src` into `dst` (`transfers` would not raise), without planning it: every cell
     a device needs is held by some device, or the source is partial. Asked of every pair of a value's layouts
     (146,000 pairs for one layer on a 2x2x2 mesh): most sources fill a box that holds every needed block, the
-    rest are decided on the cell grid (`grid.cells`)."""
+    rest on the cell grid (`grid.covers`). A filled box decides alone: `covers` was asked of every pair the box
+    refused (the 7B training step's exploration on 8x8 asked `can_move` of 28,456 pairs one by one,
+    benchmarks/explore_phases.py)."""
     if dst.partial:
         return False
     if src.partial:
@@ -127,8 +129,8 @@ def can_move(src: Layout, dst: Layout) -> bool:
     if all(b is None for b in src.blocks):  # as `transfers` has it: a needed block, even empty, needs a holder
         return all(b is None for b in dst.blocks)
     box = filled_box(src)
-    if box is not None and _within(dst, box):
-        return True
+    if box is not None:  # the source holds exactly this box: a block outside it has cells no device holds
+        return _within(dst, box)
     return covers(src, dst)
 
 
@@ -149,9 +151,10 @@ MOVABLE_CELLS = 1 << 22  # blocks x grid cells above which `movable` asks `can_m
 def movable(layouts: Sequence[Layout]) -> np.ndarray:
     """`can_move` of every ordered pair of one value's layouts at once: a (k, k) bool array, [i, j] for i -> j
     (the diagonal included). A plain move is possible when the cells the destination's blocks cover are all
-    covered by the source's; so each layout's covered cells are found once, on the grid that every block bound
-    of every layout cuts the tensor into, and the pairs are one matrix product. `reshard_pairs` asks this of
-    each value: pair by pair it was 12 of a 2-layer GPT-NeoX's 17 s of saturation on a 2x2 mesh."""
+    covered by the source's: where every source fills a box, by the destinations' hulls (`_boxed_moves`); else
+    each layout's covered cells are found once, on the grid that every block bound of every layout cuts the
+    tensor into, and the pairs are one matrix product (`_grid_moves`). `reshard_pairs` asks this of each value:
+    pair by pair it was 12 of a 2-layer GPT-NeoX's 17 s of saturation on a 2x2 mesh."""
     k = len(layouts)
     partial = np.array([layout.partial for layout in layouts], bool)
     holds = np.array([any(b is not None for b in layout.blocks) for layout in layouts], bool)
@@ -159,6 +162,44 @@ def movable(layouts: Sequence[Layout]) -> np.ndarray:
     ndim = blocks[0][1].ndim if blocks else 0
     if any(b.ndim != ndim for _, b in blocks):
         return np.array([[can_move(a, b) for b in layouts] for a in layouts], bool).reshape(k, k)
+    ok = _boxed_moves(layouts, partial, holds, ndim)
+    if ok is None:
+        ok = _grid_moves(layouts, blocks, ndim)
+    ok[~holds] = ~holds  # a source holding nothing moves only to a layout holding nothing (as in can_move)
+    ok[partial, :] = True
+    ok[:, partial] = False
+    return ok
+
+
+def _boxed_moves(layouts: Sequence[Layout], partial: np.ndarray, holds: np.ndarray, ndim: int) -> np.ndarray | None:
+    """`movable`'s plain moves where every plain source that holds a block fills a box (`filled_box`): i -> j
+    when the hull of j's non-empty blocks lies in i's box, as `can_move` decides such a pair; None where a source
+    fills no box. Generation's sources are boxes, and the grids of the 7B training step's largest values on 8x8
+    were too fine to build, so their pairs were asked one by one: `reshard_pairs` 9.65 -> 0.53 CPU s
+    (benchmarks/explore_phases.py, docs/benchmarks.md "Exploration of the folded step")."""
+    boxes = [filled_box(layout) if held and not part else None for layout, held, part in zip(layouts, holds, partial)]
+    if any(box is None and held and not part for box, held, part in zip(boxes, holds, partial)):
+        return None
+    box_start = np.array([box.start if box is not None else (0,) * ndim for box in boxes], np.int64)
+    box_end = np.array([box.end if box is not None else (0,) * ndim for box in boxes], np.int64)
+    needs = np.zeros(len(layouts), bool)
+    low = np.zeros((len(layouts), ndim), np.int64)
+    high = np.zeros((len(layouts), ndim), np.int64)
+    for j, layout in enumerate(layouts):
+        starts, ends, held = layout.bounds
+        if starts.shape[1] != ndim:  # holds no block
+            continue
+        needed = held & (starts < ends).all(axis=1)
+        if needed.any():
+            needs[j], low[j], high[j] = True, starts[needed].min(axis=0), ends[needed].max(axis=0)
+    inside = ((box_start[:, None, :] <= low[None, :, :]) & (high[None, :, :] <= box_end[:, None, :])).all(axis=2)
+    return inside | ~needs[None, :]
+
+
+def _grid_moves(layouts: Sequence[Layout], blocks: Sequence[tuple[int, ZRange]], ndim: int) -> np.ndarray:
+    """`movable`'s plain moves on the cell grid every block bound cuts the tensor into (pair by pair past
+    MOVABLE_CELLS)."""
+    k = len(layouts)
     starts = np.array([b.start for _, b in blocks], np.int64).reshape(len(blocks), ndim)
     ends = np.array([b.end for _, b in blocks], np.int64).reshape(len(blocks), ndim)
     along = []
@@ -173,11 +214,7 @@ def movable(layouts: Sequence[Layout]) -> np.ndarray:
     covered = np.zeros((k, inside.shape[1]), bool)
     np.logical_or.at(covered, np.array([i for i, _ in blocks], np.int64), inside)
     lacking = (~covered).astype(np.float64) @ covered.T.astype(np.float64)  # [i, j]: cells j covers, i does not
-    ok = lacking == 0
-    ok[~holds] = ~holds  # a source holding nothing moves only to a layout holding nothing (as in can_move)
-    ok[partial, :] = True
-    ok[:, partial] = False
-    return ok
+    return lacking == 0
 
 
 @functools.lru_cache(maxsize=1 << 14)
