@@ -85,7 +85,9 @@ def _slow_plan(path: Path) -> Path:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+# SIGINT unwinds the launcher through the same cleanup as SIGTERM (`reaped`), by Python's KeyboardInterrupt: make
+# test-all (each case is a `tapestry run` process and its forkserver, some 40 s of wall at load).
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow), signal.SIGKILL])
 def test_after_sigterm_sigint_or_sigkill_no_process_of_a_run_is_left(tmp_path: Path, sig: signal.Signals):
     """SIGKILL leaves the launcher no cleanup: its ranks end by themselves (their parent, the forkserver, outlives
     the launcher while they run)."""
