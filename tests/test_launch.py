@@ -16,6 +16,7 @@ import tapestry
 from tapestry.cli import main
 from tapestry.plan import Plan, build_plan
 from tapestry.runtime import run_plan
+from tapestry.runtime.launch import Surroundings, _rank_context
 from tapestry.sharding import Mesh
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -146,3 +147,32 @@ def test_verify_passes_where_both_sides_are_nan_and_inputs_from_npy_files_raise_
     assert [str(w.message) for w in caught if not issubclass(w.category, hidden_by_default)] == []
     assert "not writable" not in done.err and "Warning" not in done.err, done.err
     Plan.load(tmp_path / "plan.json")
+
+
+def _echo(surroundings: Surroundings, name: str) -> None:
+    """In a rank forked from the forkserver: the variable `name` as the rank sees it, on its stderr."""
+    surroundings.take_on()
+    os.write(2, f"{name}={os.environ.get(name)}\n".encode())
+
+
+def test_a_rank_takes_the_launchers_environment_and_stderr_as_they_are_when_it_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The forkserver keeps the environment and descriptors it started with; a rank must see the launcher's now
+    (a variable set since, a test's captured stderr)."""
+    ctx = _rank_context()
+    started = ctx.Process(target=_echo, args=(Surroundings(dict(os.environ)), "TAPESTRY_ECHO"))
+    started.start()  # the forkserver runs from here on (or already did)
+    started.join()
+    monkeypatch.setenv("TAPESTRY_ECHO", "set after the server started")
+    saved = os.dup(2)
+    with open(tmp_path / "stderr", "w") as err:
+        os.dup2(err.fileno(), 2)
+        try:
+            rank = ctx.Process(target=_echo, args=(Surroundings(dict(os.environ)), "TAPESTRY_ECHO"))
+            rank.start()
+            rank.join(timeout=120)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+    assert rank.exitcode == 0
+    assert (tmp_path / "stderr").read_text() == "TAPESTRY_ECHO=set after the server started\n"
