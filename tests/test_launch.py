@@ -16,6 +16,7 @@ import tapestry
 from tapestry.cli import main
 from tapestry.plan import Plan, build_plan
 from tapestry.runtime import run_plan
+from tapestry.runtime.launch import Surroundings, _rank_context
 from tapestry.sharding import Mesh
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,7 +52,12 @@ def test_a_plan_runs_on_two_ranks_from_a_script_without_a_main_guard(tmp_path: P
 
 def _session(leader: int) -> list[int]:
     """Every live process in the session `leader` started (its own pid is the session id)."""
-    found = []
+    return list(_session_parents(leader))
+
+
+def _session_parents(leader: int) -> dict[int, int]:
+    """The live processes of the session `leader` started, each with its parent's pid."""
+    found = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
@@ -59,8 +65,14 @@ def _session(leader: int) -> list[int]:
             except OSError:
                 continue
             if int(fields[3]) == leader and fields[0] != "Z":  # fields after the name: state, ppid, pgrp, session
-                found.append(int(entry.name))
+                found[int(entry.name)] = int(fields[1])
     return found
+
+
+def _ranks(launcher: int) -> list[int]:
+    """The ranks of a run: the processes the launcher's forkserver forked (the launcher's own children are the
+    forkserver and multiprocessing's resource tracker)."""
+    return [pid for pid, parent in _session_parents(launcher).items() if launcher not in (pid, parent)]
 
 
 def _slow_plan(path: Path) -> Path:
@@ -74,16 +86,20 @@ def _slow_plan(path: Path) -> Path:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_after_sigterm_or_sigint_no_process_of_a_run_is_left(tmp_path: Path, sig: signal.Signals):
+# SIGINT unwinds the launcher through the same cleanup as SIGTERM (`reaped`), by Python's KeyboardInterrupt: make
+# test-all (each case is a `tapestry run` process and its forkserver, some 40 s of wall at load).
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow), signal.SIGKILL])
+def test_after_sigterm_sigint_or_sigkill_no_process_of_a_run_is_left(tmp_path: Path, sig: signal.Signals):
+    """SIGKILL leaves the launcher no cleanup: its ranks end by themselves (their parent, the forkserver, outlives
+    the launcher while they run)."""
     plan = _slow_plan(tmp_path / "plan.json")
     run = subprocess.Popen([TAPESTRY, "run", str(plan), "--no-compile", "--timeout", "300"], start_new_session=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
-        while len(_session(run.pid)) < 3 and time.monotonic() < deadline:  # the launcher and both ranks are up
+        while len(_ranks(run.pid)) < 2 and time.monotonic() < deadline:  # both ranks are up
             time.sleep(0.2)
-        assert len(_session(run.pid)) >= 3, "the ranks never started"
+        assert len(_ranks(run.pid)) == 2, f"the ranks never started: {_session_parents(run.pid)}"
         run.send_signal(sig)
         run.wait(timeout=30)
         deadline = time.monotonic() + 10
@@ -131,3 +147,32 @@ def test_verify_passes_where_both_sides_are_nan_and_inputs_from_npy_files_raise_
     assert [str(w.message) for w in caught if not issubclass(w.category, hidden_by_default)] == []
     assert "not writable" not in done.err and "Warning" not in done.err, done.err
     Plan.load(tmp_path / "plan.json")
+
+
+def _echo(surroundings: Surroundings, name: str) -> None:
+    """In a rank forked from the forkserver: the variable `name` as the rank sees it, on its stderr."""
+    surroundings.take_on()
+    os.write(2, f"{name}={os.environ.get(name)}\n".encode())
+
+
+def test_a_rank_takes_the_launchers_environment_and_stderr_as_they_are_when_it_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The forkserver keeps the environment and descriptors it started with; a rank must see the launcher's now
+    (a variable set since, a test's captured stderr)."""
+    ctx = _rank_context()
+    started = ctx.Process(target=_echo, args=(Surroundings(dict(os.environ)), "TAPESTRY_ECHO"))
+    started.start()  # the forkserver runs from here on (or already did)
+    started.join()
+    monkeypatch.setenv("TAPESTRY_ECHO", "set after the server started")
+    saved = os.dup(2)
+    with open(tmp_path / "stderr", "w") as err:
+        os.dup2(err.fileno(), 2)
+        try:
+            rank = ctx.Process(target=_echo, args=(Surroundings(dict(os.environ)), "TAPESTRY_ECHO"))
+            rank.start()
+            rank.join(timeout=120)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+    assert rank.exitcode == 0
+    assert (tmp_path / "stderr").read_text() == "TAPESTRY_ECHO=set after the server started\n"

@@ -1,10 +1,16 @@
-"""Launching a lowered plan: one process per rank, by spawn or under torchrun.
+"""Launching a lowered plan: one process per rank, forked from a forkserver or started by torchrun.
 
 Failure is the launcher's main job. A rank that raises reports the step it was
 in; a rank that dies outright is found by its exit code, and the step it was in
 is read from a shared progress array. Either way the other ranks are killed at
 once (they would otherwise wait in a collective), so nothing outlives the
 timeout, and the error names the rank and the step.
+
+A rank needs torch, tapestry and inductor, some 6 CPU s of imports in a fresh interpreter: the ranks fork from a
+forkserver that imported them once (one per launching process, kept for its later runs). The server is a fresh,
+single-threaded interpreter that never computed, so a fork of it is as clean as a spawned rank. What a spawned
+rank would inherit from the launcher as it is now, a forked one is given: its environment, stdout and stderr (the
+server's are the launcher's as they were when it started); the working directory and sys.path come with every start.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import traceback
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from multiprocessing import reduction
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +46,7 @@ from tapestry.graph import Graph
 from tapestry.plan.plan import Plan, steady_violations
 from tapestry.runtime.execute import InputSource, RankReport, RankRunner, StepFailed, check_supplied
 
+RANK_MODULES = ("tapestry.runtime.launch", "torch._inductor.config")  # what the forkserver imports for every rank
 GRACE_S = 1.0  # after a first failure, how long to wait for the other ranks' reports before killing them
 Inputs = Mapping[str, np.ndarray] | str | Path | InputSource | None
 
@@ -60,7 +68,7 @@ class RunResult:
 
 @dataclass(frozen=True)
 class Job:
-    """Everything a rank needs; pickled to spawned ranks. Several programs run one after another in the
+    """Everything a rank needs; pickled to the ranks. Several programs run one after another in the
     same process group, because starting the ranks costs far more than a small plan."""
 
     programs: tuple[LoweredProgram, ...]
@@ -86,7 +94,7 @@ def check_backend(backend: str, ranks: int) -> None:
 
 
 def run_plan(plan: Plan, inputs: Inputs = None, nproc: int | None = None, **options: Any) -> RunResult:
-    """Run `plan` on `nproc` (= its mesh size) spawned ranks. `inputs`: arrays by name, a folder of
+    """Run `plan` on `nproc` (= its mesh size) ranks of its own. `inputs`: arrays by name, a folder of
     NAME.npy / NAME.pt files, or None for tapestry.random_inputs(graph, seed). `options` as for run_plans."""
     return run_plans([plan], [inputs], nproc, **options)[0]
 
@@ -103,7 +111,7 @@ def run_plans(
     repeat: int = 1,
     chain: bool = False,
 ) -> list[RunResult]:
-    """Run several plans on the same mesh size, in order, in one spawned process group. With `chain`, the
+    """Run several plans on the same mesh size, in order, in one process group started for them. With `chain`, the
     warmup + repeat iterations are consecutive steps: each starts from the carried outputs (graph.carried) of
     the one before, kept on the ranks, and the outputs are the last step's; the plans must be steady."""
     if nproc is not None and nproc < 1:
@@ -148,19 +156,56 @@ def spawn(job: Job) -> list[RunResult]:
     use_persistent_cache()  # inherited by the ranks
     world = len(job.programs[0].ranks)
     check_backend(job.backend, world)
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     results: Any = ctx.Queue()
     # per rank: program index, plan step. No lock: each rank writes only its own two slots, once per step, and
     # a lock shared by every rank costs each step a cross-process acquire (and a wait whenever the holder is
     # descheduled, as it often is with more ranks than cores).
     progress: Any = ctx.Array("i", [-1] * 2 * world, lock=False)
     port = free_port()
-    procs = [ctx.Process(target=_spawned_rank, args=(job, r, world, port, results, progress)) for r in range(world)]
+    surroundings = Surroundings(dict(os.environ))
+    procs = [ctx.Process(target=_spawned_rank, args=(job, r, world, port, results, progress, surroundings))
+             for r in range(world)]
     with reaped(procs):
         with _main_module_hidden():
             for p in procs:
                 p.start()
         return _supervise(job, procs, results, progress)
+
+
+@dataclass(frozen=True)
+class Surroundings:
+    """The launcher's environment, stdout and stderr, for a rank to take on: the forkserver's are the launcher's as
+    they were when the server started (a test's captured output, a variable set since). Pickled to a rank, the
+    descriptors travel as such (the forkserver duplicates them into the rank)."""
+
+    environ: Mapping[str, str]
+    stdout: int = 1
+    stderr: int = 2
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _received, (self.environ, reduction.DupFd(self.stdout), reduction.DupFd(self.stderr))
+
+    def take_on(self) -> None:
+        """In the rank: the launcher's environment, and its stdout and stderr as descriptors 1 and 2."""
+        os.environ.clear()
+        os.environ.update(self.environ)
+        for stream, fd, given in ((sys.stdout, 1, self.stdout), (sys.stderr, 2, self.stderr)):
+            if stream is not None:
+                stream.flush()
+            os.dup2(given, fd)
+            os.close(given)
+
+
+def _received(environ: Mapping[str, str], stdout: Any, stderr: Any) -> Surroundings:
+    return Surroundings(environ, stdout.detach(), stderr.detach())
+
+
+def _rank_context() -> Any:
+    """The forkserver context, its server to import RANK_MODULES (where this process has not started it yet)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(RANK_MODULES))
+    return ctx
 
 
 @contextlib.contextmanager
@@ -181,9 +226,10 @@ def reaped(procs: Sequence[Any]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _main_module_hidden() -> Iterator[None]:
-    """Spawned ranks never import the user's __main__: a script without an `if __name__ == "__main__":` guard
-    would run again in every rank, and stdin, `python -c` or a notebook have no file to import. A rank needs only
-    tapestry (the job pickles as plan JSON), so the ranks start as if __main__ were an empty module."""
+    """Ranks never import the user's __main__: a script without an `if __name__ == "__main__":` guard would run
+    again in every rank (and in the forkserver, which the first start starts), and stdin, `python -c` or a notebook
+    have no file to import. A rank needs only tapestry (the job pickles as plan JSON), so the ranks start as if
+    __main__ were an empty module."""
     main = sys.modules.get("__main__")
     sys.modules["__main__"] = types.ModuleType("__main__")
     try:
@@ -202,7 +248,7 @@ def _stopped_by_signals() -> Iterator[None]:
     """SIGTERM (what `timeout` and CI send) and SIGHUP unwind the launcher like Ctrl-C does, so its cleanup kills
     the ranks; by default they would end it at once and leave the ranks waiting in a collective."""
     if threading.current_thread() is not threading.main_thread():
-        yield  # only the main thread may set handlers; ranks still die with their parent (_die_with_parent)
+        yield  # only the main thread may set handlers; ranks still die with their launcher (_die_with_launcher)
         return
 
     def stop(signum: int, frame: Any) -> None:
@@ -217,14 +263,38 @@ def _stopped_by_signals() -> Iterator[None]:
 
 
 def _die_with_parent() -> None:
-    """Linux: the kernel kills this rank when the launcher dies, even by SIGKILL, so no rank outlives it."""
-    if not sys.platform.startswith("linux"):
+    """Linux: the kernel kills this rank when the launcher that forked it dies, even by SIGKILL, so no rank outlives
+    it (tapestry.launch's ranks; the ranks of a plan fork from a forkserver: _die_with_launcher)."""
+    if not _killed_with_parent():
         return
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     parent = mp.parent_process()
     if parent is not None and os.getppid() != parent.pid:  # the launcher died before prctl took effect
         os._exit(1)
+
+
+def _die_with_launcher() -> None:
+    """No rank outlives its launcher, even one killed by SIGKILL: a thread waits on the launcher's sentinel (a pipe
+    only the launcher writes to, at its end once the launcher is gone, or already) and ends the rank then. The
+    forkserver that forked the rank is not the launcher, and outlives it while any rank holds the pipe it watches;
+    Linux: the kernel kills the rank when the forkserver dies too."""
+    launcher = mp.parent_process()
+    if launcher is not None:
+        threading.Thread(target=_exit_after, args=(launcher,), name="launcher-watch", daemon=True).start()
+    _killed_with_parent()
+
+
+def _exit_after(launcher: Any) -> None:
+    launcher.join()
+    os._exit(1)
+
+
+def _killed_with_parent() -> bool:
+    """Linux: the kernel sends this process SIGKILL when its parent dies. Whether it could (elsewhere it cannot)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    return True
 
 
 def _supervise(job: Job, procs: list[Any], results: Any, progress: Any) -> list[RunResult]:
@@ -296,8 +366,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _spawned_rank(job: Job, rank: int, world: int, port: int, results: Any, progress: Any) -> None:
-    _die_with_parent()
+def _spawned_rank(job: Job, rank: int, world: int, port: int, results: Any, progress: Any,
+                  surroundings: Surroundings) -> None:
+    _die_with_launcher()
+    surroundings.take_on()
     # The ranks share the machine's cores already; a pool of compile workers per rank would oversubscribe them,
     # and its processes, left to os._exit, leave "leaked semaphore objects" behind.
     from torch._inductor import config as inductor_config
