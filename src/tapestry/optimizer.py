@@ -29,13 +29,21 @@ from tapestry.egraph.budget import (
     memory_cuts,
 )
 from tapestry.egraph.decode import Decoder
-from tapestry.egraph.driver import Budget, IterationStats, SaturationStats, make_reshards, moves_to_price, saturate
+from tapestry.egraph.driver import (
+    Budget,
+    IterationStats,
+    SaturationStats,
+    make_reshards,
+    moves_to_price,
+    saturate,
+    search_status,
+)
 from tapestry.egraph.embed import embedded_plans
-from tapestry.egraph.folded_candidates import FoldedCandidates
+from tapestry.egraph.folded_candidates import FoldedCandidates, competes
 from tapestry.egraph.fused_prices import fused_node_costs
 from tapestry.egraph.layered import Layered, value_classes
 from tapestry.egraph.lean_plans import LeanPlans
-from tapestry.egraph.objective import StepObjective, overlap_split
+from tapestry.egraph.objective import StepObjective, overlap_split, unless_unselectable
 from tapestry.egraph.pins import (
     Outputs,
     delivered_layouts,
@@ -164,39 +172,12 @@ class SearchCutWarning(UserWarning):
     made (REPLICATED_WARNING)."""
 
 
-def search_cut(stats: SaturationStats) -> str:
-    """The first phase a budget cut, as "phase (budget)"; "" when the search space was complete. Each phase's
-    stop leaves out options the later phases and extraction never see (docs/cost-models.md, "Budgets")."""
-    generation = stats.generation
-    if stats.stopped_in == "rules":
-        return f"rules ({stats.stopped_by})"
-    if stats.stopped_in == "generation":
-        return "generation (" + ("layout pairs" if generation is not None and generation.pairs_capped
-                                 else stats.stopped_by) + ")"
-    if stats.values_with_few_moves:
-        return f"making reshards ({stats.reshards_stopped_by})"
-    if stats.reshards_unpriced:
-        return f"pricing ({stats.moves_unpriced:,} of {stats.moves:,} moves unpriced)"
-    return ""
-
-
-def search_status(stats: SaturationStats, selection: Selection) -> str:
-    """The extractor's status where the search space was complete, else which phase a budget stopped."""
-    cut = search_cut(stats)
-    return f"stopped by {cut}" if cut else selection.status
-
-
 def replicated_share(plan: Plan) -> float:
     """The share of the plan's (per-run) compute steps that every device runs on the same block."""
     computes = [s for s in plan.steps if isinstance(s, Compute) and s.out not in plan.prepared]
     if plan.mesh.size == 1 or not computes:
         return 1.0
     return sum(all(b == s.blocks[0] for b in s.blocks) for s in computes) / len(computes)
-
-
-def _unless_unselectable(cost: float, weight: float) -> float:
-    """`cost` weighted, an unselectable node (an unpriced reshard: inf) kept so (inf * 0 is NaN)."""
-    return cost if math.isinf(cost) else cost * weight
 
 
 @dataclass(frozen=True)
@@ -318,11 +299,15 @@ class Explored:
 
         extractors = [extractor]  # the ILP found no steady selection in time once: greedy-dag for the rest
 
-        def fit(base: ExtractGraph, weight: float | None) -> tuple[Plan, Selection]:
-            """Extracted from `base` with each node's cost weighted by `node_weight`."""
-            hidden = base.with_costs([_unless_unselectable(c, objective.node_weight(n, weight))
-                                      for n, c in enumerate(base.node_cost)]) \
+        def weighted(base: ExtractGraph, weight: float | None) -> ExtractGraph:
+            """`base` with each node's cost weighted by `node_weight`."""
+            return base.with_costs([unless_unselectable(c, objective.node_weight(n, weight))
+                                    for n, c in enumerate(base.node_cost)]) \
                 if reductions and weight is not None or micro_batches > 1 else base
+
+        def fit(base: ExtractGraph, weight: float | None) -> tuple[Plan, Selection]:
+            """Extracted from `base` `weighted`."""
+            hidden = weighted(base, weight)
             plan, selection = self._fit(hidden, extractors[-1], time_limit, budget_of, ties, carried, memory_budget,
                                         outputs, FUSED_STOP_GAP if base is fused else None, model, hands)
             fell_back = selection.extractor in EXTRACTORS and selection.extractor != extractors[-1]  # not a hand plan
@@ -363,6 +348,11 @@ class Explored:
             selection = replace(selection, status="feasible")  # no objective was the plan's time: nothing proven
             plan = replace(plan, notes={**plan.notes, "status": "feasible",
                                         "overlap_rounds": 1 + len(LAGRANGE_WEIGHTS)})
+        fits = plan.notes.get("memory_budget") == "not binding"  # a folded plan's rivals priced by memory: `competes`
+        if self.layered is not None and memory_budget is not None and fits and competes(
+                max(p.bytes for p in self._lean.leaner(plain, selection)[2]), memory_budget):
+            plan, selection = self._within_budget(weighted(plain, 1.0), budget_of, ties, carried, extractors[-1],
+                                                  time_limit, None, model, (plan, selection))
         if egraph is fused:  # its node costs were an estimate of its time: nothing proven
             selection = replace(selection, status="feasible")
             plan = replace(plan, notes={**plan.notes, "status": "feasible", "node_costs": "fused"})
@@ -453,12 +443,9 @@ class Explored:
                                     hands)
             if unbound is not None:
                 return unbound
-            base = budget_of()
             if self.layered is not None:  # the tied ILP alone found no periodic plan within a budget in time
-                return self.folded.within_budget(
-                    egraph, base, ties, carried, self.baselines, self._held,
-                    lambda priced: self._select(priced, "greedy-dag", time_limit, None, ties, carried, stop_gap),
-                    extractor, time_limit, stop_gap, model)
+                return self._within_budget(egraph, budget_of, ties, carried, extractor, time_limit, stop_gap, model)
+            base = budget_of()
         cuts: list[dict[int, int]] = []
         rounds = 0
         while True:
@@ -489,6 +476,15 @@ class Explored:
             selection = replace(selection, status="feasible")
             plan = replace(plan, notes={**plan.notes, "status": "feasible", "memory_cut_rounds": rounds})
         return plan, selection
+
+    def _within_budget(self, egraph: ExtractGraph, budget_of: Callable[[], DeviceBudget], ties: Ties,
+                       carried: Mapping[str, str], extractor: str, time_limit: float, stop_gap: float | None,
+                       model: CostModel, incumbent: tuple[Plan, Selection] | None = None) -> tuple[Plan, Selection]:
+        """`FoldedCandidates.within_budget` of the hand plans and the greedy-dag fallback (`_select`)."""
+        return self.folded.within_budget(
+            egraph, budget_of(), ties, carried, self.baselines, self._held,
+            lambda priced: self._select(priced, "greedy-dag", time_limit, None, ties, carried, stop_gap),
+            extractor, time_limit, stop_gap, model, incumbent)
 
     def _unbound(self, egraph: ExtractGraph, extractor: str, time_limit: float, ties: Ties,
                  carried: Mapping[str, str], memory_budget: int,

@@ -27,6 +27,7 @@ from tapestry.egraph.distributed import Interner
 from tapestry.egraph.generate import GenerationStats, Generator, View
 from tapestry.egraph.rules import Rule, RuleFile
 from tapestry.egraph.session import Session
+from tapestry.extract import Selection
 from tapestry.graph import Graph
 from tapestry.plan import Plan
 from tapestry.sharding import Mesh
@@ -157,6 +158,28 @@ class SaturationStats:
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1)
+
+
+def search_cut(stats: SaturationStats) -> str:
+    """The first phase a budget cut, as "phase (budget)"; "" when the search space was complete. Each phase's
+    stop leaves out options the later phases and extraction never see (docs/cost-models.md, "Budgets")."""
+    generation = stats.generation
+    if stats.stopped_in == "rules":
+        return f"rules ({stats.stopped_by})"
+    if stats.stopped_in == "generation":
+        return "generation (" + ("layout pairs" if generation is not None and generation.pairs_capped
+                                 else stats.stopped_by) + ")"
+    if stats.values_with_few_moves:
+        return f"making reshards ({stats.reshards_stopped_by})"
+    if stats.reshards_unpriced:
+        return f"pricing ({stats.moves_unpriced:,} of {stats.moves:,} moves unpriced)"
+    return ""
+
+
+def search_status(stats: SaturationStats, selection: Selection) -> str:
+    """The extractor's status where the search space was complete, else which phase a budget stopped."""
+    cut = search_cut(stats)
+    return f"stopped by {cut}" if cut else selection.status
 
 
 def _rule_index(files: Sequence[RuleFile]) -> dict[str, Rule]:
