@@ -314,9 +314,10 @@ class Explored:
             if fell_back and ties and memory_budget is None:
                 extractors.append(selection.extractor)
             # time per run, not objective; a folded plan's priced where its ranking priced it
-            # (`FoldedCandidates.expanded_time`)
-            cost = self.folded.expanded_time(hidden, selection, model) if self.layered is not None \
-                and memory_budget is None else self._lean.cost(plan, model)
+            # (`FoldedCandidates.expanded_time`) or its budgeted fallback did (by plan_cost: `within_budget`)
+            fallback = self.layered is not None and plan.notes.get("memory_budget", "not binding") != "not binding"
+            cost = plan.cost if fallback else self.folded.expanded_time(hidden, selection, model) \
+                if self.layered is not None and memory_budget is None else self._lean.cost(plan, model)
             return replace(plan, cost=cost), selection
 
         plan, selection = fit(egraph, 1.0)

@@ -128,9 +128,9 @@ class FoldedCandidates:
                       stop_gap: float | None = None, model: CostModel | None = None,
                       incumbent: tuple[Plan, Selection] | None = None) -> tuple[Plan, Selection]:
         """A plan within `budget`, the cheapest by plan_cost of the periodic candidates whose exact peak fits and
-        of `incumbent` (the plan chosen without the budget, where it fits: `competes`): the hand plans of the
-        folded graph (`hands`, made periodic), and `select`'s steady periodic selection (the caller's greedy-dag
-        fallback) with memory priced, each node's bytes per device (`held`, copy 1's m - 1 times) at `price`
+        of `incumbent` (the plan chosen without the budget, where it fits: `competes`; its cost its plan_cost under
+        `model`, as the caller priced it): the hand plans of the folded graph (`hands`, made periodic), and
+        `select`'s steady periodic selection (the caller's greedy-dag fallback) with memory priced, each node's bytes per device (`held`, copy 1's m - 1 times) at `price`
         seconds per byte added to its cost, the price raised LEAN_STEP-fold from one that makes a budget's worth of
         bytes cost the cheapest plan's time again, until a candidate fits, or lowered up to LEAN_BELOW times while
         it fits where the first did (a Lagrangian relaxation of the budget); a price whose selection is the
@@ -143,8 +143,7 @@ class FoldedCandidates:
         limit = budget.limit
         twins = set(self.layered.ties())
         steady = [t for t in ties if t not in twins]
-        found = [] if incumbent is None else [(replace(incumbent[0], cost=plan_cost(incumbent[0], model)
-                                                       if model is not None else incumbent[1].dag_cost), incumbent[1])]
+        found = [] if incumbent is None else [incumbent]
         unchanged: list[int] = []  # the prices whose selection was the incumbent's
         leanest: tuple[float, Selection | None] = (math.inf, None)  # least peak (or lower bound of it), for the error
         decoded: list[tuple[int, str]] = []  # the leanest decoded candidate's peak and what it holds then
