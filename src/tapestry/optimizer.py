@@ -254,7 +254,8 @@ class Explored:
         (`egraph.budget.device_budget`), so a decoded plan that fits is the optimum. If it does not fit, what held
         its peak becomes a cut (`egraph.budget.memory_cuts`) and the ILP runs again, up to CUT_ROUNDS times: the
         cuts are heuristic (they can exclude a plan that fits), so what fits then is returned marked "feasible"
-        (not proven best).
+        (not proven best). A folded graph's plan that fits is weighed against its budgeted fallback's memory-priced
+        candidates at the end (`FoldedCandidates.within_budget`, where `competes`), the cheaper by plan_cost kept.
 
         A training step's gradient reductions hide behind its backward pass (cost.overlap): the plan's time is
         max(sum - reductions, sum - backward), which no node cost can say. Extraction first takes the reductions
@@ -306,7 +307,7 @@ class Explored:
                 if reductions and weight is not None or micro_batches > 1 else base
 
         def fit(base: ExtractGraph, weight: float | None) -> tuple[Plan, Selection]:
-            """Extracted from `base` `weighted`."""
+            """Extracted from `weighted(base, weight)`."""
             hidden = weighted(base, weight)
             plan, selection = self._fit(hidden, extractors[-1], time_limit, budget_of, ties, carried, memory_budget,
                                         outputs, FUSED_STOP_GAP if base is fused else None, model, hands)
@@ -349,7 +350,7 @@ class Explored:
             selection = replace(selection, status="feasible")  # no objective was the plan's time: nothing proven
             plan = replace(plan, notes={**plan.notes, "status": "feasible",
                                         "overlap_rounds": 1 + len(LAGRANGE_WEIGHTS)})
-        fits = plan.notes.get("memory_budget") == "not binding"  # a folded plan's rivals priced by memory: `competes`
+        fits = plan.notes.get("memory_budget") == "not binding"  # the budget binds no fit: priced rivals, `competes`
         if self.layered is not None and memory_budget is not None and fits and competes(
                 max(p.bytes for p in self._lean.leaner(plain, selection)[2]), memory_budget):
             plan, selection = self._within_budget(weighted(plain, 1.0), budget_of, ties, carried, extractors[-1],
