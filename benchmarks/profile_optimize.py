@@ -108,7 +108,16 @@ FOLD_PHASES = (
     "tapestry.egraph.folded_candidates:FoldedCandidates.expanded_time",
     "tapestry.egraph.folded_candidates:FoldedCandidates.decode", "tapestry.optimizer:Explored._verified",
     "tapestry.optimizer:validate_plan", "tapestry.optimizer:meaning_check", "tapestry.optimizer:Explored._fused",
-    "tapestry.egraph.objective:StepObjective.exposed", "tapestry.egraph.objective:StepObjective.better")
+    "tapestry.egraph.objective:StepObjective.exposed", "tapestry.egraph.objective:StepObjective.better",
+    # under a memory budget: the budgeted fallback, its peaks (each candidate lowered and walked in two step
+    # orders) and prices, the plan fitted without the budget, the budget's bounds (70B on 8x8x8: 159 of its 342
+    # CPU s of extraction were in none of the phases above, docs/benchmarks.md "## Cluster")
+    "tapestry.egraph.folded_candidates:FoldedCandidates.within_budget", "tapestry.optimizer:Explored._unbound",
+    "tapestry.egraph.folded_candidates:leaner", "tapestry.egraph.lean_plans:leaner",
+    "tapestry.egraph.folded_candidates:plan_cost", "tapestry.egraph.lean_plans:plan_cost",
+    "tapestry.egraph.lean_plans:chosen_floor", "tapestry.optimizer:device_budget",
+    "tapestry.extract.constraints:DeviceBudget.fits", "tapestry.egraph.folded_candidates:embedded_plans",
+    "tapestry.optimizer:embedded_plans", "tapestry.egraph.folded_candidates:held_at_peak")
 
 
 def _wrap_phases(names: tuple[str, ...]) -> None:

@@ -380,6 +380,90 @@ def test_a_folded_budget_whose_prices_find_no_steady_selection_says_so(three_on_
         explored.extract(extractor="greedy-dag", memory_budget=floor)
 
 
+def _periodic_plan(explored: tapestry.optimizer.Explored, egraph, ties, carried, model,  # noqa: ANN001, ANN202
+                   upside_down: bool = False):
+    """The greedy fallback's steady periodic selection of `egraph` (of its node costs turned upside down: a dear
+    plan), its plan decoded in the leaner order and priced by plan_cost, and its exact peak."""
+    import math
+
+    from tapestry.cost import plan_cost
+
+    costs = egraph.with_costs([c if math.isinf(c) else 1 / (1e-9 + c) for c in egraph.node_cost]) \
+        if upside_down else egraph
+    selection = explored._select(costs, "greedy-dag", 5.0, None, ties, carried)
+    plan, _, peaks = explored._lean.leaner(egraph, selection)
+    return replace(plan, cost=plan_cost(plan, model)), selection, max(p.bytes for p in peaks)
+
+
+def test_memory_priced_candidates_compete_with_a_plan_the_budget_does_not_bind(three_on_two):
+    """Issue 24, the 70B step on 8x8 at 80 GB: a memory-priced round of the budgeted fallback found 603.14 ms where
+    the budget bound the plain plan; once that plan fitted, it was kept at 635.7 ms. Given the plan chosen without
+    the budget (`incumbent`), `FoldedCandidates.within_budget` keeps the cheapest by plan_cost of it and its
+    memory-priced candidates that fit: a priced one where it is cheaper, the incumbent where it is the cheapest
+    (a price that selects it again is not decoded twice)."""
+    from tapestry.egraph.budget import device_budget
+
+    explored, egraph, ties, carried, model = three_on_two
+    kept = {}
+    for name, upside_down in (("dear", True), ("plain", False)):
+        plan, selection, peak = _periodic_plan(explored, egraph, ties, carried, model, upside_down)
+        limit = 2 * peak
+        budget = device_budget(explored.decoder, explored._held, explored.layered, limit)
+        kept[name] = explored.folded.within_budget(
+            egraph, budget, ties, carried, {}, explored._held,
+            lambda priced: explored._select(priced, "greedy-dag", 5.0, None, ties, carried), "greedy-dag", 5.0,
+            model=model, incumbent=(plan, selection))
+        cost = plan.cost
+        assert kept[name][0].cost <= cost and max(peak_memory(kept[name][0])) <= limit
+        if upside_down:
+            assert kept[name][0].notes["memory_budget"].startswith("greedy-dag with memory priced")
+            assert kept[name][0].cost < cost and kept[name][1].choice != selection.choice
+        else:  # no priced candidate is cheaper here: the plan stands, as it was
+            assert kept[name][1].choice == selection.choice and kept[name][0].cost == pytest.approx(cost)
+
+
+def test_a_folded_budget_the_plan_fits_runs_the_priced_rounds_only_where_they_compete(steps, monkeypatch):
+    """`Explored.extract` of a folded step under a budget its plan fits tries the memory-priced candidates against
+    that plan where the plan holds over LEAN_STEP ** -LEAN_BELOW of the budget (`competes`), keeping the cheaper,
+    and not at all under a budget far above it (nor without one); before, the plan that fitted was kept untried."""
+    from tapestry.egraph.folded_candidates import LEAN_BELOW, LEAN_STEP
+
+    explored = tapestry.optimizer.explore(steps[3], Mesh(2), layers=True)
+    free = explored.extract(extractor="greedy-dag")
+    within = FoldedCandidates.within_budget
+    incumbents = []
+
+    def spied(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        incumbents.append(kwargs.get("incumbent", args[11] if len(args) > 11 else None))
+        return within(self, *args, **kwargs)
+
+    monkeypatch.setattr(FoldedCandidates, "within_budget", spied)
+    far = explored.extract(extractor="greedy-dag", memory_budget=int(free.peak_memory * LEAN_STEP ** LEAN_BELOW) + 1)
+    assert not incumbents and far.plan.notes["memory_budget"] == "not binding"
+    tight = explored.extract(extractor="greedy-dag", memory_budget=free.peak_memory)
+    assert len(incumbents) == 1 and incumbents[0] is not None  # the plan fitted: it competed, not bound
+    assert tight.peak_memory <= free.peak_memory and tight.plan.cost <= incumbents[0][0].cost * (1 + 1e-12)
+    assert not steady_violations(tight.plan, steps[3].carried)
+
+
+def test_the_budgeted_fallbacks_plan_is_priced_once(steps, monkeypatch):
+    """`FoldedCandidates.within_budget` prices the plan it keeps by plan_cost; `Explored.extract` takes that price
+    rather than pricing the expanded plan again (seconds a plan for the 80-layer 70B step on 8x8x8)."""
+    import tapestry.egraph.lean_plans
+    from tapestry.cost import default_cost_model, plan_cost
+
+    explored = tapestry.optimizer.explore(steps[3], Mesh(2), layers=True)
+    budget = int(0.7 * explored.extract(extractor="greedy-dag").peak_memory)
+    priced = []
+    price = tapestry.egraph.lean_plans.plan_cost
+    monkeypatch.setattr(tapestry.egraph.lean_plans, "plan_cost",
+                        lambda plan, model: priced.append(plan.notes.get("memory_budget")) or price(plan, model))
+    lean = explored.extract(extractor="greedy-dag", memory_budget=budget)
+    assert lean.peak_memory <= budget and lean.plan.notes["memory_budget"] != "not binding"
+    assert lean.plan.cost == plan_cost(lean.plan, default_cost_model())
+    assert not [note for note in priced if note not in (None, "not binding")]
+
+
 def test_the_fallback_extracts_each_distinct_set_of_pins_once(steps, monkeypatch):
     """The greedy fallback's five sets of pins (delivered, each aligned to a copy, placed aligned to copy 1,
     replicated) often pin alike on a folded step: each distinct set is extracted once (greedy-dag is

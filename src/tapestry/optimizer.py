@@ -29,22 +29,15 @@ from tapestry.egraph.budget import (
     memory_cuts,
 )
 from tapestry.egraph.decode import Decoder
-from tapestry.egraph.driver import (
-    Budget,
-    IterationStats,
-    SaturationStats,
-    make_reshards,
-    moves_to_price,
-    saturate,
-    search_status,
-)
+from tapestry.egraph.driver import (Budget, IterationStats, SaturationStats, make_reshards, moves_to_price, saturate,
+                                    search_status)
 from tapestry.egraph.embed import embedded_plans
 from tapestry.egraph.extractor_pricing import FloorPriced
-from tapestry.egraph.folded_candidates import FoldedCandidates
+from tapestry.egraph.folded_candidates import FoldedCandidates, competes
 from tapestry.egraph.fused_prices import fused_node_costs
 from tapestry.egraph.layered import Layered, value_classes
 from tapestry.egraph.lean_plans import LeanPlans
-from tapestry.egraph.objective import StepObjective, overlap_split
+from tapestry.egraph.objective import StepObjective, overlap_split, unless_unselectable
 from tapestry.egraph.pins import (
     Outputs,
     delivered_layouts,
@@ -181,11 +174,6 @@ def replicated_share(plan: Plan) -> float:
     return sum(all(b == s.blocks[0] for b in s.blocks) for s in computes) / len(computes)
 
 
-def _unless_unselectable(cost: float, weight: float) -> float:
-    """`cost` weighted, an unselectable node (an unpriced reshard: inf) kept so (inf * 0 is NaN)."""
-    return cost if math.isinf(cost) else cost * weight
-
-
 @dataclass(frozen=True)
 class Explored:
     """A saturated e-graph, ready to extract under any cost model."""
@@ -260,7 +248,8 @@ class Explored:
         (`egraph.budget.device_budget`), so a decoded plan that fits is the optimum. If it does not fit, what held
         its peak becomes a cut (`egraph.budget.memory_cuts`) and the ILP runs again, up to CUT_ROUNDS times: the
         cuts are heuristic (they can exclude a plan that fits), so what fits then is returned marked "feasible"
-        (not proven best).
+        (not proven best). A folded graph's plan that fits is weighed against its budgeted fallback's memory-priced
+        candidates at the end (`FoldedCandidates.within_budget`, where `competes`), the cheaper by plan_cost kept.
 
         A training step's gradient reductions hide behind its backward pass (cost.overlap): the plan's time is
         max(sum - reductions, sum - backward), which no node cost can say. Extraction first takes the reductions
@@ -307,20 +296,25 @@ class Explored:
 
         extractors = [extractor]  # the ILP found no steady selection in time once: greedy-dag for the rest
 
-        def fit(base: ExtractGraph, weight: float | None) -> tuple[Plan, Selection]:
-            """Extracted from `base` with each node's cost weighted by `node_weight`."""
-            hidden = base.with_costs([_unless_unselectable(c, objective.node_weight(n, weight))
-                                      for n, c in enumerate(base.node_cost)]) \
+        def weighted(base: ExtractGraph, weight: float | None) -> ExtractGraph:
+            """`base` with each node's cost weighted by `node_weight`."""
+            return base.with_costs([unless_unselectable(c, objective.node_weight(n, weight))
+                                    for n, c in enumerate(base.node_cost)]) \
                 if reductions and weight is not None or micro_batches > 1 else base
+
+        def fit(base: ExtractGraph, weight: float | None) -> tuple[Plan, Selection]:
+            """Extracted from `weighted(base, weight)`."""
+            hidden = weighted(base, weight)
             plan, selection = self._fit(hidden, extractors[-1], time_limit, budget_of, ties, carried, memory_budget,
                                         outputs, FUSED_STOP_GAP if base is fused else None, model, hands)
             fell_back = selection.extractor in EXTRACTORS and selection.extractor != extractors[-1]  # not a hand plan
             if fell_back and ties and memory_budget is None:
                 extractors.append(selection.extractor)
             # time per run, not objective; a folded plan's priced where its ranking priced it
-            # (`FoldedCandidates.expanded_time`)
-            cost = self.folded.expanded_time(hidden, selection, model) if self.layered is not None \
-                and memory_budget is None else self._lean.cost(plan, model)
+            # (`FoldedCandidates.expanded_time`) or its budgeted fallback did (by plan_cost: `within_budget`)
+            fallback = self.layered is not None and plan.notes.get("memory_budget", "not binding") != "not binding"
+            cost = plan.cost if fallback else self.folded.expanded_time(hidden, selection, model) \
+                if self.layered is not None and memory_budget is None else self._lean.cost(plan, model)
             return replace(plan, cost=cost), selection
 
         plan, selection = fit(egraph, 1.0)
@@ -355,6 +349,11 @@ class Explored:
             selection = replace(selection, status="feasible")  # no objective was the plan's time: nothing proven
             plan = replace(plan, notes={**plan.notes, "status": "feasible",
                                         "overlap_rounds": 1 + len(LAGRANGE_WEIGHTS)})
+        fits = plan.notes.get("memory_budget") == "not binding"  # the budget binds no fit: priced rivals, `competes`
+        if self.layered is not None and memory_budget is not None and fits and competes(
+                max(p.bytes for p in self._lean.leaner(plain, selection)[2]), memory_budget):
+            plan, selection = self._within_budget(weighted(plain, 1.0), budget_of, ties, carried, extractors[-1],
+                                                  time_limit, None, model, (plan, selection))
         if egraph is fused:  # its node costs were an estimate of its time: nothing proven
             selection = replace(selection, status="feasible")
             plan = replace(plan, notes={**plan.notes, "status": "feasible", "node_costs": "fused"})
@@ -445,12 +444,9 @@ class Explored:
                                     hands)
             if unbound is not None:
                 return unbound
-            base = budget_of()
             if self.layered is not None:  # the tied ILP alone found no periodic plan within a budget in time
-                return self.folded.within_budget(
-                    egraph, base, ties, carried, self.baselines, self._held,
-                    lambda priced: self._select(priced, "greedy-dag", time_limit, None, ties, carried, stop_gap),
-                    extractor, time_limit, stop_gap, model)
+                return self._within_budget(egraph, budget_of, ties, carried, extractor, time_limit, stop_gap, model)
+            base = budget_of()
         cuts: list[dict[int, int]] = []
         rounds = 0
         while True:
@@ -481,6 +477,15 @@ class Explored:
             selection = replace(selection, status="feasible")
             plan = replace(plan, notes={**plan.notes, "status": "feasible", "memory_cut_rounds": rounds})
         return plan, selection
+
+    def _within_budget(self, egraph: ExtractGraph, budget_of: Callable[[], DeviceBudget], ties: Ties,
+                       carried: Mapping[str, str], extractor: str, time_limit: float, stop_gap: float | None,
+                       model: CostModel, incumbent: tuple[Plan, Selection] | None = None) -> tuple[Plan, Selection]:
+        """`FoldedCandidates.within_budget` of the hand plans and the greedy-dag fallback (`_select`)."""
+        return self.folded.within_budget(
+            egraph, budget_of(), ties, carried, self.baselines, self._held,
+            lambda priced: self._select(priced, "greedy-dag", time_limit, None, ties, carried, stop_gap),
+            extractor, time_limit, stop_gap, model, incumbent)
 
     def _unbound(self, egraph: ExtractGraph, extractor: str, time_limit: float, ties: Ties,
                  carried: Mapping[str, str], memory_budget: int,

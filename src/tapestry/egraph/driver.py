@@ -160,6 +160,28 @@ class SaturationStats:
         return json.dumps(self.to_json(), indent=1)
 
 
+def search_cut(stats: SaturationStats) -> str:
+    """The first phase a budget cut, as "phase (budget)"; "" when the search space was complete. Each phase's
+    stop leaves out options the later phases and extraction never see (docs/cost-models.md, "Budgets")."""
+    generation = stats.generation
+    if stats.stopped_in == "rules":
+        return f"rules ({stats.stopped_by})"
+    if stats.stopped_in == "generation":
+        return "generation (" + ("layout pairs" if generation is not None and generation.pairs_capped
+                                 else stats.stopped_by) + ")"
+    if stats.values_with_few_moves:
+        return f"making reshards ({stats.reshards_stopped_by})"
+    if stats.reshards_unpriced:
+        return f"pricing ({stats.moves_unpriced:,} of {stats.moves:,} moves unpriced)"
+    return ""
+
+
+def search_status(stats: SaturationStats, selection: Selection) -> str:
+    """The extractor's status where the search space was complete, else which phase a budget stopped."""
+    cut = search_cut(stats)
+    return f"stopped by {cut}" if cut else selection.status
+
+
 def _rule_index(files: Sequence[RuleFile]) -> dict[str, Rule]:
     """Each rule under the names egglog's run report counts its matches by (file:line, see Rule.report_keys)."""
     return {key: rule for f in files for rule in f.rules for key in rule.report_keys}
@@ -243,25 +265,3 @@ def make_reshards(data: dict[str, Any], interner: Interner, started: float, budg
     nodes, roots, names, cut = distributed_nodes(data, interner, started + safety_net(budget, MOVES_SHARE),
                                                  reshards_to_make(budget))
     return nodes, roots, names, replace(stats, values_with_few_moves=cut.values, reshards_stopped_by=cut.stopped_by)
-
-
-def search_cut(stats: SaturationStats) -> str:
-    """The first phase a budget cut, as "phase (budget)"; "" when the search space was complete. Each phase's
-    stop leaves out options the later phases and extraction never see (docs/cost-models.md, "Budgets")."""
-    generation = stats.generation
-    if stats.stopped_in == "rules":
-        return f"rules ({stats.stopped_by})"
-    if stats.stopped_in == "generation":
-        return "generation (" + ("layout pairs" if generation is not None and generation.pairs_capped
-                                 else stats.stopped_by) + ")"
-    if stats.values_with_few_moves:
-        return f"making reshards ({stats.reshards_stopped_by})"
-    if stats.reshards_unpriced:
-        return f"pricing ({stats.moves_unpriced:,} of {stats.moves:,} moves unpriced)"
-    return ""
-
-
-def search_status(stats: SaturationStats, selection: Selection) -> str:
-    """The extractor's status where the search space was complete, else which phase a budget stopped."""
-    cut = search_cut(stats)
-    return f"stopped by {cut}" if cut else selection.status

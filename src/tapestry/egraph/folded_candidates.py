@@ -32,6 +32,18 @@ from tapestry.plan import Plan
 LEAN_ROUNDS = 6
 LEAN_STEP = 4.0
 LEAN_BELOW = 2  # prices tried below the first where that one fits already
+
+
+def competes(peak: int, limit: int) -> bool:
+    """Whether `FoldedCandidates.within_budget`'s rounds compete with a plan chosen without the budget whose exact
+    `peak` fits `limit` (a priced round's greedy choice can be faster by plan_cost: the 70B step on 8x8 at 80 GB,
+    603.14 ms priced against 635.7 plain, docs/benchmarks.md): where the plan holds more than LEAN_STEP **
+    -LEAN_BELOW of the budget. The least price the rounds try where the budget binds charges a plan at the budget
+    that share of its time; below it even their first price charges the plan's bytes less, a smaller change to its
+    node costs than any the binding rounds make (a small model under 80 GB: the rounds not run)."""
+    return peak * LEAN_STEP ** LEAN_BELOW > limit
+
+
 # The periodic candidates expanded onto every layer and priced by plan_cost, of those the folded plan's estimate
 # (`FoldedCandidates.folded_time`) ranks first: each expansion of the 32-layer 7B step and its pricing is seconds,
 # and every fit made up to twelve (docs/benchmarks.md, "Ranking the folded candidates").
@@ -113,22 +125,26 @@ class FoldedCandidates:
     def within_budget(self, egraph: ExtractGraph, budget: DeviceBudget, ties: Ties, carried: Mapping[str, str],
                       hands: Mapping[str, Plan], held: Mapping[str, tuple[int, ...]],
                       select: Callable[[ExtractGraph], Selection], extractor: str, time_limit: float,
-                      stop_gap: float | None = None, model: CostModel | None = None) -> tuple[Plan, Selection]:
-        """A plan within `budget` (its limit binding: the plan chosen without it does not fit), the cheapest by
-        plan_cost of the periodic candidates whose exact peak fits: the hand plans of the folded graph (`hands`,
-        made periodic), and `select`'s steady periodic selection (the caller's greedy-dag fallback) with memory
-        priced, each node's bytes per device (`held`, copy 1's m - 1 times) at `price` seconds per byte added to
-        its cost, the price raised LEAN_STEP-fold from one that makes a budget's worth of bytes cost the cheapest
-        plan's time again, until a candidate fits, or lowered up to LEAN_BELOW times while it fits where the first
-        did (a Lagrangian relaxation of the budget). With `extractor` "ilp" the ILP then tries to better the kept
-        one under the budget's constraints and the ties, starting from it. MemoryBudgetError where none fits,
-        with the leanest candidate's peak, how many carried tensors it holds whole on every device, and how many
-        prices left no steady selection (the 70B step on 8x8x8 ended in a 420 GB leanest plan: weights and Adam
-        moments whole, docs/benchmarks.md, "Why the 70B step's candidates miss 80 GB")."""
+                      stop_gap: float | None = None, model: CostModel | None = None,
+                      incumbent: tuple[Plan, Selection] | None = None) -> tuple[Plan, Selection]:
+        """A plan within `budget`, the cheapest by plan_cost of the periodic candidates whose exact peak fits and
+        of `incumbent` (the plan chosen without the budget, where it fits: `competes`; its cost its plan_cost under
+        `model`, as the caller priced it): the hand plans of the folded graph (`hands`, made periodic), and
+        `select`'s steady periodic selection (the caller's greedy-dag fallback) with memory priced, each node's bytes per device (`held`, copy 1's m - 1 times) at `price`
+        seconds per byte added to its cost, the price raised LEAN_STEP-fold from one that makes a budget's worth of
+        bytes cost the cheapest plan's time again, until a candidate fits, or lowered up to LEAN_BELOW times while
+        it fits where the first did (a Lagrangian relaxation of the budget); a price whose selection is the
+        incumbent's ends the descent (a lower one changes less). With `extractor` "ilp" and no incumbent (the ILP
+        chose that without the budget, which does not bind it) the ILP then tries to better the kept one under the
+        budget's constraints and the ties, starting from it. MemoryBudgetError where none fits, with the leanest
+        candidate's peak, how many carried tensors it holds whole on every device, and how many prices left no
+        steady selection (the 70B step on 8x8x8 ended in a 420 GB leanest plan: weights and Adam moments whole,
+        docs/benchmarks.md, "Why the 70B step's candidates miss 80 GB")."""
         limit = budget.limit
         twins = set(self.layered.ties())
         steady = [t for t in ties if t not in twins]
-        found: list[tuple[Plan, Selection]] = []
+        found = [] if incumbent is None else [incumbent]
+        unchanged: list[int] = []  # the prices whose selection was the incumbent's
         leanest: tuple[float, Selection | None] = (math.inf, None)  # least peak (or lower bound of it), for the error
         decoded: list[tuple[int, str]] = []  # the leanest decoded candidate's peak and what it holds then
         unsteady: list[int] = []  # the prices whose fallback found no steady selection
@@ -169,13 +185,16 @@ class FoldedCandidates:
             except NoFiniteChoiceError:
                 unsteady.append(k)
                 return False
+            if incumbent is not None and chosen(selection) == chosen(incumbent[1]):
+                unchanged.append(k)
+                return True  # fits: not decoded again
             return fitting(replace(selection, extractor="greedy-dag, memory priced"),
                            f"greedy-dag with memory priced at {price:.3g} s per byte")
 
         first = next((k for k in range(LEAN_ROUNDS) if priced_fits(k)), None)
         if first == 0:  # the first price fit: lower ones may fit too, and cost less time
             for k in range(-1, -1 - LEAN_BELOW, -1):
-                if not priced_fits(k):
+                if unchanged or not priced_fits(k):
                     break
         if not found:
             raise MemoryBudgetError(f"no plan fits {limit:,} bytes per device: of the periodic plans tried (the "
@@ -187,7 +206,7 @@ class FoldedCandidates:
                                               for peak, held in decoded)
                                     + f"; {len(unsteady)} of the {LEAN_ROUNDS} prices left no steady selection")
         plan, selection = min(found, key=lambda f: f[0].cost)
-        if extractor == "ilp":
+        if extractor == "ilp" and incumbent is None:
             with suppress(NoFiniteChoiceError):  # the kept plan stands where the ILP finds nothing in time
                 better = extract(egraph, "ilp", time_limit, budget, ties, stop_gap=stop_gap, start=selection)
                 if better.choice != selection.choice:

@@ -2,6 +2,7 @@
 the update (`overlap_split`), and the time per update of a step run as micro-batches (`StepObjective`)."""
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -75,6 +76,11 @@ def _weight_gradients(decoder: Decoder, reductions: list[int], forward: set[str]
                     runs_of.setdefault(value[c], set()).add(node.eclass)
     weight_gradients = {v for v, runs in runs_of.items() if runs <= update}
     return [n for n in reductions if value.get(decoder.nodes[n].eclass) in weight_gradients], update
+
+
+def unless_unselectable(cost: float, weight: float) -> float:
+    """`cost` weighted, an unselectable node (an unpriced reshard: inf) kept so (inf * 0 is NaN)."""
+    return cost if math.isinf(cost) else cost * weight
 
 
 @dataclass
