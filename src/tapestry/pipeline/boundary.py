@@ -29,9 +29,10 @@ def boundary_inputs(graph: Graph) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class BoundaryPriced:
-    """`model`, with the Place of each stage-boundary input priced as one hop of its bytes per device (the most
-    any device holds) over `link` (beta only: the latency is the same whatever the layout). Everything else is
-    `model`'s, fusion included."""
+    """`model`, with each Place of a stage-boundary input priced as one hop of its bytes per device (the most any
+    device holds) over the pipeline's link (beta only: the latency is the same whatever the layout; a plan that
+    places an input in two layouts pays two hops, more than sending the larger and slicing it, so extraction
+    prefers that). Everything else is `model`'s, fusion included."""
 
     model: CostModel
     seconds_per_element: tuple[tuple[str, float], ...]  # input name -> its item size over the link's bandwidth

@@ -23,7 +23,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -417,9 +416,11 @@ def _stage_plan(graph: Graph, end_graphs: tuple[Graph | None, Graph | None], lay
     e-graph, pricing and extractions are freed before the next sub-mesh is explored (a loop's locals outlived
     the iteration: the 70B step's 4x8x8 e-graph was held while 8x8x8's was explored)."""
     sub = stage_mesh(mesh, axis, stages)
+    # over more than one stage the layer's plans are ranked with the stage transfers they make the pipeline pay
+    ranking = cost_model if stages == 1 else BoundaryPriced.of(cost_model, graph, link)
     try:
         explored = explore(graph, sub, budget=budget)
-        fastest = explored.extract(cost_model, extractor, time_limit, micro_batches=micro_batches)
+        fastest = explored.extract(ranking, extractor, time_limit, micro_batches=micro_batches)
         ends = Ends(*(None if end is None else layer_cost(explore(end, sub, budget=budget).extract(
             cost_model, extractor, time_limit, micro_batches=micro_batches).plan, cost_model) for end in end_graphs))
     except (ValueError, MemoryBudgetError) as err:
@@ -429,38 +430,20 @@ def _stage_plan(graph: Graph, end_graphs: tuple[Graph | None, Graph | None], lay
         return best_configuration(layer, layers, mesh, axis, stages, micro_batches, precision, link, memory_budget,
                                   schedules, chunks, spec_peak, result, micro_batch, ends)
 
-    def better(found: PipelinePlan | None, than: PipelinePlan | None) -> bool:
-        return found is not None and (than is None or (found.cost, found.peak_memory) < (than.cost,
-                                                                                          than.peak_memory))
-
-    def standing(last: LayerCost, best: PipelinePlan | None) -> tuple[float, float]:
-        """The last layer plan's floor, which floors the next leaner one (the fastest that needs less memory than
-        the last: no faster by the objective they are extracted by), and the best step so far."""
-        return (ideal_time(last, layers, stages, micro_batches, precision, ends),
-                min(leading, math.inf if best is None else best.cost))
-
-    def gains(floor: float, beaten: float) -> bool:
-        """Whether a leaner layer plan could beat the best step by more than the slack."""
-        return floor < (1 - leaner_slack) * beaten
-
     fastest_layer = layer_cost(fastest.plan, cost_model)
     best = configured(fastest, fastest_layer)
     said = [] if best is not None else \
         [f"the fastest layer plan does not fit {memory_budget:,.0f} bytes per device, even with every layer "
          f"recomputed"]
-    if stages > 1 and pareto_points > 1 and gains(*standing(fastest_layer, best)):
-        # before the sweep, the fastest plan with the stage's transfers priced (`BoundaryPriced`): a better step, its
-        # only effect, that can spare the sweep (on the 7B step on 64 GPUs, 8 CPU s against 83: docs/benchmarks.md)
-        with suppress(ValueError, MemoryBudgetError):
-            hopping = explored.extract(BoundaryPriced.of(cost_model, graph, link), extractor, time_limit,
-                                       micro_batches=micro_batches)
-            found = configured(hopping, layer_cost(hopping.plan, cost_model))
-            best = found if better(found, best) else best
-    leaner = explored.leaner_plans(fastest, cost_model, extractor, time_limit, micro_batches)
+    leaner = explored.leaner_plans(fastest, ranking, extractor, time_limit, micro_batches)
     last, extracted = fastest_layer, 1
     while extracted < pareto_points:
-        floor, beaten = standing(last, best)
-        if not gains(floor, beaten):  # no leaner plan could beat the best step by more than the slack
+        # the next leaner plan is the fastest that needs less memory than the last: no faster by the objective
+        # they are extracted by, so the last one's floor floors it (where the stage transfers it saves are paid in
+        # full, as that objective prices them: `BoundaryPriced`)
+        floor = ideal_time(last, layers, stages, micro_batches, precision, ends)
+        beaten = min(leading, math.inf if best is None else best.cost)
+        if floor >= (1 - leaner_slack) * beaten:  # no leaner plan could beat the best step by more than the slack
             said.append(("leaner layer plans" if extracted == 1 else
                          f"layer plans leaner than the {extracted - 1} extracted") + " not extracted: their floor, "
                         f"{floor * 1e3:.1f} ms a step, is "
@@ -473,7 +456,8 @@ def _stage_plan(graph: Graph, end_graphs: tuple[Graph | None, Graph | None], lay
         extracted += 1
         last = layer_cost(result.plan, cost_model)
         found = configured(result, last)
-        best = found if better(found, best) else best
+        if found is not None and (best is None or (found.cost, found.peak_memory) < (best.cost, best.peak_memory)):
+            best = found
     if best is None and extracted > 1:
         said[0] = (f"nothing fits {memory_budget:,.0f} bytes per device, even with every layer recomputed, of the "
                    f"fastest layer plan and its {extracted - 1} leaner ones")

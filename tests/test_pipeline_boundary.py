@@ -1,0 +1,138 @@
+"""A layer's stage-boundary transfers priced into its extraction (pipeline.boundary), and where plan_pipeline uses it:
+one extraction before a stage count's leaner sweep, which a better step can spare."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from test_pipeline import ResidualMLP, extract_budgets, h100
+
+SLOW = 1e3  # bytes per second across nodes: a stage transfer dearer than anything else the tiny layer does
+
+
+@pytest.fixture(scope="module")
+def mlp_step():  # noqa: ANN201
+    return ResidualMLP.step()
+
+
+def two_gpu_nodes() -> object:
+    """h100's device, nodes of 2 GPUs on its NVLink, the nodes joined by a SLOW link: on Mesh(2, 2) the pipeline
+    axis (0) crosses nodes and a stage's sub-mesh, Mesh(2), is one node."""
+    from tapestry.cost import DefaultCostModel, Link
+    from tapestry.cost.profile import Level
+
+    profile = h100().profile
+    fast = profile.levels[0].link
+    return DefaultCostModel(replace(profile, levels=(Level("nvlink", fast, 2), Level("slow", Link(1e-6, SLOW)))))
+
+
+def test_a_boundary_inputs_place_costs_one_hop_of_its_largest_block_and_nothing_else_changes(mlp_step) -> None:  # noqa: ANN001
+    """Each Place of the layer's input and of the incoming gradient (a plan may place one in two layouts: each is
+    priced as sent) costs its fullest device's bytes over the link, per step and in the plan's fused step costs; every other step costs what the model says, and the model's other attributes
+    (its profile, fused_device) read through."""
+    import tapestry
+    from tapestry import dtypes
+    from tapestry.cost import Link, step_costs
+    from tapestry.optimizer import explore
+    from tapestry.pipeline.boundary import BoundaryPriced, boundary_inputs
+    from tapestry.plan import Place
+
+    model, link = h100(), Link(1e-6, SLOW)
+    plan = explore(mlp_step, tapestry.Mesh(2), budget=tapestry.Budget(seconds=30)).extract(model).plan
+    priced = BoundaryPriced.of(model, mlp_step, link)
+    assert priced.profile is model.profile and priced.fused_device == model.fused_device
+    crossing = boundary_inputs(mlp_step)
+    assert len(crossing) == 2  # the input, the incoming gradient
+    plain, hopped = step_costs(plan, model), step_costs(plan, priced)
+    assert hopped.keys() == plain.keys()
+    sent = set()
+    for step in plan.steps:
+        if step.out not in plain:
+            continue
+        hop = 0.0
+        if isinstance(step, Place) and step.input in crossing:
+            largest = max(b.size for b in step.layout.blocks if b is not None)
+            hop = largest * dtypes.itemsize(plan.dtypes[step.out]) / SLOW
+            sent.add(step.input)
+        assert hopped[step.out] == pytest.approx(plain[step.out] + hop, rel=1e-12)
+        assert priced.step_cost(step, plan.mesh) == pytest.approx(model.step_cost(step, plan.mesh) + hop, rel=1e-12)
+    assert sent == set(crossing)
+
+
+def test_extraction_priced_with_its_hops_splits_the_input_the_plain_one_keeps_whole(mlp_step) -> None:  # noqa: ANN001
+    """Placing an input is free to the optimizer, so the tiny layer's fastest plan takes its input whole on both
+    devices; priced with a slow link's hops, it takes it split: half the bytes per stage transfer."""
+    import tapestry
+    from tapestry.cost import Link
+    from tapestry.optimizer import explore
+    from tapestry.pipeline import layer_cost
+    from tapestry.pipeline.boundary import BoundaryPriced
+
+    model = h100()
+    explored = explore(mlp_step, tapestry.Mesh(2), budget=tapestry.Budget(seconds=30))
+    whole = layer_cost(explored.extract(model, micro_batches=8).plan, model).boundary
+    split = layer_cost(explored.extract(BoundaryPriced.of(model, mlp_step, Link(1e-6, SLOW)),
+                                        micro_batches=8).plan, model).boundary
+    assert split == whole // 2
+
+
+def extracted_models(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int | None]]:
+    """Of every `Explored.extract` call from now on: its cost model's type and its memory budget, in order."""
+    from tapestry.optimizer import Explored
+
+    calls: list[tuple[str, int | None]] = []
+    extract = Explored.extract
+
+    def counted(self: Explored, cost_model: object = None, *args: object, **kw: object) -> object:
+        calls.append((type(cost_model).__name__, kw.get("memory_budget")))
+        return extract(self, cost_model, *args, **kw)
+
+    monkeypatch.setattr(Explored, "extract", counted)
+    return calls
+
+
+def plan(step: object, stages: int, **kw: object) -> object:
+    import tapestry
+
+    return tapestry.plan_pipeline(step, 4, tapestry.Mesh(2, 2), global_batch=16, cost_model=two_gpu_nodes(),
+                                  stages=(stages,), memory_budget=None, budget=tapestry.Budget(seconds=30), **kw)
+
+
+def test_the_hop_priced_layer_plan_is_extracted_once_before_a_leaner_sweep_and_only_then(mlp_step,  # noqa: ANN001
+                                                                                        monkeypatch) -> None:
+    """Where leaner layer plans will be extracted (their floor beats the best step) over more than one stage, the
+    fastest plan priced with its hops is extracted first, once; with one stage (no transfers), no front, or a
+    floor that rules the sweep out, it is not."""
+    from tapestry.pipeline import planner
+
+    calls = extracted_models(monkeypatch)
+    monkeypatch.setattr(planner, "ideal_time", lambda *args, **kw: 0.0)  # no floor: the sweep runs
+    plan(mlp_step, 2, pareto_points=2)
+    assert [(model, budget is None) for model, budget in calls] == [
+        ("DefaultCostModel", True), ("BoundaryPriced", True), ("DefaultCostModel", False)]
+    for stages, points in [(1, 2), (2, 1)]:
+        calls.clear()
+        plan(mlp_step, stages, pareto_points=points)
+        assert "BoundaryPriced" not in {model for model, _ in calls}
+    monkeypatch.setattr(planner, "ideal_time", lambda *args, **kw: float("inf"))  # the floor rules the sweep out
+    calls.clear()
+    plan(mlp_step, 2, pareto_points=2)
+    assert calls == [("DefaultCostModel", None)]
+
+
+def test_a_better_step_from_the_hop_priced_plan_spares_the_leaner_sweep(mlp_step, monkeypatch) -> None:  # noqa: ANN001
+    """Across a slow link the hop-priced layer plan (its input split) makes a faster step than the fastest plan's;
+    where the fastest plan's floor is within the slack of that step, no leaner plan is extracted (no extraction under
+    a memory budget), and the step chosen is the hop-priced plan's."""
+    from tapestry.pipeline import planner
+
+    fastest_only = plan(mlp_step, 2, pareto_points=1).plan
+    budgets = extract_budgets(monkeypatch)
+    floor = 0.97 * fastest_only.cost  # beats the fastest plan's step by more than the slack (2%)
+    monkeypatch.setattr(planner, "ideal_time", lambda *args, **kw: floor)
+    spared = plan(mlp_step, 2, pareto_points=3)
+    assert spared.plan.cost < floor / (1 - planner.LEANER_SLACK)  # the hop-priced plan's step: within the slack
+    assert spared.plan.layer.boundary == fastest_only.layer.boundary // 2
+    assert budgets == [None, None]  # the fastest plan, the hop-priced one: no leaner sweep
+    assert "leaner layer plans not extracted" in spared.candidates[0].why
