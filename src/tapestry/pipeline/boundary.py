@@ -29,18 +29,19 @@ def boundary_inputs(graph: Graph) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class BoundaryPriced:
-    """`model`, with each Place of a stage-boundary input priced as one hop of its bytes per device (the most any
-    device holds) over the pipeline's link (beta only: the latency is the same whatever the layout; a plan that
-    places an input in two layouts pays two hops, more than sending the larger and slicing it, so extraction
-    prefers that). Everything else is `model`'s, fusion included."""
+    """`model`, with each Place of a stage-boundary input priced as the layer's share of the hops that carry it
+    (`hops` per layer and micro-batch: a stage of k layers receives each micro-batch's input once, not k times),
+    each its bytes per device (the most any device holds) over the pipeline's link (beta only: the latency is the
+    same whatever the layout; a plan that places an input in two layouts pays for both, more than sending the
+    larger and slicing it, so extraction prefers that). Everything else is `model`'s, fusion included."""
 
     model: CostModel
-    seconds_per_element: tuple[tuple[str, float], ...]  # input name -> its item size over the link's bandwidth
+    seconds_per_element: tuple[tuple[str, float], ...]  # input name -> hops x its item size / the link's bandwidth
 
     @classmethod
-    def of(cls, model: CostModel, graph: Graph, link: Link) -> BoundaryPriced:
+    def of(cls, model: CostModel, graph: Graph, link: Link, hops: float) -> BoundaryPriced:
         itemsize = {n.name: dtypes.itemsize(n.dtype) for n in graph.inputs}
-        return cls(model, tuple((name, itemsize[name] / link.beta) for name in boundary_inputs(graph)))
+        return cls(model, tuple((name, hops * itemsize[name] / link.beta) for name in boundary_inputs(graph)))
 
     def hop(self, step: Step) -> float:
         """Seconds the pipeline spends sending `step` between stages: 0 but for a boundary input's Place."""

@@ -1,7 +1,9 @@
 """`plan_pipeline`: stages over one mesh axis, chosen by cost with everything else.
 
 For each stage count S dividing the pipeline axis, one layer's training step is planned by the optimizer on the
-sub-mesh a stage gets (the axis shrunk S times): explored once, and its fastest plan extracted, then leaner layer
+sub-mesh a stage gets (the axis shrunk S times): explored once, and its fastest plan extracted (over more than one
+stage, with the transfers its input and incoming gradient make between stages priced: `boundary.BoundaryPriced`;
+the optimizer prices placing an input as free), then leaner layer
 plans one at a time (where the fastest does not fit or shards less than it could; `Explored.leaner_plans`), each
 the fastest under less memory than the last, while the last one's ideal time (`ideal_time`, a floor under the
 next one's step) beats the best step found: each leaner plan is an extraction under a memory budget, the dearest
@@ -304,7 +306,9 @@ def ideal_time(layer: LayerCost, layers: int, stages: int, micro_batches: int, p
     leaner plan of the layer too, as far as `layer`'s plan is the cheapest by the objective layer plans are
     extracted by (`Explored.extract` with `micro_batches`: forward and backward per micro-batch, the update
     and reductions once; `plan_pipeline` extracts a leaner plan only where the last one's floor beats the best
-    step so far)."""
+    step so far). Over more than one stage that objective prices the stage transfers too (`BoundaryPriced`), so
+    there the floor holds as far as a leaner plan pays the transfers it saves in full: one that sends more could
+    gain what the schedule hides of its transfers."""
     copies = ends.stack(layer, layers)
     least = min(1.0, *(precision.update_scale(c) for c in copies))
     return least * sum(micro_batches * (c.forward + c.backward) + c.update + c.reduce for c in copies) / stages
@@ -416,8 +420,11 @@ def _stage_plan(graph: Graph, end_graphs: tuple[Graph | None, Graph | None], lay
     e-graph, pricing and extractions are freed before the next sub-mesh is explored (a loop's locals outlived
     the iteration: the 70B step's 4x8x8 e-graph was held while 8x8x8's was explored)."""
     sub = stage_mesh(mesh, axis, stages)
-    # over more than one stage the layer's plans are ranked with the stage transfers they make the pipeline pay
-    ranking = cost_model if stages == 1 else BoundaryPriced.of(cost_model, graph, link)
+    # over more than one stage the layer's plans are ranked with the stage transfers they make the pipeline pay: a
+    # layer's share of them under the schedule with the most chunks tried, S x v hops over the layers
+    hops = stages * max((s.chunks for s in configurations(stages, micro_batches, layers, schedules, chunks)),
+                        default=1) / layers
+    ranking = cost_model if stages == 1 else BoundaryPriced.of(cost_model, graph, link, hops)
     try:
         explored = explore(graph, sub, budget=budget)
         fastest = explored.extract(ranking, extractor, time_limit, micro_batches=micro_batches)
