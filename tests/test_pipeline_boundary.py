@@ -118,6 +118,26 @@ def test_over_more_than_one_stage_every_layer_plan_is_ranked_with_its_hops(mlp_s
                                                                    ("DefaultCostModel", False)]
 
 
+def test_a_layer_is_charged_its_share_of_the_hops_under_the_schedule_with_the_most_chunks(mlp_step,  # noqa: ANN001
+                                                                                          monkeypatch) -> None:
+    """S stages of v chunks over L layers: each chunk receives a micro-batch's input once, so a layer pays S x v / L
+    hops (the most chunks tried: interleaving needs a layer per chunk)."""
+    from tapestry.pipeline import planner
+
+    shares: list[float] = []
+    made = planner.BoundaryPriced.of
+
+    def spied(model: object, graph: object, link: object, hops: float) -> object:
+        shares.append(hops)
+        return made(model, graph, link, hops)
+
+    monkeypatch.setattr(planner.BoundaryPriced, "of", spied)
+    for schedules, share in [(("1f1b",), 2 / 4), (("1f1b", "interleaved"), 2 * 2 / 4)]:  # 4 layers: v = 2 at most
+        shares.clear()
+        plan(mlp_step, 2, pareto_points=1, schedules=schedules)
+        assert shares == [share]
+
+
 def test_across_a_slow_link_the_layer_plan_chosen_sends_half_the_bytes_for_a_faster_step(mlp_step,  # noqa: ANN001
                                                                                         monkeypatch) -> None:
     """Ranked as the optimizer prices it (Places free), the tiny layer's plan takes its input whole on both of a
@@ -128,7 +148,7 @@ def test_across_a_slow_link_the_layer_plan_chosen_sends_half_the_bytes_for_a_fas
 
     class Plain:
         @staticmethod
-        def of(model: object, graph: object, link: object) -> object:
+        def of(model: object, graph: object, link: object, hops: float) -> object:
             return model
 
     monkeypatch.setattr(planner, "BoundaryPriced", Plain)
