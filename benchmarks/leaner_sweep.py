@@ -49,6 +49,8 @@ def main() -> None:
     parser.add_argument("--mesh", default="8")
     parser.add_argument("--points", type=int, default=3, help="layer plans in all, the fastest included")
     parser.add_argument("--constraints", action="store_true")
+    parser.add_argument("--time-limit", type=float, default=10.0, help="each extraction's time_limit (default "
+                        "optimize's; plan_pipeline's is LAYER_TIME_LIMIT)")
     args = parser.parse_args()
     import tapestry
     from tapestry.cost import DefaultCostModel, load_profile
@@ -61,11 +63,11 @@ def main() -> None:
     explored = explore(graph, mesh, budget=tapestry.Budget(seconds=30))
     report(f"explore ({len(explored.decoder.nodes):,} e-nodes)", started)
     started = time.process_time()
-    fastest = explored.extract(model, micro_batches=args.micro_batches)
+    fastest = explored.extract(model, time_limit=args.time_limit, micro_batches=args.micro_batches)
     report("fastest plan", started, fastest, model)
     if args.constraints:
         constraints(explored, fastest.peak_memory - 1)
-    leaner = explored.leaner_plans(fastest, model, micro_batches=args.micro_batches)
+    leaner = explored.leaner_plans(fastest, model, time_limit=args.time_limit, micro_batches=args.micro_batches)
     for k in range(1, args.points):
         started = time.process_time()
         found = next(leaner, None)

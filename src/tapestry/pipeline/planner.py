@@ -75,8 +75,9 @@ class PipelinePlan:
     precision: Precision
     micro_batch: int  # sequences per micro-batch
     layer: LayerCost  # one layer on its stage's sub-mesh
-    # that layer's plan on `stage_mesh` (every stage runs it on its own devices): the optimizer's, or a Plan given
-    # (training.plans'); None: the layer's cost was given
+    # that layer's plan on `stage_mesh` (every stage runs it on its own devices): the optimizer's (over more than one
+    # stage extracted with its hops priced, `BoundaryPriced`, which its plan's cost includes; `layer` has none), or
+    # a Plan given (training.plans'); None: the layer's cost was given
     stage_plan: OptimizeResult | Plan | None
     transfer: float  # seconds per stage-boundary hop
     cost: float  # predicted seconds per step
