@@ -25,11 +25,17 @@ def rss_gib() -> tuple[float, float]:
     return tuple(int(re.search(rf"{key}:\s+(\d+) kB", status).group(1)) / 2**20 for key in ("VmRSS", "VmHWM"))
 
 
-def report(what: str, started: float, result: object = None) -> None:
+def report(what: str, started: float, result: object = None, model: object = None) -> None:
+    """One phase's CPU seconds and RSS; of a plan, its time per update, its peak and the bytes per device of its input
+    (what a stage receives per micro-batch: `LayerCost.boundary`)."""
+    from tapestry.pipeline import layer_cost
+
+    spent = time.process_time() - started  # the input's bytes read after: not the phase's
     rss, peak = rss_gib()
     found = "" if result is None else (f", {result.plan.notes.get('accumulated_cost', result.plan.cost) * 1e3:.1f} ms"
-                                       f" per update, peak {result.peak_memory:,} bytes")
-    print(f"{what}: {time.process_time() - started:.1f} CPU s, RSS {rss:.2f} GiB (high-water {peak:.2f}){found}",
+                                       f" per update, peak {result.peak_memory:,} bytes, input "
+                                       f"{layer_cost(result.plan, model).boundary:,} bytes per device")
+    print(f"{what}: {spent:.1f} CPU s, RSS {rss:.2f} GiB (high-water {peak:.2f}){found}",
           flush=True)
 
 
@@ -43,6 +49,8 @@ def main() -> None:
     parser.add_argument("--mesh", default="8")
     parser.add_argument("--points", type=int, default=3, help="layer plans in all, the fastest included")
     parser.add_argument("--constraints", action="store_true")
+    parser.add_argument("--time-limit", type=float, default=10.0, help="each extraction's time_limit (default "
+                        "optimize's; plan_pipeline's is LAYER_TIME_LIMIT)")
     args = parser.parse_args()
     import tapestry
     from tapestry.cost import DefaultCostModel, load_profile
@@ -55,15 +63,15 @@ def main() -> None:
     explored = explore(graph, mesh, budget=tapestry.Budget(seconds=30))
     report(f"explore ({len(explored.decoder.nodes):,} e-nodes)", started)
     started = time.process_time()
-    fastest = explored.extract(model, micro_batches=args.micro_batches)
-    report("fastest plan", started, fastest)
+    fastest = explored.extract(model, time_limit=args.time_limit, micro_batches=args.micro_batches)
+    report("fastest plan", started, fastest, model)
     if args.constraints:
         constraints(explored, fastest.peak_memory - 1)
-    leaner = explored.leaner_plans(fastest, model, micro_batches=args.micro_batches)
+    leaner = explored.leaner_plans(fastest, model, time_limit=args.time_limit, micro_batches=args.micro_batches)
     for k in range(1, args.points):
         started = time.process_time()
         found = next(leaner, None)
-        report(f"leaner plan {k}" if found is not None else f"leaner plan {k}: none found", started, found)
+        report(f"leaner plan {k}" if found is not None else f"leaner plan {k}: none found", started, found, model)
         if found is None:
             break
 

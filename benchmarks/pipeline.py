@@ -118,7 +118,7 @@ def layer_row(name: str, layer: Any, micro_batch: int) -> str:
     ms, gib = 1e3, 2**-30
     return (f"| {name} | {micro_batch} | {layer.forward * ms:.1f} | {layer.backward * ms:.1f} | "
             f"{layer.update * ms:.1f} | {layer.reduce * ms:.1f} | {layer.params / 1e6:.0f} | "
-            f"{layer.activations * gib:.2f} | {layer.working * gib:.2f} |")
+            f"{layer.activations * gib:.2f} | {layer.working * gib:.2f} | {layer.boundary / 2**20:.0f} |")
 
 
 def row(name: str, plan: Any, seconds: str = "") -> str:
@@ -182,7 +182,7 @@ def main() -> None:
     rows += [row(name, plan) for name, _, plan in hand]
     micro_of = {name: micro for name, micro in zip((n for n, _, _ in hand), (1, mesh.shape[0], mesh.size))}
     layer_head = ("| layer plan | micro-batch | forward ms | backward ms | update ms (as imported) | exposed "
-                  "reductions ms | parameters/device (M) | activations GiB | working GiB |")
+                  "reductions ms | parameters/device (M) | activations GiB | working GiB | input MiB (sent per hop) |")
     layer_rows = [layer_row(f"optimizer, S={c.stages} (on {c.plan.stage_mesh})", c.plan.layer, c.plan.micro_batch)
                   for c in result.candidates if c.plan is not None]
     layer_rows += [layer_row(name.split(",")[0], layer, micro_of[name]) for name, layer, _ in hand

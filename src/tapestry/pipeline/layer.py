@@ -19,6 +19,7 @@ from tapestry.cost.memory import layout_bytes
 from tapestry.cost.overlap import forward_outputs, upstream
 from tapestry.graph import Graph
 from tapestry.importer.report import model_flops
+from tapestry.pipeline.boundary import boundary_inputs
 from tapestry.pipeline.model import LayerCost
 from tapestry.plan import Compute, Place, Plan
 from tapestry.training import LR
@@ -192,8 +193,7 @@ def layer_cost(plan: Plan, model: CostModel) -> LayerCost:
                 for group in (weights, state) for d in range(plan.mesh.size)]
     params_per_device = _most(elements[:plan.mesh.size])
     state_per_device = _most(elements[plan.mesh.size:])
-    arguments = [places[n.name] for n in graph.inputs if n.name in places and n.name not in carried_inputs
-                 and n.name != LR and n.name not in graph.static and n.name not in graph.constants]
+    arguments = [places[name] for name in boundary_inputs(graph) if name in places]
     inputs = arguments[:1]  # x; the step's other argument is the incoming gradient, which arrives in the backward
     made = [s for s in per_run if s.out in forward] + inputs  # placed weights are resident, not activations
     kept = [s for s in made if any(r not in forward for r in readers.get(s.out, ()))]

@@ -1,7 +1,9 @@
 """`plan_pipeline`: stages over one mesh axis, chosen by cost with everything else.
 
 For each stage count S dividing the pipeline axis, one layer's training step is planned by the optimizer on the
-sub-mesh a stage gets (the axis shrunk S times): explored once, and its fastest plan extracted, then leaner layer
+sub-mesh a stage gets (the axis shrunk S times): explored once, and its fastest plan extracted (over more than one
+stage, with the transfers its input and incoming gradient make between stages priced: `boundary.BoundaryPriced`;
+the optimizer prices placing an input as free), then leaner layer
 plans one at a time (where the fastest does not fit or shards less than it could; `Explored.leaner_plans`), each
 the fastest under less memory than the last, while the last one's ideal time (`ideal_time`, a floor under the
 next one's step) beats the best step found: each leaner plan is an extraction under a memory budget, the dearest
@@ -30,6 +32,7 @@ from tapestry.cost import CostModel, Link
 from tapestry.egraph.driver import Budget
 from tapestry.graph import Graph
 from tapestry.optimizer import MemoryBudgetError, OptimizeResult, explore
+from tapestry.pipeline.boundary import BoundaryPriced
 from tapestry.pipeline.layer import layer_cost
 from tapestry.pipeline.model import (
     PRECISIONS,
@@ -72,8 +75,9 @@ class PipelinePlan:
     precision: Precision
     micro_batch: int  # sequences per micro-batch
     layer: LayerCost  # one layer on its stage's sub-mesh
-    # that layer's plan on `stage_mesh` (every stage runs it on its own devices): the optimizer's, or a Plan given
-    # (training.plans'); None: the layer's cost was given
+    # that layer's plan on `stage_mesh` (every stage runs it on its own devices): the optimizer's (over more than one
+    # stage extracted with its hops priced, `BoundaryPriced`, which its plan's cost includes; `layer` has none), or
+    # a Plan given (training.plans'); None: the layer's cost was given
     stage_plan: OptimizeResult | Plan | None
     transfer: float  # seconds per stage-boundary hop
     cost: float  # predicted seconds per step
@@ -303,7 +307,9 @@ def ideal_time(layer: LayerCost, layers: int, stages: int, micro_batches: int, p
     leaner plan of the layer too, as far as `layer`'s plan is the cheapest by the objective layer plans are
     extracted by (`Explored.extract` with `micro_batches`: forward and backward per micro-batch, the update
     and reductions once; `plan_pipeline` extracts a leaner plan only where the last one's floor beats the best
-    step so far)."""
+    step so far). Over more than one stage that objective prices the stage transfers too (`BoundaryPriced`), so
+    there the floor holds as far as a leaner plan pays the transfers it saves in full: one that sends more could
+    gain what the schedule hides of its transfers."""
     copies = ends.stack(layer, layers)
     least = min(1.0, *(precision.update_scale(c) for c in copies))
     return least * sum(micro_batches * (c.forward + c.backward) + c.update + c.reduce for c in copies) / stages
@@ -415,9 +421,14 @@ def _stage_plan(graph: Graph, end_graphs: tuple[Graph | None, Graph | None], lay
     e-graph, pricing and extractions are freed before the next sub-mesh is explored (a loop's locals outlived
     the iteration: the 70B step's 4x8x8 e-graph was held while 8x8x8's was explored)."""
     sub = stage_mesh(mesh, axis, stages)
+    # over more than one stage the layer's plans are ranked with the stage transfers they make the pipeline pay: a
+    # layer's share of them under the schedule with the most chunks tried, S x v hops over the layers
+    hops = stages * max((s.chunks for s in configurations(stages, micro_batches, layers, schedules, chunks)),
+                        default=1) / layers
+    ranking = cost_model if stages == 1 else BoundaryPriced.of(cost_model, graph, link, hops)
     try:
         explored = explore(graph, sub, budget=budget)
-        fastest = explored.extract(cost_model, extractor, time_limit, micro_batches=micro_batches)
+        fastest = explored.extract(ranking, extractor, time_limit, micro_batches=micro_batches)
         ends = Ends(*(None if end is None else layer_cost(explore(end, sub, budget=budget).extract(
             cost_model, extractor, time_limit, micro_batches=micro_batches).plan, cost_model) for end in end_graphs))
     except (ValueError, MemoryBudgetError) as err:
@@ -432,11 +443,12 @@ def _stage_plan(graph: Graph, end_graphs: tuple[Graph | None, Graph | None], lay
     said = [] if best is not None else \
         [f"the fastest layer plan does not fit {memory_budget:,.0f} bytes per device, even with every layer "
          f"recomputed"]
-    leaner = explored.leaner_plans(fastest, cost_model, extractor, time_limit, micro_batches)
+    leaner = explored.leaner_plans(fastest, ranking, extractor, time_limit, micro_batches)
     last, extracted = fastest_layer, 1
     while extracted < pareto_points:
         # the next leaner plan is the fastest that needs less memory than the last: no faster by the objective
-        # they are extracted by, so the last one's floor floors it
+        # they are extracted by, so the last one's floor floors it (where the stage transfers it saves are paid in
+        # full, as that objective prices them: `BoundaryPriced`)
         floor = ideal_time(last, layers, stages, micro_batches, precision, ends)
         beaten = min(leading, math.inf if best is None else best.cost)
         if floor >= (1 - leaner_slack) * beaten:  # no leaner plan could beat the best step by more than the slack

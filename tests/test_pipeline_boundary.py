@@ -1,0 +1,157 @@
+"""A layer's stage-boundary transfers priced into its extraction (pipeline.boundary), as plan_pipeline ranks layer
+plans over more than one stage."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from test_pipeline import ResidualMLP, h100
+
+SLOW = 1e3  # bytes per second across nodes: a stage transfer dearer than anything else the tiny layer does
+
+
+@pytest.fixture(scope="module")
+def mlp_step():  # noqa: ANN201
+    return ResidualMLP.step()
+
+
+def two_gpu_nodes() -> object:
+    """h100's device, nodes of 2 GPUs on its NVLink, the nodes joined by a SLOW link: on Mesh(2, 2) the pipeline
+    axis (0) crosses nodes and a stage's sub-mesh, Mesh(2), is one node."""
+    from tapestry.cost import DefaultCostModel, Link
+    from tapestry.cost.profile import Level
+
+    profile = h100().profile
+    fast = profile.levels[0].link
+    return DefaultCostModel(replace(profile, levels=(Level("nvlink", fast, 2), Level("slow", Link(1e-6, SLOW)))))
+
+
+def test_a_boundary_inputs_place_costs_one_hop_of_its_largest_block_and_nothing_else_changes(
+        mlp_step) -> None:  # noqa: ANN001
+    """Each Place of the layer's input and of the incoming gradient (a plan may place one in two layouts: each is
+    priced as sent) costs its fullest device's bytes over the link, per step and in the plan's fused step costs;
+    every other step costs what the model says, and the model's other attributes (its profile, fused_device) read
+    through."""
+    import tapestry
+    from tapestry import dtypes
+    from tapestry.cost import Link, step_costs
+    from tapestry.optimizer import explore
+    from tapestry.pipeline.boundary import BoundaryPriced, boundary_inputs
+    from tapestry.plan import Place
+
+    model, link = h100(), Link(1e-6, SLOW)
+    plan = explore(mlp_step, tapestry.Mesh(2), budget=tapestry.Budget(seconds=30)).extract(model).plan
+    priced = BoundaryPriced.of(model, mlp_step, link, 1.0)
+    assert priced.profile is model.profile and priced.fused_device == model.fused_device
+    crossing = boundary_inputs(mlp_step)
+    assert len(crossing) == 2  # the input, the incoming gradient
+    plain, hopped = step_costs(plan, model), step_costs(plan, priced)
+    assert hopped.keys() == plain.keys()
+    sent = set()
+    for step in plan.steps:
+        if step.out not in plain:
+            continue
+        hop = 0.0
+        if isinstance(step, Place) and step.input in crossing:
+            largest = max(b.size for b in step.layout.blocks if b is not None)
+            hop = largest * dtypes.itemsize(plan.dtypes[step.out]) / SLOW
+            sent.add(step.input)
+        assert hopped[step.out] == pytest.approx(plain[step.out] + hop, rel=1e-12)
+        assert priced.step_cost(step, plan.mesh) == pytest.approx(model.step_cost(step, plan.mesh) + hop, rel=1e-12)
+    assert sent == set(crossing)
+
+
+def test_extraction_priced_with_its_hops_splits_the_input_the_plain_one_keeps_whole(mlp_step) -> None:  # noqa: ANN001
+    """Placing an input is free to the optimizer, so the tiny layer's fastest plan takes its input whole on both
+    devices; priced with a slow link's hops, it takes it split: half the bytes per stage transfer."""
+    import tapestry
+    from tapestry.cost import Link
+    from tapestry.optimizer import explore
+    from tapestry.pipeline import layer_cost
+    from tapestry.pipeline.boundary import BoundaryPriced
+
+    model = h100()
+    explored = explore(mlp_step, tapestry.Mesh(2), budget=tapestry.Budget(seconds=30))
+    whole = layer_cost(explored.extract(model, micro_batches=8).plan, model).boundary
+    split = layer_cost(explored.extract(BoundaryPriced.of(model, mlp_step, Link(1e-6, SLOW), 1.0),
+                                        micro_batches=8).plan, model).boundary
+    assert split == whole // 2
+
+
+def extracted_models(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int | None]]:
+    """Of every `Explored.extract` call from now on: its cost model's type and its memory budget, in order."""
+    from tapestry.optimizer import Explored
+
+    calls: list[tuple[str, int | None]] = []
+    extract = Explored.extract
+
+    def counted(self: Explored, cost_model: object = None, *args: object, **kw: object) -> object:
+        calls.append((type(cost_model).__name__, kw.get("memory_budget")))
+        return extract(self, cost_model, *args, **kw)
+
+    monkeypatch.setattr(Explored, "extract", counted)
+    return calls
+
+
+def plan(step: object, stages: int, **kw: object) -> object:
+    import tapestry
+
+    return tapestry.plan_pipeline(step, 4, tapestry.Mesh(2, 2), global_batch=16, cost_model=two_gpu_nodes(),
+                                  stages=(stages,), memory_budget=None, budget=tapestry.Budget(seconds=30), **kw)
+
+
+def test_over_more_than_one_stage_every_layer_plan_is_ranked_with_its_hops(mlp_step,  # noqa: ANN001
+                                                                           monkeypatch) -> None:
+    """The fastest layer plan and the leaner ones are extracted with the stage transfers priced where there are
+    stages to transfer between; with one stage (gradient accumulation), by the model as given."""
+    from tapestry.pipeline import planner
+
+    calls = extracted_models(monkeypatch)
+    monkeypatch.setattr(planner, "ideal_time", lambda *args, **kw: 0.0)  # no floor: the leaner plan is extracted
+    plan(mlp_step, 2, pareto_points=2)
+    assert [(model, budget is None) for model, budget in calls] == [("BoundaryPriced", True),
+                                                                   ("BoundaryPriced", False)]
+    calls.clear()
+    plan(mlp_step, 1, pareto_points=2)
+    assert [(model, budget is None) for model, budget in calls] == [("DefaultCostModel", True),
+                                                                   ("DefaultCostModel", False)]
+
+
+def test_a_layer_is_charged_its_share_of_the_hops_under_the_schedule_with_the_most_chunks(mlp_step,  # noqa: ANN001
+                                                                                          monkeypatch) -> None:
+    """S stages of v chunks over L layers: each chunk receives a micro-batch's input once, so a layer pays S x v / L
+    hops (the most chunks tried: interleaving needs a layer per chunk)."""
+    from tapestry.pipeline import planner
+
+    shares: list[float] = []
+    made = planner.BoundaryPriced.of
+
+    def spied(model: object, graph: object, link: object, hops: float) -> object:
+        shares.append(hops)
+        return made(model, graph, link, hops)
+
+    monkeypatch.setattr(planner.BoundaryPriced, "of", spied)
+    for schedules, share in [(("1f1b",), 2 / 4), (("1f1b", "interleaved"), 2 * 2 / 4)]:  # 4 layers: v = 2 at most
+        shares.clear()
+        plan(mlp_step, 2, pareto_points=1, schedules=schedules)
+        assert shares == [share]
+
+
+def test_across_a_slow_link_the_layer_plan_chosen_sends_half_the_bytes_for_a_faster_step(mlp_step,  # noqa: ANN001
+                                                                                        monkeypatch) -> None:
+    """Ranked as the optimizer prices it (Places free), the tiny layer's plan takes its input whole on both of a
+    stage's devices; ranked with its hops, split, and the pipelined step across the slow link is faster."""
+    from tapestry.pipeline import planner
+
+    hopped = plan(mlp_step, 2, pareto_points=1).plan
+
+    class Plain:
+        @staticmethod
+        def of(model: object, graph: object, link: object, hops: float) -> object:
+            return model
+
+    monkeypatch.setattr(planner, "BoundaryPriced", Plain)
+    plain = plan(mlp_step, 2, pareto_points=1).plan
+    assert hopped.layer.boundary == plain.layer.boundary // 2
+    assert hopped.cost < plain.cost
