@@ -4,11 +4,12 @@ its plan simulated and compared with eager PyTorch. Writes the "Held-back zoo (i
 docs/benchmarks.md.
 
     .venv/bin/python benchmarks/heldback_zoo.py [NAME ...] [--seeds 0 1] [--meshes 4 2x2] [--extractor ilp]
-        [--timeout 600] [--write]
+        [--timeout 600] [--jobs N] [--json OUT] [--write]
     .venv/bin/python benchmarks/heldback_zoo.py --list
 
 Each model and seed runs in its own process (the hash seed is fixed at interpreter start) under a time limit;
-the seeds' processes run side by side. The checks and the verdict are benchmarks/zoo_sweep.py's: a model passes
+the seeds' processes run side by side (`--jobs` at a time). Each worker reports its CPU seconds (its whole process,
+the imports of torch and transformers included), and `--json` keeps every run's result. The checks and the verdict are benchmarks/zoo_sweep.py's: a model passes
 when every run imports, optimizes and matches eager within 1e-4 of the largest output, with the same plan cost
 under every seed. Tiny configs (1-2 layers, hidden 32, random weights; nothing is downloaded).
 """
@@ -19,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -258,12 +260,15 @@ def main() -> None:
     parser.add_argument("--meshes", nargs="+", default=["4", "2x2"])
     parser.add_argument("--extractor", default="ilp", help="ilp (optimize's default) or greedy-dag")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per model and seed")
+    parser.add_argument("--jobs", type=int, help="seeds' processes at a time (default: every seed at once)")
+    parser.add_argument("--json", type=Path, help="write every run's result here, by model and seed")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--write", action="store_true", help="write the section of docs/benchmarks.md")
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(check(args.worker, MODELS[args.worker].build, args.meshes, args.extractor)), flush=True)
+        result = check(args.worker, MODELS[args.worker].build, args.meshes, args.extractor)
+        print(json.dumps({**result, "cpu_s": round(time.process_time(), 1)}), flush=True)
         return
     if args.list:
         print("\n".join(f"{name}: {family.kind}" for name, family in MODELS.items()))
@@ -271,11 +276,14 @@ def main() -> None:
     rows = ["| model | kind | " + " | ".join(f"{m}: plan shards, optimize s" for m in args.meshes)
             + " | opaque ops | outcome |", "|---|---|" + "---:|" * len(args.meshes) + "---|---|"]
     names = args.names or list(MODELS)
+    results: dict[str, dict[int, dict[str, Any]]] = {}
     for name in names:
-        with ThreadPoolExecutor(len(args.seeds)) as pool:  # the seeds' processes side by side
-            runs = dict(zip(args.seeds, pool.map(lambda seed: run(name, seed, args), args.seeds)))
-        rows.append(row(name, runs, args))
-        print(rows[-1], flush=True)
+        with ThreadPoolExecutor(args.jobs or len(args.seeds)) as pool:  # the seeds' processes side by side
+            results[name] = dict(zip(args.seeds, pool.map(lambda seed: run(name, seed, args), args.seeds)))
+        rows.append(row(name, results[name], args))
+        print(rows[-1], f"(CPU s by seed: {[r.get('cpu_s') for r in results[name].values()]})", flush=True)
+        if args.json:  # after each model: a cut run leaves what it checked
+            args.json.write_text(json.dumps(results, indent=1))
     print(f"{sum('| passes' in line for line in rows[2:])} of {len(names)} pass", flush=True)
     if args.write:
         write(rows, args)
