@@ -145,6 +145,9 @@ _MODELS: dict[str, tuple[str, Any]] = {
                                                       embedding_size=H, q_groups=2, k_groups=2, v_groups=2,
                                                       post_attention_groups=2, intermediate_groups=2,
                                                       output_groups=2)),
+    "xlnet": ("encoder, two-stream relative attention", _hf(
+        "XLNetModel", "XLNetConfig", _text, vocab_size=2 * H, d_model=H, n_layer=2, n_head=HEADS, d_inner=2 * H,
+        dropout=0.0)),
     "modernbert": ("encoder, rotary, GeGLU, local-global", _hf(
         "ModernBertModel", "ModernBertConfig", _text, vocab_size=2 * H, hidden_size=H, intermediate_size=2 * H,
         num_hidden_layers=2, num_attention_heads=HEADS, max_position_embeddings=2 * T, local_attention=4,
@@ -170,6 +173,11 @@ _MODELS: dict[str, tuple[str, Any]] = {
                                               moe_intermediate_size=H, decoder_sparse_step=1)),
     "granitemoe": ("MoE decoder, scaled residuals", _hf("GraniteMoeModel", "GraniteMoeConfig", _decoder_text,
                                                         **DECODER, num_local_experts=4, num_experts_per_tok=2)),
+    "deepseek_v3": ("MoE decoder, multi-head latent attention, shared expert", _hf(
+        "DeepseekV3Model", "DeepseekV3Config", _decoder_text, **{**DECODER, "num_key_value_heads": HEADS},
+        moe_intermediate_size=H, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
+        topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=8)),
     "gpt_sw3": ("GPT-2 architecture, GPT-SW3 config (tied, no bias dropout)", _hf(
         "GPT2LMHeadModel", "GPT2Config", _decoder_text, vocab_size=2 * H, n_embd=H, n_layer=1, n_head=HEADS,
         n_positions=2 * T, n_inner=2 * H, activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0,
@@ -185,6 +193,10 @@ _MODELS: dict[str, tuple[str, Any]] = {
     "rwkv": ("recurrent decoder (RWKV-4 time mixing)", _hf(
         "RwkvModel", "RwkvConfig", _no_eos_ids, vocab_size=2 * H, hidden_size=H, num_hidden_layers=2,
         attention_hidden_size=H, intermediate_size=2 * H, context_length=2 * T)),
+    "recurrent_gemma": ("hybrid decoder: RG-LRU recurrence, local attention", _hf(
+        "RecurrentGemmaModel", "RecurrentGemmaConfig", _decoder_text, vocab_size=2 * H, hidden_size=H,
+        intermediate_size=2 * H, num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=1, lru_width=H,
+        attention_window_size=4, conv1d_width=4, block_types=["recurrent", "attention"], head_dim=8)),
     # vision
     "efficientnet": ("CNN, MBConv, squeeze-excite, swish", _hf(
         "EfficientNetModel", "EfficientNetConfig", _pixels, image_size=IMAGE, width_coefficient=0.25,
@@ -197,6 +209,9 @@ _MODELS: dict[str, tuple[str, Any]] = {
         "Swinv2Model", "Swinv2Config", _pixels, image_size=IMAGE, patch_size=4, embed_dim=16, depths=[2, 1],
         num_heads=[2, 4], window_size=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
         drop_path_rate=0.0)),
+    "siglip_vision": ("vision transformer, attention-pooling head", _hf(
+        "SiglipVisionModel", "SiglipVisionConfig", _pixels, image_size=IMAGE, patch_size=8, hidden_size=H,
+        num_hidden_layers=2, num_attention_heads=HEADS, intermediate_size=2 * H)),
     "poolformer": ("vision, pooling token mixer", _hf("PoolFormerModel", "PoolFormerConfig", _pixels,
                                                       hidden_sizes=[16, 32], depths=[1, 1], num_encoder_blocks=2,
                                                       patch_sizes=[7, 3], strides=[4, 2], padding=[2, 1])),
