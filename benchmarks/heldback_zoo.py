@@ -6,12 +6,13 @@ docs/benchmarks.md.
     .venv/bin/python benchmarks/heldback_zoo.py [NAME ...] [--seeds 0 1] [--meshes 4 2x2] [--extractor ilp]
         [--timeout 600] [--jobs N] [--json OUT] [--write]
     .venv/bin/python benchmarks/heldback_zoo.py --list
+    .venv/bin/python benchmarks/heldback_zoo.py --summarize OUT.json [...]
 
 Each model and seed runs in its own process (the hash seed is fixed at interpreter start) under a time limit;
 the seeds' processes run side by side (`--jobs` at a time). Each worker reports its CPU seconds (its whole process,
-the imports of torch and transformers included), and `--json` keeps every run's result. The checks and the verdict are benchmarks/zoo_sweep.py's: a model passes
-when every run imports, optimizes and matches eager within 1e-4 of the largest output, with the same plan cost
-under every seed. Tiny configs (1-2 layers, hidden 32, random weights; nothing is downloaded).
+the imports of torch and transformers included), and `--json` keeps every run's result. The checks and the
+verdict are benchmarks/zoo_sweep.py's: a model passes when every run imports, optimizes and matches eager within
+1e-4 of the largest output, with the same plan cost under every seed. Tiny configs (1-2 layers, hidden 32, random weights; nothing is downloaded).
 """
 from __future__ import annotations
 
@@ -279,6 +280,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write every run's result here, by model and seed")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--list", action="store_true")
+    parser.add_argument("--summarize", nargs="+", type=Path, help="what --json files hold, summed: runs, worst "
+                        "error, plan costs per mesh, CPU s")
     parser.add_argument("--write", action="store_true", help="write the section of docs/benchmarks.md")
     args = parser.parse_args()
     if args.worker:
@@ -287,6 +290,9 @@ def main() -> None:
         return
     if args.list:
         print("\n".join(f"{name}: {family.kind}" for name, family in MODELS.items()))
+        return
+    if args.summarize:
+        summarize(args.summarize, args.meshes)
         return
     rows = ["| model | kind | " + " | ".join(f"{m}: plan shards, optimize s" for m in args.meshes)
             + " | opaque ops | outcome |", "|---|---|" + "---:|" * len(args.meshes) + "---|---|"]
@@ -302,6 +308,23 @@ def main() -> None:
     print(f"{sum('| passes' in line for line in rows[2:])} of {len(names)} pass", flush=True)
     if args.write:
         write(rows, args)
+
+
+def summarize(paths: list[Path], meshes: list[str]) -> None:
+    """Per model of the `--json` files: its seeds, the worst error over its runs, how many distinct plan costs
+    each mesh got, and its workers' CPU seconds summed; then the totals."""
+    cpu, runs = 0.0, 0
+    for path in paths:
+        for name, by_seed in json.loads(path.read_text()).items():
+            results = list(by_seed.values())
+            cells = [r.get(m, {}) for r in results for m in meshes]
+            worst = max((c.get("error", float("inf")) for c in cells), default=float("inf"))
+            costs = {m: len({r.get(m, {}).get("cost") for r in results}) for m in meshes}
+            seconds = sum(r.get("cpu_s") or 0.0 for r in results)
+            cpu, runs = cpu + seconds, runs + len(results)
+            print(f"{name}: seeds {', '.join(by_seed)}; worst error {worst:.1e}; distinct plan costs {costs}; "
+                  f"{seconds:.1f} CPU s")
+    print(f"{runs} runs, {cpu:.1f} CPU s")
 
 
 def write(rows: list[str], args: argparse.Namespace) -> None:
