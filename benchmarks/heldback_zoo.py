@@ -12,7 +12,8 @@ Each model and seed runs in its own process (the hash seed is fixed at interpret
 the seeds' processes run side by side (`--jobs` at a time). Each worker reports its CPU seconds (its whole process,
 the imports of torch and transformers included), and `--json` keeps every run's result. The checks and the
 verdict are benchmarks/zoo_sweep.py's: a model passes when every run imports, optimizes and matches eager within
-1e-4 of the largest output, with the same plan cost under every seed. Tiny configs (1-2 layers, hidden 32, random weights; nothing is downloaded).
+1e-4 of the largest output, with the same plan cost under every seed. Tiny configs (1-2 layers, hidden 32,
+random weights; nothing is downloaded).
 """
 from __future__ import annotations
 
