@@ -4,13 +4,16 @@ its plan simulated and compared with eager PyTorch. Writes the "Held-back zoo (i
 docs/benchmarks.md.
 
     .venv/bin/python benchmarks/heldback_zoo.py [NAME ...] [--seeds 0 1] [--meshes 4 2x2] [--extractor ilp]
-        [--timeout 600] [--write]
+        [--timeout 600] [--jobs N] [--json OUT] [--write]
     .venv/bin/python benchmarks/heldback_zoo.py --list
+    .venv/bin/python benchmarks/heldback_zoo.py --summarize OUT.json [...]
 
 Each model and seed runs in its own process (the hash seed is fixed at interpreter start) under a time limit;
-the seeds' processes run side by side. The checks and the verdict are benchmarks/zoo_sweep.py's: a model passes
-when every run imports, optimizes and matches eager within 1e-4 of the largest output, with the same plan cost
-under every seed. Tiny configs (1-2 layers, hidden 32, random weights; nothing is downloaded).
+the seeds' processes run side by side (`--jobs` at a time). Each worker reports its CPU seconds (its whole process,
+the imports of torch and transformers included), and `--json` keeps every run's result. The checks and the
+verdict are benchmarks/zoo_sweep.py's: a model passes when every run imports, optimizes and matches eager within
+1e-4 of the largest output, with the same plan cost under every seed. Tiny configs (1-2 layers, hidden 32,
+random weights; nothing is downloaded).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -143,6 +147,9 @@ _MODELS: dict[str, tuple[str, Any]] = {
                                                       embedding_size=H, q_groups=2, k_groups=2, v_groups=2,
                                                       post_attention_groups=2, intermediate_groups=2,
                                                       output_groups=2)),
+    "xlnet": ("encoder, two-stream relative attention", _hf(
+        "XLNetModel", "XLNetConfig", _text, vocab_size=2 * H, d_model=H, n_layer=2, n_head=HEADS, d_inner=2 * H,
+        dropout=0.0)),
     "modernbert": ("encoder, rotary, GeGLU, local-global", _hf(
         "ModernBertModel", "ModernBertConfig", _text, vocab_size=2 * H, hidden_size=H, intermediate_size=2 * H,
         num_hidden_layers=2, num_attention_heads=HEADS, max_position_embeddings=2 * T, local_attention=4,
@@ -168,6 +175,11 @@ _MODELS: dict[str, tuple[str, Any]] = {
                                               moe_intermediate_size=H, decoder_sparse_step=1)),
     "granitemoe": ("MoE decoder, scaled residuals", _hf("GraniteMoeModel", "GraniteMoeConfig", _decoder_text,
                                                         **DECODER, num_local_experts=4, num_experts_per_tok=2)),
+    "deepseek_v3": ("MoE decoder, multi-head latent attention, shared expert", _hf(
+        "DeepseekV3Model", "DeepseekV3Config", _decoder_text, **{**DECODER, "num_key_value_heads": HEADS},
+        moe_intermediate_size=H, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
+        topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=8)),
     "gpt_sw3": ("GPT-2 architecture, GPT-SW3 config (tied, no bias dropout)", _hf(
         "GPT2LMHeadModel", "GPT2Config", _decoder_text, vocab_size=2 * H, n_embd=H, n_layer=1, n_head=HEADS,
         n_positions=2 * T, n_inner=2 * H, activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0,
@@ -183,6 +195,10 @@ _MODELS: dict[str, tuple[str, Any]] = {
     "rwkv": ("recurrent decoder (RWKV-4 time mixing)", _hf(
         "RwkvModel", "RwkvConfig", _no_eos_ids, vocab_size=2 * H, hidden_size=H, num_hidden_layers=2,
         attention_hidden_size=H, intermediate_size=2 * H, context_length=2 * T)),
+    "recurrent_gemma": ("hybrid decoder: RG-LRU recurrence, local attention", _hf(
+        "RecurrentGemmaModel", "RecurrentGemmaConfig", _decoder_text, vocab_size=2 * H, hidden_size=H,
+        intermediate_size=2 * H, num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=1, lru_width=H,
+        attention_window_size=4, conv1d_width=4, block_types=["recurrent", "attention"], head_dim=8)),
     # vision
     "efficientnet": ("CNN, MBConv, squeeze-excite, swish", _hf(
         "EfficientNetModel", "EfficientNetConfig", _pixels, image_size=IMAGE, width_coefficient=0.25,
@@ -195,6 +211,9 @@ _MODELS: dict[str, tuple[str, Any]] = {
         "Swinv2Model", "Swinv2Config", _pixels, image_size=IMAGE, patch_size=4, embed_dim=16, depths=[2, 1],
         num_heads=[2, 4], window_size=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
         drop_path_rate=0.0)),
+    "siglip_vision": ("vision transformer, attention-pooling head", _hf(
+        "SiglipVisionModel", "SiglipVisionConfig", _pixels, image_size=IMAGE, patch_size=8, hidden_size=H,
+        num_hidden_layers=2, num_attention_heads=HEADS, intermediate_size=2 * H)),
     "poolformer": ("vision, pooling token mixer", _hf("PoolFormerModel", "PoolFormerConfig", _pixels,
                                                       hidden_sizes=[16, 32], depths=[1, 1], num_encoder_blocks=2,
                                                       patch_sizes=[7, 3], strides=[4, 2], padding=[2, 1])),
@@ -258,27 +277,55 @@ def main() -> None:
     parser.add_argument("--meshes", nargs="+", default=["4", "2x2"])
     parser.add_argument("--extractor", default="ilp", help="ilp (optimize's default) or greedy-dag")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per model and seed")
+    parser.add_argument("--jobs", type=int, help="seeds' processes at a time (default: every seed at once)")
+    parser.add_argument("--json", type=Path, help="write every run's result here, by model and seed")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--list", action="store_true")
+    parser.add_argument("--summarize", nargs="+", type=Path, help="what --json files hold, summed: runs, worst "
+                        "error, plan costs per mesh, CPU s")
     parser.add_argument("--write", action="store_true", help="write the section of docs/benchmarks.md")
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(check(args.worker, MODELS[args.worker].build, args.meshes, args.extractor)), flush=True)
+        result = check(args.worker, MODELS[args.worker].build, args.meshes, args.extractor)
+        print(json.dumps({**result, "cpu_s": round(time.process_time(), 1)}), flush=True)
         return
     if args.list:
         print("\n".join(f"{name}: {family.kind}" for name, family in MODELS.items()))
         return
+    if args.summarize:
+        summarize(args.summarize, args.meshes)
+        return
     rows = ["| model | kind | " + " | ".join(f"{m}: plan shards, optimize s" for m in args.meshes)
             + " | opaque ops | outcome |", "|---|---|" + "---:|" * len(args.meshes) + "---|---|"]
     names = args.names or list(MODELS)
+    results: dict[str, dict[int, dict[str, Any]]] = {}
     for name in names:
-        with ThreadPoolExecutor(len(args.seeds)) as pool:  # the seeds' processes side by side
-            runs = dict(zip(args.seeds, pool.map(lambda seed: run(name, seed, args), args.seeds)))
-        rows.append(row(name, runs, args))
-        print(rows[-1], flush=True)
+        with ThreadPoolExecutor(args.jobs or len(args.seeds)) as pool:  # the seeds' processes side by side
+            results[name] = dict(zip(args.seeds, pool.map(lambda seed: run(name, seed, args), args.seeds)))
+        rows.append(row(name, results[name], args))
+        print(rows[-1], f"(CPU s by seed: {[r.get('cpu_s') for r in results[name].values()]})", flush=True)
+        if args.json:  # after each model: a cut run leaves what it checked
+            args.json.write_text(json.dumps(results, indent=1))
     print(f"{sum('| passes' in line for line in rows[2:])} of {len(names)} pass", flush=True)
     if args.write:
         write(rows, args)
+
+
+def summarize(paths: list[Path], meshes: list[str]) -> None:
+    """Per model of the `--json` files: its seeds, the worst error over its runs, how many distinct plan costs
+    each mesh got, and its workers' CPU seconds summed; then the totals."""
+    cpu, runs = 0.0, 0
+    for path in paths:
+        for name, by_seed in json.loads(path.read_text()).items():
+            results = list(by_seed.values())
+            cells = [r.get(m, {}) for r in results for m in meshes]
+            worst = max((c.get("error", float("inf")) for c in cells), default=float("inf"))
+            costs = {m: len({r.get(m, {}).get("cost") for r in results}) for m in meshes}
+            seconds = sum(r.get("cpu_s") or 0.0 for r in results)
+            cpu, runs = cpu + seconds, runs + len(results)
+            print(f"{name}: seeds {', '.join(by_seed)}; worst error {worst:.1e}; distinct plan costs {costs}; "
+                  f"{seconds:.1f} CPU s")
+    print(f"{runs} runs, {cpu:.1f} CPU s")
 
 
 def write(rows: list[str], args: argparse.Namespace) -> None:
