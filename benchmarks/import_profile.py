@@ -8,8 +8,8 @@ sequence 2048, all in one process after a one-layer warm-up, so the first import
 tapestry are counted once, apart. Per depth, CPU seconds of the calling thread: the whole `from_torch`, torch's
 trace (`make_fx`), within it the backward (`torch.autograd.grad`), the optimizer update (`Training.update`) and
 the retrace through functionalization (training/capture.py `_functionalized`, which only a step that writes into a
-view pays), and the translation into a Tapestry graph. CPU time, not wall time: the machine is shared (docs/benchmarks.md,
-"Import time at scale").
+view pays), and the translation into a Tapestry graph. CPU time, not wall time: the machine is shared
+(docs/benchmarks.md, "Import time at scale").
 """
 from __future__ import annotations
 

@@ -130,10 +130,10 @@ class FoldedCandidates:
         """A plan within `budget`, the cheapest by plan_cost of the periodic candidates whose exact peak fits and
         of `incumbent` (the plan chosen without the budget, where it fits: `competes`; its cost its plan_cost under
         `model`, as the caller priced it): the hand plans of the folded graph (`hands`, made periodic), and
-        `select`'s steady periodic selection (the caller's greedy-dag fallback) with memory priced, each node's bytes per device (`held`, copy 1's m - 1 times) at `price`
-        seconds per byte added to its cost, the price raised LEAN_STEP-fold from one that makes a budget's worth of
-        bytes cost the cheapest plan's time again, until a candidate fits, or lowered up to LEAN_BELOW times while
-        it fits where the first did (a Lagrangian relaxation of the budget); a price whose selection is the
+        `select`'s steady periodic selection (the caller's greedy-dag fallback) with memory priced, each node's
+        bytes per device (`held`, copy 1's m - 1 times) at `price` seconds per byte added to its cost, the price
+        raised LEAN_STEP-fold from one that makes a budget's worth of bytes cost the cheapest plan's time again,
+        until a candidate fits, or lowered up to LEAN_BELOW times while it fits where the first did (a Lagrangian relaxation of the budget); a price whose selection is the
         incumbent's ends the descent (a lower one changes less). With `extractor` "ilp" and no incumbent (the ILP
         chose that without the budget, which does not bind it) the ILP then tries to better the kept one under the
         budget's constraints and the ties, starting from it. MemoryBudgetError where none fits, with the leanest
