@@ -252,13 +252,13 @@ def test_a_count_cut_prices_the_moves_among_the_first_generation_rounds_layouts_
     assert min(rounds.values()) == -1 and max(rounds.values()) > 1  # the replicated runs', and sharded rounds
     decoder.priced(default_cost_model())
     layout = decoder.class_layout
-    optional = {decoder._price_key(n): max(rounds[layout[n.children[0]]], rounds[n.key]) for n in nodes
+    optional = {decoder.price_key(n): max(rounds[layout[n.children[0]]], rounds[n.key]) for n in nodes
                 if n.op == "Reshard" and not decoder._from_replicated(n) and not decoder.prepared(n)}
     early = sum(r <= 0 for r in optional.values())
     assert 0 < early < len(optional)
     costs = decoder.priced(default_cost_model(), reshards=early)
-    priced = {decoder._price_key(n) for n, c in zip(nodes, costs)
-              if n.op == "Reshard" and not math.isinf(c) and decoder._price_key(n) in optional}
+    priced = {decoder.price_key(n) for n, c in zip(nodes, costs)
+              if n.op == "Reshard" and not math.isinf(c) and decoder.price_key(n) in optional}
     assert priced == {key for key, r in optional.items() if r <= 0}
 
 

@@ -424,7 +424,7 @@ class Decoder:
             if node.op == "Deliver" or self.prepared(node):
                 costs[i] = 0.0
                 continue
-            key = self._price_key(node)
+            key = self.price_key(node)
             if self.optional(node):
                 optional.setdefault(key, []).append(i)
                 continue
@@ -482,7 +482,7 @@ class Decoder:
         whatever the count, so every seed plan lies in the extraction graph."""
         return self.interner.seeded(self.class_layout[node.children[0]]) and self.interner.seeded(node.key)
 
-    def _price_key(self, node: DNode) -> Any:
+    def price_key(self, node: DNode) -> Any:
         """Equal for steps any cost model prices alike: a Run's step without its origin, a Reshard's layout pair
         and dtype (layout keys name (shape, layout) pairs)."""
         if node.op == "Reshard":

@@ -41,7 +41,7 @@ class FloorPriced:
         if not hasattr(cost, "reshard_floors"):
             return None
         if reshards < sum(n.op == "Reshard" for n in decoder.nodes):  # at most one key each (mostly fewer)
-            optional = {decoder._price_key(n) for n in decoder.nodes
+            optional = {decoder.price_key(n) for n in decoder.nodes
                         if decoder.optional(n) and not decoder.prepared(n)}
             if reshards < len(optional):
                 return None
