@@ -446,6 +446,7 @@ def test_a_folded_budget_the_plan_fits_runs_the_priced_rounds_only_where_they_co
     assert not steady_violations(tight.plan, steps[3].carried)
 
 
+@pytest.mark.slow  # a cost guard (27 s): make test-all
 def test_the_budgeted_fallbacks_plan_is_priced_once(steps, monkeypatch):
     """`FoldedCandidates.within_budget` prices the plan it keeps by plan_cost; `Explored.extract` takes that price
     rather than pricing the expanded plan again (seconds a plan for the 80-layer 70B step on 8x8x8)."""
