@@ -133,10 +133,11 @@ class FoldedCandidates:
         `select`'s steady periodic selection (the caller's greedy-dag fallback) with memory priced, each node's
         bytes per device (`held`, copy 1's m - 1 times) at `price` seconds per byte added to its cost, the price
         raised LEAN_STEP-fold from one that makes a budget's worth of bytes cost the cheapest plan's time again,
-        until a candidate fits, or lowered up to LEAN_BELOW times while it fits where the first did (a Lagrangian relaxation of the budget); a price whose selection is the
-        incumbent's ends the descent (a lower one changes less). With `extractor` "ilp" and no incumbent (the ILP
-        chose that without the budget, which does not bind it) the ILP then tries to better the kept one under the
-        budget's constraints and the ties, starting from it. MemoryBudgetError where none fits, with the leanest
+        until a candidate fits, or lowered up to LEAN_BELOW times while it fits where the first did (a Lagrangian
+        relaxation of the budget); a price whose selection is the incumbent's ends the descent (a lower one changes
+        less). With `extractor` "ilp" and no incumbent (the ILP chose that without the budget, which does not bind
+        it) the ILP then tries to better the kept one under the budget's constraints and the ties, starting from
+        it. MemoryBudgetError where none fits, with the leanest
         candidate's peak, how many carried tensors it holds whole on every device, and how many prices left no
         steady selection (the 70B step on 8x8x8 ended in a 420 GB leanest plan: weights and Adam moments whole,
         docs/benchmarks.md, "Why the 70B step's candidates miss 80 GB")."""

@@ -447,7 +447,6 @@ def received_elements(src: Layout, dst: Layout) -> tuple[int, ...]:
     return received_counts(src, dst)[0]
 
 
-
 FLOOR_ENTRIES = 1 << 22  # pairs x devices x devices x dims that `received_floors` compares at once
 
 
