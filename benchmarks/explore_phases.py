@@ -1,9 +1,10 @@
 """Where a training step's exploration (`optimizer.explore`: saturation, generation, reshards) spends its CPU.
 
     python benchmarks/explore_phases.py --model 7B --layers 32 --mesh 8x8
+    python benchmarks/explore_phases.py --zoo gpt_neox --mesh 2x2
 
 Builds the case as benchmarks/cluster.py does (LLaMA-2 widths on the meta device, one Adam step at batch 8 x
-sequence 2048), then explores it once with the default budget, each phase in EXPLORE_PHASES timed (CPU seconds of
+sequence 2048), or with `--zoo` a tiny zoo model as benchmarks/phases.py does (its inference graph), then explores it once with the default budget, each phase in EXPLORE_PHASES timed (CPU seconds of
 this process, inclusive: a phase's seconds include the phases called inside it). Also egglog's side: each
 ruleset's CPU seconds over the rule rounds, and per round what each rule matched and whether the e-graph changed
 (egglog's run report). Ends with the explored e-graph's size, which a cut that keeps the e-graph must keep.
@@ -19,6 +20,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
+import phases
 from cluster import Case, build
 
 EXPLORE_PHASES = (
@@ -64,13 +66,14 @@ def main() -> None:
     parser.add_argument("--model", default="7B")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--mesh", default="8x8")
+    parser.add_argument("--zoo", help="a tiny zoo model by benchmarks/phases.py's name, instead of --model/--layers")
     args = parser.parse_args()
     import tapestry
     from tapestry.egraph.session import Session
 
     case = Case(args.model, args.layers, "training", args.mesh, 8, 2048)
     start = time.process_time()
-    graph = build(case).graph
+    graph = phases.model(args.zoo, 1) if args.zoo else build(case).graph
     print(f"import: {time.process_time() - start:.1f} CPU s, {len(graph.ops):,} ops")
     spent: dict[str, list[float]] = defaultdict(list)
     wrap(spent, EXPLORE_PHASES)
