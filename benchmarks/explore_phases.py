@@ -4,10 +4,11 @@
     python benchmarks/explore_phases.py --zoo gpt_neox --mesh 2x2
 
 Builds the case as benchmarks/cluster.py does (LLaMA-2 widths on the meta device, one Adam step at batch 8 x
-sequence 2048), or with `--zoo` a tiny zoo model as benchmarks/phases.py does (its inference graph), then explores it once with the default budget, each phase in EXPLORE_PHASES timed (CPU seconds of
-this process, inclusive: a phase's seconds include the phases called inside it). Also egglog's side: each
-ruleset's CPU seconds over the rule rounds, and per round what each rule matched and whether the e-graph changed
-(egglog's run report). Ends with the explored e-graph's size, which a cut that keeps the e-graph must keep.
+sequence 2048), or with `--zoo` the graph benchmarks/phases.py plans for a tiny zoo model, then explores it once
+with the default budget, each phase in EXPLORE_PHASES timed (CPU seconds of this process, inclusive: a phase's
+seconds include the phases called inside it). Also egglog's side: each ruleset's CPU seconds over the rule rounds,
+and per round what each rule matched and whether the e-graph changed (egglog's run report). Ends with the explored
+e-graph's size, which a cut that keeps the e-graph must keep.
 A phase missing from the tree on PYTHONPATH (an older commit's) is left out, so trees compare.
 """
 from __future__ import annotations
