@@ -183,9 +183,11 @@ def kernels(imported: tapestry.TorchImport) -> set[str]:
 def test_inference_and_training_route_by_block_by_default_and_batch_wide_when_told():
     model, ids = tiny_mixtral()
     inference = partial(tapestry.from_torch, model, (ids,), {"use_cache": False}, verbose=False)
-    assert "grouped_mm_blocks" in kernels(inference()) and "grouped_mm" not in kernels(inference())
+    by_block = kernels(inference())
+    assert "grouped_mm_blocks" in by_block and "grouped_mm" not in by_block
     with exact_rewrites(BATCH_WIDE_REWRITES):
-        assert "grouped_mm" in kernels(inference()) and "grouped_mm_blocks" not in kernels(inference())
+        batch_wide = kernels(inference())
+    assert "grouped_mm" in batch_wide and "grouped_mm_blocks" not in batch_wide
     step = routed_step(model, ids)
     assert {"grouped_mm_blocks", "grouped_mm_blocks_k"} <= kernels(step) and "grouped_mm" not in kernels(step)
     with exact_rewrites(BATCH_WIDE_REWRITES):

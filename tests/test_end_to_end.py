@@ -17,6 +17,7 @@ from tapestry.plan.validate import validate_plan
 from tapestry.sharding import Mesh
 from tapestry.testing.graphs import GENERATED, Coverage, RandomCost, block_graphs, features
 from tapestry.verify import compare
+from sweeps import draws
 
 # Kernels whose reductions, windows and splits make communication: drawn alone, so plans exercise it often.
 COMMUNICATING = ("matmul", "sum", "mean", "linear", "conv2d", "max_pool2d", "avg_pool2d", "softmax", "layer_norm",
@@ -59,11 +60,14 @@ def test_random_programs_are_plannable(kernels: tuple[str, ...]):
     check()
 
 
+# One program per kernel in make test, two in make test-all: a test per kernel, most of this file's time
+# (docs/benchmarks.md "Test suite time", branch maketest3).
+@draws(1, 2)
 @pytest.mark.parametrize("kernel", GENERATED)
-def test_every_kernel_in_random_programs_plans_correctly(kernel: str):
+def test_every_kernel_in_random_programs_plans_correctly(kernel: str, examples: int):
     """Each kernel leads a few random programs: the optimiser's plan on 2 devices, random-cost plans on 2 and 4."""
 
-    @settings(max_examples=2, **DETERMINISTIC)
+    @settings(max_examples=examples, **DETERMINISTIC)
     @given(graph=block_graphs(max_ops=4, first=kernel), seed=st.integers(0, 2**16))
     def check(graph: tapestry.Graph, seed: int) -> None:
         assert any(node.op == kernel for node in graph.ops)

@@ -18,6 +18,7 @@ from tapestry.kernels import KERNELS, DimKind, KernelError, get_kernel
 from tapestry.kernels.opaque import MAX_ARITY, opaque_name
 from tapestry.testing.strategies import arrays_for, partitions, signatures
 from tapestry.zspace import ZRange
+from sweeps import draws
 
 ALL = sorted(KERNELS)
 SPLITTABLE = [name for name in ALL if name not in {opaque_name(n) for n in range(MAX_ARITY + 1)}]  # opaque: a point
@@ -73,16 +74,21 @@ def test_the_torch_impl_traces_with_make_fx(name):
     torch.testing.assert_close(make_fx(fn)(*args)(*args), fn(*args), equal_nan=True)
 
 
+@draws(5, 10)
 @pytest.mark.parametrize("name", ALL)
-@settings(max_examples=10, deadline=None)
-@given(data=st.data(), seed=st.integers(0, 2**16))
-def test_torch_impl_matches_numpy(name, data, seed):
-    sig = data.draw(signatures(KERNELS[name]))
-    blocks = [read_block(a, p.apply(sig.index)) for a, p in zip(arrays_for(sig, seed), sig.projections)]
-    kwargs = sig.call_kwargs(sig.index)
-    expected = sig.kernel.numpy(*blocks, **kwargs)
-    got = sig.kernel.torch(*[dtypes.to_tensor(b) for b in blocks], **kwargs)
-    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-7, atol=1e-9)
+def test_torch_impl_matches_numpy(name, examples):
+
+    @settings(max_examples=examples, deadline=None)
+    @given(data=st.data(), seed=st.integers(0, 2**16))
+    def check(data, seed):
+        sig = data.draw(signatures(KERNELS[name]))
+        blocks = [read_block(a, p.apply(sig.index)) for a, p in zip(arrays_for(sig, seed), sig.projections)]
+        kwargs = sig.call_kwargs(sig.index)
+        expected = sig.kernel.numpy(*blocks, **kwargs)
+        got = sig.kernel.torch(*[dtypes.to_tensor(b) for b in blocks], **kwargs)
+        np.testing.assert_allclose(got.numpy(), expected, rtol=1e-7, atol=1e-9)
+
+    check()
 
 
 @pytest.mark.parametrize("name", sorted(n for n, k in KERNELS.items() if k.always_view))
@@ -98,24 +104,30 @@ def test_an_always_view_kernel_returns_a_view_of_its_argument(name, data):
     assert got.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
 
 
+@draws(5, 10)
 @pytest.mark.parametrize("name", ALL)
-@settings(max_examples=10, deadline=None)
-@given(data=st.data())
-def test_declared_additivity_is_only_on_reduction_dims(name, data):
+def test_declared_additivity_is_only_on_reduction_dims(name, examples):
     """Every dim of every kernel: a declared additive dim is a reduction the kernel has; only reductions not
     declared additive are unsplittable; and splitting any splittable dim in halves, summed, gives the whole."""
-    sig = data.draw(signatures(KERNELS[name]))
-    assert set(sig.kernel.additive) <= set(sig.dims), f"{name} declares additive dims it does not have"
-    args = arrays_for(sig, 0)
-    whole = run_sharded(sig, args, [sig.index])
-    for d, (dim, kind) in enumerate(zip(sig.dims, sig.dim_kinds)):
-        if dim in sig.kernel.additive:
-            assert kind is DimKind.REDUCTION, f"{name}: {dim} is declared additive but is {kind.value}"
-        splits = (kind is not DimKind.REDUCTION or dim in sig.kernel.additive) and dim not in sig.kernel.ring_only
-        assert (d in sig.splittable) == splits, dim
-        if d in sig.splittable and sig.index.shape[d] >= 2:
-            halves = run_sharded(sig, args, sig.index.split_even(d, 2))
-            np.testing.assert_allclose(halves, whole, rtol=1e-9, atol=1e-9, err_msg=f"{name} split on {dim}")
+
+    @settings(max_examples=examples, deadline=None)
+    @given(data=st.data())
+    def check(data):
+        sig = data.draw(signatures(KERNELS[name]))
+        assert set(sig.kernel.additive) <= set(sig.dims), f"{name} declares additive dims it does not have"
+        args = arrays_for(sig, 0)
+        whole = run_sharded(sig, args, [sig.index])
+        for d, (dim, kind) in enumerate(zip(sig.dims, sig.dim_kinds)):
+            if dim in sig.kernel.additive:
+                assert kind is DimKind.REDUCTION, f"{name}: {dim} is declared additive but is {kind.value}"
+            splits = (kind is not DimKind.REDUCTION or dim in sig.kernel.additive) \
+                and dim not in sig.kernel.ring_only
+            assert (d in sig.splittable) == splits, dim
+            if d in sig.splittable and sig.index.shape[d] >= 2:
+                halves = run_sharded(sig, args, sig.index.split_even(d, 2))
+                np.testing.assert_allclose(halves, whole, rtol=1e-9, atol=1e-9, err_msg=f"{name} split on {dim}")
+
+    check()
 
 
 def bind(name, *shapes, **params):

@@ -63,9 +63,26 @@ def steps() -> dict[int, Graph]:
 @pytest.fixture(scope="module")
 def three_on_two(steps):
     """`folded_on_two` of the 3-layer step, explored once for the tests that read it and count nothing an
-    exploration keeps (an extraction's memo is keyed by its arguments; the tests on the 5-layer step count
-    extractions, so each explores its own)."""
-    return folded_on_two(steps[3])
+    exploration keeps (an extraction's memo is keyed by its arguments); those that count take `unkept` of it."""
+    return folded_on_two(explored_on_two(steps[3]))
+
+
+@pytest.fixture(scope="module")
+def five_on_two(steps):
+    """The 5-layer step explored folded on Mesh(2), once: its tests count extractions, so each takes `unkept`."""
+    return explored_on_two(steps[5])
+
+
+def explored_on_two(g: Graph) -> tapestry.optimizer.Explored:
+    explored = tapestry.optimizer.explore(g, Mesh(2), layers=True)
+    assert explored.layered is not None
+    return explored
+
+
+def unkept(explored: tapestry.optimizer.Explored) -> tapestry.optimizer.Explored:
+    """The same saturated e-graph with none of what an exploration keeps from its extractions (its memo of
+    selections, its folded candidates' expansions: cached properties, made again on the copy)."""
+    return replace(explored)
 
 
 def test_finds_every_layer_of_a_llama_training_step_forward_backward_and_update(steps):
@@ -269,29 +286,29 @@ def test_a_folded_training_step_over_a_budget_its_free_plan_exceeds_gets_a_perio
     assert all(e.ok for e in errors.values()), errors
 
 
-def folded_on_two(g: Graph):
-    """The step explored folded on Mesh(2), and its extraction graph as `Explored.extract` makes it: steady ties
-    and the layers' twins, copy 1 priced once per later copy; with the carried pairs and the cost model."""
+def folded_on_two(explored: tapestry.optimizer.Explored):
+    """A step explored folded on Mesh(2) (`explored_on_two`), and its extraction graph as `Explored.extract` makes
+    it: steady ties and the layers' twins, copy 1 priced once per later copy; with the carried pairs and the cost
+    model."""
     from tapestry.cost import default_cost_model
     from tapestry.egraph.pins import steady_ties
 
     model = default_cost_model()
-    explored = tapestry.optimizer.explore(g, Mesh(2), layers=True)
     layered = explored.layered
-    assert layered is not None
-    carried = {out: name for out, name in g.carried.items() if out in explored.graph.outputs}
+    carried = {out: name for out, name in explored.whole.carried.items() if out in explored.graph.outputs}
     priced = explored.decoder.extraction_graph(list(explored.roots), model)
     egraph, ties = steady_ties(explored.decoder, priced, carried)
     return explored, layered.costs(egraph), sorted([*ties, *layered.ties()]), carried, model
 
 
-def test_the_fallback_expands_only_the_best_ranked_candidates_and_still_keeps_the_cheapest(steps, monkeypatch):
+def test_the_fallback_expands_only_the_best_ranked_candidates_and_still_keeps_the_cheapest(five_on_two,
+                                                                                           monkeypatch):
     """The greedy fallback's periodic candidates (up to twelve, many alike) are ranked on the folded plan
     (FoldedCandidates.folded_time) and only EXPANDED_CANDIDATES distinct ones expanded onto every layer and priced; the
     one kept is still the cheapest expanded plan of them all."""
     from tapestry.cost import plan_cost
 
-    explored, egraph, ties, carried, model = folded_on_two(steps[5])
+    explored, egraph, ties, carried, model = folded_on_two(unkept(five_on_two))
     candidates = []
     periodic = tapestry.optimizer.periodic_selections
     monkeypatch.setattr(tapestry.optimizer, "periodic_selections",
@@ -422,20 +439,30 @@ def test_memory_priced_candidates_compete_with_a_plan_the_budget_does_not_bind(t
             assert kept[name][1].choice == selection.choice and kept[name][0].cost == pytest.approx(cost)
 
 
-def test_a_folded_budget_the_plan_fits_runs_the_priced_rounds_only_where_they_compete(steps, monkeypatch):
+# make test runs the wiring: `within_budget` hands back the plan it is given, marked (its pricing against an
+# incumbent is the test above); make test-all prices the candidates too (docs/benchmarks.md "Test suite time",
+# branch maketest3).
+@pytest.mark.parametrize("priced", [pytest.param(False, id="wiring"),
+                                    pytest.param(True, id="priced", marks=pytest.mark.slow)])
+def test_a_folded_budget_the_plan_fits_runs_the_priced_rounds_only_where_they_compete(steps, three_on_two,
+                                                                                      monkeypatch, priced: bool):
     """`Explored.extract` of a folded step under a budget its plan fits tries the memory-priced candidates against
     that plan where the plan holds over LEAN_STEP ** -LEAN_BELOW of the budget (`competes`), keeping the cheaper,
     and not at all under a budget far above it (nor without one); before, the plan that fitted was kept untried."""
     from tapestry.egraph.folded_candidates import LEAN_BELOW, LEAN_STEP
 
-    explored = tapestry.optimizer.explore(steps[3], Mesh(2), layers=True)
+    explored = unkept(three_on_two[0])
     free = explored.extract(extractor="greedy-dag")
     within = FoldedCandidates.within_budget
     incumbents = []
 
     def spied(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        incumbents.append(kwargs.get("incumbent", args[11] if len(args) > 11 else None))
-        return within(self, *args, **kwargs)
+        incumbent = kwargs.get("incumbent", args[11] if len(args) > 11 else None)
+        incumbents.append(incumbent)
+        if priced:
+            return within(self, *args, **kwargs)
+        plan, selection = incumbent
+        return replace(plan, notes={**plan.notes, "kept by": "the spy"}), selection
 
     monkeypatch.setattr(FoldedCandidates, "within_budget", spied)
     far = explored.extract(extractor="greedy-dag", memory_budget=int(free.peak_memory * LEAN_STEP ** LEAN_BELOW) + 1)
@@ -444,16 +471,17 @@ def test_a_folded_budget_the_plan_fits_runs_the_priced_rounds_only_where_they_co
     assert len(incumbents) == 1 and incumbents[0] is not None  # the plan fitted: it competed, not bound
     assert tight.peak_memory <= free.peak_memory and tight.plan.cost <= incumbents[0][0].cost * (1 + 1e-12)
     assert not steady_violations(tight.plan, steps[3].carried)
+    assert priced or tight.plan.notes["kept by"] == "the spy"  # what within_budget kept is the plan returned
 
 
 @pytest.mark.slow  # a cost guard (27 s): make test-all
-def test_the_budgeted_fallbacks_plan_is_priced_once(steps, monkeypatch):
+def test_the_budgeted_fallbacks_plan_is_priced_once(three_on_two, monkeypatch):
     """`FoldedCandidates.within_budget` prices the plan it keeps by plan_cost; `Explored.extract` takes that price
     rather than pricing the expanded plan again (seconds a plan for the 80-layer 70B step on 8x8x8)."""
     import tapestry.egraph.lean_plans
     from tapestry.cost import default_cost_model, plan_cost
 
-    explored = tapestry.optimizer.explore(steps[3], Mesh(2), layers=True)
+    explored = unkept(three_on_two[0])
     budget = int(0.7 * explored.extract(extractor="greedy-dag").peak_memory)
     priced = []
     price = tapestry.egraph.lean_plans.plan_cost
@@ -465,11 +493,11 @@ def test_the_budgeted_fallbacks_plan_is_priced_once(steps, monkeypatch):
     assert not [note for note in priced if note not in (None, "not binding")]
 
 
-def test_the_fallback_extracts_each_distinct_set_of_pins_once(steps, monkeypatch):
+def test_the_fallback_extracts_each_distinct_set_of_pins_once(five_on_two, monkeypatch):
     """The greedy fallback's five sets of pins (delivered, each aligned to a copy, placed aligned to copy 1,
     replicated) often pin alike on a folded step: each distinct set is extracted once (greedy-dag is
     deterministic: a repeat makes the candidates made already)."""
-    explored, egraph, ties, carried, model = folded_on_two(steps[5])
+    explored, egraph, ties, carried, model = folded_on_two(unkept(five_on_two))
     pinned = []
     pin = tapestry.optimizer.pin_layouts
     monkeypatch.setattr(tapestry.optimizer, "pin_layouts",

@@ -217,9 +217,10 @@ def test_pareto_front_trades_time_for_memory_and_the_budget_picks_from_it():
     # The fastest plan is proven in well under a second; the leaner ones run to their limit, unproven (5 s and 6
     # points: 45 CPU s), and need only fit: 1 s and 3 points sweep the front twice.
     # One exploration for the front and both budgets (`optimize` is `explore(...).extract(...)`; its budget is
-    # passed through in test_memory_cuts and below).
-    graph = transformer_block(batch=2, seq=16, dim=32, heads=2)
-    explored = explore(graph, Mesh(4))
+    # passed through in test_memory_cuts and below). A small block on Mesh(2) trades time for memory alike, at a
+    # fraction of the cost of a wider one on Mesh(4) (docs/benchmarks.md "Test suite time", branch maketest3).
+    graph = transformer_block(batch=2, seq=4, dim=16, heads=2)
+    explored = explore(graph, Mesh(2))
     front = explored.pareto(time_limit=1, points=3)
     times = [r.plan.cost for r in front]
     memories = [r.peak_memory for r in front]

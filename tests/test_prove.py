@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import tapestry
+from tapestry.cli import main
+from tapestry.egraph.rules import EmptyRulesWarning
 from tapestry.graph import Graph, GraphError, save_graph
 
 
@@ -66,13 +66,18 @@ def test_graphs_with_other_inputs_or_outputs_are_refused():
         tapestry.equivalent(linear_relu(), other)
 
 
-def test_prove_command_exits_0_when_proven_and_1_when_not(tmp_path: Path):
+def test_prove_command_exits_0_when_proven_and_1_when_not(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """In this process (`python -m tapestry.cli` is run by test_runtime): a fresh interpreter cost more than the
+    proof."""
     save_graph(linear_relu(), tmp_path / "a.json")
     save_graph(matmul_add_relu(), tmp_path / "b.json")
-    run = subprocess.run([sys.executable, "-m", "tapestry.cli", "prove", str(tmp_path / "a.json"),
-                          str(tmp_path / "b.json")], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    assert json.loads(run.stdout.splitlines()[-1])["proven"] is True
+    assert main(["prove", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["proven"] is True
+    empty = tmp_path / "empty.egg"
+    empty.write_text("; no rules\n")
+    with pytest.warns(EmptyRulesWarning, match="no rules in this file"):
+        assert main(["prove", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--rules", str(empty)]) == 1
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["proven"] is False
 
 
 def _plus_constant(values: list[float], name: str = "c") -> Graph:

@@ -109,11 +109,15 @@ def test_a_transformer_block_on_4_gpus_within_0_4_of_its_weights_receives_no_mor
 
 @pytest.fixture(scope="module")
 def budgeted_block() -> Plan:
+    """A plan under a budget that binds: 4/5 of the free plan's peak, where the ILP proves its plan optimal. At 3/4
+    it proved none, running out four 5 s limits: the slowest setup of make test (docs/benchmarks.md "Test suite
+    time", branch maketest3)."""
     graph = transformer_block(2, 4, 16, 2)
     explored = explore(graph, Mesh(2))
-    budget = max(peak_memory(explored.extract(time_limit=5).plan)) * 3 // 4
+    free = max(peak_memory(explored.extract(time_limit=5).plan))
+    budget = free * 4 // 5
     plan = explored.extract(time_limit=5, memory_budget=budget).plan
-    assert max(peak_memory(plan)) <= budget
+    assert max(peak_memory(plan)) <= budget < free
     return plan
 
 
