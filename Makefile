@@ -23,10 +23,10 @@ demo: setup
 	$(BIN)/python -m tapestry.demo
 
 test: setup
-	$(BIN)/python -m pytest -q -n 2
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
 test-all: setup
-	$(BIN)/python -m pytest -q -n 2 -m ''
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m ''
 
 bench: setup
 	$(BIN)/python benchmarks/run_all.py
