@@ -609,3 +609,41 @@ def test_the_random_cases_fill_reads_and_choose_later_pairs_by_a_tree_choice():
         chained += any(n in added and egraph.node_class[twin] not in choice and found.get(
             egraph.node_class[twin]) is not None for n, twin in pairs)
     assert filled >= 10 and chained >= 3, (filled, chained)
+
+
+def test_a_candidates_folded_plan_is_decoded_once_for_its_ranking_and_its_expansion(three_on_two, monkeypatch):
+    """`FoldedCandidates` decodes a choice's folded plan once for `folded_time` and `decode` (kept by choice, the
+    last FOLDED_PLANS_KEPT): another choice gets its own plan, and a selection of a kept choice from another
+    extractor gets that selection's notes and cost, the same expansion and the same estimate as decoded afresh."""
+    from dataclasses import replace as replaced
+
+    from tapestry.egraph.folded_candidates import FOLDED_PLANS_KEPT
+    from tapestry.egraph.pins import periodic_selections, pin_layouts, replicated_layouts
+    from tapestry.extract import extract
+
+    explored, egraph, ties, carried, model = three_on_two
+    decoder, layered = explored.decoder, explored.layered
+    free, pinned = (periodic_selections(layered, decoder, egraph, extract(graph, "greedy-dag"), ties, carried)[0]
+                    for graph in (egraph, pin_layouts(decoder, egraph, replicated_layouts(decoder, carried), carried)))
+    assert free.choice != pinned.choice
+    fresh = FoldedCandidates(explored.layered, decoder, explored.graph, explored.folded.names)
+    expected = {key: (fresh.folded_time(egraph, s, model), fresh.decode(egraph, s)) for key, s in
+                (("free", free), ("pinned", pinned))}
+    decoded = []
+    plan = type(decoder).plan
+    monkeypatch.setattr(type(decoder), "plan", lambda self, *args: decoded.append(args[1]) or plan(self, *args))
+    folded = FoldedCandidates(explored.layered, decoder, explored.graph, explored.folded.names)
+    for key, s in (("free", free), ("pinned", pinned)):
+        assert folded.folded_time(egraph, s, model) == expected[key][0]
+        expanded, nodes = folded.decode(egraph, s)
+        assert expanded.steps == expected[key][1][0].steps and nodes == expected[key][1][1]
+        assert expanded.notes == expected[key][1][0].notes
+    assert [s.choice for s in decoded] == [free.choice, pinned.choice]  # once per choice
+    other = replaced(free, extractor="ilp", status="feasible", dag_cost=free.dag_cost + 1)
+    folded._expansions.clear()
+    expanded, _ = folded.decode(egraph, other)
+    assert len(decoded) == 2 and expanded.cost == other.dag_cost
+    assert expanded.notes["extractor"] == "ilp" and expanded.notes["status"] == "feasible"
+    assert folded._folded_plan(egraph, other).notes == decoder.plan(egraph, other, explored.graph,
+                                                                     explored.folded.names).notes
+    assert len(folded._folded_plans) <= FOLDED_PLANS_KEPT
