@@ -49,7 +49,9 @@ def competes(peak: int, limit: int) -> bool:
 # and every fit made up to twelve (docs/benchmarks.md, "Ranking the folded candidates").
 EXPANDED_CANDIDATES = 3
 EXPANSIONS_KEPT = EXPANDED_CANDIDATES  # expanded plans `FoldedCandidates.decode` keeps for the fit that picks one
-FOLDED_PLANS_KEPT = 16  # folded plans kept by choice: more than a fit ranks (up to twelve), so its expansions reuse them
+# folded plans kept by choice (`FoldedCandidates._folded_plan`): more than a fit ranks (up to twelve), so the
+# expansions of its best ranked reuse them
+FOLDED_PLANS_KEPT = 16
 
 
 def chosen(selection: Selection) -> tuple[int, ...]:

@@ -108,7 +108,7 @@ def with_reads(egraph: EGraph, choice: Mapping[int, int], pairs: Sequence[tuple[
     chosen node reads only chosen classes and the tree's choices only classes finalized before theirs. The pairs
     are taken in order, as a sweep of them would, but only those of chosen nodes are visited (`index`:
     `by_first(pairs)`), each from when its n is chosen: a sweep of every pair was 2.5 of the 7B fold's 4.2 CPU s of
-    mirroring (docs/benchmarks.md, "Mirroring from the chosen nodes' pairs only")."""
+    mirroring (docs/benchmarks.md, "Mirroring from the chosen nodes' pairs")."""
     index = by_first(pairs) if index is None else index
     kept = dict(choice)
     node_class, child_sets = egraph.node_class, egraph.child_sets
