@@ -564,3 +564,114 @@ def test_mirroring_a_real_fold_grows_what_sweeping_every_pair_grows(three_on_two
     swept = [layered.mirror(egraph, s, source).choice for s in (free, pinned) for source in (0, 1)]
     assert [list(f.items()) for f in found] == [list(s.items()) for s in swept]
     assert len({tuple(sorted(f.items())) for f in found}) > 1
+
+
+
+def _read_by_sweep(egraph, choice, pairs, tree):  # noqa: ANN001, ANN202
+    """`layered.with_reads` as it was written first: every pair visited, in order."""
+    kept = dict(choice)
+    for n, twin in pairs:
+        if kept.get(egraph.node_class[n]) != n or egraph.node_class[twin] in kept:
+            continue
+        stack = [d for d in egraph.child_sets[twin] if d not in kept]
+        if any(not tree.extractable(d) for d in stack):
+            continue
+        while stack:
+            d = stack.pop()
+            if d not in kept:
+                kept[d] = tree.node[d]
+                stack += [e for e in egraph.child_sets[tree.node[d]] if e not in kept]
+    return kept
+
+
+def _random_reads_case(seed: int):  # noqa: ANN202
+    """A random e-graph (some classes with no finite choice), its tree choice, a partial choice, and pairs, some of
+    whose n only a tree choice chooses."""
+    import math
+    import random
+
+    from tapestry.extract import EGraph
+    from tapestry.extract.egraph import Node
+    from tapestry.extract.tree import tree_choice
+
+    rng = random.Random(seed)
+    classes = [f"c{k}" for k in range(rng.randint(4, 30))]
+    nodes = [Node(f"n{i}", "op", rng.choice(classes), rng.choice([1.0, 2.0, 5.0]),
+                  tuple(rng.sample(classes, rng.randint(0, 2))))
+             for i in range(rng.randint(len(classes), 3 * len(classes)))]
+    nodes += [Node(f"n{len(nodes) + k}", "op", c, rng.choice([1.0, math.inf])) for k, c in enumerate(classes)]
+    egraph = EGraph.from_nodes(nodes, [classes[0]])
+    tree = tree_choice(egraph)
+    n_nodes = egraph.num_nodes
+    choice = {egraph.node_class[n]: n for n in rng.sample(range(n_nodes), rng.randint(1, n_nodes // 3))}
+    pairs = [(rng.randrange(n_nodes), rng.randrange(n_nodes)) for _ in range(rng.randint(1, 2 * n_nodes))]
+    for c in rng.sample(range(egraph.num_classes), 3):
+        if tree.extractable(c):
+            pairs.insert(rng.randrange(len(pairs) + 1), (tree.node[c], rng.randrange(n_nodes)))
+    return egraph, tree, choice, pairs
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_filling_a_mirrored_choices_reads_from_chosen_pairs_adds_what_sweeping_every_pair_adds(seed):
+    """`layered.with_reads` visits only the pairs of chosen nodes (and of the nodes its tree choices choose, from
+    their turn on): on random e-graphs whose pairs' twins read unchosen classes, whose tree choices choose the n of
+    later and earlier pairs, and some of whose classes have no finite choice, the same choice in the same order as
+    the sweep of every pair it replaced."""
+    from tapestry.egraph.layered import by_first, with_reads
+
+    egraph, tree, choice, pairs = _random_reads_case(seed)
+    expected = _read_by_sweep(egraph, choice, pairs, tree)
+    assert list(with_reads(egraph, choice, pairs, tree).items()) == list(expected.items())
+    assert list(with_reads(egraph, choice, pairs, tree, by_first(pairs)).items()) == list(expected.items())
+
+
+def test_the_random_cases_fill_reads_and_choose_later_pairs_by_a_tree_choice():
+    """The random cases exercise what the index must get right: tree choices added, and pairs whose n only such a
+    tree choice chose, in the seeds above."""
+    filled = chained = 0
+    for seed in range(60):
+        egraph, tree, choice, pairs = _random_reads_case(seed)
+        found = _read_by_sweep(egraph, choice, pairs, tree)
+        filled += len(found) > len(choice)
+        added = {n for c, n in found.items() if c not in choice}
+        chained += any(n in added and egraph.node_class[twin] not in choice and found.get(
+            egraph.node_class[twin]) is not None for n, twin in pairs)
+    assert filled >= 10 and chained >= 3, (filled, chained)
+
+
+def test_a_candidates_folded_plan_is_decoded_once_for_its_ranking_and_its_expansion(three_on_two, monkeypatch):
+    """`FoldedCandidates` decodes a choice's folded plan once for `folded_time` and `decode` (kept by choice, the
+    last FOLDED_PLANS_KEPT): another choice gets its own plan, and a selection of a kept choice from another
+    extractor gets that selection's notes and cost, the same expansion and the same estimate as decoded afresh."""
+    from dataclasses import replace as replaced
+
+    from tapestry.egraph.folded_candidates import FOLDED_PLANS_KEPT
+    from tapestry.egraph.pins import periodic_selections, pin_layouts, replicated_layouts
+    from tapestry.extract import extract
+
+    explored, egraph, ties, carried, model = three_on_two
+    decoder, layered = explored.decoder, explored.layered
+    free, pinned = (periodic_selections(layered, decoder, egraph, extract(graph, "greedy-dag"), ties, carried)[0]
+                    for graph in (egraph, pin_layouts(decoder, egraph, replicated_layouts(decoder, carried), carried)))
+    assert free.choice != pinned.choice
+    fresh = FoldedCandidates(explored.layered, decoder, explored.graph, explored.folded.names)
+    expected = {key: (fresh.folded_time(egraph, s, model), fresh.decode(egraph, s)) for key, s in
+                (("free", free), ("pinned", pinned))}
+    decoded = []
+    plan = type(decoder).plan
+    monkeypatch.setattr(type(decoder), "plan", lambda self, *args: decoded.append(args[1]) or plan(self, *args))
+    folded = FoldedCandidates(explored.layered, decoder, explored.graph, explored.folded.names)
+    for key, s in (("free", free), ("pinned", pinned)):
+        assert folded.folded_time(egraph, s, model) == expected[key][0]
+        expanded, nodes = folded.decode(egraph, s)
+        assert expanded.steps == expected[key][1][0].steps and nodes == expected[key][1][1]
+        assert expanded.notes == expected[key][1][0].notes
+    assert [s.choice for s in decoded] == [free.choice, pinned.choice]  # once per choice
+    other = replaced(free, extractor="ilp", status="feasible", dag_cost=free.dag_cost + 1)
+    folded._expansions.clear()
+    expanded, _ = folded.decode(egraph, other)
+    assert len(decoded) == 2 and expanded.cost == other.dag_cost
+    assert expanded.notes["extractor"] == "ilp" and expanded.notes["status"] == "feasible"
+    assert folded._folded_plan(egraph, other).notes == decoder.plan(egraph, other, explored.graph,
+                                                                     explored.folded.names).notes
+    assert len(folded._folded_plans) <= FOLDED_PLANS_KEPT

@@ -49,6 +49,9 @@ def competes(peak: int, limit: int) -> bool:
 # and every fit made up to twelve (docs/benchmarks.md, "Ranking the folded candidates").
 EXPANDED_CANDIDATES = 3
 EXPANSIONS_KEPT = EXPANDED_CANDIDATES  # expanded plans `FoldedCandidates.decode` keeps for the fit that picks one
+# folded plans kept by choice (`FoldedCandidates._folded_plan`): more than a fit ranks (up to twelve), so the
+# expansions of its best ranked reuse them
+FOLDED_PLANS_KEPT = 16
 
 
 def chosen(selection: Selection) -> tuple[int, ...]:
@@ -69,6 +72,7 @@ class FoldedCandidates:
     _expansions: dict[tuple[int, ...], tuple[Plan, list[int]]] = field(default_factory=dict, init=False, repr=False)
     _prices: dict[tuple[str, int, tuple[int, ...]], tuple[CostModel, float]] = field(
         default_factory=dict, init=False, repr=False)
+    _folded_plans: dict[tuple[int, ...], Plan] = field(default_factory=dict, init=False, repr=False)
     lowerings: Lowerings = field(default_factory=Lowerings, init=False, repr=False)  # steps lowered, by all fits
 
     def decode(self, egraph: ExtractGraph, selection: Selection) -> tuple[Plan, list[int]]:
@@ -79,8 +83,7 @@ class FoldedCandidates:
         if key in self._expansions:
             plan, nodes = self._expansions[key]
             return replace(plan, cost=selection.dag_cost, notes={**plan.notes, **self.decoder.notes(selection)}), nodes
-        folded = self.decoder.plan(egraph, selection, self.graph, self.names)
-        plan, nodes = self.layered.expand(egraph, selection, self.names, folded.notes)
+        plan, nodes = self.layered.expand(egraph, selection, self.names, self._folded_plan(egraph, selection).notes)
         self._expansions[key] = plan, nodes
         while len(self._expansions) > EXPANSIONS_KEPT:
             del self._expansions[next(iter(self._expansions))]
@@ -106,8 +109,21 @@ class FoldedCandidates:
         reductions hidden behind its backward pass as cost.overlap hides them."""
         return self._priced("folded", selection, model, lambda: self._folded_estimate(egraph, selection, model))
 
+    def _folded_plan(self, egraph: ExtractGraph, selection: Selection) -> Plan:
+        """The selection's plan of the folded graph, decoded once per choice while among the last FOLDED_PLANS_KEPT:
+        a fit's ranking (`folded_time`) decodes each of its candidates, then `decode` the ones it expands. Its steps
+        are the choice's; its cost and notes the selection's (a choice comes from several extractors)."""
+        key = chosen(selection)
+        plan = self._folded_plans.pop(key, None)  # put back last: the least recently asked go first
+        if plan is None:
+            plan = self.decoder.plan(egraph, selection, self.graph, self.names)
+        self._folded_plans[key] = plan
+        while len(self._folded_plans) > FOLDED_PLANS_KEPT:
+            del self._folded_plans[next(iter(self._folded_plans))]
+        return replace(plan, cost=selection.dag_cost, notes={**plan.notes, **self.decoder.notes(selection)})
+
     def _folded_estimate(self, egraph: ExtractGraph, selection: Selection, model: CostModel) -> float:
-        plan = self.decoder.plan(egraph, selection, self.graph, self.names)
+        plan = self._folded_plan(egraph, selection)
         costs = step_costs(plan, model)
         nodes = self.decoder.step_nodes(egraph, selection)
         runs = {step.out: self.layered.runs(n) for step, n in zip(plan.steps, nodes)}
