@@ -1,14 +1,14 @@
 """One stage count's fastest layer plan extracted plainly and with its stage hops priced (`BoundaryPriced`), each
 weighed by both objectives and by the pipeline (issue 24, item 3).
 
-benchmarks/pipeline.py's layer (a LLaMA block at `--width`) is explored on the sub-mesh `--stages` stages of
-`--mesh` get, and its fastest plan for `--micro-batches` runs per update extracted twice: by the cost model as
-is (the optimizer prices placing an input as free) and as `plan_pipeline` ranks it over more than one stage
-(`pipeline.boundary.BoundaryPriced`, a layer's share of the hops). For each plan: the extraction's notes (which
-fit won), the objective without hops (`accumulated_cost`, what the extraction's fits are weighed by), the hops'
-seconds per update (the micro-batches x each boundary Place's `BoundaryPriced.hop`), the boundary inputs' layouts
-and bytes per device, the layer's costs (`layer_cost`) and the best configuration of `--layers` layers
-(`best_configuration`, the 80 GB budget, mixed precision).
+benchmarks/pipeline.py's layer (a LLaMA block at `--width`) is explored on the sub-mesh `--stages` stages of `--mesh`
+get, and its fastest plan for `--micro-batches` runs per update extracted twice: by the cost model as is (the
+optimizer prices placing an input as free) and as `plan_pipeline` ranks it over more than one stage
+(`pipeline.boundary.BoundaryPriced`, a layer's share of the hops, `planner.exposed_share`). For each plan: the
+extraction's notes (which fit won), the objective without hops (`accumulated_cost`, what the extraction's fits are
+weighed by), the hops' seconds per update (the micro-batches x each boundary Place's `BoundaryPriced.hop`), the
+boundary inputs' layouts and bytes per device, the layer's costs (`layer_cost`) and the best configuration of
+`--layers` layers (`best_configuration`, the 80 GB budget, mixed precision).
 
     python benchmarks/boundary_ranking.py --mesh 8x8 --stages 4
 """
@@ -42,6 +42,7 @@ def main() -> None:
         LAYER_TIME_LIMIT,
         best_configuration,
         configurations,
+        exposed_share,
         ideal_time,
         stage_mesh,
     )
@@ -53,13 +54,12 @@ def main() -> None:
     mesh = tapestry.Mesh(*(int(n) for n in args.mesh.split("x")))
     sub, m = stage_mesh(mesh, 0, args.stages), args.global_batch // args.micro_batch
     link = model.profile.axis_links(mesh.shape)[0]
-    hops = args.stages * max(s.chunks for s in configurations(args.stages, m, args.layers, SCHEDULES, CHUNKS)) \
-        / args.layers
+    hops = exposed_share(configurations(args.stages, m, args.layers, SCHEDULES, CHUNKS), args.layers, m)
     ranking = BoundaryPriced.of(model, graph, link, hops)
     started = time.process_time()
     explored = explore(graph, sub, budget=tapestry.Budget(seconds=30))
     print(f"explore {sub}: {time.process_time() - started:.1f} CPU s; {args.stages} stages, {m} micro-batches, "
-          f"{hops:g} hops a layer, link beta {link.beta:.3g} B/s", flush=True)
+          f"{hops:g} round trips a layer and micro-batch, link beta {link.beta:.3g} B/s", flush=True)
     crossing = boundary_inputs(graph)
     for name, by in (("plain", model), ("hops priced", ranking)):
         started = time.process_time()

@@ -30,7 +30,8 @@ def boundary_inputs(graph: Graph) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class BoundaryPriced:
     """`model`, with each Place of a stage-boundary input priced as the layer's share of the hops that carry it
-    (`hops` per layer and micro-batch: a stage of k layers receives each micro-batch's input once, not k times),
+    and that the step waits for (`hops` per layer and micro-batch, `planner.exposed_share`: a stage of k layers
+    receives each micro-batch's input once, not k times, and most hops are sent while the receiver computes),
     each its bytes per device (the most any device holds) over the pipeline's link (beta only: the latency is the
     same whatever the layout; a plan that places an input in two layouts pays for both, more than sending the
     larger and slicing it, so extraction prefers that). Everything else is `model`'s, fusion included."""
