@@ -62,6 +62,27 @@ def test_a_boundary_inputs_place_costs_one_hop_of_its_largest_block_and_nothing_
     assert sent == set(crossing)
 
 
+def test_what_extraction_reads_of_the_model_is_named_not_delegated_wholesale() -> None:
+    """The profile, fused_device and reshard_floors read through; a model without the last two prices no fusion
+    and no floors through the wrapper either; nothing else of the model is handed out (its own methods would price
+    without the hops)."""
+    from tapestry.pipeline.boundary import BoundaryPriced
+
+    class Bare:
+        profile = "a profile"
+
+        def step_cost(self, step: object, mesh: object) -> float:
+            return 1.0
+
+    model = h100()
+    priced = BoundaryPriced(model, ())
+    assert priced.profile is model.profile and priced.fused_device == model.fused_device
+    assert priced.reshard_floors == model.reshard_floors
+    assert not hasattr(priced, "roofline") and hasattr(model, "roofline")
+    bare = BoundaryPriced(Bare(), ())
+    assert bare.profile == "a profile" and bare.fused_device is None and not hasattr(bare, "reshard_floors")
+
+
 def test_extraction_priced_with_its_hops_splits_the_input_the_plain_one_keeps_whole(mlp_step) -> None:  # noqa: ANN001
     """Placing an input is free to the optimizer, so the tiny layer's fastest plan takes its input whole on both
     devices; priced with a slow link's hops, it takes it split: half the bytes per stage transfer."""

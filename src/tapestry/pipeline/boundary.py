@@ -9,13 +9,14 @@ takes it split, where the pipeline pays the first eight times the bytes per hop 
 step"). Priced with the hops, extraction sees that cost."""
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tapestry import dtypes
 from tapestry.cost import CostModel, Link
 from tapestry.graph import Graph
-from tapestry.plan import Place, Plan, Step
+from tapestry.plan import Place, Plan, Reshard, Step
 from tapestry.sharding import Mesh
 from tapestry.training import LR
 
@@ -62,7 +63,19 @@ class BoundaryPriced:
             step.out: self.model.step_cost(step, plan.mesh) for step in plan.steps if step.out not in plan.prepared}
         return {out: cost + self.hop(plan.by_id[out]) for out, cost in costs.items()}
 
-    def __getattr__(self, name: str) -> Any:  # the model's other attributes (its profile, fused_device)
-        if name == "model":  # not set yet (copy, pickle): no recursion
-            raise AttributeError(name)
-        return getattr(self.model, name)
+    # What else extraction reads of a cost model, each named (a catch-all delegation would hand out the model's own
+    # methods, whose calls through their `self` never see the hops)
+    @property
+    def profile(self) -> Any:
+        return self.model.profile
+
+    @property
+    def fused_device(self) -> Any:
+        """The model's (`DefaultCostModel.fused_device`), None where it prices no fusion."""
+        return getattr(self.model, "fused_device", None)
+
+    @property
+    def reshard_floors(self) -> Callable[[Sequence[Reshard], Mesh], Any]:
+        """The model's bound to reshards, which cross no stage boundary; an AttributeError where it has none, so
+        that extraction prices its moves as the model alone would (`egraph.extractor_pricing`)."""
+        return self.model.reshard_floors
