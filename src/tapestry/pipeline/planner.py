@@ -320,9 +320,9 @@ def ideal_time(layer: LayerCost, layers: int, stages: int, micro_batches: int, p
     leaner plan of the layer too, as far as `layer`'s plan is the cheapest by the objective layer plans are
     extracted by (`Explored.extract` with `micro_batches`: forward and backward per micro-batch, the update
     and reductions once; `plan_pipeline` extracts a leaner plan only where the last one's floor beats the best
-    step so far). Over more than one stage that objective prices the stage transfers too (`BoundaryPriced`), so
-    there the floor holds as far as a leaner plan pays the transfers it saves in full: one that sends more could
-    gain what the schedule hides of its transfers."""
+    step so far). Over more than one stage that objective prices the stage transfers too, those the schedule with
+    the most chunks leaves exposed (`BoundaryPriced`, `exposed_share`), so there the floor holds as far as the
+    schedule chosen exposes no fewer of the transfers a leaner plan saves."""
     copies = ends.stack(layer, layers)
     least = min(1.0, *(precision.update_scale(c) for c in copies))
     return least * sum(micro_batches * (c.forward + c.backward) + c.update + c.reduce for c in copies) / stages
@@ -459,8 +459,8 @@ def _stage_plan(graph: Graph, end_graphs: tuple[Graph | None, Graph | None], lay
     last, extracted = fastest_layer, 1
     while extracted < pareto_points:
         # the next leaner plan is the fastest that needs less memory than the last: no faster by the objective
-        # they are extracted by, so the last one's floor floors it (where the stage transfers it saves are paid in
-        # full, as that objective prices them: `BoundaryPriced`)
+        # they are extracted by, so the last one's floor floors it (where the stage transfers it saves are exposed
+        # as that objective prices them: `BoundaryPriced`)
         floor = ideal_time(last, layers, stages, micro_batches, precision, ends)
         beaten = min(leading, math.inf if best is None else best.cost)
         if floor >= (1 - leaner_slack) * beaten:  # no leaner plan could beat the best step by more than the slack
