@@ -62,6 +62,27 @@ def test_a_boundary_inputs_place_costs_one_hop_of_its_largest_block_and_nothing_
     assert sent == set(crossing)
 
 
+def test_what_extraction_reads_of_the_model_is_named_not_delegated_wholesale() -> None:
+    """The profile, fused_device and reshard_floors read through; a model without the last two prices no fusion
+    and no floors through the wrapper either; nothing else of the model is handed out (its own methods would price
+    without the hops)."""
+    from tapestry.pipeline.boundary import BoundaryPriced
+
+    class Bare:
+        profile = "a profile"
+
+        def step_cost(self, step: object, mesh: object) -> float:
+            return 1.0
+
+    model = h100()
+    priced = BoundaryPriced(model, ())
+    assert priced.profile is model.profile and priced.fused_device == model.fused_device
+    assert priced.reshard_floors == model.reshard_floors
+    assert not hasattr(priced, "roofline") and hasattr(model, "roofline")
+    bare = BoundaryPriced(Bare(), ())
+    assert bare.profile == "a profile" and bare.fused_device is None and not hasattr(bare, "reshard_floors")
+
+
 def test_extraction_priced_with_its_hops_splits_the_input_the_plain_one_keeps_whole(mlp_step) -> None:  # noqa: ANN001
     """Placing an input is free to the optimizer, so the tiny layer's fastest plan takes its input whole on both
     devices; priced with a slow link's hops, it takes it split: half the bytes per stage transfer."""
@@ -118,10 +139,60 @@ def test_over_more_than_one_stage_every_layer_plan_is_ranked_with_its_hops(mlp_s
                                                                    ("DefaultCostModel", False)]
 
 
+def test_a_schedules_exposed_hops_are_its_fill_and_drain_and_one_a_micro_batch_in_1f1b() -> None:
+    """The hops `price` puts on a step's critical path: GPipe's 2(S - 1) and interleaved 1F1B's 2(S v - 1) whatever
+    the micro-batches (the rest are sent while the receiver computes); 1F1B on 2 stages waits on every round trip."""
+    from tapestry.pipeline.model import exposed_hops
+    from tapestry.pipeline.schedule import Schedule
+
+    for stages in (2, 3, 4):
+        for groups in (1, 2, 5, 40):
+            m = stages * groups
+            assert exposed_hops(Schedule("gpipe", stages, m)) == pytest.approx(2 * (stages - 1), rel=1e-6)
+            for v in (2, 3):
+                assert exposed_hops(Schedule("interleaved", stages, m, v)) == pytest.approx(2 * (stages * v - 1),
+                                                                                           rel=1e-6)
+    for m in (2, 4, 64):
+        assert exposed_hops(Schedule("1f1b", 2, m)) == pytest.approx(m, rel=1e-6)
+
+
+def test_the_hops_a_stage_is_charged_are_what_its_step_pays_for_them(mlp_step) -> None:  # noqa: ANN001
+    """The layer's input and the incoming gradient, each placed once in the layout the pipeline sends (of
+    `LayerCost.boundary` bytes): a stage's layers are charged, per step, what the pipeline model's step grows by
+    for that transfer under the schedule the share was taken for (hops short beside the compute). Charging every
+    hop (S v round trips a micro-batch, as before) priced them 2 v m / exposed times that."""
+    import tapestry
+    from tapestry.cost import Link
+    from tapestry.optimizer import explore
+    from tapestry.pipeline import MIXED, layer_cost
+    from tapestry.pipeline.boundary import BoundaryPriced, boundary_inputs
+    from tapestry.pipeline.model import partition, price
+    from tapestry.pipeline.planner import exposed_share
+    from tapestry.pipeline.schedule import Schedule
+    from tapestry.plan import Place
+
+    model, layers, m = h100(), 8, 16
+    plan = explore(mlp_step, tapestry.Mesh(2), budget=tapestry.Budget(seconds=30)).extract(model).plan
+    layer = layer_cost(plan, model)
+    crossing = [next(s for s in plan.steps if isinstance(s, Place) and s.input == name
+                     and max(b.size for b in s.layout.blocks if b is not None) * 4 == layer.boundary)  # float32
+                for name in boundary_inputs(mlp_step)]
+    beta = layer.boundary / (1e-3 * layer.forward)  # a hop a thousandth of a layer's forward
+    for schedule in (Schedule("1f1b", 2, m), Schedule("interleaved", 2, m, 2), Schedule("interleaved", 4, m, 2)):
+        s = schedule.stages
+        priced = BoundaryPriced.of(model, mlp_step, Link(0.0, beta), exposed_share([schedule], layers, m))
+        charged = layers // s * m * sum(priced.hop(step) for step in crossing)
+        chunks = partition([1.0] * layers, s * schedule.chunks)
+        steps = [price([layer] * layers, schedule, chunks, [False] * layers, MIXED, t).step_time
+                 for t in (0.0, layer.boundary / beta)]
+        assert charged == pytest.approx(steps[1] - steps[0], rel=1e-6)
+
+
 def test_a_layer_is_charged_its_share_of_the_hops_under_the_schedule_with_the_most_chunks(mlp_step,  # noqa: ANN001
                                                                                           monkeypatch) -> None:
-    """S stages of v chunks over L layers: each chunk receives a micro-batch's input once, so a layer pays S x v / L
-    hops (the most chunks tried: interleaving needs a layer per chunk)."""
+    """S stages over L layers, m micro-batches: a layer pays the round trips the schedule with the most chunks tried
+    leaves exposed (`exposed_hops` / 2), shared by the L / S layers a device holds, per micro-batch: 1F1B on 2
+    stages 4 hops, interleaved with 2 chunks 2(2 x 2 - 1) = 6."""
     from tapestry.pipeline import planner
 
     shares: list[float] = []
@@ -132,10 +203,12 @@ def test_a_layer_is_charged_its_share_of_the_hops_under_the_schedule_with_the_mo
         return made(model, graph, link, hops)
 
     monkeypatch.setattr(planner.BoundaryPriced, "of", spied)
-    for schedules, share in [(("1f1b",), 2 / 4), (("1f1b", "interleaved"), 2 * 2 / 4)]:  # 4 layers: v = 2 at most
+    m = 16 // 4  # the step's batch is 4
+    for schedules, exposed in [(("1f1b",), 4), (("1f1b", "interleaved"), 6)]:  # 4 layers: v = 2 at most
+        share = exposed / 2 * 2 / (4 * m)
         shares.clear()
         plan(mlp_step, 2, pareto_points=1, schedules=schedules)
-        assert shares == [share]
+        assert shares == [pytest.approx(share, rel=1e-6)]
 
 
 def test_across_a_slow_link_the_layer_plan_chosen_sends_half_the_bytes_for_a_faster_step(mlp_step,  # noqa: ANN001

@@ -24,3 +24,20 @@ def test_of_equal_time_plans_the_one_with_the_lower_peak_is_kept_in_either_order
     assert objective.least([(lean, "ZeRO-3"), (full, "data parallel")])[1] == "ZeRO-3"
     faster = replace(full, cost=0.5)  # time first: a faster plan is kept whatever it holds
     assert objective.least([(lean, "ZeRO-3"), (faster, "data parallel")])[1] == "data parallel"
+
+
+def test_a_plan_found_twice_is_not_better_than_itself_and_its_peak_is_not_read(monkeypatch) -> None:  # noqa: ANN001
+    """A refit that chose the same plan (the fused fit on a pipeline's 8x8 layer) ties on time and on peak: reading
+    its peak twice (each rank's lowered steps, seconds on 64 devices) decides nothing."""
+    from tapestry.egraph import objective as module
+
+    imported, _ = adam_step(8, 16, 16)
+    plan = replace(baselines(imported.graph, tapestry.Mesh(4))["ZeRO-3"], cost=1.0)
+    objective = StepObjective(default_cost_model(), 1, (frozenset(), frozenset(), frozenset()))
+
+    def unread(plan: object) -> None:
+        raise AssertionError("the peak of a plan found twice was read")
+
+    monkeypatch.setattr(module, "peak_memory", unread)
+    again = replace(plan, steps=tuple(plan.steps), cost=1.0 + 1e-12)  # equal steps, not the same tuple
+    assert not objective.better(again, plan) and not objective.better(plan, again)

@@ -107,6 +107,8 @@ class StepObjective:
         mine, theirs = self(plan), self(than)
         if abs(mine - theirs) > EQUAL_TIME * max(abs(mine), abs(theirs)):
             return mine < theirs
+        if plan.steps == than.steps:  # one plan found twice (a refit that chose the same): one peak, not better
+            return False
         return max(self._peak(plan)) < max(self._peak(than))
 
     def least(self, found: Sequence[tuple[Plan, T]]) -> tuple[Plan, T]:

@@ -9,13 +9,14 @@ takes it split, where the pipeline pays the first eight times the bytes per hop 
 step"). Priced with the hops, extraction sees that cost."""
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tapestry import dtypes
 from tapestry.cost import CostModel, Link
 from tapestry.graph import Graph
-from tapestry.plan import Place, Plan, Step
+from tapestry.plan import Place, Plan, Reshard, Step
 from tapestry.sharding import Mesh
 from tapestry.training import LR
 
@@ -30,7 +31,8 @@ def boundary_inputs(graph: Graph) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class BoundaryPriced:
     """`model`, with each Place of a stage-boundary input priced as the layer's share of the hops that carry it
-    (`hops` per layer and micro-batch: a stage of k layers receives each micro-batch's input once, not k times),
+    and that the step waits for (`hops` per layer and micro-batch, `planner.exposed_share`: a stage of k layers
+    receives each micro-batch's input once, not k times, and most hops are sent while the receiver computes),
     each its bytes per device (the most any device holds) over the pipeline's link (beta only: the latency is the
     same whatever the layout; a plan that places an input in two layouts pays for both, more than sending the
     larger and slicing it, so extraction prefers that). Everything else is `model`'s, fusion included."""
@@ -61,7 +63,19 @@ class BoundaryPriced:
             step.out: self.model.step_cost(step, plan.mesh) for step in plan.steps if step.out not in plan.prepared}
         return {out: cost + self.hop(plan.by_id[out]) for out, cost in costs.items()}
 
-    def __getattr__(self, name: str) -> Any:  # the model's other attributes (its profile, fused_device)
-        if name == "model":  # not set yet (copy, pickle): no recursion
-            raise AttributeError(name)
-        return getattr(self.model, name)
+    # What else extraction reads of a cost model, each named (a catch-all delegation would hand out the model's own
+    # methods, whose calls through their `self` never see the hops)
+    @property
+    def profile(self) -> Any:
+        return self.model.profile
+
+    @property
+    def fused_device(self) -> Any:
+        """The model's (`DefaultCostModel.fused_device`), None where it prices no fusion."""
+        return getattr(self.model, "fused_device", None)
+
+    @property
+    def reshard_floors(self) -> Callable[[Sequence[Reshard], Mesh], Any]:
+        """The model's bound to reshards, which cross no stage boundary; an AttributeError where it has none, so
+        that extraction prices its moves as the model alone would (`egraph.extractor_pricing`)."""
+        return self.model.reshard_floors

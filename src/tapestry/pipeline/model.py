@@ -212,3 +212,20 @@ def price(layers: Sequence[LayerCost], schedule: Schedule, chunks: Sequence[Sequ
     update = max(sum(layers[i].update * precision.update_scale(layers[i]) + layers[i].reduce for i in mine)
                  for mine in devices)
     return Priced(makespan + update, device_memory(layers, schedule, chunks, recompute, precision), timeline)
+
+
+@cache
+def exposed_hops(schedule: Schedule) -> float:
+    """Stage-boundary hops on the critical path of a step under `schedule` (`price`'s step time grows by this many
+    times each hop's seconds, while hops are short beside the chunks' compute): the rest are sent while the
+    receiver computes. Of uniform chunks, whose times do not change it (GPipe 2(S - 1), interleaved 1F1B
+    2(S v - 1), 1F1B one to two a micro-batch: its strict alternation waits on the round trips)."""
+    chunks = schedule.stages * schedule.chunks
+    uniform = [LayerCost(forward=1.0, backward=2.0, update=0.0, params=0, state=0, slots=0, activations=0,
+                         boundary=0, working=0, flops=0.0)] * chunks
+    one_each = tuple((c,) for c in range(chunks))
+    hop = 1e-4  # seconds: far below a chunk's, so the critical path is the one without transfers
+    kept = [False] * chunks
+    grown = price(uniform, schedule, one_each, kept, BF16, hop).step_time - \
+        price(uniform, schedule, one_each, kept, BF16, 0.0).step_time
+    return grown / hop

@@ -42,6 +42,7 @@ from tapestry.pipeline.model import (
     Priced,
     chunk_times,
     device_memory,
+    exposed_hops,
     partition,
     price,
 )
@@ -297,6 +298,18 @@ def rebalanced(layer: LayerCost, layers: int, schedule: Schedule, precision: Pre
     return best
 
 
+def exposed_share(tried: Sequence[Schedule], layers: int, micro_batches: int) -> float:
+    """A layer's share, per micro-batch, of the stage round trips (its input forward, its gradient back) that a step
+    of `layers` layers leaves on its critical path, under the schedule with the most chunks `tried` (the least
+    exposed of those: GPipe's over 1F1B's without interleaving): a device's L/S layers pay the exposed hops once
+    per step, as `price` prices them. The other hops are sent while the receiver computes: charging every hop (S v
+    round trips a micro-batch) priced the 7B step's interleaved transfers 33-146 times what its step pays for them
+    and chose slower stage plans for S = 2 and 4 (docs/benchmarks.md, "7B on 64 GPUs at 4M tokens per step")."""
+    most = max(s.chunks for s in tried)
+    stages = tried[0].stages
+    return min(exposed_hops(s) for s in tried if s.chunks == most) / 2 * stages / (layers * micro_batches)
+
+
 def ideal_time(layer: LayerCost, layers: int, stages: int, micro_batches: int, precision: Precision,
                ends: Ends = Ends()) -> float:
     """A floor under the step time of `layers` copies of `layer` (the model's `ends` joined) in `stages` stages,
@@ -307,9 +320,9 @@ def ideal_time(layer: LayerCost, layers: int, stages: int, micro_batches: int, p
     leaner plan of the layer too, as far as `layer`'s plan is the cheapest by the objective layer plans are
     extracted by (`Explored.extract` with `micro_batches`: forward and backward per micro-batch, the update
     and reductions once; `plan_pipeline` extracts a leaner plan only where the last one's floor beats the best
-    step so far). Over more than one stage that objective prices the stage transfers too (`BoundaryPriced`), so
-    there the floor holds as far as a leaner plan pays the transfers it saves in full: one that sends more could
-    gain what the schedule hides of its transfers."""
+    step so far). Over more than one stage that objective prices the stage transfers too, those the schedule with
+    the most chunks leaves exposed (`BoundaryPriced`, `exposed_share`), so there the floor holds as far as the
+    schedule chosen exposes no fewer of the transfers a leaner plan saves."""
     copies = ends.stack(layer, layers)
     least = min(1.0, *(precision.update_scale(c) for c in copies))
     return least * sum(micro_batches * (c.forward + c.backward) + c.update + c.reduce for c in copies) / stages
@@ -421,11 +434,10 @@ def _stage_plan(graph: Graph, end_graphs: tuple[Graph | None, Graph | None], lay
     e-graph, pricing and extractions are freed before the next sub-mesh is explored (a loop's locals outlived
     the iteration: the 70B step's 4x8x8 e-graph was held while 8x8x8's was explored)."""
     sub = stage_mesh(mesh, axis, stages)
-    # over more than one stage the layer's plans are ranked with the stage transfers they make the pipeline pay: a
-    # layer's share of them under the schedule with the most chunks tried, S x v hops over the layers
-    hops = stages * max((s.chunks for s in configurations(stages, micro_batches, layers, schedules, chunks)),
-                        default=1) / layers
-    ranking = cost_model if stages == 1 else BoundaryPriced.of(cost_model, graph, link, hops)
+    # over more than one stage the layer's plans are ranked with the stage transfers they make the pipeline pay
+    tried = configurations(stages, micro_batches, layers, schedules, chunks)
+    ranking = cost_model if stages == 1 or not tried else \
+        BoundaryPriced.of(cost_model, graph, link, exposed_share(tried, layers, micro_batches))
     try:
         explored = explore(graph, sub, budget=budget)
         fastest = explored.extract(ranking, extractor, time_limit, micro_batches=micro_batches)
@@ -447,8 +459,8 @@ def _stage_plan(graph: Graph, end_graphs: tuple[Graph | None, Graph | None], lay
     last, extracted = fastest_layer, 1
     while extracted < pareto_points:
         # the next leaner plan is the fastest that needs less memory than the last: no faster by the objective
-        # they are extracted by, so the last one's floor floors it (where the stage transfers it saves are paid in
-        # full, as that objective prices them: `BoundaryPriced`)
+        # they are extracted by, so the last one's floor floors it (where the stage transfers it saves are exposed
+        # as that objective prices them: `BoundaryPriced`)
         floor = ideal_time(last, layers, stages, micro_batches, precision, ends)
         beaten = min(leading, math.inf if best is None else best.cost)
         if floor >= (1 - leaner_slack) * beaten:  # no leaner plan could beat the best step by more than the slack
