@@ -63,7 +63,7 @@ def plan_problems(plan: Plan) -> list[str]:
     problems: list[str] = []
     defined: dict[str, Step] = {}
     value_dtypes: dict[str, str] = {}
-    clean: set[tuple] = set()  # `_computed`'s keys of the Compute steps found valid (`_step_problems`)
+    clean: set[tuple] = set()  # the keys (`_computed`, `_moved`) of the steps found valid (`_step_problems`)
     for step in plan.steps:
         where = _where(step)
         if step.out in defined:
@@ -112,13 +112,14 @@ def _where(step: Step) -> str:
 
 
 def _step_problems(plan: Plan, step: Step, defined: dict[str, Step], clean: set[tuple]) -> list[str]:
-    """The step's problems. A Compute step whose `_computed` key was found valid already (`clean`: each later copy
-    of an expanded plan's layer runs the step of copy 1, under other names) has only its sources left to check:
-    whatever else `_compute_problems` checks is a function of that key."""
+    """The step's problems. A Compute or Reshard step whose key (`_computed`, `_moved`) was found valid already
+    (`clean`: each later copy of an expanded plan's layer runs the step of copy 1, under other names) has only its
+    sources left to check: whatever else `_compute_problems` or `_reshard_problems` checks is a function of that
+    key."""
     if isinstance(step, Place):
         return _place_problems(plan, step)
     if isinstance(step, Reshard):
-        return _reshard_problems(plan.mesh, step, defined)
+        return _reshard_problems(plan.mesh, step, defined, clean)
     key = _computed(step)
     if key in clean:
         return [problem for i, (arg, layout, shape) in enumerate(zip(step.args, step.arg_layouts, step.input_shapes))
@@ -184,14 +185,25 @@ def _source_problems(value: str, shape: Shape, layout: Layout, defined: dict[str
     return problems
 
 
-def _reshard_problems(mesh: Mesh, step: Reshard, defined: dict[str, Step]) -> list[str]:
+def _moved(step: Reshard) -> tuple:
+    """What `_reshard_problems` judges of a reshard but its source (by name): its shape and both layouts (the mesh
+    is the plan's)."""
+    return "reshard", step.shape, step.src_layout, step.layout
+
+
+def _reshard_problems(mesh: Mesh, step: Reshard, defined: dict[str, Step], clean: set[tuple]) -> list[str]:
     problems = _source_problems(step.src, step.shape, step.src_layout, defined, "source")
+    key = _moved(step)
+    if key in clean:
+        return problems
     problems += layout_problems(step.layout, step.shape, mesh)
     if not problems and not can_move(step.src_layout, step.layout):  # transfers says why (64 devices: slow)
         try:
             transfers(step.src_layout, step.layout)
         except CommError as err:
             problems.append(f"impossible move: {err}")
+    if not problems:
+        clean.add(key)
     return problems
 
 
