@@ -610,3 +610,22 @@ def test_reshards_alike_but_for_their_names_are_judged_once_and_a_wrong_one_in_a
     partial = Layout(last.layout.blocks, partial=True)
     assert problems_mentioning(replace_step(plan, last.out, layout=partial), f"step {last.out} (reshard): impossible "
                                                                              f"move")
+
+
+def test_steps_sharing_their_blocks_are_judged_once_by_identity_and_their_sources_each_time(monkeypatch):
+    """An expanded plan's copies share copy 1's blocks (one tuple object): a later copy is found alike by that object,
+    without hashing every device's block again (on 8x8x8 most of validate_plan's time), and what it reads is still
+    checked by name."""
+    from tapestry.plan import validate
+
+    plan = relu_chain_plan()
+    relus = [s for s in plan.steps if isinstance(s, Compute)]
+    shared = dataclasses.replace(plan, steps=tuple(dataclasses.replace(s, blocks=relus[0].blocks)
+                                                   if isinstance(s, Compute) else s for s in plan.steps))
+    keyed = []
+    whole = validate._computed
+    monkeypatch.setattr(validate, "_computed", lambda step: keyed.append(step.out) or whole(step))
+    assert plan_problems(shared) == []
+    assert keyed == [relus[0].out]
+    dangling = replace_step(shared, relus[2].out, args=("v99",))
+    assert problems_mentioning(dangling, f"step {relus[2].out} (compute relu): arg 0 (x) refers to 'v99'")

@@ -120,14 +120,23 @@ def _step_problems(plan: Plan, step: Step, defined: dict[str, Step], clean: set[
         return _place_problems(plan, step)
     if isinstance(step, Reshard):
         return _reshard_problems(plan.mesh, step, defined, clean)
+    alias = step.binding, id(step.blocks)  # an expanded plan's copies share blocks: no 512 blocks hashed again
+    if alias in clean:
+        return _sources_problems(step, defined)
     key = _computed(step)
     if key in clean:
-        return [problem for i, (arg, layout, shape) in enumerate(zip(step.args, step.arg_layouts, step.input_shapes))
-                for problem in _source_problems(arg, shape, layout, defined, _arg_what(step.signature, i))]
+        clean.add(alias)
+        return _sources_problems(step, defined)
     problems = _compute_problems(plan.mesh, step, defined)
     if not problems:
-        clean.add(key)
+        clean.update((key, alias))
     return problems
+
+
+def _sources_problems(step: Compute, defined: dict[str, Step]) -> list[str]:
+    """What is left to check of a Compute step alike to one found valid: the values it reads, by name."""
+    return [problem for i, (arg, layout, shape) in enumerate(zip(step.args, step.arg_layouts, step.input_shapes))
+            for problem in _source_problems(arg, shape, layout, defined, _arg_what(step.signature, i))]
 
 
 def _computed(step: Compute) -> tuple:
@@ -145,11 +154,17 @@ def layout_problems(layout: Layout, shape: Shape, mesh: Mesh, what: str = "layou
     """A layout must give one block per device, each inside the tensor."""
     if len(layout.blocks) != mesh.size:
         return [f"{what} has {len(layout.blocks)} blocks for {mesh.size} devices"]
+    return [f"{what}: device {k} holds {layout.blocks[k]}, outside the tensor {ZRange.from_shape(shape)}"
+            for k in _outside(layout, shape)]
+
+
+@functools.lru_cache(maxsize=1 << 12)  # a layout's hash is kept: asked again of each Place and Reshard alike
+def _outside(layout: Layout, shape: Shape) -> tuple[int, ...]:
+    """The devices whose block of `layout` lies outside a tensor of `shape`."""
     whole = ZRange.from_shape(shape)
     outside = {b for b in set(layout.blocks)  # each distinct block once: 64 devices hold a few
                if b is not None and (b.ndim != whole.ndim or not whole.contains(b))}
-    return [f"{what}: device {k} holds {b}, outside the tensor {whole}"
-            for k, b in enumerate(layout.blocks) if b in outside] if outside else []
+    return tuple(k for k, b in enumerate(layout.blocks) if b in outside) if outside else ()
 
 
 def _place_problems(plan: Plan, step: Place) -> list[str]:
