@@ -458,7 +458,7 @@ def test_a_folded_budget_no_fit_binds_plans_as_no_budget_does(steps):
     far = explored.extract(model, extractor="ilp", memory_budget=10**15)
     assert far.plan.notes["memory_budget"] == "not binding"
     assert far.plan.cost == pytest.approx(free.plan.cost, rel=1e-12)
-    assert far.peak_memory == free.peak_memory
+    assert far.peak_memory <= free.peak_memory  # the same choice; under a budget in the leaner of two step orders
 
 
 @pytest.mark.slow  # a cost guard (27 s): make test-all
