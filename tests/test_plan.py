@@ -579,3 +579,53 @@ def test_a_step_alike_to_a_valid_one_but_for_its_blocks_is_judged_again():
     last = [s for s in plan.steps if isinstance(s, Compute)][-1]
     problems = problems_mentioning(replace_step(plan, last.out, blocks=(*last.blocks[:3], None)), "gap")
     assert problems and all(p.startswith(f"step {last.out} (compute relu)") for p in problems)
+
+
+def test_reshards_alike_but_for_their_names_are_judged_once_and_a_wrong_one_in_a_later_layer_is_caught(monkeypatch):
+    """A Reshard whose shape and layouts were found valid is not judged again (an expanded plan's later copies move
+    as copy 1 does: on 8x8x8 each move's 512 blocks were checked once per layer), but its source still is, by name;
+    a later layer's reshard moving into another layout is judged, and a wrong one caught."""
+    from tapestry.plan import validate
+
+    g = Graph()
+    value = g.input("x", (16, 8), "float64")
+    for k in range(4):
+        value = g.relu(value, name=f"act{k}")
+    g.output("y", value)
+    plan = build_plan(g, Mesh(4), {f"act{k}": (k % 2,) for k in range(4)})  # rows, columns, rows, columns
+    moves = [s for s in plan.steps if isinstance(s, Reshard)]
+    assert len(moves) == 3 and validate._moved(moves[0]) == validate._moved(moves[2]) != validate._moved(moves[1])
+    judged = []
+    whole = validate.can_move
+    monkeypatch.setattr(validate, "can_move", lambda src, dst: judged.append(dst) or whole(src, dst))
+    assert plan_problems(plan) == []
+    assert judged == [moves[0].layout, moves[1].layout]  # the third is the first but for its names
+    last = moves[2]
+    dangling = replace_step(plan, last.out, src="v99")
+    assert problems_mentioning(dangling, f"step {last.out} (reshard): source refers to 'v99', which no earlier step "
+                                         f"defines")
+    past = Layout((*last.layout.blocks[:3], ZRange((0, 6), (16, 9))))
+    assert problems_mentioning(replace_step(plan, last.out, layout=past),
+                               f"step {last.out} (reshard): layout: device 3 holds zr[0:16, 6:9], outside the tensor")
+    partial = Layout(last.layout.blocks, partial=True)
+    assert problems_mentioning(replace_step(plan, last.out, layout=partial), f"step {last.out} (reshard): impossible "
+                                                                             f"move")
+
+
+def test_steps_sharing_their_blocks_are_judged_once_by_identity_and_their_sources_each_time(monkeypatch):
+    """An expanded plan's copies share copy 1's blocks (one tuple object): a later copy is found alike by that object,
+    without hashing every device's block again (hashing blocks was a third of validating a 4-layer 70B slice's plan
+    on 8x8x8, docs/benchmarks.md), and what it reads is still checked by name."""
+    from tapestry.plan import validate
+
+    plan = relu_chain_plan()
+    relus = [s for s in plan.steps if isinstance(s, Compute)]
+    shared = dataclasses.replace(plan, steps=tuple(dataclasses.replace(s, blocks=relus[0].blocks)
+                                                   if isinstance(s, Compute) else s for s in plan.steps))
+    keyed = []
+    whole = validate._computed
+    monkeypatch.setattr(validate, "_computed", lambda step: keyed.append(step.out) or whole(step))
+    assert plan_problems(shared) == []
+    assert keyed == [relus[0].out]
+    dangling = replace_step(shared, relus[2].out, args=("v99",))
+    assert problems_mentioning(dangling, f"step {relus[2].out} (compute relu): arg 0 (x) refers to 'v99'")

@@ -332,11 +332,11 @@ class Explored:
                 seen = (plan, selection)
             if objective.better(seen[0], plan):
                 egraph, (plan, selection) = fused, seen
-        if self.layered is not None and reductions and memory_budget is None:
-            # the plain sum too, of the node costs without fusion's estimates: on the folded 7B step on 8x8 the
-            # greedy fallback's sharded periodic candidates came out of it (4 layers: 19.24 ms; 32 layers: 142.16),
-            # where the weighted or fused fits kept the replicated pins (29.98; 186.31) (docs/benchmarks.md)
-            with suppress(NoPlanError):
+        if self.layered is not None and reductions and refit:
+            # the plain sum too (also under a budget no fit binds), of the node costs without fusion's estimates: on
+            # the folded 7B step on 8x8 the greedy fallback's sharded periodic candidates came out of it (4 layers:
+            # 19.24 ms; 32 layers: 142.16), where the weighted or fused fits kept the replicated pins (29.98; 186.31)
+            with suppress(NoPlanError, MemoryBudgetError):  # under a budget: the plan in hand fits
                 seen = fit(plain, None)
                 if objective.better(seen[0], plan):
                     egraph, (plan, selection) = plain, seen

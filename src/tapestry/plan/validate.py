@@ -63,7 +63,7 @@ def plan_problems(plan: Plan) -> list[str]:
     problems: list[str] = []
     defined: dict[str, Step] = {}
     value_dtypes: dict[str, str] = {}
-    clean: set[tuple] = set()  # `_computed`'s keys of the Compute steps found valid (`_step_problems`)
+    clean: set[tuple] = set()  # the keys (`_computed`, `_moved`) of the steps found valid (`_step_problems`)
     for step in plan.steps:
         where = _where(step)
         if step.out in defined:
@@ -112,21 +112,31 @@ def _where(step: Step) -> str:
 
 
 def _step_problems(plan: Plan, step: Step, defined: dict[str, Step], clean: set[tuple]) -> list[str]:
-    """The step's problems. A Compute step whose `_computed` key was found valid already (`clean`: each later copy
-    of an expanded plan's layer runs the step of copy 1, under other names) has only its sources left to check:
-    whatever else `_compute_problems` checks is a function of that key."""
+    """The step's problems. A Compute or Reshard step whose key (`_computed`, `_moved`) was found valid already
+    (`clean`: each later copy of an expanded plan's layer runs the step of copy 1, under other names) has only its
+    sources left to check: whatever else `_compute_problems` or `_reshard_problems` checks is a function of that
+    key."""
     if isinstance(step, Place):
         return _place_problems(plan, step)
     if isinstance(step, Reshard):
-        return _reshard_problems(plan.mesh, step, defined)
+        return _reshard_problems(plan.mesh, step, defined, clean)
+    alias = step.binding, id(step.blocks)  # an expanded plan's copies share blocks: no 512 blocks hashed again
+    if alias in clean:
+        return _sources_problems(step, defined)
     key = _computed(step)
     if key in clean:
-        return [problem for i, (arg, layout, shape) in enumerate(zip(step.args, step.arg_layouts, step.input_shapes))
-                for problem in _source_problems(arg, shape, layout, defined, _arg_what(step.signature, i))]
+        clean.add(alias)
+        return _sources_problems(step, defined)
     problems = _compute_problems(plan.mesh, step, defined)
     if not problems:
-        clean.add(key)
+        clean.update((key, alias))
     return problems
+
+
+def _sources_problems(step: Compute, defined: dict[str, Step]) -> list[str]:
+    """What is left to check of a Compute step alike to one found valid: the values it reads, by name."""
+    return [problem for i, (arg, layout, shape) in enumerate(zip(step.args, step.arg_layouts, step.input_shapes))
+            for problem in _source_problems(arg, shape, layout, defined, _arg_what(step.signature, i))]
 
 
 def _computed(step: Compute) -> tuple:
@@ -144,11 +154,17 @@ def layout_problems(layout: Layout, shape: Shape, mesh: Mesh, what: str = "layou
     """A layout must give one block per device, each inside the tensor."""
     if len(layout.blocks) != mesh.size:
         return [f"{what} has {len(layout.blocks)} blocks for {mesh.size} devices"]
+    return [f"{what}: device {k} holds {layout.blocks[k]}, outside the tensor {ZRange.from_shape(shape)}"
+            for k in _outside(layout, shape)]
+
+
+@functools.lru_cache(maxsize=1 << 12)  # a layout's hash is kept: asked again of each Place and Reshard alike
+def _outside(layout: Layout, shape: Shape) -> tuple[int, ...]:
+    """The devices whose block of `layout` lies outside a tensor of `shape`."""
     whole = ZRange.from_shape(shape)
     outside = {b for b in set(layout.blocks)  # each distinct block once: 64 devices hold a few
                if b is not None and (b.ndim != whole.ndim or not whole.contains(b))}
-    return [f"{what}: device {k} holds {b}, outside the tensor {whole}"
-            for k, b in enumerate(layout.blocks) if b in outside] if outside else []
+    return tuple(k for k, b in enumerate(layout.blocks) if b in outside) if outside else ()
 
 
 def _place_problems(plan: Plan, step: Place) -> list[str]:
@@ -184,14 +200,25 @@ def _source_problems(value: str, shape: Shape, layout: Layout, defined: dict[str
     return problems
 
 
-def _reshard_problems(mesh: Mesh, step: Reshard, defined: dict[str, Step]) -> list[str]:
+def _moved(step: Reshard) -> tuple:
+    """What `_reshard_problems` judges of a reshard but its source (by name): its shape and both layouts (the mesh
+    is the plan's)."""
+    return "reshard", step.shape, step.src_layout, step.layout
+
+
+def _reshard_problems(mesh: Mesh, step: Reshard, defined: dict[str, Step], clean: set[tuple]) -> list[str]:
     problems = _source_problems(step.src, step.shape, step.src_layout, defined, "source")
+    key = _moved(step)
+    if key in clean:
+        return problems
     problems += layout_problems(step.layout, step.shape, mesh)
     if not problems and not can_move(step.src_layout, step.layout):  # transfers says why (64 devices: slow)
         try:
             transfers(step.src_layout, step.layout)
         except CommError as err:
             problems.append(f"impossible move: {err}")
+    if not problems:
+        clean.add(key)
     return problems
 
 
