@@ -17,15 +17,12 @@ from __future__ import annotations
 import argparse
 import time
 
-from pipeline import PROFILE, layer_builder
+from pipeline import PROFILE, layer_arguments, layer_builder
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", default="7B")
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--kv-heads", type=int, default=None)
-    parser.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch")
+    layer_arguments(parser)
     parser.add_argument("--global-batch", type=int, default=2048, help="sequences per step")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--mesh", default="8x8")

@@ -15,7 +15,7 @@ import argparse
 import re
 import time
 
-from pipeline import PROFILE, layer_builder
+from pipeline import PROFILE, layer_arguments, layer_builder
 
 
 def rss_gib() -> tuple[float, float]:
@@ -41,10 +41,7 @@ def report(what: str, started: float, result: object = None, model: object = Non
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", default="7B")
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--kv-heads", type=int, default=None)
-    parser.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch")
+    layer_arguments(parser)
     parser.add_argument("--micro-batches", type=int, default=256, help="micro-batches per update")
     parser.add_argument("--mesh", default="8")
     parser.add_argument("--points", type=int, default=3, help="layer plans in all, the fastest included")

@@ -56,6 +56,14 @@ def layer_builder(width: str, seq: int, kv_heads: int | None = None) -> Any:
     return build
 
 
+def layer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The one-layer scripts' shared arguments: the layer `layer_builder` builds and its micro-batch."""
+    parser.add_argument("--width", default="7B")
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--kv-heads", type=int, default=None)
+    parser.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch")
+
+
 def user_inputs(graph: Any) -> list[str]:
     return [n.name for n in graph.inputs if n.name not in graph.carried.values() and n.name not in graph.static
             and n.name != "lr"]
