@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("name", help="a held-back zoo or test family")
     parser.add_argument("--mesh", default="4")
     parser.add_argument("--top", type=int, default=12, help="kernels listed, most whole FLOPs first")
+    parser.add_argument("--steps", action="store_true", help="also each whole step with FLOPs: shapes, origin")
     args = parser.parse_args()
     module, inputs, kwargs = {**FAMILIES, **MODELS}[args.name].build()
     imported = tapestry.from_torch(module, inputs, kwargs, verbose=False)
@@ -40,6 +41,9 @@ def main() -> None:
         if len(set(step.blocks)) == 1:
             splits = any(any(p.axes) for p in candidate_partitions(step.signature, mesh))
             whole[step.kernel, splits].append(flops_of(step.signature))
+            if args.steps and flops_of(step.signature):
+                print(f"whole: {step.kernel} {[list(s) for s in step.input_shapes]} -> {list(step.shape)}, "
+                      f"{flops_of(step.signature):.4g} FLOPs, inputs {list(step.args)}, origin {step.origin}")
     kept = sum(sum(f) for f in whole.values())
     print(f"{args.name} on Mesh({args.mesh}): {len(computes)} compute steps, {total:.4g} FLOPs; whole: "
           f"{sum(map(len, whole.values()))} steps, {kept / total:.1%} of the FLOPs")
