@@ -10,10 +10,11 @@ block of rows gives the same answer. Here the block is a sequence of the batch: 
 own, and the experts are `tapestry::grouped_mm_blocks` (each block's rows with its own `ends`, the
 `grouped_mm_blocks` kernel), so data parallelism splits the whole MoE layer.
 
-Rewritten (importer/rewrites.py's `ROUTING_BY_BLOCK`): Mixtral's, OLMoE's, Qwen2-MoE's, Qwen3-MoE's, GraniteMoE's
-and Jamba's sparse MoE blocks. A capture, inference or training step, routes them by block by default, and opts
-out with `with exact_rewrites(BATCH_WIDE_REWRITES)` (training.plans' expert-parallel hand plans take either
-routing's kernels). The custom op's backward is grouped_mm_blocks again (the rows' gradient)
+Rewritten (importer/rewrites.py's `ROUTING_BY_BLOCK`): Mixtral's, OLMoE's, Qwen2-MoE's, Qwen3-MoE's, GraniteMoE's,
+Jamba's and DeepSeek-V3's sparse MoE blocks (DeepSeek-V3's router with its expert choice sorted:
+`_deepseek_v3_choices`). A capture, inference or training step, routes them by block by default, and opts out
+with `with exact_rewrites(BATCH_WIDE_REWRITES)` (training.plans' expert-parallel hand plans take either routing's
+kernels). The custom op's backward is grouped_mm_blocks again (the rows' gradient)
 and `tapestry::grouped_mm_blocks_k` (the weights'); both kernels are expert parallel as grouped_mm and
 grouped_mm_k are (their `Exchange`). A batch of one sequence is one block: no batch split runs through the MoE
 layer, and its expert steps split by experts (partial sums or the exchange), rows or features, or run whole
@@ -134,3 +135,37 @@ def qwen2_moe_sparse_moe_forward(self: torch.nn.Module, hidden_states: torch.Ten
     flat = hidden_states.reshape(-1, hidden_states.shape[-1])
     shared = torch.nn.functional.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
     return (_routed(self.gate, self.experts, hidden_states) + shared).reshape(hidden_states.shape)
+
+
+def _deepseek_v3_choices(router: torch.nn.Module, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepseekV3TopkRouter.forward's (weights, expert ids) on flat[N, D], its expert choice `topk(sorted=True)`
+    where transformers' is `sorted=False`, whose order torch leaves unspecified (CPU torch's is nth_element's) and
+    the importer keeps opaque. The MoE block reads the choices only through a sum over them (the experts' weighted
+    outputs, the weights' normalizer), so any order gives its output: the same, for k <= 2 to the bit (a float sum of
+    two terms commutes), for larger k up to the order of a k-term float sum. The group choice stays unsorted: only a
+    scatter reads it, which the topk converter takes as it is."""
+    if type(router).__name__ != "DeepseekV3TopkRouter" or type(router).forward.__qualname__ != (
+            "DeepseekV3TopkRouter.forward"):
+        raise TorchImportError(f"DeepseekV3MoE's gate is a {type(router).__name__} with its own forward; the rewrite "
+                               "routes as DeepseekV3TopkRouter.forward does")
+    scores = torch.nn.functional.linear(flat.type(torch.float32), router.weight.type(torch.float32)).sigmoid()
+    for_choice = scores + router.e_score_correction_bias
+    per_group = router.num_experts // router.num_group
+    group_scores = for_choice.view(-1, router.num_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=router.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, router.num_group, per_group).reshape(-1, router.num_experts)
+    for_choice = for_choice.masked_fill(~score_mask.bool(), float("-inf"))
+    expert_ids = torch.topk(for_choice, k=router.top_k, dim=-1, sorted=True)[1]
+    weights = scores.gather(1, expert_ids)
+    if router.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * router.routed_scaling_factor, expert_ids
+
+
+def deepseek_v3_moe_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """DeepseekV3MoE.forward with its expert choice sorted (`_deepseek_v3_choices`) and its routed experts by
+    sequence; the shared experts added as the original adds them."""
+    weights, expert_ids = _deepseek_v3_choices(self.gate, hidden_states.reshape(-1, hidden_states.shape[-1]))
+    routed = experts_by_block(self.experts, hidden_states, expert_ids, weights).reshape(hidden_states.shape)
+    return routed + self.shared_experts(hidden_states)

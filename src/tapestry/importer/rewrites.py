@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from tapestry.importer.block_routing import (
-    mixtral_sparse_moe_forward, qwen2_moe_sparse_moe_forward, router_moe_forward)
+    deepseek_v3_moe_forward, mixtral_sparse_moe_forward, qwen2_moe_sparse_moe_forward, router_moe_forward)
 from tapestry.importer.errors import TorchImportError
 
 
@@ -218,9 +218,11 @@ ROUTING_BY_BLOCK: tuple[Rewrite, ...] = (
     Rewrite("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeSparseMoeBlock", mixtral_sparse_moe_forward),
     Rewrite("transformers.models.granitemoe.modeling_granitemoe", "GraniteMoeMoE", router_moe_forward),
     Rewrite("transformers.models.jamba.modeling_jamba", "JambaSparseMoeBlock", router_moe_forward),
+    Rewrite("transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3MoE", deepseek_v3_moe_forward),
 )
-"""Mixtral's, OLMoE's, Qwen2-MoE's, Qwen3-MoE's, GraniteMoE's and Jamba's sparse MoE blocks routed sequence by
-sequence (importer/block_routing.py)."""
+"""Mixtral's, OLMoE's, Qwen2-MoE's, Qwen3-MoE's, GraniteMoE's, Jamba's and DeepSeek-V3's sparse MoE blocks routed
+sequence by sequence (importer/block_routing.py; DeepSeek-V3's expert choice sorted, which its block's sum over the
+choices allows)."""
 
 REWRITES: tuple[Rewrite, ...] = BATCH_WIDE_REWRITES + ROUTING_BY_BLOCK
 """Every exact rewrite: a capture's default, inference and training."""

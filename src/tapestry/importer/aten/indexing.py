@@ -3,6 +3,7 @@ and argsort."""
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import torch
@@ -223,10 +224,41 @@ def _ordered(b: Builder, x: Value, axis: int, k: int, largest: bool) -> tuple[Va
 
 @converts("aten.topk.default")
 def _topk(b: Builder, x: Any, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> tuple[Value, Value]:
-    if not sorted:
-        raise Unsupported("sorted=False (torch leaves the order unspecified)")
+    """sorted=False leaves the order of the k chosen unspecified (CPU torch's is std::nth_element's, neither sorted
+    nor a sharded kernel's): it is the sorted kernel only where nothing reads that order (`_order_unread`)."""
     value = b.tensor(x)
-    return _ordered(b, value, _axis(dim, value.ndim), int(k), bool(largest))
+    axis = _axis(dim, value.ndim)
+    if not sorted and not _order_unread(b.node, axis, int(k)):
+        raise Unsupported("sorted=False with its order read (torch leaves the order unspecified; a sorted kernel "
+                          "takes it where k=1, or where only its indices are read, each by a scatter of one value "
+                          "along its dim)")
+    return _ordered(b, value, axis, int(k), bool(largest))
+
+
+SCATTERS_OF_A_VALUE = (torch.ops.aten.scatter.value, torch.ops.aten.scatter_.value)
+
+
+def _order_unread(node: torch.fx.Node, axis: int, k: int) -> bool:
+    """Whether the program reads nothing of an unsorted topk's order, so the sorted kernel gives eager's result
+    exactly: k = 1 (one element, one order), or the values unread and each reader of the indices a scatter of one
+    value along the topk's axis (the chosen set's mask, as DeepSeek-V3's group choice builds it), which writes the
+    same cells whatever the order. Ties aside, as for sorted=True (ordering.py: stable ties)."""
+    if k == 1:
+        return True
+    outputs = {use.args[1]: use for use in node.users if use.target is operator.getitem}
+    if len(outputs) != len(node.users) or outputs.keys() - {0, 1} or (0 in outputs and outputs[0].users):
+        return False
+    indices = outputs.get(1)
+    return all(_scatters_along(use, indices, axis) for use in (indices.users if indices else ()))
+
+
+def _scatters_along(use: torch.fx.Node, indices: torch.fx.Node, axis: int) -> bool:
+    """`use` is scatter(x, axis, indices, value) with `indices` read there only, as the positions."""
+    if use.target not in SCATTERS_OF_A_VALUE or len(use.args) != 4 or use.kwargs:
+        return False
+    x, dim, index, value = use.args
+    return (index is indices and indices not in (x, value) and isinstance(x, torch.fx.Node)
+            and isinstance(dim, int) and dim % x.meta["val"].ndim == axis)
 
 
 @converts("aten.sort.default", "aten.sort.stable")

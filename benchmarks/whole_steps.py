@@ -1,0 +1,58 @@
+"""Which of a model's compute steps its plan runs whole (one block on every device), by kernel, with their share of
+the plan's FLOPs: what `plan shards` in the held-back zoo's tables leaves out, and whether each could split.
+
+    PYTHONPATH=src python benchmarks/whole_steps.py xlnet --mesh 4 [--top 12]
+
+The model is a held-back zoo family (benchmarks/heldback_zoo.py) or a test family (importer/zoo.py), imported and
+optimized as the held-back zoo does. `could split` says whether some candidate partition of the step's index space
+on the mesh splits it (import_report's `shardable`): "no" is a kernel that must run whole (an opaque op, an axis
+its signature keeps inside every block), "yes" one the cost model chose to keep whole.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+
+import torch
+from heldback_zoo import MODELS
+
+import tapestry
+from tapestry.importer.report import flops_of
+from tapestry.importer.zoo import FAMILIES
+from tapestry.plan import Compute
+from tapestry.sharding.partition import candidate_partitions
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("name", help="a held-back zoo or test family")
+    parser.add_argument("--mesh", default="4")
+    parser.add_argument("--top", type=int, default=12, help="kernels listed, most whole FLOPs first")
+    parser.add_argument("--steps", action="store_true", help="also each whole step with FLOPs: shapes, origin")
+    args = parser.parse_args()
+    module, inputs, kwargs = {**FAMILIES, **MODELS}[args.name].build()
+    imported = tapestry.from_torch(module, inputs, kwargs, verbose=False)
+    mesh = tapestry.Mesh.parse(args.mesh)
+    plan = tapestry.optimize(imported.graph, mesh).plan
+    computes = [s for s in plan.steps if isinstance(s, Compute)]
+    total = sum(flops_of(s.signature) for s in computes)
+    whole: dict[tuple[str, bool], list[float]] = collections.defaultdict(list)
+    for step in computes:
+        if len(set(step.blocks)) == 1:
+            splits = any(any(p.axes) for p in candidate_partitions(step.signature, mesh))
+            whole[step.kernel, splits].append(flops_of(step.signature))
+            if args.steps and flops_of(step.signature):
+                print(f"whole: {step.kernel} {[list(s) for s in step.input_shapes]} -> {list(step.shape)}, "
+                      f"{flops_of(step.signature):.4g} FLOPs, inputs {list(step.args)}, origin {step.origin}")
+    kept = sum(sum(f) for f in whole.values())
+    print(f"{args.name} on Mesh({args.mesh}): {len(computes)} compute steps, {total:.4g} FLOPs; whole: "
+          f"{sum(map(len, whole.values()))} steps, {kept / total:.1%} of the FLOPs")
+    print("| kernel | could split | whole steps | FLOPs | share of the plan's |\n|---|---|---:|---:|---:|")
+    for (kernel, splits), flops in sorted(whole.items(), key=lambda kv: -sum(kv[1]))[: args.top]:
+        print(f"| {kernel} | {'yes' if splits else 'no'} | {len(flops)} | {sum(flops):.4g} | "
+              f"{sum(flops) / total:.1%} |")
+
+
+if __name__ == "__main__":
+    with torch.no_grad():
+        main()
