@@ -474,14 +474,14 @@ def test_a_folded_budget_the_plan_fits_runs_the_priced_rounds_only_where_they_co
     assert priced or tight.plan.notes["kept by"] == "the spy"  # what within_budget kept is the plan returned
 
 
-def test_a_folded_budget_no_fit_binds_plans_as_no_budget_does(steps):
+def test_a_folded_budget_no_fit_binds_plans_as_no_budget_does(three_on_two):
     """A budget far above every fit's peak (not binding, and the priced rounds not competing) leaves the folded
     step's plan as it is without one: the plain-sum fit is made under it too. Before, `memory_budget is None` gated
     that fit, and the 3-layer step on Mesh(2) kept a 14% dearer plan under a 1 PB budget."""
     from tapestry.cost import DefaultCostModel, load_profile
 
     model = DefaultCostModel(load_profile("gpu-h100-nccl"))
-    explored = tapestry.optimizer.explore(steps[3], Mesh(2), layers=True)
+    explored = unkept(three_on_two[0])
     free = explored.extract(model, extractor="ilp")
     far = explored.extract(model, extractor="ilp", memory_budget=10**15)
     assert far.plan.notes["memory_budget"] == "not binding"
