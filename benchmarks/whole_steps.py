@@ -1,12 +1,15 @@
 """Which of a model's compute steps its plan runs whole (one block on every device), by kernel, with their share of
 the plan's FLOPs: what `plan shards` in the held-back zoo's tables leaves out, and whether each could split.
 
-    PYTHONPATH=src python benchmarks/whole_steps.py xlnet --mesh 4 [--top 12]
+    PYTHONPATH=src python benchmarks/whole_steps.py xlnet --mesh 4 [--top 12] [--weights-per-run]
 
 The model is a held-back zoo family (benchmarks/heldback_zoo.py) or a test family (importer/zoo.py), imported and
 optimized as the held-back zoo does. `could split` says whether some candidate partition of the step's index space
 on the mesh splits it (import_report's `shardable`): "no" is a kernel that must run whole (an opaque op, an axis
-its signature keeps inside every block), "yes" one the cost model chose to keep whole.
+its signature keeps inside every block), "yes" one the cost model chose to keep whole. A step computed from the
+static weights and constants alone is prepared (run once, priced 0 per run: docs/rules.md), so which way it runs
+costs a run nothing; `--weights-per-run` imports the weights as run-time inputs (as a training step reads them), so
+such steps are paid for every run.
 """
 from __future__ import annotations
 
@@ -29,9 +32,12 @@ def main() -> None:
     parser.add_argument("--mesh", default="4")
     parser.add_argument("--top", type=int, default=12, help="kernels listed, most whole FLOPs first")
     parser.add_argument("--steps", action="store_true", help="also each whole step with FLOPs: shapes, origin")
+    parser.add_argument("--weights-per-run", action="store_true", help="weights as run-time inputs, not static")
     args = parser.parse_args()
     module, inputs, kwargs = {**FAMILIES, **MODELS}[args.name].build()
     imported = tapestry.from_torch(module, inputs, kwargs, verbose=False)
+    if args.weights_per_run:
+        imported.graph.static.clear()
     mesh = tapestry.Mesh.parse(args.mesh)
     plan = tapestry.optimize(imported.graph, mesh).plan
     computes = [s for s in plan.steps if isinstance(s, Compute)]
@@ -43,10 +49,12 @@ def main() -> None:
             whole[step.kernel, splits].append(flops_of(step.signature))
             if args.steps and flops_of(step.signature):
                 print(f"whole: {step.kernel} {[list(s) for s in step.input_shapes]} -> {list(step.shape)}, "
-                      f"{flops_of(step.signature):.4g} FLOPs, inputs {list(step.args)}, origin {step.origin}")
+                      f"{flops_of(step.signature):.4g} FLOPs, inputs {list(step.args)}, origin {step.origin}"
+                      f"{', prepared' if step.out in plan.prepared else ''}")
     kept = sum(sum(f) for f in whole.values())
+    prepared = sum(flops_of(s.signature) for s in computes if s.out in plan.prepared and len(set(s.blocks)) == 1)
     print(f"{args.name} on Mesh({args.mesh}): {len(computes)} compute steps, {total:.4g} FLOPs; whole: "
-          f"{sum(map(len, whole.values()))} steps, {kept / total:.1%} of the FLOPs")
+          f"{sum(map(len, whole.values()))} steps, {kept / total:.1%} of the FLOPs ({prepared / total:.1%} prepared)")
     print("| kernel | could split | whole steps | FLOPs | share of the plan's |\n|---|---|---:|---:|---:|")
     for (kernel, splits), flops in sorted(whole.items(), key=lambda kv: -sum(kv[1]))[: args.top]:
         print(f"| {kernel} | {'yes' if splits else 'no'} | {len(flops)} | {sum(flops):.4g} | "

@@ -65,9 +65,9 @@ class Routing(torch.nn.Module):
         logits = self.router(x + self.table[ids[0, :4]])
         weights, experts = torch.topk(logits.softmax(-1), 2, dim=-1)
         counts = torch.cumsum(experts, 0, dtype=torch.int32)
-        ranked, order = torch.sort(logits, dim=0, descending=True)
+        ranked, order = torch.sort(logits, dim=0, descending=True, stable=True)
         return (
-            weights, experts, counts, ranked, order, torch.argsort(logits, dim=1),
+            weights, experts, counts, ranked, order, torch.argsort(logits, dim=1, stable=True),
             logits.argmax(-1, keepdim=True), logits.argmin(0), logits.argmax(),
             x[:, ids[1]], torch.index_select(x, 1, ids[0]), torch.gather(x, 1, index),
             torch.zeros(4, 8).scatter_add(1, index, x[:, :3] * 2),
@@ -82,8 +82,8 @@ def routing_case():
     return Routing().eval(), args
 
 
-KERNELS = {"aten.topk.default": "topk", "aten.cumsum.default": "cast, cumsum", "aten.sort.default": "topk",
-           "aten.argsort.default": "topk", "aten.argmax.default": "argmax", "aten.argmin.default": "argmin",
+KERNELS = {"aten.topk.default": "topk", "aten.cumsum.default": "cast, cumsum", "aten.sort.stable": "topk",
+           "aten.argsort.stable": "topk", "aten.argmax.default": "argmax", "aten.argmin.default": "argmin",
            "aten.index.Tensor": "take", "aten.index_select.default": "take", "aten.gather.default": "gather",
            "aten.scatter_add.default": "scatter_add", "aten.index_add.default": "expand, reshape, scatter_add",
            "aten.index_put.default": "add, cast, expand, lt_scalar, mul_scalar, reshape, scatter_add"}
@@ -130,7 +130,7 @@ def test_forms_without_a_kernel_run_opaque_and_still_match():
 
 class InversePermutation(torch.nn.Module):
     def forward(self, x):
-        order = x.flatten().argsort()
+        order = x.flatten().argsort(stable=True)  # its positions read: stable (an unstable one is opaque)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.shape[0])
         return inverse

@@ -1,6 +1,7 @@
 """check-rules: every shipped rule preserves values; a wrong rule is caught with a shrunk counterexample."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,17 @@ def test_a_rule_wrong_only_where_its_guard_holds_is_drawn_there_and_fails(line: 
     assert not verdict.passed
     assert verdict.counterexample.startswith(f"{rule.where}: x[")
     assert "values differ" in verdict.counterexample or "shape" in verdict.counterexample
+
+
+@pytest.mark.parametrize(("line", "why"), [(4, "does not type-check"), (10, "values differ")])
+def test_a_matmul_of_an_expand_that_broadcasts_the_contracted_dim_is_not_the_smaller_matmul_expanded(line: int,
+                                                                                                     why: str):
+    """substitution.egg's expand(x) @ w = expand(x @ w) holds only where x's contracted dim is w's as it is: without
+    that guard, or taking w's first row for a contracted dim broadcast from 1, the checker finds x[..., 1]."""
+    rule = next(r for r in load_rule_file(DATA / "wrong" / "expand_matmul.egg").rules if r.line == line)
+    verdict = check_rule(rule, EXAMPLES)
+    assert not verdict.passed
+    assert why in verdict.counterexample and re.search(r"\bx\[(\d+, )*1\]", verdict.counterexample), verdict  # x[..., 1]
 
 
 # 15 s each (CI's durations, 2026-11-27): line 7 (the batch axis, a rank-4 target) in make test-all, as line 3 (the

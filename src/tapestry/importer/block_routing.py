@@ -93,7 +93,7 @@ def experts_by_block(experts: torch.nn.Module, hidden: torch.Tensor, top_k_index
     blocks, tokens, width = hidden.shape
     choices = top_k_index.shape[-1]
     pairs = tokens * choices
-    expert_ids, order = torch.sort(top_k_index.reshape(blocks, pairs), dim=-1)
+    expert_ids, order = torch.sort(top_k_index.reshape(blocks, pairs), dim=-1, stable=True)  # ties read: stable
     rows = torch.gather(hidden, 1, (order // choices).unsqueeze(-1).expand(blocks, pairs, width))
     weights = torch.gather(top_k_weights.reshape(blocks, pairs), 1, order)
     # sorted ids: expert e's rows end after the ids <= e, so the block's ends count them
@@ -103,7 +103,7 @@ def experts_by_block(experts: torch.nn.Module, hidden: torch.Tensor, top_k_index
     down = experts.down_proj
     out = grouped_mm_blocks(experts._apply_gate(up).to(down.dtype), down.transpose(-2, -1), ends)
     weighted = torch.gather(out * weights.unsqueeze(-1), 1,
-                            torch.argsort(order, dim=-1).unsqueeze(-1).expand(blocks, pairs, width))
+                            torch.argsort(order, dim=-1, stable=True).unsqueeze(-1).expand(blocks, pairs, width))
     return weighted.view(blocks * tokens, choices, width).sum(dim=1).to(hidden.dtype)
 
 

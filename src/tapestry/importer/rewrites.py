@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from tapestry.importer.block_routing import (
     deepseek_v3_moe_forward, mixtral_sparse_moe_forward, qwen2_moe_sparse_moe_forward, router_moe_forward)
@@ -251,11 +252,47 @@ def exact_rewrites(rewrites: tuple[Rewrite, ...] | None = None, import_modules: 
             cls.forward = rewrite.forward
     token = _IN_FORCE.set(chosen)
     try:
-        yield
+        with _stable_grouped_experts():
+            yield
     finally:
         _IN_FORCE.reset(token)
         for cls, forward in reversed(patched):
             cls.forward = forward
+
+
+SORTS = (torch.sort, torch.Tensor.sort, torch.argsort, torch.Tensor.argsort)
+
+
+class StableSorts(TorchFunctionMode):
+    """Every sort and argsort called under it is stable (torch's default is not: importer/aten/indexing.py takes an
+    unstable one whose indices are read as an opaque op)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        return func(*args, **({**(kwargs or {}), "stable": True} if func in SORTS else kwargs or {}))
+
+
+@contextlib.contextmanager
+def _stable_grouped_experts() -> Iterator[None]:
+    """transformers' batch-wide grouped experts (`grouped_mm_experts_forward`, a MoE's routing where the block
+    rewrites are opted out of) with their sort by expert stable. Exact: each (token, choice) row is computed by its
+    own expert (tied rows share it), weighted by its own weight, and put back by the inverse permutation before the
+    sum over choices, so any order of ties gives the same output; only its indices' reads made the sort opaque."""
+    moe = sys.modules.get("transformers.integrations.moe")
+    mapping = getattr(getattr(moe, "ExpertsInterface", None), "_global_mapping", None)
+    original = mapping.get("grouped_mm") if isinstance(mapping, dict) else None
+    if original is None:
+        yield
+        return
+
+    def stable(self: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with StableSorts():
+            return original(self, *args, **kwargs)
+
+    mapping["grouped_mm"] = stable
+    try:
+        yield
+    finally:
+        mapping["grouped_mm"] = original
 
 
 def _rewritten_class(rewrite: Rewrite, import_modules: bool) -> type | None:

@@ -111,14 +111,30 @@ class Builder:
         raise Unsupported(f"expected a tensor, got {type(value).__name__}")
 
     def constant(self, tensor: torch.Tensor) -> Value:
+        """A constant as a graph input; one whose cells repeat along some dims (a fold of an `expand`, such as
+        XLNet's positional embedding over the batch) as its distinct cells expanded, so rules see the broadcast."""
         what = f"a constant read by {op_name(self.node.target)} at {_where(self.node)}" if self.node else "a constant"
-        return self.graph.constant(f"const_{len(self.graph.constants)}",
-                                   dtypes.from_tensor(tensor.contiguous(), what))
+        cells = _distinct_cells(tensor)
+        value = self.graph.constant(f"const_{len(self.graph.constants)}", dtypes.from_tensor(cells.contiguous(), what))
+        return value if cells.shape == tensor.shape else self.op("expand", value, shape=tuple(tensor.shape))
 
     def filled(self, value: Any, shape: tuple[int, ...], dtype: str) -> Value:
         """A tensor of one value, as a one-cell constant expanded (a view: no array of its size is made)."""
         cell = self.graph.constant(f"const_{len(self.graph.constants)}", np.full((), value, dtypes.to_numpy(dtype)))
         return self.op("expand", cell, shape=shape)
+
+
+def _distinct_cells(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` cut to its first cell along each dim whose cells are all alike, bit for bit (NaN never is; 0.0 and
+    -0.0 are not): expanding it back gives `tensor`."""
+    if tensor.numel() <= 1 or tensor.is_complex():
+        return tensor
+    for dim in range(tensor.ndim):
+        first = tensor.narrow(dim, 0, 1).expand_as(tensor)
+        if tensor.shape[dim] > 1 and torch.equal(tensor, first) and (
+                not tensor.is_floating_point() or torch.equal(torch.signbit(tensor), torch.signbit(first))):
+            tensor = tensor.narrow(dim, 0, 1)
+    return tensor
 
 
 def _meta(node: Any) -> Any:

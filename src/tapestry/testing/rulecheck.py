@@ -293,8 +293,8 @@ def _param_candidates(sampled: ParamValue, default: ParamValue, seeds: Sequence[
 def cases(draw: st.DrawFn, lhs: SList | Sequence[SList], guards: Sequence[SList],
           sizes: Sequence[tuple[str, SList]] = ()) -> Case:
     """A well-typed instance of `lhs` (one term, or the patterns of a multi-output rule, drawn in turn over
-    shared variables) on which every guard holds; `sizes` are integer variables read off the drawn shapes,
-    like n = (Dim w 1)."""
+    shared variables) on which every guard holds; `sizes` are variables read off the drawn shapes, integers like
+    n = (Dim w 1) or a shape like sh = (Shape a) (an int tuple param, as egglog's comma string)."""
     terms = [lhs] if isinstance(lhs, SList) else list(lhs)
     shapes: dict[str, Shape] = {}
     params: dict[str, ParamValue] = {}
@@ -305,7 +305,8 @@ def cases(draw: st.DrawFn, lhs: SList | Sequence[SList], guards: Sequence[SList]
         _draw_term(draw, term, guards, shapes, params, types, extra)
     for var, size in sizes:
         try:
-            params[var] = int(_guard_value(size, shapes, params))
+            params[var] = (term_shape(size.items[1], shapes, params) if size.head == "Shape"
+                           else int(_guard_value(size, shapes, params)))
         except (_Undefined, *_ILL_TYPED):
             assume(False)
     assume(all(holds(g, shapes, params) for g in guards))

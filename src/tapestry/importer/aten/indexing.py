@@ -264,12 +264,36 @@ def _scatters_along(use: torch.fx.Node, indices: torch.fx.Node, axis: int) -> bo
 @converts("aten.sort.default", "aten.sort.stable")
 def _sort(b: Builder, x: Any, dim: int = -1, descending: bool = False, *, stable: bool | None = None
           ) -> tuple[Value, Value]:
-    """A stable sort is one valid answer of an unstable one."""
+    """The kernel is a stable sort. An unstable one (stable False or None, torch's default) orders ties as its
+    algorithm does (CPU torch's vectorized sort of more than 16 elements does not keep them in order), so the
+    kernel is taken for it only where nothing reads that order (`_ties_unread`)."""
     value = b.tensor(x)
     axis = _axis(dim, value.ndim)
+    if not stable and not _ties_unread(b.node, axis, value.shape[axis]):
+        raise Unsupported("an unstable sort (stable=False, torch's default) with its indices read (torch leaves the "
+                          "order of ties unspecified; the stable kernel takes it where only the values are read, or "
+                          "the indices only by scatters of one value along its dim)")
     return _ordered(b, value, axis, value.shape[axis], bool(descending))
 
 
 @converts("aten.argsort.default", "aten.argsort.stable")
 def _argsort(b: Builder, x: Any, dim: int = -1, descending: bool = False, *, stable: bool | None = None) -> Value:
-    return _sort(b, x, dim, descending)[1]
+    return _sort(b, x, dim, descending, stable=stable)[1]
+
+
+def _ties_unread(node: torch.fx.Node, axis: int, size: int) -> bool:
+    """Whether the program reads nothing of an unstable sort's order of ties, so the stable kernel gives eager's
+    result exactly: an axis of one element; or the indices unread (ties are equal values, so the sorted values are
+    the same in any order of them; -0.0 and 0.0 tie too, and their signs are the one thing such an order could
+    change) or read only by scatters of one value along the sort's dim, which write every cell of it whatever
+    the order. An argsort's users are its indices'."""
+    if size <= 1:
+        return True
+    if node.target in (torch.ops.aten.argsort.default, torch.ops.aten.argsort.stable):
+        indices: torch.fx.Node | None = node
+    else:
+        outputs = {use.args[1]: use for use in node.users if use.target is operator.getitem}
+        if len(outputs) != len(node.users) or outputs.keys() - {0, 1}:
+            return False
+        indices = outputs.get(1)
+    return all(_scatters_along(use, indices, axis) for use in (indices.users if indices else ()))
