@@ -53,7 +53,8 @@ def main() -> None:
                       f"{', prepared' if step.out in plan.prepared else ''}")
     kept = sum(sum(f) for f in whole.values())
     prepared = sum(flops_of(s.signature) for s in computes if s.out in plan.prepared and len(set(s.blocks)) == 1)
-    print(f"{args.name} on Mesh({args.mesh}): {len(computes)} compute steps, {total:.4g} FLOPs; whole: "
+    print(f"{args.name} on Mesh({args.mesh}): plan cost {plan.cost:.6g} s, {len(computes)} compute steps, "
+          f"{total:.4g} FLOPs; whole: "
           f"{sum(map(len, whole.values()))} steps, {kept / total:.1%} of the FLOPs ({prepared / total:.1%} prepared)")
     print("| kernel | could split | whole steps | FLOPs | share of the plan's |\n|---|---|---:|---:|---:|")
     for (kernel, splits), flops in sorted(whole.items(), key=lambda kv: -sum(kv[1]))[: args.top]:

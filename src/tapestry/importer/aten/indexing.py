@@ -283,10 +283,9 @@ def _argsort(b: Builder, x: Any, dim: int = -1, descending: bool = False, *, sta
 
 def _ties_unread(node: torch.fx.Node, axis: int, size: int) -> bool:
     """Whether the program reads nothing of an unstable sort's order of ties, so the stable kernel gives eager's
-    result exactly: an axis of one element; or the indices unread (ties are equal values, so the sorted values are
-    the same in any order of them; -0.0 and 0.0 tie too, and their signs are the one thing such an order could
-    change) or read only by scatters of one value along the sort's dim, which write every cell of it whatever
-    the order. An argsort's users are its indices'."""
+    result: an axis of one element; or the indices unread (ties are equal values, so the sorted values are the same
+    in any order of them, but for the sign of a tied zero: -0.0 and 0.0 compare equal) or read only by scatters of
+    one value along the sort's dim, which write every cell of it whatever the order. An argsort is its indices."""
     if size <= 1:
         return True
     if node.target in (torch.ops.aten.argsort.default, torch.ops.aten.argsort.stable):
