@@ -60,3 +60,8 @@ def test_only_dims_alike_bit_for_bit_are_cut():
     assert _distinct_cells(signed).shape == (2, 2)
     assert _distinct_cells(torch.tensor([[float("nan"), 1.0]] * 3)).shape == (3, 2)
     assert torch.equal(_distinct_cells(torch.tensor([[2, 5]] * 4)), torch.tensor([[2, 5]]))
+
+
+def test_a_constant_without_data_is_left_whole_for_the_importer_to_name():
+    for tensor in (torch.empty(4, 3, device="meta"), torch.empty(4, 3, device="meta").expand(2, 4, 3)):
+        assert _distinct_cells(tensor) is tensor

@@ -127,8 +127,10 @@ class Builder:
 def _distinct_cells(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` cut to its first cell along each dim whose cells are all alike, bit for bit (NaN never is; 0.0 and
     -0.0 are not): expanding it back gives `tensor`."""
-    if tensor.numel() <= 1 or tensor.is_complex():
-        return tensor
+    from torch._subclasses.fake_tensor import is_fake
+
+    if tensor.numel() <= 1 or tensor.is_complex() or tensor.is_meta or is_fake(tensor):
+        return tensor  # a tensor without data is left for `dtypes.from_tensor` to name
     for dim in range(tensor.ndim):
         first = tensor.narrow(dim, 0, 1).expand_as(tensor)
         if tensor.shape[dim] > 1 and torch.equal(tensor, first) and (
