@@ -62,6 +62,13 @@ LEANER_SLACK = 0.02
 # the 7B step on 64 GPUs every stage count's best configuration and floor came out the same at 5 as at 10, in 297
 # CPU s of plan_pipeline instead of 454 (docs/benchmarks.md, "7B on 64 GPUs at 4M tokens per step")
 LAYER_TIME_LIMIT = 5.0
+# A layer extraction's second, fusion-priced fit (`Explored.extract(..., fusion_refit=)`, half its CP-SAT runs) is made
+# for a stage count after the first only where the plain fit's floor (`ideal_time`) is less than this share above
+# the best step found. NOT an exact bound: no floor known before that fit bounds its plan (the exact LP floor of
+# benchmarks/stage_floor.py is below the best step for every stage count of the 7B step on 64 GPUs); the fused fit
+# found the 7B block 2.2% faster on 8x8, and on that step no stage count's plan but the first's came from it
+# (docs/benchmarks.md, "7B on 64 GPUs at 4M tokens per step")
+FUSION_REFIT_MARGIN = 0.25
 
 
 @dataclass(frozen=True)
@@ -438,11 +445,21 @@ def _stage_plan(graph: Graph, end_graphs: tuple[Graph | None, Graph | None], lay
     tried = configurations(stages, micro_batches, layers, schedules, chunks)
     ranking = cost_model if stages == 1 or not tried else \
         BoundaryPriced.of(cost_model, graph, link, exposed_share(tried, layers, micro_batches))
+    said = []
     try:
         explored = explore(graph, sub, budget=budget)
-        fastest = explored.extract(ranking, extractor, time_limit, micro_batches=micro_batches)
+        # where a best step is known, the plain fit first: its fusion-priced refit only if its floor comes near
+        fastest = explored.extract(ranking, extractor, time_limit, micro_batches=micro_batches,
+                                   fusion_refit=math.isinf(leading))
         ends = Ends(*(None if end is None else layer_cost(explore(end, sub, budget=budget).extract(
             cost_model, extractor, time_limit, micro_batches=micro_batches).plan, cost_model) for end in end_graphs))
+        if not math.isinf(leading):
+            floor = ideal_time(layer_cost(fastest.plan, cost_model), layers, stages, micro_batches, precision, ends)
+            if floor < (1 + FUSION_REFIT_MARGIN) * leading:  # the plain fit's selection is not made again
+                fastest = explored.extract(ranking, extractor, time_limit, micro_batches=micro_batches)
+            else:
+                said.append(f"no fusion-priced refit of the layer: its floor, {floor * 1e3:.1f} ms a step, is more "
+                            f"than {FUSION_REFIT_MARGIN:.0%} above the best step found ({leading * 1e3:.1f} ms)")
     except (ValueError, MemoryBudgetError) as err:
         return None, f"no layer plan on {sub} ({err})"
 
@@ -452,9 +469,9 @@ def _stage_plan(graph: Graph, end_graphs: tuple[Graph | None, Graph | None], lay
 
     fastest_layer = layer_cost(fastest.plan, cost_model)
     best = configured(fastest, fastest_layer)
-    said = [] if best is not None else \
-        [f"the fastest layer plan does not fit {memory_budget:,.0f} bytes per device, even with every layer "
-         f"recomputed"]
+    if best is None:
+        said.insert(0, f"the fastest layer plan does not fit {memory_budget:,.0f} bytes per device, even with every "
+                       f"layer recomputed")
     leaner = explored.leaner_plans(fastest, ranking, extractor, time_limit, micro_batches)
     last, extracted = fastest_layer, 1
     while extracted < pareto_points:
