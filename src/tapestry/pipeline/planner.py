@@ -8,7 +8,9 @@ plans one at a time (where the fastest does not fit or shards less than it could
 the fastest under less memory than the last, while the last one's ideal time (`ideal_time`, a floor under the
 next one's step) beats the best step found: each leaner plan is an extraction under a memory budget, the dearest
 calls of the search. Stage counts go largest first (the smallest
-sub-meshes: cheapest to plan, and most often the fastest), so the best step is known early. Identical layers reuse
+sub-meshes: cheapest to plan, and most often the fastest), so the best step is known early; after the first, a
+layer's fusion-priced refit (half an extraction's CP-SAT runs) is made only where its plain fit's floor comes within
+FUSION_REFIT_MARGIN of that step (not an exact bound). Identical layers reuse
 the layer plan: 80 layers cost one optimization per sub-mesh. Every layer plan of the front is then tried under
 every schedule (GPipe, 1F1B, interleaved 1F1B with v chunks per device), with on each device the fewest recomputed
 layers that fit the memory budget; the fastest configuration that fits wins. S = 1 is no pipeline: gradient
@@ -31,7 +33,7 @@ from pathlib import Path
 from tapestry.cost import CostModel, Link
 from tapestry.egraph.driver import Budget
 from tapestry.graph import Graph
-from tapestry.optimizer import MemoryBudgetError, OptimizeResult, explore
+from tapestry.optimizer import FUSED_EXTRACTION_DEVICES, MemoryBudgetError, OptimizeResult, explore
 from tapestry.pipeline.boundary import BoundaryPriced
 from tapestry.pipeline.layer import layer_cost
 from tapestry.pipeline.model import (
@@ -437,7 +439,7 @@ def _stage_plan(graph: Graph, end_graphs: tuple[Graph | None, Graph | None], lay
                 extractor: str, time_limit: float, pareto_points: int, leaner_slack: float, cost_model: CostModel,
                 leading: float) -> tuple[PipelinePlan | None, str]:
     """The best configuration of `stages` stages at one micro-batch size, and what to report of it (why nothing
-    fit, which leaner layer plans were not extracted and why). Its own function so that the sub-mesh's explored
+    fit, where the fusion-priced refit and which leaner layer plans were not made and why). Its own function so that the sub-mesh's explored
     e-graph, pricing and extractions are freed before the next sub-mesh is explored (a loop's locals outlived
     the iteration: the 70B step's 4x8x8 e-graph was held while 8x8x8's was explored)."""
     sub = stage_mesh(mesh, axis, stages)
@@ -449,11 +451,11 @@ def _stage_plan(graph: Graph, end_graphs: tuple[Graph | None, Graph | None], lay
     try:
         explored = explore(graph, sub, budget=budget)
         # where a best step is known, the plain fit first: its fusion-priced refit only if its floor comes near
-        fastest = explored.extract(ranking, extractor, time_limit, micro_batches=micro_batches,
-                                   fusion_refit=math.isinf(leading))
+        refit = math.isinf(leading) or sub.size < FUSED_EXTRACTION_DEVICES  # (below that no refit is made anyway)
+        fastest = explored.extract(ranking, extractor, time_limit, micro_batches=micro_batches, fusion_refit=refit)
         ends = Ends(*(None if end is None else layer_cost(explore(end, sub, budget=budget).extract(
             cost_model, extractor, time_limit, micro_batches=micro_batches).plan, cost_model) for end in end_graphs))
-        if not math.isinf(leading):
+        if not refit:
             floor = ideal_time(layer_cost(fastest.plan, cost_model), layers, stages, micro_batches, precision, ends)
             if floor < (1 + FUSION_REFIT_MARGIN) * leading:  # the plain fit's selection is not made again
                 fastest = explored.extract(ranking, extractor, time_limit, micro_batches=micro_batches)
