@@ -439,9 +439,9 @@ def _stage_plan(graph: Graph, end_graphs: tuple[Graph | None, Graph | None], lay
                 extractor: str, time_limit: float, pareto_points: int, leaner_slack: float, cost_model: CostModel,
                 leading: float) -> tuple[PipelinePlan | None, str]:
     """The best configuration of `stages` stages at one micro-batch size, and what to report of it (why nothing
-    fit, where the fusion-priced refit and which leaner layer plans were not made and why). Its own function so that the sub-mesh's explored
-    e-graph, pricing and extractions are freed before the next sub-mesh is explored (a loop's locals outlived
-    the iteration: the 70B step's 4x8x8 e-graph was held while 8x8x8's was explored)."""
+    fit, whether the fusion-priced refit and which leaner layer plans were not made and why). Its own function so
+    that the sub-mesh's explored e-graph, pricing and extractions are freed before the next sub-mesh is explored (a
+    loop's locals outlived the iteration: the 70B step's 4x8x8 e-graph was held while 8x8x8's was explored)."""
     sub = stage_mesh(mesh, axis, stages)
     # over more than one stage the layer's plans are ranked with the stage transfers they make the pipeline pay
     tried = configurations(stages, micro_batches, layers, schedules, chunks)
