@@ -183,6 +183,11 @@ def main() -> None:
     print(f"plan_pipeline: {planned:.0f} s wall, {planned_cpu:.1f} CPU s, peak RSS {peak_rss() / 2**30:.2f} GiB, "
           f"load {load:.1f}", flush=True)
     print(result.explain(), flush=True)
+    for c in result.candidates:  # which of the layer extraction's fits made the plan (a fusion-priced refit or not)
+        if c.plan is not None and isinstance(c.plan.stage_plan, tapestry.OptimizeResult):
+            notes = c.plan.stage_plan.plan.notes
+            print(f"S={c.stages} layer plan: node costs {notes.get('node_costs', 'plain')}, extractor "
+                  f"{notes.get('extractor_status')}", flush=True)
     hand = recipes(build, args, mesh, model)
     rows = [row("**plan_pipeline (chosen)**", result.plan, f"{planned:.0f} ({planned_cpu:.0f} CPU)")]
     rows += [row(f"plan_pipeline, best with S={c.stages}", c.plan if c.plan is not None else c.why)

@@ -690,3 +690,38 @@ def test_a_stage_count_says_its_fastest_layer_plan_did_not_fit_and_its_floor_rul
     why = next(c.why for c in result.candidates if c.stages == 1)
     assert "the fastest layer plan does not fit" in why
     assert "leaner layer plans not extracted: their floor, inf ms a step, is above the best step found" in why
+
+
+def test_a_later_stage_counts_fusion_priced_refit_is_made_only_where_its_plain_floor_comes_near_the_best_step(
+        mlp_step, monkeypatch) -> None:  # noqa: ANN001
+    """A layer extraction on 8 devices or more fits twice, by plain and by fusion-priced node costs. Once a best step
+    is known, a stage count's layer is extracted by the plain fit first, and refitted (the plain fit not solved again)
+    only where that plan's floor is within FUSION_REFIT_MARGIN above it; the chosen configuration is the same either
+    way on this case, and the report says where the refit was not made."""
+    import tapestry
+    from tapestry.optimizer import Explored
+    from tapestry.pipeline import planner
+
+    refits: list[tuple[int, bool]] = []
+    extract = Explored.extract
+
+    def recorded(self: Explored, *args: object, **kw: object) -> object:
+        refits.append((self.mesh.size, kw.get("fusion_refit", True)))
+        return extract(self, *args, **kw)
+
+    monkeypatch.setattr(Explored, "extract", recorded)
+
+    def plan(margin: float) -> tapestry.pipeline.PipelineResult:
+        refits.clear()
+        monkeypatch.setattr(planner, "FUSION_REFIT_MARGIN", margin)
+        return tapestry.plan_pipeline(mlp_step, 4, tapestry.Mesh(8), global_batch=16, cost_model=h100(),
+                                      stages=(4, 1), memory_budget=None, budget=tapestry.Budget(seconds=30),
+                                      pareto_points=1)
+
+    refitted = plan(math.inf)
+    assert refits == [(2, True), (8, False), (8, True)]
+    skipped = plan(-1.0)
+    assert refits == [(2, True), (8, False)]
+    assert "no fusion-priced refit of the layer" in next(c.why for c in skipped.candidates if c.stages == 1)
+    chosen = [(r.plan.stages, r.plan.cost, r.plan.schedule, r.plan.chunks, r.plan.layer) for r in (refitted, skipped)]
+    assert chosen[0] == chosen[1]

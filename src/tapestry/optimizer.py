@@ -233,8 +233,8 @@ class Explored:
 
     @no_collections()
     def extract(self, cost_model: CostModel | None = None, extractor: str = "ilp", time_limit: float = 10.0,
-                memory_budget: int | None = None, outputs: Outputs = "any",
-                steady: Mapping[str, str] | None = None, micro_batches: int = 1) -> OptimizeResult:
+                memory_budget: int | None = None, outputs: Outputs = "any", steady: Mapping[str, str] | None = None,
+                micro_batches: int = 1, fusion_refit: bool = True) -> OptimizeResult:
         """The cheapest plan whose outputs have the layouts `outputs` asks for and, with `memory_budget`, whose
         peak memory (cost.peak_memory) fits that many bytes on every device; MemoryBudgetError if none is found.
 
@@ -258,10 +258,10 @@ class Explored:
         both half hidden; the cheapest plan by plan_cost (of equals the leaner: StepObjective.better) is kept,
         marked "feasible" (the objectives were not its time).
 
-        Fusion: where the model prices fusion groups as one kernel (its `fused_device`), the plan is extracted a
-        second time with each fusible node priced as the group member its neighbourhood promises (`_fused`),
-        and that plan is kept if plan_cost finds it cheaper, marked "feasible" (its node costs were estimates);
-        the overlap sweep then extracts under the costs that won. docs/cost-models.md says what is exact.
+        Fusion: where the model prices fusion groups as one kernel (its `fused_device`) and `fusion_refit` asks, the
+        plan is extracted a second time with each fusible node priced as the group member its neighbourhood promises
+        (`_fused`), and that plan is kept if plan_cost finds it cheaper, marked "feasible" (its node costs were
+        estimates); the overlap sweep then extracts under the costs that won. docs/cost-models.md says what is exact.
 
         Gradient accumulation: with `micro_batches` > 1 the step is run that many times (its forward and backward,
         as a pipeline stage runs its micro-batches) per update, and the plan kept is the cheapest by that count
@@ -283,7 +283,7 @@ class Explored:
             list(self.roots), model, self.priced_moves, drop_dominated=plain_sum)
         egraph = restrict_outputs(self.decoder, priced, outputs)
         egraph, ties = steady_ties(self.decoder, egraph, carried)
-        fused = self._fused(egraph, model) if self.mesh.size >= FUSED_EXTRACTION_DEVICES else None
+        fused = self._fused(egraph, model) if fusion_refit and self.mesh.size >= FUSED_EXTRACTION_DEVICES else None
         if self.layered is not None:  # copy 1 counted once per later copy (fused prices too), tied to copy 0
             egraph, ties = self.layered.costs(egraph), sorted([*ties, *self.layered.ties()])
             fused = None if fused is None else self.layered.costs(fused)

@@ -8,7 +8,9 @@ plans one at a time (where the fastest does not fit or shards less than it could
 the fastest under less memory than the last, while the last one's ideal time (`ideal_time`, a floor under the
 next one's step) beats the best step found: each leaner plan is an extraction under a memory budget, the dearest
 calls of the search. Stage counts go largest first (the smallest
-sub-meshes: cheapest to plan, and most often the fastest), so the best step is known early. Identical layers reuse
+sub-meshes: cheapest to plan, and most often the fastest), so the best step is known early; after the first, a
+layer's fusion-priced refit (half an extraction's CP-SAT runs) is made only where its plain fit's floor comes within
+FUSION_REFIT_MARGIN of that step (not an exact bound). Identical layers reuse
 the layer plan: 80 layers cost one optimization per sub-mesh. Every layer plan of the front is then tried under
 every schedule (GPipe, 1F1B, interleaved 1F1B with v chunks per device), with on each device the fewest recomputed
 layers that fit the memory budget; the fastest configuration that fits wins. S = 1 is no pipeline: gradient
@@ -31,7 +33,7 @@ from pathlib import Path
 from tapestry.cost import CostModel, Link
 from tapestry.egraph.driver import Budget
 from tapestry.graph import Graph
-from tapestry.optimizer import MemoryBudgetError, OptimizeResult, explore
+from tapestry.optimizer import FUSED_EXTRACTION_DEVICES, MemoryBudgetError, OptimizeResult, explore
 from tapestry.pipeline.boundary import BoundaryPriced
 from tapestry.pipeline.layer import layer_cost
 from tapestry.pipeline.model import (
@@ -62,6 +64,13 @@ LEANER_SLACK = 0.02
 # the 7B step on 64 GPUs every stage count's best configuration and floor came out the same at 5 as at 10, in 297
 # CPU s of plan_pipeline instead of 454 (docs/benchmarks.md, "7B on 64 GPUs at 4M tokens per step")
 LAYER_TIME_LIMIT = 5.0
+# A layer extraction's second, fusion-priced fit (`Explored.extract(..., fusion_refit=)`, half its CP-SAT runs) is made
+# for a stage count after the first only where the plain fit's floor (`ideal_time`) is less than this share above
+# the best step found. NOT an exact bound: no floor known before that fit bounds its plan (the exact LP floor of
+# benchmarks/stage_floor.py is below the best step for every stage count of the 7B step on 64 GPUs); the fused fit
+# found the 7B block 2.2% faster on 8x8, and on that step no stage count's plan but the first's came from it
+# (docs/benchmarks.md, "7B on 64 GPUs at 4M tokens per step")
+FUSION_REFIT_MARGIN = 0.25
 
 
 @dataclass(frozen=True)
@@ -430,19 +439,29 @@ def _stage_plan(graph: Graph, end_graphs: tuple[Graph | None, Graph | None], lay
                 extractor: str, time_limit: float, pareto_points: int, leaner_slack: float, cost_model: CostModel,
                 leading: float) -> tuple[PipelinePlan | None, str]:
     """The best configuration of `stages` stages at one micro-batch size, and what to report of it (why nothing
-    fit, which leaner layer plans were not extracted and why). Its own function so that the sub-mesh's explored
-    e-graph, pricing and extractions are freed before the next sub-mesh is explored (a loop's locals outlived
-    the iteration: the 70B step's 4x8x8 e-graph was held while 8x8x8's was explored)."""
+    fit, whether the fusion-priced refit and which leaner layer plans were not made and why). Its own function so
+    that the sub-mesh's explored e-graph, pricing and extractions are freed before the next sub-mesh is explored (a
+    loop's locals outlived the iteration: the 70B step's 4x8x8 e-graph was held while 8x8x8's was explored)."""
     sub = stage_mesh(mesh, axis, stages)
     # over more than one stage the layer's plans are ranked with the stage transfers they make the pipeline pay
     tried = configurations(stages, micro_batches, layers, schedules, chunks)
     ranking = cost_model if stages == 1 or not tried else \
         BoundaryPriced.of(cost_model, graph, link, exposed_share(tried, layers, micro_batches))
+    said = []
     try:
         explored = explore(graph, sub, budget=budget)
-        fastest = explored.extract(ranking, extractor, time_limit, micro_batches=micro_batches)
+        # where a best step is known, the plain fit first: its fusion-priced refit only if its floor comes near
+        refit = math.isinf(leading) or sub.size < FUSED_EXTRACTION_DEVICES  # (below that no refit is made anyway)
+        fastest = explored.extract(ranking, extractor, time_limit, micro_batches=micro_batches, fusion_refit=refit)
         ends = Ends(*(None if end is None else layer_cost(explore(end, sub, budget=budget).extract(
             cost_model, extractor, time_limit, micro_batches=micro_batches).plan, cost_model) for end in end_graphs))
+        if not refit:
+            floor = ideal_time(layer_cost(fastest.plan, cost_model), layers, stages, micro_batches, precision, ends)
+            if floor < (1 + FUSION_REFIT_MARGIN) * leading:  # the plain fit's selection is not made again
+                fastest = explored.extract(ranking, extractor, time_limit, micro_batches=micro_batches)
+            else:
+                said.append(f"no fusion-priced refit of the layer: its floor, {floor * 1e3:.1f} ms a step, is more "
+                            f"than {FUSION_REFIT_MARGIN:.0%} above the best step found ({leading * 1e3:.1f} ms)")
     except (ValueError, MemoryBudgetError) as err:
         return None, f"no layer plan on {sub} ({err})"
 
@@ -452,9 +471,9 @@ def _stage_plan(graph: Graph, end_graphs: tuple[Graph | None, Graph | None], lay
 
     fastest_layer = layer_cost(fastest.plan, cost_model)
     best = configured(fastest, fastest_layer)
-    said = [] if best is not None else \
-        [f"the fastest layer plan does not fit {memory_budget:,.0f} bytes per device, even with every layer "
-         f"recomputed"]
+    if best is None:
+        said.insert(0, f"the fastest layer plan does not fit {memory_budget:,.0f} bytes per device, even with every "
+                       f"layer recomputed")
     leaner = explored.leaner_plans(fastest, ranking, extractor, time_limit, micro_batches)
     last, extracted = fastest_layer, 1
     while extracted < pareto_points:
