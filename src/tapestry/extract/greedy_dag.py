@@ -54,7 +54,7 @@ def greedy_choice(egraph: EGraph) -> list[int]:
         return base, total
 
     selectable = egraph.selectable_nodes
-    pending = [len(ch) for ch in child_sets]
+    pending = list(egraph.child_counts)
     front = class_fronts(egraph)
     heap = leaves(egraph, front, pending)
     waiting = set(egraph.roots)

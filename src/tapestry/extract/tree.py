@@ -28,8 +28,7 @@ class TreeChoice:
 
 def tree_choice(egraph: EGraph) -> TreeChoice:
     """Cheapest tree per class; repeated children count every time, as in extraction-gym's bottom-up."""
-    child_sets = egraph.child_sets
-    pending = [len(ch) for ch in child_sets]
+    pending = list(egraph.child_counts)
     node_cost, selectable, node_class = egraph.node_cost, egraph.selectable_nodes, egraph.node_class
     front = class_fronts(egraph)
     heap = leaves(egraph, front, pending)
