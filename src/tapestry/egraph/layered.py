@@ -143,12 +143,12 @@ def twins_alike(egraph: EGraph, pairs: Sequence[tuple[int, int]]) -> EGraph:
     costs = list(egraph.node_cost)
     while True:
         priced = egraph.with_costs(costs)  # the last one's tree choice kept with it: its extractions start there
-        tree, child_sets = priced.priced("tree", tree_choice), priced.child_sets
+        tree, child_sets, selectable = priced.priced("tree", tree_choice), priced.child_sets, priced.selectable_nodes
 
         def usable(n: int) -> bool:
-            return priced.selectable(n) and all(tree.extractable(d) for d in child_sets[n])
+            return selectable[n] and all(tree.node[d] >= 0 for d in child_sets[n])  # each child extractable
 
-        dropped = [b for pair in pairs for a, b in (pair, pair[::-1]) if priced.selectable(b) and not usable(a)]
+        dropped = [b for pair in pairs for a, b in (pair, pair[::-1]) if selectable[b] and not usable(a)]
         if not dropped:
             return priced
         for n in dropped:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -98,8 +99,7 @@ class EGraph:
         """`selectable` of every node, made once per graph: the extractors' hot loops read it per node (a folded
         7B step's graph has 200,000 nodes, extracted 20 times)."""
         return self.priced("selectable", lambda g: tuple(
-            not subsumed and math.isfinite(cost) for subsumed, cost in zip(g.node_subsumed, g.node_cost))
-            if any(g.node_subsumed) else tuple(map(math.isfinite, g.node_cost)))
+            map(operator.and_, map(operator.not_, g.node_subsumed), map(math.isfinite, g.node_cost))))
 
     @property
     def child_counts(self) -> tuple[int, ...]:
