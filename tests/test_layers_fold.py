@@ -326,6 +326,44 @@ def test_the_fallback_expands_only_the_best_ranked_candidates_and_still_keeps_th
     assert plan_cost(decode(explored.folded, egraph, chosen)[0], model) == min(cost.values())
 
 
+def test_a_candidate_whose_moves_alone_cost_more_than_the_cheapest_expanded_plan_is_not_expanded(five_on_two,
+                                                                                                monkeypatch):
+    """`FoldedCandidates.floor` (the folded plan's moves and placements, copy 1's once per later copy) is at most
+    the expanded plan's plan_cost for each periodic candidate of the free choice and the fallback's pins; `cheapest`
+    expands a ranked candidate only where its floor is under the cheapest expanded so far, and keeps what the
+    cheapest expanded plan of all the ranked ones is (fails before: every ranked candidate expanded)."""
+    from tapestry.cost import plan_cost
+    from tapestry.egraph.folded_candidates import chosen
+    from tapestry.egraph.pins import (delivered_layouts, periodic_selections, pin_layouts, placed_layouts,
+                                      replicated_layouts)
+    from tapestry.extract import extract
+
+    explored, egraph, ties, carried, model = folded_on_two(unkept(five_on_two))
+    decoder, layered = explored.decoder, explored.layered
+    free = extract(egraph, "greedy-dag")
+    candidates = periodic_selections(layered, decoder, egraph, free, ties, carried)
+    for pins in (delivered_layouts(decoder, free, carried), replicated_layouts(decoder, carried),
+                 layered.aligned(placed_layouts(decoder, free, carried), 1)):
+        pinned = extract(pin_layouts(decoder, egraph, pins, carried), "greedy-dag")
+        candidates += periodic_selections(layered, decoder, egraph, pinned, ties, carried)
+    fresh = FoldedCandidates(layered, decoder, explored.graph, explored.folded.names)
+    floors = [fresh.floor(egraph, s, model) for s in candidates]
+    priced = [plan_cost(fresh.decode(egraph, s)[0], model) for s in candidates]
+    assert all(0 <= floor <= cost for floor, cost in zip(floors, priced)) and max(floors) > 0, (floors, priced)
+    unique: dict[tuple[int, ...], object] = {}
+    for s in candidates:
+        unique.setdefault(chosen(s), s)
+    ranked = sorted(unique.values(), key=lambda s: fresh.folded_time(egraph, s, model))[:EXPANDED_CANDIDATES]
+    assert len(ranked) == EXPANDED_CANDIDATES
+    expanded = []
+    decode = FoldedCandidates.decode
+    monkeypatch.setattr(FoldedCandidates, "decode", lambda self, e, s: expanded.append(s) or decode(self, e, s))
+    folded = FoldedCandidates(layered, decoder, explored.graph, explored.folded.names)
+    kept = folded.cheapest(egraph, candidates, model)
+    assert chosen(kept) == chosen(min(ranked, key=lambda s: plan_cost(decode(fresh, egraph, s)[0], model)))
+    assert 0 < len(expanded) < len(ranked)
+
+
 def test_a_folded_graph_too_big_for_the_ilp_to_model_takes_the_greedy_periodic_choice_without_running_the_ilp(
         three_on_two, monkeypatch):
     """Past what the ILP can model in its limit (extract.ilp.models_in; the folded 7B step on 8x8 has 199,000
