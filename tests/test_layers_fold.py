@@ -18,7 +18,7 @@ from tapestry.egraph.folded_candidates import EXPANDED_CANDIDATES, FoldedCandida
 from tapestry.graph import Graph
 from tapestry.graph.layers import find_layers, fold
 from tapestry.optimizer import FOLD_FROM_COPIES
-from tapestry.plan import Place, steady_violations
+from tapestry.plan import Compute, Place, steady_violations
 from tapestry.plan.simulate import simulate
 from tapestry.sharding import Mesh
 from seed_helpers import plans_under_seeds
@@ -362,6 +362,35 @@ def test_a_candidate_whose_moves_alone_cost_more_than_the_cheapest_expanded_plan
     kept = folded.cheapest(egraph, candidates, model)
     assert chosen(kept) == chosen(min(ranked, key=lambda s: plan_cost(decode(fresh, egraph, s)[0], model)))
     assert 0 < len(expanded) < len(ranked)
+
+
+def test_an_expanded_copys_run_is_made_renamed_in_one_step_as_renaming_the_made_step_makes_it(three_on_two,
+                                                                                              monkeypatch):
+    """`Layered.expand` makes a later copy's Run step with its origin renamed (`Decoder.step`'s `origin`), one
+    dataclass copy where it made the step and then renamed it: the same plan, step for step, as that slow path."""
+    from dataclasses import replace as replaced
+
+    from tapestry.egraph.pins import periodic_selections
+    from tapestry.extract import extract
+
+    explored, egraph, ties, carried, _ = three_on_two
+    decoder, layered = explored.decoder, explored.layered
+    [candidate, *_] = periodic_selections(layered, decoder, egraph, extract(egraph, "greedy-dag"), ties, carried)
+    fast, _ = layered.expand(egraph, candidate, explored.folded.names, {})
+    step = type(decoder).step
+
+    def made_then_renamed(self, node, out="?", args=(), origin=None):  # noqa: ANN001, ANN202
+        made = step(self, node, out, args)
+        return made if origin is None else replaced(made, origin=origin(made.origin))
+
+    monkeypatch.setattr(type(decoder), "step", made_then_renamed)
+    slow, _ = layered.expand(egraph, candidate, explored.folded.names, {})
+    assert fast.steps == slow.steps and fast.outputs == slow.outputs
+    origins: dict[int, set[str]] = {}  # a copy's Runs share copy 1's blocks objects, each with its own origin
+    for s in fast.steps:
+        if isinstance(s, Compute):
+            origins.setdefault(id(s.blocks), set()).add(s.origin)
+    assert max(map(len, origins.values())) >= layered.copies - 1 > 1
 
 
 def test_a_folded_graph_too_big_for_the_ilp_to_model_takes_the_greedy_periodic_choice_without_running_the_ilp(
