@@ -47,7 +47,7 @@ def tree_choice(egraph: EGraph) -> TreeChoice:
         for p in parents[c]:
             pending[p] -= 1
             if pending[p] == 0 and best[node_class[p]] < 0 and selectable[p]:
-                entry = (node_cost[p] + sum(cost[d] for d in node_children[p]), p)
+                entry = (node_cost[p] + sum(map(cost.__getitem__, node_children[p])), p)
                 if entry < front[node_class[p]]:  # else its class's node queued before pops first
                     front[node_class[p]] = entry
                     heapq.heappush(heap, entry)
