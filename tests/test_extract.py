@@ -163,6 +163,21 @@ def test_repriced_graphs_share_the_structure_derived_once_not_recomputed() -> No
     assert all(graph.child_sets is structure[0] and graph.parents is structure[1] for graph in (g, repriced))
 
 
+def test_repricing_checks_every_cost_names_the_first_negative_or_nan_and_stores_floats() -> None:
+    """`with_costs` checks the whole graph's costs at once (no per-node call); a bad one is named as
+    `_check_cost` names it, and the flags `selectable_nodes` makes match `selectable`, subsumed nodes or none."""
+    g = build({"R": [(1.0, ["A"]), (2.0, [])], "A": [(1.0, []), (3.0, [])]}, ["R"])
+    for bad, shown in ((-1.0, "-1.0"), (math.nan, "nan")):
+        with pytest.raises(EGraphError, match=rf"node 'R.1' has cost {shown}; costs must be >= 0"):
+            g.with_costs([1, bad, bad, 0])
+    repriced = g.with_costs([1, INF, 0, 2])
+    assert repriced.node_cost == (1.0, INF, 0.0, 2.0) and all(type(c) is float for c in repriced.node_cost)
+    subsumed = build({"R": [(1.0, ["A"]), (2.0, [])], "A": [(1.0, []), (3.0, [])]}, ["R"], ["A.0"])
+    for graph in (repriced, subsumed):
+        assert graph.selectable_nodes == tuple(graph.selectable(n) for n in range(graph.num_nodes))
+    assert g.child_counts == (1, 0, 0, 0)
+
+
 def test_a_graph_makes_its_tree_choice_once_and_a_repriced_copy_its_own() -> None:
     g = build({"R": [(1.0, ["A"]), (3.0, [])], "A": [(1.0, [])]}, ["R"])
     repriced = g.with_costs([5.0, 2.0, 1.0])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -218,3 +219,48 @@ def test_groups_of_one_key_take_one_time_and_the_memoised_prices_are_the_per_dev
         assert fused_costs(plan, costs, device) == unmemoised
     twice, two = (group_key(p, g) for p in plans[-2:] for g in fusion_groups(p))
     assert twice != two
+
+
+def two_alike_chains() -> Graph:
+    """y1 = sigmoid(x1 + r1) and y2 = sigmoid(x2 + r2): two fusion groups alike but for their names."""
+    g = Graph()
+    for k in (1, 2):
+        x, r = g.input(f"x{k}", (ROWS, COLS)), g.input(f"r{k}", (ROWS, COLS))
+        g.output(f"y{k}", g.op("sigmoid", g.op("add", x, r, name=f"a{k}"), name=f"s{k}"))
+    return g
+
+
+def test_a_group_sharing_an_alike_groups_blocks_is_priced_by_their_identity_without_hashing_them(monkeypatch):
+    """An expanded plan's copies share their layer's blocks objects: `fused_costs` finds a later copy's group by
+    the blocks' identity, hashing no block for it, and prices every group as pricing each one alone does."""
+    from tapestry.cost import fused_costs
+    from tapestry.zspace import ZRange
+
+    plan = build_plan(two_alike_chains(), tapestry.Mesh(2, 2), {v: (0, 1) for v in ("a1", "s1", "a2", "s2")})
+    one, two = fusion_groups(plan)
+    apart = replace(plan, steps=tuple(replace(s, blocks=tuple(list(s.blocks))) if s.out in two.members else s
+                                      for s in plan.steps))  # the same blocks, in tuples of their own
+    assert all(len(set(plan.by_id[v].blocks)) > 1 and plan.by_id[u].blocks is plan.by_id[v].blocks
+               and apart.by_id[u].blocks == apart.by_id[v].blocks
+               and apart.by_id[u].blocks is not apart.by_id[v].blocks for u, v in zip(one.members, two.members))
+    hashed = [0]
+    unhashed = ZRange.__hash__
+
+    def counted(self: ZRange) -> int:
+        hashed[0] += 1
+        return unhashed(self)
+
+    monkeypatch.setattr(ZRange, "__hash__", counted)
+    device = GPU.profile.device
+    by_value, by_identity = [], []
+    for each, hashes in ((apart, by_value), (plan, by_identity)):
+        costs = step_costs(each, UNFUSED)
+        alone = dict(costs)
+        for group in fusion_groups(each):
+            unfused = sum(costs[v] for v in group.members)
+            alone.update({v: costs[v] * min(_group_time_per_device(each, group, device), unfused) / unfused
+                          for v in group.members})
+        hashed[0] = 0
+        assert fused_costs(each, costs, device) == alone
+        hashes.append(hashed[0])
+    assert by_identity[0] < by_value[0]

@@ -18,7 +18,7 @@ from tapestry.egraph.folded_candidates import EXPANDED_CANDIDATES, FoldedCandida
 from tapestry.graph import Graph
 from tapestry.graph.layers import find_layers, fold
 from tapestry.optimizer import FOLD_FROM_COPIES
-from tapestry.plan import Place, steady_violations
+from tapestry.plan import Compute, Place, steady_violations
 from tapestry.plan.simulate import simulate
 from tapestry.sharding import Mesh
 from seed_helpers import plans_under_seeds
@@ -324,6 +324,73 @@ def test_the_fallback_expands_only_the_best_ranked_candidates_and_still_keeps_th
     cost = {key: plan_cost(decode(explored.folded, egraph, s)[0], model) for key, s in
             {tuple(sorted(s.choice.items())): s for s in candidates}.items()}
     assert plan_cost(decode(explored.folded, egraph, chosen)[0], model) == min(cost.values())
+
+
+def test_a_candidate_whose_moves_alone_cost_more_than_the_cheapest_expanded_plan_is_not_expanded(five_on_two,
+                                                                                                monkeypatch):
+    """`FoldedCandidates.floor` (the folded plan's moves and placements, copy 1's once per later copy) is at most
+    the expanded plan's plan_cost for each periodic candidate of the free choice and the fallback's pins; `cheapest`
+    expands a ranked candidate only where its floor is under the cheapest expanded so far, and keeps what the
+    cheapest expanded plan of all the ranked ones is (fails before: every ranked candidate expanded)."""
+    from tapestry.cost import plan_cost
+    from tapestry.egraph.folded_candidates import chosen
+    from tapestry.egraph.pins import (delivered_layouts, periodic_selections, pin_layouts, placed_layouts,
+                                      replicated_layouts)
+    from tapestry.extract import extract
+
+    explored, egraph, ties, carried, model = folded_on_two(unkept(five_on_two))
+    decoder, layered = explored.decoder, explored.layered
+    free = extract(egraph, "greedy-dag")
+    candidates = periodic_selections(layered, decoder, egraph, free, ties, carried)
+    for pins in (delivered_layouts(decoder, free, carried), replicated_layouts(decoder, carried),
+                 layered.aligned(placed_layouts(decoder, free, carried), 1)):
+        pinned = extract(pin_layouts(decoder, egraph, pins, carried), "greedy-dag")
+        candidates += periodic_selections(layered, decoder, egraph, pinned, ties, carried)
+    fresh = FoldedCandidates(layered, decoder, explored.graph, explored.folded.names)
+    floors = [fresh.floor(egraph, s, model) for s in candidates]
+    priced = [plan_cost(fresh.decode(egraph, s)[0], model) for s in candidates]
+    assert all(0 <= floor <= cost for floor, cost in zip(floors, priced)) and max(floors) > 0, (floors, priced)
+    unique: dict[tuple[int, ...], object] = {}
+    for s in candidates:
+        unique.setdefault(chosen(s), s)
+    ranked = sorted(unique.values(), key=lambda s: fresh.folded_time(egraph, s, model))[:EXPANDED_CANDIDATES]
+    assert len(ranked) == EXPANDED_CANDIDATES
+    expanded = []
+    decode = FoldedCandidates.decode
+    monkeypatch.setattr(FoldedCandidates, "decode", lambda self, e, s: expanded.append(s) or decode(self, e, s))
+    folded = FoldedCandidates(layered, decoder, explored.graph, explored.folded.names)
+    kept = folded.cheapest(egraph, candidates, model)
+    assert chosen(kept) == chosen(min(ranked, key=lambda s: plan_cost(decode(fresh, egraph, s)[0], model)))
+    assert 0 < len(expanded) < len(ranked)
+
+
+def test_an_expanded_copys_run_is_made_renamed_in_one_step_as_renaming_the_made_step_makes_it(three_on_two,
+                                                                                              monkeypatch):
+    """`Layered.expand` makes a later copy's Run step with its origin renamed (`Decoder.step`'s `origin`), one
+    dataclass copy where it made the step and then renamed it: the same plan, step for step, as that slow path."""
+    from dataclasses import replace as replaced
+
+    from tapestry.egraph.pins import periodic_selections
+    from tapestry.extract import extract
+
+    explored, egraph, ties, carried, _ = three_on_two
+    decoder, layered = explored.decoder, explored.layered
+    [candidate, *_] = periodic_selections(layered, decoder, egraph, extract(egraph, "greedy-dag"), ties, carried)
+    fast, _ = layered.expand(egraph, candidate, explored.folded.names, {})
+    step = type(decoder).step
+
+    def made_then_renamed(self, node, out="?", args=(), origin=None):  # noqa: ANN001, ANN202
+        made = step(self, node, out, args)
+        return made if origin is None else replaced(made, origin=origin(made.origin))
+
+    monkeypatch.setattr(type(decoder), "step", made_then_renamed)
+    slow, _ = layered.expand(egraph, candidate, explored.folded.names, {})
+    assert fast.steps == slow.steps and fast.outputs == slow.outputs
+    origins: dict[int, set[str]] = {}  # a copy's Runs share copy 1's blocks objects, each with its own origin
+    for s in fast.steps:
+        if isinstance(s, Compute):
+            origins.setdefault(id(s.blocks), set()).add(s.origin)
+    assert max(map(len, origins.values())) >= layered.copies - 1 > 1
 
 
 def test_a_folded_graph_too_big_for_the_ilp_to_model_takes_the_greedy_periodic_choice_without_running_the_ilp(

@@ -21,7 +21,7 @@ a merged GEMM's weight concat is then free (`Plan.prepared` names such steps).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -331,7 +331,10 @@ class Decoder:
         return (node.op not in ("Place", "Reshard", "Deliver")
                 and get_kernel(self.interner.runs[node.key].kernel).always_view)
 
-    def step(self, node: DNode, out: str = "?", args: tuple[str, ...] = ()) -> Step | None:
+    def step(self, node: DNode, out: str = "?", args: tuple[str, ...] = (),
+             origin: Callable[[str], str] | None = None) -> Step | None:
+        """`node`'s step, named `out` and reading `args`; a Run's origin made `origin(its own)` where given (an
+        expanded plan's later copy: one copy of the step, not two)."""
         if node.op == "Place":
             shape, layout = self.interner.layouts[node.layout]
             return Place(out, node.key, shape, layout)
@@ -342,6 +345,8 @@ class Decoder:
         if node.op == "Deliver":
             return None
         run = self.interner.runs[node.key]
+        if origin is not None:
+            return replace(run, out=out, args=args or run.args, origin=origin(run.origin))
         return replace(run, out=out, args=args or run.args)
 
     def _dtypes(self, input_dtypes: Mapping[str, str]) -> dict[str, str]:

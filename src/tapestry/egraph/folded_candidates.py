@@ -11,8 +11,9 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field, replace
+from typing import Any
 
-from tapestry.cost import CostModel, plan_cost
+from tapestry.cost import CostModel, DefaultCostModel, plan_cost
 from tapestry.cost.memory import Lowerings
 from tapestry.cost.model import from_costs, step_costs
 from tapestry.cost.overlap import overlap
@@ -25,7 +26,7 @@ from tapestry.extract import DeviceBudget, NoFiniteChoiceError, Selection, Ties,
 from tapestry.extract import EGraph as ExtractGraph
 from tapestry.extract.selection import dag_cost
 from tapestry.graph import Graph
-from tapestry.plan import Plan
+from tapestry.plan import Place, Plan, Reshard
 
 # The budgeted fallback (`FoldedCandidates.within_budget`) prices memory at up to LEAN_ROUNDS prices, each
 # LEAN_STEP times the last, from one at which a budget's worth of bytes costs as much as the cheapest plan's time
@@ -48,6 +49,9 @@ def competes(peak: int, limit: int) -> bool:
 # (`FoldedCandidates.folded_time`) ranks first: each expansion of the 32-layer 7B step and its pricing is seconds,
 # and every fit made up to twelve (docs/benchmarks.md, "Ranking the folded candidates").
 EXPANDED_CANDIDATES = 3
+# a candidate whose `floor` is over the best expanded price so far by more than this share is not expanded: the
+# floor and plan_cost sum the same step prices in other orders (rounding), and a tie keeps the earlier candidate
+FLOOR_MARGIN = 1e-9
 EXPANSIONS_KEPT = EXPANDED_CANDIDATES  # expanded plans `FoldedCandidates.decode` keeps for the fit that picks one
 # folded plans kept by choice (`FoldedCandidates._folded_plan`): more than a fit ranks (up to twelve), so the
 # expansions of its best ranked reuse them
@@ -70,7 +74,7 @@ class FoldedCandidates:
     graph: Graph
     names: dict[str, str]  # root e-class -> graph output name, as the decoder takes them
     _expansions: dict[tuple[int, ...], tuple[Plan, list[int]]] = field(default_factory=dict, init=False, repr=False)
-    _prices: dict[tuple[str, int, tuple[int, ...]], tuple[CostModel, float]] = field(
+    _prices: dict[tuple[str, int, tuple[int, ...]], tuple[CostModel, Any]] = field(
         default_factory=dict, init=False, repr=False)
     _folded_plans: dict[tuple[int, ...], Plan] = field(default_factory=dict, init=False, repr=False)
     lowerings: Lowerings = field(default_factory=Lowerings, init=False, repr=False)  # steps lowered, by all fits
@@ -92,12 +96,20 @@ class FoldedCandidates:
     def cheapest(self, egraph: ExtractGraph, candidates: Sequence[Selection], model: CostModel) -> Selection:
         """The candidate whose expanded plan plan_cost prices cheapest, of the EXPANDED_CANDIDATES the folded plan's
         estimate ranks first (`folded_time`), each choice once (the fallback's pins often make the same one): the
-        estimate ranks, the expanded plan decides (overlap and fusion across copies are only estimated)."""
+        estimate ranks, the expanded plan decides (overlap and fusion across copies are only estimated). A ranked
+        candidate whose `floor` is over the cheapest expanded price so far is not expanded: it cannot be cheaper."""
         unique: dict[tuple[int, ...], Selection] = {}
         for selection in candidates:
             unique.setdefault(chosen(selection), selection)
         ranked = sorted(unique.values(), key=lambda selection: self.folded_time(egraph, selection, model))
-        return min(ranked[:EXPANDED_CANDIDATES], key=lambda s: self.expanded_time(egraph, s, model))
+        best, least = ranked[0], self.expanded_time(egraph, ranked[0], model)
+        for selection in ranked[1:EXPANDED_CANDIDATES]:  # the first of the cheapest, as min keeps it
+            if self.floor(egraph, selection, model) > least * (1 + FLOOR_MARGIN):
+                continue  # its expanded plan cannot be cheaper: not expanded
+            time = self.expanded_time(egraph, selection, model)
+            if time < least:
+                best, least = selection, time
+        return best
 
     def expanded_time(self, egraph: ExtractGraph, selection: Selection, model: CostModel) -> float:
         """plan_cost of the selection's plan of the whole graph."""
@@ -107,7 +119,22 @@ class FoldedCandidates:
         """plan_cost of the selection's expanded plan, estimated on the folded plan (two layers, whatever the
         depth): each step priced once, copy 1's counted once per later copy (`Layered.runs`), its gradient
         reductions hidden behind its backward pass as cost.overlap hides them."""
-        return self._priced("folded", selection, model, lambda: self._folded_estimate(egraph, selection, model))
+        return self._folded_prices(egraph, selection, model)[0]
+
+    def floor(self, egraph: ExtractGraph, selection: Selection, model: CostModel) -> float:
+        """A lower bound of `expanded_time`, from the folded plan: its moves and placements (Reshard and Place
+        steps, none prepared), copy 1's counted once per later copy. A bound: plan_cost is the steps' sum less
+        min(reductions, backward), at most the backward pass's Compute steps, so every other step stays in it at
+        its price, and fusion (DefaultCostModel's plan-wide pricing) reprices fusible Compute steps only. 0 under
+        a model that prices steps together otherwise (it could reprice a move)."""
+        return self._folded_prices(egraph, selection, model)[1]
+
+    def _folded_prices(self, egraph: ExtractGraph, selection: Selection, model: CostModel) -> tuple[float, float]:
+        """`folded_time` and `floor`, from one pricing of the folded plan, once per choice."""
+        key = ("folded", id(model), chosen(selection))
+        if key not in self._prices:
+            self._prices[key] = (model, self._folded_estimate(egraph, selection, model))
+        return self._prices[key][1]
 
     def _folded_plan(self, egraph: ExtractGraph, selection: Selection) -> Plan:
         """The selection's plan of the folded graph, decoded once per choice while among the last FOLDED_PLANS_KEPT:
@@ -122,13 +149,16 @@ class FoldedCandidates:
             del self._folded_plans[next(iter(self._folded_plans))]
         return replace(plan, cost=selection.dag_cost, notes={**plan.notes, **self.decoder.notes(selection)})
 
-    def _folded_estimate(self, egraph: ExtractGraph, selection: Selection, model: CostModel) -> float:
+    def _folded_estimate(self, egraph: ExtractGraph, selection: Selection, model: CostModel) -> tuple[float, float]:
         plan = self._folded_plan(egraph, selection)
-        costs = step_costs(plan, model)
+        costs = step_costs(plan, model)  # prepared steps left out
         nodes = self.decoder.step_nodes(egraph, selection)
         runs = {step.out: self.layered.runs(n) for step, n in zip(plan.steps, nodes)}
         weighted = {out: cost * runs[out] for out, cost in costs.items()}
-        return sum(weighted.values()) - overlap(plan, from_costs(weighted)).hidden
+        moves = sum(weighted[step.out] for step, n in zip(plan.steps, nodes) if isinstance(step, (Reshard, Place))
+                    and step.out in weighted and not self.decoder.prepared(self.decoder.nodes[n])) \
+            if getattr(type(model), "plan_step_costs", None) in (None, DefaultCostModel.plan_step_costs) else 0.0
+        return sum(weighted.values()) - overlap(plan, from_costs(weighted)).hidden, moves
 
     def _priced(self, what: str, selection: Selection, model: CostModel, price: Callable[[], float]) -> float:
         """`price()`, `what` of `selection` under `model`, computed once per choice (the fits of a folded step

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
@@ -143,12 +143,12 @@ def twins_alike(egraph: EGraph, pairs: Sequence[tuple[int, int]]) -> EGraph:
     costs = list(egraph.node_cost)
     while True:
         priced = egraph.with_costs(costs)  # the last one's tree choice kept with it: its extractions start there
-        tree, child_sets = priced.priced("tree", tree_choice), priced.child_sets
+        tree, child_sets, selectable = priced.priced("tree", tree_choice), priced.child_sets, priced.selectable_nodes
 
         def usable(n: int) -> bool:
-            return priced.selectable(n) and all(tree.extractable(d) for d in child_sets[n])
+            return selectable[n] and all(tree.node[d] >= 0 for d in child_sets[n])  # each child extractable
 
-        dropped = [b for pair in pairs for a, b in (pair, pair[::-1]) if priced.selectable(b) and not usable(a)]
+        dropped = [b for pair in pairs for a, b in (pair, pair[::-1]) if selectable[b] and not usable(a)]
         if not dropped:
             return priced
         for n in dropped:
@@ -382,9 +382,22 @@ class Layered:
         order = self._topological(instances, args, {at: graph_index(*at) for at in instances})
         out = {at: f"v{t}" for t, at in enumerate(order)}
         steps = []
+        origins: dict[tuple[str, int], str] = {}  # (copy 1's origin, k) -> copy k's: each made once
+
+        def copy_origin(k: int) -> Callable[[str], str]:
+            def renamed(origin: str) -> str:
+                if (origin, k) not in origins:
+                    origins[origin, k] = self._renamed_origin(origin, k, rename)
+                return origins[origin, k]
+            return renamed
+
         for i, k in order:
-            step = decoder.step(nodes[picked[i]], out[(i, k)], tuple(out[a] for a in args[(i, k)]))
-            steps.append(self._renamed(step, k if region[i] == 1 else None, rename))  # type: ignore[arg-type]
+            node, reads = nodes[picked[i]], tuple(out[a] for a in args[(i, k)])
+            if region[i] == 1 and node.op not in ("Place", "Reshard"):  # a Run of copy k: renamed as it is made
+                steps.append(decoder.step(node, out[(i, k)], reads, copy_origin(k)))  # type: ignore[arg-type]
+            else:
+                step = decoder.step(node, out[(i, k)], reads)
+                steps.append(self._renamed(step, k if region[i] == 1 else None, rename))  # type: ignore[arg-type]
         copy_outputs = {o: (chain, k) for chain in layers.outputs for k, o in enumerate(chain)}
         folded_out = {root_names[egraph.class_ids[r]]: made[egraph.class_ids[r]] for r in egraph.roots}
         outputs = {}
@@ -423,9 +436,15 @@ class Layered:
 
     @staticmethod
     def _renamed(step: Step, k: int | None, rename: Mapping[str, tuple[str, ...]]) -> Step:
-        """Copy 1's step as copy k's: its input, or the graph op its origin names, copy k's."""
+        """Copy 1's Place or Reshard as copy k's: a Place's input copy k's (a Run's origin is renamed as
+        `decoder.step` makes it, `_renamed_origin`: one copy of the step, not two)."""
         if k is None or isinstance(step, Reshard):
             return step
         if isinstance(step, Place):
             return replace(step, input=rename[step.input][k])
-        return replace(step, origin=" ".join(rename[w][k] if w in rename else w for w in step.origin.split(" ")))
+        raise AssertionError(f"Layered._renamed: a Run's step {step.out} is renamed as decoder.step makes it")
+
+    @staticmethod
+    def _renamed_origin(origin: str, k: int, rename: Mapping[str, tuple[str, ...]]) -> str:
+        """Copy 1's origin as copy k's: each graph op it names, copy k's."""
+        return " ".join(rename[w][k] if w in rename else w for w in origin.split(" "))

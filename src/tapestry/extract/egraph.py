@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -98,14 +99,25 @@ class EGraph:
         """`selectable` of every node, made once per graph: the extractors' hot loops read it per node (a folded
         7B step's graph has 200,000 nodes, extracted 20 times)."""
         return self.priced("selectable", lambda g: tuple(
-            not subsumed and math.isfinite(cost) for subsumed, cost in zip(g.node_subsumed, g.node_cost)))
+            map(operator.and_, map(operator.not_, g.node_subsumed), map(math.isfinite, g.node_cost))))
+
+    @property
+    def child_counts(self) -> tuple[int, ...]:
+        """Distinct child classes per node: the lightest-derivation searches' count of children left, per search."""
+        if "child_counts" not in self._structure:
+            self._structure["child_counts"] = tuple(map(len, self.child_sets))
+        return self._structure["child_counts"]
 
     def with_costs(self, costs: Sequence[float]) -> EGraph:
         """Same structure, new per-node costs (indexed like `node_ids`): how custom cost models plug in. The copy
         shares what is derived from the structure (`_structure`)."""
         if len(costs) != self.num_nodes:
             raise EGraphError(f"expected {self.num_nodes} costs, got {len(costs)}")
-        repriced = replace(self, node_cost=tuple(_check_cost(self.node_ids[i], c) for i, c in enumerate(costs)))
+        node_cost = tuple(map(float, costs))
+        if not all(map(_AT_LEAST_ZERO, node_cost)):  # NaN fails it too: the first such node named
+            for i, c in enumerate(node_cost):
+                _check_cost(self.node_ids[i], c)
+        repriced = replace(self, node_cost=node_cost)
         object.__setattr__(repriced, "_structure", self._structure)
         return repriced
 
@@ -185,6 +197,9 @@ class EGraph:
             raise EGraphError(f"{path}: malformed JSON: {err}") from None
         except EGraphError as err:
             raise EGraphError(f"{path}: {err}") from None
+
+
+_AT_LEAST_ZERO = (0.0).__le__  # false for a negative cost and for NaN: a whole graph's costs checked at C speed
 
 
 def _check_cost(node_id: str, cost: float) -> float:

@@ -28,8 +28,7 @@ class TreeChoice:
 
 def tree_choice(egraph: EGraph) -> TreeChoice:
     """Cheapest tree per class; repeated children count every time, as in extraction-gym's bottom-up."""
-    child_sets = egraph.child_sets
-    pending = [len(ch) for ch in child_sets]
+    pending = list(egraph.child_counts)
     node_cost, selectable, node_class = egraph.node_cost, egraph.selectable_nodes, egraph.node_class
     front = class_fronts(egraph)
     heap = leaves(egraph, front, pending)
@@ -48,7 +47,7 @@ def tree_choice(egraph: EGraph) -> TreeChoice:
         for p in parents[c]:
             pending[p] -= 1
             if pending[p] == 0 and best[node_class[p]] < 0 and selectable[p]:
-                entry = (node_cost[p] + sum(cost[d] for d in node_children[p]), p)
+                entry = (node_cost[p] + sum(map(cost.__getitem__, node_children[p])), p)
                 if entry < front[node_class[p]]:  # else its class's node queued before pops first
                     front[node_class[p]] = entry
                     heapq.heappush(heap, entry)
