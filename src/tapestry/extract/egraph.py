@@ -5,12 +5,15 @@ numbered once here and every hot loop works on tuples of ints and floats.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
+
+import numpy as np
 
 T = TypeVar("T")
 
@@ -70,6 +73,16 @@ class EGraph:
         if "child_sets" not in self._structure:
             self._structure["child_sets"] = tuple(tuple(dict.fromkeys(ch)) for ch in self.node_children)
         return self._structure["child_sets"]
+
+    @property
+    def child_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """`child_sets` flat, for numpy: (each node's count of distinct child classes, the classes node by node)."""
+        if "child_arrays" not in self._structure:
+            sets = self.child_sets
+            self._structure["child_arrays"] = (
+                np.fromiter(map(len, sets), dtype=np.int64, count=len(sets)),
+                np.fromiter(itertools.chain.from_iterable(sets), dtype=np.int64, count=sum(map(len, sets))))
+        return self._structure["child_arrays"]
 
     @property
     def parents(self) -> tuple[tuple[int, ...], ...]:
