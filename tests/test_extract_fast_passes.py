@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from extract_helpers import layered
+from tapestry.components import connected_groups
 from tapestry.extract import EGraph, Node
+from tapestry.extract.contract import MOVE, contracted, value_blocks
 from tapestry.extract.reduction import SUBSETS_LOOKED_UP, Reduced, reduce
 from tapestry.extract.structure import strongly_connected_components
 from tapestry.extract.tree import TreeChoice, tree_choice
@@ -110,6 +114,52 @@ def _slow_first_subset(children: frozenset[int], first: Mapping[frozenset[int], 
     return min(found, default=None)
 
 
+def slow_contracted(egraph: EGraph, candidates: Mapping[int, Sequence[int]],
+                    block: Mapping[int, int]) -> tuple[EGraph, dict[int, tuple[int, ...]]]:
+    """`contract.contracted` before numpy: a set of inner nodes per class."""
+    child_sets, cost = egraph.child_sets, egraph.node_cost
+    kept: dict[int, tuple[int, ...]] = {}
+    added: list[tuple[int, float]] = []
+    for c, nodes in candidates.items():
+        inner = {n for n in nodes if any(block[d] == block[c] for d in child_sets[n])}
+        if not inner:
+            kept[c] = tuple(nodes)
+            continue
+        kept[c] = (*(n for n in nodes if n not in inner), egraph.num_nodes + len(added))
+        added.append((c, min(cost[n] for n in inner)))
+    members = [list(nodes) for nodes in egraph.class_nodes]
+    for i, (c, _) in enumerate(added):
+        members[c].append(egraph.num_nodes + i)
+    graph = replace(
+        egraph,
+        node_ids=egraph.node_ids + tuple(f"{egraph.class_ids[c]}.contracted" for c, _ in added),
+        node_ops=egraph.node_ops + ("contracted",) * len(added),
+        node_class=egraph.node_class + tuple(c for c, _ in added),
+        node_cost=egraph.node_cost + tuple(k for _, k in added),
+        node_children=egraph.node_children + tuple((c,) for c, _ in added),
+        node_subsumed=egraph.node_subsumed + (False,) * len(added),
+        class_nodes=tuple(map(tuple, members)),
+    )
+    return graph, kept
+
+
+def slow_value_blocks(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
+                      needs: Mapping[int, Sequence[int]]) -> tuple[dict[int, int], dict[int, tuple[int, ...]]]:
+    """`contract.value_blocks` before scipy: a union-find in Python."""
+    first: dict[int, int] = {}
+    links = [(c, first.setdefault(block[c], c)) for c in candidates]
+    links += [(c, d) for c, nodes in candidates.items() for n in nodes if egraph.node_ops[n] == MOVE
+              for d in egraph.child_sets[n]]
+    grown = dict(block)
+    for group in connected_groups(candidates, links):
+        named = max(block[c] for c in group)
+        grown.update((c, named) for c in group)
+    new = {block[c]: grown[c] for c in candidates}
+    before, after = Counter(block[c] for c in candidates), Counter(grown.values())
+    return grown, {new[b]: tuple(dict.fromkeys(new[d] for d in needed if d in new)) for b, needed in needs.items()
+                   if b in new and before[b] == after[new[b]]}
+
+
 def same(fast: Reduced, slow: Reduced) -> None:
     """Equal, orders included: the LP's columns and rows follow them."""
     assert list(fast.candidates.items()) == list(slow.candidates.items())
@@ -118,7 +168,7 @@ def same(fast: Reduced, slow: Reduced) -> None:
     assert list(fast.needs.items()) == list(slow.needs.items())
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(egraph=egraphs(), data=st.data())
 def test_reduce_equals_its_slow_form_on_random_egraphs(egraph: EGraph, data: st.DataObject) -> None:
     tree = tree_choice(egraph)
@@ -133,3 +183,40 @@ def test_reduce_equals_its_slow_form_on_layered_egraphs(shape: tuple[int, int], 
     egraph = layered(*shape, seed=seed)
     tree = tree_choice(egraph)
     same(reduce(egraph, tree), slow_reduce(egraph, tree))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(egraph=egraphs(), data=st.data())
+def test_the_contracted_problem_and_value_blocks_equal_their_slow_forms(egraph: EGraph, data: st.DataObject) -> None:
+    """Random nodes are moves (`contract.MOVE`), so value blocks join classes across cycles too."""
+    moves = data.draw(st.sets(st.integers(0, egraph.num_nodes - 1)))
+    egraph = replace(egraph, node_ops=tuple(MOVE if n in moves else op for n, op in enumerate(egraph.node_ops)))
+    tree = tree_choice(egraph)
+    assume(all(tree.extractable(r) for r in egraph.roots))
+    reduced = reduce(egraph, tree)
+    block = {c: reduced.block(c) for c in reduced.candidates}
+    (graph, kept), (slow_graph, slow_kept) = contracted(egraph, reduced.candidates, block), slow_contracted(
+        egraph, reduced.candidates, block)
+    assert graph == slow_graph and list(kept.items()) == list(slow_kept.items())
+    assert graph.child_sets == replace(slow_graph).child_sets  # made from the children, as a fresh graph makes it
+    (grown, needs), (slow_grown, slow_needs) = (value_blocks(egraph, reduced.candidates, block, reduced.needs),
+                                                slow_value_blocks(egraph, reduced.candidates, block, reduced.needs))
+    assert list(grown.items()) == list(slow_grown.items()) and list(needs.items()) == list(slow_needs.items())
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=st.sampled_from([(3, 2), (4, 3), (6, 4)]), seed=st.integers(0, 10**6))
+def test_the_contracted_problem_and_value_blocks_equal_their_slow_forms_on_layered_egraphs(
+        shape: tuple[int, int], seed: int) -> None:
+    egraph = layered(*shape, seed=seed)
+    value = [class_id.split(".")[0] for class_id in egraph.class_ids]
+    egraph = replace(egraph, node_ops=tuple(
+        MOVE if [value[d] for d in egraph.child_sets[n]] == [value[egraph.node_class[n]]] else op
+        for n, op in enumerate(egraph.node_ops)))
+    reduced = reduce(egraph, tree_choice(egraph))
+    block = {c: reduced.block(c) for c in reduced.candidates}
+    (graph, kept), (slow_graph, slow_kept) = contracted(egraph, reduced.candidates, block), slow_contracted(
+        egraph, reduced.candidates, block)
+    assert graph == slow_graph and list(kept.items()) == list(slow_kept.items())
+    assert list(value_blocks(egraph, reduced.candidates, block, reduced.needs)[0].items()) == list(
+        slow_value_blocks(egraph, reduced.candidates, block, reduced.needs)[0].items())
