@@ -2,7 +2,9 @@
 their plain Python forms did: on random e-graphs (cycles, self-loops, duplicate children, subsumed and
 infinite-cost nodes, equal costs, tied nodes, nodes with more child classes than `reduction.SUBSETS_LOOKED_UP`) and
 on Tapestry-shaped ones (`extract_helpers.layered`), `reduce` keeps, replaces and orders exactly the nodes, classes,
-components and needs that the slow forms below (the code before the change, kept here as the specification) do."""
+components and needs that the slow forms below (the code before the change, kept here as the specification) do;
+so do the contracted problem and its value blocks, and `EGraph.from_nodes` (by way of `from_columns`, which the
+decoder calls) builds the same graph or raises the same error."""
 from __future__ import annotations
 
 import itertools
@@ -11,12 +13,14 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
+import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from extract_helpers import layered
 from tapestry.components import connected_groups
 from tapestry.extract import EGraph, Node
+from tapestry.extract.egraph import EGraphError, _check_cost
 from tapestry.extract.contract import MOVE, contracted, value_blocks
 from tapestry.extract.reduction import SUBSETS_LOOKED_UP, Reduced, reduce
 from tapestry.extract.structure import strongly_connected_components
@@ -160,6 +164,33 @@ def slow_value_blocks(egraph: EGraph, candidates: Mapping[int, Sequence[int]], b
                    if b in new and before[b] == after[new[b]]}
 
 
+def slow_from_nodes(nodes: Sequence[Node], roots: Sequence[str]) -> EGraph:
+    """`EGraph.from_nodes` before `from_columns`: a loop over the nodes, each cost checked alone."""
+    class_index: dict[str, int] = {}
+    for node in nodes:
+        class_index.setdefault(node.eclass, len(class_index))
+    members: list[list[int]] = [[] for _ in class_index]
+    children: list[tuple[int, ...]] = []
+    for i, node in enumerate(nodes):
+        members[class_index[node.eclass]].append(i)
+        try:
+            children.append(tuple(class_index[c] for c in node.children))
+        except KeyError as err:
+            raise EGraphError(f"node {node.id!r} has child class {err.args[0]!r}, which has no nodes") from None
+    missing_roots = [r for r in roots if r not in class_index]
+    if missing_roots:
+        raise EGraphError(f"root class {missing_roots[0]!r} has no nodes")
+    node_ids = tuple(n.id for n in nodes)
+    if len(set(node_ids)) != len(node_ids):
+        raise EGraphError("node ids are not unique")
+    return EGraph(
+        class_ids=tuple(class_index), node_ids=node_ids, node_ops=tuple(n.op for n in nodes),
+        node_class=tuple(class_index[n.eclass] for n in nodes),
+        node_cost=tuple(_check_cost(n.id, n.cost) for n in nodes), node_children=tuple(children),
+        node_subsumed=tuple(bool(n.subsumed) for n in nodes), roots=tuple(dict.fromkeys(class_index[r] for r in roots)),
+        class_nodes=tuple(tuple(m) for m in members), class_data={})
+
+
 def same(fast: Reduced, slow: Reduced) -> None:
     """Equal, orders included: the LP's columns and rows follow them."""
     assert list(fast.candidates.items()) == list(slow.candidates.items())
@@ -220,3 +251,28 @@ def test_the_contracted_problem_and_value_blocks_equal_their_slow_forms_on_layer
     assert graph == slow_graph and list(kept.items()) == list(slow_kept.items())
     assert list(value_blocks(egraph, reduced.candidates, block, reduced.needs)[0].items()) == list(
         slow_value_blocks(egraph, reduced.candidates, block, reduced.needs)[0].items())
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_from_nodes_builds_what_its_slow_form_built_or_raises_its_error(data: st.DataObject) -> None:
+    """Children and roots may name classes without nodes, ids repeat, costs are negative or NaN."""
+    names = [f"c{i}" for i in range(data.draw(st.integers(1, 5)))]
+    cost = st.one_of(st.sampled_from([0.0, -0.0, 1.0, math.inf, -1.0, math.nan, 2]), st.floats(0, 10, allow_nan=False))
+    nodes = [Node(data.draw(st.sampled_from([f"{c}.{i}", "same"])) if data.draw(st.booleans()) and
+                  data.draw(st.booleans()) else f"{c}.{i}", "f", c, data.draw(cost),
+                  tuple(data.draw(st.lists(st.sampled_from([*names, "nowhere"]), max_size=3))), data.draw(st.booleans()))
+             for c in data.draw(st.lists(st.sampled_from(names), min_size=1, max_size=8)) for i in range(2)]
+    roots = data.draw(st.lists(st.sampled_from([*names, "nowhere"]), min_size=1, max_size=3))
+    try:
+        slow = slow_from_nodes(nodes, roots)
+    except EGraphError as err:
+        with pytest.raises(EGraphError) as raised:
+            EGraph.from_nodes(nodes, roots)
+        assert str(raised.value) == str(err)
+        return
+    fast = EGraph.from_nodes(nodes, roots)
+    assert fast == slow and [str(c) for c in fast.node_cost] == [str(c) for c in slow.node_cost]  # -0.0 kept
+    assert EGraph.from_columns([n.id for n in nodes], [n.op for n in nodes], [n.eclass for n in nodes],
+                               [n.cost for n in nodes], [n.children for n in nodes], roots,
+                               [n.subsumed for n in nodes]) == slow
