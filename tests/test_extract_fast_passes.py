@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from extract_helpers import layered
+from extract_helpers import build, layered
 from tapestry.components import connected_groups
 from tapestry.extract import EGraph, Node
 from tapestry.extract.egraph import EGraphError, _check_cost
@@ -259,10 +259,11 @@ def test_from_nodes_builds_what_its_slow_form_built_or_raises_its_error(data: st
     """Children and roots may name classes without nodes, ids repeat, costs are negative or NaN."""
     names = [f"c{i}" for i in range(data.draw(st.integers(1, 5)))]
     cost = st.one_of(st.sampled_from([0.0, -0.0, 1.0, math.inf, -1.0, math.nan, 2]), st.floats(0, 10, allow_nan=False))
-    nodes = [Node(data.draw(st.sampled_from([f"{c}.{i}", "same"])) if data.draw(st.booleans()) and
-                  data.draw(st.booleans()) else f"{c}.{i}", "f", c, data.draw(cost),
-                  tuple(data.draw(st.lists(st.sampled_from([*names, "nowhere"]), max_size=3))), data.draw(st.booleans()))
-             for c in data.draw(st.lists(st.sampled_from(names), min_size=1, max_size=8)) for i in range(2)]
+    classes = data.draw(st.lists(st.sampled_from(names), min_size=1, max_size=8))
+    nodes = [Node("same" if data.draw(st.booleans()) and data.draw(st.booleans()) else f"{c}.{i}", "f", c,
+                  data.draw(cost), tuple(data.draw(st.lists(st.sampled_from([*names, "nowhere"]), max_size=3))),
+                  data.draw(st.booleans()))
+             for c in classes for i in range(2)]
     roots = data.draw(st.lists(st.sampled_from([*names, "nowhere"]), min_size=1, max_size=3))
     try:
         slow = slow_from_nodes(nodes, roots)
@@ -276,3 +277,18 @@ def test_from_nodes_builds_what_its_slow_form_built_or_raises_its_error(data: st
     assert EGraph.from_columns([n.id for n in nodes], [n.op for n in nodes], [n.eclass for n in nodes],
                                [n.cost for n in nodes], [n.children for n in nodes], roots,
                                [n.subsumed for n in nodes]) == slow
+
+
+def test_past_subsets_looked_up_a_node_is_dominated_by_an_earlier_one_with_the_same_or_fewer_children() -> None:
+    """Sets of more than SUBSETS_LOOKED_UP child classes are scanned, not looked up: equal sets and subsets."""
+    wide = [f"l{i}" for i in range(SUBSETS_LOOKED_UP + 2)]
+    spec = {**{leaf: [(0.0, [])] for leaf in wide},
+            "r": [(2.0, wide), (1.0, wide[:-1]), (1.0, wide[:-1]), (1.5, [*wide[1:], wide[0]]), (0.5, wide[1:])]}
+    egraph = build(spec, ["r"])
+    tree = tree_choice(egraph)
+    reduced = reduce(egraph, tree)
+    same(reduced, slow_reduce(egraph, tree))
+    r = egraph.class_ids.index("r")
+    assert reduced.candidates[r] == tuple(egraph.class_nodes[r][i] for i in (4, 1))
+    node = egraph.class_nodes[r]  # sorted 4, 1, 2, 3, 0: each dominated by the first subset of its children
+    assert reduced.replacement == {node[2]: node[1], node[3]: node[4], node[0]: node[4]}

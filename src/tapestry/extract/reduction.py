@@ -41,21 +41,16 @@ def reduce(egraph: EGraph, tree: TreeChoice, tied: frozenset[int] = frozenset())
     `tied` node is kept and dominates nothing: choosing it chooses its partner too.
     """
     child_sets = egraph.child_sets
-    replacement: dict[int, int] = {}
-    per_class: dict[int, list[int]] = {}
-    for c, viable in viable_nodes(egraph, tree).items():
-        kept: list[int] = []
-        first = _Firsts()
-        for n in viable:
-            if n in tied:
-                continue
-            at = first.subset_of(child_sets[n])
-            if at is None:
-                first.add(child_sets[n], len(kept))
-                kept.append(n)
-            else:
-                replacement[n] = kept[at]
-        per_class[c] = kept + [n for n in viable if n in tied]
+    classes, nodes = viable_nodes(egraph, tree)
+    held = np.fromiter((n in tied for n in nodes.tolist()), dtype=bool, count=len(nodes)) if tied else \
+        np.zeros(len(nodes), dtype=bool)
+    dominator = _dominators(egraph, classes, nodes, held)
+    dominated = dominator < len(nodes)
+    replacement = dict(zip(nodes[dominated].tolist(), nodes[dominator[dominated]].tolist()))
+    per_class: dict[int, list[int]] = {c: [] for c in np.flatnonzero(np.array(tree.node) >= 0).tolist()}
+    for chosen in (~dominated & ~held, held):  # each class's kept nodes, then its tied ones
+        for c, n in zip(classes[chosen].tolist(), nodes[chosen].tolist()):
+            per_class[c].append(n)
 
     candidates: dict[int, tuple[int, ...]] = {}
     successors: dict[int, set[int]] = {}
@@ -123,11 +118,11 @@ def needed_blocks(egraph: EGraph, reduced: Reduced, components: Sequence[Sequenc
     return result
 
 
-def viable_nodes(egraph: EGraph, tree: TreeChoice) -> dict[int, list[int]]:
-    """Per class with a finite choice (in class order), its nodes `reduce` may keep: selectable, reading neither
-    its own class nor one without a finite choice; cheapest first, then fewest child classes, then in the class's
-    order. Sorted with numpy over the graph's flat arrays: a Python sort per class took a third of the ILP's
-    passes on a 2x2 decoder's ~80,000 nodes."""
+def viable_nodes(egraph: EGraph, tree: TreeChoice) -> tuple[np.ndarray, np.ndarray]:
+    """(class, node) of the nodes `reduce` may keep, class by class (in class order): selectable, reading neither
+    its own class nor one without a finite choice; in a class cheapest first, then fewest child classes, then in
+    the class's order. Sorted with numpy over the graph's flat arrays: a Python sort per class took a third of the
+    ILP's passes on a 2x2 decoder's ~80,000 nodes."""
     chosen = np.array(tree.node, dtype=np.int64)
     node_class = np.array(egraph.node_class, dtype=np.int64)
     counts, flat = egraph.child_arrays
@@ -141,45 +136,43 @@ def viable_nodes(egraph: EGraph, tree: TreeChoice) -> dict[int, list[int]]:
     position = np.flatnonzero(keep)  # in class order, each class's nodes in its own order
     members, member_class = members[position], member_class[position]
     order = np.lexsort((position, counts[members], np.array(egraph.node_cost)[members], member_class))
-    viable: dict[int, list[int]] = {c: [] for c in np.flatnonzero(chosen >= 0).tolist()}
-    for c, n in zip(member_class[order].tolist(), members[order].tolist()):
-        viable[c].append(n)
-    return viable
+    return member_class[order], members[order]
 
 
-class _Firsts:
-    """Of the nodes kept so far in a class, per set of child classes, the position of the first with it: looked
-    up subset by subset (a 2x2x2 mesh's classes hold hundreds of reshards, each with one child), or scanned past
-    SUBSETS_LOOKED_UP child classes. Sets of none and of one class kept apart, the most of them."""
-
-    __slots__ = ("empty", "single", "multi")
-
-    def __init__(self) -> None:
-        self.empty: int | None = None
-        self.single: dict[int, int] = {}
-        self.multi: dict[frozenset[int], int] = {}
-
-    def subset_of(self, children: Sequence[int]) -> int | None:
-        """The earliest position of a set within `children` (distinct classes), or None."""
-        if len(children) == 1:  # most nodes: a reshard
-            at = self.single.get(children[0])
-            return self.empty if at is None or (self.empty is not None and self.empty < at) else at
-        found = [] if self.empty is None else [self.empty]
-        found += [self.single[d] for d in children if d in self.single]
-        if len(children) > 1 and self.multi:
-            if len(children) > SUBSETS_LOOKED_UP:
-                whole = frozenset(children)
-                found += [at for made, at in self.multi.items() if made <= whole]
-            else:
-                found += [self.multi[subset] for k in range(2, len(children) + 1)
-                          for subset in map(frozenset, itertools.combinations(children, k)) if subset in self.multi]
-        return min(found, default=None)
-
-    def add(self, children: Sequence[int], at: int) -> None:
-        """`children` (distinct classes, no set within them added yet) first held at position `at`."""
-        if not children:
-            self.empty = at
-        elif len(children) == 1:
-            self.single[children[0]] = at
+def _dominators(egraph: EGraph, classes: np.ndarray, nodes: np.ndarray, held: np.ndarray) -> np.ndarray:
+    """Per position of `viable_nodes`' arrays, the first position before it in its class whose node's child
+    classes are a subset of its own (len(nodes) where none is, or it is `held`: tied, it neither dominates nor is
+    dominated). That node is itself undominated (what dominated it would come first), so it is the one `reduce`
+    keeps. Nodes with no child class and with one (a reshard: most nodes) with numpy; those with more one by one,
+    their subsets looked up (scanned past SUBSETS_LOOKED_UP child classes)."""
+    size, width = len(nodes), egraph.num_classes
+    position = np.arange(size)
+    counts, flat = egraph.child_arrays
+    count = np.where(held, -1, counts[nodes])
+    first_empty = np.full(width, size)
+    np.minimum.at(first_empty, classes[count == 0], position[count == 0])
+    before = first_empty[classes]
+    dominator = np.where((before < position) & ~held, before, size)
+    one = np.flatnonzero(count == 1)
+    pairs = classes[one] * width + flat[(np.cumsum(counts) - counts)[nodes[one]]]  # (class, child)
+    keys, first_index, inverse = np.unique(pairs, return_index=True, return_inverse=True)
+    first = one[first_index]  # the first position of each (class, child)
+    dominator[one] = np.minimum(dominator[one], np.where(first[inverse] < one, first[inverse], size))
+    first_single = dict(zip(keys.tolist(), first.tolist()))
+    child_sets, first_empty_of = egraph.child_sets, first_empty.tolist()
+    first_set: dict[int, dict[frozenset[int], int]] = {}  # per class, the first position of each set of children
+    many = np.flatnonzero(count >= 2)
+    for p, c, n in zip(many.tolist(), classes[many].tolist(), nodes[many].tolist()):
+        children = child_sets[n]
+        found = [first_empty_of[c]] if first_empty_of[c] < p else []
+        found += [at for d in children if (at := first_single.get(c * width + d, size)) < p]
+        sets = first_set.setdefault(c, {})
+        if len(children) > SUBSETS_LOOKED_UP:
+            whole = frozenset(children)
+            found += [at for made, at in sets.items() if made <= whole]
         else:
-            self.multi[frozenset(children)] = at
+            found += [sets[subset] for k in range(2, len(children) + 1)
+                      for subset in map(frozenset, itertools.combinations(children, k)) if subset in sets]
+        sets.setdefault(frozenset(children), p)
+        dominator[p] = min(found, default=size)
+    return dominator
