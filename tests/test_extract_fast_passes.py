@@ -274,6 +274,7 @@ def test_from_nodes_builds_what_its_slow_form_built_or_raises_its_error(data: st
         return
     fast = EGraph.from_nodes(nodes, roots)
     assert fast == slow and [str(c) for c in fast.node_cost] == [str(c) for c in slow.node_cost]  # -0.0 kept
+    assert fast.child_sets == tuple(tuple(dict.fromkeys(children)) for children in slow.node_children)
     assert EGraph.from_columns([n.id for n in nodes], [n.op for n in nodes], [n.eclass for n in nodes],
                                [n.cost for n in nodes], [n.children for n in nodes], roots,
                                [n.subsumed for n in nodes]) == slow

@@ -71,7 +71,8 @@ class EGraph:
     def child_sets(self) -> tuple[tuple[int, ...], ...]:
         """Distinct child classes per node: DAG cost and constraints ignore repeated children."""
         if "child_sets" not in self._structure:
-            self._structure["child_sets"] = tuple(tuple(dict.fromkeys(ch)) for ch in self.node_children)
+            self._structure["child_sets"] = tuple(ch if len(ch) < 2 else tuple(dict.fromkeys(ch))  # most: one child
+                                                  for ch in self.node_children)
         return self._structure["child_sets"]
 
     @property
