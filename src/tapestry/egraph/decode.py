@@ -31,7 +31,6 @@ from tapestry.clock import SAFETY_NET_STOP, clock
 from tapestry.egraph.distributed import Interner, reshard_pairs
 from tapestry.egraph.schema import run_constructors
 from tapestry.extract import EGraph as ExtractGraph
-from tapestry.extract import Node
 from tapestry.extract import Selection
 from tapestry.graph import Graph
 from tapestry.kernels import get_kernel
@@ -461,11 +460,16 @@ class Decoder:
             made, self.pricing = self._extraction_graphs[key]
             return made
         costs = self.priced(cost, reshards, drop_dominated)
-        made = ExtractGraph.from_nodes([Node(n.id, n.op, n.eclass, c, n.children) for n, c in zip(self.nodes, costs)],
-                                       roots)
+        made = self.graph(costs, roots)
         if key is not None:
             self._extraction_graphs[key] = (made, self.pricing)
         return made
+
+    def graph(self, costs: Sequence[float], roots: Sequence[str]) -> ExtractGraph:
+        """The extraction graph of these nodes at `costs` (node by node)."""
+        nodes = self.nodes
+        return ExtractGraph.from_columns([n.id for n in nodes], [n.op for n in nodes], [n.eclass for n in nodes],
+                                         costs, [n.children for n in nodes], roots)
 
     def ops(self, costs: Sequence[float]) -> Iterable[list[Candidate]]:
         """The Run nodes grouped by logical op (out value, argument values), for `dominated_runs`; an op that

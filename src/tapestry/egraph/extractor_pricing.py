@@ -23,7 +23,7 @@ from typing import Any
 from tapestry.clock import clock
 from tapestry.egraph.decode import Decoder, PricingStats, dominated_runs
 from tapestry.extract import EGraph as ExtractGraph
-from tapestry.extract import Node, Selection
+from tapestry.extract import Selection
 
 # Extractions on floors before every move left is priced (the next extraction, on prices alone, is then the
 # last): each is a whole extraction, and where the moves a selection uses cost their floors the first is the last.
@@ -63,8 +63,7 @@ class FloorPriced:
                                                    if i not in self.key_of and (c := costs[i]) < math.inf})
         for i in runs:
             costs[i] = math.inf
-        self.graph = ExtractGraph.from_nodes([Node(n.id, n.op, n.eclass, c, n.children)
-                                              for n, c in zip(decoder.nodes, costs)], list(roots))
+        self.graph = decoder.graph(costs, roots)
         self._runs_dropped = len(runs)
         self._rounds = 0  # extractions repriced
         self._seconds = clock() - started

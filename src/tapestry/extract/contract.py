@@ -20,11 +20,15 @@ value used at 1/12: Phi-3 on 2x2 paid 1/12 of its fused projections, a bound 5.9
 """
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from tapestry.components import connected_groups
+import numpy as np
+from scipy import sparse
+from scipy.sparse.csgraph import connected_components
+
 from tapestry.extract.egraph import EGraph
 from tapestry.extract.relax import lp_bound
 from tapestry.extract.work import Deadline
@@ -35,16 +39,17 @@ def contracted(egraph: EGraph, candidates: Mapping[int, Sequence[int]],
     """The contracted problem: the e-graph with one node appended per class that has inner nodes (its cheapest
     inner cost, its own class as its child), and the candidates per class with those nodes in the inner ones'
     place."""
-    child_sets, cost = egraph.child_sets, egraph.node_cost
+    cost = egraph.node_cost
+    inner = iter(_inner(egraph, candidates, block))
     kept: dict[int, tuple[int, ...]] = {}
     added: list[tuple[int, float]] = []  # (class, cost) of each contracted node, numbered after egraph's
     for c, nodes in candidates.items():
-        inner = {n for n in nodes if any(block[d] == block[c] for d in child_sets[n])}
-        if not inner:
+        flags = [next(inner) for _ in nodes]
+        if not any(flags):
             kept[c] = tuple(nodes)
             continue
-        kept[c] = (*(n for n in nodes if n not in inner), egraph.num_nodes + len(added))
-        added.append((c, min(cost[n] for n in inner)))
+        kept[c] = (*(n for n, flag in zip(nodes, flags) if not flag), egraph.num_nodes + len(added))
+        added.append((c, min(cost[n] for n, flag in zip(nodes, flags) if flag)))
     members = [list(nodes) for nodes in egraph.class_nodes]
     for i, (c, _) in enumerate(added):
         members[c].append(egraph.num_nodes + i)
@@ -58,7 +63,25 @@ def contracted(egraph: EGraph, candidates: Mapping[int, Sequence[int]],
         node_subsumed=egraph.node_subsumed + (False,) * len(added),
         class_nodes=tuple(map(tuple, members)),
     )
+    graph._structure["child_sets"] = egraph.child_sets + tuple((c,) for c, _ in added)  # as made from the children
     return graph, kept
+
+
+def _inner(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int]) -> list[bool]:
+    """Whether each candidate (class by class, in `candidates`' order) reads a class of its own class's block:
+    numpy over the graph's child arrays (~80,000 candidates on a 2x2 decoder)."""
+    nodes = np.fromiter(itertools.chain.from_iterable(candidates.values()), dtype=np.int64,
+                        count=sum(map(len, candidates.values())))
+    block_of = np.full(egraph.num_classes, np.iinfo(np.int64).min, dtype=np.int64)  # no block: equals none
+    block_of[list(block)] = list(block.values())
+    own = np.repeat(block_of[list(candidates)], [len(members) for members in candidates.values()])
+    counts, flat = egraph.child_arrays
+    reads = counts[nodes]
+    reader = np.repeat(np.arange(len(nodes)), reads)
+    at = np.repeat(np.cumsum(counts)[nodes] - reads - np.cumsum(reads) + reads, reads) + np.arange(reads.sum())
+    inner = np.zeros(len(nodes), dtype=bool)
+    inner[reader[block_of[flat[at]] == own[reader]]] = True
+    return inner.tolist()
 
 
 MOVE = "Reshard"  # the op of a node that moves a value between layouts (egraph.decode): one value's two classes
@@ -73,18 +96,35 @@ def value_blocks(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block:
     block that an acyclic selection activates have one whose chosen node reads none of them: an entry), and the
     contracted nodes, which read their own class, stay no entries. A need of block B for D becomes B's for D's
     value block if B is a value block on its own; a grown block's needs are left out."""
-    first: dict[int, int] = {}
-    links = [(c, first.setdefault(block[c], c)) for c in candidates]  # a block stays whole
-    links += [(c, d) for c, nodes in candidates.items() for n in nodes if egraph.node_ops[n] == MOVE
-              for d in egraph.child_sets[n]]
     grown = dict(block)
-    for group in connected_groups(candidates, links):
-        named = max(block[c] for c in group)
-        grown.update((c, named) for c in group)
+    grown.update(zip(candidates, _grown(egraph, candidates, block)))
     new = {block[c]: grown[c] for c in candidates}
     before, after = Counter(block[c] for c in candidates), Counter(grown.values())
     return grown, {new[b]: tuple(dict.fromkeys(new[d] for d in needed if d in new)) for b, needed in needs.items()
                    if b in new and before[b] == after[new[b]]}
+
+
+def _grown(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int]) -> list[int]:
+    """Per class of `candidates` (in its order), the largest block id among the classes joined to it by a block or
+    a MOVE node: connected components with scipy (a union-find in Python over ~80,000 links took as long as the
+    contracted problem's LP set-up)."""
+    index = np.full(egraph.num_classes, -1, dtype=np.int64)
+    index[list(candidates)] = np.arange(len(candidates))
+    blocks = np.fromiter((block[c] for c in candidates), dtype=np.int64, count=len(candidates))
+    _, first = np.unique(blocks, return_inverse=True)  # a block stays whole: each class linked to its block's
+    moves = [(c, n) for c, nodes in candidates.items() for n in nodes if egraph.node_ops[n] == MOVE]
+    counts, flat = egraph.child_arrays
+    movers = np.array([n for _, n in moves], dtype=np.int64)
+    reads = counts[movers]
+    at = np.repeat(np.cumsum(counts)[movers] - reads - np.cumsum(reads) + reads, reads) + np.arange(reads.sum())
+    rows = np.concatenate([np.arange(len(candidates)), np.repeat(index[[c for c, _ in moves]], reads)])
+    columns = np.concatenate([len(candidates) + first, index[flat[at]]])
+    size = len(candidates) + first.max(initial=-1) + 1
+    links = sparse.coo_matrix((np.ones(len(rows)), (rows, columns)), shape=(size, size))
+    _, group = connected_components(links, directed=False)
+    named = np.full(group.max(initial=-1) + 1, np.iinfo(np.int64).min, dtype=np.int64)
+    np.maximum.at(named, group[:len(candidates)], blocks)
+    return named[group[:len(candidates)]].tolist()
 
 
 def contracted_bound(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],

@@ -5,6 +5,7 @@ numbered once here and every hot loop works on tuples of ints and floats.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import operator
@@ -12,6 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
+
+import numpy as np
 
 T = TypeVar("T")
 
@@ -69,8 +72,19 @@ class EGraph:
     def child_sets(self) -> tuple[tuple[int, ...], ...]:
         """Distinct child classes per node: DAG cost and constraints ignore repeated children."""
         if "child_sets" not in self._structure:
-            self._structure["child_sets"] = tuple(tuple(dict.fromkeys(ch)) for ch in self.node_children)
+            self._structure["child_sets"] = tuple(ch if len(ch) < 2 else tuple(dict.fromkeys(ch))  # most: one child
+                                                  for ch in self.node_children)
         return self._structure["child_sets"]
+
+    @property
+    def child_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """`child_sets` flat, for numpy: (each node's count of distinct child classes, the classes node by node)."""
+        if "child_arrays" not in self._structure:
+            sets = self.child_sets
+            self._structure["child_arrays"] = (
+                np.fromiter(map(len, sets), dtype=np.int64, count=len(sets)),
+                np.fromiter(itertools.chain.from_iterable(sets), dtype=np.int64, count=sum(map(len, sets))))
+        return self._structure["child_arrays"]
 
     @property
     def parents(self) -> tuple[tuple[int, ...], ...]:
@@ -113,11 +127,7 @@ class EGraph:
         shares what is derived from the structure (`_structure`)."""
         if len(costs) != self.num_nodes:
             raise EGraphError(f"expected {self.num_nodes} costs, got {len(costs)}")
-        node_cost = tuple(map(float, costs))
-        if not all(map(_AT_LEAST_ZERO, node_cost)):  # NaN fails it too: the first such node named
-            for i, c in enumerate(node_cost):
-                _check_cost(self.node_ids[i], c)
-        repriced = replace(self, node_cost=node_cost)
+        repriced = replace(self, node_cost=_checked_costs(self.node_ids, costs))
         object.__setattr__(repriced, "_structure", self._structure)
         return repriced
 
@@ -126,33 +136,43 @@ class EGraph:
         cls, nodes: Sequence[Node], roots: Sequence[str], class_data: Mapping[str, Any] | None = None
     ) -> EGraph:
         """Build from in-memory nodes; classes are numbered in order of first mention."""
-        class_index: dict[str, int] = {}
-        for node in nodes:
-            class_index.setdefault(node.eclass, len(class_index))
+        return cls.from_columns([n.id for n in nodes], [n.op for n in nodes], [n.eclass for n in nodes],
+                                [n.cost for n in nodes], [n.children for n in nodes], roots,
+                                [n.subsumed for n in nodes], class_data)
+
+    @classmethod
+    def from_columns(
+        cls, ids: Sequence[str], ops: Sequence[str], classes: Sequence[str], costs: Sequence[float],
+        children: Sequence[Sequence[str]], roots: Sequence[str], subsumed: Sequence[bool] | None = None,
+        class_data: Mapping[str, Any] | None = None,
+    ) -> EGraph:
+        """`from_nodes` from one sequence per field of the nodes, with no Node made: the decoder's extraction graphs
+        (~80,000 nodes on a 2x2 decoder) took as long to make as Nodes and read back as the rest of their pricing."""
+        class_index = {c: i for i, c in enumerate(dict.fromkeys(classes))}
+        node_class = tuple(map(class_index.__getitem__, classes))
         members: list[list[int]] = [[] for _ in class_index]
-        children: list[tuple[int, ...]] = []
-        for i, node in enumerate(nodes):
-            members[class_index[node.eclass]].append(i)
-            try:
-                children.append(tuple(class_index[c] for c in node.children))
-            except KeyError as err:
-                raise EGraphError(f"node {node.id!r} has child class {err.args[0]!r}, which has no nodes") from None
+        for i, c in enumerate(node_class):
+            members[c].append(i)
+        try:
+            node_children = tuple(tuple(map(class_index.__getitem__, ch)) for ch in children)
+        except KeyError as err:
+            first = next(i for i, ch in enumerate(children) if err.args[0] in ch)  # the first node with any
+            raise EGraphError(f"node {ids[first]!r} has child class {err.args[0]!r}, which has no nodes") from None
         missing_roots = [r for r in roots if r not in class_index]
         if missing_roots:
             raise EGraphError(f"root class {missing_roots[0]!r} has no nodes")
-        node_ids = tuple(n.id for n in nodes)
-        if len(set(node_ids)) != len(node_ids):
+        if len(set(ids)) != len(ids):
             raise EGraphError("node ids are not unique")
         return cls(
             class_ids=tuple(class_index),
-            node_ids=node_ids,
-            node_ops=tuple(n.op for n in nodes),
-            node_class=tuple(class_index[n.eclass] for n in nodes),
-            node_cost=tuple(_check_cost(n.id, n.cost) for n in nodes),
-            node_children=tuple(children),
-            node_subsumed=tuple(bool(n.subsumed) for n in nodes),
+            node_ids=tuple(ids),
+            node_ops=tuple(ops),
+            node_class=node_class,
+            node_cost=_checked_costs(ids, costs),
+            node_children=node_children,
+            node_subsumed=(False,) * len(ids) if subsumed is None else tuple(map(bool, subsumed)),
             roots=tuple(dict.fromkeys(class_index[r] for r in roots)),
-            class_nodes=tuple(tuple(m) for m in members),
+            class_nodes=tuple(map(tuple, members)),
             class_data=dict(class_data or {}),
         )
 
@@ -199,7 +219,13 @@ class EGraph:
             raise EGraphError(f"{path}: {err}") from None
 
 
-_AT_LEAST_ZERO = (0.0).__le__  # false for a negative cost and for NaN: a whole graph's costs checked at C speed
+def _checked_costs(ids: Sequence[str], costs: Sequence[float]) -> tuple[float, ...]:
+    """Every cost as a float, checked at once (`_check_cost` raises for the first bad one)."""
+    array = np.fromiter(map(float, costs), dtype=np.float64, count=len(costs))
+    bad = np.flatnonzero(np.isnan(array) | (array < 0))
+    if bad.size:
+        _check_cost(ids[bad[0]], costs[bad[0]])
+    return tuple(array.tolist())
 
 
 def _check_cost(node_id: str, cost: float) -> float:
