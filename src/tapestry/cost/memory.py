@@ -24,6 +24,7 @@ import numpy as np
 from tapestry import dtypes
 from tapestry.plan.plan import Compute, Place, Plan, Reshard, Step
 from tapestry.sharding import Block, Layout
+from tapestry.sharding.layout import LayoutNumbers
 
 if TYPE_CHECKING:
     from tapestry.lower.program import RankStep
@@ -93,7 +94,8 @@ def _part(rank_step: RankStep) -> _Part:
 def _lowering_key(step: Step, layouts: Mapping[str, Layout], lowerings: Lowerings) -> tuple:
     """What lowering a step reads but its names: steps with equal keys lower to the same parts. A Compute's blocks
     by identity (an expanded plan's copies share them; hashing every device's block per step is not free), its
-    layouts as `Lowerings.layout`'s numbers (equal layouts, one number: no 512 blocks compared per step)."""
+    layouts as numbers (`LayoutNumbers`: equal layouts, one number; one layout comparison per step was most of an
+    expanded 80-layer 70B plan's peak walk on 8x8x8)."""
     layout = lowerings.layout
     if isinstance(step, Compute):
         return (step.kernel, step.params, step.input_shapes, step.input_dtypes,
@@ -114,19 +116,8 @@ class Lowerings:
     parts: dict[tuple, tuple[_Part | None, ...]] = field(default_factory=dict)
     interned: dict[_Part, _Part] = field(default_factory=dict)
     held: list[object] = field(default_factory=list)
-    _layout_ids: dict[int, int] = field(default_factory=dict)  # id(layout) -> its number
-    _numbers: dict[Layout, int] = field(default_factory=dict)  # layout -> its number (one per equal layouts)
+    layout: LayoutNumbers = field(default_factory=LayoutNumbers)  # the keys' layouts, numbered by value
     _codes: dict[int, np.ndarray] = field(default_factory=dict)  # id(a row of parts) -> each rank's part's number
-
-    def layout(self, layout: Layout) -> int:
-        """The layout's number, equal for equal layouts: found by the layout's identity, compared by value (all
-        its blocks) once per layout object, where a plan's steps name the same layout objects again and again
-        (an expanded 80-layer 70B plan on 8x8x8: one layout comparison per step was most of its peak's walk)."""
-        number = self._layout_ids.get(id(layout))
-        if number is None:
-            number = self._layout_ids[id(layout)] = self._numbers.setdefault(layout, len(self._numbers))
-            self.held.append(layout)
-        return number
 
     def codes(self, row: tuple[_Part | None, ...]) -> np.ndarray:
         """Each rank's part in `row` (a `parts` value, kept there) as a number, equal where the part is the same

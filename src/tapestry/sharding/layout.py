@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -179,3 +179,22 @@ def _family_names(shape: tuple[int, ...], mesh: Mesh) -> dict[Layout, str]:
 def _split_choices(ndim: int, mesh: Mesh) -> list[tuple[int | None, ...]]:
     options = [None, *range(ndim)]
     return [dims for dims in itertools.product(options, repeat=mesh.ndim) if any(d is not None for d in dims)]
+
+
+@dataclass(eq=False)
+class LayoutNumbers:
+    """A number per layout, equal for equal layouts: found by the layout object's identity, and compared by value
+    (every block) once per object. A deep plan names a few hundred layout objects over tens of thousands of steps
+    (an expanded 80-layer 70B plan on 8x8x8), and comparing two equal objects compares 512 blocks. The objects
+    numbered are kept, so their ids are not reused."""
+
+    _by_id: dict[int, int] = field(default_factory=dict)
+    _by_value: dict[Layout, int] = field(default_factory=dict)
+    _held: list[Layout] = field(default_factory=list)
+
+    def __call__(self, layout: Layout) -> int:
+        number = self._by_id.get(id(layout))
+        if number is None:
+            number = self._by_id[id(layout)] = self._by_value.setdefault(layout, len(self._by_value))
+            self._held.append(layout)
+        return number
