@@ -193,9 +193,11 @@ def test_groups_of_one_key_take_one_time_and_the_memoised_prices_are_the_per_dev
 
     from tapestry.cost import fused_costs
     from tapestry.cost.fusion import Group, group_key, group_time
+    from tapestry.sharding.layout import ValueNumbers
     from tapestry.training.plans import baselines
 
     device = GPU.profile.device
+    number = ValueNumbers()  # one for every plan: blocks equal in value, one number (the keys compare across plans)
     hands = sorted(baselines(adam_step(64, 256, 1024)[0].graph, tapestry.Mesh(2, 2)).items())
     assert all(any(len(set(s.blocks)) > 1 for s in hand.steps if isinstance(s, Compute)) for _, hand in hands)
     plans = [*(hand for _, hand in hands),
@@ -208,7 +210,7 @@ def test_groups_of_one_key_take_one_time_and_the_memoised_prices_are_the_per_dev
             for variant in (group, Group(group.members, ()), Group(group.members, group.members)):
                 expected = _group_time_per_device(plan, variant, device)
                 assert group_time(plan, variant, device) == expected
-                assert times.setdefault(group_key(plan, variant), expected) == expected
+                assert times.setdefault(group_key(plan, variant, number), expected) == expected
         costs = step_costs(plan, UNFUSED)
         unmemoised = dict(costs)
         for group in groups:
@@ -216,5 +218,38 @@ def test_groups_of_one_key_take_one_time_and_the_memoised_prices_are_the_per_dev
             scale = min(_group_time_per_device(plan, group, device), unfused) / unfused
             unmemoised.update({v: costs[v] * scale for v in group.members})
         assert fused_costs(plan, costs, device) == unmemoised
-    twice, two = (group_key(p, g) for p in plans[-2:] for g in fusion_groups(p))
+    twice, two = (group_key(p, g, number) for p in plans[-2:] for g in fusion_groups(p))
     assert twice != two
+
+
+def test_alike_groups_whose_blocks_are_equal_objects_apart_are_priced_once_as_those_sharing_them(monkeypatch):
+    """`fused_costs` numbers each member's blocks by value, once per blocks object (`ValueNumbers`): a plan whose
+    steps each hold their own copy of the blocks prices each distinct group once and costs what the plan sharing
+    them costs (numbering blocks by identity would price every layer's group again and fail)."""
+    import dataclasses
+
+    from tapestry.cost import fusion
+    from tapestry.cost.fusion import fused_costs
+
+    g = Graph()
+    value = g.input("x", (ROWS, COLS))
+    for k in range(4):
+        value = g.op("sigmoid", g.op("add", g.op("matmul", value, g.input(f"w{k}", (COLS, COLS))), value,
+                                    name=f"a{k}"), name=f"s{k}")
+    g.output("y", value)
+    plan = build_plan(g, tapestry.Mesh(2, 2), {})
+    first: dict[tuple, tuple] = {}  # the later layers share the first's blocks, as an expanded plan's copies do
+    shared = dataclasses.replace(plan, steps=tuple(
+        dataclasses.replace(s, blocks=first.setdefault(s.binding, s.blocks)) if isinstance(s, Compute) else s
+        for s in plan.steps))
+    apart = dataclasses.replace(plan, steps=tuple(
+        dataclasses.replace(s, blocks=tuple(list(s.blocks))) if isinstance(s, Compute) else s for s in shared.steps))
+    assert len(fusion_groups(shared)) == 4
+    priced = []
+    group_time = fusion.group_time
+    monkeypatch.setattr(fusion, "group_time", lambda *a: priced.append(a[1]) or group_time(*a))
+    costs = step_costs(shared, UNFUSED)
+    once = fused_costs(shared, costs, GPU.profile.device)
+    assert len(priced) == 1
+    assert fused_costs(apart, costs, GPU.profile.device) == once
+    assert len(priced) == 2

@@ -25,7 +25,7 @@ from tapestry.plan.validate import PlanError, _surely_held, _unheld_read, plan_p
 from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.collectives import Collective, classify_reshard, reshard_groups
 from tapestry.sharding.comm import CommError
-from tapestry.sharding.layout import LayoutNumbers
+from tapestry.sharding.layout import ValueNumbers
 from tapestry.sharding.partition import candidate_partitions
 from tapestry.testing.strategies import signatures
 from tapestry.zspace import IndexProjection, ZAffineMap, ZRange
@@ -595,7 +595,7 @@ def test_reshards_alike_but_for_their_names_are_judged_once_and_a_wrong_one_in_a
     g.output("y", value)
     plan = build_plan(g, Mesh(4), {f"act{k}": (k % 2,) for k in range(4)})  # rows, columns, rows, columns
     moves = [s for s in plan.steps if isinstance(s, Reshard)]
-    number = LayoutNumbers()
+    number = ValueNumbers()
     assert len(moves) == 3 and validate._moved(moves[0], number) == validate._moved(moves[2], number) \
         != validate._moved(moves[1], number)
     judged = []
@@ -649,7 +649,7 @@ def fresh_layouts(plan: Plan) -> Plan:
 
 
 def test_layouts_compared_by_number_judge_as_layouts_compared_by_value(monkeypatch):
-    """validate numbers layouts once per object (`LayoutNumbers`) and compares the numbers: a plan whose steps each
+    """validate numbers layouts once per object (`ValueNumbers`) and compares the numbers: a plan whose steps each
     hold their own equal copies of the layouts is valid, judges each step alike but for its names once as the
     plan sharing them does, and a step that says its argument is laid out otherwise is caught."""
     from tapestry.plan import validate
@@ -667,7 +667,7 @@ def test_layouts_compared_by_number_judge_as_layouts_compared_by_value(monkeypat
     relus = [s for s in plan.steps if isinstance(s, Compute)]
     assert judged == [relus[0].out, relus[1].out]  # rows, then columns; the later two are those but for names
     moves = [s for s in plan.steps if isinstance(s, Reshard)]
-    number = LayoutNumbers()
+    number = ValueNumbers()
     assert validate._moved(moves[0], number) == validate._moved(moves[2], number)
     last = relus[-1]
     other = moves[0].src_layout  # rows, where the last relu reads columns

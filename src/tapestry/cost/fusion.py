@@ -43,6 +43,7 @@ from tapestry.cost.roofline import compute_dtype
 from tapestry.cost.memory import layout_bytes
 from tapestry.plan.plan import Compute, Place, Plan
 from tapestry.sharding import Layout
+from tapestry.sharding.layout import ValueNumbers
 from tapestry.zspace import ZRange
 from tapestry.zspace.affine import IndexProjection
 
@@ -139,15 +140,17 @@ def group_time(plan: Plan, group: Group, device: DeviceProfile) -> float:
     return slowest * device.oversubscription(plan.mesh.size)
 
 
-def group_key(plan: Plan, group: Group) -> tuple:
+def group_key(plan: Plan, group: Group, number: ValueNumbers) -> tuple:
     """All `group_time` reads of `group` besides the mesh and device: per member in order, its binding (kernel,
-    shapes, params and dtypes: one Signature), its blocks, whether the group writes it, and each argument as made
-    inside the group or as the k-th distinct value read from outside (a value two members read is read once).
-    Groups of one key take one time: a layer's groups in every copy of an expanded plan."""
+    shapes, params and dtypes: one Signature), its blocks (as `number` numbers them: equal for equal blocks, each
+    blocks object hashed once, where hashing a member's 512 blocks per group was most of pricing an expanded 70B
+    plan on 8x8x8), whether the group writes it, and each argument as made inside the group or as the k-th distinct
+    value read from outside (a value two members read is read once). Groups of one key take one time: a layer's
+    groups in every copy of an expanded plan."""
     by_id = plan.by_id
     inside, written = set(group.members), set(group.written)
     outside: dict[str, int] = {}
-    return tuple((step.kernel, step.input_shapes, step.params, step.input_dtypes, step.blocks, v in written,
+    return tuple((step.kernel, step.input_shapes, step.params, step.input_dtypes, number(step.blocks), v in written,
                   tuple(-1 if a in inside else outside.setdefault(a, len(outside)) for a in step.args))
                  for v in group.members for step in (by_id[v],))
 
@@ -166,11 +169,12 @@ def fused_costs(plan: Plan, costs: Mapping[str, float], device: DeviceProfile) -
     group's time (module docstring); steps outside groups keep their cost."""
     fused = dict(costs)
     times: dict[tuple, float] = {}  # by `group_key`: each distinct group priced once
+    number = ValueNumbers()
     for group in fusion_groups(plan):
         unfused = sum(costs[v] for v in group.members)
         if unfused <= 0.0:
             continue
-        key = group_key(plan, group)
+        key = group_key(plan, group, number)
         if key not in times:
             times[key] = group_time(plan, group, device)
         scale = min(times[key], unfused) / unfused

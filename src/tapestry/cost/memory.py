@@ -24,7 +24,7 @@ import numpy as np
 from tapestry import dtypes
 from tapestry.plan.plan import Compute, Place, Plan, Reshard, Step
 from tapestry.sharding import Block, Layout
-from tapestry.sharding.layout import LayoutNumbers
+from tapestry.sharding.layout import ValueNumbers
 
 if TYPE_CHECKING:
     from tapestry.lower.program import RankStep
@@ -94,13 +94,12 @@ def _part(rank_step: RankStep) -> _Part:
 def _lowering_key(step: Step, layouts: Mapping[str, Layout], lowerings: Lowerings) -> tuple:
     """What lowering a step reads but its names: steps with equal keys lower to the same parts. A Compute's blocks
     by identity (an expanded plan's copies share them; hashing every device's block per step is not free), its
-    layouts as numbers (`LayoutNumbers`: equal layouts, one number; one layout comparison per step was most of an
+    layouts as numbers (`ValueNumbers`: equal layouts, one number; one layout comparison per step was most of an
     expanded 80-layer 70B plan's peak walk on 8x8x8)."""
     layout = lowerings.layout
     if isinstance(step, Compute):
-        return (step.kernel, step.params, step.input_shapes, step.input_dtypes,
-                tuple(layout(a) for a in step.arg_layouts), layout(step.layout), step.exchange, step.ring,
-                id(step.blocks), tuple(None if (held := layouts.get(a)) is None else layout(held) for a in step.args))
+        return (step.numbered_binding(layout), id(step.blocks),
+                tuple(None if (held := layouts.get(a)) is None else layout(held) for a in step.args))
     if isinstance(step, Reshard):
         return step.shape, layout(step.src_layout), layout(step.layout), step.src in layouts
     return (layout(step.layout),)
@@ -116,7 +115,7 @@ class Lowerings:
     parts: dict[tuple, tuple[_Part | None, ...]] = field(default_factory=dict)
     interned: dict[_Part, _Part] = field(default_factory=dict)
     held: list[object] = field(default_factory=list)
-    layout: LayoutNumbers = field(default_factory=LayoutNumbers)  # the keys' layouts, numbered by value
+    layout: ValueNumbers = field(default_factory=ValueNumbers)  # the keys' layouts, numbered by value
     _codes: dict[int, np.ndarray] = field(default_factory=dict)  # id(a row of parts) -> each rank's part's number
 
     def codes(self, row: tuple[_Part | None, ...]) -> np.ndarray:

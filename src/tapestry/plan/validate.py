@@ -18,7 +18,7 @@ from tapestry.kernels import DimKind, KernelError, Shape, Signature
 from tapestry.plan import ring
 from tapestry.plan.plan import Compute, Place, Plan, Reshard, Step
 from tapestry.sharding import Block, Layout, Mesh
-from tapestry.sharding.layout import LayoutNumbers
+from tapestry.sharding.layout import ValueNumbers
 from tapestry.sharding.comm import CommError, can_move, transfers
 from tapestry.sharding.partition import Partition, exchanged_blocks, output_layout, partition_issues
 from tapestry.zspace import IndexProjection, ZRange
@@ -65,7 +65,7 @@ def plan_problems(plan: Plan) -> list[str]:
     defined: dict[str, Step] = {}
     value_dtypes: dict[str, str] = {}
     clean: set[tuple] = set()  # the keys (`_computed`, `_moved`) of the steps found valid (`_step_problems`)
-    number = LayoutNumbers()  # layouts compared by number: a deep plan names few layout objects, many times
+    number = ValueNumbers()  # layouts compared by number: a deep plan names few layout objects, many times
     for step in plan.steps:
         where = _where(step)
         if step.out in defined:
@@ -114,7 +114,7 @@ def _where(step: Step) -> str:
 
 
 def _step_problems(plan: Plan, step: Step, defined: dict[str, Step], clean: set[tuple],
-                   number: LayoutNumbers) -> list[str]:
+                   number: ValueNumbers) -> list[str]:
     """The step's problems. A Compute or Reshard step whose key (`_computed`, `_moved`) was found valid already
     (`clean`: each later copy of an expanded plan's layer runs the step of copy 1, under other names) has only its
     sources left to check: whatever else `_compute_problems` or `_reshard_problems` checks is a function of that
@@ -123,7 +123,7 @@ def _step_problems(plan: Plan, step: Step, defined: dict[str, Step], clean: set[
         return _place_problems(plan, step)
     if isinstance(step, Reshard):
         return _reshard_problems(plan.mesh, step, defined, clean, number)
-    binding = _numbered_binding(step, number)
+    binding = step.numbered_binding(number)
     alias = binding, id(step.blocks)  # an expanded plan's copies share blocks: no 512 blocks hashed again
     if alias in clean:
         return _sources_problems(step, defined, number)
@@ -137,21 +137,15 @@ def _step_problems(plan: Plan, step: Step, defined: dict[str, Step], clean: set[
     return problems
 
 
-def _sources_problems(step: Compute, defined: dict[str, Step], number: LayoutNumbers) -> list[str]:
+def _sources_problems(step: Compute, defined: dict[str, Step], number: ValueNumbers) -> list[str]:
     """What is left to check of a Compute step alike to one found valid: the values it reads, by name."""
     return [problem for i, (arg, layout, shape) in enumerate(zip(step.args, step.arg_layouts, step.input_shapes))
             for problem in _source_problems(arg, shape, layout, defined, _arg_what(step.signature, i), number)]
 
 
-def _numbered_binding(step: Compute, number: LayoutNumbers) -> tuple:
-    """`Compute.binding` with its layouts as their numbers: equal exactly where the binding is."""
-    return (step.kernel, step.params, step.input_shapes, step.input_dtypes, tuple(map(number, step.arg_layouts)),
-            number(step.layout), step.exchange, step.ring)
-
-
 def _computed(step: Compute, binding: tuple) -> tuple:
     """What `_compute_problems` judges of a step but its sources (the values it reads, by name): its kernel
-    binding (`_numbered_binding`), blocks and layouts (the mesh is the plan's)."""
+    binding (`Compute.numbered_binding`), blocks and layouts (the mesh is the plan's)."""
     return binding, step.blocks
 
 
@@ -198,7 +192,7 @@ def _shape(step: Step) -> Shape | None:
 
 
 def _source_problems(value: str, shape: Shape, layout: Layout, defined: dict[str, Step], what: str,
-                     number: LayoutNumbers) -> list[str]:
+                     number: ValueNumbers) -> list[str]:
     """`value` must be defined earlier, with the shape and layout the step says it has (layouts compared by
     `number`)."""
     if value not in defined:
@@ -212,14 +206,14 @@ def _source_problems(value: str, shape: Shape, layout: Layout, defined: dict[str
     return problems
 
 
-def _moved(step: Reshard, number: LayoutNumbers) -> tuple:
+def _moved(step: Reshard, number: ValueNumbers) -> tuple:
     """What `_reshard_problems` judges of a reshard but its source (by name): its shape and both layouts (by
     number; the mesh is the plan's)."""
     return "reshard", step.shape, number(step.src_layout), number(step.layout)
 
 
 def _reshard_problems(mesh: Mesh, step: Reshard, defined: dict[str, Step], clean: set[tuple],
-                      number: LayoutNumbers) -> list[str]:
+                      number: ValueNumbers) -> list[str]:
     problems = _source_problems(step.src, step.shape, step.src_layout, defined, "source", number)
     key = _moved(step, number)
     if key in clean:
@@ -235,7 +229,7 @@ def _reshard_problems(mesh: Mesh, step: Reshard, defined: dict[str, Step], clean
     return problems
 
 
-def _compute_problems(mesh: Mesh, step: Compute, defined: dict[str, Step], number: LayoutNumbers) -> list[str]:
+def _compute_problems(mesh: Mesh, step: Compute, defined: dict[str, Step], number: ValueNumbers) -> list[str]:
     try:
         sig = step.signature
     except (KernelError, DtypeError) as err:

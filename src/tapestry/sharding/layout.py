@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,19 +183,20 @@ def _split_choices(ndim: int, mesh: Mesh) -> list[tuple[int | None, ...]]:
 
 
 @dataclass(eq=False)
-class LayoutNumbers:
-    """A number per layout, equal for equal layouts: found by the layout object's identity, and compared by value
-    (every block) once per object. A deep plan names a few hundred layout objects over tens of thousands of steps
-    (an expanded 80-layer 70B plan on 8x8x8), and comparing two equal objects compares 512 blocks. The objects
-    numbered are kept, so their ids are not reused."""
+class ValueNumbers:
+    """A number per value, equal for equal values (layouts, or a Compute's blocks): found by the object's identity,
+    and compared by value (every block) once per object. A deep plan names a few hundred layout and blocks objects
+    over tens of thousands of steps (an expanded 80-layer 70B plan on 8x8x8), and comparing or hashing one compares
+    or hashes 512 blocks (a ZRange's hash is not kept). The objects numbered are kept, so their ids are not
+    reused."""
 
     _by_id: dict[int, int] = field(default_factory=dict)
-    _by_value: dict[Layout, int] = field(default_factory=dict)
-    _held: list[Layout] = field(default_factory=list)
+    _by_value: dict[Hashable, int] = field(default_factory=dict)
+    _held: list[Hashable] = field(default_factory=list)
 
-    def __call__(self, layout: Layout) -> int:
-        number = self._by_id.get(id(layout))
+    def __call__(self, value: Hashable) -> int:
+        number = self._by_id.get(id(value))
         if number is None:
-            number = self._by_id[id(layout)] = self._by_value.setdefault(layout, len(self._by_value))
-            self._held.append(layout)
+            number = self._by_id[id(value)] = self._by_value.setdefault(value, len(self._by_value))
+            self._held.append(value)
         return number
