@@ -110,7 +110,7 @@ class Lowerings:
     """Each distinct step's parts (`_lowering_key`), lowered once across the plans walked with it (`rank_peaks`):
     the plans one decoder makes share their Compute steps' blocks, so an extraction's later selections are mostly
     lowered already (LLaMA 13B's step on 8x8: lowering was 117 of the 128 profiled CPU s of four fits' peaks).
-    The blocks and layouts a key names by identity are kept, so their ids are not reused."""
+    The blocks a key names by identity (and the layouts and rows numbered) are kept, so their ids are not reused."""
 
     parts: dict[tuple, tuple[_Part | None, ...]] = field(default_factory=dict)
     interned: dict[_Part, _Part] = field(default_factory=dict)
@@ -119,8 +119,8 @@ class Lowerings:
     _codes: dict[int, np.ndarray] = field(default_factory=dict)  # id(a row of parts) -> each rank's part's number
 
     def codes(self, row: tuple[_Part | None, ...]) -> np.ndarray:
-        """Each rank's part in `row` (a `parts` value, kept there) as a number, equal where the part is the same
-        (interned) object: `_alike_ranks` compares ranks by these, once per row for all plans walked."""
+        """Each rank's part in `row` as a number, equal where the part is the same (interned) object: `_alike_ranks`
+        compares ranks by these, made once per row object for all plans walked."""
         found = self._codes.get(id(row))
         if found is None:
             numbers: dict[int, int] = {}

@@ -18,8 +18,8 @@ from tapestry.kernels import DimKind, KernelError, Shape, Signature
 from tapestry.plan import ring
 from tapestry.plan.plan import Compute, Place, Plan, Reshard, Step
 from tapestry.sharding import Block, Layout, Mesh
-from tapestry.sharding.layout import ValueNumbers
 from tapestry.sharding.comm import CommError, can_move, transfers
+from tapestry.sharding.layout import ValueNumbers
 from tapestry.sharding.partition import Partition, exchanged_blocks, output_layout, partition_issues
 from tapestry.zspace import IndexProjection, ZRange
 

@@ -187,8 +187,7 @@ class ValueNumbers:
     """A number per value, equal for equal values (layouts, or a Compute's blocks): found by the object's identity,
     and compared by value (every block) once per object. A deep plan names a few hundred layout and blocks objects
     over tens of thousands of steps (an expanded 80-layer 70B plan on 8x8x8), and comparing or hashing one compares
-    or hashes 512 blocks (a ZRange's hash is not kept). The objects numbered are kept, so their ids are not
-    reused."""
+    or hashes its 512 blocks, a Python call each. The objects numbered are kept, so their ids are not reused."""
 
     _by_id: dict[int, int] = field(default_factory=dict)
     _by_value: dict[Hashable, int] = field(default_factory=dict)
