@@ -16,7 +16,9 @@ runs its cases): per phase the calls' count and CPU and wall seconds, and each c
 With `--reshards N`, every reshard that pricing prices (`AlphaBeta._priced`, once per orbit) is timed, and the N
 slowest are listed with their shape, dtype and layouts. With `--cprofile PREFIX`, each `Explored.extract` runs under
 cProfile timing CPU seconds, its stats written to PREFIX.<pid>.<call> (read with pstats); saturation is left
-unprofiled, since its budget is CPU seconds and a profiled run would explore less. With `--fold-phases`, a folded
+unprofiled, since its budget is CPU seconds and a profiled run would explore less. With `--profile-function
+MODULE:ATTRIBUTE` (repeatable, with `--cprofile`), each call of those functions runs under cProfile instead (stats to
+PREFIX.<attribute>.<pid>.<call>): a phase of a long run profiled alone. With `--fold-phases`, a folded
 step's extraction phases (FOLD_PHASES: greedy extractions, tree choices, mirrors, pricing candidates, the kept plan's
 checks) are timed too, each inclusive, for a split without cProfile's cost. The wrappers add a few
 microseconds per call and measure CPU with time.process_time (this process's threads), which a loaded machine
@@ -120,11 +122,21 @@ FOLD_PHASES = (
     "tapestry.optimizer:embedded_plans", "tapestry.egraph.folded_candidates:held_at_peak")
 
 
-def _wrap_phases(names: tuple[str, ...]) -> None:
+def _wrap_phases(names: tuple[str, ...], profiled: tuple[str, ...] = (), prefix: str | None = None) -> None:
     """Each of `names` ("module:attribute", FOLD_PHASES' form) timed as the phase "module.attribute" (the module's
-    last name: "optimizer.extract" is greedy-dag's, where the phase "extract" is `Explored.extract`)."""
+    last name: "optimizer.extract" is greedy-dag's, where the phase "extract" is `Explored.extract`); each of
+    `profiled` (the same form) run under cProfile, its stats to prefix.<pid>.<call> (inside its phase's timing)."""
     import importlib
 
+    for name in profiled:
+        module_name, attribute = name.split(":")
+        owner: Any = importlib.import_module(module_name)
+        *path, last = attribute.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        wrapped = _profiled(getattr(owner, last), f"{prefix}.{attribute}")
+        setattr(owner, last, staticmethod(wrapped) if isinstance(inspect.getattr_static(owner, last), staticmethod)
+                else wrapped)
     for name in names:
         module_name, attribute = name.split(":")
         owner: Any = importlib.import_module(module_name)
@@ -136,9 +148,11 @@ def _wrap_phases(names: tuple[str, ...]) -> None:
                 else timed)
 
 
-def install(reshards: int, cprofile: str | None = None, phases: tuple[str, ...] = ()) -> None:
+def install(reshards: int, cprofile: str | None = None, phases: tuple[str, ...] = (),
+            profiled: tuple[str, ...] = ()) -> None:
     """Wrap the optimizer's phases (before the script imports `explore` by name), with `reshards` pricing, and with
-    `cprofile` extraction under cProfile; `phases` ("module:attribute") timed too."""
+    `cprofile` extraction under cProfile (or, where `profiled` names functions, "module:attribute", those instead);
+    `phases` ("module:attribute") timed too."""
     from tapestry import optimizer
     from tapestry.cost import comm
     from tapestry.egraph.decode import Decoder
@@ -146,7 +160,8 @@ def install(reshards: int, cprofile: str | None = None, phases: tuple[str, ...] 
 
     optimizer.explore = _timed("explore", optimizer.explore,
                                lambda a, k: k.get("mesh", a[1] if len(a) > 1 else 1))
-    extract = optimizer.Explored.extract if cprofile is None else _profiled(optimizer.Explored.extract, cprofile)
+    extract = optimizer.Explored.extract if cprofile is None or profiled else _profiled(optimizer.Explored.extract,
+                                                                                        cprofile)
     optimizer.Explored.extract = _timed("extract", extract, lambda a, k: a[0].mesh)
     optimizer.Explored.pareto = _timed("pareto", optimizer.Explored.pareto, lambda a, k: a[0].mesh)
     Decoder.extraction_graph = _timed("pricing", Decoder.extraction_graph, lambda a, k: a[0].mesh)
@@ -162,7 +177,7 @@ def install(reshards: int, cprofile: str | None = None, phases: tuple[str, ...] 
                                                    lambda a, k: a[0].mesh)
     if reshards >= 0:
         comm.AlphaBeta._priced = _timed_reshard(comm.AlphaBeta._priced, reshards)
-    _wrap_phases(phases)
+    _wrap_phases(phases, profiled, cprofile)
     atexit.register(report)
 
 
@@ -180,10 +195,10 @@ def report() -> None:
     print(json.dumps(out), flush=True)
 
 
-def _in_child(reshards: int, cprofile: str | None, phases: tuple[str, ...], target: Any, *args: Any,
-              **kwargs: Any) -> Any:
+def _in_child(reshards: int, cprofile: str | None, phases: tuple[str, ...], profiled: tuple[str, ...], target: Any,
+              *args: Any, **kwargs: Any) -> Any:
     """A spawned child's target, run with the phases wrapped; its report printed when it exits."""
-    install(reshards, cprofile, phases)
+    install(reshards, cprofile, phases, profiled)
     try:
         return target(*args, **kwargs)
     finally:
@@ -191,7 +206,7 @@ def _in_child(reshards: int, cprofile: str | None, phases: tuple[str, ...], targ
         _calls.clear()
 
 
-def _follow_children(reshards: int, cprofile: str | None, phases: tuple[str, ...]) -> None:
+def _follow_children(reshards: int, cprofile: str | None, phases: tuple[str, ...], profiled: tuple[str, ...]) -> None:
     """Spawned children (cluster.py runs each case in one) get the same wrappers: their target is wrapped in
     `_in_child`, pickled by this module's importable name (benchmarks/ is on the children's sys.path)."""
     start = multiprocessing.process.BaseProcess.start
@@ -200,7 +215,7 @@ def _follow_children(reshards: int, cprofile: str | None, phases: tuple[str, ...
         if self._target is not None:
             import profile_optimize
 
-            self._target = functools.partial(profile_optimize._in_child, reshards, cprofile, phases,
+            self._target = functools.partial(profile_optimize._in_child, reshards, cprofile, phases, profiled,
                                              self._target)
         start(self)
     multiprocessing.process.BaseProcess.start = started
@@ -225,17 +240,23 @@ def main() -> None:
     parser.add_argument("--reshards", type=int, default=-1, help="time pricing each reshard; list the N slowest")
     parser.add_argument("--cprofile", metavar="PREFIX", help="run each extraction under cProfile, its stats to "
                         "PREFIX.<pid>.<call>")
+    parser.add_argument("--profile-function", action="append", default=[], metavar="MODULE:ATTRIBUTE",
+                        help="with --cprofile, profile this function (each call) instead of each extraction; "
+                        "repeatable (e.g. tapestry.egraph.folded_candidates:leaner, tapestry.optimizer:validate_plan)")
     parser.add_argument("--fold-phases", action="store_true", help="time a folded step's extraction phases too "
                         "(FOLD_PHASES: greedy extractions, tree choices, mirrors, candidates' prices, the checks)")
     parser.add_argument("--model", default="llama", help="the default case's zoo family (a decoder)")
     parser.add_argument("--mesh", default="2x2", help="the default case's mesh")
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     phases = FOLD_PHASES if args.fold_phases else ()
-    install(args.reshards, args.cprofile, phases)
+    profiled = tuple(args.profile_function)
+    if profiled and args.cprofile is None:
+        parser.error("--profile-function needs --cprofile PREFIX")
+    install(args.reshards, args.cprofile, phases, profiled)
     if not script:
         tiny(args.model, args.mesh)
         return
-    _follow_children(args.reshards, args.cprofile, phases)
+    _follow_children(args.reshards, args.cprofile, phases, profiled)
     sys.argv = script
     runpy.run_path(script[0], run_name="__main__")
 

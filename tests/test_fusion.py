@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -194,9 +193,11 @@ def test_groups_of_one_key_take_one_time_and_the_memoised_prices_are_the_per_dev
 
     from tapestry.cost import fused_costs
     from tapestry.cost.fusion import Group, group_key, group_time
+    from tapestry.sharding.layout import ValueNumbers
     from tapestry.training.plans import baselines
 
     device = GPU.profile.device
+    number = ValueNumbers()  # one for every plan: blocks equal in value, one number (the keys compare across plans)
     hands = sorted(baselines(adam_step(64, 256, 1024)[0].graph, tapestry.Mesh(2, 2)).items())
     assert all(any(len(set(s.blocks)) > 1 for s in hand.steps if isinstance(s, Compute)) for _, hand in hands)
     plans = [*(hand for _, hand in hands),
@@ -209,7 +210,7 @@ def test_groups_of_one_key_take_one_time_and_the_memoised_prices_are_the_per_dev
             for variant in (group, Group(group.members, ()), Group(group.members, group.members)):
                 expected = _group_time_per_device(plan, variant, device)
                 assert group_time(plan, variant, device) == expected
-                assert times.setdefault(group_key(plan, variant), expected) == expected
+                assert times.setdefault(group_key(plan, variant, number), expected) == expected
         costs = step_costs(plan, UNFUSED)
         unmemoised = dict(costs)
         for group in groups:
@@ -217,50 +218,38 @@ def test_groups_of_one_key_take_one_time_and_the_memoised_prices_are_the_per_dev
             scale = min(_group_time_per_device(plan, group, device), unfused) / unfused
             unmemoised.update({v: costs[v] * scale for v in group.members})
         assert fused_costs(plan, costs, device) == unmemoised
-    twice, two = (group_key(p, g) for p in plans[-2:] for g in fusion_groups(p))
+    twice, two = (group_key(p, g, number) for p in plans[-2:] for g in fusion_groups(p))
     assert twice != two
 
 
-def two_alike_chains() -> Graph:
-    """y1 = sigmoid(x1 + r1) and y2 = sigmoid(x2 + r2): two fusion groups alike but for their names."""
+def test_alike_groups_whose_blocks_are_equal_objects_apart_are_priced_once_as_those_sharing_them(monkeypatch):
+    """`fused_costs` numbers each member's blocks by value, once per blocks object (`ValueNumbers`): a plan whose
+    steps each hold their own copy of the blocks prices each distinct group once and costs what the plan sharing
+    them costs (numbering blocks by identity would price every layer's group again and fail)."""
+    import dataclasses
+
+    from tapestry.cost import fusion
+    from tapestry.cost.fusion import fused_costs
+
     g = Graph()
-    for k in (1, 2):
-        x, r = g.input(f"x{k}", (ROWS, COLS)), g.input(f"r{k}", (ROWS, COLS))
-        g.output(f"y{k}", g.op("sigmoid", g.op("add", x, r, name=f"a{k}"), name=f"s{k}"))
-    return g
-
-
-def test_a_group_sharing_an_alike_groups_blocks_is_priced_by_their_identity_without_hashing_them(monkeypatch):
-    """An expanded plan's copies share their layer's blocks objects: `fused_costs` finds a later copy's group by
-    the blocks' identity, hashing no block for it, and prices every group as pricing each one alone does."""
-    from tapestry.cost import fused_costs
-    from tapestry.zspace import ZRange
-
-    plan = build_plan(two_alike_chains(), tapestry.Mesh(2, 2), {v: (0, 1) for v in ("a1", "s1", "a2", "s2")})
-    one, two = fusion_groups(plan)
-    apart = replace(plan, steps=tuple(replace(s, blocks=tuple(list(s.blocks))) if s.out in two.members else s
-                                      for s in plan.steps))  # the same blocks, in tuples of their own
-    assert all(len(set(plan.by_id[v].blocks)) > 1 and plan.by_id[u].blocks is plan.by_id[v].blocks
-               and apart.by_id[u].blocks == apart.by_id[v].blocks
-               and apart.by_id[u].blocks is not apart.by_id[v].blocks for u, v in zip(one.members, two.members))
-    hashed = [0]
-    unhashed = ZRange.__hash__
-
-    def counted(self: ZRange) -> int:
-        hashed[0] += 1
-        return unhashed(self)
-
-    monkeypatch.setattr(ZRange, "__hash__", counted)
-    device = GPU.profile.device
-    by_value, by_identity = [], []
-    for each, hashes in ((apart, by_value), (plan, by_identity)):
-        costs = step_costs(each, UNFUSED)
-        alone = dict(costs)
-        for group in fusion_groups(each):
-            unfused = sum(costs[v] for v in group.members)
-            alone.update({v: costs[v] * min(_group_time_per_device(each, group, device), unfused) / unfused
-                          for v in group.members})
-        hashed[0] = 0
-        assert fused_costs(each, costs, device) == alone
-        hashes.append(hashed[0])
-    assert by_identity[0] < by_value[0]
+    value = g.input("x", (ROWS, COLS))
+    for k in range(4):
+        value = g.op("sigmoid", g.op("add", g.op("matmul", value, g.input(f"w{k}", (COLS, COLS))), value,
+                                    name=f"a{k}"), name=f"s{k}")
+    g.output("y", value)
+    plan = build_plan(g, tapestry.Mesh(2, 2), {})
+    first: dict[tuple, tuple] = {}  # the later layers share the first's blocks, as an expanded plan's copies do
+    shared = dataclasses.replace(plan, steps=tuple(
+        dataclasses.replace(s, blocks=first.setdefault(s.binding, s.blocks)) if isinstance(s, Compute) else s
+        for s in plan.steps))
+    apart = dataclasses.replace(plan, steps=tuple(
+        dataclasses.replace(s, blocks=tuple(list(s.blocks))) if isinstance(s, Compute) else s for s in shared.steps))
+    assert len(fusion_groups(shared)) == 4
+    priced = []
+    group_time = fusion.group_time
+    monkeypatch.setattr(fusion, "group_time", lambda *a: priced.append(a[1]) or group_time(*a))
+    costs = step_costs(shared, UNFUSED)
+    once = fused_costs(shared, costs, GPU.profile.device)
+    assert len(priced) == 1
+    assert fused_costs(apart, costs, GPU.profile.device) == once
+    assert len(priced) == 2

@@ -25,6 +25,7 @@ from tapestry.plan.validate import PlanError, _surely_held, _unheld_read, plan_p
 from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.collectives import Collective, classify_reshard, reshard_groups
 from tapestry.sharding.comm import CommError
+from tapestry.sharding.layout import ValueNumbers
 from tapestry.sharding.partition import candidate_partitions
 from tapestry.testing.strategies import signatures
 from tapestry.zspace import IndexProjection, ZAffineMap, ZRange
@@ -594,7 +595,9 @@ def test_reshards_alike_but_for_their_names_are_judged_once_and_a_wrong_one_in_a
     g.output("y", value)
     plan = build_plan(g, Mesh(4), {f"act{k}": (k % 2,) for k in range(4)})  # rows, columns, rows, columns
     moves = [s for s in plan.steps if isinstance(s, Reshard)]
-    assert len(moves) == 3 and validate._moved(moves[0]) == validate._moved(moves[2]) != validate._moved(moves[1])
+    number = ValueNumbers()
+    assert len(moves) == 3 and validate._moved(moves[0], number) == validate._moved(moves[2], number) \
+        != validate._moved(moves[1], number)
     judged = []
     whole = validate.can_move
     monkeypatch.setattr(validate, "can_move", lambda src, dst: judged.append(dst) or whole(src, dst))
@@ -624,8 +627,50 @@ def test_steps_sharing_their_blocks_are_judged_once_by_identity_and_their_source
                                                    if isinstance(s, Compute) else s for s in plan.steps))
     keyed = []
     whole = validate._computed
-    monkeypatch.setattr(validate, "_computed", lambda step: keyed.append(step.out) or whole(step))
+    monkeypatch.setattr(validate, "_computed", lambda step, binding: keyed.append(step.out) or whole(step, binding))
     assert plan_problems(shared) == []
     assert keyed == [relus[0].out]
     dangling = replace_step(shared, relus[2].out, args=("v99",))
     assert problems_mentioning(dangling, f"step {relus[2].out} (compute relu): arg 0 (x) refers to 'v99'")
+
+
+def fresh_layouts(plan: Plan) -> Plan:
+    """The plan with every layout of every step copied into an equal object of its own: no two steps share one."""
+    def fresh(layout: Layout) -> Layout:
+        return Layout(tuple(layout.blocks), layout.partial)
+
+    def copied(step):  # noqa: ANN001, ANN202
+        if isinstance(step, Compute):
+            return dataclasses.replace(step, layout=fresh(step.layout), arg_layouts=tuple(map(fresh, step.arg_layouts)))
+        if isinstance(step, Reshard):
+            return dataclasses.replace(step, src_layout=fresh(step.src_layout), layout=fresh(step.layout))
+        return dataclasses.replace(step, layout=fresh(step.layout))
+    return dataclasses.replace(plan, steps=tuple(map(copied, plan.steps)))
+
+
+def test_layouts_compared_by_number_judge_as_layouts_compared_by_value(monkeypatch):
+    """validate numbers layouts once per object (`ValueNumbers`) and compares the numbers: a plan whose steps each
+    hold their own equal copies of the layouts is valid, judges each step alike but for its names once as the
+    plan sharing them does, and a step that says its argument is laid out otherwise is caught."""
+    from tapestry.plan import validate
+
+    g = Graph()
+    value = g.input("x", (16, 8), "float64")
+    for k in range(4):
+        value = g.relu(value, name=f"act{k}")
+    g.output("y", value)
+    plan = fresh_layouts(build_plan(g, Mesh(4), {f"act{k}": (k % 2,) for k in range(4)}))
+    judged = []
+    whole = validate._compute_problems
+    monkeypatch.setattr(validate, "_compute_problems", lambda *a: judged.append(a[1].out) or whole(*a))
+    assert plan_problems(plan) == []
+    relus = [s for s in plan.steps if isinstance(s, Compute)]
+    assert judged == [relus[0].out, relus[1].out]  # rows, then columns; the later two are those but for names
+    moves = [s for s in plan.steps if isinstance(s, Reshard)]
+    number = ValueNumbers()
+    assert validate._moved(moves[0], number) == validate._moved(moves[2], number)
+    last = relus[-1]
+    other = moves[0].src_layout  # rows, where the last relu reads columns
+    assert other != last.arg_layouts[0]
+    wrong = replace_step(plan, last.out, arg_layouts=(Layout(tuple(other.blocks)),))
+    assert problems_mentioning(wrong, f"step {last.out} (compute relu): arg 0 (x) {last.args[0]!r} is laid out")

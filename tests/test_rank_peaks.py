@@ -6,6 +6,7 @@ reshards and prepared steps, and on plans whose ranks hold unequal shards."""
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 from rank_peak_reference import snapshot_peak
@@ -13,13 +14,15 @@ from training_helpers import adam_step
 
 import tapestry
 from tapestry.cost import rank_peaks
-from tapestry.cost.memory import _alike_ranks, _parts
+from tapestry.cost.memory import Lowerings, _alike_ranks, _parts, layout_bytes, most_elements
 from tapestry.graph import Graph
 from tapestry.lower import program
 from tapestry.lower.program import lower
 from tapestry.models import mlp
-from tapestry.plan import Compute, Place, Plan, build_plan
+from tapestry.plan import Compute, Place, Plan, Reshard, build_plan
+from tapestry.sharding import Layout
 from tapestry.training.plans import baselines
+from tapestry.zspace import ZRange
 
 CUBE = tapestry.Mesh(2, 2, 2)
 
@@ -91,3 +94,76 @@ def test_steps_alike_but_for_their_names_are_lowered_once_and_peak_as_the_plan_s
     lowered.clear()
     assert rank_peaks(alone) == once
     assert len(lowered) == sum(isinstance(s, Compute) for s in alone.steps) == 4 * shared_calls
+
+
+def alike_ranks_by_refinement(parts: list[tuple], size: int) -> list[list[int]]:
+    """`_alike_ranks` as it was before it compared numbered columns: each distinct row refines the groups by the
+    identity of each rank's part, groups numbered in the order of their first rank."""
+    group = [0] * size
+    for row in {id(row): row for row in parts}.values():
+        found: dict[tuple[int, int], int] = {}
+        group = [found.setdefault((g, id(part)), len(found)) for g, part in zip(group, row)]
+    ranks: dict[int, list[int]] = {}
+    for rank, g in enumerate(group):
+        ranks.setdefault(g, []).append(rank)
+    return list(ranks.values())
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_ranks_compared_as_numbered_columns_group_as_refining_row_by_row(seed: int) -> None:
+    """Random rows of a few part objects (and None), some rows repeated as one object: the same groups in the same
+    order as refining by each row; a Lowerings' row numbers reused across calls change nothing."""
+    rng = random.Random(seed)
+    size = rng.choice([1, 2, 8, 64, 512])
+    pool = [None, *(object() for _ in range(rng.randint(1, 4)))]
+    rows = [tuple(rng.choice(pool[:rng.randint(1, len(pool))]) for _ in range(size)) for _ in range(rng.randint(0, 6))]
+    parts = [rng.choice(rows) for _ in range(rng.randint(0, 12))] if rows else []
+    lowerings = Lowerings()
+    expected = alike_ranks_by_refinement(parts, size)
+    assert _alike_ranks(parts, size) == expected
+    assert _alike_ranks(parts, size, lowerings) == expected == _alike_ranks(parts, size, lowerings)
+
+
+def test_steps_naming_equal_layout_objects_are_lowered_once_and_peak_as_those_sharing_them(monkeypatch):
+    """Every layout of a plan copied into an equal object of its own (no two steps share one): each step alike but
+    for its names is still lowered once (the key numbers layouts by value), and every rank's peak is the same."""
+    shared = uneven(UNEVEN["summed"])
+
+    def fresh(layout: Layout) -> Layout:
+        return Layout(tuple(layout.blocks), layout.partial)
+
+    def copied(step):  # noqa: ANN001, ANN202
+        if isinstance(step, Compute):
+            return dataclasses.replace(step, layout=fresh(step.layout), arg_layouts=tuple(map(fresh, step.arg_layouts)))
+        if isinstance(step, Reshard):
+            return dataclasses.replace(step, src_layout=fresh(step.src_layout), layout=fresh(step.layout))
+        return dataclasses.replace(step, layout=fresh(step.layout))
+
+    apart = dataclasses.replace(shared, steps=tuple(map(copied, shared.steps)))
+    lowered: list[int] = []
+    lower_step = program.lower_step
+
+    def counted(index, step, *args, **kwargs):
+        lowered.append(index)
+        return lower_step(index, step, *args, **kwargs)
+
+    monkeypatch.setattr(program, "lower_step", counted)
+    once = rank_peaks(shared)
+    shared_calls = len(lowered)
+    lowered.clear()
+    assert rank_peaks(apart) == once
+    assert len(lowered) == shared_calls < len(shared.steps)
+    lowered.clear()
+    lowerings = Lowerings()
+    rank_peaks(shared, lowerings)
+    assert rank_peaks(apart, lowerings) == once  # the second plan's steps: all lowered by the first's keys
+    assert len(lowered) == shared_calls
+
+
+def test_a_layouts_most_elements_are_the_largest_of_its_blocks_bytes_per_itemsize() -> None:
+    mesh = tapestry.Mesh(2, 2, 2)
+    layouts = [Layout.split((5, 12), mesh, (0, 1, None)), Layout.replicated((3,), mesh), Layout.replicated((), mesh),
+               Layout((ZRange((0, 0), (3, 4)), None, *[ZRange((1, 2), (2, 9))] * 6)), Layout((None,) * 8),
+               *(layout for plan in plans() for step in plan.steps for layout in [step.layout])]
+    for layout in layouts:
+        assert most_elements(layout) * 2 == max(layout_bytes(layout, "bfloat16"), default=0)

@@ -33,7 +33,7 @@ saving it (AOTAutograd's min-cut): both are cheap next to the bytes a group save
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tapestry import dtypes
@@ -43,6 +43,7 @@ from tapestry.cost.roofline import compute_dtype
 from tapestry.cost.memory import layout_bytes
 from tapestry.plan.plan import Compute, Place, Plan
 from tapestry.sharding import Layout
+from tapestry.sharding.layout import ValueNumbers
 from tapestry.zspace import ZRange
 from tapestry.zspace.affine import IndexProjection
 
@@ -139,17 +140,17 @@ def group_time(plan: Plan, group: Group, device: DeviceProfile) -> float:
     return slowest * device.oversubscription(plan.mesh.size)
 
 
-def group_key(plan: Plan, group: Group,
-              blocks: Callable[[tuple[ZRange | None, ...]], Hashable] = lambda b: b) -> tuple:
+def group_key(plan: Plan, group: Group, number: ValueNumbers) -> tuple:
     """All `group_time` reads of `group` besides the mesh and device: per member in order, its binding (kernel,
-    shapes, params and dtypes: one Signature), its blocks, whether the group writes it, and each argument as made
-    inside the group or as the k-th distinct value read from outside (a value two members read is read once).
-    Groups of one key take one time: a layer's groups in every copy of an expanded plan. `blocks` keys each
-    member's blocks (`id`: alike groups sharing their blocks objects share a key, one never hashed by value)."""
+    shapes, params and dtypes: one Signature), its blocks (as `number` numbers them: equal for equal blocks, each
+    blocks object hashed once, where hashing a member's 512 blocks per group was most of pricing an expanded 70B
+    plan on 8x8x8), whether the group writes it, and each argument as made inside the group or as the k-th distinct
+    value read from outside (a value two members read is read once). Groups of one key take one time: a layer's
+    groups in every copy of an expanded plan."""
     by_id = plan.by_id
     inside, written = set(group.members), set(group.written)
     outside: dict[str, int] = {}
-    return tuple((step.kernel, step.input_shapes, step.params, step.input_dtypes, blocks(step.blocks), v in written,
+    return tuple((step.kernel, step.input_shapes, step.params, step.input_dtypes, number(step.blocks), v in written,
                   tuple(-1 if a in inside else outside.setdefault(a, len(outside)) for a in step.args))
                  for v in group.members for step in (by_id[v],))
 
@@ -168,21 +169,15 @@ def fused_costs(plan: Plan, costs: Mapping[str, float], device: DeviceProfile) -
     group's time (module docstring); steps outside groups keep their cost."""
     fused = dict(costs)
     times: dict[tuple, float] = {}  # by `group_key`: each distinct group priced once
-    # by `group_key` with the blocks by identity (the plan holds them while this runs): an expanded plan's copies
-    # share their layer's blocks, so a later copy's group is found without hashing every device's block of every
-    # member (the folded 7B step on 8x8: 24 million ZRange hashes over its candidates' prices)
-    known: dict[tuple, float] = {}
+    number = ValueNumbers()
     for group in fusion_groups(plan):
         unfused = sum(costs[v] for v in group.members)
         if unfused <= 0.0:
             continue
-        held = group_key(plan, group, blocks=id)
-        if held not in known:
-            key = group_key(plan, group)
-            if key not in times:
-                times[key] = group_time(plan, group, device)
-            known[held] = times[key]
-        scale = min(known[held], unfused) / unfused
+        key = group_key(plan, group, number)
+        if key not in times:
+            times[key] = group_time(plan, group, device)
+        scale = min(times[key], unfused) / unfused
         for v in group.members:
             fused[v] = costs[v] * scale
     return fused

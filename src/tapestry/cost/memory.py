@@ -19,9 +19,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from tapestry import dtypes
 from tapestry.plan.plan import Compute, Place, Plan, Reshard, Step
 from tapestry.sharding import Block, Layout
+from tapestry.sharding.layout import ValueNumbers
 
 if TYPE_CHECKING:
     from tapestry.lower.program import RankStep
@@ -34,6 +37,13 @@ def block_bytes(block: Block, dtype: str) -> int:
 def layout_bytes(layout: Layout, dtype: str) -> tuple[int, ...]:
     """Bytes each device holds of a value in `layout`."""
     return tuple(block_bytes(b, dtype) for b in layout.blocks)
+
+
+def most_elements(layout: Layout) -> int:
+    """The most elements a device holds of a value in `layout` (0 where none holds any): `layout_bytes`' largest,
+    by the layout's box arrays (`Layout.bounds`, made once per layout object: pricing has made a decoder's)."""
+    starts, ends, held = layout.bounds
+    return int(np.where(held, (ends - starts).prod(axis=1), 0).max(initial=0))
 
 
 def resident_bytes(plan: Plan) -> list[int]:
@@ -81,14 +91,18 @@ def _part(rank_step: RankStep) -> _Part:
                  tuple(i for i, read in enumerate(rank_step.reads) if read.box is not None))
 
 
-def _lowering_key(step: Step, layouts: Mapping[str, Layout]) -> tuple:
+def _lowering_key(step: Step, layouts: Mapping[str, Layout], lowerings: Lowerings) -> tuple:
     """What lowering a step reads but its names: steps with equal keys lower to the same parts. A Compute's blocks
-    by identity (an expanded plan's copies share them; hashing every device's block per step is not free)."""
+    by identity (an expanded plan's copies share them; hashing every device's block per step is not free), its
+    layouts as numbers (`ValueNumbers`: equal layouts, one number; one layout comparison per step was most of an
+    expanded 80-layer 70B plan's peak walk on 8x8x8)."""
+    layout = lowerings.layout
     if isinstance(step, Compute):
-        return step.binding, id(step.blocks), tuple(layouts.get(a) for a in step.args)
+        return (step.numbered_binding(layout), id(step.blocks),
+                tuple(None if (held := layouts.get(a)) is None else layout(held) for a in step.args))
     if isinstance(step, Reshard):
-        return step.shape, step.src_layout, step.layout, step.src in layouts
-    return (step.layout,)
+        return step.shape, layout(step.src_layout), layout(step.layout), step.src in layouts
+    return (layout(step.layout),)
 
 
 @dataclass(eq=False)
@@ -96,11 +110,24 @@ class Lowerings:
     """Each distinct step's parts (`_lowering_key`), lowered once across the plans walked with it (`rank_peaks`):
     the plans one decoder makes share their Compute steps' blocks, so an extraction's later selections are mostly
     lowered already (LLaMA 13B's step on 8x8: lowering was 117 of the 128 profiled CPU s of four fits' peaks).
-    The blocks a key names by identity are kept, so their ids are not reused."""
+    The blocks a key names by identity (and the layouts and rows numbered) are kept, so their ids are not reused."""
 
     parts: dict[tuple, tuple[_Part | None, ...]] = field(default_factory=dict)
     interned: dict[_Part, _Part] = field(default_factory=dict)
     held: list[object] = field(default_factory=list)
+    layout: ValueNumbers = field(default_factory=ValueNumbers)  # the keys' layouts, numbered by value
+    _codes: dict[int, np.ndarray] = field(default_factory=dict)  # id(a row of parts) -> each rank's part's number
+
+    def codes(self, row: tuple[_Part | None, ...]) -> np.ndarray:
+        """Each rank's part in `row` as a number, equal where the part is the same (interned) object: `_alike_ranks`
+        compares ranks by these, made once per row object for all plans walked."""
+        found = self._codes.get(id(row))
+        if found is None:
+            numbers: dict[int, int] = {}
+            found = self._codes[id(row)] = np.array([numbers.setdefault(id(p), len(numbers)) for p in row],
+                                                    dtype=np.int64)
+            self.held.append(row)
+        return found
 
 
 def _parts(plan: Plan, lowerings: Lowerings | None = None) -> list[tuple[_Part | None, ...]]:
@@ -114,26 +141,30 @@ def _parts(plan: Plan, lowerings: Lowerings | None = None) -> list[tuple[_Part |
     lowered, interned = lowerings.parts, lowerings.interned
     parts = []
     for index, step in enumerate(plan.steps):
-        key = _lowering_key(step, layouts)
-        if key not in lowered:
-            lowered[key] = tuple(None if s is None else interned.setdefault(p := _part(s), p)
-                                 for s in lower_step(index, step, plan, layouts, pieces=False))
+        key = _lowering_key(step, layouts, lowerings)
+        row = lowered.get(key)
+        if row is None:
+            row = lowered[key] = tuple(None if s is None else interned.setdefault(p := _part(s), p)
+                                       for s in lower_step(index, step, plan, layouts, pieces=False))
             if isinstance(step, Compute):
                 lowerings.held.append(step.blocks)
-        parts.append(lowered[key])
+        parts.append(row)
         layouts[step.out] = step.layout
     return parts
 
 
-def _alike_ranks(parts: list[tuple[_Part | None, ...]], size: int) -> list[list[int]]:
+def _alike_ranks(parts: list[tuple[_Part | None, ...]], size: int, lowerings: Lowerings | None = None
+                 ) -> list[list[int]]:
     """The ranks grouped by their parts in every step: a group's ranks run alike but for their shards' places, so
-    they hold the same bytes at every moment."""
-    group = [0] * size
-    for row in {id(row): row for row in parts}.values():  # steps sharing their parts refine nothing again
-        found: dict[tuple[int, int], int] = {}
-        group = [found.setdefault((g, id(part)), len(found)) for g, part in zip(group, row)]
+    they hold the same bytes at every moment. Groups in the order of their first rank. Each distinct row of parts
+    is numbered once (`Lowerings.codes`, kept across plans) and the ranks compared as columns of those numbers."""
+    lowerings = Lowerings() if lowerings is None else lowerings
+    rows = {id(row): row for row in parts}.values()  # steps sharing their parts refine nothing again
+    if not rows:
+        return [list(range(size))]
+    _, group = np.unique(np.stack([lowerings.codes(row) for row in rows]), axis=1, return_inverse=True)
     ranks: dict[int, list[int]] = {}
-    for rank, g in enumerate(group):
+    for rank, g in enumerate(group.reshape(-1).tolist()):
         ranks.setdefault(g, []).append(rank)
     return list(ranks.values())
 
@@ -200,9 +231,10 @@ def rank_peaks(plan: Plan, lowerings: Lowerings | None = None) -> list[RankPeak]
     """Per device, its peak when the plan runs as lowered, and the plan steps whose buffers make it up: found once
     per group of ranks alike in every step (`_alike_ranks`: on a plan whose splits are even, often one group).
     With `lowerings`, steps lowered for earlier plans are not lowered again."""
+    lowerings = Lowerings() if lowerings is None else lowerings
     parts = _parts(plan, lowerings)
     peaks: list[RankPeak | None] = [None] * plan.mesh.size
-    for ranks in _alike_ranks(parts, plan.mesh.size):
+    for ranks in _alike_ranks(parts, plan.mesh.size, lowerings):
         peak = _rank_peak(plan, parts, ranks[0])
         for rank in ranks:
             peaks[rank] = peak
@@ -226,7 +258,7 @@ def lean_order(plan: Plan) -> tuple[int, ...]:
     def most_bytes(step: Step) -> int:
         key = (id(step.layout), plan.dtypes[step.out])
         if key not in largest:
-            largest[key] = max(layout_bytes(step.layout, key[1]))
+            largest[key] = most_elements(step.layout) * dtypes.itemsize(key[1])
         return largest[key]
 
     size = [0 if isinstance(s, Place) else most_bytes(s) for s in plan.steps]

@@ -19,6 +19,7 @@ from tapestry.plan import ring
 from tapestry.plan.plan import Compute, Place, Plan, Reshard, Step
 from tapestry.sharding import Block, Layout, Mesh
 from tapestry.sharding.comm import CommError, can_move, transfers
+from tapestry.sharding.layout import ValueNumbers
 from tapestry.sharding.partition import Partition, exchanged_blocks, output_layout, partition_issues
 from tapestry.zspace import IndexProjection, ZRange
 
@@ -64,11 +65,12 @@ def plan_problems(plan: Plan) -> list[str]:
     defined: dict[str, Step] = {}
     value_dtypes: dict[str, str] = {}
     clean: set[tuple] = set()  # the keys (`_computed`, `_moved`) of the steps found valid (`_step_problems`)
+    number = ValueNumbers()  # layouts compared by number: a deep plan names few layout objects, many times
     for step in plan.steps:
         where = _where(step)
         if step.out in defined:
             problems.append(f"{where}: value {step.out!r} is defined twice")
-        problems += [f"{where}: {p}" for p in _step_problems(plan, step, defined, clean)]
+        problems += [f"{where}: {p}" for p in _step_problems(plan, step, defined, clean, number)]
         problems += [f"{where}: {p}" for p in _dtype_problems(plan, step, value_dtypes)]
         defined[step.out] = step
     problems += _output_problems(plan, defined)
@@ -111,7 +113,8 @@ def _where(step: Step) -> str:
     return f"step {step.out} ({type(step).__name__.lower()})"
 
 
-def _step_problems(plan: Plan, step: Step, defined: dict[str, Step], clean: set[tuple]) -> list[str]:
+def _step_problems(plan: Plan, step: Step, defined: dict[str, Step], clean: set[tuple],
+                   number: ValueNumbers) -> list[str]:
     """The step's problems. A Compute or Reshard step whose key (`_computed`, `_moved`) was found valid already
     (`clean`: each later copy of an expanded plan's layer runs the step of copy 1, under other names) has only its
     sources left to check: whatever else `_compute_problems` or `_reshard_problems` checks is a function of that
@@ -119,30 +122,31 @@ def _step_problems(plan: Plan, step: Step, defined: dict[str, Step], clean: set[
     if isinstance(step, Place):
         return _place_problems(plan, step)
     if isinstance(step, Reshard):
-        return _reshard_problems(plan.mesh, step, defined, clean)
-    alias = step.binding, id(step.blocks)  # an expanded plan's copies share blocks: no 512 blocks hashed again
+        return _reshard_problems(plan.mesh, step, defined, clean, number)
+    binding = step.numbered_binding(number)
+    alias = binding, id(step.blocks)  # an expanded plan's copies share blocks: no 512 blocks hashed again
     if alias in clean:
-        return _sources_problems(step, defined)
-    key = _computed(step)
+        return _sources_problems(step, defined, number)
+    key = _computed(step, binding)
     if key in clean:
         clean.add(alias)
-        return _sources_problems(step, defined)
-    problems = _compute_problems(plan.mesh, step, defined)
+        return _sources_problems(step, defined, number)
+    problems = _compute_problems(plan.mesh, step, defined, number)
     if not problems:
         clean.update((key, alias))
     return problems
 
 
-def _sources_problems(step: Compute, defined: dict[str, Step]) -> list[str]:
+def _sources_problems(step: Compute, defined: dict[str, Step], number: ValueNumbers) -> list[str]:
     """What is left to check of a Compute step alike to one found valid: the values it reads, by name."""
     return [problem for i, (arg, layout, shape) in enumerate(zip(step.args, step.arg_layouts, step.input_shapes))
-            for problem in _source_problems(arg, shape, layout, defined, _arg_what(step.signature, i))]
+            for problem in _source_problems(arg, shape, layout, defined, _arg_what(step.signature, i), number)]
 
 
-def _computed(step: Compute) -> tuple:
+def _computed(step: Compute, binding: tuple) -> tuple:
     """What `_compute_problems` judges of a step but its sources (the values it reads, by name): its kernel
-    binding, blocks and layouts (the mesh is the plan's)."""
-    return step.binding, step.blocks
+    binding (`Compute.numbered_binding`), blocks and layouts (the mesh is the plan's)."""
+    return binding, step.blocks
 
 
 def _arg_what(sig: Signature, i: int) -> str:
@@ -187,28 +191,31 @@ def _shape(step: Step) -> Shape | None:
         return None
 
 
-def _source_problems(value: str, shape: Shape, layout: Layout, defined: dict[str, Step], what: str) -> list[str]:
-    """`value` must be defined earlier, with the shape and layout the step says it has."""
+def _source_problems(value: str, shape: Shape, layout: Layout, defined: dict[str, Step], what: str,
+                     number: ValueNumbers) -> list[str]:
+    """`value` must be defined earlier, with the shape and layout the step says it has (layouts compared by
+    `number`)."""
     if value not in defined:
         return [f"{what} refers to {value!r}, which no earlier step defines"]
     source, source_shape = defined[value], _shape(defined[value])
     problems = []
     if source_shape is not None and source_shape != shape:
         problems.append(f"{what} {value!r} has shape {list(source_shape)}, but the step says {list(shape)}")
-    if source.layout != layout:
+    if number(source.layout) != number(layout):
         problems.append(f"{what} {value!r} is laid out {source.layout}, but the step says {layout}")
     return problems
 
 
-def _moved(step: Reshard) -> tuple:
-    """What `_reshard_problems` judges of a reshard but its source (by name): its shape and both layouts (the mesh
-    is the plan's)."""
-    return "reshard", step.shape, step.src_layout, step.layout
+def _moved(step: Reshard, number: ValueNumbers) -> tuple:
+    """What `_reshard_problems` judges of a reshard but its source (by name): its shape and both layouts (by
+    number; the mesh is the plan's)."""
+    return "reshard", step.shape, number(step.src_layout), number(step.layout)
 
 
-def _reshard_problems(mesh: Mesh, step: Reshard, defined: dict[str, Step], clean: set[tuple]) -> list[str]:
-    problems = _source_problems(step.src, step.shape, step.src_layout, defined, "source")
-    key = _moved(step)
+def _reshard_problems(mesh: Mesh, step: Reshard, defined: dict[str, Step], clean: set[tuple],
+                      number: ValueNumbers) -> list[str]:
+    problems = _source_problems(step.src, step.shape, step.src_layout, defined, "source", number)
+    key = _moved(step, number)
     if key in clean:
         return problems
     problems += layout_problems(step.layout, step.shape, mesh)
@@ -222,7 +229,7 @@ def _reshard_problems(mesh: Mesh, step: Reshard, defined: dict[str, Step], clean
     return problems
 
 
-def _compute_problems(mesh: Mesh, step: Compute, defined: dict[str, Step]) -> list[str]:
+def _compute_problems(mesh: Mesh, step: Compute, defined: dict[str, Step], number: ValueNumbers) -> list[str]:
     try:
         sig = step.signature
     except (KernelError, DtypeError) as err:
@@ -249,7 +256,7 @@ def _compute_problems(mesh: Mesh, step: Compute, defined: dict[str, Step]) -> li
     problems += _layout_claim_problems(sig, step, covered)
     for i, (arg, layout, shape) in enumerate(zip(step.args, step.arg_layouts, step.input_shapes)):
         what = _arg_what(sig, i)
-        problems += _source_problems(arg, shape, layout, defined, what)
+        problems += _source_problems(arg, shape, layout, defined, what, number)
         malformed = layout_problems(layout, shape, mesh, f"{what} layout")
         problems += malformed
         if layout.partial:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass
+from collections.abc import Hashable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -179,3 +180,22 @@ def _family_names(shape: tuple[int, ...], mesh: Mesh) -> dict[Layout, str]:
 def _split_choices(ndim: int, mesh: Mesh) -> list[tuple[int | None, ...]]:
     options = [None, *range(ndim)]
     return [dims for dims in itertools.product(options, repeat=mesh.ndim) if any(d is not None for d in dims)]
+
+
+@dataclass(eq=False)
+class ValueNumbers:
+    """A number per value, equal for equal values (layouts, or a Compute's blocks): found by the object's identity,
+    and compared by value (every block) once per object. A deep plan names a few hundred layout and blocks objects
+    over tens of thousands of steps (an expanded 80-layer 70B plan on 8x8x8), and comparing or hashing one compares
+    or hashes its 512 blocks, a Python call each. The objects numbered are kept, so their ids are not reused."""
+
+    _by_id: dict[int, int] = field(default_factory=dict)
+    _by_value: dict[Hashable, int] = field(default_factory=dict)
+    _held: list[Hashable] = field(default_factory=list)
+
+    def __call__(self, value: Hashable) -> int:
+        number = self._by_id.get(id(value))
+        if number is None:
+            number = self._by_id[id(value)] = self._by_value.setdefault(value, len(self._by_value))
+            self._held.append(value)
+        return number
