@@ -250,14 +250,9 @@ def test_ranks_launched_after_the_launcher_compiled_compile_their_own_program(tm
     launcher (warm_cache), then every rank's first compiled call waited forever."""
     from tapestry.lower.compile import use_persistent_cache, warm_cache
 
-    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
-
     g = _served_mlp()
     plan = build_plan(g, Mesh(2), {"linear_0": (0,), "relu_0": (0,), "matmul_0": (0,)})
-    # torch's probe of the machine's vector instructions (g++ builds kept in the cache folder: 8 CPU s in an empty
-    # one), made once per process, where the other compiles made or will make it; the ranks fork with it known
-    valid_vec_isa_list()
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # no program cached: every rank compiles
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # nothing cached: every rank compiles
     use_persistent_cache()
     warm_cache(lower(plan))  # the launcher compiles: its worker pools now exist
     weights = {k: dtypes.to_tensor(v) for k, v in tapestry.random_inputs(g, seed=1).items() if k != "x"}
