@@ -114,12 +114,14 @@ def test_cli_checks_rules_and_taso_rules_by_default(capsys: pytest.CaptureFixtur
     assert "conv_merge.egg:7" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("line", [3, 5, 7])
-def test_a_rule_wrong_only_where_its_guard_holds_is_drawn_there_and_fails(line: int):
-    """Ranks up to 6 and sizes past 7 are drawn, steered by the guard: each rule fails with a real counterexample
-    (the first one found: the note on shrinking at the top)."""
+# Lines 3 and 5 fail the first input found (the note on shrinking at the top): both sides sum alike, so the dtypes
+# agree and only values or shapes can differ. Line 7 (relu against exp) is shrunk: its first input can be an int,
+# where the sides' dtypes differ, and shrinking draws towards float64.
+@pytest.mark.parametrize(("line", "shrink"), [(3, False), (5, False), (7, True)])
+def test_a_rule_wrong_only_where_its_guard_holds_is_drawn_there_and_fails(line: int, shrink: bool):
+    """Ranks up to 6 and sizes past 7 are drawn, steered by the guard: each rule fails with a real counterexample."""
     rule = next(r for r in load_rule_file(DATA / "wrong" / "guarded.egg").rules if r.line == line)
-    verdict = check_rule(rule, EXAMPLES, shrink=False)
+    verdict = check_rule(rule, EXAMPLES, shrink=shrink)
     assert not verdict.passed
     assert verdict.counterexample.startswith(f"{rule.where}: x[")
     assert "values differ" in verdict.counterexample or "shape" in verdict.counterexample
@@ -183,7 +185,7 @@ def test_a_failing_check_prints_no_hypothesis_hint(capsys: pytest.CaptureFixture
 def test_a_rule_wrong_only_at_some_dtypes_is_drawn_there_and_fails(line: int, expected: str):
     """Variables get the dtypes their kernels accept, mixed ones included; result dtypes and values are compared."""
     rule = next(r for r in load_rule_file(DATA / "wrong" / "dtypes.egg").rules if r.line == line)
-    verdict = check_rule(rule, EXAMPLES, shrink=False)  # the note on shrinking at the top
+    verdict = check_rule(rule, EXAMPLES)
     assert not verdict.passed
     assert verdict.counterexample.startswith(f"{rule.where}: ") and expected in verdict.counterexample
 
