@@ -30,9 +30,10 @@ SLOW_SHIPPED = {"substitution.egg:36", "fusion.egg:29"}
 # The other rules that draw convs (fusion.egg:18, 19 and 24: 10-27 s of wall each at load, docs/benchmarks.md
 # "Test suite time", branch maketest) take half the examples and floor in make test, the full count in make test-all.
 CONV_EXAMPLES, CONV_FLOOR = EXAMPLES // 2, FLOOR // 2
-# The tests that ask whether and where a wrong rule fails take its first failing input (`check_rule(shrink=False)`):
-# shrinking took most of their CPU (1-8 s each; a conv's, 8). Shrinking is checked where a test reads the shrunk
-# input (test_matmul_commutativity_is_caught_with_a_shrunk_counterexample) and by the CLI's tests, which shrink.
+# The tests that ask whether and where a wrong rule fails take its first failing input (`check_rule(shrink=False)`)
+# where any failing input meets their assertions: shrinking took most of their CPU (1-8 s each; a conv's, 8).
+# Shrinking is checked where a test reads the shrunk input (test_matmul_commutativity_is_caught_with_a_shrunk_...,
+# the dtype and relu-against-exp rules below) and by the CLI's tests, which shrink.
 
 
 def shipped_cases() -> list:
