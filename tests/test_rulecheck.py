@@ -31,6 +31,10 @@ SLOW_SHIPPED = {"substitution.egg:36", "fusion.egg:29"}
 # The other rules that draw convs (fusion.egg:18, 19 and 24: 10-27 s of wall each at load, docs/benchmarks.md
 # "Test suite time", branch maketest) take half the examples and floor in make test, the full count in make test-all.
 CONV_EXAMPLES, CONV_FLOOR = EXAMPLES // 2, FLOOR // 2
+# The tests that ask whether and where a wrong rule fails take its first failing input (`check_rule(shrink=False)`)
+# where any failing input meets their assertions: shrinking took most of their CPU (1-8 s each; a conv's, 8).
+# Shrinking is checked where a test reads the shrunk input (test_matmul_commutativity_is_caught_with_a_shrunk_...,
+# the dtype and relu-against-exp rules below) and by the CLI's tests, which shrink.
 
 
 def shipped_cases() -> list:
@@ -112,11 +116,14 @@ def test_cli_checks_rules_and_taso_rules_by_default(capsys: pytest.CaptureFixtur
     assert "conv_merge.egg:7" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("line", [3, 5, 7])
-def test_a_rule_wrong_only_where_its_guard_holds_is_drawn_there_and_fails(line: int):
+# Lines 3 and 5 fail the first input found (the note on shrinking at the top): both sides sum alike, so the dtypes
+# agree and only values or shapes can differ. Line 7 (relu against exp) is shrunk: its first input can be an int,
+# where the sides' dtypes differ, and shrinking draws towards float64.
+@pytest.mark.parametrize(("line", "shrink"), [(3, False), (5, False), (7, True)])
+def test_a_rule_wrong_only_where_its_guard_holds_is_drawn_there_and_fails(line: int, shrink: bool):
     """Ranks up to 6 and sizes past 7 are drawn, steered by the guard: each rule fails with a real counterexample."""
     rule = next(r for r in load_rule_file(DATA / "wrong" / "guarded.egg").rules if r.line == line)
-    verdict = check_rule(rule, EXAMPLES)
+    verdict = check_rule(rule, EXAMPLES, shrink=shrink)
     assert not verdict.passed
     assert verdict.counterexample.startswith(f"{rule.where}: x[")
     assert "values differ" in verdict.counterexample or "shape" in verdict.counterexample
@@ -134,14 +141,16 @@ def test_a_matmul_of_an_expand_that_broadcasts_the_contracted_dim_is_not_the_sma
 
 
 # 15 s each (CI's durations, 2026-11-27): line 7 (the batch axis, a rank-4 target) in make test-all, as line 3 (the
-# rows, rank 3) fails the same way in make test, where fusion.egg:24 (rank 3 or 4) is checked too.
-@pytest.mark.parametrize("line", [3, pytest.param(7, marks=pytest.mark.slow)])
-def test_a_conv_bias_fused_on_the_wrong_axis_fails(line: int):
+# rows, rank 3) fails the same way in make test, where fusion.egg:24 (rank 3 or 4) is checked too. Line 3 fails
+# unshrunk (0.2 CPU s; shrinking its conv counterexample took 8): the shrinking is checked by line 7's case and by
+# test_matmul_commutativity_is_caught_with_a_shrunk_counterexample.
+@pytest.mark.parametrize(("line", "shrink"), [(3, False), pytest.param(7, True, marks=pytest.mark.slow)])
+def test_a_conv_bias_fused_on_the_wrong_axis_fails(line: int, shrink: bool):
     """fusion.egg's conv + bias rule (b[K] reshaped to [K,1,1] or [1,K,1,1]) passes with the shipped rules; the
     same rule with the bias on the conv's rows or batch draws its reshape target too, and fails at its file:line."""
     # Not in wrong/: the CLI test checks that whole folder, and drawing convs is slow.
     wrong = next(r for r in load_rule_file(DATA / "wrong_conv" / "bias_axis.egg").rules if r.line == line)
-    verdict = check_rule(wrong, EXAMPLES)
+    verdict = check_rule(wrong, EXAMPLES, shrink=shrink)
     assert not verdict.passed
     assert verdict.counterexample.startswith(f"{wrong.where}: b[") and "sh=" in verdict.counterexample
 
@@ -219,19 +228,27 @@ def test_mixed_dtypes_are_drawn(monkeypatch):
 
 
 def test_a_wrong_two_output_rule_fails_naming_its_file_line_and_output():
-    """Both outputs of a multi-output rule are checked on one drawn case; the shrunk counterexample names the
-    output whose right-hand side is wrong."""
+    """Both outputs of a multi-output rule are checked on one drawn case; the counterexample names the
+    output whose right-hand side is wrong (the first one found: the note on shrinking at the top; the CLI's,
+    shrunk, is test_the_cli_names_a_wrong_two_output_rule's)."""
     (rule,) = load_rule_file(DATA / "wrong" / "merge_two.egg").rules
-    verdict = check_rule(rule, EXAMPLES)
+    verdict = check_rule(rule, EXAMPLES, shrink=False)
     assert not verdict.passed
     assert verdict.counterexample.startswith(f"{DATA / 'wrong' / 'merge_two.egg'}:2: ")
     assert "output b: values differ" in verdict.counterexample and "w1[" in verdict.counterexample
 
 
-def test_a_right_two_output_rule_passes_and_the_cli_names_the_wrong_one(capsys: pytest.CaptureFixture[str]):
+def test_a_right_two_output_rule_passes():
     (merge,) = [r for r in load_rule_file(TASO_DIR / "merge.egg").rules if r.line == 21]
     assert merge.form == "rule" and len(merge.outputs) == 2
     assert check_rule(merge, 30).passed
+
+
+# Shrinking the two-output counterexample took 1-3 CPU s: make test-all. In make test the CLI fails a wrong rule
+# naming its file:line (test_cli_exit_status_says_pass_fail_or_unloadable) and check_rule names the wrong output of
+# this rule (test_a_wrong_two_output_rule_fails_naming_its_file_line_and_output).
+@pytest.mark.slow
+def test_the_cli_names_a_wrong_two_output_rule(capsys: pytest.CaptureFixture[str]):
     assert main(["check-rules", str(DATA / "wrong" / "merge_two.egg"), "--examples", "20"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "merge_two.egg:2: " in out.replace("\n", "")
