@@ -8,7 +8,7 @@ import pytest
 from ortools.sat.python import cp_model
 
 from extract_helpers import layered
-from tapestry.extract import ilp
+from tapestry.extract import cpsat, ilp
 from tapestry.extract.cpsat import PORTFOLIO
 from tapestry.extract.ilp import extract_ilp
 
@@ -30,3 +30,30 @@ def test_one_thread_runs_the_portfolio_named_and_nothing_else(monkeypatch: pytes
     full = [line.strip() for line in lines if "full problem subsolver" in line]
     plural = "s" if len(PORTFOLIO) > 1 else ""
     assert full and set(full) == {f"{len(PORTFOLIO)} full problem subsolver{plural}: [{', '.join(PORTFOLIO)}]"}
+
+
+def test_presolve_does_not_search_the_ceiling_row_for_overlaps_and_the_selection_is_the_same(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warm start's ceiling is one linear row over every objective term; presolve's search for big linear rows
+    overlapping at-most-ones spent half of each CP-SAT run's deterministic time on Mixtral's training step on 8
+    devices and changed no solution there (docs/benchmarks.md, "Presolve's overlap search"): it is off, and with it
+    on the ILP returns the same selection."""
+    steps: list[str] = []
+    solve = cp_model.CpSolver.solve
+
+    def logged(self: cp_model.CpSolver, model: cp_model.CpModel, *args: Any) -> Any:
+        self.parameters.log_search_progress = True
+        self.parameters.log_to_stdout = False
+        self.log_callback = lambda line: steps.extend(part for part in line.split() if part.startswith("[Find"))
+        return solve(self, model, *args)
+
+    monkeypatch.setattr(cp_model.CpSolver, "solve", logged)
+    monkeypatch.setattr(ilp, "LP_NODES_PER_SECOND", 0)  # CP-SAT alone, from the greedy warm start as its ceiling
+    egraph = layered(40, 4, seed=1)
+    selection = extract_ilp(egraph, 10)
+    assert selection.status == "optimal" and "[FindBigAtMostOneAndLinearOverlap]" not in steps
+    monkeypatch.setattr(cpsat, "FIND_BIG_LINEAR_OVERLAP", True)
+    steps.clear()
+    searched = extract_ilp(egraph, 10)
+    assert "[FindBigAtMostOneAndLinearOverlap]" in steps
+    assert searched.choice == selection.choice and searched.dag_cost == selection.dag_cost

@@ -43,6 +43,12 @@ SEQUENTIAL = 1
 # sequential search did 0.56 units per CPU second on a 4-layer stack on 8 devices (10,136 nodes, LP pass off,
 # proven in 1.99 CPU s) and 0.34-0.39 on `layered` test graphs (docs/extraction.md, "Deterministic budgets").
 WORK_PER_SECOND = 0.5
+# Presolve's search for big linear rows overlapping at-most-ones (`find_big_linear_overlap`), off: the warm
+# start's ceiling is one linear row over every objective term, and on Mixtral's training step on 8 devices
+# (`benchmarks/cluster.py --models Mixtral --modes training --meshes 8`) the search over it spent 1.7-1.9 units of
+# each fit's 2.7-3.5, half or more of the run's deterministic time, and changed nothing: off, each of the four fits'
+# CP-SAT runs returned the same solution, variable for variable (docs/benchmarks.md, "Presolve's overlap search").
+FIND_BIG_LINEAR_OVERLAP = False
 MIN_WORK = 0.01  # the least deterministic time (and wall seconds) a CP-SAT run is given
 # The wall-clock stop is a safety net only, this many times CP-SAT's share of the limit (plus WALL_FLOOR): at a
 # load of 10 on this 2-core machine CP-SAT's 3 workers got 0.2 of a core together, a tenth of their quiet share, and
@@ -207,6 +213,7 @@ def _solve_part(
     solver.parameters.num_workers = SEQUENTIAL
     solver.parameters.subsolvers.extend(PORTFOLIO)
     solver.parameters.max_presolve_iterations = PRESOLVE_PASSES
+    solver.parameters.find_big_linear_overlap = FIND_BIG_LINEAR_OVERLAP
     status = solver.solve(model)
     used = solver.response_proto.deterministic_time
     stop = None if status in (cp_model.OPTIMAL, cp_model.INFEASIBLE) else \
