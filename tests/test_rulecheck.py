@@ -14,6 +14,9 @@ from tapestry.testing.rulecheck import check_rule
 
 DATA = Path(__file__).parent / "data" / "rules"
 EXAMPLES = 60
+# for rules wrong only on a few percent of draws (dtypes.egg:5 at bool, expand_matmul.egg's at a contracted dim
+# broadcast from 1): at 60 examples a run missed them about 1 time in 8 (bool) and 3 in 10 (expand_matmul)
+RARE_EXAMPLES = 300
 FLOOR = 40  # fewer valid examples than this means the generator, not the rule, passed
 SHIPPED = [rule for f in load_rules() for rule in f.rules]
 # rules/taso/'s conv rules evaluate convs of up to 4,096 cells in numpy: 10-50 s each, so make test-all checks them.
@@ -129,13 +132,13 @@ def test_a_rule_wrong_only_where_its_guard_holds_is_drawn_there_and_fails(line: 
     assert "values differ" in verdict.counterexample or "shape" in verdict.counterexample
 
 
-@pytest.mark.parametrize(("line", "why"), [(4, "does not type-check"), (10, "values differ")])
+@pytest.mark.parametrize(("line", "why"), [(4, "does not type-check"), (11, "values differ")])
 def test_a_matmul_of_an_expand_that_broadcasts_the_contracted_dim_is_not_the_smaller_matmul_expanded(line: int,
                                                                                                      why: str):
     """substitution.egg's expand(x) @ w = expand(x @ w) holds only where x's contracted dim is w's as it is: without
     that guard, or taking w's first row for a contracted dim broadcast from 1, the checker finds x[..., 1]."""
     rule = next(r for r in load_rule_file(DATA / "wrong" / "expand_matmul.egg").rules if r.line == line)
-    verdict = check_rule(rule, EXAMPLES)
+    verdict = check_rule(rule, RARE_EXAMPLES)
     assert not verdict.passed
     assert why in verdict.counterexample and re.search(r"\bx\[(\d+, )*1\]", verdict.counterexample)  # x[..., 1]
 
@@ -198,7 +201,7 @@ def test_a_failing_check_prints_no_hypothesis_hint(capsys: pytest.CaptureFixture
 def test_a_rule_wrong_only_at_some_dtypes_is_drawn_there_and_fails(line: int, expected: str):
     """Variables get the dtypes their kernels accept, mixed ones included; result dtypes and values are compared."""
     rule = next(r for r in load_rule_file(DATA / "wrong" / "dtypes.egg").rules if r.line == line)
-    verdict = check_rule(rule, EXAMPLES)
+    verdict = check_rule(rule, RARE_EXAMPLES)
     assert not verdict.passed
     assert verdict.counterexample.startswith(f"{rule.where}: ") and expected in verdict.counterexample
 

@@ -278,12 +278,15 @@ def _with_unit_dims(shape: Shape) -> list[Shape]:
 
 
 def _param_candidates(sampled: ParamValue, default: ParamValue, seeds: Sequence[Shape]) -> list[ParamValue]:
-    """The sampler's value first; then axes (ints) or permutations, known shapes and those shapes with size-1
-    dims added (tuples), up to the seeds' rank."""
+    """The sampler's value first; then both flags (bools), axes (ints) or permutations, known shapes and those
+    shapes with size-1 dims added (tuples), up to the seeds' rank. A flag never gets an axis (1 == True to a dict:
+    keepdim drew the int 1, which its kernel rejects, and such draws were lost)."""
     rank = max((len(s) for s in seeds), default=0)
-    if isinstance(default, tuple):
-        more: list[ParamValue] = [(), *itertools.permutations(range(min(rank, 4))), *seeds,
-                                  *(s for seed in seeds for s in _with_unit_dims(seed))]
+    if isinstance(default, bool):
+        more: list[ParamValue] = [False, True]
+    elif isinstance(default, tuple):
+        more = [(), *itertools.permutations(range(min(rank, 4))), *seeds,
+                *(s for seed in seeds for s in _with_unit_dims(seed))]
     else:
         more = list(range(-rank, rank))
     return list(dict.fromkeys([sampled, default, *more]))
