@@ -6,7 +6,8 @@ stage-boundary pricing where the tree has it) with the tree's own planner defaul
 has one, else 10 s; `plan_pipeline`'s `Budget()`) and prints the plan's `layer_cost`: forward, backward, update and
 exposed reductions, in ms. It runs on older trees too (copy it into `git archive REV`'s benchmarks/, PYTHONPATH at
 its src): the extraction's `micro_batches` is passed only where the tree's `Explored.extract` takes it.
-`--save` writes the plan (`Plan.save`); `--price PATH` prices a saved plan (another tree's) with this tree's model,
+`--leaner` then extracts the first leaner plan (under the fastest one's peak, as `plan_pipeline` does where the
+fastest does not fit a stage). `--save` writes the plan (`Plan.save`); `--price PATH` prices a saved plan (another tree's) with this tree's model,
 without planning: its `layer_cost` and what it costs per update of `--micro-batches` runs.
 
     python benchmarks/layer_regression.py --save /tmp/layer.json            # 70B, seq 4096, 8 KV heads, 8x8
@@ -72,6 +73,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=80)
     parser.add_argument("--time-limit", type=float, default=None, help="default: the tree's LAYER_TIME_LIMIT, else 10")
     parser.add_argument("--extractor", default="ilp", help="plan_pipeline's default: ilp")
+    parser.add_argument("--leaner", action="store_true", help="then the first leaner plan (Explored.leaner_plans), "
+                        "as plan_pipeline extracts it where the fastest does not fit a stage")
     parser.add_argument("--save", help="write the plan here (Plan.save)")
     parser.add_argument("--price", help="price this saved plan instead of planning")
     args = parser.parse_args()
@@ -115,6 +118,13 @@ def main() -> None:
     print(f"layer: {describe(found.plan, model, args.micro_batches)}", flush=True)
     if args.save:
         found.plan.save(args.save)
+    if args.leaner and hasattr(explored, "leaner_plans"):
+        started = time.process_time()
+        leaner = next(explored.leaner_plans(found, ranking, "ilp", time_limit, args.micro_batches), None)
+        print(f"leaner plan 1 (under {found.peak_memory - 1:,} bytes): {time.process_time() - started:.1f} CPU s"
+              + ("" if leaner is None else f", peak {leaner.peak_memory:,} bytes, extractor "
+                 f"{leaner.plan.notes.get('extractor')}, digest {digest(leaner.plan)}; "
+                 f"{describe(leaner.plan, model, args.micro_batches)}"), flush=True)
 
 
 if __name__ == "__main__":
