@@ -46,6 +46,7 @@ from tapestry.egraph.pins import (
     placed_layouts,
     replicated_layouts,
     restrict_outputs,
+    steady_picks,
     steady_ties,
 )
 from tapestry.egraph.repeat import find_repetition
@@ -411,16 +412,13 @@ class Explored:
 
     def _warm_starts(self, egraph: ExtractGraph, extractor: str, time_limit: float, ties: Ties,
                      carried: Mapping[str, str]) -> tuple[Selection, ...]:
-        """The ILP's warm starts (node n is e-node n in every graph): the hand plans keeping `ties`, greedy-dag's pick
-        with the carried inputs replicated (the free choice's pins, the ILP's tied search per fit: extract.tied)."""
+        """The ILP's warm starts (node n is e-node n in every graph): the hand plans keeping `ties`, greedy-dag's
+        steady picks (`pins.steady_picks`: the carried inputs replicated, and where its free choice delivered them)."""
         hands = tuple(embedded for _, embedded in embedded_plans(self.decoder, egraph, self.baselines, ties))
         if extractor != "ilp" or not ties:
             return hands
-        with suppress(NoFiniteChoiceError):  # made once per graph: each extraction under a budget asks again
-            pinned = pin_layouts(self.decoder, egraph, replicated_layouts(self.decoder, carried), carried)
-            return (*hands, self._unbudgeted.get(pinned, (), ("greedy-dag", time_limit), None,
-                                                 lambda: extract(pinned, "greedy-dag", time_limit)))
-        return hands
+        return (*hands, *steady_picks(self.decoder, egraph, carried, lambda graph: self._unbudgeted.get(
+            graph, (), ("greedy-dag", time_limit), None, lambda: extract(graph, "greedy-dag", time_limit))))
 
     def _fused(self, egraph: ExtractGraph, model: CostModel) -> ExtractGraph | None:
         """`egraph` with each node priced as the fusion group member its neighbourhood promises

@@ -6,13 +6,14 @@ Each returns the extraction graph with the excluded nodes at infinite cost, or t
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import suppress
 from dataclasses import replace
 
 from tapestry.egraph.decode import Decoder
 from tapestry.egraph.layered import Layered
 from tapestry.extract import EGraph as ExtractGraph
-from tapestry.extract import Selection, Ties, ties_hold
+from tapestry.extract import NoFiniteChoiceError, Selection, Ties, ties_hold
 from tapestry.sharding import Layout, Mesh
 
 Outputs = str | Mapping[str, "str | Layout"]  # "any", "replicated", or per output name one of those or a Layout
@@ -190,3 +191,19 @@ def periodic_selections(layered: Layered, decoder: Decoder, egraph: ExtractGraph
         if layered.holds(mirrored) and ties_hold(mirrored.choice, steady):
             found.append(mirrored)
     return found
+
+
+def steady_picks(decoder: Decoder, egraph: ExtractGraph, carried: Mapping[str, str],
+                 pick: Callable[[ExtractGraph], Selection]) -> tuple[Selection, ...]:
+    """`pick`'s choices (an extractor that keeps no ties: greedy-dag) of `egraph` with the carried inputs pinned
+    replicated, and pinned where its free choice delivered them, where that leaves a plan (the free choice's pins
+    can need moves the pricing budget left out): steady selections, the ILP's warm starts. Both, as the two keep
+    state apart: replicated, a data-parallel step; as delivered, the free choice's (on the 70B layer on 8x8, the
+    state split over all 64 devices: 9.9 ms a micro-batch, where the ILP under a memory budget kept its
+    data-and-tensor-parallel hand-plan start, 15.2 ms; docs/benchmarks.md, "The 70B layer's regression")."""
+    found = []
+    for pins in (lambda: replicated_layouts(decoder, carried), lambda: delivered_layouts(decoder, pick(egraph),
+                                                                                          carried)):
+        with suppress(NoFiniteChoiceError):
+            found.append(pick(pin_layouts(decoder, egraph, pins(), carried)))
+    return tuple(found)

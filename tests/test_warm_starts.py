@@ -1,0 +1,66 @@
+"""The ILP's warm starts for a steady training step include greedy-dag's steady picks: the state pinned replicated,
+and pinned where greedy-dag's free choice delivered it (egraph.pins.steady_picks). Where the ILP has no work left
+past its warm start (a 70B layer on 64 devices under a memory budget), the start is the plan: without the second
+pick the 70B layer on 8x8 got its data-and-tensor-parallel hand plan (15.15 ms a micro-batch) since e38a88f, where
+greedy-dag's free choice splits the state over all 64 devices (docs/benchmarks.md, "The 70B layer's regression")."""
+from __future__ import annotations
+
+import pytest
+from training_helpers import GPU, adam_step
+
+import tapestry
+from tapestry.egraph.pins import delivered_layouts, steady_picks, steady_ties
+from tapestry.extract import extract, ties_hold
+from tapestry.optimizer import explore
+
+
+def test_greedy_dags_steady_picks_pin_the_state_replicated_and_where_its_free_choice_delivered_it():
+    imported, _ = adam_step(16, 32, 16)
+    graph = imported.graph
+    explored = explore(graph, tapestry.Mesh(2, 2))
+    decoder = explored.decoder
+    egraph, ties = steady_ties(decoder, decoder.extraction_graph(list(explored.roots), GPU), graph.carried)
+    picked: list[tapestry.extract.EGraph] = []
+
+    def pick(g: tapestry.extract.EGraph) -> tapestry.extract.Selection:
+        picked.append(g)
+        return extract(g, "greedy-dag")
+
+    replicated, delivered = steady_picks(decoder, egraph, graph.carried, pick)
+    free = extract(egraph, "greedy-dag")
+    assert egraph in picked  # the free choice, whose delivered layouts the second pick keeps
+    layouts = decoder.interner.layouts
+    placed = {decoder.nodes[n].key: decoder.nodes[n].layout for n in delivered.choice.values()
+              if decoder.nodes[n].op == "Place" and decoder.nodes[n].key in graph.carried.values()}
+    assert placed == delivered_layouts(decoder, free, graph.carried)
+    for name, layout in ((decoder.nodes[n].key, decoder.nodes[n].layout) for n in replicated.choice.values()
+                         if decoder.nodes[n].op == "Place" and decoder.nodes[n].key in graph.carried.values()):
+        assert len(set(layouts[layout][1].blocks)) == 1, f"{name} is replicated"
+    assert ties_hold(replicated.choice, ties) and ties_hold(delivered.choice, ties)
+
+
+@pytest.mark.slow
+def test_the_70b_layers_first_leaner_plan_on_8x8_starts_from_the_state_split_over_every_device():
+    """benchmarks/layer_regression.py's layer (LLaMA-2 70B's width, seq 4096, 8 KV heads, micro-batches of 8)
+    extracted as plan_pipeline extracts it for 8 stages of 8x8 (128 micro-batches per update, the stage hops
+    priced): its fastest plan (data parallel) holds every weight whole, and its first leaner plan was the
+    data-and-tensor-parallel hand plan, 1940.2 ms per update, where the ILP's start is now greedy-dag's state split
+    over all 64 (1390.7 ms at 5f3ec5e)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from layer_regression import PROFILE, layer_graph
+
+    from tapestry.cost import DefaultCostModel, load_profile
+    from tapestry.pipeline import planner
+
+    model = DefaultCostModel(load_profile(PROFILE))
+    graph = layer_graph("70B", 4096, 8, 8)
+    link = model.profile.axis_links((8, 8, 8))[0]
+    tried = planner.configurations(8, 128, 80, planner.SCHEDULES, planner.CHUNKS)
+    ranking = planner.BoundaryPriced.of(model, graph, link, planner.exposed_share(tried, 80, 128))
+    explored = explore(graph, tapestry.Mesh(8, 8))
+    fastest = explored.extract(ranking, "ilp", planner.LAYER_TIME_LIMIT, micro_batches=128)
+    leaner = next(explored.leaner_plans(fastest, ranking, "ilp", planner.LAYER_TIME_LIMIT, 128))
+    assert leaner.plan.notes["accumulated_cost"] < 1.5
