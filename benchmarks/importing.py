@@ -107,8 +107,8 @@ def families(names: list[str], meshes: list[Mesh]) -> None:
             f" shard` (on {meshes[0]}) and `plan shards` are `tapestry import-report`'s (importer/report.py): the"
             " FLOPs of ops with a candidate partition that splits them, and of the FLOPs each run pays those of the"
             " plan's compute steps split over devices (its prepared steps, made from static inputs alone and run"
-            " once ahead of time, left out). At these sizes the cost model keeps much of the work whole (communication costs more than it"
-            " saves), so `plan shards` is low for some families; it is what the plan does, not a limit. `optimize s`"
+            " once ahead of time, left out). At these sizes the cost model keeps much of the work whole"
+            " (communication costs more than it saves), so `plan shards` is low for some families; it is what the plan does, not a limit. `optimize s`"
             f" depends on the machine's load (here {os.getloadavg()[1]:.1f} on {os.cpu_count()} cores at the last"
             " row written).")
         write_section("Model families", "python benchmarks/importing.py --families", body, IMPORTING)

@@ -9,8 +9,8 @@ optimized as the held-back zoo does. `could split` says whether some candidate p
 on the mesh splits it (import_report's `shardable`): "no" is a kernel that must run whole (an opaque op, an axis
 its signature keeps inside every block), "yes" one the cost model chose to keep whole. A step computed from the
 static weights and constants alone is prepared (run once ahead of time, priced 0 per run: docs/rules.md), so
-which way it runs costs a run nothing: its FLOPs are counted apart, in no run's; `--weights-per-run` imports the weights as run-time inputs (as a training step reads them), so
-such steps are paid for every run.
+which way it runs costs a run nothing: its FLOPs are counted apart, in no run's; `--weights-per-run` imports the
+weights as run-time inputs (as a training step reads them), so such steps are paid for every run.
 """
 from __future__ import annotations
 
