@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import write_section  # noqa: E402
-from zoo_sweep import check, merged_rows, verdict  # noqa: E402
+from zoo_sweep import check, merged_rows, shards, verdict  # noqa: E402
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -264,7 +264,7 @@ def run(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
 
 def row(name: str, runs: dict[int, dict[str, Any]], args: argparse.Namespace) -> str:
     first = runs[args.seeds[0]]
-    cells = [f"{first[m]['sharded']:.1%}, {first[m]['seconds']:.1f}" if "sharded" in first.get(m, {}) else "—"
+    cells = [f"{shards(first[m])}, {first[m]['seconds']:.1f}" if "sharded" in first.get(m, {}) else "—"
              for m in args.meshes]
     opaque = ", ".join(f"`{op.removeprefix('aten.')}`" for op in first.get("opaque", [])) or "none"
     return f"| {name} | {MODELS[name].kind} | " + " | ".join(cells) + f" | {opaque} | {verdict(runs, args.meshes)} |"
@@ -338,8 +338,10 @@ def write(rows: list[str], args: argparse.Namespace) -> None:
         f"\n\n{passed} of {len(table)} pass: imported with `from_torch`, optimized on {' and '.join(args.meshes)} "
         f"with the {args.extractor} extractor under PYTHONHASHSEED {', '.join(map(str, args.seeds))} (one process "
         "each), simulated and compared with eager PyTorch (1e-4 of the largest output), the plan's cost the same "
-        "under every seed. `plan shards` is `tapestry import-report`'s share of FLOPs the plan splits over "
-        f"devices (seed {args.seeds[0]}); `optimize s` its planning time on the shared 2-core machine (load "
+        f"under every seed. `plan shards` is `tapestry import-report`'s (seed {args.seeds[0]}): the share of the "
+        "FLOPs each run pays that the plan splits over devices, and the FLOPs of its prepared steps (made from "
+        "static inputs alone, run once ahead of time) where it has some; `optimize s` its planning time on the "
+        "shared 2-core machine (load "
         f"{os.getloadavg()[0]:.0f} at the last row written); `opaque ops` run whole through torch.")
     write_section("Held-back zoo (issue 25)", f"python benchmarks/heldback_zoo.py {' '.join(table)} {options} --write",
                   body, BENCHMARKS)

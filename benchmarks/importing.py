@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import write_section  # noqa: E402
+from zoo_sweep import shards  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -71,7 +72,8 @@ def family_row(name: str, meshes: list[Mesh], suite: set[tuple[str, str]]) -> st
                 for g, w in zip(got, want)):
             failure = failure or f"the plan on {mesh} differs from eager"
         report = import_report(name, imported, mesh, plan)
-        cells.append(f"{report.plan_sharded:.1%}, {seconds:.1f}")
+        cells.append(f"{shards({'sharded': report.plan_sharded, 'prepared_flops': report.plan_prepared_flops})}, "
+                     f"{seconds:.1f}")
     report = import_report(name, imported, meshes[0])
     opaque = ", ".join(f"`{op.aten.removeprefix('aten.')}` x{op.count}" for op in report.opaque) or "none"
     verdict = "passes" if failure is None else f"fails: {failure}"
@@ -103,9 +105,10 @@ def families(names: list[str], meshes: list[Mesh]) -> None:
             " tests/test_zoo.py does. `in `make test`` names the meshes on which the default suite runs that test"
             " (read from pytest's collection); `slow` means only `make test-all` (`-m ''`) runs it. `FLOPs that can"
             f" shard` (on {meshes[0]}) and `plan shards` are `tapestry import-report`'s (importer/report.py): the"
-            " FLOPs of ops with a candidate partition that splits them, and of the plan's compute steps split over"
-            " devices. At these sizes the cost model keeps much of the work whole (communication costs more than it"
-            " saves), so `plan shards` is low for some families; it is what the plan does, not a limit. `optimize s`"
+            " FLOPs of ops with a candidate partition that splits them, and of the FLOPs each run pays those of the"
+            " plan's compute steps split over devices (its prepared steps, made from static inputs alone and run"
+            " once ahead of time, left out). At these sizes the cost model keeps much of the work whole"
+            " (communication costs more than it saves), so `plan shards` is low for some families; it is what the plan does, not a limit. `optimize s`"
             f" depends on the machine's load (here {os.getloadavg()[1]:.1f} on {os.cpu_count()} cores at the last"
             " row written).")
         write_section("Model families", "python benchmarks/importing.py --families", body, IMPORTING)

@@ -39,8 +39,8 @@ ZOO = {**EXTRA, **FAMILIES}  # a name in both is one family
 
 
 def check(name: str, build: Callable[[], Case], meshes: list[str], extractor: str) -> dict[str, Any]:
-    """The model `build` makes, under this process's hash seed: per mesh, the plan's cost, sharded share and error,
-    or the exception."""
+    """The model `build` makes, under this process's hash seed: per mesh, the plan's cost, its sharded share of the
+    FLOPs each run pays and its prepared steps' FLOPs (run once ahead of time), and its error; or the exception."""
     import numpy as np
 
     import tapestry
@@ -72,6 +72,7 @@ def check(name: str, build: Callable[[], Case], meshes: list[str], extractor: st
                 error = float("inf")
             report = import_report(name, imported, mesh, plan)
             result[text] = {"cost": plan.cost, "error": error, "sharded": report.plan_sharded,
+                            "prepared_flops": report.plan_prepared_flops,
                             "seconds": round(seconds, 2), "status": found.status}
         except Exception as err:  # noqa: BLE001
             first = str(err).splitlines()[0][:300] if str(err) else ""
@@ -125,9 +126,17 @@ def timed_out(cell: dict[str, Any]) -> bool:
 
 def row(name: str, runs: dict[int, dict[str, Any]], args: argparse.Namespace) -> str:
     first = runs[args.seeds[0]]
-    shares = [f"{first[m]['sharded']:.1%}" if "sharded" in first.get(m, {}) else "—" for m in args.meshes]
+    shares = [shards(first[m]) if "sharded" in first.get(m, {}) else "—" for m in args.meshes]
     opaque = ", ".join(f"`{op.removeprefix('aten.')}`" for op in first.get("opaque", [])) or "none"
     return f"| {name} | {ZOO[name].kind} | " + " | ".join(shares) + f" | {opaque} | {verdict(runs, args.meshes)} |"
+
+
+def shards(cell: dict[str, Any]) -> str:
+    """A run's `plan shards` cell: the share of the FLOPs each run pays that the plan splits, and the FLOPs of its
+    prepared steps (made once ahead of time) where it has some. A result written before `prepared_flops` was kept
+    counted those steps in `sharded` as if every run paid them."""
+    prepared = cell.get("prepared_flops")
+    return f"{cell['sharded']:.1%}" + (f" (+{prepared:.2g} FLOPs prepared)" if prepared else "")
 
 
 def main() -> None:
@@ -196,8 +205,9 @@ def write(rows: list[str], args: argparse.Namespace) -> None:
         f"{', '.join(map(str, args.seeds))}, simulated, and compared with eager PyTorch (1e-4 of the largest "
         "output), the plan's cost the same under every seed (where it differs and a run's search was stopped by a "
         "clock, a budget of seconds or the ILP's time limit, the row says so: the load, not the seed, cut it). "
-        "`plan shards` is `tapestry import-report`'s share "
-        f"of FLOPs the plan splits over devices (seed {args.seeds[0]}); `opaque ops` run whole through torch.")
+        f"`plan shards` is `tapestry import-report`'s (seed {args.seeds[0]}): the share of the FLOPs each run pays "
+        "that the plan splits over devices, and the FLOPs of its prepared steps (made from static inputs alone, run "
+        "once ahead of time) where it has some; `opaque ops` run whole through torch.")
     write_section("Zoo sweep", f"python benchmarks/zoo_sweep.py {' '.join(table)} {options} --write", body, IMPORTING)
 
 

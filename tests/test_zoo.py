@@ -71,6 +71,27 @@ def test_the_report_names_each_opaque_op_with_its_reason_and_counts_its_flops_as
     assert 0 < report.shardable_flops < report.flops  # the linear head shards; the opaque ops do not
 
 
+class _Prepared(torch.nn.Module):
+    """x @ (C @ w): the product of a constant C and the weight w is the same every run (a prepared step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(16, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ (torch.full((16, 16), 0.5) @ self.w)
+
+
+def test_the_plans_share_counts_the_flops_each_run_pays_and_reports_the_prepared_ones_beside_it():
+    imported = from_torch(_Prepared(), (torch.randn(32, 16),), verbose=False)
+    plan = tapestry.optimize(imported.graph, tapestry.Mesh(4), extractor="greedy-dag").plan
+    report = import_report("prepared", imported, tapestry.Mesh(4), plan)
+    assert report.plan_flops == 2 * 32 * 16 * 8  # x @ (C @ w), every run
+    assert report.plan_prepared_flops == 2 * 16 * 16 * 8  # C @ w, once ahead of time
+    assert report.plan_sharded == report.plan_sharded_flops / report.plan_flops
+    assert "4.1e+03 more prepared once" in report.text()
+
+
 def test_import_report_reads_a_zoo_family_and_a_model_script(tmp_path: Path, capsys):
     script = tmp_path / "mlp.py"
     script.write_text("import torch\nmodel = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU())\n"

@@ -1,5 +1,6 @@
 """What an import made of a model: ATen ops in, the kernels they became, the ops left opaque and why, and the
-share of the model's FLOPs that can shard (and, given a plan, the share it does shard).
+share of the model's FLOPs that can shard (and, given a plan, the share of the FLOPs each run pays that it does
+shard, with the FLOPs of its prepared steps beside it: `Plan.prepared`, run once ahead of time, paid by no run).
 
     tapestry import-report t5 examples/gpt2.py --mesh 2x2 --optimize
 
@@ -45,8 +46,9 @@ class ImportReport:
     opaque: tuple[OpaqueOp, ...]
     flops: float
     shardable_flops: float
-    plan_sharded_flops: float | None = None  # of the plan's compute FLOPs, those in steps split over devices
-    plan_flops: float | None = None
+    plan_sharded_flops: float | None = None  # of `plan_flops`, those in steps split over devices
+    plan_flops: float | None = None  # the FLOPs of the plan's compute steps each run pays (prepared ones left out)
+    plan_prepared_flops: float | None = None  # the FLOPs of its prepared compute steps, run once ahead of time
 
     @property
     def shardable(self) -> float:
@@ -64,7 +66,9 @@ class ImportReport:
                  "  kernels: " + ", ".join(f"{k} x{n}" for k, n in sorted(self.kernels.items())),
                  f"  FLOPs: {self.flops:.3g}; can shard on {self.mesh}: {self.shardable:.1%}"]
         if self.plan_sharded is not None:
-            lines[-1] += f"; the plan shards {self.plan_sharded:.1%}"
+            lines[-1] += f"; the plan shards {self.plan_sharded:.1%} of the {self.plan_flops:.3g} FLOPs a run pays"
+            if self.plan_prepared_flops:
+                lines[-1] += f" ({self.plan_prepared_flops:.3g} more prepared once, ahead of time)"
         lines += [f"  opaque: {op.aten} x{op.count}: {op.why}" for op in self.opaque]
         return "\n".join(lines)
 
@@ -92,13 +96,31 @@ def import_report(name: str, imported: TorchImport, mesh: Mesh, plan: Plan | Non
         if not node.op.startswith("opaque") and any(any(p.axes) for p in
                                                      candidate_partitions(graph.signature(node.name), mesh)):
             shardable += work
-    sharded = total = None
-    if plan is not None:
-        computes = [s for s in plan.steps if isinstance(s, Compute)]
-        total = sum(flops_of(s.signature) for s in computes)
-        sharded = sum(flops_of(s.signature) for s in computes if len(set(s.blocks)) > 1)
+    split = PlanFlops.of(plan) if plan is not None else None
     return ImportReport(name, mesh, sum(totals.values()), dict(totals), dict(kernels), opaque, flops, shardable,
-                        sharded, total)
+                        *((split.sharded, split.per_run, split.prepared) if split else ()))
+
+
+@dataclass(frozen=True)
+class PlanFlops:
+    """A plan's compute FLOPs (`flops_of` each step's whole op): those each run pays, the share of them in steps
+    split over devices, and those of its prepared steps, which a run does not pay (made once from static inputs)."""
+    per_run: float
+    sharded: float
+    prepared: float
+
+    @staticmethod
+    def of(plan: Plan) -> PlanFlops:
+        per_run = sharded = prepared = 0.0
+        for step in plan.steps:
+            if isinstance(step, Compute):
+                work = flops_of(step.signature)
+                if step.out in plan.prepared:
+                    prepared += work
+                else:
+                    per_run += work
+                    sharded += work if len(set(step.blocks)) > 1 else 0.0
+        return PlanFlops(per_run, sharded, prepared)
 
 
 def model_flops(graph: Graph) -> float:
