@@ -10,6 +10,7 @@ import random
 
 import pytest
 from rank_peak_reference import snapshot_peak
+from test_plan import fresh_layouts
 from training_helpers import adam_step
 
 import tapestry
@@ -19,7 +20,7 @@ from tapestry.graph import Graph
 from tapestry.lower import program
 from tapestry.lower.program import lower
 from tapestry.models import mlp
-from tapestry.plan import Compute, Place, Plan, Reshard, build_plan
+from tapestry.plan import Compute, Place, Plan, build_plan
 from tapestry.sharding import Layout
 from tapestry.training.plans import baselines
 from tapestry.zspace import ZRange
@@ -128,18 +129,7 @@ def test_steps_naming_equal_layout_objects_are_lowered_once_and_peak_as_those_sh
     """Every layout of a plan copied into an equal object of its own (no two steps share one): each step alike but
     for its names is still lowered once (the key numbers layouts by value), and every rank's peak is the same."""
     shared = uneven(UNEVEN["summed"])
-
-    def fresh(layout: Layout) -> Layout:
-        return Layout(tuple(layout.blocks), layout.partial)
-
-    def copied(step):  # noqa: ANN001, ANN202
-        if isinstance(step, Compute):
-            return dataclasses.replace(step, layout=fresh(step.layout), arg_layouts=tuple(map(fresh, step.arg_layouts)))
-        if isinstance(step, Reshard):
-            return dataclasses.replace(step, src_layout=fresh(step.src_layout), layout=fresh(step.layout))
-        return dataclasses.replace(step, layout=fresh(step.layout))
-
-    apart = dataclasses.replace(shared, steps=tuple(map(copied, shared.steps)))
+    apart = fresh_layouts(shared)
     lowered: list[int] = []
     lower_step = program.lower_step
 
