@@ -77,6 +77,8 @@ def main() -> None:
                         "as plan_pipeline extracts it where the fastest does not fit a stage")
     parser.add_argument("--save", help="write the plan here (Plan.save)")
     parser.add_argument("--price", help="price this saved plan instead of planning")
+    parser.add_argument("--hand", action="store_true", help="price the layer's hand plans (training.plans.baselines) "
+                        "instead of planning")
     args = parser.parse_args()
     import tapestry
     from tapestry.cost import DefaultCostModel, load_profile
@@ -95,6 +97,12 @@ def main() -> None:
 
     mesh = tapestry.Mesh(*(int(n) for n in args.mesh.split("x")))
     graph = layer_graph(args.width, args.seq, args.kv_heads, args.micro_batch)
+    if args.hand:
+        from tapestry.training.plans import baselines
+
+        for name, plan in baselines(graph, mesh).items():
+            print(f"hand plan {name}: {describe(plan, model, args.micro_batches)}", flush=True)
+        return
     time_limit = args.time_limit if args.time_limit is not None else getattr(planner, "LAYER_TIME_LIMIT", 10.0)
     ranking = model
     if hasattr(planner, "BoundaryPriced") or hasattr(planner, "exposed_share"):  # stage hops priced (pipe64c on)
