@@ -82,10 +82,11 @@ def routing_case():
     return Routing().eval(), args
 
 
+# a constant whose cells repeat (scatter_add's zeros) is its distinct cells expanded (importer/translate.py)
 KERNELS = {"aten.topk.default": "topk", "aten.cumsum.default": "cast, cumsum", "aten.sort.stable": "topk",
            "aten.argsort.stable": "topk", "aten.argmax.default": "argmax", "aten.argmin.default": "argmin",
            "aten.index.Tensor": "take", "aten.index_select.default": "take", "aten.gather.default": "gather",
-           "aten.scatter_add.default": "scatter_add", "aten.index_add.default": "expand, reshape, scatter_add",
+           "aten.scatter_add.default": "expand, scatter_add", "aten.index_add.default": "expand, reshape, scatter_add",
            "aten.index_put.default": "add, cast, expand, lt_scalar, mul_scalar, reshape, scatter_add"}
 
 
@@ -255,7 +256,7 @@ def test_writes_into_slices_and_selects_are_concats_of_slices_and_match_eager():
     assert not imp.opaque
     made = {op: {k for m in imp.coverage[op] for k in m.split(", ")} for op in
             ("aten.slice_scatter.default", "aten.select_scatter.default", "aten.fill.Tensor", "aten.fill.Scalar")}
-    assert made == {"aten.slice_scatter.default": {"concat", "slice"},
+    assert made == {"aten.slice_scatter.default": {"concat", "expand", "slice"},  # y[1:3] = 0.5: one cell expanded
                     "aten.select_scatter.default": {"concat", "reshape", "slice"},
                     "aten.fill.Tensor": {"expand"}, "aten.fill.Scalar": {"expand"}}
     assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(*args))), eager(Overwrite(), args))
