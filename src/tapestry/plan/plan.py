@@ -85,10 +85,9 @@ class Compute:
     def binding(self) -> tuple:
         """What the step computes but its names and blocks: a key for the steps alike but for their names (an
         expanded plan's later copies), to which a cache adds the blocks as it compares them."""
-        return (self.kernel, self.params, self.input_shapes, self.input_dtypes, self.arg_layouts, self.layout,
-                self.exchange, self.ring)
+        return self.numbered_binding(lambda layout: layout)
 
-    def numbered_binding(self, number: Callable[[Layout], int]) -> tuple:
+    def numbered_binding(self, number: Callable[[Layout], Any]) -> tuple:
         """`binding` with its layouts as their numbers (sharding.layout.ValueNumbers: equal for equal layouts),
         equal exactly where `binding` is, without comparing a layout's blocks (512 on 8x8x8) each time it is asked."""
         return (self.kernel, self.params, self.input_shapes, self.input_dtypes, tuple(map(number, self.arg_layouts)),
