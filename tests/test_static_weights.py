@@ -143,3 +143,44 @@ def test_prepared_results_stay_resident_in_the_memory_model_as_the_runtime_keeps
     relu = next(k for k, s in enumerate(plan.steps) if s.out in plan.prepared and s.kernel == "relu")
     assert all(relu in peak.live for peak in rank_peaks(plan))  # the add read it last, before the peak
 
+
+
+def test_a_model_that_rescales_its_weight_on_its_first_call_imports_that_work_as_prepared_and_is_left_as_it_was():
+    """HF's RWKV divides weights in place on its first eval call, then sets a flag (docs/importing.md, Known traps):
+    imported fresh, the division is traced and prepared (it reads a weight alone); after an eager call it is gone.
+    Both plans compute what eager does, and the import changes neither the weight nor the flag."""
+    torch = pytest.importorskip("torch")
+    import copy
+
+    import tapestry
+    from tapestry.plan.simulate import simulate
+
+    class RescalesOnce(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear, self.rescaled = torch.nn.Linear(4, 4), False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not self.rescaled:
+                with torch.no_grad():
+                    self.linear.weight.div_(2.0)
+                self.rescaled = True
+            return self.linear(x) * 3.0
+
+    def divisions(model: torch.nn.Module) -> list[Compute]:
+        imported = tapestry.from_torch(model, (x,), verbose=False)
+        plan = optimize(imported.graph, Mesh(2), extractor="greedy-dag").plan
+        with torch.no_grad():
+            want = copy.deepcopy(model)(x).numpy()
+        np.testing.assert_allclose(imported.outputs(simulate(plan, imported.inputs(x)))[0], want, rtol=1e-6)
+        return [s for s in plan.steps if isinstance(s, Compute) and s.kernel.startswith("div")
+                and s.out in plan.prepared]
+
+    torch.manual_seed(0)
+    x, fresh = torch.randn(3, 4), RescalesOnce().eval()
+    weight = fresh.linear.weight.detach().clone()
+    assert len(divisions(fresh)) == 1
+    assert not fresh.rescaled and torch.equal(fresh.linear.weight, weight)
+    with torch.no_grad():
+        fresh(x)
+    assert divisions(fresh) == []
