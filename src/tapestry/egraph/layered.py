@@ -120,7 +120,7 @@ def with_reads(egraph: EGraph, choice: Mapping[int, int], pairs: Sequence[tuple[
         if kept.get(node_class[n]) != n or node_class[twin] in kept:
             continue
         stack = [d for d in child_sets[twin] if d not in kept]
-        if any(not tree.extractable(d) for d in stack):
+        if not tree.all_extractable(stack):
             continue
         while stack:
             d = stack.pop()
@@ -146,7 +146,7 @@ def twins_alike(egraph: EGraph, pairs: Sequence[tuple[int, int]]) -> EGraph:
         tree, child_sets, selectable = priced.priced("tree", tree_choice), priced.child_sets, priced.selectable_nodes
 
         def usable(n: int) -> bool:
-            return selectable[n] and all(tree.node[d] >= 0 for d in child_sets[n])  # each child extractable
+            return selectable[n] and tree.all_extractable(child_sets[n])
 
         dropped = [b for pair in pairs for a, b in (pair, pair[::-1]) if selectable[b] and not usable(a)]
         if not dropped:

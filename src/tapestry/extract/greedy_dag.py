@@ -95,7 +95,8 @@ def improve(egraph: EGraph, choice: list[int], tree: TreeChoice, deadline: Deadl
     With `deadline`, the search stops where its tries reach it (charged to its meter), or at the safety net.
     No move adds or drops a node of `frozen` (the ILP's tied nodes: a selection that keeps its ties keeps them).
     """
-    cost, child_sets, selectable, tree_node = egraph.node_cost, egraph.child_sets, egraph.selectable_nodes, tree.node
+    cost, child_sets, selectable, all_extractable = (egraph.node_cost, egraph.child_sets, egraph.selectable_nodes,
+                                                     tree.all_extractable)
     choice = list(choice)
     refs = [0] * egraph.num_classes
     for root in egraph.roots:
@@ -106,9 +107,8 @@ def improve(egraph: EGraph, choice: list[int], tree: TreeChoice, deadline: Deadl
     total = sum(cost[choice[c]] for c in range(egraph.num_classes) if refs[c])
     tries = 0
 
-    def usable(c: int, node: int) -> bool:  # each child extractable: its tree choice a node (none is -1)
-        return selectable[node] and c not in child_sets[node] and min(
-            map(tree_node.__getitem__, child_sets[node]), default=0) >= 0
+    def usable(c: int, node: int) -> bool:
+        return selectable[node] and c not in child_sets[node] and all_extractable(child_sets[node])
 
     def delta(c: int, new: int) -> tuple[float, dict[int, int]]:
         """Cost change and reference-count changes of choosing `new` for class `c`, additions first; infinite
