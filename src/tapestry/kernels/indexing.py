@@ -142,22 +142,33 @@ def scatter_add_signature(x: Shape, index: Shape, src: Shape, axis: int, name: s
                          follow(n, range(n)), Fraction(index[ax], max(1, x[ax])))
 
 
+def _landing_numpy(x: np.ndarray, index: np.ndarray, ax: int, block_start: tuple[int, ...]):
+    """index's cells as coordinates into this block of x (an index names a row of the whole x: the block's start
+    along `ax` subtracted), and which of them land in the block (scatter and scatter_add)."""
+    grid = list(np.indices(index.shape))
+    grid[ax] = index - block_start[ax]
+    return grid, (grid[ax] >= 0) & (grid[ax] < x.shape[ax])
+
+
+def _landing_torch(x, index, ax: int, block_start: tuple[int, ...]):
+    """`_landing_numpy`'s rows along `ax` and mask, in torch."""
+    rows = index.long() - block_start[ax]
+    return rows, (rows >= 0) & (rows < x.shape[ax])
+
+
 def _scatter_add_numpy(x, index, src, axis: int, block_start: tuple[int, ...]) -> np.ndarray:
     """The block's rows of x plus the src cells whose index lands in them (reads past index's end are zeros, and
     so are their src cells)."""
     ax = axis % x.ndim
     out = x.copy()
-    grid = list(np.indices(index.shape))
-    grid[ax] = index - block_start[ax]
-    keep = (grid[ax] >= 0) & (grid[ax] < x.shape[ax])
+    grid, keep = _landing_numpy(x, index, ax, block_start)
     np.add.at(out, tuple(g[keep] for g in grid), src[keep])
     return out
 
 
 def _scatter_add_torch(x, index, src, axis: int, block_start: tuple[int, ...]):
     ax = axis % x.dim()
-    rows = index.long() - block_start[ax]
-    keep = (rows >= 0) & (rows < x.shape[ax])
+    rows, keep = _landing_torch(x, index, ax, block_start)
     return x.scatter_add(ax, torch.where(keep, rows, 0), torch.where(keep, src, torch.zeros_like(src)))
 
 
@@ -225,9 +236,8 @@ def _scatter_numpy(x, index, src, axis: int, block_start: tuple[int, ...]) -> np
     are zeros, and so are their src cells)."""
     ax = axis % x.ndim
     out = x.copy()
-    grid = list(np.indices(index.shape))
-    grid[ax] = index - block_start[ax]
-    keep = (grid[ax] >= 0) & (grid[ax] < x.shape[ax]) & _last_writes_numpy(index, ax)
+    grid, lands = _landing_numpy(x, index, ax, block_start)
+    keep = lands & _last_writes_numpy(index, ax)
     out[tuple(g[keep] for g in grid)] = src[keep]
     return out
 
@@ -236,8 +246,8 @@ def _scatter_torch(x, index, src, axis: int, block_start: tuple[int, ...]):
     """torch.scatter into x with one row more along the axis, where the writes other blocks make (and those a
     later position overwrites) land, cut off after."""
     ax = axis % x.dim()
-    rows = index.long() - block_start[ax]
-    keep = (rows >= 0) & (rows < x.shape[ax]) & _last_writes_torch(index.long(), ax)
+    rows, lands = _landing_torch(x, index, ax, block_start)
+    keep = lands & _last_writes_torch(index.long(), ax)
     spare = torch.cat([x, torch.zeros_like(x.narrow(ax, 0, 1))], dim=ax)
     return spare.scatter(ax, torch.where(keep, rows, x.shape[ax]), src).narrow(ax, 0, x.shape[ax])
 
