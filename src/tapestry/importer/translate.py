@@ -111,8 +111,9 @@ class Builder:
         raise Unsupported(f"expected a tensor, got {type(value).__name__}")
 
     def constant(self, tensor: torch.Tensor) -> Value:
-        """A constant as a graph input; one whose cells repeat along some dims (a fold of an `expand`, such as
-        XLNet's positional embedding over the batch) as its distinct cells expanded, so rules see the broadcast."""
+        """A constant as a graph input; a floating or bool one whose cells repeat along some dims (a fold of an
+        `expand`, such as XLNet's positional embedding over the batch) as its distinct cells expanded, so rules see
+        the broadcast (`_distinct_cells`)."""
         what = f"a constant read by {op_name(self.node.target)} at {_where(self.node)}" if self.node else "a constant"
         cells = _distinct_cells(tensor)
         value = self.graph.constant(f"const_{len(self.graph.constants)}", dtypes.from_tensor(cells.contiguous(), what))
