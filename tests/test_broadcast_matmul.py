@@ -4,6 +4,7 @@ plan run the smaller matmul and expand its result, the batch times fewer multipl
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from test_importer_kernels import assert_same, eager
 
@@ -11,6 +12,7 @@ import tapestry
 from tapestry.evaluator import evaluate
 from tapestry.graph import Graph
 from tapestry.importer import from_torch
+from tapestry.importer import translate
 from tapestry.importer.translate import _distinct_cells
 from tapestry.plan import Compute
 from tapestry.plan.simulate import simulate
@@ -59,7 +61,34 @@ def test_only_dims_alike_bit_for_bit_are_cut():
     signed = torch.tensor([[0.0, 1.0], [-0.0, 1.0]])
     assert _distinct_cells(signed).shape == (2, 2)
     assert _distinct_cells(torch.tensor([[float("nan"), 1.0]] * 3)).shape == (3, 2)
-    assert torch.equal(_distinct_cells(torch.tensor([[2, 5]] * 4)), torch.tensor([[2, 5]]))
+    assert torch.equal(_distinct_cells(torch.tensor([[2.0, 5.0]] * 4)), torch.tensor([[2.0, 5.0]]))
+
+
+def test_integer_constants_are_left_whole_as_no_rule_reads_their_expand_and_bool_masks_are_cut():
+    """The positions a causal mask compares (arange over the batch): their expands only cost the search (the 70B
+    step on 8x8x8, docs/benchmarks.md); a mask repeated over the batch is still one copy expanded."""
+    for tensor in (torch.arange(6).expand(4, 6).contiguous(), torch.arange(6, dtype=torch.int32).expand(4, 6) + 0):
+        assert _distinct_cells(tensor) is tensor
+    assert _distinct_cells(torch.ones(3, 5, dtype=torch.bool)).shape == (1, 1)
+
+
+class CausalIds(torch.nn.Module):
+    """A causal mask from positions repeated over the batch, folded into constants by the capture."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)
+        return x.masked_fill(positions[:, None, :] > positions[:, :, None], 0.0)
+
+
+def test_a_causal_masks_positions_are_imported_whole_and_match_eager(monkeypatch: pytest.MonkeyPatch):
+    """The mask itself too large to fold (as a 2048-token sequence's is): the positions are what is folded."""
+    monkeypatch.setattr(translate, "FOLD_CELLS", 8)
+    x = torch.randn(2, 4, 4)
+    imp = from_torch(CausalIds(), (x,), verbose=False)
+    assert any(op.op == "gt" for op in imp.graph.ops)
+    integer = {name: value.shape for name, value in imp.graph.constants.items() if value.dtype.kind in "iu"}
+    assert not any(op.op == "expand" and op.args[0] in integer for op in imp.graph.ops), integer
+    assert_same(imp.outputs(evaluate(imp.graph, imp.inputs(x))), eager(CausalIds(), (x,)))
 
 
 def test_a_constant_without_data_is_left_whole_for_the_importer_to_name():

@@ -431,8 +431,8 @@ def test_a_folded_budget_no_candidate_meets_says_what_the_leanest_candidate_hold
     monkeypatch.setattr(DeviceBudget, "fits", lambda self, choice: True)
     with pytest.raises(MemoryBudgetError, match=r"the leanest needs [\d,]+, holding \d+ of its \d+ carried inputs "
                                                 r"whole on every device( \(.*\))?; of those decoded, the leanest needs "
-                                                r"[\d,]+: device \d+ at its peak holds .*; largest: .*; \d of the 6 "
-                                                r"prices left no steady selection") as raised:
+                                                r"[\d,]+: device \d+ at its peak holds .*; largest: .*; \d+ of the 12 "
+                                                r"prices left no steady selection") as raised:  # 2 ladders of 6
         explored.extract(extractor="greedy-dag", memory_budget=floor)
     told = str(raised.value)
     whole = int(re.search(r"holding (\d+) of", told).group(1))
@@ -460,7 +460,7 @@ def test_a_folded_budget_whose_prices_find_no_steady_selection_says_so(three_on_
                         lambda self, egraph, budget, ties, carried, hands, held, select, *rest:
                         within(self, egraph, budget, ties, carried, hands, held, refused, *rest))
     explored, floor = _over_every_candidate(three_on_two[0])
-    with pytest.raises(MemoryBudgetError, match=r"; 6 of the 6 prices left no steady selection$"):
+    with pytest.raises(MemoryBudgetError, match=r"; 12 of the 12 prices left no steady selection$"):  # 2 ladders
         explored.extract(extractor="greedy-dag", memory_budget=floor)
 
 
@@ -504,6 +504,56 @@ def test_memory_priced_candidates_compete_with_a_plan_the_budget_does_not_bind(t
             assert kept[name][0].cost < cost and kept[name][1].choice != selection.choice
         else:  # no priced candidate is cheaper here: the plan stands, as it was
             assert kept[name][1].choice == selection.choice and kept[name][0].cost == pytest.approx(cost)
+
+
+def test_the_budgeted_fallback_keeps_the_cheapest_of_its_own_and_its_rivals_priced_ladders(three_on_two):
+    """Issue 24, the 70B step on 8x8x8 at 80 GB: where the budget binds a folded step's first fit, the refits under
+    other node costs are not made, and the fallback's ladder on the weighted costs alone kept 2271.8 ms where the
+    plain sum's ladder held 1983.7. Given `rivals` (the same graph under other node costs), `within_budget` runs
+    each's ladder too and keeps the cheapest fitting plan by plan_cost of them all: here a dear graph (its costs
+    upside down) with the plain one as its rival keeps what the plain graph's ladder keeps."""
+    import math
+
+    from tapestry.egraph.budget import device_budget
+
+    explored, egraph, ties, carried, model = three_on_two
+    dear = egraph.with_costs([c if math.isinf(c) else 1 / (1e-9 + c) for c in egraph.node_cost])
+    _, _, peak = _periodic_plan(explored, egraph, ties, carried, model)
+    budget = device_budget(explored.decoder, explored._held, explored.layered, 2 * peak)
+
+    def within(costs, rivals=()):  # noqa: ANN001, ANN202
+        return explored.folded.within_budget(
+            costs, budget, ties, carried, {}, explored._held,
+            lambda priced: explored._select(priced, "greedy-dag", 5.0, None, ties, carried), "greedy-dag", 5.0,
+            model=model, rivals=rivals)
+
+    alone, plain, both = within(dear), within(egraph), within(dear, (egraph,))
+    assert plain[0].cost < alone[0].cost  # the dear graph's ladder alone keeps a dearer plan
+    assert both[0].cost == pytest.approx(plain[0].cost, rel=1e-12) and both[1].choice == plain[1].choice
+    assert max(peak_memory(both[0])) <= 2 * peak
+
+
+def test_a_folded_training_steps_first_fit_offers_its_plain_sum_to_a_binding_budgets_fallback(three_on_two,
+                                                                                                monkeypatch):
+    """The first fit's fallback (the budget binds it, so no refit follows) is handed the unweighted graph as a
+    rival: its node costs differ from the weighted graph's it fits (the gradient reductions weighted as hidden).
+    The 3-layer step's first fit binds only below every plan's peak: the error counts both ladders' prices."""
+    from tapestry.egraph.folded_candidates import LEAN_ROUNDS
+    from tapestry.optimizer import MemoryBudgetError
+
+    explored = unkept(three_on_two[0])
+    budget = int(0.4 * explored.extract(extractor="greedy-dag").peak_memory)
+    within, seen = FoldedCandidates.within_budget, []
+
+    def spied(self, egraph, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        seen.append((egraph, kwargs["rivals"] if "rivals" in kwargs else args[11] if len(args) > 11 else ()))
+        return within(self, egraph, *args, **kwargs)
+
+    monkeypatch.setattr(FoldedCandidates, "within_budget", spied)
+    with pytest.raises(MemoryBudgetError, match=rf"of the {2 * LEAN_ROUNDS} prices left no steady selection$"):
+        explored.extract(extractor="greedy-dag", memory_budget=budget)
+    egraph, rivals = seen[0]
+    assert len(rivals) == 1 and list(rivals[0].node_cost) != list(egraph.node_cost)
 
 
 # make test runs the wiring: `within_budget` hands back the plan it is given, marked (its pricing against an

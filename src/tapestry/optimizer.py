@@ -303,11 +303,13 @@ class Explored:
                                     for n, c in enumerate(base.node_cost)]) \
                 if reductions and weight is not None or micro_batches > 1 else base
 
-        def fit(base: ExtractGraph, weight: float | None) -> tuple[Plan, Selection]:
-            """Extracted from `weighted(base, weight)`."""
+        def fit(base: ExtractGraph, weight: float | None, first: bool = False) -> tuple[Plan, Selection]:
+            """Extracted from `weighted(base, weight)`; where the budget binds the `first` fit of a folded graph, its
+            fallback tries `base`'s plain sum too (the refit that binding leaves unmade: `refit` below)."""
             hidden = weighted(base, weight)
             plan, selection = self._fit(hidden, extractors[-1], time_limit, budget_of, ties, carried, memory_budget,
-                                        outputs, FUSED_STOP_GAP if base is fused else None, model, hands)
+                                        outputs, FUSED_STOP_GAP if base is fused else None, model, hands,
+                                        (base,) if first and reductions else ())
             fell_back = selection.extractor in EXTRACTORS and selection.extractor != extractors[-1]  # not a hand plan
             if fell_back and ties and memory_budget is None:
                 extractors.append(selection.extractor)
@@ -318,7 +320,7 @@ class Explored:
                 if self.layered is not None and memory_budget is None else self._lean.cost(plan, model)
             return replace(plan, cost=cost), selection
 
-        plan, selection = fit(egraph, 1.0)
+        plan, selection = fit(egraph, 1.0, first=True)
         while floored and (repriced := floored.repriced(egraph, selection)) is not None:  # chosen moves above floor
             egraph = repriced
             plan, selection = fit(egraph, 1.0)
@@ -432,7 +434,7 @@ class Explored:
     def _fit(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget_of: Callable[[], DeviceBudget],
              ties: Ties, carried: Mapping[str, str], memory_budget: int | None,
              outputs: Outputs, stop_gap: float | None = None, model: CostModel | None = None,
-             hands: Sequence[Selection] = ()) -> tuple[Plan, Selection]:
+             hands: Sequence[Selection] = (), rivals: Sequence[ExtractGraph] = ()) -> tuple[Plan, Selection]:
         """The extracted plan, checked. Under a memory budget: the plan chosen without it where that fits (the
         budget does not bind), else re-solved with the budget's constraints (`budget_of`) and memory cuts until
         it fits."""
@@ -443,7 +445,8 @@ class Explored:
             if unbound is not None:
                 return unbound
             if self.layered is not None:  # the tied ILP alone found no periodic plan within a budget in time
-                return self._within_budget(egraph, budget_of, ties, carried, extractor, time_limit, stop_gap, model)
+                return self._within_budget(egraph, budget_of, ties, carried, extractor, time_limit, stop_gap, model,
+                                           rivals=rivals)
             base = budget_of()
         cuts: list[dict[int, int]] = []
         rounds = 0
@@ -478,12 +481,13 @@ class Explored:
 
     def _within_budget(self, egraph: ExtractGraph, budget_of: Callable[[], DeviceBudget], ties: Ties,
                        carried: Mapping[str, str], extractor: str, time_limit: float, stop_gap: float | None,
-                       model: CostModel, incumbent: tuple[Plan, Selection] | None = None) -> tuple[Plan, Selection]:
+                       model: CostModel, incumbent: tuple[Plan, Selection] | None = None,
+                       rivals: Sequence[ExtractGraph] = ()) -> tuple[Plan, Selection]:
         """`FoldedCandidates.within_budget` of the hand plans and the greedy-dag fallback (`_select`)."""
         return self.folded.within_budget(
             egraph, budget_of(), ties, carried, self.baselines, self._held,
             lambda priced: self._select(priced, "greedy-dag", time_limit, None, ties, carried, stop_gap),
-            extractor, time_limit, stop_gap, model, incumbent)
+            extractor, time_limit, stop_gap, model, incumbent, rivals)
 
     def _unbound(self, egraph: ExtractGraph, extractor: str, time_limit: float, ties: Ties,
                  carried: Mapping[str, str], memory_budget: int,

@@ -172,7 +172,8 @@ class FoldedCandidates:
                       hands: Mapping[str, Plan], held: Mapping[str, tuple[int, ...]],
                       select: Callable[[ExtractGraph], Selection], extractor: str, time_limit: float,
                       stop_gap: float | None = None, model: CostModel | None = None,
-                      incumbent: tuple[Plan, Selection] | None = None) -> tuple[Plan, Selection]:
+                      incumbent: tuple[Plan, Selection] | None = None,
+                      rivals: Sequence[ExtractGraph] = ()) -> tuple[Plan, Selection]:
         """A plan within `budget`, the cheapest by plan_cost of the periodic candidates whose exact peak fits and
         of `incumbent` (the plan chosen without the budget, where it fits: `competes`; its cost its plan_cost under
         `model`, as the caller priced it): the hand plans of the folded graph (`hands`, made periodic), and
@@ -181,9 +182,12 @@ class FoldedCandidates:
         raised LEAN_STEP-fold from one that makes a budget's worth of bytes cost the cheapest plan's time again,
         until a candidate fits, or lowered up to LEAN_BELOW times while it fits where the first did (a Lagrangian
         relaxation of the budget); a price whose selection is the incumbent's ends the descent (a lower one changes
-        less). With `extractor` "ilp" and no incumbent (the ILP chose that without the budget, which does not bind
-        it) the ILP then tries to better the kept one under the budget's constraints and the ties, starting from
-        it. MemoryBudgetError where none fits, with the leanest
+        less). Each of `rivals` (the graph under other node costs: the plain sum of a weighted fit's, whose refit a
+        binding budget leaves unmade) runs that ladder too, from its own greedy plan's time, and adds its candidates
+        (the 70B step on 8x8x8 at 80 GB: the plain sum's 1983.7 ms plan, against 2271.8 of the weighted costs'
+        ladder alone, docs/benchmarks.md). With `extractor` "ilp" and no incumbent (the ILP chose that without the
+        budget, which does not bind it) the ILP then tries to better the kept one under the budget's constraints
+        and the ties, starting from it. MemoryBudgetError where none fits, with the leanest
         candidate's peak, how many carried tensors it holds whole on every device, and how many prices left no
         steady selection (the 70B step on 8x8x8 ended in a 420 GB leanest plan: weights and Adam moments whole,
         docs/benchmarks.md, "Why the 70B step's candidates miss 80 GB")."""
@@ -191,7 +195,6 @@ class FoldedCandidates:
         twins = set(self.layered.ties())
         steady = [t for t in ties if t not in twins]
         found = [] if incumbent is None else [incumbent]
-        unchanged: list[int] = []  # the prices whose selection was the incumbent's
         leanest: tuple[float, Selection | None] = (math.inf, None)  # least peak (or lower bound of it), for the error
         decoded: list[tuple[int, str]] = []  # the leanest decoded candidate's peak and what it holds then
         unsteady: list[int] = []  # the prices whose fallback found no steady selection
@@ -221,12 +224,45 @@ class FoldedCandidates:
         made = self.layered.costs(egraph.with_costs([
             0.0 if node.op == "Deliver" or self.decoder.views(node) else float(max(held[node.eclass], default=0))
             for node in self.decoder.nodes])).node_cost
-        base = extract(egraph, "greedy-dag", time_limit).dag_cost / limit  # seconds per byte
+        ladders = [egraph, *(rival for rival in rivals if rival is not egraph)]
+        for costs in ladders:
+            self._priced_ladder(costs, made, limit, time_limit, select, incumbent, fitting, unsteady)
+        if not found:
+            raise MemoryBudgetError(f"no plan fits {limit:,} bytes per device: of the periodic plans tried (the "
+                                    f"folded graph's hand plans, greedy-dag with memory priced up to "
+                                    f"{LEAN_STEP ** (LEAN_ROUNDS - 1):g} times a budget's worth of bytes per plan "
+                                    f"time) the leanest needs {leanest[0]:,.0f}"
+                                    + ("" if leanest[1] is None else f", {self._whole_state(leanest[1], carried)}")
+                                    + "".join(f"; of those decoded, the leanest needs {peak:,}: {held}"
+                                              for peak, held in decoded)
+                                    + f"; {len(unsteady)} of the {LEAN_ROUNDS * len(ladders)} prices left no steady "
+                                    f"selection")
+        plan, selection = min(found, key=lambda f: f[0].cost)
+        if extractor == "ilp" and incumbent is None:
+            with suppress(NoFiniteChoiceError):  # the kept plan stands where the ILP finds nothing in time
+                better = extract(egraph, "ilp", time_limit, budget, ties, stop_gap=stop_gap, start=selection)
+                if better.choice != selection.choice:
+                    candidate, _, peaks = leaner(*self.decode(egraph, better), self.lowerings)
+                    candidate = replace(candidate, cost=plan_cost(candidate, model) if model is not None
+                                        else better.dag_cost, notes={**candidate.notes, "memory_budget": "ilp"})
+                    if max(p.bytes for p in peaks) <= limit and candidate.cost < plan.cost:
+                        plan, selection = candidate, better
+        return plan, selection
+
+    @staticmethod
+    def _priced_ladder(costs: ExtractGraph, made: Sequence[float], limit: int, time_limit: float,
+                       select: Callable[[ExtractGraph], Selection], incumbent: tuple[Plan, Selection] | None,
+                       fitting: Callable[[Selection, str], bool], unsteady: list[int]) -> None:
+        """`within_budget`'s ladder on node costs `costs`: `select`'s choice with each node's bytes `made` priced,
+        from a price that makes a budget's worth of bytes cost the greedy plan's time, raised LEAN_STEP-fold until
+        one fits (`fitting` keeps it), or lowered while it fits where the first did; a price whose selection is
+        the incumbent's ends the descent. A price without a steady selection is added to `unsteady`."""
+        base = extract(costs, "greedy-dag", time_limit).dag_cost / limit  # seconds per byte
+        unchanged: list[int] = []  # the prices whose selection was the incumbent's
 
         def priced_fits(k: int) -> bool:
             price = base * LEAN_STEP ** k
-            priced = egraph.with_costs([c + price * b if math.isfinite(c) else c
-                                        for c, b in zip(egraph.node_cost, made)])
+            priced = costs.with_costs([c + price * b if math.isfinite(c) else c for c, b in zip(costs.node_cost, made)])
             try:
                 selection = select(priced)
             except NoFiniteChoiceError:
@@ -243,26 +279,6 @@ class FoldedCandidates:
             for k in range(-1, -1 - LEAN_BELOW, -1):
                 if unchanged or not priced_fits(k):
                     break
-        if not found:
-            raise MemoryBudgetError(f"no plan fits {limit:,} bytes per device: of the periodic plans tried (the "
-                                    f"folded graph's hand plans, greedy-dag with memory priced up to "
-                                    f"{LEAN_STEP ** (LEAN_ROUNDS - 1):g} times a budget's worth of bytes per plan "
-                                    f"time) the leanest needs {leanest[0]:,.0f}"
-                                    + ("" if leanest[1] is None else f", {self._whole_state(leanest[1], carried)}")
-                                    + "".join(f"; of those decoded, the leanest needs {peak:,}: {held}"
-                                              for peak, held in decoded)
-                                    + f"; {len(unsteady)} of the {LEAN_ROUNDS} prices left no steady selection")
-        plan, selection = min(found, key=lambda f: f[0].cost)
-        if extractor == "ilp" and incumbent is None:
-            with suppress(NoFiniteChoiceError):  # the kept plan stands where the ILP finds nothing in time
-                better = extract(egraph, "ilp", time_limit, budget, ties, stop_gap=stop_gap, start=selection)
-                if better.choice != selection.choice:
-                    candidate, _, peaks = leaner(*self.decode(egraph, better), self.lowerings)
-                    candidate = replace(candidate, cost=plan_cost(candidate, model) if model is not None
-                                        else better.dag_cost, notes={**candidate.notes, "memory_budget": "ilp"})
-                    if max(p.bytes for p in peaks) <= limit and candidate.cost < plan.cost:
-                        plan, selection = candidate, better
-        return plan, selection
 
     def _whole_state(self, selection: Selection, carried: Mapping[str, str]) -> str:
         """How many of the carried inputs (weights, optimizer state) `selection` places whole on every device, and

@@ -111,8 +111,9 @@ class Builder:
         raise Unsupported(f"expected a tensor, got {type(value).__name__}")
 
     def constant(self, tensor: torch.Tensor) -> Value:
-        """A constant as a graph input; one whose cells repeat along some dims (a fold of an `expand`, such as
-        XLNet's positional embedding over the batch) as its distinct cells expanded, so rules see the broadcast."""
+        """A constant as a graph input; a floating or bool one whose cells repeat along some dims (a fold of an
+        `expand`, such as XLNet's positional embedding over the batch) as its distinct cells expanded, so rules see
+        the broadcast (`_distinct_cells`)."""
         what = f"a constant read by {op_name(self.node.target)} at {_where(self.node)}" if self.node else "a constant"
         cells = _distinct_cells(tensor)
         value = self.graph.constant(f"const_{len(self.graph.constants)}", dtypes.from_tensor(cells.contiguous(), what))
@@ -126,11 +127,16 @@ class Builder:
 
 def _distinct_cells(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` cut to its first cell along each dim whose cells are all alike, bit for bit (NaN never is; 0.0 and
-    -0.0 are not): expanding it back gives `tensor`."""
+    -0.0 are not): expanding it back gives `tensor`. Floating (a matmul's operand: substitution.egg's expand rule)
+    and bool (a mask over the batch: a view, not the batch's copies) constants only: an integer one (the positions
+    and ids a causal mask compares, a gather's indices) is left whole, as no rule reads its expand and its expands
+    cost the search (the 70B step on 8x8x8: four of them left the first unbudgeted fit unproven at a slow plan that
+    fit 80 GB, and its four refits ran, 3x the CPU, docs/benchmarks.md)."""
     from torch._subclasses.fake_tensor import is_fake
 
-    if tensor.numel() <= 1 or tensor.is_complex() or tensor.is_meta or is_fake(tensor):
-        return tensor  # a tensor without data is left for `dtypes.from_tensor` to name
+    integer = not tensor.is_floating_point() and tensor.dtype != torch.bool
+    if tensor.numel() <= 1 or tensor.is_complex() or integer or tensor.is_meta or is_fake(tensor):
+        return tensor  # (a tensor without data is left for `dtypes.from_tensor` to name)
     for dim in range(tensor.ndim):
         first = tensor.narrow(dim, 0, 1).expand_as(tensor)
         if tensor.shape[dim] > 1 and torch.equal(tensor, first) and (

@@ -1,0 +1,102 @@
+"""Which fit of a folded training step under a memory budget made which plan (issue 24: the 70B step on 8x8x8).
+
+`Explored.extract` fits a folded step once, and where the budget does not bind that first fit (its plan, chosen
+without the budget, fits) again under fused prices, the plain sum of node costs and the overlap weights, each fit
+that the budget binds running the budgeted fallback (`FoldedCandidates.within_budget`). This prints, as the search
+goes, each fit's unbudgeted selection (its memory floor, its exact peak where decoded, its ILP cost and status), what
+each fit returned, and each comparison that kept one plan over another, with the process's CPU seconds; then the
+plan kept. The case is benchmarks/cluster.py's (transformers' LLaMA on the meta device, Adam, bf16).
+
+    python benchmarks/budget_fits.py --model 70B --layers 80 --mesh 8x8x8 --memory-budget 80
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+from typing import Any
+
+from cluster import PROFILE, Case, build
+
+
+def log(*what: Any) -> None:
+    print(f"[{time.process_time():7.1f} CPU s]", *what, flush=True)
+
+
+def traced() -> None:
+    """`Explored._unbound`, `_fit` and `StepObjective.better` / `least` wrapped to print what they decide."""
+    from tapestry import optimizer
+    from tapestry.egraph import objective
+    from tapestry.extract import NoFiniteChoiceError
+
+    def unbound(self: Any, egraph: Any, extractor: str, time_limit: float, ties: Any, carried: Any,
+                memory_budget: int, stop_gap: float | None = None, model: Any = None, hands: Any = ()) -> Any:
+        """`Explored._unbound` as it is, with what it saw printed."""
+        try:
+            selection = self._select(egraph, extractor, time_limit, None, ties, carried, stop_gap, model, hands)
+        except NoFiniteChoiceError:
+            log("unbudgeted fit: no selection")
+            return None
+        floor = max(self._lean.floor(selection))
+        said = f"unbudgeted fit: {selection.extractor} {selection.status}, cost {selection.dag_cost:.6g}, " \
+               f"floor {floor:,}"
+        if floor > memory_budget:
+            log(said, "(over the budget: not decoded)")
+            return None
+        plan, _, peaks = self._lean.leaner(egraph, selection)
+        peak = max(p.bytes for p in peaks)
+        log(said, f"peak {peak:,}, plan_cost {self._lean.cost(plan, model):.6g}")
+        if peak > memory_budget:
+            return None
+        return replace(plan, notes={**plan.notes, "memory_budget": "not binding"}), selection
+
+    fit = optimizer.Explored._fit
+
+    def fitted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        plan, selection = fit(self, *args, **kwargs)
+        log(f"fit -> {plan.cost:.6g} s, memory_budget: {plan.notes.get('memory_budget')}")
+        return plan, selection
+
+    better, least = objective.StepObjective.better, objective.StepObjective.least
+
+    def compared(self: Any, plan: Any, than: Any) -> bool:
+        kept = better(self, plan, than)
+        log(f"better({plan.cost:.6g}, than {than.cost:.6g}) = {kept}")
+        return kept
+
+    def leastof(self: Any, found: Any) -> Any:
+        kept = least(self, found)
+        log(f"least of {[round(p.cost, 6) for p, _ in found]} -> {kept[0].cost:.6g}")
+        return kept
+
+    optimizer.Explored._unbound, optimizer.Explored._fit = unbound, fitted
+    objective.StepObjective.better, objective.StepObjective.least = compared, leastof
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="70B")
+    parser.add_argument("--layers", type=int, default=80)
+    parser.add_argument("--mesh", default="8x8x8")
+    parser.add_argument("--memory-budget", type=float, default=80, help="GB (10**9 bytes) per device")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=2048)
+    args = parser.parse_args()
+
+    import tapestry
+    from tapestry.cost import DefaultCostModel, load_profile
+
+    traced()
+    case = Case(args.model, args.layers, "training", args.mesh, args.batch, args.seq)
+    imported = build(case)
+    log(f"imported {len(imported.graph.ops)} ops; {len(imported.graph.constants)} constants")
+    cpu = time.process_time()
+    result = tapestry.optimize(imported.graph, tapestry.Mesh(*case.shape),
+                               cost_model=DefaultCostModel(load_profile(PROFILE)), time_limit=10.0,
+                               budget=tapestry.Budget(seconds=30.0), memory_budget=int(args.memory_budget * 10**9))
+    log(f"kept {result.plan.cost:.10g} s, {result.peak_memory:,} bytes on the fullest device, "
+        f"memory_budget: {result.plan.notes.get('memory_budget')}; optimize {time.process_time() - cpu:.1f} CPU s")
+
+
+if __name__ == "__main__":
+    main()
