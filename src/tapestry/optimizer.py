@@ -20,15 +20,8 @@ from typing import Any
 from tapestry.clock import clock
 from tapestry.collector import no_collections
 from tapestry.cost import CostModel, default_cost_model, peak_memory, plan_cost
-from tapestry.egraph.budget import (
-    MemoryBudgetError,
-    budget_error,
-    device_budget,
-    hand_within,
-    held_bytes,
-    inputs_floor,
-    memory_cuts,
-)
+from tapestry.egraph.budget import (MemoryBudgetError, budget_error, device_budget, hand_within, held_bytes,
+                                    inputs_floor, memory_cuts)
 from tapestry.egraph.decode import Decoder
 from tapestry.egraph.driver import (Budget, IterationStats, SaturationStats, make_reshards, moves_to_price, saturate,
                                     search_status)
