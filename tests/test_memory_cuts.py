@@ -140,6 +140,21 @@ def test_a_training_step_fits_the_leanest_hand_plans_budget_and_is_no_slower_tha
     assert not steady_violations(found.plan, imported.graph.carried)
 
 
+def test_a_budget_a_hand_plan_meets_returns_a_plan_within_it_where_the_cut_ilp_gives_up():
+    """ZeRO-3's own peak on Mesh(2, 2), between the leanest hand plan's and the unbudgeted plan's: the ILP's first
+    plan overshot it, its memory cut (values live together there) excluded ZeRO-3's plan too, and the cut ILP found
+    nothing in time, so the optimizer raised MemoryBudgetError (after 1 round) for a budget a hand plan meets (the
+    held-back 7B step on 2x4 at 5 GB gave up so after 2 rounds)."""
+    imported, mesh = adam_step(16, 64, 1024)[0], tapestry.Mesh(2, 2)
+    budget = max(peak_memory(hand_plans(imported, mesh)["ZeRO-3"]))
+    explored = explore(imported.graph, mesh)
+    assert explored.extract(GPU, time_limit=5).peak_memory > budget
+    found = explored.extract(GPU, time_limit=5, memory_budget=budget)
+    assert found.peak_memory <= budget
+    assert found.status != "optimal"
+    assert not steady_violations(found.plan, imported.graph.carried)
+
+
 def test_a_budget_the_ilp_cannot_meet_in_time_falls_back_to_the_unbudgeted_plan_that_fits():
     """CP-SAT with steady-state ties and a memory budget can find no selection in its time (a 64-device training
     step under load; here a 1 ms limit): the plan chosen without the budget is returned when its exact peak fits,

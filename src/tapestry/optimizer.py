@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field, replace
-from functools import cache, cached_property
+from functools import cache, cached_property, partial
 from itertools import islice
 from operator import attrgetter
 from pathlib import Path
@@ -20,14 +20,8 @@ from typing import Any
 from tapestry.clock import clock
 from tapestry.collector import no_collections
 from tapestry.cost import CostModel, default_cost_model, peak_memory, plan_cost
-from tapestry.egraph.budget import (
-    MemoryBudgetError,
-    budget_error,
-    device_budget,
-    held_bytes,
-    inputs_floor,
-    memory_cuts,
-)
+from tapestry.egraph.budget import (MemoryBudgetError, budget_error, device_budget, hand_within, held_bytes,
+                                    inputs_floor, memory_cuts)
 from tapestry.egraph.decode import Decoder
 from tapestry.egraph.driver import (Budget, IterationStats, SaturationStats, make_reshards, moves_to_price, saturate,
                                     search_status)
@@ -449,7 +443,11 @@ class Explored:
                                            rivals=rivals)
             base = budget_of()
         cuts: list[dict[int, int]] = []
-        rounds = 0
+        rounds, tried = 0, []  # the decoded plans over the budget: the leanest is told where none fits
+
+        def within(why: str) -> tuple[Plan, Selection]:  # the ILP gave up: a hand plan that fits, or the error
+            return hand_within(egraph, hands, memory_budget, lambda h: self._lean.leaner(egraph, h)[::2], tried,
+                               partial(self._budget_error, memory_budget), why)
         while True:
             budget = None if base is None else replace(base, groups=tuple(cuts))
             try:
@@ -458,8 +456,7 @@ class Explored:
                 if budget is None:
                     asked = f"outputs as asked ({outputs!r})" + (" in steady state" if ties else "")
                     raise NoPlanError(f"no plan delivers the {asked}: {err}") from None
-                raise self._budget_error(memory_budget, f"{err}" + (f" (after {rounds} rounds of memory cuts)"
-                                                                     if rounds else "")) from None
+                return within(f"{err}" + (f" (after {rounds} rounds of memory cuts)" if rounds else ""))
             problems = validate(egraph, selection)
             if problems:
                 raise AssertionError(f"extractor {extractor} returned an invalid selection: {problems[0]}")
@@ -470,9 +467,10 @@ class Explored:
             if max(p.bytes for p in peaks) <= memory_budget:
                 break
             rounds += 1
+            tried.append((plan, peaks))
             if rounds > CUT_ROUNDS:
-                raise self._budget_error(memory_budget, f"after {CUT_ROUNDS} rounds of memory cuts the ILP's "
-                                                        f"plan still needs {max(p.bytes for p in peaks):,}")
+                return within(f"after {CUT_ROUNDS} rounds of memory cuts the ILP's plan still needs "
+                              f"{max(p.bytes for p in peaks):,}")
             cuts += [cut for cut in memory_cuts(egraph, step_nodes, peaks, memory_budget) if cut not in cuts]
         if rounds:
             selection = replace(selection, status="feasible")

@@ -4,15 +4,16 @@ cuts that exclude an overshooting plan (`memory_cuts`), and the error that says 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from tapestry.cost import RankPeak, layout_bytes, rank_peaks
 from tapestry.cost.memory import Lowerings, lean_order
 from tapestry.egraph.decode import Decoder
 from tapestry.egraph.layered import Layered
-from tapestry.extract import DeviceBudget
+from tapestry.extract import DeviceBudget, Selection
 from tapestry.extract import EGraph as ExtractGraph
+from tapestry.extract.selection import dag_cost
 from tapestry.graph import Graph
 from tapestry.plan import Compute, Place, Plan, Reshard
 
@@ -127,6 +128,34 @@ def budget_error(limit: int, why: str, floor: tuple[int, tuple[tuple[str, int], 
                                  f"larger budget")
     return MemoryBudgetError(f"no plan fits {limit:,} bytes per device: {why}; {inputs}, so no plan found "
                              f"holds the step's other values in the {limit - least:,} bytes left")
+
+
+def hand_within(egraph: ExtractGraph, hands: Sequence[Selection], limit: int,
+                decoded: Callable[[Selection], tuple[Plan, Sequence[RankPeak]]],
+                tried: Sequence[tuple[Plan, Sequence[RankPeak]]], error: Callable[[str], MemoryBudgetError],
+                why: str) -> tuple[Plan, Selection]:
+    """The cheapest of `hands` (hand plans as selections of `egraph`) whose decoded plan fits `limit`, marked
+    "feasible", where the budgeted ILP gave up: a memory cut charges values that were live together in another
+    plan, so it can exclude a hand plan that fits (ZeRO-3's at its own peak on Mesh(2, 2)). Else `error` of `why`
+    and the leanest plan decoded (the ILP's `tried`, the hands), with what it holds at its peak: where no plan
+    found fits, how far the least is over and what makes it up."""
+    leanest: tuple[int, str, Plan, Sequence[RankPeak]] | None = None
+    for plan, peaks in tried:
+        if leanest is None or max(p.bytes for p in peaks) < leanest[0]:
+            leanest = max(p.bytes for p in peaks), plan.notes.get("extractor", "ilp"), plan, peaks
+    for hand in sorted((replace(h, dag_cost=dag_cost(egraph, h.choice)) for h in hands), key=lambda h: h.dag_cost):
+        if not math.isfinite(hand.dag_cost):
+            continue
+        plan, peaks = decoded(hand)
+        peak = max(p.bytes for p in peaks)
+        if peak <= limit:
+            return replace(plan, notes={**plan.notes, "status": "feasible"}), replace(hand, status="feasible")
+        if leanest is None or peak < leanest[0]:
+            leanest = peak, hand.extractor, plan, peaks
+    if leanest is None:
+        raise error(why)
+    peak, name, plan, peaks = leanest
+    raise error(f"{why}; the leanest plan decoded, {name}'s, needs {peak:,}: {held_at_peak(plan, peaks)}")
 
 
 def held_at_peak(plan: Plan, peaks: Sequence[RankPeak], shown: int = 4) -> str:
