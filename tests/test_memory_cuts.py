@@ -140,6 +140,7 @@ def test_a_training_step_fits_the_leanest_hand_plans_budget_and_is_no_slower_tha
     assert not steady_violations(found.plan, imported.graph.carried)
 
 
+@pytest.mark.slow  # waits on the cut ILP's 5 s limit twice (~100 CPU s); at 1 s the ILP finds a plan
 def test_a_budget_a_hand_plan_meets_returns_a_plan_within_it_where_the_cut_ilp_gives_up():
     """ZeRO-3's own peak on Mesh(2, 2), between the leanest hand plan's and the unbudgeted plan's: the ILP's first
     plan overshot it, its memory cut (values live together there) excluded ZeRO-3's plan too, and the cut ILP found
