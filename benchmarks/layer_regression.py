@@ -166,7 +166,8 @@ def main() -> None:
         if args.starts:
             watch_starts(explored, model, args.micro_batches)
         started = time.process_time()
-        leaner = next(explored.leaner_plans(found, ranking, args.leaner_extractor, time_limit, args.micro_batches), None)
+        leaner = next(explored.leaner_plans(found, ranking, args.leaner_extractor, time_limit, args.micro_batches),
+                      None)
         print(f"leaner plan 1 (under {found.peak_memory - 1:,} bytes): {time.process_time() - started:.1f} CPU s"
               + ("" if leaner is None else f", peak {leaner.peak_memory:,} bytes, extractor "
                  f"{leaner.plan.notes.get('extractor')}, digest {digest(leaner.plan)}; "
