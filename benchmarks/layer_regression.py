@@ -7,8 +7,9 @@ has one, else 10 s; `plan_pipeline`'s `Budget()`) and prints the plan's `layer_c
 exposed reductions, in ms. It runs on older trees too (copy it into `git archive REV`'s benchmarks/, PYTHONPATH at
 its src): the extraction's `micro_batches` is passed only where the tree's `Explored.extract` takes it.
 `--leaner` then extracts the first leaner plan (under the fastest one's peak, as `plan_pipeline` does where the
-fastest does not fit a stage). `--save` writes the plan (`Plan.save`); `--price PATH` prices a saved plan (another tree's) with this tree's model,
-without planning: its `layer_cost` and what it costs per update of `--micro-batches` runs.
+fastest does not fit a stage). `--save` writes the plan (`Plan.save`); `--price PATH` prices a saved plan (another
+tree's) with this tree's model, without planning: its `layer_cost` and what it costs per update of
+`--micro-batches` runs.
 
     python benchmarks/layer_regression.py --save /tmp/layer.json            # 70B, seq 4096, 8 KV heads, 8x8
     python benchmarks/layer_regression.py --price /tmp/layer.json
@@ -52,13 +53,47 @@ def describe(plan: object, model: object, micro_batches: int) -> str:
         from tapestry.cost.breakdown import phase_times
     except ImportError:
         return said
-    return said + f"; phase_times.accumulated = {phase_times(plan, model, ('lr',)).accumulated(micro_batches) * 1e3:.1f} ms"
+    accumulated = phase_times(plan, model, ('lr',)).accumulated(micro_batches)
+    return said + f"; phase_times.accumulated = {accumulated * 1e3:.1f} ms"
 
 
 def digest(plan: object) -> str:
     """A short hash of the plan's steps' layouts: equal plans, equal digests."""
     text = json.dumps([s for s in plan.to_json()["steps"]], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def watch_starts(explored: object, model: object, micro_batches: int) -> None:
+    """Each budgeted ILP call's warm starts and its result, printed: the ILP's objective (`dag_cost` under the
+    weighted graph it solved), whether the budget's linear constraints admit it, its plan's peak (`leaner`) and
+    time per update of `micro_batches` (`phase_times(...).accumulated`, plan_cost's phases)."""
+    from tapestry.cost.breakdown import phase_times
+    from tapestry.egraph.pins import steady_picks
+    from tapestry.extract import extract
+    from tapestry.extract.selection import dag_cost
+
+    selected = type(explored)._selected
+
+    def told(egraph: object, selection: object) -> str:
+        plan, _, peaks = explored._lean.leaner(egraph, selection)
+        return (f"objective {dag_cost(egraph, selection.choice) * 1e3:.1f}, per update "
+                f"{phase_times(plan, model, ('lr',)).accumulated(micro_batches) * 1e3:.1f} ms, peak "
+                f"{max(p.bytes for p in peaks):,}")
+
+    def watched(self, egraph, extractor, time_limit, budget, ties, carried, stop_gap=None, model_=None, hands=()):
+        found = selected(self, egraph, extractor, time_limit, budget, ties, carried, stop_gap, model_, hands)
+        if budget is not None:
+            print(f"budgeted {extractor} call (limit {budget.limit:,}, {len(budget.groups)} cuts):", flush=True)
+            for i, hand in enumerate(hands):
+                print(f"  start {i} ({hand.extractor}): fits the constraints {budget.fits(hand.choice)}, "
+                      f"{told(egraph, hand)}", flush=True)
+            for i, pick in enumerate(steady_picks(self.decoder, egraph, carried, lambda g: extract(g, "greedy-dag"))):
+                print(f"  greedy-dag's steady pick {i} of this graph: {told(egraph, pick)}", flush=True)
+            print(f"  returned ({found.extractor}, {found.status}, stopped by {found.stopped_by}): "
+                  f"{told(egraph, found)}", flush=True)
+        return found
+
+    type(explored)._selected = watched
 
 
 def main() -> None:
@@ -75,6 +110,9 @@ def main() -> None:
     parser.add_argument("--extractor", default="ilp", help="plan_pipeline's default: ilp")
     parser.add_argument("--leaner", action="store_true", help="then the first leaner plan (Explored.leaner_plans), "
                         "as plan_pipeline extracts it where the fastest does not fit a stage")
+    parser.add_argument("--leaner-extractor", default="ilp", help="the leaner plan's extractor (plan_pipeline's: ilp)")
+    parser.add_argument("--starts", action="store_true", help="with --leaner: print each budgeted ILP call's warm "
+                        "starts and result (ILP objective, plan_cost per update, peak; this tree only)")
     parser.add_argument("--save", help="write the plan here (Plan.save)")
     parser.add_argument("--price", help="price this saved plan instead of planning")
     parser.add_argument("--hand", action="store_true", help="price the layer's hand plans (training.plans.baselines) "
@@ -127,8 +165,11 @@ def main() -> None:
     if args.save:
         found.plan.save(args.save)
     if args.leaner and hasattr(explored, "leaner_plans"):
+        if args.starts:
+            watch_starts(explored, model, args.micro_batches)
         started = time.process_time()
-        leaner = next(explored.leaner_plans(found, ranking, "ilp", time_limit, args.micro_batches), None)
+        leaner = next(explored.leaner_plans(found, ranking, args.leaner_extractor, time_limit, args.micro_batches),
+                      None)
         print(f"leaner plan 1 (under {found.peak_memory - 1:,} bytes): {time.process_time() - started:.1f} CPU s"
               + ("" if leaner is None else f", peak {leaner.peak_memory:,} bytes, extractor "
                  f"{leaner.plan.notes.get('extractor')}, digest {digest(leaner.plan)}; "

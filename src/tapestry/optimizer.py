@@ -285,7 +285,9 @@ class Explored:
         budget_of = cache(lambda: device_budget(self.decoder, self._held, self.layered, memory_budget))  # if it binds
         if memory_budget is not None and self._inputs_floor[0] > memory_budget:  # no plan can: say so at once
             raise self._budget_error(memory_budget, "")
-        hands = self._warm_starts(egraph, extractor, time_limit, ties, carried) if self.layered is None else ()
+        hands = self._warm_starts(egraph, tuple(embedded for _, embedded in embedded_plans(
+            self.decoder, egraph, self.baselines, ties)) if self.layered is None else (), extractor, time_limit, ties,
+            carried)  # and in `fit` greedy-dag's picks of the graph solved: of one run's costs, then of that one's
         objective = StepObjective(model, micro_batches, split, (LR,))
         reductions = objective.split[0]
 
@@ -302,7 +304,8 @@ class Explored:
             fallback tries `base`'s plain sum too (the refit that binding leaves unmade: `refit` below)."""
             hidden = weighted(base, weight)
             plan, selection = self._fit(hidden, extractors[-1], time_limit, budget_of, ties, carried, memory_budget,
-                                        outputs, FUSED_STOP_GAP if base is fused else None, model, hands,
+                                        outputs, FUSED_STOP_GAP if base is fused else None, model,
+                                        self._warm_starts(hidden, hands, extractor, time_limit, ties, carried),
                                         (base,) if first and reductions else ())
             fell_back = selection.extractor in EXTRACTORS and selection.extractor != extractors[-1]  # not a hand plan
             if fell_back and ties and memory_budget is None:
@@ -406,12 +409,11 @@ class Explored:
                                             "status": "feasible", "extracted_cost": plan.cost})
         return plan, selection
 
-    def _warm_starts(self, egraph: ExtractGraph, extractor: str, time_limit: float, ties: Ties,
-                     carried: Mapping[str, str]) -> tuple[Selection, ...]:
-        """The ILP's warm starts (node n is e-node n in every graph): the hand plans keeping `ties`, greedy-dag's
-        steady picks (`pins.steady_picks`: the carried inputs replicated, and where its free choice delivered them)."""
-        hands = tuple(embedded for _, embedded in embedded_plans(self.decoder, egraph, self.baselines, ties))
-        if extractor != "ilp" or not ties:
+    def _warm_starts(self, egraph: ExtractGraph, hands: tuple[Selection, ...], extractor: str, time_limit: float,
+                     ties: Ties, carried: Mapping[str, str]) -> tuple[Selection, ...]:
+        """The ILP's warm starts (node n is e-node n in every graph): `hands`, and greedy-dag's steady picks of
+        `egraph` (`pins.steady_picks`: the carried inputs replicated, and where its free choice delivered them)."""
+        if self.layered is not None or extractor != "ilp" or not ties:  # a folded graph's: none (`_selected`)
             return hands
         return (*hands, *steady_picks(self.decoder, egraph, carried, lambda graph: self._unbudgeted.get(
             graph, (), ("greedy-dag", time_limit), None, lambda: extract(graph, "greedy-dag", time_limit))))
