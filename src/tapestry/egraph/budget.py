@@ -136,9 +136,9 @@ def hand_within(egraph: ExtractGraph, hands: Sequence[Selection], limit: int,
                 why: str) -> tuple[Plan, Selection]:
     """The cheapest of `hands` (hand plans and warm starts, as selections of `egraph`) whose decoded plan fits
     `limit`, marked "feasible", where the budgeted ILP gave up: a memory cut charges values that were live together
-    in another plan, so it can exclude a hand plan that fits (ZeRO-3's at its own peak on Mesh(2, 2)). Else `error` of `why`
-    and the leanest plan decoded (the ILP's `tried`, the hands), with what it holds at its peak: where no plan
-    found fits, how far the least is over and what makes it up."""
+    in another plan, so it can exclude a hand plan that fits (ZeRO-3's at its own peak on Mesh(2, 2)). Else `error`
+    of `why` and the leanest plan decoded (the ILP's `tried`, the hands), with what it holds at its peak: where no
+    plan found fits, how far the least is over and what makes it up."""
     leanest: tuple[int, str, Plan, Sequence[RankPeak]] | None = None
     for plan, peaks in tried:
         if leanest is None or max(p.bytes for p in peaks) < leanest[0]:
