@@ -431,11 +431,11 @@ EXCHANGED = {"batch-wide": ({"grouped_mm": 4, "grouped_mm_k": 2}, {"take_rows": 
                                             (Mesh(2, 2, 2), "DPxEP")], ids=str)
 def test_the_expert_parallel_hand_plans_exchange_tokens_and_experts_rows_and_simulate_to_the_evaluator(
         mesh, strategy, routing, mixtral_steps_of_batch_4):
-    """EP (batch and experts over every device, the mesh's axes as one) and DPxEP (data over the outer axes jointly;
-    attention tensor parallel and experts expert parallel over the last), of either routing: the experts and their weight
-    gradients exchange rows (routed by block, each device's row block of every block), so do the tokens' routes
-    batch-wide (the dispatch and combine, their backwards) and the embedding's backward, and each expert weight
-    lives split by expert."""
+    """EP (batch and experts over every device, the mesh's axes as one) and DPxEP (data over the outer axes
+    jointly; attention tensor parallel and experts expert parallel over the last), of either routing: the experts
+    and their weight gradients exchange rows (routed by block, each device's row block of every block), so do the
+    tokens' routes batch-wide (the dispatch and combine, their backwards) and the embedding's backward, and each
+    expert weight lives split by expert."""
     from collections import Counter
 
     from tapestry.training.plans import data_expert_parallel, expert_parallel
