@@ -239,6 +239,46 @@ def test_every_hand_plan_lies_in_the_egraph_and_floors_the_plan_whatever_the_bud
     assert result.plan.cost <= min(plan_cost(hand, CLUSTER) for hand in hands.values()) * (1 + 1e-9)
 
 
+@pytest.fixture(scope="module")
+def mixtral_batch2() -> tapestry.TorchImport:
+    """The tiny Mixtral's SGD step at batch 2: on Mesh(2, 2, 2) its batch divides neither the 8 devices nor the 4
+    outer ones, as Mixtral's batch 8 divides neither 256 nor 32 on 4x8x8 (benchmarks/cluster.py)."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        imported, _ = tiny_mixtral_step(monkeypatch, batch=2)
+    return imported
+
+
+def test_on_a_3d_mesh_the_moe_recipes_are_baselines_priced_as_on_their_flattened_grid(mixtral_batch2):
+    """Issue 24: Mixtral's training step on 4x8x8 planned 63.3 ms where benchmarks/cluster.py's DPxEP hand plan,
+    priced on Mesh(32, 8), gave 50.8: the floor built the n-D recipes on 2-D meshes only. On 2x2x2 they split the
+    outer axes jointly (what the batch does not divide there runs replicated) and price as on Mesh(4, 2)."""
+    graph, cube, grid = mixtral_batch2.graph, tapestry.Mesh(2, 2, 2), tapestry.Mesh(4, 2)
+    hands, flat = baselines(graph, cube), baselines(graph, grid)
+    assert {"data and expert parallel", "data, tensor and expert parallel"} <= set(hands)
+    for name in ("data and expert parallel", "data, tensor and expert parallel"):
+        validate_plan(hands[name])
+        assert plan_cost(hands[name], CLUSTER) == pytest.approx(plan_cost(flat[name], CLUSTER), rel=1e-9), name
+    assert min(hands, key=lambda name: plan_cost(hands[name], CLUSTER)) == "data and expert parallel"
+
+
+def test_on_a_3d_mesh_the_floor_keeps_data_and_expert_parallel_from_the_egraph(mixtral_batch2, monkeypatch):
+    """The 3-D DPxEP hand plan seeds the search, so its steps lie in the e-graph (here with every budget count
+    cut), and against a plan dearer than every hand plan the floor returns it, as priced on Mesh(4, 2)."""
+    monkeypatch.setattr(driver, "RUNS_PER_SECOND", 0)
+    monkeypatch.setattr(driver, "RESHARDS_PER_SECOND", 0)
+    explored = explore(mixtral_batch2.graph, tapestry.Mesh(2, 2, 2), budget=tapestry.Budget(priced_moves=0))
+    egraph, ties = steady_ties(explored.decoder, explored.decoder.extraction_graph(
+        list(explored.roots), CLUSTER, explored.priced_moves), dict(mixtral_batch2.graph.carried))
+    for name, hand in explored.baselines.items():
+        assert not validate(egraph, plan_selection(explored.decoder, egraph, hand, name)), name
+    dearer = replace(explored.baselines["tensor parallel"], cost=math.inf)
+    plan, selection = explored._against_baselines(dearer, None, egraph, CLUSTER, ties, None)
+    assert selection.extractor == "hand plan (data and expert parallel)"
+    flat = baselines(mixtral_batch2.graph, tapestry.Mesh(4, 2))["data and expert parallel"]
+    assert plan.cost == pytest.approx(plan_cost(flat, CLUSTER), rel=1e-9)
+    assert not validate(egraph, selection)
+
+
 def test_a_dense_steps_baselines_have_no_expert_parallel():
     imported, _ = adam_step(8, 16, 16)
     assert expert_weights(imported.graph) == {}

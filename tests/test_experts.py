@@ -427,14 +427,15 @@ EXCHANGED = {"batch-wide": ({"grouped_mm": 4, "grouped_mm_k": 2}, {"take_rows": 
 
 
 @pytest.mark.parametrize("routing", list(ROUTINGS))
-@pytest.mark.parametrize("mesh, strategy", [(Mesh(4), "EP"), (Mesh(2, 2), "EP"), (Mesh(2, 2), "DPxEP")], ids=str)
+@pytest.mark.parametrize("mesh, strategy", [(Mesh(4), "EP"), (Mesh(2, 2), "EP"), (Mesh(2, 2), "DPxEP"),
+                                            (Mesh(2, 2, 2), "DPxEP")], ids=str)
 def test_the_expert_parallel_hand_plans_exchange_tokens_and_experts_rows_and_simulate_to_the_evaluator(
         mesh, strategy, routing, mixtral_steps_of_batch_4):
-    """EP (batch and experts over every device, the mesh's axes as one) and DPxEP (data over axis 0; attention
-    tensor parallel and experts expert parallel over axis 1), of either routing: the experts and their weight
-    gradients exchange rows (routed by block, each device's row block of every block), so do the tokens' routes
-    batch-wide (the dispatch and combine, their backwards) and the embedding's backward, and each expert weight
-    lives split by expert."""
+    """EP (batch and experts over every device, the mesh's axes as one) and DPxEP (data over the outer axes
+    jointly; attention tensor parallel and experts expert parallel over the last), of either routing: the experts
+    and their weight gradients exchange rows (routed by block, each device's row block of every block), so do the
+    tokens' routes batch-wide (the dispatch and combine, their backwards) and the embedding's backward, and each
+    expert weight lives split by expert."""
     from collections import Counter
 
     from tapestry.training.plans import data_expert_parallel, expert_parallel
@@ -447,14 +448,29 @@ def test_the_expert_parallel_hand_plans_exchange_tokens_and_experts_rows_and_sim
         expert_axes = (0,) * mesh.ndim
     else:
         attention = {f"model.layers.0.self_attn.{p}_proj.weight": int(p == "o") for p in "qkvo"}
-        plan, ep, routes = data_expert_parallel(imported.graph, mesh, arguments, attention, EXPERT_WEIGHTS), (1,), (0,)
-        expert_axes = (None, 0)
+        plan = data_expert_parallel(imported.graph, mesh, arguments, attention, EXPERT_WEIGHTS)
+        ep, routes = (mesh.ndim - 1,), tuple(range(mesh.ndim - 1))
+        expert_axes = (None,) * (mesh.ndim - 1) + (0,)
     exchanged = Counter((s.kernel, s.exchange) for s in plan.steps if isinstance(s, Compute) and s.exchange)
     experts, tokens = EXCHANGED[routing]
     assert exchanged == {**{(k, ep): n for k, n in experts.items()}, **{(k, routes): n for k, n in tokens.items()}}
     placed = {s.input: s.layout for s in plan.steps if isinstance(s, Place) and s.input in EXPERT_WEIGHTS}
     assert placed == {name: Layout.split(imported.graph[name].shape, mesh, expert_axes) for name in EXPERT_WEIGHTS}
     assert_simulates_to_the_evaluator(plan, imported, args)
+
+
+def test_dp_x_ep_on_a_cube_whose_outer_axes_the_batch_does_not_divide_runs_data_replicated_there_and_simulates(
+        monkeypatch):
+    """Batch 2 on 2x2x2 (Mixtral's batch 8 on 4x8x8): the n-D recipes' data-parallel part runs replicated over the
+    outer axes, the experts still exchange rows over the last, and both plans compute the step."""
+    from tapestry.training.plans import baselines
+
+    imported, args = tiny_mixtral_step(monkeypatch, batch=2)
+    hands = baselines(imported.graph, Mesh(2, 2, 2))
+    for name in ("data and expert parallel", "data, tensor and expert parallel"):
+        plan = hands[name]
+        assert {s.exchange for s in plan.steps if isinstance(s, Compute) and s.exchange} == {(2,)}, name
+        assert_simulates_to_the_evaluator(plan, imported, args)
 
 
 def test_an_expert_parallel_hand_plan_refuses_experts_that_do_not_split_over_the_devices(mixtral_steps_of_batch_4):

@@ -317,16 +317,18 @@ def _reader(sig: Signature, args: Sequence[str], index_dims: set[int], among: Se
 
 def baselines(graph: Graph, mesh: Mesh) -> dict[str, Plan]:
     """The hand plans of a training step (`graph.carried`) on `mesh`: Megatron tensor parallel over every device
-    (the mesh's axes taken as one) and, on a 2-D mesh, data parallel over axis 0 with tensor parallel over axis 1,
-    their weights' splits found from the graph's structure (`tensor_parallel_seeds`); where the step's batch
-    arguments all split on their first dim over every device, data parallel and ZeRO-3 over all devices (where they
-    do not, FSDP: the state over every device, the batch over the axes it divides, the sequence over the rest),
-    and for a MoE (`expert_weights`) expert parallel over every device and, on a 2-D mesh, data and expert parallel
-    (attention and dense layers data parallel over axis 0 only, whole over axis 1) and data, tensor and expert
-    parallel (DP x (TP + EP), Megatron's and DeepSpeed-MoE's layout: attention and dense layers tensor parallel over
-    axis 1 as in "data and tensor parallel", the experts split by expert there). A strategy build_plan cannot
-    make of this graph (a ValueError naming the op, or experts that do not split over the devices) is no baseline
-    either: the optimizer's plan stands without it."""
+    (the mesh's axes taken as one) and, on a mesh of 2 or more axes, the n-D recipes (a node's devices the last
+    axis): data parallel over the outer axes jointly with tensor parallel over the last, their weights' splits found
+    from the graph's structure (`tensor_parallel_seeds`); where the step's batch arguments all split on their first
+    dim over every device, data parallel and ZeRO-3 over all devices (where they do not, FSDP: the state over every
+    device, the batch over the axes it divides, the sequence over the rest), and for a MoE (`expert_weights`)
+    expert parallel over every device and, on 2 or more axes, data and expert parallel (attention and dense layers
+    data parallel over the outer axes only, whole over the last) and data, tensor and expert parallel (DP x (TP +
+    EP), Megatron's and DeepSpeed-MoE's layout: attention and dense layers tensor parallel over the last axis as in
+    "data and tensor parallel", the experts split by expert there), built whether or not the batch divides among
+    the outer axes (what does not divide runs replicated there, as benchmarks/cluster.py's hand plans do). A
+    strategy build_plan cannot make of this graph (a ValueError naming the op, or experts that do not split over
+    the devices) is no baseline either: the optimizer's plan stands without it."""
     if not graph.carried:
         return {}
     arguments = step_arguments(graph)
@@ -335,25 +337,26 @@ def baselines(graph: Graph, mesh: Mesh) -> dict[str, Plan]:
     hidden = tensor_parallel_seeds(expanded, mesh.size)
     if hidden:
         makers["tensor parallel"] = lambda: megatron(graph, mesh, hidden)
-    if mesh.ndim == 2 and arguments and all(graph[a].shape[0] % mesh.shape[0] == 0 for a in arguments):
-        inner = tensor_parallel_seeds(expanded, mesh.shape[1])
+    outer = math.prod(mesh.shape[:-1])
+    if mesh.ndim >= 2 and arguments and all(graph[a].shape[0] % outer == 0 for a in arguments):
+        inner = tensor_parallel_seeds(expanded, mesh.shape[-1])
         if inner:
             makers["data and tensor parallel"] = lambda: data_tensor_parallel(graph, mesh, arguments, inner)
     if arguments and any(graph[a].shape[0] % mesh.size for a in arguments):
         makers["FSDP"] = lambda: fsdp(graph, mesh, arguments)
+    experts = expert_weights(graph) if arguments else {}
     if arguments and not any(graph[a].shape[0] % mesh.size for a in arguments):
         makers["data parallel"] = lambda: data_parallel(graph, mesh, arguments)
         makers["ZeRO-3"] = lambda: zero3(graph, mesh, arguments)
-        experts = expert_weights(graph)
         if experts:
             makers["expert parallel"] = lambda: expert_parallel(graph, mesh, arguments, experts)
-        if experts and mesh.ndim == 2:
-            makers["data and expert parallel"] = lambda: data_expert_parallel(graph, mesh, arguments, {}, experts)
-            expert_state = _with_state(graph, experts)
-            dense = {w: d for w, d in tensor_parallel_seeds(expanded, mesh.shape[1]).items() if w not in expert_state}
-            if dense:
-                makers["data, tensor and expert parallel"] = lambda: data_expert_parallel(graph, mesh, arguments,
-                                                                                          dense, experts)
+    if experts and mesh.ndim >= 2:  # the batch split over the outer axes where it divides, else replicated there
+        makers["data and expert parallel"] = lambda: data_expert_parallel(graph, mesh, arguments, {}, experts)
+        expert_state = _with_state(graph, experts)
+        dense = {w: d for w, d in tensor_parallel_seeds(expanded, mesh.shape[-1]).items() if w not in expert_state}
+        if dense:
+            makers["data, tensor and expert parallel"] = lambda: data_expert_parallel(graph, mesh, arguments,
+                                                                                      dense, experts)
     found = {}
     for name, make in makers.items():
         try:
@@ -371,14 +374,14 @@ def megatron(graph: Graph, mesh: Mesh, hidden: Seeds) -> Plan:
 
 
 def data_tensor_parallel(graph: Graph, mesh: Mesh, arguments: Sequence[str], hidden: Seeds) -> Plan:
-    """The usual 2-D recipe on a 2-D mesh: data parallel over mesh axis 0 and Megatron tensor parallel over axis
-    1 (an op both split on one index dim splits it over the whole mesh), linears expanded as `megatron` does."""
-    if mesh.ndim != 2:
-        raise ValueError(f"data_tensor_parallel plans 2-D meshes; got {mesh.shape}")
+    """The usual n-D recipe: data parallel over the mesh's outer axes jointly (all but the last) and Megatron
+    tensor parallel over the last (a node); an op both split on one index dim splits it over both, linears
+    expanded as `megatron` does."""
+    outer = _outer_axes(mesh)
     expanded = expand_linears(graph)
-    data = propagated_splits(expanded, mesh.shape[0], [batch_seeds(expanded, arguments)])
-    tensor = propagated_splits(expanded, mesh.shape[1], [_with_state(graph, hidden)])
-    axes = {op.name: _joint(expanded.signature(op.name), data.get(op.name), tensor.get(op.name), mesh.size)
+    data = propagated_splits(expanded, math.prod(mesh.shape[a] for a in outer), [batch_seeds(expanded, arguments)])
+    tensor = propagated_splits(expanded, mesh.shape[-1], [_with_state(graph, hidden)])
+    axes = {op.name: _joint(expanded.signature(op.name), mesh, data.get(op.name), tensor.get(op.name))
             for op in expanded.ops}
     return steady(build_plan(expanded, mesh, axes))
 
@@ -402,35 +405,44 @@ def expert_parallel(graph: Graph, mesh: Mesh, arguments: Sequence[str], experts:
 
 
 def data_expert_parallel(graph: Graph, mesh: Mesh, arguments: Sequence[str], hidden: Seeds, experts: Seeds) -> Plan:
-    """The MoE recipe on a 2-D mesh: data parallel over axis 0, and over axis 1 (a node) Megatron tensor
-    parallel for attention and dense linears (`hidden`, as `data_tensor_parallel`) and expert parallel for the
-    experts (`experts`: each expert weight's expert dim), their grouped mms and weight gradients exchanging rows
-    within the node. Routed by block, the experts' steps split over axis 0 by the batch's blocks, as data; routed
-    batch-wide, the tokens' dispatch and combine (take_rows) exchange across axis 0, between the data groups'
-    tokens and the rows sorted by expert, which the experts' steps split over axis 0 as data. Either way the
-    weight gradients are partial over axis 0, summed across the data groups as data parallel's are."""
-    if mesh.ndim != 2:
-        raise ValueError(f"data_expert_parallel plans 2-D meshes; got {mesh.shape}")
-    _check_experts(graph, experts, mesh.shape[1])
+    """The MoE recipe on an n-D mesh: data parallel over the outer axes jointly (all but the last), and over
+    the last (a node) Megatron tensor parallel for attention and dense linears (`hidden`, as `data_tensor_parallel`)
+    and expert parallel for the experts (`experts`: each expert weight's expert dim), their grouped mms and weight
+    gradients exchanging rows within the node. Routed by block, the experts' steps split over the data axes by the
+    batch's blocks, as data; routed batch-wide, the tokens' dispatch and combine (take_rows) exchange across the
+    data axes, between the data groups' tokens and the rows sorted by expert, which the experts' steps split there
+    as data. Either way the weight gradients are partial over the data axes, summed across the data groups as data
+    parallel's are."""
+    _check_experts(graph, experts, mesh.shape[-1])
+    outer = _outer_axes(mesh)
     expanded = take_rows_of(expand_linears(graph))
-    data = propagated_splits(expanded, mesh.shape[0], [batch_seeds(expanded, arguments)], ROUTES)
-    model = propagated_splits(expanded, mesh.shape[1], [_with_state(graph, {**hidden, **experts})], EXPERTS)
+    data = propagated_splits(expanded, math.prod(mesh.shape[a] for a in outer), [batch_seeds(expanded, arguments)],
+                             ROUTES)
+    model = propagated_splits(expanded, mesh.shape[-1], [_with_state(graph, {**hidden, **experts})], EXPERTS)
     axes, partitions = {}, {}
     for op in expanded.ops:
         sig, first, second = expanded.signature(op.name), data.get(op.name), model.get(op.name)
         if EXCHANGE in (first, second):
-            axis = 0 if first == EXCHANGE else 1
-            other = second if axis == 0 else first
+            over_data = first == EXCHANGE
+            other = second if over_data else first
             expert_dim = sig.dims.index(sig.kernel.exchange.experts)
             refused = {expert_dim, *sig.dims_of(DimKind.REDUCTION)}
-            if axis == 1 and not returns(sig):  # rows (and blocks) summed: they may split as data on the axis before
-                refused -= _moving(sig) - {expert_dim}
+            if not over_data and not returns(sig):  # rows (and blocks) summed: they may split as data on the
+                refused -= _moving(sig) - {expert_dim}  # outer axes
             choice = other if other not in refused and other != EXCHANGE else None
-            partitions[op.name] = make_partition(sig, mesh, (None, choice) if axis == 0 else (choice, None),
-                                                 exchange=(axis,))
+            chosen = (None,) * len(outer) + (choice,) if over_data else (choice,) * len(outer) + (None,)
+            partitions[op.name] = make_partition(sig, mesh, chosen, exchange=outer if over_data else (mesh.ndim - 1,))
         else:
-            axes[op.name] = _joint(sig, first, second, mesh.size)
+            axes[op.name] = _joint(sig, mesh, first, second)
     return steady(build_plan(expanded, mesh, axes, partitions))
+
+
+def _outer_axes(mesh: Mesh) -> tuple[int, ...]:
+    """The axes the n-D recipes split the batch over jointly: all but the last, which they give to tensor or expert
+    parallelism (a node)."""
+    if mesh.ndim < 2:
+        raise ValueError(f"the n-D recipes plan meshes of 2 or more axes; got {mesh.shape}")
+    return tuple(range(mesh.ndim - 1))
 
 
 def _check_experts(graph: Graph, experts: Seeds, parts: int) -> None:
@@ -444,15 +456,15 @@ def _check_experts(graph: Graph, experts: Seeds, parts: int) -> None:
                              f"not split evenly over {parts} devices")
 
 
-def _joint(sig: Signature, first: int | None, second: int | None, devices: int) -> tuple[int | None, int | None]:
-    """The two axes' splits of one op, where a reduction split over one axis only would leave partial sums
-    replicated over the other (counted twice): then the reduction splits over both (if it divides among all
-    devices) or over neither."""
+def _joint(sig: Signature, mesh: Mesh, first: int | None, second: int | None) -> tuple[int | None, ...]:
+    """One op's splits per mesh axis under an n-D recipe, `first` over the outer axes jointly and `second` over the
+    last, where a reduction split over some axes only would leave partial sums replicated over the others (counted
+    twice): then the reduction splits over every axis (if it divides among all devices) or over none."""
     reductions = sig.dims_of(DimKind.REDUCTION)
     alone = first if second is None else second if first is None else None
     if alone is None or alone not in reductions:
-        return first, second
-    return (alone, alone) if sig.spec.sizes[alone] % devices == 0 else (None, None)
+        return (first,) * (mesh.ndim - 1) + (second,)
+    return (alone,) * mesh.ndim if sig.spec.sizes[alone] % mesh.size == 0 else (None,) * mesh.ndim
 
 
 def _with_state(graph: Graph, hidden: Seeds) -> Seeds:
