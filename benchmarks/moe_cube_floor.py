@@ -59,7 +59,8 @@ def main() -> None:
             problems = validate(egraph, plan_selection(explored.decoder, egraph, hand, name))
             print(f"{name}: {'in the e-graph' if not problems else problems}")
         result = explored.extract(model, "ilp")
-        print(f"search: {result.plan.cost * 1e3:.4f} ms ({result.selection.extractor}); CPU s {time.process_time():.1f}")
+        print(f"search: {result.plan.cost * 1e3:.4f} ms ({result.selection.extractor}); "
+              f"CPU s {time.process_time():.1f}")
 
 
 if __name__ == "__main__":
