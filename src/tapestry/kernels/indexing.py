@@ -142,7 +142,8 @@ def scatter_add_signature(x: Shape, index: Shape, src: Shape, axis: int, name: s
                          follow(n, range(n)), Fraction(index[ax], max(1, x[ax])))
 
 
-def _landing_numpy(x: np.ndarray, index: np.ndarray, ax: int, block_start: tuple[int, ...]):
+def _landing_numpy(x: np.ndarray, index: np.ndarray, ax: int,
+                   block_start: tuple[int, ...]) -> tuple[list[np.ndarray], np.ndarray]:
     """index's cells as coordinates into this block of x (an index names a row of the whole x: the block's start
     along `ax` subtracted), and which of them land in the block (scatter and scatter_add)."""
     grid = list(np.indices(index.shape))
@@ -150,7 +151,8 @@ def _landing_numpy(x: np.ndarray, index: np.ndarray, ax: int, block_start: tuple
     return grid, (grid[ax] >= 0) & (grid[ax] < x.shape[ax])
 
 
-def _landing_torch(x, index, ax: int, block_start: tuple[int, ...]):
+def _landing_torch(x: torch.Tensor, index: torch.Tensor, ax: int,
+                   block_start: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """`_landing_numpy`'s rows along `ax` and mask, in torch."""
     rows = index.long() - block_start[ax]
     return rows, (rows >= 0) & (rows < x.shape[ax])
