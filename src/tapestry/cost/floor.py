@@ -32,10 +32,12 @@ time; the floor ignores it). docs/cost-models.md, "The whole-space floor".
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from tapestry.cost.fusion import FUSIBLE
+from tapestry import dtypes
+from tapestry.cost.fusion import FUSIBLE, footprint
 from tapestry.cost.overlap import upstream
 from tapestry.cost.roofline import compute_dtype
 from tapestry.graph import Graph
@@ -43,6 +45,9 @@ from tapestry.kernels import Signature
 from tapestry.sharding import Mesh
 
 MATMULS = frozenset({"matmul", "linear", "linear_relu", "linear_gelu"})  # what the matmul rules read (Linear: as x @ w + b)
+SAME_SIZE_VIEWS = frozenset({"reshape", "transpose"})
+FOLDED = frozenset({"relu", "gelu", "add"})  # fusion.egg folds these into a linear or convolution (Linear: matmul + add)
+FOLDS_INTO = frozenset({"tapestry.kernels.matmul", "tapestry.kernels.linear", "tapestry.kernels.conv"})
 BYTES_KERNELS = frozenset({"tapestry.kernels.matmul", "tapestry.kernels.linear"})  # blocks always cover: bytes count
 
 
@@ -75,15 +80,11 @@ def step_floor(graph: Graph, mesh: Mesh, model: object, rule_files: Iterable[obj
     devices = mesh.size
     total = 0.0
     needed = upstream((terms[v] for v in graph.outputs.values()), lambda v: (terms[a] for a in graph[v].args))
-    for name in dict.fromkeys(terms.values()):
-        node = graph[name]
-        if node.is_input or name in free or name not in needed:
-            continue
-        sig = graph.signature(name)
-        kernel = sig.kernel
-        if kernel.is_view or kernel.signature.__module__ in FUSIBLE:
-            continue
-        total += op_floor(sig, devices, device)
+    ops = [n for n in dict.fromkeys(terms.values()) if not graph[n].is_input and n not in free and n in needed]
+    for name in ops:
+        if _kind(graph, name) == "library":
+            total += op_floor(graph.signature(name), devices, device)
+    total += _boundary_bytes(graph, terms, ops) / devices / device.mem_bandwidth
     return total * device.oversubscription(devices)
 
 
@@ -95,6 +96,55 @@ def op_floor(sig: Signature, devices: int, device: object) -> float:
     if sig.kernel.signature.__module__ in BYTES_KERNELS:
         seconds = max(seconds, nbytes / devices / device.mem_bandwidth)
     return seconds + device.launch_overhead
+
+
+def _kind(graph: Graph, name: str) -> str:
+    """"view", "fusible" (cost.fusion's FUSIBLE modules) or "library" (a kernel no fusion group takes in)."""
+    kernel = graph.signature(name).kernel
+    return "view" if kernel.is_view else "fusible" if kernel.signature.__module__ in FUSIBLE else "library"
+
+
+def _boundary_bytes(graph: Graph, terms: Mapping[str, str], ops: list[str]) -> float:
+    """Bytes fusion groups must move across their edge (module docstring), summed over `ops` (the distinct, needed,
+    per-run ops): each value a fusible op makes that a library kernel reads or the plan delivers (written once: it
+    leaves the group), and each value a library kernel makes that a fusible op reads (read once, at the largest such read), looking
+    through reshapes and transposes. Left out where a shipped fusion rule can fold the fusible op into the
+    library kernel (relu, gelu or a bias add of a matmul, linear or convolution's result) or a slice rule can
+    drop it (a concat)."""
+    def source(value: str) -> str:
+        while not graph[value].is_input and graph[value].op in SAME_SIZE_VIEWS:
+            value = terms[graph[value].args[0]]
+        return value
+
+    def kept_fusible(name: str) -> bool:
+        return _kind(graph, name) == "fusible" and graph[name].op != "concat" and not _foldable(graph, terms, name)
+
+    readers: dict[str, list[tuple[str, int]]] = {}  # value -> (op, argument slot), through size-keeping views
+    for name in ops:
+        for slot, arg in enumerate(graph[name].args):
+            readers.setdefault(source(terms[arg]), []).append((name, slot))
+    delivered = {source(terms[v]) for v in graph.outputs.values()}
+    total = 0.0
+    for value in ops:
+        uses = readers.get(value, [])
+        if kept_fusible(value) and (value in delivered or any(_kind(graph, r) == "library" for r, _ in uses)):
+            node = graph[value]
+            total += math.prod(node.shape) * dtypes.itemsize(node.dtype)
+        elif _kind(graph, value) == "library":
+            total += max((_read_bytes(graph.signature(r), slot) for r, slot in uses if kept_fusible(r)), default=0.0)
+    return total
+
+
+def _foldable(graph: Graph, terms: Mapping[str, str], name: str) -> bool:
+    """Whether fusion.egg can fold fusible op `name` into the library kernel whose result it reads."""
+    node = graph[name]
+    return node.op in FOLDED and any(not graph[terms[a]].is_input and graph.signature(terms[a]).kernel.signature
+                                     .__module__ in FOLDS_INTO for a in node.args)
+
+
+def _read_bytes(sig: Signature, slot: int) -> float:
+    """Bytes the whole op reads of its argument `slot` (its footprint, cost.fusion)."""
+    return footprint(sig.projections[slot], sig.index) * dtypes.itemsize(sig.input_dtypes[slot])
 
 
 def _shipped_rules(rule_files: Iterable[object]) -> bool:
