@@ -1,7 +1,8 @@
 """Cluster benchmark (issue 24): LLaMA and Mixtral at real widths, built on meta, planned for H100 clusters.
 
 Per case (model width, layers, inference or one Adam training step, mesh): import time and peak RSS, optimize
-time, the result's status and gap, the whole-space floor (cost.floor) and the gap to it, predicted step time and MFU, peak memory per device, what the plan splits
+time, the result's status and gap, the whole-space floor (cost.floor) and the gap to it, predicted step time and
+MFU, peak memory per device, what the plan splits
 (token ids, weights; for training how each weight lives between steps), beside the hand-built plans
 (tapestry.training.plans: data parallel, ZeRO-3, Megatron tensor parallel) priced by the same cost model.
 The hand plans split over one mesh axis, so on 2x4 and 8x8 they are priced on the flat mesh of as many devices
@@ -343,6 +344,25 @@ def floor_ms(row: dict[str, Any]) -> str:
     return f"{row['floor'] * 1e3:.2f}" + ("" if row.get("gap_to_floor") is None else f" ({row['gap_to_floor']:.0%})")
 
 
+def floor_table(rows: list[dict[str, Any]]) -> str:
+    """The floors of rows that have one beside their plans' times, gaps and best hand plans (--floors)."""
+    lines = ["| model | step | mesh | status | gap | predicted ms | floor ms | gap to floor | best hand ms "
+             "| floor CPU s |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r.get("floor") is None:
+            continue
+        c, hands = r["case"], [t for t, _, _ in r.get("hand", {}).values() if t == t]
+        gap = "—" if r.get("gap") is None else f"{r['gap']:.1%}"
+        lines.append(f"| {c['model']} | {c['mode']} | {c['mesh']} | {r['status'].split(' (')[0]} | {gap} | "
+                     f"{r['seconds'] * 1e3:.2f} | {r['floor'] * 1e3:.2f} | {r['gap_to_floor']:.1%} | "
+                     f"{min(hands) * 1e3 if hands else float('nan'):.2f} | {r.get('floor_cpu_s', float('nan')):.2f} |")
+    below = [f"{r['case']['model']} {r['case']['mode']} {r['case']['mesh']}" for r in rows if r.get("floor") is not None
+             and any(t < r["floor"] for t in [r["seconds"], *(t for t, _, _ in r.get("hand", {}).values() if t == t)])]
+    return "\n".join([*lines, "", "Rows whose plan or a hand plan is priced below the floor: "
+                                   f"{', '.join(below) or 'none'}."])
+
+
 def gib(n: float) -> str:
     return f"{n / 2**30:.2f}"
 
@@ -374,7 +394,8 @@ def order(row: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| model | layers | step | batch x seq | mesh | import s | RSS GiB | optimize s (CPU) | status | gap | floor ms (gap) | "
+    head = ("| model | layers | step | batch x seq | mesh | import s | RSS GiB | optimize s (CPU) | status | gap | "
+            "floor ms (gap) | "
             "predicted ms | MFU | GiB/device | replicated | ids / weights split | EP / CP | weights live | "
             "DP ms (MFU) | ZeRO-3 ms (MFU) | TP ms (MFU) | DPxTP ms (MFU) | EP ms (MFU) | DPxEP ms (MFU) | "
             "vs best hand |")
@@ -506,6 +527,8 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1, default=str)
     rows.sort(key=order)
+    if args.floors:
+        print(floor_table(rows), flush=True)
     others = sorted({r.get("profile", PROFILE) for r in rows} - {args.profile})  # rows from before it was recorded:
     if others:  # the default's
         raise ValueError(f"rows priced under {', '.join(others)} cannot go in a section that says {args.profile}")

@@ -149,3 +149,19 @@ def test_prepared_ops_and_repeated_terms_cost_nothing_extra():
     once = tapestry.Graph()
     once.output("y", once.matmul(once.input("x", (4, 256, 1024)), once.input("w", (1024, 1024))))
     assert np.isclose(step_floor(g, mesh, model), step_floor(once, mesh, model))
+
+
+def test_a_fusible_ops_delivered_value_is_written_once_unless_a_rule_folds_it_into_the_linear():
+    """relu(x) delivered: no FLOPs or launch, but its output leaves any fusion group (bytes over n at bandwidth);
+    relu(linear(x)) is one linear_relu kernel (fusion.egg): the relu adds nothing to the linear's floor."""
+    model, mesh = MODELS["gpu-h100-nccl"], Mesh(4)
+    device = model.profile.device
+    alone = tapestry.Graph()
+    alone.output("y", alone.relu(alone.input("x", (1024, 1024))))
+    assert np.isclose(step_floor(alone, mesh, model), 1024 * 1024 * 4 / 4 / device.mem_bandwidth)
+    assert under(step_floor(alone, mesh, model), tapestry.optimize(alone, mesh, cost_model=model).plan.cost)
+    linear, folded = tapestry.Graph(), tapestry.Graph()
+    for g, act in ((linear, False), (folded, True)):
+        y = g.linear(g.input("x", (4, 256, 1024)), g.input("w", (1024, 1024)), g.input("b", (1024,)))
+        g.output("y", g.relu(y) if act else y)
+    assert np.isclose(step_floor(folded, mesh, model), step_floor(linear, mesh, model))

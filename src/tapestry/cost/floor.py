@@ -12,9 +12,11 @@ the mesh and the cost model, and no plan `DefaultCostModel` prices (`plan_cost`)
   (n devices); a matmul's bytes (its operands' and result's footprints) likewise. An op is charged
   max(FLOPs / n / peak, bytes / n / bandwidth) + one launch, times the profile's oversubscription.
 - Fusion (`cost.fusion`) prices a group of fusible kernels (elementwise, reductions, shapes, views) as one kernel
-  that may write no intermediate and launches once: those ops are charged 0 here (their FLOPs at a GPU's peak are
-  a rounding error, and a rule such as relu(relu(x)) = relu(x) can remove them). Matmuls, attention, gathers and
-  the other library kernels are never fused with each other, so each keeps its launch.
+  that may write no intermediate and launches once: their FLOPs and launches are charged 0 here (at a GPU's peak a
+  rounding error; a rule such as relu(relu(x)) = relu(x) can remove them), only the bytes a group must move across
+  its edge (`_boundary_bytes`): a value one makes that a library kernel reads or the plan delivers is written, and a
+  value a library kernel makes that one reads is read, once each, spread over the devices. Matmuls, attention,
+  gathers and the other library kernels are never fused with each other, so each keeps its launch.
 - Only what the outputs depend on is computed (a plan runs no dead op).
 - Prepared steps (computed from static inputs and constants alone, `Graph.fixed`) cost nothing per run: 0 here.
 - The e-graph makes each distinct value once: ops of the graph that compute the same term (the training capture's
@@ -23,7 +25,8 @@ the mesh and the cost model, and no plan `DefaultCostModel` prices (`plan_cost`)
   FLOPs: 2-D matmul associativity (a chain's bracketing; a weight-only product is then prepared), left
   distributivity (a @ b + a @ c: one matmul of a @ (b + c)) and a matmul of an expanded operand (expand(x @ w)):
   every matmul such a rule can match, looking through views, is charged 0. Fusing an activation or bias into a
-  linear kernel keeps its FLOPs and its one launch. Other rule files (the opt-in TASO algebra, a merged GEMM's
+  linear kernel keeps its FLOPs and its one launch (and such a fusible op moves no bytes here, nor a concat a
+  slice rule can drop). Other rule files (the opt-in TASO algebra, a merged GEMM's
   one launch for two) are not covered: `step_floor` returns None under them.
 
 Not covered: cost models other than DefaultCostModel (None), pipelined steps (`plan_pipeline`: a floor per stage
@@ -35,18 +38,25 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tapestry import dtypes
 from tapestry.cost.fusion import FUSIBLE, footprint
+from tapestry.cost.model import CostModel
 from tapestry.cost.overlap import upstream
+from tapestry.cost.profile import DeviceProfile
 from tapestry.cost.roofline import compute_dtype
 from tapestry.graph import Graph
 from tapestry.kernels import Signature
 from tapestry.sharding import Mesh
 
-MATMULS = frozenset({"matmul", "linear", "linear_relu", "linear_gelu"})  # what the matmul rules read (Linear: as x @ w + b)
+if TYPE_CHECKING:
+    from tapestry.egraph.rules import RuleFile
+
+# What the matmul rules read (a linear as x @ w + b)
+MATMULS = frozenset({"matmul", "linear", "linear_relu", "linear_gelu"})
 SAME_SIZE_VIEWS = frozenset({"reshape", "transpose"})
-FOLDED = frozenset({"relu", "gelu", "add"})  # fusion.egg folds these into a linear or convolution (Linear: matmul + add)
+FOLDED = frozenset({"relu", "gelu", "add"})  # fusion.egg folds these into a linear or convolution
 FOLDS_INTO = frozenset({"tapestry.kernels.matmul", "tapestry.kernels.linear", "tapestry.kernels.conv"})
 BYTES_KERNELS = frozenset({"tapestry.kernels.matmul", "tapestry.kernels.linear"})  # blocks always cover: bytes count
 
@@ -55,7 +65,7 @@ def gap_to_floor(cost: float, floor: float | None) -> float | None:
     """(cost - floor) / cost: how far a plan may be above the best plan of the whole space, at most."""
     if floor is None or cost <= 0.0:
         return None
-    return max(0.0, (cost - floor) / cost)
+    return (cost - floor) / cost  # below 0 only if the floor is wrong: not clipped, so that tests see it
 
 
 def gaps_note(gap: float | None, floor_gap: float | None) -> str:
@@ -65,10 +75,11 @@ def gaps_note(gap: float | None, floor_gap: float | None) -> str:
     return "".join([", ", "; ".join(parts)]) if parts else ""
 
 
-def step_floor(graph: Graph, mesh: Mesh, model: object, rule_files: Iterable[object] | None = None) -> float | None:
+def step_floor(graph: Graph, mesh: Mesh, model: CostModel, rule_files: Iterable[RuleFile] | None = None
+               ) -> float | None:
     """Seconds no plan of `graph` on `mesh` is priced below by `model` (module docstring); None where the floor does
     not hold: a model other than DefaultCostModel (one with a `profile` and `step_cost` made of its roofline and
-    alpha-beta), or rule files other than the shipped ones (`rule_files`: RuleFile-like objects with a `path`)."""
+    alpha-beta), or rule files other than the shipped ones (`rule_files`; None: the shipped ones)."""
     profile = getattr(model, "profile", None)
     if profile is None or type(model).__name__ != "DefaultCostModel":
         return None
@@ -88,7 +99,7 @@ def step_floor(graph: Graph, mesh: Mesh, model: object, rule_files: Iterable[obj
     return total * device.oversubscription(devices)
 
 
-def op_floor(sig: Signature, devices: int, device: object) -> float:
+def op_floor(sig: Signature, devices: int, device: DeviceProfile) -> float:
     """The least a Compute of `sig` spread over `devices` devices is priced (Roofline.shard_time, before
     oversubscription): its FLOPs (and, for matmuls, bytes) an even share per device, plus one launch."""
     flops, nbytes = sig.cost(sig.index)
@@ -107,10 +118,11 @@ def _kind(graph: Graph, name: str) -> str:
 def _boundary_bytes(graph: Graph, terms: Mapping[str, str], ops: list[str]) -> float:
     """Bytes fusion groups must move across their edge (module docstring), summed over `ops` (the distinct, needed,
     per-run ops): each value a fusible op makes that a library kernel reads or the plan delivers (written once: it
-    leaves the group), and each value a library kernel makes that a fusible op reads (read once, at the largest such read), looking
-    through reshapes and transposes. Left out where a shipped fusion rule can fold the fusible op into the
-    library kernel (relu, gelu or a bias add of a matmul, linear or convolution's result) or a slice rule can
-    drop it (a concat)."""
+    leaves the group), and each value a library kernel makes that a fusible op reads (read once, at the largest
+    such read), looking through reshapes and transposes. Left out where a shipped fusion rule can fold the
+    fusible op into the library kernel (relu, gelu or a bias add of a matmul, linear or convolution's result) or a
+    slice rule can drop it (a concat)."""
+
     def source(value: str) -> str:
         while not graph[value].is_input and graph[value].op in SAME_SIZE_VIEWS:
             value = terms[graph[value].args[0]]
@@ -147,8 +159,9 @@ def _read_bytes(sig: Signature, slot: int) -> float:
     return footprint(sig.projections[slot], sig.index) * dtypes.itemsize(sig.input_dtypes[slot])
 
 
-def _shipped_rules(rule_files: Iterable[object]) -> bool:
-    from tapestry.egraph.rules import builtin_rule_paths
+def _shipped_rules(rule_files: Iterable[RuleFile]) -> bool:
+    """Whether every file is one of the package's default rules/*.egg (what the floor knows the rewrites of)."""
+    from tapestry.egraph.rules import builtin_rule_paths  # late: tapestry.cost loads without the e-graph's modules
 
     shipped = {p.resolve() for p in builtin_rule_paths()}
     return all(Path(f.path).resolve() in shipped for f in rule_files)
