@@ -1,7 +1,8 @@
 """Cluster benchmark (issue 24): LLaMA and Mixtral at real widths, built on meta, planned for H100 clusters.
 
 Per case (model width, layers, inference or one Adam training step, mesh): import time and peak RSS, optimize
-time, the result's status and gap, predicted step time and MFU, peak memory per device, what the plan splits
+time, the result's status and gap, the whole-space floor (cost.floor) and the gap to it, predicted step time and
+MFU, peak memory per device, what the plan splits
 (token ids, weights; for training how each weight lives between steps), beside the hand-built plans
 (tapestry.training.plans.baselines: the hand plans the optimizer's floor keeps its plan under) priced by the same
 cost model on the case's own mesh.
@@ -12,6 +13,8 @@ Writes the "Cluster" section of docs/benchmarks.md.
 
     python benchmarks/cluster.py                      # 7B: 2 layers on 8, 2x4, 8x8; import of 32 layers
     python benchmarks/cluster.py --quick              # one small case, to check the script
+    python benchmarks/cluster.py --from-json ROWS.json --floors --json OUT.json --no-write
+                                                      # saved rows' floors (graph, mesh, profile: no optimize)
 """
 from __future__ import annotations
 
@@ -274,6 +277,7 @@ def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any, h
             row.update({
                 "optimize_s": time.perf_counter() - started, "optimize_cpu_s": time.process_time() - cpu,
                 "status": result.status, "gap": result.gap, "extractor": result.selection.extractor,
+                "floor": result.floor, "gap_to_floor": result.gap_to_floor,
                 "seconds": result.plan.cost, "warned": any(issubclass(w.category, SearchCutWarning) for w in caught),
                 "undone": result.stats.undone, "periodic": result.plan.notes.get("periodic"),
             })
@@ -310,6 +314,49 @@ def measure(case: Case, budget_seconds: float, time_limit: float, hand: bool = T
     return row
 
 
+def add_floor(row: dict[str, Any]) -> None:
+    """`row` (a saved case) with the whole-space floor of its graph on its mesh under its profile and the gap of its
+    plan to it (cost.floor.step_floor: no optimize; the import is made again), and the CPU seconds of each."""
+    import tapestry
+    from tapestry.cost import DefaultCostModel, load_profile
+    from tapestry.cost.floor import gap_to_floor, step_floor
+
+    case = Case(**row["case"])
+    cpu = time.process_time()
+    graph = build(case).graph
+    row["floor_import_cpu_s"], cpu = time.process_time() - cpu, time.process_time()
+    row["floor"] = step_floor(graph, tapestry.Mesh(*case.shape),
+                              DefaultCostModel(load_profile(row.get("profile", PROFILE))))
+    row["floor_cpu_s"] = time.process_time() - cpu
+    row["gap_to_floor"] = gap_to_floor(row["seconds"], row["floor"]) if "seconds" in row else None
+
+
+def floor_ms(row: dict[str, Any]) -> str:
+    """The table's "floor ms (gap)": the floor and the plan's gap to it ("—" for rows measured before it)."""
+    if row.get("floor") is None:
+        return "—"
+    return f"{row['floor'] * 1e3:.2f}" + ("" if row.get("gap_to_floor") is None else f" ({row['gap_to_floor']:.0%})")
+
+
+def floor_table(rows: list[dict[str, Any]]) -> str:
+    """The floors of rows that have one beside their plans' times, gaps and best hand plans (--floors)."""
+    lines = ["| model | step | mesh | status | gap | predicted ms | floor ms | gap to floor | best hand ms "
+             "| floor CPU s |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r.get("floor") is None:
+            continue
+        c, hands = r["case"], [t for t, _, _ in r.get("hand", {}).values() if t == t]
+        gap = "—" if r.get("gap") is None else f"{r['gap']:.1%}"
+        lines.append(f"| {c['model']} | {c['mode']} | {c['mesh']} | {r['status'].split(' (')[0]} | {gap} | "
+                     f"{r['seconds'] * 1e3:.2f} | {r['floor'] * 1e3:.2f} | {r['gap_to_floor']:.1%} | "
+                     f"{min(hands) * 1e3 if hands else float('nan'):.2f} | {r.get('floor_cpu_s', float('nan')):.2f} |")
+    below = [f"{r['case']['model']} {r['case']['mode']} {r['case']['mesh']}" for r in rows if r.get("floor") is not None
+             and any(t < r["floor"] for t in [r["seconds"], *(t for t, _, _ in r.get("hand", {}).values() if t == t)])]
+    return "\n".join([*lines, "", "Rows whose plan or a hand plan is priced below the floor: "
+                                   f"{', '.join(below) or 'none'}."])
+
+
 def gib(n: float) -> str:
     return f"{n / 2**30:.2f}"
 
@@ -342,6 +389,7 @@ def order(row: dict[str, Any]) -> tuple[Any, ...]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| model | layers | step | batch x seq | mesh | import s | RSS GiB | optimize s (CPU) | status | gap | "
+            "floor ms (gap) | "
             "predicted ms | MFU | GiB/device | replicated | ids / weights split | EP / CP | weights live | "
             "DP ms (MFU) | ZeRO-3 ms (MFU) | FSDP ms (MFU) | TP ms (MFU) | DPxTP ms (MFU) | EP ms (MFU) | "
             "DPxEP ms (MFU) | DPx(TP+EP) ms (MFU) | "
@@ -357,7 +405,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                 r["hand"][h][0] == r["hand"][h][0] else "—" for h in HAND]
         if "error" in r:
             spent = f" {r['optimize_s']:.0f} |" if "optimize_s" in r else " — |"
-            lines.append(first + spent + f" **{r['error']}** |" + " |" * 8 + f" {' | '.join(hand)} | — |")
+            lines.append(first + spent + f" **{r['error']}** |" + " |" * 9 + f" {' | '.join(hand)} | — |")
             continue
         if not c["mesh"]:
             lines.append(first + " import only |" + " |" * (head.count("|") - 9))
@@ -365,7 +413,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         d = r["degrees"]
         gap = "—" if r["gap"] is None else f"{r['gap']:.1%}"
         spent = f"{r['optimize_s']:.0f}" + (f" ({r['optimize_cpu_s']:.0f})" if "optimize_cpu_s" in r else "")
-        lines.append(first + f" {spent} | {r['status']}{' (warns)' if warns(r) else ''} | {gap} | "
+        lines.append(first + f" {spent} | {r['status']}{' (warns)' if warns(r) else ''} | {gap} | {floor_ms(r)} | "
                      f"{r['seconds'] * 1e3:.1f} | {r['mfu']:.1%} | {gib(r['peak_memory'])} | {r['replicated']:.0%} | "
                      f"{d['ids split']} / {d['weights split']} of {d['weights']} (max {d['weights split (max)']}) | "
                      f"{d.get('EP', '—')} / {d.get('CP', '—')} | "
@@ -432,6 +480,8 @@ def main() -> None:
     parser.add_argument("--memory-budget", type=float, help="optimize's memory_budget, GB (10**9 bytes) per device")
     parser.add_argument("--no-hand", action="store_true", help="leave the hand plans out (their columns empty)")
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--floors", action="store_true", help="with --from-json: add the whole-space floor to the "
+                        "saved rows that lack one (their graphs imported again, not optimized); --json writes them")
     parser.add_argument("--from-json", help="write the section from the rows runs saved (--json; several: a,b), "
                         "the last row of each case (by file, then run order), without measuring")
     args = parser.parse_args()
@@ -460,6 +510,10 @@ def main() -> None:
                 saved_rows.pop(key, None)
                 saved_rows[key] = row
     rows = list(saved_rows.values())
+    for row in rows if args.floors else ():
+        if row["case"]["mesh"] and "seconds" in row and "floor" not in row:
+            add_floor(row)
+            print(f"{row['case']}: floor {floor_ms(row)} ms in {row['floor_cpu_s']:.1f} CPU s", flush=True)
     for case in cases:
         print(f"{case} ...", flush=True)
         rows.append(measure(case, args.budget, args.time_limit, not args.no_hand, args.profile))
@@ -468,6 +522,8 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1, default=str)
     rows.sort(key=order)
+    if args.floors:
+        print(floor_table(rows), flush=True)
     others = sorted({r.get("profile", PROFILE) for r in rows} - {args.profile})  # rows from before it was recorded:
     if others:  # the default's
         raise ValueError(f"rows priced under {', '.join(others)} cannot go in a section that says {args.profile}")
@@ -504,7 +560,11 @@ def main() -> None:
         "(`Compute.exchange`), and a ring attention's (`Compute.ring`); PP is 1 on every row (`tapestry.optimize` "
         "plans one SPMD program; pipeline stages are `tapestry.pipeline`'s, section \"Pipeline\"); `weights "
         "live`: R replicated, G gathered on use, S sharded in place; `vs best hand`: predicted time over the "
-        "fastest hand plan's. A status `stopped by ...` is a search a budget cut (docs/cost-models.md, "
+        "fastest hand plan's. `floor ms (gap)`: a floor under every plan of the graph on the mesh under the same "
+        "model, not only those the search made (`OptimizeResult.floor`, cost.floor: each matmul's, attention's and "
+        "other library kernel's FLOPs spread evenly over every device at the dtype's peak, plus a launch; no "
+        "communication; docs/cost-models.md), and (predicted - floor) / predicted: what `gap` cannot say where a "
+        "budget cut the search. A status `stopped by ...` is a search a budget cut (docs/cost-models.md, "
         "\"Budgets\"); `(warns)`: so cut a search with so replicated a plan raises SearchCutWarning.",
         *([f"\n{args.provenance}"] if args.provenance else []),
         "",
@@ -515,7 +575,7 @@ def main() -> None:
         command = "python benchmarks/cluster.py" + (" --quick" if args.quick else "") + (
             f" --models {args.models}" if args.models != "7B" else "") + (
             f" --profile {args.profile}" if args.profile != PROFILE else "") + (
-            f" --from-json {args.from_json}" if args.from_json else "") + (
+            f" --from-json {args.from_json}" if args.from_json else "") + (" --floors" if args.floors else "") + (
             f" --breakdowns {args.breakdowns}" if args.breakdowns else "")
         write_section("Cluster", command, body)
     print(body)

@@ -153,7 +153,7 @@ def test_extraction_keeps_the_unfused_choice_where_fused_node_costs_find_nothing
 def _group_time_per_device(plan, group, device) -> float:  # noqa: ANN001
     """`fusion.group_time` as first written: every device priced, each value read from outside once."""
     from tapestry import dtypes
-    from tapestry.cost.fusion import _add_reads, _footprint
+    from tapestry.cost.fusion import _add_reads, footprint
     from tapestry.cost.roofline import compute_dtype
 
     inside, written, slowest = set(group.members), set(group.written), 0.0
@@ -168,7 +168,7 @@ def _group_time_per_device(plan, group, device) -> float:  # noqa: ANN001
                 seconds += step.signature.cost(block)[0] / device.peak(compute_dtype(step.signature))
             _add_reads(step, block, [a not in inside for a in step.args], reads)
             if v in written:
-                nbytes += _footprint(step.signature.output, block) * dtypes.itemsize(step.signature.dtype)
+                nbytes += footprint(step.signature.output, block) * dtypes.itemsize(step.signature.dtype)
         nbytes += sum(reads.values())
         if seconds or nbytes:
             slowest = max(slowest, max(seconds, nbytes / device.mem_bandwidth) + device.launch_overhead)

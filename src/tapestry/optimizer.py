@@ -20,6 +20,7 @@ from typing import Any
 from tapestry.clock import clock
 from tapestry.collector import no_collections
 from tapestry.cost import CostModel, default_cost_model, peak_memory, plan_cost
+from tapestry.cost.floor import gap_to_floor, gaps_note, step_floor
 from tapestry.egraph.budget import (MemoryBudgetError, budget_error, device_budget, hand_within, held_bytes,
                                     inputs_floor, memory_cuts)
 from tapestry.egraph.decode import Decoder
@@ -62,8 +63,8 @@ from tapestry.extract.memo import SelectionMemo
 from tapestry.extract.selection import dag_cost
 from tapestry.graph import Graph, GraphError
 from tapestry.graph.layers import find_layers, fold
-from tapestry.plan import Compute, Plan, steady_violations
-from tapestry.plan.explain import explain as explain_plan
+from tapestry.plan import Plan, steady_violations
+from tapestry.plan.explain import explain as explain_plan, replicated_share
 from tapestry.plan.validate import validate_plan
 from tapestry.sharding import Mesh
 from tapestry.training import LR
@@ -78,6 +79,7 @@ class OptimizeResult:
     selection: Selection
     rule_files: tuple[RuleFile, ...]
     egraph_json: dict[str, Any] = field(repr=False)
+    floor: float | None = None  # seconds no plan of the graph on the mesh costs less (cost.floor.step_floor)
 
     @property
     def peak_memory(self) -> int:
@@ -104,14 +106,19 @@ class OptimizeResult:
         return self.selection.gap
 
     @property
+    def gap_to_floor(self) -> float | None:
+        """(cost - floor) / cost: how far the plan may be above the best plan of the whole space (cost.floor), what
+        `gap` cannot say where the search was cut or the extractor greedy; None where the floor is unknown."""
+        return gap_to_floor(self.plan.cost, self.floor)
+
+    @property
     def replicated_share(self) -> float:
         """The share of the plan's compute steps that every device runs whole (1.0: nothing sharded)."""
         return replicated_share(self.plan)
 
     def explain(self) -> str:
         """The plan step by step, each compute with the graph op or rule that produced its kernel."""
-        gap = "" if self.gap is None else f", gap {self.gap:.2%}" + (" within the space searched"
-                                                                         if self.status.startswith("stopped") else "")
+        gap = gaps_note(self.gap, self.gap_to_floor)
         head = [
             f"mesh {self.plan.mesh}: {len(self.plan.steps)} steps, predicted {self.plan.cost:.6g} s, "
             f"peak {self.peak_memory:,} bytes per device ({self.selection.extractor}, {self.status}{gap}; "
@@ -159,14 +166,6 @@ class NoPlanError(ValueError):
 class SearchCutWarning(UserWarning):
     """A budget cut the search and the plan came out (nearly) replicated: the sharded options may never have been
     made (REPLICATED_WARNING)."""
-
-
-def replicated_share(plan: Plan) -> float:
-    """The share of the plan's (per-run) compute steps that every device runs on the same block."""
-    computes = [s for s in plan.steps if isinstance(s, Compute) and s.out not in plan.prepared]
-    if plan.mesh.size == 1 or not computes:
-        return 1.0
-    return sum(all(b == s.blocks[0] for b in s.blocks) for s in computes) / len(computes)
 
 
 @dataclass(frozen=True)
@@ -375,7 +374,8 @@ class Explored:
         status = search_status(stats, selection)
         plan = replace(plan, notes={**plan.notes, "status": status, "extractor_status": selection.status,
                                     **({"extractor_stopped_by": selection.stopped_by} if selection.stopped_by else {})})
-        result = OptimizeResult(plan, stats, replace(selection, status=status), self.rule_files, self.data)
+        result = OptimizeResult(plan, stats, replace(selection, status=status), self.rule_files, self.data,
+                                step_floor(self.whole, self.mesh, model, self.rule_files))
         if status.startswith("stopped") and result.replicated_share >= REPLICATED_WARNING:
             warnings.warn(f"{result.replicated_share:.0%} of the plan's compute steps are replicated and the search "
                           f"was {status} "

@@ -66,7 +66,7 @@ class Group:
     written: tuple[str, ...]  # in plan order
 
 
-def _footprint(projection: IndexProjection, block: ZRange) -> int:
+def footprint(projection: IndexProjection, block: ZRange) -> int:
     """Elements of the box an index block reads through `projection` (Signature.footprint_expr, numerically)."""
     extents = block.shape
     return math.prod(sum(abs(a) * (e - 1) for a, e in zip(row, extents)) + size
@@ -133,7 +133,7 @@ def group_time(plan: Plan, group: Group, device: DeviceProfile) -> float:
                 seconds += sig.cost(block)[0] / device.peak(compute_dtype(sig))
             _add_reads(step, block, read, reads)
             if step.out in written:
-                nbytes += _footprint(sig.output, block) * dtypes.itemsize(sig.dtype)
+                nbytes += footprint(sig.output, block) * dtypes.itemsize(sig.dtype)
         nbytes += sum(reads.values())
         if seconds or nbytes:
             slowest = max(slowest, max(seconds, nbytes / device.mem_bandwidth) + device.launch_overhead)
@@ -161,7 +161,7 @@ def _add_reads(step: Compute, block: ZRange, outside: Sequence[bool], reads: dic
     sig = step.signature
     for a, projection, dtype, read in zip(step.args, sig.projections, sig.input_dtypes, outside):
         if read:
-            reads[a] = max(reads.get(a, 0), _footprint(projection, block) * dtypes.itemsize(dtype))
+            reads[a] = max(reads.get(a, 0), footprint(projection, block) * dtypes.itemsize(dtype))
 
 
 def fused_costs(plan: Plan, costs: Mapping[str, float], device: DeviceProfile) -> dict[str, float]:

@@ -8,6 +8,14 @@ from tapestry.sharding.collectives import classify_reshard
 from tapestry.sharding.comm import received_elements
 
 
+def replicated_share(plan: Plan) -> float:
+    """The share of the plan's (per-run) compute steps that every device runs on the same block."""
+    computes = [s for s in plan.steps if isinstance(s, Compute) and s.out not in plan.prepared]
+    if plan.mesh.size == 1 or not computes:
+        return 1.0
+    return sum(all(b == s.blocks[0] for b in s.blocks) for s in computes) / len(computes)
+
+
 def explain(plan: Plan) -> str:
     mesh = plan.mesh
     outputs = ", ".join(f"{name}={value}" for name, value in plan.outputs.items())
