@@ -230,7 +230,7 @@ def test_a_budget_the_inputs_alone_overshoot_fails_at_once_naming_them(small_ste
 
 def test_a_budget_the_inputs_fit_but_the_step_does_not_says_what_is_left_for_the_rest(small_step):  # noqa: ANN001
     explored, inputs = small_step
-    with pytest.raises(MemoryBudgetError, match=r"no plan fits [\d,]+ bytes per device: .*alone need at least "
-                       r"[\d,]+ bytes per device.* so no plan found holds the step's other values in the [\d,]+ "
-                       r"bytes left"):
+    with pytest.raises(MemoryBudgetError, match=r"no plan found fits [\d,]+ bytes per device, but none is proven "
+                       r"not to: .*alone need at least [\d,]+ bytes per device.*, the only floor proven, so no plan "
+                       r"found holds the step's other values in the [\d,]+ bytes left"):
         explored.extract(GPU, time_limit=5, memory_budget=inputs + 64)
