@@ -221,6 +221,7 @@ def zero3(graph: Graph, mesh: Mesh, arguments: Sequence[str]) -> Plan:
     stored = {name: Layout.split(graph[name].shape, mesh, (0,) * mesh.ndim) for name in state}
     return steady(build_plan(graph, mesh, {op: (dim,) * mesh.ndim for op, dim in splits.items()}, stored=stored))
 
+
 def fsdp(graph: Graph, mesh: Mesh, arguments: Sequence[str]) -> Plan:
     """FSDP (ZeRO-3) on any mesh: every carried tensor stored split over all devices between steps (on its first
     dim that divides among them), gathered before use; the batch split over the mesh axes it divides (taken in
@@ -478,9 +479,11 @@ def _with_state(graph: Graph, hidden: Seeds) -> Seeds:
     return seeds
 
 
-def split_backward(graph: Graph, splits: Mapping[str, int], parts: int) -> dict[str, int]:
-    """Each op `splits` leaves whole whose result some split op reads along a split dim: split on the index dim
-    its result's dim maps from, where splittable and dividing (readers first, so chains of them split)."""
+def split_backward(graph: Graph, splits: Mapping[str, int | str], parts: int) -> dict[str, int]:
+    """Per op that `splits` (`propagated_splits`') leaves whole, where an op split `parts` ways reads its result
+    along a split dim, the index dim that result dim maps from, if splittable, dividing and no sum (readers first,
+    so chains of them split): what no split of the batch or state reached but a split reader asks of it, as Adam's
+    squares of a gradient summed over the batch, made where the state they update is."""
     users = graph.users()
     chosen = dict(splits)
     found: dict[str, int] = {}
