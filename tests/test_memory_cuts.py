@@ -8,6 +8,7 @@ from collections import Counter
 from dataclasses import replace
 
 import pytest
+import torch
 
 from extract_helpers import build
 from training_helpers import ARGUMENTS, GPU, HIDDEN, adam_step
@@ -22,7 +23,7 @@ from tapestry.optimizer import Explored, MemoryBudgetError, explore, steady_viol
 from tapestry.plan import Plan
 from tapestry.plan.plan import Compute, Place, Reshard
 from tapestry.plan.validate import validate_plan
-from tapestry.training.plans import data_parallel, megatron, zero3
+from tapestry.training.plans import data_parallel, megatron, step_arguments, zero3
 
 
 def hand_plans(imported: tapestry.TorchImport, mesh: tapestry.Mesh) -> dict[str, Plan]:
@@ -156,6 +157,38 @@ def test_a_budget_a_hand_plan_meets_returns_a_plan_within_it_where_the_cut_ilp_g
     assert not steady_violations(found.plan, imported.graph.carried)
 
 
+def tiny_llama_step(vocab: int) -> tapestry.Graph:
+    """transformers' LLaMA (hidden 64, one layer, batch 8 x 16), one float32 Adam step: its embedding and LM head
+    (vocab x 64) are the step's largest tensors, as the held-back 7B's (32,000 x 4,096)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=vocab, max_position_embeddings=64)
+    ids = torch.randint(0, vocab, (8, 16))
+
+    def loss(m: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return m(ids, labels=labels, use_cache=False).loss
+
+    return tapestry.from_torch(LlamaForCausalLM(config), (ids, ids), verbose=False,
+                               training=tapestry.Training(loss=loss, optimizer="adam", lr=1e-4)).graph
+
+
+@pytest.mark.slow  # the cut ILP's rounds, 5 s each: ~45 CPU s
+def test_a_budget_zero3_meets_in_its_own_order_returns_a_plan_within_it():
+    """The held-back 7B step on 2x4 and 8 at 5 GB, small: ZeRO-3 with its update on shards fits 4.0 MB on
+    Mesh(2) (3.85 MB), in its own step order (the program's); decoded from the e-graph its steps ran children
+    first from each output in turn (4.60 MB: the loss's vocab-wide values live together) and the cut ILP found
+    nothing in time, so the optimizer raised MemoryBudgetError naming a plan of 5.16 MB as the leanest."""
+    graph = tiny_llama_step(2048)
+    mesh, budget = tapestry.Mesh(2), 4_000_000
+    assert max(peak_memory(zero3(graph, mesh, step_arguments(graph)))) <= budget
+    found = explore(graph, mesh).extract(GPU, time_limit=5, memory_budget=budget)
+    assert found.peak_memory <= budget
+    assert not steady_violations(found.plan, graph.carried)
+    validate_plan(found.plan)
+
+
 def test_a_budget_the_ilp_cannot_meet_in_time_falls_back_to_the_unbudgeted_plan_that_fits():
     """CP-SAT with steady-state ties and a memory budget can find no selection in its time (a 64-device training
     step under load; here a 1 ms limit): the plan chosen without the budget is returned when its exact peak fits,
@@ -197,7 +230,7 @@ def test_a_budget_the_inputs_alone_overshoot_fails_at_once_naming_them(small_ste
 
 def test_a_budget_the_inputs_fit_but_the_step_does_not_says_what_is_left_for_the_rest(small_step):  # noqa: ANN001
     explored, inputs = small_step
-    with pytest.raises(MemoryBudgetError, match=r"no plan fits [\d,]+ bytes per device: .*alone need at least "
-                       r"[\d,]+ bytes per device.* so no plan found holds the step's other values in the [\d,]+ "
-                       r"bytes left"):
+    with pytest.raises(MemoryBudgetError, match=r"no plan found fits [\d,]+ bytes per device, but none is proven "
+                       r"not to: .*alone need at least [\d,]+ bytes per device.*, the only floor proven, so no plan "
+                       r"found holds the step's other values in the [\d,]+ bytes left"):
         explored.extract(GPU, time_limit=5, memory_budget=inputs + 64)

@@ -448,8 +448,8 @@ class Explored:
         rounds, tried = 0, []  # the decoded plans over the budget: the leanest is told where none fits
 
         def within(why: str) -> tuple[Plan, Selection]:  # the ILP gave up: a hand plan that fits, or the error
-            return hand_within(egraph, hands, memory_budget, lambda h: self._lean.leaner(egraph, h)[::2], tried,
-                               partial(self._budget_error, memory_budget), why)
+            return hand_within(egraph, hands, memory_budget, partial(self._lean.hand, egraph, hands=self.baselines),
+                               tried, partial(self._budget_error, memory_budget), why)
         while True:
             budget = None if base is None else replace(base, groups=tuple(cuts))
             try:

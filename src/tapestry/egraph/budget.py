@@ -117,7 +117,8 @@ def budget_error(limit: int, why: str, floor: tuple[int, tuple[tuple[str, int], 
                  devices: int) -> MemoryBudgetError:
     """No plan fits `limit`, for the reason `why` the extraction gave, and what the inputs need of it (`floor`,
     `inputs_floor`'s): the weights, optimizer state and batch alone, split as finely as the search made them
-    on `devices` devices, with the largest."""
+    on `devices` devices, with the largest. Proven where the inputs alone overshoot; else only no plan found
+    fits (the memory cuts are heuristic, the ILP's time limited), and the error says so."""
     least, ranked = floor
     largest = ", ".join(f"{name} {held:,}" for name, held in ranked[:3])
     inputs = (f"the {len(ranked)} inputs (weights, optimizer state, batch) alone need at least {least:,} bytes "
@@ -126,8 +127,9 @@ def budget_error(limit: int, why: str, floor: tuple[int, tuple[tuple[str, int], 
     if least > limit:
         return MemoryBudgetError(f"no plan fits {limit:,} bytes per device: {inputs}; use more devices or a "
                                  f"larger budget")
-    return MemoryBudgetError(f"no plan fits {limit:,} bytes per device: {why}; {inputs}, so no plan found "
-                             f"holds the step's other values in the {limit - least:,} bytes left")
+    return MemoryBudgetError(f"no plan found fits {limit:,} bytes per device, but none is proven not to: {why}; "
+                             f"{inputs}, the only floor proven, so no plan found holds the step's other values in "
+                             f"the {limit - least:,} bytes left")
 
 
 def hand_within(egraph: ExtractGraph, hands: Sequence[Selection], limit: int,

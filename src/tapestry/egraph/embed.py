@@ -22,6 +22,15 @@ from tapestry.extract.selection import dag_cost, reachable_choice
 from tapestry.plan import Compute, Place, Plan, Reshard
 
 
+HAND = "hand plan ({})"  # a hand plan's selection's extractor, of its name
+
+
+def hand_name(extractor: str) -> str | None:
+    """The hand plan a selection made by `extractor` embeds (`embedded_plans`), if it does."""
+    head, tail = HAND.split("{}")
+    return extractor[len(head):-len(tail)] if extractor.startswith(head) and extractor.endswith(tail) else None
+
+
 class NotInEGraph(ValueError):
     """A plan step the e-graph has no selectable e-node for."""
 
@@ -91,7 +100,7 @@ def embedded_plans(decoder: Decoder, egraph: ExtractGraph, plans: Mapping[str, P
     optimizer's hand-plan floor and the ILP's warm starts (optimizer.Explored)."""
     for name, plan in sorted(plans.items()):
         try:
-            embedded = plan_selection(decoder, egraph, plan, f"hand plan ({name})")
+            embedded = plan_selection(decoder, egraph, plan, HAND.format(name))
         except NotInEGraph:
             continue
         if ties_hold(embedded.choice, ties):

@@ -76,10 +76,13 @@ def build_plan(
     mesh: Mesh,
     axes: Mapping[str, tuple[Axis, ...]] | None = None,
     partitions: Mapping[str, Partition] | None = None,
+    stored: Mapping[str, Layout] | None = None,
 ) -> Plan:
     """Ops take `partitions[op]`, else the split `axes[op]` (per mesh axis: an index dim, by position or by
     name as in `{"q": ("out",)}`; None; or several dims at once, `{"mm": ((("batch0", 4), ("m", 2)),)}`
-    splitting batch 4 ways and m 2 ways over one 8-device axis), else run replicated. Inputs are placed as their first user needs them; partial outputs are all-reduced."""
+    splitting batch 4 ways and m 2 ways over one 8-device axis), else run replicated. Inputs are placed in their
+    `stored` layout where given (each reader needing another gets a reshard of it, a reader of that layout the
+    placed block itself), else as their first user needs them; partial outputs are all-reduced."""
     axes, partitions = axes or {}, partitions or {}
     unknown = sorted((set(axes) | set(partitions)) - {n.name for n in graph.ops})
     if unknown:
@@ -89,6 +92,8 @@ def build_plan(
     chosen = {n.name: partitions.get(n.name) or _split(graph, n.name, mesh, axes.get(n.name)) for n in graph.ops}
     for node in graph.inputs:
         values.shapes[node.name], values.dtypes[node.name] = node.shape, node.dtype
+        if stored and node.name in stored:
+            values.add(node.name, Place(values.fresh(), node.name, node.shape, stored[node.name]))
     runs: dict[tuple[Any, ...], Compute] = {}  # a model's repeated layers run few distinct steps: each made once
     for node in graph.ops:
         sig = graph.signature(node.name)

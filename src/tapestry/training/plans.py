@@ -215,11 +215,15 @@ def data_parallel(graph: Graph, mesh: Mesh, arguments: Sequence[str]) -> Plan:
 
 def zero3(graph: Graph, mesh: Mesh, arguments: Sequence[str]) -> Plan:
     """Data parallel compute, with every carried tensor that splits evenly stored split on its first dim between
-    steps (ZeRO stage 3): gathered before use, gradients reduce-scattered, the update run on shards."""
+    steps (ZeRO stage 3): placed so, gathered before the forward and backward use it, gradients reduce-scattered
+    and the update run on shards (`split_backward`: a gradient's own update ops, Adam's squares among them, split
+    like the state they update, and the update reads the stored shard, not a gathered copy)."""
     state = {name: 0 for name in graph.carried.values()
              if graph[name].shape and graph[name].shape[0] % mesh.size == 0}
-    plan = split_by_propagation(graph, mesh, [batch_seeds(graph, arguments), state])
-    return steady(placed(plan, {name: Layout.split(graph[name].shape, mesh, (0,) * mesh.ndim) for name in state}))
+    splits = propagated_splits(graph, mesh.size, [batch_seeds(graph, arguments), state])
+    splits.update(split_backward(graph, splits, mesh.size))
+    stored = {name: Layout.split(graph[name].shape, mesh, (0,) * mesh.ndim) for name in state}
+    return steady(build_plan(graph, mesh, {op: (dim,) * mesh.ndim for op, dim in splits.items()}, stored=stored))
 
 
 def fsdp(graph: Graph, mesh: Mesh, arguments: Sequence[str]) -> Plan:
@@ -500,3 +504,29 @@ def _with_state(graph: Graph, hidden: Seeds) -> Seeds:
     for weight, dim in hidden.items():
         seeds.update({state_name(slot, weight): dim for slot in ADAM_SLOTS if state_name(slot, weight) in graph})
     return seeds
+
+
+def split_backward(graph: Graph, splits: Mapping[str, int | str], parts: int) -> dict[str, int]:
+    """Per op that `splits` (`propagated_splits`') leaves whole, where an op split `parts` ways reads its result
+    along a split dim, the index dim that result dim maps from, if splittable, dividing and no sum (readers first,
+    so chains of them split): what no split of the batch or state reached but a split reader asks of it, as Adam's
+    squares of a gradient summed over the batch, made where the state they update is."""
+    users = graph.users()
+    chosen = dict(splits)
+    found: dict[str, int] = {}
+    for node in reversed(graph.ops):
+        if node.name in chosen:
+            continue
+        sig = graph.signature(node.name)
+        for user in users[node.name]:
+            if user not in chosen or not isinstance(chosen[user], int):
+                continue
+            usig, unode = graph.signature(user), graph[user]
+            dims = [t for k, arg in enumerate(unode.args) if arg == node.name
+                    for t, row in enumerate(usig.projections[k].matrix) if row[chosen[user]]]
+            index = [i for t in dims[:1] for i, c in enumerate(sig.output.matrix[t]) if c
+                     and i in sig.splittable and sig.spec.sizes[i] % parts == 0]
+            if index and index[0] not in sig.dims_of(DimKind.REDUCTION):
+                chosen[node.name] = found[node.name] = index[0]
+                break
+    return found
