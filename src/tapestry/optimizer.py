@@ -96,7 +96,7 @@ class OptimizeResult:
     def status(self) -> str:
         """How the plan was found (`search_status`): "optimal" only if the search space was complete and the
         extractor proved its choice; "feasible" or "heuristic" when the space was complete but the choice not
-        proven; "stopped by <phase> (<budget>)" when a budget cut the search space."""
+        proven; "stopped by <phase> (<budget>)" when a budget cut the search space, every phase it cut named."""
         return self.selection.status
 
     @property
