@@ -230,7 +230,7 @@ def zero3(graph: Graph, mesh: Mesh, arguments: Sequence[str]) -> Plan:
     flows = propagated_splits(graph, 1, [batch])  # every op the batch flows through, whether or not it divides
     whole = frozenset(flows) - frozenset(propagated_splits(graph, mesh.size, [batch]))
     splits = propagated_splits(graph, mesh.size, [batch, state], whole=whole)
-    splits.update(split_backward(graph, splits, mesh.size))
+    splits.update(split_backward(graph, splits, mesh.size, whole))
     stored = {name: Layout.split(graph[name].shape, mesh, (0,) * mesh.ndim) for name in state}
     return steady(build_plan(graph, mesh, {op: (dim,) * mesh.ndim for op, dim in splits.items()}, stored=stored))
 
@@ -515,8 +515,9 @@ def _with_state(graph: Graph, hidden: Seeds) -> Seeds:
     return seeds
 
 
-def split_backward(graph: Graph, splits: Mapping[str, int | str], parts: int) -> dict[str, int]:
-    """Per op that `splits` (`propagated_splits`') leaves whole, where an op split `parts` ways reads its result
+def split_backward(graph: Graph, splits: Mapping[str, int | str], parts: int,
+                   whole: frozenset[str] = frozenset()) -> dict[str, int]:
+    """Per op that `splits` (`propagated_splits`') leaves whole, other than those in `whole`, where an op split `parts` ways reads its result
     along a split dim, the index dim that result dim maps from, if splittable, dividing and no sum (readers first,
     so chains of them split): what no split of the batch or state reached but a split reader asks of it, as Adam's
     squares of a gradient summed over the batch, made where the state they update is."""
@@ -524,7 +525,7 @@ def split_backward(graph: Graph, splits: Mapping[str, int | str], parts: int) ->
     chosen = dict(splits)
     found: dict[str, int] = {}
     for node in reversed(graph.ops):
-        if node.name in chosen:
+        if node.name in chosen or node.name in whole:
             continue
         sig = graph.signature(node.name)
         for user in users[node.name]:
