@@ -20,7 +20,8 @@ unprofiled, since its budget is CPU seconds and a profiled run would explore les
 MODULE:ATTRIBUTE` (repeatable, with `--cprofile`), each call of those functions runs under cProfile instead (stats to
 PREFIX.<attribute>.<pid>.<call>): a phase of a long run profiled alone. With `--fold-phases`, a folded
 step's extraction phases (FOLD_PHASES: greedy extractions, tree choices, mirrors, pricing candidates, the kept plan's
-checks) are timed too, each inclusive, for a split without cProfile's cost. The wrappers add a few
+checks) are timed too, each inclusive, for a split without cProfile's cost; `--phase MODULE:ATTRIBUTE` times any
+other function so (plan_pipeline's stage plans, its configurations). The wrappers add a few
 microseconds per call and measure CPU with time.process_time (this process's threads), which a loaded machine
 inflates far less than wall time; a phase's seconds include the phases called inside it.
 
@@ -245,10 +246,13 @@ def main() -> None:
                         "repeatable (e.g. tapestry.egraph.folded_candidates:leaner, tapestry.optimizer:validate_plan)")
     parser.add_argument("--fold-phases", action="store_true", help="time a folded step's extraction phases too "
                         "(FOLD_PHASES: greedy extractions, tree choices, mirrors, candidates' prices, the checks)")
+    parser.add_argument("--phase", action="append", default=[], metavar="MODULE:ATTRIBUTE",
+                        help="time this function's calls as a phase of its own (repeatable; e.g. "
+                        "tapestry.pipeline.planner:_stage_plan, tapestry.pipeline.planner:best_configuration)")
     parser.add_argument("--model", default="llama", help="the default case's zoo family (a decoder)")
     parser.add_argument("--mesh", default="2x2", help="the default case's mesh")
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
-    phases = FOLD_PHASES if args.fold_phases else ()
+    phases = (FOLD_PHASES if args.fold_phases else ()) + tuple(args.phase)
     profiled = tuple(args.profile_function)
     if profiled and args.cprofile is None:
         parser.error("--profile-function needs --cprofile PREFIX")

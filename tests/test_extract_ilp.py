@@ -11,6 +11,7 @@ from extract_helpers import build, layered
 from tapestry.clock import SAFETY_NET_STOP, clock
 from tapestry.extract import EGraph, Node, extract, validate
 from tapestry.extract import ilp
+from tapestry.extract.constraints import DeviceBudget
 from tapestry.extract.ilp import extract_ilp
 from tapestry.extract.relax import Relaxation
 from tapestry.extract.warm import WARM_SHARE
@@ -201,3 +202,31 @@ def test_an_lp_rounding_is_offered_after_greedy_dags_local_search(monkeypatch: p
     monkeypatch.setattr(ilp, "solve_parts", cp_sat)
     selection = extract_ilp(egraph, 10.0)
     assert selection.dag_cost == 1.0 and selection.status == "optimal"
+
+
+def test_a_budgeted_call_on_a_graph_solved_before_at_its_costs_makes_no_warm_start_reduction_or_bound_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a memory budget the ILP is called per cut round, per leaner plan, on graphs the fastest plan's calls
+    solved already (copies at the same costs): its warm start, preprocessing and contracted bound depend on neither
+    budget nor start, so they are made once (`EGraph.by_costs`), their counted work charged again, and the call
+    returns what it returns made afresh (on a graph built anew: nothing shared)."""
+    monkeypatch.setattr(ilp, "CONTRACT_FROM", 100)  # the contracted bound from 100 candidates, as on big graphs
+    made = {"warm_start": 0, "reduce": 0, "contracted_bound": 0}
+    for name in made:
+        def counted(*args: object, _name: str = name, _made: Callable[..., object] = getattr(ilp, name)) -> object:
+            made[_name] += 1
+            return _made(*args)
+        monkeypatch.setattr(ilp, name, counted)
+    egraph = layered(12, 8, seed=2)
+    nodes = [n for n in range(egraph.num_nodes) if egraph.node_cost[n] > 0][:40]
+
+    def cut(k: int) -> DeviceBudget:
+        return DeviceBudget(100, {}, {}, groups=({n: 30 for n in nodes[:k]},))
+
+    extract_ilp(egraph, 0.5)  # the fastest plan's call, without a budget
+    rounds = [extract_ilp(egraph.with_costs(egraph.node_cost), 0.5, cut(k)) for k in (10, 20)]
+    assert made == {"warm_start": 1, "reduce": 1, "contracted_bound": 1}
+    for k, found in zip((10, 20), rounds):
+        afresh = extract_ilp(layered(12, 8, seed=2), 0.5, cut(k))
+        assert (found.choice, found.dag_cost, found.status, found.bound, found.stopped_by) == (
+            afresh.choice, afresh.dag_cost, afresh.status, afresh.bound, afresh.stopped_by)

@@ -2,8 +2,13 @@
 from __future__ import annotations
 
 from extract_helpers import build
+from training_helpers import GPU, adam_step
+
+import tapestry
+from tapestry import optimizer
 from tapestry.extract import extract
 from tapestry.extract.memo import SelectionMemo
+from tapestry.optimizer import explore
 
 GRAPH = {"a": [(1, []), (2, [])], "out": [(0, ["a"])]}
 
@@ -45,3 +50,22 @@ def test_a_model_that_cannot_be_hashed_keys_by_identity():
     for _ in range(2):
         memo.get(egraph, (), (), unhashable, lambda: calls.append(1) or extract(egraph, "greedy-dag"))
     assert calls == [1]
+
+
+def test_a_leaner_plans_extraction_makes_none_of_the_fastest_plans_selections_again(monkeypatch):
+    """Under a memory budget each fit first tries the selection made without it (`Explored._unbound`), as the fastest
+    plan's extraction made it: kept, not made again. On 8 devices an extraction also makes 9 greedy-dag picks (its
+    ILP's warm starts), which in one memo with those selections evicted them: each of the 70B pipeline layer's
+    leaner plans on 8x8 ran its 2 ILPs without a budget again (51 CPU s of the step's 391; memo.PICKS_KEPT)."""
+    imported, _ = adam_step(64, 256, 16)
+    explored = explore(imported.graph, tapestry.Mesh(8))
+    made: list[str] = []
+    solve = optimizer.extract
+    monkeypatch.setattr(optimizer, "extract", lambda egraph, extractor, *rest: (
+        made.append(extractor if len(rest) < 2 or rest[1] is None else "budgeted"), solve(egraph, extractor, *rest))[1])
+    fastest = explored.extract(GPU, "ilp", 5.0, micro_batches=128)
+    assert made.count("ilp") == 2 and "greedy-dag" in made  # the plain fit and the fused refit, and their starts
+    made.clear()
+    leaner = next(explored.leaner_plans(fastest, GPU, "ilp", 5.0, 128))
+    assert leaner.peak_memory < fastest.peak_memory
+    assert "ilp" not in made and "greedy-dag" not in made

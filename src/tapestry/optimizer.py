@@ -59,7 +59,7 @@ from tapestry.extract import (
 )
 from tapestry.extract import EGraph as ExtractGraph
 from tapestry.extract.ilp import models_in
-from tapestry.extract.memo import SelectionMemo
+from tapestry.extract.memo import PICKS_KEPT, SelectionMemo
 from tapestry.extract.selection import dag_cost
 from tapestry.graph import Graph, GraphError
 from tapestry.graph.layers import find_layers, fold
@@ -183,6 +183,7 @@ class Explored:
     priced_moves: float = math.inf  # distinct moves pricing prices beyond those always priced (Decoder.priced)
     layered: Layered | None = None  # `graph` is the whole graph's fold: plans are expanded onto every layer
     baselines: Mapping[str, Plan] = field(default_factory=dict)  # the hand plans (`_against_baselines`), seeds
+    _picks = cached_property(lambda self: SelectionMemo(PICKS_KEPT))  # `_warm_starts`' greedy-dag picks
 
     @property
     def whole(self) -> Graph:
@@ -208,7 +209,7 @@ class Explored:
 
     @cached_property
     def _unbudgeted(self) -> SelectionMemo:
-        """The selections made without a memory budget (`_select`)."""
+        """The selections made without a memory budget (`_select`); greedy-dag's steady picks apart (PICKS_KEPT)."""
         return SelectionMemo()
 
     @cached_property
@@ -415,7 +416,7 @@ class Explored:
         `egraph` (`pins.steady_picks`: the carried inputs replicated, and where its free choice delivered them)."""
         if self.layered is not None or extractor != "ilp" or not ties:  # a folded graph's: none (`_selected`)
             return hands
-        return (*hands, *steady_picks(self.decoder, egraph, carried, lambda graph: self._unbudgeted.get(
+        return (*hands, *steady_picks(self.decoder, egraph, carried, lambda graph: self._picks.get(
             graph, (), ("greedy-dag", time_limit), None, lambda: extract(graph, "greedy-dag", time_limit))))
 
     def _fused(self, egraph: ExtractGraph, model: CostModel) -> ExtractGraph | None:
@@ -431,9 +432,8 @@ class Explored:
              ties: Ties, carried: Mapping[str, str], memory_budget: int | None,
              outputs: Outputs, stop_gap: float | None = None, model: CostModel | None = None,
              hands: Sequence[Selection] = (), rivals: Sequence[ExtractGraph] = ()) -> tuple[Plan, Selection]:
-        """The extracted plan, checked. Under a memory budget: the plan chosen without it where that fits (the
-        budget does not bind), else re-solved with the budget's constraints (`budget_of`) and memory cuts until
-        it fits."""
+        """The extracted plan, checked. Under a memory budget: the plan chosen without it where that fits (the budget
+        does not bind), else re-solved with the budget's constraints (`budget_of`) and memory cuts until it fits."""
         base = None
         if memory_budget is not None:
             unbound = self._unbound(egraph, extractor, time_limit, ties, carried, memory_budget, stop_gap, model,

@@ -5,6 +5,7 @@ numbered once here and every hot loop works on tuples of ints and floats.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -12,11 +13,15 @@ import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from array import array
 from typing import Any, TypeVar
 
 import numpy as np
 
 T = TypeVar("T")
+# what `EGraph.by_costs` keeps per structure: an extraction's ILP calls run on up to 4 graphs (plain and fused
+# prices, two overlap weights), and their warm start, reduction and contracted bound are 3 entries each
+BY_COSTS_KEPT = 12
 
 
 class EGraphError(ValueError):
@@ -103,6 +108,19 @@ class EGraph:
         if key not in self._priced:
             self._priced[key] = make(self)
         return self._priced[key]
+
+    def by_costs(self, key: Any, make: Callable[[EGraph], T]) -> T:
+        """`make(self)`, made once per `key` among this graph and every `with_costs` copy at the same costs (kept with
+        the structure they share; the last BY_COSTS_KEPT kept): the ILP's work before its budget and start matter,
+        which a leaner plan's extraction did again per call on the graphs the fastest plan's had solved."""
+        digest = self.priced("cost_digest", lambda g: hashlib.blake2b(array("d", g.node_cost).tobytes()).digest())
+        made: dict[Any, Any] = self._structure.setdefault("by_costs", {})
+        entry = (digest, key)
+        value = made.pop(entry) if entry in made else make(self)
+        made[entry] = value  # put back last: the least recently asked go first
+        while len(made) > BY_COSTS_KEPT:
+            del made[next(iter(made))]
+        return value
 
     def selectable(self, node: int) -> bool:
         """Subsumed and infinite-cost nodes are never chosen."""

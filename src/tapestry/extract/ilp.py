@@ -46,7 +46,10 @@ Budgets (docs/extraction.md, "Deterministic budgets"): the time limit is seconds
 the warm start's local search stops on its tries, the LP pass on HiGHS's simplex iterations and its path and flow
 graphs' entries, building the CP-SAT models on their candidates, CP-SAT on its own deterministic time (one thread,
 `cpsat.py`), each phase at its share of the limit, so the same call gives the same selection at any load. The CPU
-clock (and CP-SAT's and HiGHS's own, the wall) is a safety net many times longer, reported where it fires.
+clock (and CP-SAT's and HiGHS's own, the wall) is a safety net many times longer, reported where it fires. Counted
+work makes the phases before the budget and start matter (the warm start, the preprocessing, the contracted bound)
+the same in every call on a graph at the same costs: a memory budget's cut rounds and a pipeline layer's leaner
+plans call the ILP on the graphs its fastest plan's calls solved, and take them as made (`_metered`).
 
 With `ties` (pairs of nodes chosen together or not at all: a training step's
 placed weight and its delivered update, so the step repeats), x_a = x_b. Tied
@@ -56,8 +59,9 @@ greedy start counts only if it keeps every tie.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from typing import Any, TypeVar
 
 from tapestry.clock import clock
 from tapestry.extract.constraints import DeviceBudget, Ties, tied_nodes, ties_hold
@@ -66,13 +70,15 @@ from tapestry.extract.cpsat import solve_parts
 from tapestry.extract.egraph import EGraph, NoFiniteChoiceError
 from tapestry.extract.greedy_dag import improve
 from tapestry.extract.periodic import Repeated
-from tapestry.extract.reduction import reduce
+from tapestry.extract.reduction import Reduced, reduce
 from tapestry.extract.relax import PROVEN, relax
 from tapestry.extract.selection import Selection, dag_cost, finalize
 from tapestry.extract.tied import tied_search
-from tapestry.extract.tree import solvable_tree
+from tapestry.extract.tree import TreeChoice, solvable_tree
 from tapestry.extract.warm import undominate, warm_start
 from tapestry.extract.work import Meter
+
+T = TypeVar("T")
 
 __all__ = ["DeviceBudget", "Ties", "extract_ilp", "models_in", "tied_nodes", "ties_hold"]
 
@@ -139,11 +145,14 @@ def _extract(egraph: EGraph, meter: Meter, budget: DeviceBudget | None, ties: Ti
     time_limit, started = meter.limit, meter.started
     deadline = meter.until((1 - RESERVE) * time_limit)
     tree = solvable_tree(egraph)
+    folding = repeated if budget is None and not ties else None
     greedy, folded = warm_start(  # the LP pass's window moves on by the work the fold took
-        egraph, tree, meter, repeated if budget is None and not ties else None,
-        lambda graph, seconds, fold_ties: meter.within(
+        egraph, tree, meter, folding, lambda graph, seconds, fold_ties: meter.within(
             seconds, lambda inner: _extract(graph, inner, None, fold_ties, None, None, None)),
-        MODEL_NODES_PER_SECOND)
+        MODEL_NODES_PER_SECOND) if folding is not None else _metered(
+        egraph, ("warm", meter.limit, meter.spent), meter, lambda: warm_start(
+            egraph, tree, meter, None, lambda *_: None, MODEL_NODES_PER_SECOND))
+    greedy = list(greedy)
 
     def admissible(selection: Selection) -> bool:
         return (budget is None or budget.fits(selection.choice)) and ties_hold(selection.choice, ties)
@@ -168,7 +177,8 @@ def _extract(egraph: EGraph, meter: Meter, budget: DeviceBudget | None, ties: Ti
             unsolved = given
         if admissible(unsolved):
             return _result(unsolved, False, 0.0, meter, "nodes")
-    reduced = reduce(egraph, tree, tied_nodes(ties))
+    frozen = tied_nodes(ties)
+    reduced, block = egraph.by_costs(("reduced", frozen), lambda g: _reduced(g, tree, frozen))
     warm = finalize(egraph, undominate(egraph, greedy, reduced.replacement), tree, "ilp", started)
     best = warm if admissible(warm) else None
     if start is not None:
@@ -176,7 +186,6 @@ def _extract(egraph: EGraph, meter: Meter, budget: DeviceBudget | None, ties: Ti
         if admissible(given) and (best is None or given.dag_cost < best.dag_cost):
             best = warm = given
     proven, bound, lp_bound, cuts = best is not None and best.dag_cost == 0, 0.0, 0.0, ()
-    frozen = tied_nodes(ties)
 
     def offer(choice: list[int]) -> float:
         """An LP solution rounded: made a selection, and that improved by greedy-dag's local search with the tied
@@ -202,13 +211,13 @@ def _extract(egraph: EGraph, meter: Meter, budget: DeviceBudget | None, ties: Ti
     size = sum(map(len, reduced.candidates.values()))
     if stop_gap is None:
         stop_gap = LARGE_STOP_GAP if size > CONTRACT_FROM else STOP_GAP
-    block = {c: reduced.block(c) for c in reduced.candidates}
 
     def close(share: float) -> bool:
         return best is not None and best.dag_cost <= lp_bound + share * best.dag_cost
 
     if not proven and size > CONTRACT_FROM and stop_gap > 0:  # else the full LP's bound is the one asked for
-        lp_bound = contracted_bound(egraph, reduced.candidates, block, reduced.needs, relax_deadline)
+        lp_bound = _metered(egraph, ("contracted", frozen, relax_deadline.end, meter.spent), meter, lambda: (
+            contracted_bound(egraph, reduced.candidates, block, reduced.needs, relax_deadline)))
         proven = close(PROVEN)
     if not proven and not close(stop_gap) and size <= LP_NODES_PER_SECOND * relax_deadline.left():
         # read rows only where a stop gap is asked: below CONTRACT_FROM the path cuts prove the 1-D meshes' zoo
@@ -232,6 +241,33 @@ def _extract(egraph: EGraph, meter: Meter, budget: DeviceBudget | None, ties: Ti
         raise NoFiniteChoiceError(f"no selection keeps {asked}" if bound == math.inf
                                   else f"the solver found no selection that keeps {asked} in time")
     return _result(best, proven, max(bound, lp_bound), meter, stopped_by)
+
+
+def _metered(egraph: EGraph, key: tuple[Any, ...], meter: Meter, make: Callable[[], T]) -> T:
+    """`make()`, made once per `key` on graphs of these costs and structure (`EGraph.by_costs`), and where it was made
+    before, the work it charged then charged to `meter` again: `key` names the point of the limit's work it starts at,
+    and work is counted, not timed (`work.Meter`), so made again it would do the same work and return the same, and
+    the rest of the call goes on as if it had been. Where the safety net stopped it, each use says so (`fired`)."""
+    ran = []
+
+    def made(_: EGraph) -> tuple[T, float, bool]:
+        ran.append(True)
+        spent, fired = meter.spent, meter.fired
+        value = make()
+        return value, meter.spent - spent, meter.fired and not fired
+
+    value, charged, fired = egraph.by_costs(key, made)
+    if not ran:
+        meter.charge(charged)
+        meter.fired = meter.fired or fired
+    return value
+
+
+def _reduced(egraph: EGraph, tree: TreeChoice, tied: frozenset[int]) -> tuple[Reduced, dict[int, int]]:
+    """`reduce`'s result and each candidate class's block: what the ILP's preprocessing makes of a graph, whatever
+    its budget or start."""
+    reduced = reduce(egraph, tree, tied)
+    return reduced, {c: reduced.block(c) for c in reduced.candidates}
 
 
 def _with_tied(egraph: EGraph, selection: Selection, solved: Sequence[int], ties: Ties) -> Selection:

@@ -19,6 +19,12 @@ from tapestry.extract.selection import Selection
 # an extraction fits up to four objectives (plain, fused, two overlap weights), a folded graph's each with a greedy
 # start: the selections a memo keeps serve them all
 KEPT = 8
+# greedy-dag's steady picks, the ILP's warm starts (`Explored._warm_starts`), are kept in a memo of their own: an
+# extraction on 8 devices or more makes 9 (free and pinned two ways, of one run's costs and of the plain and fused
+# graphs it solves), which in one memo evicted its selections without a budget, and each leaner plan's extraction
+# then ran those ILPs again (`Explored._unbound`: 4 ILP runs, 51 of the 70B pipeline step's 391 CPU s; docs/
+# benchmarks.md, "pipe70b"). Room for 5 graphs' picks: those 3 and the overlap sweep's 2 weights.
+PICKS_KEPT = 16
 
 
 def selection_key(egraph: EGraph, hands: Sequence[Selection], *args: Any) -> bytes:
