@@ -10,10 +10,10 @@ import itertools
 import json
 import math
 import operator
+from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from array import array
 from typing import Any, TypeVar
 
 import numpy as np
