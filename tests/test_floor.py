@@ -86,7 +86,7 @@ def test_random_plans_of_random_programs_cost_no_less_than_the_floor(graph, seed
         explored = explore(graph, mesh)
         plans = [explored.extract(RandomCost(seed + k), extractor="greedy-dag").plan for k in range(2)]
         for model in MODELS.values():
-            floor = step_floor(graph, mesh, model, explored.rule_files)
+            floor = step_floor(graph, mesh, model)
             for plan in [*plans, explored.extract(model, time_limit=5).plan]:
                 assert under(floor, plan_cost(plan, model)), (str(mesh), graph)
 

@@ -45,7 +45,7 @@ from tapestry.egraph.pins import (
     steady_ties,
 )
 from tapestry.egraph.repeat import find_repetition
-from tapestry.egraph.rules import RuleFile, load_rules
+from tapestry.egraph.rules import RuleFile, load_rules, only_builtin
 from tapestry.extract import (
     EXTRACTORS,
     DeviceBudget,
@@ -376,7 +376,7 @@ class Explored:
         plan = replace(plan, notes={**plan.notes, "status": status, "extractor_status": selection.status,
                                     **({"extractor_stopped_by": selection.stopped_by} if selection.stopped_by else {})})
         result = OptimizeResult(plan, stats, replace(selection, status=status), self.rule_files, self.data,
-                                step_floor(self.whole, self.mesh, model, self.rule_files))
+                                step_floor(self.whole, self.mesh, model) if only_builtin(self.rule_files) else None)
         if status.startswith("stopped") and result.replicated_share >= REPLICATED_WARNING:
             warnings.warn(f"{result.replicated_share:.0%} of the plan's compute steps are replicated and the search "
                           f"was {status} "

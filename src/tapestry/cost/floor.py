@@ -27,7 +27,7 @@ the mesh and the cost model, and no plan `DefaultCostModel` prices (`plan_cost`)
   every matmul such a rule can match, looking through views, is charged 0. Fusing an activation or bias into a
   linear kernel keeps its FLOPs and its one launch (and such a fusible op moves no bytes here, nor a concat a
   slice rule can drop). Other rule files (the opt-in TASO algebra, a merged GEMM's
-  one launch for two) are not covered: `step_floor` returns None under them.
+  one launch for two) are not covered: the optimizer reports no floor under them (`egraph.rules.only_builtin`).
 
 Not covered: cost models other than DefaultCostModel (None), pipelined steps (`plan_pipeline`: a floor per stage
 count is benchmarks/stage_floor.py's), and memory budgets (a budget that forces communication raises every plan's
@@ -36,11 +36,10 @@ time; the floor ignores it). docs/cost-models.md, "The whole-space floor".
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
-from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
 from tapestry import dtypes
+from tapestry.cost import DefaultCostModel
 from tapestry.cost.fusion import FUSIBLE, footprint
 from tapestry.cost.model import CostModel
 from tapestry.cost.overlap import upstream
@@ -49,9 +48,6 @@ from tapestry.cost.roofline import compute_dtype
 from tapestry.graph import Graph
 from tapestry.kernels import Signature
 from tapestry.sharding import Mesh
-
-if TYPE_CHECKING:
-    from tapestry.egraph.rules import RuleFile
 
 # What the matmul rules read (a linear as x @ w + b)
 MATMULS = frozenset({"matmul", "linear", "linear_relu", "linear_gelu"})
@@ -75,16 +71,13 @@ def gaps_note(gap: float | None, floor_gap: float | None) -> str:
     return "".join([", ", "; ".join(parts)]) if parts else ""
 
 
-def step_floor(graph: Graph, mesh: Mesh, model: CostModel, rule_files: Iterable[RuleFile] | None = None
-               ) -> float | None:
-    """Seconds no plan of `graph` on `mesh` is priced below by `model` (module docstring); None where the floor does
-    not hold: a model other than DefaultCostModel (one with a `profile` and `step_cost` made of its roofline and
-    alpha-beta), or rule files other than the shipped ones (`rule_files`; None: the shipped ones)."""
-    profile = getattr(model, "profile", None)
-    if profile is None or type(model).__name__ != "DefaultCostModel":
+def step_floor(graph: Graph, mesh: Mesh, model: CostModel) -> float | None:
+    """Seconds no plan of `graph` on `mesh` is priced below by `model` under the shipped rules (module docstring;
+    a caller with other rule files has no floor: `egraph.rules.only_builtin`); None for a model other than
+    DefaultCostModel itself (a subclass may price steps otherwise)."""
+    if type(model) is not DefaultCostModel:
         return None
-    if rule_files is not None and not _shipped_rules(rule_files):
-        return None
+    profile = model.profile
     device = profile.device
     terms = _distinct_ops(graph)
     free = _rewritable(graph, terms) | _static(graph, terms)
@@ -157,14 +150,6 @@ def _foldable(graph: Graph, terms: Mapping[str, str], name: str) -> bool:
 def _read_bytes(sig: Signature, slot: int) -> float:
     """Bytes the whole op reads of its argument `slot` (its footprint, cost.fusion)."""
     return footprint(sig.projections[slot], sig.index) * dtypes.itemsize(sig.input_dtypes[slot])
-
-
-def _shipped_rules(rule_files: Iterable[RuleFile]) -> bool:
-    """Whether every file is one of the package's default rules/*.egg (what the floor knows the rewrites of)."""
-    from tapestry.egraph.rules import builtin_rule_paths  # late: tapestry.cost loads without the e-graph's modules
-
-    shipped = {p.resolve() for p in builtin_rule_paths()}
-    return all(Path(f.path).resolve() in shipped for f in rule_files)
 
 
 def _distinct_ops(graph: Graph) -> dict[str, str]:

@@ -321,6 +321,13 @@ def builtin_rule_paths() -> list[Path]:
     return rule_paths([BUILTIN_DIR])
 
 
+def only_builtin(rule_files: Sequence[RuleFile]) -> bool:
+    """Whether every file is one of the package's rules/*.egg: the rewrites `cost.floor` knows (it holds under
+    those alone)."""
+    shipped = {p.resolve() for p in builtin_rule_paths()}
+    return all(Path(f.path).resolve() in shipped for f in rule_files)
+
+
 def load_rules(sources: Sequence[str | Path] | None = None) -> list[RuleFile]:
     """Load and fully check rule files (default: the package's rules/); atomic: all or nothing."""
     files = [load_rule_file(p) for p in (rule_paths(sources) if sources is not None else builtin_rule_paths())]
