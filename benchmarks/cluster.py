@@ -3,9 +3,8 @@
 Per case (model width, layers, inference or one Adam training step, mesh): import time and peak RSS, optimize
 time, the result's status and gap, predicted step time and MFU, peak memory per device, what the plan splits
 (token ids, weights; for training how each weight lives between steps), beside the hand-built plans
-(tapestry.training.plans: data parallel, ZeRO-3, Megatron tensor parallel) priced by the same cost model.
-The hand plans split over one mesh axis, so on 2x4 and 8x8 they are priced on the flat mesh of as many devices
-(Mesh(8), Mesh(64)), where the profile's levels put a 64-device ring on InfiniBand.
+(tapestry.training.plans.baselines: the hand plans the optimizer's floor keeps its plan under) priced by the same
+cost model on the case's own mesh.
 
 Each case runs in a fresh process (spawned, so its peak RSS, /proc VmHWM, is its own). The whole model's import
 (32 layers) is measured alone, as the optimizer cannot plan it within its default budget yet (issue 24, item 2).
@@ -38,7 +37,10 @@ WIDTHS = {  # hidden, MLP hidden (per expert), heads, KV heads: LLaMA-2 configs,
     "tiny-GQA": (64, 128, 8, 2),  # a check in small (benchmarks/hand_plans_embedded.py), not a cluster size
 }
 EXPERTS = {"Mixtral": (8, 2)}  # experts, and how many each token is routed to
-HAND = ("DP", "ZeRO-3", "TP", "DPxTP", "EP", "DPxEP")
+HAND = ("DP", "ZeRO-3", "FSDP", "TP", "DPxTP", "EP", "DPxEP", "DPx(TP+EP)")
+HAND_NAMES = {"data parallel": "DP", "ZeRO-3": "ZeRO-3", "FSDP": "FSDP", "tensor parallel": "TP",  # baselines' names
+              "data and tensor parallel": "DPxTP", "expert parallel": "EP", "data and expert parallel": "DPxEP",
+              "data, tensor and expert parallel": "DPx(TP+EP)"}
 EXPERT_WEIGHTS = (".experts.gate_up_proj", ".experts.down_proj")  # [E, ...]: split by expert in EP
 
 
@@ -180,33 +182,25 @@ def time_by_kind(plan: Any, model: Any) -> dict[str, float]:
 
 def hand_plans(imported: Any, case: Case, model: Any, errors: dict[str, str],
                breakdowns: dict[str, Any] | None = None) -> dict[str, tuple[float, int]]:
-    """The training/plans.py strategies on the flat mesh of the case's devices, priced by `model`; a strategy
-    that cannot be built or priced is NaN, and `errors` says why; `breakdowns` gets each priced plan's
-    time_by_kind."""
+    """The hand plans on the case's own mesh, priced by `model`: for a training step the ones the optimizer's floor
+    builds and keeps its plan under (training.plans.baselines, named by HAND_NAMES), for inference data and tensor
+    parallel over every device; a strategy that cannot be priced is NaN, and `errors` says why; `breakdowns` gets
+    each priced plan's time_by_kind."""
     import math
 
     import tapestry
     from tapestry.cost import peak_memory, plan_cost
-    from tapestry.training.plans import (
-        data_expert_parallel, data_parallel, data_tensor_parallel, expert_parallel, megatron, zero3,
-    )
+    from tapestry.training.plans import baselines, data_parallel, megatron
 
     graph = imported.graph
-    mesh = tapestry.Mesh(math.prod(case.shape))
-    arguments = imported.translation.user_inputs
-    hidden = tensor_parallel_dims([n.name for n in graph.inputs])
-    experts = {n.name: 0 for n in graph.inputs if n.name.endswith(EXPERT_WEIGHTS) and not n.name.startswith("adam.")}
-    attention = {name: dim for name, dim in hidden.items() if name not in experts}
-    outer = tapestry.Mesh(math.prod(case.shape[:-1]), case.shape[-1])  # 2-D recipes: a node inner, DP outer
-    builders = {"DP": lambda: data_parallel(graph, mesh, arguments), "TP": lambda: megatron(graph, mesh, hidden)}
+    mesh = tapestry.Mesh(*case.shape)
     if graph.carried:
-        builders["ZeRO-3"] = lambda: zero3(graph, mesh, arguments)
-    if len(case.shape) >= 2:  # the 2-D recipe: TP over the inner axis (a node), DP over the outer ones flattened
-        builders["DPxTP"] = lambda: data_tensor_parallel(graph, outer, arguments, hidden)
-    if experts:  # a MoE: its experts split by expert over the devices (EP), or over a node with TP (DPxEP)
-        builders["EP"] = lambda: expert_parallel(graph, mesh, arguments, experts)
-        if len(case.shape) >= 2:
-            builders["DPxEP"] = lambda: data_expert_parallel(graph, outer, arguments, attention, experts)
+        built = {HAND_NAMES[name]: plan for name, plan in baselines(graph, mesh).items()}
+        builders = {name: lambda plan=plan: plan for name, plan in built.items()}
+    else:
+        arguments = imported.translation.user_inputs
+        hidden = tensor_parallel_dims([n.name for n in graph.inputs])
+        builders = {"DP": lambda: data_parallel(graph, mesh, arguments), "TP": lambda: megatron(graph, mesh, hidden)}
     priced: dict[str, tuple[float, int]] = {}
     for name, make in builders.items():
         try:
@@ -349,7 +343,8 @@ def order(row: dict[str, Any]) -> tuple[Any, ...]:
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| model | layers | step | batch x seq | mesh | import s | RSS GiB | optimize s (CPU) | status | gap | "
             "predicted ms | MFU | GiB/device | replicated | ids / weights split | EP / CP | weights live | "
-            "DP ms (MFU) | ZeRO-3 ms (MFU) | TP ms (MFU) | DPxTP ms (MFU) | EP ms (MFU) | DPxEP ms (MFU) | "
+            "DP ms (MFU) | ZeRO-3 ms (MFU) | FSDP ms (MFU) | TP ms (MFU) | DPxTP ms (MFU) | EP ms (MFU) | "
+            "DPxEP ms (MFU) | DPx(TP+EP) ms (MFU) | "
             "vs best hand |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -490,17 +485,19 @@ def main() -> None:
         "Numbers from a loaded 2-core machine shared with other jobs: wall times follow the load (`optimize s "
         "(CPU)`: wall, and the process's CPU seconds in brackets). MFU (`DeviceProfile.mfu`): the imported graph's "
         "FLOPs over predicted time x devices x the spec sheet's bfloat16 peak (989 TFLOP/s), whichever profile "
-        "priced the plan. Hand plans (training/plans.py) are priced by the same "
-        "cost model: DP, ZeRO-3 and TP (Megatron: q, k, v, gate, up column-parallel, o, down row-parallel; a MoE's "
-        "experts likewise, the router whole) split one axis, so they are priced on the flat mesh of as many "
-        "devices (past 8 its ring crosses nodes: InfiniBand); `DPxTP`: TP over the inner axis of 8 (a node, "
-        "NVLink) and DP over the outer axes flattened (2x4 itself, 8x8, 4x8x8 as 32x8, 8x8x8 as 64x8). At batch "
-        "8 data parallelism splits at most 8 ways: on more devices the hand plans' data-parallel part runs "
-        "replicated. A MoE's expert-parallel hand plans (`Compute.exchange` steps: rows moved to their experts' "
-        "devices by all-to-all): `EP` splits the batch and the experts over the same flat mesh (DeepSpeed-MoE; "
+        "priced the plan. Hand plans: for training, the ones the optimizer's floor builds and keeps its plan under "
+        "(training/plans.py `baselines`, on the case's own mesh; before 2026-11-28's ndfloor row the 2-D and 3-D "
+        "recipes were priced on flattened meshes), by the same cost model. DP, ZeRO-3 and TP (Megatron, its "
+        "weights' splits found from the graph's structure) split every device, the mesh's axes taken as one; DP "
+        "and ZeRO-3 only where the batch divides every device, else FSDP (the state split over every device, the "
+        "batch over the axes it divides, the sequence over the rest). `DPxTP`: TP over the last axis (a node, "
+        "NVLink) and over the outer axes the batch as far as it divides (at batch 8 on 4x8x8: 4 ways) and the "
+        "sequence over the rest. A MoE's expert-parallel hand plans (`Compute.exchange` steps: rows moved to their "
+        "experts' devices by all-to-all): `EP` splits the batch and the experts over every device (DeepSpeed-MoE; "
         "the tokens' dispatch and combine, the experts' grouped mms and their weight gradients exchange rows; "
         "it needs the experts to divide among the devices), `DPxEP` is DPxTP with the experts split by expert "
-        "over the inner axis instead of TP (their grouped mms and weight gradients exchanging rows in the node, "
+        "over the last axis and attention whole there, `DPx(TP+EP)` with attention TP there beside them (their "
+        "grouped mms and weight gradients exchanging rows in the node, "
         "the dispatch and combine across the outer axis). `replicated`: share of compute steps every device "
         "runs whole; `ids / weights split`: distinct blocks of the token ids' layout (the DP degree), and how many "
         "weights are split (max: into how many blocks); `EP / CP`: devices a step's experts are split over "

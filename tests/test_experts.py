@@ -459,17 +459,19 @@ def test_the_expert_parallel_hand_plans_exchange_tokens_and_experts_rows_and_sim
     assert_simulates_to_the_evaluator(plan, imported, args)
 
 
-def test_dp_x_ep_on_a_cube_whose_outer_axes_the_batch_does_not_divide_runs_data_replicated_there_and_simulates(
+def test_dp_x_ep_on_a_cube_whose_outer_axes_the_batch_does_not_divide_splits_it_as_far_as_it_divides_and_simulates(
         monkeypatch):
-    """Batch 2 on 2x2x2 (Mixtral's batch 8 on 4x8x8): the n-D recipes' data-parallel part runs replicated over the
-    outer axes, the experts still exchange rows over the last, and both plans compute the step."""
+    """Batch 2 on 2x2x2 (Mixtral's batch 8 on 4x8x8): the n-D recipes split the batch over axis 0 (and the sequence
+    over axis 1: tests/test_nd_recipes.py), the experts exchange rows over the last axis, the embedding's backward
+    its tokens' gradients over the batch's axis, and both plans compute the step."""
     from tapestry.training.plans import baselines
 
     imported, args = tiny_mixtral_step(monkeypatch, batch=2)
     hands = baselines(imported.graph, Mesh(2, 2, 2))
     for name in ("data and expert parallel", "data, tensor and expert parallel"):
         plan = hands[name]
-        assert {s.exchange for s in plan.steps if isinstance(s, Compute) and s.exchange} == {(2,)}, name
+        exchanged = {(s.kernel, s.exchange) for s in plan.steps if isinstance(s, Compute) and s.exchange}
+        assert exchanged == {("grouped_mm_blocks", (2,)), ("grouped_mm_blocks_k", (2,)), ("scatter_rows", (0,))}, name
         assert_simulates_to_the_evaluator(plan, imported, args)
 
 

@@ -204,6 +204,10 @@ def batch_seeds(graph: Graph, arguments: Sequence[str]) -> Seeds:
     return {name: 0 for name in arguments if graph[name].shape}
 
 
+def sequence_seeds(graph: Graph, arguments: Sequence[str]) -> Seeds:
+    return {name: 1 for name in arguments if len(graph[name].shape) > 1}
+
+
 def data_parallel(graph: Graph, mesh: Mesh, arguments: Sequence[str]) -> Plan:
     """The batch split over every device; weights and optimizer state whole on each, gradients all-reduced."""
     return steady(split_by_propagation(graph, mesh, [batch_seeds(graph, arguments)]))
@@ -226,17 +230,13 @@ def fsdp(graph: Graph, mesh: Mesh, arguments: Sequence[str]) -> Plan:
     the update run on shards. Where the batch splits over every device this is `zero3`. An op that would split a
     sum over some axes but run replicated over others (partial sums held twice) splits that sum over those too
     where it divides, else splits no sum (`_summed_over_every_axis`)."""
-    batch_axes: list[int] = []
-    for axis, size in enumerate(mesh.shape):
-        if all(graph[a].shape[0] % (math.prod(mesh.shape[i] for i in batch_axes) * size) == 0 for a in arguments):
-            batch_axes.append(axis)
+    batch_axes, sequence_axes = _batch_axes(graph, mesh, arguments, range(mesh.ndim))
     if not arguments or not batch_axes and not any(len(graph[a].shape) > 1 for a in arguments):
         raise ValueError(f"fsdp: the step's batch arguments {list(arguments)} split over no axis of mesh "
                          f"{mesh.shape}, batch or sequence")
-    sequence_axes = [axis for axis in range(mesh.ndim) if axis not in batch_axes]
     data = propagated_splits(graph, math.prod(mesh.shape[i] for i in batch_axes), [batch_seeds(graph, arguments)])
     sequence = propagated_splits(graph, math.prod(mesh.shape[i] for i in sequence_axes),
-                                 [{a: 1 for a in arguments if len(graph[a].shape) > 1}])
+                                 [sequence_seeds(graph, arguments)])
     stored = {name: next(d for d, n in enumerate(graph[name].shape) if n % mesh.size == 0)
               for name in graph.carried.values() if any(n % mesh.size == 0 for n in graph[name].shape)}
     if not stored:
@@ -255,12 +255,13 @@ def fsdp(graph: Graph, mesh: Mesh, arguments: Sequence[str]) -> Plan:
     return steady(placed(plan, layouts))
 
 
-def _summed_over_every_axis(sig: Signature, mesh: Mesh, chosen: list[int | str | None]
-                            ) -> tuple[int | None, ...]:
+def _summed_over_every_axis(sig: Signature, mesh: Mesh, chosen: Sequence[int | str | None],
+                            summed: set[int] | None = None, exchange: Sequence[int] = ()) -> tuple[int | None, ...]:
     """Per mesh axis the index dim an op splits (`chosen`, None: replicated there) made valid: a dim chosen on
-    several axes must divide among all of them (else the later axes drop it), and where a sum (a reduction dim)
-    splits on some axis, no axis may replicate (a partial layout's value is the sum over every device holding
-    it): each replicated axis takes a split sum that divides among it too, else no axis splits a sum."""
+    several axes must divide among all of them (else the later axes drop it), and where a sum (`summed`, default
+    the reduction dims) splits on some axis, no axis may replicate (a partial layout's value is the sum over every
+    device holding it): each replicated axis takes a split sum that divides among it too, else no axis splits a
+    sum. The axes an op's exchange runs over (`exchange`) are neither: the exchange's own."""
     axes: list[int | None] = []
     for axis, dim in enumerate(chosen):
         if not isinstance(dim, int):
@@ -268,16 +269,40 @@ def _summed_over_every_axis(sig: Signature, mesh: Mesh, chosen: list[int | str |
             continue
         parts = math.prod(mesh.shape[i] for i, d in enumerate(axes) if d == dim) * mesh.shape[axis]
         axes.append(dim if sig.spec.sizes[dim] % parts == 0 else None)
-    reductions = sig.dims_of(DimKind.REDUCTION)
-    if not any(d in reductions for d in axes):
+    sums = sig.dims_of(DimKind.REDUCTION) if summed is None else summed
+    if not any(d in sums for d in axes):
         return tuple(axes)
     for axis, dim in enumerate(axes):
-        if dim is None:
-            axes[axis] = next((r for r in reductions if r in axes and sig.spec.sizes[r] % (
+        if dim is None and axis not in exchange:
+            axes[axis] = next((r for r in sums if r in axes and sig.spec.sizes[r] % (
                 math.prod(mesh.shape[i] for i, d in enumerate(axes) if d == r) * mesh.shape[axis]) == 0), None)
-    if None in axes:
-        return tuple(None if d in reductions else d for d in axes)
+    if any(d is None for axis, d in enumerate(axes) if axis not in exchange):
+        return tuple(None if d in sums else d for d in axes)
     return tuple(axes)
+
+
+def _batch_axes(graph: Graph, mesh: Mesh, arguments: Sequence[str], among: Sequence[int]
+                ) -> tuple[list[int], list[int]]:
+    """Of the mesh axes `among`, those the batch (dim 0 of every batch argument) splits over, taken in order while
+    it divides among them all ("as far as the batch divides"), and the rest, over which the sequence splits."""
+    batch: list[int] = []
+    for axis in among:
+        if all(graph[a].shape[0] % (math.prod(mesh.shape[i] for i in batch) * mesh.shape[axis]) == 0
+               for a in arguments):
+            batch.append(axis)
+    return batch, [axis for axis in among if axis not in batch]
+
+
+def _data_splits(graph: Graph, mesh: Mesh, arguments: Sequence[str], exchanged: frozenset[str] = frozenset()
+                 ) -> tuple[list[int], dict[str, int | str], dict[str, int | str]]:
+    """The n-D recipes' data part over the outer axes (`_outer_axes`): the axes the batch splits over, and per op
+    its `propagated_splits` over them (`exchanged` as there) and over the other outer axes by the sequence."""
+    batch_axes, sequence_axes = _batch_axes(graph, mesh, arguments, _outer_axes(mesh))
+    data = propagated_splits(graph, math.prod(mesh.shape[a] for a in batch_axes), [batch_seeds(graph, arguments)],
+                             exchanged) if batch_axes else {}
+    sequence = propagated_splits(graph, math.prod(mesh.shape[a] for a in sequence_axes),
+                                 [sequence_seeds(graph, arguments)]) if sequence_axes else {}
+    return batch_axes, data, sequence
 
 
 def step_arguments(graph: Graph) -> tuple[str, ...]:
@@ -325,8 +350,8 @@ def baselines(graph: Graph, mesh: Mesh) -> dict[str, Plan]:
     expert parallel over every device and, on 2 or more axes, data and expert parallel (attention and dense layers
     data parallel over the outer axes only, whole over the last) and data, tensor and expert parallel (DP x (TP +
     EP), Megatron's and DeepSpeed-MoE's layout: attention and dense layers tensor parallel over the last axis as in
-    "data and tensor parallel", the experts split by expert there), built whether or not the batch divides among
-    the outer axes (what does not divide runs replicated there, as benchmarks/cluster.py's hand plans do). A
+    "data and tensor parallel", the experts split by expert there). The n-D recipes split the batch over the outer
+    axes as far as it divides and the sequence over the rest (`_batch_axes`), whether or not the batch divides. A
     strategy build_plan cannot make of this graph (a ValueError naming the op, or experts that do not split over
     the devices) is no baseline either: the optimizer's plan stands without it."""
     if not graph.carried:
@@ -337,8 +362,7 @@ def baselines(graph: Graph, mesh: Mesh) -> dict[str, Plan]:
     hidden = tensor_parallel_seeds(expanded, mesh.size)
     if hidden:
         makers["tensor parallel"] = lambda: megatron(graph, mesh, hidden)
-    outer = math.prod(mesh.shape[:-1])
-    if mesh.ndim >= 2 and arguments and all(graph[a].shape[0] % outer == 0 for a in arguments):
+    if mesh.ndim >= 2 and arguments:
         inner = tensor_parallel_seeds(expanded, mesh.shape[-1])
         if inner:
             makers["data and tensor parallel"] = lambda: data_tensor_parallel(graph, mesh, arguments, inner)
@@ -376,13 +400,13 @@ def megatron(graph: Graph, mesh: Mesh, hidden: Seeds) -> Plan:
 def data_tensor_parallel(graph: Graph, mesh: Mesh, arguments: Sequence[str], hidden: Seeds) -> Plan:
     """The usual n-D recipe: data parallel over the mesh's outer axes jointly (all but the last) and Megatron
     tensor parallel over the last (a node); an op both split on one index dim splits it over both, linears
-    expanded as `megatron` does."""
-    outer = _outer_axes(mesh)
+    expanded as `megatron` does. The batch splits over the outer axes as far as it divides (`_batch_axes`), the
+    sequence over the rest, so the weight gradients stay partial over every outer axis (`_summed_over_every_axis`)."""
     expanded = expand_linears(graph)
-    data = propagated_splits(expanded, math.prod(mesh.shape[a] for a in outer), [batch_seeds(expanded, arguments)])
+    batch_axes, data, sequence = _data_splits(expanded, mesh, arguments)
     tensor = propagated_splits(expanded, mesh.shape[-1], [_with_state(graph, hidden)])
-    axes = {op.name: _joint(expanded.signature(op.name), mesh, data.get(op.name), tensor.get(op.name))
-            for op in expanded.ops}
+    axes = {op.name: _summed_over_every_axis(expanded.signature(op.name), mesh, _per_axis(
+        mesh, batch_axes, data.get(op.name), sequence.get(op.name)) + (tensor.get(op.name),)) for op in expanded.ops}
     return steady(build_plan(expanded, mesh, axes))
 
 
@@ -414,10 +438,9 @@ def data_expert_parallel(graph: Graph, mesh: Mesh, arguments: Sequence[str], hid
     as data. Either way the weight gradients are partial over the data axes, summed across the data groups as data
     parallel's are."""
     _check_experts(graph, experts, mesh.shape[-1])
-    outer = _outer_axes(mesh)
+    last = mesh.ndim - 1
     expanded = take_rows_of(expand_linears(graph))
-    data = propagated_splits(expanded, math.prod(mesh.shape[a] for a in outer), [batch_seeds(expanded, arguments)],
-                             ROUTES)
+    batch_axes, data, sequence = _data_splits(expanded, mesh, arguments, ROUTES)
     model = propagated_splits(expanded, mesh.shape[-1], [_with_state(graph, {**hidden, **experts})], EXPERTS)
     axes, partitions = {}, {}
     for op in expanded.ops:
@@ -427,13 +450,21 @@ def data_expert_parallel(graph: Graph, mesh: Mesh, arguments: Sequence[str], hid
             other = second if over_data else first
             expert_dim = sig.dims.index(sig.kernel.exchange.experts)
             refused = {expert_dim, *sig.dims_of(DimKind.REDUCTION)}
-            if not over_data and not returns(sig):  # rows (and blocks) summed: they may split as data on the
-                refused -= _moving(sig) - {expert_dim}  # outer axes
+            summed = set(sig.dims_of(DimKind.REDUCTION))
+            if not returns(sig):  # rows (and blocks) summed: split on an axis the exchange is not over, partial
+                summed |= _moving(sig) - {expert_dim}
+                if not over_data:  # they may split as data on the outer axes
+                    refused -= _moving(sig) - {expert_dim}
             choice = other if other not in refused and other != EXCHANGE else None
-            chosen = (None,) * len(outer) + (choice,) if over_data else (choice,) * len(outer) + (None,)
-            partitions[op.name] = make_partition(sig, mesh, chosen, exchange=outer if over_data else (mesh.ndim - 1,))
+            along = sequence.get(op.name) if sequence.get(op.name) not in refused else None
+            exchange = tuple(batch_axes) if over_data else (last,)
+            chosen = _per_axis(mesh, batch_axes, None if over_data else choice, along) + (
+                choice if over_data else None,)
+            chosen = _summed_over_every_axis(sig, mesh, chosen, summed, exchange)
+            partitions[op.name] = make_partition(sig, mesh, chosen, exchange=exchange)
         else:
-            axes[op.name] = _joint(sig, mesh, first, second)
+            axes[op.name] = _summed_over_every_axis(sig, mesh, _per_axis(mesh, batch_axes, first, sequence.get(
+                op.name)) + (second,))
     return steady(build_plan(expanded, mesh, axes, partitions))
 
 
@@ -456,15 +487,11 @@ def _check_experts(graph: Graph, experts: Seeds, parts: int) -> None:
                              f"not split evenly over {parts} devices")
 
 
-def _joint(sig: Signature, mesh: Mesh, first: int | None, second: int | None) -> tuple[int | None, ...]:
-    """One op's splits per mesh axis under an n-D recipe, `first` over the outer axes jointly and `second` over the
-    last, where a reduction split over some axes only would leave partial sums replicated over the others (counted
-    twice): then the reduction splits over every axis (if it divides among all devices) or over none."""
-    reductions = sig.dims_of(DimKind.REDUCTION)
-    alone = first if second is None else second if first is None else None
-    if alone is None or alone not in reductions:
-        return (first,) * (mesh.ndim - 1) + (second,)
-    return (alone,) * mesh.ndim if sig.spec.sizes[alone] % mesh.size == 0 else (None,) * mesh.ndim
+def _per_axis(mesh: Mesh, batch_axes: Sequence[int], data: int | str | None, sequence: int | str | None
+              ) -> tuple[int | str | None, ...]:
+    """An op's splits over the outer axes under an n-D recipe: `data` over the batch's axes, `sequence` over the
+    others."""
+    return tuple(data if axis in batch_axes else sequence for axis in _outer_axes(mesh))
 
 
 def _with_state(graph: Graph, hidden: Seeds) -> Seeds:
