@@ -40,9 +40,10 @@ WIDTHS = {  # hidden, MLP hidden (per expert), heads, KV heads: LLaMA-2 configs,
     "tiny-GQA": (64, 128, 8, 2),  # a check in small (benchmarks/hand_plans_embedded.py), not a cluster size
 }
 EXPERTS = {"Mixtral": (8, 2)}  # experts, and how many each token is routed to
-HAND = ("DP", "ZeRO-3", "FSDP", "TP", "DPxTP", "EP", "DPxEP", "DPx(TP+EP)")
+HAND = ("DP", "ZeRO-3", "FSDP", "TP", "DPxTP", "EP", "DPxEP", "DPxEP seq whole", "DPx(TP+EP)")
 HAND_NAMES = {"data parallel": "DP", "ZeRO-3": "ZeRO-3", "FSDP": "FSDP", "tensor parallel": "TP",  # baselines' names
               "data and tensor parallel": "DPxTP", "expert parallel": "EP", "data and expert parallel": "DPxEP",
+              "data and expert parallel, sequence whole": "DPxEP seq whole",
               "data, tensor and expert parallel": "DPx(TP+EP)"}
 EXPERT_WEIGHTS = (".experts.gate_up_proj", ".experts.down_proj")  # [E, ...]: split by expert in EP
 
@@ -187,13 +188,14 @@ def hand_plans(imported: Any, case: Case, model: Any, errors: dict[str, str],
                breakdowns: dict[str, Any] | None = None) -> dict[str, tuple[float, int]]:
     """The hand plans on the case's own mesh, priced by `model`: for a training step the ones the optimizer's floor
     builds and keeps its plan under (training.plans.baselines, named by HAND_NAMES), for inference data and tensor
-    parallel over every device; a strategy that cannot be priced is NaN, and `errors` says why; `breakdowns` gets
+    parallel over every device, expert parallel for a MoE, and on 2 or more axes the n-D DPxTP (and DPxEP); a strategy that cannot be priced is NaN, and `errors` says why; `breakdowns` gets
     each priced plan's time_by_kind."""
     import math
 
     import tapestry
     from tapestry.cost import peak_memory, plan_cost
-    from tapestry.training.plans import baselines, data_parallel, megatron
+    from tapestry.training.plans import (baselines, data_expert_parallel, data_parallel, data_tensor_parallel,
+                                         expert_parallel, megatron)
 
     graph = imported.graph
     mesh = tapestry.Mesh(*case.shape)
@@ -203,7 +205,13 @@ def hand_plans(imported: Any, case: Case, model: Any, errors: dict[str, str],
     else:
         arguments = imported.translation.user_inputs
         hidden = tensor_parallel_dims([n.name for n in graph.inputs])
-        builders = {"DP": lambda: data_parallel(graph, mesh, arguments), "TP": lambda: megatron(graph, mesh, hidden)}
+        experts = {n.name: 0 for n in graph.inputs if n.name.endswith(EXPERT_WEIGHTS)}
+        builders = {"DP": lambda: data_parallel(graph, mesh, arguments), "TP": lambda: megatron(graph, mesh, hidden),
+                    **({"EP": lambda: expert_parallel(graph, mesh, arguments, experts)} if experts else {})}
+        if mesh.ndim >= 2:  # the training floor's n-D recipes, weights whole
+            builders["DPxTP"] = lambda: data_tensor_parallel(graph, mesh, arguments, hidden)
+            if experts:
+                builders["DPxEP"] = lambda: data_expert_parallel(graph, mesh, arguments, {}, experts)
     priced: dict[str, tuple[float, int]] = {}
     for name, make in builders.items():
         try:
@@ -391,9 +399,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     head = ("| model | layers | step | batch x seq | mesh | import s | RSS GiB | optimize s (CPU) | status | gap | "
             "floor ms (gap) | "
             "predicted ms | MFU | GiB/device | replicated | ids / weights split | EP / CP | weights live | "
-            "DP ms (MFU) | ZeRO-3 ms (MFU) | FSDP ms (MFU) | TP ms (MFU) | DPxTP ms (MFU) | EP ms (MFU) | "
-            "DPxEP ms (MFU) | DPx(TP+EP) ms (MFU) | "
-            "vs best hand |")
+            + " | ".join(f"{h} ms (MFU)" for h in HAND) + " | vs best hand |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         c = r["case"]
