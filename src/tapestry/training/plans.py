@@ -366,7 +366,8 @@ def baselines(graph: Graph, mesh: Mesh) -> dict[str, Plan]:
     data parallel over the outer axes only, whole over the last) and data, tensor and expert parallel (DP x (TP +
     EP), Megatron's and DeepSpeed-MoE's layout: attention and dense layers tensor parallel over the last axis as in
     "data and tensor parallel", the experts split by expert there). The n-D recipes split the batch over the outer
-    axes as far as it divides and the sequence over the rest (`_batch_axes`), whether or not the batch divides. A
+    axes as far as it divides and the sequence over the rest (`_batch_axes`), whether or not the batch divides; where
+    it leaves outer axes over, a MoE also gets data and expert parallel with the sequence whole there. A
     strategy build_plan cannot make of this graph (a ValueError naming the op, or experts that do not split over
     the devices) is no baseline either: the optimizer's plan stands without it."""
     if not graph.carried:
