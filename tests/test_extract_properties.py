@@ -67,9 +67,11 @@ def test_at_any_time_limit_the_ilp_bound_is_below_the_optimum_and_the_ilp_not_wo
         return
     selection = extract(egraph, "ilp", time_limit)
     assert validate(egraph, selection) == []
-    assert selection.bound is not None and selection.gap is not None
-    assert 0 <= selection.bound <= optimum + 1e-9 * (1 + optimum)
-    assert 0 <= selection.gap <= 1
+    assert (selection.bound is None) == (selection.gap is None)  # none where no phase bounded the search
+    if selection.bound is not None:
+        assert 0 <= selection.bound <= optimum + 1e-9 * (1 + optimum)
+        assert selection.bound > 0 or selection.dag_cost == 0  # a bound of 0 bounds nothing: None
+        assert 0 <= selection.gap < 1
     # The warm start's local search gets WARM_SHARE of the limit in its tries (greedy_dag.TRIES_PER_SECOND), a
     # count, so at any load it is this one, and the ILP returns nothing dearer.
     tree = solvable_tree(egraph)

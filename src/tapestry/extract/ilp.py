@@ -34,7 +34,8 @@ start within the stop gap of it ends the search.
 The bound is honest: each part's CP-SAT bound is clamped at 0, lowered by the most
 that rounding costs to integers can add, and summed with the costs of classes
 whose choice is forced; the LP bound is Lagrangian, from HiGHS's duals (`relax.Lp.solve`),
-so HiGHS's tolerances cannot lift it; the larger is taken. `Selection.gap` = (cost - bound) / cost is in [0, 1].
+so HiGHS's tolerances cannot lift it; the larger is taken. `Selection.gap` = (cost - bound) / cost is in [0, 1],
+or None with the bound where no phase bounded the search (`_result`).
 
 With a `DeviceBudget`, per device d: sum of resident_n[d] x_n over all nodes,
 plus transient_m[d] for any chosen m, stays within the limit; and for each of its
@@ -167,7 +168,7 @@ def _extract(egraph: EGraph, meter: Meter, budget: DeviceBudget | None, ties: Ti
             # selection in it; the tied search (`tied.py`) improves the start and the free choice's pinned pairs
             found = tied_search(egraph, tree, greedy, given, ties, deadline, started)
             if found is not None:
-                return _result(found, False, 0.0, meter, "nodes")
+                return _result(found, False, None, meter, "nodes")
             raise NoFiniteChoiceError(f"no time to model {egraph.num_nodes:,} nodes, and no tied selection was "
                                       f"found without it")
         if deadline.left() > 0:  # setting the search up alone takes seconds on millions of nodes
@@ -176,7 +177,7 @@ def _extract(egraph: EGraph, meter: Meter, budget: DeviceBudget | None, ties: Ti
         if given is not None and admissible(given) and (not admissible(unsolved) or given.dag_cost < unsolved.dag_cost):
             unsolved = given
         if admissible(unsolved):
-            return _result(unsolved, False, 0.0, meter, "nodes")
+            return _result(unsolved, False, None, meter, "nodes")
     frozen = tied_nodes(ties)
     reduced, block = egraph.by_costs(("reduced", frozen), lambda g: _reduced(g, tree, frozen))
     warm = finalize(egraph, undominate(egraph, greedy, reduced.replacement), tree, "ilp", started)
@@ -303,12 +304,23 @@ def _undominated(egraph: EGraph, start: Selection, replacement: Mapping[int, int
     return Selection(kept, dag_cost(egraph, kept), "ilp", clock() - started)
 
 
-def _result(best: Selection, proven: bool, bound: float, meter: Meter, stopped_by: str | None = None) -> Selection:
-    """The ILP's selection with its status, and a bound and gap that are honest: the bound clamped to [0, cost];
-    `stopped_by` is the budget that ended the search unproven ("work": CP-SAT's; "nodes": no work left to model the
-    graph or a part), if one did, or SAFETY_NET_STOP wherever the clock's safety net stopped a phase, proven or not
-    (then the selection may depend on the load)."""
-    bound = best.dag_cost if proven else min(max(bound, 0.0), best.dag_cost)
+def _result(best: Selection, proven: bool, bound: float | None, meter: Meter, stopped_by: str | None = None
+            ) -> Selection:
+    """The ILP's selection with its status, and a bound and gap that are honest: the bound clamped to [0, cost],
+    and none (bound and gap None, not a gap of 100%) where no phase bounded the search (`bound` None: the "nodes"
+    stop, no work left to model the graph; or 0 for a selection that costs more: CP-SAT stopped before its first
+    bound and no LP ran; the 2-layer 7B training step on 2x4 of docs/benchmarks.md "Cluster" stopped so, its gap
+    read 100%); `stopped_by` is the budget that ended
+    the search unproven ("work": CP-SAT's; "nodes": no work left to model the graph or a part), if one did, or
+    SAFETY_NET_STOP wherever the clock's safety net stopped a phase, proven or not (then the selection may depend
+    on the load)."""
+    if proven or best.dag_cost == 0:
+        bound, gap = best.dag_cost, 0.0
+    elif bound is None or bound <= 0:
+        bound, gap = None, None
+    else:
+        bound = min(bound, best.dag_cost)
+        gap = (best.dag_cost - bound) / best.dag_cost
     return Selection(
         choice=best.choice,
         dag_cost=best.dag_cost,
@@ -316,6 +328,6 @@ def _result(best: Selection, proven: bool, bound: float, meter: Meter, stopped_b
         seconds=clock() - meter.started,
         status="optimal" if proven else "feasible",
         bound=bound,
-        gap=0.0 if proven or best.dag_cost == 0 else (best.dag_cost - bound) / best.dag_cost,
+        gap=gap,
         stopped_by=meter.stop or (None if proven else stopped_by),
     )
