@@ -53,7 +53,7 @@ class Row:
     ilp: float
     decode: float
     status: str
-    gap: float
+    gap: float | None  # None: no phase bounded the ILP's search (extract.ilp._result)
     greedy_cost: float
     ilp_cost: float
     fused: int
@@ -81,7 +81,7 @@ def measure(mesh: str, layers: int) -> Row:
     fused = sum(1 for step in plan.steps if isinstance(step, Compute) and step.kernel not in own_ops)
     return Row(mesh, layers, len(graph.ops), explored.stats.enodes, egraph.num_nodes, explored.stats.stopped_by,
                saturated - tick, priced - saturated, greedy.seconds, extracted - priced - greedy.seconds,
-               decoded - extracted, ilp.status, ilp.gap or 0.0, greedy.dag_cost, ilp.dag_cost, fused,
+               decoded - extracted, ilp.status, ilp.gap, greedy.dag_cost, ilp.dag_cost, fused,
                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 
@@ -123,7 +123,8 @@ def table(rows: list[Row | str]) -> str:
             f"| {row.mesh} | {row.layers} | {row.ops} | {row.enodes:,} | {row.extraction_nodes:,} | "
             f"{row.stopped_by} | {row.saturate:.1f} | {row.price:.1f} | {row.greedy:.2f} | {row.ilp:.1f} | "
             f"{row.decode:.2f} | {row.total:.1f} | "
-            f"{row.status} | {row.gap:.4f} | {row.greedy_cost:.6g} | {row.ilp_cost:.6g} | "
+            f"{row.status} | {'—' if row.gap is None else f'{row.gap:.4f}'} | "
+            f"{row.greedy_cost:.6g} | {row.ilp_cost:.6g} | "
             f"{row.ilp_cost / row.greedy_cost:.4f} | {row.fused} | {row.rss_mib:,.0f} |")
     return "\n".join(lines)
 
@@ -135,7 +136,7 @@ def targets(rows: list[Row]) -> str:
         if row is None:
             return "not measured (over the cap or skipped)"
         return (f"{row.total:.1f} s, stopped by {row.stopped_by}, {row.fused} fused kernels, ILP {row.status} "
-                f"(gap {row.gap:.4f})")
+                f"(gap {'none' if row.gap is None else f'{row.gap:.4f}'})")
     return "\n".join([
         "Targets (issue 12) against this run:",
         "",
