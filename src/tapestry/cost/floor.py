@@ -65,10 +65,12 @@ def gap_to_floor(cost: float, floor: float | None) -> float | None:
 
 
 def gaps_note(gap: float | None, floor_gap: float | None) -> str:
-    """", gap x% within the space searched; y% to the whole-space floor", as far as each is known (explain)."""
-    parts = [*([] if gap is None else [f"gap {gap:.2%} within the space searched"]),
+    """", gap x% within the space searched; y% to the whole-space floor", as far as each is known (explain); "no
+    bound within the space searched" where the extractor proved none (greedy, or an ILP no phase of which bounded
+    its search: extract.ilp._result), not a gap of 100%."""
+    parts = ["no bound within the space searched" if gap is None else f"gap {gap:.2%} within the space searched",
              *([] if floor_gap is None else [f"{floor_gap:.2%} to the whole-space floor"])]
-    return "".join([", ", "; ".join(parts)]) if parts else ""
+    return ", " + "; ".join(parts)
 
 
 def step_floor(graph: Graph, mesh: Mesh, model: CostModel) -> float | None:
