@@ -285,6 +285,7 @@ def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any, h
             row.update({
                 "optimize_s": time.perf_counter() - started, "optimize_cpu_s": time.process_time() - cpu,
                 "status": result.status, "gap": result.gap, "extractor": result.selection.extractor,
+                "extractor_stopped_by": result.selection.stopped_by,  # "nodes": no bound, gap None (extract.ilp)
                 "floor": result.floor, "gap_to_floor": result.gap_to_floor,
                 "seconds": result.plan.cost, "warned": any(issubclass(w.category, SearchCutWarning) for w in caught),
                 "undone": result.stats.undone, "periodic": result.plan.notes.get("periodic"),
