@@ -811,3 +811,27 @@ def test_a_candidates_folded_plan_is_decoded_once_for_its_ranking_and_its_expans
     assert folded._folded_plan(egraph, other).notes == decoder.plan(egraph, other, explored.graph,
                                                                      explored.folded.names).notes
     assert len(folded._folded_plans) <= FOLDED_PLANS_KEPT
+
+
+def test_the_budgeted_fallback_decodes_each_distinct_candidate_once(three_on_two, monkeypatch):
+    """Issue 24, the 70B step on 8x8x8 at 80 GB: a hand plan is periodic already, so mirrored either way it is one
+    choice, and each of FSDP's and DPxTP's was expanded and walked for its peak twice (1.7 of the fallback's 51 CPU
+    s). `within_budget` tries each distinct choice once, whatever found it (a hand plan, a price of either ladder),
+    and keeps what it kept before: the first of equals."""
+    from tapestry.egraph.budget import device_budget
+    from tapestry.egraph.folded_candidates import chosen
+
+    explored, egraph, ties, carried, model = three_on_two
+    assert explored.baselines
+    _, _, peak = _periodic_plan(explored, egraph, ties, carried, model)
+    budget = device_budget(explored.decoder, explored._held, explored.layered, 2 * peak)
+    decoded = []
+    decode = FoldedCandidates.decode
+    monkeypatch.setattr(FoldedCandidates, "decode",
+                        lambda self, e, s: decoded.append(chosen(s)) or decode(self, e, s))
+    plan, _ = explored.folded.within_budget(
+        egraph, budget, ties, carried, explored.baselines, explored._held,
+        lambda priced: explored._select(priced, "greedy-dag", 5.0, None, ties, carried), "greedy-dag", 5.0,
+        model=model, rivals=(egraph.with_costs([2 * c for c in egraph.node_cost]),))
+    assert decoded and [n for n in Counter(decoded).values() if n > 1] == []
+    assert max(peak_memory(plan)) <= 2 * peak

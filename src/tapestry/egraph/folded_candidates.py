@@ -198,8 +198,17 @@ class FoldedCandidates:
         leanest: tuple[float, Selection | None] = (math.inf, None)  # least peak (or lower bound of it), for the error
         decoded: list[tuple[int, str]] = []  # the leanest decoded candidate's peak and what it holds then
         unsteady: list[int] = []  # the prices whose fallback found no steady selection
+        seen: dict[tuple[int, ...], bool] = {}  # each choice tried: whether it fit
 
         def fitting(selection: Selection, how: str) -> bool:
+            # a choice tried before is not decoded again: a hand plan mirrored either way, or a price selecting what
+            # another did, is the same plan, its peak the same, and a repeat ties the earlier candidate (kept)
+            key = chosen(selection)
+            if key not in seen:
+                seen[key] = fits(selection, how)
+            return seen[key]
+
+        def fits(selection: Selection, how: str) -> bool:
             nonlocal leanest
             if not budget.fits(selection.choice):  # a lower bound of its peak is over: not decoded
                 leanest = min(leanest, (max(budget.usage(selection.choice)), selection), key=lambda p: p[0])
