@@ -835,3 +835,35 @@ def test_the_budgeted_fallback_decodes_each_distinct_candidate_once(three_on_two
         model=model, rivals=(egraph.with_costs([2 * c for c in egraph.node_cost]),))
     assert decoded and [n for n in Counter(decoded).values() if n > 1] == []
     assert max(peak_memory(plan)) <= 2 * peak
+
+
+def test_the_budgeted_fallback_expands_no_hand_plan_its_floor_puts_above_a_plan_that_fits(three_on_two, monkeypatch):
+    """Issue 24, the 70B step on 8x8x8 at 80 GB: the fallback expanded each hand plan onto all 80 layers and walked it
+    for its peak (FSDP's 229 GB, DPxTP's 98) before its ladders found plans that fit. The hand plans now come after
+    the ladders, and one whose `floor` (its moves alone) is over the cheapest plan that fits is not expanded: the
+    3-layer step's hand plans (6 to 13 ms of moves) against its ladders' 1.2 ms. What is kept is what expanding
+    them all keeps."""
+    from tapestry.egraph.budget import device_budget
+
+    explored, egraph, ties, carried, model = three_on_two
+    assert explored.baselines
+    _, _, peak = _periodic_plan(explored, egraph, ties, carried, model)
+    budget = device_budget(explored.decoder, explored._held, explored.layered, 2 * peak)
+    decoded = []
+    decode = FoldedCandidates.decode
+    monkeypatch.setattr(FoldedCandidates, "decode",
+                        lambda self, e, s: decoded.append(s.extractor) or decode(self, e, s))
+
+    def within():  # noqa: ANN202
+        return explored.folded.within_budget(
+            egraph, budget, ties, carried, explored.baselines, explored._held,
+            lambda priced: explored._select(priced, "greedy-dag", 5.0, None, ties, carried), "greedy-dag", 5.0,
+            model=model)
+
+    plan, selection = within()
+    assert decoded and not [e for e in decoded if e.startswith("hand plan")]
+    monkeypatch.setattr(FoldedCandidates, "floor", lambda self, e, s, m: 0.0)  # no floor: every hand plan expanded
+    decoded.clear()
+    every, chose = within()
+    assert [e for e in decoded if e.startswith("hand plan")]
+    assert every.cost == plan.cost and chose.choice == selection.choice
