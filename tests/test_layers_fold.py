@@ -867,3 +867,34 @@ def test_the_budgeted_fallback_expands_no_hand_plan_its_floor_puts_above_a_plan_
     every, chose = within()
     assert [e for e in decoded if e.startswith("hand plan")]
     assert every.cost == plan.cost and chose.choice == selection.choice
+
+
+def test_the_budgeted_fallback_expands_no_ilp_choice_its_floor_puts_above_the_plan_kept(three_on_two, monkeypatch):
+    """Issue 24, the 70B step on 8x8x8 at 80 GB: the ILP's try to better the kept plan under the budget chose a plan
+    of 2291.2 ms against the kept 1796.7, and it was expanded onto 80 layers, walked for its peak and priced. A choice
+    whose `floor` is over the kept plan's cost is not: here the ILP stood in for by one that returns a hand plan
+    (tensor parallel's moves alone 6 ms, the kept plan 1.2)."""
+    import tapestry.egraph.folded_candidates as folded_candidates
+    from tapestry.egraph.budget import device_budget
+    from tapestry.egraph.embed import embedded_plans
+    from tapestry.egraph.pins import periodic_selections
+
+    explored, egraph, ties, carried, model = three_on_two
+    _, _, peak = _periodic_plan(explored, egraph, ties, carried, model)
+    budget = device_budget(explored.decoder, explored._held, explored.layered, 2 * peak)
+    twins = set(explored.layered.ties())
+    (_, hand), = embedded_plans(explored.decoder, egraph, {"tensor parallel": explored.baselines["tensor parallel"]},
+                                [t for t in ties if t not in twins])
+    dear = periodic_selections(explored.layered, explored.decoder, egraph, hand, ties, carried)[0]
+    extract = folded_candidates.extract
+    monkeypatch.setattr(folded_candidates, "extract", lambda graph, extractor, *args, **kwargs: dear
+                        if extractor == "ilp" else extract(graph, extractor, *args, **kwargs))
+    decoded = []
+    decode = FoldedCandidates.decode
+    monkeypatch.setattr(FoldedCandidates, "decode",
+                        lambda self, e, s: decoded.append(s.choice) or decode(self, e, s))
+    plan, _ = explored.folded.within_budget(
+        egraph, budget, ties, carried, {}, explored._held,
+        lambda priced: explored._select(priced, "greedy-dag", 5.0, None, ties, carried), "ilp", 5.0, model=model)
+    assert explored.folded.floor(egraph, dear, model) > plan.cost
+    assert decoded and dear.choice not in decoded
