@@ -28,9 +28,9 @@ from tapestry.zspace import IndexProjection, ZAffineMap, ZRange, difference, is_
 
 
 def test_a_partition_asked_again_reuses_its_blocks(monkeypatch) -> None:
-    """A model's layers repeat index spaces and splits (161 distinct in the 2,766 ops of the 2-layer 70B step's
-    hand plans on 8x8x8): `make_partition` works out each distinct set of device blocks once, and a partition made
-    again from them equals one made afresh."""
+    """A model's layers repeat index spaces and splits (a hand plan's ops on 8x8x8 ask for the same 512 blocks op
+    after op): `make_partition` works out each distinct set of device blocks once, and a partition made again from
+    them equals one made afresh."""
     import tapestry.sharding.partition as partition
 
     made = []

@@ -141,8 +141,8 @@ def device_blocks(index: ZRange, mesh: Mesh, splits: tuple[Split, ...], exchange
 def _kept_blocks(index: ZRange, mesh: Mesh, splits: tuple[Split, ...], exchange: tuple[int, ...]
                  ) -> tuple[Block, ...]:
     """`device_blocks`, made once per distinct arguments among the last BLOCKS_KEPT (blocks are immutable): a
-    model's layers repeat a few index spaces and splits: the three hand plans of the 2-layer 70B step on 8x8x8
-    (training.plans.baselines) asked for 161 distinct sets of 512 blocks in their 2,766 ops."""
+    model's layers repeat a few index spaces and splits, so a hand plan (training.plans.baselines) asks for the same
+    512 blocks op after op on 8x8x8."""
     return device_blocks(index, mesh, splits, exchange)
 
 
