@@ -187,7 +187,8 @@ class FoldedCandidates:
         (the 70B step on 8x8x8 at 80 GB: the plain sum's 1983.7 ms plan, against 2271.8 of the weighted costs'
         ladder alone, docs/benchmarks.md). With `extractor` "ilp" and no incumbent (the ILP chose that without the
         budget, which does not bind it) the ILP then tries to better the kept one under the budget's constraints
-        and the ties, starting from it. MemoryBudgetError where none fits, with the leanest
+        and the ties, starting from it. A hand plan or the ILP's choice whose `floor` is over a plan that fits
+        already is not expanded (it cannot be cheaper). MemoryBudgetError where none fits, with the leanest
         candidate's peak, how many carried tensors it holds whole on every device, and how many prices left no
         steady selection (the 70B step on 8x8x8 ended in a 420 GB leanest plan: weights and Adam moments whole,
         docs/benchmarks.md, "Why the 70B step's candidates miss 80 GB")."""
