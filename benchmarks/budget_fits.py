@@ -4,8 +4,9 @@
 without the budget, fits) again under fused prices, the plain sum of node costs and the overlap weights, each fit
 that the budget binds running the budgeted fallback (`FoldedCandidates.within_budget`). This prints, as the search
 goes, each fit's unbudgeted selection (its memory floor, its exact peak where decoded, its ILP cost and status), what
-each fit returned, and each comparison that kept one plan over another, with the process's CPU seconds; then the
-plan kept. The case is benchmarks/cluster.py's (transformers' LLaMA on the meta device, Adam, bf16).
+each fit returned, and each comparison that kept one plan over another, and the budgeted fallback's candidates (each
+expanded one's peak and plan_cost, each folded plan's floor), with the process's CPU seconds; then the plan kept.
+The case is benchmarks/cluster.py's (transformers' LLaMA on the meta device, Adam, bf16).
 
     python benchmarks/budget_fits.py --model 70B --layers 80 --mesh 8x8x8 --memory-budget 80
 """
@@ -71,6 +72,39 @@ def traced() -> None:
 
     optimizer.Explored._unbound, optimizer.Explored._fit = unbound, fitted
     objective.StepObjective.better, objective.StepObjective.least = compared, leastof
+    candidates()
+
+
+def candidates() -> None:
+    """The budgeted fallback's (`FoldedCandidates.within_budget`) candidates: each one expanded (its extractor: a hand
+    plan, a price of a ladder, the ILP), its exact peak, its plan_cost, and each folded plan's floor (`floor`: its
+    moves alone, what keeps a hand plan unexpanded where it is over a plan that fits)."""
+    from tapestry.egraph import folded_candidates as fc
+
+    decode, leaner, price, estimate = (fc.FoldedCandidates.decode, fc.leaner, fc.plan_cost,
+                                       fc.FoldedCandidates._folded_estimate)
+
+    def decoded(self: Any, egraph: Any, selection: Any) -> Any:
+        log(f"candidate expanded: {selection.extractor}")
+        return decode(self, egraph, selection)
+
+    def walked(*args: Any, **kwargs: Any) -> Any:
+        made = leaner(*args, **kwargs)
+        log(f"  its peak {max(p.bytes for p in made[2]):,}")
+        return made
+
+    def priced(plan: Any, model: Any) -> Any:
+        cost = price(plan, model)
+        log(f"  its plan_cost {cost:.6g}")
+        return cost
+
+    def estimated(self: Any, egraph: Any, selection: Any, model: Any) -> Any:
+        time, floor = estimate(self, egraph, selection, model)
+        log(f"folded plan of {selection.extractor}: estimate {time:.6g}, floor {floor:.6g}")
+        return time, floor
+
+    fc.FoldedCandidates.decode, fc.leaner, fc.plan_cost = decoded, walked, priced
+    fc.FoldedCandidates._folded_estimate = estimated
 
 
 def main() -> None:

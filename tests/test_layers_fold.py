@@ -811,3 +811,90 @@ def test_a_candidates_folded_plan_is_decoded_once_for_its_ranking_and_its_expans
     assert folded._folded_plan(egraph, other).notes == decoder.plan(egraph, other, explored.graph,
                                                                      explored.folded.names).notes
     assert len(folded._folded_plans) <= FOLDED_PLANS_KEPT
+
+
+def test_the_budgeted_fallback_decodes_each_distinct_candidate_once(three_on_two, monkeypatch):
+    """Issue 24, the 70B step on 8x8x8 at 80 GB: a hand plan is periodic already, so mirrored either way it is one
+    choice, and each of FSDP's and DPxTP's was expanded and walked for its peak twice (1.7 of the fallback's 51 CPU
+    s). `within_budget` tries each distinct choice once, whatever found it (a hand plan, a price of either ladder),
+    and keeps what it kept before: the first of equals."""
+    from tapestry.egraph.budget import device_budget
+    from tapestry.egraph.folded_candidates import chosen
+
+    explored, egraph, ties, carried, model = three_on_two
+    assert explored.baselines
+    _, _, peak = _periodic_plan(explored, egraph, ties, carried, model)
+    budget = device_budget(explored.decoder, explored._held, explored.layered, 2 * peak)
+    decoded = []
+    decode = FoldedCandidates.decode
+    monkeypatch.setattr(FoldedCandidates, "decode",
+                        lambda self, e, s: decoded.append(chosen(s)) or decode(self, e, s))
+    plan, _ = explored.folded.within_budget(
+        egraph, budget, ties, carried, explored.baselines, explored._held,
+        lambda priced: explored._select(priced, "greedy-dag", 5.0, None, ties, carried), "greedy-dag", 5.0,
+        model=model, rivals=(egraph.with_costs([2 * c for c in egraph.node_cost]),))
+    assert decoded and [n for n in Counter(decoded).values() if n > 1] == []
+    assert max(peak_memory(plan)) <= 2 * peak
+
+
+def test_the_budgeted_fallback_expands_no_hand_plan_its_floor_puts_above_a_plan_that_fits(three_on_two, monkeypatch):
+    """Issue 24, the 70B step on 8x8x8 at 80 GB: the fallback expanded each hand plan onto all 80 layers and walked it
+    for its peak (FSDP's 229 GB, DPxTP's 98) before its ladders found plans that fit. The hand plans now come after
+    the ladders, and one whose `floor` (its moves alone) is over the cheapest plan that fits is not expanded: the
+    3-layer step's hand plans (6 to 13 ms of moves) against its ladders' 1.2 ms. What is kept is what expanding
+    them all keeps."""
+    from tapestry.egraph.budget import device_budget
+
+    explored, egraph, ties, carried, model = three_on_two
+    assert explored.baselines
+    _, _, peak = _periodic_plan(explored, egraph, ties, carried, model)
+    budget = device_budget(explored.decoder, explored._held, explored.layered, 2 * peak)
+    decoded = []
+    decode = FoldedCandidates.decode
+    monkeypatch.setattr(FoldedCandidates, "decode",
+                        lambda self, e, s: decoded.append(s.extractor) or decode(self, e, s))
+
+    def within():  # noqa: ANN202
+        return explored.folded.within_budget(
+            egraph, budget, ties, carried, explored.baselines, explored._held,
+            lambda priced: explored._select(priced, "greedy-dag", 5.0, None, ties, carried), "greedy-dag", 5.0,
+            model=model)
+
+    plan, selection = within()
+    assert decoded and not [e for e in decoded if e.startswith("hand plan")]
+    monkeypatch.setattr(FoldedCandidates, "floor", lambda self, e, s, m: 0.0)  # no floor: every hand plan expanded
+    decoded.clear()
+    every, chose = within()
+    assert [e for e in decoded if e.startswith("hand plan")]
+    assert every.cost == plan.cost and chose.choice == selection.choice
+
+
+def test_the_budgeted_fallback_expands_no_ilp_choice_its_floor_puts_above_the_plan_kept(three_on_two, monkeypatch):
+    """Issue 24, the 70B step on 8x8x8 at 80 GB: the ILP's try to better the kept plan under the budget chose a plan
+    of 2291.2 ms against the kept 1796.7, and it was expanded onto 80 layers, walked for its peak and priced. A choice
+    whose `floor` is over the kept plan's cost is not: here the ILP stood in for by one that returns a hand plan
+    (tensor parallel's moves alone 6 ms, the kept plan 1.2)."""
+    import tapestry.egraph.folded_candidates as folded_candidates
+    from tapestry.egraph.budget import device_budget
+    from tapestry.egraph.embed import embedded_plans
+    from tapestry.egraph.pins import periodic_selections
+
+    explored, egraph, ties, carried, model = three_on_two
+    _, _, peak = _periodic_plan(explored, egraph, ties, carried, model)
+    budget = device_budget(explored.decoder, explored._held, explored.layered, 2 * peak)
+    twins = set(explored.layered.ties())
+    (_, hand), = embedded_plans(explored.decoder, egraph, {"tensor parallel": explored.baselines["tensor parallel"]},
+                                [t for t in ties if t not in twins])
+    dear = periodic_selections(explored.layered, explored.decoder, egraph, hand, ties, carried)[0]
+    extract = folded_candidates.extract
+    monkeypatch.setattr(folded_candidates, "extract", lambda graph, extractor, *args, **kwargs: dear
+                        if extractor == "ilp" else extract(graph, extractor, *args, **kwargs))
+    decoded = []
+    decode = FoldedCandidates.decode
+    monkeypatch.setattr(FoldedCandidates, "decode",
+                        lambda self, e, s: decoded.append(s.choice) or decode(self, e, s))
+    plan, _ = explored.folded.within_budget(
+        egraph, budget, ties, carried, {}, explored._held,
+        lambda priced: explored._select(priced, "greedy-dag", 5.0, None, ties, carried), "ilp", 5.0, model=model)
+    assert explored.folded.floor(egraph, dear, model) > plan.cost
+    assert decoded and dear.choice not in decoded

@@ -26,6 +26,24 @@ from tapestry.sharding.partition import (
 from tapestry.zspace import IndexProjection, ZAffineMap, ZRange, difference, is_partition, set_size, to_isl_set
 
 
+
+def test_a_partition_asked_again_reuses_its_blocks(monkeypatch) -> None:
+    """A model's layers repeat index spaces and splits (a hand plan's ops on 8x8x8 ask for the same 512 blocks op
+    after op): `make_partition` works out each distinct set of device blocks once, and a partition made again from
+    them equals one made afresh."""
+    import tapestry.sharding.partition as partition
+
+    made = []
+    monkeypatch.setattr(partition, "device_blocks", lambda *args: made.append(args) or device_blocks(*args))
+    partition._kept_blocks.cache_clear()
+    sig, mesh = get_kernel("matmul").bind([(8, 6), (6, 4)]), Mesh(2, 2)
+    first = partition.make_partition(sig, mesh, (0, 2))
+    again = partition.make_partition(get_kernel("matmul").bind([(8, 6), (6, 4)]), Mesh(2, 2), (0, 2))
+    other = partition.make_partition(sig, mesh, (2, 0))
+    assert len(made) == 2 and again == first and other != first
+    assert first.blocks == device_blocks(sig.index, mesh, first.axes)
+
+
 def names(sig, mesh):
     return sorted(p.name(sig) for p in candidate_partitions(sig, mesh))
 

@@ -187,19 +187,31 @@ class FoldedCandidates:
         (the 70B step on 8x8x8 at 80 GB: the plain sum's 1983.7 ms plan, against 2271.8 of the weighted costs'
         ladder alone, docs/benchmarks.md). With `extractor` "ilp" and no incumbent (the ILP chose that without the
         budget, which does not bind it) the ILP then tries to better the kept one under the budget's constraints
-        and the ties, starting from it. MemoryBudgetError where none fits, with the leanest
+        and the ties, starting from it. A hand plan or the ILP's choice whose `floor` is over a plan that fits
+        already is not expanded (it cannot be cheaper). MemoryBudgetError where none fits, with the leanest
         candidate's peak, how many carried tensors it holds whole on every device, and how many prices left no
         steady selection (the 70B step on 8x8x8 ended in a 420 GB leanest plan: weights and Adam moments whole,
         docs/benchmarks.md, "Why the 70B step's candidates miss 80 GB")."""
         limit = budget.limit
         twins = set(self.layered.ties())
         steady = [t for t in ties if t not in twins]
-        found = [] if incumbent is None else [incumbent]
+        kept = [] if incumbent is None else [incumbent]
+        handed: list[tuple[Plan, Selection]] = []  # the hand plans that fit
+        priced: list[tuple[Plan, Selection]] = []  # the ladders' candidates that fit
         leanest: tuple[float, Selection | None] = (math.inf, None)  # least peak (or lower bound of it), for the error
         decoded: list[tuple[int, str]] = []  # the leanest decoded candidate's peak and what it holds then
         unsteady: list[int] = []  # the prices whose fallback found no steady selection
+        seen: dict[tuple[int, tuple[int, ...]], bool] = {}  # each choice tried, by list: whether it fit
 
-        def fitting(selection: Selection, how: str) -> bool:
+        def fitting(selection: Selection, how: str, into: list[tuple[Plan, Selection]]) -> bool:
+            # a choice tried before is not decoded again: a hand plan mirrored either way, or a price selecting what
+            # another did, is the same plan, its peak the same, and a repeat ties the earlier candidate (kept)
+            key = (id(into), chosen(selection))
+            if key not in seen:
+                seen[key] = fits(selection, how, into)
+            return seen[key]
+
+        def fits(selection: Selection, how: str, into: list[tuple[Plan, Selection]]) -> bool:
             nonlocal leanest
             if not budget.fits(selection.choice):  # a lower bound of its peak is over: not decoded
                 leanest = min(leanest, (max(budget.usage(selection.choice)), selection), key=lambda p: p[0])
@@ -213,12 +225,9 @@ class FoldedCandidates:
                 return False
             plan = replace(plan, cost=plan_cost(plan, model) if model is not None else selection.dag_cost,
                            notes={**plan.notes, "memory_budget": how})
-            found.append((plan, replace(selection, dag_cost=dag_cost(egraph, selection.choice), status="feasible")))
+            into.append((plan, replace(selection, dag_cost=dag_cost(egraph, selection.choice), status="feasible")))
             return True
 
-        for _, embedded in embedded_plans(self.decoder, egraph, hands, steady):
-            for selection in periodic_selections(self.layered, self.decoder, egraph, embedded, ties, carried):
-                fitting(selection, f"{embedded.extractor}, periodic")
         # a node's bytes per device at its worst device: what it adds to the memory a plan holds (copy 1's once
         # per later copy); summed over a plan, about its activations and state, which a training step holds at once
         made = self.layered.costs(egraph.with_costs([
@@ -226,7 +235,17 @@ class FoldedCandidates:
             for node in self.decoder.nodes])).node_cost
         ladders = [egraph, *(rival for rival in rivals if rival is not egraph)]
         for costs in ladders:
-            self._priced_ladder(costs, made, limit, time_limit, select, incumbent, fitting, unsteady)
+            self._priced_ladder(costs, made, limit, time_limit, select, incumbent,
+                                lambda selection, how: fitting(selection, how, priced), unsteady)
+        # the hand plans after the ladders, ranked before them (the first of equals kept): one whose `floor` is over
+        # the cheapest plan that fits so far cannot be the cheapest, and is not expanded and walked for its peak (the
+        # 70B step on 8x8x8 at 80 GB: FSDP's and DPxTP's, peaking at 229 and 98 GB)
+        for _, embedded in embedded_plans(self.decoder, egraph, hands, steady):
+            for selection in periodic_selections(self.layered, self.decoder, egraph, embedded, ties, carried):
+                least = min((plan.cost for plan, _ in (*kept, *handed, *priced)), default=math.inf)
+                if model is None or self.floor(egraph, selection, model) <= least * (1 + FLOOR_MARGIN):
+                    fitting(selection, f"{embedded.extractor}, periodic", handed)
+        found = [*kept, *handed, *priced]
         if not found:
             raise MemoryBudgetError(f"no plan fits {limit:,} bytes per device: of the periodic plans tried (the "
                                     f"folded graph's hand plans, greedy-dag with memory priced up to "
@@ -241,7 +260,10 @@ class FoldedCandidates:
         if extractor == "ilp" and incumbent is None:
             with suppress(NoFiniteChoiceError):  # the kept plan stands where the ILP finds nothing in time
                 better = extract(egraph, "ilp", time_limit, budget, ties, stop_gap=stop_gap, start=selection)
-                if better.choice != selection.choice:
+                # a choice whose floor is over the kept plan's cost cannot be cheaper: not expanded and walked (the
+                # 70B step on 8x8x8 at 80 GB: the ILP's choice priced 2291.2 ms against the kept 1796.7)
+                if better.choice != selection.choice and (
+                        model is None or self.floor(egraph, better, model) <= plan.cost * (1 + FLOOR_MARGIN)):
                     candidate, _, peaks = leaner(*self.decode(egraph, better), self.lowerings)
                     candidate = replace(candidate, cost=plan_cost(candidate, model) if model is not None
                                         else better.dag_cost, notes={**candidate.notes, "memory_budget": "ilp"})

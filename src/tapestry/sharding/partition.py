@@ -90,6 +90,10 @@ def _normal(choice: AxisChoice, size: int) -> Split:
     return split
 
 
+# distinct blocks `make_partition` keeps (`_kept_blocks`): one set is a tuple of a block per device, 4 KB on 512
+BLOCKS_KEPT = 4096
+
+
 def make_partition(sig: Signature, mesh: Mesh, axes: tuple[AxisChoice, ...], exchange: tuple[int, ...] = (),
                    ring: tuple[int, ...] = ()) -> Partition:
     """Split index dim `axes[i]` evenly over mesh axis i (None: not split over it), or several dims at once:
@@ -110,7 +114,8 @@ def make_partition(sig: Signature, mesh: Mesh, axes: tuple[AxisChoice, ...], exc
         raise ValueError(f"axes {axes}: the index space {list(sig.index.shape)} has dims 0..{rank - 1}")
     ring = tuple(sorted(ring))
     keys = _ring_check(sig, mesh, splits, ring) if ring else ()
-    return Partition(device_blocks(sig.index, mesh, splits, exchange), splits, tuple(sorted(exchange)), ring, keys)
+    return Partition(_kept_blocks(sig.index, mesh, splits, tuple(exchange)), splits, tuple(sorted(exchange)), ring,
+                     keys)
 
 
 def device_blocks(index: ZRange, mesh: Mesh, splits: tuple[Split, ...], exchange: Iterable[int] = ()
@@ -130,6 +135,15 @@ def device_blocks(index: ZRange, mesh: Mesh, splits: tuple[Split, ...], exchange
             made[bounds] = None if any(map(operator.eq, *bounds)) else ZRange._checked(*bounds)
         blocks.append(made[bounds])
     return tuple(blocks)
+
+
+@functools.lru_cache(maxsize=BLOCKS_KEPT)
+def _kept_blocks(index: ZRange, mesh: Mesh, splits: tuple[Split, ...], exchange: tuple[int, ...]
+                 ) -> tuple[Block, ...]:
+    """`device_blocks`, made once per distinct arguments among the last BLOCKS_KEPT (blocks are immutable): a
+    model's layers repeat a few index spaces and splits, so a hand plan (training.plans.baselines) asks for the same
+    512 blocks op after op on 8x8x8."""
+    return device_blocks(index, mesh, splits, exchange)
 
 
 def _device_bounds(index: ZRange, mesh: Mesh, splits: tuple[Split, ...], exchange: tuple[int, ...]
