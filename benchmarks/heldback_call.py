@@ -2,14 +2,15 @@
 imported with `from_torch`, then `tapestry.optimize(..., Mesh(8, 8), gpu-h100-nccl, memory_budget=80 GB)`.
 
     python benchmarks/heldback_call.py [--family llama] [--hidden 256] [--intermediate 512] [--heads 8]
-        [--kv-heads 8] [--vocab 1024] [--layers 2] [--mesh 8x8] [--batch 8] [--seq 128] [--budget-gb 80]
-        [--profile gpu-h100-nccl] [--dtype float32] [--inference] [--hand] [--json OUT]
+        [--kv-heads 8] [--head-dim 0] [--vocab 1024] [--layers 2] [--mesh 8x8] [--batch 8] [--seq 128]
+        [--budget-gb 80] [--profile gpu-h100-nccl] [--dtype float32] [--inference] [--hand] [--json OUT]
     python benchmarks/heldback_call.py --table OUT     # the rows as docs/benchmarks.md's table
 
-`--family` picks the transformers config and model class (llama, mistral, qwen2, mixtral); the widths are flags,
-the defaults a small LLaMA. Prints import and optimize wall and CPU seconds, peak RSS, the plan's predicted step,
-peak memory per device against the budget, status and MFU; `--hand` also prices the hand plans of
-benchmarks/cluster.py (data parallel, ZeRO-3, Megatron, DP x TP) by the same cost model, to judge the MFU by.
+`--family` picks the transformers config and model class (llama, mistral, qwen2, mixtral, qwen2_moe, gemma, gemma2,
+phi3, olmo, stablelm, falcon); the widths are flags, the defaults a small LLaMA. Prints import and optimize wall and
+CPU seconds, peak RSS, the plan's predicted step, peak memory per device against the budget, status and MFU;
+`--hand` also prices the hand plans of benchmarks/cluster.py (data parallel, ZeRO-3, Megatron, DP x TP) by the same
+cost model, to judge the MFU by.
 A MemoryBudgetError (or any error) is printed and recorded, not raised: the row says what failed.
 """
 from __future__ import annotations
@@ -34,6 +35,17 @@ FAMILIES = {  # the config and model classes of each family
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+    "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+    "olmo": (transformers.OlmoConfig, transformers.OlmoForCausalLM),
+    "stablelm": (transformers.StableLmConfig, transformers.StableLmForCausalLM),
+    "falcon": (transformers.FalconConfig, transformers.FalconForCausalLM),
+}
+RENAMED = {  # a family's own names for the LLaMA config's widths
+    "falcon": {"intermediate_size": "ffn_hidden_size", "num_key_value_heads": "num_kv_heads"},
+    "qwen2_moe": {"intermediate_size": "moe_intermediate_size"},
 }
 
 
@@ -53,6 +65,14 @@ def build(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor]:
         max_position_embeddings=max(2 * args.seq, 4096))
     if args.family == "mixtral":
         widths.update(num_local_experts=args.experts, num_experts_per_tok=args.top)
+    if args.family == "qwen2_moe":  # its shared expert 4 routed experts wide, as Qwen1.5-MoE-A2.7B's
+        widths.update(num_experts=args.experts, num_experts_per_tok=args.top,
+                      shared_expert_intermediate_size=4 * widths["intermediate_size"])
+    if args.family in ("gemma", "gemma2"):  # their config's head_dim (256) does not follow the width
+        widths.update(head_dim=args.head_dim or args.hidden // args.heads)
+    if args.family == "falcon":  # Falcon-40B's grouped-query layout, where the KV heads are a flag
+        widths.update(new_decoder_architecture=True)
+    widths = {RENAMED.get(args.family, {}).get(name, name): value for name, value in widths.items()}
     with torch.device("meta"):
         model = model_class(config_class(**widths)).to(getattr(torch, args.dtype))
     ids = torch.randint(0, args.vocab, (args.batch, args.seq))
@@ -172,9 +192,10 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--intermediate", type=int, default=0, help="MLP width (per expert); 0: twice --hidden")
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=0, help="0: as many as --heads")
+    parser.add_argument("--head-dim", type=int, default=0, help="gemma, gemma2: per head; 0: --hidden / --heads")
     parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--experts", type=int, default=8, help="mixtral: experts per layer")
-    parser.add_argument("--top", type=int, default=2, help="mixtral: experts per token")
+    parser.add_argument("--experts", type=int, default=8, help="mixtral, qwen2_moe: experts per layer")
+    parser.add_argument("--top", type=int, default=2, help="mixtral, qwen2_moe: experts per token")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--mesh", default="8x8")
     parser.add_argument("--batch", type=int, default=8)

@@ -330,3 +330,44 @@ def test_an_empty_slice_becomes_a_constant_so_the_graph_plans_and_matches():
     plan = tapestry.optimize(imp.graph, tapestry.Mesh(4)).plan
     (got,) = imp.outputs(simulate(plan, imp.inputs(x)))
     np.testing.assert_allclose(got, module(x).detach().numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_an_empty_slices_gradient_written_back_is_dropped_so_the_training_step_plans():
+    """The backward of `h[..., 8:]` (empty) writes its empty gradient into zeros of h's shape with slice_scatter over
+    columns [8, 8); where h is too large to fold (Phi-3's training step at real widths) the concat it became refused
+    the zero-size constant and an opaque op read it, which no plan can place. Writing nothing leaves the zeros."""
+    module, x = FullRotary(), torch.randn(2, 8192, 8)  # h: 131,072 cells, over FOLD_CELLS
+
+    def loss(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x).pow(2).mean()
+
+    imp = from_torch(module, (x,), training=tapestry.Training(loss=loss, lr=0.1), verbose=False)
+    assert not imp.opaque, imp.translation.declined
+    imp.graph.check_plannable()
+    got = imp.outputs(evaluate(imp.graph, imp.inputs(x)))
+    want = loss(module, x)
+    want.backward()
+    np.testing.assert_allclose(float(got["loss"]), want.item(), rtol=1e-6)
+    for path, value in module.named_parameters():
+        np.testing.assert_allclose(got["parameters"][path], (value - 0.1 * value.grad).detach().numpy(), rtol=1e-5,
+                                   atol=1e-6, err_msg=path)
+
+
+class MaskAndNumber(torch.nn.Module):
+    """A bool mask combined with a 0-dim bool constant, as Phi-3's attention mask at real lengths (a mask too large
+    to fold) is: logical_and and logical_or have no `_scalar` twin kernel."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        mask = x > 0
+        yes, no = torch.tensor(True), torch.tensor(False)
+        return (torch.where(mask & yes, x, 0.0), torch.where(mask & no, x, 1.0), torch.where(mask | no, x, 2.0),
+                torch.where(mask | yes, x, 3.0))
+
+
+def test_a_mask_and_a_bool_number_import_as_kernels_and_match_eager():
+    x = torch.randn(4, 6, 8)
+    imp = from_torch(MaskAndNumber(), (x,), verbose=False)
+    assert not imp.opaque, imp.translation.declined
+    got = imp.outputs(evaluate(imp.graph, imp.inputs(x)))
+    for ours, want in zip(got, MaskAndNumber()(x)):
+        np.testing.assert_array_equal(ours, want.numpy())

@@ -83,6 +83,11 @@ def binary(b: Builder, kernel: str, lhs: Any, rhs: Any) -> Value:
     left, right = _scalar(lhs), _scalar(rhs)
     if kernel.startswith("logical") and b.dtype != "bool":
         raise Unsupported("a bitwise op on integers")
+    if kernel.startswith("logical") and (left is None) != (right is None):  # no `_scalar` twin: the number decides
+        value, number = (b.tensor(lhs), right) if right is not None else (b.tensor(rhs), left)
+        if bool(number) != (kernel == "logical_and"):  # x and False, x or True: one value everywhere
+            return b.filled(kernel == "logical_or", value.shape, "bool")
+        return value if value.dtype == "bool" else b.op("ne_scalar", value, value=0.0)  # x and True, x or False
     if right is not None:
         return b.op(f"{kernel}_scalar", b.tensor(lhs), value=right)
     if left is not None:

@@ -121,7 +121,9 @@ def _slice_scatter(b: Builder, x: Any, src: Any, dim: int = 0, start: int | None
     lo, hi, stride = slice(start, end, step).indices(value.shape[axis])
     if stride != 1:
         raise Unsupported(f"a slice_scatter with step {stride} (step 1 is taken: one contiguous run)")
-    return _overwrite(b, value, b.tensor(src), axis, lo, max(hi, lo))
+    if hi <= lo:  # no rows: x as it is, src (empty) never made a constant (the backward of Phi-3's `h[..., d:]`)
+        return value
+    return _overwrite(b, value, b.tensor(src), axis, lo, hi)
 
 
 @converts("aten.select_scatter.default")
