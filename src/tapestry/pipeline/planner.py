@@ -506,7 +506,7 @@ def _stage_plan(graph: Graph, end_graphs: tuple[Graph | None, Graph | None], lay
         # the next leaner plan is the fastest that needs less memory than the last: no faster by the objective
         # they are extracted by, so the last one's floor floors it (where the stage transfers it saves are exposed
         # as that objective prices them: `BoundaryPriced`)
-        floor = ideal_time(last, layers, stages, micro_batches, precision, ends)
+        floor = fastest_floor if extracted == 1 else ideal_time(last, layers, stages, micro_batches, precision, ends)
         beaten = min(leading, math.inf if best is None else best.cost)
         if floor >= (1 - leaner_slack) * beaten:  # no leaner plan could beat the best step by more than the slack
             said.append(("leaner layer plans" if extracted == 1 else
