@@ -725,3 +725,34 @@ def test_a_later_stage_counts_fusion_priced_refit_is_made_only_where_its_plain_f
     assert "no fusion-priced refit of the layer" in next(c.why for c in skipped.candidates if c.stages == 1)
     chosen = [(r.plan.stages, r.plan.cost, r.plan.schedule, r.plan.chunks, r.plan.layer) for r in (refitted, skipped)]
     assert chosen[0] == chosen[1]
+
+
+def test_smaller_stage_counts_are_not_tried_once_ones_floor_is_the_stop_margin_above_the_best_step(
+        mlp_step, monkeypatch) -> None:  # noqa: ANN001
+    """Stage counts go largest first; once one's fastest layer plan has a floor (`ideal_time`) `stop_margin` or more
+    above the best step found, the smaller stage counts (larger sub-meshes, dearer to plan) are not explored at all
+    (STAGE_STOP_MARGIN: not an exact bound). On this case S = 2's floor is that far above S = 8's step: S = 1 is
+    not tried, the report says so, and the chosen configuration is the one trying every stage count finds."""
+    import tapestry
+    from tapestry.pipeline import planner
+
+    explored: list[int] = []
+    explore = planner.explore
+    monkeypatch.setattr(planner, "explore", lambda graph, mesh, **kw: explored.append(mesh.size) or explore(
+        graph, mesh, **kw))
+
+    def plan(margin: float) -> tapestry.pipeline.PipelineResult:
+        explored.clear()
+        return tapestry.plan_pipeline(mlp_step, 8, tapestry.Mesh(8), global_batch=16, cost_model=h100(),
+                                      stages=(8, 2, 1), memory_budget=None, budget=tapestry.Budget(seconds=30),
+                                      pareto_points=1, stop_margin=margin)
+
+    every = plan(math.inf)
+    assert explored == [1, 4, 8]
+    stopped = plan(0.25)
+    assert explored == [1, 4]
+    why = next(c.why for c in stopped.candidates if c.stages == 1)
+    assert why.startswith("not tried: S=2's fastest layer plan has a floor of") and "25% or more above" in why
+    assert next(c.plan for c in stopped.candidates if c.stages == 1) is None
+    chosen = [(r.plan.stages, r.plan.cost, r.plan.schedule, r.plan.chunks, r.plan.layer) for r in (every, stopped)]
+    assert chosen[0] == chosen[1]

@@ -202,10 +202,9 @@ class Explored:
         """The stack of identical layers, if any, for the ILP's periodic warm start (egraph.repeat)."""
         return find_repetition(self.decoder, list(self.roots))
 
-    @cached_property
-    def _held(self) -> dict[str, tuple[int, ...]]:
-        """E-class -> the bytes each device holds of its value (egraph.budget.held_bytes)."""
-        return held_bytes(self.decoder, self.graph)
+    _held = cached_property(lambda self: held_bytes(self.decoder, self.graph))  # e-class -> bytes on each device
+    # a memory budget's constraints (`device_budget`) but its limit, alike under every limit: made once per e-graph
+    _charges = cached_property(lambda self: device_budget(self.decoder, self._held, self.layered, 0))
 
     @cached_property
     def _unbudgeted(self) -> SelectionMemo:
@@ -282,7 +281,7 @@ class Explored:
         if self.layered is not None:  # copy 1 counted once per later copy (fused prices too), tied to copy 0
             egraph, ties = self.layered.costs(egraph), sorted([*ties, *self.layered.ties()])
             fused = None if fused is None else self.layered.costs(fused)
-        budget_of = cache(lambda: device_budget(self.decoder, self._held, self.layered, memory_budget))  # if it binds
+        budget_of = cache(lambda: replace(self._charges, limit=memory_budget))  # where it binds
         if memory_budget is not None and self._inputs_floor[0] > memory_budget:  # no plan can: say so at once
             raise self._budget_error(memory_budget, "")
         hands = self._warm_starts(egraph, tuple(embedded for _, embedded in embedded_plans(

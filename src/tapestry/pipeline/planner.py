@@ -10,7 +10,8 @@ next one's step) beats the best step found: each leaner plan is an extraction un
 calls of the search. Stage counts go largest first (the smallest
 sub-meshes: cheapest to plan, and most often the fastest), so the best step is known early; after the first, a
 layer's fusion-priced refit (half an extraction's CP-SAT runs) is made only where its plain fit's floor comes within
-FUSION_REFIT_MARGIN of that step (not an exact bound). Identical layers reuse
+FUSION_REFIT_MARGIN of that step (not an exact bound), and the smaller stage counts are not tried at all once one's
+fastest layer plan's floor is STAGE_STOP_MARGIN above it (not an exact bound either). Identical layers reuse
 the layer plan: 80 layers cost one optimization per sub-mesh. Every layer plan of the front is then tried under
 every schedule (GPipe, 1F1B, interleaved 1F1B with v chunks per device), with on each device the fewest recomputed
 layers that fit the memory budget; the fastest configuration that fits wins. S = 1 is no pipeline: gradient
@@ -71,6 +72,16 @@ LAYER_TIME_LIMIT = 5.0
 # found the 7B block 2.2% faster on 8x8, and on that step no stage count's plan but the first's came from it
 # (docs/benchmarks.md, "7B on 64 GPUs at 4M tokens per step")
 FUSION_REFIT_MARGIN = 0.25
+# Stage counts go largest first; once one's fastest layer plan has a floor (`ideal_time`) this share or more above the
+# best step found, the smaller ones (larger sub-meshes, dearer to plan) are not tried. NOT an exact bound: no floor
+# known before a sub-mesh's extraction separates them (compute spreads alike over every stage count; the LP floor of
+# benchmarks/stage_floor.py is below the best step for every stage count of the 7B step on 64 GPUs). What it rests on:
+# the searches on larger sub-meshes find layer plans that scale worse than the devices they add, the floors rising as
+# the stage count falls (the 7B step on 8x8: 4.4, 7.9, 12.5, 21.9 s a step for S = 8, 4, 2, 1; the 70B step on 8x8x8:
+# a best step of 12.7 s with S = 8, then 29.9, 54.5, 117.9 s): S = 2 and 1 were 36% of the 70B plan_pipeline's CPU s
+# and 68% of the 7B's
+# (docs/benchmarks.md, "70B on 512 GPUs (8x8x8) at 4M tokens per step"). math.inf tries every stage count.
+STAGE_STOP_MARGIN = 0.5
 
 
 @dataclass(frozen=True)
@@ -364,7 +375,8 @@ def plan_pipeline(layer: Step, layers: int, mesh: Mesh, global_batch: int,
                   precision: str | Precision = "mixed", schedules: Sequence[str] = SCHEDULES,
                   chunks: Sequence[int] = CHUNKS, budget: Budget = Budget(), extractor: str = "ilp",
                   time_limit: float = LAYER_TIME_LIMIT, pareto_points: int = 3, first: Step | None = None,
-                  last: Step | None = None, leaner_slack: float = LEANER_SLACK) -> PipelineResult:
+                  last: Step | None = None, leaner_slack: float = LEANER_SLACK,
+                  stop_margin: float = STAGE_STOP_MARGIN) -> PipelineResult:
     """The fastest pipelined training step of `layers` identical layers on `mesh` that fits `memory_budget`
     bytes per device, `global_batch` sequences per step.
 
@@ -379,7 +391,9 @@ def plan_pipeline(layer: Step, layers: int, mesh: Mesh, global_batch: int,
     plans were skipped). `first` and `last` are the training steps of what runs before the first layer and
     after the last (`pipeline.first_step`, `pipeline.last_step`: the embedding; the final norm, head and loss),
     graphs or functions of the micro-batch size like `layer`; each is planned (its fastest plan) on every stage
-    sub-mesh and rides with the first or last layer. MemoryBudgetError when no configuration fits."""
+    sub-mesh and rides with the first or last layer. Stage counts go largest first; once one's fastest layer plan
+    has a floor `stop_margin` or more above the best step found, the smaller ones are not tried (not an exact bound:
+    STAGE_STOP_MARGIN; their candidates say so). MemoryBudgetError when no configuration fits."""
     if not 0 <= axis < mesh.ndim:
         raise ValueError(f"pipeline axis {axis} is not an axis of {mesh}")
     profile = getattr(cost_model, "profile", None)
@@ -409,21 +423,31 @@ def plan_pipeline(layer: Step, layers: int, mesh: Mesh, global_batch: int,
                   for b in sizes}
     candidates = []
     leading = math.inf  # the fastest step so far, of any stage count
+    stopped = ""  # why the smaller stage counts are not tried
     for s in sorted(counts, reverse=True):  # the smallest sub-meshes first: cheapest to plan, often fastest
+        if stopped:
+            candidates.append(Candidate(s, None, stopped))
+            continue
         best: PipelinePlan | None = None
-        why = []
+        why, floors = [], []
         for b, graph in graphs.items():  # one call per (sub-mesh, micro-batch size): its e-graph freed on return
-            found, said = _stage_plan(graph, end_graphs[b], layers, mesh, axis, s, global_batch // b, b,
+            found, said, floor = _stage_plan(graph, end_graphs[b], layers, mesh, axis, s, global_batch // b, b,
                                       chosen_precision, link, profile.device.spec_peak(_compute_dtype(graph)),
                                       memory_budget, schedules, chunks, budget, extractor,
                                       time_limit, pareto_points, leaner_slack, cost_model, leading)
             why += [f"micro-batch {b}: {said}"] if said else []
+            floors.append(floor)
             if found is not None and (best is None or (found.cost, found.peak_memory) < (best.cost,
                                                                                            best.peak_memory)):
                 best = found
             if best is not None:
                 leading = min(leading, best.cost)
         candidates.append(Candidate(s, best, "; ".join(why)))
+        floor = min(floors)
+        if math.isfinite(floor) and floor >= (1 + stop_margin) * leading:
+            stopped = (f"not tried: S={s}'s fastest layer plan has a floor of {floor * 1e3:.1f} ms a step, "
+                       f"{stop_margin:.0%} or more above the best step found ({leading * 1e3:.1f} ms), and fewer "
+                       f"stages were not tried (not an exact bound)")
     candidates.sort(key=lambda c: c.stages)
     fitting = [c.plan for c in candidates if c.plan is not None]
     if not fitting:
@@ -437,9 +461,10 @@ def _stage_plan(graph: Graph, end_graphs: tuple[Graph | None, Graph | None], lay
                 spec_peak: float | None,
                 memory_budget: float | None, schedules: Sequence[str], chunks: Sequence[int], budget: Budget,
                 extractor: str, time_limit: float, pareto_points: int, leaner_slack: float, cost_model: CostModel,
-                leading: float) -> tuple[PipelinePlan | None, str]:
-    """The best configuration of `stages` stages at one micro-batch size, and what to report of it (why nothing
-    fit, whether the fusion-priced refit and which leaner layer plans were not made and why). Its own function so
+                leading: float) -> tuple[PipelinePlan | None, str, float]:
+    """The best configuration of `stages` stages at one micro-batch size, what to report of it (why nothing
+    fit, whether the fusion-priced refit and which leaner layer plans were not made and why) and its fastest layer
+    plan's floor (`ideal_time`; inf where no layer plan was found). Its own function so
     that the sub-mesh's explored e-graph, pricing and extractions are freed before the next sub-mesh is explored (a
     loop's locals outlived the iteration: the 70B step's 4x8x8 e-graph was held while 8x8x8's was explored)."""
     sub = stage_mesh(mesh, axis, stages)
@@ -463,7 +488,7 @@ def _stage_plan(graph: Graph, end_graphs: tuple[Graph | None, Graph | None], lay
                 said.append(f"no fusion-priced refit of the layer: its floor, {floor * 1e3:.1f} ms a step, is more "
                             f"than {FUSION_REFIT_MARGIN:.0%} above the best step found ({leading * 1e3:.1f} ms)")
     except (ValueError, MemoryBudgetError) as err:
-        return None, f"no layer plan on {sub} ({err})"
+        return None, f"no layer plan on {sub} ({err})", math.inf
 
     def configured(result: OptimizeResult, layer: LayerCost) -> PipelinePlan | None:
         return best_configuration(layer, layers, mesh, axis, stages, micro_batches, precision, link, memory_budget,
@@ -476,11 +501,12 @@ def _stage_plan(graph: Graph, end_graphs: tuple[Graph | None, Graph | None], lay
                        f"layer recomputed")
     leaner = explored.leaner_plans(fastest, ranking, extractor, time_limit, micro_batches)
     last, extracted = fastest_layer, 1
+    fastest_floor = ideal_time(fastest_layer, layers, stages, micro_batches, precision, ends)
     while extracted < pareto_points:
         # the next leaner plan is the fastest that needs less memory than the last: no faster by the objective
         # they are extracted by, so the last one's floor floors it (where the stage transfers it saves are exposed
         # as that objective prices them: `BoundaryPriced`)
-        floor = ideal_time(last, layers, stages, micro_batches, precision, ends)
+        floor = fastest_floor if extracted == 1 else ideal_time(last, layers, stages, micro_batches, precision, ends)
         beaten = min(leading, math.inf if best is None else best.cost)
         if floor >= (1 - leaner_slack) * beaten:  # no leaner plan could beat the best step by more than the slack
             said.append(("leaner layer plans" if extracted == 1 else
@@ -500,7 +526,7 @@ def _stage_plan(graph: Graph, end_graphs: tuple[Graph | None, Graph | None], lay
     if best is None and extracted > 1:
         said[0] = (f"nothing fits {memory_budget:,.0f} bytes per device, even with every layer recomputed, of the "
                    f"fastest layer plan and its {extracted - 1} leaner ones")
-    return best, "; ".join(said)
+    return best, "; ".join(said), fastest_floor
 
 
 def _batch(graph: Graph) -> int:
