@@ -813,18 +813,25 @@ def test_a_candidates_folded_plan_is_decoded_once_for_its_ranking_and_its_expans
     assert len(folded._folded_plans) <= FOLDED_PLANS_KEPT
 
 
+def _twice_the_periodic_peak(three_on_two: tuple) -> tuple[object, int]:
+    """A device budget of twice the periodic plan's peak (a fallback's budget every ladder meets), and that peak."""
+    from tapestry.egraph.budget import device_budget
+
+    explored, egraph, ties, carried, model = three_on_two
+    assert explored.baselines
+    _, _, peak = _periodic_plan(explored, egraph, ties, carried, model)
+    return device_budget(explored.decoder, explored._held, explored.layered, 2 * peak), peak
+
+
 def test_the_budgeted_fallback_decodes_each_distinct_candidate_once(three_on_two, monkeypatch):
     """Issue 24, the 70B step on 8x8x8 at 80 GB: a hand plan is periodic already, so mirrored either way it is one
     choice, and each of FSDP's and DPxTP's was expanded and walked for its peak twice (1.7 of the fallback's 51 CPU
     s). `within_budget` tries each distinct choice once, whatever found it (a hand plan, a price of either ladder),
     and keeps what it kept before: the first of equals."""
-    from tapestry.egraph.budget import device_budget
     from tapestry.egraph.folded_candidates import chosen
 
     explored, egraph, ties, carried, model = three_on_two
-    assert explored.baselines
-    _, _, peak = _periodic_plan(explored, egraph, ties, carried, model)
-    budget = device_budget(explored.decoder, explored._held, explored.layered, 2 * peak)
+    budget, peak = _twice_the_periodic_peak(three_on_two)
     decoded = []
     decode = FoldedCandidates.decode
     monkeypatch.setattr(FoldedCandidates, "decode",
@@ -843,12 +850,8 @@ def test_the_budgeted_fallback_expands_no_hand_plan_its_floor_puts_above_a_plan_
     the ladders, and one whose `floor` (its moves alone) is over the cheapest plan that fits is not expanded: the
     3-layer step's hand plans (6 to 13 ms of moves) against its ladders' 1.2 ms. What is kept is what expanding
     them all keeps."""
-    from tapestry.egraph.budget import device_budget
-
     explored, egraph, ties, carried, model = three_on_two
-    assert explored.baselines
-    _, _, peak = _periodic_plan(explored, egraph, ties, carried, model)
-    budget = device_budget(explored.decoder, explored._held, explored.layered, 2 * peak)
+    budget, _ = _twice_the_periodic_peak(three_on_two)
     decoded = []
     decode = FoldedCandidates.decode
     monkeypatch.setattr(FoldedCandidates, "decode",
