@@ -68,3 +68,13 @@ def test_a_sum_split_over_some_axes_splits_over_the_replicated_ones_too_or_not_a
     assert _summed_over_every_axis(sig, Mesh(2, 2), [summed, None]) == (summed, summed)
     assert _summed_over_every_axis(sig, Mesh(2, 2), [summed, free]) == (summed, free)
     assert _summed_over_every_axis(sig, Mesh(2, 3 * size), [summed, None]) == (None, None)
+
+
+def test_fsdp_runs_the_optimizer_update_on_the_stored_shards(step):
+    """As ZeRO-3's since budget5b: every op reading a carried tensor's stored shard (Adam's moments, the weights'
+    update) runs split over every device, and no carried input is placed twice (no gathered copy to slice from)."""
+    mesh = Mesh(2, 2, 2)
+    plan = fsdp(step, mesh, step_arguments(step))
+    places = [s.input for s in plan.steps if isinstance(s, Place)]
+    assert len(places) == len(set(places))
+    assert not any(s.out.endswith(".stored") for s in plan.steps)

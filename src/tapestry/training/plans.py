@@ -263,9 +263,10 @@ def fsdp(graph: Graph, mesh: Mesh, arguments: Sequence[str]) -> Plan:
             axes[node.name] = _summed_over_every_axis(graph.signature(node.name), mesh, chosen)
         elif node.name in update:
             axes[node.name] = (update[node.name],) * mesh.ndim
-    plan = build_plan(graph, mesh, axes)
+    backward = split_backward(graph, update, mesh.size, frozenset(data) | frozenset(sequence))
+    axes.update({op: (dim,) * mesh.ndim for op, dim in backward.items()})
     layouts = {name: Layout.split(graph[name].shape, mesh, (dim,) * mesh.ndim) for name, dim in stored.items()}
-    return steady(placed(plan, layouts))
+    return steady(build_plan(graph, mesh, axes, stored=layouts))
 
 
 def _summed_over_every_axis(sig: Signature, mesh: Mesh, chosen: Sequence[int | str | None],
