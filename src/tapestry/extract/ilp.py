@@ -310,10 +310,9 @@ def _result(best: Selection, proven: bool, bound: float | None, meter: Meter, st
     and none (bound and gap None, not a gap of 100%) where no phase bounded the search (`bound` None: the "nodes"
     stop, no work left to model the graph; or 0 for a selection that costs more: CP-SAT stopped before its first
     bound and no LP ran; the 2-layer 7B training step on 2x4 of docs/benchmarks.md "Cluster" stopped so, its gap
-    read 100%); `stopped_by` is the budget that ended
-    the search unproven ("work": CP-SAT's; "nodes": no work left to model the graph or a part), if one did, or
-    SAFETY_NET_STOP wherever the clock's safety net stopped a phase, proven or not (then the selection may depend
-    on the load)."""
+    read 100%); `stopped_by` is the budget that ended the search unproven ("work": CP-SAT's; "nodes": no work left
+    to model the graph or a part), if one did, or SAFETY_NET_STOP wherever the clock's safety net stopped a phase,
+    proven or not (then the selection may depend on the load)."""
     if proven or best.dag_cost == 0:
         bound, gap = best.dag_cost, 0.0
     elif bound is None or bound <= 0:

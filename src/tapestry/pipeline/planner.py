@@ -79,8 +79,8 @@ FUSION_REFIT_MARGIN = 0.25
 # the searches on larger sub-meshes find layer plans that scale worse than the devices they add, the floors rising as
 # the stage count falls (the 7B step on 8x8: 4.4, 7.9, 12.5, 21.9 s a step for S = 8, 4, 2, 1; the 70B step on 8x8x8:
 # a best step of 12.7 s with S = 8, then 29.9, 54.5, 117.9 s): S = 2 and 1 were 36% of the 70B plan_pipeline's CPU s
-# and 68% of the 7B's
-# (docs/benchmarks.md, "70B on 512 GPUs (8x8x8) at 4M tokens per step"). math.inf tries every stage count.
+# and 68% of the 7B's (docs/benchmarks.md, "70B on 512 GPUs (8x8x8) at 4M tokens per step"). math.inf tries every
+# stage count.
 STAGE_STOP_MARGIN = 0.5
 
 
