@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -51,27 +52,13 @@ def traced() -> None:
             return None
         return replace(plan, notes={**plan.notes, "memory_budget": "not binding"}), selection
 
-    fit = optimizer.Explored._fit
-
-    def fitted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        plan, selection = fit(self, *args, **kwargs)
-        log(f"fit -> {plan.cost:.6g} s, memory_budget: {plan.notes.get('memory_budget')}")
-        return plan, selection
-
-    better, least = objective.StepObjective.better, objective.StepObjective.least
-
-    def compared(self: Any, plan: Any, than: Any) -> bool:
-        kept = better(self, plan, than)
-        log(f"better({plan.cost:.6g}, than {than.cost:.6g}) = {kept}")
-        return kept
-
-    def leastof(self: Any, found: Any) -> Any:
-        kept = least(self, found)
-        log(f"least of {[round(p.cost, 6) for p, _ in found]} -> {kept[0].cost:.6g}")
-        return kept
-
-    optimizer.Explored._unbound, optimizer.Explored._fit = unbound, fitted
-    objective.StepObjective.better, objective.StepObjective.least = compared, leastof
+    optimizer.Explored._unbound = unbound
+    logged(optimizer.Explored, "_fit",
+           lambda made, *_: f"fit -> {made[0].cost:.6g} s, memory_budget: {made[0].notes.get('memory_budget')}")
+    logged(objective.StepObjective, "better",
+           lambda kept, _, plan, than: f"better({plan.cost:.6g}, than {than.cost:.6g}) = {kept}")
+    logged(objective.StepObjective, "least",
+           lambda kept, _, found: f"least of {[round(p.cost, 6) for p, _ in found]} -> {kept[0].cost:.6g}")
     candidates()
 
 
@@ -81,30 +68,23 @@ def candidates() -> None:
     moves alone, what keeps a hand plan unexpanded where it is over a plan that fits)."""
     from tapestry.egraph import folded_candidates as fc
 
-    decode, leaner, price, estimate = (fc.FoldedCandidates.decode, fc.leaner, fc.plan_cost,
-                                       fc.FoldedCandidates._folded_estimate)
+    logged(fc.FoldedCandidates, "decode", lambda _, __, ___, selection: f"candidate expanded: {selection.extractor}")
+    logged(fc, "leaner", lambda made, *_: f"  its peak {max(p.bytes for p in made[2]):,}")
+    logged(fc, "plan_cost", lambda cost, *_: f"  its plan_cost {cost:.6g}")
+    logged(fc.FoldedCandidates, "_folded_estimate", lambda made, _, __, selection, ___:
+           f"folded plan of {selection.extractor}: estimate {made[0]:.6g}, floor {made[1]:.6g}")
 
-    def decoded(self: Any, egraph: Any, selection: Any) -> Any:
-        log(f"candidate expanded: {selection.extractor}")
-        return decode(self, egraph, selection)
 
-    def walked(*args: Any, **kwargs: Any) -> Any:
-        made = leaner(*args, **kwargs)
-        log(f"  its peak {max(p.bytes for p in made[2]):,}")
-        return made
+def logged(owner: Any, name: str, say: Callable[..., str]) -> None:
+    """`owner.name` replaced by a function that calls it and logs `say(result, *its arguments)`."""
+    original = getattr(owner, name)
 
-    def priced(plan: Any, model: Any) -> Any:
-        cost = price(plan, model)
-        log(f"  its plan_cost {cost:.6g}")
-        return cost
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        log(say(result, *args))
+        return result
 
-    def estimated(self: Any, egraph: Any, selection: Any, model: Any) -> Any:
-        time, floor = estimate(self, egraph, selection, model)
-        log(f"folded plan of {selection.extractor}: estimate {time:.6g}, floor {floor:.6g}")
-        return time, floor
-
-    fc.FoldedCandidates.decode, fc.leaner, fc.plan_cost = decoded, walked, priced
-    fc.FoldedCandidates._folded_estimate = estimated
+    setattr(owner, name, wrapped)
 
 
 def main() -> None:
