@@ -40,7 +40,7 @@ WIDTHS = {  # hidden, MLP hidden (per expert), heads, KV heads: LLaMA-2 configs,
     "tiny-GQA": (64, 128, 8, 2),  # a check in small (benchmarks/hand_plans_embedded.py), not a cluster size
 }
 EXPERTS = {"Mixtral": (8, 2)}  # experts, and how many each token is routed to
-HAND = ("DP", "ZeRO-3", "FSDP", "TP", "DPxTP", "EP", "DPxEP", "DPxEP seq whole", "DPx(TP+EP)")
+HAND = ("DP", "ZeRO-3", "FSDP", "TP", "DPxTP", "EP", "DPxEP", "DPxEP seq whole", "DPx(TP+EP)", "DPxEP group")
 HAND_NAMES = {"data parallel": "DP", "ZeRO-3": "ZeRO-3", "FSDP": "FSDP", "tensor parallel": "TP",  # baselines' names
               "data and tensor parallel": "DPxTP", "expert parallel": "EP", "data and expert parallel": "DPxEP",
               "data and expert parallel, sequence whole": "DPxEP seq whole",
@@ -188,30 +188,42 @@ def hand_plans(imported: Any, case: Case, model: Any, errors: dict[str, str],
                breakdowns: dict[str, Any] | None = None) -> dict[str, tuple[float, int]]:
     """The hand plans on the case's own mesh, priced by `model`: for a training step the ones the optimizer's floor
     builds and keeps its plan under (training.plans.baselines, named by HAND_NAMES), for inference data and tensor
-    parallel over every device, expert parallel for a MoE, and on 2 or more axes the n-D DPxTP (and DPxEP); a strategy that cannot be priced is NaN, and `errors` says why; `breakdowns` gets
-    each priced plan's time_by_kind."""
+    parallel over every device (Megatron's pairs found by structure, `tensor_parallel_seeds` of its parameters),
+    expert parallel for a MoE, and on 2 or more axes the n-D DPxTP (and DPxEP); for a MoE whose experts a node's
+    devices do not divide, "DPxEP group" (`expert_group_parallel`: on the same devices as another mesh, so not
+    among the optimizer's hand plans); a strategy that cannot be priced is NaN, and `errors` says why; `breakdowns`
+    gets each priced plan's time_by_kind."""
     import math
 
     import tapestry
     from tapestry.cost import peak_memory, plan_cost
+    from tapestry.plan.build import expand_linears
     from tapestry.training.plans import (baselines, data_expert_parallel, data_parallel, data_tensor_parallel,
-                                         expert_parallel, megatron)
+                                         expert_group_mesh, expert_group_parallel, expert_parallel, expert_weights,
+                                         megatron, step_arguments, tensor_parallel_seeds)
 
     graph = imported.graph
     mesh = tapestry.Mesh(*case.shape)
     if graph.carried:
         built = {HAND_NAMES[name]: plan for name, plan in baselines(graph, mesh).items()}
         builders = {name: lambda plan=plan: plan for name, plan in built.items()}
+        arguments, experts = step_arguments(graph), expert_weights(graph)
     else:
         arguments = imported.translation.user_inputs
-        hidden = tensor_parallel_dims([n.name for n in graph.inputs])
+        weights = [n.name for n in graph.inputs if n.name not in arguments]  # Megatron's pairs found as training's
+        # are (by structure: Falcon's and Phi-3's fused linears have no LLaMA names, and TP priced all-replicated)
+        expanded = expand_linears(graph)
+        hidden = tensor_parallel_seeds(expanded, mesh.size, weights)
         experts = {n.name: 0 for n in graph.inputs if n.name.endswith(EXPERT_WEIGHTS)}
         builders = {"DP": lambda: data_parallel(graph, mesh, arguments), "TP": lambda: megatron(graph, mesh, hidden),
                     **({"EP": lambda: expert_parallel(graph, mesh, arguments, experts)} if experts else {})}
         if mesh.ndim >= 2:  # the training floor's n-D recipes, weights whole
-            builders["DPxTP"] = lambda: data_tensor_parallel(graph, mesh, arguments, hidden)
+            inner = tensor_parallel_seeds(expanded, mesh.shape[-1], weights)
+            builders["DPxTP"] = lambda: data_tensor_parallel(graph, mesh, arguments, inner)
             if experts:
                 builders["DPxEP"] = lambda: data_expert_parallel(graph, mesh, arguments, {}, experts)
+    if any(expert_group_mesh(mesh, graph[name].shape[dim]) for name, dim in experts.items()):  # not the optimizer's
+        builders["DPxEP group"] = lambda: expert_group_parallel(graph, mesh, arguments, experts)  # (another mesh)
     priced: dict[str, tuple[float, int]] = {}
     for name, make in builders.items():
         try:

@@ -29,7 +29,8 @@ from tapestry.plan import Compute, Place
 from tapestry.plan.validate import validate_plan
 from tapestry.plan.build import expand_linears
 from tapestry.training.plans import (
-    baselines, data_parallel, expert_weights, megatron, step_arguments, tensor_parallel_seeds,
+    baselines, data_parallel, data_tensor_parallel, expert_group_mesh, expert_group_parallel, expert_weights, megatron,
+    step_arguments, tensor_parallel_seeds,
 )
 
 CLUSTER = DefaultCostModel(load_profile("gpu-h100-cluster"))
@@ -136,6 +137,48 @@ def test_a_column_parallel_weight_no_row_parallel_contraction_pairs_stays_whole(
     assert tensor_parallel_seeds(expand_linears(imported.graph), 4) == {}
 
 
+def test_a_hand_plan_that_would_split_nothing_is_refused_not_priced_as_the_replicated_plan():
+    """Falcon-40B's width in inference on 8x8 (batch 8, docs "More families, sizes, meshes and budgets") priced
+    "data parallel" and "tensor parallel" alike (69.70 and 69.71 ms): both were the all-replicated plan, the batch of
+    8 not splitting over 64 devices and no weight named for Megatron (Falcon's linears have no LLaMA names)."""
+    imported, _ = adam_step(8, 16, 16)
+    graph, mesh = imported.graph, tapestry.Mesh(2, 2)
+    with pytest.raises(ValueError, match="data parallel: the batch .* does not split over the mesh's 32 devices"):
+        data_parallel(graph, tapestry.Mesh(32), ARGUMENTS)
+    with pytest.raises(ValueError, match="tensor parallel: none of the 0 weights"):
+        megatron(graph, mesh, {})
+    with pytest.raises(ValueError, match="data and tensor parallel: none of the 0 weights"):
+        data_tensor_parallel(graph, mesh, ARGUMENTS, {})
+
+
+def test_an_inference_graphs_megatron_pairs_are_found_from_its_parameters_whatever_their_names():
+    """Falcon in inference: its parameters named as the weights to split, the structural seeds find Megatron's
+    column- and row-parallel pairs, its fused query_key_value and attention dense, dense_h_to_4h and dense_4h_to_h
+    (the LLaMA names benchmarks/cluster.py looked for found none), and the tensor-parallel plan computes the forward
+    pass."""
+    transformers = pytest.importorskip("transformers")
+    from tapestry.plan.simulate import simulate
+    torch.manual_seed(0)
+    config = transformers.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                       num_kv_heads=2, new_decoder_architecture=True, ffn_hidden_size=64)
+    model = transformers.FalconForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    imported = tapestry.from_torch(model, (ids,), {"use_cache": False}, verbose=False)
+    graph, mesh = imported.graph, tapestry.Mesh(2)
+    weights = [n.name for n in graph.inputs if n.name not in imported.translation.user_inputs]
+    assert tensor_parallel_seeds(expand_linears(graph), 2) == {}  # no carried state: a training step's default
+    hidden = tensor_parallel_seeds(expand_linears(graph), 2, weights)
+    assert hidden == {f"transformer.h.0.{name}.weight": dim for name, dim in [
+        ("self_attention.query_key_value", 0), ("self_attention.dense", 1), ("mlp.dense_h_to_4h", 0),
+        ("mlp.dense_4h_to_h", 1)]}
+    plan = megatron(graph, mesh, hidden)
+    assert any(isinstance(s, Compute) and len(set(s.blocks)) > 1 for s in plan.steps)
+    inputs = imported.inputs(ids)
+    got, want = simulate(plan, inputs), tapestry.evaluate(graph, inputs)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 def test_megatron_over_both_axes_of_a_grid_is_a_baseline_the_egraph_holds():
     """Issue 24: a tiny LLaMA on Mesh(2, 2) planned data parallel at 1.12 ms where Megatron over the 4 devices
     prices 0.93 (its e-graph of 179,472 nodes leaves the ILP no time to better its warm start): tensor parallel,
@@ -188,6 +231,38 @@ def test_a_moe_steps_baselines_add_expert_parallel_and_on_a_grid_data_and_expert
     assert set(baselines(mixtral.graph, tapestry.Mesh(2, 2))) == dense | {
         "data and tensor parallel", "expert parallel", "data and expert parallel", "data, tensor and expert parallel"}
     assert "expert parallel" not in baselines(mixtral.graph, tapestry.Mesh(8))  # 4 experts, 8 devices
+
+
+def test_experts_a_node_does_not_divide_split_over_the_largest_group_of_it_that_does():
+    """Qwen2-MoE's 60 experts on 8x8 had no expert-parallel hand plan (60 split over neither 64 nor 8 devices): EP
+    over 4 devices of each node, DP over the 16 groups, as Megatron's and DeepSpeed's EP degree divides the experts."""
+    assert expert_group_mesh(tapestry.Mesh(8, 8), 60) == tapestry.Mesh(8, 2, 4)
+    assert expert_group_mesh(tapestry.Mesh(2, 8), 60) == tapestry.Mesh(2, 2, 4)
+    assert expert_group_mesh(tapestry.Mesh(8), 4) == tapestry.Mesh(2, 4)
+    assert expert_group_mesh(tapestry.Mesh(8, 8), 8) is None  # the node divides them: "data and expert parallel"
+    assert expert_group_mesh(tapestry.Mesh(4, 4), 60) is None
+    assert expert_group_mesh(tapestry.Mesh(8, 8), 7) is None  # no group of 2 or more
+
+
+def test_expert_parallel_in_groups_of_a_node_computes_the_step(mixtral):
+    """The tiny Mixtral's 4 experts on Mesh(8) (no "expert parallel": 4 experts, 8 devices): split over groups of 4
+    devices, exchanged by all-to-all within each, the batch split over the 2 groups; the plan's mesh is Mesh(2, 4),
+    the same 8 devices. It computes the SGD step and is priced by the same model."""
+    from tapestry.plan.simulate import simulate
+
+    graph, mesh = mixtral.graph, tapestry.Mesh(8)
+    plan = expert_group_parallel(graph, mesh, step_arguments(graph), expert_weights(graph))
+    assert plan.mesh == tapestry.Mesh(2, 4)
+    assert {s.exchange for s in plan.steps if isinstance(s, Compute) and s.kernel.startswith("grouped_mm")} == {(1,)}
+    assert {len(set(s.layout.blocks)) for s in plan.steps if isinstance(s, Place) and s.input in EXPERT_WEIGHTS} == {4}
+    validate_plan(plan)
+    assert math.isfinite(plan_cost(plan, CLUSTER))
+    inputs = tapestry.random_inputs(graph)
+    got, want = simulate(plan, inputs), tapestry.evaluate(graph, inputs)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+    with pytest.raises(ValueError, match="split over no group"):
+        expert_group_parallel(graph, tapestry.Mesh(2, 4), step_arguments(graph), expert_weights(graph))
 
 
 def test_on_a_grid_a_moes_attention_is_whole_over_the_node_axis_or_tensor_parallel_there_beside_its_experts(mixtral):

@@ -17,7 +17,7 @@ left it elsewhere.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 
 from tapestry.graph import Graph
@@ -41,7 +41,11 @@ def split_by_propagation(graph: Graph, mesh: Mesh, seeds: Sequence[Seeds]) -> Pl
     to a split dim of one of its arguments (seed maps earlier in `seeds` win; within one, the first argument), if
     that dim divides evenly and the kernel can be split there; its result is split on the dim that index dim maps
     to. Ops with none run replicated. Inputs are placed as their first user reads them (build_plan)."""
-    splits = propagated_splits(graph, mesh.size, seeds)
+    return _split_every_axis(graph, mesh, propagated_splits(graph, mesh.size, seeds))
+
+
+def _split_every_axis(graph: Graph, mesh: Mesh, splits: Mapping[str, int]) -> Plan:
+    """The plan splitting each op in `splits` on its index dim over every device (every axis the same dim)."""
     return build_plan(graph, mesh, {op: (dim,) * mesh.ndim for op, dim in splits.items()})
 
 
@@ -100,7 +104,7 @@ def _first_split(sig: Signature, args: Sequence[str], split: Mapping[str, tuple[
     return (options[0][0], options[0][2]) if options else None
 
 
-def tensor_parallel_seeds(graph: Graph, parts: int) -> Seeds:
+def tensor_parallel_seeds(graph: Graph, parts: int, weights: Collection[str] | None = None) -> Seeds:
     """Megatron's split of each weight, found from the graph's structure rather than its names (what `megatron`
     and `data_tensor_parallel` take as `hidden`). In op order, each carried tensor is settled at its first reader,
     followed to it through one-argument ops that read each dim from one dim (a transpose, a cast): where the
@@ -109,20 +113,22 @@ def tensor_parallel_seeds(graph: Graph, parts: int) -> Seeds:
     contraction that splits on nothing yet, the weight splits on the dim it alone gives the output (a
     column-parallel linear's output features), if some row-parallel contraction later sums what that split
     (Megatron's pairs; an LM head's vocabulary split would leave its logits split); else it stays whole (norms,
-    embeddings). Optimizer state splits like the gradient its update reads."""
+    embeddings). Optimizer state splits like the gradient its update reads. `weights` are the tensors to split,
+    default the carried ones (a training step's); an inference graph names its parameters."""
+    weights = graph.carried.values() if weights is None else weights
     whole: set[str] = set()
     while True:
-        seeds, unpaired = _megatron_pass(graph, parts, whole)
+        seeds, unpaired = _megatron_pass(graph, parts, whole, weights)
         if not unpaired:
             return seeds
         whole |= unpaired
 
 
-def _megatron_pass(graph: Graph, parts: int, whole: set[str]) -> tuple[dict[str, int], set[str]]:
-    """One pass of `tensor_parallel_seeds` with the weights in `whole` kept whole: the seeds, and the
+def _megatron_pass(graph: Graph, parts: int, whole: set[str], weights: Collection[str]
+                   ) -> tuple[dict[str, int], set[str]]:
+    """One pass of `tensor_parallel_seeds` over `weights` with those in `whole` kept whole: the seeds, and the
     column-parallel weights no row-parallel contraction pairs."""
-    origin: dict[str, tuple[str, tuple[int, ...]]] = {
-        w: (w, tuple(range(len(graph[w].shape)))) for w in graph.carried.values()}
+    origin: dict[str, tuple[str, tuple[int, ...]]] = {w: (w, tuple(range(len(graph[w].shape)))) for w in weights}
     split: dict[str, tuple[int, int]] = {}
     columns: dict[str, set[str]] = {}  # a split value -> the column-parallel weights its split comes from
     settled, seeds, paired = set(whole), {}, set()
@@ -211,8 +217,15 @@ def sequence_seeds(graph: Graph, arguments: Sequence[str]) -> Seeds:
 
 
 def data_parallel(graph: Graph, mesh: Mesh, arguments: Sequence[str]) -> Plan:
-    """The batch split over every device; weights and optimizer state whole on each, gradients all-reduced."""
-    return steady(split_by_propagation(graph, mesh, [batch_seeds(graph, arguments)]))
+    """The batch split over every device; weights and optimizer state whole on each, gradients all-reduced. A
+    batch that does not split over every device is refused (ValueError), not run replicated under this name (Falcon's
+    inference on 8x8 at batch 8 priced its "data parallel" as the all-replicated plan, as its "tensor parallel")."""
+    batch = batch_seeds(graph, arguments)
+    sizes = {name: graph[name].shape[0] for name in batch}
+    if not sizes or any(n % mesh.size for n in sizes.values()):
+        raise ValueError(f"data parallel: the batch (dim 0 of the arguments: {sizes}) does not split over the "
+                         f"mesh's {mesh.size} devices; every op would run replicated")
+    return steady(split_by_propagation(graph, mesh, [batch]))
 
 
 def zero3(graph: Graph, mesh: Mesh, arguments: Sequence[str]) -> Plan:
@@ -413,18 +426,28 @@ def baselines(graph: Graph, mesh: Mesh) -> dict[str, Plan]:
 def megatron(graph: Graph, mesh: Mesh, hidden: Seeds) -> Plan:
     """Tensor parallel over the graph with linears expanded (so a row-parallel contraction can split):
     `hidden` names each weight's dim to split (column-parallel weights on their output dim, row-parallel ones
-    on their input dim); each weight's optimizer state is split like it."""
-    return steady(split_by_propagation(expand_linears(graph), mesh, [_with_state(graph, hidden)]))
+    on their input dim); each weight's optimizer state is split like it. Where no op splits (no weight named, or
+    none dividing among the devices) it is refused (ValueError), not priced as the all-replicated plan."""
+    expanded = expand_linears(graph)
+    splits = propagated_splits(expanded, mesh.size, [_with_state(graph, hidden)])
+    if not splits:
+        raise ValueError(f"tensor parallel: none of the {len(hidden)} weights given splits an op over the mesh's "
+                         f"{mesh.size} devices; every op would run replicated")
+    return steady(_split_every_axis(expanded, mesh, splits))
 
 
 def data_tensor_parallel(graph: Graph, mesh: Mesh, arguments: Sequence[str], hidden: Seeds) -> Plan:
     """The usual n-D recipe: data parallel over the mesh's outer axes jointly (all but the last) and Megatron
     tensor parallel over the last (a node); an op both split on one index dim splits it over both, linears
     expanded as `megatron` does. The batch splits over the outer axes as far as it divides (`_batch_axes`), the
-    sequence over the rest, so the weight gradients stay partial over every outer axis (`_summed_over_every_axis`)."""
+    sequence over the rest, so the weight gradients stay partial over every outer axis (`_summed_over_every_axis`).
+    Where no weight splits an op over the last axis it is refused (ValueError), not data parallel under this name."""
     expanded = expand_linears(graph)
     batch_axes, data, sequence = _data_splits(expanded, mesh, arguments)
     tensor = propagated_splits(expanded, mesh.shape[-1], [_with_state(graph, hidden)])
+    if not tensor:
+        raise ValueError(f"data and tensor parallel: none of the {len(hidden)} weights given splits an op over the "
+                         f"mesh's last axis ({mesh.shape[-1]} devices); it would be data parallel over the others")
     axes = {op.name: _summed_over_every_axis(expanded.signature(op.name), mesh, _per_axis(
         mesh, batch_axes, data.get(op.name), sequence.get(op.name)) + (tensor.get(op.name),)) for op in expanded.ops}
     return steady(build_plan(expanded, mesh, axes))
@@ -488,6 +511,31 @@ def data_expert_parallel(graph: Graph, mesh: Mesh, arguments: Sequence[str], hid
             axes[op.name] = _summed_over_every_axis(sig, mesh, _per_axis(mesh, batch_axes, first, sequence.get(
                 op.name)) + (second,))
     return steady(build_plan(expanded, mesh, axes, partitions))
+
+
+def expert_group_mesh(mesh: Mesh, experts: int) -> Mesh | None:
+    """The same devices, in the same order, as a mesh whose last axis is the largest group of a node (`mesh`'s last
+    axis) whose size divides `experts`, the rest of the node an axis before it: Qwen2-MoE's 60 experts on 8x8 give
+    Mesh(8, 2, 4) (expert parallel over 4 devices of each node, data parallel over 16 groups), 4 experts on Mesh(8)
+    give Mesh(2, 4). None where the node's size divides the experts (the n-D recipes split them over it) or no group
+    of 2 or more does."""
+    node = mesh.shape[-1]
+    group = math.gcd(experts, node)
+    return None if group in (1, node) else Mesh(*mesh.shape[:-1], node // group, group)
+
+
+def expert_group_parallel(graph: Graph, mesh: Mesh, arguments: Sequence[str], experts: Seeds) -> Plan:
+    """Data and expert parallel where a node's devices do not divide the experts: `data_expert_parallel` on
+    `expert_group_mesh` (the experts split over the largest group of a node that divides them, all-to-all within
+    it; the batch over the other axes as far as it divides, the sequence over the rest). The plan's mesh is that one,
+    not `mesh`: the same devices, but a partition splits experts over a whole mesh axis only, so the optimizer's
+    e-graph on `mesh` cannot hold it (priced beside its plans: benchmarks/cluster.py's "DPxEP group")."""
+    counts = {graph[name].shape[dim] for name, dim in experts.items()}
+    grouped = expert_group_mesh(mesh, math.gcd(*counts)) if counts else None
+    if grouped is None:
+        raise ValueError(f"expert parallel in groups: the {sorted(counts)} experts split over no group of 2 or more "
+                         f"of a node's {mesh.shape[-1]} devices smaller than the node")
+    return data_expert_parallel(graph, grouped, arguments, {}, experts)
 
 
 def _outer_axes(mesh: Mesh) -> tuple[int, ...]:
