@@ -15,6 +15,7 @@ from training_helpers import ARGUMENTS, GPU, HIDDEN, adam_step
 
 import tapestry
 from tapestry.cost import peak_memory, plan_cost, rank_peaks
+from tapestry.cost.breakdown import phases
 from tapestry.cost.memory import layout_bytes, lean_order
 from tapestry.dtypes import itemsize
 from tapestry.egraph.budget import held_at_peak
@@ -60,6 +61,9 @@ def test_what_a_peak_holds_is_told_by_what_made_it_and_adds_up_to_the_peak():
     assert {"placed inputs"} <= {k.strip(", ") for k, *_ in kinds}
     first = max(peaks[rank].live.items(), key=lambda item: (item[1], -item[0]))
     assert largest.startswith(f"{plan.steps[first[0]].out} {first[1]:,}")
+    newest = max(peaks[rank].live)  # and the phase: LLaMA 7B's step at 3 GB on 2x4 peaks in the backward
+    assert largest.endswith(f"; the peak comes in the {phases(plan)[plan.steps[newest].out]} (its newest buffer "
+                            f"{plan.steps[newest].out}, step {newest + 1} of {len(plan.steps)})")
 
 
 def test_the_lean_order_is_a_valid_order_of_the_same_steps():

@@ -8,6 +8,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from tapestry.cost import RankPeak, layout_bytes, rank_peaks
+from tapestry.cost.breakdown import phases
 from tapestry.cost.memory import Lowerings, lean_order
 from tapestry.egraph.decode import Decoder
 from tapestry.egraph.layered import Layered
@@ -162,7 +163,9 @@ def hand_within(egraph: ExtractGraph, hands: Sequence[Selection], limit: int,
 
 def held_at_peak(plan: Plan, peaks: Sequence[RankPeak], shown: int = 4) -> str:
     """What the fullest device holds at its peak: the live bytes by what made them (placed inputs, reshards, each
-    kernel's results), largest first, and the largest buffers by name: where a budget no plan meets is spent."""
+    kernel's results), largest first, the largest buffers by name, and the phase the peak comes in (forward,
+    backward or update, `cost.breakdown.phases`, of the newest buffer live then): where a budget no plan meets is
+    spent, and whether recomputing activations (backward) or sharding state (update) is what would help."""
     rank = max(range(len(peaks)), key=lambda r: peaks[r].bytes)
     live = peaks[rank].live
     kinds: dict[str, list[int]] = {}  # what made them -> [bytes, buffers]
@@ -177,7 +180,10 @@ def held_at_peak(plan: Plan, peaks: Sequence[RankPeak], shown: int = 4) -> str:
     largest = sorted(live.items(), key=lambda item: (-item[1], item[0]))[:shown]
     made = ", ".join(f"{kind} {held:,} ({count} buffers)" for kind, (held, count) in by_kind[:shown])
     buffers = ", ".join(f"{plan.steps[i].out} {size:,}" for i, size in largest)
-    return f"device {rank} at its peak holds {made}{', ...' if len(by_kind) > shown else ''}; largest: {buffers}"
+    newest = plan.steps[max(live)].out
+    return (f"device {rank} at its peak holds {made}{', ...' if len(by_kind) > shown else ''}; largest: {buffers}; "
+            f"the peak comes in the {phases(plan)[newest]} (its newest buffer {newest}, step {max(live) + 1} of "
+            f"{len(plan.steps)})")
 
 
 def leaner(plan: Plan, step_nodes: list[int], lowerings: Lowerings | None = None
