@@ -400,18 +400,19 @@ def test_zero3_where_the_batch_does_not_divide_runs_data_parallels_replicated_co
     """Issue 24: Mixtral's ZeRO-3 hand plan on 64 devices (batch 8) priced 5.3 s where data parallel's was 139 ms:
     the weights' first-dim splits, meant for storage and the update, split the forward and backward along the
     weights (a tensor-parallel plan by accident) whose partial sums were reduced into a chunk's halves point to
-    point. At batch 2 on 4 devices ZeRO-3 now computes what data parallel does (replicated), gathers each weight,
-    reduces no partial sum, prices within twice data parallel's, and computes the step."""
+    point. At batch 2 on 4 devices ZeRO-3 now computes replicated, as data parallel would (which refuses a batch
+    that does not divide), gathers each weight, reduces no partial sum, prices within twice the replicated plan's,
+    and computes the step."""
     from tapestry.evaluator import evaluate
     from tapestry.plan import Reshard
     from tapestry.plan.simulate import simulate
-    from tapestry.training.plans import zero3
+    from tapestry.training.plans import split_by_propagation, zero3
 
     imported, args = tiny_mixtral_step(monkeypatch, batch=2)
     arguments = imported.translation.user_inputs
-    plan, dp = zero3(imported.graph, mesh, arguments), data_parallel(imported.graph, mesh, arguments)
+    plan, replicated = zero3(imported.graph, mesh, arguments), split_by_propagation(imported.graph, mesh, [])
     assert not [s.out for s in plan.steps if isinstance(s, Reshard) and s.src_layout.partial]
-    assert plan_cost(plan, CLUSTER) < 2 * plan_cost(dp, CLUSTER)
+    assert plan_cost(plan, CLUSTER) < 2 * plan_cost(replicated, CLUSTER)
     given = imported.inputs(*args)
     got, want = simulate(plan, given), evaluate(imported.graph, given)
     for name, value in want.items():
