@@ -40,7 +40,8 @@ WIDTHS = {  # hidden, MLP hidden (per expert), heads, KV heads: LLaMA-2 configs,
     "tiny-GQA": (64, 128, 8, 2),  # a check in small (benchmarks/hand_plans_embedded.py), not a cluster size
 }
 EXPERTS = {"Mixtral": (8, 2)}  # experts, and how many each token is routed to
-HAND = ("DP", "ZeRO-3", "FSDP", "TP", "DPxTP", "EP", "DPxEP", "DPxEP seq whole", "DPx(TP+EP)", "DPxEP group")
+HAND = ("DP", "ZeRO-3", "FSDP", "TP", "DPxTP", "EP", "DPxEP", "DPxEP seq whole", "DPx(TP+EP)", "DPxEP group",
+        "DPx(TP+EP) group")
 HAND_NAMES = {"data parallel": "DP", "ZeRO-3": "ZeRO-3", "FSDP": "FSDP", "tensor parallel": "TP",  # baselines' names
               "data and tensor parallel": "DPxTP", "expert parallel": "EP", "data and expert parallel": "DPxEP",
               "data and expert parallel, sequence whole": "DPxEP seq whole",
@@ -190,9 +191,9 @@ def hand_plans(imported: Any, case: Case, model: Any, errors: dict[str, str],
     builds and keeps its plan under (training.plans.baselines, named by HAND_NAMES), for inference data and tensor
     parallel over every device (Megatron's pairs found by structure, `tensor_parallel_seeds` of its parameters),
     expert parallel for a MoE, and on 2 or more axes the n-D DPxTP (and DPxEP); for a MoE whose experts a node's
-    devices do not divide, "DPxEP group" (`expert_group_parallel`: on the same devices as another mesh, so not
-    among the optimizer's hand plans); a strategy that cannot be priced is NaN, and `errors` says why; `breakdowns`
-    gets each priced plan's time_by_kind."""
+    devices do not divide, "DPxEP group" and "DPx(TP+EP) group" (`expert_group_parallel`: on the same devices as
+    another mesh, so not among the optimizer's hand plans); a strategy that cannot be priced is NaN, and `errors`
+    says why; `breakdowns` gets each priced plan's time_by_kind."""
     import math
 
     import tapestry
@@ -223,7 +224,9 @@ def hand_plans(imported: Any, case: Case, model: Any, errors: dict[str, str],
             if experts:
                 builders["DPxEP"] = lambda: data_expert_parallel(graph, mesh, arguments, {}, experts)
     if any(expert_group_mesh(mesh, graph[name].shape[dim]) for name, dim in experts.items()):  # not the optimizer's
-        builders["DPxEP group"] = lambda: expert_group_parallel(graph, mesh, arguments, experts)  # (another mesh)
+        parameters = None if graph.carried else weights  # (on another mesh): tensor parallel's as the n-D recipes'
+        builders["DPxEP group"] = lambda: expert_group_parallel(graph, mesh, arguments, experts)
+        builders["DPx(TP+EP) group"] = lambda: expert_group_parallel(graph, mesh, arguments, experts, True, parameters)
     priced: dict[str, tuple[float, int]] = {}
     for name, make in builders.items():
         try:

@@ -246,21 +246,27 @@ def test_experts_a_node_does_not_divide_split_over_the_largest_group_of_it_that_
 
 def test_expert_parallel_in_groups_of_a_node_computes_the_step(mixtral):
     """The tiny Mixtral's 4 experts on Mesh(8) (no "expert parallel": 4 experts, 8 devices): split over groups of 4
-    devices, exchanged by all-to-all within each, the batch split over the 2 groups; the plan's mesh is Mesh(2, 4),
-    the same 8 devices. It computes the SGD step and is priced by the same model."""
+    devices, exchanged by all-to-all within each, the batch split over the 2 groups, attention whole or tensor
+    parallel within the group; the plan's mesh is Mesh(2, 4), the same 8 devices. It computes the SGD step and is
+    priced by the same model."""
     from tapestry.plan.simulate import simulate
 
     graph, mesh = mixtral.graph, tapestry.Mesh(8)
-    plan = expert_group_parallel(graph, mesh, step_arguments(graph), expert_weights(graph))
-    assert plan.mesh == tapestry.Mesh(2, 4)
-    assert {s.exchange for s in plan.steps if isinstance(s, Compute) and s.kernel.startswith("grouped_mm")} == {(1,)}
-    assert {len(set(s.layout.blocks)) for s in plan.steps if isinstance(s, Place) and s.input in EXPERT_WEIGHTS} == {4}
-    validate_plan(plan)
-    assert math.isfinite(plan_cost(plan, CLUSTER))
     inputs = tapestry.random_inputs(graph)
-    got, want = simulate(plan, inputs), tapestry.evaluate(graph, inputs)
-    for name, value in want.items():
-        np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+    want = tapestry.evaluate(graph, inputs)
+    for tensor, attention in [(False, 1), (True, 4)]:  # DP x EP, and DP x (TP + EP): attention split over the group
+        plan = expert_group_parallel(graph, mesh, step_arguments(graph), expert_weights(graph), tensor)
+        assert plan.mesh == tapestry.Mesh(2, 4)
+        assert {s.exchange for s in plan.steps if isinstance(s, Compute) and s.kernel.startswith("grouped_mm")} == {
+            (1,)}
+        placed = {s.input: len(set(s.layout.blocks)) for s in plan.steps if isinstance(s, Place)}
+        assert {placed[w] for w in EXPERT_WEIGHTS} == {4}
+        assert placed["model.layers.0.self_attn.o_proj.weight"] == attention
+        validate_plan(plan)
+        assert math.isfinite(plan_cost(plan, CLUSTER))
+        got = simulate(plan, inputs)
+        for name, value in want.items():
+            np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
     with pytest.raises(ValueError, match="split over no group"):
         expert_group_parallel(graph, tapestry.Mesh(2, 4), step_arguments(graph), expert_weights(graph))
 

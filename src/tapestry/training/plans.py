@@ -409,8 +409,7 @@ def baselines(graph: Graph, mesh: Mesh) -> dict[str, Plan]:
         if _batch_axes(graph, mesh, arguments, _outer_axes(mesh))[1]:  # Mixtral on 8x8x8: 57.4 ms, the split 67.4
             makers["data and expert parallel, sequence whole"] = lambda: data_expert_parallel(
                 graph, mesh, arguments, {}, experts, split_sequence=False)
-        expert_state = _with_state(graph, experts)
-        dense = {w: d for w, d in tensor_parallel_seeds(expanded, mesh.shape[-1]).items() if w not in expert_state}
+        dense = dense_seeds(expanded, mesh.shape[-1], experts)
         if dense:
             makers["data, tensor and expert parallel"] = lambda: data_expert_parallel(graph, mesh, arguments,
                                                                                       dense, experts)
@@ -524,18 +523,33 @@ def expert_group_mesh(mesh: Mesh, experts: int) -> Mesh | None:
     return None if group in (1, node) else Mesh(*mesh.shape[:-1], node // group, group)
 
 
-def expert_group_parallel(graph: Graph, mesh: Mesh, arguments: Sequence[str], experts: Seeds) -> Plan:
+def expert_group_parallel(graph: Graph, mesh: Mesh, arguments: Sequence[str], experts: Seeds, tensor: bool = False,
+                          weights: Collection[str] | None = None) -> Plan:
     """Data and expert parallel where a node's devices do not divide the experts: `data_expert_parallel` on
     `expert_group_mesh` (the experts split over the largest group of a node that divides them, all-to-all within
-    it; the batch over the other axes as far as it divides, the sequence over the rest). The plan's mesh is that one,
-    not `mesh`: the same devices, but a partition splits experts over a whole mesh axis only, so the optimizer's
-    e-graph on `mesh` cannot hold it (priced beside its plans: benchmarks/cluster.py's "DPxEP group")."""
+    it; the batch over the other axes as far as it divides, the sequence over the rest); with `tensor`, attention and
+    dense layers tensor parallel over the group too (DP x (TP + EP), their weights found among `weights` as
+    `dense_seeds` does). The plan's mesh is that one, not `mesh`: the same devices, but a partition splits experts
+    over a whole mesh axis only, so the optimizer's e-graph on `mesh` cannot hold it (priced beside its plans:
+    benchmarks/cluster.py's "DPxEP group" and "DPx(TP+EP) group")."""
     counts = {graph[name].shape[dim] for name, dim in experts.items()}
     grouped = expert_group_mesh(mesh, math.gcd(*counts)) if counts else None
     if grouped is None:
         raise ValueError(f"expert parallel in groups: the {sorted(counts)} experts split over no group of 2 or more "
                          f"of a node's {mesh.shape[-1]} devices smaller than the node")
-    return data_expert_parallel(graph, grouped, arguments, {}, experts)
+    dense = dense_seeds(expand_linears(graph), grouped.shape[-1], experts, weights) if tensor else {}
+    if tensor and not dense:
+        raise ValueError(f"expert parallel in groups: no attention or dense weight splits over groups of "
+                         f"{grouped.shape[-1]} devices")
+    return data_expert_parallel(graph, grouped, arguments, dense, experts)
+
+
+def dense_seeds(expanded: Graph, parts: int, experts: Seeds, weights: Collection[str] | None = None) -> Seeds:
+    """Megatron's splits (`tensor_parallel_seeds` of `weights`, default the carried tensors) of a MoE's attention
+    and dense layers over `parts` devices, in its graph with linears expanded: every weight but the experts' and
+    their optimizer state."""
+    expert_state = _with_state(expanded, experts)
+    return {w: d for w, d in tensor_parallel_seeds(expanded, parts, weights).items() if w not in expert_state}
 
 
 def _outer_axes(mesh: Mesh) -> tuple[int, ...]:
