@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import networkx
@@ -306,3 +306,34 @@ def test_a_pass_that_ends_at_a_gap_cuts_paths_fewer_steps_of_needs_apart_than_on
     relax(egraph, reduced.candidates, block, reduced.needs, work(10))
     relax(egraph, reduced.candidates, block, reduced.needs, work(10), enough=0.01)
     assert steps == [relax_module.NEED_HOPS, relax_module.GAP_HOPS] and relax_module.GAP_HOPS < relax_module.NEED_HOPS
+
+
+def test_an_lp_pass_replayed_returns_what_a_pass_made_afresh_returns_wherever_its_incumbents_stop_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ILP keeps each graph's LP pass (`ilp.relax`: `LpPass` per graph costs, ties and work) and replays it:
+    no step depends on the incumbent, only where a run stops does. A run that stops earlier or goes further than
+    the ones before offers the same roundings and returns the same relaxation as a pass made afresh, and HiGHS
+    solves each step once."""
+    egraph = tapestry_like(0, 4, 2)
+    reduced = reduce(egraph, solvable_tree(egraph))
+    block = {c: reduced.block(c) for c in reduced.candidates}
+
+    def stopping(after: int, offered: list[list[int]]) -> Callable[[list[int]], float]:
+        """An offer whose incumbent meets any bound from the `after`-th offer on (0: the first)."""
+        return lambda choice: offered.append(choice) or (0.0 if len(offered) > after else math.inf)
+
+    afresh = {}
+    for after in (0, 3, 1, 99):
+        offered: list[list[int]] = []
+        afresh[after] = relax(egraph, reduced.candidates, block, reduced.needs, work(10), (),
+                              stopping(after, offered)), offered
+    assert afresh[99][0].rounds > 3  # the whole pass: its LP, then rounds of path cuts
+    solves = []
+    solve = relax_module.Lp.solve
+    monkeypatch.setattr(relax_module.Lp, "solve", lambda self, deadline: solves.append(1) or solve(self, deadline))
+    for after in (0, 3, 1, 99):
+        offered = []
+        kept = ilp_module.relax(egraph, reduced.candidates, block, reduced.needs, work(10), (),
+                                stopping(after, offered))
+        assert (kept, offered) == afresh[after]
+    assert len(solves) == afresh[99][0].rounds + 1  # the whole pass's solves, each made once

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ortools.sat.python import cp_model
 
@@ -59,6 +59,19 @@ WALL_FIRED = 0.99  # share of its wall limit a run must have taken to count as s
 # What can stop the search before a proof, the least reproducible first: `Selection.stopped_by`.
 STOPS = (SAFETY_NET_STOP, "nodes", "work")
 MIN_COST = 1e-12  # floor for the scale denominator: subnormal costs must not make it infinite
+# A CP-SAT run under the warm start's ceiling that found nothing but the warm start (each part found no selection
+# within its work, or the warm start's choice on it) is kept (per graph costs and structure, `_Search`), and a later
+# run of the same reduced graph, cuts, ties and work whose every constraint is as tight or tighter (a ceiling no
+# higher, within CEILING_TOLERANCE; the same memory budget's rows at a limit no higher, with every cut group of the
+# earlier; or any budget where the earlier had none) is not made: it keeps the warm start, as the earlier did,
+# charged the work that one used. NOT exact: the tighter model is another model (under a budget one part, where
+# without it the classes split into parts solved one by one), and CP-SAT could find a selection in it that it did
+# not in the looser one (no proof stands behind "found nothing"). What it rests on: on the 70B layer's leaner plans
+# on 8x8 (`plan_pipeline`'s S = 8, docs/benchmarks.md "70B on 512 GPUs (8x8x8) at 4M tokens per step") each of the
+# 8 budgeted runs found nothing within its work (bound 0: not even the root LP) and the 2 unbudgeted ones nothing
+# but their warm start, each ran 7-13 CPU s, and 4 of the 8 were such tighter runs. False makes every run.
+SKIP_TIGHTER = True
+CEILING_TOLERANCE = 1e-9  # the ceiling is a row of about SCALE integer units: closer than one unit, the same row
 
 
 def solve_parts(
@@ -94,6 +107,18 @@ def solve_parts(
     work, wall = WORK_PER_SECOND * seconds, time.perf_counter() + WALL_SAFETY * seconds + WALL_FLOOR
     stops = set()
     model_nodes = nodes_per_second * seconds
+    searched: list[_Search] = egraph.by_costs(("searched",), lambda _: [])  # runs that found nothing (SKIP_TIGHTER)
+    search = _Search(tuple(sorted(reduced.candidates)), warm.dag_cost, budget, tuple(map(tuple, ties)),
+                     tuple(cuts), work) if admissible and all(
+        warm.choice[c] in reduced.candidates[c] for c in reduced.candidates if c in warm.choice) else None
+    looser = None if search is None or not SKIP_TIGHTER else next((s for s in searched if s.covers(search)), None)
+    if looser is not None:  # a looser run found nothing: this one is not made, and keeps the warm start as it did
+        deadline.meter.charge(sum(len(reduced.candidates[c]) for part in parts for c in part) / nodes_per_second
+                              + looser.used / WORK_PER_SECOND)
+        for c in (c for part in parts for c in part if c in warm.choice):
+            solved[c] = warm.choice[c]
+        return solved, bound, False, "work"
+    spent, nothing = 0.0, search is not None  # every part found nothing within its work, or only the warm start
     for part in parts:
         share = len(part) / left
         left -= len(part)
@@ -109,17 +134,49 @@ def solve_parts(
             deadline.meter.charge(used / WORK_PER_SECOND)
         if stop == SAFETY_NET_STOP:
             deadline.meter.fired = True
+        kept = {c: warm.choice[c] for c in part if c in warm.choice}  # the warm start's choice on the part
+        nothing = nothing and (choice == kept or choice is None and part_bound == 0.0 and stop == "work")
+        spent += used
         work = max(work - used, 0.0)
         stops.add(stop)
         if choice is None and (part_bound == math.inf or not admissible):
             return None, part_bound, False, None
-        if choice is None:
-            choice = {c: warm.choice[c] for c in part if c in warm.choice}
-        for c, n in choice.items():
+        for c, n in (kept if choice is None else choice).items():
             solved[c] = n
         bound += part_bound
         optimal = optimal and part_optimal
+    if nothing:
+        searched.append(replace(search, used=spent))
     return solved, bound, optimal, next((s for s in STOPS if s in stops), None)
+
+
+@dataclass(frozen=True)
+class _Search:
+    """A CP-SAT run (all its parts) under the warm start's ceiling, and the work it used (SKIP_TIGHTER)."""
+
+    classes: tuple[int, ...]  # the reduced graph's candidate classes
+    ceiling: float  # the warm start's cost
+    budget: DeviceBudget | None
+    ties: tuple[tuple[int, ...], ...]
+    cuts: tuple[PathCut, ...]
+    work: float
+    used: float = 0.0
+
+    def covers(self, tighter: _Search) -> bool:
+        """Whether `tighter` is this run's model with constraints as tight or tighter: every selection it admits,
+        this one admitted."""
+        return (self.classes == tighter.classes and self.work == tighter.work and self.ties == tighter.ties
+                and tighter.ceiling <= self.ceiling * (1 + CEILING_TOLERANCE) and self.cuts == tighter.cuts
+                and _within(tighter.budget, self.budget))
+
+
+def _within(tight: DeviceBudget | None, loose: DeviceBudget | None) -> bool:
+    """Whether every selection `tight` admits, `loose` admits: no budget admits all; else the same rows at a limit
+    no higher, with every cut group of the looser one."""
+    if loose is None:
+        return True
+    return tight is not None and tight.resident is loose.resident and tight.transient is loose.transient and \
+        tight.limit <= loose.limit and all(group in tight.groups for group in loose.groups)
 
 
 def _parts(egraph: EGraph, reduced: Reduced, ties: Ties = ()) -> tuple[set[int], list[list[int]]]:

@@ -20,8 +20,9 @@ import numpy as np
 
 T = TypeVar("T")
 # what `EGraph.by_costs` keeps per structure: an extraction's ILP calls run on up to 4 graphs (plain and fused
-# prices, two overlap weights), and their warm start, reduction and contracted bound are 3 entries each
-BY_COSTS_KEPT = 12
+# prices, two overlap weights), and their warm start, reduction, contracted bound, LP pass and CP-SAT runs that found
+# nothing (`cpsat.SKIP_TIGHTER`) are 5 entries each
+BY_COSTS_KEPT = 20
 
 
 class EGraphError(ValueError):

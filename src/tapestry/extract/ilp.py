@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import suppress
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -72,12 +73,13 @@ from tapestry.extract.egraph import EGraph, NoFiniteChoiceError
 from tapestry.extract.greedy_dag import improve
 from tapestry.extract.periodic import Repeated
 from tapestry.extract.reduction import Reduced, reduce
-from tapestry.extract.relax import PROVEN, relax
+from tapestry.extract.relax import PROVEN, Diverged, LpPass, Relaxation
+from tapestry.extract.relax import relax as relax_once
 from tapestry.extract.selection import Selection, dag_cost, finalize
 from tapestry.extract.tied import tied_search
 from tapestry.extract.tree import TreeChoice, solvable_tree
 from tapestry.extract.warm import undominate, warm_start
-from tapestry.extract.work import Meter
+from tapestry.extract.work import Deadline, Meter
 
 T = TypeVar("T")
 
@@ -262,6 +264,23 @@ def _metered(egraph: EGraph, key: tuple[Any, ...], meter: Meter, make: Callable[
         meter.charge(charged)
         meter.fired = meter.fired or fired
     return value
+
+
+def relax(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
+          needs: Mapping[int, Sequence[int]], deadline: Deadline, ties: Ties = (),
+          offer: Callable[[list[int]], float] = lambda _: math.inf, enough: float = PROVEN,
+          reads: bool = False) -> Relaxation:
+    """`relax.relax` of the ILP's reduced graph (`_reduced`: `candidates`, `block` and `needs` are its, made once per
+    graph costs, structure and ties), its LP pass (`relax.LpPass`) made once per graph costs and structure, ties,
+    and the work it begins and ends at, and replayed after: exact, as a pass's steps depend on none of the budget,
+    the start or the incumbent, only where a run stops does. Where the safety net stopped a step (then what it
+    made depends on the load) or a replay diverged (only so), the pass is run on its own."""
+    key = ("relax", tuple(map(tuple, ties)), deadline.end, deadline.meter.spent, enough, reads)
+    made = egraph.by_costs(key, lambda g: LpPass(g, candidates, block, needs, ties, enough, reads))
+    if not made.fired:
+        with suppress(Diverged):
+            return made.run(deadline, offer)
+    return relax_once(egraph, candidates, block, needs, deadline, ties, offer, enough, reads)
 
 
 def _reduced(egraph: EGraph, tree: TreeChoice, tied: frozenset[int]) -> tuple[Reduced, dict[int, int]]:

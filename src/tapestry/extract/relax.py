@@ -31,6 +31,7 @@ from tapestry.clock import clock
 from tapestry.extract.egraph import EGraph
 from tapestry.extract.separation import (
     NEED_HOPS,
+    NeedPairs,
     OutOfTime,
     PathCut,
     PathGraphs,
@@ -85,53 +86,120 @@ def relax(
     cost (inf for none yet).
     `block` maps each class to its block (cyclic component id, or -1 - class), `needs` is `Reduced.needs`.
     When the path graphs would take too long to build (`PATH_SHARE`), nothing is solved (bound 0, no cuts), or with
-    `reads` the LP and its read rows alone."""
-    cuts: list[PathCut] = []
-    rounds, stalled, productive = 0, False, False
-    bound, values = 0.0, None  # the last LP solved; out of time, it and the cuts found so far still hold
-    try:
-        reads = reads and not ties and all(egraph.node_cost[n] >= 0 for nodes in candidates.values() for n in nodes)
-        pairs = need_pairs(egraph, candidates, block, needs, deadline, NEED_HOPS if enough <= PROVEN else GAP_HOPS)
-        if pairs is None and not reads:  # no cuts to afford: the LP alone is CP-SAT's own root LP
-            return Relaxation((), 0.0, 0)
-        lp = Lp(egraph, candidates, block, needs, ties, deadline)
-        bound, values = lp.solve(deadline)
-        graphs: PathGraphs | None = None  # made once the LP without cuts has proven nothing
-        previous = None  # the bound before the last round of cuts
-        while values is not None:
-            incumbent = offer(_rounded(egraph, candidates, lp, values))
-            if math.isfinite(incumbent) and incumbent <= _shaved(bound) + enough * incumbent:
+    `reads` the LP and its read rows alone. `LpPass.run` of a pass of its own."""
+    return LpPass(egraph, candidates, block, needs, ties, enough, reads).run(deadline, offer)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One step of an LP pass: what it added and the LP solution it ended with (None: the pass ends there)."""
+
+    cuts: tuple[PathCut, ...]
+    rounds: int
+    solution: tuple[float, list[int]] | None  # the LP's bound and its solution rounded (`_rounded`)
+    spent: float  # the meter's work when the step began
+    charged: float  # the work it charged
+
+
+class Diverged(Exception):
+    """A replayed step began at other work than when it was made: only where the safety net stopped a phase."""
+
+
+class LpPass:
+    """`relax`'s LP and its solutions in order (the LP, its read rows, then rounds of path cuts), made as far as a
+    run asks and replayed after. No step depends on the incumbent: what `offer` returns decides only where a run
+    stops (`run`), and the steps' work is counted (`work.Meter`), so a run that begins at the same work (and
+    makes the same offers, which charge alike) takes the same steps: a replayed step charges its work again and
+    returns what it returned. A memory budget's cut rounds and a pipeline layer's leaner plans run the ILP's pass
+    on the graphs the fastest plan's solved, at the same costs (`ilp._relaxed`); HiGHS ran each again (2.4-4.7 CPU s
+    a call on the 70B layer on 8x8)."""
+
+    def __init__(self, egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
+                 needs: Mapping[int, Sequence[int]], ties: Sequence[tuple[int, int]], enough: float,
+                 reads: bool) -> None:
+        self.egraph, self.candidates, self.block, self.needs, self.ties = egraph, candidates, block, needs, ties
+        self.enough = enough
+        self.reads = reads and not ties and all(egraph.node_cost[n] >= 0 for nodes in candidates.values()
+                                                for n in nodes)
+        self.steps: list[_Step] = []
+        self.fired = False  # the safety net stopped a step: what it made depends on the load, and is not replayed
+        self._lp: Lp | None = None
+        self._pairs: NeedPairs | None = None
+        self._graphs: PathGraphs | None = None
+        self._values: list[float] | None = None
+
+    def run(self, deadline: Deadline, offer: Callable[[list[int]], float]) -> Relaxation:
+        """The pass to where the incumbents `offer` returns stop it (`relax`), each step replayed where made."""
+        cuts: list[PathCut] = []
+        rounds, stalled, productive = 0, False, False
+        bound, previous, k = 0.0, None, 0  # the last LP solved and the bound before the last round of cuts
+        step = self._step(0, deadline)
+        while step.solution is not None:
+            bound, rounded = step.solution
+            incumbent = offer(list(rounded))
+            if math.isfinite(incumbent) and incumbent <= _shaved(bound) + self.enough * incumbent:
                 break
-            if reads:  # once the first solution is offered: rounded, it made Mixtral's plan, the tighter LP's did not
-                reads = False
-                lp.add_reads(egraph, candidates)
-                solved = lp.solve(deadline)
-                if solved[1] is None:
-                    break
-                bound, values = solved
-                continue
-            if pairs is None:  # no path cuts to afford
-                break
-            if previous is not None:
+            reading = self.reads and k == 0  # once the first solution is offered: rounded, it made Mixtral's plan
+            if not reading and previous is not None:
                 small = math.isfinite(incumbent) and bound - previous < STALL * (incumbent - previous)
                 if small and (stalled or not productive):
                     break
                 stalled, productive = small, productive or not small
-            if graphs is None:
-                graphs = PathGraphs(egraph, candidates, block, pairs, lp)
-            found = graphs.separate(np.asarray(values), deadline)
+            k += 1
+            step = self._step(k, deadline)
+            cuts += step.cuts
+            rounds += step.rounds
+            if step.solution is not None and not reading:
+                previous = bound
+        return Relaxation(tuple(cuts), 0.0 if k == 0 and step.solution is None else _shaved(bound), rounds)
+
+    def _step(self, k: int, deadline: Deadline) -> _Step:
+        """Step `k`: replayed where made (its work charged again), else made (only the next is ever asked)."""
+        meter = deadline.meter
+        if k < len(self.steps):
+            made = self.steps[k]
+            if made.spent != meter.spent:
+                raise Diverged(f"LP pass step {k} began at {meter.spent} s of work, made at {made.spent}")
+            meter.charge(made.charged)
+            return made
+        spent, fired, added = meter.spent, meter.fired, ([], [0])
+        try:
+            solution = self._made(k, deadline, added)
+        except OutOfTime:
+            solution = None
+        self.fired = self.fired or (meter.fired and not fired)
+        step = _Step(tuple(added[0]), added[1][0], solution, spent, meter.spent - spent)
+        self.steps.append(step)
+        return step
+
+    def _made(self, k: int, deadline: Deadline, added: tuple[list[PathCut], list[int]]
+              ) -> tuple[float, list[int]] | None:
+        """Step `k` made on the live LP: the first solve, the read rows' or a round of path cuts' (whose cuts and
+        round go into `added` as soon as they are found, as they hold even if the LP then runs out of time)."""
+        if k == 0:
+            self._pairs = need_pairs(self.egraph, self.candidates, self.block, self.needs, deadline,
+                                     NEED_HOPS if self.enough <= PROVEN else GAP_HOPS)
+            if self._pairs is None and not self.reads:  # no cuts to afford: the LP alone is CP-SAT's own root LP
+                return None
+            self._lp = Lp(self.egraph, self.candidates, self.block, self.needs, self.ties, deadline)
+        elif k == 1 and self.reads:
+            self._lp.add_reads(self.egraph, self.candidates)
+        else:
+            if self._pairs is None:  # no path cuts to afford
+                return None
+            if self._graphs is None:  # made once the LP without cuts has proven nothing
+                self._graphs = PathGraphs(self.egraph, self.candidates, self.block, self._pairs, self._lp)
+            found = self._graphs.separate(np.asarray(self._values), deadline)
             if not found:
-                break
-            rounds += 1
-            cuts += found
-            lp.add(found)
-            solved = lp.solve(deadline)
-            if solved[1] is None:
-                break
-            previous, (bound, values) = bound, solved
-    except OutOfTime:
-        pass
-    return Relaxation(tuple(cuts), 0.0 if values is None else _shaved(bound), rounds)
+                return None
+            added[0].extend(found)
+            added[1][0] = 1
+            self._lp.add(found)
+        bound, values = self._lp.solve(deadline)
+        if values is None:
+            return None
+        self._values = values
+        return bound, _rounded(self.egraph, self.candidates, self._lp, values)
 
 
 def lp_bound(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
