@@ -40,12 +40,13 @@ WIDTHS = {  # hidden, MLP hidden (per expert), heads, KV heads: LLaMA-2 configs,
     "tiny-GQA": (64, 128, 8, 2),  # a check in small (benchmarks/hand_plans_embedded.py), not a cluster size
 }
 EXPERTS = {"Mixtral": (8, 2)}  # experts, and how many each token is routed to
-HAND = ("DP", "ZeRO-3", "FSDP", "TP", "DPxTP", "EP", "DPxEP", "DPxEP seq whole", "DPx(TP+EP)", "DPxEP group",
-        "DPx(TP+EP) group")
+HAND = ("DP", "ZeRO-3", "FSDP", "TP", "DPxTP", "EP", "DPxEP", "DPxEP seq whole", "DPx(TP+EP)",
+        "DPx(TP+EP) outer whole", "DPxEP group", "DPx(TP+EP) group")
 HAND_NAMES = {"data parallel": "DP", "ZeRO-3": "ZeRO-3", "FSDP": "FSDP", "tensor parallel": "TP",  # baselines' names
               "data and tensor parallel": "DPxTP", "expert parallel": "EP", "data and expert parallel": "DPxEP",
               "data and expert parallel, sequence whole": "DPxEP seq whole",
-              "data, tensor and expert parallel": "DPx(TP+EP)"}
+              "data, tensor and expert parallel": "DPx(TP+EP)",
+              "data, tensor and expert parallel, outer whole": "DPx(TP+EP) outer whole"}
 EXPERT_WEIGHTS = (".experts.gate_up_proj", ".experts.down_proj")  # [E, ...]: split by expert in EP
 
 

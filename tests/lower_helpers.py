@@ -18,6 +18,14 @@ def matmul_relu(a: tuple[int, int], b: tuple[int, int]) -> Graph:
     return g
 
 
+def matmul_half_relu(a: tuple[int, int], b: tuple[int, int]) -> Graph:
+    """relu of the first half of a matmul's columns (a chunk's half, as a fused gate-up projection's)."""
+    g = Graph()
+    m = g.matmul(g.input("a", a), g.input("b", b))
+    g.output("y", g.relu(g.slice(m, axis=1, start=0, stop=b[1] // 2)))
+    return g
+
+
 def chain(batch: int, features: int, out: int) -> Graph:
     g = Graph()
     x = g.input("x", (batch, features))
@@ -48,6 +56,8 @@ CASES: dict[str, Callable[[], Plan]] = {
     "matmul split on k, then rows": lambda: build_plan(matmul_relu((6, 8), (8, 5)), MESH,
                                                        {"matmul_0": (2,), "relu_0": (0,)}),
     "matmul split on k, then whole": lambda: build_plan(matmul_relu((6, 8), (8, 5)), MESH, {"matmul_0": (2,)}),
+    "matmul split on k, then half of it whole": lambda: build_plan(matmul_half_relu((6, 8), (8, 10)), MESH,
+                                                                   {"matmul_0": (2,)}),
     "chain of different splits": lambda: build_plan(chain(8, 4, 6), MESH, {"linear_0": (0,), "relu_0": (1,)}),
     "conv2d split on rows": lambda: build_plan(conv(), MESH, {"relu_0": (2,), "conv2d_0": (2,)}),
     "uneven sizes": lambda: build_plan(chain(7, 3, 5), MESH, {"linear_0": (0,), "relu_0": (1,)}),

@@ -71,6 +71,15 @@ def test_splitting_a_contraction_all_reduces_partial_sums() -> None:
     assert step.region == ZRange((0, 0), (6, 5))
 
 
+def test_partial_sums_into_one_part_of_them_on_every_rank_all_reduce_that_part() -> None:
+    """Issue 24: each rank slices its addend of the part and the ranks all-reduce it (they traded their addends
+    point to point: p - 1 received per rank)."""
+    step = next(s for s in lower(CASES["matmul split on k, then half of it whole"]()).ranks[1].steps
+                if isinstance(s, Comm))
+    assert isinstance(step, AllReduce)
+    assert step.src_block == ZRange((0, 0), (6, 10)) and step.region == step.out_block == ZRange((0, 0), (6, 5))
+
+
 def test_partial_sums_into_a_split_reduce_scatter() -> None:
     step = next(s for s in lower(CASES["matmul split on k, then rows"]()).ranks[0].steps if isinstance(s, Comm))
     assert isinstance(step, ReduceScatter)

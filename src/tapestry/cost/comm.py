@@ -14,7 +14,8 @@ the textbook ring formula for its collective, on the devices it spans. Simplific
   latency steps.
 - n, the buffer of the collective, is the largest block on either side: the
   gathered block for all-gather, the pre-scatter block for reduce-scatter, the
-  reduced block for all-reduce, the per-device buffer for all-to-all.
+  per-device buffer for all-to-all; for all-reduce, the reduced region (the
+  destination's block: partial blocks that span more are sliced to it first).
 - General block moves (send_recv) use the exact volumes of sharding.comm: each
   device's time is its messages times alpha plus its received bytes over beta,
   and the step takes the slowest device's time.
@@ -147,6 +148,9 @@ def moves(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> Moves:
     return _clipped_moves(*clipped, mesh)
 
 
+_KEPT = (Collective.NOOP, Collective.ALL_REDUCE)  # named the same on a clipped pair as on the pair itself
+
+
 @lru_cache(maxsize=1 << 14)
 def _clipped_moves(src: Layout, dst: Layout, shape: Shape, clipped: frozenset[int], mesh: Mesh) -> Moves:
     """The moves of a pair from the clipped pair (`src`, `dst`; `clipped`: the devices whose source block was
@@ -154,9 +158,10 @@ def _clipped_moves(src: Layout, dst: Layout, shape: Shape, clipped: frozenset[in
     axes, whether a group moves anything and what each device receives are the same. What it can change is the
     collective a group is named: one whose blocks, before clipping, spanned more than its destination blocks do
     has a destination that is no named layout of that span (neither R nor a split), so it moves as send_recv; a
-    group none of whose source blocks was clipped is the same pair moved, named as before."""
+    group none of whose source blocks was clipped is the same pair moved, named as before. An all-reduce is named
+    by its destination alone (one region on every device, `collectives._classify`), so it stays one."""
     groups = tuple(Group(g.ranks, g.src, g.dst, g.axes, Collective.SEND_RECV)  # not `replace`: once per group
-                   if g.kind != Collective.NOOP and not clipped.isdisjoint(g.ranks) else g
+                   if g.kind not in _KEPT and not clipped.isdisjoint(g.ranks) else g
                    for g in reshard_groups(src, dst, shape, mesh))
     kinds = {g.kind for g in groups} - {Collective.NOOP}
     kind = kinds.pop() if len(kinds) == 1 else Collective.SEND_RECV if kinds else Collective.NOOP
@@ -283,7 +288,10 @@ class AlphaBeta:
             link = _slowest(links, moved.axes)
             cells = 1 if least is None else least.cells
             return max(m * link.alpha + r * cells * size / link.beta for m, r in zip(moved.messages, moved.received))
-        nbytes = size * max(_largest_block(step.src_layout), _largest_block(step.layout))
+        # an all-reduce sums the region its destination names, whatever the partial blocks span
+        largest = _largest_block(step.layout) if moved.kind == "all_reduce" else \
+            max(_largest_block(step.src_layout), _largest_block(step.layout))
+        nbytes = size * largest
         return hierarchical_time(moved.kind, nbytes, phases([(mesh.shape[a], links[a]) for a in moved.axes]))
 
     def reshard_floors(self, steps: Sequence[Reshard], mesh: Mesh) -> np.ndarray:

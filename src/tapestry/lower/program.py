@@ -179,7 +179,7 @@ class AllGather(Comm):
 
 @dataclass(frozen=True)
 class AllReduce(Comm):
-    """Every rank sums `region`: its partial source block, or zeros where it holds none."""
+    """Every rank sums `region`: its partial source block's cells of it, zeros where it holds none."""
 
     region: ZRange
 
@@ -506,10 +506,8 @@ def _pieces(moves: list[Transfer]) -> tuple[dict[int, tuple[Piece, ...]], dict[i
 
 def step_type(group: Group) -> type[Comm]:
     """The step for sharding.collectives' name of one group's reshard. Each step type moves the exact regions
-    of the layouts, whatever they are; only all_reduce needs every block to be one region, else the
-    (padded) reduce_scatter does the same sum."""
-    if group.kind is Collective.ALL_REDUCE and not _one_region(group.src, group.dst):
-        return ReduceScatter
+    of the layouts, whatever they are; an all_reduce's destination blocks are one region (`collectives._classify`
+    names no other so), each rank's addend of it sliced from its partial block."""
     return _STEP_TYPES[group.kind]
 
 
@@ -517,11 +515,6 @@ _STEP_TYPES: dict[Collective, type[Comm]] = {
     Collective.NOOP: Local, Collective.ALL_GATHER: AllGather, Collective.ALL_REDUCE: AllReduce,
     Collective.REDUCE_SCATTER: ReduceScatter, Collective.ALL_TO_ALL: AllToAll, Collective.SEND_RECV: SendRecv,
 }
-
-
-def _one_region(src: Layout, dst: Layout) -> bool:
-    held = {b for b in (*src.blocks, *dst.blocks) if b is not None}
-    return len(held) == 1
 
 
 def _reads(step: RankStep) -> tuple[str, ...]:

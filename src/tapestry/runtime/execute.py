@@ -426,7 +426,11 @@ def _all_gather(step: AllGather, src: torch.Tensor | None, device: torch.device,
 
 
 def _all_reduce(step: AllReduce, src: torch.Tensor | None, device: torch.device, group: Group) -> torch.Tensor:
-    buf = src.clone() if src is not None else _zeros(step.region, step, device)
+    if src is not None and step.src_block == step.region:
+        buf = src.clone()
+    else:  # a partial block spanning more (or less) than the region: its addend of the region
+        buf = _zeros(step.region, step, device)
+        _copy_overlap(buf, step.region, src, step.src_block)
     dist.all_reduce(buf, group=group)
     return buf
 

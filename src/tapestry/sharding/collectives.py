@@ -29,7 +29,7 @@ from tapestry.zspace import ZRange
 class Collective(enum.StrEnum):
     NOOP = "noop"  # every device already holds what it needs (possibly after slicing locally)
     ALL_GATHER = "all_gather"  # devices keep their blocks and collect the others'
-    ALL_REDUCE = "all_reduce"  # partial -> replicated
+    ALL_REDUCE = "all_reduce"  # partial -> replicated (or one region of it on every device)
     REDUCE_SCATTER = "reduce_scatter"  # partial -> split
     ALL_TO_ALL = "all_to_all"  # split one way -> split another way
     SEND_RECV = "send_recv"  # anything else: point-to-point block moves
@@ -245,15 +245,26 @@ def _group_mesh(mesh: Mesh, axes: tuple[int, ...]) -> Mesh:
 @lru_cache(maxsize=1 << 14)
 def _classify(src: Layout, dst: Layout, shape: Shape, mesh: Mesh) -> Collective:
     """The collective of a group whose devices move some cells (cached: groups of many reshards are one local
-    pair, `local_layouts`' same objects)."""
+    pair, `local_layouts`' same objects). Partial sums that every device needs the same region of are an
+    all-reduce of that region, whatever the partial blocks span: each device first slices its addend of the
+    region (a chunk's half of a grouped mm's partial output; as point-to-point moves each device received p - 1
+    addends of it, 511 on 8x8x8)."""
+    if src.partial and one_region(dst) is not None:
+        return Collective.ALL_REDUCE
     target = _family(dst, shape, mesh)
     if src.partial:
-        return {"R": Collective.ALL_REDUCE, "S": Collective.REDUCE_SCATTER}.get(target, Collective.SEND_RECV)
+        return Collective.REDUCE_SCATTER if target == "S" else Collective.SEND_RECV
     if target == "R":
         return Collective.ALL_GATHER
     if target == "S" and _family(src, shape, mesh) == "S":
         return Collective.ALL_GATHER if _keeps_own_blocks(src, dst) else Collective.ALL_TO_ALL
     return Collective.SEND_RECV
+
+
+def one_region(layout: Layout) -> ZRange | None:
+    """The one block every device holds, if they all hold the same (None otherwise)."""
+    first = layout.blocks[0]
+    return first if first is not None and all(b == first for b in layout.blocks) else None
 
 
 @lru_cache(maxsize=1 << 14)  # asked of the same local layouts by many groups' `_classify`

@@ -398,7 +398,9 @@ def _all_gather(step: AllGather, src: torch.Tensor | None, dtype: torch.dtype, d
 
 def _all_reduce(step: AllReduce, src: torch.Tensor | None, dtype: torch.dtype, device: torch.device, on: On
                 ) -> torch.Tensor:
-    return fc.all_reduce(_zeros(step.region, dtype, device) if src is None else src, "sum", on[0])
+    if src is None or step.src_block != step.region:  # its addend of the region (zeros where it holds none)
+        src = _overlap_into(_zeros(step.region, dtype, device), step.region, src, step.src_block)
+    return fc.all_reduce(src, "sum", on[0])
 
 
 def _reduce_scatter(step: ReduceScatter, src: torch.Tensor | None, dtype: torch.dtype, device: torch.device,
