@@ -285,6 +285,9 @@ def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any, h
             row.update({
                 "optimize_s": time.perf_counter() - started, "optimize_cpu_s": time.process_time() - cpu,
                 "status": result.status, "gap": result.gap, "extractor": result.selection.extractor,
+                # the gap's bound of plan.cost (egraph.plan_bound), what it cost, and the extractor's own gap
+                "bound": result.bound.seconds, "bound_why": result.bound.why, "bound_weight": result.bound.weight,
+                "bound_lps": result.bound.lps, "bound_cpu_s": result.bound.cpu_s, "extractor_gap": result.selection.gap,
                 "extractor_stopped_by": result.selection.stopped_by,  # "nodes": no bound, gap None (extract.ilp)
                 "floor": result.floor, "gap_to_floor": result.gap_to_floor,
                 "seconds": result.plan.cost, "warned": any(issubclass(w.category, SearchCutWarning) for w in caught),
