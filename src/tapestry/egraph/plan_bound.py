@@ -50,7 +50,7 @@ from tapestry.cost.overlap import overlap, upstream
 from tapestry.egraph.decode import Decoder, DNode
 from tapestry.extract import EGraph as ExtractGraph
 from tapestry.extract.contract import contracted, value_blocks
-from tapestry.extract.ilp import CONTRACT_FROM
+from tapestry.extract.ilp import CONTRACT_FROM, LP_NODES_PER_SECOND
 from tapestry.extract.reduction import reduce
 from tapestry.extract.relax import Lp, _shaved
 from tapestry.extract.separation import OutOfTime
@@ -61,6 +61,10 @@ from tapestry.plan import Plan
 BOUND_SECONDS = 20.0  # seconds of counted work (extract.work) for all of the bound's LPs: the same stop at any load
 WEIGHT_ROUNDS = 3  # LPs after the first two (lambda 1 and 0) at the crossing of their lines
 RUN_OPS = ("Place", "Reshard", "Deliver")  # the node ops that are no Compute
+# HiGHS's first-order LP solver: its duals need not be optimal, and any duals give a Lagrangian bound (relax.Lp.solve).
+# On the 2-layer LLaMA-7B training step on 2x4 it took 1.9 CPU s where the dual simplex took 9.2 and the interior
+# point 4.7, for a bound 5e-8 of it lower (benchmarks/cluster.py's row, timed around `plan_bound`; docs/benchmarks.md)
+SOLVER = "pdlp"
 
 
 @dataclass(frozen=True)
@@ -207,10 +211,11 @@ def plan_bound(decoder: Decoder, egraph: ExtractGraph, model: CostModel, plan: P
     known = [(f[1], f"LP at lambda {f[0]:.3g}", f[0]) for f in found]
     known += [(b, why, None) for b, why in ((plain, "the extractor's"), (floor, "the whole-space floor"))
               if b is not None]
+    unsolved = f"no LP solved within {seconds:g} s of work"
     if not known:
-        return PlanBound(None, f"its LP was not solved within {seconds:g} s of work", None, 0, clock() - started)
+        return PlanBound(None, unsolved, None, 0, clock() - started)
     bound, source, weight = max(known, key=lambda k: k[0])
-    return PlanBound(bound, "", weight, len(found), clock() - started, source)
+    return PlanBound(bound, "", weight, len(found), clock() - started, source + ("" if found else f" ({unsolved})"))
 
 
 def _fusible(decoder: Decoder, node: DNode) -> bool:
@@ -226,16 +231,21 @@ def _exposed(plan: Plan, model: CostModel) -> bool:
 
 def _lp(egraph: ExtractGraph, deadline: Deadline) -> tuple[float, dict[int, float]] | None:
     """The Lagrangian bound of the LP of `egraph`'s selections (its contracted problem's past CONTRACT_FROM
-    candidates) and its solution per node of `egraph` (contracted nodes left out); None where not solved in time."""
+    candidates) and its solution per node of `egraph` (contracted nodes left out); None where not solved in time,
+    or where its candidates are more than the work left takes on (ilp.LP_NODES_PER_SECOND)."""
     tree = solvable_tree(egraph)
     reduced = reduce(egraph, tree)
     block = {c: reduced.block(c) for c in reduced.candidates}
     graph, candidates, needs = egraph, reduced.candidates, reduced.needs
-    if sum(map(len, candidates.values())) > CONTRACT_FROM:
+    size = sum(map(len, candidates.values()))
+    if size > LP_NODES_PER_SECOND * deadline.left():  # building it alone would outrun the work left
+        return None
+    if size > CONTRACT_FROM:
         graph, candidates = contracted(egraph, reduced.candidates, block)
         block, needs = value_blocks(egraph, reduced.candidates, block, reduced.needs)
     try:
         lp = Lp(graph, candidates, block, needs, (), deadline)
+        lp.highs.setOptionValue("solver", SOLVER)
         bound, values = lp.solve(deadline)
     except OutOfTime:
         return None
