@@ -149,3 +149,7 @@ def test_no_gap_and_the_reason_where_no_bound_is_known():
     assert "Together prices steps together" in result.explain().splitlines()[0]
     folded = explore(residual_mlps(3), Mesh(2), layers=True).extract(FUSING)
     assert folded.gap is None and "periodic" in folded.explain().splitlines()[0]
+    found = explored("mlp inference", (2,))
+    egraph = found.decoder.extraction_graph(list(found.roots), FUSING, found.priced_moves)
+    out_of_work = plan_bound(found.decoder, egraph, FUSING, found.extract(FUSING).plan, seconds=1e-9)
+    assert out_of_work.seconds is None and out_of_work.gap(1.0) is None and "no LP solved" in out_of_work.why
