@@ -385,9 +385,9 @@ class Explored:
                                     **({"extractor_stopped_by": selection.stopped_by} if selection.stopped_by else {})})
         floor = step_floor(self.whole, self.mesh, model) if only_builtin(self.rule_files) else None
         unhidden = egraph is plain and not reductions and memory_budget is None and micro_batches == 1  # a node sum
-        bound = partial(no_bound, "periodic: one layer's plan for every copy") if self.layered else partial(
-            plan_bound, self.decoder, plain, model, plan, selection.bound if unhidden else None, floor,
-            floor and fusion_floor(plan.graph, self.mesh, model))
+        bound = partial(no_bound, "periodic: one layer's plan for every copy") if self.layered is not None else \
+            partial(plan_bound, self.decoder, plain, model, plan, selection.bound if unhidden else None, floor,
+                    floor and fusion_floor(plan.graph, self.mesh, model))
         result = OptimizeResult(plan, stats, replace(selection, status=status), self.rule_files, self.data, floor,
                                 bound)
         if status.startswith("stopped") and result.replicated_share >= REPLICATED_WARNING:
