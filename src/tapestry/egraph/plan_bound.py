@@ -63,7 +63,9 @@ WEIGHT_ROUNDS = 3  # LPs after the first two (lambda 1 and 0) at the crossing of
 RUN_OPS = ("Place", "Reshard", "Deliver")  # the node ops that are no Compute
 # HiGHS's first-order LP solver: its duals need not be optimal, and any duals give a Lagrangian bound (relax.Lp.solve).
 # On the 2-layer LLaMA-7B training step on 2x4 it took 1.9 CPU s where the dual simplex took 9.2 and the interior
-# point 4.7, for a bound 5e-8 of it lower (benchmarks/cluster.py's row, timed around `plan_bound`; docs/benchmarks.md)
+# point 4.7, for a bound 5e-8 of it lower (benchmarks/cluster.py's row, timed around `plan_bound`; docs/benchmarks.md).
+# Where it stops short of its tolerances (the LP at lambda 0 of a LLaMA block's training step on Mesh(2, 2), most of
+# whose costs are 0 there), the dual simplex solves it.
 SOLVER = "pdlp"
 
 
@@ -247,6 +249,9 @@ def _lp(egraph: ExtractGraph, deadline: Deadline) -> tuple[float, dict[int, floa
         lp = Lp(graph, candidates, block, needs, (), deadline)
         lp.highs.setOptionValue("solver", SOLVER)
         bound, values = lp.solve(deadline)
+        if values is None and not deadline.passed():  # PDLP stopped short of its tolerances: the simplex's duals
+            lp.highs.setOptionValue("solver", "simplex")
+            bound, values = lp.solve(deadline)
     except OutOfTime:
         return None
     if values is None:
