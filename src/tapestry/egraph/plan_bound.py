@@ -28,7 +28,7 @@ LLaMA-7B training step on 2x4 summed 20.42 ms by node costs and cost 12.70 ms by
 
 Lambda: 1 (reductions hidden whole: the plan's time where its backward pass is the longer); where the plan kept has
 reductions longer than its backward, also 0 and the crossings of the LPs' lines (Kelley's cutting planes on the
-concave function of lambda, `WEIGHT_ROUNDS`). Any of them is a bound.
+concave function of lambda, `WEIGHT_ROUNDS`), on e-graphs of up to `SEARCH_NODES`. Any of them is a bound.
 
 Not covered (None, with the reason): cost models that price steps together otherwise (a `plan_step_costs` of a
 model other than DefaultCostModel), folded (periodic) extractions, and an LP not solved within its work budget
@@ -60,6 +60,9 @@ from tapestry.plan import Plan
 
 BOUND_SECONDS = 20.0  # seconds of counted work (extract.work) for all of the bound's LPs: the same stop at any load
 WEIGHT_ROUNDS = 3  # LPs after the first two (lambda 1 and 0) at the crossing of their lines
+# The most nodes whose e-graph gets LPs below lambda 1: on the 2-layer 7B training step on 8x8 (its plan's reductions
+# outlast its backward) lambda 0 and a crossing took 30 CPU s at load 5, raising nothing (benchmarks/plan_bound.py)
+SEARCH_NODES = 150_000
 RUN_OPS = ("Place", "Reshard", "Deliver")  # the node ops that are no Compute
 # HiGHS's first-order LP solver: its duals need not be optimal, and any duals give a Lagrangian bound (relax.Lp.solve).
 # On the 2-layer LLaMA-7B training step on 2x4 it took 1.9 CPU s where the dual simplex took 9.2 and the interior
@@ -67,6 +70,9 @@ RUN_OPS = ("Place", "Reshard", "Deliver")  # the node ops that are no Compute
 # Where it stops short of its tolerances (the LP at lambda 0 of a LLaMA block's training step on Mesh(2, 2), most of
 # whose costs are 0 there), the dual simplex solves it.
 SOLVER = "pdlp"
+# Seconds of counted work (simplex iterations) the dual simplex gets where PDLP stopped short: the lambda-0 LP of the
+# 7B training step on 8x8 took the simplex 30 CPU s (at load 5) and raised no bound (benchmarks/plan_bound.py)
+FALLBACK = 2.0
 
 
 @dataclass(frozen=True)
@@ -198,7 +204,7 @@ def plan_bound(decoder: Decoder, egraph: ExtractGraph, model: CostModel, plan: P
         return found[-1]
 
     first = solve(1.0)
-    if first is not None and reductions and carried and _exposed(plan, model):
+    if first is not None and reductions and carried and egraph.num_nodes <= SEARCH_NODES and _exposed(plan, model):
         second = solve(0.0)
         for _ in range(WEIGHT_ROUNDS if second is not None else 0):
             (a, fa, ra, ba), (b, fb, rb, bb) = sorted(found, key=lambda f: -f[1])[:2]
@@ -251,7 +257,7 @@ def _lp(egraph: ExtractGraph, deadline: Deadline) -> tuple[float, dict[int, floa
         bound, values = lp.solve(deadline)
         if values is None and not deadline.passed():  # PDLP stopped short of its tolerances: the simplex's duals
             lp.highs.setOptionValue("solver", "simplex")
-            bound, values = lp.solve(deadline)
+            bound, values = lp.solve(Deadline(deadline.meter, min(deadline.end, deadline.meter.spent + FALLBACK)))
     except OutOfTime:
         return None
     if values is None:
