@@ -301,6 +301,9 @@ def run_case(case: Case, budget_seconds: float, time_limit: float, queue: Any, h
             row.update({
                 "optimize_s": time.perf_counter() - started, "optimize_cpu_s": time.process_time() - cpu,
                 "status": result.status, "gap": result.gap, "extractor": result.selection.extractor,
+                # the gap's bound of plan.cost (egraph.plan_bound), what it cost, and the extractor's own gap
+                "bound": result.bound.seconds, "bound_why": result.bound.why, "bound_weight": result.bound.weight,
+                "bound_lps": result.bound.lps, "bound_cpu_s": result.bound.cpu_s, "extractor_gap": result.selection.gap,
                 "extractor_stopped_by": result.selection.stopped_by,  # "nodes": no bound, gap None (extract.ilp)
                 "floor": result.floor, "gap_to_floor": result.gap_to_floor,
                 "seconds": result.plan.cost, "warned": any(issubclass(w.category, SearchCutWarning) for w in caught),
@@ -583,7 +586,9 @@ def main() -> None:
         "(`Compute.exchange`), and a ring attention's (`Compute.ring`); PP is 1 on every row (`tapestry.optimize` "
         "plans one SPMD program; pipeline stages are `tapestry.pipeline`'s, section \"Pipeline\"); `weights "
         "live`: R replicated, G gathered on use, S sharded in place; `vs best hand`: predicted time over the "
-        "fastest hand plan's. `floor ms (gap)`: a floor under every plan of the graph on the mesh under the same "
+        "fastest hand plan's. `gap`: (predicted - bound) / predicted, the bound one of plan_cost over every plan of "
+        "the e-graph searched (`OptimizeResult.bound`, egraph.plan_bound; rows measured before 2026-11-28 bound "
+        "the extractor's node-cost sum instead). `floor ms (gap)`: a floor under every plan of the graph on the mesh under the same "
         "model, not only those the search made (`OptimizeResult.floor`, cost.floor: each matmul's, attention's and "
         "other library kernel's FLOPs spread evenly over every device at the dtype's peak, plus a launch; no "
         "communication; docs/cost-models.md), and (predicted - floor) / predicted: what `gap` cannot say where a "

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field, replace
@@ -20,7 +19,7 @@ from typing import Any
 from tapestry.clock import clock
 from tapestry.collector import no_collections
 from tapestry.cost import CostModel, default_cost_model, peak_memory, plan_cost
-from tapestry.cost.floor import gap_to_floor, gaps_note, step_floor
+from tapestry.cost.floor import fusion_floor, gap_to_floor, gaps_note, step_floor
 from tapestry.egraph.budget import (MemoryBudgetError, budget_error, device_budget, hand_within, held_bytes,
                                     inputs_floor, memory_cuts)
 from tapestry.egraph.decode import Decoder
@@ -29,12 +28,14 @@ from tapestry.egraph.driver import (Budget, IterationStats, SaturationStats, mak
 from tapestry.egraph.embed import embedded_plans
 from tapestry.egraph.extractor_pricing import FloorPriced
 from tapestry.egraph.folded_candidates import FoldedCandidates, competes
-from tapestry.egraph.fused_prices import fused_node_costs
+from tapestry.egraph.fused_prices import fused_graph
 from tapestry.egraph.layered import Layered, value_classes
 from tapestry.egraph.lean_plans import LeanPlans
 from tapestry.egraph.objective import StepObjective, overlap_split, unless_unselectable
+from tapestry.egraph.plan_bound import PlanBound, no_bound, plan_bound
 from tapestry.egraph.pins import (
     Outputs,
+    check_carried,
     delivered_layouts,
     pin_layouts,
     periodic_selections,
@@ -61,7 +62,7 @@ from tapestry.extract import EGraph as ExtractGraph
 from tapestry.extract.ilp import models_in
 from tapestry.extract.memo import PICKS_KEPT, SelectionMemo
 from tapestry.extract.selection import dag_cost
-from tapestry.graph import Graph, GraphError
+from tapestry.graph import Graph
 from tapestry.graph.layers import find_layers, fold
 from tapestry.plan import Plan, steady_violations
 from tapestry.plan.explain import explain as explain_plan, replicated_share
@@ -80,6 +81,7 @@ class OptimizeResult:
     rule_files: tuple[RuleFile, ...]
     egraph_json: dict[str, Any] = field(repr=False)
     floor: float | None = None  # seconds no plan of the graph on the mesh costs less (cost.floor.step_floor)
+    bounded: Callable[[], PlanBound] = field(default=partial(no_bound, "not computed"), repr=False, compare=False)
 
     @property
     def peak_memory(self) -> int:
@@ -99,11 +101,17 @@ class OptimizeResult:
         proven; "stopped by <phase> (<budget>)" when a budget cut the search space, every phase it cut named."""
         return self.selection.status
 
+    @cached_property
+    def bound(self) -> PlanBound:
+        """Of plan.cost over the e-graph searched (egraph.plan_bound), made when asked: its LP takes seconds."""
+        return self.bounded()
+
     @property
     def gap(self) -> float | None:
-        """(cost - bound) / cost of the extractor's proof, within the space searched (none for greedy
-        extractors). When the search was cut it bounds nothing outside that space."""
-        return self.selection.gap
+        """(plan.cost - bound) / plan.cost, `bound` a lower bound of `plan_cost` over every plan of the e-graph
+        searched (egraph.plan_bound); None where none is known (`bound.why` says why). When the search was cut it
+        bounds nothing outside that space (`gap_to_floor` does); `selection.gap` is the extractor's own."""
+        return self.bound.gap(self.plan.cost)
 
     @property
     def gap_to_floor(self) -> float | None:
@@ -118,7 +126,7 @@ class OptimizeResult:
 
     def explain(self) -> str:
         """The plan step by step, each compute with the graph op or rule that produced its kernel."""
-        gap = gaps_note(self.gap, self.gap_to_floor)
+        gap = gaps_note(self.gap, self.gap_to_floor, self.bound.why)
         head = [
             f"mesh {self.plan.mesh}: {len(self.plan.steps)} steps, predicted {self.plan.cost:.6g} s, "
             f"peak {self.peak_memory:,} bytes per device ({self.selection.extractor}, {self.status}{gap}; "
@@ -266,7 +274,7 @@ class Explored:
             raise ValueError(f"extract: micro_batches must be at least 1, not {micro_batches}")
         model = cost_model or default_cost_model()
         whole_carried = dict(self.whole.carried if steady is None else steady)
-        _check_carried(self.whole, whole_carried)
+        check_carried(self.whole, whole_carried)
         carried = {out: into for out, into in whole_carried.items() if out in self.graph.outputs}  # of the fold
         plain_sum = memory_budget is None and not (carried or self.graph.carried or self.layered)  # pruning's need
         split = overlap_split(self.decoder, self.graph.carried, {self.names[r]: r for r in self.roots}, (LR,),
@@ -277,7 +285,8 @@ class Explored:
             list(self.roots), model, self.priced_moves, drop_dominated=plain_sum)
         egraph = restrict_outputs(self.decoder, priced, outputs)
         egraph, ties = steady_ties(self.decoder, egraph, carried)
-        fused = self._fused(egraph, model) if fusion_refit and self.mesh.size >= FUSED_EXTRACTION_DEVICES else None
+        fused = fused_graph(self.decoder, egraph, model) if fusion_refit and self.mesh.size >= FUSED_EXTRACTION_DEVICES \
+            else None
         if self.layered is not None:  # copy 1 counted once per later copy (fused prices too), tied to copy 0
             egraph, ties = self.layered.costs(egraph), sorted([*ties, *self.layered.ties()])
             fused = None if fused is None else self.layered.costs(fused)
@@ -374,8 +383,13 @@ class Explored:
         status = search_status(stats, selection)
         plan = replace(plan, notes={**plan.notes, "status": status, "extractor_status": selection.status,
                                     **({"extractor_stopped_by": selection.stopped_by} if selection.stopped_by else {})})
-        result = OptimizeResult(plan, stats, replace(selection, status=status), self.rule_files, self.data,
-                                step_floor(self.whole, self.mesh, model) if only_builtin(self.rule_files) else None)
+        floor = step_floor(self.whole, self.mesh, model) if only_builtin(self.rule_files) else None
+        unhidden = egraph is plain and not reductions and memory_budget is None and micro_batches == 1  # a node sum
+        bound = partial(no_bound, "periodic: one layer's plan for every copy") if self.layered is not None else \
+            partial(plan_bound, self.decoder, plain, model, plan, selection.bound if unhidden else None, floor,
+                    floor and fusion_floor(plan.graph, self.mesh, model))
+        result = OptimizeResult(plan, stats, replace(selection, status=status), self.rule_files, self.data, floor,
+                                bound)
         if status.startswith("stopped") and result.replicated_share >= REPLICATED_WARNING:
             warnings.warn(f"{result.replicated_share:.0%} of the plan's compute steps are replicated and the search "
                           f"was {status} "
@@ -417,15 +431,6 @@ class Explored:
             return hands
         return (*hands, *steady_picks(self.decoder, egraph, carried, lambda graph: self._picks.get(
             graph, (), ("greedy-dag", time_limit), None, lambda: extract(graph, "greedy-dag", time_limit))))
-
-    def _fused(self, egraph: ExtractGraph, model: CostModel) -> ExtractGraph | None:
-        """`egraph` with each node priced as the fusion group member its neighbourhood promises
-        (egraph.fused_prices), where `model` fuses (its `fused_device`) and that changes a price; else None."""
-        device = getattr(model, "fused_device", None)
-        if device is None:
-            return None
-        costs = fused_node_costs(self.decoder, egraph.node_cost, device)
-        return None if costs == list(egraph.node_cost) else egraph.with_costs(costs)
 
     def _fit(self, egraph: ExtractGraph, extractor: str, time_limit: float, budget_of: Callable[[], DeviceBudget],
              ties: Ties, carried: Mapping[str, str], memory_budget: int | None,
@@ -630,15 +635,6 @@ class Explored:
             except MemoryBudgetError:
                 return
             yield last
-
-
-def _check_carried(graph: Graph, carried: Mapping[str, str]) -> None:
-    """`steady` pairs outputs and inputs of the graph that match, each input carried once."""
-    for out, name in carried.items():
-        graph.check_carry(out, name)
-    twice = [name for name, n in Counter(carried.values()).items() if n > 1]
-    if twice:
-        raise GraphError(f"steady: input {twice[0]!r} is carried by more than one output")
 
 
 @no_collections()

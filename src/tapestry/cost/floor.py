@@ -64,11 +64,11 @@ def gap_to_floor(cost: float, floor: float | None) -> float | None:
     return (cost - floor) / cost  # below 0 only if the floor is wrong: not clipped, so that tests see it
 
 
-def gaps_note(gap: float | None, floor_gap: float | None) -> str:
+def gaps_note(gap: float | None, floor_gap: float | None, why: str = "") -> str:
     """", gap x% within the space searched; y% to the whole-space floor", as far as each is known (explain); "no
-    bound within the space searched" where the extractor proved none (greedy, or an ILP no phase of which bounded
-    its search: extract.ilp._result), not a gap of 100%."""
-    parts = ["no bound within the space searched" if gap is None else f"gap {gap:.2%} within the space searched",
+    bound within the space searched (`why`)" where none is known (egraph.plan_bound), not a gap of 100%."""
+    none = "no bound within the space searched" + (f" ({why})" if why else "")
+    parts = [none if gap is None else f"gap {gap:.2%} within the space searched",
              *([] if floor_gap is None else [f"{floor_gap:.2%} to the whole-space floor"])]
     return ", " + "; ".join(parts)
 
@@ -92,6 +92,21 @@ def step_floor(graph: Graph, mesh: Mesh, model: CostModel) -> float | None:
             total += op_floor(graph.signature(name), devices, device)
     total += _boundary_bytes(graph, terms, ops) / devices / device.mem_bandwidth
     return total * device.oversubscription(devices)
+
+
+def fusion_floor(graph: Graph, mesh: Mesh, model: CostModel) -> float | None:
+    """The fusible kernels' part of `step_floor` (their fusion groups' boundary bytes): seconds the fusible steps
+    of every plan cost together at least, whatever else it runs (egraph.plan_bound adds it to a bound that prices
+    them 0). None where `step_floor` is."""
+    if type(model) is not DefaultCostModel:
+        return None
+    device = model.profile.device
+    terms = _distinct_ops(graph)
+    free = _rewritable(graph, terms) | _static(graph, terms)
+    needed = upstream((terms[v] for v in graph.outputs.values()), lambda v: (terms[a] for a in graph[v].args))
+    ops = [n for n in dict.fromkeys(terms.values()) if not graph[n].is_input and n not in free and n in needed]
+    return (_boundary_bytes(graph, terms, ops) / mesh.size / device.mem_bandwidth
+            * device.oversubscription(mesh.size))
 
 
 def op_floor(sig: Signature, devices: int, device: DeviceProfile) -> float:

@@ -24,7 +24,9 @@ from collections.abc import Sequence
 
 from tapestry.cost.fusion import fusible, member_time, write_time
 from tapestry.cost.profile import DeviceProfile
+from tapestry.cost import CostModel
 from tapestry.egraph.decode import Decoder
+from tapestry.extract import EGraph as ExtractGraph
 
 READERS = ("Reshard", "Deliver")  # besides unfusible Runs, nodes that read a value from memory
 
@@ -87,3 +89,13 @@ def fused_node_costs(decoder: Decoder, costs: Sequence[float], device: DevicePro
         else:
             fused[i] = cost + sum(write(c) for c in dict.fromkeys(node.children) if c in made)
     return fused
+
+
+def fused_graph(decoder: Decoder, egraph: ExtractGraph, model: CostModel) -> ExtractGraph | None:
+    """`egraph` with each node priced as the fusion group member its neighbourhood promises (`fused_node_costs`),
+    where `model` fuses (its `fused_device`) and that changes a price; else None."""
+    device = getattr(model, "fused_device", None)
+    if device is None:
+        return None
+    costs = fused_node_costs(decoder, egraph.node_cost, device)
+    return None if costs == list(egraph.node_cost) else egraph.with_costs(costs)

@@ -6,6 +6,7 @@ Each returns the extraction graph with the excluded nodes at infinite cost, or t
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Mapping
 from contextlib import suppress
 from dataclasses import replace
@@ -14,6 +15,7 @@ from tapestry.egraph.decode import Decoder
 from tapestry.egraph.layered import Layered
 from tapestry.extract import EGraph as ExtractGraph
 from tapestry.extract import NoFiniteChoiceError, Selection, Ties, ties_hold
+from tapestry.graph import Graph, GraphError
 from tapestry.sharding import Layout, Mesh
 
 Outputs = str | Mapping[str, "str | Layout"]  # "any", "replicated", or per output name one of those or a Layout
@@ -207,3 +209,12 @@ def steady_picks(decoder: Decoder, egraph: ExtractGraph, carried: Mapping[str, s
         with suppress(NoFiniteChoiceError):
             found.append(pick(pin_layouts(decoder, egraph, pins(), carried)))
     return tuple(found)
+
+
+def check_carried(graph: Graph, carried: Mapping[str, str]) -> None:
+    """`steady` pairs outputs and inputs of the graph that match, each input carried once."""
+    for out, name in carried.items():
+        graph.check_carry(out, name)
+    twice = [name for name, n in Counter(carried.values()).items() if n > 1]
+    if twice:
+        raise GraphError(f"steady: input {twice[0]!r} is carried by more than one output")

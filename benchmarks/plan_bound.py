@@ -1,0 +1,60 @@
+"""What `result.bound` (egraph.plan_bound) costs and gives on a cluster case, per HiGHS solver and with every lambda.
+
+Builds one benchmarks/cluster.py case (hf LLaMA, 2 layers, training, 80 GB budget), optimizes it, then times
+`plan_bound` on the result's own arguments: with each solver (`plan_bound.SOLVER`: PDLP, the default; the dual
+simplex; the interior point), and with the line search over lambda forced (`_exposed` taken true). One JSON line
+per run.
+
+    python benchmarks/plan_bound.py --mesh 2x4
+    python benchmarks/plan_bound.py --mesh 8x8 --solvers pdlp --every-weight
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import cluster  # noqa: E402
+
+import tapestry  # noqa: E402
+from tapestry.cost import DefaultCostModel, load_profile  # noqa: E402
+from tapestry.egraph import plan_bound  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="7B")
+    parser.add_argument("--mesh", default="2x4")
+    parser.add_argument("--solvers", default="pdlp,simplex,ipm", help="HiGHS `solver` values, comma-separated")
+    parser.add_argument("--every-weight", action="store_true", help="also the line search over lambda, forced")
+    args = parser.parse_args()
+    case = cluster.Case(args.model, 2, "training", args.mesh, 8, 2048, memory_budget=80_000_000_000)
+    imported = cluster.build(case)
+    model = DefaultCostModel(load_profile(cluster.PROFILE))
+    started = time.process_time()
+    result = tapestry.optimize(imported.graph, tapestry.Mesh(*case.shape), cost_model=model,
+                               memory_budget=case.memory_budget)
+    base = {"model": args.model, "mesh": args.mesh, "seconds": result.plan.cost, "floor": result.floor,
+            "optimize_cpu_s": time.process_time() - started, "load": os.getloadavg()[0]}
+    arguments = result.bounded.args
+    runs = [(solver, False) for solver in args.solvers.split(",")]
+    if args.every_weight:
+        runs.append((plan_bound.SOLVER, True))
+    exposed = plan_bound._exposed
+    for solver, every in runs:
+        plan_bound.SOLVER = solver
+        plan_bound._exposed = (lambda plan, model: True) if every else exposed
+        cpu = time.process_time()
+        bound = plan_bound.plan_bound(*arguments)
+        print(json.dumps({**base, "solver": solver, "every_weight": every, "bound": bound.seconds,
+                          "source": bound.source, "lps": bound.lps, "bound_cpu_s": time.process_time() - cpu,
+                          "why": bound.why}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
