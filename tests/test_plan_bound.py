@@ -143,12 +143,29 @@ class Together:
         return {s.out: 0.5 * self.step_cost(s, plan.mesh) for s in plan.steps if s.out not in plan.prepared}
 
 
+class Unfloored(DefaultCostModel):
+    """DefaultCostModel's prices, but a subclass: the whole-space floor is not known for it (cost.floor)."""
+
+
+@pytest.mark.parametrize("graph", ["mlps", "llama training"])
+def test_a_folded_result_is_bounded_by_the_whole_space_floor(graph):
+    """A folded (periodic) extraction, the only kind a real-depth model gets, still reports a gap: the whole-space
+    floor bounds every plan of the graph, the periodic plan kept among them."""
+    g = residual_mlps(4) if graph == "mlps" else llama_step(3)
+    result = explore(g, Mesh(2), layers=True).extract(FUSING)
+    assert result.status == "periodic" and result.plan.graph is g
+    assert result.bound.source == "the whole-space floor" and result.bound.seconds == result.floor > 0
+    assert result.gap is not None and 0 <= result.gap < 1 and result.gap == result.gap_to_floor
+    assert result.bound.seconds <= plan_cost(result.plan, FUSING)
+    assert "no bound" not in result.explain().splitlines()[0]
+
+
 def test_no_gap_and_the_reason_where_no_bound_is_known():
     result = explored("mlp inference", (2,)).extract(Together())
     assert result.gap is None and result.bound.seconds is None
     assert "Together prices steps together" in result.explain().splitlines()[0]
-    folded = explore(residual_mlps(3), Mesh(2), layers=True).extract(FUSING)
-    assert folded.gap is None and "periodic" in folded.explain().splitlines()[0]
+    folded = explore(residual_mlps(3), Mesh(2), layers=True).extract(Unfloored(FUSING.profile))
+    assert folded.gap is None and "periodic, and no whole-space floor" in folded.explain().splitlines()[0]
     found = explored("mlp inference", (2,))
     egraph = found.decoder.extraction_graph(list(found.roots), FUSING, found.priced_moves)
     out_of_work = plan_bound(found.decoder, egraph, FUSING, found.extract(FUSING).plan, seconds=1e-9)

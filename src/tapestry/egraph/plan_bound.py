@@ -30,8 +30,10 @@ Lambda: 1 (reductions hidden whole: the plan's time where its backward pass is t
 reductions longer than its backward, also 0 and the crossings of the LPs' lines (Kelley's cutting planes on the
 concave function of lambda, `WEIGHT_ROUNDS`), on e-graphs of up to `SEARCH_NODES`. Any of them is a bound.
 
+A folded (periodic) extraction gets no LP here: its bound is the whole-space floor (`floor_bound`).
+
 Not covered (None, with the reason): cost models that price steps together otherwise (a `plan_step_costs` of a
-model other than DefaultCostModel), folded (periodic) extractions, and an LP not solved within its work budget
+model other than DefaultCostModel), folded extractions without a whole-space floor, and an LP not solved within its work budget
 (`BOUND_SECONDS`) where no other bound is known. A pipeline's stages are each a result with its own bound; the
 pipeline's schedule has none.
 """
@@ -96,6 +98,12 @@ class PlanBound:
 
 def no_bound(why: str) -> PlanBound:
     return PlanBound(None, why)
+
+
+def floor_bound(floor: float | None, why: str) -> PlanBound:
+    """The whole-space `floor` (cost.floor.step_floor) as the bound where no LP is made (a folded extraction: its
+    plans are some of the graph's, so above the floor of them all); `no_bound(why)` where the floor is unknown."""
+    return no_bound(why) if floor is None else PlanBound(floor, source="the whole-space floor")
 
 
 def node_floors(decoder: Decoder, costs: Sequence[float], model: CostModel) -> list[float] | None:
