@@ -54,7 +54,7 @@ from tapestry.extract import EGraph as ExtractGraph
 from tapestry.extract.contract import contracted, value_blocks
 from tapestry.extract.ilp import CONTRACT_FROM, LP_NODES_PER_SECOND
 from tapestry.extract.reduction import reduce
-from tapestry.extract.relax import Lp, _shaved
+from tapestry.extract.relax import Lp, rounding_safe
 from tapestry.extract.separation import OutOfTime
 from tapestry.extract.tree import solvable_tree
 from tapestry.extract.work import Deadline, Meter
@@ -270,4 +270,4 @@ def _lp(egraph: ExtractGraph, deadline: Deadline) -> tuple[float, dict[int, floa
         return None
     if values is None:
         return None
-    return _shaved(bound), {n: values[i] for n, i in lp.x.items() if n < egraph.num_nodes}
+    return rounding_safe(bound), {n: values[i] for n, i in lp.x.items() if n < egraph.num_nodes}

@@ -137,7 +137,7 @@ class LpPass:
         while step.solution is not None:
             bound, rounded = step.solution
             incumbent = offer(list(rounded))
-            if math.isfinite(incumbent) and incumbent <= _shaved(bound) + self.enough * incumbent:
+            if math.isfinite(incumbent) and incumbent <= rounding_safe(bound) + self.enough * incumbent:
                 break
             reading = self.reads and k == 0  # once the first solution is offered: rounded, it made Mixtral's plan
             if not reading and previous is not None:
@@ -151,7 +151,7 @@ class LpPass:
             rounds += step.rounds
             if step.solution is not None and not reading:
                 previous = bound
-        return Relaxation(tuple(cuts), 0.0 if k == 0 and step.solution is None else _shaved(bound), rounds)
+        return Relaxation(tuple(cuts), 0.0 if k == 0 and step.solution is None else rounding_safe(bound), rounds)
 
     def _step(self, k: int, deadline: Deadline) -> _Step:
         """Step `k`: replayed where made (its work charged again), else made (only the next is ever asked)."""
@@ -210,7 +210,7 @@ def lp_bound(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Map
         bound, values = Lp(egraph, candidates, block, needs, (), deadline).solve(deadline)
     except OutOfTime:
         return 0.0
-    return 0.0 if values is None else _shaved(bound)
+    return 0.0 if values is None else rounding_safe(bound)
 
 
 @dataclass(frozen=True)
@@ -232,10 +232,10 @@ def read_rows_bound(egraph: EGraph, candidates: Mapping[int, Sequence[int]], blo
     lp.add_reads(egraph, candidates)
     started = clock()
     bound, _ = lp.solve(unbounded())
-    return ReadRowsBound(_shaved(without), _shaved(bound), clock() - started)
+    return ReadRowsBound(rounding_safe(without), rounding_safe(bound), clock() - started)
 
 
-def _shaved(bound: float) -> float:
+def rounding_safe(bound: float) -> float:
     """The Lagrangian bound lowered by `SLACK`: a bound despite float rounding."""
     return max(0.0, bound - SLACK * abs(bound))
 
