@@ -145,7 +145,7 @@ def test_numbered_names_alone_are_not_layers():
 def test_a_stack_is_planned_once_periodic_and_matches_the_reference():
     g = residual_mlps(4)
     result = tapestry.optimize(g, Mesh(2), layers=True)
-    assert result.status == "periodic" and result.bound.source == "the whole-space floor"  # no LP over the fold
+    assert result.status == "periodic" and 0 <= result.gap < 1  # bounded over the periodic plans (plan_bound)
     assert result.plan.notes["periodic"]["copies"] == 4
     assert result.plan.graph is g
     placed = {s.input for s in result.plan.steps if isinstance(s, Place)}

@@ -147,25 +147,60 @@ class Unfloored(DefaultCostModel):
     """DefaultCostModel's prices, but a subclass: the whole-space floor is not known for it (cost.floor)."""
 
 
-@pytest.mark.parametrize("graph", ["mlps", "llama training"])
-def test_a_folded_result_is_bounded_by_the_whole_space_floor(graph):
-    """A folded (periodic) extraction, the only kind a real-depth model gets, still reports a gap: the whole-space
-    floor bounds every plan of the graph, the periodic plan kept among them."""
-    g = residual_mlps(4) if graph == "mlps" else llama_step(3)
-    result = explore(g, Mesh(2), layers=True).extract(FUSING)
-    assert result.status == "periodic" and result.plan.graph is g
-    assert result.bound.source == "the whole-space floor" and result.bound.seconds == result.floor > 0
-    assert result.gap is not None and 0 <= result.gap < 1 and result.gap == result.gap_to_floor
-    assert result.bound.seconds <= plan_cost(result.plan, FUSING)
-    assert "no bound" not in result.explain().splitlines()[0]
+FOLDED = {"mlps": lambda: residual_mlps(4), "llama training": lambda: llama_step(3)}
+
+
+@functools.cache
+def folded(graph: str, mesh: tuple[int, ...]) -> Explored:
+    found = explore(FOLDED[graph](), Mesh(*mesh), layers=True)
+    assert found.layered is not None
+    return found
+
+
+def periodic_plans(found: Explored, model: DefaultCostModel, seed: int, count: int) -> list[Plan]:
+    """Periodic plans of the folded e-graph the optimizer searches (its copy 1 priced once per later copy), every
+    layer alike: the greedy fallback's candidates (egraph.pins.periodic_selections) of greedy-dag's choice at the
+    node costs and at `count` draws around them, expanded onto the whole graph."""
+    from tapestry.egraph.folded_candidates import FoldedCandidates
+    from tapestry.egraph.pins import periodic_selections, steady_ties
+
+    layered, decoder = found.layered, found.decoder
+    carried = {out: name for out, name in found.whole.carried.items() if out in found.graph.outputs}
+    egraph, ties = steady_ties(decoder, decoder.extraction_graph(list(found.roots), model, found.priced_moves), carried)
+    egraph, ties = layered.costs(egraph), sorted([*ties, *layered.ties()])
+    draw = random.Random(seed)
+    graphs = [egraph] + [egraph.with_costs([c * draw.uniform(0.2, 1.8) if math.isfinite(c) else c
+                                            for c in egraph.node_cost]) for _ in range(count)]
+    candidates = [s for g in graphs for s in periodic_selections(layered, decoder, egraph, extract(g, "greedy-dag"),
+                                                                 ties, carried)]
+    expand = FoldedCandidates(layered, decoder, found.graph, found.folded.names)
+    return [expand.decode(egraph, s)[0] for s in candidates]
+
+
+@pytest.mark.parametrize("graph, mesh", [("mlps", (2, 2)), ("llama training", (2,))])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_no_periodic_plan_costs_less_than_a_folded_results_bound(graph, mesh, model):
+    """A folded (periodic) extraction, the only kind a real-depth model gets, reports a gap: the LP at lambda 1 of
+    the folded e-graph (copy 1 at m-1 times its cost, its ties to copy 0 dropped) bounds every periodic plan of it,
+    the optimizer's and the greedy fallback's candidates at drawn costs each at least the bound, which is at least
+    the whole-space floor."""
+    found, cost_model = folded(graph, mesh), MODELS[model]
+    result = found.extract(cost_model)
+    assert result.status == "periodic" and result.plan.graph is found.whole
+    bound = result.bound.seconds
+    assert bound is not None and result.bound.source == "LP at lambda 1" and bound >= result.floor > 0
+    assert 0 <= result.gap < 1 and "no bound" not in result.explain().splitlines()[0]
+    candidates = [result.plan, *periodic_plans(found, cost_model, 0, 3)]
+    assert len(candidates) > 2
+    assert all(bound <= plan_cost(plan, cost_model) * (1 + 1e-9) for plan in candidates)
 
 
 def test_no_gap_and_the_reason_where_no_bound_is_known():
     result = explored("mlp inference", (2,)).extract(Together())
     assert result.gap is None and result.bound.seconds is None
     assert "Together prices steps together" in result.explain().splitlines()[0]
-    folded = explore(residual_mlps(3), Mesh(2), layers=True).extract(Unfloored(FUSING.profile))
-    assert folded.gap is None and "periodic, and no whole-space floor" in folded.explain().splitlines()[0]
+    unfloored = explore(residual_mlps(3), Mesh(2), layers=True).extract(Unfloored(FUSING.profile))
+    assert unfloored.gap is None and "periodic, and no floor of the fused steps" in unfloored.explain().splitlines()[0]
     found = explored("mlp inference", (2,))
     egraph = found.decoder.extraction_graph(list(found.roots), FUSING, found.priced_moves)
     out_of_work = plan_bound(found.decoder, egraph, FUSING, found.extract(FUSING).plan, seconds=1e-9)

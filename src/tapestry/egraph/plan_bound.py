@@ -30,12 +30,24 @@ Lambda: 1 (reductions hidden whole: the plan's time where its backward pass is t
 reductions longer than its backward, also 0 and the crossings of the LPs' lines (Kelley's cutting planes on the
 concave function of lambda, `WEIGHT_ROUNDS`), on e-graphs of up to `SEARCH_NODES`. Any of them is a bound.
 
-A folded (periodic) extraction gets no LP here: its bound is the whole-space floor (`floor_bound`).
+Folded (`periodic`: egraph.layered, one layer's plan for every copy): `egraph` is the folded e-graph as searched,
+copy 1's nodes at m-1 times their cost (`Layered.costs`), and the plan is a periodic selection of it expanded onto
+the whole graph: prefix, copy 0 and suffix steps once, copy 1's once per later copy, each priced as its node (the
+same step, renamed), so the expanded plan's steps, less the reductions, sum to at least the selection's weighted
+node sum. Only the LP at lambda 1 is made, and only where its node prices hold per expanded step: a reduction
+(a partial layout's Reshard, whatever copy) weighs 0, the backward 1, so which compute is backward does not enter;
+the fusible Runs are priced 0 and the whole graph's fusion floor (a bound of every plan's fusion groups, the
+expanded plan's among them) added, or there is no fusion and every other node is priced at its cost. Where a fused
+model's fusion floor is unknown the node floors would be read off copy 1's neighbours in the fold, not those of
+each copy it stands for (a middle copy's readers are the next layer's, not the suffix's): the whole-space floor
+is the bound then (`floor_bound`). Dropping the ties to copy 0 lets the LP pick copies unalike: a relaxation,
+below the least periodic selection's sum. It bounds the periodic plans of the fold, not plans whose layers differ:
+the whole-space floor, kept where larger, bounds those.
 
 Not covered (None, with the reason): cost models that price steps together otherwise (a `plan_step_costs` of a
-model other than DefaultCostModel), folded extractions without a whole-space floor, and an LP not solved within its work budget
-(`BOUND_SECONDS`) where no other bound is known. A pipeline's stages are each a result with its own bound; the
-pipeline's schedule has none.
+model other than DefaultCostModel), folded extractions of a fused model without a whole-space floor, and an LP not
+solved within its work budget (`BOUND_SECONDS`) where no other bound is known. A pipeline's stages are each a
+result with its own bound; the pipeline's schedule has none.
 """
 from __future__ import annotations
 
@@ -101,8 +113,8 @@ def no_bound(why: str) -> PlanBound:
 
 
 def floor_bound(floor: float | None, why: str) -> PlanBound:
-    """The whole-space `floor` (cost.floor.step_floor) as the bound where no LP is made (a folded extraction: its
-    plans are some of the graph's, so above the floor of them all); `no_bound(why)` where the floor is unknown."""
+    """The whole-space `floor` (cost.floor.step_floor) as the bound where no LP is made (a fold's of a fused model
+    without the fusion floor: its plans are some of the graph's, above the floor of them all); else `no_bound(why)`."""
     return no_bound(why) if floor is None else PlanBound(floor, source="the whole-space floor")
 
 
@@ -178,22 +190,25 @@ def overlap_roles(decoder: Decoder, carried: Collection[str]) -> tuple[frozenset
 
 def plan_bound(decoder: Decoder, egraph: ExtractGraph, model: CostModel, plan: Plan,
                extractor_bound: float | None = None, floor: float | None = None, fusion: float | None = None,
-               seconds: float = BOUND_SECONDS) -> PlanBound:
+               seconds: float = BOUND_SECONDS, periodic: bool = False) -> PlanBound:
     """The bound of the module docstring over the selections of `egraph` (the extraction graph at the node costs the
     plan's steps are priced at, or below: floor-priced moves); `plan` is the one kept, a selection of it: lambda 0
     and between are tried only where its reductions outlast its backward (else one LP). Where the floors are the
     node costs and nothing is hidden (no fusion, no carried state), `plan_cost` is the node-cost sum, and
     `extractor_bound` (the extractor's bound of that sum on `egraph`, where the caller has one) bounds it too; so
     does the whole-space `floor` (cost.floor.step_floor), and with `fusion` (cost.floor.fusion_floor: what every
-    plan's fusible steps cost at least) the LP at lambda 1 prices fusible nodes 0 and adds it."""
+    plan's fusible steps cost at least) the LP at lambda 1 prices fusible nodes 0 and adds it. `periodic`: `egraph`
+    is a fold's (module docstring), the plan its expansion: the LP at lambda 1 only, or the floor."""
     started = clock()
     floors = node_floors(decoder, egraph.node_cost, model)
     if floors is None:
         return no_bound(f"cost model {type(model).__name__} prices steps together (plan_step_costs) in a way the "
                         f"bound does not know")
     reductions, backward = overlap_roles(decoder, carried := plan.graph.carried)
-    plain = extractor_bound if not reductions and floors == list(egraph.node_cost) else None
+    plain = extractor_bound if not reductions and floors == list(egraph.node_cost) and not periodic else None
     fused = getattr(model, "fused_device", None) is not None and fusion is not None
+    if periodic and not fused and floors != list(egraph.node_cost):  # fusion's floors are of one copy's neighbours
+        return floor_bound(floor, "periodic, and no floor of the fused steps")
     unfused = [0.0 if fused and _fusible(decoder, node) else f for f, node in zip(floors, decoder.nodes)]
     deadline = Meter(seconds).until(seconds)
     found: list[tuple[float, float, float, float]] = []  # (lambda, bound, R, B) of each LP solved
@@ -212,7 +227,8 @@ def plan_bound(decoder: Decoder, egraph: ExtractGraph, model: CostModel, plan: P
         return found[-1]
 
     first = solve(1.0)
-    if first is not None and reductions and carried and egraph.num_nodes <= SEARCH_NODES and _exposed(plan, model):
+    if first is not None and reductions and carried and egraph.num_nodes <= SEARCH_NODES and not periodic \
+            and _exposed(plan, model):
         second = solve(0.0)
         for _ in range(WEIGHT_ROUNDS if second is not None else 0):
             (a, fa, ra, ba), (b, fb, rb, bb) = sorted(found, key=lambda f: -f[1])[:2]
