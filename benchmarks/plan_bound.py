@@ -7,6 +7,7 @@ per run.
 
     python benchmarks/plan_bound.py --mesh 2x4
     python benchmarks/plan_bound.py --mesh 8x8 --solvers pdlp --every-weight
+    python benchmarks/plan_bound.py --layers 4 --solvers pdlp  # folded: the LP at lambda 1 over the periodic plans
 """
 from __future__ import annotations
 
@@ -30,18 +31,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="7B")
     parser.add_argument("--mesh", default="2x4")
+    parser.add_argument("--layers", type=int, default=2, help="from 3 on, folded (graph.layers, `layers=True`)")
     parser.add_argument("--solvers", default="pdlp,simplex,ipm", help="HiGHS `solver` values, comma-separated")
     parser.add_argument("--every-weight", action="store_true", help="also the line search over lambda, forced")
     args = parser.parse_args()
-    case = cluster.Case(args.model, 2, "training", args.mesh, 8, 2048, memory_budget=80_000_000_000)
+    case = cluster.Case(args.model, args.layers, "training", args.mesh, 8, 2048, memory_budget=80_000_000_000,
+                        fold=args.layers > 2)
     imported = cluster.build(case)
     model = DefaultCostModel(load_profile(cluster.PROFILE))
     started = time.process_time()
     result = tapestry.optimize(imported.graph, tapestry.Mesh(*case.shape), cost_model=model,
-                               memory_budget=case.memory_budget)
-    base = {"model": args.model, "mesh": args.mesh, "seconds": result.plan.cost, "floor": result.floor,
+                               memory_budget=case.memory_budget, layers=case.fold)
+    base = {"model": args.model, "layers": args.layers, "folded": "periodic" in result.plan.notes,
+            "status": result.status, "mesh": args.mesh, "seconds": result.plan.cost, "floor": result.floor,
             "optimize_cpu_s": time.process_time() - started, "load": os.getloadavg()[0]}
-    arguments = result.bounded.args
+    arguments, keywords = result.bounded.args, result.bounded.keywords
     runs = [(solver, False) for solver in args.solvers.split(",")]
     if args.every_weight:
         runs.append((plan_bound.SOLVER, True))
@@ -50,7 +54,7 @@ def main() -> None:
         plan_bound.SOLVER = solver
         plan_bound._exposed = (lambda plan, model: True) if every else exposed
         cpu = time.process_time()
-        bound = plan_bound.plan_bound(*arguments)
+        bound = plan_bound.plan_bound(*arguments, **keywords)
         print(json.dumps({**base, "solver": solver, "every_weight": every, "bound": bound.seconds,
                           "source": bound.source, "lps": bound.lps, "bound_cpu_s": time.process_time() - cpu,
                           "why": bound.why}), flush=True)
