@@ -109,8 +109,8 @@ class OptimizeResult:
     @property
     def gap(self) -> float | None:
         """(plan.cost - bound) / plan.cost, `bound` a lower bound of `plan_cost` over every plan of the e-graph
-        searched (egraph.plan_bound); None where none is known (`bound.why` says why). When the search was cut it
-        bounds nothing outside that space (`gap_to_floor` does); `selection.gap` is the extractor's own."""
+        searched (egraph.plan_bound; a fold's: its periodic plans); None where none is known (`bound.why` says why).
+        Cut or folded, it bounds nothing outside that space (`gap_to_floor` does); `selection.gap`: the extractor's."""
         return self.bound.gap(self.plan.cost)
 
     @property
