@@ -19,7 +19,7 @@ from typing import Any
 from tapestry.clock import clock
 from tapestry.collector import no_collections
 from tapestry.cost import CostModel, default_cost_model, peak_memory, plan_cost
-from tapestry.cost.floor import fusion_floor, gap_to_floor, gaps_note, step_floor
+from tapestry.cost.floor import floor_parts, gap_to_floor, gaps_note
 from tapestry.egraph.budget import (MemoryBudgetError, budget_error, device_budget, hand_within, held_bytes,
                                     inputs_floor, memory_cuts)
 from tapestry.egraph.decode import Decoder
@@ -285,8 +285,8 @@ class Explored:
             list(self.roots), model, self.priced_moves, drop_dominated=plain_sum)
         egraph = restrict_outputs(self.decoder, priced, outputs)
         egraph, ties = steady_ties(self.decoder, egraph, carried)
-        fused = fused_graph(self.decoder, egraph, model) if fusion_refit and self.mesh.size >= FUSED_EXTRACTION_DEVICES \
-            else None
+        wide = self.mesh.size >= FUSED_EXTRACTION_DEVICES  # fused prices: dearer than they pay below it
+        fused = fused_graph(self.decoder, egraph, model) if fusion_refit and wide else None
         if self.layered is not None:  # copy 1 counted once per later copy (fused prices too), tied to copy 0
             egraph, ties = self.layered.costs(egraph), sorted([*ties, *self.layered.ties()])
             fused = None if fused is None else self.layered.costs(fused)
@@ -383,10 +383,11 @@ class Explored:
         status = search_status(stats, selection)
         plan = replace(plan, notes={**plan.notes, "status": status, "extractor_status": selection.status,
                                     **({"extractor_stopped_by": selection.stopped_by} if selection.stopped_by else {})})
-        floor = step_floor(self.whole, self.mesh, model) if only_builtin(self.rule_files) else None
+        parts = floor_parts(self.whole, self.mesh, model) if only_builtin(self.rule_files) else None
+        floor = None if parts is None else parts.total
         unhidden = egraph is plain and not reductions and memory_budget is None and micro_batches == 1  # a node sum
         bound = partial(plan_bound, self.decoder, plain, model, plan, selection.bound if unhidden else None, floor,
-                        floor and fusion_floor(plan.graph, self.mesh, model), periodic=self.layered is not None)
+                        None if parts is None else parts.fusion, periodic=self.layered is not None)
         result = OptimizeResult(plan, stats, replace(selection, status=status), self.rule_files, self.data, floor,
                                 bound)
         if status.startswith("stopped") and result.replicated_share >= REPLICATED_WARNING:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from tapestry import dtypes
 from tapestry.cost import DefaultCostModel
@@ -73,40 +74,42 @@ def gaps_note(gap: float | None, floor_gap: float | None, why: str = "") -> str:
     return ", " + "; ".join(parts)
 
 
+@dataclass(frozen=True)
+class FloorParts:
+    """`step_floor`'s two parts, in seconds: the library kernels' and the fusion groups' (their boundary bytes:
+    what the fusible steps of every plan cost together at least, whatever else it runs; egraph.plan_bound adds it
+    to a bound that prices them 0)."""
+
+    library: float
+    fusion: float
+
+    @property
+    def total(self) -> float:
+        return self.library + self.fusion
+
+
 def step_floor(graph: Graph, mesh: Mesh, model: CostModel) -> float | None:
     """Seconds no plan of `graph` on `mesh` is priced below by `model` under the shipped rules (module docstring;
     a caller with other rule files has no floor: `egraph.rules.only_builtin`); None for a model other than
     DefaultCostModel itself (a subclass may price steps otherwise)."""
-    if type(model) is not DefaultCostModel:
-        return None
-    profile = model.profile
-    device = profile.device
-    terms = _distinct_ops(graph)
-    free = _rewritable(graph, terms) | _static(graph, terms)
-    devices = mesh.size
-    total = 0.0
-    needed = upstream((terms[v] for v in graph.outputs.values()), lambda v: (terms[a] for a in graph[v].args))
-    ops = [n for n in dict.fromkeys(terms.values()) if not graph[n].is_input and n not in free and n in needed]
-    for name in ops:
-        if _kind(graph, name) == "library":
-            total += op_floor(graph.signature(name), devices, device)
-    total += _boundary_bytes(graph, terms, ops) / devices / device.mem_bandwidth
-    return total * device.oversubscription(devices)
+    parts = floor_parts(graph, mesh, model)
+    return None if parts is None else parts.total
 
 
-def fusion_floor(graph: Graph, mesh: Mesh, model: CostModel) -> float | None:
-    """The fusible kernels' part of `step_floor` (their fusion groups' boundary bytes): seconds the fusible steps
-    of every plan cost together at least, whatever else it runs (egraph.plan_bound adds it to a bound that prices
-    them 0). None where `step_floor` is."""
+def floor_parts(graph: Graph, mesh: Mesh, model: CostModel) -> FloorParts | None:
+    """`step_floor` in its two parts (`FloorParts`); None where it is None."""
     if type(model) is not DefaultCostModel:
         return None
     device = model.profile.device
     terms = _distinct_ops(graph)
     free = _rewritable(graph, terms) | _static(graph, terms)
+    devices = mesh.size
     needed = upstream((terms[v] for v in graph.outputs.values()), lambda v: (terms[a] for a in graph[v].args))
     ops = [n for n in dict.fromkeys(terms.values()) if not graph[n].is_input and n not in free and n in needed]
-    return (_boundary_bytes(graph, terms, ops) / mesh.size / device.mem_bandwidth
-            * device.oversubscription(mesh.size))
+    library = sum(op_floor(graph.signature(name), devices, device) for name in ops if _kind(graph, name) == "library")
+    fusion = _boundary_bytes(graph, terms, ops) / devices / device.mem_bandwidth
+    scale = device.oversubscription(devices)
+    return FloorParts(library * scale, fusion * scale)
 
 
 def op_floor(sig: Signature, devices: int, device: DeviceProfile) -> float:

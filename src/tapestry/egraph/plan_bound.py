@@ -20,7 +20,7 @@ LLaMA-7B training step on 2x4 summed 20.42 ms by node costs and cost 12.70 ms by
   is at least every device's bytes over bandwidth, its writes included. So a fusible non-view Run whose value every
   reader in the e-graph reads from memory (a Reshard, a library kernel, the output: outside any group) is charged
   its write on the average device, no more than its cost; one linked to no possible fusible reader or argument (a
-  group of one) its cost; any other 0. Where the whole-space floor's fusion part is known (cost.floor.fusion_floor:
+  group of one) its cost; any other 0. Where the whole-space floor's fusion part is known (cost.floor.FloorParts.fusion:
   the bytes every plan's fusion groups move across their edges), the LP at lambda 1 prices fusible nodes 0 instead
   and adds it: the fusible steps are never hidden there.
 - The whole-space floor (cost.floor.step_floor) bounds every plan of the graph, so those of the e-graph too; and
@@ -64,8 +64,7 @@ from tapestry.cost.overlap import overlap, upstream
 from tapestry.egraph.decode import Decoder, DNode
 from tapestry.extract import EGraph as ExtractGraph
 from tapestry.extract.contract import contracted, value_blocks
-from tapestry.extract.ilp import CONTRACT_FROM, LP_NODES_PER_SECOND
-from tapestry.extract.reduction import reduce
+from tapestry.extract.ilp import CONTRACT_FROM, LP_NODES_PER_SECOND, reduced_blocks
 from tapestry.extract.relax import Lp, rounding_safe
 from tapestry.extract.separation import OutOfTime
 from tapestry.extract.tree import solvable_tree
@@ -196,7 +195,7 @@ def plan_bound(decoder: Decoder, egraph: ExtractGraph, model: CostModel, plan: P
     and between are tried only where its reductions outlast its backward (else one LP). Where the floors are the
     node costs and nothing is hidden (no fusion, no carried state), `plan_cost` is the node-cost sum, and
     `extractor_bound` (the extractor's bound of that sum on `egraph`, where the caller has one) bounds it too; so
-    does the whole-space `floor` (cost.floor.step_floor), and with `fusion` (cost.floor.fusion_floor: what every
+    does the whole-space `floor` (cost.floor.step_floor), and with `fusion` (cost.floor.FloorParts.fusion: what every
     plan's fusible steps cost at least) the LP at lambda 1 prices fusible nodes 0 and adds it. `periodic`: `egraph`
     is a fold's (module docstring), the plan its expansion: the LP at lambda 1 only, or the floor."""
     started = clock()
@@ -265,9 +264,7 @@ def _lp(egraph: ExtractGraph, deadline: Deadline) -> tuple[float, dict[int, floa
     """The Lagrangian bound of the LP of `egraph`'s selections (its contracted problem's past CONTRACT_FROM
     candidates) and its solution per node of `egraph` (contracted nodes left out); None where not solved in time,
     or where its candidates are more than the work left takes on (ilp.LP_NODES_PER_SECOND)."""
-    tree = solvable_tree(egraph)
-    reduced = reduce(egraph, tree)
-    block = {c: reduced.block(c) for c in reduced.candidates}
+    reduced, block = reduced_blocks(egraph, solvable_tree(egraph))
     graph, candidates, needs = egraph, reduced.candidates, reduced.needs
     size = sum(map(len, candidates.values()))
     if size > LP_NODES_PER_SECOND * deadline.left():  # building it alone would outrun the work left

@@ -181,7 +181,7 @@ def _extract(egraph: EGraph, meter: Meter, budget: DeviceBudget | None, ties: Ti
         if admissible(unsolved):
             return _result(unsolved, False, None, meter, "nodes")
     frozen = tied_nodes(ties)
-    reduced, block = egraph.by_costs(("reduced", frozen), lambda g: _reduced(g, tree, frozen))
+    reduced, block = egraph.by_costs(("reduced", frozen), lambda g: reduced_blocks(g, tree, frozen))
     warm = finalize(egraph, undominate(egraph, greedy, reduced.replacement), tree, "ilp", started)
     best = warm if admissible(warm) else None
     if start is not None:
@@ -270,7 +270,7 @@ def relax(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mappin
           needs: Mapping[int, Sequence[int]], deadline: Deadline, ties: Ties = (),
           offer: Callable[[list[int]], float] = lambda _: math.inf, enough: float = PROVEN,
           reads: bool = False) -> Relaxation:
-    """`relax.relax` of the ILP's reduced graph (`_reduced`: `candidates`, `block` and `needs` are its, made once per
+    """`relax.relax` of the ILP's reduced graph (`reduced_blocks`: `candidates`, `block` and `needs` are its, made once per
     graph costs, structure and ties), its LP pass (`relax.LpPass`) made once per graph costs and structure, ties,
     and the work it begins and ends at, and replayed after: exact, as a pass's steps depend on none of the budget,
     the start or the incumbent, only where a run stops does. Where the safety net stopped a step (then what it
@@ -283,7 +283,8 @@ def relax(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mappin
     return relax_once(egraph, candidates, block, needs, deadline, ties, offer, enough, reads)
 
 
-def _reduced(egraph: EGraph, tree: TreeChoice, tied: frozenset[int]) -> tuple[Reduced, dict[int, int]]:
+def reduced_blocks(egraph: EGraph, tree: TreeChoice, tied: frozenset[int] = frozenset()
+                   ) -> tuple[Reduced, dict[int, int]]:
     """`reduce`'s result and each candidate class's block: what the ILP's preprocessing makes of a graph, whatever
     its budget or start."""
     reduced = reduce(egraph, tree, tied)

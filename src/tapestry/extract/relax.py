@@ -95,10 +95,14 @@ class _Step:
     """One step of an LP pass: what it added and the LP solution it ended with (None: the pass ends there)."""
 
     cuts: tuple[PathCut, ...]
-    rounds: int
     solution: tuple[float, list[int]] | None  # the LP's bound and its solution rounded (`_rounded`)
     spent: float  # the meter's work when the step began
     charged: float  # the work it charged
+
+    @property
+    def rounds(self) -> int:
+        """Rounds of path cuts it added: one where it found cuts."""
+        return 1 if self.cuts else 0
 
 
 class Diverged(Exception):
@@ -162,20 +166,20 @@ class LpPass:
                 raise Diverged(f"LP pass step {k} began at {meter.spent} s of work, made at {made.spent}")
             meter.charge(made.charged)
             return made
-        spent, fired, added = meter.spent, meter.fired, ([], [0])
+        spent, fired = meter.spent, meter.fired
+        added: list[PathCut] = []
         try:
             solution = self._made(k, deadline, added)
         except OutOfTime:
             solution = None
         self.fired = self.fired or (meter.fired and not fired)
-        step = _Step(tuple(added[0]), added[1][0], solution, spent, meter.spent - spent)
+        step = _Step(tuple(added), solution, spent, meter.spent - spent)
         self.steps.append(step)
         return step
 
-    def _made(self, k: int, deadline: Deadline, added: tuple[list[PathCut], list[int]]
-              ) -> tuple[float, list[int]] | None:
-        """Step `k` made on the live LP: the first solve, the read rows' or a round of path cuts' (whose cuts and
-        round go into `added` as soon as they are found, as they hold even if the LP then runs out of time)."""
+    def _made(self, k: int, deadline: Deadline, added: list[PathCut]) -> tuple[float, list[int]] | None:
+        """Step `k` made on the live LP: the first solve, the read rows' or a round of path cuts' (whose cuts go
+        into `added` as soon as they are found, as they hold even if the LP then runs out of time)."""
         if k == 0:
             self._pairs = need_pairs(self.egraph, self.candidates, self.block, self.needs, deadline,
                                      NEED_HOPS if self.enough <= PROVEN else GAP_HOPS)
@@ -192,8 +196,7 @@ class LpPass:
             found = self._graphs.separate(np.asarray(self._values), deadline)
             if not found:
                 return None
-            added[0].extend(found)
-            added[1][0] = 1
+            added.extend(found)
             self._lp.add(found)
         bound, values = self._lp.solve(deadline)
         if values is None:
