@@ -11,6 +11,7 @@ from extract_helpers import build, layered
 from tapestry.clock import SAFETY_NET_STOP, clock
 from tapestry.extract import EGraph, Node, extract, validate
 from tapestry.extract import ilp
+from tapestry.extract import work
 from tapestry.extract.constraints import DeviceBudget
 from tapestry.extract.ilp import extract_ilp
 from tapestry.extract.relax import Relaxation
@@ -27,6 +28,16 @@ def assert_honest(egraph: EGraph, time_limit: float, optimum: float) -> None:
     assert 0 <= selection.bound <= optimum + 1e-9 * optimum <= selection.dag_cost + 2e-9 * optimum
     assert 0 <= selection.gap <= 1
     assert selection.gap == pytest.approx((selection.dag_cost - selection.bound) / selection.dag_cost)
+
+
+def stretch_cpu_clock(monkeypatch: pytest.MonkeyPatch, times: float) -> None:
+    """The CPU clock run `times` fast, as a loaded machine's CPU seconds stretch, with the safety net (the only
+    phase stop the clock is meant to make, and then marked) moved far off: what is left to depend on the clock
+    is what must not. With the net left in place a slow CI machine's first ILP call (its solvers' set-up counted)
+    passed it, and a 2-class part's test read "feasible"."""
+    real = time.process_time
+    monkeypatch.setattr(time, "process_time", lambda: times * real())
+    monkeypatch.setattr(work, "SAFETY_FLOOR", 3600.0)
 
 
 def test_the_gap_is_in_0_1_and_the_bound_below_the_optimum_whenever_the_solver_stops() -> None:
@@ -105,8 +116,7 @@ def test_the_ilp_finds_the_same_selection_and_status_however_slow_the_cpu_clock_
     egraph = layered(values, layouts, seed)
     quiet = extract_ilp(egraph, 0.1)
     assert quiet.status == "optimal" and quiet.stopped_by is None
-    real = time.process_time
-    monkeypatch.setattr(time, "process_time", lambda: 5 * real())
+    stretch_cpu_clock(monkeypatch, 5)
     loaded = extract_ilp(egraph, 0.1)
     assert (loaded.choice, loaded.status, loaded.bound, loaded.stopped_by) == \
         (quiet.choice, quiet.status, quiet.bound, quiet.stopped_by)
@@ -134,10 +144,9 @@ def test_a_part_of_two_classes_is_modelled_however_small_its_share_of_the_limit(
                   tuple(map(named, big.node_children[n]))) for n in range(big.num_nodes)]
     nodes += [Node("s.0", "s0", "s", 1.0, ("t",)), Node("s.1", "s1", "s", 3.0, ()), Node("t.0", "t0", "t", 1.0, ())]
     egraph = EGraph.from_nodes(nodes, [*map(named, big.roots), "s"])
-    real = time.process_time
-    monkeypatch.setattr(time, "process_time", lambda: 5 * real())  # a loaded machine's CPU seconds, stretched
+    stretch_cpu_clock(monkeypatch, 5)
     selection = extract_ilp(egraph, 0.1)
-    assert selection.status == "optimal" and selection.stopped_by is None
+    assert (selection.status, selection.stopped_by) == ("optimal", None)
     assert selection.dag_cost == pytest.approx(extract_ilp(big, 0.1).dag_cost + 2.0)
 
 
