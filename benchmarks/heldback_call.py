@@ -21,6 +21,7 @@ import math
 import os
 import time
 import traceback
+from collections import Counter
 from typing import Any
 
 import torch
@@ -116,18 +117,29 @@ def call(args: argparse.Namespace) -> dict[str, Any]:
         row.update(optimize_s=time.perf_counter() - wall, optimize_cpu_s=time.process_time() - cpu,
                    cost=result.plan.cost, peak_memory=result.peak_memory, fits=result.peak_memory <= budget,
                    status=result.status, gap=result.gap, extractor=result.selection.extractor,
-                   replicated=result.replicated_share,
+                   replicated=result.replicated_share, exchanges=exchanges(result.plan),
                    mfu=profile.device.mfu(flops, result.plan.cost, mesh.size, args.dtype))
         print(f"optimize: {row['optimize_s']:.1f} s wall, {row['optimize_cpu_s']:.1f} s CPU", flush=True)
         print(f"plan: {row['cost'] * 1e3:.2f} ms predicted (MFU {row['mfu']:.1%}), "
               f"{row['peak_memory'] / 10**9:.2f} GB per device of {budget / 10**9:g} GB "
               f"({'fits' if row['fits'] else 'OVER BUDGET'}), status {row['status']} ({row['extractor']}), "
-              f"{row['replicated']:.0%} of compute replicated", flush=True)
+              f"{row['replicated']:.0%} of compute replicated; exchanges {row['exchanges'] or 'none'}", flush=True)
     if args.hand:
         row["hand"] = hand(imported, mesh, cost_model, flops, args.dtype)
     row["rss"] = peak_rss()
     print(f"peak RSS {row['rss'] / 2**30:.2f} GiB", flush=True)
     return row
+
+
+def exchanges(plan: Any) -> dict[str, int]:
+    """The plan's expert-parallel steps (`Compute.exchange`), counted by kernel, mesh axes and group size (trees
+    before gep24's groups have no `exchange_group`)."""
+    from tapestry.plan import Compute
+
+    found = Counter(f"{s.kernel} over {list(s.exchange)}" + (f" in groups of {s.exchange_group}"
+                                                             if getattr(s, "exchange_group", 0) else "")
+                    for s in plan.steps if isinstance(s, Compute) and s.exchange)
+    return dict(sorted(found.items()))
 
 
 def hand(imported: Any, mesh: Any, cost_model: Any, flops: float, dtype: str) -> dict[str, Any]:

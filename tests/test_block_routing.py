@@ -336,5 +336,5 @@ def test_a_zoo_moe_routed_by_block_plans_on_2x2_split_its_experts_by_batch_and_s
 
 @pytest.mark.slow
 def test_the_tiny_mixtral_routed_by_block_runs_on_four_gloo_ranks_as_eager_does():
-    for split, _ in zoo_mixtral_on_gloo_ranks(tapestry.Mesh(2, 2)):
+    for split, _, _ in zoo_mixtral_on_gloo_ranks(tapestry.Mesh(2, 2)):
         assert split.count("grouped_mm_blocks") == 4, split

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -86,7 +87,11 @@ def test_candidates_include_expert_parallel_on_each_long_enough_axis_or_the_whol
     assert names == {"split(ep:row=expert,·)", "split(ep:row=expert,n)", "split(ep:row=expert,row)",
                      "split(·,ep:row=expert)", "split(n,ep:row=expert)", "split(row,ep:row=expert)",
                      "split(ep:row=expert,ep:row=expert)"}  # the last: both axes as one, as a flat Mesh(4)
-    assert not [p for p in candidate_partitions(sig, Mesh(8)) if p.exchange]  # 8 > 4 experts
+    # 8 > 4 experts: the axis exchanges in groups of 4, its outer part splitting the rows or the features, or not
+    grouped = [p for p in candidate_partitions(sig, Mesh(8)) if p.exchange]
+    assert {p.name(sig) for p in grouped} == {"split(ep/4:row=expert)", "split(row×ep/4:row=expert)",
+                                              "split(n×ep/4:row=expert)"}
+    assert {p.exchange_group for p in grouped} == {4}
 
 
 def test_a_plan_keeps_its_exchange_through_json_and_a_forged_one_is_refused():
@@ -94,7 +99,6 @@ def test_a_plan_keeps_its_exchange_through_json_and_a_forged_one_is_refused():
     again = Plan.from_json(plan.to_json())
     assert [s.exchange for s in again.steps if isinstance(s, Compute)] == [(0,)]
     forged = [s for s in plan.steps if isinstance(s, Compute)][0]
-    from dataclasses import replace
     bad = replace(plan, steps=tuple(replace(s, exchange=()) if s is forged else s for s in plan.steps))
     assert any("partial" in p or "partition" in p for p in plan_problems(bad))
 
@@ -374,10 +378,119 @@ def test_expert_parallel_rank_programs_trade_rows_by_all_to_all_and_match_the_ev
     np.testing.assert_allclose(ran.outputs["y"], want, rtol=1e-5, atol=1e-5)
 
 
+# -- experts an axis does not divide: exchanged in groups of the axis that divide them -----------------------------
+def group_plan(mesh: Mesh, axis: int, group: int, outer: str | None, others: tuple = (), gradient: bool = False
+               ) -> Plan:
+    """The grouped mm (or its weight gradient) of 6 experts with mesh `axis` exchanging in runs of `group`
+    devices, the axis's outer part splitting the index dim named `outer` (None: replicating)."""
+    g = grad_graph(experts=6) if gradient else moe_graph(experts=6)
+    sig = g.signature("mm")
+    axes = tuple((None if outer is None else sig.dims.index(outer)) if a == axis else
+                 (others[a] if a < len(others) else None) for a in range(mesh.ndim))
+    return build_plan(g, mesh, partitions={"mm": make_partition(sig, mesh, axes, (axis,), exchange_group=group)})
+
+
+GROUPED = [(Mesh(4), 0, 2, None, ()), (Mesh(4), 0, 2, "row", ()), (Mesh(8), 0, 2, "row", ()),
+           (Mesh(2, 4), 1, 2, "row", (0,)), (Mesh(2, 4), 1, 2, "n", ())]
+
+
+@pytest.mark.parametrize("ends", [[2, 4, 6, 8, 10, 12], [0, 1, 11, 11, 11, 12], [9, 2, 12, 4, 5, 5]])
+@pytest.mark.parametrize("mesh, axis, group, outer, others", GROUPED)
+def test_experts_exchanged_in_groups_of_an_axis_compute_what_the_unsharded_grouped_mm_does(ends, mesh, axis, group,
+                                                                                          outer, others):
+    """6 experts on an axis of 4 or 8 (which they do not divide): each run of 2 devices of the axis trades its rows
+    among itself by all-to-all, each member holding 3 experts; between the runs the rows are split (data
+    parallel), or the output features, or nothing. It keeps its group through JSON."""
+    plan = group_plan(mesh, axis, group, outer, others)
+    assert not plan_problems(plan)
+    (step,) = [s for s in plan.steps if isinstance(s, Compute) and s.exchange]
+    assert step.exchange_group == group and {b.shape[3] for b in step.blocks} == {3}  # 3 of the 6 experts each
+    assert Plan.from_json(plan.to_json()) == plan
+    given = inputs(ends)
+    np.testing.assert_allclose(simulate(plan, given)["y"], tapestry.evaluate(plan.graph, given)["y"], rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("ends", [[2, 4, 6, 8, 10, 12], [9, 2, 12, 4, 5, 5]])
+@pytest.mark.parametrize("outer", [None, "row", "m"])
+def test_a_weight_gradient_exchanged_in_groups_sums_each_groups_rows_partial_over_the_groups_when_they_split_them(
+        ends, outer):
+    """grouped_mm_k in runs of 2 of Mesh(4): each member sums the rows its group sends to its 3 experts; where the
+    runs split the rows (data parallel between the groups) the sums are partial over them, summed after the step."""
+    plan = group_plan(Mesh(4), 0, 2, outer, gradient=True)
+    assert not plan_problems(plan)
+    (step,) = [s for s in plan.steps if isinstance(s, Compute) and s.exchange]
+    assert step.layout.partial == (outer == "row")
+    given = grad_inputs(ends)
+    np.testing.assert_allclose(simulate(plan, given)["dw"], tapestry.evaluate(plan.graph, given)["dw"], rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_a_group_that_does_not_divide_its_axis_is_refused():
+    sig = moe_graph(experts=6).signature("mm")
+    for mesh, axes, group in [(Mesh(4), (0,), 3), (Mesh(4), (0,), 4), (Mesh(2, 2), (0, 1), 2)]:
+        with pytest.raises(ValueError, match="exchange in groups"):
+            make_partition(sig, mesh, (None,) * mesh.ndim, axes, exchange_group=group)
+    plan = group_plan(Mesh(4), 0, 2, "row")
+    forged = tuple(replace(s, exchange_group=3) if isinstance(s, Compute) and s.exchange else s for s in plan.steps)
+    assert any("groups of 3" in p for p in plan_problems(replace(plan, steps=forged)))
+
+
+def test_the_search_exchanges_in_groups_where_the_experts_do_not_divide_the_axis_and_that_is_cheapest():
+    """6 experts on Mesh(4): experts in ragged blocks over the whole axis (2, 2, 1, 1) or in runs of 2 devices
+    (3 each, the rows split between the runs); the second moves rows among 2 devices, not 4, and its busiest
+    device meets fewer (expert, row) pairs, so the search takes it."""
+    g = moe_graph(experts=6)
+    plan = tapestry.optimize(g, Mesh(4), cost_model=Favour(kernels=("grouped_mm",))).plan
+    (step,) = [s for s in plan.steps if isinstance(s, Compute) and s.kernel == "grouped_mm"]
+    assert (step.exchange, step.exchange_group) == ((0,), 2)
+    given = inputs([2, 4, 6, 8, 10, 12])
+    np.testing.assert_allclose(simulate(plan, given)["y"], tapestry.evaluate(g, given)["y"], rtol=1e-5, atol=1e-5)
+
+
+def test_experts_exchanged_in_groups_run_on_four_gloo_ranks_as_the_evaluator_computes():
+    """The rank programs: each run of 2 ranks is a process group of its own, its all-to-alls among itself."""
+    from tapestry.lower import lower
+    from tapestry.lower.program import ExpertCompute
+    from tapestry.spmd.launch import launch
+
+    plans = [(group_plan(Mesh(4), 0, 2, "row"), inputs([9, 2, 12, 4, 5, 5])),
+             (group_plan(Mesh(4), 0, 2, "m", gradient=True), grad_inputs([0, 1, 11, 11, 11, 12]))]
+    steps = [s for rank in lower(plans[0][0]).ranks for s in rank.steps if isinstance(s, ExpertCompute)]
+    assert {s.group for s in steps} == {(0, 1), (2, 3)}
+    for per_rank in launch(run_ranks, 4, plans, timeout=300):
+        for (plan, given), got in zip(plans, per_rank):
+            (out,) = plan.graph.outputs
+            np.testing.assert_allclose(got[out].numpy(), tapestry.evaluate(plan.graph, given)[out], rtol=1e-5,
+                                       atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [Mesh(4), Mesh(2, 2)], ids=str)
+def test_a_mixtral_step_whose_6_experts_no_axis_divides_is_planned_exchanging_them_in_groups_and_simulates(
+        mesh, monkeypatch):
+    """The whole training step of a 6-expert Mixtral: on Mesh(4) every grouped mm and weight gradient exchanges
+    in runs of 2 devices (3 experts each), the blocks split between the runs; on Mesh(2, 2) the axes of 2 divide
+    the experts and hold them whole-axis as before."""
+    imported, args = tiny_mixtral_step(monkeypatch, experts=6)
+    plan = tapestry.optimize(imported.graph, mesh,
+                             cost_model=Favour(kernels=("grouped_mm_blocks", "grouped_mm_blocks_k"))).plan
+    groups = {s.exchange_group for s in plan.steps if isinstance(s, Compute) and s.kernel.startswith("grouped")}
+    assert groups == ({2} if mesh == Mesh(4) else {0})
+    assert_simulates_to_the_evaluator(plan, imported, args)
+
+
+@pytest.mark.slow
+def test_parallelize_runs_a_mixtral_whose_experts_four_ranks_do_not_divide_exchanging_them_in_pairs_as_eager_does():
+    """6 experts on 4 gloo ranks: each pair of ranks a process group trading its rows, as eager computes."""
+    for _, exchanged, groups in zoo_mixtral_on_gloo_ranks(Mesh(4), favour=("grouped_mm_blocks",), experts=6):
+        assert exchanged.count("grouped_mm_blocks") == 4 and set(groups) == {2}, (exchanged, groups)
+
+
 @pytest.mark.slow
 def test_parallelize_runs_the_tiny_mixtral_with_its_experts_split_over_four_gloo_ranks_as_eager_does():
     """Routed by block (the default), its experts exchanged: each block's rows sent to their experts' rank."""
-    for _, exchanged in zoo_mixtral_on_gloo_ranks(Mesh(4), favour=("grouped_mm_blocks",)):
+    for _, exchanged, _ in zoo_mixtral_on_gloo_ranks(Mesh(4), favour=("grouped_mm_blocks",)):
         assert exchanged.count("grouped_mm_blocks") == 4, exchanged  # both layers' up and down
 
 

@@ -188,6 +188,6 @@ def _priced(step: Compute | Reshard, mesh: Mesh, model: CostModel, device: Devic
     if isinstance(step, Reshard):
         return cost, str(classify_reshard(step.src_layout, step.layout, step.shape, mesh)), 0.0
     sig = step.signature  # an exchange step's work: its rows with every expert (exchanged_blocks)
-    work = exchanged_blocks(sig, step.blocks, step.exchange, mesh)
+    work = exchanged_blocks(sig, step.blocks, step.exchange, mesh, step.exchange_group)
     flops = max((sig.cost(b)[0] for b in work if b is not None and not b.is_empty), default=0.0)
     return cost, compute_kind(step, device), flops / device.peak("bfloat16")

@@ -325,7 +325,7 @@ class AlphaBeta:
         there = sum(dtypes.itemsize(d) * _largest_block(layout) for layout, d in moving)
         returning = out_rows(sig) is not None  # grouped_mm_k's sums stay with the experts
         back = dtypes.itemsize(sig.dtype) * _largest_block(step.layout) if returning else 0
-        p = math.prod(mesh.shape[a] for a in step.exchange)
+        p = step.exchange_group or math.prod(mesh.shape[a] for a in step.exchange)
         link = self.group_link(step.exchange, mesh)
         calls = (0 if sig.kernel.exchange.counted else 1) + len(moving) + returning
         return calls * (p - 1) * link.alpha + sig.kernel.exchange.leaving(p) * (there + back) / link.beta

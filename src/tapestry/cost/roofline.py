@@ -66,7 +66,7 @@ class Roofline:
         blocks have one or two shapes."""
         sig = step.signature
         if step.exchange:
-            work = exchanged_blocks(sig, step.blocks, step.exchange, mesh)
+            work = exchanged_blocks(sig, step.blocks, step.exchange, mesh, step.exchange_group)
             return max((self.shard_time(sig, b, w) for b, w in set(zip(step.blocks, work))), default=0.0)
         blocks = set(step.blocks)
         if sig.kernel.work is None:

@@ -89,7 +89,8 @@ class Interner:
         for candidate in parts[len(found):len(parts) if first is None else first]:
             part = candidate.partition(sig, self.mesh)
             # islpy: a partition of the index space (an exchange's rows with all their experts), partials sound
-            issues = partition_issues(sig, exchanged_blocks(sig, part.blocks, part.exchange, self.mesh))
+            issues = partition_issues(sig, exchanged_blocks(sig, part.blocks, part.exchange, self.mesh,
+                                                                part.exchange_group))
             if issues:
                 raise AssertionError(f"generated an illegal partition of {sig}: {'; '.join(issues)}")
             step = Compute.running(sig, part)

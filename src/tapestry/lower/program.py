@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from tapestry.kernels import Params, Shape, get_kernel
-from tapestry.plan import ring
+from tapestry.plan import exchange, ring
 from tapestry.plan.plan import Compute, Place, Plan, Reshard, delivered, output_gathers
 from tapestry.sharding import Block, Layout, Mesh
 from tapestry.sharding.collectives import Collective, Group, reshard_groups
@@ -393,7 +393,7 @@ def _experts(index: int, step: Compute, layouts: Mapping[str, Layout], dtypes: M
              ) -> list[RankStep | None]:
     """Each rank's expert-parallel step: its reads for its own block, and its group along the exchange axes."""
     steps: list[RankStep | None] = [None] * mesh.size
-    for group in mesh.fibres(step.exchange):
+    for group in exchange.members(step, mesh):
         blocks = tuple(step.blocks[r] for r in group)
         if any(b is None for b in blocks):
             raise LoweringError(f"step {index} ({step.out}): a member of expert-parallel group {group} idles")

@@ -21,6 +21,7 @@ from typing import Any
 from tapestry.kernels import Signature
 from tapestry.plan.plan import Compute
 from tapestry.sharding import Mesh
+from tapestry.sharding.partition import exchange_groups
 from tapestry.zspace import ZRange
 
 
@@ -36,8 +37,9 @@ class Route:
 
 
 def members(step: Compute, mesh: Mesh) -> list[tuple[int, ...]]:
-    """The groups of devices that trade rows: the fibres along the step's exchange axes."""
-    return mesh.fibres(step.exchange)
+    """The groups of devices that trade rows: the fibres along the step's exchange axes, or runs of its
+    `exchange_group` devices along its one axis (sharding.partition.exchange_groups)."""
+    return exchange_groups(mesh, step.exchange, step.exchange_group)
 
 
 def row_dim(sig: Signature) -> int:

@@ -61,6 +61,9 @@ class Compute:
     # Mesh axes splitting the kernel's queries and keys together (ring attention, `Kernel.ring`): along them each
     # device holds its key block and meets the others' as they pass round the ring (plan.ring).
     ring: tuple[int, ...] = ()
+    # Devices the exchange trades among along its one axis, where fewer than the axis: runs of as many consecutive
+    # devices (sharding.partition.exchange_groups; the axis of 8 viewed as 2 x 4); 0: the whole exchange axes.
+    exchange_group: int = 0
 
     @classmethod
     def running(cls, sig: Signature, part: Partition, origin: str = "") -> Compute:
@@ -71,7 +74,7 @@ class Compute:
         n = len(sig.input_shapes)
         needs = tuple(needed_layout(sig, i, part) for i in range(n))
         return cls("?", sig.kernel.name, sig.params, ("?",) * n, sig.input_shapes, needs, part.blocks,
-                   output_layout(sig, part), origin, sig.input_dtypes, part.exchange, part.ring)
+                   output_layout(sig, part), origin, sig.input_dtypes, part.exchange, part.ring, part.exchange_group)
 
     @cached_property
     def signature(self) -> Signature:
@@ -91,7 +94,7 @@ class Compute:
         """`binding` with its layouts as their numbers (sharding.layout.ValueNumbers: equal for equal layouts),
         equal exactly where `binding` is, without comparing a layout's blocks (512 on 8x8x8) each time it is asked."""
         return (self.kernel, self.params, self.input_shapes, self.input_dtypes, tuple(map(number, self.arg_layouts)),
-                number(self.layout), self.exchange, self.ring)
+                number(self.layout), self.exchange, self.ring, self.exchange_group)
 
 
 @dataclass(frozen=True)
@@ -276,6 +279,7 @@ def _step_to_json(step: Step) -> dict[str, Any]:
         "layout": step.layout.to_json(), "origin": step.origin, "input_dtypes": list(step.input_dtypes),
         **({"exchange": list(step.exchange)} if step.exchange else {}),
         **({"ring": list(step.ring)} if step.ring else {}),
+        **({"exchange_group": step.exchange_group} if step.exchange_group else {}),
     }
 
 
@@ -292,6 +296,6 @@ def _step_from_json(data: Mapping[str, Any]) -> Step:
             data["out"], data["kernel"], params, tuple(data["args"]), tuple(as_point(s) for s in data["input_shapes"]),
             tuple(Layout.from_json(a) for a in data["arg_layouts"]), _blocks_parse(data["blocks"]),
             Layout.from_json(data["layout"]), data.get("origin", ""), tuple(data.get("input_dtypes", ())),
-            tuple(data.get("exchange", ())), tuple(data.get("ring", ())),
+            tuple(data.get("exchange", ())), tuple(data.get("ring", ())), int(data.get("exchange_group", 0)),
         )
     raise ValueError(f"unknown plan step kind {kind!r}")

@@ -243,6 +243,10 @@ def _compute_problems(mesh: Mesh, step: Compute, defined: dict[str, Step], numbe
     if step.exchange and (sig.kernel.exchange is None or not all(0 <= a < mesh.ndim for a in step.exchange)):
         return [f"exchange over mesh axes {list(step.exchange)}, but {sig.kernel.name} has no exchange dims "
                 f"or the mesh {list(mesh.shape)} lacks those axes"]
+    if step.exchange_group and (len(step.exchange) != 1 or not 1 < step.exchange_group < mesh.shape[step.exchange[0]]
+                                or mesh.shape[step.exchange[0]] % step.exchange_group):
+        return [f"exchange in groups of {step.exchange_group} devices over mesh axes {list(step.exchange)}: the "
+                f"group must divide one axis of the mesh {list(mesh.shape)}, and be smaller"]
     if step.ring and (sig.kernel.ring is None or not all(0 <= a < mesh.ndim for a in step.ring)):
         return [f"ring over mesh axes {list(step.ring)}, but {sig.kernel.name} has no ring (its keys cannot split) "
                 f"or the mesh {list(mesh.shape)} lacks those axes"]
@@ -251,7 +255,7 @@ def _compute_problems(mesh: Mesh, step: Compute, defined: dict[str, Step], numbe
         problems = _gradient_ring_problems(mesh, step)
     if problems:
         return problems
-    covered = exchanged_blocks(sig, step.blocks, step.exchange, mesh)
+    covered = exchanged_blocks(sig, step.blocks, step.exchange, mesh, step.exchange_group)
     problems = [f"blocks do not partition the index space: {p}" for p in partition_issues(sig, covered)]
     problems += _layout_claim_problems(sig, step, covered)
     for i, (arg, layout, shape) in enumerate(zip(step.args, step.arg_layouts, step.input_shapes)):

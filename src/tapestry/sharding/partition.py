@@ -12,7 +12,10 @@ A kernel with an exchange (`Kernel.exchange`: MoE's grouped_mm, rows and experts
 candidates: one mesh axis splits its rows and its experts together, device j of the axis taking row block j and
 expert block j, and the kernel moves each row to the device of its expert and back (an all-to-all inside the
 step). Its output is then whole, not partial: every row meets all the experts of the axis (grouped_mm_k, the
-weight gradient: every expert's sum meets all its rows, and nothing moves back).
+weight gradient: every expert's sum meets all its rows, and nothing moves back). Where the experts do not divide an
+axis but a group of it does (Qwen2-MoE's 60 experts on a node of 8: groups of 4), the axis is viewed as
+(axis // group) x group: the exchange trades within each run of `group` devices (`Partition.exchange_group`), and
+the outer part splits other dims (data parallel between the groups) or replicates.
 """
 from __future__ import annotations
 
@@ -47,11 +50,14 @@ class Partition:
     ring: tuple[int, ...] = ()  # mesh axes splitting queries and keys together (ring attention, `Kernel.ring`)
     keys: tuple[tuple[int, int], ...] = ()  # under a ring: each device's key block [start, end)
     balanced: bool = False  # a ring whose query blocks are cut for equal work, not equal size (causal attention)
+    # devices an exchange trades among along its one axis, where fewer than the axis: runs of as many consecutive
+    # devices, the axis's split the outer part's dims then the exchange's pair (`exchange_groups`); 0: whole axes
+    exchange_group: int = 0
 
     def name(self, sig: Signature) -> str:
         if not any(self.axes):
             return "replicate"
-        return "split(" + ",".join("ep:" + "=".join(sig.dims[d] for d, _ in split) if axis in self.exchange
+        return "split(" + ",".join(_exchange_name(sig, split, self.exchange_group) if axis in self.exchange
                                    else "ring:" + _split_name(sig, split) + ("~work" if self.balanced else "")
                                    if axis in self.ring
                                    else _split_name(sig, split) for axis, split in enumerate(self.axes)) + ")"
@@ -62,8 +68,15 @@ class Partition:
 
     def summed_dims(self) -> set[int]:
         """The split dims whose blocks leave partial sums: all but an exchange's, whose rows meet every expert
-        (grouped_mm's experts, grouped_mm_k's rows: the exchange makes each sum whole on one member)."""
-        return {dim for axis, split in enumerate(self.axes) if axis not in self.exchange for dim, _ in split}
+        (grouped_mm's experts, grouped_mm_k's rows: the exchange makes each sum whole on one member); an exchange
+        axis's outer part (between its groups) sums as any other axis."""
+        return {dim for axis, split in enumerate(self.axes)
+                for dim, _ in (split[:-2] if axis in self.exchange else split)}
+
+
+def _exchange_name(sig: Signature, split: Split, group: int) -> str:
+    outer = _split_name(sig, split[:-2]) + "×" if split[:-2] else ""
+    return outer + "ep" + (f"/{group}" if group else "") + ":" + "=".join(sig.dims[d] for d, _ in split[-2:])
 
 
 def _split_name(sig: Signature, split: Split) -> str:
@@ -95,27 +108,46 @@ BLOCKS_KEPT = 4096
 
 
 def make_partition(sig: Signature, mesh: Mesh, axes: tuple[AxisChoice, ...], exchange: tuple[int, ...] = (),
-                   ring: tuple[int, ...] = ()) -> Partition:
+                   ring: tuple[int, ...] = (), exchange_group: int = 0) -> Partition:
     """Split index dim `axes[i]` evenly over mesh axis i (None: not split over it), or several dims at once:
     `axes[i]` = ((dim, parts), ...) with the parts multiplying to the axis size, the first dim major. A mesh axis in
-    `exchange` splits the kernel's exchange dims (rows, experts) together, whatever `axes` says for it. The mesh
-    axes in `ring` must split the kernel's queries alone: they split its keys too (another axis splitting the
-    queries leaves the keys whole along it)."""
+    `exchange` splits the kernel's exchange dims (rows, experts) together, whatever `axes` says for it; with an
+    `exchange_group` (one exchange axis, the group dividing it) only within runs of that many devices, `axes` saying
+    what the axis's outer part (axis size // group) splits. The mesh axes in `ring` must split the kernel's queries
+    alone: they split its keys too (another axis splitting the queries leaves the keys whole along it)."""
     if len(axes) != mesh.ndim:
         raise ValueError(f"axes {axes} name {len(axes)} mesh axes; the mesh {mesh.shape} has {mesh.ndim}")
     if exchange and sig.kernel.exchange is None:
         raise ValueError(f"{sig.kernel.name} has no exchange: its experts cannot split with its rows")
-    ex = sig.kernel.exchange
-    together = (sig.dims.index(ex.rows), sig.dims.index(ex.experts)) if ex is not None else ()
-    splits = tuple(tuple((d, size) for d in together) if axis in exchange else _normal(choice, size)
-                   for axis, (choice, size) in enumerate(zip(axes, mesh.shape)))
+    splits = _splits(sig, mesh, axes, tuple(exchange), exchange_group)
     rank = len(sig.index.shape)
     if any(not 0 <= dim < rank for split in splits for dim, _ in split):
         raise ValueError(f"axes {axes}: the index space {list(sig.index.shape)} has dims 0..{rank - 1}")
     ring = tuple(sorted(ring))
     keys = _ring_check(sig, mesh, splits, ring) if ring else ()
     return Partition(_kept_blocks(sig.index, mesh, splits, tuple(exchange)), splits, tuple(sorted(exchange)), ring,
-                     keys)
+                     keys, exchange_group=exchange_group)
+
+
+def _splits(sig: Signature, mesh: Mesh, axes: tuple[AxisChoice, ...], exchange: tuple[int, ...], group: int
+            ) -> tuple[Split, ...]:
+    """Each mesh axis's split: an exchange axis's ends with the pair (rows, experts), each in as many parts as its
+    group has devices (the whole axis, or `group`), after what its outer part splits (`axes`' choice there)."""
+    if group and (len(exchange) != 1 or not 1 < group < mesh.shape[exchange[0]]
+                  or mesh.shape[exchange[0]] % group):
+        raise ValueError(f"an exchange in groups of {group} devices needs one exchange axis the group divides "
+                         f"(and is smaller than): exchange axes {list(exchange)} of mesh {mesh.shape}")
+    ex = sig.kernel.exchange
+    together = (sig.dims.index(ex.rows), sig.dims.index(ex.experts)) if ex is not None else ()
+    found = []
+    for axis, (choice, size) in enumerate(zip(axes, mesh.shape)):
+        if axis not in exchange:
+            found.append(_normal(choice, size))
+        else:
+            members = group or size
+            outer = _normal(choice, size // members) if group else ()
+            found.append(outer + tuple((d, members) for d in together))
+    return tuple(found)
 
 
 def device_blocks(index: ZRange, mesh: Mesh, splits: tuple[Split, ...], exchange: Iterable[int] = ()
@@ -155,15 +187,27 @@ def _device_bounds(index: ZRange, mesh: Mesh, splits: tuple[Split, ...], exchang
     ends = np.tile(np.array(index.end, np.int64), (mesh.size, 1))
     for axis, split in enumerate(splits):
         coord = coords[:, axis]
-        for dim, parts in (split if axis in exchange else reversed(split)):
-            if axis in exchange:  # device j of the axis: row block j and expert block j
-                piece = coord
-            else:
-                coord, piece = np.divmod(coord, parts)
+        if axis in exchange:  # device j of a group: row block j and expert block j, within the outer part's block
+            coord, member = np.divmod(coord, split[-1][1])
+            cuts = _digits(split[:-2], coord)
+            cuts += [(dim, parts, member) for dim, parts in split[-2:]]
+        else:
+            cuts = _digits(split, coord)
+        for dim, parts, piece in cuts:
             q, rem = np.divmod(ends[:, dim] - starts[:, dim], parts)  # sizes q + 1 (the first rem pieces), q
             starts[:, dim] += piece * q + np.minimum(piece, rem)
             ends[:, dim] = starts[:, dim] + q + (piece < rem)
     return starts, ends
+
+
+def _digits(split: Split, coord: np.ndarray) -> list[tuple[int, int, np.ndarray]]:
+    """(dim, parts, each device's piece) of an axis's split by mixed radix (the last dim fastest), in the order
+    `_device_bounds` cuts them."""
+    found = []
+    for dim, parts in reversed(split):
+        coord, piece = np.divmod(coord, parts)
+        found.append((dim, parts, piece))
+    return found
 
 
 @functools.lru_cache(maxsize=64)
@@ -198,23 +242,33 @@ def _ring_check(sig: Signature, mesh: Mesh, splits: tuple[Split, ...], ring: tup
     return ring_keys(key_extent(sig), mesh, ring)
 
 
-def exchanged_blocks(sig: Signature, blocks: tuple[Block, ...], exchange: tuple[int, ...], mesh: Mesh
-                     ) -> tuple[Block, ...]:
+def exchange_groups(mesh: Mesh, exchange: tuple[int, ...], group: int = 0) -> list[tuple[int, ...]]:
+    """The groups of devices an exchange trades among, each in member order: the fibres along its axes, or with a
+    `group` (one axis) each such fibre cut into runs of `group` consecutive devices (an axis of 8, groups of 4:
+    its first four devices and its last four)."""
+    fibres = mesh.fibres(exchange)
+    if not group:
+        return fibres
+    return [fibre[i:i + group] for fibre in fibres for i in range(0, len(fibre), group)]
+
+
+def exchanged_blocks(sig: Signature, blocks: tuple[Block, ...], exchange: tuple[int, ...], mesh: Mesh,
+                     group: int = 0) -> tuple[Block, ...]:
     """The index blocks an exchange step covers, a partition of the index space as a plain step's blocks are:
     each device's rows with every expert of its group along the exchange axes (its own computed here, the
     others' on their devices) where the output follows the rows (grouped_mm, take_rows); each device's experts
     with every row of its group (sent to it) where the rows are summed (grouped_mm_k, whose rows another axis
-    may split: data parallel, the sums partial over it)."""
+    may split: data parallel, the sums partial over it). `group`: as `exchange_groups`."""
     if not exchange:
         return blocks
     widened = sig.dims.index(sig.kernel.exchange.experts if returns(sig) else sig.kernel.exchange.rows)
     found = list(blocks)
-    for group in mesh.fibres(exchange):
-        members = [blocks[k] for k in group if blocks[k] is not None]
+    for group_devices in exchange_groups(mesh, exchange, group):
+        members = [blocks[k] for k in group_devices if blocks[k] is not None]
         if not members:
             continue
         lo, hi = min(b.start[widened] for b in members), max(b.end[widened] for b in members)
-        for k in group:
+        for k in group_devices:
             b = blocks[k]
             if b is not None:
                 found[k] = ZRange(b.start[:widened] + (lo,) + b.start[widened + 1:],
@@ -263,6 +317,7 @@ class Candidate:
     exchange: tuple[int, ...] = ()
     ring: tuple[int, ...] = ()
     made: Partition | None = None  # a ring balanced for work comes made (`balance_ring`)
+    exchange_group: int = 0
 
     def dims(self) -> set[int]:
         """The index dims split over some mesh axis."""
@@ -271,16 +326,16 @@ class Candidate:
     def partition(self, sig: Signature, mesh: Mesh) -> Partition:
         if self.made is not None:
             return self.made
+        if self.exchange_group:  # `axes` holds the exchange axis's whole split: its outer part is the choice
+            outer = tuple(split[:-2] if axis in self.exchange else split for axis, split in enumerate(self.axes))
+            return make_partition(sig, mesh, outer, self.exchange, self.ring, self.exchange_group)
         return make_partition(sig, mesh, self.axes, self.exchange, self.ring)
 
 
-def _candidate(sig: Signature, mesh: Mesh, axes: tuple[AxisChoice, ...], exchange: tuple[int, ...] = ()
-               ) -> tuple[bytes, Candidate]:
+def _candidate(sig: Signature, mesh: Mesh, axes: tuple[AxisChoice, ...], exchange: tuple[int, ...] = (),
+               group: int = 0) -> tuple[bytes, Candidate]:
     """(what tells its blocks apart: equal exactly when the blocks are, the candidate), from the bounds alone."""
-    ex = sig.kernel.exchange
-    together = (sig.dims.index(ex.rows), sig.dims.index(ex.experts)) if ex is not None else ()
-    splits = tuple(tuple((d, size) for d in together) if axis in exchange else _normal(choice, size)
-                   for axis, (choice, size) in enumerate(zip(axes, mesh.shape)))
+    splits = _splits(sig, mesh, axes, exchange, group)
     starts, ends = _device_bounds(sig.index, mesh, splits, exchange)
     empty = (starts == ends).any(axis=1)
     starts[empty], ends[empty] = -1, -1  # every empty block is None
@@ -289,7 +344,8 @@ def _candidate(sig: Signature, mesh: Mesh, axes: tuple[AxisChoice, ...], exchang
         pieces, rank = np.unique(starts[:, dim] * (sig.index.end[dim] + 2) + ends[:, dim], return_inverse=True)
         code = code * len(pieces) + rank.reshape(-1)
     busy = len(np.unique(code[~empty])) if starts.shape[1] else 1
-    return starts.tobytes() + ends.tobytes(), Candidate(splits, busy, bool(empty.any()), exchange)
+    return starts.tobytes() + ends.tobytes(), Candidate(splits, busy, bool(empty.any()), exchange,
+                                                        exchange_group=group)
 
 
 def candidates(sig: Signature, mesh: Mesh) -> list[Candidate]:
@@ -404,7 +460,13 @@ def _exchange_partitions(sig: Signature, mesh: Mesh) -> list[Candidate]:
     The innermost axis comes first: it is a node's (NVLink, `Profile.axis_links`), and `generation_order` keeps
     the order of candidates that tie, so the rounds a budget lets in, and the moves pricing prices first, hold the
     exchange over the fast link. Outer axis first, Mixtral's training step on 8x8 exchanged its experts over
-    InfiniBand (docs/benchmarks.md, "MoE backward scatters over InfiniBand")."""
+    InfiniBand (docs/benchmarks.md, "MoE backward scatters over InfiniBand").
+
+    Where the experts do not divide an axis, that axis also exchanges in groups of the largest size that divides
+    both (`exchange_group`: Qwen2-MoE's 60 experts on a node of 8, groups of 4), its outer part splitting what an
+    axis before the exchange's may (the rows between the groups: data parallel) or replicating; as Megatron's and
+    DeepSpeed's EP degree divides the experts. Every axis but such one keeps its whole-axis candidates only (a
+    group size per divisor of every axis would multiply an exchange kernel's candidates)."""
     if sig.kernel.exchange is None:
         return []
     rows, experts = sig.dims.index(sig.kernel.exchange.rows), sig.dims.index(sig.kernel.exchange.experts)
@@ -413,14 +475,17 @@ def _exchange_partitions(sig: Signature, mesh: Mesh) -> list[Candidate]:
     reductions = (set(sig.dims_of(DimKind.REDUCTION)) | {experts}) - (read_by_all - together)
     found = []
     for axis, size in reversed(list(enumerate(mesh.shape))):
-        if size < 2 or any(sig.index.shape[d] < size for d in together):
-            continue
         refused = [reductions - {rows} if a < axis else reductions for a in range(mesh.ndim)]
         options = [[None] if a == axis else
                    [c for c in _axis_choices(sig, n) if not {d for d, _ in c} & refused[a]]
                    for a, n in enumerate(mesh.shape)]
-        for axes in itertools.product(*options):
-            found.append(_candidate(sig, mesh, axes, exchange=(axis,))[1])
+        if size >= 2 and all(sig.index.shape[d] >= size for d in together):
+            found.extend(_candidate(sig, mesh, axes, exchange=(axis,))[1] for axes in itertools.product(*options))
+        group = math.gcd(sig.index.shape[experts], size)
+        if 1 < group < size and sig.index.shape[rows] >= group:  # the outer part splits what an axis before may
+            options[axis] = [c for c in _axis_choices(sig, size // group)
+                             if not {d for d, _ in c} & (reductions - {rows})]
+            found.extend(_candidate(sig, mesh, axes, (axis,), group)[1] for axes in itertools.product(*options))
     if mesh.ndim > 1 and all(sig.index.shape[d] >= mesh.size for d in together):  # every axis as one (a flat EP)
         found.append(_candidate(sig, mesh, (None,) * mesh.ndim, exchange=tuple(range(mesh.ndim)))[1])
     return found
