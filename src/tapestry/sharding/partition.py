@@ -466,7 +466,9 @@ def _exchange_partitions(sig: Signature, mesh: Mesh) -> list[Candidate]:
     both (`exchange_group`: Qwen2-MoE's 60 experts on a node of 8, groups of 4), its outer part splitting what an
     axis before the exchange's may (the rows between the groups: data parallel) or replicating; as Megatron's and
     DeepSpeed's EP degree divides the experts. Every axis but such one keeps its whole-axis candidates only (a
-    group size per divisor of every axis would multiply an exchange kernel's candidates)."""
+    group size per divisor of every axis would multiply an exchange kernel's candidates). The groups come before
+    the axis's whole-axis candidates, whose expert blocks are then ragged (8 of 60 experts on some devices of 8,
+    7 on others) and whose all-to-alls span the whole axis: a budget that cuts generation keeps the groups."""
     if sig.kernel.exchange is None:
         return []
     rows, experts = sig.dims.index(sig.kernel.exchange.rows), sig.dims.index(sig.kernel.exchange.experts)
@@ -479,13 +481,13 @@ def _exchange_partitions(sig: Signature, mesh: Mesh) -> list[Candidate]:
         options = [[None] if a == axis else
                    [c for c in _axis_choices(sig, n) if not {d for d, _ in c} & refused[a]]
                    for a, n in enumerate(mesh.shape)]
-        if size >= 2 and all(sig.index.shape[d] >= size for d in together):
-            found.extend(_candidate(sig, mesh, axes, exchange=(axis,))[1] for axes in itertools.product(*options))
         group = math.gcd(sig.index.shape[experts], size)
         if 1 < group < size and sig.index.shape[rows] >= group:  # the outer part splits what an axis before may
-            options[axis] = [c for c in _axis_choices(sig, size // group)
-                             if not {d for d, _ in c} & (reductions - {rows})]
-            found.extend(_candidate(sig, mesh, axes, (axis,), group)[1] for axes in itertools.product(*options))
+            outer = [c for c in _axis_choices(sig, size // group) if not {d for d, _ in c} & (reductions - {rows})]
+            found.extend(_candidate(sig, mesh, axes, (axis,), group)[1]
+                         for axes in itertools.product(*options[:axis], outer, *options[axis + 1:]))
+        if size >= 2 and all(sig.index.shape[d] >= size for d in together):
+            found.extend(_candidate(sig, mesh, axes, exchange=(axis,))[1] for axes in itertools.product(*options))
     if mesh.ndim > 1 and all(sig.index.shape[d] >= mesh.size for d in together):  # every axis as one (a flat EP)
         found.append(_candidate(sig, mesh, (None,) * mesh.ndim, exchange=tuple(range(mesh.ndim)))[1])
     return found
