@@ -62,6 +62,7 @@ from tapestry.cost.memory import layout_bytes
 from tapestry.cost.model import from_costs, step_costs
 from tapestry.cost.overlap import overlap, upstream
 from tapestry.egraph.decode import Decoder, DNode
+from tapestry.egraph.group_launches import group_launches
 from tapestry.extract import EGraph as ExtractGraph
 from tapestry.extract.contract import contracted, value_blocks
 from tapestry.extract.ilp import CONTRACT_FROM, LP_NODES_PER_SECOND, reduced_blocks
@@ -209,6 +210,10 @@ def plan_bound(decoder: Decoder, egraph: ExtractGraph, model: CostModel, plan: P
     if periodic and not fused and floors != list(egraph.node_cost):  # fusion's floors are of one copy's neighbours
         return floor_bound(floor, "periodic, and no floor of the fused steps")
     unfused = [0.0 if fused and _fusible(decoder, node) else f for f, node in zip(floors, decoder.nodes)]
+    if fused and not periodic:  # the fusion groups' launches, which no node is charged (egraph.group_launches)
+        device = model.profile.device  # type: ignore[attr-defined]
+        launch = device.launch_overhead * device.oversubscription(decoder.mesh.size)
+        fusion = (fusion or 0.0) + group_launches(decoder, egraph, launch) * launch
     deadline = Meter(seconds).until(seconds)
     found: list[tuple[float, float, float, float]] = []  # (lambda, bound, R, B) of each LP solved
 
