@@ -8,14 +8,15 @@ unfusible one separates lie in distinct epochs, hence distinct groups, each at l
 its members' summed costs both hold one: cost.fusion.fused_costs charges the lesser). Views count for nothing: a
 group of views alone is charged their near-zero step costs; so does a fusible step priced below a launch.
 
-Per class, for the paths that end at its step, M: the most such fusible runs on one path, and N: the same plus one
-where the path ends past an unfusible step (a fusible reader starts a new run); N is M or M + 1, so V = M + N
-orders the pairs. A node's V is made from its children's (an unfusible step: M = the children's most M, N = M + 1;
-a counted fusible step: M = N = the larger of 1 and the children's most N; a view, a Deliver: the children's most
-of each; a Place or prepared step: 0), never below any child's, and a class's is the least over its nodes: the
-least V over the class's derivations (Knuth's generalization of Dijkstra's algorithm, for such superior
-functions, on the e-graph's cycles of moves), which lies below the V each acyclic selection gives it. So the roots'
-most M bounds the groups of every plan of the e-graph.
+For the paths that end at a step, M: the most such fusible runs on one path, and N: the same plus one where the
+path ends past an unfusible step (a fusible reader starts a new run); N is M or M + 1, so V = M + N orders the
+pairs. A node's V is made from its children's (a library kernel: M = the children's most M, N = M + 1; a counted
+fusible step: M = N = the larger of 1 and the children's most N; a view, a Deliver: the children's most of each;
+a Place or prepared step: 0), never below any child's. A move (Reshard) would only raise its source's V, so it is
+passed through: a value's layouts share the least V of the nodes that compute any of them (a lower bound, and a
+graph a fifth the size). The least V of each value over its derivations (Knuth's generalization of Dijkstra's
+algorithm, for such superior functions, whatever cycles rewrites leave) lies below the V each acyclic selection
+gives it, so the roots' most M bounds the groups of every plan of the e-graph.
 """
 from __future__ import annotations
 
@@ -33,40 +34,46 @@ TRANSPARENT, UNFUSIBLE, COUNTED, SOURCE = range(4)
 def group_launches(decoder: Decoder, egraph: ExtractGraph, launch: float) -> int:
     """The fusion groups every plan of `egraph` (its finite nodes) launches at least: the module docstring's roots'
     most M; a fusible step counts where its node costs a `launch` (seconds, stretched as its step is) or more."""
-    kinds = [_kind(decoder, n, cost, launch) for n, cost in enumerate(egraph.node_cost)]
-    child_sets = egraph.child_sets
-    waiting = [len(child_sets[n]) if kind != SOURCE else 0 for n, kind in enumerate(kinds)]
+    ids = egraph.class_ids
+    index: dict[str, int] = {}
+    value_of = [index.setdefault(decoder.class_value.get(c, c), len(index)) for c in ids]  # a value's layouts: one
+    nodes = [(n, kind) for n, cost in enumerate(egraph.node_cost) if (kind := _kind(decoder, n, cost, launch))
+             is not None]
+    children = {n: {value_of[d] for d in egraph.child_sets[n]} for n, kind in nodes if kind != SOURCE}
     readers: dict[int, list[int]] = {}
-    for n, kind in enumerate(kinds):
-        if kind is not None and kind != SOURCE:
-            for d in child_sets[n]:
-                readers.setdefault(d, []).append(n)
-    value: dict[int, int] = {}  # class -> its least V, once final
-    heap = [(0, egraph.node_class[n]) for n, kind in enumerate(kinds) if kind is not None and waiting[n] == 0]
+    for n, read in children.items():
+        for d in read:
+            readers.setdefault(d, []).append(n)
+    waiting = {n: len(read) for n, read in children.items()}
+    kinds = dict(nodes)
+    least: dict[int, int] = {}  # value -> its least V, once final
+    heap = [(0 if kind == SOURCE else _value(kind, ()), value_of[egraph.node_class[n]]) for n, kind in nodes
+            if kind == SOURCE or not children[n]]
     heapq.heapify(heap)
     while heap:
         v, c = heapq.heappop(heap)
-        if c in value:
+        if c in least:
             continue
-        value[c] = v
+        least[c] = v
         for n in readers.get(c, ()):
             waiting[n] -= 1
             if waiting[n] == 0:
-                heapq.heappush(heap, (_value(kinds[n], [value[d] for d in child_sets[n]]), egraph.node_class[n]))
-    return max((value[r] // 2 for r in egraph.roots if r in value), default=0)
+                made = _value(kinds[n], [least[d] for d in children[n]])
+                heapq.heappush(heap, (made, value_of[egraph.node_class[n]]))
+    return max((least[value_of[r]] // 2 for r in egraph.roots if value_of[r] in least), default=0)
 
 
 def _kind(decoder: Decoder, n: int, cost: float, launch: float) -> int | None:
-    """How node `n` enters the pairs (None: never chosen, at infinite cost)."""
+    """How node `n` enters the pairs (None: never chosen, at infinite cost, or a move: passed through)."""
     if not math.isfinite(cost):
         return None
     node = decoder.nodes[n]
     if node.op == "Deliver":
         return TRANSPARENT
+    if node.op == "Reshard":
+        return None
     if node.op == "Place" or decoder.prepared(node):
         return SOURCE
-    if node.op == "Reshard":
-        return UNFUSIBLE
     step = decoder.interner.runs[node.key]
     if not fusible(step):
         return UNFUSIBLE

@@ -22,7 +22,9 @@ LLaMA-7B training step on 2x4 summed 20.42 ms by node costs and cost 12.70 ms by
   its write on the average device, no more than its cost; one linked to no possible fusible reader or argument (a
   group of one) its cost; any other 0. Where the whole-space floor's fusion part is known (cost.floor.FloorParts.fusion:
   the bytes every plan's fusion groups move across their edges), the LP at lambda 1 prices fusible nodes 0 instead
-  and adds it: the fusible steps are never hidden there.
+  and adds it: the fusible steps are never hidden there. Unfolded, it adds each group's launch too, for as many
+  groups as every plan of the e-graph makes (egraph.group_launches: fusible steps an unfusible one separates on a
+  path lie in distinct groups), as a group's charge holds its boundary bytes and one launch.
 - The whole-space floor (cost.floor.step_floor) bounds every plan of the graph, so those of the e-graph too; and
   where plan_cost is the node-cost sum (no fusion, nothing hidden) the extractor's own bound. The largest is kept.
 
