@@ -2,9 +2,9 @@
 
 Builds one benchmarks/cluster.py case (hf LLaMA, training, 80 GB budget, unfolded), optimizes it, then solves the LP
 at lambda 1 as `plan_bound` does under fusion (fusible nodes and gradient reductions at 0; the constants it adds,
-the fusion floor and the groups' launches, left out) and sums its solution's x times the node price per kind: library kernels (forward, or could be backward), fusible
-kernels, gradient reductions (priced 0 at lambda 1), other reshards, Places and Delivers; and how many layouts
-each weight is placed in at x above 1%. One JSON line.
+the fusion floor and the groups' launches, left out) and sums its solution's x times the node price per kind:
+library kernels (forward, or could be backward), fusible kernels, gradient reductions (priced 0 at lambda 1), other
+reshards, Places and Delivers; and how many layouts each input is placed in at x above 1%. One JSON line.
 
     python benchmarks/plan_bound_parts.py --mesh 2x4
 """

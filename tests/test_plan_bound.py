@@ -139,7 +139,8 @@ def test_no_plan_of_the_egraph_launches_fewer_fusion_kernels_than_group_launches
     found = explored(graph, mesh)
     egraph = found.decoder.extraction_graph(list(found.roots), FUSING, found.priced_moves)
     device = FUSING.profile.device
-    least = group_launches(found.decoder, egraph, device.launch_overhead * device.oversubscription(found.decoder.mesh.size))
+    launch = device.launch_overhead * device.oversubscription(found.decoder.mesh.size)
+    least = group_launches(found.decoder, egraph, launch)
     hands = [hand for hand, _ in embedded_plans(found.decoder, egraph, found.baselines, ())]
     made = [fusion_kernels(plan, FUSING) for plan in [*hands, *plans(found, FUSING, seed=3, count=4)]]
     assert least >= 3 and min(made) >= least
