@@ -1,7 +1,8 @@
 """What `result.bound` (egraph.plan_bound) costs and gives on a cluster case, per HiGHS solver and with every lambda.
 
 Builds one benchmarks/cluster.py case (hf LLaMA, 2 layers, training, 80 GB budget), optimizes it, then times
-`plan_bound` on the result's own arguments: with each solver (`plan_bound.SOLVER`: PDLP, the default; the dual
+`plan_bound` on the result's own arguments (unfolded: also `group_launches`, the fusion groups every plan launches,
+and its CPU s): with each solver (`plan_bound.SOLVER`: PDLP, the default; the dual
 simplex; the interior point), and with the line search over lambda forced (`_exposed` taken true). One JSON line
 per run.
 
@@ -25,6 +26,7 @@ import cluster  # noqa: E402
 import tapestry  # noqa: E402
 from tapestry.cost import DefaultCostModel, load_profile  # noqa: E402
 from tapestry.egraph import plan_bound  # noqa: E402
+from tapestry.egraph.group_launches import group_launches  # noqa: E402
 
 
 def main() -> None:
@@ -46,6 +48,12 @@ def main() -> None:
             "status": result.status, "mesh": args.mesh, "seconds": result.plan.cost, "floor": result.floor,
             "optimize_cpu_s": time.process_time() - started, "load": os.getloadavg()[0]}
     arguments, keywords = result.bounded.args, result.bounded.keywords
+    if not base["folded"]:  # the fusion groups every plan launches (added at lambda 1), and what counting them takes
+        device = model.profile.device
+        cpu = time.process_time()
+        base["launches"] = group_launches(arguments[0], arguments[1], device.launch_overhead
+                                          * device.oversubscription(arguments[0].mesh.size))
+        base["launches_cpu_s"] = time.process_time() - cpu
     runs = [(solver, False) for solver in args.solvers.split(",")]
     if args.every_weight:
         runs.append((plan_bound.SOLVER, True))

@@ -17,14 +17,17 @@ from training_helpers import adam_step
 
 import tapestry
 from tapestry.cost import DefaultCostModel, load_profile, plan_cost
+from tapestry.cost.floor import floor_parts
+from tapestry.cost.fusion import fusible, fusion_groups
 from tapestry.egraph.embed import embedded_plans
 from tapestry.egraph import plan_bound as plan_bound_module
 from tapestry.cost.overlap import overlap
+from tapestry.egraph.group_launches import group_launches
 from tapestry.egraph.plan_bound import node_floors, overlap_roles, plan_bound
 from tapestry.extract import extract
 from tapestry.models import llama_decoder
 from tapestry.optimizer import Explored, explore
-from tapestry.plan import Plan, Reshard, Step
+from tapestry.plan import Compute, Plan, Reshard, Step
 from tapestry.sharding import Mesh
 
 FUSING = DefaultCostModel(load_profile("gpu-h100-nccl"))
@@ -115,6 +118,45 @@ def test_every_step_a_plan_hides_or_hides_behind_is_of_a_node_weighted_so(graph,
         assert all(node[s.out] in (reductions if isinstance(s, Reshard) else backward) for s in credited)
         hidden += bool(credited)
     assert hidden  # the check saw plans that hide
+
+
+def fusion_kernels(plan: Plan, model: DefaultCostModel) -> int:
+    """The kernels `plan`'s fusible per-run steps launch (cost.fusion): its groups, and each fusible step in none,
+    a view or a step priced below a launch left out (a group of those alone is charged next to nothing)."""
+    launch = model.profile.device.launch_overhead * model.profile.device.oversubscription(plan.mesh.size)
+    counted = {s.out for s in plan.steps if isinstance(s, Compute) and s.out not in plan.prepared and fusible(s)
+               and not s.signature.kernel.is_view and model.step_cost(s, plan.mesh) >= launch * (1 - 1e-9)}
+    groups = fusion_groups(plan)
+    grouped = {v for g in groups for v in g.members}
+    return sum(1 for g in groups if counted.intersection(g.members)) + len(counted - grouped)
+
+
+@pytest.mark.parametrize("graph, mesh", [("llama training", (2, 2)), ("llama inference", (2, 2)),
+                                         ("mlp training", (2,))])
+def test_no_plan_of_the_egraph_launches_fewer_fusion_kernels_than_group_launches(graph, mesh):
+    """What the bound adds for the fusion groups' launches (egraph.group_launches) is a count every plan makes:
+    the extractors', near-optimal ones at drawn costs and the hand plans in the e-graph."""
+    found = explored(graph, mesh)
+    egraph = found.decoder.extraction_graph(list(found.roots), FUSING, found.priced_moves)
+    device = FUSING.profile.device
+    launch = device.launch_overhead * device.oversubscription(found.decoder.mesh.size)
+    least = group_launches(found.decoder, egraph, launch)
+    hands = [hand for hand, _ in embedded_plans(found.decoder, egraph, found.baselines, ())]
+    made = [fusion_kernels(plan, FUSING) for plan in [*hands, *plans(found, FUSING, seed=3, count=4)]]
+    assert least >= 3 and min(made) >= least
+
+
+def test_the_bound_fails_with_the_launches_overstated(monkeypatch):
+    """The launch term is what the bound can afford, not a guess that happens to sit low: half as many launches
+    again, and the optimizer's plan of a LLaMA block's inference on Mesh(2, 2) costs less than the bound."""
+    found, counted = explored("llama inference", (2, 2)), plan_bound_module.group_launches
+    result = found.extract(FUSING)
+    egraph = found.decoder.extraction_graph(list(found.roots), FUSING, found.priced_moves)
+    arguments = (found.decoder, egraph, FUSING, result.plan, None, result.floor, floor_parts(
+        found.graph, found.decoder.mesh, FUSING).fusion)
+    assert plan_bound(*arguments).seconds <= result.plan.cost * (1 + 1e-9)
+    monkeypatch.setattr(plan_bound_module, "group_launches", lambda *args: math.ceil(1.5 * counted(*args)))
+    assert plan_bound(*arguments).seconds > result.plan.cost
 
 
 def test_a_fusible_node_is_floored_below_its_cost_only_under_a_fusing_model():

@@ -22,7 +22,9 @@ LLaMA-7B training step on 2x4 summed 20.42 ms by node costs and cost 12.70 ms by
   its write on the average device, no more than its cost; one linked to no possible fusible reader or argument (a
   group of one) its cost; any other 0. Where the whole-space floor's fusion part is known (cost.floor.FloorParts.fusion:
   the bytes every plan's fusion groups move across their edges), the LP at lambda 1 prices fusible nodes 0 instead
-  and adds it: the fusible steps are never hidden there.
+  and adds it: the fusible steps are never hidden there. Unfolded, it adds each group's launch too, for as many
+  groups as every plan of the e-graph makes (egraph.group_launches: fusible steps an unfusible one separates on a
+  path lie in distinct groups), as a group's charge holds its boundary bytes and one launch.
 - The whole-space floor (cost.floor.step_floor) bounds every plan of the graph, so those of the e-graph too; and
   where plan_cost is the node-cost sum (no fusion, nothing hidden) the extractor's own bound. The largest is kept.
 
@@ -62,6 +64,7 @@ from tapestry.cost.memory import layout_bytes
 from tapestry.cost.model import from_costs, step_costs
 from tapestry.cost.overlap import overlap, upstream
 from tapestry.egraph.decode import Decoder, DNode
+from tapestry.egraph.group_launches import group_launches
 from tapestry.extract import EGraph as ExtractGraph
 from tapestry.extract.contract import contracted, value_blocks
 from tapestry.extract.ilp import CONTRACT_FROM, LP_NODES_PER_SECOND, reduced_blocks
@@ -209,6 +212,10 @@ def plan_bound(decoder: Decoder, egraph: ExtractGraph, model: CostModel, plan: P
     if periodic and not fused and floors != list(egraph.node_cost):  # fusion's floors are of one copy's neighbours
         return floor_bound(floor, "periodic, and no floor of the fused steps")
     unfused = [0.0 if fused and _fusible(decoder, node) else f for f, node in zip(floors, decoder.nodes)]
+    if fused and not periodic:  # the fusion groups' launches, which no node is charged (egraph.group_launches)
+        device = model.profile.device  # type: ignore[attr-defined]
+        launch = device.launch_overhead * device.oversubscription(decoder.mesh.size)
+        fusion = (fusion or 0.0) + group_launches(decoder, egraph, launch) * launch
     deadline = Meter(seconds).until(seconds)
     found: list[tuple[float, float, float, float]] = []  # (lambda, bound, R, B) of each LP solved
 
