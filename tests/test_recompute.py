@@ -41,7 +41,7 @@ def step() -> tuple[tapestry.TorchImport, dict[str, np.ndarray]]:
     return imported, imported.inputs(ids, ids)
 
 
-def test_the_recomputed_step_computes_the_same_values_keeping_only_the_residual_stream_for_the_backward(step):  # noqa: ANN001
+def test_recomputing_keeps_the_values_and_only_the_residual_stream_for_the_backward(step):  # noqa: ANN001
     imported, inputs = step
     graph = imported.graph
     again = recomputed(graph)
