@@ -1,16 +1,14 @@
 """The leanest hand plans of a training step under a memory budget, priced by the project's memory and cost models
 (issue 24, lean24: LLaMA 7B, 2 layers, float32 Adam at 3 GB per device on 8 devices: is there a plan?).
 
-    python benchmarks/leanest_hand.py --layers 2 --meshes 8,2x4,4x4
+    python benchmarks/leanest_hand.py --layers 2 --meshes 8,2x4,4x4 [--json OUT]
 
 For each mesh: every hand plan of `training.plans.baselines` (ZeRO-3/FSDP: weights, gradients and Adam state
-sharded, batch and sequence split) and the leanest of them again on the step rewritten with activation
-recomputation (`recomputed`: what the search cannot do), each in its leaner step order (`budget.leaner`), with its
-peak per device split by phase (`budget.by_phase`) and its predicted step time; and the step's activation floor
-without recomputation: the inputs (weights and Adam state split over every device) plus every forward value the
-backward reads, split over every device (each must live from its forward to its backward; the fullest device holds
-at least the mean), not counting the backward's own values. The case is benchmarks/heldback_call.py's (transformers'
-LLaMA on the meta device, batch 8 x 2048, the gpu-h100-nccl profile).
+sharded, batch and sequence split) and ZeRO-3/FSDP of the step with activation recomputation
+(`training.recompute`, the hand plans the optimizer falls back on where a budget binds), each in its leaner step
+order (`budget.leaner`), with its peak per device split by phase (`budget.by_phase`) and its predicted step time;
+and two floors under every plan that computes each value once (`activation_floor`, by hand). The case is
+benchmarks/heldback_call.py's (transformers' LLaMA on the meta device, batch 8 x 2048, the gpu-h100-nccl profile).
 """
 from __future__ import annotations
 
@@ -25,65 +23,15 @@ from heldback_call import arguments, build
 
 import tapestry
 from tapestry.cost import DefaultCostModel, layout_bytes, load_profile, plan_cost
-from tapestry.cost.overlap import forward_outputs, upstream
+from tapestry.cost.breakdown import phases
+from tapestry.cost.overlap import upstream
 from tapestry.dtypes import itemsize
 from tapestry.egraph.budget import by_phase, leaner
 from tapestry.graph import Graph
 from tapestry.kernels import get_kernel
-from tapestry.cost.breakdown import phases
 from tapestry.plan import Place, Plan
-from tapestry.training.plans import baselines, step_arguments
-
-
-def forward_ops(graph: Graph) -> set[str]:
-    """The ops the loss depends on (the forward pass)."""
-    ops = {node.name for node in graph.ops}
-    return upstream(forward_outputs(graph.outputs, graph.carried), lambda v: graph[v].args) & ops
-
-
-def checkpoints(graph: Graph, forward: set[str]) -> set[str]:
-    """The residual stream: the embedding's output (a forward op reading an integer input) and each add of the
-    same shape that reads a checkpoint (a transformer's residual adds): what recomputation keeps from the forward."""
-    kept = {node.name for node in graph.ops if node.name in forward and node.op == "embedding"}
-    for node in graph.ops:
-        if node.name in forward and node.op == "add" and any(
-                a in kept and graph[a].shape == node.shape for a in node.args):
-            kept.add(node.name)
-    return kept
-
-
-def recomputed(graph: Graph) -> Graph:
-    """The step with activation recomputation (Chen et al. 2016) at the residual stream: each backward or update
-    op that reads a forward value other than a checkpoint reads a copy of it (`NAME.re`) computed again from the
-    checkpoints and inputs, made just before its first reader, so between the forward and the backward only the
-    checkpoints stay live (the memory model frees the forward's values after their last forward reader)."""
-    forward = forward_ops(graph)
-    kept = checkpoints(graph, forward)
-    g = Graph()
-    made: dict[str, str] = {}
-
-    def again(value: str) -> str:
-        if value not in forward or value in kept:
-            return value
-        if value not in made:
-            node = graph[value]
-            args = [again(a) for a in node.args]
-            made[value] = g.op(node.op, *args, name=f"{value}.re", **dict(node.params)).name
-        return made[value]
-
-    for node in graph.nodes:
-        if node.is_input:
-            g.input(node.name, node.shape, node.dtype)
-        elif node.name in forward:
-            g.op(node.op, *node.args, name=node.name, **dict(node.params))
-        else:
-            g.op(node.op, *(again(a) for a in node.args), name=node.name, **dict(node.params))
-    for name, value in graph.outputs.items():
-        g.output(name, value)
-    g.constants.update(graph.constants)
-    for output, name in graph.carried.items():
-        g.carry(output, name)
-    return g
+from tapestry.training.plans import baselines
+from tapestry.training.recompute import forward_ops, recomputed_baselines
 
 
 def activation_floor(graph: Graph, devices: int) -> dict[str, Any]:
@@ -146,7 +94,6 @@ def main() -> None:
     started = time.process_time()
     graph = tapestry.from_torch(model, (ids, ids), verbose=False,
                                 training=tapestry.Training(loss=loss, optimizer="adam", lr=1e-4)).graph
-    again = recomputed(graph)
     cost_model = DefaultCostModel(load_profile(call.profile))
     rows = []
     for shape in args.meshes.split(","):
@@ -158,10 +105,8 @@ def main() -> None:
               f"{floor['program_at']}: {(floor['inputs'] + floor['program']) / 10**9:.2f} GB", flush=True)
         plans: Mapping[str, Plan] = baselines(graph, mesh)
         found = {name: priced(plan, cost_model) for name, plan in plans.items()}
-        leanest = min(found, key=lambda name: found[name]["peak"])
-        if leanest in ("ZeRO-3", "FSDP"):
-            remade = baselines(again, mesh)[leanest]
-            found[f"{leanest}, recomputed"] = priced(remade, cost_model)
+        lean = recomputed_baselines(graph, mesh, plans)
+        found.update({name: priced(plan, cost_model) for name, plan in lean.items()})
         for name, row in found.items():
             print(f"  {name}: {row['peak'] / 10**9:.2f} GB at its peak (in the {row['phase']}; resident "
                   f"{row['resident'] / 10**9:.2f}), {row['ms']:.2f} ms; {row['by_phase']}", flush=True)
