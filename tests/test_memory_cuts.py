@@ -91,8 +91,9 @@ def test_a_peak_is_told_by_phase_naming_the_largest_share_and_what_would_shrink_
     top = max(shares, key=shares.get)
     assert top == "activations (forward values kept for the backward)"
     assert f"; the most, {top} ({shares[top] / peaks[rank].bytes:.0%} of the peak): " in told
-    assert told.endswith("this search never recomputes a value (no activation checkpointing), so only more "
-                             "devices (a finer batch or sequence split) or a larger budget shrink them")
+    assert told.endswith("the search computes each value once (only the recomputed ZeRO-3/FSDP hand plans of an "
+                         "unfolded step make activations again), so more devices (a finer batch or sequence split) "
+                         "or a larger budget shrink them")
 
 
 def test_the_lean_order_is_a_valid_order_of_the_same_steps():

@@ -191,7 +191,8 @@ def held_at_peak(plan: Plan, peaks: Sequence[RankPeak], shown: int = 4) -> str:
 def by_phase(plan: Plan, live: Mapping[int, int], phase: Mapping[str, str], now: str) -> str:
     """A peak's live bytes (`RankPeak.live`) by phase, largest first: placed inputs (weights, optimizer state,
     batch), forward values (in the backward: the activations kept for it), backward and update values; and what the
-    largest share says would shrink it. This search computes each value once, so it never recomputes activations."""
+    largest share says would shrink it. The search computes each value once: only the recomputed hand plans of an
+    unfolded step (`training.recompute`) make activations again."""
     shares: dict[str, int] = {}
     for i, size in live.items():
         step = plan.steps[i]
@@ -202,9 +203,9 @@ def by_phase(plan: Plan, live: Mapping[int, int], phase: Mapping[str, str], now:
     ranked = sorted(shares.items(), key=lambda item: (-item[1], item[0]))
     top, held = ranked[0]
     hint = {"placed inputs": "more devices split the weights and optimizer state finer",
-            "activations (forward values kept for the backward)": "this search never recomputes a value (no "
-            "activation checkpointing), so only more devices (a finer batch or sequence split) or a larger budget "
-            "shrink them"}.get(top, "they are the step's own values at that moment")
+            "activations (forward values kept for the backward)": "the search computes each value once (only the "
+            "recomputed ZeRO-3/FSDP hand plans of an unfolded step make activations again), so more devices (a finer "
+            "batch or sequence split) or a larger budget shrink them"}.get(top, "they are the step's own values then")
     said = ", ".join(f"{name} {size:,}" for name, size in ranked)
     return f"by phase: {said}; the most, {top} ({held / sum(shares.values()):.0%} of the peak): {hint}"
 
