@@ -314,7 +314,8 @@ def test_every_hand_plan_lies_in_the_egraph_and_floors_the_plan_whatever_the_bud
         list(explored.roots), CLUSTER, explored.priced_moves), dict(mixtral.graph.carried))
     hands = explored.baselines
     assert set(hands) == {"data parallel", "ZeRO-3", "tensor parallel", "data and tensor parallel",
-                          "expert parallel", "data and expert parallel", "data, tensor and expert parallel"}
+                          "expert parallel", "data and expert parallel", "data, tensor and expert parallel",
+                          "ZeRO-3, recomputed"}  # training.recompute: its steps are ZeRO-3's, some made twice
     for name, hand in hands.items():
         assert not validate(egraph, plan_selection(explored.decoder, egraph, hand, name)), name
     result = explored.extract(CLUSTER, "greedy-dag")

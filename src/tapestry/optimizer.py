@@ -70,6 +70,7 @@ from tapestry.plan.validate import validate_plan
 from tapestry.sharding import Mesh
 from tapestry.training import LR
 from tapestry.training.plans import baselines
+from tapestry.training.recompute import recomputed_baselines
 from tapestry.verify import meaning_check
 
 
@@ -656,6 +657,7 @@ def explore(graph: Graph, mesh: Mesh | int = 1, rules: Sequence[str | Path] | No
     explored = folded.graph if folded is not None else graph
     hands = baselines(explored, mesh)  # the floor's, in the e-graph whatever the budget cuts (a fold's: periodic)
     seeds = tuple(hands.values()) if mesh.size > 1 else ()
+    hands.update(recomputed_baselines(explored, mesh, hands) if folded is None else {})  # leaner, not seeds
     gen, _, stats = saturate(explored, mesh, rule_files, budget, progress, seeds, folded.twins if folded else ())
     data = gen.session.serialize()
     nodes, roots, names, stats = make_reshards(data, gen.interner, started, budget, stats)

@@ -163,9 +163,10 @@ def hand_within(egraph: ExtractGraph, hands: Sequence[Selection], limit: int,
 
 def held_at_peak(plan: Plan, peaks: Sequence[RankPeak], shown: int = 4) -> str:
     """What the fullest device holds at its peak: the live bytes by what made them (placed inputs, reshards, each
-    kernel's results), largest first, the largest buffers by name, and the phase the peak comes in (forward,
-    backward or update, `cost.breakdown.phases`, of the newest buffer live then): where a budget no plan meets is
-    spent, and whether recomputing activations (backward) or sharding state (update) is what would help."""
+    kernel's results), largest first, the largest buffers by name, the phase the peak comes in (forward, backward
+    or update, `cost.breakdown.phases`, of the newest buffer live then) and the live bytes by phase, the largest
+    named: where a budget no plan meets is spent, and whether recomputing activations (forward values live in the
+    backward), more devices for the state (placed inputs) or the backward's own values would help."""
     rank = max(range(len(peaks)), key=lambda r: peaks[r].bytes)
     live = peaks[rank].live
     kinds: dict[str, list[int]] = {}  # what made them -> [bytes, buffers]
@@ -180,10 +181,33 @@ def held_at_peak(plan: Plan, peaks: Sequence[RankPeak], shown: int = 4) -> str:
     largest = sorted(live.items(), key=lambda item: (-item[1], item[0]))[:shown]
     made = ", ".join(f"{kind} {held:,} ({count} buffers)" for kind, (held, count) in by_kind[:shown])
     buffers = ", ".join(f"{plan.steps[i].out} {size:,}" for i, size in largest)
+    phase = phases(plan)
     newest = plan.steps[max(live)].out
     return (f"device {rank} at its peak holds {made}{', ...' if len(by_kind) > shown else ''}; largest: {buffers}; "
-            f"the peak comes in the {phases(plan)[newest]} (its newest buffer {newest}, step {max(live) + 1} of "
-            f"{len(plan.steps)})")
+            f"the peak comes in the {phase[newest]} (its newest buffer {newest}, step {max(live) + 1} of "
+            f"{len(plan.steps)}); {by_phase(plan, live, phase, phase[newest])}")
+
+
+def by_phase(plan: Plan, live: Mapping[int, int], phase: Mapping[str, str], now: str) -> str:
+    """A peak's live bytes (`RankPeak.live`) by phase, largest first: placed inputs (weights, optimizer state,
+    batch), forward values (in the backward: the activations kept for it), backward and update values; and what the
+    largest share says would shrink it. The search computes each value once: only the recomputed hand plans of an
+    unfolded step (`training.recompute`) make activations again."""
+    shares: dict[str, int] = {}
+    for i, size in live.items():
+        step = plan.steps[i]
+        name = "placed inputs" if isinstance(step, Place) else phase[step.out] + " values"
+        if name == "forward values" and now != "forward":
+            name = "activations (forward values kept for the backward)"
+        shares[name] = shares.get(name, 0) + size
+    ranked = sorted(shares.items(), key=lambda item: (-item[1], item[0]))
+    top, held = ranked[0]
+    hint = {"placed inputs": "more devices split the weights and optimizer state finer",
+            "activations (forward values kept for the backward)": "the search computes each value once (only the "
+            "recomputed ZeRO-3/FSDP hand plans of an unfolded step make activations again), so more devices (a finer "
+            "batch or sequence split) or a larger budget shrink them"}.get(top, "they are the step's own values then")
+    said = ", ".join(f"{name} {size:,}" for name, size in ranked)
+    return f"by phase: {said}; the most, {top} ({held / sum(shares.values()):.0%} of the peak): {hint}"
 
 
 def leaner(plan: Plan, step_nodes: list[int], lowerings: Lowerings | None = None
