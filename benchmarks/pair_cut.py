@@ -5,10 +5,11 @@ pairs kept a different set of sharded runs after the importer folded the causal 
 
 Plans benchmarks/cluster.py's training case (`build`, its profile, the default budget), with --extra-op the causal
 mask's `mask & True` imported as `mask & mask` (one op more, as before d3d99e5's fold), and prints the graph's op
-count, generation's stop, runs and layout pairs, the layout pairs after each round of sharded runs, the plan's ms
-and a digest of its compute steps without value names (equal digests: the same
-plan), and optimize's CPU s. Run it under several
-PYTHONHASHSEEDs to see the plan does not depend on the hash seed either.
+count, generation's stop, runs and layout pairs, the layout pairs when each round of sharded runs started, the
+plan's ms, a digest of its compute steps without value names (equal digests: the same plan), the extraction's
+extractor and stop, the moves priced, and optimize's CPU s. With --generation it stops after generation and lists
+the sharded runs made (kernel and input shapes, counted): equal lists with and without --extra-op (but the extra
+op's own) say the cut kept the same runs. Run it under several PYTHONHASHSEEDs to compare hash seeds.
 """
 from __future__ import annotations
 
@@ -116,7 +117,9 @@ def main() -> None:
           f"{gen.runs} runs, {gen.runs_left_out} left out, {gen.layout_pairs:,} layout pairs; pairs at each round's "
           f"start {rounds}; plan {result.plan.cost * 1e3:.4f} ms, {result.status}, peak "
           f"{result.peak_memory / 1e9:.2f} GB, steps {hashlib.sha256(steps.encode()).hexdigest()[:12]}; "
-          f"optimize {cpu:.1f} CPU s", flush=True)
+          f"extraction {result.selection.extractor}, stopped by {result.selection.stopped_by}, "
+          f"node sum {result.selection.dag_cost * 1e3:.4f} ms; moves priced {result.stats.moves:,}, unpriced "
+          f"{result.stats.moves_unpriced:,}; optimize {cpu:.1f} CPU s", flush=True)
 
 
 if __name__ == "__main__":
