@@ -278,9 +278,7 @@ class Generator:
         layouts making `max_pairs` ordered pairs (reshards to make and price; docs/cost-models.md, "Budgets", has
         the case), or, a safety net only, `deadline` (a `clock()` time: CPU seconds). A stop thus leaves every
         node similar choices, which fit together, rather
-        than some nodes all of theirs and the rest none. Within a round the budgets are checked between groups
-        of nodes with one signature, the most work first (`_ranked`): what a stop keeps depends on the graph's
-        structure, not on the order or count of its nodes; the runs go in in todo's order. Each pair of graph values `twins` (a folded graph's
+        than some nodes all of theirs and the rest none. Each pair of graph values `twins` (a folded graph's
         copies 0 and 1 of one layer value) is then held in the layouts of both (`_alike`)."""
         started = clock()
         todo = self._dequeue()
@@ -294,13 +292,15 @@ class Generator:
         limit = math.inf if max_nodes is None else max_nodes
         data = self.data_dims(todo) if self.mesh.size > DATA_FIRST_DEVICES else [None] * len(todo)
         counts = [self.interner.count(item.sig, True, dims) for item, dims in zip(todo, data)]
-        stopped_by, sharded_runs, pending = "", 0, 0
+        stopped_by, sharded_runs, batch = "", 0, []
         for rank in range(max(counts, default=0)):
-            made: dict[int, list[Any]] = {}  # todo index -> its rank-th run, inserted in todo's order
-            for group in self._ranked(todo, counts, data, rank):
-                if size + ENODES_PER_RUN * (pending + len(group)) >= limit:  # near the limit: measure
-                    self.session.insert([command for n in sorted(made) for command in made.pop(n)])
-                    size, pending = self.session.size(), 0
+            for item, count, dims in zip(todo, counts, data):
+                if rank >= count:
+                    continue
+                if len(batch) >= CHUNK or size + ENODES_PER_RUN * len(batch) >= limit:  # near the limit: measure
+                    self.session.insert(batch)
+                    batch = []
+                    size = self.session.size()
                 if sharded_runs >= max_runs:
                     stopped_by = "runs"
                 elif self.layout_pairs >= max_pairs:
@@ -311,14 +311,11 @@ class Generator:
                     stopped_by = SAFETY_NET_STOP
                 if stopped_by:
                     break
-                for n in group:
-                    made[n] = self._runs(todo[n], sharded=True, rank=rank, data=data[n])
-                sharded_runs += len(group)
-                pending += len(group)
-            self.session.insert([command for n in sorted(made) for command in made[n]])
+                batch += self._runs(item, sharded=True, rank=rank, data=dims)
+                sharded_runs += 1
             if stopped_by:
                 break
-        self.session.insert(self._alike(twins) + self._links())
+        self.session.insert(batch + self._alike(twins) + self._links())
         return GenerationStats(clock() - started, len(todo), runs + sharded_runs,
                                sum(counts) - sharded_runs, stopped_by,
                                self.session.size(), len(self.layouts) + sum(map(len, self.layouts.values())),
@@ -344,28 +341,6 @@ class Generator:
             todo.append(Queued(item.key, sig, args, out))
         self.queued = []
         return todo
-
-    @staticmethod
-    def _ranked(todo: Sequence[Queued], counts: Sequence[int], data: Sequence[frozenset[int] | None],
-                rank: int) -> list[list[int]]:
-        """The indices in `todo` of the nodes with a rank-th candidate, in groups that go in whole or not at all:
-        one group per signature and batch dims (one candidate: every layer's copy of an op, and a rule's twins of
-        it), the most work (index points times FLOPs per point) first, then by the group's text. A budget that stops
-        in a round then keeps the same groups whatever the nodes' order and count: in todo's order (the graph's,
-        then egglog's for the rules' nodes) it kept a prefix, and one op more before the stop (the causal mask's
-        `& True` not folded) pushed the last node out (docs/benchmarks.md, "Layout pairs cut by structure")."""
-        groups: dict[tuple[Any, ...], list[int]] = defaultdict(list)
-        for n, (item, count, dims) in enumerate(zip(todo, counts, data)):
-            if rank < count:
-                sig = item.sig
-                dims_key = None if dims is None else tuple(sorted(dims))
-                groups[(sig.kernel.name, sig.params, sig.input_shapes, sig.input_dtypes, dims_key)].append(n)
-
-        def order(key: tuple[Any, ...]) -> tuple[float, str]:
-            spec = todo[groups[key][0]].sig.spec
-            return -float(math.prod(spec.sizes) * spec.flops_per_point), repr(key)
-
-        return [groups[key] for key in sorted(groups, key=order)]
 
     def data_dims(self, todo: Sequence[Queued]) -> list[frozenset[int] | None]:
         """Per node, the index dims that come from the step's token ids: those reading a dim of a batch argument
