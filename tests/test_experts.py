@@ -22,7 +22,9 @@ from tapestry.plan import Compute, Place, Plan, build_plan
 from tapestry.plan.simulate import simulate
 from tapestry.plan.validate import plan_problems
 from tapestry.sharding import Layout, Mesh
-from tapestry.sharding.partition import candidate_partitions, exchange_imbalance, exchange_work, exchanged_blocks, is_partial, make_partition
+from tapestry.sharding.partition import (
+    candidate_partitions, exchange_imbalance, exchange_work, exchanged_blocks, is_partial, make_partition,
+)
 
 ROWS, DIM, OUT, EXPERTS = 12, 3, 5, 4
 # Routings (each expert's end row): uneven, empty experts, rows no expert owns, every row to one expert.
