@@ -17,11 +17,14 @@ from tapestry.importer.rewrites import BATCH_WIDE_REWRITES
 from tapestry.lower.program import PlaceBlock
 from tapestry.models import moe_layer, moe_routing
 from tapestry.cost import DefaultCostModel, load_profile
+from tapestry.cost.breakdown import breakdown
 from tapestry.plan import Compute, Place, Plan, build_plan
 from tapestry.plan.simulate import simulate
 from tapestry.plan.validate import plan_problems
 from tapestry.sharding import Layout, Mesh
-from tapestry.sharding.partition import candidate_partitions, exchanged_blocks, is_partial, make_partition
+from tapestry.sharding.partition import (
+    candidate_partitions, exchange_imbalance, exchange_work, exchanged_blocks, is_partial, make_partition,
+)
 
 ROWS, DIM, OUT, EXPERTS = 12, 3, 5, 4
 # Routings (each expert's end row): uneven, empty experts, rows no expert owns, every row to one expert.
@@ -601,6 +604,7 @@ import hashlib, json, numpy as np, torch, tapestry
 from tapestry.importer import from_torch
 from tapestry.importer.zoo import FAMILIES
 from tapestry.cost import DefaultCostModel, load_profile
+from tapestry.cost.breakdown import breakdown
 from tapestry.optimizer import default_cost_model
 from tapestry.plan import Compute
 from tapestry.plan.simulate import simulate
@@ -679,6 +683,46 @@ def test_an_expert_parallel_grouped_mm_reads_only_its_experts_weights_and_does_i
     flops = [sig.cost(b)[0] for b in exchanged_blocks(sig, ep.blocks, ep.exchange, mesh)]
     assert flops == [sig.cost(b)[0] for b in rows.blocks]  # the same rows' work as a row split
     assert H100.comm.step_cost(ep, mesh) == pytest.approx(2 * 3 * H100.comm.group_link((0,), mesh).alpha)
+
+
+def test_experts_split_unevenly_are_priced_by_the_busiest_device_so_even_groups_beat_the_ragged_whole_axis():
+    """6 experts on Mesh(4): over the whole axis (2, 2, 1, 1 experts) a device with 2 meets a third of all the
+    rows; in runs of 2 (3 experts each, the rows split between the runs) a quarter. The step waits for its
+    busiest device, so the ragged split's compute (and its FLOPs in the breakdown) is 4/3 the grouped one's,
+    though each of its devices holds its own rows and reads fewer weights."""
+    g = moe_layer(4096, 4096, 14336, 6, 2, "bfloat16")
+    sig, mesh = g.signature("experts_up"), Mesh(4)
+    parts = [make_partition(sig, mesh, (None,), exchange=(0,)),
+             make_partition(sig, mesh, (sig.dims.index("row"),), (0,), exchange_group=2)]
+    ragged, grouped = [Compute.running(sig, p) for p in parts]
+    assert [b.shape[3] for b in ragged.blocks] == [2, 2, 1, 1] and {b.shape[3] for b in grouped.blocks} == {3}
+    assert sig.cost(ragged.blocks[0])[1] < sig.cost(grouped.blocks[0])[1]  # 2 experts' weights read, not 3
+    most = [max(sig.cost(b)[0] for b in exchange_work(sig, s.blocks, s.exchange, mesh, s.exchange_group))
+            for s in (ragged, grouped)]
+    assert most[0] == pytest.approx(4 / 3 * most[1])
+    assert H100.roofline.compute_time(ragged, mesh) > 1.3 * H100.roofline.compute_time(grouped, mesh)
+    flops = [breakdown(build_plan(g, mesh, partitions={"experts_up": p}), H100, H100.profile.device).model_seconds
+             for p in parts]
+    assert flops[0] - flops[1] == pytest.approx((most[0] - most[1]) / H100.profile.device.peak("bfloat16"))
+
+
+def test_an_exchanged_gather_whose_table_rows_split_unevenly_is_priced_by_the_device_receiving_most():
+    """A table of 8190 rows on Mesh(4) (2048, 2048, 2047, 2047 rows a device): under uniform indices a device
+    receives its table rows' share of the rows asked for, so the all-to-alls are priced at the largest share over
+    the even one, 2048 x 4 / 8190."""
+    rows, hidden, mesh = 8192, 4096, Mesh(4)
+    link = H100.comm.group_link((0,), mesh)
+    times = []
+    for table_rows in (8192, 8190):
+        g = Graph()
+        table, idx = g.input("x", (table_rows, hidden), "bfloat16"), g.input("idx", (rows,), "int64")
+        g.output("y", g.op("take_rows", table, idx, rows=table_rows, name="gather"))
+        sig = g.signature("gather")
+        step = Compute.running(sig, make_partition(sig, mesh, (None,), exchange=(0,)))
+        times.append(H100.comm.exchange_time(step, mesh) - 9 * link.alpha)
+    busiest = 2048 * 4 / 8190
+    assert exchange_imbalance(sig, step.blocks, step.exchange, mesh) == pytest.approx(busiest)
+    assert times[1] == pytest.approx(busiest * times[0])
 
 
 def test_optimize_splits_the_experts_of_a_mixtral_sized_layer_by_cost():

@@ -24,7 +24,7 @@ from tapestry.cost.roofline import compute_dtype
 from tapestry.plan.plan import Compute, Place, Plan, Reshard, Step
 from tapestry.sharding import Mesh
 from tapestry.sharding.collectives import classify_reshard
-from tapestry.sharding.partition import exchanged_blocks
+from tapestry.sharding.partition import exchange_work
 
 HIDDEN = "hidden reductions"  # the kind under which the overlap credit is listed (negative seconds)
 FUSED = "fused away"  # the kind under which a phase's fusion saving is listed (negative seconds)
@@ -187,7 +187,7 @@ def _priced(step: Compute | Reshard, mesh: Mesh, model: CostModel, device: Devic
     cost = model.step_cost(step, mesh)
     if isinstance(step, Reshard):
         return cost, str(classify_reshard(step.src_layout, step.layout, step.shape, mesh)), 0.0
-    sig = step.signature  # an exchange step's work: its rows with every expert (exchanged_blocks)
-    work = exchanged_blocks(sig, step.blocks, step.exchange, mesh, step.exchange_group)
+    sig = step.signature  # an exchange step's work: its experts with every row of its group (exchange_work)
+    work = exchange_work(sig, step.blocks, step.exchange, mesh, step.exchange_group)
     flops = max((sig.cost(b)[0] for b in work if b is not None and not b.is_empty), default=0.0)
     return cost, compute_kind(step, device), flops / device.peak("bfloat16")

@@ -53,6 +53,7 @@ from tapestry.sharding import Layout, Mesh
 from tapestry.sharding.collectives import Collective, Group, classify_reshard, local_layouts, reshard_groups
 from tapestry.sharding.comm import clipped_pair, received_counts, received_floors
 from tapestry.sharding.layout import split_dims
+from tapestry.sharding.partition import exchange_imbalance
 from tapestry.sharding.symmetry import Symmetries, relabellings
 
 # collective: p -> (alpha terms, fraction of the n-byte buffer crossing each device's link)
@@ -318,7 +319,8 @@ class AlphaBeta:
     def exchange_time(self, step: Compute, mesh: Mesh) -> float:
         """An expert-parallel step's all-to-alls (see the module doc) along its exchange axes: the counts, the
         largest block of each travelling input there and the largest output block back, of which the kernel's
-        `Exchange.leaving` share crosses links (the slowest link of the axes)."""
+        `Exchange.leaving` share crosses links (the slowest link of the axes), scaled by what the busiest device
+        receives where the experts split unevenly (`exchange_imbalance`)."""
         sig = step.signature
         moving = [(layout, d) for layout, d, dim in zip(step.arg_layouts, sig.input_dtypes, travels(sig))
                   if dim is not None]
@@ -328,7 +330,8 @@ class AlphaBeta:
         p = step.exchange_group or math.prod(mesh.shape[a] for a in step.exchange)
         link = self.group_link(step.exchange, mesh)
         calls = (0 if sig.kernel.exchange.counted else 1) + len(moving) + returning
-        return calls * (p - 1) * link.alpha + sig.kernel.exchange.leaving(p) * (there + back) / link.beta
+        busiest = exchange_imbalance(sig, step.blocks, step.exchange, mesh, step.exchange_group)
+        return calls * (p - 1) * link.alpha + sig.kernel.exchange.leaving(p) * busiest * (there + back) / link.beta
 
     def step_cost(self, step: Step, mesh: Mesh) -> float:
         """The reshard's (or an expert-parallel step's all-to-alls') time, stretched like compute when the mesh

@@ -16,7 +16,7 @@ from tapestry.cost.profile import DeviceProfile
 from tapestry.kernels import Signature
 from tapestry.plan.plan import Compute, Step
 from tapestry.sharding import Block, Mesh
-from tapestry.sharding.partition import exchanged_blocks
+from tapestry.sharding.partition import exchange_work
 
 
 # What a view step costs: far below any launch, so it never outweighs a real saving, but not zero, so among
@@ -47,8 +47,8 @@ class Roofline:
         towards rewrites that merely remove transposes.
 
         `work`: the block whose FLOPs the device does, where it differs from the block it reads (an expert-parallel
-        step reads its experts' weights and computes the rows of the whole axis that meet them: as many, under
-        even routing, as its own rows with every expert, `exchanged_blocks`).
+        step reads its own block, its experts' weights, and computes the rows of its whole group that meet them,
+        `exchange_work`: where the experts split unevenly the busiest device meets more rows than its own).
         """
         if block is None or block.is_empty:
             return 0.0
@@ -63,10 +63,10 @@ class Roofline:
     def compute_time(self, step: Compute, mesh: Mesh) -> float:
         """The slowest device's shard time, priced once per distinct block, and where the kernel has no `work`
         (what a block costs is then its shape's, `Signature.cost`) once per block shape: 512 devices' even
-        blocks have one or two shapes."""
+        blocks have one or two shapes. Ragged blocks (a dim the devices do not divide) so cost their largest."""
         sig = step.signature
         if step.exchange:
-            work = exchanged_blocks(sig, step.blocks, step.exchange, mesh, step.exchange_group)
+            work = exchange_work(sig, step.blocks, step.exchange, mesh, step.exchange_group)
             return max((self.shard_time(sig, b, w) for b, w in set(zip(step.blocks, work))), default=0.0)
         blocks = set(step.blocks)
         if sig.kernel.work is None:

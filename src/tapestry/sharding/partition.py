@@ -261,18 +261,48 @@ def exchanged_blocks(sig: Signature, blocks: tuple[Block, ...], exchange: tuple[
     may split: data parallel, the sums partial over it). `group`: as `exchange_groups`."""
     if not exchange:
         return blocks
-    widened = sig.dims.index(sig.kernel.exchange.experts if returns(sig) else sig.kernel.exchange.rows)
-    found = list(blocks)
+    widened = sig.kernel.exchange.experts if returns(sig) else sig.kernel.exchange.rows
+    return _widened(blocks, sig.dims.index(widened), exchange_groups(mesh, exchange, group))
+
+
+def exchange_work(sig: Signature, blocks: tuple[Block, ...], exchange: tuple[int, ...], mesh: Mesh,
+                  group: int = 0) -> tuple[Block, ...]:
+    """The index block whose FLOPs each device of an exchange step does under even routing: its experts with
+    every row of its group, whichever way the results go. Where the experts split unevenly (60 over 8 devices:
+    8 on some, 7 on others) the busiest device meets more rows than its own with every expert (what
+    `exchanged_blocks` covers for grouped_mm), and the step waits for it. `group`: as `exchange_groups`."""
+    if not exchange:
+        return blocks
+    return _widened(blocks, sig.dims.index(sig.kernel.exchange.rows), exchange_groups(mesh, exchange, group))
+
+
+def exchange_imbalance(sig: Signature, blocks: tuple[Block, ...], exchange: tuple[int, ...], mesh: Mesh,
+                       group: int = 0) -> float:
+    """How many times its even share of its group's rows the busiest device of an exchange step receives (and,
+    where the results return, sends back) under even routing: its experts' share of its group's, times the
+    group's size; 1 where the experts split evenly (60 experts over 8 devices: 8 / 7.5)."""
+    experts = sig.dims.index(sig.kernel.exchange.experts)
+    most = 1.0
     for group_devices in exchange_groups(mesh, exchange, group):
+        members = [blocks[k] for k in group_devices if blocks[k] is not None and not blocks[k].is_empty]
+        held = max(b.end[experts] for b in members) - min(b.start[experts] for b in members) if members else 0
+        if held:
+            most = max(most, max(b.shape[experts] for b in members) * len(group_devices) / held)
+    return most
+
+
+def _widened(blocks: tuple[Block, ...], dim: int, groups: list[tuple[int, ...]]) -> tuple[Block, ...]:
+    """Each device's block with `dim` widened to the span of its group's blocks there."""
+    found = list(blocks)
+    for group_devices in groups:
         members = [blocks[k] for k in group_devices if blocks[k] is not None]
         if not members:
             continue
-        lo, hi = min(b.start[widened] for b in members), max(b.end[widened] for b in members)
+        lo, hi = min(b.start[dim] for b in members), max(b.end[dim] for b in members)
         for k in group_devices:
             b = blocks[k]
             if b is not None:
-                found[k] = ZRange(b.start[:widened] + (lo,) + b.start[widened + 1:],
-                                  b.end[:widened] + (hi,) + b.end[widened + 1:])
+                found[k] = ZRange(b.start[:dim] + (lo,) + b.start[dim + 1:], b.end[:dim] + (hi,) + b.end[dim + 1:])
     return tuple(found)
 
 
