@@ -196,7 +196,9 @@ def table(rows: list[dict[str, Any]], defaults: dict[str, Any]) -> str:
                  f"{r['import_s']:.1f} ({r['import_cpu_s']:.1f}) | "
                  f"{r['optimize_s']:.0f} ({r['optimize_cpu_s']:.0f}) | {r['rss'] / 2**30:.2f} |")
         against = "—" if best is None or "cost" not in r else f"{r['cost'] * 1e3 / best[0]:.2f}"
-        hand_cells = "— | — |" if best is None else f"{best[1]} {best[0]:.1f} ({best[2]:.1%}) | {against} |"
+        refused = ", ".join(r.get("hand", {}).get("errors", {}))
+        none = f"none (refused: {refused}) | — |" if refused else "— | — |"
+        hand_cells = none if best is None else f"{best[1]} {best[0]:.1f} ({best[2]:.1%}) | {against} |"
         if "error" in r:
             lines.append(first + f" **{r['error'][:400]}** | — | — | — ({a['budget_gb']:g}) | — | — | "
                          f"{hand_cells}")
