@@ -207,7 +207,11 @@ def hand_plans(imported: Any, case: Case, model: Any, errors: dict[str, str],
     graph = imported.graph
     mesh = tapestry.Mesh(*case.shape)
     if graph.carried:
-        built = {HAND_NAMES[name]: plan for name, plan in baselines(graph, mesh).items()}
+        refused: dict[str, str] = {}
+        built = {HAND_NAMES[name]: plan for name, plan in baselines(graph, mesh, refused).items()}
+        for name, why in refused.items():  # a strategy that cannot apply says why, not a blank
+            errors[HAND_NAMES.get(name, name)] = why
+            print(f"  {HAND_NAMES.get(name, name)}: refused: {why}", flush=True)
         builders = {name: lambda plan=plan: plan for name, plan in built.items()}
         arguments, experts = step_arguments(graph), expert_weights(graph)
     else:

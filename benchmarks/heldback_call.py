@@ -3,11 +3,12 @@ imported with `from_torch`, then `tapestry.optimize(..., Mesh(8, 8), gpu-h100-nc
 
     python benchmarks/heldback_call.py [--family llama] [--hidden 256] [--intermediate 512] [--heads 8]
         [--kv-heads 8] [--head-dim 0] [--vocab 1024] [--layers 2] [--mesh 8x8] [--batch 8] [--seq 128]
-        [--budget-gb 80] [--profile gpu-h100-nccl] [--dtype float32] [--inference] [--hand] [--json OUT]
+        [--budget-gb 80] [--profile gpu-h100-nccl] [--dtype float32] [--inference] [--optimizer adam|adamw|sgd]
+        [--momentum 0] [--hand] [--json OUT]
     python benchmarks/heldback_call.py --table OUT     # the rows as docs/benchmarks.md's table
 
 `--family` picks the transformers config and model class (llama, mistral, qwen2, mixtral, qwen2_moe, gemma, gemma2,
-phi3, olmo, stablelm, falcon); the widths are flags, the defaults a small LLaMA. Prints import and optimize wall and
+phi3, olmo, stablelm, falcon, gpt_neox, gpt2); the widths are flags, the defaults a small LLaMA. Prints import and optimize wall and
 CPU seconds, peak RSS, the plan's predicted step, peak memory per device against the budget, status and MFU;
 `--hand` also prices the hand plans of benchmarks/cluster.py (data parallel, ZeRO-3, Megatron, DP x TP) by the same
 cost model, to judge the MFU by.
@@ -19,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import subprocess
 import time
 import traceback
 from collections import Counter
@@ -43,10 +45,14 @@ FAMILIES = {  # the config and model classes of each family
     "olmo": (transformers.OlmoConfig, transformers.OlmoForCausalLM),
     "stablelm": (transformers.StableLmConfig, transformers.StableLmForCausalLM),
     "falcon": (transformers.FalconConfig, transformers.FalconForCausalLM),
+    "gpt_neox": (transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM),
+    "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
 }
 RENAMED = {  # a family's own names for the LLaMA config's widths
     "falcon": {"intermediate_size": "ffn_hidden_size", "num_key_value_heads": "num_kv_heads"},
     "qwen2_moe": {"intermediate_size": "moe_intermediate_size"},
+    "gpt2": {"hidden_size": "n_embd", "intermediate_size": "n_inner", "num_hidden_layers": "n_layer",
+             "num_attention_heads": "n_head", "max_position_embeddings": "n_positions"},
 }
 
 
@@ -54,6 +60,15 @@ def peak_rss() -> int:
     """This process's peak resident set in bytes (/proc VmHWM)."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def tree() -> str:
+    """The commit this row ran on, `+` when the working tree differs from it."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True,
+                           text=True)
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
 
 
 def build(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor]:
@@ -73,6 +88,8 @@ def build(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor]:
         widths.update(head_dim=args.head_dim or args.hidden // args.heads)
     if args.family == "falcon":  # Falcon-40B's grouped-query layout, where the KV heads are a flag
         widths.update(new_decoder_architecture=True)
+    if args.family in ("gpt_neox", "gpt2"):  # multi-head attention only (no KV-head flag)
+        widths.pop("num_key_value_heads")
     widths = {RENAMED.get(args.family, {}).get(name, name): value for name, value in widths.items()}
     with torch.device("meta"):
         model = model_class(config_class(**widths)).to(getattr(torch, args.dtype))
@@ -83,7 +100,7 @@ def build(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor]:
 def call(args: argparse.Namespace) -> dict[str, Any]:
     """The held-back call, with what it reads (plan.cost, peak_memory) and what judges it; an error is a row."""
     model, ids = build(args)
-    row: dict[str, Any] = {"args": vars(args), "load": os.getloadavg()[0]}
+    row: dict[str, Any] = {"args": vars(args), "load": os.getloadavg()[0], "tree": tree()}
 
     def loss(module: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return module(input_ids=ids, labels=labels, use_cache=False).loss
@@ -93,7 +110,7 @@ def call(args: argparse.Namespace) -> dict[str, Any]:
         imported = tapestry.from_torch(model.eval(), (ids,), {"use_cache": False}, verbose=False)
     else:
         imported = tapestry.from_torch(model, (ids, ids), verbose=False,
-                                       training=tapestry.Training(loss=loss, optimizer="adam", lr=1e-4))
+                                       training=training(args, loss))
     row.update(import_s=time.perf_counter() - wall, import_cpu_s=time.process_time() - cpu,
                ops=len(imported.graph.ops))
     print(f"import: {row['import_s']:.1f} s wall, {row['import_cpu_s']:.1f} s CPU, {row['ops']} ops", flush=True)
@@ -142,6 +159,12 @@ def exchanges(plan: Any) -> dict[str, int]:
     return dict(sorted(found.items()))
 
 
+def training(args: argparse.Namespace, loss: Any) -> tapestry.Training:
+    """The step's optimizer from the flags (Adam by default, as the held-back call's)."""
+    options: dict[str, Any] = {"momentum": args.momentum} if args.optimizer == "sgd" else {}
+    return tapestry.Training(loss=loss, optimizer=args.optimizer, lr=1e-4, **options)
+
+
 def hand(imported: Any, mesh: Any, cost_model: Any, flops: float, dtype: str) -> dict[str, Any]:
     """benchmarks/cluster.py's hand plans for this graph on as many devices, each (ms, GB per device, MFU)."""
     from cluster import Case, hand_plans
@@ -185,7 +208,9 @@ def table(rows: list[dict[str, Any]], defaults: dict[str, Any]) -> str:
                  f"{r['import_s']:.1f} ({r['import_cpu_s']:.1f}) | "
                  f"{r['optimize_s']:.0f} ({r['optimize_cpu_s']:.0f}) | {r['rss'] / 2**30:.2f} |")
         against = "—" if best is None or "cost" not in r else f"{r['cost'] * 1e3 / best[0]:.2f}"
-        hand_cells = "— | — |" if best is None else f"{best[1]} {best[0]:.1f} ({best[2]:.1%}) | {against} |"
+        refused = ", ".join(r.get("hand", {}).get("errors", {}))
+        none = f"none (refused: {refused}) | — |" if refused else "— | — |"
+        hand_cells = none if best is None else f"{best[1]} {best[0]:.1f} ({best[2]:.1%}) | {against} |"
         if "error" in r:
             lines.append(first + f" **{r['error'][:400]}** | — | — | — ({a['budget_gb']:g}) | — | — | "
                          f"{hand_cells}")
@@ -222,6 +247,8 @@ def arguments() -> argparse.ArgumentParser:
     step.add_argument("--training", dest="inference", action="store_false", help="an Adam step (the default)")
     step.add_argument("--inference", action="store_true", help="the forward pass only")
     parser.set_defaults(inference=False)
+    parser.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd"))
+    parser.add_argument("--momentum", type=float, default=0.0, help="sgd: torch.optim.SGD's momentum")
     parser.add_argument("--hand", action="store_true", help="also price cluster.py's hand plans")
     parser.add_argument("--json", help="append the row to this JSON list")
     parser.add_argument("--table", help="print the rows of this JSON list (--json) as a markdown table, and stop")

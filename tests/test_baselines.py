@@ -119,6 +119,21 @@ def test_the_baselines_are_a_training_steps_data_parallel_zero3_and_tensor_paral
     assert baselines(imported.graph, tapestry.Mesh(32)) == {}  # 16 rows and 16 hidden do not split 32 ways
 
 
+def test_a_hand_plan_that_cannot_apply_says_why_it_was_refused():
+    """On a mesh whose devices divide neither the batch nor any weight (Mesh(4, 6) for a 7B step) no hand plan is
+    made: each strategy says why, rather than the table showing none unexplained."""
+    imported, _ = adam_step(8, 16, 16)
+    refused: dict[str, str] = {}
+    assert baselines(imported.graph, tapestry.Mesh(32), refused) == {}
+    assert set(refused) == {"tensor parallel", "data parallel", "ZeRO-3", "FSDP"}
+    assert "does not split over the mesh's 32 devices" in refused["data parallel"]
+    assert "32 devices" in refused["tensor parallel"] and "divides among the mesh's 32 devices" in refused["FSDP"]
+    refused.clear()
+    assert baselines(imported.graph, tapestry.Mesh(2, 3), refused) == {}
+    assert set(refused) == {"tensor parallel", "data and tensor parallel", "data parallel", "ZeRO-3", "FSDP"}
+    assert "last axis (3)" in refused["data and tensor parallel"]
+
+
 def test_megatrons_splits_are_found_from_the_graphs_structure():
     """Column-parallel (the first linear's weight and bias on its output features), then row-parallel (the second's
     weight on its input features), each weight's Adam state like it: what tests name by hand (HIDDEN)."""

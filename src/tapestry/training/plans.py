@@ -370,7 +370,7 @@ def _reader(sig: Signature, args: Sequence[str], index_dims: set[int], among: Se
     return reads[0] if len(reads) == 1 else None
 
 
-def baselines(graph: Graph, mesh: Mesh) -> dict[str, Plan]:
+def baselines(graph: Graph, mesh: Mesh, refused: dict[str, str] | None = None) -> dict[str, Plan]:
     """The hand plans of a training step (`graph.carried`) on `mesh`: Megatron tensor parallel over every device
     (the mesh's axes taken as one) and, on a mesh of 2 or more axes, the n-D recipes (a node's devices the last
     axis): data parallel over the outer axes jointly with tensor parallel over the last, their weights' splits found
@@ -385,8 +385,11 @@ def baselines(graph: Graph, mesh: Mesh) -> dict[str, Plan]:
     it leaves outer axes over, a MoE also gets data and expert parallel with the sequence whole there, and data,
     tensor and expert parallel with the data part whole over every outer axis (each node a replica). A
     strategy build_plan cannot make of this graph (a ValueError naming the op, or experts that do not split over
-    the devices) is no baseline either: the optimizer's plan stands without it."""
+    the devices) is no baseline either: the optimizer's plan stands without it. `refused` gets, per dense strategy not made,
+    why (a 7B step on Mesh(4, 6), whose devices divide no weight pair and no batch, had none, unexplained)."""
+    refused = {} if refused is None else refused
     if not graph.carried:
+        refused["every strategy"] = "not a training step (no carried state)"
         return {}
     arguments = step_arguments(graph)
     makers = {}
@@ -394,14 +397,23 @@ def baselines(graph: Graph, mesh: Mesh) -> dict[str, Plan]:
     hidden = tensor_parallel_seeds(expanded, mesh.size)
     if hidden:
         makers["tensor parallel"] = lambda: megatron(graph, mesh, hidden)
+    else:
+        refused["tensor parallel"] = f"no weight pair splits evenly over the mesh's {mesh.size} devices"
     if mesh.ndim >= 2 and arguments:
         inner = tensor_parallel_seeds(expanded, mesh.shape[-1])
         if inner:
             makers["data and tensor parallel"] = lambda: data_tensor_parallel(graph, mesh, arguments, inner)
-    if arguments and any(graph[a].shape[0] % mesh.size for a in arguments):
+        else:
+            refused["data and tensor parallel"] = f"no weight pair splits evenly over the last axis ({mesh.shape[-1]})"
+    sizes = {a: graph[a].shape[0] for a in arguments}
+    if not arguments:
+        refused["data parallel"] = "the step has no batch arguments"
+    elif any(n % mesh.size for n in sizes.values()):
         makers["FSDP"] = lambda: fsdp(graph, mesh, arguments)
+        for name in ("data parallel", "ZeRO-3"):
+            refused[name] = f"the batch (dim 0 of {sizes}) does not split over the mesh's {mesh.size} devices"
     experts = expert_weights(graph) if arguments else {}
-    if arguments and not any(graph[a].shape[0] % mesh.size for a in arguments):
+    if arguments and not any(n % mesh.size for n in sizes.values()):
         makers["data parallel"] = lambda: data_parallel(graph, mesh, arguments)
         makers["ZeRO-3"] = lambda: zero3(graph, mesh, arguments)
         if experts:
@@ -422,8 +434,8 @@ def baselines(graph: Graph, mesh: Mesh) -> dict[str, Plan]:
     for name, make in makers.items():
         try:
             found[name] = make()
-        except ValueError:
-            continue
+        except ValueError as err:
+            refused[name] = str(err).splitlines()[0]
     return found
 
 
