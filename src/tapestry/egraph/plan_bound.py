@@ -66,10 +66,9 @@ from tapestry.cost.overlap import overlap, upstream
 from tapestry.egraph.decode import Decoder, DNode
 from tapestry.egraph.group_launches import group_launches
 from tapestry.extract import EGraph as ExtractGraph
-from tapestry.extract.contract import contracted, value_blocks
+from tapestry.extract.contract import contracted_bound
 from tapestry.extract.ilp import CONTRACT_FROM, LP_NODES_PER_SECOND, reduced_blocks
-from tapestry.extract.relax import Lp, rounding_safe
-from tapestry.extract.separation import OutOfTime
+from tapestry.extract.relax import LpBound, lp_bound
 from tapestry.extract.tree import solvable_tree
 from tapestry.extract.work import Deadline, Meter
 from tapestry.plan import Plan
@@ -225,9 +224,9 @@ def plan_bound(decoder: Decoder, egraph: ExtractGraph, model: CostModel, plan: P
         costs = [f * (1 - weight if n in reductions else weight if n in backward else 1.0)
                  if math.isfinite(f) else f for n, f in enumerate(base)]
         solved = _lp(egraph.with_costs(costs), deadline)
-        if solved is None:
+        if solved.values is None:
             return None
-        bound, values = solved
+        bound, values = solved.bound, solved.values
         parts = [sum(base[n] * x for n, x in values.items() if n in role) for role in (reductions, backward)]
         found.append((weight, bound + added, *parts))
         return found[-1]
@@ -267,27 +266,13 @@ def _exposed(plan: Plan, model: CostModel) -> bool:
     return found.reductions > found.backward
 
 
-def _lp(egraph: ExtractGraph, deadline: Deadline) -> tuple[float, dict[int, float]] | None:
-    """The Lagrangian bound of the LP of `egraph`'s selections (its contracted problem's past CONTRACT_FROM
-    candidates) and its solution per node of `egraph` (contracted nodes left out); None where not solved in time,
-    or where its candidates are more than the work left takes on (ilp.LP_NODES_PER_SECOND)."""
+def _lp(egraph: ExtractGraph, deadline: Deadline) -> LpBound:
+    """The LP of `egraph`'s selections (its contracted problem's past CONTRACT_FROM candidates; contracted nodes
+    past `egraph.num_nodes` in its values); unsolved (bound 0, no values) where its candidates are more than the
+    work left takes on (ilp.LP_NODES_PER_SECOND): building it alone would outrun it."""
     reduced, block = reduced_blocks(egraph, solvable_tree(egraph))
-    graph, candidates, needs = egraph, reduced.candidates, reduced.needs
-    size = sum(map(len, candidates.values()))
-    if size > LP_NODES_PER_SECOND * deadline.left():  # building it alone would outrun the work left
-        return None
-    if size > CONTRACT_FROM:
-        graph, candidates = contracted(egraph, reduced.candidates, block)
-        block, needs = value_blocks(egraph, reduced.candidates, block, reduced.needs)
-    try:
-        lp = Lp(graph, candidates, block, needs, (), deadline)
-        lp.highs.setOptionValue("solver", SOLVER)
-        bound, values = lp.solve(deadline)
-        if values is None and not deadline.passed():  # PDLP stopped short of its tolerances: the simplex's duals
-            lp.highs.setOptionValue("solver", "simplex")
-            bound, values = lp.solve(Deadline(deadline.meter, min(deadline.end, deadline.meter.spent + FALLBACK)))
-    except OutOfTime:
-        return None
-    if values is None:
-        return None
-    return rounding_safe(bound), {n: values[i] for n, i in lp.x.items() if n < egraph.num_nodes}
+    size = sum(map(len, reduced.candidates.values()))
+    if size > LP_NODES_PER_SECOND * deadline.left():
+        return LpBound(0.0)
+    solve = contracted_bound if size > CONTRACT_FROM else lp_bound
+    return solve(egraph, reduced.candidates, block, reduced.needs, deadline, SOLVER, FALLBACK)
