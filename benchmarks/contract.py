@@ -41,12 +41,12 @@ def main() -> None:
                               "candidates": sum(map(len, reduced.candidates.values()))}
     started = time.process_time()
     graph, kept = contracted(egraph, reduced.candidates, block)
-    bound = lp_bound(graph, kept, *value_blocks(egraph, reduced.candidates, block, reduced.needs), unbounded())
+    bound = lp_bound(graph, kept, *value_blocks(egraph, reduced.candidates, block, reduced.needs), unbounded()).bound
     row.update(contracted_candidates=sum(map(len, kept.values())),
                contracted_cpu=round(time.process_time() - started, 2), contracted_gap=(greedy - bound) / greedy)
     if not args.no_full:
         started = time.process_time()
-        bound = lp_bound(egraph, reduced.candidates, block, reduced.needs, unbounded())
+        bound = lp_bound(egraph, reduced.candidates, block, reduced.needs, unbounded()).bound
         row.update(full_cpu=round(time.process_time() - started, 2), full_gap=(greedy - bound) / greedy)
     print(json.dumps(row), flush=True)
 

@@ -34,7 +34,7 @@ def row(name: str, mesh: Mesh, time_limit: float) -> str:
     reduced = reduce(egraph, solvable_tree(egraph))
     block = {c: reduced.block(c) for c in reduced.candidates}
     reads = read_rows_bound(egraph, reduced.candidates, block, reduced.needs)
-    contracted = contracted_bound(egraph, reduced.candidates, block, reduced.needs, unbounded())
+    contracted = contracted_bound(egraph, reduced.candidates, block, reduced.needs, unbounded()).bound
 
     def under(bound: float) -> str:
         return f"{(best.dag_cost - bound) / best.dag_cost:.3%}"

@@ -17,16 +17,38 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cluster  # noqa: E402
 
 import tapestry  # noqa: E402
+from tapestry import optimizer  # noqa: E402
 from tapestry.cost import DefaultCostModel, load_profile  # noqa: E402
 from tapestry.egraph import plan_bound  # noqa: E402
 from tapestry.egraph.group_launches import group_launches  # noqa: E402
+
+
+def optimized(graph: tapestry.Graph, mesh: tapestry.Mesh, **options: Any
+              ) -> tuple[optimizer.OptimizeResult, tuple[Any, ...], dict[str, Any]]:
+    """`tapestry.optimize`, and the arguments its result's bound was read from (`plan_bound.lazy_bound`: the
+    result keeps no decoder), to make the bound again or take it apart."""
+    made: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    lazy = optimizer.lazy_bound
+
+    def kept(*arguments: Any, **keywords: Any) -> Callable[[], plan_bound.PlanBound]:
+        made.append((arguments, keywords))
+        return lazy(*arguments, **keywords)
+
+    optimizer.lazy_bound = kept
+    try:
+        result = optimizer.optimize(graph, mesh, **options)
+    finally:
+        optimizer.lazy_bound = lazy
+    return result, *made[-1]
 
 
 def main() -> None:
@@ -42,12 +64,11 @@ def main() -> None:
     imported = cluster.build(case)
     model = DefaultCostModel(load_profile(cluster.PROFILE))
     started = time.process_time()
-    result = tapestry.optimize(imported.graph, tapestry.Mesh(*case.shape), cost_model=model,
-                               memory_budget=case.memory_budget, layers=case.fold)
+    result, arguments, keywords = optimized(imported.graph, tapestry.Mesh(*case.shape), cost_model=model,
+                                            memory_budget=case.memory_budget, layers=case.fold)
     base = {"model": args.model, "layers": args.layers, "folded": "periodic" in result.plan.notes,
             "status": result.status, "mesh": args.mesh, "seconds": result.plan.cost, "floor": result.floor,
             "optimize_cpu_s": time.process_time() - started, "load": os.getloadavg()[0]}
-    arguments, keywords = result.bounded.args, result.bounded.keywords
     if not base["folded"]:  # the fusion groups every plan launches (added at lambda 1), and what counting them takes
         device = model.profile.device
         cpu = time.process_time()

@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cluster  # noqa: E402
+from plan_bound import optimized  # noqa: E402
 
 import tapestry  # noqa: E402
 from tapestry.cost import DefaultCostModel, load_profile  # noqa: E402
@@ -38,18 +39,18 @@ def main() -> None:
                         fold=False)
     imported = cluster.build(case)
     model = DefaultCostModel(load_profile(cluster.PROFILE))
-    result = tapestry.optimize(imported.graph, tapestry.Mesh(*case.shape), cost_model=model,
-                               memory_budget=case.memory_budget, layers=False)
-    decoder, egraph, model, plan = result.bounded.args[:4]
+    _, arguments, _ = optimized(imported.graph, tapestry.Mesh(*case.shape), cost_model=model,
+                                memory_budget=case.memory_budget, layers=False)
+    decoder, egraph, model, plan = arguments[:4]
     reductions, backward = plan_bound.overlap_roles(decoder, plan.graph.carried)
     floors = plan_bound.node_floors(decoder, egraph.node_cost, model)
     costs = [0.0 if n in reductions or plan_bound._fusible(decoder, node) else f
              for n, (f, node) in enumerate(zip(floors, decoder.nodes))]
     started = time.process_time()
     solved = plan_bound._lp(egraph.with_costs(costs), Meter(60.0).until(60.0))
-    if solved is None:
+    if solved.values is None:
         raise SystemExit("the LP was not solved within 60 s of work")
-    bound, values = solved
+    bound, values = solved.bound, solved.values
 
     def kind(n: int) -> str:
         node = decoder.nodes[n]

@@ -70,7 +70,7 @@ def lp(graph: EGraph) -> tuple[float, float]:
     started = time.process_time()
     reduced = reduce(graph, solvable_tree(graph))
     block = {c: reduced.block(c) for c in reduced.candidates}
-    return lp_bound(graph, reduced.candidates, block, reduced.needs, unbounded()), time.process_time() - started
+    return lp_bound(graph, reduced.candidates, block, reduced.needs, unbounded()).bound, time.process_time() - started
 
 
 def main() -> None:

@@ -4,8 +4,10 @@ known the gap is None and explain() says why."""
 from __future__ import annotations
 
 import functools
+import gc
 import math
 import random
+import weakref
 
 import pytest
 import torch
@@ -247,3 +249,15 @@ def test_no_gap_and_the_reason_where_no_bound_is_known():
     egraph = found.decoder.extraction_graph(list(found.roots), FUSING, found.priced_moves)
     out_of_work = plan_bound(found.decoder, egraph, FUSING, found.extract(FUSING).plan, seconds=1e-9)
     assert out_of_work.seconds is None and out_of_work.gap(1.0) is None and "no LP solved" in out_of_work.why
+
+
+def test_a_result_kept_for_its_bound_keeps_no_decoder():
+    """The bound is solved when asked, from inputs read off the decoder at once: a result kept alive does not keep
+    the decoder (and the extraction graphs it caches) alive with it."""
+    found = explore(GRAPHS["mlp training"](), Mesh(2))
+    decoder = weakref.ref(found.decoder)
+    result = found.extract(FUSING)
+    del found
+    gc.collect()
+    assert decoder() is None
+    assert result.bound.seconds is not None and 0 <= result.gap < 1

@@ -32,7 +32,7 @@ from tapestry.egraph.fused_prices import fused_graph
 from tapestry.egraph.layered import Layered, value_classes
 from tapestry.egraph.lean_plans import LeanPlans
 from tapestry.egraph.objective import StepObjective, overlap_split, unless_unselectable
-from tapestry.egraph.plan_bound import PlanBound, no_bound, plan_bound
+from tapestry.egraph.plan_bound import PlanBound, lazy_bound, no_bound
 from tapestry.egraph.pins import (
     Outputs,
     check_carried,
@@ -387,8 +387,8 @@ class Explored:
         parts = floor_parts(self.whole, self.mesh, model) if only_builtin(self.rule_files) else None
         floor = None if parts is None else parts.total
         unhidden = egraph is plain and not reductions and memory_budget is None and micro_batches == 1  # a node sum
-        bound = partial(plan_bound, self.decoder, plain, model, plan, selection.bound if unhidden else None, floor,
-                        None if parts is None else parts.fusion, periodic=self.layered is not None)
+        bound = lazy_bound(self.decoder, plain, model, plan, selection.bound if unhidden else None, floor,
+                           None if parts is None else parts.fusion, periodic=self.layered is not None)
         result = OptimizeResult(plan, stats, replace(selection, status=status), self.rule_files, self.data, floor,
                                 bound)
         if status.startswith("stopped") and result.replicated_share >= REPLICATED_WARNING:

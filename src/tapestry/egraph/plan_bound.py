@@ -54,8 +54,9 @@ result with its own bound; the pipeline's schedule has none.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
 
 from tapestry.clock import clock
 from tapestry.cost import CostModel, DefaultCostModel
@@ -66,10 +67,9 @@ from tapestry.cost.overlap import overlap, upstream
 from tapestry.egraph.decode import Decoder, DNode
 from tapestry.egraph.group_launches import group_launches
 from tapestry.extract import EGraph as ExtractGraph
-from tapestry.extract.contract import contracted, value_blocks
+from tapestry.extract.contract import contracted_bound
 from tapestry.extract.ilp import CONTRACT_FROM, LP_NODES_PER_SECOND, reduced_blocks
-from tapestry.extract.relax import Lp, rounding_safe
-from tapestry.extract.separation import OutOfTime
+from tapestry.extract.relax import LpBound, lp_bound
 from tapestry.extract.tree import solvable_tree
 from tapestry.extract.work import Deadline, Meter
 from tapestry.plan import Plan
@@ -201,59 +201,98 @@ def plan_bound(decoder: Decoder, egraph: ExtractGraph, model: CostModel, plan: P
     does the whole-space `floor` (cost.floor.step_floor), and with `fusion` (cost.floor.FloorParts.fusion: what every
     plan's fusible steps cost at least) the LP at lambda 1 prices fusible nodes 0 and adds it. `periodic`: `egraph`
     is a fold's (module docstring), the plan its expansion: the LP at lambda 1 only, or the floor."""
+    return lazy_bound(decoder, egraph, model, plan, extractor_bound, floor, fusion, periodic, seconds)()
+
+
+def lazy_bound(decoder: Decoder, egraph: ExtractGraph, model: CostModel, plan: Plan,
+               extractor_bound: float | None = None, floor: float | None = None, fusion: float | None = None,
+               periodic: bool = False, seconds: float = BOUND_SECONDS) -> Callable[[], PlanBound]:
+    """`plan_bound`, its inputs read off `decoder` now and its LPs solved when called (`seconds` of work for them):
+    what a result keeps, which would otherwise keep the decoder (and the extraction graphs it caches) alive."""
     started = clock()
     floors = node_floors(decoder, egraph.node_cost, model)
     if floors is None:
-        return no_bound(f"cost model {type(model).__name__} prices steps together (plan_step_costs) in a way the "
-                        f"bound does not know")
-    reductions, backward = overlap_roles(decoder, carried := plan.graph.carried)
+        known = no_bound(f"cost model {type(model).__name__} prices steps together (plan_step_costs) in a way the "
+                         f"bound does not know")
+        return lambda: known
+    reductions, backward = overlap_roles(decoder, plan.graph.carried)
     plain = extractor_bound if not reductions and floors == list(egraph.node_cost) and not periodic else None
     fused = getattr(model, "fused_device", None) is not None and fusion is not None
     if periodic and not fused and floors != list(egraph.node_cost):  # fusion's floors are of one copy's neighbours
-        return floor_bound(floor, "periodic, and no floor of the fused steps")
+        known = floor_bound(floor, "periodic, and no floor of the fused steps")
+        return lambda: known
     unfused = [0.0 if fused and _fusible(decoder, node) else f for f, node in zip(floors, decoder.nodes)]
     if fused and not periodic:  # the fusion groups' launches, which no node is charged (egraph.group_launches)
         device = model.profile.device  # type: ignore[attr-defined]
         launch = device.launch_overhead * device.oversubscription(decoder.mesh.size)
         fusion = (fusion or 0.0) + group_launches(decoder, egraph, launch) * launch
-    deadline = Meter(seconds).until(seconds)
-    found: list[tuple[float, float, float, float]] = []  # (lambda, bound, R, B) of each LP solved
+    # a copy without what the extractors cached on the graph (`EGraph.by_costs`: their reduced problems), unread here
+    return partial(BoundInputs(replace(egraph), model, plan, floors, unfused if fused else None, fusion or 0.0,
+                               reductions, backward, plain, floor, periodic, clock() - started), seconds)
 
-    def solve(weight: float) -> tuple[float, float, float, float] | None:
-        """The LP at `weight`; at 1 with the fusible steps' floor (`fusion`) added where known."""
-        base, added = (unfused, fusion or 0.0) if weight == 1.0 and fused else (floors, 0.0)
-        costs = [f * (1 - weight if n in reductions else weight if n in backward else 1.0)
-                 if math.isfinite(f) else f for n, f in enumerate(base)]
-        solved = _lp(egraph.with_costs(costs), deadline)
-        if solved is None:
-            return None
-        bound, values = solved
-        parts = [sum(base[n] * x for n, x in values.items() if n in role) for role in (reductions, backward)]
-        found.append((weight, bound + added, *parts))
-        return found[-1]
 
-    first = solve(1.0)
-    if first is not None and reductions and carried and egraph.num_nodes <= SEARCH_NODES and not periodic \
-            and _exposed(plan, model):
-        second = solve(0.0)
-        for _ in range(WEIGHT_ROUNDS if second is not None else 0):
-            (a, fa, ra, ba), (b, fb, rb, bb) = sorted(found, key=lambda f: -f[1])[:2]
-            slope_a, slope_b = ba - ra, bb - rb  # each LP's line in lambda: its bound + slope (lambda - its lambda)
-            if abs(slope_a - slope_b) <= 1e-15:
-                break
-            crossing = (fb - fa + slope_a * a - slope_b * b) / (slope_a - slope_b)
-            if not 0.0 < crossing < 1.0 or any(abs(crossing - f[0]) < 1e-3 for f in found):
-                break
-            if solve(crossing) is None:
-                break
-    known = [(f[1], f"LP at lambda {f[0]:.3g}", f[0]) for f in found]
-    known += [(b, why, None) for b, why in ((plain, "the extractor's"), (floor, "the whole-space floor"))
-              if b is not None]
-    unsolved = f"no LP solved within {seconds:g} s of work"
-    if not known:
-        return PlanBound(None, unsolved, None, 0, clock() - started)
-    bound, source, weight = max(known, key=lambda k: k[0])
-    return PlanBound(bound, "", weight, len(found), clock() - started, source + ("" if found else f" ({unsolved})"))
+@dataclass(frozen=True, eq=False)
+class BoundInputs:
+    """What `plan_bound`'s LPs need, and nothing of the decoder: the extraction graph, the node floors (`unfused`:
+    fusible nodes at 0, where the LP at lambda 1 adds the fused steps' floor `fusion` instead; None unfused), the
+    overlap roles, the other bounds known (`plain`: the extractor's, where it bounds the plan) and the CPU seconds
+    spent reading them. Called, it solves the LPs (`seconds` of counted work for them all)."""
+
+    egraph: ExtractGraph
+    model: CostModel
+    plan: Plan
+    floors: list[float]
+    unfused: list[float] | None
+    fusion: float
+    reductions: frozenset[int]
+    backward: frozenset[int]
+    plain: float | None
+    floor: float | None
+    periodic: bool
+    read_s: float
+
+    def __call__(self, seconds: float = BOUND_SECONDS) -> PlanBound:
+        started = clock() - self.read_s
+        egraph, reductions, backward, plan = self.egraph, self.reductions, self.backward, self.plan
+        carried = plan.graph.carried
+        deadline = Meter(seconds).until(seconds)
+        found: list[tuple[float, float, float, float]] = []  # (lambda, bound, R, B) of each LP solved
+
+        def solve(weight: float) -> tuple[float, float, float, float] | None:
+            """The LP at `weight`; at 1 with the fusible steps' floor (`fusion`) added where known."""
+            base, added = (self.unfused, self.fusion) if weight == 1.0 and self.unfused is not None \
+                else (self.floors, 0.0)
+            costs = [f * (1 - weight if n in reductions else weight if n in backward else 1.0)
+                     if math.isfinite(f) else f for n, f in enumerate(base)]
+            solved = _lp(egraph.with_costs(costs), deadline)
+            if solved.values is None:
+                return None
+            parts = [sum(base[n] * x for n, x in solved.values.items() if n in role) for role in (reductions, backward)]
+            found.append((weight, solved.bound + added, *parts))
+            return found[-1]
+
+        first = solve(1.0)
+        if first is not None and reductions and carried and egraph.num_nodes <= SEARCH_NODES and not self.periodic \
+                and _exposed(plan, self.model):
+            second = solve(0.0)
+            for _ in range(WEIGHT_ROUNDS if second is not None else 0):
+                (a, fa, ra, ba), (b, fb, rb, bb) = sorted(found, key=lambda f: -f[1])[:2]
+                slope_a, slope_b = ba - ra, bb - rb  # each LP's line in lambda: its bound + slope (lambda - its lambda)
+                if abs(slope_a - slope_b) <= 1e-15:
+                    break
+                crossing = (fb - fa + slope_a * a - slope_b * b) / (slope_a - slope_b)
+                if not 0.0 < crossing < 1.0 or any(abs(crossing - f[0]) < 1e-3 for f in found):
+                    break
+                if solve(crossing) is None:
+                    break
+        known = [(f[1], f"LP at lambda {f[0]:.3g}", f[0]) for f in found]
+        known += [(b, why, None) for b, why in ((self.plain, "the extractor's"), (self.floor, "the whole-space floor"))
+                  if b is not None]
+        unsolved = f"no LP solved within {seconds:g} s of work"
+        if not known:
+            return PlanBound(None, unsolved, None, 0, clock() - started)
+        bound, source, weight = max(known, key=lambda k: k[0])
+        return PlanBound(bound, "", weight, len(found), clock() - started, source + ("" if found else f" ({unsolved})"))
 
 
 def _fusible(decoder: Decoder, node: DNode) -> bool:
@@ -267,27 +306,12 @@ def _exposed(plan: Plan, model: CostModel) -> bool:
     return found.reductions > found.backward
 
 
-def _lp(egraph: ExtractGraph, deadline: Deadline) -> tuple[float, dict[int, float]] | None:
-    """The Lagrangian bound of the LP of `egraph`'s selections (its contracted problem's past CONTRACT_FROM
-    candidates) and its solution per node of `egraph` (contracted nodes left out); None where not solved in time,
-    or where its candidates are more than the work left takes on (ilp.LP_NODES_PER_SECOND)."""
+def _lp(egraph: ExtractGraph, deadline: Deadline) -> LpBound:
+    """The LP of `egraph`'s selections (its contracted problem's past CONTRACT_FROM candidates); unsolved (bound 0, no values) where its candidates are more than the
+    work left takes on (ilp.LP_NODES_PER_SECOND): building it alone would outrun it."""
     reduced, block = reduced_blocks(egraph, solvable_tree(egraph))
-    graph, candidates, needs = egraph, reduced.candidates, reduced.needs
-    size = sum(map(len, candidates.values()))
-    if size > LP_NODES_PER_SECOND * deadline.left():  # building it alone would outrun the work left
-        return None
-    if size > CONTRACT_FROM:
-        graph, candidates = contracted(egraph, reduced.candidates, block)
-        block, needs = value_blocks(egraph, reduced.candidates, block, reduced.needs)
-    try:
-        lp = Lp(graph, candidates, block, needs, (), deadline)
-        lp.highs.setOptionValue("solver", SOLVER)
-        bound, values = lp.solve(deadline)
-        if values is None and not deadline.passed():  # PDLP stopped short of its tolerances: the simplex's duals
-            lp.highs.setOptionValue("solver", "simplex")
-            bound, values = lp.solve(Deadline(deadline.meter, min(deadline.end, deadline.meter.spent + FALLBACK)))
-    except OutOfTime:
-        return None
-    if values is None:
-        return None
-    return rounding_safe(bound), {n: values[i] for n, i in lp.x.items() if n < egraph.num_nodes}
+    size = sum(map(len, reduced.candidates.values()))
+    if size > LP_NODES_PER_SECOND * deadline.left():
+        return LpBound(0.0)
+    solve = contracted_bound if size > CONTRACT_FROM else lp_bound
+    return solve(egraph, reduced.candidates, block, reduced.needs, deadline, SOLVER, FALLBACK)

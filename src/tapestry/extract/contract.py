@@ -30,7 +30,7 @@ from scipy import sparse
 from scipy.sparse.csgraph import connected_components
 
 from tapestry.extract.egraph import EGraph
-from tapestry.extract.relax import lp_bound
+from tapestry.extract.relax import LpBound, lp_bound
 from tapestry.extract.work import Deadline
 
 
@@ -128,9 +128,14 @@ def _grown(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mappi
 
 
 def contracted_bound(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
-                     needs: Mapping[int, Sequence[int]], deadline: Deadline) -> float:
-    """A lower bound on every selection's cost: the contracted problem's LP (0 when not solved by `deadline`, in
-    simplex iterations).
+                     needs: Mapping[int, Sequence[int]], deadline: Deadline, solver: str = "",
+                     fallback: float = 0.0) -> LpBound:
+    """A lower bound on every selection's cost: the contracted problem's LP (`relax.lp_bound`, with its `solver` and
+    `fallback`; bound 0 when not solved by `deadline`, in simplex iterations), its values those of `egraph`'s nodes
+    (the contracted nodes left out).
     `candidates`, `block` and `needs` are the ILP's (`ilp.Reduced`); the LP's blocks are `value_blocks`."""
     graph, kept = contracted(egraph, candidates, block)
-    return lp_bound(graph, kept, *value_blocks(egraph, candidates, block, needs), deadline)
+    solved = lp_bound(graph, kept, *value_blocks(egraph, candidates, block, needs), deadline, solver, fallback)
+    if solved.values is None:
+        return solved
+    return LpBound(solved.bound, {n: x for n, x in solved.values.items() if n < egraph.num_nodes})

@@ -220,7 +220,7 @@ def _extract(egraph: EGraph, meter: Meter, budget: DeviceBudget | None, ties: Ti
 
     if not proven and size > CONTRACT_FROM and stop_gap > 0:  # else the full LP's bound is the one asked for
         lp_bound = _metered(egraph, ("contracted", frozen, relax_deadline.end, meter.spent), meter, lambda: (
-            contracted_bound(egraph, reduced.candidates, block, reduced.needs, relax_deadline)))
+            contracted_bound(egraph, reduced.candidates, block, reduced.needs, relax_deadline).bound))
         proven = close(PROVEN)
     if not proven and not close(stop_gap) and size <= LP_NODES_PER_SECOND * relax_deadline.left():
         # read rows only where a stop gap is asked: below CONTRACT_FROM the path cuts prove the 1-D meshes' zoo

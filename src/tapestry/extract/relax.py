@@ -205,15 +205,35 @@ class LpPass:
         return bound, _rounded(self.egraph, self.candidates, self._lp, values)
 
 
+@dataclass(frozen=True)
+class LpBound:
+    """An LP's bound (`rounding_safe`) and its solution, x per node of the e-graph it was made of (`values`: None,
+    and the bound 0, where it was not solved by the deadline)."""
+
+    bound: float
+    values: Mapping[int, float] | None = None
+
+
 def lp_bound(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mapping[int, int],
-             needs: Mapping[int, Sequence[int]], deadline: Deadline) -> float:
-    """The bound of the LP alone, without cuts or rounding (0 when it is not solved by `deadline`): what
-    `contract.py` asks of a relaxed problem, whose LP solutions are no selections of the e-graph it bounds."""
+             needs: Mapping[int, Sequence[int]], deadline: Deadline, solver: str = "",
+             fallback: float = 0.0) -> LpBound:
+    """The LP alone, without cuts or rounding: what `contract.py` asks of a relaxed problem, whose LP solutions are
+    no selections of the e-graph it bounds, and egraph.plan_bound of its weighted node costs. `solver`: HiGHS's
+    (its default where empty); where that one stops short of its tolerances (PDLP can), the dual simplex gets up
+    to `fallback` seconds more of the deadline's work."""
     try:
-        bound, values = Lp(egraph, candidates, block, needs, (), deadline).solve(deadline)
+        lp = Lp(egraph, candidates, block, needs, (), deadline)
+        if solver:
+            lp.highs.setOptionValue("solver", solver)
+        bound, values = lp.solve(deadline)
+        if values is None and fallback > 0.0 and not deadline.passed():
+            lp.highs.setOptionValue("solver", "simplex")
+            bound, values = lp.solve(Deadline(deadline.meter, min(deadline.end, deadline.meter.spent + fallback)))
     except OutOfTime:
-        return 0.0
-    return 0.0 if values is None else rounding_safe(bound)
+        return LpBound(0.0)
+    if values is None:
+        return LpBound(0.0)
+    return LpBound(rounding_safe(bound), {n: values[i] for n, i in lp.x.items()})
 
 
 @dataclass(frozen=True)
