@@ -8,10 +8,10 @@ imported with `from_torch`, then `tapestry.optimize(..., Mesh(8, 8), gpu-h100-nc
     python benchmarks/heldback_call.py --table OUT     # the rows as docs/benchmarks.md's table
 
 `--family` picks the transformers config and model class (llama, mistral, qwen2, mixtral, qwen2_moe, gemma, gemma2,
-phi3, olmo, stablelm, falcon, gpt_neox, gpt2); the widths are flags, the defaults a small LLaMA. Prints import and optimize wall and
-CPU seconds, peak RSS, the plan's predicted step, peak memory per device against the budget, status and MFU;
-`--hand` also prices the hand plans of benchmarks/cluster.py (data parallel, ZeRO-3, Megatron, DP x TP) by the same
-cost model, to judge the MFU by.
+phi3, olmo, stablelm, falcon, gpt_neox, gpt2); the widths are flags, the defaults a small LLaMA. Prints import and
+optimize wall and CPU seconds, peak RSS, the plan's predicted step, peak memory per device against the budget, status
+and MFU; `--hand` also prices the hand plans of benchmarks/cluster.py (data parallel, ZeRO-3, Megatron, DP x TP) by the
+same cost model, to judge the MFU by.
 A MemoryBudgetError (or any error) is printed and recorded, not raised: the row says what failed.
 """
 from __future__ import annotations

@@ -3,10 +3,9 @@
 For each logical node and each candidate partition of its index space, the
 class `(At out L_out)` gets the member `(Run<Kernel> (At arg_i L_i)... key)`,
 where L_i is the layout giving each device exactly what its block reads.
-Input classes get `Place` members, and output classes `Deliver` members in each
-plain layout. Reshards between the layouts a value occurs in are made by
-`egraph.decode`, outside egglog (`reshard_pairs` says which). Keys name interned Python records (Compute steps, layouts), so the
-cost model and the decoder see what each e-node means.
+Input classes get `Place` members, and output classes `Deliver` members in each plain layout. Reshards between the
+layouts a value occurs in are made by `egraph.decode`, outside egglog (`reshard_pairs` says which). Keys name interned
+Python records (Compute steps, layouts), so the cost model and the decoder see what each e-node means.
 """
 from __future__ import annotations
 

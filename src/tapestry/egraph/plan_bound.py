@@ -307,8 +307,9 @@ def _exposed(plan: Plan, model: CostModel) -> bool:
 
 
 def _lp(egraph: ExtractGraph, deadline: Deadline) -> LpBound:
-    """The LP of `egraph`'s selections (its contracted problem's past CONTRACT_FROM candidates); unsolved (bound 0, no values) where its candidates are more than the
-    work left takes on (ilp.LP_NODES_PER_SECOND): building it alone would outrun it."""
+    """The LP of `egraph`'s selections (its contracted problem's past CONTRACT_FROM candidates); unsolved (bound 0, no
+    values) where its candidates are more than the work left takes on (ilp.LP_NODES_PER_SECOND): building it alone would
+    outrun it."""
     reduced, block = reduced_blocks(egraph, solvable_tree(egraph))
     size = sum(map(len, reduced.candidates.values()))
     if size > LP_NODES_PER_SECOND * deadline.left():

@@ -270,11 +270,11 @@ def relax(egraph: EGraph, candidates: Mapping[int, Sequence[int]], block: Mappin
           needs: Mapping[int, Sequence[int]], deadline: Deadline, ties: Ties = (),
           offer: Callable[[list[int]], float] = lambda _: math.inf, enough: float = PROVEN,
           reads: bool = False) -> Relaxation:
-    """`relax.relax` of the ILP's reduced graph (`reduced_blocks`: `candidates`, `block` and `needs` are its, made once per
-    graph costs, structure and ties), its LP pass (`relax.LpPass`) made once per graph costs and structure, ties,
-    and the work it begins and ends at, and replayed after: exact, as a pass's steps depend on none of the budget,
-    the start or the incumbent, only where a run stops does. Where the safety net stopped a step (then what it
-    made depends on the load) or a replay diverged (only so), the pass is run on its own."""
+    """`relax.relax` of the ILP's reduced graph (`reduced_blocks`: `candidates`, `block` and `needs` are its, made once
+    per graph costs, structure and ties), its LP pass (`relax.LpPass`) made once per graph costs and structure, ties,
+    and the work it begins and ends at, and replayed after: exact, as a pass's steps depend on none of the budget, the
+    start or the incumbent, only where a run stops does. Where the safety net stopped a step (then what it made depends
+    on the load) or a replay diverged (only so), the pass is run on its own."""
     key = ("relax", tuple(map(tuple, ties)), deadline.end, deadline.meter.spent, enough, reads)
     made = egraph.by_costs(key, lambda g: LpPass(g, candidates, block, needs, ties, enough, reads))
     if not made.fired:

@@ -441,11 +441,11 @@ def _ring_partitions(sig: Signature, mesh: Mesh, parts: Iterable[Candidate]) -> 
 
 
 def balance_ring(sig: Signature, mesh: Mesh, part: Partition) -> Partition:
-    """`part` (a ring over one mesh axis, the only one splitting the queries) with its query blocks cut for equal
-    work rather than equal size: under a causal mask query i meets i + 1 keys, so even blocks leave the last
-    member most of the work (real context parallelism balances it; this is the contiguous way, blocks of
-    decreasing length). The keys stay evenly split (a gradient ring's are cut as its queries). Cuts are where the kernel's work over queries [0, cut) reaches
-    j/p of the whole (`Signature.cost`, which counts only the work a block does); every block keeps a query."""
+    """`part` (a ring over one mesh axis, the only one splitting the queries) with its query blocks cut for equal work
+    rather than equal size: under a causal mask query i meets i + 1 keys, so even blocks leave the last member most of
+    the work (real context parallelism balances it; this is the contiguous way, blocks of decreasing length). The keys
+    stay evenly split (a gradient ring's are cut as its queries). Cuts are where the kernel's work over queries [0, cut)
+    reaches j/p of the whole (`Signature.cost`, which counts only the work a block does); every block keeps a query."""
     if len(part.ring) != 1 or any(b is None for b in part.blocks):
         raise ValueError(f"balance_ring needs a ring over one mesh axis with every device busy; got ring axes "
                          f"{list(part.ring)} and blocks {part.blocks}")
@@ -479,13 +479,13 @@ def balance_ring(sig: Signature, mesh: Mesh, part: Partition) -> Partition:
 
 
 def _exchange_partitions(sig: Signature, mesh: Mesh) -> list[Candidate]:
-    """Expert parallel: one mesh axis (at least as long as the rows and the experts) splits rows and experts
-    together, or all of them as one (`training.plans.expert_parallel` on a grid); every other axis replicates or splits a dim that is neither the experts nor a reduction (rows:
-    data times expert parallel, each group of the axis trading its own rows; output features: tensor times expert
-    parallel). Rows that are a reduction (grouped_mm_k's) split on an axis before the exchange axis too, so a
-    group's rows are one run (`exchanged_blocks`), its sums partial over that axis (data parallel); so does, on any
-    other axis, a reduction every input reads (grouped_mm_blocks_k's blocks: a group sums its own blocks' rows,
-    the routing `ends` split with them).
+    """Expert parallel: one mesh axis (at least as long as the rows and the experts) splits rows and experts together,
+    or all of them as one (`training.plans.expert_parallel` on a grid); every other axis replicates or splits a dim that
+    is neither the experts nor a reduction (rows: data times expert parallel, each group of the axis trading its own
+    rows; output features: tensor times expert parallel). Rows that are a reduction (grouped_mm_k's) split on an axis
+    before the exchange axis too, so a group's rows are one run (`exchanged_blocks`), its sums partial over that axis
+    (data parallel); so does, on any other axis, a reduction every input reads (grouped_mm_blocks_k's blocks: a group
+    sums its own blocks' rows, the routing `ends` split with them).
 
     The innermost axis comes first: it is a node's (NVLink, `Profile.axis_links`), and `generation_order` keeps
     the order of candidates that tie, so the rounds a budget lets in, and the moves pricing prices first, hold the

@@ -374,19 +374,19 @@ def baselines(graph: Graph, mesh: Mesh, refused: dict[str, str] | None = None) -
     """The hand plans of a training step (`graph.carried`) on `mesh`: Megatron tensor parallel over every device
     (the mesh's axes taken as one) and, on a mesh of 2 or more axes, the n-D recipes (a node's devices the last
     axis): data parallel over the outer axes jointly with tensor parallel over the last, their weights' splits found
-    from the graph's structure (`tensor_parallel_seeds`); where the step's batch arguments all split on their first
-    dim over every device, data parallel and ZeRO-3 over all devices (where they do not, FSDP: the state over every
-    device, the batch over the axes it divides, the sequence over the rest), and for a MoE (`expert_weights`)
-    expert parallel over every device and, on 2 or more axes, data and expert parallel (attention and dense layers
-    data parallel over the outer axes only, whole over the last) and data, tensor and expert parallel (DP x (TP +
-    EP), Megatron's and DeepSpeed-MoE's layout: attention and dense layers tensor parallel over the last axis as in
-    "data and tensor parallel", the experts split by expert there). The n-D recipes split the batch over the outer
-    axes as far as it divides and the sequence over the rest (`_batch_axes`), whether or not the batch divides; where
-    it leaves outer axes over, a MoE also gets data and expert parallel with the sequence whole there, and data,
-    tensor and expert parallel with the data part whole over every outer axis (each node a replica). A
-    strategy build_plan cannot make of this graph (a ValueError naming the op, or experts that do not split over
-    the devices) is no baseline either: the optimizer's plan stands without it. `refused` gets, per dense strategy not made,
-    why (a 7B step on Mesh(4, 6), whose devices divide no weight pair and no batch, had none, unexplained)."""
+    from the graph's structure (`tensor_parallel_seeds`); where the step's batch arguments all split on their first dim
+    over every device, data parallel and ZeRO-3 over all devices (where they do not, FSDP: the state over every device,
+    the batch over the axes it divides, the sequence over the rest), and for a MoE (`expert_weights`) expert parallel
+    over every device and, on 2 or more axes, data and expert parallel (attention and dense layers data parallel over
+    the outer axes only, whole over the last) and data, tensor and expert parallel (DP x (TP + EP), Megatron's and
+    DeepSpeed-MoE's layout: attention and dense layers tensor parallel over the last axis as in "data and tensor
+    parallel", the experts split by expert there). The n-D recipes split the batch over the outer axes as far as it
+    divides and the sequence over the rest (`_batch_axes`), whether or not the batch divides; where it leaves outer axes
+    over, a MoE also gets data and expert parallel with the sequence whole there, and data, tensor and expert parallel
+    with the data part whole over every outer axis (each node a replica). A strategy build_plan cannot make of this
+    graph (a ValueError naming the op, or experts that do not split over the devices) is no baseline either: the
+    optimizer's plan stands without it. `refused` gets, per dense strategy not made, why (a 7B step on Mesh(4, 6), whose
+    devices divide no weight pair and no batch, had none, unexplained)."""
     refused = {} if refused is None else refused
     if not graph.carried:
         refused["every strategy"] = "not a training step (no carried state)"
@@ -605,10 +605,10 @@ def _with_state(graph: Graph, hidden: Seeds) -> Seeds:
 
 def split_backward(graph: Graph, splits: Mapping[str, int | str], parts: int,
                    whole: frozenset[str] = frozenset()) -> dict[str, int]:
-    """Per op that `splits` (`propagated_splits`') leaves whole, other than those in `whole`, where an op split `parts` ways reads its result
-    along a split dim, the index dim that result dim maps from, if splittable, dividing and no sum (readers first,
-    so chains of them split): what no split of the batch or state reached but a split reader asks of it, as Adam's
-    squares of a gradient summed over the batch, made where the state they update is."""
+    """Per op that `splits` (`propagated_splits`') leaves whole, other than those in `whole`, where an op split `parts`
+    ways reads its result along a split dim, the index dim that result dim maps from, if splittable, dividing and no sum
+    (readers first, so chains of them split): what no split of the batch or state reached but a split reader asks of it,
+    as Adam's squares of a gradient summed over the batch, made where the state they update is."""
     users = graph.users()
     chosen = dict(splits)
     found: dict[str, int] = {}

@@ -16,6 +16,7 @@ from tapestry.cost.overlap import forward_outputs, upstream
 from tapestry.graph import Graph
 from tapestry.plan import Plan
 from tapestry.sharding import Mesh
+from tapestry.training.plans import fsdp, step_arguments, zero3
 
 AGAIN = "{}.re"  # a forward value made again in the backward
 RECOMPUTED = "{}, recomputed"  # the hand plan of the recomputed step, by its plan's name
@@ -79,8 +80,6 @@ def recomputed_baselines(graph: Graph, mesh: Mesh, hands: Mapping[str, Plan]) ->
     """ZeRO-3 and FSDP (whichever of `hands`, `training.plans.baselines` of `graph` on `mesh`, has them) again on
     the `recomputed` step, named RECOMPUTED: the leanest hand plans where activations are most of a peak. None for
     a step without backward reads of forward values to drop."""
-    from tapestry.training.plans import fsdp, step_arguments, zero3
-
     makers = {"ZeRO-3": zero3, "FSDP": fsdp}
     chosen = [name for name in makers if name in hands]
     if not chosen or not graph.carried:
