@@ -594,7 +594,8 @@ def main() -> None:
         "the e-graph searched (`OptimizeResult.bound`, egraph.plan_bound; rows measured before 2026-11-28 bound "
         "the extractor's node-cost sum instead). `floor ms (gap)`: a floor under every plan of the graph on the "
         "mesh under the same model, not only those the search made (`OptimizeResult.floor`, cost.floor: each "
-        "matmul's, attention's and other library kernel's FLOPs spread evenly over every device at the dtype's peak, plus a launch; no "
+        "matmul's, attention's and other library kernel's FLOPs spread evenly over every device at the dtype's "
+        "peak, plus a launch; no "
         "communication; docs/cost-models.md), and (predicted - floor) / predicted: what `gap` cannot say where a "
         "budget cut the search. A status `stopped by ...` is a search a budget cut (docs/cost-models.md, "
         "\"Budgets\"); `(warns)`: so cut a search with so replicated a plan raises SearchCutWarning.",
