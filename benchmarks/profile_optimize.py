@@ -110,7 +110,7 @@ FOLD_PHASES = (
     "tapestry.egraph.folded_candidates:FoldedCandidates.folded_time",
     "tapestry.egraph.folded_candidates:FoldedCandidates.expanded_time",
     "tapestry.egraph.folded_candidates:FoldedCandidates.decode", "tapestry.optimizer:Explored._verified",
-    "tapestry.optimizer:validate_plan", "tapestry.optimizer:meaning_check", "tapestry.optimizer:Explored._fused",
+    "tapestry.optimizer:validate_plan", "tapestry.optimizer:meaning_check",
     "tapestry.egraph.objective:StepObjective.exposed", "tapestry.egraph.objective:StepObjective.better",
     # under a memory budget: the budgeted fallback, its peaks (each candidate lowered and walked in two step
     # orders) and prices, the plan fitted without the budget, the budget's bounds (70B on 8x8x8: 159 of its 342
