@@ -3,10 +3,11 @@ seconds per step kind (Reshard, or Compute and its kernel) and its costliest ste
 heads it (layout notation: S(dim per mesh axis), P partial, R replicated).
 
     python benchmarks/costly_steps.py --batch 12 --mesh 8x8 --seq 2048 --hidden 4096 --intermediate 11008 \
-        --heads 32 --vocab 32000 --layers 1 [--search-seconds S] [--top 14]
+        --heads 32 --vocab 32000 --layers 1 [--search-seconds S] [--top 14] [--generation]
 
 Says which steps a slow plan pays for (an all-reduce of the logits, attention run whole on an axis) where the
-status alone says only that the search was cut.
+status alone says only that the search was cut. With --generation it stops after generation and prints what
+`pair_cut.py --generation` prints (its stop, layout pairs at each round's start, the sharded runs made) for this graph.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import time
 from collections import defaultdict
 
 import heldback_call
+import pair_cut
 
 import tapestry
 from tapestry.cost import DefaultCostModel, load_profile
@@ -30,6 +32,9 @@ def main() -> None:
         at = argv.index("--top")
         top = int(argv[at + 1])
         del argv[at:at + 2]
+    generation = "--generation" in argv
+    if generation:
+        argv.remove("--generation")
     args = heldback_call.arguments().parse_args(argv)
     model, ids = heldback_call.build(args)
 
@@ -38,6 +43,10 @@ def main() -> None:
 
     graph = tapestry.from_torch(model, (ids, ids), verbose=False, training=heldback_call.training(args, loss)).graph
     mesh = tapestry.Mesh(*(int(n) for n in args.mesh.split("x")))
+    if generation:
+        rounds, made = pair_cut._rounds()
+        pair_cut._generation(graph, mesh, args.search_seconds or 30.0, rounds, made)
+        return
     cost_model = DefaultCostModel(load_profile(args.profile))
     cpu = time.process_time()
     search = {} if args.search_seconds is None else {"budget": tapestry.Budget(seconds=args.search_seconds)}
